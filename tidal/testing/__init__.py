@@ -1,0 +1,9 @@
+"""Offline tiny models, tokenizers and synthetic tasks for tests, the demo and benchmarks.
+
+Nothing here touches the network: every model and tokenizer is built in-process from a seed.
+"""
+
+from tidal.testing.tasks import AdditionTask
+from tidal.testing.tiny import TINY_FAMILIES, build_tiny_model, build_tiny_tokenizer
+
+__all__ = ["AdditionTask", "TINY_FAMILIES", "build_tiny_model", "build_tiny_tokenizer"]

@@ -1,0 +1,150 @@
+"""Build tiny Hugging Face model folders offline and deterministically.
+
+``build_tiny_model(path, family="llama")`` writes a folder that ``AutoModelForCausalLM`` and
+``AutoTokenizer.from_pretrained`` load: a random-init decoder of about 1–5M parameters and a
+byte-level BPE tokenizer trained in-process on a generated corpus. Digits are split into single
+tokens so that arithmetic tasks are learnable, and the chat template marks assistant turns with
+``{% generation %}`` so ``return_assistant_tokens_mask`` works.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+# Qwen-style names: transformers maps Qwen model types to Qwen2Tokenizer, which expects <|endoftext|>.
+PAD, BOS, EOS, IM_START = "<|endoftext|>", "<|bos|>", "<|im_end|>", "<|im_start|>"
+SPECIAL_TOKENS = [PAD, BOS, IM_START, EOS]
+
+CHAT_TEMPLATE = (
+    "{% if add_bos %}{{ bos_token }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_WORDS = (
+    "the a an of to and in is it you that he was for on are with as I his they be at one have this from or "
+    "had by word but what some we can out other were all there when up use your how said each she which do "
+    "their time if will way about many then them write would like so these her long make thing see him two "
+    "has look more day could go come did number sound no most people my over know water than call first who "
+    "may down side been now find any new work part take get place made live where after back little only "
+    "round man year came show every good me give our under name very through just form sentence great think "
+    "say help low line differ turn cause much mean before move right boy old too same tell does set three "
+    "want air well also play small end put home read hand port large spell add even land here must big high "
+    "such follow act why ask men change went light kind off need house picture try us again animal point "
+    "mother world near build self earth father question answer user assistant system sum plus equals result "
+    "reward step think solve problem correct wrong number digit carry"
+).split()
+
+
+def _corpus(seed: int, n_lines: int = 3000) -> list[str]:
+    """A deterministic mix of prose, arithmetic and chat-like lines to train the BPE merges on."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n_lines):
+        kind = i % 3
+        if kind == 0:
+            lines.append(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 14))) + ".")
+        elif kind == 1:
+            a, b = rng.randint(0, 99999), rng.randint(0, 99999)
+            lines.append(f"What is {a}+{b}? {a}+{b}={a + b}")
+        else:
+            lines.append(f"user\n{' '.join(rng.choice(_WORDS) for _ in range(6))}?\nassistant\nThe answer is {i}.")
+    return lines
+
+
+def build_tiny_tokenizer(path: str | Path | None = None, vocab_size: int = 512, seed: int = 0, add_bos: bool = True):
+    """Train a byte-level BPE tokenizer in-process and wrap it as a HF fast tokenizer.
+
+    ``add_bos`` makes plain encoding prepend ``<|bos|>`` (Llama style); Qwen-style tokenizers add none.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # Digits first, one per token: multi-digit merges would make arithmetic much harder to learn.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer)
+    if add_bos:
+        bos_id = tok.token_to_id(BOS)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+        )
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=4096
+    )
+    # The template adds bos itself only for Llama-style tokenizers (apply_chat_template never adds it).
+    hf_tok.chat_template = CHAT_TEMPLATE.replace("add_bos", "true" if add_bos else "false")
+    if path is not None:
+        hf_tok.save_pretrained(str(path))
+    return hf_tok
+
+
+# Shapes per family; all tiny (about 1.7-1.9M parameters with the 512-token vocabulary).
+_BASE = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2)
+TINY_FAMILIES = {
+    "llama": dict(model_type="llama", tie_word_embeddings=False, rope_theta=10000.0),
+    "qwen2": dict(model_type="qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
+    "qwen3": dict(model_type="qwen3", tie_word_embeddings=True, rope_theta=1000000.0, head_dim=32),
+    "mistral": dict(model_type="mistral", tie_word_embeddings=False, rope_theta=10000.0, sliding_window=None),
+}
+
+
+def tiny_config(family: str = "llama", vocab_size: int = 512, max_position_embeddings: int = 1024, **overrides):
+    """A HF config of the given family with tiny shapes; ``overrides`` replace any field."""
+    from transformers import AutoConfig
+
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"unknown tiny model family {family!r}; expected one of {sorted(TINY_FAMILIES)}")
+    fields = {**_BASE, **TINY_FAMILIES[family], **overrides}
+    model_type = fields.pop("model_type")
+    return AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6,
+        **fields,
+    )
+
+
+def build_tiny_model(
+    path: str | Path,
+    family: str = "llama",
+    seed: int = 0,
+    vocab_size: int = 512,
+    **config_overrides,
+) -> Path:
+    """Write a random-init tiny model and its tokenizer to ``path`` (a plain HF folder) and return it."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    tokenizer = build_tiny_tokenizer(path, vocab_size=vocab_size, seed=seed, add_bos=family in ("llama", "mistral"))
+    config = tiny_config(
+        family,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **config_overrides,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(str(path))
+    return path
