@@ -30,19 +30,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-_WORDS = (
-    "the a an of to and in is it you that he was for on are with as I his they be at one have this from or "
-    "had by word but what some we can out other were all there when up use your how said each she which do "
-    "their time if will way about many then them write would like so these her long make thing see him two "
-    "has look more day could go come did number sound no most people my over know water than call first who "
-    "may down side been now find any new work part take get place made live where after back little only "
-    "round man year came show every good me give our under name very through just form sentence great think "
-    "say help low line differ turn cause much mean before move right boy old too same tell does set three "
-    "want air well also play small end put home read hand port large spell add even land here must big high "
-    "such follow act why ask men change went light kind off need house picture try us again animal point "
-    "mother world near build self earth father question answer user assistant system sum plus equals result "
-    "reward step think solve problem correct wrong number digit carry"
-).split()
+_WORDS = ["the", "a", "an", "of", "to", "and", "in", "is", "it", "you", "that", "he", "was", "for", "on", "are", "with", "as", "I", "his", "they", "be", "at", "one", "have", "this", "from", "or", "had", "by", "word", "but", "what", "some", "we", "can", "out", "other", "were", "all", "there", "when", "up", "use", "your", "how", "said", "each", "she", "which", "do", "their", "time", "if", "will", "way", "about", "many", "then", "them", "write", "would", "like", "so", "these", "her", "long", "make", "thing", "see", "him", "two", "has", "look", "more", "day", "could", "go", "come", "did", "number", "sound", "no", "most", "people", "my", "over", "know", "water", "than", "call", "first", "who", "may", "down", "side", "been", "now", "find", "any", "new", "work", "part", "take", "get", "place", "made", "live", "where", "after", "back", "little", "only", "round", "man", "year", "came", "show", "every", "good", "me", "give", "our", "under", "name", "very", "through", "just", "form", "sentence", "great", "think", "say", "help", "low", "line", "differ", "turn", "cause", "much", "mean", "before", "move", "right", "boy", "old", "too", "same", "tell", "does", "set", "three", "want", "air", "well", "also", "play", "small", "end", "put", "home", "read", "hand", "port", "large", "spell", "add", "even", "land", "here", "must", "big", "high", "such", "follow", "act", "why", "ask", "men", "change", "went", "light", "kind", "off", "need", "house", "picture", "try", "us", "again", "animal", "point", "mother", "world", "near", "build", "self", "earth", "father", "question", "answer", "user", "assistant", "system", "sum", "plus", "equals", "result", "reward", "step", "think", "solve", "problem", "correct", "wrong", "number", "digit", "carry"]
 
 
 def _corpus(seed: int, n_lines: int = 3000) -> list[str]:
@@ -57,11 +45,15 @@ def _corpus(seed: int, n_lines: int = 3000) -> list[str]:
             a, b = rng.randint(0, 99999), rng.randint(0, 99999)
             lines.append(f"What is {a}+{b}? {a}+{b}={a + b}")
         else:
-            lines.append(f"user\n{' '.join(rng.choice(_WORDS) for _ in range(6))}?\nassistant\nThe answer is {i}.")
+            lines.append(
+                f"user\n{' '.join(rng.choice(_WORDS) for _ in range(6))}?\nassistant\nThe answer is {i}."
+            )
     return lines
 
 
-def build_tiny_tokenizer(path: str | Path | None = None, vocab_size: int = 512, seed: int = 0, add_bos: bool = True):
+def build_tiny_tokenizer(
+    path: str | Path | None = None, vocab_size: int = 512, seed: int = 0, add_bos: bool = True
+):
     """Train a byte-level BPE tokenizer in-process and wrap it as a HF fast tokenizer.
 
     ``add_bos`` makes plain encoding prepend ``<|bos|>`` (Llama style); Qwen-style tokenizers add none.
@@ -97,7 +89,9 @@ def build_tiny_tokenizer(path: str | Path | None = None, vocab_size: int = 512, 
 
 
 # Shapes per family; all tiny (about 1.7-1.9M parameters with the 512-token vocabulary).
-_BASE = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2)
+_BASE = dict(
+    hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2
+)
 TINY_FAMILIES = {
     "llama": dict(model_type="llama", tie_word_embeddings=False, rope_theta=10000.0),
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
@@ -106,7 +100,9 @@ TINY_FAMILIES = {
 }
 
 
-def tiny_config(family: str = "llama", vocab_size: int = 512, max_position_embeddings: int = 1024, **overrides):
+def tiny_config(
+    family: str = "llama", vocab_size: int = 512, max_position_embeddings: int = 1024, **overrides
+):
     """A HF config of the given family with tiny shapes; ``overrides`` replace any field."""
     from transformers import AutoConfig
 
@@ -134,7 +130,9 @@ def build_tiny_model(
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
-    tokenizer = build_tiny_tokenizer(path, vocab_size=vocab_size, seed=seed, add_bos=family in ("llama", "mistral"))
+    tokenizer = build_tiny_tokenizer(
+        path, vocab_size=vocab_size, seed=seed, add_bos=family in ("llama", "mistral")
+    )
     config = tiny_config(
         family,
         vocab_size=len(tokenizer),

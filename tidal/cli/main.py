@@ -1,0 +1,34 @@
+"""``tidal <command> [flags]``: dispatch to the command modules (each also runs as ``python -m``)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command → (module, one-line description); each module defines main(argv, prog).
+COMMANDS = {
+    "sft": ("tidal.cli.train_sft", "supervised fine-tuning"),
+    "demo": ("tidal.cli.demo", "end-to-end demo on CPU with a tiny model"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: tidal <command> [flags]   (tidal <command> --help for its flags)", "", "commands:"]
+    lines += [f"  {name:<14} {desc}" for name, (_, desc) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        sys.exit(f"tidal: unknown command {name!r}\n\n{usage()}")
+    module = importlib.import_module(COMMANDS[name][0])
+    module.main(rest, prog=f"tidal {name}")
+
+
+if __name__ == "__main__":
+    main()

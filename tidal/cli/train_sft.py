@@ -1,0 +1,57 @@
+"""``tidal sft`` / ``python -m tidal.cli.train_sft``: supervised fine-tuning with the seed's flags."""
+
+from __future__ import annotations
+
+import argparse
+
+from tidal.cli.common import make_parser, module_main, run_command
+from tidal.config import (
+    CheckpointConfig,
+    DatasetConfig,
+    DistributedConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    config_from_args,
+)
+from tidal.data import SFTDataConfig
+from tidal.logging import LoggingConfig
+
+GROUPS = [
+    (ModelConfig, "model"),
+    (DatasetConfig, "datasets"),
+    (SFTDataConfig, "SFT data"),
+    (TrainConfig, "training"),
+    (OptimConfig, "optimizer"),
+    (CheckpointConfig, "checkpoints"),
+    (LoggingConfig, "logging"),
+    (DistributedConfig, "distributed (FSDP2)"),
+]
+
+
+def build_parser(prog: str = "tidal sft") -> argparse.ArgumentParser:
+    return make_parser(prog, "Supervised fine-tuning of a causal language model.", GROUPS)
+
+
+def run_from_args(ns: argparse.Namespace):
+    from tidal.trainers.sft import SFTRun, run_sft
+
+    run = SFTRun(
+        model=config_from_args(ModelConfig, ns),
+        data=config_from_args(SFTDataConfig, ns),
+        train=config_from_args(TrainConfig, ns),
+        optim=config_from_args(OptimConfig, ns),
+        ckpt=config_from_args(CheckpointConfig, ns),
+        logging=config_from_args(LoggingConfig, ns),
+        dist=config_from_args(DistributedConfig, ns),
+        datasets=config_from_args(DatasetConfig, ns),
+    )
+    return run_sft(run)
+
+
+def main(argv: list[str] | None = None, prog: str = "tidal sft"):
+    return run_command(build_parser(prog), argv, run_from_args)
+
+
+if __name__ == "__main__":
+    module_main(lambda argv: main(argv, prog="python -m tidal.cli.train_sft"))

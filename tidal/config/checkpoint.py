@@ -1,0 +1,24 @@
+"""Checkpoint configuration: final HF export, periodic resumable checkpoints, rotation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.config.args import arg
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints: where the final model goes and how training state is saved and resumed."""
+
+    save_path: str = arg("./ckpt", help="folder for the final Hugging Face model")
+    ckpt_path: str = arg("./ckpt/checkpoints", help="folder for resumable training checkpoints")
+    save_steps: int = arg(-1, help="save a resumable checkpoint every N optimizer steps (-1: never)")
+    max_ckpt_num: int = arg(3, help="keep at most this many resumable checkpoints (oldest removed first)")
+    load_checkpoint: bool = arg(
+        False, help="resume from the latest checkpoint in --ckpt_path if there is one"
+    )
+    save_hf_ckpt: bool = arg(False, help="also write a Hugging Face folder next to each resumable checkpoint")
+    disable_ds_ckpt: bool = arg(
+        False, help="skip the resumable state (optimizer, RNG) in periodic checkpoints"
+    )

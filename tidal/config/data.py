@@ -1,0 +1,23 @@
+"""Dataset-source configuration: which files to read, how to blend them, and the eval set."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.config.args import arg
+
+
+@dataclass
+class DatasetConfig:
+    """Datasets: local files or folders (comma-separated to blend), and the eval set."""
+
+    dataset: str = arg(
+        help="comma-separated .json/.jsonl/.csv/.parquet/.arrow files, save_to_disk folders or hub names"
+    )
+    dataset_probs: str | None = arg(
+        None, help="blend weights for the datasets, e.g. 0.3,0.7", aliases=["--prompt_data_probs"]
+    )
+    dataset_split: str = arg("train", help="split to read from folders and hub datasets")
+    eval_dataset: str | None = arg(None, help="evaluation dataset (same formats)")
+    eval_split: str = arg("train", help="split of the evaluation dataset")
+    max_samples: int | None = arg(None, help="use at most this many training samples")

@@ -1,0 +1,50 @@
+"""Model configuration: which checkpoint, numeric precision, attention kernel, checkpointing, LoRA."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.config.args import ConfigError, arg
+
+PARAM_DTYPES = ("auto", "bf16", "fp16", "fp32")
+
+
+@dataclass
+class ModelConfig:
+    """Model: checkpoint, precision and memory options."""
+
+    pretrain: str = arg(help="HF model name or local folder to start from (required)", metavar="PATH")
+    param_dtype: str = arg(
+        "auto",
+        help="compute dtype; weights and optimizer state stay float32 (auto: bf16 on CUDA, fp32 on CPU)",
+        choices=PARAM_DTYPES,
+    )
+    attn_implementation: str = arg(
+        "sdpa",
+        help="attention kernel passed to transformers",
+        choices=("sdpa", "eager", "flash_attention_2", "flex_attention"),
+    )
+    gradient_checkpointing: bool = arg(False, help="recompute activations in backward to save memory")
+    gradient_checkpointing_use_reentrant: bool = arg(
+        False, help="use the reentrant checkpoint implementation"
+    )
+    disable_fast_tokenizer: bool = arg(False, help="load the slow (Python) tokenizer")
+    tokenizer_chat_template: str | None = arg(
+        None, help="Jinja chat template that replaces the tokenizer's own"
+    )
+    aux_loss_coef: float = arg(
+        0.0, help="MoE load-balancing loss coefficient (needs a model that returns aux_loss)"
+    )
+    lora_rank: int = arg(0, help="LoRA rank; 0 trains all weights")
+    lora_alpha: int = arg(16, help="LoRA alpha")
+    lora_dropout: float = arg(0.0, help="LoRA dropout")
+    target_modules: list[str] = arg(["all-linear"], help="modules that get LoRA adapters", nargs="+")
+    load_in_4bit: bool = arg(
+        False, help="QLoRA: load the base model in 4-bit (needs bitsandbytes and --lora_rank)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.load_in_4bit and self.lora_rank <= 0:
+            raise ConfigError("--load_in_4bit trains LoRA adapters on a 4-bit base: set --lora_rank > 0")
+        if self.lora_rank < 0:
+            raise ConfigError(f"--lora_rank must be >= 0, got {self.lora_rank}")

@@ -1,0 +1,63 @@
+"""Training-loop configuration: batch sizes, epochs, evaluation cadence, optimizer and schedule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.config.args import ConfigError, arg
+
+LR_SCHEDULERS = ("cosine_with_min_lr", "cosine", "linear", "constant", "constant_with_warmup")
+
+
+@dataclass
+class TrainConfig:
+    """Training loop: batch sizes, epochs, evaluation and seeding."""
+
+    train_batch_size: int = arg(128, help="global batch size (samples) of one optimizer step")
+    micro_train_batch_size: int = arg(8, help="samples per forward/backward on one device")
+    max_epochs: int = arg(1, help="passes over the training data")
+    eval_steps: int = arg(-1, help="evaluate every N optimizer steps (-1: at the end of each epoch only)")
+    packing_samples: bool = arg(
+        False, help="pack each micro-batch into one row without attention across samples"
+    )
+    seed: int = arg(42, help="random seed (data order, initialisation, dropout)")
+    full_determinism: bool = arg(False, help="use deterministic torch algorithms (slower)")
+
+    def __post_init__(self) -> None:
+        if self.micro_train_batch_size <= 0 or self.train_batch_size <= 0:
+            raise ConfigError("--train_batch_size and --micro_train_batch_size must be positive")
+        if self.max_epochs <= 0:
+            raise ConfigError(f"--max_epochs must be positive, got {self.max_epochs}")
+
+    def micro_steps_per_step(self, world_size: int) -> int:
+        """Gradient-accumulation count; the global batch must split evenly over devices and micro-batches."""
+        per_rank, rem = divmod(self.train_batch_size, world_size)
+        if rem or per_rank % self.micro_train_batch_size:
+            raise ConfigError(
+                f"--train_batch_size {self.train_batch_size} must be divisible by "
+                f"--micro_train_batch_size {self.micro_train_batch_size} x {world_size} device(s)"
+            )
+        return per_rank // self.micro_train_batch_size
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer (AdamW) and learning-rate schedule."""
+
+    learning_rate: float = arg(5e-6, help="peak learning rate")
+    lr_warmup_ratio: float = arg(0.03, help="fraction of steps spent warming up linearly from 0")
+    lr_scheduler: str = arg(
+        "cosine_with_min_lr", help="learning-rate schedule after warmup", choices=LR_SCHEDULERS
+    )
+    min_lr_ratio: float = arg(0.1, help="cosine_with_min_lr decays to learning_rate x this ratio")
+    l2: float = arg(0.0, help="AdamW weight decay")
+    adam_betas: tuple[float, float] = arg(
+        (0.9, 0.95), help="AdamW betas", nargs=2, metavar=("BETA1", "BETA2")
+    )
+    max_norm: float = arg(1.0, help="clip the gradient norm to this value (0 disables clipping)")
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.lr_warmup_ratio < 1.0:
+            raise ConfigError(f"--lr_warmup_ratio must be in [0, 1), got {self.lr_warmup_ratio}")
+        if self.learning_rate <= 0:
+            raise ConfigError(f"--learning_rate must be positive, got {self.learning_rate}")

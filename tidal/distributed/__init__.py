@@ -1,0 +1,6 @@
+"""Device/process setup and FSDP2 parallelisation, applied to single-device model code afterwards."""
+
+from tidal.distributed.fsdp import parallelize
+from tidal.distributed.world import World, all_reduce_sum, barrier, init_world, shutdown
+
+__all__ = ["World", "all_reduce_sum", "barrier", "init_world", "parallelize", "shutdown"]

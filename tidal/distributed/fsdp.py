@@ -1,0 +1,61 @@
+"""Apply PyTorch FSDP2 (``fully_shard``) to a single-device model, following ``DistributedConfig``.
+
+The model code knows nothing about sharding: this module wraps each transformer block and then the
+root. ``--zero_stage`` picks the mesh and resharding (see ``tidal.config.distributed``); stage 0 is
+HSDP with shard size 1, i.e. plain replication with gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from tidal.config.distributed import DistributedConfig
+from tidal.distributed.world import World
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated decoder blocks, found by the HF ``_no_split_modules`` class names."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    for sub in model.modules():  # peft wraps the HF model; its inner model carries the names
+        names |= set(getattr(sub, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"cannot find transformer blocks to shard in {type(model).__name__}")
+    return blocks
+
+
+def parallelize(
+    model: nn.Module, cfg: DistributedConfig, world: World, compute_dtype: torch.dtype
+) -> nn.Module:
+    """Shard ``model`` over ``world`` in place and return it; a no-op with a single process."""
+    if not world.distributed:
+        return model
+    if cfg.zero_stage == 0:
+        mesh = init_device_mesh(
+            world.device.type, (world.world_size, 1), mesh_dim_names=("replicate", "shard")
+        )
+    else:
+        mesh = init_device_mesh(world.device.type, (world.world_size,))
+    # Weights stay float32 (master copy); compute and all-gathers use compute_dtype, grads reduce in fp32.
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.zero_stage == 3)
+    if cfg.adam_offload and world.device.type == "cuda":
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    blocks = transformer_blocks(model)
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    if cfg.overlap_comm:
+        for prev, nxt in zip(blocks, blocks[1:], strict=False):
+            prev.set_modules_to_forward_prefetch([nxt])
+            nxt.set_modules_to_backward_prefetch([prev])
+    return model
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Skip the gradient reduce-scatter on all but the last micro-batch of an accumulation."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)

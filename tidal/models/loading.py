@@ -1,0 +1,83 @@
+"""Load tokenizers and trainable Hugging Face models (full fine-tuning, LoRA or QLoRA)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tidal.config.args import ConfigError
+from tidal.config.model import ModelConfig
+
+
+def load_tokenizer(path: str, cfg: ModelConfig | None = None):
+    """Load a tokenizer; make sure it has a pad token and apply ``--tokenizer_chat_template``."""
+    from transformers import AutoTokenizer
+
+    use_fast = not (cfg and cfg.disable_fast_tokenizer)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, use_fast=use_fast)
+    except OSError as err:
+        raise ConfigError(f"--pretrain {path}: cannot load a tokenizer from it ({err})") from err
+    if tokenizer.pad_token is None:
+        # Padding positions are masked everywhere, so reusing eos is safe.
+        tokenizer.pad_token = tokenizer.eos_token
+    if cfg and cfg.tokenizer_chat_template:
+        tokenizer.chat_template = cfg.tokenizer_chat_template
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def _quantization_config():
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
+    except ImportError as err:
+        raise ConfigError("--load_in_4bit needs the bitsandbytes package: pip install bitsandbytes") from err
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+
+
+def apply_lora(model: nn.Module, cfg: ModelConfig, task_type: str = "CAUSAL_LM") -> nn.Module:
+    """Wrap ``model`` with peft LoRA adapters; only the adapters (and any head) train."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if cfg.load_in_4bit:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+    targets = cfg.target_modules[0] if cfg.target_modules == ["all-linear"] else cfg.target_modules
+    lora = LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets,
+        task_type=task_type,
+    )
+    return get_peft_model(model, lora)
+
+
+def load_causal_lm(cfg: ModelConfig, device: torch.device, path: str | None = None) -> nn.Module:
+    """Load a causal LM for training in float32 (master weights), with checkpointing and LoRA applied."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict = {"dtype": torch.float32, "attn_implementation": cfg.attn_implementation}
+    if cfg.load_in_4bit:
+        kwargs["quantization_config"] = _quantization_config()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path or cfg.pretrain, **kwargs)
+    except OSError as err:
+        raise ConfigError(f"--pretrain {path or cfg.pretrain}: cannot load a model from it ({err})") from err
+    if not cfg.load_in_4bit:
+        model.to(device)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": cfg.gradient_checkpointing_use_reentrant}
+        )
+        model.config.use_cache = False
+    if cfg.lora_rank > 0:
+        model = apply_lora(model, cfg)
+        if cfg.gradient_checkpointing:
+            model.enable_input_require_grads()  # checkpointed blocks need a grad-requiring input
+    return model

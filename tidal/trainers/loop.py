@@ -1,0 +1,244 @@
+"""The supervised training loop shared by SFT, reward-model, DPO, KTO and distillation trainers.
+
+A trainer supplies an ``Objective`` (how to collate samples and compute the loss); the loop does
+the rest: deterministic data order, gradient accumulation, clipping, the LR schedule, evaluation,
+logging, checkpoints and exact resume.
+
+Loss normalisation. Every objective divides its summed loss by ``normaliser``, the number of
+units (tokens for SFT, pairs for DPO) in the *whole optimizer step across all devices*, divided by
+the device count (gradients are averaged over devices). So splitting a step into micro-batches or
+devices never changes the update, and each metric an objective returns is a contribution that
+sums (over micro-batches and devices) to the step's mean.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tidal.checkpoint import LoopState, latest_checkpoint, load_checkpoint, save_checkpoint, save_hf_model
+from tidal.config import CheckpointConfig, TrainConfig
+from tidal.data import step_batches
+from tidal.distributed.fsdp import set_gradient_sync
+from tidal.distributed.world import World
+from tidal.logging import LoggingConfig, MetricsLogger, ProgressBar, Throughput, get_logger
+from tidal.models.precision import Precision
+
+log = get_logger(__name__)
+
+
+class Objective(Protocol):
+    """What a supervised trainer plugs into the loop."""
+
+    def weight(self, sample: Any) -> float:
+        """Normalisation units in one sample (e.g. its trained tokens)."""
+
+    def collate(self, samples: Sequence[Any]) -> dict:
+        """Tensors for one micro-batch (on the CPU; the loop moves them)."""
+
+    def loss(self, model: nn.Module, batch: dict, normaliser: float, precision: Precision):
+        """``(loss, metrics)`` with loss already divided by ``normaliser``."""
+
+
+@dataclass
+class Optimization:
+    """The model being trained and what updates it."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    precision: Precision
+    max_norm: float = 1.0
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def reduce_metrics(sums: dict[str, float], world: World) -> dict[str, float]:
+    """Sum metric contributions over devices and divide by the device count (one collective)."""
+    if not world.distributed:
+        return dict(sums)
+    keys = sorted(sums)
+    t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=world.device)
+    dist.all_reduce(t)
+    return {k: v / world.world_size for k, v in zip(keys, t.tolist(), strict=True)}
+
+
+class SupervisedTrainer:
+    """Runs an ``Objective`` over fixed samples for ``max_epochs``; see the module docstring."""
+
+    def __init__(
+        self,
+        objective: Objective,
+        opt: Optimization,
+        tokenizer,
+        world: World,
+        train_cfg: TrainConfig,
+        ckpt_cfg: CheckpointConfig,
+        log_cfg: LoggingConfig,
+        run_dir: str | Path,
+        run_config: dict | None = None,
+    ):
+        self.objective, self.opt, self.tokenizer, self.world = objective, opt, tokenizer, world
+        self.cfg, self.ckpt_cfg, self.log_cfg = train_cfg, ckpt_cfg, log_cfg
+        self.run_dir, self.run_config = Path(run_dir), run_config or {}
+        self.micro_steps = train_cfg.micro_train_batch_size
+
+    # ---- one optimizer step ------------------------------------------------------------------
+    def _micro_batches(self, samples: Sequence[Any]) -> list[Sequence[Any]]:
+        size = self.cfg.micro_train_batch_size
+        return [samples[i : i + size] for i in range(0, len(samples), size)]
+
+    def _normaliser(self, samples: Sequence[Any]) -> float:
+        local = sum(self.objective.weight(s) for s in samples)
+        total = reduce_metrics({"w": local}, self.world)["w"] * self.world.world_size
+        return max(total, 1e-8) / self.world.world_size
+
+    def train_step(self, samples: Sequence[Any]) -> dict[str, float]:
+        """Forward/backward every micro-batch of this device's share, then one optimizer update."""
+        model, precision = self.opt.model, self.opt.precision
+        model.train()
+        normaliser = self._normaliser(samples)
+        micro = self._micro_batches(samples)
+        sums: dict[str, float] = {}
+        tokens = 0
+        for i, mb in enumerate(micro):
+            batch = to_device(self.objective.collate(mb), self.world.device)
+            tokens += int(batch.get("num_tokens", batch["input_ids"].numel()))
+            set_gradient_sync(model, i == len(micro) - 1)
+            loss, metrics = self.objective.loss(model, batch, normaliser, precision)
+            (precision.scaler.scale(loss) if precision.scaler else loss).backward()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        stats = reduce_metrics(sums, self.world)
+        stats["grad_norm"] = self._update()
+        stats["lr"] = self.opt.scheduler.get_last_lr()[0]
+        stats["tokens"] = reduce_metrics({"t": tokens}, self.world)["t"] * self.world.world_size
+        self.opt.scheduler.step()
+        return stats
+
+    def _update(self) -> float:
+        opt, scaler = self.opt.optimizer, self.opt.precision.scaler
+        if scaler:
+            scaler.unscale_(opt)
+        params = [p for p in self.opt.model.parameters() if p.grad is not None]
+        max_norm = self.opt.max_norm if self.opt.max_norm > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(norm)
+
+    @torch.no_grad()
+    def evaluate(self, samples: Sequence[Any]) -> dict[str, float]:
+        """Metrics over all of ``samples`` (this device's share), normalised like training."""
+        model = self.opt.model
+        model.eval()
+        share = samples[self.world.rank :: self.world.world_size]
+        normaliser = self._normaliser(share)
+        sums: dict[str, float] = {}
+        for mb in self._micro_batches(share):
+            batch = to_device(self.objective.collate(mb), self.world.device)
+            _, metrics = self.objective.loss(model, batch, normaliser, self.opt.precision)
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        return reduce_metrics(sums, self.world)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def _resume(self) -> LoopState:
+        if not self.ckpt_cfg.load_checkpoint:
+            return LoopState()
+        folder = latest_checkpoint(self.ckpt_cfg.ckpt_path)
+        if folder is None:
+            log.info("no checkpoint in %s: starting from scratch", self.ckpt_cfg.ckpt_path)
+            return LoopState()
+        loop, _ = load_checkpoint(folder, self.opt.model, self.opt.optimizer, self.opt.scheduler, self.world)
+        log.info("resumed from %s (step %d, epoch %d)", folder, loop.global_step, loop.epoch)
+        return loop
+
+    def fit(self, train: Sequence[Any], eval_samples: Sequence[Any] | None = None) -> list[dict]:
+        """Train for ``max_epochs``; returns the per-step metrics of this run (for tests and plots)."""
+        cfg, world = self.cfg, self.world
+        steps_per_epoch = len(train) // cfg.train_batch_size
+        loop = self._resume()
+        history: list[dict] = []
+        resume_step = loop.global_step if self.ckpt_cfg.load_checkpoint else None
+        with (
+            MetricsLogger(self.run_dir, self.log_cfg, self.run_config, world.is_main, resume_step) as logger,
+            ProgressBar(
+                steps_per_epoch * cfg.max_epochs,
+                initial=loop.global_step,
+                desc="train",
+                is_main=world.is_main,
+            ) as bar,
+        ):
+            speed = Throughput()
+            for epoch in range(loop.epoch, cfg.max_epochs):
+                batches = step_batches(
+                    len(train), cfg.train_batch_size, cfg.seed, epoch, world.world_size, world.rank
+                )
+                for index in range(loop.step_in_epoch, len(batches)):
+                    stats = self.train_step([train[i] for i in batches[index]])
+                    loop = LoopState(loop.global_step + 1, epoch, index + 1)
+                    stats["tokens_per_s"] = speed.update(int(stats["tokens"]))
+                    stats["epoch"] = epoch + (index + 1) / len(batches)
+                    history.append({"step": loop.global_step, **stats})
+                    bar.update(1, loss=stats.get("loss"), lr=stats["lr"], tok_s=stats["tokens_per_s"])
+                    if self.log_cfg.should_log(loop.global_step):
+                        logger.log(loop.global_step, stats)
+                    self._maybe_eval(eval_samples, loop, logger, end_of_epoch=index + 1 == len(batches))
+                    self._maybe_save(loop)
+                loop = LoopState(loop.global_step, epoch + 1, 0)
+            save_hf_model(
+                self.opt.model, self.tokenizer, self.ckpt_cfg.save_path, world, self.export_config()
+            )
+        return history
+
+    def export_config(self) -> dict | None:
+        """Extra fields written into the exported model's config (reward models add normalisation)."""
+        return None
+
+    def _maybe_eval(self, eval_samples, loop: LoopState, logger: MetricsLogger, end_of_epoch: bool) -> None:
+        if not eval_samples:
+            return
+        every = self.cfg.eval_steps
+        if (every > 0 and loop.global_step % every == 0) or (every <= 0 and end_of_epoch):
+            metrics = self.evaluate(eval_samples)
+            logger.log(loop.global_step, metrics, prefix="eval")
+            log.info("eval @ step %d: %s", loop.global_step, {k: round(v, 4) for k, v in metrics.items()})
+
+    def _maybe_save(self, loop: LoopState) -> None:
+        ck = self.ckpt_cfg
+        if ck.save_steps <= 0 or loop.global_step % ck.save_steps:
+            return
+        if not ck.disable_ds_ckpt:
+            folder = save_checkpoint(
+                ck.ckpt_path,
+                self.opt.model,
+                self.opt.optimizer,
+                self.opt.scheduler,
+                loop,
+                self.world,
+                keep=ck.max_ckpt_num,
+            )
+            log.info("saved checkpoint %s", folder)
+        if ck.save_hf_ckpt:
+            save_hf_model(
+                self.opt.model,
+                self.tokenizer,
+                Path(ck.ckpt_path) / f"global_step_{loop.global_step}_hf",
+                self.world,
+                self.export_config(),
+            )
