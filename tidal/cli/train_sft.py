@@ -33,10 +33,11 @@ def build_parser(prog: str = "tidal sft") -> argparse.ArgumentParser:
     return make_parser(prog, "Supervised fine-tuning of a causal language model.", GROUPS)
 
 
-def run_from_args(ns: argparse.Namespace):
-    from tidal.trainers.sft import SFTRun, run_sft
+def run_from_namespace(ns: argparse.Namespace):
+    """The ``SFTRun`` described by parsed flags (config errors raise ``ConfigError``/``DataError``)."""
+    from tidal.trainers.sft import SFTRun
 
-    run = SFTRun(
+    return SFTRun(
         model=config_from_args(ModelConfig, ns),
         data=config_from_args(SFTDataConfig, ns),
         train=config_from_args(TrainConfig, ns),
@@ -46,7 +47,17 @@ def run_from_args(ns: argparse.Namespace):
         dist=config_from_args(DistributedConfig, ns),
         datasets=config_from_args(DatasetConfig, ns),
     )
-    return run_sft(run)
+
+
+def parse_run(argv: list[str]):
+    """Flags → ``SFTRun`` without training (for scripts and tests)."""
+    return run_from_namespace(build_parser().parse_args(argv))
+
+
+def run_from_args(ns: argparse.Namespace):
+    from tidal.trainers.sft import run_sft
+
+    return run_sft(run_from_namespace(ns))
 
 
 def main(argv: list[str] | None = None, prog: str = "tidal sft"):
