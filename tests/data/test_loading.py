@@ -79,8 +79,7 @@ def test_blend_with_probs_proportions_and_determinism(tmp_path):
 
 def test_concat_without_probs_and_max_samples(tmp_path):
     p1, p2 = _write_jsonl(tmp_path / "a.jsonl", ROWS[:10]), _write_jsonl(tmp_path / "b.jsonl", ROWS[10:])
-    both = load_dataset_spec(f"{p1}, {p2}")
-    assert sorted(both["input"]) == sorted(r["input"] for r in ROWS)
+    assert load_dataset_spec(f"{p1}, {p2}").to_list() == ROWS  # no probs: concatenated in order
     assert load_dataset_spec(str(p1), max_samples=3).to_list() == ROWS[:3]
     assert len(load_dataset_spec(f"{p1},{p2}", max_samples=4)) == 4
 
@@ -154,3 +153,14 @@ def test_unknown_hub_name_fails_fast_offline(monkeypatch):
     with pytest.raises(DataError, match="neither an existing local path nor loadable.*offline"):
         load_dataset_spec("no-such-org/no-such-dataset")
     assert time.monotonic() - start < 5
+
+
+def test_blending_sources_with_different_columns(tmp_path, caplog):
+    p1 = _write_jsonl(tmp_path / "a.jsonl", ROWS)
+    p2 = _write_jsonl(tmp_path / "b.jsonl", [{"question": "x"}])
+    blended = load_dataset_spec(f"{p1},{p2}", probs="0.5,0.5")
+    assert "different columns" in caplog.text and "b.jsonl: ['question']" in caplog.text
+    assert set(blended.column_names) == {"input", "output", "question"}
+    p3 = _write_jsonl(tmp_path / "c.jsonl", [{"input": 1, "output": "y"}])
+    with pytest.raises(DataError, match=r"cannot blend .*a\.jsonl: \['input', 'output'\]; .*c\.jsonl"):
+        load_dataset_spec(f"{p1},{p3}", probs="0.5,0.5")

@@ -9,7 +9,8 @@ A spec is a comma-separated list of sources. Each source is, in this order of pr
 - only when it is not an existing local path: a Hugging Face hub dataset name.
 
 ``split`` applies to ``DatasetDict`` folders, data-file folders and hub datasets; a single file is
-always one split (its whole content). ``probs`` (``--dataset_probs`` / ``--prompt_data_probs``) blends
+always one split (its whole content). Without ``probs`` the sources are concatenated in order;
+``probs`` (``--dataset_probs`` / ``--prompt_data_probs``) blends
 the sources with ``datasets.interleave_datasets(stopping_strategy="all_exhausted")``, so smaller
 sources are over-sampled until every source has been seen once, as OpenRLHF does. ``max_samples``
 caps every source before blending *and* the blended result (OpenRLHF's ``max_count`` semantics).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 from collections.abc import Iterable, Iterator
@@ -29,6 +31,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import datasets
+
+logger = logging.getLogger(__name__)
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 
@@ -54,14 +58,26 @@ def load_dataset_spec(
     parts = [_cap(load_source(src, split), max_samples) for src in sources]
     if len(parts) == 1:
         return parts[0]
+    _warn_on_column_mismatch(sources, parts)
     try:
-        blended = datasets.interleave_datasets(
-            parts, probabilities=weights, seed=seed, stopping_strategy="all_exhausted"
-        )
+        if weights is None:
+            blended = datasets.concatenate_datasets(parts)
+        else:
+            blended = datasets.interleave_datasets(
+                parts, probabilities=weights, seed=seed, stopping_strategy="all_exhausted"
+            )
     except (ValueError, TypeError) as err:
         columns = "; ".join(f"{s}: {p.column_names}" for s, p in zip(sources, parts, strict=True))
         raise DataError(f"cannot blend datasets with different columns/types ({columns}): {err}") from err
     return _cap(blended, max_samples)
+
+
+def _warn_on_column_mismatch(sources: list[str], parts: list[datasets.Dataset]) -> None:
+    # datasets fills a column missing from one source with None; that is fine for extra metadata
+    # columns, but a renamed key only surfaces later as "row N has no value for key", so say it now.
+    if len({tuple(sorted(p.column_names)) for p in parts}) > 1:
+        columns = "; ".join(f"{s}: {p.column_names}" for s, p in zip(sources, parts, strict=True))
+        logger.warning("blended datasets have different columns (missing ones become None): %s", columns)
 
 
 def parse_probs(probs: str | Iterable[float], n_sources: int) -> list[float]:
