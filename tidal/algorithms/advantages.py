@@ -1,0 +1,182 @@
+"""Advantage estimators for the PPO family (PPO, REINFORCE++, GRPO, Dr. GRPO, RLOO).
+
+An estimator is two steps plus two facts, kept together in one registry entry so a trainer does
+``est = ADVANTAGE_ESTIMATORS[name]`` and never branches on the name:
+
+1. ``est.baseline(R, n)`` shapes the scalar rewards ``R`` ``[N]`` within each prompt group of ``n``
+   consecutive samples (``N = num_prompts · n``);
+2. the shaped ``R`` becomes per-token rewards (``rewards.kl_penalized_rewards``), and
+   ``est.compute(token_rewards, action_mask, values, gamma, lambd)`` turns them into
+   ``(advantages, returns)``, both ``[B, T]``, whitened over the batch when ``est.whiten``;
+3. ``est.needs_critic`` says whether values (a critic model) are required.
+
+Group baselines (``group_std`` is the *unbiased* std, ``torch.std``'s default, as OpenRLHF, TRL and
+verl compute GRPO; it needs n ≥ 2):
+
+- ``gae``, ``reinforce``: R unchanged.
+- ``reinforce_baseline`` (REINFORCE++-baseline, arXiv 2501.03262), ``dr_grpo`` (arXiv 2503.20783):
+  R_i − mean(R).
+- ``rloo`` (arXiv 2402.14740): R_i − (ΣR − R_i)/(n − 1), the mean of the *other* samples.
+- ``group_norm`` (GRPO, arXiv 2402.03300): (R_i − mean(R)) / (std(R) + 1e−9).
+
+Masked positions inside a row (multi-turn observations) are transparent: they carry neither reward
+nor value, and the recursion skips them without discounting, so the next *action* token's value
+bootstraps the current one. V after the last action token is 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tidal.algorithms.masked import masked_whiten
+from tidal.algorithms.rewards import group_by_prompt, kl_penalized_rewards
+
+GROUP_NORM_EPS = 1e-9
+
+
+def no_baseline(rewards: Tensor, n_samples_per_prompt: int) -> Tensor:
+    """R unchanged (``gae``, ``reinforce``)."""
+    return rewards.float().reshape(-1)
+
+
+def mean_baseline(rewards: Tensor, n_samples_per_prompt: int) -> Tensor:
+    """R_i − mean of its group (REINFORCE++-baseline, Dr. GRPO)."""
+    groups = group_by_prompt(rewards.float(), n_samples_per_prompt)
+    return (groups - groups.mean(dim=-1, keepdim=True)).reshape(-1)
+
+
+def leave_one_out_baseline(rewards: Tensor, n_samples_per_prompt: int) -> Tensor:
+    """RLOO (Ahmadian et al., arXiv 2402.14740): R_i − (ΣR − R_i)/(n − 1)."""
+    _require_group(n_samples_per_prompt, "rloo")
+    groups = group_by_prompt(rewards.float(), n_samples_per_prompt)
+    others_mean = (groups.sum(dim=-1, keepdim=True) - groups) / (n_samples_per_prompt - 1)
+    return (groups - others_mean).reshape(-1)
+
+
+def group_normalized(rewards: Tensor, n_samples_per_prompt: int) -> Tensor:
+    """GRPO (Shao et al., arXiv 2402.03300): (R_i − mean) / (unbiased std + 1e−9) per group."""
+    _require_group(n_samples_per_prompt, "group_norm")
+    groups = group_by_prompt(rewards.float(), n_samples_per_prompt)
+    centred = groups - groups.mean(dim=-1, keepdim=True)
+    return (centred / (groups.std(dim=-1, keepdim=True) + GROUP_NORM_EPS)).reshape(-1)
+
+
+def _require_group(n: int, name: str) -> None:
+    if n < 2:
+        raise ValueError(f"advantage estimator {name!r} needs n_samples_per_prompt >= 2, got {n}")
+
+
+@torch.no_grad()
+def gae_advantages_and_returns(
+    token_rewards: Tensor, action_mask: Tensor, values: Tensor | None, gamma: float = 1.0, lambd: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """GAE (Schulman et al., arXiv 1506.02438): δ_t = r_t + γV_{t+1} − V_t, A_t = δ_t + γλA_{t+1},
+    returns = A + V. Both outputs are 0 on masked positions and carry no gradient."""
+    if values is None:
+        raise ValueError("gae needs values from a critic")
+    mask = action_mask != 0
+    zero = torch.zeros((), dtype=torch.float32, device=token_rewards.device)
+    rewards = torch.where(mask, token_rewards.float(), zero)
+    values = torch.where(mask, values.float(), zero)
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(rewards[:, 0])
+    next_advantage = torch.zeros_like(next_value)
+    for t in reversed(range(rewards.shape[-1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lambd * next_advantage
+        # masked positions are transparent: keep the carried value/advantage unchanged
+        next_advantage = torch.where(mask[:, t], advantage, next_advantage)
+        next_value = torch.where(mask[:, t], values[:, t], next_value)
+        advantages[:, t] = torch.where(mask[:, t], advantage, zero)
+    return advantages, torch.where(mask, advantages + values, zero)
+
+
+@torch.no_grad()
+def discounted_returns(
+    token_rewards: Tensor,
+    action_mask: Tensor,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """A_t = Σ_{s≥t} γ^{s−t} r_s over action tokens; returns = A. ``values``/``lambd`` are unused
+    (same signature as GAE)."""
+    mask = action_mask != 0
+    zero = torch.zeros((), dtype=torch.float32, device=token_rewards.device)
+    rewards = torch.where(mask, token_rewards.float(), zero)
+    if gamma == 1.0:  # fast path: a reverse cumulative sum
+        returns = rewards.flip(-1).cumsum(-1).flip(-1)
+    else:
+        returns = torch.zeros_like(rewards)
+        running = torch.zeros_like(rewards[:, 0])
+        for t in reversed(range(rewards.shape[-1])):
+            running = torch.where(mask[:, t], rewards[:, t] + gamma * running, running)
+            returns[:, t] = running
+    returns = torch.where(mask, returns, zero)
+    return returns, returns.clone()
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """One registry entry: the group baseline, the token-level recursion and two facts."""
+
+    baseline: Callable[[Tensor, int], Tensor]
+    advantages_and_returns: Callable[..., tuple[Tensor, Tensor]]
+    whiten: bool
+    needs_critic: bool
+
+    def compute(
+        self,
+        token_rewards: Tensor,
+        action_mask: Tensor,
+        values: Tensor | None = None,
+        gamma: float = 1.0,
+        lambd: float = 1.0,
+    ) -> tuple[Tensor, Tensor]:
+        """``(advantages, returns)`` ``[B, T]``; advantages globally whitened when ``self.whiten``."""
+        advantages, returns = self.advantages_and_returns(token_rewards, action_mask, values, gamma, lambd)
+        if self.whiten:
+            advantages = masked_whiten(advantages, action_mask)
+        return advantages, returns
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "gae": AdvantageEstimator(no_baseline, gae_advantages_and_returns, whiten=True, needs_critic=True),
+    "reinforce": AdvantageEstimator(no_baseline, discounted_returns, whiten=True, needs_critic=False),
+    "reinforce_baseline": AdvantageEstimator(
+        mean_baseline, discounted_returns, whiten=True, needs_critic=False
+    ),
+    "rloo": AdvantageEstimator(leave_one_out_baseline, discounted_returns, whiten=False, needs_critic=False),
+    "group_norm": AdvantageEstimator(group_normalized, discounted_returns, whiten=False, needs_critic=False),
+    "dr_grpo": AdvantageEstimator(mean_baseline, discounted_returns, whiten=False, needs_critic=False),
+}
+
+
+def estimate_advantages(
+    estimator: str,
+    rewards: Tensor,
+    action_mask: Tensor,
+    n_samples_per_prompt: int,
+    kl: Tensor | None = None,
+    kl_coef: float = 0.0,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+    reward_clip_range: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Whole pipeline: group baseline on ``R`` → KL-in-reward token rewards → advantages/returns.
+
+    Returns ``(advantages, returns, token_rewards)``, all ``[B, T]``. The reward clip applies to the
+    shaped scalar reward placed on the last action token.
+    """
+    est = ADVANTAGE_ESTIMATORS[estimator]
+    if est.needs_critic and values is None:
+        raise ValueError(f"advantage estimator {estimator!r} needs values from a critic")
+    shaped = est.baseline(rewards, n_samples_per_prompt)
+    token_rewards = kl_penalized_rewards(shaped, kl, action_mask, kl_coef, reward_clip_range)
+    advantages, returns = est.compute(token_rewards, action_mask, values, gamma, lambd)
+    return advantages, returns, token_rewards

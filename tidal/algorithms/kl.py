@@ -1,0 +1,96 @@
+"""KL penalty between the policy and the reference model, and KL-coefficient controllers.
+
+Per-token estimators of KL(π || π_ref) from samples of π, with r = log π − log π_ref
+(J. Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html):
+
+- ``k1 = r``                      unbiased, high variance, can be negative;
+- ``k2 = r² / 2``                 biased, low variance, ≥ 0;
+- ``k3 = exp(−r) − 1 + r``        unbiased, low variance, ≥ 0 (the GRPO paper's KL, arXiv 2402.03300).
+
+For numerical safety ``compute_kl`` clamps r to ``[−log_ratio_clip, log_ratio_clip]`` (default 10)
+before applying the estimator: ``exp(−r)`` in k3 overflows float32/bf16 for very negative r, and a
+single runaway token would otherwise dominate the reward. Clamping also stops the gradient of the
+clamped tokens, which is intended (they are outliers, not signal). Pass ``None`` to disable.
+
+The controllers hold β (``init_kl_coef``): fixed, or adaptive as in Ziegler et al. 2019
+(arXiv 1909.08593): β ← β·(1 + clip(KL/target − 1, −0.2, 0.2)·n_steps/horizon).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def kl_k1(log_ratio: Tensor) -> Tensor:
+    """k1 = r."""
+    return log_ratio
+
+
+def kl_k2(log_ratio: Tensor) -> Tensor:
+    """k2 = r² / 2."""
+    return 0.5 * log_ratio.pow(2)
+
+
+def kl_k3(log_ratio: Tensor) -> Tensor:
+    """k3 = exp(−r) − 1 + r (``expm1`` keeps it accurate for small r)."""
+    return torch.expm1(-log_ratio) + log_ratio
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+def compute_kl(
+    logp: Tensor,
+    ref_logp: Tensor,
+    action_mask: Tensor | None = None,
+    estimator: str = "k1",
+    log_ratio_clip: float | None = 10.0,
+) -> Tensor:
+    """Per-token KL estimate ``[B, T]`` from log-probs of the sampled tokens; 0 where masked."""
+    log_ratio = logp.float() - ref_logp.float()
+    if log_ratio_clip is not None:
+        log_ratio = log_ratio.clamp(-log_ratio_clip, log_ratio_clip)
+    kl = KL_ESTIMATORS[estimator](log_ratio)
+    if action_mask is not None:
+        kl = torch.where(action_mask.bool(), kl, torch.zeros_like(kl))
+    return kl
+
+
+@dataclass
+class FixedKLController:
+    """Constant β."""
+
+    value: float
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        return self.value
+
+
+@dataclass
+class AdaptiveKLController:
+    """Adaptive β (Ziegler et al. 2019, arXiv 1909.08593): steer the measured KL towards ``target``.
+
+    ``update(current_kl, n_steps)`` moves β by at most ±20% per ``horizon`` samples seen.
+    """
+
+    value: float
+    target: float
+    horizon: int = 10000
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        proportional_error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + proportional_error * n_steps / self.horizon
+        return self.value
+
+
+def make_kl_controller(
+    init_kl_coef: float, kl_target: float | None = None, kl_horizon: int = 10000
+) -> FixedKLController | AdaptiveKLController:
+    """Fixed controller unless a KL target is set (the seed's ``--kl_target``/``--kl_horizon``)."""
+    if kl_target is None:
+        return FixedKLController(init_kl_coef)
+    return AdaptiveKLController(init_kl_coef, kl_target, kl_horizon)

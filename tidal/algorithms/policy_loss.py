@@ -1,0 +1,118 @@
+"""Clipped policy-gradient losses: PPO and GSPO.
+
+One signature for the family, chosen by name from ``POLICY_LOSSES``::
+
+    loss_fn(logp, old_logp, advantages, action_mask, clip_eps_low=0.2, clip_eps_high=None,
+            dual_clip=None) -> (per_token_loss [B, T], stats)
+
+``per_token_loss`` is 0 on masked positions; reduce it with ``masked.aggregate_loss``. ``stats`` are
+detached scalars over the action tokens: ``clip_ratio`` (tokens where the clipped branch is taken),
+``dual_clip_ratio`` and ``approx_kl`` (k3 estimate of KL(π_old || π), i.e. mean of ρ − 1 − log ρ).
+
+Sign convention: the *loss* is minimised, so the surrogate objective enters with a minus sign:
+``loss = −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A)``. Dual clip (Ye et al. 2019, arXiv 1912.09729) with
+c > 1 bounds the objective from below for negative advantages: ``objective = max(min(ρA, clip·A), cA)``
+when A < 0, i.e. ``loss = min(loss, −cA) = min(loss, c|A|)``, so a huge ρ on a bad action cannot
+blow up the loss. Asymmetric ε ("clip-higher") is DAPO's (arXiv 2503.14476).
+
+The log-ratio is clamped to ±20 before ``exp`` (ρ ≤ 4.9e8) so float32 never overflows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from tidal.algorithms.masked import masked_mean
+
+LOG_RATIO_CLAMP = 20.0
+
+
+def _clipped_surrogate(
+    log_ratio: Tensor,
+    token_log_ratio: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_eps_low: float,
+    clip_eps_high: float | None,
+    dual_clip: float | None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    advantages = advantages.float()
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    surr_unclipped = ratio * advantages
+    surr_clipped = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high) * advantages
+    loss = -torch.min(surr_unclipped, surr_clipped)
+    clipped = surr_clipped < surr_unclipped
+    dual_clipped = torch.zeros_like(clipped)
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        bound = -dual_clip * advantages
+        dual_clipped = (advantages < 0) & (bound < loss)
+        loss = torch.where(dual_clipped, bound, loss)
+    loss = torch.where(mask, loss, torch.zeros_like(loss))
+    with torch.no_grad():
+        stats = {
+            "clip_ratio": masked_mean(clipped.float(), mask),
+            "dual_clip_ratio": masked_mean(dual_clipped.float(), mask),
+            "approx_kl": masked_mean(torch.expm1(token_log_ratio) - token_log_ratio, mask),
+        }
+    return loss, stats
+
+
+def ppo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    action_mask: Tensor,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate (Schulman et al., arXiv 1707.06347) with per-token ratio
+    ρ_t = exp(log π_t − log π_old,t)."""
+    mask = action_mask != 0
+    # zero the log-ratio on padding first: exp(garbage) would poison the gradient through where()
+    log_ratio = torch.where(
+        mask, logp.float() - old_logp.float(), torch.zeros_like(logp, dtype=torch.float32)
+    )
+    return _clipped_surrogate(
+        log_ratio, log_ratio.detach(), advantages, mask, clip_eps_low, clip_eps_high, dual_clip
+    )
+
+
+def gspo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    action_mask: Tensor,
+    clip_eps_low: float = 3e-4,
+    clip_eps_high: float | None = 4e-4,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al., arXiv 2507.18071): sequence-level ratio s_i = exp(mean_t log-ratio).
+
+    Implemented as GSPO-token: log s_{i,t} = sg[log s_i] + log π_t − sg[log π_t], whose value is the
+    sequence ratio on every token (so clipping is per sequence) and whose gradient is s_i·∇log π_t.
+    With a per-sequence advantage this equals GSPO's gradient; it also accepts per-token
+    advantages. The paper's ε are tiny (3e-4 / 4e-4, the defaults here) and it aggregates with
+    ``"sequence"`` (mean over sequences of token means).
+    """
+    mask = action_mask != 0
+    zero = torch.zeros_like(logp, dtype=torch.float32)
+    logp = torch.where(mask, logp.float(), zero)
+    token_log_ratio = torch.where(mask, logp - old_logp.float(), zero)
+    seq_log_ratio = masked_mean(token_log_ratio, mask, dim=-1)
+    log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logp - logp.detach()
+    return _clipped_surrogate(
+        log_ratio, token_log_ratio.detach(), advantages, mask, clip_eps_low, clip_eps_high, dual_clip
+    )
+
+
+POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
+    "ppo": ppo_policy_loss,
+    "gspo": gspo_policy_loss,
+}
