@@ -1,0 +1,85 @@
+"""Paged attention in plain PyTorch: KV stores into cache slots, padded prefill and batched decode.
+
+Tokens travel through the model flattened (``[num_tokens, ...]``, sequences back to back, as in vLLM).
+``AttentionMetadata`` carries what the attention layers need for one step:
+
+- prefill: each sequence's fresh keys/values are attended directly (no cached prefix is read), gathered
+  into a right-padded ``[batch, max_len]`` layout for one SDPA call with a causal + padding mask;
+- decode: one query per sequence; its keys/values are gathered from the paged cache through the block
+  tables (``[batch, max_blocks * block_size]``) and masked by context length.
+
+Both paths are a fixed number of batched ops per layer with no per-sequence Python, and decode shapes
+depend only on (batch, max_blocks), which a later CUDA-graph / Triton decode kernel can bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each token's KV
+    kv_cache: torch.Tensor | None = None  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    # prefill: flat token index of each padded position, and which padded positions are real
+    pad_index: torch.Tensor | None = None  # [batch, max_len]
+    pad_valid: torch.Tensor | None = None  # [batch, max_len] bool
+    # decode
+    block_tables: torch.Tensor | None = None  # [batch, max_blocks]
+    context_lens: torch.Tensor | None = None  # [batch]
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """Boolean attention mask (True = attend), cached per sliding-window size for the step."""
+        if window not in self._masks:
+            self._masks[window] = self._prefill_mask(window) if self.is_prefill else self._decode_mask(window)
+        return self._masks[window]
+
+    def _prefill_mask(self, window: int | None) -> torch.Tensor:
+        length = self.pad_index.shape[1]
+        q = torch.arange(length, device=self.pad_index.device)
+        mask = (q[None, :] <= q[:, None])[None] & self.pad_valid[:, None, :]
+        if window is not None:
+            mask &= (q[None, :] > q[:, None] - window)[None]
+        return mask[:, None]  # [batch, 1, q, k]
+
+    def _decode_mask(self, window: int | None) -> torch.Tensor:
+        num_slots = self.block_tables.shape[1] * self.kv_cache.shape[3]
+        k = torch.arange(num_slots, device=self.context_lens.device)
+        mask = k[None, :] < self.context_lens[:, None]
+        if window is not None:
+            mask &= k[None, :] > self.context_lens[:, None] - 1 - window
+        return mask[:, None, None, :]  # [batch, 1, 1, k]
+
+
+def store_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write the step's keys/values ([tokens, kv_heads, head_dim]) into their cache slots."""
+    flat = layer_cache.view(2, -1, *k.shape[1:])
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
+
+
+def prefill_attention(q, k, v, meta: AttentionMetadata, window: int | None, scale: float) -> torch.Tensor:
+    """q [tokens, heads, d], k/v [tokens, kv_heads, d] -> [tokens, heads * d]."""
+    idx = meta.pad_index
+    qp, kp, vp = (x[idx].transpose(1, 2) for x in (q, k, v))  # [batch, heads, len, d]
+    out = F.scaled_dot_product_attention(
+        qp, kp, vp, attn_mask=meta.mask(window), scale=scale, enable_gqa=True
+    )
+    out = out.transpose(1, 2)[meta.pad_valid]  # back to flat token order
+    return out.reshape(q.shape[0], -1)
+
+
+def decode_attention(q, layer_cache: torch.Tensor, meta: AttentionMetadata, window: int | None, scale: float):
+    """q [batch, heads, d] against the paged cache -> [batch, heads * d]."""
+    batch, num_kv, head_dim = q.shape[0], layer_cache.shape[-2], layer_cache.shape[-1]
+    kv = layer_cache[:, meta.block_tables]  # [2, batch, max_blocks, block_size, kv_heads, d]
+    kv = kv.reshape(2, batch, -1, num_kv, head_dim).transpose(2, 3)  # [2, batch, kv_heads, slots, d]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], kv[0], kv[1], attn_mask=meta.mask(window), scale=scale, enable_gqa=True
+    )
+    return out.reshape(batch, -1)

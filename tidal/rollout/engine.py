@@ -1,0 +1,356 @@
+"""``LLMEngine``: tidal's rollout engine (continuous batching over a paged KV cache).
+
+Architecture (after nano-vllm, written for tidal):
+
+- ``Scheduler`` (scheduler.py) keeps waiting and running ``Sequence``s and picks each step's batch:
+  a prefill of newly admitted prompts, or one decode token for every running sequence. Finished
+  sequences leave and waiting ones join at every step; when KV blocks run out the youngest running
+  sequence is preempted and later recomputed.
+- ``BlockManager`` (block_manager.py) owns the KV cache's block ids. The cache is paged: a pool of
+  fixed-size blocks (``block_size`` token slots each, in one tensor
+  ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``); each sequence has a block table.
+  The ``n`` samples of a prompt are prefilled once and share the prompt's full blocks by reference count;
+  each gets a private copy of the last partial block.
+- ``ModelRunner`` (model_runner.py) builds flat token batches and attention metadata, runs the decoder
+  (models/decoder.py: one implementation for Llama, Mistral, Qwen2, Qwen3 HF checkpoints) and the
+  on-device ``Sampler`` (sampler.py).
+
+The engine also swaps weights in place (``update_weights``) and frees / restores its KV cache
+(``sleep`` / ``wake_up``) so a trainer can share the device between rollout and training.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tidal.rollout.block_manager import BlockManager, blocks_needed
+from tidal.rollout.model_runner import ModelRunner
+from tidal.rollout.models.loader import build_decoder, iter_checkpoint
+from tidal.rollout.outputs import CompletionOutput, RequestOutput
+from tidal.rollout.sampler import sequence_seed
+from tidal.rollout.sampling_params import SamplingParams
+from tidal.rollout.scheduler import Scheduler
+from tidal.rollout.sequence import Sequence
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """Engine capacity and placement. ``num_kv_blocks`` unset: sized from memory (see ``kv_blocks``)."""
+
+    max_num_seqs: int = 256  # sequences decoded together
+    max_num_batched_tokens: int = 16384  # prompt tokens per prefill step (a longer prompt runs alone)
+    max_model_len: int | None = None  # prompt + output; default: the model's max_position_embeddings
+    block_size: int = 16  # token slots per KV block
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.5  # CUDA: fraction of the free memory (after weights) for KV
+    cpu_kv_cache_gb: float = 4.0  # CPU: KV cache budget
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda if available
+    seed: int = 0  # seeds for requests without SamplingParams.seed
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
+            raise ValueError("EngineConfig: max_num_seqs, max_num_batched_tokens and block_size must be >= 1")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(
+                f"EngineConfig: dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"EngineConfig: gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+
+class LLMEngine:
+    """Generate from token ids (or strings) with a HF checkpoint of a supported decoder family.
+
+    ``LLMEngine(path)`` reads config, tokenizer and safetensors from a HF folder. Alternatively pass
+    ``model=`` (a loaded transformers model: its config and parameters are copied) or ``state_dict=``
+    (HF names) together with ``path`` or ``hf_config``.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        config: EngineConfig | None = None,
+        *,
+        model: torch.nn.Module | None = None,
+        state_dict: Mapping[str, torch.Tensor] | None = None,
+        hf_config=None,
+        tokenizer=None,
+    ):
+        self.config = config or EngineConfig()
+        self.hf_config = hf_config or _load_hf_config(model_path, model)
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_path)
+        self.device = self.config.torch_device()
+        self.dtype = self.config.torch_dtype(self.device)
+        self.max_model_len = self.config.max_model_len or self.hf_config.max_position_embeddings
+        if model is not None:
+            weights = model.named_parameters()
+        elif state_dict is not None:
+            weights = state_dict.items()
+        elif model_path is not None:
+            weights = iter_checkpoint(model_path)
+        else:
+            raise ValueError("LLMEngine needs a model folder path, a loaded model or a state_dict")
+        self.model = build_decoder(self.hf_config, weights, self.max_model_len, self.dtype, self.device)
+        self.eos_token_ids = _eos_token_ids(self.hf_config, model_path, model, self.tokenizer)
+        self.num_kv_blocks = self._kv_blocks()
+        self.block_manager = BlockManager(self.num_kv_blocks, self.config.block_size)
+        self.runner = ModelRunner(self.model, self.config.block_size, self.num_kv_blocks, self.eos_token_ids)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+            self.max_model_len,
+            self.eos_token_ids,
+            self._detokenize,
+        )
+        self._rng = random.Random(self.config.seed)
+        self._next_seq_id = 0
+        self.sleep_level = 0
+
+    # ------------------------------------------------------------------ setup
+    def _kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = ModelRunner.bytes_per_block(self.model.args, cfg.block_size, self.dtype)
+        # Never more than every sequence slot at full length could use.
+        enough = cfg.max_num_seqs * blocks_needed(self.max_model_len, cfg.block_size)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * cfg.gpu_memory_utilization
+        else:
+            budget = cfg.cpu_kv_cache_gb * 2**30
+        return max(1, min(enough, int(budget // per_block)))
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if self.sleep_level:
+            raise RuntimeError("LLMEngine is asleep: call wake_up() before generate()")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = self._params_per_prompt(len(prompts), sampling_params)
+        token_ids = [self._encode(i, p) for i, p in enumerate(prompts)]
+        groups = [
+            self._make_group(i, ids, p) for i, (ids, p) in enumerate(zip(token_ids, params, strict=True))
+        ]
+        for group in groups:
+            self.scheduler.add(group)
+        self._run(groups, use_tqdm)
+        return [
+            RequestOutput(
+                request_id=i,
+                prompt=p if isinstance(p, str) else None,
+                prompt_token_ids=ids,
+                outputs=[self._completion(seq) for seq in group],
+            )
+            for i, (p, ids, group) in enumerate(zip(prompts, token_ids, groups, strict=True))
+        ]
+
+    def _run(self, groups: list[list[Sequence]], use_tqdm: bool) -> None:
+        remaining = [len(g) for g in groups]
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(groups), desc="rollout", unit="req")
+        while self.scheduler.has_unfinished():
+            batch = self.scheduler.schedule()
+            tokens, logprobs = self.runner.run(batch)
+            for seq in self.scheduler.postprocess(batch, tokens, logprobs):
+                remaining[seq.request_index] -= 1
+                if bar is not None and remaining[seq.request_index] == 0:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+
+    def _params_per_prompt(self, num_prompts: int, sampling_params) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        if len(sampling_params) != num_prompts:
+            raise ValueError(f"got {len(sampling_params)} SamplingParams for {num_prompts} prompts")
+        return list(sampling_params)
+
+    def _encode(self, index: int, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"prompt {index} is a string but the engine has no tokenizer; pass token ids"
+                )
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        vocab = self.model.args.vocab_size
+        if not ids:
+            raise ValueError(f"prompt {index} is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt {index} has {len(ids)} tokens but max_model_len is {self.max_model_len} "
+                "(the prompt must leave room for at least one new token)"
+            )
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt {index} has token ids outside [0, {vocab})")
+        return ids
+
+    def _make_group(self, index: int, ids: list[int], params: SamplingParams) -> list[Sequence]:
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"request {index}: n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"request {index}: stop strings need a tokenizer")
+        bs = self.config.block_size
+        longest = min(len(ids) + params.max_new_tokens, self.max_model_len)
+        need = max(self.block_manager.group_blocks_needed(len(ids), params.n), blocks_needed(longest, bs))
+        if need > self.num_kv_blocks:
+            raise ValueError(
+                f"request {index} needs {need} KV blocks (prompt {len(ids)} tokens, n={params.n}, "
+                f"max_new_tokens={params.max_new_tokens}) but the cache has {self.num_kv_blocks}"
+            )
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        group = []
+        for sample in range(params.n):
+            group.append(Sequence(self._next_seq_id, index, sample, ids, params, sequence_seed(seed, sample)))
+            self._next_seq_id += 1
+        return group
+
+    def _detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        text = ""
+        if self.tokenizer is not None:
+            text = self._detokenize(seq.output_token_ids, seq.params.skip_special_tokens)
+            text = _cut_at_stop(text, seq.params)
+        return CompletionOutput(
+            index=seq.sample_index,
+            text=text,
+            token_ids=seq.output_token_ids,
+            logprobs=list(seq.output_logprobs),
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+
+    # ------------------------------------------------------------------ weights and memory
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping) -> int:
+        """Load HF-named tensors in place (e.g. ``policy.named_parameters()``); return how many were loaded.
+
+        Tied embeddings are handled (``lm_head.weight`` and ``model.embed_tokens.weight`` are one tensor);
+        sharded DTensors are gathered with ``full_tensor()``.
+        """
+        if isinstance(named_tensors, Mapping):
+            named_tensors = named_tensors.items()
+        count = 0
+
+        def gathered():
+            nonlocal count
+            for name, tensor in named_tensors:
+                count += 1
+                yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
+
+        self.model.load_weights(gathered())
+        return count
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1); level 2 also moves the weights to CPU."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        self.runner.free_kv_cache()
+        if level == 2 and self.device.type != "cpu":
+            self.model.to("cpu")
+            self.model.rope_cos, self.model.rope_sin = self.model.rope_cos.cpu(), self.model.rope_sin.cpu()
+            torch.cuda.empty_cache()
+        self.sleep_level = level
+
+    def wake_up(self) -> None:
+        """Restore what ``sleep`` freed; the KV cache comes back empty (no request survives a sleep)."""
+        if self.sleep_level == 2 and self.device.type != "cpu":
+            self.model.to(self.device)
+            self.model.rope_cos, self.model.rope_sin = (
+                self.model.rope_cos.to(self.device),
+                self.model.rope_sin.to(self.device),
+            )
+        if self.runner.kv_cache is None:
+            self.runner.allocate_kv_cache()
+        self.sleep_level = 0
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
+
+
+def _cut_at_stop(text: str, params: SamplingParams) -> str:
+    hits = [(text.find(s), s) for s in params.stop if s in text]
+    if not hits:
+        return text
+    index, stop = min(hits)
+    return text[: index + len(stop)] if params.include_stop_str_in_output else text[:index]
+
+
+def _load_hf_config(model_path, model):
+    if model is not None:
+        return model.config
+    if model_path is None:
+        raise ValueError("LLMEngine needs a model folder path, a loaded model or hf_config")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_path))
+
+
+def _load_tokenizer(model_path):
+    if model_path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_path))
+    except (OSError, ValueError):  # a weights-only folder: the engine still works on token ids
+        return None
+
+
+def _eos_token_ids(hf_config, model_path, model, tokenizer) -> set[int]:
+    """Union of the config's, the generation config's and the tokenizer's eos ids (as vLLM does)."""
+    ids: set[int] = set()
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    gen_config = getattr(model, "generation_config", None)
+    if (
+        gen_config is None
+        and model_path is not None
+        and (Path(model_path) / "generation_config.json").exists()
+    ):
+        from transformers import GenerationConfig
+
+        gen_config = GenerationConfig.from_pretrained(str(model_path))
+    sources.append(getattr(gen_config, "eos_token_id", None))
+    sources.append(getattr(tokenizer, "eos_token_id", None))
+    for source in sources:
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(t) for t in source)
+    return ids

@@ -1,0 +1,32 @@
+"""What ``LLMEngine.generate`` returns: one ``RequestOutput`` per prompt, ``n`` ``CompletionOutput`` each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One sample: the sampled ids, their log-probs (see ``SamplingParams``) and why it ended."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (eos, stop token or stop string) or "length"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return float(sum(self.logprobs))
+
+
+@dataclass
+class RequestOutput:
+    """All samples of one prompt, in the order of the prompts given to ``generate``."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True

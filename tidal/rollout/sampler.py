@@ -1,0 +1,104 @@
+"""``Sampler``: turns a batch of last-position logits into tokens and their log-probs, on device.
+
+Per row it applies temperature, then top-k, top-p and min-p truncation, and samples with the Gumbel-max
+trick. The Gumbel noise comes from a counter-based hash of (sequence seed, output position, token id)
+computed with integer tensor ops, so:
+
+- every row gets independent noise without a per-row ``torch.Generator`` loop (the decode hot path stays
+  a fixed number of batched kernels, which suits CUDA graphs later), and
+- a sample's noise does not depend on which other sequences share the batch or on the step number, so a
+  seeded request reproduces its output however it was batched or preempted.
+
+The returned log-prob is ``log_softmax(logits / T)`` (raw logits when greedy) of the chosen token,
+before truncation and before the ``min_new_tokens`` suppression (see ``SamplingParams``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser ("lowbias32") on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniform (0, 1) float32 noise of shape [rows, vocab], a pure function of (seed, position, token)."""
+    row = mix32((seeds & _MASK32) ^ mix32((positions * 0x9E3779B9 + 0x632BE5AB) & _MASK32))
+    cols = mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * 0x85EBCA6B & _MASK32)
+    bits = mix32(row[:, None] ^ cols[None, :])
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling settings as device tensors (built once per step by the model runner)."""
+
+    temperatures: torch.Tensor  # [rows] float32; 0 = greedy
+    top_k: torch.Tensor  # [rows] int64; vocab size when off
+    top_p: torch.Tensor  # [rows] float32
+    min_p: torch.Tensor  # [rows] float32
+    seeds: torch.Tensor  # [rows] int64, 32-bit values
+    positions: torch.Tensor  # [rows] int64, index of the output token being sampled
+    all_greedy: bool
+    any_truncation: bool
+    suppress_rows: torch.Tensor | None = (
+        None  # with suppress_tokens: (row, token) pairs that cannot be sampled
+    )
+    suppress_tokens: torch.Tensor | None = None
+
+
+def truncate_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor):
+    """Set to -inf every token outside top-k, then outside the top-p nucleus, then below min-p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep a token while the mass before it is below p; the top token always survives.
+    drop = (probs.cumsum(dim=-1) - probs) > top_p[:, None]
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+class Sampler:
+    """Stateless: all randomness comes from the per-row seeds in ``SamplingTensors``."""
+
+    def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = logits.float()
+        greedy = st.temperatures == 0
+        temps = torch.where(greedy, torch.ones_like(st.temperatures), st.temperatures)
+        scaled = logits / temps[:, None]
+        logprobs = scaled.log_softmax(dim=-1)
+        if st.suppress_rows is not None:
+            scaled = scaled.index_put((st.suppress_rows, st.suppress_tokens), torch.tensor(float("-inf")))
+        tokens = scaled.argmax(dim=-1)
+        if not st.all_greedy:
+            if st.any_truncation:
+                scaled = truncate_logits(scaled, st.top_k, st.top_p, st.min_p)
+            gumbel = -torch.log(-torch.log(uniform_noise(st.seeds, st.positions, logits.shape[-1])))
+            tokens = torch.where(greedy, tokens, (scaled + gumbel).argmax(dim=-1))
+        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def sequence_seed(request_seed: int, sample_index: int) -> int:
+    """A 32-bit noise seed per sample of a request (splitmix64 of the request seed and sample index)."""
+    mask64 = (1 << 64) - 1
+
+    def splitmix64(x: int) -> int:
+        x = (x + 0x9E3779B97F4A7C15) & mask64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask64
+        return x ^ (x >> 31)
+
+    return splitmix64(splitmix64(request_seed & mask64) ^ sample_index) & _MASK32

@@ -1,0 +1,75 @@
+"""``Sequence``: one sample being generated (prompt + output ids, log-probs, KV block table, status)."""
+
+from __future__ import annotations
+
+import enum
+
+from tidal.rollout.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """The state of one sample. ``token_ids`` holds prompt then output ids.
+
+    KV invariant: while running, the cache holds keys/values for all tokens but the last one, which is
+    the next decode step's input (its KV is written during that step).
+    """
+
+    def __init__(
+        self,
+        seq_id: int,
+        request_index: int,
+        sample_index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        noise_seed: int,
+    ):
+        self.seq_id = seq_id
+        self.request_index = request_index
+        self.sample_index = sample_index
+        self.params = params
+        self.noise_seed = noise_seed
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.output_logprobs: list[float] = []
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append(self, token_id: int, logprob: float) -> None:
+        self.token_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
