@@ -85,6 +85,9 @@ def test_multiturn_trains_every_assistant_turn_only(any_tok):
     runs = _trained_runs(sample)
     assert [tok.decode(r) for r in runs] == ["2<|im_end|>", "it is 4<|im_end|>"]
     assert sample.input_ids == _ids(tok, tok.apply_chat_template(messages, tokenize=False).rstrip())
+    # from the CLI output_key keeps its default "output": absent from a conversation dataset, it means none
+    default_key = SFTDataConfig(input_key="messages", apply_chat_template=True, multiturn=True)
+    assert build_sft_samples(_ds([{"messages": messages}]), tok, default_key)[0][0] == sample
     untrained = tok.decode([t for t, m in zip(sample.input_ids, sample.loss_mask, strict=True) if not m])
     assert "what is 1+1?" in untrained and "and 2+2?" in untrained and "be brief" in untrained
 

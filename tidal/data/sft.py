@@ -22,7 +22,7 @@ are skipped and counted in ``SkipStats`` (the caller logs them), never truncated
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import datasets
@@ -31,17 +31,31 @@ from tidal.data.loading import DataError, require_keys
 from tidal.data.templates import as_messages, chat_text, render_prompt, render_response, tokenize_texts
 
 Span = tuple[int, int]
+DEFAULT_OUTPUT_KEY = "output"
+
+
+def _flag(default, help: str):
+    """A field whose ``metadata["help"]`` becomes the flag's help text (``tidal.config.args``)."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class SFTDataConfig:
-    input_key: str = "input"
-    output_key: str | None = "output"  # None: only with multiturn or pretrain_mode
-    input_template: str | None = None
-    apply_chat_template: bool = False
-    multiturn: bool = False
-    pretrain_mode: bool = False
-    max_len: int = 2048
+    """SFT data: which keys hold the prompt and response, how to render them, what is trained."""
+
+    input_key: str = _flag("input", "dataset key of the prompt (a message list with --multiturn)")
+    output_key: str | None = _flag(
+        DEFAULT_OUTPUT_KEY, "dataset key of the response; may be unset with --multiturn/--pretrain_mode"
+    )
+    input_template: str | None = _flag(
+        None, "template with '{}' for the prompt, e.g. $'User: {}\\nAssistant: '"
+    )
+    apply_chat_template: bool = _flag(
+        False, "render prompts and responses with the tokenizer's chat template"
+    )
+    multiturn: bool = _flag(False, "input_key holds a conversation; train on every assistant turn")
+    pretrain_mode: bool = _flag(False, "continued pre-training: train on every token")
+    max_len: int = _flag(2048, "skip samples longer than this many tokens")
 
     def validate(self) -> None:
         if self.output_key is None and not (self.multiturn or self.pretrain_mode):
@@ -98,6 +112,7 @@ def build_sft_samples(
 ) -> tuple[list[SFTSample], SkipStats]:
     """Render, tokenize and mask every row; return the kept samples and what was skipped."""
     cfg.validate()
+    cfg = replace(cfg, output_key=_effective_output_key(cfg, dataset.column_names))
     require_keys(dataset, [cfg.input_key, cfg.output_key], source)
     inputs = list(dataset[cfg.input_key])
     outputs = list(dataset[cfg.output_key]) if cfg.output_key else [None] * len(inputs)
@@ -120,6 +135,19 @@ def build_sft_samples(
     if not samples:
         raise DataError(f"no usable SFT sample in {source} ({stats.summary()}); check --max_len and the keys")
     return samples, stats
+
+
+def _effective_output_key(cfg: SFTDataConfig, columns: list[str]) -> str | None:
+    # The flag cannot be set to None from the command line, so with --multiturn/--pretrain_mode the
+    # *default* "output" simply means "no response column" when the dataset has none; an explicitly
+    # named key that is missing is still an error.
+    if (
+        (cfg.multiturn or cfg.pretrain_mode)
+        and cfg.output_key == DEFAULT_OUTPUT_KEY
+        and cfg.output_key not in columns
+    ):
+        return None
+    return cfg.output_key
 
 
 def render_sft_row(
