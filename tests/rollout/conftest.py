@@ -1,11 +1,9 @@
-"""Fixtures for rollout tests: tiny HF models built once per session, and HF reference helpers."""
+"""Fixtures for rollout tests: tiny HF models built once per session, and the HF models to compare with."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -48,23 +46,3 @@ def hf_model():
         return cache[str(path)]
 
     return load
-
-
-@torch.inference_mode()
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """The reference: ``transformers`` greedy generation of one unpadded prompt."""
-    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens)
-    return out[0, len(prompt) :].tolist()
-
-
-@torch.inference_mode()
-def hf_logprobs(model, prompt: list[int], output: list[int], temperature: float = 0.0) -> torch.Tensor:
-    """log_softmax(logits / T) of each output token from one HF forward over prompt + output."""
-    logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    return logits.log_softmax(-1).gather(-1, torch.tensor(output)[:, None])[:, 0]
-
-
-# Prompts of different lengths (some not multiples of the KV block size).
-PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 40)), [100, 200, 300, *range(17, 34)], [42] * 3]

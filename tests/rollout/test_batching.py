@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.rollout.conftest import PROMPTS, hf_greedy, hf_logprobs
+from tests.rollout.reference import PROMPTS, hf_greedy, hf_logprobs
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
 
 # Mixed prompt lengths and output budgets, more requests than max_num_seqs.

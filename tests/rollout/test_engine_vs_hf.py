@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.rollout.conftest import FAMILIES, PROMPTS, hf_greedy, hf_logprobs
+from tests.rollout.reference import FAMILIES, PROMPTS, hf_greedy, hf_logprobs
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=20)

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from tests.rollout.conftest import PROMPTS
+from tests.rollout.reference import PROMPTS
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
 from tidal.rollout.sampler import Sampler, SamplingTensors, truncate_logits, uniform_noise
 

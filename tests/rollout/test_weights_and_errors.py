@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.rollout.conftest import PROMPTS, hf_greedy
+from tests.rollout.reference import PROMPTS, hf_greedy
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16)
