@@ -8,6 +8,7 @@ import sys
 # command → (module, one-line description); each module defines main(argv, prog).
 COMMANDS = {
     "sft": ("tidal.cli.train_sft", "supervised fine-tuning"),
+    "kd": ("tidal.cli.train_kd", "knowledge distillation from a teacher model"),
     "demo": ("tidal.cli.demo", "end-to-end demo on CPU with a tiny model"),
 }
 

@@ -1,0 +1,157 @@
+"""Knowledge distillation: train a student on SFT data to match a frozen teacher's next-token
+distributions (Hinton et al., arXiv 1503.02531), mixed with the usual LM loss.
+
+Per trained token: ``(1 − α)·LM + α·(−Σ_v p_teacher(v) log p_student(v))`` with α = ``--kd_coef``
+(``tidal.algorithms.distill.kd_loss``), summed and divided by the step's trained-token count, as
+SFT. Teacher and student must share the tokenizer: the data are tokenized once, with the
+student's. ``--teacher_offload`` keeps the teacher in CPU memory between its forwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tidal.algorithms.distill import distillation_cross_entropy, kd_loss
+from tidal.algorithms.logprobs import entropy_from_logits
+from tidal.config import (
+    CheckpointConfig,
+    ConfigError,
+    DatasetConfig,
+    DistributedConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    arg,
+)
+from tidal.data import SFTDataConfig, SFTSample, collate_packed, collate_padded, next_token_targets
+from tidal.distributed import World, init_world
+from tidal.logging import LoggingConfig, get_logger
+from tidal.models import Precision, load_causal_lm, load_tokenizer, model_inputs
+from tidal.trainers.common import flat_config, run_folder, training_steps
+from tidal.trainers.loop import SupervisedTrainer
+from tidal.trainers.reference import (
+    FrozenModel,
+    aux_forward_kwargs,
+    check_same_vocab,
+    load_frozen,
+    moe_aux_term,
+)
+from tidal.trainers.sft import build_optimization, load_sft_samples
+
+log = get_logger(__name__)
+
+
+@dataclass
+class KDConfig:
+    """Distillation: the teacher and how much its distributions weigh against the labels."""
+
+    teacher_model: str = arg(help="teacher model (HF folder or name); must share the student's tokenizer")
+    kd_coef: float = arg(0.4, help="α: weight of the distillation term; the LM loss gets 1 − α")
+    teacher_offload: bool = arg(
+        False, help="keep the teacher in CPU memory; move it to the device only for its forward"
+    )
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.kd_coef <= 1.0:
+            raise ConfigError(f"--kd_coef must be in [0, 1], got {self.kd_coef}")
+
+
+@dataclass
+class KDObjective:
+    """``kd_loss`` summed over trained tokens, divided by the step's trained-token count."""
+
+    teacher: FrozenModel
+    pad_id: int
+    alpha: float
+    packing: bool = False
+    aux_loss_coef: float = 0.0
+
+    def weight(self, sample: SFTSample) -> float:
+        return float(sum(sample.loss_mask[1:]))
+
+    def collate(self, samples: Sequence[SFTSample]) -> dict:
+        batch = (collate_packed if self.packing else collate_padded)(list(samples), self.pad_id)
+        batch["num_tokens"] = sum(len(s) for s in samples)
+        return batch
+
+    def teacher_logits(self, batch: dict, precision: Precision) -> torch.Tensor:
+        with self.teacher.use() as teacher, precision.autocast():
+            return teacher(**model_inputs(teacher, batch), use_cache=False).logits
+
+    def loss(self, model: nn.Module, batch: dict, normaliser: float, precision: Precision):
+        with precision.autocast():
+            outputs = model(
+                **model_inputs(model, batch), use_cache=False, **aux_forward_kwargs(self.aux_loss_coef)
+            )
+        student, teacher = outputs.logits, self.teacher_logits(batch, precision)
+        targets = next_token_targets(batch["input_ids"], batch["loss_mask"])
+        per_token = kd_loss(student, teacher, targets, alpha=self.alpha)
+        loss = per_token.sum() / normaliser
+        metrics = {"loss": loss.detach()}
+        with torch.no_grad():
+            # KL(p_teacher || p_student) = cross-entropy − teacher entropy: what distillation minimises.
+            trained = targets != -100
+            kl = distillation_cross_entropy(student, teacher) - entropy_from_logits(teacher)
+            metrics["teacher_kl"] = kl[trained].sum() / normaliser
+        aux = moe_aux_term(outputs, self.aux_loss_coef, float(trained.sum()) / normaliser)
+        if aux is not None:
+            loss = loss + aux
+            metrics["aux_loss"] = aux.detach()
+        return loss, metrics
+
+
+@dataclass
+class KDRun:
+    """Everything a distillation run is configured by."""
+
+    model: ModelConfig
+    data: SFTDataConfig
+    kd: KDConfig
+    train: TrainConfig
+    optim: OptimConfig
+    ckpt: CheckpointConfig
+    logging: LoggingConfig
+    dist: DistributedConfig
+    datasets: DatasetConfig
+    run_dir: str | None = None
+
+
+def run_kd(run: KDRun, world: World | None = None) -> list[dict]:
+    """Distil ``--teacher_model`` into ``--pretrain`` on SFT data; returns per-step metrics."""
+    world = world or init_world()
+    torch.manual_seed(run.train.seed)
+    tokenizer = load_tokenizer(run.model.pretrain, run.model)
+    ds, seed = run.datasets, run.train.seed
+    train = load_sft_samples(
+        ds.dataset, ds.dataset_probs, ds.dataset_split, ds.max_samples, tokenizer, run.data, seed
+    )
+    evals = None
+    if ds.eval_dataset:
+        evals = load_sft_samples(ds.eval_dataset, None, ds.eval_split, None, tokenizer, run.data, seed)
+    steps = training_steps(len(train), run.train, world, ds.dataset)
+    model = load_causal_lm(run.model, world.device)
+    teacher = load_frozen(
+        run.kd.teacher_model, run.model, run.kd.teacher_offload, run.dist, world, "--teacher_model"
+    )
+    check_same_vocab(model, teacher.model, f"--teacher_model {run.kd.teacher_model}")
+    opt = build_optimization(model, run.model, run.optim, run.dist, world, steps)
+    objective = KDObjective(
+        teacher, tokenizer.pad_token_id, run.kd.kd_coef, run.train.packing_samples, run.model.aux_loss_coef
+    )
+    log.info("KD: %d train samples, %d steps, teacher %s", len(train), steps, run.kd.teacher_model)
+    trainer = SupervisedTrainer(
+        objective,
+        opt,
+        tokenizer,
+        world,
+        run.train,
+        run.ckpt,
+        run.logging,
+        run_folder(run.run_dir, run.ckpt),
+        run_config=flat_config(run),
+    )
+    return trainer.fit(train, evals)

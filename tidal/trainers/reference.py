@@ -1,0 +1,168 @@
+"""Frozen models a trainer reads but never updates (the DPO/KTO ``reference``, the KD teacher),
+and the per-sequence log-probs the preference objectives compare.
+
+Two kinds of reference:
+
+- ``FrozenModel``: a separate frozen copy (``--ref_pretrain``, ``--teacher_model``). With offload
+  (``--ref_offload`` / ``--teacher_offload``) it lives in CPU memory and visits the device only for
+  its forward pass on each micro-batch, so it never holds device memory while the policy's
+  activations, gradients and optimizer state do. (Precomputing reference log-probs once would be
+  cheaper, but KTO's mismatched pairs depend on the data order of each epoch and KD needs full
+  teacher distributions, so one mechanism serves all three trainers.)
+- ``DisabledAdapters``: under LoRA the reference is the policy's own base model with its adapters
+  switched off (peft ``disable_adapter()``), so no second copy is loaded.
+
+Both switch the module to eval mode for the reference forward (no dropout) and restore the mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from tidal.config import ConfigError, DistributedConfig, ModelConfig, arg
+from tidal.distributed import World, parallelize
+from tidal.models import Precision, load_causal_lm, resolve_dtype, token_logprobs
+
+CPU = torch.device("cpu")
+
+
+@dataclass
+class ReferenceConfig:
+    """Reference model of DPO/KTO: a frozen copy of the start model, or the LoRA base."""
+
+    ref_pretrain: str | None = arg(
+        None, help="reference model (default: --pretrain; under LoRA: the base with adapters disabled)"
+    )
+    ref_offload: bool = arg(
+        False, help="keep the reference model in CPU memory; move it to the device only for its forward"
+    )
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+class FrozenModel:
+    """A separate model without gradients; ``use()`` yields it on the compute device."""
+
+    def __init__(self, model: nn.Module, device: torch.device, offload: bool = False):
+        self.model, self.device, self.offload = model.requires_grad_(False).eval(), device, offload
+
+    @contextlib.contextmanager
+    def use(self) -> Iterator[nn.Module]:
+        if self.offload:
+            self.model.to(self.device)
+        try:
+            with torch.no_grad(), _eval_mode(self.model):
+                yield self.model
+        finally:
+            if self.offload:
+                self.model.to(CPU)
+
+
+class DisabledAdapters:
+    """The LoRA policy's base model: the same weights with every adapter switched off."""
+
+    def __init__(self, policy: nn.Module):
+        if not hasattr(policy, "disable_adapter"):
+            raise TypeError(f"{type(policy).__name__} has no LoRA adapters to disable")
+        self.model = policy
+
+    @contextlib.contextmanager
+    def use(self) -> Iterator[nn.Module]:
+        with torch.no_grad(), _eval_mode(self.model), self.model.disable_adapter():
+            yield self.model
+
+
+Reference = FrozenModel | DisabledAdapters
+
+
+def load_frozen(
+    path: str, model_cfg: ModelConfig, offload: bool, dist_cfg: DistributedConfig, world: World, flag: str
+) -> FrozenModel:
+    """Load ``path`` as a frozen full-weight model (float32 master copy, no LoRA, no checkpointing).
+
+    Without offload it is sharded like the policy (all ranks run the same number of forwards);
+    an offloaded copy stays whole on each rank, since it moves between CPU and device.
+    """
+    cfg = replace(model_cfg, pretrain=path, lora_rank=0, load_in_4bit=False, gradient_checkpointing=False)
+    try:
+        model = load_causal_lm(cfg, CPU if offload else world.device)
+    except ConfigError as err:
+        raise ConfigError(f"{flag} {path}: {err}") from err
+    if not offload:
+        model = parallelize(model, dist_cfg, world, resolve_dtype(model_cfg.param_dtype, world.device))
+    return FrozenModel(model, world.device, offload)
+
+
+def build_reference(
+    policy: nn.Module,
+    model_cfg: ModelConfig,
+    ref_cfg: ReferenceConfig,
+    dist_cfg: DistributedConfig,
+    world: World,
+) -> Reference:
+    """The reference for DPO/KTO as ``ReferenceConfig`` describes (see the module docstring)."""
+    same_base = ref_cfg.ref_pretrain in (None, model_cfg.pretrain)
+    if model_cfg.lora_rank > 0 and same_base:
+        if ref_cfg.ref_offload:
+            raise ConfigError(
+                "--ref_offload has nothing to offload with --lora_rank: the reference is the policy's own "
+                "base model with adapters disabled (give a different --ref_pretrain to load a copy)"
+            )
+        return DisabledAdapters(policy)
+    path = ref_cfg.ref_pretrain or model_cfg.pretrain
+    frozen = load_frozen(path, model_cfg, ref_cfg.ref_offload, dist_cfg, world, "--ref_pretrain")
+    check_same_vocab(policy, frozen.model, f"--ref_pretrain {path}")
+    return frozen
+
+
+def check_same_vocab(policy: nn.Module, other: nn.Module, what: str) -> None:
+    """Log-probs are compared token by token, so both models must share the vocabulary."""
+    a, b = policy.get_output_embeddings().weight.shape[0], other.get_output_embeddings().weight.shape[0]
+    if a != b:
+        raise ConfigError(
+            f"{what}: vocabulary size {b} differs from the policy's {a}; use the same tokenizer"
+        )
+
+
+def sequence_logps(model: nn.Module, batch: dict, precision: Precision, **forward_kwargs):
+    """Per-sample sums of log-probs over ``loss_mask`` tokens ``[B]``, their token counts ``[B]``,
+    and the forward outputs. Packed rows are split by ``segment_ids``."""
+    with precision.autocast():
+        logprobs, outputs = token_logprobs(model, batch, **forward_kwargs)
+    mask = batch["loss_mask"].to(logprobs.dtype)
+    picked = logprobs * mask
+    if "segment_ids" not in batch:
+        return picked.sum(-1), mask.sum(-1), outputs
+    segments = batch["segment_ids"][0]
+    n = int(batch["seq_lens"].numel())
+    sums = picked.new_zeros(n).index_add(0, segments, picked[0])
+    counts = mask.new_zeros(n).index_add(0, segments, mask[0])
+    return sums, counts, outputs
+
+
+def moe_aux_term(outputs, coef: float, share: float) -> torch.Tensor | None:
+    """``--aux_loss_coef`` × the MoE load-balancing loss, weighted by this micro-batch's ``share``
+    of the step (so accumulation leaves the update unchanged); ``None`` when the coefficient is 0."""
+    if coef <= 0:
+        return None
+    aux = getattr(outputs, "aux_loss", None)
+    if aux is None:
+        raise ConfigError("--aux_loss_coef > 0 needs a mixture-of-experts model that returns aux_loss")
+    return coef * aux * share
+
+
+def aux_forward_kwargs(coef: float) -> dict:
+    return {"output_router_logits": True} if coef > 0 else {}
