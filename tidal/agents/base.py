@@ -1,0 +1,201 @@
+"""The agent interfaces users write against (seed-compatible) and the ``Trajectory`` they produce.
+
+- ``AgentInstanceBase``: one environment episode, with async ``reset(states)`` and ``step(states)``.
+  Its ``__init__`` may be ``async def`` (the seed's example declares it so); ``create_instance``
+  handles both kinds.
+- ``AgentExecutorBase``: turns prompts into trajectories. Subclasses implement ``execute`` for ONE
+  sample; ``run`` executes ``n`` samples per prompt concurrently under asyncio, all sharing one
+  ``LLMClient`` that batches their generation requests into single engine calls.
+
+Token-in-token-out: a trajectory is built from token ids (prompt ids, then the engine's sampled ids and
+the tokenized environment feedback); generated text is never re-tokenized, so the trainer scores
+exactly the tokens that were sampled.
+
+Prompt tokenization follows ``tidal.data.templates``: plain text is tokenized with
+``add_special_tokens=True`` (a Llama-style tokenizer adds bos once), chat-rendered text with
+``add_special_tokens=False``. Executors read ``self.add_special_tokens`` (default True); a trainer
+that renders prompts with a chat template sets it to False.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import inspect
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tidal.rollout.sampler import sequence_seed
+from tidal.rollout.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tidal.agents.client import LLMClient
+
+
+class AgentError(RuntimeError):
+    """An agent or executor failed or returned something unusable; the message names its class and file."""
+
+
+class AgentInstanceBase:
+    """One episode of an environment. Override ``reset`` and ``step`` (both async)."""
+
+    async def reset(self, states: dict, **kwargs) -> dict:
+        """``states``: ``observation`` (the prompt) and ``label``. Return ``{"observation": str}``."""
+        return {"observation": states["observation"]}
+
+    async def step(self, states: dict, **kwargs) -> dict:
+        """``states``: ``observation_text`` (context before the action), ``action_text``, ``label``,
+        ``sampling_params``. Return ``rewards``, ``scores``, ``environment_feedback`` (str appended to the
+        context), ``done`` and optionally ``sampling_params`` (for the next turn) and ``extra_logs``."""
+        raise NotImplementedError
+
+
+async def create_instance(cls: type, kwargs: dict | None = None) -> Any:
+    """Instantiate ``cls``, awaiting its ``__init__`` when it is ``async def`` (Python cannot call those)."""
+    kwargs = kwargs or {}
+    if inspect.iscoroutinefunction(cls.__init__):
+        instance = cls.__new__(cls)
+        await instance.__init__(**kwargs)
+        return instance
+    return cls(**kwargs)
+
+
+def describe(obj_or_cls: Any) -> str:
+    """``ClassName (path/to/file.py)`` for error messages."""
+    cls = obj_or_cls if isinstance(obj_or_cls, type) else type(obj_or_cls)
+    try:
+        source = inspect.getsourcefile(cls)
+    except TypeError:
+        source = None
+    return f"{cls.__qualname__} ({source})" if source else cls.__qualname__
+
+
+@dataclass
+class Trajectory:
+    """One sample: the prompt and everything after it, as the token ids the trainer will score."""
+
+    prompt: str
+    label: Any
+    token_ids: list[int]  # prompt ids + every action and environment-feedback token
+    action_mask: list[int]  # 1 on tokens the policy generated, 0 on prompt and feedback tokens
+    rollout_logprobs: list[float]  # the engine's log-prob on action tokens, 0.0 elsewhere
+    prompt_len: int
+    response_text: str  # everything after the prompt, decoded
+    reward: float | None = None  # None: single-turn, scored afterwards by a RewardSource
+    score: float | None = None
+    extra_logs: dict[str, float] = field(default_factory=dict)
+    finish_reason: str = "stop"  # "stop" / "length" (engine, single-turn); "done" / "length" (agents)
+    num_turns: int = 1
+
+    @property
+    def response_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    def check(self) -> None:
+        """Raise ValueError when the per-token lists disagree (a custom ``execute`` got them wrong)."""
+        n = len(self.token_ids)
+        if len(self.action_mask) != n or len(self.rollout_logprobs) != n:
+            raise ValueError(
+                f"token_ids ({n}), action_mask ({len(self.action_mask)}) and rollout_logprobs "
+                f"({len(self.rollout_logprobs)}) must have the same length"
+            )
+        if not 0 < self.prompt_len <= n or any(self.action_mask[: self.prompt_len]):
+            raise ValueError(f"prompt_len {self.prompt_len} must be in [1, {n}] and prompt tokens unmasked")
+        if not any(self.action_mask):
+            raise ValueError("the trajectory has no action tokens")
+
+
+def with_params(params: SamplingParams, **changes) -> SamplingParams:
+    """``dataclasses.replace`` keeping the vLLM aliases in step: ``max_tokens`` would otherwise override
+    a new ``max_new_tokens`` in ``SamplingParams.__post_init__``."""
+    for name, alias in (("max_new_tokens", "max_tokens"), ("min_new_tokens", "min_tokens")):
+        if alias in changes:
+            changes[name] = changes.pop(alias)
+        if name in changes:
+            changes[alias] = changes[name]
+    return dataclasses.replace(params, **changes)
+
+
+def sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Params for sample ``index`` of a batch: n=1 and, when seeded, a distinct seed per sample."""
+    seed = None if params.seed is None else sequence_seed(params.seed, index)
+    return with_params(params, n=1, seed=seed)
+
+
+class AgentExecutorBase(abc.ABC):
+    """Turns prompts into ``Trajectory``s. Override ``execute`` (one sample); call ``run`` (a batch)."""
+
+    add_special_tokens: bool = True  # set False when prompts are chat-rendered (see the module doc)
+
+    @abc.abstractmethod
+    async def execute(
+        self,
+        prompt: str,
+        label: Any,
+        sampling_params: SamplingParams,
+        llm: LLMClient,
+        tokenizer,
+        max_length: int,
+    ) -> Trajectory:
+        """Produce one trajectory of at most ``max_length`` tokens; ``sampling_params.n`` is 1."""
+
+    def encode_prompt(self, tokenizer, text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=self.add_special_tokens)["input_ids"])
+
+    def run(
+        self,
+        llm_engine,
+        tokenizer,
+        prompts: list[str],
+        labels: list,
+        sampling_params: SamplingParams,
+        max_length: int,
+    ) -> list[Trajectory]:
+        """``sampling_params.n`` trajectories per prompt, prompt-major (prompt 0's n samples first)."""
+        coro = self.arun(llm_engine, tokenizer, prompts, labels, sampling_params, max_length)
+        return run_coroutine(coro)
+
+    async def arun(self, llm_engine, tokenizer, prompts, labels, sampling_params, max_length):
+        """``run`` for callers already inside an event loop."""
+        from tidal.agents.client import LLMClient
+
+        if len(prompts) != len(labels):
+            raise ValueError(f"got {len(prompts)} prompts and {len(labels)} labels")
+        client = LLMClient(llm_engine)
+        n = sampling_params.n
+        jobs = [
+            self._execute_checked(
+                prompt, label, sample_params(sampling_params, i * n + j), client, tokenizer, max_length
+            )
+            for i, (prompt, label) in enumerate(zip(prompts, labels, strict=True))
+            for j in range(n)
+        ]
+        return list(await asyncio.gather(*jobs))
+
+    async def _execute_checked(self, prompt, label, params, client, tokenizer, max_length) -> Trajectory:
+        trajectory = await self.execute(prompt, label, params, client, tokenizer, max_length)
+        if not isinstance(trajectory, Trajectory):
+            raise AgentError(
+                f"{describe(self)}.execute returned a {type(trajectory).__name__}, not a Trajectory"
+            )
+        try:
+            trajectory.check()
+        except ValueError as err:
+            raise AgentError(f"{describe(self)}.execute returned a malformed Trajectory: {err}") from err
+        if len(trajectory.token_ids) > max_length:
+            raise AgentError(
+                f"{describe(self)}.execute returned {len(trajectory.token_ids)} tokens; max_length is {max_length}"
+            )
+        return trajectory
+
+
+def run_coroutine(coro):
+    """``asyncio.run`` that also works when called from inside a running loop (it then uses a thread)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()

@@ -1,0 +1,215 @@
+"""``MultiTurnAgentExecutor``: run an ``AgentInstanceBase`` environment for several turns per sample.
+
+Per sample: create the instance, ``reset({"observation": prompt, "label": label})``, tokenize the
+observation (the prompt rule of ``AgentExecutorBase.encode_prompt``), then loop:
+
+1. generate an action from the current token ids (``max_new_tokens`` capped by what is left of
+   ``max_length``) and append its ids (action_mask 1, the engine's log-probs);
+2. ``step({"observation_text", "action_text", "label", "sampling_params"})``;
+3. append the tokenized ``environment_feedback`` (``add_special_tokens=False``; action_mask 0);
+4. stop when the step says ``done`` (finish_reason "done") or the context reaches ``max_length``
+   (finish_reason "length"; the last feedback is truncated to fit). A returned ``sampling_params``
+   applies from the next turn on.
+
+Reward and score are those of the LAST step, as in OpenRLHF: environments that reward only at the
+end return 0 before, and per-step shaping can be accumulated inside the environment. ``extra_logs``
+are averaged over the steps that report each key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tidal.agents.base import (
+    AgentError,
+    AgentExecutorBase,
+    Trajectory,
+    create_instance,
+    describe,
+    with_params,
+)
+from tidal.rewards.base import RewardError, to_scalar_logs
+from tidal.rollout.sampler import sequence_seed
+from tidal.rollout.sampling_params import SamplingParams
+
+_REQUIRED = ("rewards", "environment_feedback", "done")
+
+
+@dataclass
+class StepResult:
+    """A validated ``step`` answer."""
+
+    reward: float
+    score: float
+    feedback: str
+    done: bool
+    sampling_params: SamplingParams | None = None
+    extra_logs: dict[str, float] = field(default_factory=dict)
+
+
+class MultiTurnAgentExecutor(AgentExecutorBase):
+    """Executes ``agent_instance_cls`` episodes; the seed's ``AgentExecutor`` subclasses this."""
+
+    def __init__(self, agent_instance_cls: type, instance_kwargs: dict | None = None):
+        if not isinstance(agent_instance_cls, type):
+            raise TypeError(f"MultiTurnAgentExecutor needs an agent class, got {agent_instance_cls!r}")
+        self.agent_instance_cls = agent_instance_cls
+        self.instance_kwargs = dict(instance_kwargs or {})
+
+    async def execute(self, prompt, label, sampling_params, llm, tokenizer, max_length) -> Trajectory:
+        agent = await self._call(create_instance(self.agent_instance_cls, self.instance_kwargs), "__init__")
+        observation = await self._reset(agent, prompt, label)
+        ids = self.encode_prompt(tokenizer, observation)
+        if len(ids) >= max_length:
+            raise AgentError(
+                f"{describe(agent)}: the observation from reset has {len(ids)} tokens, leaving no room "
+                f"for an action under max_length={max_length}"
+            )
+        prompt_len, text, params = len(ids), observation, sampling_params
+        mask, logprobs, steps, done = [0] * prompt_len, [0.0] * prompt_len, [], False
+        while len(ids) < max_length and not done:
+            turn_params = _turn_params(params, max_length - len(ids), len(steps))
+            output = await llm.generate(ids, turn_params)
+            action_text = _action_text(output, llm, tokenizer, turn_params)
+            ids, mask, logprobs = (
+                ids + output.token_ids,
+                mask + [1] * len(output.token_ids),
+                logprobs + output.logprobs,
+            )
+            states = {
+                "observation_text": text,
+                "action_text": action_text,
+                "label": label,
+                "sampling_params": params,
+            }
+            result = await self._step(agent, states, params)
+            feedback = list(tokenizer(result.feedback, add_special_tokens=False)["input_ids"])
+            ids, mask, logprobs = ids + feedback, mask + [0] * len(feedback), logprobs + [0.0] * len(feedback)
+            text, done = text + action_text + result.feedback, result.done
+            params = result.sampling_params or params
+            steps.append(result)
+        ids, mask, logprobs = ids[:max_length], mask[:max_length], logprobs[:max_length]
+        return Trajectory(
+            prompt=prompt,
+            label=label,
+            token_ids=ids,
+            action_mask=mask,
+            rollout_logprobs=logprobs,
+            prompt_len=prompt_len,
+            response_text=tokenizer.decode(
+                ids[prompt_len:], skip_special_tokens=sampling_params.skip_special_tokens
+            ),
+            reward=steps[-1].reward,
+            score=steps[-1].score,
+            extra_logs=_mean_logs([s.extra_logs for s in steps]),
+            finish_reason="done" if done else "length",
+            num_turns=len(steps),
+        )
+
+    async def _call(self, awaitable, what: str):
+        try:
+            return await awaitable
+        except AgentError:
+            raise
+        except Exception as err:
+            raise AgentError(
+                f"{describe(self.agent_instance_cls)}.{what} raised {type(err).__name__}: {err}"
+            ) from err
+
+    async def _reset(self, agent, prompt: str, label: Any) -> str:
+        answer = await self._call(agent.reset({"observation": prompt, "label": label}), "reset")
+        observation = answer.get("observation") if isinstance(answer, dict) else None
+        if not isinstance(observation, str) or not observation:
+            raise AgentError(
+                f"{describe(agent)}.reset returned {_show(answer)}; expected a dict with a non-empty "
+                "str 'observation'"
+            )
+        return observation
+
+    async def _step(self, agent, states: dict, params: SamplingParams) -> StepResult:
+        answer = await self._call(agent.step(states), "step")
+        try:
+            return _validate_step(answer, params)
+        except (TypeError, ValueError, RewardError) as err:
+            raise AgentError(f"{describe(agent)}.step returned {_show(answer)}: {err}") from err
+
+
+def _turn_params(params: SamplingParams, room: int, turn: int) -> SamplingParams:
+    """This turn's params: n=1, at most ``room`` new tokens, and a per-turn seed when seeded (the
+    engine's noise depends on (seed, position), so reusing one seed would repeat it every turn)."""
+    max_new = min(params.max_new_tokens, room)
+    seed = None if params.seed is None else sequence_seed(params.seed, turn)
+    return with_params(
+        params, n=1, max_new_tokens=max_new, min_new_tokens=min(params.min_new_tokens, max_new), seed=seed
+    )
+
+
+def _action_text(output, llm, tokenizer, params: SamplingParams) -> str:
+    """The engine's text (cut at stop strings) when it has a tokenizer; else decoded here."""
+    if getattr(llm, "tokenizer", None) is not None:
+        return output.text
+    return tokenizer.decode(output.token_ids, skip_special_tokens=params.skip_special_tokens)
+
+
+def _validate_step(answer: Any, params: SamplingParams) -> StepResult:
+    if not isinstance(answer, dict):
+        raise TypeError(f"expected a dict with keys {list(_REQUIRED)}")
+    missing = [k for k in _REQUIRED if k not in answer]
+    if missing:
+        raise ValueError(f"missing keys {missing}")
+    feedback = answer["environment_feedback"]
+    if not isinstance(feedback, str):
+        raise TypeError(f"environment_feedback must be a str, got {type(feedback).__name__}")
+    reward = _scalar(answer["rewards"], "rewards")
+    score = reward if answer.get("scores") is None else _scalar(answer["scores"], "scores")
+    return StepResult(
+        reward=reward,
+        score=score,
+        feedback=feedback,
+        done=_flag(answer["done"]),
+        sampling_params=_params(answer.get("sampling_params"), params),
+        extra_logs=to_scalar_logs(answer.get("extra_logs") or {}, "extra_logs"),
+    )
+
+
+def _scalar(value: Any, name: str) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be one number, got a tensor of shape {list(value.shape)}")
+        return float(value.item())
+    if value is None or isinstance(value, (str, bytes, list, tuple, dict)):
+        raise TypeError(f"{name} must be a number or a one-element tensor, got {type(value).__name__}")
+    return float(value)
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return bool(value.item())
+    if isinstance(value, bool) or type(value).__name__ == "bool_" or isinstance(value, int):
+        return bool(value)
+    raise TypeError(f"done must be a bool, got {type(value).__name__} {value!r}")
+
+
+def _params(value: Any, current: SamplingParams) -> SamplingParams | None:
+    if value is None:
+        return None
+    if isinstance(value, SamplingParams):
+        return value
+    if isinstance(value, dict):
+        return with_params(current, **value)
+    raise TypeError(
+        f"sampling_params must be a SamplingParams, a dict of its fields or None, got {type(value).__name__}"
+    )
+
+
+def _mean_logs(per_step: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for logs in per_step for k in logs}
+    return {k: sum(v) / len(v) for k in keys for v in [[logs[k] for logs in per_step if k in logs]]}
+
+
+def _show(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
