@@ -54,6 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="timed runs per engine (best is reported)")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     return p.parse_args(argv)
 
 
@@ -92,6 +93,8 @@ def main(argv=None) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:

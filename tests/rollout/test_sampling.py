@@ -16,14 +16,14 @@ from tidal.rollout.sampler import Sampler, SamplingTensors, truncate_logits, uni
 def _tensors(rows: int, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, vocab=4) -> SamplingTensors:
     full = lambda v, dtype=torch.float32: torch.full((rows,), v, dtype=dtype)  # noqa: E731
     return SamplingTensors(
+        all_greedy=temperature == 0,
+        any_truncation=top_k > 0 or top_p < 1 or min_p > 0,
         temperatures=full(temperature),
         top_k=full(top_k if top_k > 0 else vocab, torch.int64),
         top_p=full(top_p),
         min_p=full(min_p),
         seeds=torch.arange(rows, dtype=torch.int64) * 7919,
         positions=torch.zeros(rows, dtype=torch.int64),
-        all_greedy=temperature == 0,
-        any_truncation=top_k > 0 or top_p < 1 or min_p > 0,
     )
 
 

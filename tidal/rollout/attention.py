@@ -28,6 +28,7 @@ class AttentionMetadata:
     # prefill: flat token index of each padded position, and which padded positions are real
     pad_index: torch.Tensor | None = None  # [batch, max_len]
     pad_valid: torch.Tensor | None = None  # [batch, max_len] bool
+    unpad_index: torch.Tensor | None = None  # [num_tokens] padded position of each flat token
     # decode
     block_tables: torch.Tensor | None = None  # [batch, max_blocks]
     context_lens: torch.Tensor | None = None  # [batch]
@@ -77,8 +78,10 @@ def prefill_attention(q, k, v, meta: AttentionMetadata, window: int | None, scal
 def decode_attention(q, layer_cache: torch.Tensor, meta: AttentionMetadata, window: int | None, scale: float):
     """q [batch, heads, d] against the paged cache -> [batch, heads * d]."""
     batch, num_kv, head_dim = q.shape[0], layer_cache.shape[-2], layer_cache.shape[-1]
-    kv = layer_cache[:, meta.block_tables]  # [2, batch, max_blocks, block_size, kv_heads, d]
-    kv = kv.reshape(2, batch, -1, num_kv, head_dim).transpose(2, 3)  # [2, batch, kv_heads, slots, d]
+    blocks = layer_cache.flatten(2).index_select(
+        1, meta.block_tables.view(-1)
+    )  # [2, batch * max_blocks, ...]
+    kv = blocks.view(2, batch, -1, num_kv, head_dim).transpose(2, 3)  # [2, batch, kv_heads, slots, d]
     out = F.scaled_dot_product_attention(
         q[:, :, None, :], kv[0], kv[1], attn_mask=meta.mask(window), scale=scale, enable_gqa=True
     )

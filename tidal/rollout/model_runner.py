@@ -93,6 +93,7 @@ class ModelRunner:
             kv_cache=self.kv_cache,
             pad_index=pad_index,
             pad_valid=valid,
+            unpad_index=valid.view(-1).nonzero().view(-1),
         )
         rows = self._tensor([i for i, group in enumerate(groups) for _ in group])
         return self._tensor(input_ids), self._tensor(positions), meta, starts + lens_t - 1, rows
@@ -122,17 +123,23 @@ class ModelRunner:
             for token in self._stop_ids(seq)
             if token < vocab
         ]
+        suppress_rows = self._tensor([r for r, _ in suppress]) if suppress else None
+        suppress_tokens = self._tensor([t for _, t in suppress]) if suppress else None
+        if all(p.greedy for p in params):
+            return SamplingTensors(
+                all_greedy=True, suppress_rows=suppress_rows, suppress_tokens=suppress_tokens
+            )
         return SamplingTensors(
+            all_greedy=False,
+            any_truncation=any(p.needs_truncation and not p.greedy for p in params),
             temperatures=self._tensor([p.temperature for p in params], torch.float32),
             top_k=self._tensor([p.top_k if p.top_k > 0 else vocab for p in params]),
             top_p=self._tensor([p.top_p for p in params], torch.float32),
             min_p=self._tensor([p.min_p for p in params], torch.float32),
             seeds=self._tensor([seq.noise_seed for seq in seqs]),
             positions=self._tensor([seq.num_output_tokens for seq in seqs]),
-            all_greedy=all(p.greedy for p in params),
-            any_truncation=any(p.needs_truncation and not p.greedy for p in params),
-            suppress_rows=self._tensor([r for r, _ in suppress]) if suppress else None,
-            suppress_tokens=self._tensor([t for _, t in suppress]) if suppress else None,
+            suppress_rows=suppress_rows,
+            suppress_tokens=suppress_tokens,
         )
 
     def _stop_ids(self, seq: Sequence) -> list[int]:

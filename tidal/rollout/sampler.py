@@ -41,16 +41,19 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
 
 @dataclass
 class SamplingTensors:
-    """Per-row sampling settings as device tensors (built once per step by the model runner)."""
+    """Per-row sampling settings as device tensors (built once per step by the model runner).
 
-    temperatures: torch.Tensor  # [rows] float32; 0 = greedy
-    top_k: torch.Tensor  # [rows] int64; vocab size when off
-    top_p: torch.Tensor  # [rows] float32
-    min_p: torch.Tensor  # [rows] float32
-    seeds: torch.Tensor  # [rows] int64, 32-bit values
-    positions: torch.Tensor  # [rows] int64, index of the output token being sampled
+    When every row is greedy only ``suppress_*`` may be set: the sampler then needs nothing else.
+    """
+
     all_greedy: bool
-    any_truncation: bool
+    any_truncation: bool = False
+    temperatures: torch.Tensor | None = None  # [rows] float32; 0 = greedy
+    top_k: torch.Tensor | None = None  # [rows] int64; vocab size when off
+    top_p: torch.Tensor | None = None  # [rows] float32
+    min_p: torch.Tensor | None = None  # [rows] float32
+    seeds: torch.Tensor | None = None  # [rows] int64, 32-bit values
+    positions: torch.Tensor | None = None  # [rows] int64, index of the output token being sampled
     suppress_rows: torch.Tensor | None = (
         None  # with suppress_tokens: (row, token) pairs that cannot be sampled
     )
@@ -75,10 +78,10 @@ class Sampler:
     """Stateless: all randomness comes from the per-row seeds in ``SamplingTensors``."""
 
     def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = logits.float()
-        greedy = st.temperatures == 0
-        temps = torch.where(greedy, torch.ones_like(st.temperatures), st.temperatures)
-        scaled = logits / temps[:, None]
+        scaled = logits.float()
+        if not st.all_greedy:
+            greedy = st.temperatures == 0
+            scaled = scaled / torch.where(greedy, 1.0, st.temperatures)[:, None]
         logprobs = scaled.log_softmax(dim=-1)
         if st.suppress_rows is not None:
             scaled = scaled.index_put((st.suppress_rows, st.suppress_tokens), torch.tensor(float("-inf")))

@@ -129,13 +129,16 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        num_q = self.split[0]
+        qk = qkv[:, : num_q + self.split[1]].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        # Rotating q and k heads together halves the (launch-bound) RoPE ops.
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, num_q + self.split[1] :].view(-1, self.num_kv_heads, self.head_dim)
         layer_cache = None if meta.kv_cache is None else meta.kv_cache[self.layer_idx]
         if layer_cache is not None:
             store_kv(layer_cache, k, v, meta.slot_mapping)
@@ -204,7 +207,8 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, logits_index=None) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
+        cos = self.rope_cos.index_select(0, positions).to(x.dtype)
+        sin = self.rope_sin.index_select(0, positions).to(x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, meta)
         if logits_index is not None:  # prefill needs logits of each sequence's last token only
