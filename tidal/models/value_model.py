@@ -1,0 +1,198 @@
+"""Reward and value models: a HF ``*ForSequenceClassification`` model (``num_labels=1``) whose head is
+applied to every hidden state.
+
+``load_value_model`` loads ``AutoModelForSequenceClassification`` (from a causal LM the head starts
+random, as in OpenRLHF) and mixes ``ValueHeadMixin`` into its class, which adds:
+
+- ``forward(input_ids, attention_mask, position_ids)`` → per-token values ``[B, T]`` (float32);
+- ``values(batch)`` the same for a collated batch, padded or packed (``tidal.models.forward``); the
+  PPO critic uses it;
+- ``scores(batch)`` → ``[B]`` the value at the last real token of each row (the rightmost position
+  with ``attention_mask == 1``, so left and right padding both work) or, for a packed row, of each
+  segment; with ``normalize_reward`` it returns ``(score − config.mean) / config.std``.
+
+``forward`` is overridden (rather than calling the base model from ``values``) so that FSDP2's hooks
+on the root module, which gather the head and the embeddings, run.
+
+The head is the attribute named by ``--value_head_prefix`` (default ``score``, the name HF uses).
+The state dict therefore is exactly the HF one: a model saved with prefix ``score`` loads with
+``AutoModelForSequenceClassification.from_pretrained`` and gives the same scores, provided the
+config's ``pad_token_id`` is the tokenizer's (HF pools at the rightmost non-pad token). Another
+prefix is saved as ``<prefix>.weight`` and mapped back to ``score`` on load (``key_mapping``).
+Training writes ``value_head_prefix``, ``mean`` and ``std`` into the config (``reward_config``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import Tensor, nn
+
+from tidal.config.args import ConfigError
+from tidal.config.model import ModelConfig
+from tidal.logging import get_logger
+from tidal.models.forward import model_inputs
+from tidal.models.loading import _quantization_config, apply_lora
+
+log = get_logger(__name__)
+
+HF_HEAD = "score"
+
+
+class ValueHeadMixin:
+    """Per-token values and per-sequence scores for a HF sequence-classification model."""
+
+    value_head_prefix: str = HF_HEAD
+    normalize_reward: bool = False
+    reward_mean: float = 0.0
+    reward_std: float = 1.0
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs) -> Tensor:
+        # peft's sequence-classification wrapper passes HF keyword arguments we have no use for.
+        for unused in ("labels", "output_attentions", "output_hidden_states", "return_dict", "task_ids"):
+            kwargs.pop(unused, None)
+        base = getattr(self, self.base_model_prefix)
+        hidden = base(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            **kwargs,
+        ).last_hidden_state
+        return getattr(self, self.value_head_prefix)(hidden).squeeze(-1).float()
+
+    def values(self, batch: dict) -> Tensor:
+        """Per-token values ``[B, T]`` of a padded or packed batch."""
+        return self(**model_inputs(self, batch))
+
+    def scores(self, batch: dict) -> Tensor:
+        """One value per sequence: ``[B]`` (padded) or ``[num_segments]`` (packed)."""
+        return self.normalize(last_token_values(self.values(batch), batch))
+
+    def normalize(self, rewards: Tensor) -> Tensor:
+        if not self.normalize_reward:
+            return rewards
+        return (rewards - self.reward_mean) / self.reward_std
+
+
+def last_token_values(values: Tensor, batch: dict) -> Tensor:
+    """The value at the last real token of each row (padded) or segment (packed)."""
+    if "segment_ids" in batch:
+        ends = batch["seq_lens"].to(values.device).cumsum(0) - 1
+        return values[0, ends]
+    mask = batch["attention_mask"].to(values.device)
+    positions = torch.arange(mask.shape[-1], device=values.device)
+    last = (positions * (mask != 0)).argmax(-1)
+    return values[torch.arange(values.shape[0], device=values.device), last]
+
+
+def attach_value_head(model: nn.Module, value_head_prefix: str = HF_HEAD) -> nn.Module:
+    """Give a HF sequence-classification model ``ValueHeadMixin``'s methods; (re)name its head."""
+    cls = type(model)
+    if not isinstance(model, ValueHeadMixin):
+        # Same class name, so save_pretrained still records the HF architecture in config.json.
+        model.__class__ = type(cls.__name__, (ValueHeadMixin, cls), {"__module__": cls.__module__})
+    current = model.value_head_prefix  # "score" (HF's name) until renamed
+    if value_head_prefix != current:
+        head = getattr(model, current)
+        delattr(model, current)
+        model.add_module(value_head_prefix, head)
+    model.value_head_prefix = value_head_prefix
+    return model
+
+
+def load_value_model(
+    cfg: ModelConfig,
+    device: torch.device,
+    value_head_prefix: str = HF_HEAD,
+    path: str | None = None,
+    normalize_reward: bool = False,
+) -> nn.Module:
+    """Load a reward/value model in float32 (see the module doc), with checkpointing and LoRA."""
+    model = _from_pretrained(cfg, path or cfg.pretrain, value_head_prefix)
+    attach_value_head(model, value_head_prefix)
+    if normalize_reward:
+        _enable_normalization(model, path or cfg.pretrain)
+    if not cfg.load_in_4bit:
+        model.to(device)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": cfg.gradient_checkpointing_use_reentrant}
+        )
+    if cfg.lora_rank > 0:
+        model = _lora(model, cfg, value_head_prefix)
+    return model
+
+
+def _from_pretrained(cfg: ModelConfig, source: str, value_head_prefix: str) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value_head_prefix):
+        raise ConfigError(f"--value_head_prefix {value_head_prefix!r} must be a Python identifier")
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except OSError as err:
+        raise ConfigError(f"cannot load a model config from {source} ({err})") from err
+    saved = getattr(config, "value_head_prefix", None)
+    if saved is not None and saved != value_head_prefix:
+        raise ConfigError(
+            f"{source} was saved with --value_head_prefix {saved}, not {value_head_prefix}: "
+            f"pass --value_head_prefix {saved}"
+        )
+    config.num_labels = 1
+    config.use_cache = False
+    kwargs: dict = {"config": config, "dtype": torch.float32, "attn_implementation": cfg.attn_implementation}
+    if value_head_prefix != HF_HEAD:
+        kwargs["key_mapping"] = {rf"^{value_head_prefix}\.": f"{HF_HEAD}."}
+    if cfg.load_in_4bit:
+        kwargs["quantization_config"] = _quantization_config()
+    try:
+        return AutoModelForSequenceClassification.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"cannot load a sequence-classification model from {source} ({err})") from err
+
+
+def _enable_normalization(model: nn.Module, source: str) -> None:
+    mean, std = getattr(model.config, "mean", None), getattr(model.config, "std", None)
+    if mean is None or std is None:
+        raise ConfigError(
+            f"--normalize_reward: {source} has no reward mean/std in its config "
+            "(train the reward model with --normalize_reward to store them)"
+        )
+    if not std > 0:
+        raise ConfigError(f"--normalize_reward: {source} stores a non-positive reward std {std}")
+    model.normalize_reward, model.reward_mean, model.reward_std = True, float(mean), float(std)
+
+
+def _lora(model: nn.Module, cfg: ModelConfig, value_head_prefix: str) -> nn.Module:
+    """LoRA adapters on the body; peft's SEQ_CLS task keeps a head named ``score`` fully trainable and
+    saves it with the adapters, so LoRA goes on while the head is still called ``score``."""
+    inner = model
+    if value_head_prefix != HF_HEAD:
+        attach_value_head(inner, HF_HEAD)
+    lora_model = apply_lora(model, cfg, task_type="SEQ_CLS")
+    if value_head_prefix != HF_HEAD:
+        attach_value_head(inner, value_head_prefix)  # the wrapped head keeps its trainable copy
+        peft_config = lora_model.peft_config["default"]
+        peft_config.modules_to_save = [
+            value_head_prefix if name == HF_HEAD else name for name in peft_config.modules_to_save
+        ]
+    if cfg.gradient_checkpointing:
+        lora_model.enable_input_require_grads()
+    return lora_model
+
+
+def reward_config(model: nn.Module, tokenizer, mean: float | None = None, std: float | None = None) -> dict:
+    """Config fields a trained reward model is saved with (see the module doc)."""
+    fields = {"value_head_prefix": getattr(model, "value_head_prefix", HF_HEAD)}
+    # HF pools at the rightmost token that is not pad_token_id, so it must be the tokenizer's pad.
+    fields["pad_token_id"] = tokenizer.pad_token_id
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+        log.warning(
+            "pad token == eos token: AutoModelForSequenceClassification will score the token before "
+            "a trailing eos, while tidal scores the eos itself"
+        )
+    if mean is not None and std is not None:
+        fields["mean"], fields["std"] = float(mean), float(std)
+    return fields

@@ -1,0 +1,203 @@
+"""Reward-model training on preference pairs (Bradley–Terry; InstructGPT, arXiv 2203.02155).
+
+``RMObjective`` scores the chosen and rejected sequences of each pair with the value model
+(``tidal.models.value_model``: the head's value at the last token) and applies a pairwise loss from
+``RM_LOSSES`` (``--loss sigmoid`` uses the dataset's ``margin`` column, as Llama 2). Metrics: loss,
+accuracy (chosen scored above rejected), mean reward gap and mean chosen/rejected rewards; the eval
+set gets the same ones under ``eval/``.
+
+``--normalize_reward``: after training, the mean and standard deviation of the model's rewards (chosen
+and rejected) over the eval set, or the training set without one, are written into the saved
+config (``mean``, ``std``); loading the model with ``--normalize_reward`` (PPO, ``serve_rm``) then
+returns ``(reward − mean) / std``. The final folder loads with ``AutoModelForSequenceClassification``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tidal.algorithms.preference import RM_LOSSES
+from tidal.config import (
+    CheckpointConfig,
+    ConfigError,
+    DatasetConfig,
+    DistributedConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    arg,
+)
+from tidal.data import load_dataset_spec
+from tidal.data.pairs import PairDataConfig, PairSample, build_pair_samples, collate_pairs
+from tidal.distributed import World, init_world
+from tidal.logging import LoggingConfig, get_logger
+from tidal.models import Precision, load_tokenizer
+from tidal.models.value_model import load_value_model, reward_config
+from tidal.trainers.loop import SupervisedTrainer, reduce_metrics, to_device
+from tidal.trainers.sft import build_optimization
+
+log = get_logger(__name__)
+
+
+@dataclass
+class RMConfig:
+    """Reward model: pairwise loss, value head name and reward normalisation."""
+
+    loss: str = arg(
+        "sigmoid", help="pairwise loss (sigmoid uses the 'margin' column)", choices=tuple(RM_LOSSES)
+    )
+    value_head_prefix: str = arg("score", help="attribute name of the value head (score: HF's name)")
+    normalize_reward: bool = arg(
+        False, help="store the reward mean/std (eval set, else train set) in the saved config"
+    )
+
+
+@dataclass
+class RMObjective:
+    """Pairwise loss summed over pairs, divided by the step's pair count."""
+
+    pad_id: int
+    loss_fn: Callable[..., torch.Tensor]
+    packing: bool = False
+    use_margin: bool = True
+
+    def weight(self, sample: PairSample) -> float:
+        return 1.0
+
+    def collate(self, samples: Sequence[PairSample]) -> dict:
+        batch = collate_pairs(list(samples), self.pad_id, self.packing)
+        batch["num_tokens"] = sum(len(s.chosen_ids) + len(s.rejected_ids) for s in samples)
+        return batch
+
+    def loss(self, model: nn.Module, batch: dict, normaliser: float, precision: Precision):
+        with precision.autocast():
+            rewards = model.scores(batch)
+        chosen, rejected = rewards.float().chunk(2)
+        per_pair = self.loss_fn(chosen, rejected, batch["margin"] if self.use_margin else None)
+        loss = per_pair.sum() / normaliser
+        gap = (chosen - rejected).detach()
+        metrics = {
+            "loss": loss.detach(),
+            "acc": (gap > 0).float().sum() / normaliser,
+            "reward_gap": gap.sum() / normaliser,
+            "chosen_reward": chosen.detach().sum() / normaliser,
+            "rejected_reward": rejected.detach().sum() / normaliser,
+        }
+        return loss, metrics
+
+
+class RewardModelTrainer(SupervisedTrainer):
+    """The supervised loop, exporting the value-head name, pad id and (optionally) reward statistics."""
+
+    stats_samples: Sequence[PairSample] | None = None  # set when --normalize_reward
+
+    def export_config(self) -> dict:
+        mean = std = None
+        if self.stats_samples:
+            mean, std = self.reward_stats(self.stats_samples)
+            log.info("reward normalisation: mean %.4f, std %.4f", mean, std)
+        return reward_config(self.opt.model, self.tokenizer, mean, std)
+
+    @torch.no_grad()
+    def reward_stats(self, samples: Sequence[PairSample]) -> tuple[float, float]:
+        """Mean and (unbiased) std of the rewards of every chosen and rejected sequence, all devices."""
+        model, world = self.opt.model, self.world
+        was_training = model.training
+        model.eval()
+        sums = {"n": 0.0, "s": 0.0, "ss": 0.0}
+        for mb in self._micro_batches(samples[world.rank :: world.world_size]):
+            with self.opt.precision.autocast():
+                r = model.scores(to_device(self.objective.collate(mb), world.device)).double()
+            sums["n"] += r.numel()
+            sums["s"] += r.sum().item()
+            sums["ss"] += r.pow(2).sum().item()
+        model.train(was_training)
+        total = {k: v * world.world_size for k, v in reduce_metrics(sums, world).items()}
+        mean = total["s"] / total["n"]
+        var = max(total["ss"] - total["n"] * mean**2, 0.0) / max(total["n"] - 1, 1)
+        return mean, math.sqrt(var) if var > 0 else 1.0
+
+
+@dataclass
+class RMRun:
+    """Everything a reward-model run is configured by (one small config per component)."""
+
+    model: ModelConfig
+    data: PairDataConfig
+    rm: RMConfig
+    train: TrainConfig
+    optim: OptimConfig
+    ckpt: CheckpointConfig
+    logging: LoggingConfig
+    dist: DistributedConfig
+    datasets: DatasetConfig
+    run_dir: str | None = None
+
+
+def load_pair_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: PairDataConfig, seed: int):
+    """Load a ``--dataset``-style spec and build its preference pairs (skips are logged)."""
+    dataset = load_dataset_spec(spec, probs, split=split, max_samples=max_samples, seed=seed)
+    samples, skipped = build_pair_samples(dataset, tokenizer, cfg, source=spec)
+    if skipped.count:
+        log.warning("%s: %s", spec, skipped.summary())
+    return samples
+
+
+def _check(run: RMRun) -> None:
+    if run.model.aux_loss_coef > 0:
+        raise ConfigError("--aux_loss_coef: the MoE load-balancing loss is not supported for reward models")
+    if run.rm.normalize_reward and run.model.lora_rank > 0:
+        raise ConfigError(
+            "--normalize_reward with --lora_rank: LoRA runs save adapters only, which cannot carry the "
+            "reward mean/std; merge the adapters (tidal lora_combiner) and train without LoRA, or drop one"
+        )
+
+
+def _use_margin(run: RMRun, train: Sequence[PairSample]) -> bool:
+    has_margin = any(s.margin != 0 for s in train)
+    if has_margin and run.rm.loss == "logexp":
+        log.warning("--loss logexp ignores the dataset's margin column; use --loss sigmoid to apply it")
+    return has_margin and run.rm.loss == "sigmoid"
+
+
+def run_rm(run: RMRun, world: World | None = None) -> list[dict]:
+    """Train a reward model as configured; returns per-step metrics."""
+    _check(run)
+    world = world or init_world()
+    torch.manual_seed(run.train.seed)
+    tokenizer = load_tokenizer(run.model.pretrain, run.model)
+    ds = run.datasets
+    train = load_pair_samples(
+        ds.dataset, ds.dataset_probs, ds.dataset_split, ds.max_samples, tokenizer, run.data, run.train.seed
+    )
+    evals = None
+    if ds.eval_dataset:
+        evals = load_pair_samples(
+            ds.eval_dataset, None, ds.eval_split, None, tokenizer, run.data, run.train.seed
+        )
+    run.train.micro_steps_per_step(world.world_size)  # validates the batch arithmetic early
+    steps = (len(train) // run.train.train_batch_size) * run.train.max_epochs
+    if steps == 0:
+        raise ConfigError(
+            f"--dataset {ds.dataset}: {len(train)} usable pairs is fewer than one --train_batch_size "
+            f"({run.train.train_batch_size})"
+        )
+    model = load_value_model(run.model, world.device, run.rm.value_head_prefix)
+    opt = build_optimization(model, run.model, run.optim, run.dist, world, steps)
+    objective = RMObjective(
+        tokenizer.pad_token_id, RM_LOSSES[run.rm.loss], run.train.packing_samples, _use_margin(run, train)
+    )
+    run_dir = Path(run.run_dir or Path(run.ckpt.save_path) / "run")
+    log.info("RM: %d train pairs, %d steps, device %s x%d", len(train), steps, world.device, world.world_size)
+    trainer = RewardModelTrainer(
+        objective, opt, tokenizer, world, run.train, run.ckpt, run.logging, run_dir, run_config=asdict(run)
+    )
+    if run.rm.normalize_reward:
+        trainer.stats_samples = evals or train
+    return trainer.fit(train, evals)
