@@ -8,6 +8,10 @@ import sys
 # command → (module, one-line description); each module defines main(argv, prog).
 COMMANDS = {
     "sft": ("tidal.cli.train_sft", "supervised fine-tuning"),
+    "rm": ("tidal.cli.train_rm", "reward-model training on preference pairs"),
+    "prm": ("tidal.cli.train_prm", "process reward model training on step labels"),
+    "serve_rm": ("tidal.cli.serve_rm", "serve a reward model over HTTP (POST /get_reward)"),
+    "dpo": ("tidal.cli.train_dpo", "direct preference optimisation (DPO, IPO, cDPO)"),
     "kd": ("tidal.cli.train_kd", "knowledge distillation from a teacher model"),
     "demo": ("tidal.cli.demo", "end-to-end demo on CPU with a tiny model"),
 }

@@ -1,0 +1,201 @@
+"""Direct preference optimisation: DPO (Rafailov et al., arXiv 2305.18290), IPO (``--ipo``, Azar et
+al., arXiv 2310.12036) and conservative DPO (``--label_smoothing``), with an optional NLL term on the
+chosen responses (``--nll_loss_coef``, as OpenRLHF).
+
+Each micro-batch runs chosen and rejected sequences through the policy in one forward (chosen rows
+first, ``tidal.data.pairs.collate_pairs``) and through the frozen reference
+(``tidal.trainers.reference``: a separate copy, or the LoRA base with adapters disabled). A
+sequence's log-prob is the sum over its response tokens. The loss per pair comes from
+``tidal.algorithms.preference.DPO_LOSSES`` and is divided by the number of pairs in the whole step, so
+micro-batching never changes the update; the NLL term is each chosen response's mean token NLL,
+normalised the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from tidal.algorithms.preference import DPO_LOSSES
+from tidal.config import (
+    CheckpointConfig,
+    ConfigError,
+    DatasetConfig,
+    DistributedConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    arg,
+)
+from tidal.data import load_dataset_spec
+from tidal.data.pairs import PairDataConfig, PairSample, build_pair_samples, collate_pairs
+from tidal.distributed import World, init_world
+from tidal.logging import LoggingConfig, get_logger
+from tidal.models import Precision, load_causal_lm, load_tokenizer
+from tidal.trainers.common import flat_config, run_folder, training_steps
+from tidal.trainers.loop import SupervisedTrainer
+from tidal.trainers.reference import (
+    Reference,
+    ReferenceConfig,
+    aux_forward_kwargs,
+    build_reference,
+    moe_aux_term,
+    sequence_logps,
+)
+from tidal.trainers.sft import build_optimization
+
+log = get_logger(__name__)
+
+
+@dataclass
+class DPOConfig:
+    """DPO-family loss: β, the IPO variant, cDPO label smoothing and the NLL term."""
+
+    beta: float = arg(0.1, help="β: strength of the implicit KL constraint to the reference")
+    ipo: bool = arg(False, help="use the IPO loss (z − 1/(2β))² instead of the sigmoid DPO loss")
+    label_smoothing: float = arg(
+        0.0, help="cDPO: assumed probability that a preference label is flipped (0 ≤ ls < 0.5)"
+    )
+    nll_loss_coef: float = arg(0.0, help="weight of the NLL loss on the chosen responses' tokens")
+
+    def __post_init__(self) -> None:
+        if self.beta <= 0:
+            raise ConfigError(f"--beta must be positive, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"--label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.ipo and self.label_smoothing > 0:
+            raise ConfigError("--label_smoothing (cDPO) applies to the sigmoid DPO loss, not to --ipo")
+        if self.nll_loss_coef < 0:
+            raise ConfigError(f"--nll_loss_coef must be >= 0, got {self.nll_loss_coef}")
+
+    @property
+    def loss_name(self) -> str:
+        return "ipo" if self.ipo else "sigmoid"
+
+
+@dataclass
+class DPOObjective:
+    """Pairwise DPO-family loss over response log-probs; the normalisation unit is one pair."""
+
+    reference: Reference
+    cfg: DPOConfig
+    pad_id: int
+    packing: bool = False
+    aux_loss_coef: float = 0.0
+
+    def weight(self, sample: PairSample) -> float:
+        return 1.0
+
+    def collate(self, samples: Sequence[PairSample]) -> dict:
+        batch = collate_pairs(list(samples), self.pad_id, self.packing)
+        batch["num_tokens"] = sum(len(s.chosen_ids) + len(s.rejected_ids) for s in samples)
+        return batch
+
+    def reference_logps(self, batch: dict, precision: Precision) -> Tensor:
+        with self.reference.use() as reference:
+            logps, _, _ = sequence_logps(reference, batch, precision)
+        return logps
+
+    def loss(self, model: nn.Module, batch: dict, normaliser: float, precision: Precision):
+        ref_logps = self.reference_logps(batch, precision)
+        logps, counts, outputs = sequence_logps(
+            model, batch, precision, **aux_forward_kwargs(self.aux_loss_coef)
+        )
+        loss, metrics = self.loss_from_logps(logps, counts, ref_logps, normaliser)
+        aux = moe_aux_term(outputs, self.aux_loss_coef, logps.shape[0] / 2 / normaliser)
+        if aux is not None:
+            loss = loss + aux
+            metrics["aux_loss"] = aux.detach()
+            metrics["loss"] = loss.detach()
+        return loss, metrics
+
+    def loss_from_logps(self, logps: Tensor, counts: Tensor, ref_logps: Tensor, normaliser: float):
+        """``(loss, metrics)`` from sequence log-probs ``[2B]`` (chosen first) and token counts."""
+        n = logps.shape[0] // 2
+        losses, chosen_rewards, rejected_rewards = DPO_LOSSES[self.cfg.loss_name](
+            logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], self.cfg.beta, self.cfg.label_smoothing
+        )
+        loss = losses.sum() / normaliser
+        metrics = {
+            "preference_loss": loss.detach(),
+            "chosen_reward": chosen_rewards.sum() / normaliser,
+            "rejected_reward": rejected_rewards.sum() / normaliser,
+            "reward_accuracy": (chosen_rewards > rejected_rewards).float().sum() / normaliser,
+            "reward_margin": (chosen_rewards - rejected_rewards).sum() / normaliser,
+        }
+        if self.cfg.nll_loss_coef > 0:
+            # Mean token NLL of each chosen response (OpenRLHF's nll_loss), one unit per pair.
+            nll = (-logps[:n] / counts[:n].clamp(min=1)).sum() / normaliser
+            loss = loss + self.cfg.nll_loss_coef * nll
+            metrics["nll_loss"] = nll.detach()
+        metrics["loss"] = loss.detach()
+        return loss, metrics
+
+
+@dataclass
+class DPORun:
+    """Everything a DPO run is configured by."""
+
+    model: ModelConfig
+    data: PairDataConfig
+    dpo: DPOConfig
+    ref: ReferenceConfig
+    train: TrainConfig
+    optim: OptimConfig
+    ckpt: CheckpointConfig
+    logging: LoggingConfig
+    dist: DistributedConfig
+    datasets: DatasetConfig
+    run_dir: str | None = None
+
+
+def load_pair_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: PairDataConfig, seed: int):
+    dataset = load_dataset_spec(spec, probs, split=split, max_samples=max_samples, seed=seed)
+    samples, skipped = build_pair_samples(dataset, tokenizer, cfg, source=spec)
+    if skipped.count:
+        log.warning("%s: %s", spec, skipped.summary())
+    return samples
+
+
+def run_dpo(run: DPORun, world: World | None = None) -> list[dict]:
+    """Train a causal LM with DPO/IPO/cDPO as configured; returns per-step metrics."""
+    world = world or init_world()
+    torch.manual_seed(run.train.seed)
+    tokenizer = load_tokenizer(run.model.pretrain, run.model)
+    ds, seed = run.datasets, run.train.seed
+    train = load_pair_samples(
+        ds.dataset, ds.dataset_probs, ds.dataset_split, ds.max_samples, tokenizer, run.data, seed
+    )
+    evals = None
+    if ds.eval_dataset:
+        evals = load_pair_samples(ds.eval_dataset, None, ds.eval_split, None, tokenizer, run.data, seed)
+    steps = training_steps(len(train), run.train, world, ds.dataset)
+    model = load_causal_lm(run.model, world.device)
+    reference = build_reference(model, run.model, run.ref, run.dist, world)
+    opt = build_optimization(model, run.model, run.optim, run.dist, world, steps)
+    objective = DPOObjective(
+        reference, run.dpo, tokenizer.pad_token_id, run.train.packing_samples, run.model.aux_loss_coef
+    )
+    log.info(
+        "DPO (%s, beta %g): %d pairs, %d steps, reference %s",
+        run.dpo.loss_name,
+        run.dpo.beta,
+        len(train),
+        steps,
+        type(reference).__name__,
+    )
+    trainer = SupervisedTrainer(
+        objective,
+        opt,
+        tokenizer,
+        world,
+        run.train,
+        run.ckpt,
+        run.logging,
+        run_folder(run.run_dir, run.ckpt),
+        run_config=flat_config(run),
+    )
+    return trainer.fit(train, evals)
