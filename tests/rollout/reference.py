@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from tidal.rollout import EngineConfig
+
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 
@@ -25,3 +27,8 @@ def hf_logprobs(model, prompt: list[int], output: list[int], temperature: float 
 
 # Prompts of different lengths (some not multiples of the KV block size).
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 40)), [100, 200, 300, *range(17, 34)], [42] * 3]
+
+
+def cpu_config(**overrides) -> EngineConfig:
+    """Tests compare with float32 CPU references, also on machines where ``device="auto"`` picks CUDA."""
+    return EngineConfig(device="cpu", dtype="float32", **overrides)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tests.rollout.reference import PROMPTS, hf_greedy, hf_logprobs
-from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
+from tests.rollout.reference import PROMPTS, cpu_config, hf_greedy, hf_logprobs
+from tidal.rollout import LLMEngine, SamplingParams
 
 # Mixed prompt lengths and output budgets, more requests than max_num_seqs.
 REQUESTS = [(list(range(3 + i, 3 + i + 2 + 3 * i)), 4 + (7 * i) % 17) for i in range(10)]
@@ -21,8 +21,8 @@ def _alone(engine, prompt, max_new):
 
 def test_continuous_batching_matches_each_request_alone(tiny_model):
     path = tiny_model("qwen2")
-    reference = LLMEngine(path, EngineConfig(max_model_len=128, max_num_seqs=1, block_size=4))
-    engine = LLMEngine(path, EngineConfig(max_model_len=128, max_num_seqs=3, block_size=4))
+    reference = LLMEngine(path, cpu_config(max_model_len=128, max_num_seqs=1, block_size=4))
+    engine = LLMEngine(path, cpu_config(max_model_len=128, max_num_seqs=3, block_size=4))
     outputs = engine.generate([p for p, _ in REQUESTS], [_greedy(n) for _, n in REQUESTS])
     for (prompt, max_new), out in zip(REQUESTS, outputs, strict=True):
         sample = out.outputs[0]
@@ -34,9 +34,9 @@ def test_continuous_batching_matches_each_request_alone(tiny_model):
 
 def test_preemption_recomputes_to_the_same_output(tiny_model, monkeypatch):
     path = tiny_model("llama")
-    reference = LLMEngine(path, EngineConfig(max_model_len=64, max_num_seqs=1, block_size=4))
+    reference = LLMEngine(path, cpu_config(max_model_len=64, max_num_seqs=1, block_size=4))
     # 10 blocks of 4 slots cannot hold 4 sequences of 9-12 + 20 tokens: some must be preempted.
-    engine = LLMEngine(path, EngineConfig(max_model_len=64, max_num_seqs=4, block_size=4, num_kv_blocks=10))
+    engine = LLMEngine(path, cpu_config(max_model_len=64, max_num_seqs=4, block_size=4, num_kv_blocks=10))
     preempted = []
     original = engine.scheduler._preempt
     monkeypatch.setattr(
@@ -52,7 +52,7 @@ def test_preemption_recomputes_to_the_same_output(tiny_model, monkeypatch):
 
 def test_n_greedy_samples_share_one_prefill(tiny_model, hf_model, monkeypatch):
     path = tiny_model("qwen3")
-    engine = LLMEngine(path, EngineConfig(max_model_len=64, block_size=4))
+    engine = LLMEngine(path, cpu_config(max_model_len=64, block_size=4))
     prompt = [*PROMPTS[2], 9]  # 21 tokens: 5 shared full blocks and a partial one copied per sample
     seen = []
     forward = engine.runner.model.forward
@@ -68,7 +68,7 @@ def test_n_greedy_samples_share_one_prefill(tiny_model, hf_model, monkeypatch):
 
 def test_n_samples_are_distinct_with_correct_logprobs(tiny_model, hf_model):
     path = tiny_model("llama")
-    engine = LLMEngine(path, EngineConfig(max_model_len=64, block_size=4))
+    engine = LLMEngine(path, cpu_config(max_model_len=64, block_size=4))
     prompt = PROMPTS[1]
     params = SamplingParams(temperature=1.0, n=4, max_new_tokens=12, seed=7, ignore_eos=True)
     samples = engine.generate([prompt], params)[0].outputs
@@ -86,19 +86,19 @@ def test_seed_reproduces_regardless_of_batch(tiny_model):
     def run(config, prompts, plist):
         return LLMEngine(path, config).generate(prompts, plist)
 
-    alone = run(EngineConfig(max_model_len=64), [PROMPTS[0]], [params])[0]
+    alone = run(cpu_config(max_model_len=64), [PROMPTS[0]], [params])[0]
     crowded = run(
-        EngineConfig(max_model_len=64, max_num_seqs=3, block_size=4), PROMPTS, [other, other, params, other]
+        cpu_config(max_model_len=64, max_num_seqs=3, block_size=4), PROMPTS, [other, other, params, other]
     )
-    again = run(EngineConfig(max_model_len=64), [PROMPTS[0]], [params])[0]
+    again = run(cpu_config(max_model_len=64), [PROMPTS[0]], [params])[0]
     tokens = [s.token_ids for s in alone.outputs]
     assert tokens == [s.token_ids for s in again.outputs]
     assert tokens[0] != tokens[1]
-    crowded_alone = run(EngineConfig(max_model_len=64), [PROMPTS[2]], [params])[0]
+    crowded_alone = run(cpu_config(max_model_len=64), [PROMPTS[2]], [params])[0]
     assert [s.token_ids for s in crowded[2].outputs] == [s.token_ids for s in crowded_alone.outputs]
     reseeded = SamplingParams(temperature=0.9, top_k=50, n=2, max_new_tokens=12, seed=99)
     assert [
-        s.token_ids for s in run(EngineConfig(max_model_len=64), [PROMPTS[0]], [reseeded])[0].outputs
+        s.token_ids for s in run(cpu_config(max_model_len=64), [PROMPTS[0]], [reseeded])[0].outputs
     ] != tokens
 
 
@@ -107,7 +107,7 @@ def test_engine_seed_reproduces_unseeded_requests(tiny_model):
     params = SamplingParams(temperature=1.0, n=2, max_new_tokens=10)
 
     def run(seed):
-        outs = LLMEngine(path, EngineConfig(max_model_len=64, seed=seed)).generate(PROMPTS, params)
+        outs = LLMEngine(path, cpu_config(max_model_len=64, seed=seed)).generate(PROMPTS, params)
         return [[s.token_ids for s in o.outputs] for o in outs]
 
     assert run(3) == run(3)

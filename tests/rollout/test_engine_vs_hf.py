@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.rollout.reference import FAMILIES, PROMPTS, hf_greedy, hf_logprobs
-from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
+from tests.rollout.reference import FAMILIES, PROMPTS, cpu_config, hf_greedy, hf_logprobs
+from tidal.rollout import LLMEngine, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=20)
 
@@ -26,14 +26,14 @@ def _check_against_hf(engine, hf, prompts, params=GREEDY):
 def test_greedy_batch_matches_hf_generate(family, tiny_model, hf_model):
     path = tiny_model(family)
     # A small block size makes prompts span several KV blocks, some partially filled.
-    engine = LLMEngine(path, EngineConfig(max_model_len=128, block_size=4, max_num_seqs=8))
+    engine = LLMEngine(path, cpu_config(max_model_len=128, block_size=4, max_num_seqs=8))
     _check_against_hf(engine, hf_model(path), PROMPTS)
 
 
 def test_sampled_logprobs_are_log_softmax_of_tempered_logits(tiny_model, hf_model):
     path = tiny_model("qwen2")
     hf = hf_model(path)
-    engine = LLMEngine(path, EngineConfig(max_model_len=128, block_size=8))
+    engine = LLMEngine(path, cpu_config(max_model_len=128, block_size=8))
     params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=16, n=2, seed=11, ignore_eos=True)
     for prompt, out in zip(PROMPTS[:2], engine.generate(PROMPTS[:2], params), strict=True):
         for sample in out.outputs:
@@ -60,7 +60,7 @@ ROPE_CASES = {
 @pytest.mark.parametrize("case", sorted(ROPE_CASES))
 def test_rope_scaling_matches_hf(case, tiny_model, hf_model):
     path = tiny_model("llama", **ROPE_CASES[case])
-    engine = LLMEngine(path, EngineConfig(max_model_len=128, block_size=8))
+    engine = LLMEngine(path, cpu_config(max_model_len=128, block_size=8))
     _check_against_hf(
         engine, hf_model(path), PROMPTS[1:3], SamplingParams(temperature=0.0, max_new_tokens=12)
     )
@@ -69,7 +69,7 @@ def test_rope_scaling_matches_hf(case, tiny_model, hf_model):
 def test_sliding_window_matches_hf(tiny_model, hf_model):
     # Prompt and output both longer than the window, so the window actually masks keys.
     path = tiny_model("mistral", sliding_window=8)
-    engine = LLMEngine(path, EngineConfig(max_model_len=128, block_size=4))
+    engine = LLMEngine(path, cpu_config(max_model_len=128, block_size=4))
     _check_against_hf(
         engine, hf_model(path), PROMPTS[1:3], SamplingParams(temperature=0.0, max_new_tokens=12)
     )

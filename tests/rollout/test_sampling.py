@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from tests.rollout.reference import PROMPTS
-from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
+from tests.rollout.reference import PROMPTS, cpu_config
+from tidal.rollout import LLMEngine, SamplingParams
 from tidal.rollout.sampler import Sampler, SamplingTensors, truncate_logits, uniform_noise
 
 
@@ -69,7 +69,7 @@ def test_noise_is_uniform_and_depends_on_seed_and_position():
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    return LLMEngine(tiny_model("llama"), EngineConfig(max_model_len=128, block_size=8))
+    return LLMEngine(tiny_model("llama"), cpu_config(max_model_len=128, block_size=8))
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_eos_stops_unless_ignored(tiny_model, greedy_ref, tmp_path):
         config = json.loads((path / name).read_text())
         config["eos_token_id"] = eos
         (path / name).write_text(json.dumps(config))
-    engine = LLMEngine(path, EngineConfig(max_model_len=128, block_size=8))
+    engine = LLMEngine(path, cpu_config(max_model_len=128, block_size=8))
     out = engine.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_new_tokens=40))[0].outputs[0]
     assert out.token_ids == full[: full.index(eos) + 1] and out.finish_reason == "stop"
     ignored = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
