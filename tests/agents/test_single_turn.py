@@ -61,3 +61,32 @@ def test_execute_per_sample_matches_run_shape(spy, tokenizer):
     )
     assert [t.prompt for t in trajs] == ["1+1=", "1+1=", "2+2=", "2+2="]
     assert len(spy.calls) == 1 and len(spy.calls[0][0]) == 4
+
+
+def test_engine_without_tokenizer_and_run_inside_event_loop(spy, tokenizer):
+    import asyncio
+
+    class NoTokenizer(type(spy)):
+        tokenizer = None  # the engine returns ids only; the executor decodes with the given tokenizer
+
+    engine = NoTokenizer(spy.engine)
+    params = SamplingParams(n=2, max_new_tokens=4, seed=0)
+
+    async def inside_a_loop():  # e.g. a Ray async actor: run() must not call asyncio.run on this loop
+        return SingleTurnAgentExecutor().run(engine, tokenizer, ["1+1="], ["2"], params, 32)
+
+    trajs = asyncio.run(inside_a_loop())
+    for traj in trajs:
+        assert traj.response_text == tokenizer.decode(traj.response_ids, skip_special_tokens=True)
+    multi = asyncio.run(_multi_turn_inside_loop(engine, tokenizer, params))
+    assert len(multi) == 2 and all(t.num_turns == 1 for t in multi)
+
+
+async def _multi_turn_inside_loop(engine, tokenizer, params):
+    from tidal.agents import AgentInstanceBase, MultiTurnAgentExecutor
+
+    class OneStep(AgentInstanceBase):
+        async def step(self, states, **kwargs):
+            return {"rewards": 1, "environment_feedback": "", "done": True}
+
+    return MultiTurnAgentExecutor(OneStep).run(engine, tokenizer, ["1+1="], ["2"], params, 32)

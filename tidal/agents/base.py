@@ -89,6 +89,31 @@ class Trajectory:
     finish_reason: str = "stop"  # "stop" / "length" (engine, single-turn); "done" / "length" (agents)
     num_turns: int = 1
 
+    @classmethod
+    def start(cls, prompt: str, label: Any, prompt_ids: list[int]) -> Trajectory:
+        """A trajectory holding only the prompt, to be extended with ``add_action`` / ``add_observation``."""
+        n = len(prompt_ids)
+        return cls(
+            prompt, label, list(prompt_ids), [0] * n, [0.0] * n, n, "", finish_reason="length", num_turns=0
+        )
+
+    def add_action(self, token_ids: list[int], logprobs: list[float]) -> None:
+        """Append tokens the policy sampled (trained on), with the engine's log-probs."""
+        if len(token_ids) != len(logprobs):
+            raise ValueError(f"{len(token_ids)} action tokens but {len(logprobs)} log-probs")
+        self.token_ids += list(token_ids)
+        self.action_mask += [1] * len(token_ids)
+        self.rollout_logprobs += [float(x) for x in logprobs]
+
+    def add_observation(self, token_ids: list[int]) -> None:
+        """Append tokens the environment wrote (context only, not trained on)."""
+        self.token_ids += list(token_ids)
+        self.action_mask += [0] * len(token_ids)
+        self.rollout_logprobs += [0.0] * len(token_ids)
+
+    def truncate(self, max_length: int) -> None:
+        del self.token_ids[max_length:], self.action_mask[max_length:], self.rollout_logprobs[max_length:]
+
     @property
     def response_ids(self) -> list[int]:
         return self.token_ids[self.prompt_len :]

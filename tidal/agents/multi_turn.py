@@ -62,23 +62,18 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
     async def execute(self, prompt, label, sampling_params, llm, tokenizer, max_length) -> Trajectory:
         agent = await self._call(create_instance(self.agent_instance_cls, self.instance_kwargs), "__init__")
         observation = await self._reset(agent, prompt, label)
-        ids = self.encode_prompt(tokenizer, observation)
-        if len(ids) >= max_length:
+        traj = Trajectory.start(prompt, label, self.encode_prompt(tokenizer, observation))
+        if traj.prompt_len >= max_length:
             raise AgentError(
-                f"{describe(agent)}: the observation from reset has {len(ids)} tokens, leaving no room "
+                f"{describe(agent)}: the observation from reset has {traj.prompt_len} tokens, leaving no room "
                 f"for an action under max_length={max_length}"
             )
-        prompt_len, text, params = len(ids), observation, sampling_params
-        mask, logprobs, steps, done = [0] * prompt_len, [0.0] * prompt_len, [], False
-        while len(ids) < max_length and not done:
-            turn_params = _turn_params(params, max_length - len(ids), len(steps))
-            output = await llm.generate(ids, turn_params)
+        text, params, steps = observation, sampling_params, []
+        while len(traj.token_ids) < max_length and not (steps and steps[-1].done):
+            turn_params = _turn_params(params, max_length - len(traj.token_ids), len(steps))
+            output = await llm.generate(traj.token_ids, turn_params)
+            traj.add_action(output.token_ids, output.logprobs)
             action_text = _action_text(output, llm, tokenizer, turn_params)
-            ids, mask, logprobs = (
-                ids + output.token_ids,
-                mask + [1] * len(output.token_ids),
-                logprobs + output.logprobs,
-            )
             states = {
                 "observation_text": text,
                 "action_text": action_text,
@@ -86,28 +81,19 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                 "sampling_params": params,
             }
             result = await self._step(agent, states, params)
-            feedback = list(tokenizer(result.feedback, add_special_tokens=False)["input_ids"])
-            ids, mask, logprobs = ids + feedback, mask + [0] * len(feedback), logprobs + [0.0] * len(feedback)
-            text, done = text + action_text + result.feedback, result.done
+            traj.add_observation(tokenizer(result.feedback, add_special_tokens=False)["input_ids"])
+            text += action_text + result.feedback
             params = result.sampling_params or params
             steps.append(result)
-        ids, mask, logprobs = ids[:max_length], mask[:max_length], logprobs[:max_length]
-        return Trajectory(
-            prompt=prompt,
-            label=label,
-            token_ids=ids,
-            action_mask=mask,
-            rollout_logprobs=logprobs,
-            prompt_len=prompt_len,
-            response_text=tokenizer.decode(
-                ids[prompt_len:], skip_special_tokens=sampling_params.skip_special_tokens
-            ),
-            reward=steps[-1].reward,
-            score=steps[-1].score,
-            extra_logs=_mean_logs([s.extra_logs for s in steps]),
-            finish_reason="done" if done else "length",
-            num_turns=len(steps),
+        traj.truncate(max_length)  # only the last feedback can overshoot: actions are capped to fit
+        traj.response_text = tokenizer.decode(
+            traj.response_ids, skip_special_tokens=sampling_params.skip_special_tokens
         )
+        traj.reward, traj.score = steps[-1].reward, steps[-1].score
+        traj.extra_logs = _mean_logs([s.extra_logs for s in steps])
+        traj.finish_reason = "done" if steps[-1].done else "length"
+        traj.num_turns = len(steps)
+        return traj
 
     async def _call(self, awaitable, what: str):
         try:

@@ -60,20 +60,13 @@ def _prompt_params(
 
 
 def _trajectory(prompt, label, prompt_ids, completion: CompletionOutput, tokenizer, params, engine_decodes):
-    ids = list(completion.token_ids)
-    text = (
+    traj = Trajectory.start(prompt, label, prompt_ids)
+    traj.add_action(completion.token_ids, completion.logprobs)
+    # The engine's text is cut at stop strings (vLLM's behaviour); decode here only when it has no tokenizer.
+    traj.response_text = (
         completion.text
         if engine_decodes
-        else tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        else tokenizer.decode(completion.token_ids, skip_special_tokens=params.skip_special_tokens)
     )
-    return Trajectory(
-        prompt=prompt,
-        label=label,
-        token_ids=list(prompt_ids) + ids,
-        action_mask=[0] * len(prompt_ids) + [1] * len(ids),
-        rollout_logprobs=[0.0] * len(prompt_ids) + [float(x) for x in completion.logprobs],
-        prompt_len=len(prompt_ids),
-        response_text=text,
-        finish_reason=completion.finish_reason,
-        num_turns=1,
-    )
+    traj.finish_reason, traj.num_turns = completion.finish_reason, 1
+    return traj
