@@ -192,8 +192,12 @@ def _params(value: Any, current: SamplingParams) -> SamplingParams | None:
 
 
 def _mean_logs(per_step: list[dict[str, float]]) -> dict[str, float]:
-    keys = {k for logs in per_step for k in logs}
-    return {k: sum(v) / len(v) for k in keys for v in [[logs[k] for logs in per_step if k in logs]]}
+    """Each key's mean over the steps that logged it."""
+    values: dict[str, list[float]] = {}
+    for logs in per_step:
+        for key, value in logs.items():
+            values.setdefault(key, []).append(value)
+    return {key: sum(v) / len(v) for key, v in values.items()}
 
 
 def _show(value: Any, limit: int = 200) -> str:
