@@ -1,0 +1,93 @@
+"""Value/reward model: per-token values on padded and packed batches, last-token scores, HF round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForSequenceClassification
+
+from tidal.checkpoint import save_hf_model
+from tidal.config import ConfigError, ModelConfig
+from tidal.data.pairs import PairSample, collate_pairs
+from tidal.distributed import World
+from tidal.models import load_tokenizer
+from tidal.models.value_model import load_value_model, reward_config
+
+CPU = torch.device("cpu")
+PAIRS = [
+    PairSample([1, 40, 41, 42, 3], [1, 40, 41, 3], 2, 0.0),
+    PairSample([1, 50, 3], [1, 50, 51, 52, 53, 54, 3], 1, 0.0),
+]
+
+
+def _load(path, prefix="score", **kwargs):
+    return load_value_model(ModelConfig(pretrain=str(path)), CPU, prefix, **kwargs).eval()
+
+
+@torch.no_grad()
+def test_values_agree_padded_packed_and_left_padded(tiny_qwen2):
+    model = _load(tiny_qwen2)
+    padded = collate_pairs(PAIRS, pad_id=0)
+    packed = collate_pairs(PAIRS, pad_id=0, packing=True)
+    v_pad, v_pack = model.values(padded), model.values(packed)
+    assert v_pad.shape == padded["input_ids"].shape and v_pad.dtype == torch.float32
+    torch.testing.assert_close(v_pack[0], v_pad[padded["attention_mask"].bool()], atol=1e-5, rtol=0)
+
+    scores = model.scores(padded)
+    lengths = padded["attention_mask"].sum(1)
+    torch.testing.assert_close(scores, v_pad[torch.arange(4), lengths - 1])
+    torch.testing.assert_close(model.scores(packed), scores, atol=1e-5, rtol=0)
+
+    # Left padding (the seed README's inference layout) scores the same last token.
+    width = padded["input_ids"].shape[1]
+    left = {k: torch.zeros_like(padded[k]) for k in ("input_ids", "attention_mask", "position_ids")}
+    for row, n in enumerate(lengths.tolist()):
+        for key in left:
+            left[key][row, width - n :] = padded[key][row, :n]
+    torch.testing.assert_close(model.scores(left), scores, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("prefix", ["score", "value_head"])
+def test_saved_model_round_trips(tiny_llama, tmp_path, prefix):
+    tokenizer = load_tokenizer(str(tiny_llama))
+    model = _load(tiny_llama, prefix)
+    batch = collate_pairs(PAIRS, tokenizer.pad_token_id)
+    with torch.no_grad():
+        want = model.scores(batch)
+    out = save_hf_model(
+        model, tokenizer, tmp_path / prefix, World(), reward_config(model, tokenizer, 0.5, 2.0)
+    )
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f"{prefix}.weight" in set(f.keys())
+
+    with torch.no_grad():
+        torch.testing.assert_close(_load(out, prefix).scores(batch), want, atol=1e-5, rtol=0)
+        normalized = _load(out, prefix, normalize_reward=True).scores(batch)
+    torch.testing.assert_close(normalized, (want - 0.5) / 2.0, atol=1e-5, rtol=0)
+    if prefix == "score":  # plain HF, pooling at the rightmost non-pad token
+        hf = AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
+        with torch.no_grad():
+            logits = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        torch.testing.assert_close(logits.squeeze(-1), want, atol=1e-5, rtol=0)
+    else:
+        with pytest.raises(ConfigError, match="--value_head_prefix value_head"):
+            _load(out, "score")
+
+
+def test_normalize_without_stats_fails_clearly(tiny_llama):
+    with pytest.raises(ConfigError, match="--normalize_reward.*mean/std"):
+        _load(tiny_llama, normalize_reward=True)
+
+
+@pytest.mark.parametrize("prefix", ["score", "value_head"])
+def test_lora_trains_adapters_and_head(tiny_llama, prefix):
+    cfg = ModelConfig(pretrain=str(tiny_llama), lora_rank=4, lora_alpha=8)
+    model = load_value_model(cfg, CPU, prefix)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    heads = [n for n in trainable if "lora_" not in n]
+    assert len(heads) == 1 and f".{prefix}." in heads[0], heads
+    model.scores(collate_pairs(PAIRS, 0)).sum().backward()
+    assert all(
+        p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if n in heads
+    )
