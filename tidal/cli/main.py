@@ -12,6 +12,7 @@ COMMANDS = {
     "prm": ("tidal.cli.train_prm", "process reward model training on step labels"),
     "serve_rm": ("tidal.cli.serve_rm", "serve a reward model over HTTP (POST /get_reward)"),
     "dpo": ("tidal.cli.train_dpo", "direct preference optimisation (DPO, IPO, cDPO)"),
+    "kto": ("tidal.cli.train_kto", "Kahneman-Tversky optimisation on unpaired desirable/undesirable data"),
     "kd": ("tidal.cli.train_kd", "knowledge distillation from a teacher model"),
     "demo": ("tidal.cli.demo", "end-to-end demo on CPU with a tiny model"),
 }

@@ -44,7 +44,7 @@ class ReferenceConfig:
 
 
 @contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
+def eval_mode(model: nn.Module) -> Iterator[None]:
     was_training = model.training
     model.eval()
     try:
@@ -64,7 +64,7 @@ class FrozenModel:
         if self.offload:
             self.model.to(self.device)
         try:
-            with torch.no_grad(), _eval_mode(self.model):
+            with torch.no_grad(), eval_mode(self.model):
                 yield self.model
         finally:
             if self.offload:
@@ -81,7 +81,7 @@ class DisabledAdapters:
 
     @contextlib.contextmanager
     def use(self) -> Iterator[nn.Module]:
-        with torch.no_grad(), _eval_mode(self.model), self.model.disable_adapter():
+        with torch.no_grad(), eval_mode(self.model), self.model.disable_adapter():
             yield self.model
 
 

@@ -1,0 +1,125 @@
+"""KTO: the first step against a hand computation, the step-level KL (micro-batching leaves it
+unchanged), learning on addition data, LoRA, and flag errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tidal.cli.train_kto import main as kto_main
+from tidal.cli.train_kto import parse_run
+from tidal.testing import AdditionTask
+from tidal.trainers.kto import mismatched, run_kto
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Two torch threads on two shared, busy cores run ~50x slower than one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def kto_file(tmp_path_factory):
+    """Addition prompts answered correctly (desirable) or off by a few (undesirable), alternating."""
+    path = tmp_path_factory.mktemp("kto") / "kto.jsonl"
+    with path.open("w") as f:
+        for i, s in enumerate(AdditionTask(digits=2, seed=2).samples(64)):
+            good = i % 2 == 0
+            answer = s["answer"] if good else str(int(s["answer"]) + 1 + i % 5)
+            f.write(json.dumps({"input": s["prompt"], "output": answer, "label": good}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def other_model(tiny_llama, tmp_path_factory):
+    """tiny_llama with perturbed weights: a reference that differs from the policy."""
+    path = tmp_path_factory.mktemp("kto_ref")
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path
+
+
+def flags(model, data, out, *extra):
+    return [
+        "--pretrain", str(model), "--dataset", str(data), "--max_len", "64", "--train_batch_size", "8",
+        "--micro_train_batch_size", "4", "--learning_rate", "2e-3", "--lr_warmup_ratio", "0",
+        "--lr_scheduler", "constant", "--save_path", str(out / "final"), "--ckpt_path", str(out / "ckpt"),
+        "--seed", "5", *extra,
+    ]  # fmt: skip
+
+
+def test_mismatched_shifts_responses_by_one():
+    from tidal.data.unpaired import UnpairedSample
+
+    samples = [UnpairedSample([i], [10 + i], i % 2 == 0, row=i) for i in range(3)]
+    pairs = mismatched(samples)
+    assert [(p.prompt_ids, p.response_ids) for p in pairs] == [([0], [11]), ([1], [12]), ([2], [10])]
+
+
+def test_first_step_loss_with_reference_equal_to_policy(tiny_llama, kto_file, tmp_path):
+    """At step 1 policy = reference: logratio = KL = 0, so each sample's loss is w·(1 − σ(0)) = w/2."""
+    history = run_kto(parse_run(flags(tiny_llama, kto_file, tmp_path, "--max_samples", "8",
+                                      "--desirable_loss_weight", "2.0", "--undesirable_loss_weight", "0.5")))  # fmt: skip
+    step = history[0]
+    assert step["kl"] == 0.0 and step["desirable_reward"] == 0.0 and step["undesirable_reward"] == 0.0
+    # The step holds 4 desirable and 4 undesirable samples (alternating labels).
+    assert step["loss"] == pytest.approx((4 * 2.0 * 0.5 + 4 * 0.5 * 0.5) / 8, abs=1e-6)
+
+
+def test_kl_is_a_step_quantity_unchanged_by_micro_batching(tiny_llama, other_model, kto_file, tmp_path):
+    common = ("--max_samples", "8", "--ref_pretrain", str(other_model), "--beta", "0.1")
+    whole = run_kto(
+        parse_run(flags(tiny_llama, kto_file, tmp_path / "a", *common, "--micro_train_batch_size", "8"))
+    )
+    split = run_kto(parse_run(flags(tiny_llama, kto_file, tmp_path / "b", *common, "--micro_train_batch_size", "2",
+                                    "--packing_samples", "--ref_offload")))  # fmt: skip
+    assert whole[0]["kl"] > 1e-3  # the perturbed reference gives a positive reference point
+    for key in ("kl", "loss", "desirable_reward", "undesirable_reward"):
+        assert split[0][key] == pytest.approx(whole[0][key], abs=1e-5), key
+
+
+def test_kto_moves_desirable_rewards_above_undesirable(tiny_llama, kto_file, tmp_path):
+    history = run_kto(
+        parse_run(
+            flags(tiny_llama, kto_file, tmp_path, "--max_samples", "32", "--max_epochs", "3", "--beta", "0.5")
+        )
+    )
+    assert len(history) == 12
+    gap = [
+        sum(h["desirable_reward"] - h["undesirable_reward"] for h in e) / 4
+        for e in (history[:4], history[-4:])
+    ]
+    assert gap[1] > gap[0] + 0.5, gap
+    assert sum(h["loss"] for h in history[-4:]) < sum(h["loss"] for h in history[:4])
+
+
+def test_lora_kto_saves_adapters(tiny_llama, kto_file, tmp_path):
+    run_kto(parse_run(flags(tiny_llama, kto_file, tmp_path, "--max_samples", "8", "--lora_rank", "4")))
+    saved = {p.name for p in (tmp_path / "final").iterdir()}
+    assert "adapter_model.safetensors" in saved and "model.safetensors" not in saved
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--train_batch_size", "1", "--micro_train_batch_size", "1"], "at least 2"),
+        (["--label_key", "good"], "'good'"),
+        (["--beta", "-1"], "--beta"),
+        (["--undesirable_loss_weight", "-1"], "--undesirable_loss_weight"),
+    ],
+)
+def test_bad_flags_fail_clearly(tiny_llama, kto_file, tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as exc:
+        kto_main(flags(tiny_llama, kto_file, tmp_path, "--max_samples", "8", *extra))
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

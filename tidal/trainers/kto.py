@@ -1,0 +1,231 @@
+"""Kahneman–Tversky optimisation (KTO, Ethayarajh et al., arXiv 2402.01306) on unpaired data.
+
+Each sample is a prompt, a response and a desirable/undesirable label. The loss
+(``tidal.algorithms.preference.kto_loss``) compares the response's log-ratio π − ref with a
+reference point KL: desirable ``w_d·(1 − σ(β(logratio − KL)))``, undesirable
+``w_u·(1 − σ(β(KL − logratio)))``.
+
+KL is estimated from *mismatched* pairs: each prompt joined to the next sample's response (the
+responses shifted by one within the batch, as the paper and TRL do), mean(π − ref), detached and
+clamped at 0. We estimate it once per optimizer step over the step's samples on every device
+(``KTOTrainer`` runs that no-grad pass before the step), so micro-batching never changes the
+update; the loss is then summed over samples and divided by the step's sample count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tidal.algorithms.preference import kto_loss
+from tidal.config import (
+    CheckpointConfig,
+    ConfigError,
+    DatasetConfig,
+    DistributedConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    arg,
+)
+from tidal.data import collate_packed, collate_padded, load_dataset_spec
+from tidal.data.unpaired import UnpairedDataConfig, UnpairedSample, build_unpaired_samples
+from tidal.distributed import World, init_world
+from tidal.logging import LoggingConfig, get_logger
+from tidal.models import Precision, load_causal_lm, load_tokenizer
+from tidal.trainers.common import flat_config, run_folder, training_steps
+from tidal.trainers.loop import SupervisedTrainer, reduce_metrics, to_device
+from tidal.trainers.reference import (
+    Reference,
+    ReferenceConfig,
+    aux_forward_kwargs,
+    build_reference,
+    eval_mode,
+    moe_aux_term,
+    sequence_logps,
+)
+from tidal.trainers.sft import build_optimization
+
+log = get_logger(__name__)
+
+
+@dataclass
+class KTOConfig:
+    """KTO loss: β and the weights of desirable and undesirable samples."""
+
+    beta: float = arg(0.01, help="β: how sharply the loss saturates around the KL reference point")
+    desirable_loss_weight: float = arg(1.0, help="w_d: weight of desirable samples' loss")
+    undesirable_loss_weight: float = arg(1.0, help="w_u: weight of undesirable samples' loss")
+
+    def __post_init__(self) -> None:
+        if self.beta <= 0:
+            raise ConfigError(f"--beta must be positive, got {self.beta}")
+        if self.desirable_loss_weight < 0 or self.undesirable_loss_weight < 0:
+            raise ConfigError("--desirable_loss_weight and --undesirable_loss_weight must be >= 0")
+
+
+@dataclass
+class KTOObjective:
+    """KTO loss per sample, divided by the step's sample count. ``kl`` and the per-class unit counts
+    are set by ``KTOTrainer`` for each step (they are step-level quantities)."""
+
+    reference: Reference
+    cfg: KTOConfig
+    pad_id: int
+    packing: bool = False
+    aux_loss_coef: float = 0.0
+    kl: float = 0.0
+    desirable_units: float = 0.0
+    undesirable_units: float = 0.0
+
+    def weight(self, sample: UnpairedSample) -> float:
+        return 1.0
+
+    def collate(self, samples: Sequence[UnpairedSample]) -> dict:
+        sft = [s.as_sft() for s in samples]
+        batch = (collate_packed if self.packing else collate_padded)(sft, self.pad_id)
+        batch["desirable"] = torch.tensor([s.desirable for s in samples], dtype=torch.bool)
+        batch["num_tokens"] = sum(len(s) for s in samples)
+        return batch
+
+    def logratios(self, model: nn.Module, batch: dict, precision: Precision, **forward_kwargs):
+        """``(π − ref [B], policy forward outputs)`` over the response tokens."""
+        with self.reference.use() as reference:
+            ref_logps, _, _ = sequence_logps(reference, batch, precision)
+        logps, _, outputs = sequence_logps(model, batch, precision, **forward_kwargs)
+        return logps, ref_logps, outputs
+
+    def loss(self, model: nn.Module, batch: dict, normaliser: float, precision: Precision):
+        logps, ref_logps, outputs = self.logratios(
+            model, batch, precision, **aux_forward_kwargs(self.aux_loss_coef)
+        )
+        desirable, cfg = batch["desirable"], self.cfg
+        losses, rewards = kto_loss(
+            logps,
+            ref_logps,
+            desirable,
+            torch.tensor(self.kl, device=logps.device),
+            cfg.beta,
+            cfg.desirable_loss_weight,
+            cfg.undesirable_loss_weight,
+        )
+        loss = losses.sum() / normaliser
+        metrics = {"kl": torch.tensor(self.kl * len(losses) / normaliser)}
+        for name, mask, units in (
+            ("desirable_reward", desirable, self.desirable_units),
+            ("undesirable_reward", ~desirable, self.undesirable_units),
+        ):
+            if units > 0:
+                metrics[name] = rewards[mask].sum() / units
+        aux = moe_aux_term(outputs, self.aux_loss_coef, len(losses) / normaliser)
+        if aux is not None:
+            loss = loss + aux
+            metrics["aux_loss"] = aux.detach()
+        metrics["loss"] = loss.detach()
+        return loss, metrics
+
+
+def mismatched(samples: Sequence[UnpairedSample]) -> list[UnpairedSample]:
+    """Each prompt with the next sample's response (the last with the first's)."""
+    return [s.with_response(samples[(i + 1) % len(samples)]) for i, s in enumerate(samples)]
+
+
+class KTOTrainer(SupervisedTrainer):
+    """``SupervisedTrainer`` plus the step-level KL reference point and class counts."""
+
+    objective: KTOObjective
+
+    def train_step(self, samples: Sequence[UnpairedSample]) -> dict[str, float]:
+        self.prepare_step(samples)
+        return super().train_step(samples)
+
+    def evaluate(self, samples: Sequence[UnpairedSample]) -> dict[str, float]:
+        self.prepare_step(samples[self.world.rank :: self.world.world_size])
+        return super().evaluate(samples)
+
+    def prepare_step(self, samples: Sequence[UnpairedSample]) -> None:
+        if len(samples) < 2:
+            raise ConfigError(
+                "KTO estimates its KL term from mismatched pairs within a batch: each device needs at "
+                f"least 2 samples per step (--train_batch_size / devices), got {len(samples)}"
+            )
+        obj = self.objective
+        sums = {"logratio": 0.0, "n": float(len(samples))}
+        with torch.no_grad(), eval_mode(self.opt.model):
+            for mb in self._micro_batches(mismatched(samples)):
+                batch = to_device(obj.collate(mb), self.world.device)
+                logps, ref_logps, _ = obj.logratios(self.opt.model, batch, self.opt.precision)
+                sums["logratio"] += float((logps - ref_logps).sum())
+        sums["desirable"] = float(sum(s.desirable for s in samples))
+        sums["undesirable"] = sums["n"] - sums["desirable"]
+        total = reduce_metrics(sums, self.world)  # sums over devices / device count
+        # kto_kl_estimate's mean, clamped at 0, taken over every device's mismatched pairs.
+        obj.kl = max(total["logratio"] / total["n"], 0.0)
+        obj.desirable_units, obj.undesirable_units = total["desirable"], total["undesirable"]
+
+
+@dataclass
+class KTORun:
+    """Everything a KTO run is configured by."""
+
+    model: ModelConfig
+    data: UnpairedDataConfig
+    kto: KTOConfig
+    ref: ReferenceConfig
+    train: TrainConfig
+    optim: OptimConfig
+    ckpt: CheckpointConfig
+    logging: LoggingConfig
+    dist: DistributedConfig
+    datasets: DatasetConfig
+    run_dir: str | None = None
+
+
+def load_unpaired_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg, seed: int):
+    dataset = load_dataset_spec(spec, probs, split=split, max_samples=max_samples, seed=seed)
+    samples, skipped = build_unpaired_samples(dataset, tokenizer, cfg, source=spec)
+    if skipped.count:
+        log.warning("%s: %s", spec, skipped.summary())
+    desirable = sum(s.desirable for s in samples)
+    if desirable in (0, len(samples)):
+        log.warning("%s: every sample is %sdesirable", spec, "" if desirable else "un")
+    return samples
+
+
+def run_kto(run: KTORun, world: World | None = None) -> list[dict]:
+    """Train a causal LM with KTO as configured; returns per-step metrics."""
+    world = world or init_world()
+    torch.manual_seed(run.train.seed)
+    tokenizer = load_tokenizer(run.model.pretrain, run.model)
+    ds, seed = run.datasets, run.train.seed
+    train = load_unpaired_samples(
+        ds.dataset, ds.dataset_probs, ds.dataset_split, ds.max_samples, tokenizer, run.data, seed
+    )
+    evals = None
+    if ds.eval_dataset:
+        evals = load_unpaired_samples(ds.eval_dataset, None, ds.eval_split, None, tokenizer, run.data, seed)
+    steps = training_steps(len(train), run.train, world, ds.dataset)
+    if run.train.train_batch_size // world.world_size < 2:
+        raise ConfigError("KTO needs --train_batch_size of at least 2 per device (its KL term pairs samples)")
+    model = load_causal_lm(run.model, world.device)
+    reference = build_reference(model, run.model, run.ref, run.dist, world)
+    opt = build_optimization(model, run.model, run.optim, run.dist, world, steps)
+    objective = KTOObjective(
+        reference, run.kto, tokenizer.pad_token_id, run.train.packing_samples, run.model.aux_loss_coef
+    )
+    log.info("KTO (beta %g): %d samples, %d steps", run.kto.beta, len(train), steps)
+    trainer = KTOTrainer(
+        objective,
+        opt,
+        tokenizer,
+        world,
+        run.train,
+        run.ckpt,
+        run.logging,
+        run_folder(run.run_dir, run.ckpt),
+        run_config=flat_config(run),
+    )
+    return trainer.fit(train, evals)
