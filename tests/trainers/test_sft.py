@@ -13,6 +13,7 @@ from tidal.cli.train_sft import parse_run
 from tidal.data import collate_packed, collate_padded
 from tidal.models import load_causal_lm, token_logprobs
 from tidal.testing import AdditionTask
+from tidal.trainers import loop as loop_module
 from tidal.trainers import sft as sft_module
 from tidal.trainers.sft import run_sft
 
@@ -55,16 +56,14 @@ def _tok(path):
 def _first_step_grads(tiny, data, tmp_path, monkeypatch, *extra):
     """Gradients the first optimizer step applies (captured just before the update)."""
     grads = {}
-    original = sft_module.SupervisedTrainer._update
+    original = loop_module.optimizer_step
 
-    def capture(self):
+    def capture(opt):
         if not grads:
-            grads.update(
-                {n: p.grad.clone() for n, p in self.opt.model.named_parameters() if p.grad is not None}
-            )
-        return original(self)
+            grads.update({n: p.grad.clone() for n, p in opt.model.named_parameters() if p.grad is not None})
+        return original(opt)
 
-    monkeypatch.setattr(sft_module.SupervisedTrainer, "_update", capture)
+    monkeypatch.setattr(loop_module, "optimizer_step", capture)
     run_sft(parse_run(flags(tiny, data, tmp_path, "--max_samples", "16", *extra)))
     return grads
 

@@ -14,13 +14,16 @@ from tidal.data import DataError
 USER_ERRORS = (ConfigError, DataError, FileNotFoundError)
 
 
-def make_parser(prog: str, description: str, groups: Sequence[tuple[type, str]]) -> argparse.ArgumentParser:
-    """A parser with one ``--help`` group per config dataclass, defaults shown."""
+def make_parser(prog: str, description: str, groups: Sequence[tuple]) -> argparse.ArgumentParser:
+    """A parser with one ``--help`` group per config dataclass, defaults shown.
+
+    Each group is ``(ConfigClass, title)`` or ``(ConfigClass, title, excluded_field_names)``.
+    """
     parser = argparse.ArgumentParser(
         prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    for cls, title in groups:
-        add_config_group(parser, cls, title)
+    for cls, title, *rest in groups:
+        add_config_group(parser, cls, title, exclude=set(rest[0]) if rest else frozenset())
     return parser
 
 

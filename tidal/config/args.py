@@ -66,12 +66,18 @@ def _argparse_kwargs(field: dataclasses.Field, tp: Any) -> dict[str, Any]:
     return kwargs
 
 
-def add_config_group(parser: argparse.ArgumentParser, cls: type, title: str, description: str = "") -> None:
-    """Add one ``--help`` group with a flag per field of the dataclass ``cls``."""
+def add_config_group(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    title: str,
+    description: str = "",
+    exclude: set[str] = frozenset(),
+) -> None:
+    """Add one ``--help`` group with a flag per field of the dataclass ``cls`` (minus ``exclude``)."""
     group = parser.add_argument_group(title, description or (cls.__doc__ or "").strip().split("\n")[0])
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
-        if not field.init or field.metadata.get("cli") is False:
+        if not field.init or field.metadata.get("cli") is False or field.name in exclude:
             continue
         names = [f"--{field.name}", *field.metadata.get("aliases", [])]
         kwargs = _argparse_kwargs(field, hints[field.name])

@@ -1,6 +1,6 @@
 """Model wrappers over Hugging Face models: loading, precision, forward passes and log-probs."""
 
-from tidal.models.forward import logprobs_from_logits, model_inputs, packed_attention_mask, token_logprobs
+from tidal.models.forward import model_inputs, packed_attention_mask, token_logprobs
 from tidal.models.loading import apply_lora, load_causal_lm, load_tokenizer
 from tidal.models.precision import Precision, resolve_dtype
 
@@ -9,7 +9,6 @@ __all__ = [
     "apply_lora",
     "load_causal_lm",
     "load_tokenizer",
-    "logprobs_from_logits",
     "model_inputs",
     "packed_attention_mask",
     "resolve_dtype",

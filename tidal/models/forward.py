@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tidal.algorithms.logprobs import gather_logprobs
+
 
 def packed_attention_mask(segment_ids: torch.Tensor, additive: bool = False) -> torch.Tensor:
     """[B, 1, T, T] mask: causal within a segment, blocked across segments.
@@ -38,17 +40,6 @@ def model_inputs(model: nn.Module, batch: dict) -> dict:
     return kwargs
 
 
-def logprobs_from_logits(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
-    """log softmax(logits / T) gathered at ``tokens``; computed in float32 via logsumexp."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
 def token_logprobs(model: nn.Module, batch: dict, temperature: float = 1.0, **forward_kwargs):
     """Per-token log p(token_t | tokens_<t) aligned with ``input_ids`` ([B, T]; position 0 is 0).
 
@@ -56,5 +47,5 @@ def token_logprobs(model: nn.Module, batch: dict, temperature: float = 1.0, **fo
     """
     outputs = model(**model_inputs(model, batch), use_cache=False, **forward_kwargs)
     ids = batch["input_ids"]
-    lp = logprobs_from_logits(outputs.logits[:, :-1], ids[:, 1:], temperature)
+    lp = gather_logprobs(outputs.logits[:, :-1], ids[:, 1:], temperature)
     return torch.cat([lp.new_zeros(ids.shape[0], 1), lp], dim=1), outputs

@@ -72,6 +72,28 @@ def reduce_metrics(sums: dict[str, float], world: World) -> dict[str, float]:
     return {k: v / world.world_size for k, v in zip(keys, t.tolist(), strict=True)}
 
 
+def optimizer_step(opt: Optimization) -> float:
+    """Unscale (fp16), clip, step and zero the gradients; returns the pre-clip gradient norm."""
+    optimizer, scaler = opt.optimizer, opt.precision.scaler
+    if scaler:
+        scaler.unscale_(optimizer)
+    params = [p for p in opt.model.parameters() if p.grad is not None]
+    max_norm = opt.max_norm if opt.max_norm > 0 else math.inf
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    if scaler:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def backward(loss: torch.Tensor, precision: Precision) -> None:
+    (precision.scaler.scale(loss) if precision.scaler else loss).backward()
+
+
 class SupervisedTrainer:
     """Runs an ``Objective`` over fixed samples for ``max_epochs``; see the module docstring."""
 
@@ -115,31 +137,15 @@ class SupervisedTrainer:
             tokens += int(batch.get("num_tokens", batch["input_ids"].numel()))
             set_gradient_sync(model, i == len(micro) - 1)
             loss, metrics = self.objective.loss(model, batch, normaliser, precision)
-            (precision.scaler.scale(loss) if precision.scaler else loss).backward()
+            backward(loss, precision)
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
         stats = reduce_metrics(sums, self.world)
-        stats["grad_norm"] = self._update()
+        stats["grad_norm"] = optimizer_step(self.opt)
         stats["lr"] = self.opt.scheduler.get_last_lr()[0]
         stats["tokens"] = reduce_metrics({"t": tokens}, self.world)["t"] * self.world.world_size
         self.opt.scheduler.step()
         return stats
-
-    def _update(self) -> float:
-        opt, scaler = self.opt.optimizer, self.opt.precision.scaler
-        if scaler:
-            scaler.unscale_(opt)
-        params = [p for p in self.opt.model.parameters() if p.grad is not None]
-        max_norm = self.opt.max_norm if self.opt.max_norm > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(norm)
 
     @torch.no_grad()
     def evaluate(self, samples: Sequence[Any]) -> dict[str, float]:

@@ -1,0 +1,161 @@
+"""Reinforcement-learning configuration: rollout generation, the RL algorithm, rewards and models.
+
+The seed's ``--vllm_*`` flags configure tidal's own rollout engine; the algorithm flags map onto
+the pure functions in ``tidal.algorithms`` (names from DESIGN.md §4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from tidal.config.args import ConfigError, arg
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout: sampling and tidal's generation engine (``--vllm_*`` flags configure it)."""
+
+    rollout_batch_size: int = arg(1024, help="prompts per rollout (each gets --n_samples_per_prompt samples)")
+    n_samples_per_prompt: int = arg(1, help="samples generated per prompt")
+    micro_rollout_batch_size: int = arg(
+        8, help="samples per forward when scoring a rollout (log-probs, values)"
+    )
+    prompt_max_len: int = arg(1024, help="prompts longer than this many tokens are skipped")
+    generate_max_len: int = arg(1024, help="max new tokens per response (per turn for agents)")
+    max_len: int | None = arg(
+        None, help="max total tokens of a trajectory (default prompt_max_len + generate_max_len)"
+    )
+    temperature: float = arg(1.0, help="sampling temperature")
+    top_p: float = arg(1.0, help="nucleus sampling")
+    top_k: int = arg(-1, help="top-k sampling (-1: off)")
+    eval_temperature: float = arg(0.6, help="sampling temperature for evaluation")
+    eval_n_samples_per_prompt: int = arg(4, help="samples per prompt for evaluation")
+    vllm_num_engines: int | None = arg(None, help="rollout engines (one per device group); one in local mode")
+    vllm_tensor_parallel_size: int = arg(1, help="tensor-parallel size of each engine (only 1 is supported)")
+    vllm_gpu_memory_utilization: float = arg(
+        0.5, help="fraction of free GPU memory the engine's KV cache may use"
+    )
+    vllm_generate_batch_size: int | None = arg(None, help="max sequences the engine decodes together")
+    vllm_sync_backend: str = arg(
+        "nccl", help="weight-sync backend between trainer and engines", choices=("nccl", "gloo")
+    )
+    vllm_sync_with_ray: bool = arg(False, help="send weights to engines through Ray's object store")
+    vllm_enable_sleep: bool = arg(False, help="free the engine's KV cache while training (colocated models)")
+    enforce_eager: bool = arg(False, help="run the engine without CUDA graphs")
+
+    def __post_init__(self) -> None:
+        if self.vllm_tensor_parallel_size != 1:
+            raise ConfigError(
+                "--vllm_tensor_parallel_size: tensor parallelism in tidal's engine is not supported yet; use 1"
+            )
+        if self.n_samples_per_prompt < 1 or self.rollout_batch_size < 1:
+            raise ConfigError("--n_samples_per_prompt and --rollout_batch_size must be >= 1")
+
+    @property
+    def total_len(self) -> int:
+        return self.max_len or self.prompt_max_len + self.generate_max_len
+
+
+@dataclass
+class RLConfig:
+    """RL algorithm: advantages, KL, policy/value losses and reward shaping."""
+
+    advantage_estimator: str = arg("gae", help="advantage estimator", choices=tuple(ADVANTAGE_ESTIMATORS))
+    gamma: float = arg(1.0, help="discount factor")
+    lambd: float = arg(1.0, help="GAE lambda")
+    eps_clip: float = arg(0.2, help="PPO clip range")
+    eps_clip_low_high: tuple[float, float] | None = arg(
+        None, help="separate PPO clip bounds (low high)", nargs=2
+    )
+    dual_clip: float | None = arg(None, help="dual-clip constant c > 1 for negative advantages")
+    policy_loss_type: str = arg(
+        "ppo", help="ppo: token ratio; gspo: sequence ratio", choices=tuple(POLICY_LOSSES)
+    )
+    loss_agg_mode: str = arg(
+        "token", help="loss mean over tokens or over sequences", choices=tuple(LOSS_AGGREGATIONS)
+    )
+    value_clip: float | None = arg(0.5, help="PPO value clip range")
+    entropy_loss_coef: float | None = arg(None, help="entropy bonus coefficient (0 only logs entropy)")
+    init_kl_coef: float = arg(0.01, help="KL coefficient β (0 disables the reference model)")
+    kl_estimator: str = arg("k1", help="KL estimator", choices=tuple(KL_ESTIMATORS))
+    use_kl_loss: bool = arg(False, help="put β·KL in the loss instead of the reward (GRPO)")
+    kl_target: float | None = arg(None, help="target KL for the adaptive KL controller")
+    kl_horizon: int = arg(10000, help="horizon of the adaptive KL controller")
+    normalize_reward: bool = arg(False, help="normalise rewards with running mean/std")
+    reward_clip_range: tuple[float, float] = arg(
+        (-10.0, 10.0), help="clip scalar rewards to [low, high]", nargs=2
+    )
+    enable_vllm_is_correction: bool = arg(
+        False, help="correct rollout/trainer mismatch with importance weights (TIS)"
+    )
+    vllm_is_truncated_threshold: list[float] = arg(
+        [0.5, 5.0], help="importance-weight bounds: LOW HIGH (or HIGH)", nargs="+"
+    )
+    use_icepop: bool = arg(False, help="ICEPOP: zero the loss of tokens whose weight is outside the bounds")
+    dynamic_filtering: bool = arg(
+        False, help="DAPO dynamic sampling: drop prompt groups whose mean score is at a bound"
+    )
+    dynamic_filtering_reward_range: tuple[float, float] = arg(
+        (0.0, 1.0), help="keep groups with LOW < mean score < HIGH", nargs=2
+    )
+    overlong_buffer_len: int | None = arg(None, help="DAPO overlong penalty buffer (tokens)")
+    overlong_penalty_factor: float = arg(1.0, help="DAPO overlong penalty factor")
+    freezing_actor_steps: int = arg(-1, help="train only the critic for this many steps")
+
+    def __post_init__(self) -> None:
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ConfigError(f"--dual_clip must be > 1, got {self.dual_clip}")
+        if not 1 <= len(self.vllm_is_truncated_threshold) <= 2:
+            raise ConfigError("--vllm_is_truncated_threshold takes HIGH or LOW HIGH")
+        if self.use_icepop and not self.enable_vllm_is_correction:
+            raise ConfigError("--use_icepop needs --enable_vllm_is_correction")
+
+    @property
+    def clip_bounds(self) -> tuple[float, float]:
+        return tuple(self.eps_clip_low_high) if self.eps_clip_low_high else (self.eps_clip, self.eps_clip)
+
+    @property
+    def is_bounds(self) -> tuple[float, float]:
+        t = self.vllm_is_truncated_threshold
+        return (t[0], t[1]) if len(t) == 2 else (0.0, t[0])
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.init_kl_coef > 0
+
+    @property
+    def needs_critic(self) -> bool:
+        return ADVANTAGE_ESTIMATORS[self.advantage_estimator].needs_critic
+
+
+@dataclass
+class RLModelsConfig:
+    """RL models and rewards: critic, reward models, reward functions and agents."""
+
+    critic_pretrain: str | None = arg(
+        None, help="critic initialisation (default: first reward model, else --pretrain)"
+    )
+    reward_pretrain: str | None = arg(None, help="reward model(s), comma-separated; their scores are summed")
+    remote_rm_url: str | None = arg(
+        None, help="reward_func.py file, or comma-separated HTTP reward-server URLs"
+    )
+    value_head_prefix: str = arg("score", help="attribute name of the value head in reward/critic models")
+    agent_func_path: str | None = arg(None, help="agent_func.py with an AgentExecutor class (multi-turn)")
+    label_key: str | None = arg(None, help="dataset key passed to reward functions and agents as labels")
+    critic_learning_rate: float = arg(9e-6, help="critic learning rate")
+    actor_learning_rate: float = arg(1e-6, help="policy learning rate")
+    save_value_network: bool = arg(False, help="also save the critic as a HF folder")
+    ref_reward_offload: bool = arg(False, help="keep reference and reward models on the CPU between uses")
+    num_episodes: int = arg(1, help="passes over the prompt dataset")
+    use_dynamic_batch: bool = arg(False, help="micro-batches by token budget instead of sample count")
+    train_max_tokens_per_gpu: int = arg(
+        16192, help="token budget of a training micro-batch with --use_dynamic_batch"
+    )
+    rollout_max_tokens_per_gpu: int | None = arg(
+        None, help="token budget of a scoring micro-batch (default: train's)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.remote_rm_url and self.reward_pretrain:
+            raise ConfigError("use either --remote_rm_url or --reward_pretrain, not both")

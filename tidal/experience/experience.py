@@ -1,0 +1,120 @@
+"""``Experience``: one rollout batch as typed tensors, and how it is cut into micro-batches.
+
+Every per-token tensor is ``[N, T]`` and aligned with ``sequences``: column ``t`` describes token
+``t`` (its log-prob given tokens ``< t``, its value, its reward). ``action_mask`` is 1 on tokens the
+policy generated (0 on prompt, padding and environment feedback), so losses never touch anything
+else. Rows are right-padded; ``attention_mask`` marks real tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Experience:
+    """Sequences of a rollout and everything computed about them (OpenRLHF's fields, typed)."""
+
+    sequences: Tensor  # [N, T] token ids: prompt, actions, feedback, padding
+    attention_mask: Tensor  # [N, T] 1 on real tokens
+    action_mask: Tensor  # [N, T] 1 on policy-generated tokens
+    rollout_logprobs: Tensor  # [N, T] the engine's log-probs of the sampled tokens
+    rewards: Tensor  # [N] scalar reward per sample (after shaping)
+    scores: Tensor  # [N] scores for dynamic filtering / logging
+    old_logprobs: Tensor | None = None  # [N, T] policy log-probs before the update
+    ref_logprobs: Tensor | None = None  # [N, T] reference-model log-probs
+    values: Tensor | None = None  # [N, T] critic values
+    kl: Tensor | None = None  # [N, T] per-token KL estimate (policy vs reference)
+    advantages: Tensor | None = None  # [N, T]
+    returns: Tensor | None = None  # [N, T]
+
+    def __len__(self) -> int:
+        return self.sequences.shape[0]
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def select(self, rows: Sequence[int] | Tensor) -> Experience:
+        """The given rows, trimmed to their longest real length."""
+        index = torch.as_tensor(rows, dtype=torch.long)
+        width = int(self.attention_mask[index].sum(-1).max())
+        picked = {}
+        for name, value in self.tensors().items():
+            value = value[index]
+            picked[name] = value[:, :width] if value.dim() == 2 else value
+        return replace(self, **picked)
+
+    def to(self, device: torch.device) -> Experience:
+        return replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
+
+    @staticmethod
+    def concat(parts: Sequence[Experience]) -> Experience:
+        """Stack experiences row-wise, right-padding to the widest."""
+        width = max(p.sequences.shape[1] for p in parts)
+        out = {}
+        for f in fields(Experience):
+            values = [getattr(p, f.name) for p in parts]
+            if any(v is None for v in values):
+                continue
+            if values[0].dim() == 2:
+                values = [torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in values]
+            out[f.name] = torch.cat(values)
+        return Experience(**out)
+
+
+def model_batch(exp: Experience, packing: bool) -> dict[str, Tensor]:
+    """Inputs for ``tidal.models.forward``: padded rows, or one packed row with segment ids.
+
+    Per-token tensors of the experience are flattened the same way by ``flatten_like``.
+    """
+    lengths = exp.attention_mask.sum(-1)
+    if not packing:
+        positions = (exp.attention_mask.cumsum(-1) - 1).clamp(min=0)
+        return {"input_ids": exp.sequences, "attention_mask": exp.attention_mask, "position_ids": positions}
+    keep = exp.attention_mask.bool()
+    return {
+        "input_ids": exp.sequences[keep][None],
+        "position_ids": torch.cat([torch.arange(int(n), device=exp.sequences.device) for n in lengths])[None],
+        "segment_ids": torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)[
+            None
+        ],
+    }
+
+
+def flatten_like(x: Tensor, exp: Experience, packing: bool) -> Tensor:
+    """A per-token ``[N, T]`` tensor in the layout of ``model_batch`` (``[1, ΣT]`` when packed)."""
+    return x[exp.attention_mask.bool()][None] if packing else x
+
+
+def unflatten(x: Tensor, exp: Experience, packing: bool) -> Tensor:
+    """Inverse of ``flatten_like``: back to ``[N, T]`` (zeros on padding)."""
+    if not packing:
+        return x
+    out = x.new_zeros(exp.attention_mask.shape)
+    out[exp.attention_mask.bool()] = x[0]
+    return out
+
+
+def micro_batches(exp: Experience, size: int, max_tokens: int | None = None) -> list[list[int]]:
+    """Row indices of each micro-batch: ``size`` rows each, or rows up to a token budget.
+
+    With ``max_tokens`` (``--use_dynamic_batch``) rows are grouped greedily in order so that each
+    micro-batch holds at most ``max_tokens`` real tokens (a longer row goes alone).
+    """
+    n = len(exp)
+    if max_tokens is None:
+        return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+    lengths = exp.attention_mask.sum(-1).tolist()
+    groups: list[list[int]] = [[]]
+    used = 0
+    for i, length in enumerate(lengths):
+        if groups[-1] and used + length > max_tokens:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += length
+    return groups

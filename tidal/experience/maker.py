@@ -1,0 +1,123 @@
+"""Make experience: trajectories → ``Experience`` with log-probs, values, KL and advantages.
+
+The steps mirror DESIGN.md's dataflow and each is a small function the RL loop calls in order:
+``from_trajectories`` (tensors), ``forward_logprobs`` / ``forward_values`` (model passes in
+micro-batches, no grad), ``shape_rewards`` (overlong penalty, normalisation, clipping) and
+``add_advantages`` (KL, baselines and returns from ``tidal.algorithms``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from tidal.algorithms import compute_kl, estimate_advantages, overlong_penalty
+from tidal.algorithms.rewards import RunningMoments
+from tidal.config.rl import RLConfig
+from tidal.experience.experience import Experience, micro_batches, model_batch, unflatten
+from tidal.models.forward import token_logprobs
+from tidal.models.precision import Precision
+
+
+def from_trajectories(trajectories: Sequence, pad_id: int) -> Experience:
+    """Right-padded tensors from ``tidal.agents.Trajectory`` objects (rewards 0 where unscored)."""
+    width = max(len(t.token_ids) for t in trajectories)
+    n = len(trajectories)
+    seq = torch.full((n, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, width), dtype=torch.long)
+    act = torch.zeros((n, width), dtype=torch.long)
+    logp = torch.zeros((n, width), dtype=torch.float32)
+    for i, t in enumerate(trajectories):
+        length = len(t.token_ids)
+        seq[i, :length] = torch.tensor(t.token_ids)
+        attn[i, :length] = 1
+        act[i, :length] = torch.tensor(t.action_mask)
+        logp[i, :length] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
+    rewards = torch.tensor([t.reward or 0.0 for t in trajectories], dtype=torch.float32)
+    scores = torch.tensor(
+        [t.reward if t.score is None else t.score for t in trajectories], dtype=torch.float32
+    )
+    return Experience(seq, attn, act, logp, rewards=rewards, scores=torch.nan_to_num(scores))
+
+
+@torch.no_grad()
+def _per_token(
+    fn: Callable[[dict], Tensor], exp: Experience, micro: int, packing: bool, max_tokens=None
+) -> Tensor:
+    """Run ``fn`` over micro-batches of ``exp`` and reassemble an ``[N, T]`` tensor."""
+    device = exp.sequences.device
+    out = torch.zeros(exp.sequences.shape, dtype=torch.float32, device=device)
+    for rows in micro_batches(exp, micro, max_tokens):
+        part = exp.select(rows)
+        values = unflatten(fn(model_batch(part, packing)).float(), part, packing)
+        out[rows, : values.shape[1]] = values
+    return out
+
+
+def forward_logprobs(
+    model: nn.Module,
+    exp: Experience,
+    micro: int,
+    packing: bool,
+    temperature: float,
+    precision: Precision,
+    max_tokens: int | None = None,
+) -> Tensor:
+    """Per-token log-probs ``[N, T]`` of ``exp.sequences`` under ``model`` (sampling temperature applied)."""
+    model.eval()
+
+    def fn(batch):
+        with precision.autocast():
+            return token_logprobs(model, batch, temperature)[0]
+
+    return _per_token(fn, exp, micro, packing, max_tokens)
+
+
+def forward_values(
+    critic, exp: Experience, micro: int, packing: bool, precision: Precision, max_tokens: int | None = None
+) -> Tensor:
+    """Critic values ``[N, T]`` aligned with tokens: column t is V(state before token t)."""
+    critic.eval()
+
+    def fn(batch):
+        with precision.autocast():
+            return shift_values(critic.values(batch))
+
+    return _per_token(fn, exp, micro, packing, max_tokens)
+
+
+def shift_values(raw: Tensor) -> Tensor:
+    """The critic reads token t and values the state after it; token t's action is taken from t − 1."""
+    return torch.cat([raw.new_zeros(raw.shape[0], 1), raw[:, :-1]], dim=1)
+
+
+def shape_rewards(
+    exp: Experience, cfg: RLConfig, max_new_tokens: int, moments: RunningMoments | None
+) -> Tensor:
+    """Scalar rewards after the DAPO overlong penalty, running normalisation and clipping."""
+    rewards = exp.rewards.clone()
+    if cfg.overlong_buffer_len:
+        lengths = exp.action_mask.sum(-1)
+        rewards += overlong_penalty(
+            lengths, max_new_tokens, cfg.overlong_buffer_len, cfg.overlong_penalty_factor
+        )
+    if moments is not None:
+        moments.update(rewards)
+        rewards = moments.normalize(rewards)
+    low, high = cfg.reward_clip_range
+    return rewards.clamp(low, high)
+
+
+def add_advantages(exp: Experience, cfg: RLConfig, n_samples: int, kl_coef: float) -> Experience:
+    """Fill ``kl``, ``advantages`` and ``returns`` (KL goes into the reward unless ``--use_kl_loss``)."""
+    mask = exp.action_mask
+    if exp.ref_logprobs is not None:
+        exp.kl = compute_kl(exp.old_logprobs, exp.ref_logprobs, mask, cfg.kl_estimator)
+    kl_in_reward = exp.kl if not cfg.use_kl_loss else None
+    exp.advantages, exp.returns, _ = estimate_advantages(
+        cfg.advantage_estimator, exp.rewards, mask, n_samples, kl=kl_in_reward, kl_coef=kl_coef,
+        values=exp.values, gamma=cfg.gamma, lambd=cfg.lambd,
+    )  # fmt: skip
+    return exp
