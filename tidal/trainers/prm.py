@@ -1,0 +1,125 @@
+"""Process-reward-model training (step-level supervision; Lightman et al., arXiv 2305.20050).
+
+A causal LM learns to predict, at every step-marker token, the reward token of that step's label
+(``tidal.algorithms.prm.prm_loss``: cross-entropy over the ``--reward_tokens`` logits, hard or soft
+labels; over the whole vocabulary without ``--reward_tokens``). The loss is normalised by the step's
+count of labelled steps; metrics are the loss and the step accuracy. The result is a plain causal-LM
+HF folder: its reward for a step is the probability of the first reward token at the marker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tidal.algorithms.prm import prm_loss
+from tidal.config import (
+    CheckpointConfig,
+    ConfigError,
+    DatasetConfig,
+    DistributedConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+)
+from tidal.data import load_dataset_spec
+from tidal.data.prm import PRMDataConfig, PRMSample, build_prm_samples, collate_prm, reward_token_ids
+from tidal.distributed import World, init_world
+from tidal.logging import LoggingConfig, get_logger
+from tidal.models import Precision, load_causal_lm, load_tokenizer, model_inputs
+from tidal.trainers.loop import SupervisedTrainer
+from tidal.trainers.sft import build_optimization
+
+log = get_logger(__name__)
+
+
+@dataclass
+class PRMObjective:
+    """Summed step cross-entropy divided by the optimizer step's number of labelled steps."""
+
+    pad_id: int
+    reward_ids: list[int] | None  # None: every vocabulary id (hard labels are token ids)
+    packing: bool = False
+
+    def weight(self, sample: PRMSample) -> float:
+        return float(len(sample.step_positions))
+
+    def collate(self, samples: Sequence[PRMSample]) -> dict:
+        batch = collate_prm(list(samples), self.pad_id, self.packing)
+        batch["num_tokens"] = sum(len(s) for s in samples)
+        return batch
+
+    def loss(self, model: nn.Module, batch: dict, normaliser: float, precision: Precision):
+        with precision.autocast():
+            logits = model(**model_inputs(model, batch), use_cache=False).logits
+        ids = self.reward_ids if self.reward_ids is not None else range(logits.shape[-1])
+        mask = batch["placeholder_mask"]
+        loss, accuracy = prm_loss(logits, mask, batch["labels"], ids, num_steps=normaliser)
+        steps = mask.sum()
+        return loss, {"loss": loss.detach(), "acc": accuracy * steps / normaliser}
+
+
+@dataclass
+class PRMRun:
+    """Everything a PRM run is configured by (one small config per component)."""
+
+    model: ModelConfig
+    data: PRMDataConfig
+    train: TrainConfig
+    optim: OptimConfig
+    ckpt: CheckpointConfig
+    logging: LoggingConfig
+    dist: DistributedConfig
+    datasets: DatasetConfig
+    run_dir: str | None = None
+
+
+def load_prm_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: PRMDataConfig, seed: int):
+    """Load a ``--dataset``-style spec and build its PRM samples (skips are logged)."""
+    dataset = load_dataset_spec(spec, probs, split=split, max_samples=max_samples, seed=seed)
+    samples, skipped = build_prm_samples(dataset, tokenizer, cfg, source=spec)
+    if skipped.count:
+        log.warning("%s: %s", spec, skipped.summary())
+    return samples
+
+
+def run_prm(run: PRMRun, world: World | None = None) -> list[dict]:
+    """Train a process reward model as configured; returns per-step metrics."""
+    if run.model.aux_loss_coef > 0:
+        raise ConfigError("--aux_loss_coef: the MoE load-balancing loss is not supported for PRM training")
+    world = world or init_world()
+    torch.manual_seed(run.train.seed)
+    tokenizer = load_tokenizer(run.model.pretrain, run.model)
+    ds = run.datasets
+    train = load_prm_samples(
+        ds.dataset, ds.dataset_probs, ds.dataset_split, ds.max_samples, tokenizer, run.data, run.train.seed
+    )
+    evals = None
+    if ds.eval_dataset:
+        evals = load_prm_samples(
+            ds.eval_dataset, None, ds.eval_split, None, tokenizer, run.data, run.train.seed
+        )
+    run.train.micro_steps_per_step(world.world_size)  # validates the batch arithmetic early
+    steps = (len(train) // run.train.train_batch_size) * run.train.max_epochs
+    if steps == 0:
+        raise ConfigError(
+            f"--dataset {ds.dataset}: {len(train)} usable samples is fewer than one --train_batch_size "
+            f"({run.train.train_batch_size})"
+        )
+    model = load_causal_lm(run.model, world.device)
+    opt = build_optimization(model, run.model, run.optim, run.dist, world, steps)
+    objective = PRMObjective(
+        tokenizer.pad_token_id, reward_token_ids(tokenizer, run.data), run.train.packing_samples
+    )
+    run_dir = Path(run.run_dir or Path(run.ckpt.save_path) / "run")
+    log.info(
+        "PRM: %d train samples, %d steps, device %s x%d", len(train), steps, world.device, world.world_size
+    )
+    trainer = SupervisedTrainer(
+        objective, opt, tokenizer, world, run.train, run.ckpt, run.logging, run_dir, run_config=asdict(run)
+    )
+    return trainer.fit(train, evals)
