@@ -87,3 +87,25 @@ def test_string_prompts_are_tokenized(tiny_model):
     assert by_text.outputs[0].text == engine.tokenizer.decode(
         by_text.outputs[0].token_ids, skip_special_tokens=True
     )
+
+
+def test_interrupted_generate_leaves_a_clean_engine(tiny_model, monkeypatch):
+    engine = LLMEngine(tiny_model("llama"), cpu_config(max_model_len=64, block_size=4))
+    expected = engine.generate(PROMPTS, GREEDY)
+    calls = []
+    run = engine.runner.run
+
+    def failing_run(batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return run(batch)
+
+    monkeypatch.setattr(engine.runner, "run", failing_run)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(PROMPTS, GREEDY, use_tqdm=True)
+    monkeypatch.setattr(engine.runner, "run", run)
+    assert engine.block_manager.num_free_blocks == engine.num_kv_blocks
+    assert [o.outputs[0].token_ids for o in engine.generate(PROMPTS, GREEDY)] == [
+        o.outputs[0].token_ids for o in expected
+    ]

@@ -179,15 +179,21 @@ class LLMEngine:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(groups), desc="rollout", unit="req")
-        while self.scheduler.has_unfinished():
-            batch = self.scheduler.schedule()
-            tokens, logprobs = self.runner.run(batch)
-            for seq in self.scheduler.postprocess(batch, tokens, logprobs):
-                remaining[seq.request_index] -= 1
-                if bar is not None and remaining[seq.request_index] == 0:
-                    bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while self.scheduler.has_unfinished():
+                batch = self.scheduler.schedule()
+                tokens, logprobs = self.runner.run(batch)
+                for seq in self.scheduler.postprocess(batch, tokens, logprobs):
+                    remaining[seq.request_index] -= 1
+                    if bar is not None and remaining[seq.request_index] == 0:
+                        bar.update(1)
+        except BaseException:
+            # An interrupted call (error, Ctrl-C) must not leak its sequences into the next one.
+            self.scheduler.abort_all()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
 
     def _params_per_prompt(self, num_prompts: int, sampling_params) -> list[SamplingParams]:
         if sampling_params is None:

@@ -62,6 +62,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def abort_all(self) -> None:
+        """Drop every queued and running sequence and free its blocks (after an interrupted step)."""
+        for seq in self.running:
+            self.block_manager.free(seq)
+        self.running.clear()
+        self.waiting.clear()
+
     def schedule(self) -> ScheduledBatch:
         batch = self._schedule_prefill() or self._schedule_decode()
         if batch is None:  # the engine checks at add time that any single sequence fits, so this is a bug
