@@ -3,7 +3,8 @@
 Layout of ``--ckpt_path``::
 
     global_step_20/            one checkpoint, written to a temporary folder then renamed
-      model_optim/             torch.distributed.checkpoint (each rank writes its shards)
+      model_optim/             torch.distributed.checkpoint of every trained part's model and
+                               optimizer (each rank writes its shards)
       trainer_state_rank0.pt   scheduler, step counters, RNG states (one file per rank)
     latest                     name of the newest complete checkpoint
 
@@ -70,10 +71,19 @@ def _rotate(ckpt_path: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(
-    ckpt_path, model, optimizer, scheduler, loop: LoopState, world: World, keep: int = 3, extra=None
-):
-    """Save everything needed to resume; returns the checkpoint folder."""
+def _dcp_state(parts: dict) -> dict:
+    """``{"<name>_model": ..., "<name>_optim": ...}`` for every part (an object with model/optimizer)."""
+    state = {}
+    for name, part in parts.items():
+        state[f"{name}_model"], state[f"{name}_optim"] = get_state_dict(part.model, part.optimizer)
+    return state
+
+
+def save_checkpoint(ckpt_path, parts: dict, loop: LoopState, world: World, keep: int = 3, extra=None) -> Path:
+    """Save every part (``model``, ``optimizer``, ``scheduler``), the loop state and RNG; returns the folder.
+
+    ``parts`` maps a name (``model``, ``policy``, ``critic``) to an object with those three attributes.
+    """
     ckpt_path = Path(ckpt_path)
     name = f"{PREFIX}{loop.global_step}"
     tmp = ckpt_path / f".tmp_{name}"
@@ -81,11 +91,10 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier(world)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "model_optim"))
+    dcp.save(_dcp_state(parts), checkpoint_id=str(tmp / "model_optim"))
     state = {
         "loop": asdict(loop),
-        "scheduler": scheduler.state_dict(),
+        "schedulers": {k: p.scheduler.state_dict() for k, p in parts.items()},
         "rng": rng_state(),
         "extra": extra or {},
     }
@@ -101,14 +110,20 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(folder, model, optimizer, scheduler, world: World) -> tuple[LoopState, dict]:
-    """Restore model, optimizer, scheduler and RNG from ``folder``; returns the loop state and extras."""
+def load_checkpoint(folder, parts: dict, world: World) -> tuple[LoopState, dict]:
+    """Restore every part, the schedulers and RNG from ``folder``; returns the loop state and extras."""
     folder = Path(folder)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = _dcp_state(parts)
     dcp.load(state, checkpoint_id=str(folder / "model_optim"))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for name, part in parts.items():
+        set_state_dict(
+            part.model,
+            part.optimizer,
+            model_state_dict=state[f"{name}_model"],
+            optim_state_dict=state[f"{name}_optim"],
+        )
     trainer_state = torch.load(folder / f"trainer_state_rank{world.rank}.pt", weights_only=False)
-    scheduler.load_state_dict(trainer_state["scheduler"])
+    for name, part in parts.items():
+        part.scheduler.load_state_dict(trainer_state["schedulers"][name])
     set_rng_state(trainer_state["rng"])
     return LoopState(**trainer_state["loop"]), trainer_state.get("extra", {})

@@ -14,6 +14,7 @@ COMMANDS = {
     "dpo": ("tidal.cli.train_dpo", "direct preference optimisation (DPO, IPO, cDPO)"),
     "kto": ("tidal.cli.train_kto", "Kahneman-Tversky optimisation on unpaired desirable/undesirable data"),
     "kd": ("tidal.cli.train_kd", "knowledge distillation from a teacher model"),
+    "ppo": ("tidal.cli.train_ppo", "RL: PPO, REINFORCE++(-baseline), RLOO, GRPO, Dr.GRPO; rewards or agents"),
     "lora_combiner": ("tidal.cli.lora_combiner", "merge LoRA adapters into their base model"),
     "demo": ("tidal.cli.demo", "end-to-end demo on CPU with a tiny model"),
 }

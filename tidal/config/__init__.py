@@ -2,7 +2,7 @@
 
 from tidal.config.args import ConfigError, add_config_group, arg, config_from_args
 from tidal.config.checkpoint import CheckpointConfig
-from tidal.config.data import DatasetConfig
+from tidal.config.data import DatasetConfig, PromptDataConfig
 from tidal.config.distributed import DistributedConfig
 from tidal.config.model import ModelConfig
 from tidal.config.training import OptimConfig, TrainConfig
@@ -14,6 +14,7 @@ __all__ = [
     "DistributedConfig",
     "ModelConfig",
     "OptimConfig",
+    "PromptDataConfig",
     "TrainConfig",
     "add_config_group",
     "arg",

@@ -21,3 +21,25 @@ class DatasetConfig:
     eval_dataset: str | None = arg(None, help="evaluation dataset (same formats)")
     eval_split: str = arg("train", help="split of the evaluation dataset")
     max_samples: int | None = arg(None, help="use at most this many training samples")
+
+
+@dataclass
+class PromptDataConfig:
+    """Prompts for RL: datasets, keys and templates."""
+
+    prompt_data: str = arg(
+        help="prompt datasets (same formats as --dataset), comma-separated", aliases=["--dataset"]
+    )
+    prompt_data_probs: str | None = arg(
+        None, help="blend weights for the prompt datasets", aliases=["--dataset_probs"]
+    )
+    prompt_split: str = arg("train", help="split to read from folders and hub datasets")
+    eval_dataset: str | None = arg(None, help="evaluation prompts (same formats)")
+    eval_split: str = arg("train", help="split of the evaluation dataset")
+    max_samples: int | None = arg(None, help="use at most this many prompts")
+    input_key: str = arg("input", help="dataset key of the prompt (text or chat messages)")
+    label_key: str | None = arg(None, help="dataset key passed to reward functions and agents as labels")
+    input_template: str | None = arg(
+        None, help="template with {} for the prompt text, e.g. 'User: {}\\nAssistant: '"
+    )
+    apply_chat_template: bool = arg(False, help="render prompts with the tokenizer's chat template")

@@ -142,7 +142,6 @@ class RLModelsConfig:
     )
     value_head_prefix: str = arg("score", help="attribute name of the value head in reward/critic models")
     agent_func_path: str | None = arg(None, help="agent_func.py with an AgentExecutor class (multi-turn)")
-    label_key: str | None = arg(None, help="dataset key passed to reward functions and agents as labels")
     critic_learning_rate: float = arg(9e-6, help="critic learning rate")
     actor_learning_rate: float = arg(1e-6, help="policy learning rate")
     save_value_network: bool = arg(False, help="also save the critic as a HF folder")

@@ -35,11 +35,14 @@ def from_trajectories(trajectories: Sequence, pad_id: int) -> Experience:
         attn[i, :length] = 1
         act[i, :length] = torch.tensor(t.action_mask)
         logp[i, :length] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
-    rewards = torch.tensor([t.reward or 0.0 for t in trajectories], dtype=torch.float32)
-    scores = torch.tensor(
-        [t.reward if t.score is None else t.score for t in trajectories], dtype=torch.float32
+    # Single-turn trajectories are scored later; agents reward (and optionally score) them directly.
+    rewards = torch.tensor(
+        [t.reward if t.reward is not None else 0.0 for t in trajectories], dtype=torch.float32
     )
-    return Experience(seq, attn, act, logp, rewards=rewards, scores=torch.nan_to_num(scores))
+    scores = torch.tensor(
+        [t.score if t.score is not None else float(r) for t, r in zip(trajectories, rewards)]
+    )
+    return Experience(seq, attn, act, logp, rewards=rewards, scores=scores.float())
 
 
 @torch.no_grad()

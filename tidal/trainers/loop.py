@@ -170,7 +170,7 @@ class SupervisedTrainer:
         if folder is None:
             log.info("no checkpoint in %s: starting from scratch", self.ckpt_cfg.ckpt_path)
             return LoopState()
-        loop, _ = load_checkpoint(folder, self.opt.model, self.opt.optimizer, self.opt.scheduler, self.world)
+        loop, _ = load_checkpoint(folder, {"model": self.opt}, self.world)
         log.info("resumed from %s (step %d, epoch %d)", folder, loop.global_step, loop.epoch)
         return loop
 
@@ -231,13 +231,7 @@ class SupervisedTrainer:
             return
         if not ck.disable_ds_ckpt:
             folder = save_checkpoint(
-                ck.ckpt_path,
-                self.opt.model,
-                self.opt.optimizer,
-                self.opt.scheduler,
-                loop,
-                self.world,
-                keep=ck.max_ckpt_num,
+                ck.ckpt_path, {"model": self.opt}, loop, self.world, keep=ck.max_ckpt_num
             )
             log.info("saved checkpoint %s", folder)
         if ck.save_hf_ckpt:

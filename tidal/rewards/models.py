@@ -1,0 +1,54 @@
+"""Rewards from reward models (``--reward_pretrain``, comma-separated): the sum of their scores.
+
+The models read the trajectory's token ids directly (token-in-token-out: no re-tokenisation), so
+they must share the policy's tokenizer, as in OpenRLHF.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from tidal.experience.experience import Experience, micro_batches, model_batch
+from tidal.models.precision import Precision
+from tidal.rewards.base import RewardResult
+
+
+class RewardModels:
+    """Score an ``Experience`` with one or more value-head reward models (frozen)."""
+
+    def __init__(
+        self, models: Sequence[nn.Module], precision: Precision, micro_size: int, offload: bool = False
+    ):
+        self.models, self.precision, self.micro_size, self.offload = (
+            list(models),
+            precision,
+            micro_size,
+            offload,
+        )
+        for model in self.models:
+            model.eval().requires_grad_(False)
+            if offload:
+                model.to("cpu")
+
+    @torch.no_grad()
+    def __call__(self, exp: Experience) -> RewardResult:
+        total = torch.zeros(len(exp), dtype=torch.float32)
+        per_model = {}
+        for i, model in enumerate(self.models):
+            if self.offload:
+                model.to(self.precision.device)
+            scores = torch.cat(
+                [self._score(model, exp.select(rows)) for rows in micro_batches(exp, self.micro_size)]
+            )
+            if self.offload:
+                model.to("cpu")
+            total += scores.cpu()
+            per_model[f"reward_model_{i}"] = float(scores.mean())
+        return RewardResult(rewards=total, extra_logs=per_model if len(self.models) > 1 else {})
+
+    def _score(self, model: nn.Module, exp: Experience) -> torch.Tensor:
+        with self.precision.autocast():
+            return model.scores(model_batch(exp, packing=False)).float()

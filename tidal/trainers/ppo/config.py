@@ -1,0 +1,64 @@
+"""``PPORun``: every component config of an RL run, and the checks that span several of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.config import (
+    CheckpointConfig,
+    ConfigError,
+    DistributedConfig,
+    ModelConfig,
+    OptimConfig,
+    PromptDataConfig,
+    TrainConfig,
+)
+from tidal.config.placement import PlacementConfig
+from tidal.config.rl import RLConfig, RLModelsConfig, RolloutConfig
+from tidal.logging import LoggingConfig
+
+# rloo and group baselines compare samples of the same prompt
+GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
+
+
+@dataclass
+class PPORun:
+    """An RL run: policy model, prompts, rollout, algorithm, other models, schedule and I/O."""
+
+    model: ModelConfig
+    data: PromptDataConfig
+    rollout: RolloutConfig
+    rl: RLConfig
+    models: RLModelsConfig
+    train: TrainConfig
+    optim: OptimConfig
+    ckpt: CheckpointConfig
+    logging: LoggingConfig
+    dist: DistributedConfig
+    placement: PlacementConfig
+
+    def __post_init__(self) -> None:
+        if self.rl.advantage_estimator in GROUP_ESTIMATORS and self.rollout.n_samples_per_prompt < 2:
+            raise ConfigError(
+                f"--advantage_estimator {self.rl.advantage_estimator} compares samples of a prompt: "
+                "set --n_samples_per_prompt >= 2"
+            )
+        if self.rl.dynamic_filtering and self.rollout.n_samples_per_prompt < 2:
+            raise ConfigError("--dynamic_filtering needs --n_samples_per_prompt >= 2")
+        if self.rl.use_kl_loss and self.rl.init_kl_coef <= 0:
+            raise ConfigError("--use_kl_loss needs --init_kl_coef > 0")
+        samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+        if self.train.train_batch_size > samples:
+            raise ConfigError(
+                f"--train_batch_size {self.train.train_batch_size} exceeds the samples of one rollout "
+                f"(--rollout_batch_size x --n_samples_per_prompt = {samples})"
+            )
+
+    @property
+    def critic_source(self) -> str:
+        """OpenRLHF's default: the critic starts from the first reward model, else the policy."""
+        if self.models.critic_pretrain:
+            return self.models.critic_pretrain
+        if self.models.reward_pretrain:
+            return self.models.reward_pretrain.split(",")[0]
+        return self.model.pretrain

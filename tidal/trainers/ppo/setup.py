@@ -1,0 +1,107 @@
+"""Build an RL run's parts from its configs (local mode: every role on this process's device)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from tidal.config import ModelConfig, OptimConfig
+from tidal.data import build_prompt_samples, load_dataset_spec
+from tidal.distributed import World, init_world
+from tidal.logging import get_logger
+from tidal.models import load_causal_lm, load_tokenizer
+from tidal.models.precision import Precision
+from tidal.models.value_model import load_value_model
+from tidal.rewards.models import RewardModels
+from tidal.trainers.ppo.config import PPORun
+from tidal.trainers.ppo.rollout import LocalRollout
+from tidal.trainers.ppo.trainer import PPOParts, PPOTrainer
+from tidal.trainers.sft import build_optimization
+
+log = get_logger(__name__)
+
+
+def load_prompts(run: PPORun, tokenizer, spec: str, probs, split: str, max_samples):
+    d = run.data
+    dataset = load_dataset_spec(spec, probs, split=split, max_samples=max_samples, seed=run.train.seed)
+    prompts, skipped = build_prompt_samples(dataset, tokenizer, d.input_key, d.label_key, d.input_template,
+                                            d.apply_chat_template, run.rollout.prompt_max_len, source=spec)  # fmt: skip
+    if skipped.count:
+        log.warning("%s: %s", spec, skipped.summary())
+    return prompts
+
+
+def frozen_copy_config(cfg: ModelConfig, path: str) -> ModelConfig:
+    """A frozen role (reference, reward model) loads ``path`` in full precision without LoRA."""
+    return dataclasses.replace(
+        cfg, pretrain=path, lora_rank=0, load_in_4bit=False, gradient_checkpointing=False
+    )
+
+
+def total_update_steps(run: PPORun, num_prompts: int) -> int:
+    rollouts = (num_prompts // run.rollout.rollout_batch_size) * run.models.num_episodes
+    samples = run.rollout.rollout_batch_size * run.rollout.n_samples_per_prompt
+    per_rollout = -(-samples // run.train.train_batch_size) * run.train.max_epochs
+    return max(rollouts * per_rollout, 1)
+
+
+def build_parts(run: PPORun, world: World, tokenizer, steps: int) -> PPOParts:
+    device = world.device
+    actor_model = load_causal_lm(run.model, device)
+    actor_optim = dataclasses.replace(run.optim, learning_rate=run.models.actor_learning_rate)
+    actor = build_optimization(actor_model, run.model, actor_optim, run.dist, world, steps)
+    reference = None
+    if run.rl.needs_reference:
+        reference = load_causal_lm(frozen_copy_config(run.model, run.model.pretrain), device).eval()
+        reference.requires_grad_(False)
+    critic = None
+    if run.rl.needs_critic:
+        critic_cfg = dataclasses.replace(run.model, pretrain=run.critic_source)
+        critic_model = load_value_model(critic_cfg, device, run.models.value_head_prefix)
+        critic_optim = dataclasses.replace(run.optim, learning_rate=run.models.critic_learning_rate)
+        critic = build_optimization(critic_model, critic_cfg, critic_optim, run.dist, world, steps)
+    rollout = LocalRollout(
+        run.model.pretrain, tokenizer, run.rollout, run.models, device, tokenizer.pad_token_id,
+        run.data.apply_chat_template, run.train.seed, reward_models=build_reward_models(run, device),
+    )  # fmt: skip
+    return PPOParts(actor, critic, reference, rollout, tokenizer)
+
+
+def build_reward_models(run: PPORun, device: torch.device) -> RewardModels | None:
+    if not run.models.reward_pretrain:
+        return None
+    models: list[nn.Module] = [
+        load_value_model(
+            frozen_copy_config(run.model, path),
+            device,
+            run.models.value_head_prefix,
+            normalize_reward=run.rl.normalize_reward,
+        )  # fmt: skip
+        for path in run.models.reward_pretrain.split(",")
+    ]
+    precision = Precision.create(run.model.param_dtype, device)
+    return RewardModels(
+        models, precision, run.rollout.micro_rollout_batch_size, run.models.ref_reward_offload
+    )
+
+
+def run_ppo(run: PPORun, world: World | None = None) -> list[dict]:
+    """Train a policy with RL as configured; returns per-rollout metrics."""
+    world = world or init_world()
+    torch.manual_seed(run.train.seed)
+    tokenizer = load_tokenizer(run.model.pretrain, run.model)
+    d = run.data
+    prompts = load_prompts(run, tokenizer, d.prompt_data, d.prompt_data_probs, d.prompt_split, d.max_samples)
+    if len(prompts) < run.rollout.rollout_batch_size:
+        from tidal.config import ConfigError
+
+        raise ConfigError(
+            f"--prompt_data {d.prompt_data}: {len(prompts)} prompts is fewer than one --rollout_batch_size "
+            f"({run.rollout.rollout_batch_size})"
+        )
+    evals = load_prompts(run, tokenizer, d.eval_dataset, None, d.eval_split, None) if d.eval_dataset else None
+    parts = build_parts(run, world, tokenizer, total_update_steps(run, len(prompts)))
+    log.info("RL (%s): %d prompts, device %s", run.rl.advantage_estimator, len(prompts), world.device)
+    return PPOTrainer(run, parts, prompts, evals, world).fit()

@@ -1,0 +1,287 @@
+"""The RL loop: generate → score → make experience → advantages → update → sync weights → log/save.
+
+One trainer serves every estimator (PPO with GAE, REINFORCE++, REINFORCE++-baseline, RLOO, GRPO,
+Dr.GRPO): the differences are data in ``tidal.algorithms`` registries. ``fit`` reads top to
+bottom; each phase is a short method below it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tidal.algorithms import dynamic_filter_mask, make_kl_controller, masked_mean
+from tidal.algorithms.rewards import RunningMoments
+from tidal.checkpoint import LoopState, latest_checkpoint, load_checkpoint, save_checkpoint, save_hf_model
+from tidal.data import step_batches
+from tidal.distributed.world import World
+from tidal.experience.maker import add_advantages, forward_logprobs, forward_values, shape_rewards
+from tidal.logging import MetricsLogger, ProgressBar, get_logger
+from tidal.trainers.loop import Optimization
+from tidal.trainers.ppo.config import PPORun
+from tidal.trainers.ppo.update import PolicyLoss, StepShape, ValueLoss, train_on_experience
+
+log = get_logger(__name__)
+
+
+@dataclass
+class PPOParts:
+    """What the loop drives: trained roles, frozen roles and the rollout."""
+
+    actor: Optimization
+    critic: Optimization | None
+    reference: nn.Module | None
+    rollout: object  # LocalRollout or a distributed rollout with generate / sync_weights / sleep
+    tokenizer: object
+
+
+class PhaseTimer:
+    """Wall time per phase of one step, logged as ``time/<phase>``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[f"time/{phase}"] = time.perf_counter() - start
+
+
+class PPOTrainer:
+    """See the module docstring; ``fit`` is the whole algorithm."""
+
+    def __init__(
+        self, run: PPORun, parts: PPOParts, prompts: Sequence, eval_prompts: Sequence | None, world: World
+    ):
+        self.run, self.parts, self.world = run, parts, world
+        self.prompts, self.eval_prompts = prompts, eval_prompts
+        self.kl_ctl = make_kl_controller(run.rl.init_kl_coef, run.rl.kl_target, run.rl.kl_horizon)
+        self.moments = (
+            RunningMoments() if run.rl.normalize_reward and not run.models.reward_pretrain else None
+        )
+        self.n = run.rollout.n_samples_per_prompt
+
+    def fit(self) -> list[dict]:
+        run, world = self.run, self.world
+        loop, history = self._resume(), []
+        with (
+            MetricsLogger(
+                self.run_dir, run.logging, asdict(run), world.is_main, self._resume_step(loop)
+            ) as logger,
+            ProgressBar(
+                self.total_rollouts, initial=loop.global_step, desc="rl", is_main=world.is_main
+            ) as bar,
+        ):
+            for episode in range(loop.epoch, run.models.num_episodes):
+                batches = step_batches(
+                    len(self.prompts), run.rollout.rollout_batch_size, run.train.seed, episode
+                )
+                for index in range(loop.step_in_epoch, len(batches)):
+                    timer = PhaseTimer()
+                    with timer("generate"):
+                        prompts = [self.prompts[i] for i in batches[index]]
+                        _, exp, reward_logs = self.parts.rollout.generate(
+                            prompts,
+                            self.n,
+                            run.rollout.temperature,
+                            seed=self._rollout_seed(loop.global_step),
+                        )
+                        self._sleep_engine()
+                    with timer("make_experience"):
+                        exp, stats = self.make_experience(exp)
+                    with timer("train"):
+                        stats |= self.update(exp, loop.global_step) if exp is not None else {"skipped": 1.0}
+                    with timer("sync_weights"):
+                        self.sync_weights(loop.global_step)
+                    loop = LoopState(loop.global_step + 1, episode, index + 1)
+                    stats |= reward_logs | timer.seconds | {"kl_coef": self.kl_ctl.value}
+                    history.append({"step": loop.global_step, **stats})
+                    self.after_step(loop, stats, logger, bar)
+                loop = LoopState(loop.global_step, episode + 1, 0)
+        self.save_final()
+        return history
+
+    # ---- phases ------------------------------------------------------------------------------
+    def make_experience(self, exp):
+        """Filter, shape rewards, add old/reference log-probs, values, KL and advantages."""
+        run, actor = self.run, self.parts.actor
+        exp = exp.to(self.world.device)
+        stats = rollout_stats(exp)
+        if run.rl.dynamic_filtering:
+            keep = dynamic_filter_mask(exp.scores, self.n, *run.rl.dynamic_filtering_reward_range)
+            stats["dynamic_filter/kept"] = float(keep.float().mean())
+            if not keep.any():
+                return None, stats
+            exp = exp.select(keep.nonzero().squeeze(-1).cpu())
+        exp.rewards = shape_rewards(exp, run.rl, run.rollout.generate_max_len, self.moments)
+        micro, packing, max_tokens = self._scoring_shape()
+        temperature = run.rollout.temperature
+        exp.old_logprobs = forward_logprobs(
+            actor.model, exp, micro, packing, temperature, actor.precision, max_tokens
+        )
+        if self.parts.reference is not None:
+            with _on_device(self.parts.reference, self.world.device, run.models.ref_reward_offload):
+                exp.ref_logprobs = forward_logprobs(
+                    self.parts.reference, exp, micro, packing, temperature, actor.precision, max_tokens
+                )
+        if self.parts.critic is not None:
+            critic = self.parts.critic
+            exp.values = forward_values(critic.model, exp, micro, packing, critic.precision, max_tokens)
+        exp = add_advantages(exp, run.rl, self.n, self.kl_ctl.value)
+        return exp, stats | experience_stats(exp)
+
+    def update(self, exp, step: int) -> dict[str, float]:
+        """PPO epochs for the critic, then the policy (unless still frozen); adapts the KL coefficient."""
+        run, stats = self.run, {}
+        generator = torch.Generator().manual_seed(run.train.seed * 7919 + step)
+        shape = StepShape(
+            step_size=run.train.train_batch_size // self.world.world_size,
+            micro_size=run.train.micro_train_batch_size,
+            max_tokens=run.models.train_max_tokens_per_gpu if run.models.use_dynamic_batch else None,
+            epochs=run.train.max_epochs,
+            packing=run.train.packing_samples,
+        )
+        if self.parts.critic is not None:
+            loss = ValueLoss(run.rl.value_clip, self.parts.critic.precision, shape.packing)
+            stats |= train_on_experience(self.parts.critic, exp, loss, shape, self.world, generator)
+        if step >= run.rl.freezing_actor_steps:
+            actor = self.parts.actor
+            loss = PolicyLoss(
+                run.rl, actor.precision, run.rollout.temperature, shape.packing, self.kl_ctl.value
+            )
+            stats |= train_on_experience(actor, exp, loss, shape, self.world, generator)
+        if exp.kl is not None:
+            self.kl_ctl.update(float(masked_mean(exp.kl, exp.action_mask)), len(exp))
+        return stats
+
+    def sync_weights(self, step: int) -> None:
+        if step >= self.run.rl.freezing_actor_steps:
+            self.parts.rollout.sync_weights(self.parts.actor.model)
+
+    def after_step(self, loop: LoopState, stats: dict, logger: MetricsLogger, bar: ProgressBar) -> None:
+        bar.update(1, reward=stats.get("reward"), loss=stats.get("policy/loss"), kl=stats.get("kl"))
+        if self.run.logging.should_log(loop.global_step):
+            logger.log(loop.global_step, stats)
+        every = self.run.train.eval_steps
+        if self.eval_prompts and every > 0 and loop.global_step % every == 0:
+            logger.log(loop.global_step, self.evaluate(), prefix="eval")
+        ck = self.run.ckpt
+        if ck.save_steps > 0 and loop.global_step % ck.save_steps == 0:
+            self.save_checkpoint(loop)
+
+    def evaluate(self) -> dict[str, float]:
+        """Mean reward and score of fresh samples on the evaluation prompts."""
+        r = self.run.rollout
+        _, exp, logs = self.parts.rollout.generate(self.eval_prompts, r.eval_n_samples_per_prompt, r.eval_temperature,
+                                                   seed=self.run.train.seed)  # fmt: skip
+        self._sleep_engine()
+        return {"reward": float(exp.rewards.mean()), "score": float(exp.scores.mean()), **logs}
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.ckpt.save_path) / "run"
+
+    @property
+    def total_rollouts(self) -> int:
+        return (len(self.prompts) // self.run.rollout.rollout_batch_size) * self.run.models.num_episodes
+
+    def _trained_parts(self) -> dict:
+        parts = {"policy": self.parts.actor}
+        if self.parts.critic is not None:
+            parts["critic"] = self.parts.critic
+        return parts
+
+    def save_checkpoint(self, loop: LoopState) -> None:
+        ck = self.run.ckpt
+        extra = {"kl_coef": self.kl_ctl.value, "moments": asdict(self.moments) if self.moments else None}
+        if not ck.disable_ds_ckpt:
+            folder = save_checkpoint(
+                ck.ckpt_path, self._trained_parts(), loop, self.world, ck.max_ckpt_num, extra
+            )
+            log.info("saved checkpoint %s", folder)
+        if ck.save_hf_ckpt:
+            hf_dir = Path(ck.ckpt_path) / f"global_step_{loop.global_step}_hf"
+            save_hf_model(self.parts.actor.model, self.parts.tokenizer, hf_dir, self.world)
+
+    def _resume(self) -> LoopState:
+        ck = self.run.ckpt
+        folder = latest_checkpoint(ck.ckpt_path) if ck.load_checkpoint else None
+        if folder is None:
+            return LoopState()
+        loop, extra = load_checkpoint(folder, self._trained_parts(), self.world)
+        self.kl_ctl.value = extra["kl_coef"]
+        if self.moments is not None and extra.get("moments"):
+            self.moments = RunningMoments(**extra["moments"])
+        self.parts.rollout.sync_weights(self.parts.actor.model)
+        log.info("resumed from %s (rollout step %d)", folder, loop.global_step)
+        return loop
+
+    def _resume_step(self, loop: LoopState) -> int | None:
+        return loop.global_step if self.run.ckpt.load_checkpoint else None
+
+    def save_final(self) -> None:
+        save_hf_model(self.parts.actor.model, self.parts.tokenizer, self.run.ckpt.save_path, self.world)
+        if self.parts.critic is not None and self.run.models.save_value_network:
+            critic_dir = Path(str(self.run.ckpt.save_path).rstrip("/") + "_critic")
+            save_hf_model(self.parts.critic.model, self.parts.tokenizer, critic_dir, self.world)
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _rollout_seed(self, step: int) -> int:
+        return self.run.train.seed * 1_000_003 + step  # reproducible samples, also after a resume
+
+    def _scoring_shape(self) -> tuple[int, bool, int | None]:
+        """(samples per micro-batch, packing, token budget) for the no-grad scoring passes."""
+        m = self.run.models
+        max_tokens = (
+            (m.rollout_max_tokens_per_gpu or m.train_max_tokens_per_gpu) if m.use_dynamic_batch else None
+        )
+        return self.run.rollout.micro_rollout_batch_size, self.run.train.packing_samples, max_tokens
+
+    def _sleep_engine(self) -> None:
+        if self.run.rollout.vllm_enable_sleep:
+            self.parts.rollout.sleep()
+
+
+@contextmanager
+def _on_device(model: nn.Module, device: torch.device, offload: bool):
+    """Bring an offloaded frozen model to the device for one use (``--ref_reward_offload``)."""
+    if offload:
+        model.to(device)
+    try:
+        yield
+    finally:
+        if offload:
+            model.to("cpu")
+
+
+def rollout_stats(exp) -> dict[str, float]:
+    lengths = exp.action_mask.sum(-1).float()
+    return {
+        "reward": float(exp.rewards.mean()),
+        "score": float(exp.scores.mean()),
+        "response_length": float(lengths.mean()),
+        "total_length": float(exp.attention_mask.sum(-1).float().mean()),
+    }
+
+
+def experience_stats(exp) -> dict[str, float]:
+    mask = exp.action_mask
+    stats = {
+        "advantages/mean": float(masked_mean(exp.advantages, mask)),
+        "advantages/abs_mean": float(masked_mean(exp.advantages.abs(), mask)),
+        "returns/mean": float(masked_mean(exp.returns, mask)),
+        "rollout/logprob_mismatch": float(masked_mean((exp.old_logprobs - exp.rollout_logprobs).abs(), mask)),
+    }
+    if exp.kl is not None:
+        stats["kl"] = float(masked_mean(exp.kl, mask))
+    if exp.values is not None:
+        stats["values/mean"] = float(masked_mean(exp.values, mask))
+    return stats

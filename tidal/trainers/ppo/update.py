@@ -1,0 +1,167 @@
+"""PPO updates: several epochs of minibatch steps over one rollout, for the policy and the critic.
+
+``train_on_experience`` is the shared loop (shuffle → optimizer steps of ``--train_batch_size``
+samples → micro-batches with gradient accumulation). Loss normalisers count the action tokens (and
+sequences) of the whole optimizer step across devices, so micro-batch size and device count never
+change the update. ``PolicyLoss`` and ``ValueLoss`` are the two objectives; their math lives in
+``tidal.algorithms``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from tidal.algorithms import (
+    MISMATCH_CORRECTIONS,
+    POLICY_LOSSES,
+    aggregate_loss,
+    compute_kl,
+    entropy_from_logits,
+    masked_mean,
+    value_loss,
+)
+from tidal.config.rl import RLConfig
+from tidal.distributed.world import World
+from tidal.experience.experience import Experience, micro_batches, model_batch, unflatten
+from tidal.experience.maker import shift_values
+from tidal.models.forward import token_logprobs
+from tidal.models.precision import Precision
+from tidal.trainers.loop import Optimization, backward, optimizer_step, reduce_metrics
+
+
+@dataclass(frozen=True)
+class Normaliser:
+    """Action tokens and sequences of one optimizer step, divided by the device count."""
+
+    tokens: float
+    sequences: float
+
+    @classmethod
+    def of(cls, exp: Experience, world: World) -> Normaliser:
+        local = {"t": float(exp.action_mask.sum()), "s": float((exp.action_mask.sum(-1) > 0).sum())}
+        total = reduce_metrics(local, world)  # mean over devices = total / world_size
+        return cls(tokens=max(total["t"], 1.0), sequences=max(total["s"], 1.0))
+
+
+@dataclass
+class StepShape:
+    """How a rollout is cut: samples per optimizer step (this device), per micro-batch, token budget."""
+
+    step_size: int
+    micro_size: int
+    max_tokens: int | None = None
+    epochs: int = 1
+    packing: bool = False
+
+
+def train_on_experience(
+    opt: Optimization,
+    exp: Experience,
+    loss_fn: Callable,
+    shape: StepShape,
+    world: World,
+    generator: torch.Generator,
+) -> dict[str, float]:
+    """Run ``shape.epochs`` passes of optimizer steps over ``exp``; returns metrics averaged over steps."""
+    totals: dict[str, float] = {}
+    steps = 0
+    opt.model.train()
+    for _ in range(shape.epochs):
+        order = torch.randperm(len(exp), generator=generator)
+        for start in range(0, len(exp), shape.step_size):
+            step = exp.select(order[start : start + shape.step_size])
+            norm = Normaliser.of(step, world)
+            sums: dict[str, float] = {}
+            for rows in micro_batches(step, shape.micro_size, shape.max_tokens):
+                loss, metrics = loss_fn(opt.model, step.select(rows), norm)
+                backward(loss, opt.precision)
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+            metrics = reduce_metrics(sums, world)
+            metrics["grad_norm"] = optimizer_step(opt)
+            metrics["lr"] = opt.scheduler.get_last_lr()[0]
+            opt.scheduler.step()
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + v
+            steps += 1
+    return {k: v / max(steps, 1) for k, v in totals.items()}
+
+
+def _share(value: Tensor, mask: Tensor, norm: Normaliser) -> Tensor:
+    """A micro-batch mean turned into its contribution to the step mean (weighted by tokens)."""
+    return value.detach() * mask.sum() / norm.tokens
+
+
+def _aligned_entropy(logits: Tensor, exp: Experience, packing: bool) -> Tensor:
+    """Entropy of the distribution each token was sampled from, aligned with tokens ([N, T])."""
+    ent = entropy_from_logits(logits[:, :-1], chunk_size=1024)
+    ent = torch.cat([ent.new_zeros(ent.shape[0], 1), ent], dim=1)
+    return unflatten(ent, exp, packing)
+
+
+@dataclass
+class PolicyLoss:
+    """Clipped policy loss (+ KL loss, entropy bonus, mismatch correction) for one micro-batch."""
+
+    cfg: RLConfig
+    precision: Precision
+    temperature: float
+    packing: bool
+    kl_coef: float = 0.0
+
+    def __call__(self, model: nn.Module, mb: Experience, norm: Normaliser):
+        cfg, mask = self.cfg, mb.action_mask
+        with self.precision.autocast():
+            logp, out = token_logprobs(model, model_batch(mb, self.packing), self.temperature)
+        logp = unflatten(logp, mb, self.packing)
+        low, high = cfg.clip_bounds
+        per_token, stats = POLICY_LOSSES[cfg.policy_loss_type](
+            logp, mb.old_logprobs, mb.advantages, mask, low, high, cfg.dual_clip
+        )
+        metrics = {f"policy/{k}": _share(v, mask, norm) for k, v in stats.items()}
+        if cfg.enable_vllm_is_correction:
+            name = "icepop" if cfg.use_icepop else "tis"
+            weights, wstats = MISMATCH_CORRECTIONS[name](
+                mb.old_logprobs, mb.rollout_logprobs, mask, *cfg.is_bounds
+            )
+            per_token = per_token * weights
+            metrics.update({f"policy/{k}": _share(v, mask, norm) for k, v in wstats.items()})
+        if cfg.use_kl_loss and mb.ref_logprobs is not None:
+            kl = compute_kl(logp, mb.ref_logprobs, mask, cfg.kl_estimator)
+            per_token = per_token + self.kl_coef * kl
+            metrics["policy/kl_loss"] = _share(masked_mean(kl, mask), mask, norm)
+        if cfg.entropy_loss_coef is not None:
+            entropy = _aligned_entropy(out.logits, mb, self.packing)
+            per_token = per_token - cfg.entropy_loss_coef * entropy
+            metrics["policy/entropy"] = _share(masked_mean(entropy, mask), mask, norm)
+        loss = aggregate_loss(
+            per_token, mask, cfg.loss_agg_mode, num_tokens=norm.tokens, num_sequences=norm.sequences
+        )
+        metrics["policy/loss"] = loss.detach()
+        return loss, metrics
+
+
+@dataclass
+class ValueLoss:
+    """Clipped value loss against the returns, token-mean over the step."""
+
+    value_clip: float | None
+    precision: Precision
+    packing: bool
+
+    def __call__(self, critic: nn.Module, mb: Experience, norm: Normaliser):
+        mask = mb.action_mask
+        with self.precision.autocast():
+            values = shift_values(critic.values(model_batch(mb, self.packing)))
+        values = unflatten(values.float(), mb, self.packing)
+        per_token, stats = value_loss(values, mb.values, mb.returns, mask, clip_eps=self.value_clip)
+        loss = aggregate_loss(per_token, mask, "token", num_tokens=norm.tokens)
+        metrics = {
+            "critic/loss": loss.detach(),
+            **{f"critic/{k}": _share(v, mask, norm) for k, v in stats.items()},
+        }
+        return loss, metrics
