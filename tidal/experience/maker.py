@@ -40,7 +40,7 @@ def from_trajectories(trajectories: Sequence, pad_id: int) -> Experience:
         [t.reward if t.reward is not None else 0.0 for t in trajectories], dtype=torch.float32
     )
     scores = torch.tensor(
-        [t.score if t.score is not None else float(r) for t, r in zip(trajectories, rewards)]
+        [t.score if t.score is not None else float(r) for t, r in zip(trajectories, rewards, strict=True)]
     )
     return Experience(seq, attn, act, logp, rewards=rewards, scores=scores.float())
 

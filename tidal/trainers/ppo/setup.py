@@ -7,7 +7,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from tidal.config import ModelConfig, OptimConfig
+from tidal.config import ModelConfig
 from tidal.data import build_prompt_samples, load_dataset_spec
 from tidal.distributed import World, init_world
 from tidal.logging import get_logger
