@@ -19,42 +19,21 @@ from tidal.models import Precision, load_tokenizer
 from tidal.trainers import rm as rm_module
 from tidal.trainers.rm import RMObjective, load_pair_samples, run_rm
 
-WORDS = [
-    "the",
-    "a",
-    "of",
-    "to",
-    "and",
-    "in",
-    "is",
-    "it",
-    "you",
-    "that",
-    "he",
-    "was",
-    "for",
-    "on",
-    "are",
-    "with",
-    "as",
-    "they",
-    "be",
-    "at",
-    "one",
-    "have",
-    "this",
-    "from",
-]
+WORDS = ["the", "a", "of", "to", "and", "in", "is", "it", "you", "that", "he", "was", "for", "on", "are"]
+GOOD = ["good", "great", "right", "correct", "help", "light", "well", "high", "new", "kind"]
+BAD = ["wrong", "low", "old", "small", "end", "off", "cause", "differ", "act", "turn"]
 
 
 def keyword_pairs(n: int, seed: int, chat: bool = False) -> list[dict]:
-    """chosen and rejected are the same words with "correct" vs "wrong" inserted at one random place."""
+    """chosen and rejected are the same words with a GOOD vs a BAD word inserted at one random place.
+
+    Many word pairs, so an untrained model ranks them about as often wrong as right."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
         words = [rng.choice(WORDS) for _ in range(rng.randint(3, 8))]
         pos = rng.randint(0, len(words))
-        good, bad = (" ".join(words[:pos] + [w] + words[pos:]) for w in ("correct", "wrong"))
+        good, bad = (" ".join(words[:pos] + [w] + words[pos:]) for w in (rng.choice(GOOD), rng.choice(BAD)))
         if chat:
             user = [{"role": "user", "content": "say something"}]
             rows.append({"chosen": user + [{"role": "assistant", "content": good}],
@@ -91,31 +70,38 @@ def test_rm_learns_and_exports_hf_loadable_model(tiny_llama, pair_files, tmp_pat
     history = run_rm(
         parse_run(flags(tiny_llama, train, tmp_path, "--eval_dataset", str(test), "--normalize_reward"))
     )
-    assert len(history) == 8 and history[-1]["loss"] < 0.5 * history[0]["loss"]
+    assert len(history) == 8
     final = tmp_path / "final"
     records = [json.loads(x) for x in (final / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["eval/acc"] for r in records if "eval/acc" in r][-1] > 0.9
+    evals = [r for r in records if "eval/acc" in r]
+    assert evals[-1]["eval/acc"] > 0.9 and evals[-1]["eval/loss"] < 0.6 * history[0]["loss"]
 
-    # Plain HF loading scores the held-out pairs like tidal's wrapper, and ranks them correctly.
+    # Plain HF loading scores the held-out pairs like tidal's wrapper, and ranks them correctly,
+    # where the untrained model did not.
     run = parse_run(flags(tiny_llama, test, tmp_path, "--pretrain", str(final)))
     tokenizer = load_tokenizer(str(final))
     samples = load_pair_samples(str(test), None, "train", None, tokenizer, run.data, 0)
     batch = collate_pairs(samples, tokenizer.pad_token_id)
     hf = AutoModelForSequenceClassification.from_pretrained(str(final)).eval()
     ours = rm_module.load_value_model(run.model, torch.device("cpu"), path=str(final)).eval()
+    untrained = rm_module.load_value_model(run.model, torch.device("cpu"), path=str(tiny_llama)).eval()
     with torch.no_grad():
-        hf_scores = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(
-            -1
-        )
+        hf_scores = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
         our_scores = ours.scores(batch)
+        before = untrained.scores(batch)
     torch.testing.assert_close(hf_scores, our_scores, atol=1e-5, rtol=0)
-    chosen, rejected = hf_scores.chunk(2)
-    assert (chosen > rejected).float().mean() > 0.9
+    assert accuracy(before) < 0.8 and accuracy(hf_scores) > 0.9, (accuracy(before), accuracy(hf_scores))
 
     # --normalize_reward stored the eval set's reward mean/std in the config.
     assert hf.config.mean == pytest.approx(our_scores.mean().item(), abs=1e-4)
     assert hf.config.std == pytest.approx(our_scores.std().item(), rel=1e-4)
     assert hf.config.value_head_prefix == "score" and hf.config.pad_token_id == tokenizer.pad_token_id
+
+
+def accuracy(scores: torch.Tensor) -> float:
+    """Fraction of pairs (chosen rows first, then rejected) where chosen scores higher."""
+    chosen, rejected = scores.chunk(2)
+    return (chosen > rejected).float().mean().item()
 
 
 def _first_step_grads(tiny, data, out, monkeypatch, *extra):
@@ -167,7 +153,7 @@ def test_objective_applies_margin_and_normaliser():
 
 def test_seed_rm_command_runs_with_paths_changed(tiny_llama, tmp_path):
     """The seed README's RM command (chat-format pairs), with only model/data paths and sizes changed."""
-    data = write_jsonl(tmp_path / "chat.jsonl", keyword_pairs(8, 2, chat=True))
+    data = write_jsonl(tmp_path / "chat.jsonl", keyword_pairs(4, 2, chat=True))
     rm_main([
         "--save_path", str(tmp_path / "rm"), "--save_steps", "-1", "--logging_steps", "1", "--eval_steps", "-1",
         "--train_batch_size", "4", "--micro_train_batch_size", "1", "--pretrain", str(tiny_llama),
