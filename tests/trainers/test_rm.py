@@ -180,3 +180,9 @@ def test_bad_flags_fail_clearly(tiny_llama, pair_files, tmp_path, capsys, extra,
         rm_main(flags(tiny_llama, pair_files[0], tmp_path, *extra))
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_seed_readme_flag_spelling_is_accepted(tiny_llama, pair_files, tmp_path):
+    """The seed README spells the head flag --value_prefix_head; both names set value_head_prefix."""
+    run = parse_run(flags(tiny_llama, pair_files[0], tmp_path, "--value_prefix_head", "value_head"))
+    assert run.rm.value_head_prefix == "value_head"

@@ -55,7 +55,9 @@ class ServeRMConfig:
     max_len: int = arg(2048, help="queries longer than this many tokens keep their last max_len tokens")
     batch_size: int = arg(16, help="most queries per forward pass; concurrent requests are coalesced")
     normalize_reward: bool = arg(False, help="return (reward - mean) / std with the stats stored by tidal rm")
-    value_head_prefix: str = arg("score", help="attribute name of the value head")
+    value_head_prefix: str = arg(
+        "score", help="attribute name of the value head", aliases=["--value_prefix_head"]
+    )
     param_dtype: str = arg(
         "auto",
         help="compute dtype (auto: bf16 on CUDA, fp32 on CPU)",

@@ -52,7 +52,9 @@ class RMConfig:
     loss: str = arg(
         "sigmoid", help="pairwise loss (sigmoid uses the 'margin' column)", choices=tuple(RM_LOSSES)
     )
-    value_head_prefix: str = arg("score", help="attribute name of the value head (score: HF's name)")
+    value_head_prefix: str = arg(
+        "score", help="attribute name of the value head (score: HF's name)", aliases=["--value_prefix_head"]
+    )
     normalize_reward: bool = arg(
         False, help="store the reward mean/std (eval set, else train set) in the saved config"
     )
