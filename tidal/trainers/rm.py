@@ -97,7 +97,9 @@ class RMObjective:
 class RewardModelTrainer(SupervisedTrainer):
     """The supervised loop, exporting the value-head name, pad id and (optionally) reward statistics."""
 
-    stats_samples: Sequence[PairSample] | None = None  # set when --normalize_reward
+    def __init__(self, *args, stats_samples: Sequence[PairSample] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stats_samples = stats_samples  # the pairs whose reward mean/std are saved (--normalize_reward)
 
     def export_config(self) -> dict:
         mean = std = None
@@ -198,8 +200,7 @@ def run_rm(run: RMRun, world: World | None = None) -> list[dict]:
     run_dir = Path(run.run_dir or Path(run.ckpt.save_path) / "run")
     log.info("RM: %d train pairs, %d steps, device %s x%d", len(train), steps, world.device, world.world_size)
     trainer = RewardModelTrainer(
-        objective, opt, tokenizer, world, run.train, run.ckpt, run.logging, run_dir, run_config=asdict(run)
-    )
-    if run.rm.normalize_reward:
-        trainer.stats_samples = evals or train
+        objective, opt, tokenizer, world, run.train, run.ckpt, run.logging, run_dir, run_config=asdict(run),
+        stats_samples=(evals or train) if run.rm.normalize_reward else None,
+    )  # fmt: skip
     return trainer.fit(train, evals)
