@@ -60,7 +60,9 @@ class ValueHeadMixin:
             use_cache=False,
             **kwargs,
         ).last_hidden_state
-        return getattr(self, self.value_head_prefix)(hidden).squeeze(-1).float()
+        # A fresh tensor, not a view of the head output: FSDP2 warns about (and mishandles in-place ops
+        # on) view outputs of a sharded module. [B, T] is small.
+        return getattr(self, self.value_head_prefix)(hidden).squeeze(-1).float().clone()
 
     def values(self, batch: dict) -> Tensor:
         """Per-token values ``[B, T]`` of a padded or packed batch."""
