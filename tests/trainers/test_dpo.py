@@ -136,12 +136,11 @@ def test_dpo_margin_grows_on_addition_pairs(tiny_llama, pairs_file, tmp_path):
         )
     )
     assert len(history) == 12
-    # Steps of 8 pairs are noisy: compare the first and the last epoch (4 steps each).
-    first, last = history[:4], history[-4:]
-    margin = [sum(h["reward_margin"] for h in epoch) / 4 for epoch in (first, last)]
-    assert margin[1] > margin[0] + 1.0, margin
-    assert sum(h["reward_accuracy"] for h in last) / 4 >= 0.75
-    assert sum(h["loss"] for h in last) < sum(h["loss"] for h in first)
+    # Steps of 8 pairs are noisy: compare epochs (4 steps each).
+    margin = [sum(h["reward_margin"] for h in history[i : i + 4]) / 4 for i in (0, 4, 8)]
+    assert margin[0] < margin[1] < margin[2] and margin[2] > margin[0] + 0.5, margin
+    assert sum(h["reward_accuracy"] for h in history[-4:]) / 4 >= 0.6
+    assert sum(h["loss"] for h in history[-4:]) < sum(h["loss"] for h in history[:4])
 
 
 def test_lora_reference_is_base_with_adapters_disabled(tiny_llama, pairs_file):

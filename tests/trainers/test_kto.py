@@ -58,12 +58,12 @@ def flags(model, data, out, *extra):
     ]  # fmt: skip
 
 
-def test_mismatched_shifts_responses_by_one():
+def test_mismatched_swaps_neighbours_responses():
     from tidal.data.unpaired import UnpairedSample
 
-    samples = [UnpairedSample([i], [10 + i], i % 2 == 0, row=i) for i in range(3)]
-    pairs = mismatched(samples)
-    assert [(p.prompt_ids, p.response_ids) for p in pairs] == [([0], [11]), ([1], [12]), ([2], [10])]
+    samples = [UnpairedSample([i], [10 + i], i % 2 == 0, row=i) for i in range(5)]
+    pairs = [(p.prompt_ids[0], p.response_ids[0]) for p in mismatched(samples)]
+    assert pairs == [(0, 11), (1, 10), (2, 13), (3, 12), (4, 13)]
 
 
 def test_first_step_loss_with_reference_equal_to_policy(tiny_llama, kto_file, tmp_path):

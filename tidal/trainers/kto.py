@@ -5,11 +5,13 @@ Each sample is a prompt, a response and a desirable/undesirable label. The loss
 reference point KL: desirable ``w_d·(1 − σ(β(logratio − KL)))``, undesirable
 ``w_u·(1 − σ(β(KL − logratio)))``.
 
-KL is estimated from *mismatched* pairs: each prompt joined to the next sample's response (the
-responses shifted by one within the batch, as the paper and TRL do), mean(π − ref), detached and
-clamped at 0. We estimate it once per optimizer step over the step's samples on every device
-(``KTOTrainer`` runs that no-grad pass before the step), so micro-batching never changes the
-update; the loss is then summed over samples and divided by the step's sample count.
+KL is estimated from *mismatched* pairs (prompt of one sample, response of another, as in the paper
+and TRL): mean(π − ref), detached and clamped at 0. We estimate it once per optimizer step over the
+step's samples on every device (``KTOTrainer`` runs that no-grad pass before the step), and the loss
+is summed over samples and divided by the step's sample count. TRL shifts the responses by one
+within each device's batch, which makes the pairs depend on how the step is split; we swap
+responses between neighbours (samples 0↔1, 2↔3, …) instead, so with an even per-device share the
+pairs, the estimate and hence the update are the same for any number of devices or micro-batches.
 """
 
 from __future__ import annotations
@@ -129,8 +131,9 @@ class KTOObjective:
 
 
 def mismatched(samples: Sequence[UnpairedSample]) -> list[UnpairedSample]:
-    """Each prompt with the next sample's response (the last with the first's)."""
-    return [s.with_response(samples[(i + 1) % len(samples)]) for i, s in enumerate(samples)]
+    """Each prompt with its neighbour's response (0↔1, 2↔3, …; an odd last one takes the one before)."""
+    n = len(samples)
+    return [s.with_response(samples[i ^ 1 if i ^ 1 < n else i - 1]) for i, s in enumerate(samples)]
 
 
 class KTOTrainer(SupervisedTrainer):
