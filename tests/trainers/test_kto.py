@@ -103,10 +103,15 @@ def test_kto_moves_desirable_rewards_above_undesirable(tiny_llama, kto_file, tmp
     assert sum(h["loss"] for h in history[-4:]) < sum(h["loss"] for h in history[:4])
 
 
-def test_lora_kto_saves_adapters(tiny_llama, kto_file, tmp_path):
-    run_kto(parse_run(flags(tiny_llama, kto_file, tmp_path, "--max_samples", "8", "--lora_rank", "4")))
+def test_lora_kto_evaluates_and_saves_adapters(tiny_llama, kto_file, tmp_path):
+    run_kto(parse_run(flags(tiny_llama, kto_file, tmp_path, "--max_samples", "8", "--lora_rank", "4",
+                            "--eval_dataset", str(kto_file))))  # fmt: skip
     saved = {p.name for p in (tmp_path / "final").iterdir()}
     assert "adapter_model.safetensors" in saved and "model.safetensors" not in saved
+    records = [json.loads(x) for x in (tmp_path / "final" / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval/kl" in r]
+    assert len(evals) == 1 and evals[0]["eval/kl"] >= 0.0
+    assert {"eval/desirable_reward", "eval/undesirable_reward", "eval/loss"} <= set(evals[0])
 
 
 @pytest.mark.parametrize(
