@@ -13,6 +13,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
+def pytest_configure(config):
+    """One torch thread: tiny models gain nothing from two, and two threads on a shared 2-core machine
+    (parallel test processes, gloo workers) oversubscribe it and slow small matmuls ~50x."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip ``gpu``-marked tests on machines without CUDA."""
     import torch

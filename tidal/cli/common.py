@@ -7,11 +7,13 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from tidal.agents.base import AgentError
 from tidal.config.args import ConfigError, add_config_group
 from tidal.data import DataError
+from tidal.rewards.base import RewardError
 
-# Errors that are the user's input, not a bug: shown as one line, exit status 2, no traceback.
-USER_ERRORS = (ConfigError, DataError, FileNotFoundError)
+# Errors in the user's input or files, not bugs: one line naming the flag/file, exit status 2.
+USER_ERRORS = (ConfigError, DataError, FileNotFoundError, RewardError, AgentError)
 
 
 def make_parser(prog: str, description: str, groups: Sequence[tuple]) -> argparse.ArgumentParser:

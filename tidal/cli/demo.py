@@ -79,7 +79,9 @@ def run_demo(cfg: DemoConfig) -> dict:
     summary["accuracy"]["sft"] = accuracy(sft_model, task, held_out)
     log.info("accuracy after SFT: %.1f%%", 100 * summary["accuracy"]["sft"])
 
-    plot = plot_metrics(sft_model / "run" / "metrics.jsonl", root / "curves.png", ["train/loss"], title="SFT loss")
+    plot = plot_metrics(
+        sft_model / "run" / "metrics.jsonl", root / "curves.png", ["train/loss"], title="SFT loss"
+    )
     summary["plot"] = str(plot)
     summary["seconds"] = round(time.perf_counter() - start, 1)
     (root / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -96,7 +98,9 @@ def print_summary(summary: dict) -> None:
 
 
 def build_parser(prog: str = "tidal demo") -> argparse.ArgumentParser:
-    return make_parser(prog, "End-to-end demo on CPU with a tiny model (nothing is downloaded).", [(DemoConfig, "demo")])
+    return make_parser(
+        prog, "End-to-end demo on CPU with a tiny model (nothing is downloaded).", [(DemoConfig, "demo")]
+    )
 
 
 def main(argv: list[str] | None = None, prog: str = "tidal demo"):

@@ -32,7 +32,9 @@ class RolloutConfig:
     eval_temperature: float = arg(0.6, help="sampling temperature for evaluation")
     eval_n_samples_per_prompt: int = arg(4, help="samples per prompt for evaluation")
     vllm_num_engines: int | None = arg(None, help="rollout engines (one per device group); one in local mode")
-    vllm_tensor_parallel_size: int = arg(1, help="tensor-parallel size of each engine (only 1 is supported)")
+    vllm_tensor_parallel_size: int = arg(
+        1, help="devices per engine (Ray mode; local mode runs one engine on one device)"
+    )
     vllm_gpu_memory_utilization: float = arg(
         0.5, help="fraction of free GPU memory the engine's KV cache may use"
     )
@@ -45,10 +47,6 @@ class RolloutConfig:
     enforce_eager: bool = arg(False, help="run the engine without CUDA graphs")
 
     def __post_init__(self) -> None:
-        if self.vllm_tensor_parallel_size != 1:
-            raise ConfigError(
-                "--vllm_tensor_parallel_size: tensor parallelism in tidal's engine is not supported yet; use 1"
-            )
         if self.n_samples_per_prompt < 1 or self.rollout_batch_size < 1:
             raise ConfigError("--n_samples_per_prompt and --rollout_batch_size must be >= 1")
 

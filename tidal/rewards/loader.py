@@ -6,6 +6,7 @@ servers) -> ``RemoteReward``.
 
 from __future__ import annotations
 
+from tidal.config.args import ConfigError
 from tidal.rewards.base import RewardSource
 from tidal.rewards.function import RewardFunction
 from tidal.rewards.remote import RemoteReward
@@ -20,7 +21,7 @@ def load_reward_source(remote_rm_url: str, **remote_kwargs) -> RewardSource:
     urls = [u.strip() for u in value.split(",")]
     if value and all(u.startswith(("http://", "https://")) for u in urls):
         return RemoteReward(urls, **remote_kwargs)
-    raise ValueError(
+    raise ConfigError(
         f"--remote_rm_url {remote_rm_url!r} is neither a Python file ending in .py (defining reward_func) "
         "nor a comma-separated list of http(s):// reward server URLs"
     )

@@ -20,14 +20,22 @@ class AdditionTask:
     digits: int = 2
     seed: int = 0
 
-    def samples(self, n: int, split: str = "train") -> list[dict]:
-        """``n`` samples ``{"prompt", "answer"}``; train and test splits use disjoint random streams."""
+    def samples(self, n: int, split: str = "train", wrong_fraction: float = 0.0) -> list[dict]:
+        """``n`` samples ``{"prompt", "answer"}``; train and test splits use disjoint random streams.
+
+        ``wrong_fraction`` replaces that share of answers by a wrong sum (off by 1-9): SFT on such data
+        gives a model that is right about as often, a controlled starting point for RL tests.
+        """
         rng = random.Random(f"{self.seed}-{split}")
         hi = 10**self.digits - 1
         out = []
         for _ in range(n):
             a, b = rng.randint(0, hi), rng.randint(0, hi)
-            out.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
+            answer = a + b
+            if rng.random() < wrong_fraction:
+                answer = abs(answer + rng.choice([-1, 1]) * rng.randint(1, 9))
+                answer = answer if answer != a + b else answer + 1
+            out.append({"prompt": f"{a}+{b}=", "answer": str(answer), "label": str(a + b)})
         return out
 
     @staticmethod
@@ -36,11 +44,13 @@ class AdditionTask:
         match = re.search(r"\d+", response)
         return match is not None and match.group(0) == answer
 
-    def write_jsonl(self, path: str | Path, n: int, split: str = "train") -> Path:
-        """Write ``n`` samples as JSONL with keys ``prompt`` and ``answer``."""
+    def write_jsonl(
+        self, path: str | Path, n: int, split: str = "train", wrong_fraction: float = 0.0
+    ) -> Path:
+        """Write ``n`` samples as JSONL: ``prompt``, ``answer`` (the SFT target) and ``label`` (the true sum)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w") as f:
-            for sample in self.samples(n, split):
+            for sample in self.samples(n, split, wrong_fraction):
                 f.write(json.dumps(sample) + "\n")
         return path

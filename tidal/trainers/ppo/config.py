@@ -47,6 +47,13 @@ class PPORun:
             raise ConfigError("--dynamic_filtering needs --n_samples_per_prompt >= 2")
         if self.rl.use_kl_loss and self.rl.init_kl_coef <= 0:
             raise ConfigError("--use_kl_loss needs --init_kl_coef > 0")
+        if self.placement.async_train and (
+            self.rollout.vllm_enable_sleep or self.placement.deepspeed_enable_sleep
+        ):
+            raise ConfigError(
+                "--async_train generates while training, so the engine and trainer cannot sleep in turn: "
+                "drop --vllm_enable_sleep/--deepspeed_enable_sleep"
+            )
         samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
         if self.train.train_batch_size > samples:
             raise ConfigError(

@@ -8,6 +8,7 @@ two methods, ``generate`` and ``sync_weights``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -47,12 +48,6 @@ class LocalRollout:
         seed: int,
         reward_models=None,
     ):
-        if (cfg.vllm_num_engines or 1) > 1:
-            from tidal.config.args import ConfigError
-
-            raise ConfigError(
-                "--vllm_num_engines > 1 needs the Ray mode (one engine per device); use 1 locally"
-            )
         engine_cfg = EngineConfig(
             max_num_seqs=cfg.vllm_generate_batch_size or 256,
             max_model_len=cfg.total_len,
@@ -61,6 +56,7 @@ class LocalRollout:
             seed=seed,
         )
         self.engine = LLMEngine(model_path, engine_cfg)
+        self.lock = threading.Lock()  # generation (maybe on a background thread) and weight sync take turns
         self.cfg, self.tokenizer, self.pad_id = cfg, tokenizer, pad_id
         self.executor = build_executor(models, apply_chat_template)
         self.reward_source = load_reward_source(models.remote_rm_url) if models.remote_rm_url else None
@@ -79,13 +75,14 @@ class LocalRollout:
 
     def generate(self, prompts: Sequence[PromptSample], n: int, temperature: float, seed: int):
         """Trajectories (prompt-major) and their Experience with rewards, scores and reward logs."""
-        if self.engine.is_sleeping:
-            self.engine.wake_up()
         params = self.sampling_params(n, temperature, seed)
-        trajectories = self.executor.run(
-            self.engine, self.tokenizer, [p.prompt for p in prompts], [p.label for p in prompts], params,
-            self.cfg.total_len,
-        )  # fmt: skip
+        with self.lock:
+            if self.engine.is_sleeping:
+                self.engine.wake_up()
+            trajectories = self.executor.run(
+                self.engine, self.tokenizer, [p.prompt for p in prompts], [p.label for p in prompts], params,
+                self.cfg.total_len,
+            )  # fmt: skip
         exp = from_trajectories(trajectories, self.pad_id)
         result = self.score(trajectories, exp, n, prompts)
         exp.rewards, exp.scores = result.rewards.float(), result.scores.float()
@@ -102,8 +99,9 @@ class LocalRollout:
 
     def sync_weights(self, policy: nn.Module) -> int:
         """Copy the policy's weights into the engine (in place, same device)."""
-        with engine_weights(policy) as named:
+        with self.lock, engine_weights(policy) as named:
             return self.engine.update_weights(named)
 
     def sleep(self) -> None:
-        self.engine.sleep()
+        with self.lock:
+            self.engine.sleep()

@@ -87,6 +87,20 @@ def build_reward_models(run: PPORun, device: torch.device) -> RewardModels | Non
     )
 
 
+def log_local_mode(run: PPORun) -> None:
+    """Say once which multi-device flags describe a Ray deployment rather than this single device."""
+    p, r = run.placement, run.rollout
+    multi = {
+        "vllm_num_engines": r.vllm_num_engines or 1,
+        "vllm_tensor_parallel_size": r.vllm_tensor_parallel_size,
+        "actor_num_gpus_per_node": p.actor_num_gpus_per_node,
+        "actor_num_nodes": p.actor_num_nodes,
+    }
+    shown = {k: v for k, v in multi.items() if v != 1}
+    if shown:
+        log.info("local mode: every role and one engine share this device; %s apply in Ray mode", shown)
+
+
 def run_ppo(run: PPORun, world: World | None = None) -> list[dict]:
     """Train a policy with RL as configured; returns per-rollout metrics."""
     world = world or init_world()
@@ -102,6 +116,7 @@ def run_ppo(run: PPORun, world: World | None = None) -> list[dict]:
             f"({run.rollout.rollout_batch_size})"
         )
     evals = load_prompts(run, tokenizer, d.eval_dataset, None, d.eval_split, None) if d.eval_dataset else None
+    log_local_mode(run)
     parts = build_parts(run, world, tokenizer, total_update_steps(run, len(prompts)))
     log.info("RL (%s): %d prompts, device %s", run.rl.advantage_estimator, len(prompts), world.device)
     return PPOTrainer(run, parts, prompts, evals, world).fit()

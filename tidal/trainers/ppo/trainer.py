@@ -20,11 +20,13 @@ from tidal.algorithms import dynamic_filter_mask, make_kl_controller, masked_mea
 from tidal.algorithms.rewards import RunningMoments
 from tidal.checkpoint import LoopState, latest_checkpoint, load_checkpoint, save_checkpoint, save_hf_model
 from tidal.data import step_batches
+from tidal.distributed.offload import offload_to_cpu, reload_to_device
 from tidal.distributed.world import World
 from tidal.experience.maker import add_advantages, forward_logprobs, forward_values, shape_rewards
 from tidal.logging import MetricsLogger, ProgressBar, get_logger
 from tidal.trainers.loop import Optimization
 from tidal.trainers.ppo.config import PPORun
+from tidal.trainers.ppo.stream import RolloutJob, rollout_stream
 from tidal.trainers.ppo.update import PolicyLoss, StepShape, ValueLoss, train_on_experience
 
 log = get_logger(__name__)
@@ -71,42 +73,47 @@ class PPOTrainer:
     def fit(self) -> list[dict]:
         run, world = self.run, self.world
         loop, history = self._resume(), []
-        with (
-            MetricsLogger(
-                self.run_dir, run.logging, asdict(run), world.is_main, self._resume_step(loop)
-            ) as logger,
-            ProgressBar(
-                self.total_rollouts, initial=loop.global_step, desc="rl", is_main=world.is_main
-            ) as bar,
-        ):
+        logger = MetricsLogger(self.run_dir, run.logging, asdict(run), world.is_main, self._resume_step(loop))
+        bar = ProgressBar(self.total_rollouts, initial=loop.global_step, desc="rl", is_main=world.is_main)
+        with logger, bar:
             for episode in range(loop.epoch, run.models.num_episodes):
-                batches = step_batches(
-                    len(self.prompts), run.rollout.rollout_batch_size, run.train.seed, episode
-                )
-                for index in range(loop.step_in_epoch, len(batches)):
+                for result in rollout_stream(self.parts.rollout, self._jobs(episode, loop), self._ahead):
                     timer = PhaseTimer()
-                    with timer("generate"):
-                        prompts = [self.prompts[i] for i in batches[index]]
-                        _, exp, reward_logs = self.parts.rollout.generate(
-                            prompts,
-                            self.n,
-                            run.rollout.temperature,
-                            seed=self._rollout_seed(loop.global_step),
-                        )
-                        self._sleep_engine()
                     with timer("make_experience"):
-                        exp, stats = self.make_experience(exp)
+                        self._trainer_awake(True)
+                        exp, stats = self.make_experience(result.exp)
                     with timer("train"):
                         stats |= self.update(exp, loop.global_step) if exp is not None else {"skipped": 1.0}
                     with timer("sync_weights"):
                         self.sync_weights(loop.global_step)
-                    loop = LoopState(loop.global_step + 1, episode, index + 1)
-                    stats |= reward_logs | timer.seconds | {"kl_coef": self.kl_ctl.value}
-                    history.append({"step": loop.global_step, **stats})
-                    self.after_step(loop, stats, logger, bar)
+                        self._trainer_awake(False)
+                    loop = LoopState(loop.global_step + 1, episode, result.job.index + 1)
+                    stats |= result.reward_logs | timer.seconds | {"time/generate": result.seconds}
+                    history.append({"step": loop.global_step, "kl_coef": self.kl_ctl.value, **stats})
+                    self.after_step(loop, history[-1], logger, bar)
                 loop = LoopState(loop.global_step, episode + 1, 0)
         self.save_final()
         return history
+
+    def _jobs(self, episode: int, loop: LoopState) -> list[RolloutJob]:
+        """This episode's remaining rollouts (deterministic prompts and seeds, also after a resume)."""
+        run = self.run
+        batches = step_batches(len(self.prompts), run.rollout.rollout_batch_size, run.train.seed, episode)
+        start = loop.step_in_epoch if episode == loop.epoch else 0
+        return [
+            RolloutJob(
+                i,
+                [self.prompts[k] for k in batches[i]],
+                self.n,
+                run.rollout.temperature,
+                self._rollout_seed(loop.global_step + i - start),
+            )  # fmt: skip
+            for i in range(start, len(batches))
+        ]
+
+    @property
+    def _ahead(self) -> int | None:
+        return self.run.placement.async_queue_size if self.run.placement.async_train else None
 
     # ---- phases ------------------------------------------------------------------------------
     def make_experience(self, exp):
@@ -248,6 +255,15 @@ class PPOTrainer:
     def _sleep_engine(self) -> None:
         if self.run.rollout.vllm_enable_sleep:
             self.parts.rollout.sleep()
+
+    def _trainer_awake(self, awake: bool) -> None:
+        """Hybrid engine: the engine sleeps while the trainer works, the trainer while the engine generates."""
+        if awake:
+            self._sleep_engine()
+        if not self.run.placement.deepspeed_enable_sleep:
+            return
+        for part in self._trained_parts().values():
+            (reload_to_device if awake else offload_to_cpu)(part)
 
 
 @contextmanager
