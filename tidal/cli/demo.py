@@ -1,16 +1,20 @@
 """``tidal demo``: tidal end to end on a laptop CPU in a few minutes, with nothing downloaded.
 
 1. builds a tiny random-init model and tokenizer offline (``tidal.testing``);
-2. makes a synthetic task with exact answers (multi-digit addition);
-3. measures task accuracy by greedy generation on held-out prompts with tidal's rollout engine;
-4. fine-tunes with SFT and measures again;
-5. writes the loss curve as a PNG and a summary JSON into the run folder.
+2. makes a synthetic task with exact answers (two-digit addition);
+3. SFT: fine-tunes on worked examples;
+4. RL: GRPO with a rule reward (partial credit per digit) from the SFT model;
+5. preferences: samples the SFT model, pairs right against wrong answers, trains a reward model
+   (held-out pair accuracy) and DPO from the SFT model;
+6. measures held-out accuracy (greedy, tidal's rollout engine) after every stage and writes the loss
+   and reward curves as a PNG plus a summary JSON into the run folder.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,76 +29,178 @@ log = get_logger(__name__)
 
 @dataclass
 class DemoConfig:
-    """Demo: the tiny model, the task and the training budget."""
+    """Demo: the tiny model, the task and each stage's budget."""
 
-    output_dir: str = arg("./runs/demo", help="run folder (model, data, checkpoints, plots)")
+    output_dir: str = arg("./runs/demo", help="run folder (models, data, plots, summary)")
     family: str = arg("qwen2", help="tiny model family", choices=("llama", "qwen2", "qwen3", "mistral"))
     digits: int = arg(2, help="digits per addend")
     train_samples: int = arg(8192, help="synthetic SFT samples")
     eval_samples: int = arg(256, help="held-out prompts for accuracy")
-    sft_epochs: int = arg(2, help="SFT epochs")
+    sft_epochs: int = arg(4, help="SFT epochs")
     sft_learning_rate: float = arg(2e-3, help="SFT peak learning rate")
+    rl_rollouts: int = arg(40, help="GRPO rollouts (32 prompts x 8 samples each)")
+    rl_learning_rate: float = arg(5e-4, help="GRPO learning rate")
+    preference_prompts: int = arg(512, help="prompts sampled to build preference pairs")
+    skip_preference: bool = arg(False, help="stop after the RL stage")
     seed: int = arg(0, help="seed for the model, data and training")
 
 
-def accuracy(model_path: Path, task: AdditionTask, samples: list[dict]) -> float:
-    """Fraction of held-out prompts answered exactly, by greedy generation with tidal's engine."""
-    from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
+class Demo:
+    """The stages, sharing the task, the held-out prompts and the run folder."""
 
-    engine = LLMEngine(str(model_path), EngineConfig(max_num_seqs=len(samples), device="cpu"))
-    params = SamplingParams(temperature=0.0, max_new_tokens=task.digits + 3)
-    outputs = engine.generate([s["prompt"] for s in samples], params)
-    correct = [task.is_correct(o.outputs[0].text, s["answer"]) for o, s in zip(outputs, samples, strict=True)]
-    return sum(correct) / len(correct)
+    def __init__(self, cfg: DemoConfig):
+        self.cfg, self.root = cfg, Path(cfg.output_dir)
+        self.task = AdditionTask(digits=cfg.digits, seed=cfg.seed)
+        self.held_out = self.task.samples(cfg.eval_samples, split="test")
+        self.data = self.root / "data"
 
+    def accuracy(self, model_path: Path) -> float:
+        """Fraction of held-out prompts answered exactly, by greedy generation with tidal's engine."""
+        from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
 
-def sft_stage(cfg: DemoConfig, base: Path, train_file: Path, out: Path) -> Path:
-    from tidal.cli.train_sft import parse_run
-    from tidal.trainers.sft import run_sft
+        engine = LLMEngine(str(model_path), EngineConfig(max_num_seqs=len(self.held_out), device="cpu"))
+        params = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.digits + 3)
+        outputs = engine.generate([s["prompt"] for s in self.held_out], params)
+        right = [
+            self.task.is_correct(o.outputs[0].text, s["label"])
+            for o, s in zip(outputs, self.held_out, strict=True)
+        ]
+        return sum(right) / len(right)
 
-    run_sft(
-        parse_run([
-            "--pretrain", str(base), "--dataset", str(train_file), "--input_key", "prompt", "--output_key", "answer",
+    def sft(self, base: Path) -> Path:
+        from tidal.cli.train_sft import parse_run
+        from tidal.trainers.sft import run_sft
+
+        c, out = self.cfg, self.root / "sft_model"
+        train = self.task.write_jsonl(self.data / "sft.jsonl", c.train_samples, split="train")
+        run_sft(parse_run([
+            "--pretrain", str(base), "--dataset", str(train), "--input_key", "prompt", "--output_key", "answer",
             "--max_len", "32", "--train_batch_size", "32", "--micro_train_batch_size", "32", "--packing_samples",
-            "--max_epochs", str(cfg.sft_epochs), "--learning_rate", str(cfg.sft_learning_rate),
-            "--lr_warmup_ratio", "0.05", "--seed", str(cfg.seed), "--logging_steps", "10",
-            "--save_path", str(out), "--ckpt_path", str(out.parent / "sft_ckpt"),
-        ])
-    )  # fmt: skip
-    return out
+            "--max_epochs", str(c.sft_epochs), "--learning_rate", str(c.sft_learning_rate),
+            "--lr_warmup_ratio", "0.05", "--seed", str(c.seed), "--logging_steps", "10", "--save_path", str(out),
+        ]))  # fmt: skip
+        return out
+
+    def rl(self, sft_model: Path) -> Path:
+        from tidal.cli.train_ppo import parse_run
+        from tidal.trainers.ppo import run_ppo
+
+        c, out = self.cfg, self.root / "rl_model"
+        prompts = self.task.write_jsonl(self.data / "rl_prompts.jsonl", 32 * c.rl_rollouts, split="rl")
+        reward_file = self.data / "reward_func.py"
+        reward_file.write_text("from tidal.testing.tasks import addition_reward as reward_func\n")
+        run_ppo(parse_run([
+            "--pretrain", str(sft_model), "--prompt_data", str(prompts), "--input_key", "prompt",
+            "--label_key", "label", "--remote_rm_url", str(reward_file), "--advantage_estimator", "group_norm",
+            "--n_samples_per_prompt", "8", "--rollout_batch_size", "32", "--train_batch_size", "256",
+            "--micro_train_batch_size", "128", "--micro_rollout_batch_size", "128", "--generate_max_len",
+            str(c.digits + 3), "--prompt_max_len", "16", "--init_kl_coef", "0", "--actor_learning_rate",
+            str(c.rl_learning_rate), "--lr_warmup_ratio", "0", "--seed", str(c.seed), "--save_path", str(out),
+        ]))  # fmt: skip
+        return out
+
+    def preference_pairs(self, model: Path) -> Path:
+        """Pairs from the model's own samples: a right answer is chosen over a wrong one."""
+        from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
+
+        prompts = self.task.samples(self.cfg.preference_prompts, split="pref")
+        engine = LLMEngine(str(model), EngineConfig(device="cpu", seed=self.cfg.seed))
+        outputs = engine.generate(
+            [p["prompt"] for p in prompts],
+            SamplingParams(n=4, temperature=1.0, max_new_tokens=self.cfg.digits + 3),
+        )
+        rng, rows = random.Random(self.cfg.seed), []
+        for prompt, out in zip(prompts, outputs, strict=True):
+            texts = [c.text.strip() for c in out.outputs]
+            right = [t for t in texts if self.task.is_correct(t, prompt["label"])]
+            wrong = [t for t in texts if not self.task.is_correct(t, prompt["label"])]
+            chosen = right[0] if right else prompt["label"]  # fall back to the true answer
+            if wrong:
+                rows.append({"prompt": prompt["prompt"], "chosen": chosen, "rejected": rng.choice(wrong)})
+        path = self.data / "pairs.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return path
+
+    def reward_model(self, base: Path, pairs: Path) -> float:
+        from tidal.cli.train_rm import parse_run
+        from tidal.trainers.rm import run_rm
+
+        run_rm(
+            parse_run(
+                self._pair_flags(
+                    base, pairs, self.root / "reward_model", "2e-3", "--eval_dataset", str(pairs)
+                )
+            )
+        )
+        metrics = [
+            json.loads(x)
+            for x in (self.root / "reward_model" / "run" / "metrics.jsonl").read_text().splitlines()
+        ]
+        return [m["eval/acc"] for m in metrics if "eval/acc" in m][-1]
+
+    def dpo(self, sft_model: Path, pairs: Path) -> Path:
+        from tidal.cli.train_dpo import parse_run
+        from tidal.trainers.dpo import run_dpo
+
+        out = self.root / "dpo_model"
+        run_dpo(parse_run(self._pair_flags(sft_model, pairs, out, "5e-4", "--beta", "0.1")))
+        return out
+
+    def _pair_flags(self, model: Path, pairs: Path, out: Path, lr: str, *extra: str) -> list[str]:
+        return [
+            "--pretrain", str(model), "--dataset", str(pairs), "--prompt_key", "prompt", "--chosen_key", "chosen",
+            "--rejected_key", "rejected", "--max_len", "32", "--train_batch_size", "32",
+            "--micro_train_batch_size", "32", "--max_epochs", "1", "--learning_rate", lr, "--lr_warmup_ratio", "0.05",
+            "--seed", str(self.cfg.seed), "--save_path", str(out), *extra,
+        ]  # fmt: skip
 
 
 def run_demo(cfg: DemoConfig) -> dict:
     """Run every stage; returns (and writes) the summary."""
-    root = Path(cfg.output_dir)
     start = time.perf_counter()
-    task = AdditionTask(digits=cfg.digits, seed=cfg.seed)
-    base = build_tiny_model(root / "base_model", cfg.family, seed=cfg.seed)
-    train_file = task.write_jsonl(root / "data" / "sft.jsonl", cfg.train_samples, split="train")
-    held_out = task.samples(cfg.eval_samples, split="test")
-    summary = {"config": asdict(cfg), "accuracy": {"base": accuracy(base, task, held_out)}}
-    log.info("accuracy before training: %.1f%%", 100 * summary["accuracy"]["base"])
-
-    sft_model = sft_stage(cfg, base, train_file, root / "sft_model")
-    summary["accuracy"]["sft"] = accuracy(sft_model, task, held_out)
-    log.info("accuracy after SFT: %.1f%%", 100 * summary["accuracy"]["sft"])
-
-    plot = plot_metrics(
-        sft_model / "run" / "metrics.jsonl", root / "curves.png", ["train/loss"], title="SFT loss"
-    )
-    summary["plot"] = str(plot)
+    demo = Demo(cfg)
+    base = build_tiny_model(demo.root / "base_model", cfg.family, seed=cfg.seed)
+    acc = {"base": demo.accuracy(base)}
+    sft_model = demo.sft(base)
+    acc["sft"] = demo.accuracy(sft_model)
+    log.info("accuracy: base %.1f%% → SFT %.1f%%", 100 * acc["base"], 100 * acc["sft"])
+    acc["sft+grpo"] = demo.accuracy(demo.rl(sft_model))
+    summary = {"config": asdict(cfg), "accuracy": acc}
+    if not cfg.skip_preference:
+        pairs = demo.preference_pairs(sft_model)
+        summary["reward_model_pair_accuracy"] = demo.reward_model(base, pairs)
+        acc["sft+dpo"] = demo.accuracy(demo.dpo(sft_model, pairs))
+    summary["plot"] = str(plot_curves(demo.root))
     summary["seconds"] = round(time.perf_counter() - start, 1)
-    (root / "summary.json").write_text(json.dumps(summary, indent=2))
+    (demo.root / "summary.json").write_text(json.dumps(summary, indent=2))
     print_summary(summary)
     return summary
 
 
+def plot_curves(root: Path) -> Path:
+    """SFT loss and RL reward in one PNG (the RL metrics file is read when present)."""
+    import shutil
+
+    merged = root / "curves.jsonl"
+    with merged.open("w") as f:
+        for name in ("sft_model", "rl_model"):
+            path = root / name / "run" / "metrics.jsonl"
+            if path.exists():
+                shutil.copyfileobj(path.open(), f)
+    return plot_metrics(
+        merged, root / "curves.png", ["train/loss", "train/reward", "train/score"], title="tidal demo"
+    )
+
+
 def print_summary(summary: dict) -> None:
-    acc = summary["accuracy"]
     print("\n=== tidal demo: addition accuracy on held-out prompts (greedy) ===")
-    for stage, value in acc.items():
-        print(f"  {stage:<6} {100 * value:5.1f}%")
-    print(f"loss curve: {summary['plot']}   ({summary['seconds']} s)")
+    for stage, value in summary["accuracy"].items():
+        print(f"  {stage:<9} {100 * value:5.1f}%")
+    if "reward_model_pair_accuracy" in summary:
+        print(
+            f"reward model: picks the right answer in {100 * summary['reward_model_pair_accuracy']:.1f}% of pairs"
+        )
+    print(f"curves: {summary['plot']}   ({summary['seconds']} s)")
 
 
 def build_parser(prog: str = "tidal demo") -> argparse.ArgumentParser:

@@ -54,3 +54,33 @@ class AdditionTask:
             for sample in self.samples(n, split, wrong_fraction):
                 f.write(json.dumps(sample) + "\n")
         return path
+
+
+def digit_credit(response: str, answer: str) -> float:
+    """1.0 for the exact answer; otherwise half the share of digits right (aligned from the units)."""
+    match = re.search(r"\d+", response)
+    if match is None:
+        return 0.0
+    got = match.group(0)
+    if got == answer:
+        return 1.0
+    width = max(len(got), len(answer))
+    same = sum(a == b for a, b in zip(got.rjust(width), answer.rjust(width), strict=True))
+    return 0.5 * same / width
+
+
+def addition_reward(queries, prompts, labels, **kwargs):
+    """A ``reward_func`` for the addition task with partial credit per digit (denser than 0/1).
+
+    ``scores`` are exact-match 0/1 (what accuracy and ``--dynamic_filtering`` look at).
+    """
+    import torch
+
+    responses = [q[len(p) :] for q, p in zip(queries, prompts, strict=True)]
+    rewards = [digit_credit(r, str(lbl)) for r, lbl in zip(responses, labels, strict=True)]
+    exact = [float(r == 1.0) for r in rewards]
+    return {
+        "rewards": torch.tensor(rewards),
+        "scores": torch.tensor(exact),
+        "extra_logs": {"accuracy": sum(exact) / len(exact)},
+    }
