@@ -1,0 +1,65 @@
+"""``tidal generate`` / ``python -m tidal.cli.generate``: batch inference, best-of-N scoring, post-processing.
+
+See ``tidal.inference.generate`` for the pipeline and ``tidal.inference.processors`` for ``rs``,
+``csft`` and ``iter_dpo``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tidal.cli.common import make_parser, module_main, run_command
+from tidal.config import DatasetConfig, config_from_args
+from tidal.inference.config import GeneratePromptConfig, PolicyConfig, SamplingConfig, ScoringConfig
+
+GROUPS = [
+    (PolicyConfig, "model and engine"),
+    (DatasetConfig, "datasets", ("eval_dataset", "eval_split")),
+    (GeneratePromptConfig, "prompts and output"),
+    (SamplingConfig, "sampling"),
+    (ScoringConfig, "reward model and post-processing"),
+]
+
+
+def build_parser(prog: str = "tidal generate") -> argparse.ArgumentParser:
+    return make_parser(
+        prog,
+        "Sample responses for a prompt dataset with tidal's rollout engine and write them as JSONL; "
+        "optionally score them with a reward model and keep the best (rs), tag them with their reward "
+        "(csft) or pair best and worst (iter_dpo).",
+        GROUPS,
+    )
+
+
+def run_from_namespace(ns: argparse.Namespace):
+    """The ``GenerateRun`` described by parsed flags (raises ``ConfigError`` on bad combinations)."""
+    from tidal.inference.generate import GenerateRun
+
+    run = GenerateRun(
+        policy=config_from_args(PolicyConfig, ns),
+        sampling=config_from_args(SamplingConfig, ns),
+        prompts=config_from_args(GeneratePromptConfig, ns),
+        scoring=config_from_args(ScoringConfig, ns),
+        datasets=config_from_args(DatasetConfig, ns),
+    )
+    run.validate()
+    return run
+
+
+def parse_run(argv: list[str]):
+    """Flags → validated ``GenerateRun`` without generating (for scripts and tests)."""
+    return run_from_namespace(build_parser().parse_args(argv))
+
+
+def run_from_args(ns: argparse.Namespace):
+    from tidal.inference.generate import run_generate
+
+    return run_generate(run_from_namespace(ns))
+
+
+def main(argv: list[str] | None = None, prog: str = "tidal generate"):
+    return run_command(build_parser(prog), argv, run_from_args)
+
+
+if __name__ == "__main__":
+    module_main(lambda argv: main(argv, prog="python -m tidal.cli.generate"))

@@ -1,0 +1,145 @@
+"""Interactive multi-turn chat (``tidal chat``) on tidal's rollout engine.
+
+A ``ChatSession`` keeps the conversation and renders it before every turn:
+
+- with a chat template (``--apply_chat_template auto`` and the tokenizer has one, or ``true``): the
+  message list (optional ``--system_prompt`` first) through the template with the generation prompt;
+- without one: plain text, each user turn formatted with ``--input_template`` (default
+  ``"User: {}\\nAssistant: "``) and followed by the model's reply, as OpenRLHF's interactive chat.
+
+When the rendered history leaves no room for ``--max_new_tokens``, the oldest turns are dropped
+(the system prompt stays). ``run_chat`` reads the user's lines from a text stream, so the session
+can be driven by a terminal or a pipe; ``/reset`` clears the history, ``/exit`` (or end of input)
+ends the session.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TextIO
+
+from tidal.config.args import ConfigError, arg
+from tidal.data.templates import check_input_template, tokenize_texts
+from tidal.rollout import LLMEngine, SamplingParams
+
+DEFAULT_INPUT_TEMPLATE = "User: {}\nAssistant: "
+RESET, EXIT = "/reset", "/exit"
+
+
+@dataclass
+class ChatConfig:
+    """Conversation: how turns are rendered."""
+
+    apply_chat_template: str = arg(
+        "auto",
+        help="render the conversation with the tokenizer's chat template: auto (when it has one), true, false",
+        choices=("auto", "true", "false"),
+        nargs="?",
+        const="true",
+    )
+    input_template: str = arg(
+        DEFAULT_INPUT_TEMPLATE, help="without a chat template: how a user turn is written ('{}' is the text)"
+    )
+    system_prompt: str | None = arg(None, help="system message that opens the conversation")
+
+    def use_template(self, tokenizer) -> bool:
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if self.apply_chat_template == "true" and not has_template:
+            raise ConfigError("--apply_chat_template true: the tokenizer has no chat template")
+        return has_template if self.apply_chat_template == "auto" else self.apply_chat_template == "true"
+
+    def validate(self) -> None:
+        try:
+            check_input_template(self.input_template)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+
+
+class ChatSession:
+    """One conversation with the engine's model: ``reply(text)`` runs a turn, ``reset()`` forgets."""
+
+    def __init__(self, engine: LLMEngine, params: SamplingParams, cfg: ChatConfig):
+        self.engine, self.params, self.cfg = engine, params, cfg
+        self.tokenizer = engine.tokenizer
+        self.use_template = cfg.use_template(self.tokenizer)
+        self.turns: list[tuple[str, str]] = []  # (user, assistant) pairs, oldest first
+        self.dropped = 0  # turns forgotten because the history outgrew the context
+
+    def reset(self) -> None:
+        self.turns, self.dropped = [], 0
+
+    def reply(self, text: str) -> str:
+        ids = self._fit(text)
+        out = self.engine.generate([ids], self.params)[0].outputs[0]
+        answer = out.text.strip() if self.use_template else out.text
+        self.turns.append((text, answer))
+        return answer
+
+    def render(self, text: str) -> str:
+        """The prompt for the next reply: the history, then ``text`` as the newest user turn."""
+        if self.use_template:
+            messages = (
+                [{"role": "system", "content": self.cfg.system_prompt}] if self.cfg.system_prompt else []
+            )
+            for user, assistant in self.turns:
+                messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+            messages.append({"role": "user", "content": text})
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        parts = [self.cfg.system_prompt + "\n"] if self.cfg.system_prompt else []
+        for user, assistant in self.turns:
+            parts += [self.cfg.input_template.format(user), assistant, "\n"]
+        parts.append(self.cfg.input_template.format(text))
+        return "".join(parts)
+
+    def _fit(self, text: str) -> list[int]:
+        """Token ids of the prompt, dropping the oldest turns until the reply fits the context."""
+        budget = self.engine.max_model_len - self.params.max_new_tokens
+        while True:
+            ids = tokenize_texts(self.tokenizer, [self.render(text)], self.use_template)["input_ids"][0]
+            if len(ids) <= budget or not self.turns:
+                break
+            self.turns.pop(0)
+            self.dropped += 1
+        if len(ids) > budget:
+            raise ConfigError(
+                f"the message is {len(ids)} tokens but only {budget} fit before --max_new_tokens "
+                f"{self.params.max_new_tokens} in the model's {self.engine.max_model_len}-token context"
+            )
+        return list(ids)
+
+
+def run_chat(session: ChatSession, stdin: TextIO, stdout: TextIO, interactive: bool = False) -> int:
+    """Read user lines until ``/exit`` or end of input; return the number of replies."""
+    replies = 0
+    if interactive:
+        stdout.write(f"chat with the model ({RESET}: forget the conversation, {EXIT}: quit)\n")
+    while True:
+        if interactive:
+            stdout.write("You: ")
+            stdout.flush()
+        line = stdin.readline()
+        if not line:  # end of input
+            break
+        text = line.strip()
+        if text == EXIT:
+            break
+        if text == RESET:
+            session.reset()
+            stdout.write("(conversation reset)\n")
+        elif text:
+            replies += _turn(session, text, stdout)
+        stdout.flush()
+    return replies
+
+
+def _turn(session: ChatSession, text: str, stdout: TextIO) -> int:
+    before = session.dropped
+    try:
+        answer = session.reply(text)
+    except ConfigError as err:  # one over-long message should not end the conversation
+        stdout.write(f"({err})\n")
+        return 0
+    if session.dropped > before:
+        stdout.write(f"(dropped the {session.dropped - before} oldest turn(s) to fit the context)\n")
+    stdout.write(f"Assistant: {answer}\n")
+    return 1

@@ -1,0 +1,158 @@
+"""Configs of ``tidal generate`` and ``tidal chat``: the policy and its engine, sampling, prompts, scoring.
+
+Each dataclass is one ``--help`` group (``tidal.config.args``). Cross-flag checks live in
+``validate`` methods and raise ``ConfigError`` naming the flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.config.args import ConfigError, arg
+from tidal.inference.processors import DEFAULT_REWARD_TEMPLATE, POST_PROCESSORS, check_reward_template
+from tidal.rollout import EngineConfig, SamplingParams
+
+_ENGINE_DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+@dataclass
+class PolicyConfig:
+    """Model: the checkpoint to sample from and tidal's rollout engine that runs it."""
+
+    pretrain: str = arg(help="HF model folder (or hub name) to sample from (required)", metavar="PATH")
+    param_dtype: str = arg(
+        "auto", help="engine dtype (auto: bf16 on CUDA, fp32 on CPU)", choices=tuple(_ENGINE_DTYPES)
+    )
+    max_num_seqs: int = arg(
+        64,
+        help="sequences the engine decodes together (continuous batching)",
+        aliases=["--vllm_generate_batch_size"],
+    )
+    max_model_len: int | None = arg(
+        None, help="prompt + response tokens per sequence (default: the model's max_position_embeddings)"
+    )
+    gpu_memory_utilization: float = arg(
+        0.5,
+        help="CUDA: share of free memory (after weights) for the KV cache",
+        aliases=["--vllm_gpu_memory_utilization"],
+    )
+    tokenizer_chat_template: str | None = arg(None, help="Jinja chat template that replaces the tokenizer's")
+
+    def engine_config(self, seed: int) -> EngineConfig:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"--max_model_len must be >= 2, got {self.max_model_len}")
+        try:
+            return EngineConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_model_len=self.max_model_len,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                dtype=_ENGINE_DTYPES[self.param_dtype],
+                seed=seed,
+            )
+        except ValueError as err:
+            raise ConfigError(str(err).replace("EngineConfig: ", "")) from err
+
+
+@dataclass
+class SamplingConfig:
+    """Sampling: response length and randomness (temperature 0 is greedy)."""
+
+    max_new_tokens: int = arg(1024, help="max tokens per response", aliases=["--generate_max_len"])
+    temperature: float = arg(1.0, help="sampling temperature (0: greedy)")
+    top_p: float = arg(1.0, help="nucleus sampling: keep the most likely tokens up to this probability mass")
+    top_k: int = arg(-1, help="keep the k most likely tokens (-1: off)")
+    seed: int = arg(42, help="random seed: the same seed, data and flags give the same samples")
+
+    def sampling_params(self, n: int = 1) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=n,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                max_new_tokens=self.max_new_tokens,
+            )
+        except ValueError as err:  # SamplingParams' messages use the field names, which are the flags
+            raise ConfigError("--" + str(err).replace("SamplingParams: ", "")) from err
+
+
+@dataclass
+class GeneratePromptConfig:
+    """Prompts and output: which key holds the prompt, how it is rendered, where samples go."""
+
+    output_path: str = arg(help="JSONL file to write, one object per line (required)", metavar="FILE")
+    input_key: str = arg("input", help="dataset key of the prompt (text, or chat messages)")
+    input_template: str | None = arg(
+        None, help="template with '{}' for the prompt, e.g. $'User: {}\\nAssistant: '"
+    )
+    apply_chat_template: bool = arg(False, help="render prompts with the tokenizer's chat template")
+    prompt_max_len: int = arg(1024, help="prompts longer than this many tokens are skipped (and counted)")
+    n_samples_per_prompt: int = arg(
+        1, help="responses sampled per prompt (K); --best_of_n is the same flag", aliases=["--best_of_n"]
+    )
+
+    def validate(self) -> None:
+        if self.n_samples_per_prompt < 1:
+            raise ConfigError(
+                f"--n_samples_per_prompt/--best_of_n must be >= 1, got {self.n_samples_per_prompt}"
+            )
+        if self.prompt_max_len < 1:
+            raise ConfigError(f"--prompt_max_len must be >= 1, got {self.prompt_max_len}")
+
+
+@dataclass
+class ScoringConfig:
+    """Reward model and post-processing: score every sample, then keep/shape rows (rs, csft, iter_dpo)."""
+
+    reward_pretrain: str | None = arg(
+        None, help="reward model folder (tidal rm) that scores each prompt+response", metavar="PATH"
+    )
+    value_head_prefix: str = arg(
+        "score", help="attribute name of the reward model's value head", aliases=["--value_prefix_head"]
+    )
+    normalize_reward: bool = arg(
+        False, help="rewards are (score - mean) / std with the mean/std stored by tidal rm --normalize_reward"
+    )
+    micro_batch_size: int = arg(16, help="sequences per reward-model forward")
+    post_processor: str | None = arg(
+        None,
+        help="rs: best sample per prompt; csft: every sample with its reward in the prompt; "
+        "iter_dpo: best/worst sample as chosen/rejected",
+        choices=tuple(POST_PROCESSORS),
+    )
+    reward_template: str | None = arg(
+        None,
+        help=f"csft: how the reward enters the prompt, with {{input}} and {{reward}} "
+        f"(reward written with one decimal; default {DEFAULT_REWARD_TEMPLATE!r})",
+    )
+    csft_reward: float | None = arg(
+        None, help="condition generation on this reward: prompts are rendered with --reward_template"
+    )
+
+    @property
+    def template(self) -> str:
+        return self.reward_template or DEFAULT_REWARD_TEMPLATE
+
+    def validate(self, n_samples: int) -> None:
+        if self.reward_pretrain is None:
+            needs_rm = [
+                (self.post_processor is not None, f"--post_processor {self.post_processor}"),
+                (self.normalize_reward, "--normalize_reward"),
+                (self.value_head_prefix != "score", "--value_head_prefix"),
+            ]
+            for given, flag in needs_rm:
+                if given:
+                    raise ConfigError(f"{flag} needs --reward_pretrain (a reward model to score the samples)")
+        if self.post_processor == "iter_dpo" and n_samples < 2:
+            raise ConfigError(
+                f"--post_processor iter_dpo picks a best and a worst sample per prompt: "
+                f"set --best_of_n (or --n_samples_per_prompt) >= 2, got {n_samples}"
+            )
+        if self.micro_batch_size < 1:
+            raise ConfigError(f"--micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.reward_template is not None:
+            if self.post_processor != "csft" and self.csft_reward is None:
+                raise ConfigError("--reward_template is only used by --post_processor csft and --csft_reward")
+            check_reward_template(self.reward_template)

@@ -1,0 +1,182 @@
+"""Batch inference (``tidal generate``): sample K responses per prompt, score, post-process, write JSONL.
+
+Pipeline: load and render the prompts (``tidal.data``: ``--input_key``, ``--input_template``,
+``--apply_chat_template``), tokenize them with the shared rule of ``tidal.data.templates``, sample
+with tidal's ``LLMEngine`` (never ``transformers.generate``), optionally score every prompt+response
+with a reward model (``scoring.SampleScorer``), turn each prompt's samples into rows with a
+post-processor (``processors``), and append the rows to ``--output_path``.
+
+Prompts go through the engine in chunks of about ``CHUNK_SEQS_PER_SLOT × --max_num_seqs`` samples:
+the file grows and is flushed chunk by chunk (a long run can be watched, and an interrupted one keeps
+the finished chunks), while a chunk is still large enough that continuous batching keeps the engine
+full until its tail drains. ``input`` in the output is the prompt exactly as the model saw it
+(rendered), so a training step on the file must not render it again.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from tidal.config.args import ConfigError
+from tidal.config.data import DatasetConfig
+from tidal.data import DataError, build_prompt_samples, load_dataset_spec, tokenize_texts
+from tidal.inference.config import GeneratePromptConfig, PolicyConfig, SamplingConfig, ScoringConfig
+from tidal.inference.processors import PromptGroup, make_post_processor, reward_tag
+from tidal.inference.scoring import SampleScorer
+from tidal.logging import get_logger
+from tidal.rollout import LLMEngine
+
+log = get_logger(__name__)
+
+CHUNK_SEQS_PER_SLOT = 4
+
+
+@dataclass
+class GenerateRun:
+    """Everything ``tidal generate`` was asked to do."""
+
+    policy: PolicyConfig
+    sampling: SamplingConfig
+    prompts: GeneratePromptConfig
+    scoring: ScoringConfig
+    datasets: DatasetConfig
+
+    def validate(self) -> None:
+        self.prompts.validate()
+        self.scoring.validate(self.prompts.n_samples_per_prompt)
+        n = self.prompts.n_samples_per_prompt
+        if n > self.policy.max_num_seqs:
+            raise ConfigError(
+                f"--best_of_n/--n_samples_per_prompt {n} exceeds --max_num_seqs {self.policy.max_num_seqs}"
+            )
+        self.sampling.sampling_params(n)  # raises ConfigError on bad sampling flags
+
+
+@dataclass
+class GenerateResult:
+    output_path: Path
+    prompts: int
+    samples: int
+    rows: int
+    mean_reward: float | None
+
+
+def run_generate(run: GenerateRun) -> GenerateResult:
+    """Generate, score and write; returns counts for the caller's summary."""
+    run.validate()
+    n = run.prompts.n_samples_per_prompt
+    if n > 1 and run.sampling.temperature == 0:
+        log.warning("--temperature 0 is greedy: the %d samples of each prompt will be identical", n)
+    engine = load_engine(run.policy, run.sampling.seed)
+    scorer = None
+    if run.scoring.reward_pretrain:
+        scorer = SampleScorer.load(
+            run.scoring.reward_pretrain,
+            engine.tokenizer,
+            value_head_prefix=run.scoring.value_head_prefix,
+            normalize_reward=run.scoring.normalize_reward,
+            param_dtype=run.policy.param_dtype,
+            micro_batch_size=run.scoring.micro_batch_size,
+            device=engine.device,
+        )
+    texts, ids = load_prompts(run, engine.tokenizer, engine.max_model_len)
+    return write_samples(run, engine, scorer, texts, ids)
+
+
+def load_engine(policy: PolicyConfig, seed: int) -> LLMEngine:
+    from tidal.models import load_tokenizer
+
+    config = policy.engine_config(seed)
+    tokenizer = load_tokenizer(policy.pretrain)
+    if policy.tokenizer_chat_template:
+        tokenizer.chat_template = policy.tokenizer_chat_template
+    try:
+        engine = LLMEngine(policy.pretrain, config, tokenizer=tokenizer)
+    except (OSError, ValueError, KeyError) as err:
+        raise ConfigError(
+            f"--pretrain {policy.pretrain}: cannot load it into the rollout engine ({err})"
+        ) from err
+    return engine
+
+
+def load_prompts(run: GenerateRun, tokenizer, max_model_len: int) -> tuple[list[str], list[list[int]]]:
+    """Rendered prompt texts and their token ids; over-long prompts are skipped and counted."""
+    ds_cfg, cfg = run.datasets, run.prompts
+    dataset = load_dataset_spec(
+        ds_cfg.dataset, ds_cfg.dataset_probs, ds_cfg.dataset_split, ds_cfg.max_samples, run.sampling.seed
+    )
+    samples, _ = build_prompt_samples(
+        dataset,
+        tokenizer,
+        cfg.input_key,
+        input_template=cfg.input_template,
+        apply_chat_template=cfg.apply_chat_template,
+        source=ds_cfg.dataset,
+    )
+    texts = [s.prompt for s in samples]
+    if run.scoring.csft_reward is not None:
+        texts = [reward_tag(run.scoring.template, t, run.scoring.csft_reward) for t in texts]
+    ids = tokenize_texts(tokenizer, texts, cfg.apply_chat_template)["input_ids"]
+    # Skipped, never truncated (a truncated question is another question); the engine needs room for
+    # at least one new token after the prompt.
+    limit = min(cfg.prompt_max_len, max_model_len - 1)
+    kept = [i for i, x in enumerate(ids) if len(x) <= limit]
+    if len(kept) < len(texts):
+        skipped = [i for i, x in enumerate(ids) if len(x) > limit]
+        log.warning(
+            "skipped %d prompt(s) longer than %d tokens; first rows: %s", len(skipped), limit, skipped[:10]
+        )
+    if not kept:
+        raise DataError(f"every prompt of {ds_cfg.dataset} is longer than {limit} tokens (--prompt_max_len)")
+    return [texts[i] for i in kept], [list(ids[i]) for i in kept]
+
+
+def write_samples(run: GenerateRun, engine: LLMEngine, scorer, texts: list[str], ids: list[list[int]]):
+    """Generate chunk by chunk, appending (and flushing) each chunk's rows to ``--output_path``."""
+    n = run.prompts.n_samples_per_prompt
+    params = run.sampling.sampling_params(n)
+    process = make_post_processor(run.scoring.post_processor, run.scoring.template)
+    chunk = max(1, CHUNK_SEQS_PER_SLOT * run.policy.max_num_seqs // n)
+    path = Path(run.prompts.output_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows, rewards, tokens, start = 0, [], 0, time.perf_counter()
+    with (
+        path.open("w", encoding="utf-8") as out,
+        tqdm(total=len(texts), desc="generate", unit="prompt") as bar,
+    ):
+        for first in range(0, len(texts), chunk):
+            results = engine.generate(ids[first : first + chunk], params)
+            groups = _groups(texts[first : first + chunk], results, scorer)
+            for group in groups:
+                for row in process(group):
+                    out.write(json.dumps(row, ensure_ascii=False) + "\n")
+                    rows += 1
+                rewards += group.rewards or []
+            out.flush()
+            tokens += sum(len(c.token_ids) for r in results for c in r.outputs)
+            bar.update(len(groups))
+    elapsed = time.perf_counter() - start
+    mean = sum(rewards) / len(rewards) if rewards else None
+    log.info(
+        "%d prompts x %d samples -> %d rows in %s (%.1f new tokens/s%s)",
+        len(texts), n, rows, path, tokens / max(elapsed, 1e-9),
+        f", mean reward {mean:.4f}" if mean is not None else "",
+    )  # fmt: skip
+    return GenerateResult(path, len(texts), len(texts) * n, rows, mean)
+
+
+def _groups(texts: list[str], results, scorer) -> list[PromptGroup]:
+    """One ``PromptGroup`` per prompt; the reward model scores the chunk's samples in one batched call."""
+    groups = [PromptGroup(text, [c.text for c in r.outputs]) for text, r in zip(texts, results, strict=True)]
+    if scorer is None:
+        return groups
+    sequences = [r.prompt_token_ids + c.token_ids for r in results for c in r.outputs]
+    scores = iter(scorer(sequences))
+    for group in groups:
+        group.rewards = [next(scores) for _ in group.outputs]
+    return groups
