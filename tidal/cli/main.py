@@ -15,6 +15,11 @@ COMMANDS = {
     "kto": ("tidal.cli.train_kto", "Kahneman-Tversky optimisation on unpaired desirable/undesirable data"),
     "kd": ("tidal.cli.train_kd", "knowledge distillation from a teacher model"),
     "ppo": ("tidal.cli.train_ppo", "RL: PPO, REINFORCE++(-baseline), RLOO, GRPO, Dr.GRPO; rewards or agents"),
+    "generate": (
+        "tidal.cli.generate",
+        "batch inference: sample, score with a reward model, rs/csft/iter_dpo",
+    ),
+    "chat": ("tidal.cli.chat", "interactive multi-turn chat with a model in the terminal"),
     "lora_combiner": ("tidal.cli.lora_combiner", "merge LoRA adapters into their base model"),
     "demo": ("tidal.cli.demo", "end-to-end demo on CPU with a tiny model"),
 }
