@@ -9,7 +9,11 @@ Tokens travel through the model flattened (``[num_tokens, ...]``, sequences back
   tables (``[batch, max_blocks * block_size]``) and masked by context length.
 
 Both paths are a fixed number of batched ops per layer with no per-sequence Python, and decode shapes
-depend only on (batch, max_blocks), which a later CUDA-graph / Triton decode kernel can bucket.
+depend only on (batch, max_blocks), so a decode step can be captured in a CUDA graph.
+
+Decode has two backends (``AttentionMetadata.backend``): ``"torch"`` (above; runs anywhere, but reads
+every slot of the block-table width, padding included) and ``"triton"`` (``triton_attention.py``: a
+paged kernel that reads only each sequence's live context; GPU only).
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ class AttentionMetadata:
     unpad_index: torch.Tensor | None = None  # [num_tokens] padded position of each flat token
     # decode
     block_tables: torch.Tensor | None = None  # [batch, max_blocks]
-    context_lens: torch.Tensor | None = None  # [batch]
+    context_lens: torch.Tensor | None = None  # [batch]; 0 marks a CUDA-graph padding row
+    backend: str = "torch"  # decode attention: "torch" or "triton"
     _masks: dict = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor:
@@ -77,6 +82,15 @@ def prefill_attention(q, k, v, meta: AttentionMetadata, window: int | None, scal
 
 def decode_attention(q, layer_cache: torch.Tensor, meta: AttentionMetadata, window: int | None, scale: float):
     """q [batch, heads, d] against the paged cache -> [batch, heads * d]."""
+    if meta.backend == "triton":
+        from tidal.rollout.triton_attention import paged_decode_attention
+
+        return paged_decode_attention(q, layer_cache, meta.block_tables, meta.context_lens, window, scale)
+    return torch_decode_attention(q, layer_cache, meta, window, scale)
+
+
+def torch_decode_attention(q, layer_cache: torch.Tensor, meta: AttentionMetadata, window: int | None, scale):
+    """Gather every block of the block-table width, then one masked SDPA call."""
     batch, num_kv, head_dim = q.shape[0], layer_cache.shape[-2], layer_cache.shape[-1]
     blocks = layer_cache.flatten(2).index_select(
         1, meta.block_tables.view(-1)

@@ -13,7 +13,9 @@ Architecture (after nano-vllm, written for tidal):
   each gets a private copy of the last partial block.
 - ``ModelRunner`` (model_runner.py) builds flat token batches and attention metadata, runs the decoder
   (models/decoder.py: one implementation for Llama, Mistral, Qwen2, Qwen3 HF checkpoints) and the
-  on-device ``Sampler`` (sampler.py).
+  on-device ``Sampler`` (sampler.py). On CUDA, decode steps replay CUDA graphs (cuda_graph.py) and
+  decode attention is a Triton paged kernel (triton_attention.py); ``EngineConfig.enforce_eager`` turns
+  the graphs off.
 
 The engine also swaps weights in place (``update_weights``) and frees / restores its KV cache
 (``sleep`` / ``wake_up``) so a trainer can share the device between rollout and training.
@@ -54,6 +56,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda if available
     seed: int = 0  # seeds for requests without SamplingParams.seed
+    enforce_eager: bool = False  # CUDA: run decode op by op instead of replaying CUDA graphs
+    attention_backend: str = "auto"  # decode attention: auto (triton on CUDA), triton, torch
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
@@ -61,6 +65,10 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(
                 f"EngineConfig: dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
+            )
+        if self.attention_backend not in ("auto", "triton", "torch"):
+            raise ValueError(
+                f"EngineConfig: attention_backend must be auto, triton or torch, got {self.attention_backend!r}"
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
@@ -114,7 +122,16 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(self.hf_config, model_path, model, self.tokenizer)
         self.num_kv_blocks = self._kv_blocks()
         self.block_manager = BlockManager(self.num_kv_blocks, self.config.block_size)
-        self.runner = ModelRunner(self.model, self.config.block_size, self.num_kv_blocks, self.eos_token_ids)
+        self.runner = ModelRunner(
+            self.model,
+            self.config.block_size,
+            self.num_kv_blocks,
+            self.eos_token_ids,
+            max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            enforce_eager=self.config.enforce_eager,
+            attention_backend=self.config.attention_backend,
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             self.config.max_num_seqs,

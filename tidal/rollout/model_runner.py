@@ -1,20 +1,60 @@
 """``ModelRunner``: owns the decoder and the paged KV cache, turns a ``ScheduledBatch`` into tokens.
 
-The KV cache is one tensor ``[layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim]`` so that a
-whole block can be copied for every layer at once (prompt sharing) and freed/re-allocated in one go
-(``sleep``/``wake_up``). Input preparation is host-side Python over the batch; the model forward and
-the sampler are batched tensor ops.
+The KV cache is one tensor ``[layers, 2 (k, v), num_blocks + 1, block_size, kv_heads, head_dim]`` so that
+a whole block can be copied for every layer at once (prompt sharing) and freed/re-allocated in one go
+(``sleep``/``wake_up``). The extra last block is never handed out: CUDA-graph padding rows write there.
+
+Decode, the hot path, keeps host work per step small and free of per-token Python: the inputs are three
+int32 arrays (last token, context length, block table per sequence) written into one (pinned) staging
+buffer and moved with one host-to-device copy; positions and KV slots are derived on device; on CUDA the
+forward is a CUDA-graph replay (``cuda_graph.py``) unless ``enforce_eager``; the sampled tokens and
+their log-probs come back with one device-to-host copy.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tidal.rollout.attention import AttentionMetadata
+from tidal.rollout.cuda_graph import DecodeGraphs
 from tidal.rollout.models.decoder import DecoderForCausalLM
 from tidal.rollout.sampler import Sampler, SamplingTensors
 from tidal.rollout.scheduler import ScheduledBatch
 from tidal.rollout.sequence import Sequence
+
+
+def fill_decode_inputs(seqs: list[Sequence], rows: int, width: int, out: np.ndarray) -> np.ndarray:
+    """Write ``[last tokens][context lengths][block tables rows x width]`` (int32) into ``out``.
+
+    Rows past ``len(seqs)`` are padding (token 0, context 0); unused table entries are block 0, which
+    the torch attention backend may gather but masks out.
+    """
+    n = len(seqs)
+    view = out[: rows * (2 + width)]
+    view[: 2 * rows] = 0
+    view[:n] = [seq.last_token for seq in seqs]
+    view[rows : rows + n] = [seq.num_tokens for seq in seqs]
+    tables = view[2 * rows :].reshape(rows, width)
+    tables.fill(0)
+    for row, seq in zip(tables, seqs, strict=False):
+        row[: len(seq.block_table)] = seq.block_table
+    return view
+
+
+def resolve_attention_backend(backend: str, device: torch.device, head_dim: int) -> str:
+    """``auto``: the Triton paged kernel on CUDA when Triton is importable, else plain torch."""
+    if backend != "auto":
+        if backend == "triton" and device.type != "cuda":
+            raise ValueError("attention_backend='triton' needs a CUDA device")
+        return backend
+    if device.type != "cuda" or head_dim & (head_dim - 1):
+        return "torch"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "triton"
 
 
 class ModelRunner:
@@ -24,17 +64,31 @@ class ModelRunner:
         block_size: int,
         num_blocks: int,
         eos_token_ids: set[int],
+        max_num_seqs: int = 256,
+        max_model_len: int = 2048,
+        enforce_eager: bool = False,
+        attention_backend: str = "auto",
     ):
         self.model = model
         self.args = model.args
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.pad_slot = num_blocks * block_size  # first slot of the reserved padding block
         self.eos_token_ids = sorted(eos_token_ids)
         self.device = model.model.embed_tokens.weight.device
         self.dtype = model.model.embed_tokens.weight.dtype
+        self.backend = resolve_attention_backend(attention_backend, self.device, self.args.head_dim)
         self.sampler = Sampler()
         self.kv_cache: torch.Tensor | None = None
         self.allocate_kv_cache()
+        max_blocks = -(-max_model_len // block_size)
+        cuda = self.device.type == "cuda"
+        # One staging buffer for a decode step's int32 inputs; pinned so the copy is asynchronous.
+        self._host = torch.zeros(max_num_seqs * (2 + max_blocks), dtype=torch.int32, pin_memory=cuda)
+        self._host_np = self._host.numpy()
+        self.graphs = None
+        if cuda and not enforce_eager:
+            self.graphs = DecodeGraphs(self.decode_forward, self.device, max_num_seqs, max_blocks)
 
     @staticmethod
     def bytes_per_block(args, block_size: int, dtype: torch.dtype) -> int:
@@ -43,10 +97,12 @@ class ModelRunner:
 
     def allocate_kv_cache(self) -> None:
         a = self.args
-        shape = (a.num_layers, 2, self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        shape = (a.num_layers, 2, self.num_blocks + 1, self.block_size, a.num_kv_heads, a.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def free_kv_cache(self) -> None:
+        if self.graphs is not None:  # they hold the cache's (and weights') addresses
+            self.graphs.clear()
         self.kv_cache = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -58,29 +114,27 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> tuple[list[int], list[float]]:
         if batch.is_prefill:
             input_ids, positions, meta, logits_index, rows = self._prepare_prefill(batch.groups)
+            logits = self.model(input_ids, positions, meta, logits_index)
+            logits = logits[rows]  # one prefill row per group -> one sampling row per sample
         else:
-            input_ids, positions, meta = self._prepare_decode(batch.seqs)
-            logits_index = rows = None
-        logits = self.model(input_ids, positions, meta, logits_index)
+            logits = self._decode(batch.seqs)
         if batch.block_copies:
             src, dst = zip(*batch.block_copies, strict=True)
             self.kv_cache[:, :, self._tensor(dst)] = self.kv_cache[:, :, self._tensor(src)]
-        if rows is not None:  # one prefill row per group -> one sampling row per sample
-            logits = logits[rows]
         tokens, logprobs = self.sampler(logits, self._sampling_tensors(batch.seqs))
-        return tokens.tolist(), logprobs.tolist()
-
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+        # One device-to-host copy (float64 holds every token id exactly).
+        packed = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).cpu()
+        return packed[0].to(torch.int64).tolist(), packed[1].tolist()
 
     def _prepare_prefill(self, groups: list[list[Sequence]]):
         input_ids, positions, slots, lens = [], [], [], []
+        bs = self.block_size
         for group in groups:
             seq = group[0]
+            pos = np.arange(seq.num_tokens)
             input_ids.extend(seq.token_ids)
-            positions.extend(range(seq.num_tokens))
-            slots.extend(self._slots(seq.block_table, 0, seq.num_tokens))
+            positions.append(pos)
+            slots.append(np.asarray(seq.block_table)[pos // bs] * bs + pos % bs)
             lens.append(seq.num_tokens)
         lens_t = self._tensor(lens)
         starts = torch.cumsum(lens_t, 0) - lens_t
@@ -89,29 +143,48 @@ class ModelRunner:
         pad_index = torch.where(valid, starts[:, None] + cols[None, :], 0)
         meta = AttentionMetadata(
             is_prefill=True,
-            slot_mapping=self._tensor(slots),
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device),
             kv_cache=self.kv_cache,
             pad_index=pad_index,
             pad_valid=valid,
             unpad_index=valid.view(-1).nonzero().view(-1),
         )
         rows = self._tensor([i for i, group in enumerate(groups) for _ in group])
-        return self._tensor(input_ids), self._tensor(positions), meta, starts + lens_t - 1, rows
+        positions = torch.from_numpy(np.concatenate(positions)).to(self.device)
+        return self._tensor(input_ids), positions, meta, starts + lens_t - 1, rows
 
-    def _prepare_decode(self, seqs: list[Sequence]):
-        bs = self.block_size
-        positions = [seq.num_tokens - 1 for seq in seqs]
-        slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions, strict=True)]
+    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits [len(seqs), vocab] of one decode step (graph replay when possible)."""
+        n = len(seqs)
         width = max(len(seq.block_table) for seq in seqs)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
+        use_graph = self.graphs is not None and n <= self.graphs.max_batch
+        rows = self.graphs.bucket(n) if use_graph else n
+        staged = fill_decode_inputs(seqs, rows, width, self._host_np)
+        host = self._host[: staged.size]
+        if use_graph:
+            return self.graphs.run(host, n, rows, width)
+        stage = host.to(self.device, non_blocking=True)
+        return self.decode_forward(stage[:rows], stage[rows : 2 * rows], stage[2 * rows :].view(rows, width))
+
+    def decode_forward(self, input_ids, context_lens, block_tables) -> torch.Tensor:
+        """One decode step from device tensors only (so it can be captured in a CUDA graph).
+
+        Each row's query is its last token, at position ``context_len - 1``; a row with context length 0
+        is padding: it reads nothing and stores its KV into the reserved padding slot.
+        """
+        bs = self.block_size
+        positions = (context_lens - 1).clamp(min=0)
+        block = block_tables.gather(1, (positions // bs).long()[:, None])[:, 0]
+        slots = torch.where(context_lens > 0, block.long() * bs + positions % bs, self.pad_slot)
         meta = AttentionMetadata(
             is_prefill=False,
-            slot_mapping=self._tensor(slots),
+            slot_mapping=slots,
             kv_cache=self.kv_cache,
-            block_tables=self._tensor(tables),
-            context_lens=self._tensor([seq.num_tokens for seq in seqs]),
+            block_tables=block_tables,
+            context_lens=context_lens,
+            backend=self.backend,
         )
-        return self._tensor([seq.last_token for seq in seqs]), self._tensor(positions), meta
+        return self.model(input_ids, positions, meta)
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         vocab = self.args.vocab_size
@@ -129,15 +202,24 @@ class ModelRunner:
             return SamplingTensors(
                 all_greedy=True, suppress_rows=suppress_rows, suppress_tokens=suppress_tokens
             )
+        # Two host-to-device copies for all per-row settings, not one per field.
+        ints = self._tensor(
+            [
+                [p.top_k if p.top_k > 0 else vocab for p in params],
+                [seq.noise_seed for seq in seqs],
+                [seq.num_output_tokens for seq in seqs],
+            ]
+        )
+        floats = self._tensor([[p.temperature, p.top_p, p.min_p] for p in params], torch.float32)
         return SamplingTensors(
             all_greedy=False,
             any_truncation=any(p.needs_truncation and not p.greedy for p in params),
-            temperatures=self._tensor([p.temperature for p in params], torch.float32),
-            top_k=self._tensor([p.top_k if p.top_k > 0 else vocab for p in params]),
-            top_p=self._tensor([p.top_p for p in params], torch.float32),
-            min_p=self._tensor([p.min_p for p in params], torch.float32),
-            seeds=self._tensor([seq.noise_seed for seq in seqs]),
-            positions=self._tensor([seq.num_output_tokens for seq in seqs]),
+            temperatures=floats[:, 0],
+            top_k=ints[0],
+            top_p=floats[:, 1],
+            min_p=floats[:, 2],
+            seeds=ints[1],
+            positions=ints[2],
             suppress_rows=suppress_rows,
             suppress_tokens=suppress_tokens,
         )

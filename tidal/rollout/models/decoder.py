@@ -248,7 +248,7 @@ class DecoderForCausalLM(nn.Module):
                 raise ValueError(
                     f"weight {raw_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
                 )
-            dst.copy_(tensor.to(device=dst.device, dtype=dst.dtype))
+            dst.copy_(tensor)  # one copy, converting device and dtype on the way (no host round trip)
             loaded.add(target if shard is None else f"{target}#{shard}")
         return loaded
 

@@ -1,0 +1,91 @@
+"""CUDA graphs of the decode forward: one graph per batch-size bucket, captured lazily, replayed per step.
+
+A decode step of a small model is hundreds of tiny kernels; launched one by one from Python the GPU
+mostly waits for the CPU. A graph replays the whole forward (embedding -> layers -> lm_head) with one
+launch. Graphs need fixed shapes and fixed addresses, so:
+
+- the batch is padded up to a bucket (1, 2, 4, 8, then multiples of 16 up to ``max_num_seqs``); padding
+  rows have context length 0: they write their KV into the cache's reserved padding slot and read none;
+- inputs live in static device buffers (token ids, context lengths, block tables of the full
+  ``max_model_len`` width); positions and KV slots are derived from them inside the graph;
+- the host stages a step's inputs in one pinned int32 buffer, copied with one host-to-device transfer,
+  then spread into the static buffers by three device copies before the replay.
+
+Graphs are captured on the first step that needs a bucket (a warm-up run first compiles the Triton
+kernels and picks cuBLAS algorithms). They capture the KV cache's and the weights' addresses:
+``update_weights`` copies in place and keeps them valid, ``sleep`` drops them (``clear``).
+
+Memory: all graphs share one memory pool, so the cost is about that of the largest captured bucket's
+activations, dominated by its ``[bucket, vocab]`` logits (bf16 Qwen2.5-0.5B, bucket 256: ~80 MB; the
+benchmark prints the measured figure as ``graph_pool_mb``).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+
+import torch
+
+DecodeForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """Padded batch sizes with a graph: powers of two to 8, then every multiple of 16, then the max."""
+    buckets = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return [*buckets, max_num_seqs]
+
+
+class DecodeGraphs:
+    """Static input buffers plus one captured decode forward per bucket."""
+
+    def __init__(self, forward: DecodeForward, device: torch.device, max_num_seqs: int, max_blocks: int):
+        self.forward = forward
+        self.buckets = batch_buckets(max_num_seqs)
+        self.max_blocks = max_blocks
+        rows = self.buckets[-1]
+        self.input_ids = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(rows, max_blocks, dtype=torch.int32, device=device)
+        self.stage = torch.zeros(rows * (2 + max_blocks), dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def bucket(self, batch: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, batch)]
+
+    def clear(self) -> None:
+        """Forget every graph (their captured KV-cache / weight addresses are about to go stale)."""
+        self.graphs.clear()
+        self.pool = None
+
+    def run(self, host_stage: torch.Tensor, batch: int, rows: int, width: int) -> torch.Tensor:
+        """Replay the bucket's graph on inputs staged as ``[ids rows][ctx rows][tables rows x width]``."""
+        graph, logits = self.graphs.get(rows) or self._capture(rows)
+        stage = self.stage[: host_stage.numel()]
+        stage.copy_(host_stage, non_blocking=True)
+        self.input_ids[:rows].copy_(stage[:rows])
+        self.context_lens[:rows].copy_(stage[rows : 2 * rows])
+        self.block_tables[:rows, :width].copy_(stage[2 * rows :].view(rows, width))
+        graph.replay()
+        return logits[:batch]
+
+    def _capture(self, rows: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        inputs = (self.input_ids[:rows], self.context_lens[:rows], self.block_tables[:rows])
+        # Context length 0 everywhere: the warm-up and capture runs write only the padding slot, never a
+        # live sequence's KV.
+        self.input_ids.zero_()
+        self.context_lens.zero_()
+        self.forward(*inputs)  # warm-up outside the capture: Triton compilation, cuBLAS handles
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.forward(*inputs)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[rows] = (graph, logits)
+        return graph, logits

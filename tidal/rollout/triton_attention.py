@@ -1,0 +1,205 @@
+"""Paged decode attention as a Triton kernel (GPU only; imported lazily by ``attention.py``).
+
+One query token per sequence attends to its keys/values straight from the paged cache: each program
+takes one (sequence, kv head, context split), walks the block table for the live context only (the loop
+bound is the sequence's own length, read on device, so no padding is read and the launch shape depends
+only on the batch size: it can live in a CUDA graph), and keeps an online softmax over ``BLOCK_N``-token
+chunks. All query heads of a GQA group are one ``tl.dot`` operand, so each K/V byte is read once.
+
+Split-K ("flash-decoding"): when batch x kv heads is too small to fill the GPU, the context is cut into
+``num_splits`` pieces whose partial results (normalised output + log-sum-exp) a second kernel merges.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64  # context tokens per inner step (any KV block size works: pages are looked up per token)
+MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in merging than it gains in parallelism
+MAX_SPLITS = 16
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    ctx_ptr,
+    out_ptr,
+    part_ptr,
+    lse_ptr,
+    stride_qb,
+    stride_qh,
+    stride_kblk,
+    stride_kslot,
+    stride_khead,
+    stride_btb,
+    scale,
+    window,
+    split_len,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+    ctx = tl.load(ctx_ptr + b)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, ctx)
+    start = 0
+    if HAS_WINDOW:  # only the last `window` keys: skip whole chunks before the window
+        start = tl.maximum(ctx - window, 0)
+        lo = tl.maximum(lo, (start // BLOCK_N) * BLOCK_N)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kvh * GROUP + g
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0
+    )
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    denom = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    # Every chunk visited holds at least one live key, so m is finite after the first one.
+    for t0 in range(lo, hi, BLOCK_N):
+        offs = t0 + tl.arange(0, BLOCK_N)
+        live = (offs < hi) & (offs >= start)
+        page = tl.load(bt_ptr + b * stride_btb + offs // BLOCK_SIZE, mask=offs < hi, other=0)
+        kv_off = page.to(tl.int64) * stride_kblk + (offs % BLOCK_SIZE) * stride_kslot + kvh * stride_khead
+        k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=live[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(live[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=live[:, None], other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+
+    nonempty = denom > 0
+    out = acc / tl.where(nonempty, denom, 1.0)[:, None]
+    row = b * num_heads + heads
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=(g < GROUP)[:, None])
+    else:
+        part = row * NUM_SPLITS + split
+        tl.store(part_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=(g < GROUP)[:, None])
+        lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, denom, 1.0)), float("-inf"))
+        tl.store(lse_ptr + part, lse, mask=g < GROUP)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, lse_ptr, out_ptr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    row = tl.program_id(0)  # one (sequence, head)
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(lse_ptr + row * NUM_SPLITS + s)
+    top = tl.max(lse, 0)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - top))
+    total = tl.sum(w, 0)
+    parts = tl.load(part_ptr + (row * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :])
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * HEAD_DIM + d, out)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, num_sms: int) -> int:
+    """Split the context only while (sequence, kv head) programs would leave SMs idle (power of two)."""
+    splits = 1
+    while (
+        splits < MAX_SPLITS
+        and batch * num_kv_heads * splits < 2 * num_sms
+        and max_tokens >= 2 * splits * MIN_SPLIT_TOKENS
+    ):
+        splits *= 2
+    return splits
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    window: int | None,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """q [batch, heads, d]; layer_cache [2, blocks, block_size, kv_heads, d] -> out [batch, heads * d].
+
+    ``block_tables`` [batch, width] and ``context_lens`` [batch] are int32/int64 device tensors; a row
+    with context length 0 (a CUDA-graph padding row) reads nothing and returns zeros.
+    """
+    batch, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, cache_dim = layer_cache.shape
+    assert cache_dim == head_dim and q.stride(-1) == 1 and layer_cache.is_contiguous()
+    assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two for the Triton decode kernel"
+    group = num_heads // num_kv_heads
+    if num_splits is None:
+        device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        max_tokens = block_tables.shape[1] * block_size
+        num_splits = choose_num_splits(batch, num_kv_heads, max_tokens, _num_sms(device))
+    max_tokens = block_tables.shape[1] * block_size
+    split_len = triton.cdiv(triton.cdiv(max_tokens, num_splits), BLOCK_N) * BLOCK_N
+    out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_splits > 1:
+        part = torch.empty(batch * num_heads * num_splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(batch * num_heads * num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part = lse = out  # unused
+    k, v = layer_cache[0], layer_cache[1]
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        k,
+        v,
+        block_tables,
+        context_lens,
+        out,
+        part,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        block_tables.stride(0),
+        scale,
+        window or 0,
+        split_len,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=BLOCK_N,
+        NUM_SPLITS=num_splits,
+        HAS_WINDOW=window is not None,
+        IEEE=q.dtype == torch.float32,
+        num_warps=4,
+        num_stages=2,
+    )
+    if num_splits > 1:
+        _merge_kernel[(batch * num_heads,)](part, lse, out, HEAD_DIM=head_dim, NUM_SPLITS=num_splits)
+    return out.view(batch, num_heads * head_dim)
