@@ -1,11 +1,24 @@
 """Benchmark: tidal's rollout engine vs ``transformers.generate`` on the same prompts, in one run.
 
 Greedy decoding, every sample runs exactly ``--new_tokens`` tokens (our engine: ``ignore_eos``; HF:
-``min_new_tokens``). Prints one JSON line with generated tokens/s of both and the ratio (ours / HF).
+``min_new_tokens``). Prints one JSON line with generated tokens/s of both and the ratio (ours / HF), and
+for our engine:
+
+- ``decode_step_ms``: (time of the full run - time of a prefill-only run) / (new_tokens - 1);
+- ``roofline_fraction``: bytes one decode step must read (every weight once, plus the KV cache of the
+  average context, prompt_len + new_tokens / 2) / decode step time, over ``--peak_tb_s`` (4.3 TB/s: the
+  device-to-device copy bandwidth measured on the H200);
+- ``update_weights_ms``: ``engine.update_weights(hf_model.named_parameters())``, tensors on the device;
+- ``graph_pool_mb``: memory held by the CUDA graph of the benchmark's batch bucket.
+
+``--hf_new_tokens`` caps HF's run (its tokens/s is then measured over that many new tokens, which flatters
+HF: its per-token cost grows with the context); ``--skip_hf`` leaves HF out.
 
     python bench/rollout.py                                    # tiny qwen2 model on CPU, < 1 minute
     python bench/rollout.py --batch 16 --prompt_len 32 --new_tokens 64 --threads 1 --repeats 3
-    python bench/rollout.py --config qwen2.5-0.5b --device cuda --batch 256 --prompt_len 128 --new_tokens 256
+    python bench/rollout.py --config qwen2.5-0.5b --device cuda --batch 256 --prompt_len 128 --new_tokens 512
+    python bench/rollout.py --config qwen2.5-7b --device cuda --batch 256 --prompt_len 128 --new_tokens 512 \
+        --hf_new_tokens 64
     python bench/rollout.py --model path/to/hf_folder --device cuda --dtype bfloat16
 """
 
@@ -38,6 +51,22 @@ CONFIGS = {
         bos_token_id=151643,
         eos_token_id=151645,
     ),
+    # Qwen2.5-7B's shapes.
+    "qwen2.5-7b": dict(
+        model_type="qwen2",
+        hidden_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    ),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,6 +84,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="timed runs per engine (best is reported)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--hf_new_tokens", type=int, default=0, help="cap HF's new tokens (0: --new_tokens)")
+    p.add_argument("--skip_hf", action="store_true", help="time our engine only")
+    p.add_argument("--enforce_eager", action="store_true", help="our engine without CUDA graphs")
+    p.add_argument("--attention_backend", default="auto", choices=["auto", "triton", "torch"])
+    p.add_argument("--peak_tb_s", type=float, default=4.3, help="memory bandwidth for the roofline")
     return p.parse_args(argv)
 
 
@@ -88,6 +122,36 @@ def timed(fn, device: str) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
+def decode_bytes(engine, batch: int, avg_context: float) -> float:
+    """Bytes one decode step must read: every weight once (an untied input embedding only reads
+    ``batch`` rows) plus the KV cache of ``avg_context`` tokens per sequence."""
+    model = engine.model
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.args.tie_word_embeddings:
+        weights -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
+    kv_per_token = type(engine.runner).bytes_per_block(model.args, 1, engine.dtype)
+    return weights + batch * avg_context * kv_per_token
+
+
+def graph_pool_mb(engine, batch: int) -> float | None:
+    """Memory the CUDA graph of ``batch``'s bucket holds (captured afresh between two empty_cache)."""
+    graphs = engine.runner.graphs
+    if graphs is None:
+        return None
+    graphs.clear()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    with torch.inference_mode():
+        graphs._capture(graphs.bucket(batch))
+    torch.cuda.empty_cache()
+    return round((torch.cuda.memory_reserved() - before) / 2**20, 1)
+
+
+def update_weights_ms(engine, hf, device: str) -> float:
+    runs = [timed(lambda: engine.update_weights(hf.named_parameters()), device)[0] for _ in range(3)]
+    return round(min(runs) * 1e3, 2)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -96,6 +160,7 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    hf_new = args.hf_new_tokens or args.new_tokens
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         hf, path = load_hf_model(args, dtype, tmp)
@@ -108,12 +173,13 @@ def main(argv=None) -> dict:
             dtype=str(dtype).removeprefix("torch."),
             device=args.device,
             seed=args.seed,
+            enforce_eager=args.enforce_eager,
+            attention_backend=args.attention_backend,
         )
         engine = LLMEngine(path, config, model=hf)
-        params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
         ids = prompts.to(args.device)
 
-        def run_hf(n=args.new_tokens):
+        def run_hf(n=hf_new):
             with torch.inference_mode():
                 out = hf.generate(
                     ids,
@@ -124,36 +190,59 @@ def main(argv=None) -> dict:
                 )
             return out[:, args.prompt_len :].tolist()
 
-        def run_ours():
+        def run_ours(n=args.new_tokens):
+            params = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
             return [o.outputs[0].token_ids for o in engine.generate(prompts.tolist(), params)]
 
-        run_hf(4)  # warm-up: first-call allocations and kernel selection stay out of the timings
-        engine.generate(prompts.tolist(), SamplingParams(temperature=0.0, max_new_tokens=4))
+        if not args.skip_hf:
+            run_hf(4)  # warm-up: first-call allocations and kernel selection stay out of the timings
+        run_ours(4)
         # Interleave the timed runs so that load changes on a shared machine hit both engines alike.
-        hf_runs, our_runs = [], []
+        hf_runs, our_runs, prefill_runs = [], [], []
         for _ in range(args.repeats):
-            hf_runs.append(timed(run_hf, args.device))
+            if not args.skip_hf:
+                hf_runs.append(timed(run_hf, args.device))
             our_runs.append(timed(run_ours, args.device))
-        (hf_time, hf_out), (our_time, our_out) = (
-            min(runs, key=lambda r: r[0]) for runs in (hf_runs, our_runs)
-        )
-    generated = args.batch * args.new_tokens
+            prefill_runs.append(timed(lambda: run_ours(1), args.device))
+        our_time, our_out = min(our_runs, key=lambda r: r[0])
+        prefill_time = min(r[0] for r in prefill_runs)
+        update_ms = update_weights_ms(engine, hf, args.device)
+        pool_mb = graph_pool_mb(engine, args.batch) if args.device.startswith("cuda") else None
+        step_s = (our_time - prefill_time) / max(1, args.new_tokens - 1)
+        step_bytes = decode_bytes(engine, args.batch, args.prompt_len + args.new_tokens / 2)
     result = {
         "bench": "rollout",
         "model": args.model or args.config or "tiny-qwen2",
         "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
         "dtype": str(dtype).removeprefix("torch."),
         "batch": args.batch,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
-        "tidal_tokens_per_s": round(generated / our_time, 1),
-        "hf_tokens_per_s": round(generated / hf_time, 1),
-        "ratio": round(hf_time / our_time, 3),
-        "greedy_match": round(sum(a == b for a, b in zip(our_out, hf_out, strict=True)) / args.batch, 3),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "machine": platform.machine(),
+        "enforce_eager": args.enforce_eager,
+        "attention_backend": engine.runner.backend,
+        "tidal_tokens_per_s": round(args.batch * args.new_tokens / our_time, 1),
+        "tidal_s": round(our_time, 3),
+        "prefill_s": round(prefill_time, 4),
+        "decode_step_ms": round(step_s * 1e3, 3),
+        "decode_gb_per_step": round(step_bytes / 1e9, 3),
+        "roofline_fraction": round(step_bytes / step_s / (args.peak_tb_s * 1e12), 3),
+        "update_weights_ms": update_ms,
+        "graph_pool_mb": pool_mb,
     }
+    if hf_runs:
+        hf_time, hf_out = min(hf_runs, key=lambda r: r[0])
+        hf_rate = args.batch * hf_new / hf_time
+        common = min(hf_new, args.new_tokens)
+        matches = [a[:common] == b[:common] for a, b in zip(our_out, hf_out, strict=True)]
+        result.update(
+            hf_new_tokens=hf_new,
+            hf_tokens_per_s=round(hf_rate, 1),
+            hf_s=round(hf_time, 3),
+            ratio=round(result["tidal_tokens_per_s"] / hf_rate, 3),
+            greedy_match=round(sum(matches) / args.batch, 3),
+        )
+    result.update(torch=torch.__version__, threads=torch.get_num_threads(), machine=platform.machine())
     print(json.dumps(result))
     return result
 
