@@ -1,0 +1,53 @@
+"""Fixtures for 1-vs-N-process tests: launch ``dist_runner.py`` under torchrun (CPU, gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+RUNNER = Path(__file__).with_name("dist_runner.py")
+
+
+def torchrun(specs: list[dict], folder: Path, nproc: int = 2, timeout: int = 300) -> None:
+    """Run ``specs`` (see dist_runner.py) in one ``torchrun --standalone`` launch; fail with its stderr."""
+    runs = folder / "runs.json"
+    runs.write_text(json.dumps(specs))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(RUNNER), str(runs)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def result(path: str | Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def assert_steps_match(one: list[dict], two: list[dict], keys: tuple[str, ...], tol: float = 1e-5) -> None:
+    """Per-step metrics of a 1-process and an N-process run agree within ``tol`` (relative for large ones)."""
+    assert len(one) == len(two) and one, (len(one), len(two))
+    for a, b in zip(one, two, strict=True):
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=tol, abs=tol), (key, a["step"], a[key], b[key])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Two torch threads on two shared, busy cores run ~50x slower than one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def dist():
+    """The helpers above, for tests (test modules cannot import each other under importlib mode)."""
+    return type("Dist", (), {"torchrun": staticmethod(torchrun), "result": staticmethod(result),
+                             "assert_steps_match": staticmethod(assert_steps_match)})  # fmt: skip

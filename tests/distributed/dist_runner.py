@@ -1,0 +1,87 @@
+"""Run trainers under torchrun (or alone) and write rank 0's per-step metrics as JSON.
+
+``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/distributed/dist_runner.py
+RUNS.json``: RUNS.json lists ``{"kind": ..., "out": path, "argv": [trainer flags]}`` run in order in
+one process group, so the processes start once. Kinds: ``sft``, ``rm``, ``kd``, ``ppo`` (trainers);
+``ppo`` with ``"check_sync": true`` also checks after every weight sync that the engine holds
+exactly the policy's full (gathered) weights; ``truncate`` makes ``{"ckpt": path, "step": k}``'s
+``latest`` point at ``global_step_k`` (a run that stopped there) for a resume.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from tidal.distributed import barrier, init_world, shutdown
+from tidal.distributed.weight_sync import engine_weights
+
+
+def train(kind: str, argv: list[str]) -> list[dict]:
+    if kind == "sft":
+        from tidal.cli.train_sft import parse_run
+        from tidal.trainers.sft import run_sft as run
+    elif kind == "rm":
+        from tidal.cli.train_rm import parse_run
+        from tidal.trainers.rm import run_rm as run
+    elif kind == "kd":
+        from tidal.cli.train_kd import parse_run
+        from tidal.trainers.kd import run_kd as run
+    else:
+        from tidal.cli.train_ppo import parse_run
+        from tidal.trainers.ppo import run_ppo as run
+    return run(parse_run(argv))
+
+
+def sync_mismatches(engine, policy) -> list[str]:
+    """Engine parameters that differ from the policy's full weights loaded into a fresh copy."""
+    expected = copy.deepcopy(engine.model)
+    for p in expected.parameters():
+        p.data.zero_()
+    with engine_weights(policy) as named:
+        expected.load_weights((n, t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in named)
+    actual = dict(engine.model.named_parameters())
+    return [n for n, p in expected.named_parameters() if not torch.equal(p, actual[n])]
+
+
+def check_syncs(report: list) -> None:
+    """Wrap the trainer's weight sync so each one is checked (the gather is collective: all ranks)."""
+    from tidal.trainers.ppo.trainer import PPOTrainer
+
+    original = PPOTrainer.sync_weights
+
+    def checked(self, step):
+        original(self, step)
+        report.append(sync_mismatches(self.parts.rollout.engine, self.parts.actor.model))
+
+    PPOTrainer.sync_weights = checked
+
+
+def truncate(ckpt: str, step: int) -> None:
+    (Path(ckpt) / "latest").write_text(f"global_step_{step}")
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    world = init_world()
+    for spec in json.loads(Path(sys.argv[1]).read_text()):
+        if spec["kind"] == "truncate":
+            if world.is_main:
+                truncate(spec["ckpt"], spec["step"])
+            barrier(world)
+            continue
+        syncs: list = []
+        if spec.get("check_sync"):
+            check_syncs(syncs)
+        history = train(spec["kind"], spec["argv"])
+        if world.is_main:
+            Path(spec["out"]).write_text(json.dumps({"history": history, "syncs": syncs}))
+    shutdown(world)
+
+
+if __name__ == "__main__":
+    main()
