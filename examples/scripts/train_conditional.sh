@@ -3,7 +3,7 @@
 # Sample N responses per prompt, score every one with the reward model, and let
 # --post_processor csft write each sample's reward into its prompt ("input"), so SFT teaches the
 # policy what a response of a given score looks like. At inference, condition on a high score
-# (the reward template is described by `tidal generate --help`).
+# (--reward_template, default "{input} <rm_score>: {reward} "; see `tidal generate --help`).
 # Runs on a CPU with the tiny assets; set SFT_MODEL/RM_MODEL/PROMPTS for real models and data.
 set -euo pipefail
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -21,4 +21,10 @@ $TIDAL generate --pretrain "$SFT_MODEL" --dataset "$PROMPTS" --input_key prompt 
 $TIDAL sft --pretrain "$SFT_MODEL" --dataset "$OUT_DIR/scored.jsonl" --input_key input --output_key output \
   --max_len 96 --train_batch_size 16 --micro_train_batch_size 8 --max_epochs 1 \
   --learning_rate 5e-4 --save_path "$OUT_DIR/model" --ckpt_path "$OUT_DIR/ckpt"
-echo "conditional-SFT policy: $OUT_DIR/model"
+# 3. Condition on a high reward at inference (here the best reward in the training data): every
+#    prompt gets the same tag, so the policy should answer like its best-scored samples.
+HIGH=$($PYTHON -c "import json, sys; print(max(json.loads(l)['reward'] for l in open(sys.argv[1])))" "$OUT_DIR/scored.jsonl")
+$TIDAL generate --pretrain "$OUT_DIR/model" --dataset "$PROMPTS" --input_key prompt \
+  --output_path "$OUT_DIR/conditioned.jsonl" --max_new_tokens 8 --temperature 0 --csft_reward "$HIGH" \
+  --reward_pretrain "$RM_MODEL" --max_samples 64
+echo "conditional-SFT policy: $OUT_DIR/model (samples conditioned on reward $HIGH: $OUT_DIR/conditioned.jsonl)"

@@ -13,6 +13,7 @@ from tidal.cli.generate import main as generate_main
 from tidal.cli.generate import parse_run
 from tidal.cli.main import main as tidal_main
 from tidal.inference.processors import PromptGroup, make_post_processor
+from tidal.inference.scoring import SampleScorer
 from tidal.testing import AdditionTask, build_tiny_model
 
 N_PROMPTS = 5
@@ -127,6 +128,20 @@ def test_csft_writes_reward_tag_into_input(tiny_llama, prompts, reward_model, tm
 def test_csft_reward_conditions_the_prompts(tiny_llama, prompts, tmp_path):
     rows = run(tiny_llama, prompts, tmp_path / "c.jsonl", "--csft_reward", "5", "--max_samples", "2")
     assert len(rows) == 2 and all(row["input"].endswith("= <rm_score>: 5.0 ") for row in rows)
+
+
+def test_reward_model_does_not_see_the_csft_tag(tiny_llama, prompts, reward_model, tmp_path, monkeypatch):
+    seen = []
+    score = SampleScorer.__call__
+    monkeypatch.setattr(SampleScorer, "__call__", lambda self, seqs: seen.extend(seqs) or score(self, seqs))
+    flags = ["--csft_reward", "5", "--reward_pretrain", str(reward_model), "--max_samples", "2"]
+    rows = run(tiny_llama, prompts, tmp_path / "c.jsonl", *flags)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
+    assert len(seen) == len(rows) == 2
+    for row, seq in zip(rows, seen, strict=True):
+        ids = tokenizer(row["input"].removesuffix(" <rm_score>: 5.0 "))["input_ids"]
+        assert seq[: len(ids)] == ids
+        assert tokenizer.decode(seq[len(ids) :], skip_special_tokens=True) == row["output"]
 
 
 def test_chunked_writing_gives_the_same_samples(tiny_llama, prompts, tmp_path):

@@ -84,8 +84,7 @@ def run_generate(run: GenerateRun) -> GenerateResult:
             micro_batch_size=run.scoring.micro_batch_size,
             device=engine.device,
         )
-    texts, ids = load_prompts(run, engine.tokenizer, engine.max_model_len)
-    return write_samples(run, engine, scorer, texts, ids)
+    return write_samples(run, engine, scorer, load_prompts(run, engine.tokenizer, engine.max_model_len))
 
 
 def load_engine(policy: PolicyConfig, seed: int) -> LLMEngine:
@@ -104,8 +103,22 @@ def load_engine(policy: PolicyConfig, seed: int) -> LLMEngine:
     return engine
 
 
-def load_prompts(run: GenerateRun, tokenizer, max_model_len: int) -> tuple[list[str], list[list[int]]]:
-    """Rendered prompt texts and their token ids; over-long prompts are skipped and counted."""
+@dataclass
+class Prompts:
+    """Rendered prompts, the ids the policy is conditioned on, and the ids the reward model sees
+    before each response (the same, except that ``--csft_reward``'s tag is left out: the reward
+    model judges the answer to the question, not to the quality tag)."""
+
+    texts: list[str]
+    ids: list[list[int]]
+    scored_ids: list[list[int]]
+
+    def select(self, rows) -> Prompts:
+        return Prompts(*([field[i] for i in rows] for field in (self.texts, self.ids, self.scored_ids)))
+
+
+def load_prompts(run: GenerateRun, tokenizer, max_model_len: int) -> Prompts:
+    """Rendered prompts and their token ids; over-long prompts are skipped and counted."""
     ds_cfg, cfg = run.datasets, run.prompts
     dataset = load_dataset_spec(
         ds_cfg.dataset, ds_cfg.dataset_probs, ds_cfg.dataset_split, ds_cfg.max_samples, run.sampling.seed
@@ -118,25 +131,30 @@ def load_prompts(run: GenerateRun, tokenizer, max_model_len: int) -> tuple[list[
         apply_chat_template=cfg.apply_chat_template,
         source=ds_cfg.dataset,
     )
-    texts = [s.prompt for s in samples]
+    plain = [s.prompt for s in samples]
+    texts = plain
     if run.scoring.csft_reward is not None:
-        texts = [reward_tag(run.scoring.template, t, run.scoring.csft_reward) for t in texts]
-    ids = tokenize_texts(tokenizer, texts, cfg.apply_chat_template)["input_ids"]
+        texts = [reward_tag(run.scoring.template, t, run.scoring.csft_reward) for t in plain]
+    ids = [list(x) for x in tokenize_texts(tokenizer, texts, cfg.apply_chat_template)["input_ids"]]
+    scored = (
+        ids
+        if texts is plain
+        else [list(x) for x in tokenize_texts(tokenizer, plain, cfg.apply_chat_template)["input_ids"]]
+    )
     # Skipped, never truncated (a truncated question is another question); the engine needs room for
     # at least one new token after the prompt.
     limit = min(cfg.prompt_max_len, max_model_len - 1)
-    kept = [i for i, x in enumerate(ids) if len(x) <= limit]
-    if len(kept) < len(texts):
-        skipped = [i for i, x in enumerate(ids) if len(x) > limit]
+    skipped = [i for i, x in enumerate(ids) if len(x) > limit]
+    if len(skipped) == len(ids):
+        raise DataError(f"every prompt of {ds_cfg.dataset} is longer than {limit} tokens (--prompt_max_len)")
+    if skipped:
         log.warning(
             "skipped %d prompt(s) longer than %d tokens; first rows: %s", len(skipped), limit, skipped[:10]
         )
-    if not kept:
-        raise DataError(f"every prompt of {ds_cfg.dataset} is longer than {limit} tokens (--prompt_max_len)")
-    return [texts[i] for i in kept], [list(ids[i]) for i in kept]
+    return Prompts(texts, ids, scored).select([i for i, x in enumerate(ids) if len(x) <= limit])
 
 
-def write_samples(run: GenerateRun, engine: LLMEngine, scorer, texts: list[str], ids: list[list[int]]):
+def write_samples(run: GenerateRun, engine: LLMEngine, scorer, prompts: Prompts) -> GenerateResult:
     """Generate chunk by chunk, appending (and flushing) each chunk's rows to ``--output_path``."""
     n = run.prompts.n_samples_per_prompt
     params = run.sampling.sampling_params(n)
@@ -147,11 +165,12 @@ def write_samples(run: GenerateRun, engine: LLMEngine, scorer, texts: list[str],
     rows, rewards, tokens, start = 0, [], 0, time.perf_counter()
     with (
         path.open("w", encoding="utf-8") as out,
-        tqdm(total=len(texts), desc="generate", unit="prompt") as bar,
+        tqdm(total=len(prompts.texts), desc="generate", unit="prompt") as bar,
     ):
-        for first in range(0, len(texts), chunk):
-            results = engine.generate(ids[first : first + chunk], params)
-            groups = _groups(texts[first : first + chunk], results, scorer)
+        for first in range(0, len(prompts.texts), chunk):
+            part = prompts.select(range(first, min(first + chunk, len(prompts.texts))))
+            results = engine.generate(part.ids, params)
+            groups = _groups(part, results, scorer)
             for group in groups:
                 for row in process(group):
                     out.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -164,18 +183,22 @@ def write_samples(run: GenerateRun, engine: LLMEngine, scorer, texts: list[str],
     mean = sum(rewards) / len(rewards) if rewards else None
     log.info(
         "%d prompts x %d samples -> %d rows in %s (%.1f new tokens/s%s)",
-        len(texts), n, rows, path, tokens / max(elapsed, 1e-9),
+        len(prompts.texts), n, rows, path, tokens / max(elapsed, 1e-9),
         f", mean reward {mean:.4f}" if mean is not None else "",
     )  # fmt: skip
-    return GenerateResult(path, len(texts), len(texts) * n, rows, mean)
+    return GenerateResult(path, len(prompts.texts), len(prompts.texts) * n, rows, mean)
 
 
-def _groups(texts: list[str], results, scorer) -> list[PromptGroup]:
+def _groups(prompts: Prompts, results, scorer) -> list[PromptGroup]:
     """One ``PromptGroup`` per prompt; the reward model scores the chunk's samples in one batched call."""
-    groups = [PromptGroup(text, [c.text for c in r.outputs]) for text, r in zip(texts, results, strict=True)]
+    groups = [
+        PromptGroup(t, [c.text for c in r.outputs]) for t, r in zip(prompts.texts, results, strict=True)
+    ]
     if scorer is None:
         return groups
-    sequences = [r.prompt_token_ids + c.token_ids for r in results for c in r.outputs]
+    sequences = [
+        ids + c.token_ids for ids, r in zip(prompts.scored_ids, results, strict=True) for c in r.outputs
+    ]
     scores = iter(scorer(sequences))
     for group in groups:
         group.rewards = [next(scores) for _ in group.outputs]
