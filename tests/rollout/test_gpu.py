@@ -132,3 +132,18 @@ def test_update_weights_keeps_graphs_valid(tiny_model, hf_model):
     fresh = LLMEngine(new, EngineConfig(device="cuda", dtype="float32", max_model_len=96, enforce_eager=True))
     for a, b in zip(engine.generate(PROMPTS, greedy), fresh.generate(PROMPTS, greedy), strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rms_norm_matches_torch(dtype):
+    from tidal.rollout.models.decoder import RMSNorm
+
+    norm = RMSNorm(896, 1e-6).to(dtype)
+    norm.weight.data.normal_()
+    x, residual = (torch.randn(37, 896).to(dtype) for _ in range(2))
+    total_ref = x + residual
+    normed_ref = norm._norm(total_ref)
+    normed, total = norm.cuda()(x.cuda(), residual.cuda())
+    assert torch.equal(total.cpu(), total_ref)
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(normed.cpu(), normed_ref, atol=atol, rtol=1e-2)

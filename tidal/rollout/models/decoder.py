@@ -10,6 +10,7 @@ those fused slices. Model code is single-device and has no sampling logic.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -102,11 +103,32 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Norm of ``x``, or with ``residual``: (norm of ``x + residual``, ``x + residual``)."""
+        if x.is_cuda and _triton_available():  # one fused kernel instead of ~8 (decode is launch-bound)
+            from tidal.rollout.models.triton_norm import add_rms_norm
+
+            normed, total = add_rms_norm(x, self.weight, self.eps, residual)
+            return normed if residual is None else (normed, total)
+        if residual is None:
+            return self._norm(x)
+        total = x + residual
+        return self._norm(total), total
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 like the HF reference, then scale in the model dtype.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class Attention(nn.Module):
@@ -169,9 +191,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, meta: AttentionMetadata):
+        """(x, residual) -> (mlp output, residual stream): each residual add is fused into the next norm
+        (the first layer has no pending add, and the final norm takes the last layer's)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -209,11 +238,12 @@ class DecoderForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos = self.rope_cos.index_select(0, positions).to(x.dtype)
         sin = self.rope_sin.index_select(0, positions).to(x.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, meta)
+            x, residual = layer(x, residual, cos, sin, meta)
         if logits_index is not None:  # prefill needs logits of each sequence's last token only
-            x = x[logits_index]
-        return self.lm_head(self.model.norm(x))
+            x, residual = x[logits_index], residual[logits_index]
+        return self.lm_head(self.model.norm(x, residual)[0])
 
     def weight_keys(self) -> set[str]:
         """Every (fused-shard) weight a full checkpoint must provide, in ``load_weights``' key format."""
