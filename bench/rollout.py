@@ -1,6 +1,6 @@
 """Benchmark: tidal's rollout engine vs ``transformers.generate`` on the same prompts, in one run.
 
-Greedy decoding, every sample runs exactly ``--new_tokens`` tokens (our engine: ``ignore_eos``; HF:
+Greedy decoding (``--temperature`` > 0: sampling), every sample runs exactly ``--new_tokens`` tokens (our engine: ``ignore_eos``; HF:
 ``min_new_tokens``). Prints one JSON line with generated tokens/s of both and the ratio (ours / HF), and
 for our engine:
 
@@ -88,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip_hf", action="store_true", help="time our engine only")
     p.add_argument("--enforce_eager", action="store_true", help="our engine without CUDA graphs")
     p.add_argument("--attention_backend", default="auto", choices=["auto", "triton", "torch"])
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="> 0: sample (both engines) instead of greedy"
+    )
     p.add_argument("--peak_tb_s", type=float, default=4.3, help="memory bandwidth for the roofline")
     return p.parse_args(argv)
 
@@ -184,14 +187,16 @@ def main(argv=None) -> dict:
                 out = hf.generate(
                     ids,
                     attention_mask=torch.ones_like(ids),
-                    do_sample=False,
+                    do_sample=args.temperature > 0,
+                    temperature=args.temperature or None,
+                    top_k=None,
                     max_new_tokens=n,
                     min_new_tokens=n,
                 )
             return out[:, args.prompt_len :].tolist()
 
         def run_ours(n=args.new_tokens):
-            params = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+            params = SamplingParams(temperature=args.temperature, max_new_tokens=n, ignore_eos=True)
             return [o.outputs[0].token_ids for o in engine.generate(prompts.tolist(), params)]
 
         if not args.skip_hf:
@@ -219,6 +224,7 @@ def main(argv=None) -> dict:
         "batch": args.batch,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
+        "temperature": args.temperature,
         "enforce_eager": args.enforce_eager,
         "attention_backend": engine.runner.backend,
         "tidal_tokens_per_s": round(args.batch * args.new_tokens / our_time, 1),
