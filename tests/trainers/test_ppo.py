@@ -245,12 +245,14 @@ def echo_reward_model(tiny_qwen2, echo_data):
 
 
 def test_seed_hybrid_engine_command_runs(echo_policy, echo_reward_model, echo_data, tmp_path):
-    """The seed README's PPO command with only model paths, sizes and the module name changed."""
+    """The seed README's PPO command with only model paths, sizes and the module name changed: the
+    device counts (8 GPUs per role, 4 engines of tensor-parallel size 2) become 1 for this one device
+    (local mode); larger counts start that many Ray workers (tests/distributed/test_ray.py)."""
     ppo_main([
-        "--ref_num_nodes", "1", "--ref_num_gpus_per_node", "8", "--reward_num_nodes", "1",
-        "--reward_num_gpus_per_node", "8", "--critic_num_nodes", "1", "--critic_num_gpus_per_node", "8",
-        "--actor_num_nodes", "1", "--actor_num_gpus_per_node", "8", "--vllm_num_engines", "4",
-        "--vllm_tensor_parallel_size", "2", "--colocate_all_models", "--vllm_gpu_memory_utilization", "0.5",
+        "--ref_num_nodes", "1", "--ref_num_gpus_per_node", "1", "--reward_num_nodes", "1",
+        "--reward_num_gpus_per_node", "1", "--critic_num_nodes", "1", "--critic_num_gpus_per_node", "1",
+        "--actor_num_nodes", "1", "--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1",
+        "--vllm_tensor_parallel_size", "1", "--colocate_all_models", "--vllm_gpu_memory_utilization", "0.5",
         "--pretrain", str(echo_policy), "--reward_pretrain", str(echo_reward_model),
         "--save_path", str(tmp_path / "final"), "--ckpt_path", str(tmp_path / "ckpt"), "--save_hf_ckpt",
         "--train_batch_size", "8", "--rollout_batch_size", "8", "--use_dynamic_batch",

@@ -177,12 +177,16 @@ class AgentExecutorBase(abc.ABC):
         labels: list,
         sampling_params: SamplingParams,
         max_length: int,
+        first_index: int = 0,
     ) -> list[Trajectory]:
-        """``sampling_params.n`` trajectories per prompt, prompt-major (prompt 0's n samples first)."""
-        coro = self.arun(llm_engine, tokenizer, prompts, labels, sampling_params, max_length)
+        """``sampling_params.n`` trajectories per prompt, prompt-major (prompt 0's n samples first).
+
+        ``first_index``: the batch's position in a larger one (a data-parallel rank's share), so
+        each sample's seed follows its global index and the samples match a single-process run."""
+        coro = self.arun(llm_engine, tokenizer, prompts, labels, sampling_params, max_length, first_index)
         return run_coroutine(coro)
 
-    async def arun(self, llm_engine, tokenizer, prompts, labels, sampling_params, max_length):
+    async def arun(self, llm_engine, tokenizer, prompts, labels, sampling_params, max_length, first_index=0):
         """``run`` for callers already inside an event loop."""
         from tidal.agents.client import LLMClient
 
@@ -194,7 +198,7 @@ class AgentExecutorBase(abc.ABC):
             self._execute_checked(
                 prompt, label, sample_params(sampling_params, i * n + j), client, tokenizer, max_length
             )
-            for i, (prompt, label) in enumerate(zip(prompts, labels, strict=True))
+            for i, (prompt, label) in enumerate(zip(prompts, labels, strict=True), start=first_index)
             for j in range(n)
         ]
         return list(await asyncio.gather(*jobs))

@@ -17,12 +17,15 @@ from tidal.rollout.sampling_params import SamplingParams
 class SingleTurnAgentExecutor(AgentExecutorBase):
     """Prompt in, one generated response out; rewards come later from a reward source."""
 
-    def run(self, llm_engine, tokenizer, prompts, labels, sampling_params, max_length) -> list[Trajectory]:
+    def run(
+        self, llm_engine, tokenizer, prompts, labels, sampling_params, max_length, first_index: int = 0
+    ) -> list[Trajectory]:
         if len(prompts) != len(labels):
             raise ValueError(f"got {len(prompts)} prompts and {len(labels)} labels")
         prompt_ids = [self.encode_prompt(tokenizer, p) for p in prompts]
         params = [
-            _prompt_params(sampling_params, i, len(ids), max_length) for i, ids in enumerate(prompt_ids)
+            _prompt_params(sampling_params, first_index + i, len(ids), max_length)
+            for i, ids in enumerate(prompt_ids)
         ]
         outputs = llm_engine.generate(prompt_ids, params)
         engine_decodes = getattr(llm_engine, "tokenizer", None) is not None

@@ -1,8 +1,12 @@
 """Where RL roles run: the seed's Ray placement flags.
 
-In local mode (one process, the default for one device) every role shares the device — the
-hybrid engine — and the counts below describe the Ray deployment they would get. On a machine
-without GPUs, ``*_num_gpus_per_node`` counts CPU worker processes.
+Local mode (all counts 1, the default): one process, every role and one rollout engine share its
+device (the hybrid engine). With ``--actor_num_nodes x --actor_num_gpus_per_node`` > 1, ``tidal
+ppo`` starts that many data-parallel policy workers as Ray actors, one per placement-group bundle
+(a GPU, or on a machine without GPUs a CPU, so ``*_num_gpus_per_node`` then counts CPU worker
+processes). Each worker holds its shard of the policy, its own rollout engine, and full copies of
+the reference and reward models (and its critic shard): they always live with the policy ranks, so
+the colocation flags must say so. ``check_placement`` rejects what this design cannot honour.
 """
 
 from __future__ import annotations
@@ -45,3 +49,53 @@ class PlacementConfig:
     @property
     def actor_world_size(self) -> int:
         return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    def role_size(self, role: str) -> tuple[int, int]:
+        return getattr(self, f"{role}_num_nodes"), getattr(self, f"{role}_num_gpus_per_node")
+
+
+def check_placement(
+    p: PlacementConfig,
+    vllm_num_engines: int | None,
+    vllm_tensor_parallel_size: int,
+    needs_reference: bool,
+    needs_critic: bool,
+    has_reward_model: bool,
+) -> None:
+    """Fail clearly on placements the data-parallel design cannot honour (see the module docstring)."""
+    if vllm_tensor_parallel_size != 1:
+        raise ConfigError(
+            f"--vllm_tensor_parallel_size {vllm_tensor_parallel_size}: tidal's rollout engine runs on one "
+            "device per policy worker; tensor-parallel engines are not supported (use 1)"
+        )
+    actor = p.role_size("actor")
+    for role in ("ref", "critic", "reward"):
+        if p.role_size(role) not in ((1, 1), actor):
+            raise ConfigError(
+                f"--{role}_num_nodes/--{role}_num_gpus_per_node {p.role_size(role)}: the {role} model lives "
+                f"on the policy workers, so its size must be 1x1 or the actor's {actor[0]}x{actor[1]}"
+            )
+    if p.actor_world_size == 1:
+        return
+    w = p.actor_world_size
+    if vllm_num_engines not in (None, w):
+        raise ConfigError(
+            f"--vllm_num_engines {vllm_num_engines}: each of the {w} policy workers runs one engine; "
+            f"set --vllm_num_engines {w} (or leave it unset)"
+        )
+    separate = {
+        "reference": needs_reference and not (p.colocate_all_models or p.colocate_actor_ref),
+        "critic": needs_critic and not p.colocate_all_models,
+        "reward model": has_reward_model and not p.colocate_all_models,
+    }
+    for role, bad in separate.items():
+        if bad:
+            flags = (
+                "--colocate_actor_ref or --colocate_all_models"
+                if role == "reference"
+                else "--colocate_all_models"
+            )
+            raise ConfigError(
+                f"a separately placed {role} is not supported with {w} policy workers: it runs on the "
+                f"policy workers; pass {flags}"
+            )

@@ -13,7 +13,7 @@ from tidal.config import (
     PromptDataConfig,
     TrainConfig,
 )
-from tidal.config.placement import PlacementConfig
+from tidal.config.placement import PlacementConfig, check_placement
 from tidal.config.rl import RLConfig, RLModelsConfig, RolloutConfig
 from tidal.logging import LoggingConfig
 
@@ -54,6 +54,10 @@ class PPORun:
                 "--async_train generates while training, so the engine and trainer cannot sleep in turn: "
                 "drop --vllm_enable_sleep/--deepspeed_enable_sleep"
             )
+        check_placement(
+            self.placement, self.rollout.vllm_num_engines, self.rollout.vllm_tensor_parallel_size,
+            self.rl.needs_reference, self.rl.needs_critic, bool(self.models.reward_pretrain),
+        )  # fmt: skip
         samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
         if self.train.train_batch_size > samples:
             raise ConfigError(

@@ -73,15 +73,21 @@ class LocalRollout:
         return SamplingParams(n=n, temperature=temperature, top_p=c.top_p, top_k=c.top_k,
                               max_new_tokens=c.generate_max_len, seed=seed)  # fmt: skip
 
-    def generate(self, prompts: Sequence[PromptSample], n: int, temperature: float, seed: int):
-        """Trajectories (prompt-major) and their Experience with rewards, scores and reward logs."""
+    def generate(
+        self, prompts: Sequence[PromptSample], n: int, temperature: float, seed: int, first_index: int = 0
+    ):
+        """Trajectories (prompt-major) and their Experience with rewards, scores and reward logs.
+
+        ``first_index``: where ``prompts`` start in the whole rollout (a data-parallel share); sample
+        seeds follow the global index. Passed on only when set, for executors overriding ``run``."""
         params = self.sampling_params(n, temperature, seed)
+        offset = {"first_index": first_index} if first_index else {}
         with self.lock:
             if self.engine.is_sleeping:
                 self.engine.wake_up()
             trajectories = self.executor.run(
                 self.engine, self.tokenizer, [p.prompt for p in prompts], [p.label for p in prompts], params,
-                self.cfg.total_len,
+                self.cfg.total_len, **offset,
             )  # fmt: skip
         exp = from_trajectories(trajectories, self.pad_id)
         result = self.score(trajectories, exp, n, prompts)

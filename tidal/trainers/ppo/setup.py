@@ -1,4 +1,8 @@
-"""Build an RL run's parts from its configs (local mode: every role on this process's device)."""
+"""Build an RL run's parts from its configs: every role on this process's device.
+
+One process is local mode; several (torchrun, or Ray workers from ``ray_mode``) each build the same
+parts, with the policy and critic FSDP2-sharded and the rollout split by ``DataParallelRollout``.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ from tidal.models.precision import Precision
 from tidal.models.value_model import load_value_model
 from tidal.rewards.models import RewardModels
 from tidal.trainers.ppo.config import PPORun
+from tidal.trainers.ppo.data_parallel import DataParallelRollout, check_data_parallel
+from tidal.trainers.ppo.ray_mode import run_ppo_ray, wants_ray
 from tidal.trainers.ppo.rollout import LocalRollout
 from tidal.trainers.ppo.trainer import PPOParts, PPOTrainer
 from tidal.trainers.sft import build_optimization
@@ -66,6 +72,8 @@ def build_parts(run: PPORun, world: World, tokenizer, steps: int) -> PPOParts:
         run.model.pretrain, tokenizer, run.rollout, run.models, device, tokenizer.pad_token_id,
         run.data.apply_chat_template, run.train.seed, reward_models=build_reward_models(run, device),
     )  # fmt: skip
+    if world.distributed:
+        rollout = DataParallelRollout(rollout, world)
     return PPOParts(actor, critic, reference, rollout, tokenizer)
 
 
@@ -87,22 +95,19 @@ def build_reward_models(run: PPORun, device: torch.device) -> RewardModels | Non
     )
 
 
-def log_local_mode(run: PPORun) -> None:
-    """Say once which multi-device flags describe a Ray deployment rather than this single device."""
-    p, r = run.placement, run.rollout
-    multi = {
-        "vllm_num_engines": r.vllm_num_engines or 1,
-        "vllm_tensor_parallel_size": r.vllm_tensor_parallel_size,
-        "actor_num_gpus_per_node": p.actor_num_gpus_per_node,
-        "actor_num_nodes": p.actor_num_nodes,
-    }
-    shown = {k: v for k, v in multi.items() if v != 1}
-    if shown:
-        log.info("local mode: every role and one engine share this device; %s apply in Ray mode", shown)
+def log_local_mode(run: PPORun, world: World) -> None:
+    """Say once how the roles are placed: local mode (all counts 1) or data-parallel processes."""
+    if world.distributed:
+        log.info("data parallel: process %d of %d, each with its own engine, policy shard and frozen roles",
+                 world.rank, world.world_size)  # fmt: skip
+    else:
+        log.info("local mode: every role and one rollout engine share %s", world.device)
 
 
 def run_ppo(run: PPORun, world: World | None = None) -> list[dict]:
-    """Train a policy with RL as configured; returns per-rollout metrics."""
+    """Train a policy with RL as configured; returns per-rollout metrics (rank 0's in Ray mode)."""
+    if world is None and wants_ray(run):
+        return run_ppo_ray(run)
     world = world or init_world()
     torch.manual_seed(run.train.seed)
     tokenizer = load_tokenizer(run.model.pretrain, run.model)
@@ -116,7 +121,8 @@ def run_ppo(run: PPORun, world: World | None = None) -> list[dict]:
             f"({run.rollout.rollout_batch_size})"
         )
     evals = load_prompts(run, tokenizer, d.eval_dataset, None, d.eval_split, None) if d.eval_dataset else None
-    log_local_mode(run)
+    check_data_parallel(run, world, len(evals) if evals is not None else None)
+    log_local_mode(run, world)
     parts = build_parts(run, world, tokenizer, total_update_steps(run, len(prompts)))
     log.info("RL (%s): %d prompts, device %s", run.rl.advantage_estimator, len(prompts), world.device)
     return PPOTrainer(run, parts, prompts, evals, world).fit()

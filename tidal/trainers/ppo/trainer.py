@@ -20,12 +20,14 @@ from tidal.algorithms import dynamic_filter_mask, make_kl_controller, masked_mea
 from tidal.algorithms.rewards import RunningMoments
 from tidal.checkpoint import LoopState, latest_checkpoint, load_checkpoint, save_checkpoint, save_hf_model
 from tidal.data import step_batches
+from tidal.distributed.collectives import mean_over_world, world_masked_mean
 from tidal.distributed.offload import offload_to_cpu, reload_to_device
 from tidal.distributed.world import World
-from tidal.experience.maker import add_advantages, forward_logprobs, forward_values, shape_rewards
+from tidal.experience.maker import forward_logprobs, forward_values, shape_rewards
 from tidal.logging import MetricsLogger, ProgressBar, get_logger
 from tidal.trainers.loop import Optimization
 from tidal.trainers.ppo.config import PPORun
+from tidal.trainers.ppo.data_parallel import add_world_advantages, world_moments
 from tidal.trainers.ppo.stream import RolloutJob, rollout_stream
 from tidal.trainers.ppo.update import PolicyLoss, StepShape, ValueLoss, train_on_experience
 
@@ -88,7 +90,8 @@ class PPOTrainer:
                         self.sync_weights(loop.global_step)
                         self._trainer_awake(False)
                     loop = LoopState(loop.global_step + 1, episode, result.job.index + 1)
-                    stats |= result.reward_logs | timer.seconds | {"time/generate": result.seconds}
+                    stats |= mean_over_world(result.reward_logs, world) | timer.seconds
+                    stats["time/generate"] = result.seconds
                     history.append({"step": loop.global_step, "kl_coef": self.kl_ctl.value, **stats})
                     self.after_step(loop, history[-1], logger, bar)
                 loop = LoopState(loop.global_step, episode + 1, 0)
@@ -127,7 +130,8 @@ class PPOTrainer:
             if not keep.any():
                 return None, stats
             exp = exp.select(keep.nonzero().squeeze(-1).cpu())
-        exp.rewards = shape_rewards(exp, run.rl, run.rollout.generate_max_len, self.moments)
+        moments = world_moments(self.moments, self.world)  # normalise with every rank's rewards
+        exp.rewards = shape_rewards(exp, run.rl, run.rollout.generate_max_len, moments)
         micro, packing, max_tokens = self._scoring_shape()
         temperature = run.rollout.temperature
         exp.old_logprobs = forward_logprobs(
@@ -141,8 +145,9 @@ class PPOTrainer:
         if self.parts.critic is not None:
             critic = self.parts.critic
             exp.values = forward_values(critic.model, exp, micro, packing, critic.precision, max_tokens)
-        exp = add_advantages(exp, run.rl, self.n, self.kl_ctl.value)
-        return exp, stats | experience_stats(exp)
+        exp = add_world_advantages(exp, run.rl, self.n, self.kl_ctl.value, self.world)
+        # Ranks hold equal shares, so the mean of their means is the batch mean.
+        return exp, mean_over_world(stats | experience_stats(exp), self.world)
 
     def update(self, exp, step: int) -> dict[str, float]:
         """PPO epochs for the critic, then the policy (unless still frozen); adapts the KL coefficient."""
@@ -165,7 +170,8 @@ class PPOTrainer:
             )
             stats |= train_on_experience(actor, exp, loss, shape, self.world, generator)
         if exp.kl is not None:
-            self.kl_ctl.update(float(masked_mean(exp.kl, exp.action_mask)), len(exp))
+            kl = world_masked_mean(exp.kl, exp.action_mask, self.world)
+            self.kl_ctl.update(kl, len(exp) * self.world.world_size)
         return stats
 
     def sync_weights(self, step: int) -> None:
@@ -189,7 +195,8 @@ class PPOTrainer:
         _, exp, logs = self.parts.rollout.generate(self.eval_prompts, r.eval_n_samples_per_prompt, r.eval_temperature,
                                                    seed=self.run.train.seed)  # fmt: skip
         self._sleep_engine()
-        return {"reward": float(exp.rewards.mean()), "score": float(exp.scores.mean()), **logs}
+        stats = {"reward": float(exp.rewards.mean()), "score": float(exp.scores.mean()), **logs}
+        return mean_over_world(stats, self.world, weight=len(exp))
 
     # ---- checkpoints -------------------------------------------------------------------------
     @property
@@ -250,6 +257,8 @@ class PPOTrainer:
         max_tokens = (
             (m.rollout_max_tokens_per_gpu or m.train_max_tokens_per_gpu) if m.use_dynamic_batch else None
         )
+        if self.world.distributed:  # sharded forwards must come in equal numbers on every rank
+            max_tokens = None
         return self.run.rollout.micro_rollout_batch_size, self.run.train.packing_samples, max_tokens
 
     def _sleep_engine(self) -> None:

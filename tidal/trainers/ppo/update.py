@@ -25,6 +25,7 @@ from tidal.algorithms import (
     value_loss,
 )
 from tidal.config.rl import RLConfig
+from tidal.distributed.collectives import max_over_world
 from tidal.distributed.world import World
 from tidal.experience.experience import Experience, micro_batches, model_batch, unflatten
 from tidal.experience.maker import shift_values
@@ -76,7 +77,7 @@ def train_on_experience(
             step = exp.select(order[start : start + shape.step_size])
             norm = Normaliser.of(step, world)
             sums: dict[str, float] = {}
-            for rows in micro_batches(step, shape.micro_size, shape.max_tokens):
+            for rows in _micro_batches(step, shape, world):
                 loss, metrics = loss_fn(opt.model, step.select(rows), norm)
                 backward(loss, opt.precision)
                 for k, v in metrics.items():
@@ -89,6 +90,22 @@ def train_on_experience(
                 totals[k] = totals.get(k, 0.0) + v
             steps += 1
     return {k: v / max(steps, 1) for k, v in totals.items()}
+
+
+def _micro_batches(step: Experience, shape: StepShape, world: World) -> list[list[int]]:
+    """Micro-batches of this rank's step; under a token budget every rank gets the same count (each
+    sharded forward is a collective), splitting the largest micro-batches where a rank has fewer."""
+    groups = micro_batches(step, shape.micro_size, shape.max_tokens)
+    if shape.max_tokens is None or not world.distributed:
+        return groups
+    target = max_over_world(len(groups), world)
+    while len(groups) < target:
+        largest = max(range(len(groups)), key=lambda i: len(groups[i]))
+        rows = groups.pop(largest)
+        if len(rows) < 2:
+            raise RuntimeError(f"cannot split {len(step)} rows into {target} micro-batches")
+        groups[largest:largest] = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
+    return groups
 
 
 def _share(value: Tensor, mask: Tensor, norm: Normaliser) -> Tensor:

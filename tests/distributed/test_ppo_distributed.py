@@ -1,0 +1,96 @@
+"""RL over 2 CPU processes (data-parallel rollouts, FSDP2 policy/critic, gloo) matches 1 process per
+rollout: the same samples (seeds follow the global prompt index), rewards, losses; the batch-wide
+steps (advantage whitening, reward normalisation, adaptive KL) are reduced over processes; after
+every weight sync each rank's engine holds exactly the policy's full weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tidal.cli.train_ppo import parse_run
+from tidal.config import ConfigError
+from tidal.trainers.ppo import run_ppo
+
+REWARD = '''
+import torch
+
+
+def reward_func(queries, prompts, labels, **kwargs):
+    """A dense, deterministic reward of the response text, so every group has a signal."""
+    values = [sum(ord(c) for c in q[len(p):]) % 7 / 7 for q, p in zip(queries, prompts)]
+    return {"rewards": torch.tensor(values), "extra_logs": {"reward_sq": torch.tensor(values).pow(2).mean()}}
+'''
+
+
+@pytest.fixture(scope="module")
+def rl_data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rl")
+    with (d / "prompts.jsonl").open("w") as f:
+        for i in range(12):
+            f.write(json.dumps({"prompt": f"{i % 10}+{i % 3}=", "label": str(i % 10 + i % 3)}) + "\n")
+    (d / "reward.py").write_text(REWARD)
+    return d
+
+
+def rl_flags(policy, data: Path, out: Path, *extra) -> list[str]:
+    """3 rollouts of 4 prompts x 4 samples; one optimizer step per rollout (train batch = rollout)."""
+    return [
+        "--pretrain", str(policy), "--prompt_data", str(data / "prompts.jsonl"), "--input_key", "prompt",
+        "--label_key", "label", "--remote_rm_url", str(data / "reward.py"), "--n_samples_per_prompt", "4",
+        "--rollout_batch_size", "4", "--train_batch_size", "16", "--micro_train_batch_size", "4",
+        "--micro_rollout_batch_size", "4", "--generate_max_len", "4", "--prompt_max_len", "8",
+        "--actor_learning_rate", "2e-3", "--lr_warmup_ratio", "0", "--zero_stage", "3", "--seed", "3",
+        "--temperature", "1.0", "--save_path", str(out / "final"), "--ckpt_path", str(out / "ckpt"), *extra,
+    ]  # fmt: skip
+
+
+# fmt: off
+CONFIGS = {
+    "grpo": ["--advantage_estimator", "group_norm", "--init_kl_coef", "0"],
+    # whitened advantages, running reward normalisation, reference + adaptive KL in the reward
+    "rpp_baseline": ["--advantage_estimator", "reinforce_baseline", "--init_kl_coef", "0.05", "--kl_target",
+                     "0.01", "--normalize_reward", "--colocate_actor_ref"],
+    # a sharded critic, dynamic micro-batches (equalised across ranks)
+    "gae": ["--advantage_estimator", "gae", "--init_kl_coef", "0", "--critic_learning_rate", "2e-3",
+            "--n_samples_per_prompt", "2", "--train_batch_size", "8", "--use_dynamic_batch",
+            "--train_max_tokens_per_gpu", "24"],
+}
+# fmt: on
+# Token-weighted logged means (advantages/*, kl) are averaged per rank, so they are not compared.
+KEYS = ("reward", "score", "policy/loss", "response_length", "reward_sq", "kl_coef")
+
+
+def test_two_processes_match_one(tiny_qwen2, rl_data, tmp_path, dist):
+    one = {name: run_ppo(parse_run(rl_flags(tiny_qwen2, rl_data, tmp_path / f"{name}1", *extra)))
+           for name, extra in CONFIGS.items()}  # fmt: skip
+    specs = [
+        {"kind": "ppo", "out": str(tmp_path / f"{name}2.json"), "check_sync": True,
+         "argv": rl_flags(tiny_qwen2, rl_data, tmp_path / f"{name}2", *extra)}
+        for name, extra in CONFIGS.items()
+    ]  # fmt: skip
+    dist.torchrun(specs, tmp_path)
+    for name in CONFIGS:
+        two = dist.result(tmp_path / f"{name}2.json")
+        assert len(two["history"]) == 3
+        assert any(h["policy/loss"] != 0.0 for h in one[name])
+        keys = KEYS + (("critic/loss",) if name == "gae" else ())
+        dist.assert_steps_match(one[name], two["history"], keys)
+        assert len(two["syncs"]) == 3 and all(s == [] for s in two["syncs"]), two["syncs"]
+
+
+def test_placement_flags_fail_clearly(tiny_qwen2, rl_data, tmp_path):
+    base = rl_flags(tiny_qwen2, rl_data, tmp_path, "--advantage_estimator", "group_norm")
+    cases = [
+        (["--vllm_tensor_parallel_size", "2"], "--vllm_tensor_parallel_size"),
+        (["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1"], "--vllm_num_engines"),
+        (["--actor_num_gpus_per_node", "2", "--critic_num_gpus_per_node", "4"], "--critic_num_nodes"),
+        (["--actor_num_gpus_per_node", "2", "--init_kl_coef", "0.1"], "--colocate_actor_ref"),
+    ]
+    for extra, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            parse_run(base + extra)
+    with pytest.raises(ConfigError, match="--vllm_num_engines"):
+        run_ppo(parse_run(base + ["--vllm_num_engines", "2"]))

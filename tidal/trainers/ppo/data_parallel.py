@@ -1,0 +1,114 @@
+"""Data-parallel RL: each process generates, scores and trains on its share of every rollout.
+
+Rank r of W takes a contiguous slice of a rollout's prompts and runs its own ``LocalRollout``
+engine on them. Per-sample seeds follow the *global* prompt index (``first_index``), so the samples
+are those a single process would draw. A prompt's n samples stay on one rank, so group baselines
+(GRPO, RLOO, REINFORCE++-baseline) need no communication; the batch-wide steps do, and this module
+provides their world-aware versions: advantage whitening, running reward normalisation and the
+adaptive-KL mean. The policy (and critic) are FSDP2-sharded across the ranks; weight sync gathers
+full parameters (``DTensor.full_tensor``) into every rank's engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tidal.algorithms import compute_kl
+from tidal.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from tidal.algorithms.rewards import RunningMoments, kl_penalized_rewards
+from tidal.config.args import ConfigError
+from tidal.config.rl import RLConfig
+from tidal.distributed.collectives import gather_values, world_masked_whiten
+from tidal.distributed.world import World
+from tidal.experience.experience import Experience
+from tidal.experience.maker import add_advantages
+
+
+def shard_bounds(count: int, world: World) -> tuple[int, int]:
+    """This rank's contiguous ``[start, stop)`` of ``count`` items (earlier ranks take the remainder)."""
+    base, extra = divmod(count, world.world_size)
+    start = world.rank * base + min(world.rank, extra)
+    return start, start + base + (world.rank < extra)
+
+
+class DataParallelRollout:
+    """This rank's share of every rollout, on its own ``LocalRollout`` (same interface)."""
+
+    def __init__(self, local, world: World):
+        self.local, self.world = local, world
+        self.lock = local.lock
+
+    @property
+    def engine(self):
+        return self.local.engine
+
+    def generate(self, prompts: Sequence, n: int, temperature: float, seed: int):
+        start, stop = shard_bounds(len(prompts), self.world)
+        return self.local.generate(prompts[start:stop], n, temperature, seed, first_index=start)
+
+    def sync_weights(self, policy) -> int:
+        return self.local.sync_weights(policy)  # every rank gathers the full weights (a collective)
+
+    def sleep(self) -> None:
+        self.local.sleep()
+
+
+class WorldMoments:
+    """A ``RunningMoments`` view that folds in every rank's rewards, so all ranks normalise alike."""
+
+    def __init__(self, moments: RunningMoments, world: World):
+        self.moments, self.world = moments, world
+
+    def update(self, batch) -> None:
+        self.moments.update(gather_values(batch, self.world))
+
+    def normalize(self, x):
+        return self.moments.normalize(x)
+
+
+def world_moments(moments: RunningMoments | None, world: World):
+    return WorldMoments(moments, world) if moments is not None and world.distributed else moments
+
+
+def add_world_advantages(exp: Experience, cfg: RLConfig, n: int, kl_coef: float, world: World) -> Experience:
+    """``add_advantages`` with the whitening (gae, reinforce, reinforce_baseline) over every rank."""
+    est = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator]
+    if not (world.distributed and est.whiten):
+        return add_advantages(exp, cfg, n, kl_coef)
+    mask = exp.action_mask
+    if exp.ref_logprobs is not None:
+        exp.kl = compute_kl(exp.old_logprobs, exp.ref_logprobs, mask, cfg.kl_estimator)
+    kl_in_reward = exp.kl if not cfg.use_kl_loss else None
+    # The same steps as tidal.algorithms.estimate_advantages, with the last (whitening) made global.
+    shaped = est.baseline(exp.rewards, n)
+    token_rewards = kl_penalized_rewards(shaped, kl_in_reward, mask, kl_coef, None)
+    advantages, exp.returns = est.advantages_and_returns(
+        token_rewards, mask, exp.values, cfg.gamma, cfg.lambd
+    )
+    exp.advantages = world_masked_whiten(advantages, mask, world)
+    return exp
+
+
+def check_data_parallel(run, world: World, num_eval_prompts: int | None) -> None:
+    """Fail clearly on what the data-parallel loop cannot do with ``world.world_size`` processes."""
+    w, r = world.world_size, run.rollout
+    if (r.vllm_num_engines or w) != w:
+        where = f"each of the {w} processes runs one engine" if w > 1 else "local mode runs one engine"
+        raise ConfigError(
+            f"--vllm_num_engines {r.vllm_num_engines}: {where}; set it to {w} (or leave it unset)"
+        )
+    if not world.distributed:
+        return
+    for flag, value in (
+        ("rollout_batch_size", r.rollout_batch_size),
+        ("train_batch_size", run.train.train_batch_size),
+    ):
+        if value % w:
+            raise ConfigError(f"--{flag} {value} must be divisible by the {w} processes")
+    if run.rl.dynamic_filtering:
+        raise ConfigError(
+            "--dynamic_filtering keeps a different number of samples on each process, which the "
+            "data-parallel update cannot balance yet: run it with one process"
+        )
+    if num_eval_prompts is not None and num_eval_prompts < w:
+        raise ConfigError(f"--eval_dataset has {num_eval_prompts} prompts, fewer than the {w} processes")

@@ -1,0 +1,42 @@
+"""Ray mode: ``tidal ppo`` with more than one policy worker starts them as Ray actors.
+
+The driver (the ``ray job submit`` entry point, or any process) reserves one placement-group
+bundle per worker (``tidal.distributed.ray_group``) and runs the rank's part of the same RL loop in
+each (``run_ppo`` with torchrun's environment set), so the Ray path and the torchrun path share all
+training code. Rank 0's per-rollout metrics come back to the driver. See ``docs/distributed.md``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from tidal.logging import get_logger
+
+log = get_logger(__name__)
+
+
+def launched_by_torchrun() -> bool:
+    """A launcher (torchrun, or a Ray worker of ours) already made this process one rank of a world."""
+    return int(os.environ.get("WORLD_SIZE", 1)) > 1
+
+
+def wants_ray(run) -> bool:
+    return run.placement.actor_world_size > 1 and not launched_by_torchrun()
+
+
+def _rank_main(run) -> list[dict]:
+    from tidal.trainers.ppo.setup import run_ppo
+
+    return run_ppo(run)
+
+
+def run_ppo_ray(run) -> list[dict]:
+    """Train with ``actor_num_nodes x actor_num_gpus_per_node`` data-parallel workers on Ray."""
+    from tidal.distributed.ray_group import RayWorkerGroup
+
+    world_size = run.placement.actor_world_size
+    with RayWorkerGroup(world_size) as group:
+        nodes = sorted({ip for _, ip in group.nodes})
+        log.info("Ray mode: %d policy workers (%s each) on %d node(s) %s", world_size, group.resources,
+                 len(nodes), nodes)  # fmt: skip
+        return group.run(_rank_main, run)[0]
