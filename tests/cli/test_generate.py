@@ -167,6 +167,7 @@ def test_post_processors_on_ties():
     [
         (["--post_processor", "rs"], "--post_processor rs needs --reward_pretrain"),
         (["--normalize_reward"], "--normalize_reward needs --reward_pretrain"),
+        (["--micro_batch_size", "4"], "--micro_batch_size needs --reward_pretrain"),
         (
             ["--post_processor", "iter_dpo", "--reward_pretrain", "RM"],
             "--best_of_n (or --n_samples_per_prompt) >= 2",

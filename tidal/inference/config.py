@@ -115,7 +115,7 @@ class ScoringConfig:
     normalize_reward: bool = arg(
         False, help="rewards are (score - mean) / std with the mean/std stored by tidal rm --normalize_reward"
     )
-    micro_batch_size: int = arg(16, help="sequences per reward-model forward")
+    micro_batch_size: int | None = arg(None, help="sequences per reward-model forward (unset: 16)")
     post_processor: str | None = arg(
         None,
         help="rs: best sample per prompt; csft: every sample with its reward in the prompt; "
@@ -125,7 +125,7 @@ class ScoringConfig:
     reward_template: str | None = arg(
         None,
         help=f"csft: how the reward enters the prompt, with {{input}} and {{reward}} "
-        f"(reward written with one decimal; default {DEFAULT_REWARD_TEMPLATE!r})",
+        f"(reward written with one decimal; unset: {DEFAULT_REWARD_TEMPLATE!r})",
     )
     csft_reward: float | None = arg(
         None, help="condition generation on this reward: prompts are rendered with --reward_template"
@@ -141,6 +141,7 @@ class ScoringConfig:
                 (self.post_processor is not None, f"--post_processor {self.post_processor}"),
                 (self.normalize_reward, "--normalize_reward"),
                 (self.value_head_prefix != "score", "--value_head_prefix"),
+                (self.micro_batch_size is not None, "--micro_batch_size"),
             ]
             for given, flag in needs_rm:
                 if given:
@@ -150,7 +151,7 @@ class ScoringConfig:
                 f"--post_processor iter_dpo picks a best and a worst sample per prompt: "
                 f"set --best_of_n (or --n_samples_per_prompt) >= 2, got {n_samples}"
             )
-        if self.micro_batch_size < 1:
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ConfigError(f"--micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.reward_template is not None:
             if self.post_processor != "csft" and self.csft_reward is None:

@@ -81,7 +81,7 @@ def run_generate(run: GenerateRun) -> GenerateResult:
             value_head_prefix=run.scoring.value_head_prefix,
             normalize_reward=run.scoring.normalize_reward,
             param_dtype=run.policy.param_dtype,
-            micro_batch_size=run.scoring.micro_batch_size,
+            micro_batch_size=run.scoring.micro_batch_size or 16,
             device=engine.device,
         )
     return write_samples(run, engine, scorer, load_prompts(run, engine.tokenizer, engine.max_model_len))
