@@ -36,7 +36,7 @@ def run_ppo_ray(run) -> list[dict]:
 
     world_size = run.placement.actor_world_size
     with RayWorkerGroup(world_size) as group:
-        nodes = sorted({ip for _, ip in group.nodes})
-        log.info("Ray mode: %d policy workers (%s each) on %d node(s) %s", world_size, group.resources,
-                 len(nodes), nodes)  # fmt: skip
+        nodes = {node for node, _ in group.nodes}
+        log.info("Ray mode: %d policy workers (%s each) on %d node(s); rank 0 at %s", world_size,
+                 group.resources, len(nodes), group.nodes[0][1])  # fmt: skip
         return group.run(_rank_main, run)[0]
