@@ -40,7 +40,7 @@ def reward_model(tiny_llama, tmp_path_factory):
 def run(model, prompts, out, *extra) -> list[dict]:
     generate_main([
         "--pretrain", str(model), "--dataset", str(prompts), "--input_key", "prompt",
-        "--output_path", str(out), "--max_new_tokens", "6", "--seed", "7", *extra,
+        "--output_path", str(out), "--max_new_tokens", "6", "--seed", "7", "--max_num_seqs", "16", *extra,
     ])  # fmt: skip
     return [json.loads(line) for line in out.read_text().splitlines()]
 
@@ -57,7 +57,7 @@ def test_writes_n_times_k_rows_with_input_and_output(tiny_llama, prompts, tmp_pa
     out = tmp_path / "sub" / "samples.jsonl"
     tidal_main([
         "generate", "--pretrain", str(tiny_llama), "--dataset", str(prompts), "--input_key", "prompt",
-        "--output_path", str(out), "--max_new_tokens", "6", "--n_samples_per_prompt", "3",
+        "--output_path", str(out), "--max_new_tokens", "6", "--n_samples_per_prompt", "3", "--max_num_seqs", "8",
     ])  # fmt: skip
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == N_PROMPTS * 3
@@ -173,7 +173,10 @@ def test_post_processors_on_ties():
             "--best_of_n (or --n_samples_per_prompt) >= 2",
         ),
         (["--post_processor", "best"], "invalid choice"),
-        (["--best_of_n", "65"], "--best_of_n/--n_samples_per_prompt 65 exceeds --max_num_seqs 64"),
+        (
+            ["--best_of_n", "9", "--max_num_seqs", "8"],
+            "--best_of_n/--n_samples_per_prompt 9 exceeds --max_num_seqs 8",
+        ),
         (["--top_p", "0"], "--top_p must be in (0, 1]"),
         (["--csft_reward", "1", "--reward_template", "{input}"], "--reward_template must contain {reward}"),
         (["--reward_template", "{input} {reward}"], "--reward_template is only used by"),

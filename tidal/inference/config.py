@@ -24,7 +24,7 @@ class PolicyConfig:
         "auto", help="engine dtype (auto: bf16 on CUDA, fp32 on CPU)", choices=tuple(_ENGINE_DTYPES)
     )
     max_num_seqs: int = arg(
-        64,
+        256,
         help="sequences the engine decodes together (continuous batching)",
         aliases=["--vllm_generate_batch_size"],
     )
