@@ -1,9 +1,15 @@
 """Forward passes over padded or packed batches, and per-token log-probs of the input tokens.
 
 Batches come from ``tidal.data.collate``: padded batches carry a 2-D ``attention_mask``; packed
-batches put several samples in one row and carry ``segment_ids``, from which we build a
-block-diagonal causal mask so that no token attends across a sample boundary (position ids
-restart per sample, so RoPE sees each sample as if it were alone).
+batches put several samples in one row and carry ``segment_ids`` (position ids restart per sample,
+so RoPE sees each sample as if it were alone). No token may attend across a sample boundary:
+
+- on CUDA, SDPA models switch to ``tidal_varlen`` (``packed_attention.py``): flash-attention varlen
+  kernels over the samples' cumulative lengths, no mask and no padding;
+- elsewhere (the CPU, eager attention) we build a ``[B, 1, T, T]`` block-diagonal causal mask.
+
+``token_logprobs`` never materialises ``[B, T, V]`` logits for supported families: the LM head runs
+in checkpointed chunks (``logprob_head.py``); ``outputs.logits`` is still there, computed on demand.
 """
 
 from __future__ import annotations
@@ -12,6 +18,12 @@ import torch
 from torch import nn
 
 from tidal.algorithms.logprobs import gather_logprobs
+from tidal.models.logprob_head import DEFAULT_CHUNK, LogprobOutputs, chunkable_head, head_logprobs
+from tidal.models.packed_attention import enable_varlen_attention, varlen_kwargs
+
+# "auto": varlen kernels for packed rows where possible; "mask": always the 4-D mask (benchmarks).
+PACKED_ATTENTION = "auto"
+_VARLEN_IMPLS = ("tidal_varlen", "flash_attention_2", "flash_attention_3")
 
 
 def packed_attention_mask(segment_ids: torch.Tensor, additive: bool = False) -> torch.Tensor:
@@ -29,23 +41,58 @@ def packed_attention_mask(segment_ids: torch.Tensor, additive: bool = False) -> 
     return mask.masked_fill(~allowed, torch.finfo(torch.float32).min)
 
 
+def _packs_varlen(model: nn.Module, batch: dict) -> bool:
+    """Whether this packed batch runs through varlen kernels (one row on CUDA, a varlen-capable model)."""
+    if PACKED_ATTENTION != "auto" or batch["input_ids"].shape[0] != 1:
+        return False
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl in _VARLEN_IMPLS:
+        return True
+    return batch["input_ids"].is_cuda and enable_varlen_attention(model)
+
+
 def model_inputs(model: nn.Module, batch: dict) -> dict:
     """Keyword arguments for a HF model's forward from a collated batch."""
     kwargs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
-    if "segment_ids" in batch:
+    if "segment_ids" not in batch:
+        kwargs["attention_mask"] = batch["attention_mask"]
+    elif _packs_varlen(model, batch):
+        kwargs["attention_mask"] = None
+        kwargs.update(varlen_kwargs(batch))
+    else:
         impl = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
         kwargs["attention_mask"] = packed_attention_mask(batch["segment_ids"], additive=impl == "eager")
-    else:
-        kwargs["attention_mask"] = batch["attention_mask"]
     return kwargs
 
 
-def token_logprobs(model: nn.Module, batch: dict, temperature: float = 1.0, **forward_kwargs):
+def token_logprobs(
+    model: nn.Module,
+    batch: dict,
+    temperature: float = 1.0,
+    chunk_size: int | None = DEFAULT_CHUNK,
+    with_entropy: bool = False,
+    **forward_kwargs,
+):
     """Per-token log p(token_t | tokens_<t) aligned with ``input_ids`` ([B, T]; position 0 is 0).
 
-    Returns ``(logprobs, outputs)`` so callers can also use e.g. ``outputs.aux_loss``.
+    Returns ``(logprobs, outputs)`` so callers can also use e.g. ``outputs.aux_loss``. With
+    ``with_entropy``, ``outputs.entropy`` holds the per-token entropy of the same distributions
+    (aligned like the log-probs). ``chunk_size=None`` (or an unsupported model) takes the plain path:
+    full logits, then ``gather_logprobs``.
     """
-    outputs = model(**model_inputs(model, batch), use_cache=False, **forward_kwargs)
-    ids = batch["input_ids"]
-    lp = gather_logprobs(outputs.logits[:, :-1], ids[:, 1:], temperature)
-    return torch.cat([lp.new_zeros(ids.shape[0], 1), lp], dim=1), outputs
+    head = chunkable_head(model) if chunk_size else None
+    inputs = model_inputs(model, batch)
+    if head is None:
+        outputs = model(**inputs, use_cache=False, **forward_kwargs)
+        ids = batch["input_ids"]
+        lp = gather_logprobs(outputs.logits[:, :-1], ids[:, 1:], temperature)
+        lp = torch.cat([lp.new_zeros(ids.shape[0], 1), lp], dim=1)
+        if with_entropy:
+            from tidal.algorithms.logprobs import entropy_from_logits
+
+            ent = entropy_from_logits(outputs.logits[:, :-1], temperature, chunk_size=1024)
+            outputs.entropy = torch.cat([ent.new_zeros(ids.shape[0], 1), ent], dim=1)
+        return lp, outputs
+    with head_logprobs(head, batch["input_ids"], temperature, chunk_size, with_entropy) as result:
+        outputs = model(**inputs, use_cache=False, **forward_kwargs)
+    return result.logprobs, LogprobOutputs(outputs, head, result)

@@ -1,0 +1,136 @@
+"""Forward passes: chunked LM-head log-probs vs full logits, and packed (varlen) vs padded attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tidal.algorithms.logprobs import entropy_from_logits, gather_logprobs
+from tidal.data import collate_packed, collate_padded
+from tidal.data.sft import SFTSample
+from tidal.models import forward as forward_module
+from tidal.models import token_logprobs
+from tidal.models.logprob_head import chunked_logprobs
+from tidal.models.packed_attention import VARLEN, enable_varlen_attention
+
+SAMPLES = [
+    SFTSample([1, 40, 41, 42, 43, 44, 3], [0, 1, 1, 1, 1, 1, 1]),
+    SFTSample([1, 50, 3], [0, 1, 1]),
+    SFTSample([1, 60, 61, 62, 63, 64, 65, 66, 67, 3], [0, 1, 1, 1, 1, 1, 1, 1, 1, 1]),
+]
+
+
+def _model(path, attn="sdpa", device="cpu"):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn).to(
+        device
+    )
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _loss_and_grads(model, batch, **kwargs):
+    lp, out = token_logprobs(model, batch, **kwargs)
+    mask = batch["loss_mask"].float()
+    loss = -(lp * mask).sum() / mask.sum()
+    entropy = getattr(out, "entropy", None)
+    if entropy is not None:
+        loss = loss - 0.1 * (entropy * mask).sum() / mask.sum()
+    loss.backward()
+    return lp.detach(), None if entropy is None else entropy.detach(), _grads(model)
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("packing", [False, True])
+def test_chunked_logprobs_entropy_and_grads_match_full_logits(family, packing, request):
+    model = _model(request.getfixturevalue(family))
+    batch = (collate_packed if packing else collate_padded)(SAMPLES, 0)
+    for temperature in (1.0, 0.7):
+        full = _loss_and_grads(model, batch, temperature=temperature, chunk_size=None, with_entropy=True)
+        chunked = _loss_and_grads(model, batch, temperature=temperature, chunk_size=3, with_entropy=True)
+        torch.testing.assert_close(chunked[0], full[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(chunked[1], full[1], atol=1e-5, rtol=1e-5)
+        assert chunked[2].keys() == full[2].keys() and len(full[2]) > 5
+        for name, grad in full[2].items():
+            torch.testing.assert_close(chunked[2][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_chunked_logprobs_function_against_reference():
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (37,))
+    logp, ent = chunked_logprobs(hidden, weight, None, targets, 0.9, chunk_size=8, with_entropy=True)
+    z = hidden @ weight.T
+    torch.testing.assert_close(logp, gather_logprobs(z, targets, 0.9).to(logp.dtype))
+    torch.testing.assert_close(ent, entropy_from_logits(z, 0.9).to(ent.dtype))
+    (g_h, g_w) = torch.autograd.grad((logp + ent).sum(), (hidden, weight))
+    z_ref = hidden @ weight.T
+    ref = gather_logprobs(z_ref, targets, 0.9) + entropy_from_logits(z_ref, 0.9)
+    (r_h, r_w) = torch.autograd.grad(ref.sum(), (hidden, weight))
+    torch.testing.assert_close(g_h, r_h)
+    torch.testing.assert_close(g_w, r_w)
+
+
+def test_lazy_logits_and_aux_outputs_match_the_plain_forward(tiny_llama):
+    model = _model(tiny_llama).eval()
+    batch = collate_padded(SAMPLES, 0)
+    with torch.no_grad():
+        _, plain = token_logprobs(model, batch, chunk_size=None)
+        _, lazy = token_logprobs(model, batch)
+        torch.testing.assert_close(lazy.logits, plain.logits)
+        torch.testing.assert_close(lazy["logits"], plain.logits)
+    assert lazy.past_key_values is None  # other attributes come from the model's own outputs
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2"])
+def test_varlen_implementation_matches_padded_on_cpu_fallback(family, request):
+    """``tidal_varlen`` on the CPU takes its mask fallback: this checks the plumbing (kwargs reach the
+    attention layers, padded batches keep SDPA's mask) that the CUDA kernel path shares."""
+    model = _model(request.getfixturevalue(family)).eval()
+    padded, packed = collate_padded(SAMPLES, 0), collate_packed(SAMPLES)
+    with torch.no_grad():
+        want_pad, _ = token_logprobs(model, padded)
+        assert enable_varlen_attention(model, force=True) and model.config._attn_implementation == VARLEN
+        assert "cu_seq_lens_q" in forward_module.model_inputs(model, packed)
+        got_pad, _ = token_logprobs(model, padded)
+        got_pack, _ = token_logprobs(model, packed)
+        packed.pop("cu_seqlens")  # the experience batches carry only segment ids
+        got_pack_seg, _ = token_logprobs(model, packed)
+    torch.testing.assert_close(got_pad, want_pad, atol=1e-6, rtol=0)
+    want = want_pad[padded["loss_mask"].bool()]
+    torch.testing.assert_close(got_pack[packed["loss_mask"].bool()], want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got_pack_seg, got_pack)
+
+
+def test_eager_models_keep_the_additive_mask(tiny_llama):
+    model = _model(tiny_llama, attn="eager")
+    assert not enable_varlen_attention(model, force=True)
+    kwargs = forward_module.model_inputs(model, collate_packed(SAMPLES))
+    assert kwargs["attention_mask"].dtype == torch.float32 and "cu_seq_lens_q" not in kwargs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2"])
+def test_cuda_varlen_packed_matches_mask_path_in_bf16(family, request, monkeypatch):
+    """On CUDA, packed rows run the flash varlen kernel; log-probs and gradients agree with the 4-D
+    mask path (both bf16 autocast, so within bf16 tolerance)."""
+    results = {}
+    for mode in ("mask", "auto"):
+        monkeypatch.setattr(forward_module, "PACKED_ATTENTION", mode)
+        model = _model(request.getfixturevalue(family), device="cuda")
+        batch = {k: v.cuda() for k, v in collate_packed(SAMPLES).items()}
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            lp, _ = token_logprobs(model, batch)
+        (lp * batch["loss_mask"]).sum().backward()
+        assert (model.config._attn_implementation == VARLEN) == (mode == "auto")
+        results[mode] = (lp.detach(), _grads(model))
+    torch.testing.assert_close(results["auto"][0], results["mask"][0], atol=3e-2, rtol=0)
+    for name, grad in results["mask"][1].items():
+        got = results["auto"][1][name]
+        assert (got - grad).norm() <= 5e-2 * grad.norm() + 1e-6, name

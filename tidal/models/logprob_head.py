@@ -1,0 +1,154 @@
+"""Per-token log-probs (and entropy) without the ``[tokens, vocab]`` float32 logits of a whole micro-batch.
+
+With a 150k vocabulary the logits dwarf every other activation: 16k tokens × 152k × 4 bytes is 10 GB
+in float32, kept for backward. Here the LM head runs in chunks of ``chunk_size`` positions: each chunk
+projects its hidden states, takes ``log_softmax`` at the target tokens in float32 and is discarded.
+Under autograd every chunk is checkpointed (only its hidden-state slice is saved; backward recomputes
+the chunk's logits, one extra head matmul), so at most one chunk's logits exist at a time, forward or
+backward.
+
+``head_logprobs`` swaps the LM head's ``forward`` for the duration of one model call, so the model's
+own forward (and any FSDP2 / peft wrapping around it) runs unchanged and only the head's output
+changes: ``[B, T]`` log-probs instead of ``[B, T, V]`` logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from tidal.algorithms.logprobs import entropy_from_logits, gather_logprobs
+
+DEFAULT_CHUNK = 2048
+# Families whose causal-LM forward applies nothing after ``lm_head`` (no soft-capping or logit scaling),
+# so replacing the head's output is exact.
+CHUNKABLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral"})
+
+
+def chunkable_head(model: nn.Module) -> nn.Linear | None:
+    """The plain ``nn.Linear`` LM head of a supported family, or None (then use full logits)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in CHUNKABLE_MODEL_TYPES:
+        return None
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    # A LoRA- or quantisation-wrapped head has other weights: leave it to its own forward. (FSDP2 would
+    # give a separately sharded head a generated subclass named FSDP<cls>.)
+    plain = type(head) is nn.Linear or (isinstance(head, nn.Linear) and type(head).__name__ == "FSDPLinear")
+    return head if plain else None
+
+
+def _chunk_logprobs(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float):
+    z = nn.functional.linear(h, weight, bias)
+    return gather_logprobs(z, targets, temperature)
+
+
+def _chunk_logprobs_entropy(h, weight, bias, targets, temperature: float):
+    z = nn.functional.linear(h, weight, bias)
+    return gather_logprobs(z, targets, temperature), entropy_from_logits(z, temperature)
+
+
+def chunked_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """``log softmax(hidden @ weight.T + bias)[targets]`` over ``[N, H]`` hidden states, chunk by chunk.
+
+    Returns ``(logprobs [N], entropy [N] or None)`` in float32. Chunks are checkpointed when autograd
+    records, so backward also holds one chunk's logits at a time.
+    """
+    fn = _chunk_logprobs_entropy if with_entropy else _chunk_logprobs
+    recording = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    logps, ents = [], []
+    for h, t in zip(hidden.split(chunk_size), targets.split(chunk_size), strict=True):
+        if recording:
+            out = checkpoint(fn, h, weight, bias, t, temperature, use_reentrant=False)
+        else:
+            out = fn(h, weight, bias, t, temperature)
+        if with_entropy:
+            logps.append(out[0])
+            ents.append(out[1])
+        else:
+            logps.append(out)
+    return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+
+
+@dataclass
+class HeadResult:
+    """What the swapped head computed during one forward, aligned with ``input_ids`` (``[B, T]``)."""
+
+    logprobs: Tensor | None = None
+    entropy: Tensor | None = None
+    hidden: Tensor | None = field(default=None, repr=False)
+
+
+def _aligned(values: Tensor, batch_size: int) -> Tensor:
+    """``[B·(T−1)]`` next-token values → ``[B, T]`` with a 0 in column 0 (nothing predicts token 0)."""
+    values = values.view(batch_size, -1)
+    return torch.cat([values.new_zeros(batch_size, 1), values], dim=1)
+
+
+@contextlib.contextmanager
+def head_logprobs(
+    head: nn.Linear, input_ids: Tensor, temperature: float, chunk_size: int, with_entropy: bool
+):
+    """Within the context, ``head(hidden)`` computes chunked log-probs of ``input_ids`` (filled into the
+    yielded ``HeadResult``) and returns them in place of logits."""
+    result = HeadResult()
+
+    def forward(hidden: Tensor) -> Tensor:
+        b, _, width = hidden.shape
+        flat = hidden[:, :-1].reshape(-1, width)
+        targets = input_ids[:, 1:].reshape(-1)
+        logp, ent = chunked_logprobs(
+            flat, head.weight, head.bias, targets, temperature, chunk_size, with_entropy
+        )
+        result.hidden = hidden
+        result.logprobs = _aligned(logp, b)
+        result.entropy = _aligned(ent, b) if ent is not None else None
+        return result.logprobs
+
+    head.forward = forward  # an instance attribute shadows the class's forward for this module only
+    try:
+        yield result
+    finally:
+        del head.forward
+
+
+class LogprobOutputs:
+    """The model's outputs with ``logits`` computed on first access (full ``[B, T, V]``, as before) and
+    ``entropy`` when it was asked for; every other attribute is the model's (e.g. ``aux_loss``)."""
+
+    def __init__(self, outputs, head: nn.Linear, result: HeadResult):
+        self._outputs, self._head, self._result = outputs, head, result
+        device = result.hidden.device.type
+        # Recompute lazy logits under the autocast state of the original forward.
+        self._autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
+        self._logits: Tensor | None = None
+
+    @property
+    def entropy(self) -> Tensor | None:
+        return self._result.entropy
+
+    @property
+    def logits(self) -> Tensor:
+        if self._logits is None:
+            device, dtype, enabled = self._autocast
+            with torch.autocast(device_type=device, dtype=dtype, enabled=enabled):
+                self._logits = self._head(self._result.hidden)
+        return self._logits
+
+    def __getattr__(self, name: str):
+        return getattr(self._outputs, name)
+
+    def __getitem__(self, key):
+        return self.logits if key == "logits" else self._outputs[key]

@@ -1,0 +1,169 @@
+"""Padding-free attention for packed rows on CUDA: torch's flash-attention varlen kernel inside HF models.
+
+A packed row holds several samples back to back (``[1, ΣT]``, see ``tidal.data.collate``). On the CPU
+``forward.packed_attention_mask`` hands HF a ``[1, 1, ΣT, ΣT]`` block-diagonal mask; on CUDA that mask
+costs O((ΣT)²) memory and keeps SDPA off its flash kernels (they take no mask). So for CUDA we register
+an attention implementation, ``tidal_varlen``, with transformers' ``AttentionInterface``: given
+flash-attention-style ``cu_seq_lens_q/k`` and ``max_length_q/k`` keyword arguments (the names HF's own
+flash-attention path uses) it runs ``torch.nn.attention.varlen.varlen_attn`` (causal, per sample, no
+mask at all); without them it *is* HF's SDPA path, so padded batches, generation and everything else
+behave exactly as before. ``enable_varlen_attention`` switches a model from ``sdpa`` to it.
+
+Measured against FlexAttention with a document block mask and SDPA with the 4-D mask in
+``bench/train_step.py`` (docs/benchmarks.md, issue #8).
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import cache
+
+import torch
+from torch import nn
+
+VARLEN = "tidal_varlen"
+_FLASH_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def varlen_kernel_available() -> bool:
+    """Whether this torch ships ``varlen_attn`` (torch ≥ 2.9) and a CUDA device exists."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@cache
+def register() -> None:
+    """Register ``tidal_varlen`` with transformers (once per process)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(VARLEN, varlen_attention_forward)
+    AttentionMaskInterface.register(VARLEN, _mask)
+
+
+def enable_varlen_attention(model: nn.Module, force: bool = False) -> bool:
+    """Switch ``model`` from ``sdpa`` to ``tidal_varlen``; True if it now runs packed rows varlen.
+
+    Only SDPA models switch (eager and flash-attention models keep their implementation). ``force``
+    skips the CUDA check, for CPU tests of the plumbing (the kernel then falls back to a mask).
+    """
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl == VARLEN:
+        return True
+    if impl != "sdpa" or not (force or varlen_kernel_available()):
+        return False
+    register()
+    config._attn_implementation = VARLEN  # read by every attention layer at call time
+    return True
+
+
+def _mask(*args, attention_mask=None, **kwargs):
+    """HF mask factory for ``tidal_varlen``: SDPA's mask for padded batches; none for packed rows,
+    whose sample boundaries travel as ``cu_seq_lens`` instead."""
+    if attention_mask is None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def varlen_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+):
+    """HF attention signature: ``query`` ``[B, H, T, D]`` → ``([B, T, H, D], None)``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    dtype = _compute_dtype(query)
+    usable = (
+        query.is_cuda
+        and query.shape[0] == 1
+        and dtype in _FLASH_DTYPES
+        and sliding_window is None
+        and not (dropout > 0 and module.training)
+    )
+    if not usable:  # fp32, CPU, sliding window or dropout: the same math through a materialised mask
+        mask = _block_causal_mask(cu, query.shape[2], query.device)
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
+    q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))  # [T, H, D]
+    out = _varlen(q, k, v, cu.to(torch.int32), int(kwargs["max_length_q"]), scaling)
+    return out[None], None
+
+
+def _compute_dtype(query: torch.Tensor) -> torch.dtype:
+    # Under autocast RoPE leaves q/k in float32 (cos/sin are float32); SDPA would be cast by autocast,
+    # a custom op is not, so cast to autocast's dtype ourselves.
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return query.dtype
+
+
+def _varlen(q, k, v, cu: torch.Tensor, max_len: int, scaling: float | None) -> torch.Tensor:
+    """Causal varlen flash attention; adapts to the ``varlen_attn`` signature of the installed torch."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _varlen_params()
+    extra: dict = {}
+    if "window_size" in params:
+        extra["window_size"] = (-1, 0)  # (-1, 0) means causal
+    else:
+        extra["is_causal"] = True
+    if "enable_gqa" in params and q.shape[1] != k.shape[1]:
+        extra["enable_gqa"] = True
+    default_scale = q.shape[-1] ** -0.5
+    if "scale" in params:
+        extra["scale"] = scaling
+    elif scaling is not None and abs(scaling - default_scale) > 1e-12:
+        q = q * (scaling / default_scale)
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **extra)
+
+
+@cache
+def _varlen_params() -> frozenset[str]:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _block_causal_mask(cu: torch.Tensor, length: int, device: torch.device) -> torch.Tensor:
+    """``[1, 1, T, T]`` boolean mask: causal within each ``cu`` segment (the fallback path)."""
+    seg = torch.zeros(length, dtype=torch.long, device=device)
+    seg[cu[1:-1].long()] = 1
+    seg = seg.cumsum(0)
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return (causal & (seg[:, None] == seg[None, :]))[None, None]
+
+
+def varlen_kwargs(batch: dict) -> dict:
+    """``cu_seq_lens_q/k`` and ``max_length_q/k`` of a packed ``[1, ΣT]`` batch.
+
+    Uses the collator's ``cu_seqlens`` when present, else counts ``segment_ids`` (contiguous 0..n-1,
+    as ``tidal.experience.model_batch`` makes them). ``max_length`` costs one host sync.
+    """
+    if "cu_seqlens" in batch:
+        cu = batch["cu_seqlens"].to(batch["input_ids"].device, torch.int32)
+        lengths = cu[1:] - cu[:-1]
+    else:
+        lengths = torch.bincount(batch["segment_ids"][0])
+        cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    max_len = int(lengths.max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
