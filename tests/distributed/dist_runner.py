@@ -2,7 +2,7 @@
 
 ``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/distributed/dist_runner.py
 RUNS.json``: RUNS.json lists ``{"kind": ..., "out": path, "argv": [trainer flags]}`` run in order in
-one process group, so the processes start once. Kinds: ``sft``, ``rm``, ``kd``, ``ppo`` (trainers);
+one process group, so the processes start once. Kinds: ``sft``, ``rm``, ``kd``, ``ppo`` (the trainers' CLI ``main``);
 ``ppo`` with ``"check_sync": true`` also checks after every weight sync that the engine holds
 exactly the policy's full (gathered) weights; ``truncate`` makes ``{"ckpt": path, "step": k}``'s
 ``latest`` point at ``global_step_k`` (a run that stopped there) for a resume.
@@ -11,6 +11,7 @@ exactly the policy's full (gathered) weights; ``truncate`` makes ``{"ckpt": path
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -22,19 +23,9 @@ from tidal.distributed.weight_sync import engine_weights
 
 
 def train(kind: str, argv: list[str]) -> list[dict]:
-    if kind == "sft":
-        from tidal.cli.train_sft import parse_run
-        from tidal.trainers.sft import run_sft as run
-    elif kind == "rm":
-        from tidal.cli.train_rm import parse_run
-        from tidal.trainers.rm import run_rm as run
-    elif kind == "kd":
-        from tidal.cli.train_kd import parse_run
-        from tidal.trainers.kd import run_kd as run
-    else:
-        from tidal.cli.train_ppo import parse_run
-        from tidal.trainers.ppo import run_ppo as run
-    return run(parse_run(argv))
+    """The trainer's CLI entry point (``python -m tidal.cli.train_<kind>``'s ``main``): its history."""
+    module = importlib.import_module(f"tidal.cli.train_{kind}")
+    return module.main(argv)
 
 
 def sync_mismatches(engine, policy) -> list[str]:

@@ -99,6 +99,11 @@ def check_data_parallel(run, world: World, num_eval_prompts: int | None) -> None
         )
     if not world.distributed:
         return
+    if run.placement.actor_world_size not in (1, w):
+        raise ConfigError(
+            f"--actor_num_nodes x --actor_num_gpus_per_node = {run.placement.actor_world_size}, but the "
+            f"launcher started {w} processes"
+        )
     for flag, value in (
         ("rollout_batch_size", r.rollout_batch_size),
         ("train_batch_size", run.train.train_batch_size),
