@@ -50,6 +50,9 @@ def rl_flags(policy, data: Path, out: Path, *extra) -> list[str]:
 # fmt: off
 CONFIGS = {
     "grpo": ["--advantage_estimator", "group_norm", "--init_kl_coef", "0"],
+    # generation on a background thread, one rollout ahead of training, on every rank
+    "grpo_async": ["--advantage_estimator", "group_norm", "--init_kl_coef", "0", "--async_train",
+                   "--enable_vllm_is_correction"],
     # whitened advantages, running reward normalisation, reference + adaptive KL in the reward
     "rpp_baseline": ["--advantage_estimator", "reinforce_baseline", "--init_kl_coef", "0.05", "--kl_target",
                      "0.01", "--normalize_reward", "--colocate_actor_ref"],
