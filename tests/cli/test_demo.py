@@ -15,7 +15,7 @@ def test_demo_runs_all_stages_and_writes_plot(tmp_path, capsys):
     ])  # fmt: skip
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary["accuracy"]) == {"base", "sft", "sft+grpo", "sft+dpo"}
-    assert all(0.0 <= v <= 1.0 for v in summary["accuracy"].values())
+    assert all(0.0 <= v <= 1.0 for acc in summary["accuracy"].values() for v in acc.values())
     assert 0.0 <= summary["reward_model_pair_accuracy"] <= 1.0
     png = (tmp_path / "curves.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000

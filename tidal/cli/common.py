@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from tidal.agents.base import AgentError
-from tidal.config.args import ConfigError, add_config_group
+from tidal.config.args import ConfigError, add_config_group, config_from_args
 from tidal.data import DataError
 from tidal.rewards.base import RewardError
 
@@ -44,3 +47,61 @@ def run_command(
 def module_main(main: Callable[[list[str] | None], object]) -> None:
     """``python -m tidal.cli.X`` entry: run ``main`` on ``sys.argv``."""
     main(sys.argv[1:])
+
+
+@dataclass(frozen=True)
+class TrainerCommand:
+    """A trainer's command line, derived from its run dataclass (one ``--help`` group per config field).
+
+    ``titles`` maps each config field of ``run_cls`` to its group title, in ``--help`` order;
+    ``exclude`` hides flags of a group (``{"optim": ("learning_rate",)}``) and ``defaults`` overrides
+    flag defaults for this command. Each ``tidal.cli.train_*`` module is one of these plus its
+    ``python -m`` entry.
+    """
+
+    name: str
+    description: str
+    run_cls: type
+    runner: Callable[[Any], Any]
+    titles: dict[str, str]
+    exclude: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+    def _config_types(self) -> dict[str, type]:
+        hints = typing.get_type_hints(self.run_cls)
+        return {name: hints[name] for name in self.titles}
+
+    def build_parser(self, prog: str | None = None) -> argparse.ArgumentParser:
+        types = self._config_types()
+        groups = [(types[f], title, self.exclude.get(f, ())) for f, title in self.titles.items()]
+        parser = make_parser(prog or f"tidal {self.name}", self.description, groups)
+        if self.defaults:
+            parser.set_defaults(**self.defaults)
+        return parser
+
+    def run_from_namespace(self, ns: argparse.Namespace):
+        """The run described by parsed flags (config errors raise ``ConfigError``/``DataError``)."""
+        return self.run_cls(**{f: config_from_args(cls, ns) for f, cls in self._config_types().items()})
+
+    def parse_run(self, argv: Sequence[str]):
+        """Flags → the run, without training (for scripts and tests)."""
+        return self.run_from_namespace(self.build_parser().parse_args(argv))
+
+    def main(self, argv: Sequence[str] | None = None, prog: str | None = None):
+        return run_command(self.build_parser(prog), argv, lambda ns: self.runner(self.run_from_namespace(ns)))
+
+    def module_main(self) -> None:
+        """``python -m tidal.cli.train_<name>``."""
+        module_main(lambda argv: self.main(argv, prog=f"python -m tidal.cli.train_{self.name}"))
+
+
+# Group titles shared by the trainers (a command adds its own for its specific configs).
+COMMON_TITLES = {
+    "model": "model",
+    "datasets": "datasets",
+    "train": "training",
+    "optim": "optimizer",
+    "ckpt": "checkpoints",
+    "logging": "logging",
+    "dist": "distributed (FSDP2)",
+}

@@ -1,71 +1,16 @@
 """``tidal rm`` / ``python -m tidal.cli.train_rm``: reward-model training with the seed's flags."""
 
-from __future__ import annotations
+from tidal.cli.common import COMMON_TITLES, TrainerCommand
+from tidal.trainers.rm import RMRun, run_rm
 
-import argparse
-
-from tidal.cli.common import make_parser, module_main, run_command
-from tidal.config import (
-    CheckpointConfig,
-    DatasetConfig,
-    DistributedConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
-    config_from_args,
+COMMAND = TrainerCommand(
+    "rm",
+    "Train a reward model on pairwise preference data.",
+    RMRun,
+    run_rm,
+    {**COMMON_TITLES, "data": "preference data", "rm": "reward model"},
 )
-from tidal.data.pairs import PairDataConfig
-from tidal.logging import LoggingConfig
-from tidal.trainers.rm import RMConfig
-
-GROUPS = [
-    (ModelConfig, "model"),
-    (DatasetConfig, "datasets"),
-    (PairDataConfig, "preference data"),
-    (RMConfig, "reward model"),
-    (TrainConfig, "training"),
-    (OptimConfig, "optimizer"),
-    (CheckpointConfig, "checkpoints"),
-    (LoggingConfig, "logging"),
-    (DistributedConfig, "distributed (FSDP2)"),
-]
-
-
-def build_parser(prog: str = "tidal rm") -> argparse.ArgumentParser:
-    return make_parser(prog, "Train a reward model on pairwise preference data.", GROUPS)
-
-
-def run_from_namespace(ns: argparse.Namespace):
-    """The ``RMRun`` described by parsed flags (config errors raise ``ConfigError``/``DataError``)."""
-    from tidal.trainers.rm import RMRun
-
-    return RMRun(
-        model=config_from_args(ModelConfig, ns),
-        data=config_from_args(PairDataConfig, ns),
-        rm=config_from_args(RMConfig, ns),
-        train=config_from_args(TrainConfig, ns),
-        optim=config_from_args(OptimConfig, ns),
-        ckpt=config_from_args(CheckpointConfig, ns),
-        logging=config_from_args(LoggingConfig, ns),
-        dist=config_from_args(DistributedConfig, ns),
-        datasets=config_from_args(DatasetConfig, ns),
-    )
-
-
-def parse_run(argv: list[str]):
-    """Flags → ``RMRun`` without training (for scripts and tests)."""
-    return run_from_namespace(build_parser().parse_args(argv))
-
-
-def run_from_args(ns: argparse.Namespace):
-    from tidal.trainers.rm import run_rm
-
-    return run_rm(run_from_namespace(ns))
-
-
-def main(argv: list[str] | None = None, prog: str = "tidal rm"):
-    return run_command(build_parser(prog), argv, run_from_args)
-
+build_parser, parse_run, main = COMMAND.build_parser, COMMAND.parse_run, COMMAND.main
 
 if __name__ == "__main__":
-    module_main(lambda argv: main(argv, prog="python -m tidal.cli.train_rm"))
+    COMMAND.module_main()

@@ -1,68 +1,16 @@
 """``tidal sft`` / ``python -m tidal.cli.train_sft``: supervised fine-tuning with the seed's flags."""
 
-from __future__ import annotations
+from tidal.cli.common import COMMON_TITLES, TrainerCommand
+from tidal.trainers.sft import SFTRun, run_sft
 
-import argparse
-
-from tidal.cli.common import make_parser, module_main, run_command
-from tidal.config import (
-    CheckpointConfig,
-    DatasetConfig,
-    DistributedConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
-    config_from_args,
+COMMAND = TrainerCommand(
+    "sft",
+    "Supervised fine-tuning of a causal language model.",
+    SFTRun,
+    run_sft,
+    {**COMMON_TITLES, "data": "SFT data"},
 )
-from tidal.data import SFTDataConfig
-from tidal.logging import LoggingConfig
-
-GROUPS = [
-    (ModelConfig, "model"),
-    (DatasetConfig, "datasets"),
-    (SFTDataConfig, "SFT data"),
-    (TrainConfig, "training"),
-    (OptimConfig, "optimizer"),
-    (CheckpointConfig, "checkpoints"),
-    (LoggingConfig, "logging"),
-    (DistributedConfig, "distributed (FSDP2)"),
-]
-
-
-def build_parser(prog: str = "tidal sft") -> argparse.ArgumentParser:
-    return make_parser(prog, "Supervised fine-tuning of a causal language model.", GROUPS)
-
-
-def run_from_namespace(ns: argparse.Namespace):
-    """The ``SFTRun`` described by parsed flags (config errors raise ``ConfigError``/``DataError``)."""
-    from tidal.trainers.sft import SFTRun
-
-    return SFTRun(
-        model=config_from_args(ModelConfig, ns),
-        data=config_from_args(SFTDataConfig, ns),
-        train=config_from_args(TrainConfig, ns),
-        optim=config_from_args(OptimConfig, ns),
-        ckpt=config_from_args(CheckpointConfig, ns),
-        logging=config_from_args(LoggingConfig, ns),
-        dist=config_from_args(DistributedConfig, ns),
-        datasets=config_from_args(DatasetConfig, ns),
-    )
-
-
-def parse_run(argv: list[str]):
-    """Flags → ``SFTRun`` without training (for scripts and tests)."""
-    return run_from_namespace(build_parser().parse_args(argv))
-
-
-def run_from_args(ns: argparse.Namespace):
-    from tidal.trainers.sft import run_sft
-
-    return run_sft(run_from_namespace(ns))
-
-
-def main(argv: list[str] | None = None, prog: str = "tidal sft"):
-    return run_command(build_parser(prog), argv, run_from_args)
-
+build_parser, parse_run, main = COMMAND.build_parser, COMMAND.parse_run, COMMAND.main
 
 if __name__ == "__main__":
-    module_main(lambda argv: main(argv, prog="python -m tidal.cli.train_sft"))
+    COMMAND.module_main()
