@@ -103,7 +103,7 @@ def varlen_attention_forward(
     if not usable:  # fp32, CPU, sliding window or dropout: the same math through a materialised mask
         mask = _block_causal_mask(cu, query.shape[2], query.device)
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
-    q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))  # [T, H, D]
+    q, k, v = (t[0].transpose(0, 1).to(dtype).contiguous() for t in (query, key, value))  # [T, H, D]
     out = _varlen(q, k, v, cu.to(torch.int32), int(kwargs["max_length_q"]), scaling)
     return out[None], None
 

@@ -1,0 +1,203 @@
+"""Benchmark: one GRPO step end to end on one device, timed by phase.
+
+The step is the RL loop of ``tidal.trainers.ppo`` built from its own parts, in local mode (one process,
+policy and rollout engine on the same device):
+
+1. ``generate``: ``LLMEngine.generate`` (tidal's rollout engine, weights copied from the policy) for
+   ``--prompts`` random prompts of ``--prompt_len`` tokens × ``--n`` samples, ``--new_tokens`` new tokens
+   each with ``ignore_eos`` (every sample has the same length; set only here, not a user flag), turned
+   into an ``Experience`` by ``tidal.agents.Trajectory`` and ``tidal.experience.maker.from_trajectories``;
+2. ``reward``: a trivial rule (the fraction of even token ids in the response), then ``shape_rewards``;
+3. ``old_logprobs``: ``forward_logprobs`` (no grad, packed micro-batches);
+4. ``advantages``: ``add_advantages`` with ``group_norm`` (GRPO), no KL (``--init_kl_coef 0``);
+5. ``update``: ``train_on_experience`` with ``PolicyLoss`` (one optimizer step over the whole rollout,
+   packed micro-batches, gradient checkpointing, bf16 autocast over float32 master weights);
+6. ``sync_weights``: ``engine.update_weights(engine_weights(policy))``.
+
+Prints one JSON line: the median over ``--steps`` timed steps (after ``--warmup``, which also captures
+the engine's CUDA graphs) of each phase and the whole step, and tokens/s as DESIGN.md §6 defines it:
+(prompt + response tokens) / step time / GPUs. ``logprob_mismatch`` (mean |old − rollout| log-prob
+over response tokens) checks that engine and trainer agree. The reference is the same step's
+generation share: at 256 new tokens the step is bounded below by the engine's decode time.
+
+    python bench/rl_step.py                                # tiny model on CPU, < 1 minute
+    python bench/rl_step.py --device cuda --config qwen2.5-0.5b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_step import (  # noqa: E402
+    CONFIGS,
+    make_model,
+    optimization,
+    reset_memory,
+    stub_missing_datasets,
+    sync,
+    versions,
+)
+
+PHASES = ("generate", "reward", "old_logprobs", "advantages", "update", "sync_weights")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--prompt_len", type=int, default=64)
+    p.add_argument("--new_tokens", type=int, default=256)
+    p.add_argument(
+        "--micro", type=int, default=64, help="samples per packed micro-batch (scoring and update)"
+    )
+    p.add_argument("--no_gradient_checkpointing", action="store_true")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.device == "cpu" and args.config == "tiny" and args.new_tokens == 256:
+        args.prompts, args.n, args.prompt_len, args.new_tokens, args.micro = 4, 4, 16, 16, 8
+    return args
+
+
+class GRPOStep:
+    """The parts of a local-mode RL run and one step over them (see the module docstring)."""
+
+    def __init__(self, args, device: torch.device):
+        from tidal.config.rl import RLConfig
+        from tidal.distributed.world import World
+        from tidal.rollout import EngineConfig, LLMEngine
+
+        self.args, self.device = args, device
+        self.policy = make_model(args.config, device, not args.no_gradient_checkpointing, args.seed)
+        self.opt = optimization(self.policy, device)
+        self.world = World(device=device)
+        self.rl = RLConfig(advantage_estimator="group_norm", init_kl_coef=0.0)
+        engine_cfg = EngineConfig(
+            max_num_seqs=args.prompts * args.n, max_model_len=args.prompt_len + args.new_tokens,
+            gpu_memory_utilization=0.3, device=str(device), seed=args.seed,
+        )  # fmt: skip
+        self.engine = LLMEngine(config=engine_cfg, model=self.policy)
+        vocab = self.policy.config.vocab_size
+        g = torch.Generator().manual_seed(args.seed)
+        self.prompt_ids = torch.randint(0, vocab, (args.prompts, args.prompt_len), generator=g).tolist()
+
+    def generate(self, step: int):
+        from tidal.agents import Trajectory
+        from tidal.experience.maker import from_trajectories
+        from tidal.rollout import SamplingParams
+
+        a = self.args
+        params = SamplingParams(
+            n=a.n, temperature=1.0, max_new_tokens=a.new_tokens, ignore_eos=True, seed=step
+        )
+        outputs = self.engine.generate(self.prompt_ids, params)
+        trajectories = []
+        for ids, out in zip(self.prompt_ids, outputs, strict=True):
+            for completion in out.outputs:
+                t = Trajectory.start("", None, ids)
+                t.add_action(completion.token_ids, completion.logprobs)
+                trajectories.append(t)
+        return from_trajectories(trajectories, pad_id=0)
+
+    def reward(self, exp):
+        from tidal.experience.maker import shape_rewards
+
+        # Trivial rule: the fraction of even token ids among the response tokens.
+        even = ((exp.sequences % 2 == 0) & exp.action_mask.bool()).sum(-1)
+        exp.rewards = exp.scores = even.float() / exp.action_mask.sum(-1).clamp(min=1)
+        exp = exp.to(self.device)
+        exp.rewards = shape_rewards(exp, self.rl, self.args.new_tokens, None)
+        return exp
+
+    def old_logprobs(self, exp):
+        from tidal.experience.maker import forward_logprobs
+
+        p = self.opt.precision
+        exp.old_logprobs = forward_logprobs(self.policy, exp, self.args.micro, True, 1.0, p)
+        return exp
+
+    def advantages(self, exp):
+        from tidal.experience.maker import add_advantages
+
+        return add_advantages(exp, self.rl, self.args.n, kl_coef=0.0)
+
+    def update(self, exp, step: int) -> dict:
+        from tidal.trainers.ppo.update import PolicyLoss, StepShape, train_on_experience
+
+        shape = StepShape(step_size=len(exp), micro_size=self.args.micro, packing=True)
+        loss = PolicyLoss(self.rl, self.opt.precision, 1.0, packing=True)
+        generator = torch.Generator().manual_seed(step)
+        return train_on_experience(self.opt, exp, loss, shape, self.world, generator)
+
+    def sync_weights(self) -> int:
+        from tidal.distributed.weight_sync import engine_weights
+
+        with engine_weights(self.policy) as named:
+            return self.engine.update_weights(named)
+
+    def run(self, step: int) -> tuple[dict[str, float], dict]:
+        """One step; returns (seconds per phase, stats)."""
+        seconds: dict[str, float] = {}
+
+        def timed(phase, fn, *a):
+            sync(self.device)
+            start = time.perf_counter()
+            out = fn(*a)
+            sync(self.device)
+            seconds[phase] = time.perf_counter() - start
+            return out
+
+        exp = timed("generate", self.generate, step)
+        exp = timed("reward", self.reward, exp)
+        exp = timed("old_logprobs", self.old_logprobs, exp)
+        exp = timed("advantages", self.advantages, exp)
+        stats = timed("update", self.update, exp, step)
+        timed("sync_weights", self.sync_weights)
+        mask = exp.action_mask.bool()
+        stats["logprob_mismatch"] = float((exp.old_logprobs - exp.rollout_logprobs).abs()[mask].mean())
+        stats["tokens"] = int(exp.attention_mask.sum())
+        stats["response_tokens"] = int(mask.sum())
+        return seconds, stats
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    stub_missing_datasets()
+    device = torch.device(args.device)
+    reset_memory(device)
+    bench = GRPOStep(args, device)
+    runs = [bench.run(step) for step in range(args.warmup + args.steps)]
+    timed = runs[args.warmup :]
+    phases = {p: round(statistics.median(r[0][p] for r in timed), 4) for p in PHASES}
+    step_s = statistics.median(sum(r[0].values()) for r in timed)
+    stats = timed[-1][1]
+    report = {
+        "bench": "rl_step", **versions(), "device": args.device, "config": args.config,
+        "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "gradient_checkpointing": not args.no_gradient_checkpointing, "micro": args.micro,
+        "step_s": round(step_s, 4), "phases_s": phases,
+        "first_step_s": round(sum(runs[0][0].values()), 3),
+        "tokens_per_step": stats["tokens"], "tokens_per_s_per_gpu": round(stats["tokens"] / step_s),
+        "logprob_mismatch": round(stats["logprob_mismatch"], 5),
+        "policy_loss": round(float(stats.get("policy/loss", float("nan"))), 5),
+        "grad_norm": round(float(stats.get("grad_norm", float("nan"))), 4),
+        "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
+        "attn_impl": bench.policy.config._attn_implementation,
+    }  # fmt: skip
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
