@@ -228,14 +228,14 @@ def tidal_step(model, samples, args, device: torch.device):
     return lambda: trainer.train_step(samples)
 
 
-def hf_step(model, samples, args, device: torch.device):
+def hf_step(model, samples, micro: int, device: torch.device):
     """A closure running one plain HF step: padded micro-batches, ``labels=``, backward, clip, AdamW."""
     from tidal.data import collate_padded
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=device.type == "cuda")
     batches = []
-    for i in range(0, len(samples), args.micro):
-        b = collate_padded(samples[i : i + args.micro], 0)
+    for i in range(0, len(samples), micro):
+        b = collate_padded(samples[i : i + micro], 0)
         labels = b["input_ids"].masked_fill(b["attention_mask"] == 0, -100)
         batches.append({"input_ids": b["input_ids"], "attention_mask": b["attention_mask"], "labels": labels})
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -254,6 +254,24 @@ def hf_step(model, samples, args, device: torch.device):
 
 
 def run_variant(name: str, variant: str, samples, args, device: torch.device, peak: float | None) -> dict:
+    """Time one variant; a plain HF run that runs out of memory is retried with half the micro-batch
+    (same samples per step, more accumulation) and says so."""
+    micro, ooms = args.micro, []
+    while True:
+        try:
+            result = _run_variant(name, variant, samples, args, micro, device, peak)
+            break
+        except torch.OutOfMemoryError:
+            if not variant.startswith("hf") or micro == 1:
+                raise
+            ooms.append(micro)
+            micro //= 2
+    if ooms:
+        result["out_of_memory_at_micro"], result["micro"] = ooms, micro
+    return result
+
+
+def _run_variant(name, variant, samples, args, micro, device, peak) -> dict:
     import tidal.models.forward as forward
 
     reset_memory(device)
@@ -265,12 +283,13 @@ def run_variant(name: str, variant: str, samples, args, device: torch.device, pe
     try:
         padded_tokens = None
         if variant.startswith("hf"):
-            step, padded_tokens = hf_step(model, samples, args, device)
+            step, padded_tokens = hf_step(model, samples, micro, device)
         else:
             step = tidal_step(model, samples, args, device)
         seconds, first = time_steps(step, device, args.steps, args.warmup)
     finally:
         forward.PACKED_ATTENTION, forward.chunkable_head = saved
+        step = None
     lengths = [len(s) for s in samples]
     flops, flops_causal = train_flops(model, lengths)
     result = {

@@ -3,9 +3,8 @@
 With a 150k vocabulary the logits dwarf every other activation: 16k tokens × 152k × 4 bytes is 10 GB
 in float32, kept for backward. Here the LM head runs in chunks of ``chunk_size`` positions: each chunk
 projects its hidden states, takes ``log_softmax`` at the target tokens in float32 and is discarded.
-Under autograd every chunk is checkpointed (only its hidden-state slice is saved; backward recomputes
-the chunk's logits, one extra head matmul), so at most one chunk's logits exist at a time, forward or
-backward.
+Under autograd a chunk saves only its hidden-state slice and logsumexp; backward recomputes the chunk's
+logits (one extra head matmul), so at most one chunk's logits exist at a time, forward or backward.
 
 ``head_logprobs`` swaps the LM head's ``forward`` for the duration of one model call, so the model's
 own forward (and any FSDP2 / peft wrapping around it) runs unchanged and only the head's output
@@ -52,6 +51,60 @@ def _chunk_logprobs_entropy(h, weight, bias, targets, temperature: float):
     return gather_logprobs(z, targets, temperature), entropy_from_logits(z, temperature)
 
 
+def _upcast(z: Tensor) -> Tensor:
+    """Float32 (float64 stays float64, for gradcheck); always a fresh tensor, safe to modify in place."""
+    return z.to(torch.promote_types(z.dtype, torch.float32), copy=True)
+
+
+class _ChunkLogprobs(torch.autograd.Function):
+    """One chunk's ``log softmax(h @ W.T + b)[targets]`` that saves only ``h``, the targets and the
+    logsumexp: backward recomputes the chunk's logits and writes the softmax gradient in place
+    (``g·(onehot − p)/T``), a few passes over ``[chunk, V]`` where autograd through a checkpoint
+    takes about twice as many. Matmuls run under the forward's autocast state."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, temperature):
+        device = h.device.type
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
+        z = _upcast(nn.functional.linear(h, weight, bias))
+        if temperature != 1.0:
+            z.div_(temperature)
+        lse = torch.logsumexp(z, dim=-1)
+        logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+        ctx.save_for_backward(h, weight, bias, targets, lse)
+        ctx.temperature = temperature
+        return logp
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weight, bias, targets, lse = ctx.saved_tensors
+        device, dtype, enabled = ctx.autocast
+        with torch.autocast(device_type=device, dtype=dtype, enabled=enabled):
+            z = nn.functional.linear(h, weight, bias)
+        compute_dtype = z.dtype
+        p = _upcast(z)
+        del z
+        if ctx.temperature != 1.0:
+            p.div_(ctx.temperature)
+        p.sub_(lse[:, None]).exp_().mul_(-grad[:, None])  # −g·softmax
+        p.scatter_add_(-1, targets[:, None], grad[:, None])  # + g at the target
+        if ctx.temperature != 1.0:
+            p.div_(ctx.temperature)
+        grad_z = p.to(compute_dtype)
+        del p
+        with torch.autocast(device_type=device, dtype=dtype, enabled=enabled):
+            grad_h = grad_z @ weight if ctx.needs_input_grad[0] else None
+            grad_w = grad_z.t() @ h if ctx.needs_input_grad[1] else None
+        grad_b = grad_z.float().sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+        return (
+            None if grad_h is None else grad_h.to(h.dtype),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+            None,
+            None,
+        )
+
+
 def chunked_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -63,14 +116,17 @@ def chunked_logprobs(
 ) -> tuple[Tensor, Tensor | None]:
     """``log softmax(hidden @ weight.T + bias)[targets]`` over ``[N, H]`` hidden states, chunk by chunk.
 
-    Returns ``(logprobs [N], entropy [N] or None)`` in float32. Chunks are checkpointed when autograd
-    records, so backward also holds one chunk's logits at a time.
+    Returns ``(logprobs [N], entropy [N] or None)`` in float32. Under autograd each chunk saves only
+    its inputs (``_ChunkLogprobs``, or a checkpoint with entropy), so backward also holds one chunk's
+    logits at a time.
     """
     fn = _chunk_logprobs_entropy if with_entropy else _chunk_logprobs
     recording = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     logps, ents = [], []
     for h, t in zip(hidden.split(chunk_size), targets.split(chunk_size), strict=True):
-        if recording:
+        if recording and not with_entropy:
+            out = _ChunkLogprobs.apply(h, weight, bias, t, temperature)
+        elif recording:  # entropy's gradient too: let autograd derive it, recomputing the chunk
             out = checkpoint(fn, h, weight, bias, t, temperature, use_reentrant=False)
         else:
             out = fn(h, weight, bias, t, temperature)
