@@ -349,6 +349,7 @@ def attention_bench(name: str, args, device: torch.device) -> dict:
     out = {"tokens": total, "sequences": len(lengths)}
     for label, fn in (("sdpa_4d_mask_ms", sdpa), ("varlen_ms", varlen)):
         out[label] = round(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"), 3)
+    print(f"# attention: {out}", file=sys.stderr, flush=True)
     try:
         out["flex_ms"], out["flex_compile_s"] = _flex(q, k, v, grad, seg, total)
     except Exception as err:  # report, don't lose the other numbers
