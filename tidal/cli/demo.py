@@ -36,9 +36,9 @@ class DemoConfig:
     digits: int = arg(2, help="digits per addend")
     train_samples: int = arg(8192, help="synthetic SFT samples")
     eval_samples: int = arg(256, help="held-out prompts for accuracy")
-    sft_epochs: int = arg(4, help="SFT epochs")
+    sft_epochs: int = arg(6, help="SFT epochs")
     sft_learning_rate: float = arg(2e-3, help="SFT peak learning rate")
-    sft_wrong_fraction: float = arg(0.3, help="share of SFT answers replaced by wrong sums (noisy labels)")
+    sft_wrong_fraction: float = arg(0.0, help="share of SFT answers replaced by wrong sums (noisy labels)")
     rl_rollouts: int = arg(40, help="GRPO rollouts (32 prompts x 8 samples each)")
     rl_learning_rate: float = arg(2e-4, help="GRPO learning rate")
     preference_prompts: int = arg(512, help="prompts sampled to build preference pairs")
@@ -108,16 +108,14 @@ class Demo:
         ]))  # fmt: skip
         return out
 
-    def preference_pairs(self, model: Path) -> Path:
-        """Pairs from the model's own samples: a right answer is chosen over a wrong one."""
+    def preference_pairs(self, model: Path) -> tuple[Path, Path]:
+        """Pairs from the model's own samples (a right answer chosen over a wrong one): train and held-out."""
         from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
 
         prompts = self.task.samples(self.cfg.preference_prompts, split="pref")
         engine = LLMEngine(str(model), EngineConfig(device="cpu", seed=self.cfg.seed))
-        outputs = engine.generate(
-            [p["prompt"] for p in prompts],
-            SamplingParams(n=4, temperature=1.0, max_new_tokens=self.cfg.digits + 3),
-        )
+        params = SamplingParams(n=4, temperature=1.0, max_new_tokens=self.cfg.digits + 3, seed=self.cfg.seed)
+        outputs = engine.generate([p["prompt"] for p in prompts], params)
         rng, rows = random.Random(self.cfg.seed), []
         for prompt, out in zip(prompts, outputs, strict=True):
             texts = [c.text.strip() for c in out.outputs]
@@ -126,25 +124,22 @@ class Demo:
             chosen = right[0] if right else prompt["label"]  # fall back to the true answer
             if wrong:
                 rows.append({"prompt": prompt["prompt"], "chosen": chosen, "rejected": rng.choice(wrong)})
-        path = self.data / "pairs.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return path
+        cut = len(rows) * 4 // 5
+        train, held_out = self.data / "pairs_train.jsonl", self.data / "pairs_eval.jsonl"
+        train.write_text("".join(json.dumps(r) + "\n" for r in rows[:cut]))
+        held_out.write_text("".join(json.dumps(r) + "\n" for r in rows[cut:]))
+        return train, held_out
 
-    def reward_model(self, base: Path, pairs: Path) -> float:
+    def reward_model(self, sft_model: Path, pairs: Path, held_out: Path) -> float:
+        """Train a reward model from the SFT model; returns its accuracy on held-out pairs."""
         from tidal.cli.train_rm import parse_run
         from tidal.trainers.rm import run_rm
 
+        out = self.root / "reward_model"
         run_rm(
-            parse_run(
-                self._pair_flags(
-                    base, pairs, self.root / "reward_model", "2e-3", "--eval_dataset", str(pairs)
-                )
-            )
+            parse_run(self._pair_flags(sft_model, pairs, out, "1e-3", "3", "--eval_dataset", str(held_out)))
         )
-        metrics = [
-            json.loads(x)
-            for x in (self.root / "reward_model" / "run" / "metrics.jsonl").read_text().splitlines()
-        ]
+        metrics = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
         return [m["eval/acc"] for m in metrics if "eval/acc" in m][-1]
 
     def dpo(self, sft_model: Path, pairs: Path) -> Path:
@@ -152,14 +147,16 @@ class Demo:
         from tidal.trainers.dpo import run_dpo
 
         out = self.root / "dpo_model"
-        run_dpo(parse_run(self._pair_flags(sft_model, pairs, out, "5e-4", "--beta", "0.1")))
+        run_dpo(parse_run(self._pair_flags(sft_model, pairs, out, "1e-4", "1", "--beta", "0.1")))
         return out
 
-    def _pair_flags(self, model: Path, pairs: Path, out: Path, lr: str, *extra: str) -> list[str]:
+    def _pair_flags(
+        self, model: Path, pairs: Path, out: Path, lr: str, epochs: str, *extra: str
+    ) -> list[str]:
         return [
             "--pretrain", str(model), "--dataset", str(pairs), "--prompt_key", "prompt", "--chosen_key", "chosen",
             "--rejected_key", "rejected", "--max_len", "32", "--train_batch_size", "32",
-            "--micro_train_batch_size", "32", "--max_epochs", "1", "--learning_rate", lr, "--lr_warmup_ratio", "0.05",
+            "--micro_train_batch_size", "32", "--max_epochs", epochs, "--learning_rate", lr, "--lr_warmup_ratio", "0.05",
             "--seed", str(self.cfg.seed), "--save_path", str(out), *extra,
         ]  # fmt: skip
 
@@ -178,8 +175,8 @@ def run_demo(cfg: DemoConfig) -> dict:
     acc["sft+grpo"] = demo.accuracy(demo.rl(sft_model))
     summary = {"config": asdict(cfg), "accuracy": acc}
     if not cfg.skip_preference:
-        pairs = demo.preference_pairs(sft_model)
-        summary["reward_model_pair_accuracy"] = demo.reward_model(base, pairs)
+        pairs, held_out = demo.preference_pairs(sft_model)
+        summary["reward_model_pair_accuracy"] = demo.reward_model(sft_model, pairs, held_out)
         acc["sft+dpo"] = demo.accuracy(demo.dpo(sft_model, pairs))
     summary["plot"] = str(plot_curves(demo.root))
     summary["seconds"] = round(time.perf_counter() - start, 1)
@@ -210,7 +207,7 @@ def print_summary(summary: dict) -> None:
         print(f"  {stage:<9} {100 * value['greedy']:6.1f}% {100 * value['sampled']:13.1f}%")
     if "reward_model_pair_accuracy" in summary:
         print(
-            f"reward model: picks the right answer in {100 * summary['reward_model_pair_accuracy']:.1f}% of pairs"
+            f"reward model: picks the right answer in {100 * summary['reward_model_pair_accuracy']:.1f}% of held-out pairs"
         )
     print(f"curves: {summary['plot']}   ({summary['seconds']} s)")
 

@@ -20,7 +20,6 @@ from tidal.algorithms import (
     POLICY_LOSSES,
     aggregate_loss,
     compute_kl,
-    entropy_from_logits,
     masked_mean,
     value_loss,
 )
@@ -113,13 +112,6 @@ def _share(value: Tensor, mask: Tensor, norm: Normaliser) -> Tensor:
     return value.detach() * mask.sum() / norm.tokens
 
 
-def _aligned_entropy(logits: Tensor, exp: Experience, packing: bool) -> Tensor:
-    """Entropy of the distribution each token was sampled from, aligned with tokens ([N, T])."""
-    ent = entropy_from_logits(logits[:, :-1], chunk_size=1024)
-    ent = torch.cat([ent.new_zeros(ent.shape[0], 1), ent], dim=1)
-    return unflatten(ent, exp, packing)
-
-
 @dataclass
 class PolicyLoss:
     """Clipped policy loss (+ KL loss, entropy bonus, mismatch correction) for one micro-batch."""
@@ -133,7 +125,12 @@ class PolicyLoss:
     def __call__(self, model: nn.Module, mb: Experience, norm: Normaliser):
         cfg, mask = self.cfg, mb.action_mask
         with self.precision.autocast():
-            logp, out = token_logprobs(model, model_batch(mb, self.packing), self.temperature)
+            logp, out = token_logprobs(
+                model,
+                model_batch(mb, self.packing),
+                self.temperature,
+                with_entropy=cfg.entropy_loss_coef is not None,
+            )
         logp = unflatten(logp, mb, self.packing)
         low, high = cfg.clip_bounds
         per_token, stats = POLICY_LOSSES[cfg.policy_loss_type](
@@ -152,7 +149,7 @@ class PolicyLoss:
             per_token = per_token + self.kl_coef * kl
             metrics["policy/kl_loss"] = _share(masked_mean(kl, mask), mask, norm)
         if cfg.entropy_loss_coef is not None:
-            entropy = _aligned_entropy(out.logits, mb, self.packing)
+            entropy = unflatten(out.entropy, mb, self.packing)  # of the sampling distribution
             per_token = per_token - cfg.entropy_loss_coef * entropy
             metrics["policy/entropy"] = _share(masked_mean(entropy, mask), mask, norm)
         loss = aggregate_loss(
