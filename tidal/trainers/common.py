@@ -1,13 +1,54 @@
-"""Wiring shared by the trainers that run on ``SupervisedTrainer`` with a second, frozen model
-(DPO, KTO, KD): the step count check and the run folder."""
+"""Wiring shared by the trainers that run on ``SupervisedTrainer`` (SFT, RM, PRM, DPO, KTO, KD):
+loading a dataset spec into samples, the step-count check, the optimizer stack and the run folder."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from tidal.config import CheckpointConfig, ConfigError, TrainConfig
-from tidal.distributed import World
+from torch import nn
+
+from tidal.config import (
+    CheckpointConfig,
+    ConfigError,
+    DatasetConfig,
+    DistributedConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+)
+from tidal.data import load_dataset_spec
+from tidal.distributed import World, parallelize
+from tidal.logging import get_logger
+from tidal.models.precision import Precision
+from tidal.trainers.loop import Optimization
+from tidal.trainers.optim import build_optimizer, build_scheduler
+
+log = get_logger(__name__)
+
+# builder(dataset, tokenizer, cfg, source=...) -> (samples, SkipStats), e.g. build_sft_samples
+SampleBuilder = Callable[..., tuple[list, object]]
+
+
+def load_samples(
+    builder: SampleBuilder, spec: str, probs, split: str, max_samples, tokenizer, cfg, seed: int
+):
+    """Load a ``--dataset``-style spec and build its samples; skipped rows are logged."""
+    dataset = load_dataset_spec(spec, probs, split=split, max_samples=max_samples, seed=seed)
+    samples, skipped = builder(dataset, tokenizer, cfg, source=spec)
+    if skipped.count:
+        log.warning("%s: %s", spec, skipped.summary())
+    return samples
+
+
+def train_and_eval_samples(load: Callable, ds: DatasetConfig, tokenizer, cfg, seed: int):
+    """``(train, eval or None)`` samples with ``load(spec, probs, split, max_samples, tokenizer, cfg, seed)``."""
+    train = load(ds.dataset, ds.dataset_probs, ds.dataset_split, ds.max_samples, tokenizer, cfg, seed)
+    evals = (
+        load(ds.eval_dataset, None, ds.eval_split, None, tokenizer, cfg, seed) if ds.eval_dataset else None
+    )
+    return train, evals
 
 
 def training_steps(n_samples: int, train: TrainConfig, world: World, dataset: str) -> int:
@@ -20,6 +61,22 @@ def training_steps(n_samples: int, train: TrainConfig, world: World, dataset: st
             f"({train.train_batch_size})"
         )
     return steps
+
+
+def build_optimization(
+    model: nn.Module,
+    run_model: ModelConfig,
+    optim: OptimConfig,
+    dist_cfg: DistributedConfig,
+    world: World,
+    total_steps: int,
+) -> Optimization:
+    """Shard the model, then build AdamW, the schedule and the precision policy for it."""
+    precision = Precision.create(run_model.param_dtype, world.device)
+    model = parallelize(model, dist_cfg, world, precision.dtype)
+    optimizer = build_optimizer(model, optim)
+    scheduler = build_scheduler(optimizer, optim, total_steps)
+    return Optimization(model, optimizer, scheduler, precision, optim.max_norm)
 
 
 def run_folder(run_dir: str | None, ckpt: CheckpointConfig) -> Path:

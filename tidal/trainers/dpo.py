@@ -30,12 +30,17 @@ from tidal.config import (
     TrainConfig,
     arg,
 )
-from tidal.data import load_dataset_spec
-from tidal.data.pairs import PairDataConfig, PairSample, build_pair_samples, collate_pairs
+from tidal.data.pairs import PairDataConfig, PairSample, collate_pairs
 from tidal.distributed import World, init_world
 from tidal.logging import LoggingConfig, get_logger
 from tidal.models import Precision, load_causal_lm, load_tokenizer
-from tidal.trainers.common import flat_config, run_folder, training_steps
+from tidal.trainers.common import (
+    build_optimization,
+    flat_config,
+    run_folder,
+    train_and_eval_samples,
+    training_steps,
+)
 from tidal.trainers.loop import SupervisedTrainer
 from tidal.trainers.reference import (
     Reference,
@@ -45,7 +50,7 @@ from tidal.trainers.reference import (
     moe_aux_term,
     sequence_logps,
 )
-from tidal.trainers.sft import build_optimization
+from tidal.trainers.rm import load_pair_samples
 
 log = get_logger(__name__)
 
@@ -152,26 +157,13 @@ class DPORun:
     run_dir: str | None = None
 
 
-def load_pair_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: PairDataConfig, seed: int):
-    dataset = load_dataset_spec(spec, probs, split=split, max_samples=max_samples, seed=seed)
-    samples, skipped = build_pair_samples(dataset, tokenizer, cfg, source=spec)
-    if skipped.count:
-        log.warning("%s: %s", spec, skipped.summary())
-    return samples
-
-
 def run_dpo(run: DPORun, world: World | None = None) -> list[dict]:
     """Train a causal LM with DPO/IPO/cDPO as configured; returns per-step metrics."""
     world = world or init_world()
     torch.manual_seed(run.train.seed)
     tokenizer = load_tokenizer(run.model.pretrain, run.model)
-    ds, seed = run.datasets, run.train.seed
-    train = load_pair_samples(
-        ds.dataset, ds.dataset_probs, ds.dataset_split, ds.max_samples, tokenizer, run.data, seed
-    )
-    evals = None
-    if ds.eval_dataset:
-        evals = load_pair_samples(ds.eval_dataset, None, ds.eval_split, None, tokenizer, run.data, seed)
+    ds = run.datasets
+    train, evals = train_and_eval_samples(load_pair_samples, ds, tokenizer, run.data, run.train.seed)
     steps = training_steps(len(train), run.train, world, ds.dataset)
     model = load_causal_lm(run.model, world.device)
     reference = build_reference(model, run.model, run.ref, run.dist, world)

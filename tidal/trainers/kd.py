@@ -31,7 +31,13 @@ from tidal.data import SFTDataConfig, SFTSample, collate_packed, collate_padded,
 from tidal.distributed import World, init_world
 from tidal.logging import LoggingConfig, get_logger
 from tidal.models import Precision, load_causal_lm, load_tokenizer, model_inputs
-from tidal.trainers.common import flat_config, run_folder, training_steps
+from tidal.trainers.common import (
+    build_optimization,
+    flat_config,
+    run_folder,
+    train_and_eval_samples,
+    training_steps,
+)
 from tidal.trainers.loop import SupervisedTrainer
 from tidal.trainers.reference import (
     FrozenModel,
@@ -40,7 +46,7 @@ from tidal.trainers.reference import (
     load_frozen,
     moe_aux_term,
 )
-from tidal.trainers.sft import build_optimization, load_sft_samples
+from tidal.trainers.sft import load_sft_samples
 
 log = get_logger(__name__)
 
@@ -126,12 +132,7 @@ def run_kd(run: KDRun, world: World | None = None) -> list[dict]:
     torch.manual_seed(run.train.seed)
     tokenizer = load_tokenizer(run.model.pretrain, run.model)
     ds, seed = run.datasets, run.train.seed
-    train = load_sft_samples(
-        ds.dataset, ds.dataset_probs, ds.dataset_split, ds.max_samples, tokenizer, run.data, seed
-    )
-    evals = None
-    if ds.eval_dataset:
-        evals = load_sft_samples(ds.eval_dataset, None, ds.eval_split, None, tokenizer, run.data, seed)
+    train, evals = train_and_eval_samples(load_sft_samples, ds, tokenizer, run.data, seed)
     steps = training_steps(len(train), run.train, world, ds.dataset)
     model = load_causal_lm(run.model, world.device)
     teacher = load_frozen(

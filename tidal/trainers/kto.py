@@ -33,12 +33,19 @@ from tidal.config import (
     TrainConfig,
     arg,
 )
-from tidal.data import collate_packed, collate_padded, load_dataset_spec
+from tidal.data import collate_packed, collate_padded
 from tidal.data.unpaired import UnpairedDataConfig, UnpairedSample, build_unpaired_samples
 from tidal.distributed import World, init_world
 from tidal.logging import LoggingConfig, get_logger
 from tidal.models import Precision, load_causal_lm, load_tokenizer
-from tidal.trainers.common import flat_config, run_folder, training_steps
+from tidal.trainers.common import (
+    build_optimization,
+    flat_config,
+    load_samples,
+    run_folder,
+    train_and_eval_samples,
+    training_steps,
+)
 from tidal.trainers.loop import SupervisedTrainer, reduce_metrics, to_device
 from tidal.trainers.reference import (
     Reference,
@@ -49,7 +56,6 @@ from tidal.trainers.reference import (
     moe_aux_term,
     sequence_logps,
 )
-from tidal.trainers.sft import build_optimization
 
 log = get_logger(__name__)
 
@@ -188,10 +194,7 @@ class KTORun:
 
 
 def load_unpaired_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg, seed: int):
-    dataset = load_dataset_spec(spec, probs, split=split, max_samples=max_samples, seed=seed)
-    samples, skipped = build_unpaired_samples(dataset, tokenizer, cfg, source=spec)
-    if skipped.count:
-        log.warning("%s: %s", spec, skipped.summary())
+    samples = load_samples(build_unpaired_samples, spec, probs, split, max_samples, tokenizer, cfg, seed)
     desirable = sum(s.desirable for s in samples)
     if desirable in (0, len(samples)):
         log.warning("%s: every sample is %sdesirable", spec, "" if desirable else "un")
@@ -204,12 +207,7 @@ def run_kto(run: KTORun, world: World | None = None) -> list[dict]:
     torch.manual_seed(run.train.seed)
     tokenizer = load_tokenizer(run.model.pretrain, run.model)
     ds, seed = run.datasets, run.train.seed
-    train = load_unpaired_samples(
-        ds.dataset, ds.dataset_probs, ds.dataset_split, ds.max_samples, tokenizer, run.data, seed
-    )
-    evals = None
-    if ds.eval_dataset:
-        evals = load_unpaired_samples(ds.eval_dataset, None, ds.eval_split, None, tokenizer, run.data, seed)
+    train, evals = train_and_eval_samples(load_unpaired_samples, ds, tokenizer, run.data, seed)
     steps = training_steps(len(train), run.train, world, ds.dataset)
     if run.train.train_batch_size // world.world_size < 2:
         raise ConfigError("KTO needs --train_batch_size of at least 2 per device (its KL term pairs samples)")

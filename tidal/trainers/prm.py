@@ -10,8 +10,7 @@ HF folder: its reward for a step is the probability of the first reward token at
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -26,13 +25,19 @@ from tidal.config import (
     OptimConfig,
     TrainConfig,
 )
-from tidal.data import load_dataset_spec
 from tidal.data.prm import PRMDataConfig, PRMSample, build_prm_samples, collate_prm, reward_token_ids
 from tidal.distributed import World, init_world
 from tidal.logging import LoggingConfig, get_logger
 from tidal.models import Precision, load_causal_lm, load_tokenizer, model_inputs
+from tidal.trainers.common import (
+    build_optimization,
+    flat_config,
+    load_samples,
+    run_folder,
+    train_and_eval_samples,
+    training_steps,
+)
 from tidal.trainers.loop import SupervisedTrainer
-from tidal.trainers.sft import build_optimization
 
 log = get_logger(__name__)
 
@@ -79,12 +84,8 @@ class PRMRun:
 
 
 def load_prm_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: PRMDataConfig, seed: int):
-    """Load a ``--dataset``-style spec and build its PRM samples (skips are logged)."""
-    dataset = load_dataset_spec(spec, probs, split=split, max_samples=max_samples, seed=seed)
-    samples, skipped = build_prm_samples(dataset, tokenizer, cfg, source=spec)
-    if skipped.count:
-        log.warning("%s: %s", spec, skipped.summary())
-    return samples
+    """PRM samples of a ``--dataset``-style spec (skipped rows are logged)."""
+    return load_samples(build_prm_samples, spec, probs, split, max_samples, tokenizer, cfg, seed)
 
 
 def run_prm(run: PRMRun, world: World | None = None) -> list[dict]:
@@ -94,32 +95,26 @@ def run_prm(run: PRMRun, world: World | None = None) -> list[dict]:
     world = world or init_world()
     torch.manual_seed(run.train.seed)
     tokenizer = load_tokenizer(run.model.pretrain, run.model)
-    ds = run.datasets
-    train = load_prm_samples(
-        ds.dataset, ds.dataset_probs, ds.dataset_split, ds.max_samples, tokenizer, run.data, run.train.seed
-    )
-    evals = None
-    if ds.eval_dataset:
-        evals = load_prm_samples(
-            ds.eval_dataset, None, ds.eval_split, None, tokenizer, run.data, run.train.seed
-        )
-    run.train.micro_steps_per_step(world.world_size)  # validates the batch arithmetic early
-    steps = (len(train) // run.train.train_batch_size) * run.train.max_epochs
-    if steps == 0:
-        raise ConfigError(
-            f"--dataset {ds.dataset}: {len(train)} usable samples is fewer than one --train_batch_size "
-            f"({run.train.train_batch_size})"
-        )
+    train, evals = train_and_eval_samples(load_prm_samples, run.datasets, tokenizer, run.data, run.train.seed)
+    steps = training_steps(len(train), run.train, world, run.datasets.dataset)
     model = load_causal_lm(run.model, world.device)
     opt = build_optimization(model, run.model, run.optim, run.dist, world, steps)
     objective = PRMObjective(
         tokenizer.pad_token_id, reward_token_ids(tokenizer, run.data), run.train.packing_samples
     )
-    run_dir = Path(run.run_dir or Path(run.ckpt.save_path) / "run")
+    run_dir = run_folder(run.run_dir, run.ckpt)
     log.info(
         "PRM: %d train samples, %d steps, device %s x%d", len(train), steps, world.device, world.world_size
     )
     trainer = SupervisedTrainer(
-        objective, opt, tokenizer, world, run.train, run.ckpt, run.logging, run_dir, run_config=asdict(run)
+        objective,
+        opt,
+        tokenizer,
+        world,
+        run.train,
+        run.ckpt,
+        run.logging,
+        run_dir,
+        run_config=flat_config(run),
     )
     return trainer.fit(train, evals)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -33,14 +32,19 @@ from tidal.config import (
     TrainConfig,
     arg,
 )
-from tidal.data import load_dataset_spec
 from tidal.data.pairs import PairDataConfig, PairSample, build_pair_samples, collate_pairs
 from tidal.distributed import World, init_world
 from tidal.logging import LoggingConfig, get_logger
 from tidal.models import Precision, load_tokenizer
 from tidal.models.value_model import load_value_model, reward_config
+from tidal.trainers.common import (
+    build_optimization,
+    load_samples,
+    run_folder,
+    train_and_eval_samples,
+    training_steps,
+)
 from tidal.trainers.loop import SupervisedTrainer, reduce_metrics, to_device
-from tidal.trainers.sft import build_optimization
 
 log = get_logger(__name__)
 
@@ -145,12 +149,8 @@ class RMRun:
 
 
 def load_pair_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: PairDataConfig, seed: int):
-    """Load a ``--dataset``-style spec and build its preference pairs (skips are logged)."""
-    dataset = load_dataset_spec(spec, probs, split=split, max_samples=max_samples, seed=seed)
-    samples, skipped = build_pair_samples(dataset, tokenizer, cfg, source=spec)
-    if skipped.count:
-        log.warning("%s: %s", spec, skipped.summary())
-    return samples
+    """Preference pairs of a ``--dataset``-style spec (skipped pairs are logged)."""
+    return load_samples(build_pair_samples, spec, probs, split, max_samples, tokenizer, cfg, seed)
 
 
 def _check(run: RMRun) -> None:
@@ -176,28 +176,16 @@ def run_rm(run: RMRun, world: World | None = None) -> list[dict]:
     world = world or init_world()
     torch.manual_seed(run.train.seed)
     tokenizer = load_tokenizer(run.model.pretrain, run.model)
-    ds = run.datasets
-    train = load_pair_samples(
-        ds.dataset, ds.dataset_probs, ds.dataset_split, ds.max_samples, tokenizer, run.data, run.train.seed
+    train, evals = train_and_eval_samples(
+        load_pair_samples, run.datasets, tokenizer, run.data, run.train.seed
     )
-    evals = None
-    if ds.eval_dataset:
-        evals = load_pair_samples(
-            ds.eval_dataset, None, ds.eval_split, None, tokenizer, run.data, run.train.seed
-        )
-    run.train.micro_steps_per_step(world.world_size)  # validates the batch arithmetic early
-    steps = (len(train) // run.train.train_batch_size) * run.train.max_epochs
-    if steps == 0:
-        raise ConfigError(
-            f"--dataset {ds.dataset}: {len(train)} usable pairs is fewer than one --train_batch_size "
-            f"({run.train.train_batch_size})"
-        )
+    steps = training_steps(len(train), run.train, world, run.datasets.dataset)
     model = load_value_model(run.model, world.device, run.rm.value_head_prefix)
     opt = build_optimization(model, run.model, run.optim, run.dist, world, steps)
     objective = RMObjective(
         tokenizer.pad_token_id, RM_LOSSES[run.rm.loss], run.train.packing_samples, _use_margin(run, train)
     )
-    run_dir = Path(run.run_dir or Path(run.ckpt.save_path) / "run")
+    run_dir = run_folder(run.run_dir, run.ckpt)
     log.info("RM: %d train pairs, %d steps, device %s x%d", len(train), steps, world.device, world.world_size)
     trainer = RewardModelTrainer(
         objective, opt, tokenizer, world, run.train, run.ckpt, run.logging, run_dir, run_config=asdict(run),

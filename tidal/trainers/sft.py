@@ -7,8 +7,7 @@ logging from the component configs (the CLI calls it).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,13 +26,19 @@ from tidal.data import (
     build_sft_samples,
     collate_packed,
     collate_padded,
-    load_dataset_spec,
 )
-from tidal.distributed import World, init_world, parallelize
+from tidal.distributed import World, init_world
 from tidal.logging import LoggingConfig, get_logger
 from tidal.models import Precision, load_causal_lm, load_tokenizer, token_logprobs
-from tidal.trainers.loop import Optimization, SupervisedTrainer
-from tidal.trainers.optim import build_optimizer, build_scheduler
+from tidal.trainers.common import (
+    build_optimization,
+    flat_config,
+    load_samples,
+    run_folder,
+    train_and_eval_samples,
+    training_steps,
+)
+from tidal.trainers.loop import SupervisedTrainer
 
 log = get_logger(__name__)
 
@@ -89,27 +94,8 @@ class SFTRun:
 
 
 def load_sft_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: SFTDataConfig, seed: int):
-    dataset = load_dataset_spec(spec, probs, split=split, max_samples=max_samples, seed=seed)
-    samples, skipped = build_sft_samples(dataset, tokenizer, cfg, source=spec)
-    if skipped.count:
-        log.warning("%s: %s", spec, skipped.summary())
-    return samples
-
-
-def build_optimization(
-    model: nn.Module,
-    run_model: ModelConfig,
-    optim: OptimConfig,
-    dist_cfg: DistributedConfig,
-    world: World,
-    total_steps: int,
-) -> Optimization:
-    """Shard the model, then build AdamW, the schedule and the precision policy for it."""
-    precision = Precision.create(run_model.param_dtype, world.device)
-    model = parallelize(model, dist_cfg, world, precision.dtype)
-    optimizer = build_optimizer(model, optim)
-    scheduler = build_scheduler(optimizer, optim, total_steps)
-    return Optimization(model, optimizer, scheduler, precision, optim.max_norm)
+    """SFT samples of a ``--dataset``-style spec (skipped rows are logged)."""
+    return load_samples(build_sft_samples, spec, probs, split, max_samples, tokenizer, cfg, seed)
 
 
 def run_sft(run: SFTRun, world: World | None = None) -> list[dict]:
@@ -117,34 +103,24 @@ def run_sft(run: SFTRun, world: World | None = None) -> list[dict]:
     world = world or init_world()
     torch.manual_seed(run.train.seed)
     tokenizer = load_tokenizer(run.model.pretrain, run.model)
-    ds = run.datasets
-    train = load_sft_samples(
-        ds.dataset, ds.dataset_probs, ds.dataset_split, ds.max_samples, tokenizer, run.data, run.train.seed
-    )
-    evals = None
-    if ds.eval_dataset:
-        evals = load_sft_samples(
-            ds.eval_dataset, None, ds.eval_split, None, tokenizer, run.data, run.train.seed
-        )
-    run.train.micro_steps_per_step(world.world_size)  # validates the batch arithmetic early
-    steps = (len(train) // run.train.train_batch_size) * run.train.max_epochs
-    if steps == 0:
-        raise ValueError(
-            f"--dataset {ds.dataset}: {len(train)} usable samples is fewer than one --train_batch_size "
-            f"({run.train.train_batch_size})"
-        )
+    train, evals = train_and_eval_samples(load_sft_samples, run.datasets, tokenizer, run.data, run.train.seed)
+    steps = training_steps(len(train), run.train, world, run.datasets.dataset)
     model = load_causal_lm(run.model, world.device)
     opt = build_optimization(model, run.model, run.optim, run.dist, world, steps)
     objective = SFTObjective(tokenizer.pad_token_id, run.train.packing_samples, run.model.aux_loss_coef)
-    run_dir = Path(run.run_dir or Path(run.ckpt.save_path) / "run")
+    run_dir = run_folder(run.run_dir, run.ckpt)
     log.info(
         "SFT: %d train samples, %d steps, device %s x%d", len(train), steps, world.device, world.world_size
     )
     trainer = SupervisedTrainer(
-        objective, opt, tokenizer, world, run.train, run.ckpt, run.logging, run_dir, run_config=_flat(run)
+        objective,
+        opt,
+        tokenizer,
+        world,
+        run.train,
+        run.ckpt,
+        run.logging,
+        run_dir,
+        run_config=flat_config(run),
     )
     return trainer.fit(train, evals)
-
-
-def _flat(run: SFTRun) -> dict:
-    return {k: v for k, v in asdict(run).items()}

@@ -19,12 +19,12 @@ from tidal.models import load_causal_lm, load_tokenizer
 from tidal.models.precision import Precision
 from tidal.models.value_model import load_value_model
 from tidal.rewards.models import RewardModels
+from tidal.trainers.common import build_optimization
 from tidal.trainers.ppo.config import PPORun
 from tidal.trainers.ppo.data_parallel import DataParallelRollout, check_data_parallel
 from tidal.trainers.ppo.ray_mode import run_ppo_ray, wants_ray
 from tidal.trainers.ppo.rollout import LocalRollout
 from tidal.trainers.ppo.trainer import PPOParts, PPOTrainer
-from tidal.trainers.sft import build_optimization
 
 log = get_logger(__name__)
 
