@@ -179,3 +179,17 @@ def test_bad_flags_fail_clearly(tiny_llama, addition_file, tmp_path, capsys, ext
         sft_main(flags(tiny_llama, addition_file, tmp_path, *extra))
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_qlora_trains_adapters_on_a_4bit_base(tiny_llama, addition_file, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    history = run_sft(
+        parse_run(
+            flags(
+                tiny_llama, addition_file, tmp_path, "--lora_rank", "8", "--load_in_4bit", "--max_epochs", "2"
+            )
+        )
+    )
+    assert history[-1]["loss"] < history[0]["loss"]
+    saved = sorted(p.name for p in (tmp_path / "final").iterdir())
+    assert "adapter_model.safetensors" in saved and "model.safetensors" not in saved
