@@ -296,3 +296,19 @@ def test_async_training_learns(echo_policy, echo_data, tmp_path):
     )))  # fmt: skip
     assert len(history) == 10
     assert_learns(history, gain=0.15)
+
+
+def test_vllm_flags_configure_the_engine(echo_policy, echo_data, tmp_path):
+    from tidal.agents import SingleTurnAgentExecutor  # noqa: F401  (rollout builds one)
+    from tidal.trainers.ppo.rollout import LocalRollout
+
+    run = parse_run(rl_flags(echo_policy, echo_data, tmp_path, "--advantage_estimator", "group_norm",
+                             "--enforce_eager", "--vllm_gpu_memory_utilization", "0.3",
+                             "--vllm_generate_batch_size", "24"))  # fmt: skip
+    from tidal.models import load_tokenizer
+
+    tok = load_tokenizer(str(echo_policy))
+    rollout = LocalRollout(str(echo_policy), tok, run.rollout, run.models, torch.device("cpu"), tok.pad_token_id,
+                           False, 0)  # fmt: skip
+    cfg = rollout.engine.config
+    assert cfg.enforce_eager and cfg.gpu_memory_utilization == 0.3 and cfg.max_num_seqs == 24

@@ -54,6 +54,7 @@ class LocalRollout:
             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
             device=str(device),
             seed=seed,
+            enforce_eager=cfg.enforce_eager,
         )
         self.engine = LLMEngine(model_path, engine_cfg)
         self.lock = threading.Lock()  # generation (maybe on a background thread) and weight sync take turns
