@@ -276,6 +276,7 @@ def test_seed_hybrid_engine_command_runs(echo_policy, echo_reward_model, echo_da
         (["--dual_clip", "0.5"], "--dual_clip"),
         (["--use_icepop"], "--enable_vllm_is_correction"),
         (["--remote_rm_url", "not-a-url"], "--remote_rm_url"),
+        (["--vllm_sync_with_ray"], "--vllm_sync_with_ray"),
     ],
 )
 def test_bad_flags_fail_clearly(echo_policy, echo_data, tmp_path, capsys, extra, message):
@@ -299,7 +300,6 @@ def test_async_training_learns(echo_policy, echo_data, tmp_path):
 
 
 def test_vllm_flags_configure_the_engine(echo_policy, echo_data, tmp_path):
-    from tidal.agents import SingleTurnAgentExecutor  # noqa: F401  (rollout builds one)
     from tidal.trainers.ppo.rollout import LocalRollout
 
     run = parse_run(rl_flags(echo_policy, echo_data, tmp_path, "--advantage_estimator", "group_norm",

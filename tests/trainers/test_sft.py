@@ -193,3 +193,15 @@ def test_qlora_trains_adapters_on_a_4bit_base(tiny_llama, addition_file, tmp_pat
     assert history[-1]["loss"] < history[0]["loss"]
     saved = sorted(p.name for p in (tmp_path / "final").iterdir())
     assert "adapter_model.safetensors" in saved and "model.safetensors" not in saved
+
+
+def test_full_determinism_turns_on_deterministic_kernels(tiny_llama, addition_file, tmp_path):
+    import torch
+
+    try:
+        run_sft(
+            parse_run(flags(tiny_llama, addition_file, tmp_path, "--max_samples", "16", "--full_determinism"))
+        )
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)

@@ -40,9 +40,14 @@ class RolloutConfig:
     )
     vllm_generate_batch_size: int | None = arg(None, help="max sequences the engine decodes together")
     vllm_sync_backend: str = arg(
-        "nccl", help="weight-sync backend between trainer and engines", choices=("nccl", "gloo")
+        "nccl",
+        help="weight sync backend: engines sit with the policy ranks and gather weights over the training "
+        "process group (nccl on CUDA; on CPU only gloo exists and is used)",
+        choices=("nccl", "gloo"),
     )
-    vllm_sync_with_ray: bool = arg(False, help="send weights to engines through Ray's object store")
+    vllm_sync_with_ray: bool = arg(
+        False, help="not supported: engines are colocated, weights are copied in process"
+    )
     vllm_enable_sleep: bool = arg(False, help="free the engine's KV cache while training (colocated models)")
     enforce_eager: bool = arg(False, help="run the engine without CUDA graphs")
 

@@ -87,3 +87,20 @@ def run_folder(run_dir: str | None, ckpt: CheckpointConfig) -> Path:
 def flat_config(run) -> dict:
     """The run's configs as one plain dict, recorded with the metrics."""
     return dict(asdict(run))
+
+
+def seed_everything(train: TrainConfig) -> None:
+    """Seed Python, numpy and torch; ``--full_determinism`` also forces deterministic kernels."""
+    import os
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(train.seed)
+    np.random.seed(train.seed)
+    torch.manual_seed(train.seed)
+    if train.full_determinism:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        torch.backends.cudnn.benchmark = False

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor, nn
 
 from tidal.algorithms.preference import DPO_LOSSES
@@ -38,6 +37,7 @@ from tidal.trainers.common import (
     build_optimization,
     flat_config,
     run_folder,
+    seed_everything,
     train_and_eval_samples,
     training_steps,
 )
@@ -160,7 +160,7 @@ class DPORun:
 def run_dpo(run: DPORun, world: World | None = None) -> list[dict]:
     """Train a causal LM with DPO/IPO/cDPO as configured; returns per-step metrics."""
     world = world or init_world()
-    torch.manual_seed(run.train.seed)
+    seed_everything(run.train)
     tokenizer = load_tokenizer(run.model.pretrain, run.model)
     ds = run.datasets
     train, evals = train_and_eval_samples(load_pair_samples, ds, tokenizer, run.data, run.train.seed)

@@ -35,6 +35,7 @@ from tidal.trainers.common import (
     build_optimization,
     flat_config,
     run_folder,
+    seed_everything,
     train_and_eval_samples,
     training_steps,
 )
@@ -129,7 +130,7 @@ class KDRun:
 def run_kd(run: KDRun, world: World | None = None) -> list[dict]:
     """Distil ``--teacher_model`` into ``--pretrain`` on SFT data; returns per-step metrics."""
     world = world or init_world()
-    torch.manual_seed(run.train.seed)
+    seed_everything(run.train)
     tokenizer = load_tokenizer(run.model.pretrain, run.model)
     ds, seed = run.datasets, run.train.seed
     train, evals = train_and_eval_samples(load_sft_samples, ds, tokenizer, run.data, seed)

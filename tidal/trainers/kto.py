@@ -43,6 +43,7 @@ from tidal.trainers.common import (
     flat_config,
     load_samples,
     run_folder,
+    seed_everything,
     train_and_eval_samples,
     training_steps,
 )
@@ -204,7 +205,7 @@ def load_unpaired_samples(spec: str, probs, split: str, max_samples, tokenizer, 
 def run_kto(run: KTORun, world: World | None = None) -> list[dict]:
     """Train a causal LM with KTO as configured; returns per-step metrics."""
     world = world or init_world()
-    torch.manual_seed(run.train.seed)
+    seed_everything(run.train)
     tokenizer = load_tokenizer(run.model.pretrain, run.model)
     ds, seed = run.datasets, run.train.seed
     train, evals = train_and_eval_samples(load_unpaired_samples, ds, tokenizer, run.data, seed)

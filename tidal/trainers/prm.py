@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from tidal.algorithms.prm import prm_loss
@@ -34,6 +33,7 @@ from tidal.trainers.common import (
     flat_config,
     load_samples,
     run_folder,
+    seed_everything,
     train_and_eval_samples,
     training_steps,
 )
@@ -93,7 +93,7 @@ def run_prm(run: PRMRun, world: World | None = None) -> list[dict]:
     if run.model.aux_loss_coef > 0:
         raise ConfigError("--aux_loss_coef: the MoE load-balancing loss is not supported for PRM training")
     world = world or init_world()
-    torch.manual_seed(run.train.seed)
+    seed_everything(run.train)
     tokenizer = load_tokenizer(run.model.pretrain, run.model)
     train, evals = train_and_eval_samples(load_prm_samples, run.datasets, tokenizer, run.data, run.train.seed)
     steps = training_steps(len(train), run.train, world, run.datasets.dataset)

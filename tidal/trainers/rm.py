@@ -41,6 +41,7 @@ from tidal.trainers.common import (
     build_optimization,
     load_samples,
     run_folder,
+    seed_everything,
     train_and_eval_samples,
     training_steps,
 )
@@ -174,7 +175,7 @@ def run_rm(run: RMRun, world: World | None = None) -> list[dict]:
     """Train a reward model as configured; returns per-step metrics."""
     _check(run)
     world = world or init_world()
-    torch.manual_seed(run.train.seed)
+    seed_everything(run.train)
     tokenizer = load_tokenizer(run.model.pretrain, run.model)
     train, evals = train_and_eval_samples(
         load_pair_samples, run.datasets, tokenizer, run.data, run.train.seed

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from tidal.config import (
@@ -35,6 +34,7 @@ from tidal.trainers.common import (
     flat_config,
     load_samples,
     run_folder,
+    seed_everything,
     train_and_eval_samples,
     training_steps,
 )
@@ -101,7 +101,7 @@ def load_sft_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: 
 def run_sft(run: SFTRun, world: World | None = None) -> list[dict]:
     """Train a causal LM with SFT as configured; returns per-step metrics."""
     world = world or init_world()
-    torch.manual_seed(run.train.seed)
+    seed_everything(run.train)
     tokenizer = load_tokenizer(run.model.pretrain, run.model)
     train, evals = train_and_eval_samples(load_sft_samples, run.datasets, tokenizer, run.data, run.train.seed)
     steps = training_steps(len(train), run.train, world, run.datasets.dataset)

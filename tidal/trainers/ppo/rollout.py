@@ -33,6 +33,20 @@ def build_executor(models: RLModelsConfig, apply_chat_template: bool) -> AgentEx
     return executor
 
 
+def check_sync_flags(cfg: RolloutConfig, device: torch.device) -> None:
+    """Weights reach the engines over the training process group; other transports do not exist here."""
+    from tidal.config.args import ConfigError
+
+    if cfg.vllm_sync_with_ray:
+        raise ConfigError(
+            "--vllm_sync_with_ray: tidal's engines sit with the policy ranks; weights are copied in process"
+        )
+    if device.type == "cuda" and cfg.vllm_sync_backend == "gloo":
+        raise ConfigError(
+            "--vllm_sync_backend gloo: on CUDA weights are gathered over the NCCL training group"
+        )
+
+
 class LocalRollout:
     """Generation and scoring on the trainer's own device."""
 
@@ -48,6 +62,7 @@ class LocalRollout:
         seed: int,
         reward_models=None,
     ):
+        check_sync_flags(cfg, device)
         engine_cfg = EngineConfig(
             max_num_seqs=cfg.vllm_generate_batch_size or 256,
             max_model_len=cfg.total_len,

@@ -19,7 +19,7 @@ from tidal.models import load_causal_lm, load_tokenizer
 from tidal.models.precision import Precision
 from tidal.models.value_model import load_value_model
 from tidal.rewards.models import RewardModels
-from tidal.trainers.common import build_optimization
+from tidal.trainers.common import build_optimization, seed_everything
 from tidal.trainers.ppo.config import PPORun
 from tidal.trainers.ppo.data_parallel import DataParallelRollout, check_data_parallel
 from tidal.trainers.ppo.ray_mode import run_ppo_ray, wants_ray
@@ -109,7 +109,7 @@ def run_ppo(run: PPORun, world: World | None = None) -> list[dict]:
     if world is None and wants_ray(run):
         return run_ppo_ray(run)
     world = world or init_world()
-    torch.manual_seed(run.train.seed)
+    seed_everything(run.train)
     tokenizer = load_tokenizer(run.model.pretrain, run.model)
     d = run.data
     prompts = load_prompts(run, tokenizer, d.prompt_data, d.prompt_data_probs, d.prompt_split, d.max_samples)
