@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 from datetime import datetime
 
+from tidal.config.args import ConfigError, arg
+
 # ``--use_wandb`` values that switch W&B on without a key (an existing login, WANDB_API_KEY or
 # offline mode supplies the credentials); anything else that is not "off" is taken as an API key.
 WANDB_FLAG_VALUES = frozenset({"true", "1", "yes", "offline"})
@@ -30,17 +32,19 @@ class LoggingConfig:
     use_tensorboard: a log directory; events go to ``<use_tensorboard>/<run name>``.
     """
 
-    logging_steps: int = 1
-    use_wandb: str | None = None
-    wandb_org: str | None = None
-    wandb_group: str | None = None
-    wandb_project: str = "tidal"
-    wandb_run_name: str | None = None
-    use_tensorboard: str | None = None
+    logging_steps: int = arg(1, help="log training metrics every N steps")
+    use_wandb: str | None = arg(None, help="Weights & Biases: an API key, True (existing login) or offline")
+    wandb_org: str | None = arg(None, help="W&B entity (team or user)")
+    wandb_group: str | None = arg(None, help="W&B run group")
+    wandb_project: str = arg("tidal", help="W&B project")
+    wandb_run_name: str | None = arg(
+        None, help="run name (W&B and the TensorBoard sub-folder); default exp_<time>"
+    )
+    use_tensorboard: str | None = arg(None, help="TensorBoard log directory")
 
     def __post_init__(self) -> None:
         if self.logging_steps < 1:
-            raise ValueError(f"logging_steps must be >= 1, got {self.logging_steps}")
+            raise ConfigError(f"--logging_steps must be >= 1, got {self.logging_steps}")
 
     @property
     def wandb_enabled(self) -> bool:
