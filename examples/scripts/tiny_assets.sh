@@ -1,8 +1,8 @@
 # Tiny CPU assets shared by the recipe scripts (source it, don't run it):
 #   - $WORK/base     a random-init tiny Llama-style model with its tokenizer (built offline)
 #   - $WORK/sft      the base after a short SFT on "a+b=" -> sum, so it answers with digits
-#   - $WORK/rm       a reward model trained on correct-vs-wrong sums (tidal rm)
-#   - data files:    prompts.jsonl (prompt, answer), sft.jsonl (prompt, answer),
+#   - $WORK/rm       a reward model trained on correct-vs-wrong sums (tidal rm, with reward mean/std)
+#   - data files:    prompts.jsonl (prompt, answer, label = the true sum), sft.jsonl (prompt, answer),
 #                    pairs.jsonl (prompt, chosen, rejected), unpaired.jsonl (input, output, label)
 # Everything is skipped when it already exists, so recipes can share one $WORK.
 # Swap in real models and datasets by setting BASE, SFT_MODEL and RM_MODEL before sourcing.
@@ -54,5 +54,5 @@ if [ ! -f "$RM_MODEL/config.json" ]; then
   $TIDAL rm --pretrain "$SFT_MODEL" --dataset "$WORK/pairs.jsonl" \
     --prompt_key prompt --chosen_key chosen --rejected_key rejected \
     --max_len 64 --train_batch_size 16 --micro_train_batch_size 8 --max_epochs 2 \
-    --learning_rate 1e-3 --save_path "$RM_MODEL" --ckpt_path "$WORK/ckpt/rm"
+    --learning_rate 1e-3 --normalize_reward --save_path "$RM_MODEL" --ckpt_path "$WORK/ckpt/rm"
 fi
