@@ -9,7 +9,6 @@ student's. ``--teacher_offload`` keeps the teacher in CPU memory between its for
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +26,7 @@ from tidal.config import (
     TrainConfig,
     arg,
 )
-from tidal.data import SFTDataConfig, SFTSample, collate_packed, collate_padded, next_token_targets
+from tidal.data import SFTDataConfig, next_token_targets
 from tidal.distributed import World, init_world
 from tidal.logging import LoggingConfig, get_logger
 from tidal.models import Precision, load_causal_lm, load_tokenizer, model_inputs
@@ -47,7 +46,7 @@ from tidal.trainers.reference import (
     load_frozen,
     moe_aux_term,
 )
-from tidal.trainers.sft import load_sft_samples
+from tidal.trainers.sft import SFTBatching, load_sft_samples
 
 log = get_logger(__name__)
 
@@ -68,7 +67,7 @@ class KDConfig:
 
 
 @dataclass
-class KDObjective:
+class KDObjective(SFTBatching):
     """``kd_loss`` summed over trained tokens, divided by the step's trained-token count."""
 
     teacher: FrozenModel
@@ -76,14 +75,6 @@ class KDObjective:
     alpha: float
     packing: bool = False
     aux_loss_coef: float = 0.0
-
-    def weight(self, sample: SFTSample) -> float:
-        return float(sum(sample.loss_mask[1:]))
-
-    def collate(self, samples: Sequence[SFTSample]) -> dict:
-        batch = (collate_packed if self.packing else collate_padded)(list(samples), self.pad_id)
-        batch["num_tokens"] = sum(len(s) for s in samples)
-        return batch
 
     def teacher_logits(self, batch: dict, precision: Precision) -> torch.Tensor:
         with self.teacher.use() as teacher, precision.autocast():

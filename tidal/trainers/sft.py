@@ -43,21 +43,28 @@ from tidal.trainers.loop import SupervisedTrainer
 log = get_logger(__name__)
 
 
-@dataclass
-class SFTObjective:
-    """Sum of −log p over trained tokens, divided by the step's trained-token count."""
+class SFTBatching:
+    """How objectives over ``SFTSample``s weigh and collate them (needs ``pad_id`` and ``packing``)."""
 
     pad_id: int
-    packing: bool = False
-    aux_loss_coef: float = 0.0
+    packing: bool
 
     def weight(self, sample: SFTSample) -> float:
-        return float(sum(sample.loss_mask[1:]))
+        return float(sum(sample.loss_mask[1:]))  # trained tokens (the first token is never a target)
 
     def collate(self, samples: Sequence[SFTSample]) -> dict:
         batch = (collate_packed if self.packing else collate_padded)(list(samples), self.pad_id)
         batch["num_tokens"] = sum(len(s) for s in samples)
         return batch
+
+
+@dataclass
+class SFTObjective(SFTBatching):
+    """Sum of −log p over trained tokens, divided by the step's trained-token count."""
+
+    pad_id: int
+    packing: bool = False
+    aux_loss_coef: float = 0.0
 
     def loss(self, model: nn.Module, batch: dict, normaliser: float, precision: Precision):
         extra = {"output_router_logits": True} if self.aux_loss_coef > 0 else {}
