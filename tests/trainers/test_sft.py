@@ -98,7 +98,7 @@ def test_resume_continues_exactly(tiny_qwen2, addition_file, tmp_path, monkeypat
     assert len(full) == 16
 
     # Stop the second run right after step 5 (checkpoint at step 4), as a crash would.
-    original = sft_module.SupervisedTrainer.train_step
+    original = loop_module.SupervisedTrainer.train_step
     calls = {"n": 0}
 
     def crashing_step(self, samples):
@@ -107,10 +107,10 @@ def test_resume_continues_exactly(tiny_qwen2, addition_file, tmp_path, monkeypat
             raise KeyboardInterrupt
         return original(self, samples)
 
-    monkeypatch.setattr(sft_module.SupervisedTrainer, "train_step", crashing_step)
+    monkeypatch.setattr(loop_module.SupervisedTrainer, "train_step", crashing_step)
     with pytest.raises(KeyboardInterrupt):
         run_sft(parse_run(flags(tiny_qwen2, addition_file, tmp_path / "cut", *common)))
-    monkeypatch.setattr(sft_module.SupervisedTrainer, "train_step", original)
+    monkeypatch.setattr(loop_module.SupervisedTrainer, "train_step", original)
     assert (tmp_path / "cut" / "ckpt" / "latest").read_text() == "global_step_4"
 
     resumed = run_sft(

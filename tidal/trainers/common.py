@@ -104,3 +104,19 @@ def seed_everything(train: TrainConfig) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
         torch.use_deterministic_algorithms(True, warn_only=False)
         torch.backends.cudnn.benchmark = False
+
+
+def fit_run(
+    run, objective, opt, tokenizer, world: World, train, evals, trainer_cls=None, **trainer_kwargs
+) -> list[dict]:
+    """Train ``objective`` with the run's train/checkpoint/logging configs; returns per-step metrics.
+
+    ``trainer_cls`` is ``SupervisedTrainer`` or a subclass (reward models, KTO) with extra kwargs.
+    """
+    from tidal.trainers.loop import SupervisedTrainer
+
+    trainer = (trainer_cls or SupervisedTrainer)(
+        objective, opt, tokenizer, world, run.train, run.ckpt, run.logging, run_folder(run.run_dir, run.ckpt),
+        run_config=flat_config(run), **trainer_kwargs,
+    )  # fmt: skip
+    return trainer.fit(train, evals)

@@ -35,13 +35,11 @@ from tidal.logging import LoggingConfig, get_logger
 from tidal.models import Precision, load_causal_lm, load_tokenizer
 from tidal.trainers.common import (
     build_optimization,
-    flat_config,
-    run_folder,
+    fit_run,
     seed_everything,
     train_and_eval_samples,
     training_steps,
 )
-from tidal.trainers.loop import SupervisedTrainer
 from tidal.trainers.reference import (
     Reference,
     ReferenceConfig,
@@ -179,15 +177,4 @@ def run_dpo(run: DPORun, world: World | None = None) -> list[dict]:
         steps,
         type(reference).__name__,
     )
-    trainer = SupervisedTrainer(
-        objective,
-        opt,
-        tokenizer,
-        world,
-        run.train,
-        run.ckpt,
-        run.logging,
-        run_folder(run.run_dir, run.ckpt),
-        run_config=flat_config(run),
-    )
-    return trainer.fit(train, evals)
+    return fit_run(run, objective, opt, tokenizer, world, train, evals)

@@ -32,13 +32,11 @@ from tidal.logging import LoggingConfig, get_logger
 from tidal.models import Precision, load_causal_lm, load_tokenizer, model_inputs
 from tidal.trainers.common import (
     build_optimization,
-    flat_config,
-    run_folder,
+    fit_run,
     seed_everything,
     train_and_eval_samples,
     training_steps,
 )
-from tidal.trainers.loop import SupervisedTrainer
 from tidal.trainers.reference import (
     FrozenModel,
     aux_forward_kwargs,
@@ -136,15 +134,4 @@ def run_kd(run: KDRun, world: World | None = None) -> list[dict]:
         teacher, tokenizer.pad_token_id, run.kd.kd_coef, run.train.packing_samples, run.model.aux_loss_coef
     )
     log.info("KD: %d train samples, %d steps, teacher %s", len(train), steps, run.kd.teacher_model)
-    trainer = SupervisedTrainer(
-        objective,
-        opt,
-        tokenizer,
-        world,
-        run.train,
-        run.ckpt,
-        run.logging,
-        run_folder(run.run_dir, run.ckpt),
-        run_config=flat_config(run),
-    )
-    return trainer.fit(train, evals)
+    return fit_run(run, objective, opt, tokenizer, world, train, evals)

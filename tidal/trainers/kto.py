@@ -40,9 +40,8 @@ from tidal.logging import LoggingConfig, get_logger
 from tidal.models import Precision, load_causal_lm, load_tokenizer
 from tidal.trainers.common import (
     build_optimization,
-    flat_config,
+    fit_run,
     load_samples,
-    run_folder,
     seed_everything,
     train_and_eval_samples,
     training_steps,
@@ -219,15 +218,4 @@ def run_kto(run: KTORun, world: World | None = None) -> list[dict]:
         reference, run.kto, tokenizer.pad_token_id, run.train.packing_samples, run.model.aux_loss_coef
     )
     log.info("KTO (beta %g): %d samples, %d steps", run.kto.beta, len(train), steps)
-    trainer = KTOTrainer(
-        objective,
-        opt,
-        tokenizer,
-        world,
-        run.train,
-        run.ckpt,
-        run.logging,
-        run_folder(run.run_dir, run.ckpt),
-        run_config=flat_config(run),
-    )
-    return trainer.fit(train, evals)
+    return fit_run(run, objective, opt, tokenizer, world, train, evals, KTOTrainer)

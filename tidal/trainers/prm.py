@@ -30,14 +30,12 @@ from tidal.logging import LoggingConfig, get_logger
 from tidal.models import Precision, load_causal_lm, load_tokenizer, model_inputs
 from tidal.trainers.common import (
     build_optimization,
-    flat_config,
+    fit_run,
     load_samples,
-    run_folder,
     seed_everything,
     train_and_eval_samples,
     training_steps,
 )
-from tidal.trainers.loop import SupervisedTrainer
 
 log = get_logger(__name__)
 
@@ -102,19 +100,7 @@ def run_prm(run: PRMRun, world: World | None = None) -> list[dict]:
     objective = PRMObjective(
         tokenizer.pad_token_id, reward_token_ids(tokenizer, run.data), run.train.packing_samples
     )
-    run_dir = run_folder(run.run_dir, run.ckpt)
     log.info(
         "PRM: %d train samples, %d steps, device %s x%d", len(train), steps, world.device, world.world_size
     )
-    trainer = SupervisedTrainer(
-        objective,
-        opt,
-        tokenizer,
-        world,
-        run.train,
-        run.ckpt,
-        run.logging,
-        run_dir,
-        run_config=flat_config(run),
-    )
-    return trainer.fit(train, evals)
+    return fit_run(run, objective, opt, tokenizer, world, train, evals)

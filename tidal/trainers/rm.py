@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -39,8 +39,8 @@ from tidal.models import Precision, load_tokenizer
 from tidal.models.value_model import load_value_model, reward_config
 from tidal.trainers.common import (
     build_optimization,
+    fit_run,
     load_samples,
-    run_folder,
     seed_everything,
     train_and_eval_samples,
     training_steps,
@@ -186,10 +186,15 @@ def run_rm(run: RMRun, world: World | None = None) -> list[dict]:
     objective = RMObjective(
         tokenizer.pad_token_id, RM_LOSSES[run.rm.loss], run.train.packing_samples, _use_margin(run, train)
     )
-    run_dir = run_folder(run.run_dir, run.ckpt)
     log.info("RM: %d train pairs, %d steps, device %s x%d", len(train), steps, world.device, world.world_size)
-    trainer = RewardModelTrainer(
-        objective, opt, tokenizer, world, run.train, run.ckpt, run.logging, run_dir, run_config=asdict(run),
+    return fit_run(
+        run,
+        objective,
+        opt,
+        tokenizer,
+        world,
+        train,
+        evals,
+        RewardModelTrainer,
         stats_samples=(evals or train) if run.rm.normalize_reward else None,
-    )  # fmt: skip
-    return trainer.fit(train, evals)
+    )

@@ -31,14 +31,12 @@ from tidal.logging import LoggingConfig, get_logger
 from tidal.models import Precision, load_causal_lm, load_tokenizer, token_logprobs
 from tidal.trainers.common import (
     build_optimization,
-    flat_config,
+    fit_run,
     load_samples,
-    run_folder,
     seed_everything,
     train_and_eval_samples,
     training_steps,
 )
-from tidal.trainers.loop import SupervisedTrainer
 
 log = get_logger(__name__)
 
@@ -115,19 +113,7 @@ def run_sft(run: SFTRun, world: World | None = None) -> list[dict]:
     model = load_causal_lm(run.model, world.device)
     opt = build_optimization(model, run.model, run.optim, run.dist, world, steps)
     objective = SFTObjective(tokenizer.pad_token_id, run.train.packing_samples, run.model.aux_loss_coef)
-    run_dir = run_folder(run.run_dir, run.ckpt)
     log.info(
         "SFT: %d train samples, %d steps, device %s x%d", len(train), steps, world.device, world.world_size
     )
-    trainer = SupervisedTrainer(
-        objective,
-        opt,
-        tokenizer,
-        world,
-        run.train,
-        run.ckpt,
-        run.logging,
-        run_dir,
-        run_config=flat_config(run),
-    )
-    return trainer.fit(train, evals)
+    return fit_run(run, objective, opt, tokenizer, world, train, evals)
