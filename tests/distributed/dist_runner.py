@@ -28,15 +28,33 @@ def train(kind: str, argv: list[str]) -> list[dict]:
     return module.main(argv)
 
 
-def sync_mismatches(engine, policy) -> list[str]:
-    """Engine parameters that differ from the policy's full weights loaded into a fresh copy."""
-    expected = copy.deepcopy(engine.model)
+def expected_weights(engine_model, policy) -> dict[str, torch.Tensor]:
+    """The policy's full weights loaded into a zeroed copy of an engine model (its fused names)."""
+    expected = copy.deepcopy(engine_model)
     for p in expected.parameters():
         p.data.zero_()
     with engine_weights(policy) as named:
         expected.load_weights((n, t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in named)
-    actual = dict(engine.model.named_parameters())
-    return [n for n, p in expected.named_parameters() if not torch.equal(p, actual[n])]
+    return dict(expected.named_parameters())
+
+
+def mismatches(expected: dict, actual: dict) -> list[str]:
+    return [n for n, p in expected.items() if not torch.equal(p, actual[n])]
+
+
+def sync_mismatches(run, rollout, policy) -> list[str]:
+    """Parameters of this rank's engine(s) that differ from the policy's full weights."""
+    rollout = getattr(rollout, "local", rollout)  # a DataParallelRollout's own share
+    if hasattr(rollout, "engine"):
+        return mismatches(
+            expected_weights(rollout.engine.model, policy), dict(rollout.engine.model.named_parameters())
+        )
+    from tidal.rollout import EngineConfig, LLMEngine
+
+    # separate engines: compare their weights with a local engine model of the same checkpoint
+    local = LLMEngine(run.model.pretrain, EngineConfig(device="cpu", num_kv_blocks=4))
+    expected = expected_weights(local.model, policy)
+    return [n for actual in rollout.engine_parameters() for n in mismatches(expected, actual)]
 
 
 def check_syncs(report: list) -> None:
@@ -47,7 +65,7 @@ def check_syncs(report: list) -> None:
 
     def checked(self, step):
         original(self, step)
-        report.append(sync_mismatches(self.parts.rollout.engine, self.parts.actor.model))
+        report.append(sync_mismatches(self.run, self.parts.rollout, self.parts.actor.model))
 
     PPOTrainer.sync_weights = checked
 

@@ -1,7 +1,8 @@
 """RL over 2 CPU processes (data-parallel rollouts, FSDP2 policy/critic, gloo) matches 1 process per
 rollout: the same samples (seeds follow the global prompt index), rewards, losses; the batch-wide
 steps (advantage whitening, reward normalisation, adaptive KL) are reduced over processes; after
-every weight sync each rank's engine holds exactly the policy's full weights."""
+every weight sync each rank's engine (or its separate engine processes, fed by bucketed broadcast)
+holds exactly the policy's full weights."""
 
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ CONFIGS = {
     "rpp_baseline": ["--advantage_estimator", "reinforce_baseline", "--init_kl_coef", "0.05", "--kl_target",
                      "0.01", "--normalize_reward", "--colocate_actor_ref"],
     # a sharded critic, dynamic micro-batches (equalised across ranks)
+    # separate engines: 1 process drives 2 engine processes, 2 processes drive one each
+    "grpo_engines": ["--advantage_estimator", "group_norm", "--init_kl_coef", "0", "--vllm_num_engines", "2"],
     "gae": ["--advantage_estimator", "gae", "--init_kl_coef", "0", "--critic_learning_rate", "2e-3",
             "--n_samples_per_prompt", "2", "--train_batch_size", "8", "--use_dynamic_batch",
             "--train_max_tokens_per_gpu", "24"],
@@ -91,9 +94,15 @@ def test_placement_flags_fail_clearly(tiny_qwen2, rl_data, tmp_path):
         (["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1"], "--vllm_num_engines"),
         (["--actor_num_gpus_per_node", "2", "--critic_num_gpus_per_node", "4"], "--critic_num_nodes"),
         (["--actor_num_gpus_per_node", "2", "--init_kl_coef", "0.1"], "--colocate_actor_ref"),
-    ]
+        # separate engines: the same number per policy worker, and nothing to sleep for
+        (["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "3"], "multiple of 2"),
+        (["--vllm_num_engines", "1", "--vllm_enable_sleep"], "--vllm_enable_sleep"),
+        (["--vllm_num_engines", "1", "--deepspeed_enable_sleep"], "--deepspeed_enable_sleep"),
+        (["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1", "--colocate_all_models"],
+         "--colocate_all_models"),
+    ]  # fmt: skip
     for extra, message in cases:
         with pytest.raises(ConfigError, match=message):
             parse_run(base + extra)
-    with pytest.raises(ConfigError, match="--vllm_num_engines"):
-        run_ppo(parse_run(base + ["--vllm_num_engines", "2"]))
+    with pytest.raises(ConfigError, match="--vllm_num_engines 2 with --colocate_all_models"):
+        run_ppo(parse_run(base + ["--vllm_num_engines", "2", "--colocate_all_models"]))

@@ -1,5 +1,6 @@
 """Ray mode: ``tidal ppo`` with 2 policy workers on a 2-node Ray cluster (one CPU each, on this
-machine) places one worker per node, runs the data-parallel loop there and returns rank 0's metrics."""
+machine) places one worker per node, runs the data-parallel loop there and returns rank 0's metrics;
+separate rollout engines run as Ray actors of their own."""
 
 from __future__ import annotations
 
@@ -35,6 +36,28 @@ def cluster():
     c.shutdown()
 
 
+def grpo_flags(policy, folder) -> list[str]:
+    with (folder / "prompts.jsonl").open("w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n")
+    (folder / "reward.py").write_text(REWARD)
+    return [
+        "--actor_num_nodes", "2", "--actor_num_gpus_per_node", "1", "--pretrain", str(policy),
+        "--prompt_data", str(folder / "prompts.jsonl"), "--input_key", "prompt", "--label_key", "label",
+        "--remote_rm_url", str(folder / "reward.py"), "--advantage_estimator", "group_norm",
+        "--n_samples_per_prompt", "2", "--rollout_batch_size", "4", "--train_batch_size", "8",
+        "--micro_train_batch_size", "4", "--generate_max_len", "4", "--prompt_max_len", "8", "--init_kl_coef", "0",
+        "--zero_stage", "3", "--save_path", str(folder / "final"), "--ckpt_path", str(folder / "ckpt"),
+    ]  # fmt: skip
+
+
+def wait_released(cpus: int) -> None:
+    deadline = time.monotonic() + 30  # workers and placement groups are released (asynchronously)
+    while ray.available_resources().get("CPU") != cpus and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get("CPU") == cpus
+
+
 def test_two_workers_on_two_nodes_run_grpo(cluster, tiny_qwen2, tmp_path, monkeypatch):
     placed = []
     original = ray_group.RayWorkerGroup.rank_env
@@ -44,24 +67,22 @@ def test_two_workers_on_two_nodes_run_grpo(cluster, tiny_qwen2, tmp_path, monkey
         return original(self)
 
     monkeypatch.setattr(ray_group.RayWorkerGroup, "rank_env", record)
-    with (tmp_path / "prompts.jsonl").open("w") as f:
-        for i in range(8):
-            f.write(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n")
-    (tmp_path / "reward.py").write_text(REWARD)
-    history = ppo_main([
-        "--actor_num_nodes", "2", "--actor_num_gpus_per_node", "1", "--vllm_num_engines", "2",
-        "--colocate_all_models", "--pretrain", str(tiny_qwen2), "--prompt_data", str(tmp_path / "prompts.jsonl"),
-        "--input_key", "prompt", "--label_key", "label", "--remote_rm_url", str(tmp_path / "reward.py"),
-        "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2", "--rollout_batch_size", "4",
-        "--train_batch_size", "8", "--micro_train_batch_size", "4", "--generate_max_len", "4",
-        "--prompt_max_len", "8", "--init_kl_coef", "0", "--zero_stage", "3", "--save_path", str(tmp_path / "final"),
-        "--ckpt_path", str(tmp_path / "ckpt"),
-    ])  # fmt: skip
+    history = ppo_main(
+        grpo_flags(tiny_qwen2, tmp_path) + ["--vllm_num_engines", "2", "--colocate_all_models"]
+    )
     assert len(placed) == 2 and len(set(placed)) == 2  # one worker on each node
     assert [h["step"] for h in history] == [1, 2]
     assert all("policy/loss" in h for h in history)
     assert (tmp_path / "final" / "model.safetensors").exists()
-    deadline = time.monotonic() + 30  # workers and placement group are released (asynchronously)
-    while ray.available_resources().get("CPU") != 2 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert ray.available_resources().get("CPU") == 2
+    wait_released(2)
+
+
+def test_separate_engines_are_actors_of_their_own(cluster, tiny_qwen2, tmp_path):
+    """2 policy workers and 2 engine actors (bundles of their own, on a third node): weights reach the
+    engines by broadcast over each worker's sync group (gloo), and training completes."""
+    cluster.add_node(num_cpus=2, num_gpus=0)
+    cluster.wait_for_nodes()
+    history = ppo_main(grpo_flags(tiny_qwen2, tmp_path) + ["--vllm_num_engines", "2"])
+    assert [h["step"] for h in history] == [1, 2]
+    assert all("policy/loss" in h and h["time/sync_weights"] > 0 for h in history)
+    wait_released(4)

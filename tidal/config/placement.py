@@ -7,6 +7,11 @@ ppo`` starts that many data-parallel policy workers as Ray actors, one per place
 processes). Each worker holds its shard of the policy, its own rollout engine, and full copies of
 the reference and reward models (and its critic shard): they always live with the policy ranks, so
 the colocation flags must say so. ``check_placement`` rejects what this design cannot honour.
+
+Rollout engines sit with the policy workers (one each) unless ``--vllm_num_engines E`` is given
+without ``--colocate_all_models``: then every policy worker drives ``E / T`` engines of its own on
+separate devices (GPUs after the trainers', or CPU processes), and weights reach them by bucketed
+broadcast (``tidal.trainers.ppo.engines``).
 """
 
 from __future__ import annotations
@@ -54,6 +59,11 @@ class PlacementConfig:
         return getattr(self, f"{role}_num_nodes"), getattr(self, f"{role}_num_gpus_per_node")
 
 
+def separate_engines(p: PlacementConfig, vllm_num_engines: int | None) -> bool:
+    """Engines on devices of their own (``--vllm_num_engines`` without ``--colocate_all_models``)."""
+    return vllm_num_engines is not None and not p.colocate_all_models
+
+
 def check_placement(
     p: PlacementConfig,
     vllm_num_engines: int | None,
@@ -75,14 +85,16 @@ def check_placement(
                 f"--{role}_num_nodes/--{role}_num_gpus_per_node {p.role_size(role)}: the {role} model lives "
                 f"on the policy workers, so its size must be 1x1 or the actor's {actor[0]}x{actor[1]}"
             )
-    if p.actor_world_size == 1:
-        return
     w = p.actor_world_size
-    if vllm_num_engines not in (None, w):
+    if separate_engines(p, vllm_num_engines):
+        check_separate_engines(p, vllm_num_engines, w)
+    elif vllm_num_engines not in (None, w):
         raise ConfigError(
-            f"--vllm_num_engines {vllm_num_engines}: each of the {w} policy workers runs one engine; "
-            f"set --vllm_num_engines {w} (or leave it unset)"
+            f"--vllm_num_engines {vllm_num_engines} with --colocate_all_models: each of the {w} policy "
+            f"workers runs one engine on its own device; set --vllm_num_engines {w} (or leave it unset)"
         )
+    if w == 1:
+        return
     separate = {
         "reference": needs_reference and not (p.colocate_all_models or p.colocate_actor_ref),
         "critic": needs_critic and not p.colocate_all_models,
@@ -99,3 +111,18 @@ def check_placement(
                 f"a separately placed {role} is not supported with {w} policy workers: it runs on the "
                 f"policy workers; pass {flags}"
             )
+
+
+def check_separate_engines(p: PlacementConfig, engines: int, w: int) -> None:
+    """``engines`` separate engines for ``w`` policy workers (processes)."""
+    if engines < 1 or engines % w:
+        raise ConfigError(
+            f"--vllm_num_engines {engines}: without --colocate_all_models each of the {w} policy workers "
+            f"drives the same number of engines on devices of their own, so it must be a multiple of {w}"
+        )
+    if p.deepspeed_enable_sleep:
+        raise ConfigError(
+            "--deepspeed_enable_sleep frees the policy's device for a colocated engine, but "
+            f"--vllm_num_engines {engines} without --colocate_all_models puts the engines on devices of "
+            "their own: drop it, or pass --colocate_all_models"
+        )

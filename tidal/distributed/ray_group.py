@@ -5,6 +5,7 @@ on a cluster with GPUs, else ``{"CPU": 1}`` — and starts one ``RankWorker`` ac
 *args)`` calls ``fn`` on every actor with the launcher environment torchrun would set (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), so ``fn`` sets itself up with
 ``tidal.distributed.init_world()`` exactly as under torchrun: both launchers share all code below.
+Other actors placed the same way (rollout engines) pass their class as ``actor_cls``.
 Ray is an optional dependency (``pip install 'tidal[ray]'``); it is imported only here.
 """
 
@@ -69,7 +70,8 @@ class RankWorker:
 class RayWorkerGroup:
     """``world_size`` ``RankWorker`` actors in one placement group (see the module docstring)."""
 
-    def __init__(self, world_size: int, strategy: str = "PACK", name: str = "tidal-policy"):
+    def __init__(self, world_size: int, strategy: str = "PACK", name: str = "tidal-policy",
+                 actor_cls: type = RankWorker, init_args: tuple = ()):  # fmt: skip
         ray = import_ray()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -86,14 +88,14 @@ class RayWorkerGroup:
                 f"{PLACEMENT_TIMEOUT_S}s; cluster resources: {ray.cluster_resources()}"
             ) from err
         gpu = "GPU" in self.resources
-        actor = ray.remote(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0)(RankWorker)
+        actor = ray.remote(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0)(actor_cls)
         self.actors = [
             actor.options(
                 name=f"{name}-{rank}-{self.pg.id.hex()[:8]}",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.pg, placement_group_bundle_index=rank
                 ),
-            ).remote()
+            ).remote(*init_args)
             for rank in range(world_size)
         ]
         self.nodes = ray.get([a.node.remote() for a in self.actors])
@@ -110,10 +112,13 @@ class RayWorkerGroup:
                          "MASTER_ADDR": addr, "MASTER_PORT": str(port)})  # fmt: skip
         return envs
 
-    def run(self, fn: Callable, *args) -> list:
-        """``fn(*args)`` on every rank; the results in rank order. The first failure is raised at once."""
+    def run(self, fn: Callable, *args, rank_args: list[tuple] | None = None) -> list:
+        """``fn(*args, *rank_args[rank])`` on every rank; the results in rank order. The first failure is
+        raised at once."""
         ray = import_ray()
-        refs = [a.run.remote(env, fn, *args) for a, env in zip(self.actors, self.rank_env(), strict=True)]
+        extra = rank_args or [()] * self.world_size
+        refs = [a.run.remote(env, fn, *args, *more)
+                for a, env, more in zip(self.actors, self.rank_env(), extra, strict=True)]  # fmt: skip
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)

@@ -13,7 +13,7 @@ from tidal.config import (
     PromptDataConfig,
     TrainConfig,
 )
-from tidal.config.placement import PlacementConfig, check_placement
+from tidal.config.placement import PlacementConfig, check_placement, separate_engines
 from tidal.config.rl import RLConfig, RLModelsConfig, RolloutConfig
 from tidal.logging import LoggingConfig
 
@@ -58,6 +58,12 @@ class PPORun:
             self.placement, self.rollout.vllm_num_engines, self.rollout.vllm_tensor_parallel_size,
             self.rl.needs_reference, self.rl.needs_critic, bool(self.models.reward_pretrain),
         )  # fmt: skip
+        if separate_engines(self.placement, self.rollout.vllm_num_engines) and self.rollout.vllm_enable_sleep:
+            raise ConfigError(
+                "--vllm_enable_sleep frees a colocated engine's memory for the trainer, but --vllm_num_engines "
+                "without --colocate_all_models puts the engines on devices of their own: drop it, or pass "
+                "--colocate_all_models"
+            )
         samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
         if self.train.train_batch_size > samples:
             raise ConfigError(

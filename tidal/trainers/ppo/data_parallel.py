@@ -17,6 +17,7 @@ from tidal.algorithms import compute_kl
 from tidal.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from tidal.algorithms.rewards import RunningMoments, kl_penalized_rewards
 from tidal.config.args import ConfigError
+from tidal.config.placement import check_separate_engines, separate_engines
 from tidal.config.rl import RLConfig
 from tidal.distributed.collectives import gather_values, world_masked_whiten
 from tidal.distributed.world import World
@@ -51,6 +52,9 @@ class DataParallelRollout:
 
     def sleep(self) -> None:
         self.local.sleep()
+
+    def close(self) -> None:
+        self.local.close()
 
 
 class WorldMoments:
@@ -92,10 +96,13 @@ def add_world_advantages(exp: Experience, cfg: RLConfig, n: int, kl_coef: float,
 def check_data_parallel(run, world: World, num_eval_prompts: int | None) -> None:
     """Fail clearly on what the data-parallel loop cannot do with ``world.world_size`` processes."""
     w, r = world.world_size, run.rollout
-    if (r.vllm_num_engines or w) != w:
+    if separate_engines(run.placement, r.vllm_num_engines):
+        check_separate_engines(run.placement, r.vllm_num_engines, w)
+    elif (r.vllm_num_engines or w) != w:
         where = f"each of the {w} processes runs one engine" if w > 1 else "local mode runs one engine"
         raise ConfigError(
-            f"--vllm_num_engines {r.vllm_num_engines}: {where}; set it to {w} (or leave it unset)"
+            f"--vllm_num_engines {r.vllm_num_engines} with --colocate_all_models: {where}; set it to {w} "
+            "(or leave it unset)"
         )
     if not world.distributed:
         return

@@ -1,9 +1,10 @@
-"""Rollout in local mode: the engine generates, agents act, rewards score, weights sync back.
+"""Rollout: the engine generates, agents act, rewards score, weights sync back.
 
-``LocalRollout`` owns tidal's ``LLMEngine`` on the trainer's device (the hybrid engine: it sleeps
-while the trainer trains when ``--vllm_enable_sleep`` is set) and the agent executor. It turns a
-batch of prompts into an ``Experience`` with scalar rewards. Distributed modes provide the same
-two methods, ``generate`` and ``sync_weights``.
+A ``Rollout`` turns a batch of prompts into an ``Experience`` with scalar rewards: an engine and
+the agent executor make trajectories, and rewards score them here, with the trainer. ``LocalRollout``
+owns tidal's ``LLMEngine`` on the trainer's device; ``RemoteRollout`` (``remote_rollout.py``) drives
+engines on devices of their own. Distributed modes wrap either with the same ``generate`` and
+``sync_weights``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tidal.distributed.weight_sync import engine_weights
 from tidal.experience.experience import Experience
 from tidal.experience.maker import from_trajectories
 from tidal.rewards import RewardResult, load_reward_source
-from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
+from tidal.rollout import LLMEngine, SamplingParams
 
 
 def build_executor(models: RLModelsConfig, apply_chat_template: bool) -> AgentExecutorBase:
@@ -34,47 +35,27 @@ def build_executor(models: RLModelsConfig, apply_chat_template: bool) -> AgentEx
 
 
 def check_sync_flags(cfg: RolloutConfig, device: torch.device) -> None:
-    """Weights reach the engines over the training process group; other transports do not exist here."""
+    """Weights travel over torch process groups (NCCL on CUDA, gloo on the CPU), never through Ray."""
     from tidal.config.args import ConfigError
 
     if cfg.vllm_sync_with_ray:
         raise ConfigError(
-            "--vllm_sync_with_ray: tidal's engines sit with the policy ranks; weights are copied in process"
+            "--vllm_sync_with_ray: weights travel over torch process groups (the training group, or a "
+            "trainer's group with its separate engines), not through Ray's object store"
         )
     if device.type == "cuda" and cfg.vllm_sync_backend == "gloo":
-        raise ConfigError(
-            "--vllm_sync_backend gloo: on CUDA weights are gathered over the NCCL training group"
-        )
+        raise ConfigError("--vllm_sync_backend gloo: on CUDA weights travel over NCCL; use nccl")
 
 
-class LocalRollout:
-    """Generation and scoring on the trainer's own device."""
+class Rollout:
+    """Prompts in, an ``Experience`` with rewards out. Subclasses say where trajectories come from
+    (``trajectories``) and how weights reach their engines (``sync_weights``)."""
 
     def __init__(
-        self,
-        model_path: str,
-        tokenizer,
-        cfg: RolloutConfig,
-        models: RLModelsConfig,
-        device: torch.device,
-        pad_id: int,
-        apply_chat_template: bool,
-        seed: int,
-        reward_models=None,
+        self, tokenizer, cfg: RolloutConfig, models: RLModelsConfig, pad_id: int, reward_models=None
     ):
-        check_sync_flags(cfg, device)
-        engine_cfg = EngineConfig(
-            max_num_seqs=cfg.vllm_generate_batch_size or 256,
-            max_model_len=cfg.total_len,
-            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-            device=str(device),
-            seed=seed,
-            enforce_eager=cfg.enforce_eager,
-        )
-        self.engine = LLMEngine(model_path, engine_cfg)
         self.lock = threading.Lock()  # generation (maybe on a background thread) and weight sync take turns
         self.cfg, self.tokenizer, self.pad_id = cfg, tokenizer, pad_id
-        self.executor = build_executor(models, apply_chat_template)
         self.reward_source = load_reward_source(models.remote_rm_url) if models.remote_rm_url else None
         self.reward_models = reward_models
         if not (models.agent_func_path or self.reward_source or reward_models):
@@ -95,20 +76,17 @@ class LocalRollout:
         """Trajectories (prompt-major) and their Experience with rewards, scores and reward logs.
 
         ``first_index``: where ``prompts`` start in the whole rollout (a data-parallel share); sample
-        seeds follow the global index. Passed on only when set, for executors overriding ``run``."""
+        seeds follow the global index."""
         params = self.sampling_params(n, temperature, seed)
-        offset = {"first_index": first_index} if first_index else {}
         with self.lock:
-            if self.engine.is_sleeping:
-                self.engine.wake_up()
-            trajectories = self.executor.run(
-                self.engine, self.tokenizer, [p.prompt for p in prompts], [p.label for p in prompts], params,
-                self.cfg.total_len, **offset,
-            )  # fmt: skip
+            trajectories = self.trajectories(prompts, params, first_index)
         exp = from_trajectories(trajectories, self.pad_id)
         result = self.score(trajectories, exp, n, prompts)
         exp.rewards, exp.scores = result.rewards.float(), result.scores.float()
         return trajectories, exp, result.extra_logs
+
+    def trajectories(self, prompts: Sequence[PromptSample], params: SamplingParams, first_index: int):
+        raise NotImplementedError
 
     def score(self, trajectories: list[Trajectory], exp: Experience, n: int, prompts) -> RewardResult:
         if all(t.reward is not None for t in trajectories):  # agents already rewarded every sample
@@ -118,6 +96,43 @@ class LocalRollout:
         queries = [t.prompt + t.response_text for t in trajectories]
         labels = [p.label for p in prompts for _ in range(n)]
         return self.reward_source(queries, [t.prompt for t in trajectories], labels)
+
+    def close(self) -> None:
+        """Release engines that live outside this process (nothing for a local engine)."""
+
+
+class LocalRollout(Rollout):
+    """Generation on the trainer's own device (the hybrid engine: it sleeps while the trainer trains
+    when ``--vllm_enable_sleep`` is set)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer,
+        cfg: RolloutConfig,
+        models: RLModelsConfig,
+        device: torch.device,
+        pad_id: int,
+        apply_chat_template: bool,
+        seed: int,
+        reward_models=None,
+    ):
+        from tidal.trainers.ppo.engines import engine_config
+
+        check_sync_flags(cfg, device)
+        super().__init__(tokenizer, cfg, models, pad_id, reward_models)
+        self.engine = LLMEngine(model_path, engine_config(cfg, device, seed))
+        self.executor = build_executor(models, apply_chat_template)
+
+    def trajectories(self, prompts: Sequence[PromptSample], params: SamplingParams, first_index: int):
+        # first_index is passed on only when set, for executors overriding ``run`` without it
+        offset = {"first_index": first_index} if first_index else {}
+        if self.engine.is_sleeping:
+            self.engine.wake_up()
+        return self.executor.run(
+            self.engine, self.tokenizer, [p.prompt for p in prompts], [p.label for p in prompts], params,
+            self.cfg.total_len, **offset,
+        )  # fmt: skip
 
     def sync_weights(self, policy: nn.Module) -> int:
         """Copy the policy's weights into the engine (in place, same device)."""

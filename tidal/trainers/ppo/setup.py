@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from tidal.config import ModelConfig
+from tidal.config.placement import separate_engines
 from tidal.data import build_prompt_samples, load_dataset_spec
 from tidal.distributed import World, init_world
 from tidal.logging import get_logger
@@ -22,7 +23,9 @@ from tidal.rewards.models import RewardModels
 from tidal.trainers.common import build_optimization, seed_everything
 from tidal.trainers.ppo.config import PPORun
 from tidal.trainers.ppo.data_parallel import DataParallelRollout, check_data_parallel
+from tidal.trainers.ppo.engines import RayEngine, engine_spec, start_process_engines
 from tidal.trainers.ppo.ray_mode import run_ppo_ray, wants_ray
+from tidal.trainers.ppo.remote_rollout import RemoteRollout
 from tidal.trainers.ppo.rollout import LocalRollout
 from tidal.trainers.ppo.trainer import PPOParts, PPOTrainer
 
@@ -53,7 +56,9 @@ def total_update_steps(run: PPORun, num_prompts: int) -> int:
     return max(rollouts * per_rollout, 1)
 
 
-def build_parts(run: PPORun, world: World, tokenizer, steps: int) -> PPOParts:
+def build_parts(
+    run: PPORun, world: World, tokenizer, steps: int, engine_actors: list | None = None
+) -> PPOParts:
     device = world.device
     actor_model = load_causal_lm(run.model, device)
     actor_optim = dataclasses.replace(run.optim, learning_rate=run.models.actor_learning_rate)
@@ -68,13 +73,27 @@ def build_parts(run: PPORun, world: World, tokenizer, steps: int) -> PPOParts:
         critic_model = load_value_model(critic_cfg, device, run.models.value_head_prefix)
         critic_optim = dataclasses.replace(run.optim, learning_rate=run.models.critic_learning_rate)
         critic = build_optimization(critic_model, critic_cfg, critic_optim, run.dist, world, steps)
-    rollout = LocalRollout(
-        run.model.pretrain, tokenizer, run.rollout, run.models, device, tokenizer.pad_token_id,
-        run.data.apply_chat_template, run.train.seed, reward_models=build_reward_models(run, device),
-    )  # fmt: skip
-    if world.distributed:
-        rollout = DataParallelRollout(rollout, world)
+    rollout = build_rollout(run, world, tokenizer, engine_actors)
     return PPOParts(actor, critic, reference, rollout, tokenizer)
+
+
+def build_rollout(run: PPORun, world: World, tokenizer, engine_actors: list | None = None):
+    """The engine on this device (``LocalRollout``), or this rank's separate engines (``RemoteRollout``):
+    Ray actors the driver placed (``engine_actors``), else child processes started here."""
+    device, pad_id = world.device, tokenizer.pad_token_id
+    reward_models = build_reward_models(run, device)
+    if separate_engines(run.placement, run.rollout.vllm_num_engines):
+        if engine_actors is None:
+            engines = start_process_engines(
+                engine_spec(run), run.rollout.vllm_num_engines // world.world_size
+            )
+        else:
+            engines = [RayEngine(actor) for actor in engine_actors]
+        rollout = RemoteRollout(engines, tokenizer, run.rollout, run.models, device, pad_id, reward_models)
+    else:
+        rollout = LocalRollout(run.model.pretrain, tokenizer, run.rollout, run.models, device, pad_id,
+                               run.data.apply_chat_template, run.train.seed, reward_models=reward_models)  # fmt: skip
+    return DataParallelRollout(rollout, world) if world.distributed else rollout
 
 
 def build_reward_models(run: PPORun, device: torch.device) -> RewardModels | None:
@@ -97,15 +116,22 @@ def build_reward_models(run: PPORun, device: torch.device) -> RewardModels | Non
 
 def log_local_mode(run: PPORun, world: World) -> None:
     """Say once how the roles are placed: local mode (all counts 1) or data-parallel processes."""
+    engines = (
+        f"{run.rollout.vllm_num_engines // world.world_size} rollout engine(s) on devices of their own"
+        if separate_engines(run.placement, run.rollout.vllm_num_engines)
+        else "one rollout engine on the same device"
+    )
     if world.distributed:
-        log.info("data parallel: process %d of %d, each with its own engine, policy shard and frozen roles",
-                 world.rank, world.world_size)  # fmt: skip
+        log.info("data parallel: process %d of %d, each with a policy shard, frozen roles and %s",
+                 world.rank, world.world_size, engines)  # fmt: skip
     else:
-        log.info("local mode: every role and one rollout engine share %s", world.device)
+        log.info("local mode: every model on %s, %s", world.device, engines)
 
 
-def run_ppo(run: PPORun, world: World | None = None) -> list[dict]:
-    """Train a policy with RL as configured; returns per-rollout metrics (rank 0's in Ray mode)."""
+def run_ppo(run: PPORun, world: World | None = None, engine_actors: list | None = None) -> list[dict]:
+    """Train a policy with RL as configured; returns per-rollout metrics (rank 0's in Ray mode).
+
+    ``engine_actors``: in Ray mode, this rank's separate engines (actors placed by the driver)."""
     if world is None and wants_ray(run):
         return run_ppo_ray(run)
     world = world or init_world()
@@ -123,6 +149,9 @@ def run_ppo(run: PPORun, world: World | None = None) -> list[dict]:
     evals = load_prompts(run, tokenizer, d.eval_dataset, None, d.eval_split, None) if d.eval_dataset else None
     check_data_parallel(run, world, len(evals) if evals is not None else None)
     log_local_mode(run, world)
-    parts = build_parts(run, world, tokenizer, total_update_steps(run, len(prompts)))
+    parts = build_parts(run, world, tokenizer, total_update_steps(run, len(prompts)), engine_actors)
     log.info("RL (%s): %d prompts, device %s", run.rl.advantage_estimator, len(prompts), world.device)
-    return PPOTrainer(run, parts, prompts, evals, world).fit()
+    try:
+        return PPOTrainer(run, parts, prompts, evals, world).fit()
+    finally:
+        parts.rollout.close()
