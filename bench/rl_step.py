@@ -61,6 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--micro", type=int, default=64, help="samples per packed micro-batch (scoring and update)"
     )
     p.add_argument("--no_gradient_checkpointing", action="store_true")
+    p.add_argument("--compile", action="store_true", help="--torch_compile: compile the policy's blocks")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -80,6 +81,10 @@ class GRPOStep:
 
         self.args, self.device = args, device
         self.policy = make_model(args.config, device, not args.no_gradient_checkpointing, args.seed)
+        if args.compile:
+            from tidal.models.compile import compile_blocks
+
+            compile_blocks(self.policy)
         self.opt = optimization(self.policy, device)
         self.world = World(device=device)
         self.rl = RLConfig(advantage_estimator="group_norm", init_kl_coef=0.0)
@@ -185,7 +190,7 @@ def main(argv=None) -> dict:
     report = {
         "bench": "rl_step", **versions(), "device": args.device, "config": args.config,
         "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-        "gradient_checkpointing": not args.no_gradient_checkpointing, "micro": args.micro,
+        "gradient_checkpointing": not args.no_gradient_checkpointing, "compile": args.compile, "micro": args.micro,
         "step_s": round(step_s, 4), "phases_s": phases,
         "first_step_s": round(sum(runs[0][0].values()), 3),
         "tokens_per_step": stats["tokens"], "tokens_per_s_per_gpu": round(stats["tokens"] / step_s),

@@ -8,7 +8,9 @@ autocast over float32 master weights, fused AdamW, gradient clipping at 1.0.
   one packed row (varlen flash attention on CUDA, no padding) and log-probs come from the chunked LM
   head (no [tokens, vocab] logits); ``tidal_ckpt`` adds activation checkpointing
   (``--gradient_checkpointing``); ``tidal_mask`` packs with the 4-D block mask instead of varlen and
-  ``tidal_full_logits`` turns the chunked head off (first config only, to show each change).
+  ``tidal_full_logits`` turns the chunked head off (first config only, to show each change);
+  ``tidal_compile`` (``tidal_compile_ckpt``) adds ``--torch_compile`` (each block compiled, dynamic
+  shapes; compilation happens in the warm-up steps).
 - ``hf``: ``model(input_ids, attention_mask, labels).loss.backward()`` + AdamW on the same micro-batches,
   right-padded to their longest sequence (SDPA).
 
@@ -276,6 +278,10 @@ def _run_variant(name, variant, samples, args, micro, device, peak) -> dict:
 
     reset_memory(device)
     model = make_model(name, device, gradient_checkpointing=variant.endswith("_ckpt"), seed=args.seed)
+    if variant.startswith("tidal_compile"):  # --torch_compile: regional compilation of the blocks
+        from tidal.models.compile import compile_blocks
+
+        compile_blocks(model)
     saved = (forward.PACKED_ATTENTION, forward.chunkable_head)
     forward.PACKED_ATTENTION = "mask" if variant == "tidal_mask" else "auto"
     if variant == "tidal_full_logits":

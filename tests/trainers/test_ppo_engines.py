@@ -36,7 +36,7 @@ def _rollout(model_path, count: int) -> RemoteRollout:
     spec = EngineSpec(str(model_path), ModelConfig(pretrain=str(model_path)), engine_config(cfg, "cpu", 0),
                       models, False, 1)  # fmt: skip
     tokenizer = load_tokenizer(str(model_path))
-    engines = start_process_engines(spec, count)
+    engines = start_process_engines(spec, count, devices=["cpu"] * count)  # CPU processes, also with GPUs
     try:
         return RemoteRollout(engines, tokenizer, cfg, models, torch.device("cpu"), tokenizer.pad_token_id)
     except BaseException:
@@ -68,4 +68,4 @@ def test_an_engine_that_cannot_start_says_why(tmp_path):
     spec = EngineSpec(str(tmp_path / "missing"), ModelConfig(pretrain="x"), EngineConfig(device="cpu"),
                       RLModelsConfig(), False, 1)  # fmt: skip
     with pytest.raises(RuntimeError, match=r"engine process \d+ \(cpu\) failed:(.|\n)*missing"):
-        start_process_engines(spec, 1)
+        start_process_engines(spec, 1, devices=["cpu"])

@@ -25,6 +25,9 @@ class ModelConfig:
         choices=("sdpa", "eager", "flash_attention_2", "flex_attention"),
     )
     gradient_checkpointing: bool = arg(False, help="recompute activations in backward to save memory")
+    torch_compile: bool = arg(
+        False, help="compile each transformer block with torch.compile (CUDA; the first steps compile)"
+    )
     gradient_checkpointing_use_reentrant: bool = arg(
         False, help="use the reentrant checkpoint implementation"
     )

@@ -80,4 +80,8 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device, path: str | None = No
         model = apply_lora(model, cfg)
         if cfg.gradient_checkpointing:
             model.enable_input_require_grads()  # checkpointed blocks need a grad-requiring input
+    if cfg.torch_compile:
+        from tidal.models.compile import compile_blocks
+
+        compile_blocks(model)
     return model

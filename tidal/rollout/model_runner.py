@@ -78,7 +78,7 @@ class ModelRunner:
         self.device = model.model.embed_tokens.weight.device
         self.dtype = model.model.embed_tokens.weight.dtype
         self.backend = resolve_attention_backend(attention_backend, self.device, self.args.head_dim)
-        self.sampler = Sampler()
+        self.sampler = Sampler(fused=self.device.type == "cuda")
         self.kv_cache: torch.Tensor | None = None
         self.allocate_kv_cache()
         max_blocks = -(-max_model_len // block_size)

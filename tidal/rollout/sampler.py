@@ -75,9 +75,26 @@ def truncate_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
 
 
 class Sampler:
-    """Stateless: all randomness comes from the per-row seeds in ``SamplingTensors``."""
+    """Stateless: all randomness comes from the per-row seeds in ``SamplingTensors``.
+
+    ``fused``: on CUDA, rows without truncation or suppression go through one Triton kernel
+    (``triton_sampling.fused_sample``) that computes the same tokens without the float32 copies."""
+
+    def __init__(self, fused: bool = False):
+        self.fused = fused and _triton_available()
 
     def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused and logits.is_cuda and not st.any_truncation and st.suppress_rows is None:
+            from tidal.rollout.triton_sampling import fused_sample
+
+            if st.all_greedy:
+                return fused_sample(logits, None, None, None)
+            return fused_sample(logits, st.temperatures, st.seeds, st.positions)
+        return self.reference(logits, st)
+
+    @staticmethod
+    def reference(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampling step in plain torch ops (any device, every option)."""
         scaled = logits.float()
         if not st.all_greedy:
             greedy = st.temperatures == 0
@@ -92,6 +109,14 @@ class Sampler:
             gumbel = -torch.log(-torch.log(uniform_noise(st.seeds, st.positions, logits.shape[-1])))
             tokens = torch.where(greedy, tokens, (scaled + gumbel).argmax(dim=-1))
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def sequence_seed(request_seed: int, sample_index: int) -> int:

@@ -218,11 +218,14 @@ def engine_devices(count: int) -> list[str]:
     return [f"cuda:{first + j}" for j in range(count)]
 
 
-def start_process_engines(spec: EngineSpec, count: int) -> list[ProcessEngine]:
-    """Start ``count`` engine processes on this trainer's engine devices; wait until they are built."""
+def start_process_engines(
+    spec: EngineSpec, count: int, devices: list[str] | None = None
+) -> list[ProcessEngine]:
+    """Start ``count`` engine processes on ``devices`` (default: this trainer's engine devices, see the
+    module docstring); wait until their engines are built."""
     engines = []
     try:
-        for device in engine_devices(count):
+        for device in devices or engine_devices(count):
             engines.append(ProcessEngine(_on_device(spec, device)))
         for e in engines:
             e.result()  # the worker's ("ok", describe()) once its engine is built, or its error

@@ -78,6 +78,7 @@ class PPOTrainer:
         logger = MetricsLogger(self.run_dir, run.logging, asdict(run), world.is_main, self._resume_step(loop))
         bar = ProgressBar(self.total_rollouts, initial=loop.global_step, desc="rl", is_main=world.is_main)
         with logger, bar:
+            step_start = time.perf_counter()
             for episode in range(loop.epoch, run.models.num_episodes):
                 for result in rollout_stream(self.parts.rollout, self._jobs(episode, loop), self._ahead):
                     timer = PhaseTimer()
@@ -92,6 +93,8 @@ class PPOTrainer:
                     loop = LoopState(loop.global_step + 1, episode, result.job.index + 1)
                     stats |= mean_over_world(result.reward_logs, world) | timer.seconds
                     stats["time/generate"] = result.seconds
+                    # wall time of the step: with --async_train generation overlaps the previous update
+                    stats["time/step"], step_start = time.perf_counter() - step_start, time.perf_counter()
                     history.append({"step": loop.global_step, "kl_coef": self.kl_ctl.value, **stats})
                     self.after_step(loop, history[-1], logger, bar)
                 loop = LoopState(loop.global_step, episode + 1, 0)

@@ -1,0 +1,155 @@
+"""Benchmark: GRPO with the real trainer (``tidal ppo``) under different placements, timed by phase.
+
+Builds a random-init model folder (``--config``: ``tiny`` on the CPU, ``qwen2.5-0.5b`` on GPUs, with
+``tidal.testing``'s tokenizer), a prompt file of ``--prompts x --rollouts`` digit strings of
+``--prompt_len`` tokens and a trivial reward function, then runs ``python -m tidal.cli.train_ppo``
+once per variant and reads the phases it logs (``time/*`` in ``<save_path>/run/metrics.jsonl``):
+
+- ``local``: one process, policy and engine share device 0 (the default; a reference);
+- ``separate``: one trainer on device 0 and ``--vllm_num_engines 1`` on device 1, weights by
+  bucketed NCCL broadcast (gloo between CPU processes);
+- ``separate_async``: the same with ``--async_train``: the engine generates the next rollout while
+  the trainer trains, so a step costs about max(generate, train) instead of their sum;
+- ``colocated``: ``torchrun --nproc_per_node 2 --colocate_all_models``: two data-parallel workers,
+  each with its policy shard (FSDP2) and its own engine on the same device.
+
+Phases: ``generate`` (engine + reward), ``make_experience`` (old log-probs, advantages),
+``train`` (the update), ``sync_weights``, and the step's wall time ``time/step`` (with
+``--async_train`` less than their sum). Prints one JSON line with the medians over the steps after
+the first (which captures CUDA graphs) and tokens/s = (prompt + response tokens) per step / step
+time / devices.
+
+    python bench/rl_placement.py                                       # tiny, CPU processes, ~1 min
+    python bench/rl_placement.py --device cuda --config qwen2.5-0.5b   # 2 GPUs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_step import COMMON, CONFIGS, versions  # noqa: E402
+
+PHASES = ("generate", "make_experience", "train", "sync_weights")
+REWARD = '''
+import torch
+
+
+def reward_func(queries, prompts, labels, **kwargs):
+    """Trivial and cheap: the response length modulo 7."""
+    return {"rewards": torch.tensor([len(q) - len(p) for q, p in zip(queries, prompts)]).remainder(7) / 7}
+'''
+VARIANTS = {
+    "local": (1, ["--colocate_all_models"]),
+    "separate": (1, ["--vllm_num_engines", "1"]),
+    "separate_async": (1, ["--vllm_num_engines", "1", "--async_train"]),
+    "colocated": (2, ["--colocate_all_models"]),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--prompts", type=int, default=32, help="prompts per rollout")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--prompt_len", type=int, default=64)
+    p.add_argument("--new_tokens", type=int, default=256)
+    p.add_argument("--micro", type=int, default=64, help="samples per micro-batch (scoring and update)")
+    p.add_argument("--rollouts", type=int, default=4)
+    p.add_argument("--folder", default="/tmp/tidal_rl_placement")
+    args = p.parse_args(argv)
+    if args.config == "tiny" and args.new_tokens == 256:
+        args.prompts, args.n, args.prompt_len, args.new_tokens, args.micro = 4, 4, 16, 16, 8
+    return args
+
+
+def build_model(name: str, folder: Path) -> Path:
+    """A random-init model of ``CONFIGS[name]``'s shape with tidal.testing's tokenizer (ids beyond the
+    tokenizer's vocabulary decode to nothing, which the trivial reward does not mind)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tidal.testing.tiny import build_tiny_tokenizer
+
+    if (folder / "config.json").exists():
+        return folder
+    tokenizer = build_tiny_tokenizer(folder, add_bos=False)
+    fields = dict(COMMON, **CONFIGS[name])
+    fields.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(folder))
+    return folder
+
+
+def write_data(args, folder: Path) -> None:
+    rng = random.Random(0)
+    with (folder / "prompts.jsonl").open("w") as f:
+        for _ in range(args.prompts * args.rollouts):
+            digits = "".join(rng.choice("0123456789") for _ in range(args.prompt_len))  # one token each
+            f.write(json.dumps({"prompt": digits}) + "\n")
+    (folder / "reward.py").write_text(REWARD)
+
+
+def flags(args, model: Path, folder: Path, out: Path) -> list[str]:
+    return [
+        "--pretrain", str(model), "--prompt_data", str(folder / "prompts.jsonl"), "--input_key", "prompt",
+        "--remote_rm_url", str(folder / "reward.py"), "--advantage_estimator", "group_norm", "--init_kl_coef", "0",
+        "--n_samples_per_prompt", str(args.n), "--rollout_batch_size", str(args.prompts),
+        "--train_batch_size", str(args.prompts * args.n), "--micro_train_batch_size", str(args.micro),
+        "--micro_rollout_batch_size", str(args.micro), "--prompt_max_len", str(args.prompt_len + 8),
+        "--generate_max_len", str(args.new_tokens), "--packing_samples", "--gradient_checkpointing",
+        "--actor_learning_rate", "1e-6", "--lr_warmup_ratio", "0", "--zero_stage", "2",
+        "--param_dtype", "bf16" if args.device == "cuda" else "fp32", "--vllm_gpu_memory_utilization", "0.3",
+        "--save_path", str(out / "final"), "--ckpt_path", str(out / "ckpt"), "--logging_steps", "1",
+    ]  # fmt: skip
+
+
+def run_variant(args, name: str, model: Path, folder: Path) -> dict:
+    processes, extra = VARIANTS[name]
+    out = folder / name
+    launcher = [sys.executable]
+    if processes > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+    cmd = launcher + ["-m", "tidal.cli.train_ppo"] + flags(args, model, folder, out) + extra
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        sys.stderr.write(proc.stderr[-6000:])
+        return {"error": f"exit {proc.returncode}"}
+    lines = (out / "final" / "run" / "metrics.jsonl").read_text().splitlines()
+    timed = [json.loads(line) for line in lines][1:]  # the first step captures CUDA graphs
+    phases = {p: round(statistics.median(s[f"train/time/{p}"] for s in timed), 3) for p in PHASES}
+    step_s = statistics.median(s["train/time/step"] for s in timed)  # wall: async generation overlaps
+    devices = 2 if name.startswith("separate") else processes
+    tokens = args.prompts * args.n * (args.prompt_len + args.new_tokens)
+    return {"phases_s": phases, "step_s": round(step_s, 3), "devices": devices,
+            "tokens_per_s_per_device": round(tokens / step_s / devices), "reward": timed[-1]["train/reward"]}  # fmt: skip
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    folder = Path(args.folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model = build_model(args.config, folder / f"model-{args.config}")
+    write_data(args, folder)
+    results = {name: run_variant(args, name, model, folder) for name in args.variants}
+    report = {"bench": "rl_placement", **versions(), "device": args.device, "config": args.config,
+              "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+              "variants": results}  # fmt: skip
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
