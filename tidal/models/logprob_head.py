@@ -5,6 +5,7 @@ in float32, kept for backward. Here the LM head runs in chunks of ``chunk_size``
 projects its hidden states, takes ``log_softmax`` at the target tokens in float32 and is discarded.
 Under autograd a chunk saves only its hidden-state slice and logsumexp; backward recomputes the chunk's
 logits (one extra head matmul), so at most one chunk's logits exist at a time, forward or backward.
+On CUDA the float32 passes over a chunk's logits run as Triton kernels (``triton_logprobs``).
 
 ``head_logprobs`` swaps the LM head's ``forward`` for the duration of one model call, so the model's
 own forward (and any FSDP2 / peft wrapping around it) runs unchanged and only the head's output
@@ -41,8 +42,23 @@ def chunkable_head(model: nn.Module) -> nn.Linear | None:
     return head if plain else None
 
 
+def _fused(z: Tensor) -> bool:
+    """Use the Triton kernels (``triton_logprobs``) for a chunk's logits: CUDA with triton."""
+    if not z.is_cuda:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # pragma: no cover - CUDA builds of torch ship triton
+        return False
+    return True
+
+
 def _chunk_logprobs(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float):
     z = nn.functional.linear(h, weight, bias)
+    if _fused(z):
+        from tidal.models.triton_logprobs import logprobs_lse
+
+        return logprobs_lse(z, targets, temperature)[0]
     return gather_logprobs(z, targets, temperature)
 
 
@@ -66,11 +82,18 @@ class _ChunkLogprobs(torch.autograd.Function):
     def forward(ctx, h, weight, bias, targets, temperature):
         device = h.device.type
         ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
-        z = _upcast(nn.functional.linear(h, weight, bias))
-        if temperature != 1.0:
-            z.div_(temperature)
-        lse = torch.logsumexp(z, dim=-1)
-        logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+        z = nn.functional.linear(h, weight, bias)
+        if _fused(z):
+            from tidal.models.triton_logprobs import logprobs_lse
+
+            logp, lse = logprobs_lse(z, targets, temperature)
+        else:
+            z = _upcast(z)
+            if temperature != 1.0:
+                z.div_(temperature)
+            lse = torch.logsumexp(z, dim=-1)
+            logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+        del z
         ctx.save_for_backward(h, weight, bias, targets, lse)
         ctx.temperature = temperature
         return logp
@@ -81,17 +104,13 @@ class _ChunkLogprobs(torch.autograd.Function):
         device, dtype, enabled = ctx.autocast
         with torch.autocast(device_type=device, dtype=dtype, enabled=enabled):
             z = nn.functional.linear(h, weight, bias)
-        compute_dtype = z.dtype
-        p = _upcast(z)
+        if _fused(z):
+            from tidal.models.triton_logprobs import softmax_grad_
+
+            grad_z = softmax_grad_(z.contiguous(), targets, lse, grad.float(), ctx.temperature)
+        else:
+            grad_z = _softmax_grad(z, targets, lse, grad, ctx.temperature)
         del z
-        if ctx.temperature != 1.0:
-            p.div_(ctx.temperature)
-        p.sub_(lse[:, None]).exp_().mul_(-grad[:, None])  # −g·softmax
-        p.scatter_add_(-1, targets[:, None], grad[:, None])  # + g at the target
-        if ctx.temperature != 1.0:
-            p.div_(ctx.temperature)
-        grad_z = p.to(compute_dtype)
-        del p
         with torch.autocast(device_type=device, dtype=dtype, enabled=enabled):
             grad_h = grad_z @ weight if ctx.needs_input_grad[0] else None
             grad_w = grad_z.t() @ h if ctx.needs_input_grad[1] else None
@@ -103,6 +122,18 @@ class _ChunkLogprobs(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _softmax_grad(z: Tensor, targets: Tensor, lse: Tensor, grad: Tensor, temperature: float) -> Tensor:
+    """``g·(onehot − softmax(z / T)) / T`` in ``z``'s dtype, through float32 (the torch path)."""
+    p = _upcast(z)
+    if temperature != 1.0:
+        p.div_(temperature)
+    p.sub_(lse[:, None]).exp_().mul_(-grad[:, None])  # −g·softmax
+    p.scatter_add_(-1, targets[:, None], grad[:, None])  # + g at the target
+    if temperature != 1.0:
+        p.div_(temperature)
+    return p.to(z.dtype)
 
 
 def chunked_logprobs(
