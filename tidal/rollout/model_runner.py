@@ -79,6 +79,7 @@ class ModelRunner:
         self.dtype = model.model.embed_tokens.weight.dtype
         self.backend = resolve_attention_backend(attention_backend, self.device, self.args.head_dim)
         self.sampler = Sampler(fused=self.device.type == "cuda")
+        self._last_sampling: tuple[list[int], SamplingTensors] | None = None
         self.kv_cache: torch.Tensor | None = None
         self.allocate_kv_cache()
         max_blocks = -(-max_model_len // block_size)
@@ -187,6 +188,25 @@ class ModelRunner:
         return self.model(input_ids, positions, meta)
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        """Per-row settings; a decode step over the same sequences as the previous one reuses its tensors
+        with every position advanced by one (on device), instead of rebuilding them from Python."""
+        key = [seq.seq_id for seq in seqs]
+        cached = self._last_sampling
+        if (
+            cached is not None
+            and cached[0] == key  # each of these sequences got exactly one token since
+            and cached[1].suppress_rows is None
+            and not any(seq.num_output_tokens < seq.params.min_new_tokens for seq in seqs)
+        ):
+            st = cached[1]
+            if st.positions is not None:
+                st.positions.add_(1)
+            return st
+        st = self._build_sampling_tensors(seqs)
+        self._last_sampling = (key, st)
+        return st
+
+    def _build_sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         vocab = self.args.vocab_size
         params = [seq.params for seq in seqs]
         suppress = [

@@ -100,9 +100,13 @@ class Scheduler:
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         scheduled: list[Sequence] = []
+        blocks = self.block_manager
         while self.running:
             seq = self.running.popleft()
-            while not self.block_manager.can_append(seq):
+            if not blocks.needs_new_block(seq):  # the common case: room left in the last block
+                scheduled.append(seq)
+                continue
+            while not blocks.can_append(seq):
                 if self.running:
                     self._preempt(self.running.pop())
                 else:
@@ -137,8 +141,10 @@ class Scheduler:
         return finished
 
     def _check_stop(self, seq: Sequence) -> None:
-        params, token = seq.params, seq.last_token
-        if seq.num_output_tokens >= params.min_new_tokens:
+        params, token = seq.params, seq.token_ids[-1]
+        num_tokens = len(seq.token_ids)
+        num_output = num_tokens - seq.num_prompt_tokens  # called per sequence per step: no properties
+        if num_output >= params.min_new_tokens:
             if token in self.eos_token_ids and not params.ignore_eos:
                 return seq.finish("stop", token)
             if token in params.stop_token_ids:
@@ -147,7 +153,7 @@ class Scheduler:
                 stop = self._find_stop_string(seq)
                 if stop is not None:
                     return seq.finish("stop", stop)
-        if seq.num_output_tokens >= params.max_new_tokens or seq.num_tokens >= self.max_model_len:
+        if num_output >= params.max_new_tokens or num_tokens >= self.max_model_len:
             seq.finish("length")
 
     def _find_stop_string(self, seq: Sequence) -> str | None:
