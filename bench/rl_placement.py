@@ -20,7 +20,7 @@ the first (which captures CUDA graphs) and tokens/s = (prompt + response tokens)
 time / devices.
 
     python bench/rl_placement.py                                       # tiny, CPU processes, ~1 min
-    python bench/rl_placement.py --device cuda --config qwen2.5-0.5b   # 2 GPUs
+    python bench/rl_placement.py --device cuda --config qwen2.5-0.5b [--compile]   # 2 GPUs
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new_tokens", type=int, default=256)
     p.add_argument("--micro", type=int, default=64, help="samples per micro-batch (scoring and update)")
     p.add_argument("--rollouts", type=int, default=4)
+    p.add_argument("--compile", action="store_true", help="pass --torch_compile to every run")
     p.add_argument("--folder", default="/tmp/tidal_rl_placement")
     args = p.parse_args(argv)
     if args.config == "tiny" and args.new_tokens == 256:
@@ -112,6 +113,7 @@ def flags(args, model: Path, folder: Path, out: Path) -> list[str]:
         "--actor_learning_rate", "1e-6", "--lr_warmup_ratio", "0", "--zero_stage", "2",
         "--param_dtype", "bf16" if args.device == "cuda" else "fp32", "--vllm_gpu_memory_utilization", "0.3",
         "--save_path", str(out / "final"), "--ckpt_path", str(out / "ckpt"), "--logging_steps", "1",
+        *(["--torch_compile"] if args.compile else []),
     ]  # fmt: skip
 
 
@@ -145,7 +147,7 @@ def main(argv=None) -> dict:
     write_data(args, folder)
     results = {name: run_variant(args, name, model, folder) for name in args.variants}
     report = {"bench": "rl_placement", **versions(), "device": args.device, "config": args.config,
-              "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+              "compile": args.compile, "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
               "variants": results}  # fmt: skip
     print(json.dumps(report))
     return report

@@ -180,7 +180,7 @@ def test_triton_head_kernels_match_the_torch_path_in_float32():
     upstream = torch.randn(300, generator=g)
     results = {}
     for device in ("cpu", "cuda"):
-        h, w = (t.to(device).requires_grad_() for t in (hidden, weight))
+        h, w = (t.detach().to(device).requires_grad_() for t in (hidden, weight))
         logp, _ = chunked_logprobs(h, w, None, targets.to(device), 0.7, chunk_size=128)
         (logp * upstream.to(device)).sum().backward()
         results[device] = [t.detach().cpu() for t in (logp, h.grad, w.grad)]

@@ -31,7 +31,11 @@ class RolloutConfig:
     top_k: int = arg(-1, help="top-k sampling (-1: off)")
     eval_temperature: float = arg(0.6, help="sampling temperature for evaluation")
     eval_n_samples_per_prompt: int = arg(4, help="samples per prompt for evaluation")
-    vllm_num_engines: int | None = arg(None, help="rollout engines (one per device group); one in local mode")
+    vllm_num_engines: int | None = arg(
+        None,
+        help="rollout engines on devices of their own, a multiple of the policy workers (with "
+        "--colocate_all_models: one per policy worker, sharing its device); unset: one per policy worker",
+    )
     vllm_tensor_parallel_size: int = arg(
         1, help="devices per engine (Ray mode; local mode runs one engine on one device)"
     )
@@ -41,12 +45,12 @@ class RolloutConfig:
     vllm_generate_batch_size: int | None = arg(None, help="max sequences the engine decodes together")
     vllm_sync_backend: str = arg(
         "nccl",
-        help="weight sync backend: engines sit with the policy ranks and gather weights over the training "
-        "process group (nccl on CUDA; on CPU only gloo exists and is used)",
+        help="weight sync backend: colocated engines gather weights over the training process group, "
+        "separate engines receive a bucketed broadcast (nccl on CUDA; on CPU only gloo exists and is used)",
         choices=("nccl", "gloo"),
     )
     vllm_sync_with_ray: bool = arg(
-        False, help="not supported: engines are colocated, weights are copied in process"
+        False, help="not supported: weights travel over torch process groups (NCCL/gloo), not Ray"
     )
     vllm_enable_sleep: bool = arg(False, help="free the engine's KV cache while training (colocated models)")
     enforce_eager: bool = arg(False, help="run the engine without CUDA graphs")
