@@ -58,6 +58,9 @@ CONFIGS = {
     "rpp_baseline": ["--advantage_estimator", "reinforce_baseline", "--init_kl_coef", "0.05", "--kl_target",
                      "0.01", "--normalize_reward", "--colocate_actor_ref"],
     # a sharded critic, dynamic micro-batches (equalised across ranks)
+    # DAPO dynamic sampling: 1 process drops the filtered groups, 2 processes mask them out
+    "grpo_filter": ["--advantage_estimator", "group_norm", "--init_kl_coef", "0", "--dynamic_filtering",
+                    "--dynamic_filtering_reward_range", "0.3", "0.6"],
     # separate engines: 1 process drives 2 engine processes, 2 processes drive one each
     "grpo_engines": ["--advantage_estimator", "group_norm", "--init_kl_coef", "0", "--vllm_num_engines", "2"],
     "gae": ["--advantage_estimator", "gae", "--init_kl_coef", "0", "--critic_learning_rate", "2e-3",
@@ -82,7 +85,9 @@ def test_two_processes_match_one(tiny_qwen2, rl_data, tmp_path, dist):
         two = dist.result(tmp_path / f"{name}2.json")
         assert len(two["history"]) == 3
         assert any(h["policy/loss"] != 0.0 for h in one[name])
-        keys = KEYS + (("critic/loss",) if name == "gae" else ())
+        keys = KEYS + {"gae": ("critic/loss",), "grpo_filter": ("grad_norm", "dynamic_filter/kept")}.get(
+            name, ()
+        )
         dist.assert_steps_match(one[name], two["history"], keys)
         assert len(two["syncs"]) == 3 and all(s == [] for s in two["syncs"]), two["syncs"]
 

@@ -117,10 +117,5 @@ def check_data_parallel(run, world: World, num_eval_prompts: int | None) -> None
     ):
         if value % w:
             raise ConfigError(f"--{flag} {value} must be divisible by the {w} processes")
-    if run.rl.dynamic_filtering:
-        raise ConfigError(
-            "--dynamic_filtering keeps a different number of samples on each process, which the "
-            "data-parallel update cannot balance yet: run it with one process"
-        )
     if num_eval_prompts is not None and num_eval_prompts < w:
         raise ConfigError(f"--eval_dataset has {num_eval_prompts} prompts, fewer than the {w} processes")

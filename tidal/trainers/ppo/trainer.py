@@ -22,7 +22,7 @@ from tidal.checkpoint import LoopState, latest_checkpoint, load_checkpoint, save
 from tidal.data import step_batches
 from tidal.distributed.collectives import mean_over_world, world_masked_mean
 from tidal.distributed.offload import offload_to_cpu, reload_to_device
-from tidal.distributed.world import World
+from tidal.distributed.world import World, all_reduce_sum
 from tidal.experience.maker import forward_logprobs, forward_values, shape_rewards
 from tidal.logging import MetricsLogger, ProgressBar, get_logger
 from tidal.trainers.loop import Optimization
@@ -128,11 +128,9 @@ class PPOTrainer:
         exp = exp.to(self.world.device)
         stats = rollout_stats(exp)
         if run.rl.dynamic_filtering:
-            keep = dynamic_filter_mask(exp.scores, self.n, *run.rl.dynamic_filtering_reward_range)
-            stats["dynamic_filter/kept"] = float(keep.float().mean())
-            if not keep.any():
+            exp = self._dynamic_filter(exp, stats)
+            if exp is None:
                 return None, stats
-            exp = exp.select(keep.nonzero().squeeze(-1).cpu())
         moments = world_moments(self.moments, self.world)  # normalise with every rank's rewards
         exp.rewards = shape_rewards(exp, run.rl, run.rollout.generate_max_len, moments)
         micro, packing, max_tokens = self._scoring_shape()
@@ -151,6 +149,19 @@ class PPOTrainer:
         exp = add_world_advantages(exp, run.rl, self.n, self.kl_ctl.value, self.world)
         # Ranks hold equal shares, so the mean of their means is the batch mean.
         return exp, mean_over_world(stats | experience_stats(exp), self.world)
+
+    def _dynamic_filter(self, exp, stats: dict):
+        """DAPO dynamic sampling: drop groups whose mean score is outside the range; None if no rank
+        kept any. With several processes every rank must run the same sharded forwards, so dropped
+        samples stay in the batch with no action tokens: they add no loss and are not counted."""
+        keep = dynamic_filter_mask(exp.scores, self.n, *self.run.rl.dynamic_filtering_reward_range)
+        stats["dynamic_filter/kept"] = float(keep.float().mean())
+        if all_reduce_sum(int(keep.sum()), self.world) == 0:
+            return None
+        if self.world.distributed:
+            exp.action_mask = exp.action_mask * keep[:, None].to(exp.action_mask)
+            return exp
+        return exp.select(keep.nonzero().squeeze(-1).cpu())
 
     def update(self, exp, step: int) -> dict[str, float]:
         """PPO epochs for the critic, then the policy (unless still frozen); adapts the KL coefficient."""
