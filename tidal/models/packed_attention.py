@@ -36,6 +36,9 @@ def varlen_kernel_available() -> bool:
     return True
 
 
+_VARLEN_PARAMS: frozenset[str] | None = None  # varlen_attn's parameter names, set by register()
+
+
 @cache
 def register() -> None:
     """Register ``tidal_varlen`` with transformers (once per process)."""
@@ -44,6 +47,8 @@ def register() -> None:
 
     AttentionInterface.register(VARLEN, varlen_attention_forward)
     AttentionMaskInterface.register(VARLEN, _mask)
+    global _VARLEN_PARAMS
+    _VARLEN_PARAMS = _varlen_params()  # read as a plain global where torch.compile traces _varlen
 
 
 def enable_varlen_attention(model: nn.Module, force: bool = False) -> bool:
@@ -121,7 +126,7 @@ def _varlen(q, k, v, cu: torch.Tensor, max_len: int, scaling: float | None) -> t
     """Causal varlen flash attention; adapts to the ``varlen_attn`` signature of the installed torch."""
     from torch.nn.attention.varlen import varlen_attn
 
-    params = _varlen_params()
+    params = _VARLEN_PARAMS if _VARLEN_PARAMS is not None else _varlen_params()
     extra: dict = {}
     if "window_size" in params:
         extra["window_size"] = (-1, 0)  # (-1, 0) means causal
