@@ -3,6 +3,7 @@ process that fails says so; a run with separate engines matches one with the col
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ from tidal.trainers.ppo import remote_rollout
 from tidal.trainers.ppo.engines import EngineSpec, engine_config, start_process_engines
 from tidal.trainers.ppo.remote_rollout import RemoteRollout
 
-REWARD = Path(__file__).resolve().parents[2] / "examples" / "reward_func.py"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+REWARD, AGENT = EXAMPLES / "reward_func.py", EXAMPLES / "agent_func.py"
 
 
 def test_plan_buckets_keeps_order_and_size():
@@ -69,3 +71,35 @@ def test_an_engine_that_cannot_start_says_why(tmp_path):
                       RLModelsConfig(), False, 1)  # fmt: skip
     with pytest.raises(RuntimeError, match=r"engine process \d+ \(cpu\) failed:(.|\n)*missing"):
         start_process_engines(spec, 1, devices=["cpu"])
+
+
+def test_separate_engine_run_matches_the_colocated_run(tiny_qwen2, tmp_path):
+    """A multi-turn agent (run in the engine process), a LoRA policy (adapters merged for each sync) and
+    evaluation: the run with a separate engine process takes the same steps as with the local engine."""
+    from tidal.cli.train_ppo import parse_run
+    from tidal.trainers.ppo import run_ppo
+
+    with (tmp_path / "prompts.jsonl").open("w") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": f"{i % 10}+{i % 3}=", "label": str(i % 10 + i % 3)}) + "\n")
+    histories = {}
+    for name, extra in (("local", []), ("separate", ["--vllm_num_engines", "1"])):
+        out = tmp_path / name
+        histories[name] = run_ppo(parse_run([
+            "--pretrain", str(tiny_qwen2), "--prompt_data", str(tmp_path / "prompts.jsonl"), "--input_key", "prompt",
+            "--label_key", "label", "--agent_func_path", str(AGENT), "--eval_dataset", str(tmp_path / "prompts.jsonl"),
+            "--eval_steps", "2", "--eval_n_samples_per_prompt", "2", "--advantage_estimator", "rloo",
+            "--n_samples_per_prompt", "2", "--rollout_batch_size", "8", "--train_batch_size", "16",
+            "--micro_train_batch_size", "8", "--generate_max_len", "4", "--prompt_max_len", "8", "--lora_rank", "4",
+            "--lora_alpha", "8", "--actor_learning_rate", "5e-3", "--lr_warmup_ratio", "0", "--init_kl_coef", "0",
+            "--seed", "5", "--save_path", str(out / "final"), "--ckpt_path", str(out / "ckpt"), *extra,
+        ]))  # fmt: skip
+    local, separate = histories["local"], histories["separate"]
+    assert len(local) == len(separate) == 2
+    for a, b in zip(local, separate, strict=True):
+        for key in ("reward", "score", "response_length", "policy/loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (key, a[key], b[key])
+    metrics = [
+        json.loads(line) for line in (tmp_path / "separate/final/run/metrics.jsonl").read_text().splitlines()
+    ]
+    assert any("eval/reward" in m for m in metrics)
