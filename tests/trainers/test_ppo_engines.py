@@ -103,3 +103,30 @@ def test_separate_engine_run_matches_the_colocated_run(tiny_qwen2, tmp_path):
         json.loads(line) for line in (tmp_path / "separate/final/run/metrics.jsonl").read_text().splitlines()
     ]
     assert any("eval/reward" in m for m in metrics)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_nccl_sync_from_gpu0_to_an_engine_on_gpu1(tiny_qwen2):
+    """The policy on cuda:0 broadcasts (NCCL, bf16 buckets) to a bf16 engine process on cuda:1; the engine
+    then holds exactly what a local bf16 engine loads from the same policy."""
+    cfg = RolloutConfig(generate_max_len=4, prompt_max_len=8)
+    models = RLModelsConfig(remote_rm_url=str(REWARD))
+    spec = EngineSpec(str(tiny_qwen2), ModelConfig(pretrain=str(tiny_qwen2)), engine_config(cfg, "auto", 0),
+                      models, False, 1)  # fmt: skip
+    tokenizer = load_tokenizer(str(tiny_qwen2))
+    engines = start_process_engines(spec, 1)  # the GPU after this process's: cuda:1
+    rollout = RemoteRollout(engines, tokenizer, cfg, models, torch.device("cuda:0"), tokenizer.pad_token_id)
+    try:
+        policy = AutoModelForCausalLM.from_pretrained(tiny_qwen2).cuda()
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        rollout.sync_weights(policy)
+        expected = LLMEngine(tiny_qwen2, EngineConfig(device="cuda:0", num_kv_blocks=4))
+        expected.update_weights(policy.named_parameters())
+        (actual,) = rollout.engine_parameters()
+        for name, p in expected.model.named_parameters():
+            assert torch.equal(actual[name], p.cpu()), name
+    finally:
+        rollout.close()
