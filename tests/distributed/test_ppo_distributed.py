@@ -97,8 +97,13 @@ def test_placement_flags_fail_clearly(tiny_qwen2, rl_data, tmp_path):
     cases = [
         (["--vllm_tensor_parallel_size", "2"], "--vllm_tensor_parallel_size"),
         (["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1"], "--vllm_num_engines"),
-        (["--actor_num_gpus_per_node", "2", "--critic_num_gpus_per_node", "4"], "--critic_num_nodes"),
-        (["--actor_num_gpus_per_node", "2", "--init_kl_coef", "0.1"], "--colocate_actor_ref"),
+        (["--actor_num_gpus_per_node", "2", "--critic_num_gpus_per_node", "4", "--advantage_estimator", "gae"],
+         "--critic_num_nodes"),
+        # a colocated role is 1x1 or the actor's size; separate ones come in multiples of the workers
+        (["--actor_num_gpus_per_node", "2", "--init_kl_coef", "0.1", "--ref_num_gpus_per_node", "3",
+          "--colocate_actor_ref"], "--ref_num_nodes"),
+        (["--actor_num_gpus_per_node", "2", "--init_kl_coef", "0.1", "--ref_num_gpus_per_node", "3"],
+         "multiple of 2"),
         # separate engines: the same number per policy worker, and nothing to sleep for
         (["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "3"], "multiple of 2"),
         (["--vllm_num_engines", "1", "--vllm_enable_sleep"], "--vllm_enable_sleep"),

@@ -77,12 +77,14 @@ def test_two_workers_on_two_nodes_run_grpo(cluster, tiny_qwen2, tmp_path, monkey
     wait_released(2)
 
 
-def test_separate_engines_are_actors_of_their_own(cluster, tiny_qwen2, tmp_path):
-    """2 policy workers and 2 engine actors (bundles of their own, on a third node): weights reach the
-    engines by broadcast over each worker's sync group (gloo), and training completes."""
-    cluster.add_node(num_cpus=2, num_gpus=0)
+def test_separate_engines_and_reference_are_actors_of_their_own(cluster, tiny_qwen2, tmp_path):
+    """2 policy workers, 2 engine actors and 2 reference actors (bundles of their own, on a third node):
+    weights reach the engines by broadcast over each worker's sync group (gloo), reference log-probs
+    come from the reference actors, and training completes."""
+    cluster.add_node(num_cpus=4, num_gpus=0)
     cluster.wait_for_nodes()
-    history = ppo_main(grpo_flags(tiny_qwen2, tmp_path) + ["--vllm_num_engines", "2"])
+    extra = ["--vllm_num_engines", "2", "--ref_num_gpus_per_node", "2", "--init_kl_coef", "0.01"]
+    history = ppo_main(grpo_flags(tiny_qwen2, tmp_path) + extra)
     assert [h["step"] for h in history] == [1, 2]
-    assert all("policy/loss" in h and h["time/sync_weights"] > 0 for h in history)
-    wait_released(4)
+    assert all("policy/loss" in h and "kl" in h and h["time/sync_weights"] > 0 for h in history)
+    wait_released(6)

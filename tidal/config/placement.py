@@ -1,17 +1,23 @@
 """Where RL roles run: the seed's Ray placement flags.
 
-Local mode (all counts 1, the default): one process, every role and one rollout engine share its
-device (the hybrid engine). With ``--actor_num_nodes x --actor_num_gpus_per_node`` > 1, ``tidal
-ppo`` starts that many data-parallel policy workers as Ray actors, one per placement-group bundle
-(a GPU, or on a machine without GPUs a CPU, so ``*_num_gpus_per_node`` then counts CPU worker
-processes). Each worker holds its shard of the policy, its own rollout engine, and full copies of
-the reference and reward models (and its critic shard): they always live with the policy ranks, so
-the colocation flags must say so. ``check_placement`` rejects what this design cannot honour.
+Local mode (all counts 1, the default): one process; every role and one rollout engine share its
+device (the hybrid engine). With ``--actor_num_nodes x --actor_num_gpus_per_node`` = T > 1, ``tidal
+ppo`` starts T data-parallel policy workers as Ray actors, one per placement-group bundle (a GPU,
+or on a machine without GPUs a CPU, so ``*_num_gpus_per_node`` then counts CPU worker processes);
+torchrun starts them itself. Each worker holds its shard of the policy (and critic).
 
-Rollout engines sit with the policy workers (one each) unless ``--vllm_num_engines E`` is given
-without ``--colocate_all_models``: then every policy worker drives ``E / T`` engines of its own on
-separate devices (GPUs after the trainers', or CPU processes), and weights reach them by bucketed
-broadcast (``tidal.trainers.ppo.engines``).
+The other roles sit with the policy workers — one engine and full copies of the reference and
+reward models each — unless they are given devices of their own, as in OpenRLHF:
+
+- ``--vllm_num_engines E`` without ``--colocate_all_models``: E engines (T divides E);
+- ``--ref_num_nodes/--ref_num_gpus_per_node`` set without ``--colocate_actor_ref`` or
+  ``--colocate_all_models``: that many reference workers (T divides it);
+- ``--reward_num_nodes/--reward_num_gpus_per_node`` set without ``--colocate_critic_reward`` or
+  ``--colocate_all_models``: that many reward-model workers (T divides it).
+
+Separate workers are child processes of their trainer (GPUs after the trainers', or CPU processes)
+or Ray actors in bundles of their own (``tidal.trainers.ppo.workers``). The critic trains with the
+policy workers. ``check_placement`` rejects what this design cannot honour.
 """
 
 from __future__ import annotations
@@ -27,12 +33,24 @@ class PlacementConfig:
 
     actor_num_nodes: int = arg(1, help="nodes for the policy")
     actor_num_gpus_per_node: int = arg(1, help="devices per node for the policy")
-    ref_num_nodes: int = arg(1, help="nodes for the reference model")
-    ref_num_gpus_per_node: int = arg(1, help="devices per node for the reference model")
-    critic_num_nodes: int = arg(1, help="nodes for the critic")
-    critic_num_gpus_per_node: int = arg(1, help="devices per node for the critic")
-    reward_num_nodes: int = arg(1, help="nodes for the reward model")
-    reward_num_gpus_per_node: int = arg(1, help="devices per node for the reward model")
+    ref_num_nodes: int | None = arg(
+        None, help="nodes for the reference model (unset: with the policy workers)"
+    )
+    ref_num_gpus_per_node: int | None = arg(
+        None, help="devices per node for the reference model (unset: with the policy workers)"
+    )
+    critic_num_nodes: int | None = arg(
+        None, help="nodes for the critic (the critic trains on the policy workers)"
+    )
+    critic_num_gpus_per_node: int | None = arg(
+        None, help="devices per node for the critic (the critic trains on the policy workers)"
+    )
+    reward_num_nodes: int | None = arg(
+        None, help="nodes for the reward model (unset: with the policy workers)"
+    )
+    reward_num_gpus_per_node: int | None = arg(
+        None, help="devices per node for the reward model (unset: with the policy workers)"
+    )
     colocate_actor_ref: bool = arg(False, help="policy and reference share devices")
     colocate_critic_reward: bool = arg(False, help="critic and reward model share devices")
     colocate_all_models: bool = arg(False, help="all models and engines share devices (hybrid engine)")
@@ -48,7 +66,7 @@ class PlacementConfig:
         counts = [self.actor_num_nodes, self.actor_num_gpus_per_node, self.ref_num_nodes, self.ref_num_gpus_per_node,
                   self.critic_num_nodes, self.critic_num_gpus_per_node, self.reward_num_nodes,
                   self.reward_num_gpus_per_node]  # fmt: skip
-        if min(counts) < 1:
+        if min(c for c in counts if c is not None) < 1:
             raise ConfigError("--*_num_nodes and --*_num_gpus_per_node must be >= 1")
 
     @property
@@ -56,12 +74,33 @@ class PlacementConfig:
         return self.actor_num_nodes * self.actor_num_gpus_per_node
 
     def role_size(self, role: str) -> tuple[int, int]:
-        return getattr(self, f"{role}_num_nodes"), getattr(self, f"{role}_num_gpus_per_node")
+        """(nodes, devices per node) of ``role`` (actor, ref, critic, reward); an unset count is 1."""
+        return getattr(self, f"{role}_num_nodes") or 1, getattr(self, f"{role}_num_gpus_per_node") or 1
+
+    def sized(self, role: str) -> bool:
+        return (
+            getattr(self, f"{role}_num_nodes") is not None
+            or getattr(self, f"{role}_num_gpus_per_node") is not None
+        )
+
+    def role_count(self, role: str) -> int:
+        nodes, per_node = self.role_size(role)
+        return nodes * per_node
 
 
 def separate_engines(p: PlacementConfig, vllm_num_engines: int | None) -> bool:
     """Engines on devices of their own (``--vllm_num_engines`` without ``--colocate_all_models``)."""
     return vllm_num_engines is not None and not p.colocate_all_models
+
+
+def separate_reference(p: PlacementConfig) -> bool:
+    """Reference workers on devices of their own (sized, and not colocated with the policy)."""
+    return p.sized("ref") and not (p.colocate_actor_ref or p.colocate_all_models)
+
+
+def separate_reward(p: PlacementConfig) -> bool:
+    """Reward-model workers on devices of their own (sized, and not colocated)."""
+    return p.sized("reward") and not (p.colocate_critic_reward or p.colocate_all_models)
 
 
 def check_placement(
@@ -78,13 +117,6 @@ def check_placement(
             f"--vllm_tensor_parallel_size {vllm_tensor_parallel_size}: tidal's rollout engine runs on one "
             "device per policy worker; tensor-parallel engines are not supported (use 1)"
         )
-    actor = p.role_size("actor")
-    for role in ("ref", "critic", "reward"):
-        if p.role_size(role) not in ((1, 1), actor):
-            raise ConfigError(
-                f"--{role}_num_nodes/--{role}_num_gpus_per_node {p.role_size(role)}: the {role} model lives "
-                f"on the policy workers, so its size must be 1x1 or the actor's {actor[0]}x{actor[1]}"
-            )
     w = p.actor_world_size
     if separate_engines(p, vllm_num_engines):
         check_separate_engines(p, vllm_num_engines, w)
@@ -93,23 +125,24 @@ def check_placement(
             f"--vllm_num_engines {vllm_num_engines} with --colocate_all_models: each of the {w} policy "
             f"workers runs one engine on its own device; set --vllm_num_engines {w} (or leave it unset)"
         )
-    if w == 1:
-        return
-    separate = {
-        "reference": needs_reference and not (p.colocate_all_models or p.colocate_actor_ref),
-        "critic": needs_critic and not p.colocate_all_models,
-        "reward model": has_reward_model and not p.colocate_all_models,
-    }
-    for role, bad in separate.items():
-        if bad:
-            flags = (
-                "--colocate_actor_ref or --colocate_all_models"
-                if role == "reference"
-                else "--colocate_all_models"
-            )
+    actor = p.role_size("actor")
+    separate = {"ref": separate_reference(p) and needs_reference, "critic": False,
+                "reward": separate_reward(p) and has_reward_model}  # fmt: skip
+    for role, needed in (("ref", needs_reference), ("critic", needs_critic), ("reward", has_reward_model)):
+        if not needed or not p.sized(role):
+            continue
+        count = p.role_count(role)
+        if separate[role] and count % w:
             raise ConfigError(
-                f"a separately placed {role} is not supported with {w} policy workers: it runs on the "
-                f"policy workers; pass {flags}"
+                f"--{role}_num_nodes x --{role}_num_gpus_per_node = {count}: each of the {w} policy workers "
+                f"drives the same number of {role} workers on devices of their own, so it must be a "
+                f"multiple of {w}"
+            )
+        if not separate[role] and p.role_size(role) not in ((1, 1), actor):
+            where = "trains on" if role == "critic" else "is colocated with"
+            raise ConfigError(
+                f"--{role}_num_nodes/--{role}_num_gpus_per_node {p.role_size(role)}: the {role} model {where} "
+                f"the policy workers, so its size must be 1x1 or the actor's {actor[0]}x{actor[1]}"
             )
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 
-from tidal.config.placement import separate_engines
 from tidal.logging import get_logger
 
 log = get_logger(__name__)
@@ -26,38 +25,42 @@ def wants_ray(run) -> bool:
     return run.placement.actor_world_size > 1 and not launched_by_torchrun()
 
 
-def _rank_main(run, engine_actors=None) -> list[dict]:
+def _rank_main(run, ray_actors=None) -> list[dict]:
     from tidal.trainers.ppo.setup import run_ppo
 
-    return run_ppo(run, engine_actors=engine_actors)
+    return run_ppo(run, ray_actors=ray_actors)
 
 
 def run_ppo_ray(run) -> list[dict]:
-    """Train with ``actor_num_nodes x actor_num_gpus_per_node`` data-parallel workers on Ray; separate
-    engines (``--vllm_num_engines`` without ``--colocate_all_models``) get bundles of their own."""
+    """Train with ``actor_num_nodes x actor_num_gpus_per_node`` data-parallel workers on Ray; roles on
+    devices of their own (engines, reference, reward models) get actor groups and bundles of their own."""
     from tidal.distributed.ray_group import RayWorkerGroup
+    from tidal.trainers.ppo.roles import role_totals
 
     world_size = run.placement.actor_world_size
     with contextlib.ExitStack() as stack:
-        rank_args = None
-        if separate_engines(run.placement, run.rollout.vllm_num_engines):
-            engines = stack.enter_context(_engine_group(run))
-            per_rank = len(engines.actors) // world_size
-            rank_args = [(engines.actors[r * per_rank : (r + 1) * per_rank],) for r in range(world_size)]
+        rank_actors: list[dict] = [{} for _ in range(world_size)]
+        for role, total in role_totals(run).items():
+            if total:
+                actors = stack.enter_context(_role_group(run, role, total)).actors
+                per_rank = total // world_size
+                for r in range(world_size):
+                    rank_actors[r][role] = actors[r * per_rank : (r + 1) * per_rank]
         group = stack.enter_context(RayWorkerGroup(world_size))
         nodes = {node for node, _ in group.nodes}
         log.info("Ray mode: %d policy workers (%s each) on %d node(s); rank 0 at %s", world_size,
                  group.resources, len(nodes), group.nodes[0][1])  # fmt: skip
-        return group.run(_rank_main, run, rank_args=rank_args)[0]
+        return group.run(_rank_main, run, rank_args=[(a,) for a in rank_actors])[0]
 
 
-def _engine_group(run):
-    """One Ray actor per separate rollout engine, each in a bundle of its own (a GPU, or a CPU)."""
+def _role_group(run, role: str, count: int):
+    """One Ray actor per worker of ``role``, each in a bundle of its own (a GPU, or a CPU)."""
     from tidal.distributed.ray_group import RayWorkerGroup
-    from tidal.trainers.ppo.engines import EngineActor, engine_spec
+    from tidal.trainers.ppo.roles import role_spec
+    from tidal.trainers.ppo.workers import WorkerActor
 
-    group = RayWorkerGroup(run.rollout.vllm_num_engines, name="tidal-engine", actor_cls=EngineActor,
-                           init_args=(engine_spec(run),))  # fmt: skip
-    log.info("Ray mode: %d rollout engines (%s each) on %d node(s)", len(group.actors), group.resources,
+    name = "tidal-" + role.replace(" ", "-")
+    group = RayWorkerGroup(count, name=name, actor_cls=WorkerActor, init_args=role_spec(run, role))
+    log.info("Ray mode: %d %s workers (%s each) on %d node(s)", count, role, group.resources,
              len({node for node, _ in group.nodes}))  # fmt: skip
     return group

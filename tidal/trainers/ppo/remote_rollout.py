@@ -38,7 +38,7 @@ def _split(count: int, parts: int) -> list[tuple[int, int]]:
 
 
 class RemoteRollout(Rollout):
-    """Drives ``engines`` (``ProcessEngine`` or ``RayEngine`` handles); see the module docstring."""
+    """Drives ``engines`` (``tidal.trainers.ppo.workers`` handles); see the module docstring."""
 
     def __init__(self, engines: list, tokenizer, cfg: RolloutConfig, models: RLModelsConfig,
                  device: torch.device, pad_id: int, reward_models=None):  # fmt: skip
@@ -99,3 +99,4 @@ class RemoteRollout(Rollout):
     def close(self) -> None:
         for e in self.engines:
             e.close()
+        super().close()

@@ -98,7 +98,11 @@ class Rollout:
         return self.reward_source(queries, [t.prompt for t in trajectories], labels)
 
     def close(self) -> None:
-        """Release engines that live outside this process (nothing for a local engine)."""
+        """Release workers outside this process: reward models on devices of their own (and, in
+        ``RemoteRollout``, the engines)."""
+        close = getattr(self.reward_models, "close", None)
+        if close is not None:
+            close()
 
 
 class LocalRollout(Rollout):

@@ -11,8 +11,6 @@ import dataclasses
 import torch
 from torch import nn
 
-from tidal.config import ModelConfig
-from tidal.config.placement import separate_engines
 from tidal.data import build_prompt_samples, load_dataset_spec
 from tidal.distributed import World, init_world
 from tidal.logging import get_logger
@@ -23,9 +21,15 @@ from tidal.rewards.models import RewardModels
 from tidal.trainers.common import build_optimization, seed_everything
 from tidal.trainers.ppo.config import PPORun
 from tidal.trainers.ppo.data_parallel import DataParallelRollout, check_data_parallel
-from tidal.trainers.ppo.engines import RayEngine, engine_spec, start_process_engines
+from tidal.trainers.ppo.frozen_roles import (
+    LocalReference,
+    RemoteReference,
+    RemoteRewardModels,
+    frozen_copy_config,
+)
 from tidal.trainers.ppo.ray_mode import run_ppo_ray, wants_ray
 from tidal.trainers.ppo.remote_rollout import RemoteRollout
+from tidal.trainers.ppo.roles import start_workers, worker_counts
 from tidal.trainers.ppo.rollout import LocalRollout
 from tidal.trainers.ppo.trainer import PPOParts, PPOTrainer
 
@@ -42,13 +46,6 @@ def load_prompts(run: PPORun, tokenizer, spec: str, probs, split: str, max_sampl
     return prompts
 
 
-def frozen_copy_config(cfg: ModelConfig, path: str) -> ModelConfig:
-    """A frozen role (reference, reward model) loads ``path`` in full precision without LoRA."""
-    return dataclasses.replace(
-        cfg, pretrain=path, lora_rank=0, load_in_4bit=False, gradient_checkpointing=False
-    )
-
-
 def total_update_steps(run: PPORun, num_prompts: int) -> int:
     rollouts = (num_prompts // run.rollout.rollout_batch_size) * run.models.num_episodes
     samples = run.rollout.rollout_batch_size * run.rollout.n_samples_per_prompt
@@ -56,40 +53,49 @@ def total_update_steps(run: PPORun, num_prompts: int) -> int:
     return max(rollouts * per_rollout, 1)
 
 
-def build_parts(
-    run: PPORun, world: World, tokenizer, steps: int, engine_actors: list | None = None
-) -> PPOParts:
+def build_parts(run: PPORun, world: World, tokenizer, steps: int, ray_actors: dict | None = None) -> PPOParts:
+    """The policy (and critic) on this device, and each other role here or on separate workers:
+    started here as child processes, or the Ray actors the driver placed for this rank."""
     device = world.device
     actor_model = load_causal_lm(run.model, device)
     actor_optim = dataclasses.replace(run.optim, learning_rate=run.models.actor_learning_rate)
     actor = build_optimization(actor_model, run.model, actor_optim, run.dist, world, steps)
-    reference = None
-    if run.rl.needs_reference:
-        reference = load_causal_lm(frozen_copy_config(run.model, run.model.pretrain), device).eval()
-        reference.requires_grad_(False)
     critic = None
     if run.rl.needs_critic:
         critic_cfg = dataclasses.replace(run.model, pretrain=run.critic_source)
         critic_model = load_value_model(critic_cfg, device, run.models.value_head_prefix)
         critic_optim = dataclasses.replace(run.optim, learning_rate=run.models.critic_learning_rate)
         critic = build_optimization(critic_model, critic_cfg, critic_optim, run.dist, world, steps)
-    rollout = build_rollout(run, world, tokenizer, engine_actors)
+    workers = start_workers(run, world.world_size, ray_actors)
+    try:
+        reference = build_reference(run, device, actor.precision, workers["reference"])
+        rollout = build_rollout(run, world, tokenizer, workers)
+    except BaseException:
+        for handles in workers.values():
+            for w in handles:
+                w.close()
+        raise
     return PPOParts(actor, critic, reference, rollout, tokenizer)
 
 
-def build_rollout(run: PPORun, world: World, tokenizer, engine_actors: list | None = None):
-    """The engine on this device (``LocalRollout``), or this rank's separate engines (``RemoteRollout``):
-    Ray actors the driver placed (``engine_actors``), else child processes started here."""
+def build_reference(run: PPORun, device: torch.device, precision: Precision, workers: list):
+    if not run.rl.needs_reference:
+        return None
+    if workers:
+        return RemoteReference(workers)
+    model = load_causal_lm(frozen_copy_config(run.model, run.model.pretrain), device).eval()
+    return LocalReference(model.requires_grad_(False), precision, device, run.models.ref_reward_offload)
+
+
+def build_rollout(run: PPORun, world: World, tokenizer, workers: dict[str, list]):
+    """The engine on this device (``LocalRollout``) or this rank's separate engines (``RemoteRollout``)."""
     device, pad_id = world.device, tokenizer.pad_token_id
-    reward_models = build_reward_models(run, device)
-    if separate_engines(run.placement, run.rollout.vllm_num_engines):
-        if engine_actors is None:
-            engines = start_process_engines(
-                engine_spec(run), run.rollout.vllm_num_engines // world.world_size
-            )
-        else:
-            engines = [RayEngine(actor) for actor in engine_actors]
-        rollout = RemoteRollout(engines, tokenizer, run.rollout, run.models, device, pad_id, reward_models)
+    reward_models = RemoteRewardModels(workers["reward model"]) if workers["reward model"] else None
+    reward_models = reward_models or build_reward_models(run, device)
+    if workers["engine"]:
+        rollout = RemoteRollout(
+            workers["engine"], tokenizer, run.rollout, run.models, device, pad_id, reward_models
+        )
     else:
         rollout = LocalRollout(run.model.pretrain, tokenizer, run.rollout, run.models, device, pad_id,
                                run.data.apply_chat_template, run.train.seed, reward_models=reward_models)  # fmt: skip
@@ -116,22 +122,20 @@ def build_reward_models(run: PPORun, device: torch.device) -> RewardModels | Non
 
 def log_local_mode(run: PPORun, world: World) -> None:
     """Say once how the roles are placed: local mode (all counts 1) or data-parallel processes."""
-    engines = (
-        f"{run.rollout.vllm_num_engines // world.world_size} rollout engine(s) on devices of their own"
-        if separate_engines(run.placement, run.rollout.vllm_num_engines)
-        else "one rollout engine on the same device"
-    )
+    counts = worker_counts(run, world.world_size)
+    separate = ", ".join(f"{n} {role} worker(s)" for role, n in counts.items() if n)
+    where = f"; on devices of their own: {separate}" if separate else ""
     if world.distributed:
-        log.info("data parallel: process %d of %d, each with a policy shard, frozen roles and %s",
-                 world.rank, world.world_size, engines)  # fmt: skip
+        log.info("data parallel: process %d of %d on %s with a policy shard and the colocated roles%s",
+                 world.rank, world.world_size, world.device, where)  # fmt: skip
     else:
-        log.info("local mode: every model on %s, %s", world.device, engines)
+        log.info("local mode: the policy and the colocated roles on %s%s", world.device, where)
 
 
-def run_ppo(run: PPORun, world: World | None = None, engine_actors: list | None = None) -> list[dict]:
+def run_ppo(run: PPORun, world: World | None = None, ray_actors: dict | None = None) -> list[dict]:
     """Train a policy with RL as configured; returns per-rollout metrics (rank 0's in Ray mode).
 
-    ``engine_actors``: in Ray mode, this rank's separate engines (actors placed by the driver)."""
+    ``ray_actors``: in Ray mode, this rank's separate workers per role (actors the driver placed)."""
     if world is None and wants_ray(run):
         return run_ppo_ray(run)
     world = world or init_world()
@@ -149,9 +153,11 @@ def run_ppo(run: PPORun, world: World | None = None, engine_actors: list | None 
     evals = load_prompts(run, tokenizer, d.eval_dataset, None, d.eval_split, None) if d.eval_dataset else None
     check_data_parallel(run, world, len(evals) if evals is not None else None)
     log_local_mode(run, world)
-    parts = build_parts(run, world, tokenizer, total_update_steps(run, len(prompts)), engine_actors)
+    parts = build_parts(run, world, tokenizer, total_update_steps(run, len(prompts)), ray_actors)
     log.info("RL (%s): %d prompts, device %s", run.rl.advantage_estimator, len(prompts), world.device)
     try:
         return PPOTrainer(run, parts, prompts, evals, world).fit()
     finally:
         parts.rollout.close()
+        if parts.reference is not None:
+            parts.reference.close()

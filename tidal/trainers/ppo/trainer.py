@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from tidal.algorithms import dynamic_filter_mask, make_kl_controller, masked_mean
 from tidal.algorithms.rewards import RunningMoments
@@ -40,7 +39,7 @@ class PPOParts:
 
     actor: Optimization
     critic: Optimization | None
-    reference: nn.Module | None
+    reference: object | None  # LocalReference or RemoteReference (tidal.trainers.ppo.frozen_roles)
     rollout: object  # LocalRollout or a distributed rollout with generate / sync_weights / sleep
     tokenizer: object
 
@@ -139,10 +138,7 @@ class PPOTrainer:
             actor.model, exp, micro, packing, temperature, actor.precision, max_tokens
         )
         if self.parts.reference is not None:
-            with _on_device(self.parts.reference, self.world.device, run.models.ref_reward_offload):
-                exp.ref_logprobs = forward_logprobs(
-                    self.parts.reference, exp, micro, packing, temperature, actor.precision, max_tokens
-                )
+            exp.ref_logprobs = self.parts.reference.logprobs(exp, micro, packing, temperature, max_tokens)
         if self.parts.critic is not None:
             critic = self.parts.critic
             exp.values = forward_values(critic.model, exp, micro, packing, critic.precision, max_tokens)
@@ -287,18 +283,6 @@ class PPOTrainer:
             return
         for part in self._trained_parts().values():
             (reload_to_device if awake else offload_to_cpu)(part)
-
-
-@contextmanager
-def _on_device(model: nn.Module, device: torch.device, offload: bool):
-    """Bring an offloaded frozen model to the device for one use (``--ref_reward_offload``)."""
-    if offload:
-        model.to(device)
-    try:
-        yield
-    finally:
-        if offload:
-            model.to("cpu")
 
 
 def rollout_stats(exp) -> dict[str, float]:

@@ -1,0 +1,174 @@
+"""The reference and reward models on devices of their own (separate workers), or with the policy.
+
+When ``--ref_num_*`` / ``--reward_num_*`` give them devices of their own (``tidal.config.placement``),
+each trainer drives its share of the workers: it splits its samples over them (contiguous rows) and
+collects log-probs or rewards. Both sides keep the interfaces the RL loop already uses:
+
+- a reference answers ``logprobs(exp, micro, packing, temperature, max_tokens)``:
+  ``LocalReference`` (the model on this device, optionally offloaded between uses) or
+  ``RemoteReference`` (``ReferenceWorker`` processes / Ray actors);
+- reward models answer ``rewards(exp) -> RewardResult``: ``tidal.rewards.models.RewardModels``
+  here, or ``RemoteRewardModels`` (``RewardWorker``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from tidal.config import ModelConfig
+from tidal.experience.experience import Experience
+from tidal.experience.maker import forward_logprobs
+from tidal.models.precision import Precision
+from tidal.rewards.base import RewardResult
+
+
+def frozen_copy_config(cfg: ModelConfig, path: str) -> ModelConfig:
+    """A frozen role (reference, reward model) loads ``path`` in full precision without LoRA."""
+    return dataclasses.replace(
+        cfg, pretrain=path, lora_rank=0, load_in_4bit=False, gradient_checkpointing=False
+    )
+
+
+@dataclass
+class FrozenSpec:
+    """A frozen model's worker: the model config(s), precision, device and torch threads (picklable)."""
+
+    models: tuple[ModelConfig, ...]  # one for a reference; one per --reward_pretrain path
+    param_dtype: str
+    device: str = "auto"  # auto: cuda if available (a Ray actor sees its own GPU as cuda:0)
+    num_threads: int = 1
+    value_head_prefix: str = "score"
+    normalize_reward: bool = False
+    micro_size: int = 8
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+def _setup(spec: FrozenSpec) -> torch.device:
+    torch.set_num_threads(spec.num_threads)
+    device = spec.torch_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+class ReferenceWorker:
+    """The reference policy on its own device: per-token log-probs of the experiences it is sent."""
+
+    def __init__(self, spec: FrozenSpec):
+        from tidal.models import load_causal_lm
+
+        self.device = _setup(spec)
+        self.model = load_causal_lm(spec.models[0], self.device).eval().requires_grad_(False)
+        self.precision = Precision.create(spec.param_dtype, self.device)
+
+    def logprobs(self, exp: Experience, micro: int, packing: bool, temperature: float, max_tokens) -> Tensor:
+        exp = exp.to(self.device)
+        out = forward_logprobs(self.model, exp, micro, packing, temperature, self.precision, max_tokens)
+        return out.cpu()
+
+
+class RewardWorker:
+    """Reward models on their own device: the summed score of the experiences it is sent."""
+
+    def __init__(self, spec: FrozenSpec):
+        from tidal.models.value_model import load_value_model
+        from tidal.rewards.models import RewardModels
+
+        device = _setup(spec)
+        models = [
+            load_value_model(cfg, device, spec.value_head_prefix, normalize_reward=spec.normalize_reward)
+            for cfg in spec.models
+        ]  # fmt: skip
+        self.reward_models = RewardModels(models, Precision.create(spec.param_dtype, device), spec.micro_size)
+
+    def rewards(self, exp: Experience) -> RewardResult:
+        return self.reward_models(exp)
+
+
+def _row_splits(count: int, parts: int) -> list[tuple[int, int]]:
+    base, extra = divmod(count, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        stop = start + base + (i < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def _scatter(workers: Sequence, method: str, exp: Experience, *args) -> list:
+    """Send contiguous row slices of ``exp`` (on the CPU, each trimmed to its longest row) to ``workers``;
+    their results in row order."""
+    cpu, busy = exp.to(torch.device("cpu")), []
+    for worker, (start, stop) in zip(workers, _row_splits(len(exp), len(workers)), strict=True):
+        if start < stop:
+            worker.submit(method, cpu.select(torch.arange(start, stop)), *args)
+            busy.append(worker)
+    return [w.result() for w in busy]
+
+
+class LocalReference:
+    """The reference model on this device (``--ref_reward_offload``: in host memory between uses)."""
+
+    def __init__(self, model: nn.Module, precision: Precision, device: torch.device, offload: bool):
+        self.model, self.precision, self.device, self.offload = model, precision, device, offload
+        if offload:
+            model.to("cpu")
+
+    def logprobs(self, exp: Experience, micro: int, packing: bool, temperature: float, max_tokens) -> Tensor:
+        if self.offload:
+            self.model.to(self.device)
+        try:
+            return forward_logprobs(self.model, exp, micro, packing, temperature, self.precision, max_tokens)
+        finally:
+            if self.offload:
+                self.model.to("cpu")
+
+    def close(self) -> None:
+        """Nothing to release: the model lives in this process."""
+
+
+class RemoteReference:
+    """The reference model on this trainer's separate workers (``ReferenceWorker`` handles)."""
+
+    def __init__(self, workers: list):
+        self.workers = workers
+
+    def logprobs(self, exp: Experience, micro: int, packing: bool, temperature: float, max_tokens) -> Tensor:
+        parts = _scatter(self.workers, "logprobs", exp, micro, packing, temperature, max_tokens)
+        width = exp.sequences.shape[1]  # slices come back trimmed: pad them to the batch's width
+        parts = [nn.functional.pad(p, (0, width - p.shape[1])) for p in parts]
+        return torch.cat(parts).to(exp.sequences.device)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+
+
+class RemoteRewardModels:
+    """Reward models on this trainer's separate workers (``RewardWorker`` handles)."""
+
+    def __init__(self, workers: list):
+        self.workers = workers
+
+    def __call__(self, exp: Experience) -> RewardResult:
+        parts: list[RewardResult] = _scatter(self.workers, "rewards", exp)
+        logs = {
+            k: sum(p.extra_logs[k] * len(p.rewards) for p in parts) / len(exp) for k in parts[0].extra_logs
+        }
+        return dataclasses.replace(
+            parts[0], rewards=torch.cat([p.rewards for p in parts]), scores=torch.cat([p.scores for p in parts]),
+            extra_logs=logs,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()

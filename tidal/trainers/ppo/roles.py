@@ -1,0 +1,87 @@
+"""This trainer's separate workers, per role: child processes it starts, or Ray actors from the driver.
+
+``worker_counts`` says how many workers of each role (engine, reference, reward model) every trainer
+drives on devices of their own (``tidal.config.placement``: 0 when the role sits with the policy
+worker). ``role_spec`` is what builds one; ``start_workers`` starts this trainer's share as child
+processes (``tidal.trainers.ppo.workers``), or wraps the Ray actors the driver placed for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tidal.config import ConfigError
+from tidal.config.placement import separate_engines, separate_reference, separate_reward
+from tidal.trainers.ppo.engines import EngineWorker, engine_spec
+from tidal.trainers.ppo.frozen_roles import FrozenSpec, ReferenceWorker, RewardWorker, frozen_copy_config
+from tidal.trainers.ppo.workers import ROLES, ExtraDevices, RayWorker, start_process_workers
+
+FLAGS = {"engine": "--vllm_num_engines", "reference": "--ref_num_nodes x --ref_num_gpus_per_node",
+         "reward model": "--reward_num_nodes x --reward_num_gpus_per_node"}  # fmt: skip
+
+
+def role_totals(run) -> dict[str, int]:
+    """Separate workers of each role in the whole run (0: the role sits with the policy workers)."""
+    p, r = run.placement, run.rollout
+    return {
+        "engine": r.vllm_num_engines if separate_engines(p, r.vllm_num_engines) else 0,
+        "reference": p.role_count("ref") if run.rl.needs_reference and separate_reference(p) else 0,
+        "reward model": p.role_count("reward") if run.models.reward_pretrain and separate_reward(p) else 0,
+    }
+
+
+def worker_counts(run, world_size: int) -> dict[str, int]:
+    """Separate workers of each role per trainer; every trainer drives the same number."""
+    counts = {}
+    for role, total in role_totals(run).items():
+        if total % world_size:
+            raise ConfigError(
+                f"{FLAGS[role]} = {total}: each of the {world_size} policy workers drives the same number of "
+                f"{role} workers, so it must be a multiple of {world_size}"
+            )
+        counts[role] = total // world_size
+    return counts
+
+
+def role_spec(run, role: str):
+    """``(factory, spec)`` building one worker of ``role`` (device "auto" until placed)."""
+    if role == "engine":
+        return EngineWorker, engine_spec(run)
+    threads, dtype = torch.get_num_threads(), run.model.param_dtype
+    if role == "reference":
+        return ReferenceWorker, FrozenSpec((frozen_copy_config(run.model, run.model.pretrain),), dtype,
+                                           num_threads=threads)  # fmt: skip
+    paths = run.models.reward_pretrain.split(",")
+    spec = FrozenSpec(tuple(frozen_copy_config(run.model, p) for p in paths), dtype, num_threads=threads,
+                      value_head_prefix=run.models.value_head_prefix, normalize_reward=run.rl.normalize_reward,
+                      micro_size=run.rollout.micro_rollout_batch_size)  # fmt: skip
+    return RewardWorker, spec
+
+
+def on_device(spec, device: str):
+    if hasattr(spec, "engine"):  # EngineSpec: the device is the engine's setting
+        return dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, device=device))
+    return dataclasses.replace(spec, device=device)
+
+
+def start_workers(run, world_size: int, ray_actors: dict | None = None) -> dict[str, list]:
+    """This trainer's separate workers per role (handles with ``submit`` / ``result`` / ``close``)."""
+    counts = worker_counts(run, world_size)
+    if ray_actors is not None:
+        return {role: [RayWorker(a, role) for a in ray_actors.get(role, [])] for role in ROLES}
+    extra, started = ExtraDevices(counts), {role: [] for role in ROLES}
+    try:
+        for role in ROLES:
+            if counts[role]:
+                factory, spec = role_spec(run, role)
+                devices = extra.devices(role)
+                specs = [on_device(spec, d) for d in devices]
+                started[role] = start_process_workers(factory, specs, role, devices)
+    except BaseException:
+        for workers in started.values():
+            for w in workers:
+                w.close()
+        raise
+    return started
