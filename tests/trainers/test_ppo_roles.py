@@ -63,12 +63,17 @@ def test_which_roles_get_workers_of_their_own(tiny_qwen2, rm_path, prompts, tmp_
     assert counts("--ref_num_gpus_per_node", "4", "--actor_num_gpus_per_node", "2", world=2)["reference"] == 2
     with pytest.raises(ConfigError, match="multiple of 2"):
         counts("--ref_num_gpus_per_node", "3", "--actor_num_gpus_per_node", "2")
+    with pytest.raises(ConfigError, match="--ref_reward_offload"):
+        counts(*SEPARATE, "--ref_reward_offload")  # nothing left to offload
     with pytest.raises(ConfigError, match="--ref_num_nodes x --ref_num_gpus_per_node = 3"):
         counts("--ref_num_gpus_per_node", "3", world=2)  # torchrun: 2 processes, sizes from the flags
 
 
 def test_separate_reference_reward_model_and_engine_match_colocated(tiny_qwen2, rm_path, prompts, tmp_path):
-    local = run_ppo(parse_run(flags(tiny_qwen2, rm_path, prompts, tmp_path / "local")))
+    # the colocated run also keeps its reference and reward model in host memory between uses
+    local = run_ppo(
+        parse_run(flags(tiny_qwen2, rm_path, prompts, tmp_path / "local", "--ref_reward_offload"))
+    )
     separate = run_ppo(parse_run(flags(tiny_qwen2, rm_path, prompts, tmp_path / "separate", *SEPARATE)))
     assert len(local) == len(separate) == 2
     for a, b in zip(local, separate, strict=True):

@@ -13,7 +13,13 @@ from tidal.config import (
     PromptDataConfig,
     TrainConfig,
 )
-from tidal.config.placement import PlacementConfig, check_placement, separate_engines
+from tidal.config.placement import (
+    PlacementConfig,
+    check_placement,
+    separate_engines,
+    separate_reference,
+    separate_reward,
+)
 from tidal.config.rl import RLConfig, RLModelsConfig, RolloutConfig
 from tidal.logging import LoggingConfig
 
@@ -63,6 +69,16 @@ class PPORun:
                 "--vllm_enable_sleep frees a colocated engine's memory for the trainer, but --vllm_num_engines "
                 "without --colocate_all_models puts the engines on devices of their own: drop it, or pass "
                 "--colocate_all_models"
+            )
+        p = self.placement
+        colocated = (self.rl.needs_reference and not separate_reference(p)) or (
+            bool(self.models.reward_pretrain) and not separate_reward(p)
+        )
+        if self.models.ref_reward_offload and not colocated:
+            raise ConfigError(
+                "--ref_reward_offload keeps a reference or reward model that shares the policy's device in host "
+                "memory between uses, but this run has none (no --init_kl_coef > 0 / --reward_pretrain, or "
+                "they run on devices of their own)"
             )
         samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
         if self.train.train_batch_size > samples:
