@@ -80,3 +80,19 @@ def test_separate_reference_reward_model_and_engine_match_colocated(tiny_qwen2, 
         for key in ("reward", "kl", "policy/loss", "grad_norm", "advantages/abs_mean"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (key, a[key], b[key])
     assert separate[-1]["kl"] != 0.0  # the reference took part
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_reference_worker_on_the_second_gpu_matches_the_colocated_reference(
+    tiny_qwen2, rm_path, prompts, tmp_path
+):
+    """Policy on cuda:0, reference worker process on cuda:1 (float32): the same KL and losses as with the
+    reference on cuda:0."""
+    extra = ("--param_dtype", "fp32")
+    local = run_ppo(parse_run(flags(tiny_qwen2, rm_path, prompts, tmp_path / "local", *extra)))
+    separate = run_ppo(parse_run(flags(tiny_qwen2, rm_path, prompts, tmp_path / "sep", *extra,
+                                       "--ref_num_gpus_per_node", "1")))  # fmt: skip
+    for a, b in zip(local, separate, strict=True):
+        for key in ("reward", "kl", "policy/loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (key, a[key], b[key])

@@ -35,6 +35,7 @@ class RewardModels:
 
     @torch.no_grad()
     def __call__(self, exp: Experience) -> RewardResult:
+        exp = exp.to(self.precision.device)  # rollouts arrive on the CPU
         total = torch.zeros(len(exp), dtype=torch.float32)
         per_model = {}
         for i, model in enumerate(self.models):
