@@ -80,11 +80,11 @@ def test_protocol_and_result():
 def test_two_urls_split_the_batch_in_order():
     with RewardServer() as first, RewardServer(reward_offset=100.0) as second:
         result = RemoteReward(f"{first.url},{second.url}")(QUERIES, PROMPTS, LABELS)
-    assert [r["query"] for r in first.requests] == [QUERIES[:2]]
-    assert [r["query"] for r in second.requests] == [QUERIES[2:]]
-    assert [r["labels"] for r in second.requests] == [LABELS[2:]]
-    assert result.rewards.tolist() == [1.0, 2.0, 103.0, 104.0, 105.0]
-    assert result.extra_logs == pytest.approx({"n": (2 * 2 + 3 * 3) / 5})
+    assert [r["query"] for r in first.requests] == [QUERIES[:3]]  # the first range takes the remainder
+    assert [r["query"] for r in second.requests] == [QUERIES[3:]]
+    assert [r["labels"] for r in second.requests] == [LABELS[3:]]
+    assert result.rewards.tolist() == [1.0, 2.0, 3.0, 104.0, 105.0]
+    assert result.extra_logs == pytest.approx({"n": (3 * 3 + 2 * 2) / 5})
 
 
 def test_more_urls_than_samples():

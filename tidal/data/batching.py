@@ -59,3 +59,15 @@ def micro_batches(indices: list[int], micro_batch: int) -> list[list[int]]:
     if micro_batch <= 0:
         raise DataError(f"micro batch size must be positive, got {micro_batch}")
     return [indices[i : i + micro_batch] for i in range(0, len(indices), micro_batch)]
+
+
+def contiguous_splits(count: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ``[start, stop)`` ranges covering ``range(count)``; sizes differ by at most
+    one, the earlier ranges taking the remainder."""
+    base, extra = divmod(count, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        stop = start + base + (i < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds

@@ -67,5 +67,8 @@ def barrier(world: World) -> None:
 
 
 def shutdown(world: World) -> None:
+    """Tear the process group down once every rank got here (a rank destroying it while another
+    still has work in flight can abort the process at exit)."""
     if world.distributed and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()

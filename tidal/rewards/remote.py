@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from tidal.data.batching import contiguous_splits
 from tidal.rewards.base import RewardError, RewardResult, to_reward_result
 
 _RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
@@ -43,7 +44,7 @@ class RemoteReward:
         n = len(queries)
         if len(prompts) != n or len(labels) != n:
             raise ValueError(f"got {n} queries, {len(prompts)} prompts and {len(labels)} labels")
-        chunks = [c for c in _split(n, len(self.urls)) if c[1] > c[0]]
+        chunks = [c for c in contiguous_splits(n, len(self.urls)) if c[1] > c[0]]
         if len(chunks) <= 1:
             parts = [self._score(self.urls[0], queries, prompts, labels)] if chunks else []
         else:
@@ -98,12 +99,6 @@ class RemoteReward:
 
     def __repr__(self) -> str:
         return f"RemoteReward({self.urls!r})"
-
-
-def _split(n: int, k: int) -> list[tuple[int, int]]:
-    """``k`` contiguous [lo, hi) ranges covering ``range(n)``, sizes differing by at most one."""
-    bounds = [i * n // k for i in range(k + 1)]
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
 def _concat(parts: list[RewardResult], sizes: list[int]) -> RewardResult:

@@ -19,6 +19,7 @@ from tidal.algorithms.rewards import RunningMoments, kl_penalized_rewards
 from tidal.config.args import ConfigError
 from tidal.config.placement import check_separate_engines, separate_engines
 from tidal.config.rl import RLConfig
+from tidal.data.batching import contiguous_splits
 from tidal.distributed.collectives import gather_values, world_masked_whiten
 from tidal.distributed.world import World
 from tidal.experience.experience import Experience
@@ -27,9 +28,7 @@ from tidal.experience.maker import add_advantages
 
 def shard_bounds(count: int, world: World) -> tuple[int, int]:
     """This rank's contiguous ``[start, stop)`` of ``count`` items (earlier ranks take the remainder)."""
-    base, extra = divmod(count, world.world_size)
-    start = world.rank * base + min(world.rank, extra)
-    return start, start + base + (world.rank < extra)
+    return contiguous_splits(count, world.world_size)[world.rank]
 
 
 class DataParallelRollout:

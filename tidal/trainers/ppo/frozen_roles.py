@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from tidal.config import ModelConfig
+from tidal.data.batching import contiguous_splits
 from tidal.experience.experience import Experience
 from tidal.experience.maker import forward_logprobs
 from tidal.models.precision import Precision
@@ -94,21 +95,11 @@ class RewardWorker:
         return self.reward_models(exp)
 
 
-def _row_splits(count: int, parts: int) -> list[tuple[int, int]]:
-    base, extra = divmod(count, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        stop = start + base + (i < extra)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
-
-
 def _scatter(workers: Sequence, method: str, exp: Experience, *args) -> list:
     """Send contiguous row slices of ``exp`` (on the CPU, each trimmed to its longest row) to ``workers``;
     their results in row order."""
     cpu, busy = exp.to(torch.device("cpu")), []
-    for worker, (start, stop) in zip(workers, _row_splits(len(exp), len(workers)), strict=True):
+    for worker, (start, stop) in zip(workers, contiguous_splits(len(exp), len(workers)), strict=True):
         if start < stop:
             worker.submit(method, cpu.select(torch.arange(start, stop)), *args)
             busy.append(worker)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tidal.config.rl import RLModelsConfig, RolloutConfig
+from tidal.data.batching import contiguous_splits
 from tidal.data.prompts import PromptSample
 from tidal.distributed.weight_sync import engine_weights, open_sync_group, plan_buckets, send_weights
 from tidal.logging import get_logger
@@ -25,16 +26,6 @@ from tidal.trainers.ppo.rollout import Rollout, check_sync_flags
 log = get_logger(__name__)
 
 BUCKET_BYTES = 256 << 20  # big enough to amortise a collective, small enough to bound peak memory
-
-
-def _split(count: int, parts: int) -> list[tuple[int, int]]:
-    base, extra = divmod(count, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        stop = start + base + (i < extra)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
 
 
 class RemoteRollout(Rollout):
@@ -65,7 +56,7 @@ class RemoteRollout(Rollout):
         return group
 
     def trajectories(self, prompts: Sequence[PromptSample], params: SamplingParams, first_index: int):
-        slices = _split(len(prompts), len(self.engines))
+        slices = contiguous_splits(len(prompts), len(self.engines))
         busy = []
         for e, (start, stop) in zip(self.engines, slices, strict=True):
             if start == stop:
