@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Multi-turn agent RL with asynchronous generation (the seed README's agent command), tiny and on a
 # CPU. examples/agent_func.py gives the model a second try when its first answer is wrong.
+# On GPUs, pass --vllm_num_engines N (without --colocate_all_models) to give the engines GPUs of their
+# own: they then generate the next rollout while the policy trains (docs/distributed.md).
 set -euo pipefail
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$SCRIPT_DIR/tiny_assets.sh"
