@@ -52,6 +52,9 @@ class EngineSpec:
     apply_chat_template: bool
     num_threads: int  # CPU: torch threads of the engine process (the trainer's own count)
 
+    def on_device(self, device: str) -> EngineSpec:
+        return dataclasses.replace(self, engine=dataclasses.replace(self.engine, device=device))
+
 
 def engine_spec(run) -> EngineSpec:
     """A ``PPORun``'s engines: the policy checkpoint, ``--vllm_*`` settings, agent and chat template."""
@@ -111,5 +114,5 @@ def start_process_engines(
     """Start ``count`` engine processes on ``devices`` (default: this trainer's engine devices when it
     has ``count`` of them and no other separate workers); wait until their engines are built."""
     devices = devices or ExtraDevices({"engine": count}).devices("engine")
-    specs = [dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, device=d)) for d in devices]
+    specs = [spec.on_device(d) for d in devices]
     return start_process_workers(EngineWorker, specs, "engine", devices)

@@ -47,6 +47,9 @@ class FrozenSpec:
     normalize_reward: bool = False
     micro_size: int = 8
 
+    def on_device(self, device: str) -> FrozenSpec:
+        return dataclasses.replace(self, device=device)
+
     def torch_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")

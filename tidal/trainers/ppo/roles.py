@@ -2,13 +2,11 @@
 
 ``worker_counts`` says how many workers of each role (engine, reference, reward model) every trainer
 drives on devices of their own (``tidal.config.placement``: 0 when the role sits with the policy
-worker). ``role_spec`` is what builds one; ``start_workers`` starts this trainer's share as child
+worker). ``role_spec`` is what builds one (a spec with ``on_device``); ``start_workers`` starts this trainer's share as child
 processes (``tidal.trainers.ppo.workers``), or wraps the Ray actors the driver placed for it.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
@@ -60,12 +58,6 @@ def role_spec(run, role: str):
     return RewardWorker, spec
 
 
-def on_device(spec, device: str):
-    if hasattr(spec, "engine"):  # EngineSpec: the device is the engine's setting
-        return dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, device=device))
-    return dataclasses.replace(spec, device=device)
-
-
 def start_workers(run, world_size: int, ray_actors: dict | None = None) -> dict[str, list]:
     """This trainer's separate workers per role (handles with ``submit`` / ``result`` / ``close``)."""
     counts = worker_counts(run, world_size)
@@ -77,7 +69,7 @@ def start_workers(run, world_size: int, ray_actors: dict | None = None) -> dict[
             if counts[role]:
                 factory, spec = role_spec(run, role)
                 devices = extra.devices(role)
-                specs = [on_device(spec, d) for d in devices]
+                specs = [spec.on_device(d) for d in devices]
                 started[role] = start_process_workers(factory, specs, role, devices)
     except BaseException:
         for workers in started.values():
