@@ -3,16 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads on a busy 2-core machine (see tests/rollout)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

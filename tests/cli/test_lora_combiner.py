@@ -13,15 +13,6 @@ from tidal.config import ModelConfig
 from tidal.models import apply_lora
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two torch threads on two shared, busy cores run ~50x slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def save_adapters(base, path, task_type):
     """LoRA on ``base`` with random (non-zero) B matrices, saved as a LoRA run saves it."""
     model = apply_lora(base, ModelConfig(pretrain="unused", lora_rank=4, lora_alpha=8), task_type=task_type)

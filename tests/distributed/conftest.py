@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 RUNNER = Path(__file__).with_name("dist_runner.py")
 
@@ -35,15 +34,6 @@ def assert_steps_match(one: list[dict], two: list[dict], keys: tuple[str, ...], 
     for a, b in zip(one, two, strict=True):
         for key in keys:
             assert b[key] == pytest.approx(a[key], rel=tol, abs=tol), (key, a["step"], a[key], b[key])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two torch threads on two shared, busy cores run ~50x slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

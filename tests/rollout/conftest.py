@@ -6,16 +6,6 @@ import pytest
 import torch
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's spinning
-    threads make each matmul up to 100x slower; restore the setting for other test folders."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """``tiny_model(family, seed=0, **config_overrides)`` -> path of a tiny HF folder (built once)."""

@@ -24,15 +24,6 @@ CPU = torch.device("cpu")
 FP32 = Precision.create("fp32", CPU)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two torch threads on two shared, busy cores run ~50x slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def pairs_file(tmp_path_factory):
     """Addition prompts: chosen is the right sum, rejected a wrong one."""

@@ -12,15 +12,6 @@ from tidal.testing import AdditionTask
 from tidal.trainers.kd import run_kd
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two torch threads on two shared, busy cores run ~50x slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def teacher(tiny_llama, tmp_path_factory):
     """A differently initialised model with the student's tokenizer."""

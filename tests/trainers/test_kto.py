@@ -15,15 +15,6 @@ from tidal.testing import AdditionTask
 from tidal.trainers.kto import mismatched, run_kto
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two torch threads on two shared, busy cores run ~50x slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def kto_file(tmp_path_factory):
     """Addition prompts answered correctly (desirable) or off by a few (undesirable), alternating."""

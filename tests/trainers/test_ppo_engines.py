@@ -96,6 +96,9 @@ def test_separate_engine_run_matches_the_colocated_run(tiny_qwen2, tmp_path):
         ]))  # fmt: skip
     local, separate = histories["local"], histories["separate"]
     assert len(local) == len(separate) == 2
+    # a step's wall time covers its phases (generation is synchronous here)
+    phases = ("generate", "make_experience", "train", "sync_weights")
+    assert all(h["time/step"] >= sum(h[f"time/{p}"] for p in phases) for h in separate)
     for a, b in zip(local, separate, strict=True):
         for key in ("reward", "score", "response_length", "policy/loss", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (key, a[key], b[key])

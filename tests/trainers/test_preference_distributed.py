@@ -19,15 +19,6 @@ from tidal.trainers.dpo import run_dpo
 from tidal.trainers.kto import run_kto
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two torch threads on two shared, busy cores run ~50x slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def write_data(folder: Path) -> tuple[Path, Path]:
     """Pairs (correct vs wrong sum) and the same answers as unpaired desirable/undesirable rows."""
     pairs, unpaired = folder / "pairs.jsonl", folder / "unpaired.jsonl"

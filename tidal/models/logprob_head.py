@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from tidal.accel import triton_usable
 from tidal.algorithms.logprobs import entropy_from_logits, gather_logprobs
 
 DEFAULT_CHUNK = 2048
@@ -42,20 +43,9 @@ def chunkable_head(model: nn.Module) -> nn.Linear | None:
     return head if plain else None
 
 
-def _fused(z: Tensor) -> bool:
-    """Use the Triton kernels (``triton_logprobs``) for a chunk's logits: CUDA with triton."""
-    if not z.is_cuda:
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:  # pragma: no cover - CUDA builds of torch ship triton
-        return False
-    return True
-
-
 def _chunk_logprobs(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float):
     z = nn.functional.linear(h, weight, bias)
-    if _fused(z):
+    if triton_usable(z):
         from tidal.models.triton_logprobs import logprobs_lse
 
         return logprobs_lse(z, targets, temperature)[0]
@@ -83,7 +73,7 @@ class _ChunkLogprobs(torch.autograd.Function):
         device = h.device.type
         ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         z = nn.functional.linear(h, weight, bias)
-        if _fused(z):
+        if triton_usable(z):
             from tidal.models.triton_logprobs import logprobs_lse
 
             logp, lse = logprobs_lse(z, targets, temperature)
@@ -104,7 +94,7 @@ class _ChunkLogprobs(torch.autograd.Function):
         device, dtype, enabled = ctx.autocast
         with torch.autocast(device_type=device, dtype=dtype, enabled=enabled):
             z = nn.functional.linear(h, weight, bias)
-        if _fused(z):
+        if triton_usable(z):
             from tidal.models.triton_logprobs import softmax_grad_
 
             grad_z = softmax_grad_(z.contiguous(), targets, lse, grad.float(), ctx.temperature)

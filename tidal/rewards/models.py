@@ -50,6 +50,9 @@ class RewardModels:
             per_model[f"reward_model_{i}"] = float(scores.mean())
         return RewardResult(rewards=total, extra_logs=per_model if len(self.models) > 1 else {})
 
+    def close(self) -> None:
+        """Nothing to release: the models live in this process (``RemoteRewardModels`` has workers)."""
+
     def _score(self, model: nn.Module, exp: Experience) -> torch.Tensor:
         with self.precision.autocast():
             return model.scores(model_batch(exp, packing=False)).float()

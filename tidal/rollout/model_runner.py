@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tidal.accel import triton_available
 from tidal.rollout.attention import AttentionMetadata
 from tidal.rollout.cuda_graph import DecodeGraphs
 from tidal.rollout.models.decoder import DecoderForCausalLM
@@ -48,11 +49,7 @@ def resolve_attention_backend(backend: str, device: torch.device, head_dim: int)
         if backend == "triton" and device.type != "cuda":
             raise ValueError("attention_backend='triton' needs a CUDA device")
         return backend
-    if device.type != "cuda" or head_dim & (head_dim - 1):
-        return "torch"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if device.type != "cuda" or head_dim & (head_dim - 1) or not triton_available():
         return "torch"
     return "triton"
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tidal.accel import triton_available
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -81,7 +83,7 @@ class Sampler:
     (``triton_sampling.fused_sample``) that computes the same tokens without the float32 copies."""
 
     def __init__(self, fused: bool = False):
-        self.fused = fused and _triton_available()
+        self.fused = fused and triton_available()
 
     def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused and logits.is_cuda and not st.any_truncation and st.suppress_rows is None:
@@ -109,14 +111,6 @@ class Sampler:
             gumbel = -torch.log(-torch.log(uniform_noise(st.seeds, st.positions, logits.shape[-1])))
             tokens = torch.where(greedy, tokens, (scaled + gumbel).argmax(dim=-1))
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def sequence_seed(request_seed: int, sample_index: int) -> int:

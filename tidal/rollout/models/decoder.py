@@ -10,7 +10,6 @@ those fused slices. Model code is single-device and has no sampling logic.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidal.accel import triton_usable
 from tidal.rollout.attention import AttentionMetadata, decode_attention, prefill_attention, store_kv
 from tidal.rollout.models.rope import apply_rope, inv_freq_and_scale, rope_table
 
@@ -105,7 +105,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Norm of ``x``, or with ``residual``: (norm of ``x + residual``, ``x + residual``)."""
-        if x.is_cuda and _triton_available():  # one fused kernel instead of ~8 (decode is launch-bound)
+        if triton_usable(x):  # one fused kernel instead of ~8 (decode is launch-bound)
             from tidal.rollout.models.triton_norm import add_rms_norm
 
             normed, total = add_rms_norm(x, self.weight, self.eps, residual)
@@ -120,15 +120,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
-
-
-@functools.cache
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class Attention(nn.Module):

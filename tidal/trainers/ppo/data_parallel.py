@@ -17,7 +17,7 @@ from tidal.algorithms import compute_kl
 from tidal.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from tidal.algorithms.rewards import RunningMoments, kl_penalized_rewards
 from tidal.config.args import ConfigError
-from tidal.config.placement import check_separate_engines, separate_engines
+from tidal.config.placement import separate_engines
 from tidal.config.rl import RLConfig
 from tidal.data.batching import contiguous_splits
 from tidal.distributed.collectives import gather_values, world_masked_whiten
@@ -95,9 +95,8 @@ def add_world_advantages(exp: Experience, cfg: RLConfig, n: int, kl_coef: float,
 def check_data_parallel(run, world: World, num_eval_prompts: int | None) -> None:
     """Fail clearly on what the data-parallel loop cannot do with ``world.world_size`` processes."""
     w, r = world.world_size, run.rollout
-    if separate_engines(run.placement, r.vllm_num_engines):
-        check_separate_engines(run.placement, r.vllm_num_engines, w)
-    elif (r.vllm_num_engines or w) != w:
+    # separate workers (engines, reference, reward) are checked against w by roles.worker_counts
+    if not separate_engines(run.placement, r.vllm_num_engines) and (r.vllm_num_engines or w) != w:
         where = f"each of the {w} processes runs one engine" if w > 1 else "local mode runs one engine"
         raise ConfigError(
             f"--vllm_num_engines {r.vllm_num_engines} with --colocate_all_models: {where}; set it to {w} "

@@ -104,9 +104,6 @@ class EngineWorker:
         """The engine's parameters on the CPU (its own fused names), to check a sync."""
         return {n: p.detach().cpu() for n, p in self.engine.model.named_parameters()}
 
-    def sleep(self) -> None:
-        self.engine.sleep()
-
 
 def start_process_engines(
     spec: EngineSpec, count: int, devices: list[str] | None = None

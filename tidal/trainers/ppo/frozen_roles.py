@@ -21,11 +21,11 @@ import torch
 from torch import Tensor, nn
 
 from tidal.config import ModelConfig
-from tidal.data.batching import contiguous_splits
 from tidal.experience.experience import Experience
 from tidal.experience.maker import forward_logprobs
 from tidal.models.precision import Precision
 from tidal.rewards.base import RewardResult
+from tidal.trainers.ppo.workers import scatter
 
 
 def frozen_copy_config(cfg: ModelConfig, path: str) -> ModelConfig:
@@ -101,12 +101,10 @@ class RewardWorker:
 def _scatter(workers: Sequence, method: str, exp: Experience, *args) -> list:
     """Send contiguous row slices of ``exp`` (on the CPU, each trimmed to its longest row) to ``workers``;
     their results in row order."""
-    cpu, busy = exp.to(torch.device("cpu")), []
-    for worker, (start, stop) in zip(workers, contiguous_splits(len(exp), len(workers)), strict=True):
-        if start < stop:
-            worker.submit(method, cpu.select(torch.arange(start, stop)), *args)
-            busy.append(worker)
-    return [w.result() for w in busy]
+    cpu = exp.to(torch.device("cpu"))
+    return scatter(
+        list(workers), len(exp), method, lambda start, stop: (cpu.select(torch.arange(start, stop)), *args)
+    )
 
 
 class LocalReference:

@@ -16,12 +16,12 @@ import torch.distributed as dist
 from torch import nn
 
 from tidal.config.rl import RLModelsConfig, RolloutConfig
-from tidal.data.batching import contiguous_splits
 from tidal.data.prompts import PromptSample
 from tidal.distributed.weight_sync import engine_weights, open_sync_group, plan_buckets, send_weights
 from tidal.logging import get_logger
 from tidal.rollout import SamplingParams
 from tidal.trainers.ppo.rollout import Rollout, check_sync_flags
+from tidal.trainers.ppo.workers import scatter
 
 log = get_logger(__name__)
 
@@ -56,16 +56,17 @@ class RemoteRollout(Rollout):
         return group
 
     def trajectories(self, prompts: Sequence[PromptSample], params: SamplingParams, first_index: int):
-        slices = contiguous_splits(len(prompts), len(self.engines))
-        busy = []
-        for e, (start, stop) in zip(self.engines, slices, strict=True):
-            if start == stop:
-                continue
+        def args(start: int, stop: int) -> tuple:
             part = prompts[start:stop]
-            e.submit("trajectories", [p.prompt for p in part], [p.label for p in part], params,
-                     self.cfg.total_len, first_index + start)  # fmt: skip
-            busy.append(e)
-        return [t for e in busy for t in e.result()]
+            return (
+                [p.prompt for p in part],
+                [p.label for p in part],
+                params,
+                self.cfg.total_len,
+                first_index + start,
+            )
+
+        return [t for part in scatter(self.engines, len(prompts), "trajectories", args) for t in part]
 
     def sync_weights(self, policy: nn.Module) -> int:
         """Broadcast the policy (gathered, cast to the engines' dtype) to this trainer's engines."""
@@ -81,11 +82,6 @@ class RemoteRollout(Rollout):
         """Each engine's parameters on the CPU (to check a sync)."""
         with self.lock:
             return [e.call("weights") for e in self.engines]
-
-    def sleep(self) -> None:
-        with self.lock:
-            for e in self.engines:
-                e.call("sleep")
 
     def close(self) -> None:
         for e in self.engines:

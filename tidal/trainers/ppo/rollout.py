@@ -100,9 +100,8 @@ class Rollout:
     def close(self) -> None:
         """Release workers outside this process: reward models on devices of their own (and, in
         ``RemoteRollout``, the engines)."""
-        close = getattr(self.reward_models, "close", None)
-        if close is not None:
-            close()
+        if self.reward_models is not None:
+            self.reward_models.close()
 
 
 class LocalRollout(Rollout):

@@ -24,6 +24,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tidal.config import ConfigError
+from tidal.data.batching import contiguous_splits
 from tidal.distributed.ray_group import RankWorker
 
 ROLES = ("engine", "reference", "reward model")  # the order of a trainer's extra devices
@@ -145,6 +146,17 @@ class ExtraDevices:
         before = sum(self.counts.get(r, 0) for r in ROLES[: ROLES.index(role)])
         first = local_world + local_rank * per_trainer + before
         return [f"cuda:{first + j}" for j in range(count)]
+
+
+def scatter(workers: list, count: int, method: str, args_of: Callable[[int, int], tuple]) -> list:
+    """Call ``method`` on every worker with ``args_of(start, stop)`` for its contiguous share of ``count``
+    items (all workers at once; empty shares skipped); their results in item order."""
+    busy = []
+    for worker, (start, stop) in zip(workers, contiguous_splits(count, len(workers)), strict=True):
+        if start < stop:
+            worker.submit(method, *args_of(start, stop))
+            busy.append(worker)
+    return [w.result() for w in busy]
 
 
 def start_process_workers(
