@@ -1,7 +1,11 @@
 """W&B sink in offline mode: the run is written under run_dir, values are recorded, resume reuses the id."""
 
+import contextlib
 import json
+import os
+import signal
 import struct
+import threading
 
 import pytest
 
@@ -9,6 +13,7 @@ from tidal.logging import LoggingConfig, MetricsLogger
 
 wandb = pytest.importorskip("wandb")
 from wandb.proto import wandb_internal_pb2  # noqa: E402
+from wandb.sdk.lib.service import service_connection  # noqa: E402
 
 BLOCK, HEADER = 32768, 7  # LevelDB log format, which W&B's transaction log (.wandb) uses
 
@@ -80,6 +85,36 @@ def test_offline_run_records_values_and_resume_reuses_id(offline, tmp_path):
     assert len(files) == 2 and all(f.name == f"run-{run_id}.wandb" for f in files)
     second = next(f for f in files if f != first)
     assert [r["train/loss"] for r in logged_history(second) if "train/loss" in r] == [0.125]
+
+
+@pytest.fixture
+def slow_service(monkeypatch):
+    """Freeze W&B's service process from the moment ``run.finish()`` sends its last message
+    (``inform_finish``, which makes the service close the ``.wandb`` file) until 0.5 s later: a busy
+    machine, where the flaky failure read a file holding only its 7-byte header."""
+    frozen, original = [], service_connection.ServiceConnection.inform_finish
+
+    def inform_finish_then_stall(self, run_id):
+        pid = self._proc._process.pid
+        os.kill(pid, signal.SIGSTOP)
+        frozen.append(pid)
+        original(self, run_id)
+        threading.Timer(0.5, os.kill, (pid, signal.SIGCONT)).start()
+
+    monkeypatch.setattr(service_connection.ServiceConnection, "inform_finish", inform_finish_then_stall)
+    yield frozen
+    for pid in frozen:  # never leave a stopped process behind, whatever happened
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def test_close_returns_only_after_the_run_file_is_written(offline, slow_service, tmp_path):
+    run_dir = tmp_path / "run"
+    with MetricsLogger(run_dir, LoggingConfig(use_wandb="offline")) as logger:
+        logger.log(1, {"loss": 0.5})
+    assert slow_service, "the service was not stalled, so this test proved nothing"
+    (run_file,) = run_files(run_dir)
+    assert [r["train/loss"] for r in logged_history(run_file) if "train/loss" in r] == [0.5]
 
 
 def test_api_key_is_not_sent_when_offline(offline, tmp_path, monkeypatch):

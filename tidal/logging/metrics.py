@@ -4,6 +4,7 @@ The JSONL file ``<run_dir>/metrics.jsonl`` is always written (one object per cal
 ``{"step", "time", "<prefix>/<key>": value, ...}``) and is what ``plots.py`` reads. Resume keeps one
 curve: entries after the resume step are dropped from the JSONL, TensorBoard purges them via
 ``purge_step``, and the W&B run id is stored in ``<run_dir>/logging_state.json`` and reused.
+Closing waits until W&B has written its offline/transaction-log files (see ``_wait_for_wandb_files``).
 Only the main rank logs; other ranks get a logger that does nothing.
 """
 
@@ -156,6 +157,7 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+            _wait_for_wandb_files()
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -170,6 +172,23 @@ class MetricsLogger:
 
     def _save_state(self, state: dict) -> None:
         (self.run_dir / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
+
+
+def _wait_for_wandb_files() -> None:
+    """Return only once W&B's service process has written and closed the run's files.
+
+    ``run.finish()`` returns when the run's exit record is processed, but the service closes the
+    transaction log (``run-<id>.wandb``) only on a later, fire-and-forget "finish" message; until then
+    its LevelDB-log writer keeps the last partial 32 KiB block in memory, so a short run's file can
+    still be a bare 7-byte header when ``finish()`` returns (and a reader, or ``wandb sync`` started
+    right after, sees no rows). ``wandb.teardown()`` is W&B's way to wait: it asks the service it
+    started to close every stream and waits for the process to exit (the next run starts a new one).
+    Skipped while another W&B run of this process is still active, as teardown would finish it too.
+    """
+    import wandb
+
+    if wandb.run is None:
+        wandb.teardown()
 
 
 def _step_of(line: str) -> float:
