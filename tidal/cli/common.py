@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.agents.base import AgentError
-from tidal.config.args import ConfigError, add_config_group, config_from_args
+from tidal.config.args import ConfigError, accept_negative_numbers, add_config_group, configs_from_args
 from tidal.data import DataError
 from tidal.rewards.base import RewardError
 
@@ -27,6 +27,7 @@ def make_parser(prog: str, description: str, groups: Sequence[tuple]) -> argpars
     parser = argparse.ArgumentParser(
         prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
+    accept_negative_numbers(parser)
     for cls, title, *rest in groups:
         add_config_group(parser, cls, title, exclude=set(rest[0]) if rest else frozenset())
     return parser
@@ -35,13 +36,32 @@ def make_parser(prog: str, description: str, groups: Sequence[tuple]) -> argpars
 def run_command(
     parser: argparse.ArgumentParser, argv: Sequence[str] | None, body: Callable[[argparse.Namespace], object]
 ):
-    """Parse ``argv`` and run ``body``; user errors print ``prog: error: ...`` and exit with status 2."""
+    """Parse ``argv`` and run ``body``; user errors print ``prog: error: ...`` (one line per problem)
+    and exit with status 2."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ns = parser.parse_args(argv)
     try:
         return body(ns)
     except USER_ERRORS as err:
-        parser.exit(2, f"{parser.prog}: error: {err}\n")
+        lines = str(err).splitlines() or [type(err).__name__]
+        parser.exit(2, "".join(f"{parser.prog}: error: {line}\n" for line in lines))
+
+
+# Output flags that name folders tidal writes into.
+OUTPUT_FOLDER_FLAGS = ("save_path", "ckpt_path")
+
+
+def output_path_problems(configs: Sequence[object]) -> list[str]:
+    """An output folder flag naming an existing file would fail at the final save, after training."""
+    problems = []
+    for cfg in configs:
+        for name in OUTPUT_FOLDER_FLAGS:
+            value = getattr(cfg, name, None)
+            if isinstance(value, str) and value and os.path.exists(value) and not os.path.isdir(value):
+                problems.append(
+                    f"--{name} {value} is an existing file; it must be a folder (or not exist yet)"
+                )
+    return problems
 
 
 def module_main(main: Callable[[list[str] | None], object]) -> None:
@@ -80,8 +100,13 @@ class TrainerCommand:
         return parser
 
     def run_from_namespace(self, ns: argparse.Namespace):
-        """The run described by parsed flags (config errors raise ``ConfigError``/``DataError``)."""
-        return self.run_cls(**{f: config_from_args(cls, ns) for f, cls in self._config_types().items()})
+        """The run described by parsed flags, every flag checked before anything loads: one
+        ``ConfigError`` lists all problems (then the run's checks across configs)."""
+        configs = configs_from_args(self._config_types(), ns)
+        problems = output_path_problems(list(configs.values()))
+        if problems:
+            raise ConfigError("\n".join(problems))
+        return self.run_cls(**configs)
 
     def parse_run(self, argv: Sequence[str]):
         """Flags → the run, without training (for scripts and tests)."""

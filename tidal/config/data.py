@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.config.args import arg
+from tidal.config.args import Range, arg
 
 
 @dataclass
@@ -20,7 +20,9 @@ class DatasetConfig:
     dataset_split: str = arg("train", help="split to read from folders and hub datasets")
     eval_dataset: str | None = arg(None, help="evaluation dataset (same formats)")
     eval_split: str = arg("train", help="split of the evaluation dataset")
-    max_samples: int | None = arg(None, help="use at most this many training samples")
+    max_samples: int | None = arg(
+        None, help="use at most this many training samples", check=Range(1, also=(-1,))
+    )
 
 
 @dataclass
@@ -36,7 +38,7 @@ class PromptDataConfig:
     prompt_split: str = arg("train", help="split to read from folders and hub datasets")
     eval_dataset: str | None = arg(None, help="evaluation prompts (same formats)")
     eval_split: str = arg("train", help="split of the evaluation dataset")
-    max_samples: int | None = arg(None, help="use at most this many prompts")
+    max_samples: int | None = arg(None, help="use at most this many prompts", check=Range(1, also=(-1,)))
     input_key: str = arg("input", help="dataset key of the prompt (text or chat messages)")
     label_key: str | None = arg(None, help="dataset key passed to reward functions and agents as labels")
     input_template: str | None = arg(

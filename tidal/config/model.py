@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.config.args import ConfigError, arg
+from tidal.config.args import NON_NEGATIVE, POSITIVE, ConfigError, Range, arg
 
 PARAM_DTYPES = ("auto", "bf16", "fp16", "fp32")
 
@@ -36,11 +36,13 @@ class ModelConfig:
         None, help="Jinja chat template that replaces the tokenizer's own"
     )
     aux_loss_coef: float = arg(
-        0.0, help="MoE load-balancing loss coefficient (needs a model that returns aux_loss)"
+        0.0,
+        help="MoE load-balancing loss coefficient (needs a model that returns aux_loss)",
+        check=NON_NEGATIVE,
     )
-    lora_rank: int = arg(0, help="LoRA rank; 0 trains all weights")
-    lora_alpha: int = arg(16, help="LoRA alpha")
-    lora_dropout: float = arg(0.0, help="LoRA dropout")
+    lora_rank: int = arg(0, help="LoRA rank; 0 trains all weights", check=NON_NEGATIVE)
+    lora_alpha: int = arg(16, help="LoRA alpha", check=POSITIVE)
+    lora_dropout: float = arg(0.0, help="LoRA dropout", check=Range(0, 1, high_open=True))
     target_modules: list[str] = arg(["all-linear"], help="modules that get LoRA adapters", nargs="+")
     load_in_4bit: bool = arg(
         False, help="QLoRA: load the base model in 4-bit (needs bitsandbytes and --lora_rank)"

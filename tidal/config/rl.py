@@ -9,28 +9,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tidal.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
-from tidal.config.args import ConfigError, arg
+from tidal.config.args import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, UNIT, ConfigError, Range, arg
 
 
 @dataclass
 class RolloutConfig:
     """Rollout: sampling and tidal's generation engine (``--vllm_*`` flags configure it)."""
 
-    rollout_batch_size: int = arg(1024, help="prompts per rollout (each gets --n_samples_per_prompt samples)")
-    n_samples_per_prompt: int = arg(1, help="samples generated per prompt")
+    rollout_batch_size: int = arg(
+        1024, help="prompts per rollout (each gets --n_samples_per_prompt samples)", check=AT_LEAST_ONE
+    )
+    n_samples_per_prompt: int = arg(1, help="samples generated per prompt", check=AT_LEAST_ONE)
     micro_rollout_batch_size: int = arg(
-        8, help="samples per forward when scoring a rollout (log-probs, values)"
+        8, help="samples per forward when scoring a rollout (log-probs, values)", check=AT_LEAST_ONE
     )
-    prompt_max_len: int = arg(1024, help="prompts longer than this many tokens are skipped")
-    generate_max_len: int = arg(1024, help="max new tokens per response (per turn for agents)")
+    prompt_max_len: int = arg(
+        1024, help="prompts longer than this many tokens are skipped", check=AT_LEAST_ONE
+    )
+    generate_max_len: int = arg(
+        1024, help="max new tokens per response (per turn for agents)", check=AT_LEAST_ONE
+    )
     max_len: int | None = arg(
-        None, help="max total tokens of a trajectory (default prompt_max_len + generate_max_len)"
+        None,
+        help="max total tokens of a trajectory (default prompt_max_len + generate_max_len)",
+        check=Range(2),
     )
-    temperature: float = arg(1.0, help="sampling temperature")
-    top_p: float = arg(1.0, help="nucleus sampling")
-    top_k: int = arg(-1, help="top-k sampling (-1: off)")
-    eval_temperature: float = arg(0.6, help="sampling temperature for evaluation")
-    eval_n_samples_per_prompt: int = arg(4, help="samples per prompt for evaluation")
+    temperature: float = arg(1.0, help="sampling temperature (0: greedy)", check=NON_NEGATIVE)
+    top_p: float = arg(1.0, help="nucleus sampling", check=Range(0, 1, low_open=True))
+    top_k: int = arg(-1, help="top-k sampling (-1: off)", check=Range(1, also=(-1, 0)))
+    eval_temperature: float = arg(0.6, help="sampling temperature for evaluation", check=NON_NEGATIVE)
+    eval_n_samples_per_prompt: int = arg(4, help="samples per prompt for evaluation", check=AT_LEAST_ONE)
     vllm_num_engines: int | None = arg(
         None,
         help="rollout engines on devices of their own, a multiple of the policy workers (with "
@@ -40,9 +48,13 @@ class RolloutConfig:
         1, help="devices per engine (Ray mode; local mode runs one engine on one device)"
     )
     vllm_gpu_memory_utilization: float = arg(
-        0.5, help="fraction of free GPU memory the engine's KV cache may use"
+        0.5,
+        help="fraction of free GPU memory the engine's KV cache may use",
+        check=Range(0, 1, low_open=True),
     )
-    vllm_generate_batch_size: int | None = arg(None, help="max sequences the engine decodes together")
+    vllm_generate_batch_size: int | None = arg(
+        None, help="max sequences the engine decodes together", check=AT_LEAST_ONE
+    )
     vllm_sync_backend: str = arg(
         "nccl",
         help="weight sync backend: colocated engines gather weights over the training process group, "
@@ -58,6 +70,10 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if self.n_samples_per_prompt < 1 or self.rollout_batch_size < 1:
             raise ConfigError("--n_samples_per_prompt and --rollout_batch_size must be >= 1")
+        if self.max_len is not None and self.max_len <= self.prompt_max_len:
+            raise ConfigError(
+                f"--max_len {self.max_len} leaves no room for a response after --prompt_max_len {self.prompt_max_len}"
+            )
 
     @property
     def total_len(self) -> int:
@@ -69,11 +85,11 @@ class RLConfig:
     """RL algorithm: advantages, KL, policy/value losses and reward shaping."""
 
     advantage_estimator: str = arg("gae", help="advantage estimator", choices=tuple(ADVANTAGE_ESTIMATORS))
-    gamma: float = arg(1.0, help="discount factor")
-    lambd: float = arg(1.0, help="GAE lambda")
-    eps_clip: float = arg(0.2, help="PPO clip range")
+    gamma: float = arg(1.0, help="discount factor", check=UNIT)
+    lambd: float = arg(1.0, help="GAE lambda", check=UNIT)
+    eps_clip: float = arg(0.2, help="PPO clip range", check=POSITIVE)
     eps_clip_low_high: tuple[float, float] | None = arg(
-        None, help="separate PPO clip bounds (low high)", nargs=2
+        None, help="separate PPO clip bounds (low high)", nargs=2, check=POSITIVE
     )
     dual_clip: float | None = arg(None, help="dual-clip constant c > 1 for negative advantages")
     policy_loss_type: str = arg(
@@ -82,13 +98,17 @@ class RLConfig:
     loss_agg_mode: str = arg(
         "token", help="loss mean over tokens or over sequences", choices=tuple(LOSS_AGGREGATIONS)
     )
-    value_clip: float | None = arg(0.5, help="PPO value clip range")
-    entropy_loss_coef: float | None = arg(None, help="entropy bonus coefficient (0 only logs entropy)")
-    init_kl_coef: float = arg(0.01, help="KL coefficient β (0 disables the reference model)")
+    value_clip: float | None = arg(0.5, help="PPO value clip range", check=POSITIVE)
+    entropy_loss_coef: float | None = arg(
+        None, help="entropy bonus coefficient (0 only logs entropy)", check=NON_NEGATIVE
+    )
+    init_kl_coef: float = arg(
+        0.01, help="KL coefficient β (0 disables the reference model)", check=NON_NEGATIVE
+    )
     kl_estimator: str = arg("k1", help="KL estimator", choices=tuple(KL_ESTIMATORS))
     use_kl_loss: bool = arg(False, help="put β·KL in the loss instead of the reward (GRPO)")
-    kl_target: float | None = arg(None, help="target KL for the adaptive KL controller")
-    kl_horizon: int = arg(10000, help="horizon of the adaptive KL controller")
+    kl_target: float | None = arg(None, help="target KL for the adaptive KL controller", check=POSITIVE)
+    kl_horizon: int = arg(10000, help="horizon of the adaptive KL controller", check=AT_LEAST_ONE)
     normalize_reward: bool = arg(False, help="normalise rewards with running mean/std")
     reward_clip_range: tuple[float, float] = arg(
         (-10.0, 10.0), help="clip scalar rewards to [low, high]", nargs=2
@@ -97,7 +117,7 @@ class RLConfig:
         False, help="correct rollout/trainer mismatch with importance weights (TIS)"
     )
     vllm_is_truncated_threshold: list[float] = arg(
-        [0.5, 5.0], help="importance-weight bounds: LOW HIGH (or HIGH)", nargs="+"
+        [0.5, 5.0], help="importance-weight bounds: LOW HIGH (or HIGH)", nargs="+", check=NON_NEGATIVE
     )
     use_icepop: bool = arg(False, help="ICEPOP: zero the loss of tokens whose weight is outside the bounds")
     dynamic_filtering: bool = arg(
@@ -106,8 +126,10 @@ class RLConfig:
     dynamic_filtering_reward_range: tuple[float, float] = arg(
         (0.0, 1.0), help="keep groups with LOW < mean score < HIGH", nargs=2
     )
-    overlong_buffer_len: int | None = arg(None, help="DAPO overlong penalty buffer (tokens)")
-    overlong_penalty_factor: float = arg(1.0, help="DAPO overlong penalty factor")
+    overlong_buffer_len: int | None = arg(
+        None, help="DAPO overlong penalty buffer (tokens)", check=AT_LEAST_ONE
+    )
+    overlong_penalty_factor: float = arg(1.0, help="DAPO overlong penalty factor", check=NON_NEGATIVE)
     freezing_actor_steps: int = arg(-1, help="train only the critic for this many steps")
 
     def __post_init__(self) -> None:
@@ -117,6 +139,10 @@ class RLConfig:
             raise ConfigError("--vllm_is_truncated_threshold takes HIGH or LOW HIGH")
         if self.use_icepop and not self.enable_vllm_is_correction:
             raise ConfigError("--use_icepop needs --enable_vllm_is_correction")
+        for flag in ("reward_clip_range", "dynamic_filtering_reward_range", "vllm_is_truncated_threshold"):
+            low_high = getattr(self, flag)
+            if len(low_high) == 2 and not low_high[0] < low_high[1]:
+                raise ConfigError(f"--{flag} needs LOW < HIGH, got {low_high[0]} {low_high[1]}")
 
     @property
     def clip_bounds(self) -> tuple[float, float]:
@@ -147,19 +173,29 @@ class RLModelsConfig:
     remote_rm_url: str | None = arg(
         None, help="reward_func.py file, or comma-separated HTTP reward-server URLs"
     )
+    # OpenRLHF waits 180 s per request and tries 6 times (~18 min on a server that accepts and never
+    # answers); tidal's shorter defaults fail such a run in ~2 min yet leave a slow batch a minute.
+    remote_rm_timeout: float = arg(
+        60.0,
+        help="seconds a reward-server request may wait for each read before it is retried",
+        check=POSITIVE,
+    )
+    remote_rm_retries: int = arg(
+        2, help="retries of a failed reward-server request (timeouts, resets, 429/5xx)", check=NON_NEGATIVE
+    )
     value_head_prefix: str = arg("score", help="attribute name of the value head in reward/critic models")
     agent_func_path: str | None = arg(None, help="agent_func.py with an AgentExecutor class (multi-turn)")
-    critic_learning_rate: float = arg(9e-6, help="critic learning rate")
-    actor_learning_rate: float = arg(1e-6, help="policy learning rate")
+    critic_learning_rate: float = arg(9e-6, help="critic learning rate", check=POSITIVE)
+    actor_learning_rate: float = arg(1e-6, help="policy learning rate", check=POSITIVE)
     save_value_network: bool = arg(False, help="also save the critic as a HF folder")
     ref_reward_offload: bool = arg(False, help="keep reference and reward models on the CPU between uses")
-    num_episodes: int = arg(1, help="passes over the prompt dataset")
+    num_episodes: int = arg(1, help="passes over the prompt dataset", check=AT_LEAST_ONE)
     use_dynamic_batch: bool = arg(False, help="micro-batches by token budget instead of sample count")
     train_max_tokens_per_gpu: int = arg(
-        16192, help="token budget of a training micro-batch with --use_dynamic_batch"
+        16192, help="token budget of a training micro-batch with --use_dynamic_batch", check=AT_LEAST_ONE
     )
     rollout_max_tokens_per_gpu: int | None = arg(
-        None, help="token budget of a scoring micro-batch (default: train's)"
+        None, help="token budget of a scoring micro-batch (default: train's)", check=AT_LEAST_ONE
     )
 
     def __post_init__(self) -> None:

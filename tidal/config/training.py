@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.config.args import ConfigError, arg
+from tidal.config.args import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, UNIT, ConfigError, Range, arg
 
 LR_SCHEDULERS = ("cosine_with_min_lr", "cosine", "linear", "constant", "constant_with_warmup")
 
@@ -13,10 +13,18 @@ LR_SCHEDULERS = ("cosine_with_min_lr", "cosine", "linear", "constant", "constant
 class TrainConfig:
     """Training loop: batch sizes, epochs, evaluation and seeding."""
 
-    train_batch_size: int = arg(128, help="global batch size (samples) of one optimizer step")
-    micro_train_batch_size: int = arg(8, help="samples per forward/backward on one device")
-    max_epochs: int = arg(1, help="passes over the training data")
-    eval_steps: int = arg(-1, help="evaluate every N optimizer steps (-1: at the end of each epoch only)")
+    train_batch_size: int = arg(
+        128, help="global batch size (samples) of one optimizer step", check=AT_LEAST_ONE
+    )
+    micro_train_batch_size: int = arg(
+        8, help="samples per forward/backward on one device", check=AT_LEAST_ONE
+    )
+    max_epochs: int = arg(1, help="passes over the training data", check=AT_LEAST_ONE)
+    eval_steps: int = arg(
+        -1,
+        help="evaluate every N optimizer steps (-1: at the end of each epoch only)",
+        check=Range(1, also=(-1,)),
+    )
     packing_samples: bool = arg(
         False, help="pack each micro-batch into one row without attention across samples"
     )
@@ -44,20 +52,32 @@ class TrainConfig:
 class OptimConfig:
     """Optimizer (AdamW) and learning-rate schedule."""
 
-    learning_rate: float = arg(5e-6, help="peak learning rate")
-    lr_warmup_ratio: float = arg(0.03, help="fraction of steps spent warming up linearly from 0")
+    learning_rate: float = arg(5e-6, help="peak learning rate", check=POSITIVE)
+    lr_warmup_ratio: float = arg(
+        0.03, help="fraction of steps spent warming up linearly from 0", check=Range(0, 1, high_open=True)
+    )
     lr_scheduler: str = arg(
         "cosine_with_min_lr", help="learning-rate schedule after warmup", choices=LR_SCHEDULERS
     )
-    min_lr_ratio: float = arg(0.1, help="cosine_with_min_lr decays to learning_rate x this ratio")
-    l2: float = arg(0.0, help="AdamW weight decay")
+    min_lr_ratio: float = arg(0.1, help="cosine_with_min_lr decays to learning_rate x this ratio", check=UNIT)
+    l2: float = arg(0.0, help="AdamW weight decay", check=NON_NEGATIVE)
     adam_betas: tuple[float, float] = arg(
-        (0.9, 0.95), help="AdamW betas", nargs=2, metavar=("BETA1", "BETA2")
+        (0.9, 0.95),
+        help="AdamW betas",
+        nargs=2,
+        metavar=("BETA1", "BETA2"),
+        check=Range(0, 1, high_open=True),
     )
-    max_norm: float = arg(1.0, help="clip the gradient norm to this value (0 disables clipping)")
+    max_norm: float = arg(
+        1.0, help="clip the gradient norm to this value (0 disables clipping)", check=NON_NEGATIVE
+    )
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.lr_warmup_ratio < 1.0:
             raise ConfigError(f"--lr_warmup_ratio must be in [0, 1), got {self.lr_warmup_ratio}")
-        if self.learning_rate <= 0:
+        if not self.learning_rate > 0:  # also catches nan
             raise ConfigError(f"--learning_rate must be positive, got {self.learning_rate}")
+        if not all(0 <= b < 1 for b in self.adam_betas):
+            raise ConfigError(
+                f"--adam_betas must each be in [0, 1), got {self.adam_betas[0]} {self.adam_betas[1]}"
+            )
