@@ -28,7 +28,8 @@ def test_kl_penalized_rewards_by_hand():
     mask = torch.tensor([[1, 1, 0], [0, 1, 1]])  # right- and left-aligned
     out = kl_penalized_rewards(rewards, kl, mask, kl_coef=0.5)
     assert_close(out, torch.tensor([[-0.05, -0.1 + 1.0, 0.0], [0.0, -0.25, -0.3 - 2.0]]))
-    clipped = kl_penalized_rewards(rewards, kl, mask, kl_coef=0.5, reward_clip_range=1.5)
+    clipped = kl_penalized_rewards(rewards, kl, mask, kl_coef=0.5, reward_clip_range=(-1.5, 0.5))
+    assert_close(clipped[0, 1], torch.tensor(-0.1 + 0.5))
     assert_close(clipped[1, 2], torch.tensor(-0.3 - 1.5))
     assert_close(kl_penalized_rewards(rewards, None, mask), torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, -2.0]]))
 

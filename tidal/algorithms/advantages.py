@@ -37,6 +37,9 @@ from tidal.algorithms.rewards import group_by_prompt, kl_penalized_rewards
 
 GROUP_NORM_EPS = 1e-9
 
+# (advantages, action_mask) -> whitened advantages: ``masked_whiten`` or its all-process version
+Whitening = Callable[[Tensor, Tensor], Tensor]
+
 
 def no_baseline(rewards: Tensor, n_samples_per_prompt: int) -> Tensor:
     """R unchanged (``gae``, ``reinforce``)."""
@@ -136,11 +139,13 @@ class AdvantageEstimator:
         values: Tensor | None = None,
         gamma: float = 1.0,
         lambd: float = 1.0,
+        whiten: Whitening = masked_whiten,
     ) -> tuple[Tensor, Tensor]:
-        """``(advantages, returns)`` ``[B, T]``; advantages globally whitened when ``self.whiten``."""
+        """``(advantages, returns)`` ``[B, T]``; advantages whitened by ``whiten`` when ``self.whiten``
+        (over this batch by default; a data-parallel trainer passes a whitening over every process)."""
         advantages, returns = self.advantages_and_returns(token_rewards, action_mask, values, gamma, lambd)
         if self.whiten:
-            advantages = masked_whiten(advantages, action_mask)
+            advantages = whiten(advantages, action_mask)
         return advantages, returns
 
 
@@ -166,17 +171,21 @@ def estimate_advantages(
     values: Tensor | None = None,
     gamma: float = 1.0,
     lambd: float = 1.0,
-    reward_clip_range: float | None = None,
+    reward_clip_range: tuple[float, float] | None = None,
+    whiten: Whitening = masked_whiten,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Whole pipeline: group baseline on ``R`` → KL-in-reward token rewards → advantages/returns.
+    """Whole pipeline: group baseline on ``R`` → clip → KL-in-reward token rewards → advantages/returns.
 
-    Returns ``(advantages, returns, token_rewards)``, all ``[B, T]``. The reward clip applies to the
-    shaped scalar reward placed on the last action token.
+    Returns ``(advantages, returns, token_rewards)``, all ``[B, T]``. The reward clip ``[low, high]``
+    applies to the *shaped* scalar reward (after the group baseline) placed on the last action token,
+    as OpenRLHF's ``compute_reward`` does: RLOO on ``[0, 0, 0, 20]`` with clip 10 gives
+    ``[−6.67, −6.67, −6.67, 10]``. ``whiten`` is the batch whitening of the estimators that whiten.
+    This is the one path of every trainer (one process or several).
     """
     est = ADVANTAGE_ESTIMATORS[estimator]
     if est.needs_critic and values is None:
         raise ValueError(f"advantage estimator {estimator!r} needs values from a critic")
     shaped = est.baseline(rewards, n_samples_per_prompt)
     token_rewards = kl_penalized_rewards(shaped, kl, action_mask, kl_coef, reward_clip_range)
-    advantages, returns = est.compute(token_rewards, action_mask, values, gamma, lambd)
+    advantages, returns = est.compute(token_rewards, action_mask, values, gamma, lambd, whiten)
     return advantages, returns, token_rewards

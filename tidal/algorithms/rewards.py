@@ -25,18 +25,21 @@ def kl_penalized_rewards(
     kl: Tensor | None,
     action_mask: Tensor,
     kl_coef: float = 0.0,
-    reward_clip_range: float | None = None,
+    reward_clip_range: tuple[float, float] | None = None,
 ) -> Tensor:
     """Per-token rewards ``[B, T]``: ``−β·kl_t`` on every action token, plus the scalar reward ``R``
-    (clipped to ``±reward_clip_range`` when given) on the last action token of each row.
+    (clipped to ``[low, high] = reward_clip_range`` when given) on the last action token of each row.
 
-    With ``--use_kl_loss`` pass ``kl=None`` (or ``kl_coef=0``): the KL then goes into the loss.
-    Rows with no action token get no reward. (Stiennon et al. 2020, arXiv 2009.01325.)
+    ``R`` is the reward *after* the group baseline (OpenRLHF's ``compute_reward`` clips the shaped
+    reward too), so clipping bounds what reaches the advantages. With ``--use_kl_loss`` pass
+    ``kl=None`` (or ``kl_coef=0``): the KL then goes into the loss. Rows with no action token get no
+    reward. (Stiennon et al. 2020, arXiv 2009.01325.)
     """
     mask = action_mask != 0
     rewards = rewards.to(torch.float32).reshape(-1)
     if reward_clip_range is not None:
-        rewards = rewards.clamp(-reward_clip_range, reward_clip_range)
+        low, high = reward_clip_range
+        rewards = rewards.clamp(low, high)
     token_rewards = torch.zeros(action_mask.shape, dtype=torch.float32, device=action_mask.device)
     if kl is not None and kl_coef != 0.0:
         token_rewards = torch.where(mask, -kl_coef * kl.float(), token_rewards)

@@ -2,8 +2,12 @@
 
 The steps mirror DESIGN.md's dataflow and each is a small function the RL loop calls in order:
 ``from_trajectories`` (tensors), ``forward_logprobs`` / ``forward_values`` (model passes in
-micro-batches, no grad), ``shape_rewards`` (overlong penalty, normalisation, clipping) and
-``add_advantages`` (KL, baselines and returns from ``tidal.algorithms``).
+micro-batches, no grad), ``shape_rewards`` (overlong penalty, normalisation) and ``add_advantages``
+(KL, group baselines, reward clipping and returns from ``tidal.algorithms``).
+
+Order of the reward steps (OpenRLHF's): overlong penalty → normalisation → group baseline → clip to
+``--reward_clip_range`` → KL penalty. Clipping comes *after* the baseline, so it bounds the shaped
+reward that reaches the advantages, not the raw reward the baseline is computed from.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from tidal.algorithms import compute_kl, estimate_advantages, overlong_penalty
+from tidal.algorithms import compute_kl, estimate_advantages, masked_whiten, overlong_penalty
+from tidal.algorithms.advantages import Whitening
 from tidal.algorithms.rewards import RunningMoments
 from tidal.config.rl import RLConfig
 from tidal.experience.experience import Experience, micro_batches, model_batch, unflatten
@@ -99,7 +104,8 @@ def shift_values(raw: Tensor) -> Tensor:
 def shape_rewards(
     exp: Experience, cfg: RLConfig, max_new_tokens: int, moments: RunningMoments | None
 ) -> Tensor:
-    """Scalar rewards after the DAPO overlong penalty, running normalisation and clipping."""
+    """Scalar rewards after the DAPO overlong penalty and running normalisation (clipping comes
+    later, after the group baseline, in ``add_advantages``)."""
     rewards = exp.rewards.clone()
     if cfg.overlong_buffer_len:
         lengths = exp.action_mask.sum(-1)
@@ -109,18 +115,23 @@ def shape_rewards(
     if moments is not None:
         moments.update(rewards)
         rewards = moments.normalize(rewards)
-    low, high = cfg.reward_clip_range
-    return rewards.clamp(low, high)
+    return rewards
 
 
-def add_advantages(exp: Experience, cfg: RLConfig, n_samples: int, kl_coef: float) -> Experience:
-    """Fill ``kl``, ``advantages`` and ``returns`` (KL goes into the reward unless ``--use_kl_loss``)."""
+def add_advantages(
+    exp: Experience, cfg: RLConfig, n_samples: int, kl_coef: float, whiten: Whitening = masked_whiten
+) -> Experience:
+    """Fill ``kl``, ``advantages`` and ``returns`` (KL goes into the reward unless ``--use_kl_loss``).
+
+    The shaped reward is clipped to ``--reward_clip_range`` after the group baseline. ``whiten``: the
+    advantage whitening (over every process in data-parallel training)."""
     mask = exp.action_mask
     if exp.ref_logprobs is not None:
         exp.kl = compute_kl(exp.old_logprobs, exp.ref_logprobs, mask, cfg.kl_estimator)
     kl_in_reward = exp.kl if not cfg.use_kl_loss else None
     exp.advantages, exp.returns, _ = estimate_advantages(
         cfg.advantage_estimator, exp.rewards, mask, n_samples, kl=kl_in_reward, kl_coef=kl_coef,
-        values=exp.values, gamma=cfg.gamma, lambd=cfg.lambd,
+        values=exp.values, gamma=cfg.gamma, lambd=cfg.lambd, reward_clip_range=tuple(cfg.reward_clip_range),
+        whiten=whiten,
     )  # fmt: skip
     return exp

@@ -12,10 +12,10 @@ full parameters (``DTensor.full_tensor``) into every rank's engine.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
-from tidal.algorithms import compute_kl
-from tidal.algorithms.advantages import ADVANTAGE_ESTIMATORS
-from tidal.algorithms.rewards import RunningMoments, kl_penalized_rewards
+from tidal.algorithms import masked_whiten
+from tidal.algorithms.rewards import RunningMoments
 from tidal.config.args import ConfigError
 from tidal.config.placement import separate_engines
 from tidal.config.rl import RLConfig
@@ -74,22 +74,10 @@ def world_moments(moments: RunningMoments | None, world: World):
 
 
 def add_world_advantages(exp: Experience, cfg: RLConfig, n: int, kl_coef: float, world: World) -> Experience:
-    """``add_advantages`` with the whitening (gae, reinforce, reinforce_baseline) over every rank."""
-    est = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator]
-    if not (world.distributed and est.whiten):
-        return add_advantages(exp, cfg, n, kl_coef)
-    mask = exp.action_mask
-    if exp.ref_logprobs is not None:
-        exp.kl = compute_kl(exp.old_logprobs, exp.ref_logprobs, mask, cfg.kl_estimator)
-    kl_in_reward = exp.kl if not cfg.use_kl_loss else None
-    # The same steps as tidal.algorithms.estimate_advantages, with the last (whitening) made global.
-    shaped = est.baseline(exp.rewards, n)
-    token_rewards = kl_penalized_rewards(shaped, kl_in_reward, mask, kl_coef, None)
-    advantages, exp.returns = est.advantages_and_returns(
-        token_rewards, mask, exp.values, cfg.gamma, cfg.lambd
-    )
-    exp.advantages = world_masked_whiten(advantages, mask, world)
-    return exp
+    """``add_advantages`` (the one path: baseline, clip, KL, returns) with the whitening of gae,
+    reinforce and reinforce_baseline over every rank."""
+    whiten = partial(world_masked_whiten, world=world) if world.distributed else masked_whiten
+    return add_advantages(exp, cfg, n, kl_coef, whiten=whiten)
 
 
 def check_data_parallel(run, world: World, num_eval_prompts: int | None) -> None:
