@@ -39,13 +39,41 @@ def test_k2_k3_nonnegative_and_k3_zero_at_equal_policies():
     assert compute_kl(LOGP, LOGP, estimator="k3").abs().max() == 0
 
 
-def test_log_ratio_clip_keeps_k3_finite():
-    logp = torch.tensor([[50.0, -100.0]])
+def openrlhf_compute_approx_kl(log_probs, log_probs_base, kl_estimator):
+    """OpenRLHF v0.9.2 ``openrlhf/models/utils.py::compute_approx_kl``, verbatim in substance."""
+    log_ratio = log_probs.float() - log_probs_base.float()
+    if kl_estimator == "k2":
+        log_ratio = log_ratio**2 / 2.0
+    if kl_estimator == "k3":
+        log_ratio = -log_ratio
+        log_ratio = log_ratio.exp() - 1 - log_ratio
+    return log_ratio.clamp(min=-10, max=10)
+
+
+def test_large_log_ratio_clamps_the_estimate_to_10():
+    """The estimate, not r, is clamped: k3 at r = −10 was e^10 − 11 ≈ 2.2e4 per token."""
+    logp = torch.tensor([[50.0, -100.0, -10.0, -2.5, 3.0, 12.0]])
     ref = torch.zeros_like(logp)
-    clipped = compute_kl(logp, ref, estimator="k3")
-    assert_close(clipped, torch.tensor([[math.exp(-10) + 9, math.exp(10) - 11]]))
-    assert_close(compute_kl(logp, ref, estimator="k1"), torch.tensor([[10.0, -10.0]]))
-    assert torch.isinf(compute_kl(logp, ref, estimator="k3", log_ratio_clip=None)[0, 1])
+    assert_close(compute_kl(logp, ref, estimator="k3"), torch.tensor([[10.0, 10.0, 10.0, math.exp(2.5) - 3.5,
+                                                                       math.exp(-3) + 2, 10.0]]))  # fmt: skip
+    assert_close(compute_kl(logp, ref, estimator="k1"), torch.tensor([[10.0, -10.0, -10.0, -2.5, 3.0, 10.0]]))
+    assert_close(compute_kl(logp, ref, estimator="k2"), torch.tensor([[10.0, 10.0, 10.0, 3.125, 4.5, 10.0]]))
+    assert torch.isinf(compute_kl(logp, ref, estimator="k3", kl_clip=None)[0, 1])
+
+
+@pytest.mark.parametrize("name", ["k1", "k2", "k3"])
+def test_matches_openrlhf_on_random_and_extreme_log_ratios(name):
+    g = torch.Generator().manual_seed(0)
+    logp = torch.cat([torch.randn(4, 64, generator=g) * 4, torch.linspace(-60, 60, 64).unsqueeze(0)])
+    ref = torch.randn(5, 64, generator=g)
+    assert_close(compute_kl(logp, ref, estimator=name), openrlhf_compute_approx_kl(logp, ref, name))
+
+
+@pytest.mark.parametrize("name", ["k1", "k2", "k3"])
+def test_clamped_tokens_get_a_zero_not_a_nan_gradient(name):
+    logp = torch.tensor([[-200.0, 200.0, 0.3]], requires_grad=True)
+    (grad,) = torch.autograd.grad(compute_kl(logp, torch.zeros_like(logp), estimator=name).sum(), logp)
+    assert torch.isfinite(grad).all() and grad[0, :2].abs().max() == 0
 
 
 def test_adaptive_controller_by_hand():

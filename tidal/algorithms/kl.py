@@ -7,10 +7,13 @@ Per-token estimators of KL(π || π_ref) from samples of π, with r = log π −
 - ``k2 = r² / 2``                 biased, low variance, ≥ 0;
 - ``k3 = exp(−r) − 1 + r``        unbiased, low variance, ≥ 0 (the GRPO paper's KL, arXiv 2402.03300).
 
-For numerical safety ``compute_kl`` clamps r to ``[−log_ratio_clip, log_ratio_clip]`` (default 10)
-before applying the estimator: ``exp(−r)`` in k3 overflows float32/bf16 for very negative r, and a
-single runaway token would otherwise dominate the reward. Clamping also stops the gradient of the
-clamped tokens, which is intended (they are outliers, not signal). Pass ``None`` to disable.
+``compute_kl`` clamps the *estimate* to ``[−kl_clip, kl_clip]`` (default 10), as OpenRLHF's
+``compute_approx_kl`` does for all three estimators, so no token's KL term exceeds 10 (clamping r
+instead would let k3 reach e^10 − 11 ≈ 2.2e4). The clamp also stops the gradient of clamped tokens,
+which is intended (they are outliers, not signal). Before the estimator r is clamped to
+``±(kl_clip + 1)``: every estimator is already beyond ±kl_clip there (k1: |r|; k2: r²/2 ≥ kl_clip;
+k3: ≥ r − 1 for r > 0 and e^|r| − 1 − |r| for r < 0), so no value changes, but ``exp(−r)`` stays
+finite and a clamped token's gradient is 0 instead of 0·inf = nan. Pass ``None`` to disable both.
 
 The controllers hold β (``init_kl_coef``): fixed, or adaptive as in Ziegler et al. 2019
 (arXiv 1909.08593): β ← β·(1 + clip(KL/target − 1, −0.2, 0.2)·n_steps/horizon).
@@ -42,19 +45,24 @@ def kl_k3(log_ratio: Tensor) -> Tensor:
 
 KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
 
+KL_CLIP = 10.0  # OpenRLHF's clamp of the per-token estimate
+
 
 def compute_kl(
     logp: Tensor,
     ref_logp: Tensor,
     action_mask: Tensor | None = None,
     estimator: str = "k1",
-    log_ratio_clip: float | None = 10.0,
+    kl_clip: float | None = KL_CLIP,
 ) -> Tensor:
-    """Per-token KL estimate ``[B, T]`` from log-probs of the sampled tokens; 0 where masked."""
+    """Per-token KL estimate ``[B, T]`` from log-probs of the sampled tokens, clamped to ``±kl_clip``;
+    0 where masked."""
     log_ratio = logp.float() - ref_logp.float()
-    if log_ratio_clip is not None:
-        log_ratio = log_ratio.clamp(-log_ratio_clip, log_ratio_clip)
-    kl = KL_ESTIMATORS[estimator](log_ratio)
+    if kl_clip is None:
+        kl = KL_ESTIMATORS[estimator](log_ratio)
+    else:
+        bound = kl_clip + 1.0  # beyond it every estimate is clamped anyway (module docstring)
+        kl = KL_ESTIMATORS[estimator](log_ratio.clamp(-bound, bound)).clamp(-kl_clip, kl_clip)
     if action_mask is not None:
         kl = torch.where(action_mask.bool(), kl, torch.zeros_like(kl))
     return kl
