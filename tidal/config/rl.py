@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from tidal.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from tidal.config.args import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, UNIT, ConfigError, Range, arg
+from tidal.rewards.remote import DEFAULT_RETRIES, DEFAULT_TIMEOUT
 
 
 @dataclass
@@ -174,14 +175,16 @@ class RLModelsConfig:
         None, help="reward_func.py file, or comma-separated HTTP reward-server URLs"
     )
     # OpenRLHF waits 180 s per request and tries 6 times (~18 min on a server that accepts and never
-    # answers); tidal's shorter defaults fail such a run in ~2 min yet leave a slow batch a minute.
+    # answers); tidal's shorter defaults (tidal.rewards.remote) fail such a run in ~3 min.
     remote_rm_timeout: float = arg(
-        60.0,
+        DEFAULT_TIMEOUT,
         help="seconds a reward-server request may wait for each read before it is retried",
         check=POSITIVE,
     )
     remote_rm_retries: int = arg(
-        2, help="retries of a failed reward-server request (timeouts, resets, 429/5xx)", check=NON_NEGATIVE
+        DEFAULT_RETRIES,
+        help="retries of a failed reward-server request (timeouts, resets, 429/5xx)",
+        check=NON_NEGATIVE,
     )
     value_head_prefix: str = arg("score", help="attribute name of the value head in reward/critic models")
     agent_func_path: str | None = arg(None, help="agent_func.py with an AgentExecutor class (multi-turn)")

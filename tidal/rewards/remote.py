@@ -6,6 +6,11 @@ several URLs the batch is split into contiguous chunks, one per URL, sent concur
 and the answers are concatenated in order. Connection errors, timeouts, 429 and 5xx answers are
 retried with exponential backoff; other 4xx answers fail at once (resending a bad request cannot help).
 
+``--remote_rm_timeout`` (seconds a request may wait on the connection or for each read) and
+``--remote_rm_retries`` bound how long a server that accepts and never answers can stall a run:
+OpenRLHF's fixed 180 s x 6 attempts stalled it ~18 min; the defaults here (60 s, 2 retries) fail it in
+about 3 min while still leaving a slow reward model a minute per batch.
+
 The client is the standard library's ``urllib``: no dependency, and one blocking request per thread
 is all this needs.
 """
@@ -25,13 +30,19 @@ from tidal.data.batching import contiguous_splits
 from tidal.rewards.base import RewardError, RewardResult, to_reward_result
 
 _RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
+DEFAULT_TIMEOUT = 60.0  # --remote_rm_timeout
+DEFAULT_RETRIES = 2  # --remote_rm_retries
 
 
 class RemoteReward:
     """Score batches by POSTing them to one or more reward servers."""
 
     def __init__(
-        self, urls: list[str] | str, timeout: float = 180.0, max_retries: int = 5, backoff: float = 1.0
+        self,
+        urls: list[str] | str,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_retries: int = DEFAULT_RETRIES,
+        backoff: float = 1.0,
     ):
         urls = [u.strip() for u in urls.split(",")] if isinstance(urls, str) else [u.strip() for u in urls]
         if not urls or not all(urls):
@@ -66,7 +77,7 @@ class RemoteReward:
         return to_reward_result(answer, len(queries), f"reward server {url}")
 
     def _post_with_retries(self, url: str, body: bytes):
-        last = None
+        last, timed_out = None, False
         for attempt in range(self.max_retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
@@ -81,10 +92,16 @@ class RemoteReward:
                 OSError,
                 http.client.HTTPException,
             ) as err:  # refused, reset, timeout
-                last = f"{type(err).__name__}: {getattr(err, 'reason', err)}"
-        raise RewardError(
-            f"reward server {url} failed after {self.max_retries + 1} attempts; last error: {last}"
-        )
+                reason = getattr(err, "reason", err)
+                timed_out = isinstance(reason, TimeoutError)
+                last = f"{type(err).__name__}: {reason}"
+        attempts = f"{self.max_retries + 1} attempts"
+        if timed_out:
+            raise RewardError(
+                f"reward server {url} did not answer within {self.timeout:g} s ({attempts}); check the server "
+                "or raise --remote_rm_timeout/--remote_rm_retries"
+            )
+        raise RewardError(f"reward server {url} failed after {attempts}; last error: {last}")
 
     def _post(self, url: str, body: bytes):
         request = urllib.request.Request(

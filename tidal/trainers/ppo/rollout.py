@@ -56,7 +56,13 @@ class Rollout:
     ):
         self.lock = threading.Lock()  # generation (maybe on a background thread) and weight sync take turns
         self.cfg, self.tokenizer, self.pad_id = cfg, tokenizer, pad_id
-        self.reward_source = load_reward_source(models.remote_rm_url) if models.remote_rm_url else None
+        self.reward_source = (
+            load_reward_source(
+                models.remote_rm_url, timeout=models.remote_rm_timeout, max_retries=models.remote_rm_retries
+            )
+            if models.remote_rm_url
+            else None
+        )
         self.reward_models = reward_models
         if not (models.agent_func_path or self.reward_source or reward_models):
             from tidal.config.args import ConfigError
