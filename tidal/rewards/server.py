@@ -12,9 +12,18 @@ eos and whitespace are stripped and exactly one eos appended (as OpenRLHF), and 
 when the tokenizer adds one to plain text and the text does not already start with it. A query
 longer than ``--max_len`` tokens keeps its *last* ``max_len`` tokens, so the scored final token stays.
 
-Batching: handler threads (``ThreadingHTTPServer``) put each request on a queue; one worker thread
-takes the waiting requests, up to ``--batch_size`` queries, and scores them in one padded forward
-(a single larger request is split into several), so concurrent requests share forward passes.
+Load: each connection gets a handler thread (``ThreadingHTTPServer``, listen backlog 1024 so bursts
+of clients queue instead of being reset). A handler checks ``Content-Length`` against
+``--max_request_bytes`` *before* reading the body (413 otherwise), parses and validates the JSON (400
+for anything malformed: invalid or non-UTF-8 JSON, nesting too deep, wrong types, more queries than
+``--max_request_queries``), tokenizes the queries and queues them. Every error is a one-line
+``{"error": ...}``.
+
+Batching: one worker thread scores micro-batches of at most ``--batch_size`` queries drawn from all
+waiting requests at once, round-robin (each request contributes an equal share; a request's queries
+go shortest first, so a micro-batch pads little). Concurrent requests share forward passes, and a
+large request is interleaved with the others instead of holding the model: a small request that
+arrives while a large one is being scored is answered after about one micro-batch.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -30,7 +40,7 @@ from typing import Any
 
 import torch
 
-from tidal.config.args import ConfigError, arg
+from tidal.config.args import AT_LEAST_ONE, ConfigError, arg
 from tidal.config.model import ModelConfig
 from tidal.data.collate import collate_padded
 from tidal.data.sft import SFTSample
@@ -40,7 +50,9 @@ from tidal.models.value_model import load_value_model
 
 log = get_logger(__name__)
 
-MAX_BODY_BYTES = 64 * 1024 * 1024
+LISTEN_BACKLOG = 1024  # socketserver's default of 5 reset connections under a burst of 32 clients
+SOCKET_TIMEOUT_S = 60.0  # a client that stalls mid-request frees its thread after this
+DRAIN_LIMIT_BYTES = 256 * 1024 * 1024  # an oversized body up to this is read and dropped (see _refuse_body)
 
 
 @dataclass
@@ -54,6 +66,14 @@ class ServeRMConfig:
     port: int = arg(5000, help="port to listen on (0: any free port)")
     max_len: int = arg(2048, help="queries longer than this many tokens keep their last max_len tokens")
     batch_size: int = arg(16, help="most queries per forward pass; concurrent requests are coalesced")
+    max_request_bytes: int = arg(
+        16 * 1024 * 1024,
+        help="largest request body in bytes; larger ones get HTTP 413 (tidal-only flag)",
+        check=AT_LEAST_ONE,
+    )
+    max_request_queries: int = arg(
+        8192, help="most queries in one request; more get HTTP 413 (tidal-only flag)", check=AT_LEAST_ONE
+    )
     normalize_reward: bool = arg(False, help="return (reward - mean) / std with the stats stored by tidal rm")
     value_head_prefix: str = arg(
         "score", help="attribute name of the value head", aliases=["--value_prefix_head"]
@@ -72,6 +92,18 @@ class ServeRMConfig:
             raise ConfigError("--batch_size must be >= 1 and --max_len >= 2")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.max_request_bytes, self.max_request_queries)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one ``/get_reward`` request may hold (bigger ones are refused with 413)."""
+
+    max_bytes: int = 16 * 1024 * 1024
+    max_queries: int = 8192
 
 
 class RewardScorer:
@@ -116,9 +148,12 @@ class RewardScorer:
             ids = [self.bos_id, *ids]
         return ids[-self.max_len :]
 
-    @torch.no_grad()
     def __call__(self, queries: Sequence[str]) -> list[float]:
-        encoded = [self.encode(q) for q in queries]
+        return self.score_encoded([self.encode(q) for q in queries])
+
+    @torch.no_grad()
+    def score_encoded(self, encoded: Sequence[list[int]]) -> list[float]:
+        """Rewards of already tokenized queries (``encode``), in their order."""
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths pad less
         rewards = [0.0] * len(encoded)
         for start in range(0, len(order), self.batch_size):
@@ -142,11 +177,29 @@ class RequestError(Exception):
         self.status = status
 
 
-def parse_request(body: bytes) -> list[str]:
+def body_length(header: str | None, limits: RequestLimits) -> int:
+    """The body size announced by a ``Content-Length`` header, checked before the body is read."""
+    if header is None:
+        raise RequestError(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required")
+    if not header.strip().isdigit():
+        raise RequestError(HTTPStatus.BAD_REQUEST, f"Content-Length must be a byte count, got {header!r}")
+    length = int(header)
+    if length > limits.max_bytes:
+        raise RequestError(
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            f"request body of {length} bytes is over the server's --max_request_bytes {limits.max_bytes}; "
+            "send fewer queries per request",
+        )
+    return length
+
+
+def parse_request(body: bytes, limits: RequestLimits = RequestLimits()) -> list[str]:
     """The queries of a ``/get_reward`` body, after checking its shape (``RequestError`` if bad)."""
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except RecursionError as err:  # json raises this for very deep nesting such as [[[[...]]]]
+        raise RequestError(HTTPStatus.BAD_REQUEST, "body is not valid JSON: nested too deeply") from err
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, an integer with too many digits
         raise RequestError(HTTPStatus.BAD_REQUEST, f"body is not valid JSON: {err}") from err
     if not isinstance(data, dict):
         raise RequestError(HTTPStatus.BAD_REQUEST, 'body must be a JSON object like {"query": [...]}')
@@ -155,6 +208,20 @@ def parse_request(body: bytes) -> list[str]:
         raise RequestError(
             HTTPStatus.BAD_REQUEST, '"query" must be a list of strings (prompt + response texts)'
         )
+    if len(queries) > limits.max_queries:
+        raise RequestError(
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            f"{len(queries)} queries in one request is over the server's --max_request_queries "
+            f"{limits.max_queries}; send fewer queries per request",
+        )
+    for i, q in enumerate(queries):
+        if not q.isascii():  # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer takes
+            try:
+                q.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise RequestError(
+                    HTTPStatus.BAD_REQUEST, f'"query"[{i}] is not valid Unicode text: {err.reason}'
+                ) from err
     for key in ("prompts", "labels"):
         value = data.get(key)
         if value is not None and (not isinstance(value, list) or len(value) != len(queries)):
@@ -164,78 +231,162 @@ def parse_request(body: bytes) -> list[str]:
     return queries
 
 
+def fair_shares(remaining: Sequence[int], budget: int) -> list[int]:
+    """How many queries each waiting request puts into the next micro-batch of ``budget`` queries:
+    one at a time round-robin in the given order, so small requests are taken whole and the largest
+    split what is left (max-min fair)."""
+    shares = [0] * len(remaining)
+    open_ = [i for i, r in enumerate(remaining) if r > 0]
+    while budget > 0 and open_:
+        still_open = []
+        for i in open_:
+            if budget == 0:
+                break
+            shares[i] += 1
+            budget -= 1
+            if shares[i] < remaining[i]:
+                still_open.append(i)
+        open_ = still_open
+    return shares
+
+
 @dataclass
 class _Job:
-    queries: list[str]
+    """One request's queries as they pass through the worker (shortest first)."""
+
+    items: list
+    order: list[int] = field(init=False)
+    taken: int = 0  # positions of ``order`` already put into micro-batches
+    scored: int = 0
+    rewards: list[float] = field(init=False)
     done: threading.Event = field(default_factory=threading.Event)
-    rewards: list[float] | None = None
     error: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        self.order = sorted(range(len(self.items)), key=lambda i: len(self.items[i]))
+        self.rewards = [0.0] * len(self.items)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.items) - self.taken
+
+    def fail(self, err: BaseException) -> None:
+        self.error = err
+        self.done.set()
 
 
 class BatchingWorker:
-    """One thread scoring queued requests, coalescing waiting ones up to ``batch_size`` queries."""
+    """One thread scoring micro-batches of at most ``batch_size`` queries drawn fairly from every
+    waiting request (``fair_shares``); each request is answered as soon as all its queries are scored.
 
-    def __init__(self, score: Callable[[list[str]], list[float]], batch_size: int):
+    ``score`` takes a list of queries (as ``submit`` got them) and returns one reward per query.
+    """
+
+    def __init__(self, score: Callable[[list], list[float]], batch_size: int):
         self.score, self.batch_size = score, batch_size
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._closing, self._lock = False, threading.Lock()
         self.thread = threading.Thread(target=self._run, name="reward-worker", daemon=True)
         self.thread.start()
 
-    def submit(self, queries: list[str]) -> list[float]:
-        """Score ``queries`` (blocks until done; re-raises the worker's error)."""
-        if not queries:
+    def submit(self, items: list) -> list[float]:
+        """Score ``items`` (blocks until done; re-raises the worker's error)."""
+        if not items:
             return []
-        job = _Job(list(queries))
-        self.jobs.put(job)
+        job = _Job(list(items))
+        with self._lock:  # nothing is queued behind the stop marker, so no request waits forever
+            if self._closing:
+                raise RuntimeError("the reward server is shutting down")
+            self.jobs.put(job)
         job.done.wait()
         if job.error is not None:
             raise job.error
         return job.rewards
 
     def close(self) -> None:
-        self.jobs.put(None)
+        """Finish the requests already queued, then stop the thread."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            self.jobs.put(None)
         self.thread.join(timeout=30)
 
-    def _take(self) -> list[_Job] | None:
-        first = self.jobs.get()
-        if first is None:
-            return None
-        jobs, size = [first], len(first.queries)
-        while size < self.batch_size:
+    def _admit(self, active: deque[_Job], block: bool) -> bool:
+        """Move newly queued requests to ``active``; False once the stop marker was seen."""
+        while True:
             try:
-                nxt = self.jobs.get_nowait()
+                job = self.jobs.get(block=block)
             except queue.Empty:
-                break
-            if nxt is None:
-                self.jobs.put(None)  # stop after this batch
-                break
-            jobs.append(nxt)
-            size += len(nxt.queries)
-        return jobs
+                return True
+            if job is None:
+                return False
+            active.append(job)
+            block = False
 
     def _run(self) -> None:
-        while (jobs := self._take()) is not None:
-            try:
-                rewards = self.score([q for job in jobs for q in job.queries])
-            except Exception as err:  # reported to every waiting request; the worker keeps going
-                log.exception("scoring failed")
-                for job in jobs:
-                    job.error = err
-            else:
-                start = 0
-                for job in jobs:
-                    job.rewards = rewards[start : start + len(job.queries)]
-                    start += len(job.queries)
-            for job in jobs:
-                job.done.set()
+        active: deque[_Job] = deque()
+        running = True
+        while running or active:
+            if running:
+                running = self._admit(active, block=not active)
+            if not active:
+                continue
+            shares = fair_shares([job.waiting for job in active], self.batch_size)
+            picks = [
+                (job, job.order[job.taken + k])
+                for job, n in zip(active, shares, strict=True)
+                for k in range(n)
+            ]
+            for job, n in zip(active, shares, strict=True):
+                job.taken += n
+            # Requests left out of this micro-batch (more requests than batch_size) go first next time.
+            served = [job for job, n in zip(active, shares, strict=True) if n]
+            active = deque([job for job, n in zip(active, shares, strict=True) if not n] + served)
+            self._score(picks)
+            for job in served:
+                if job.error is not None or job.scored == len(job.items):
+                    active.remove(job)
+                    job.done.set()
+
+    def _score(self, picks: list[tuple[_Job, int]]) -> None:
+        try:
+            rewards = self.score([job.items[i] for job, i in picks])
+            if len(rewards) != len(picks):
+                raise RuntimeError(f"the scorer returned {len(rewards)} rewards for {len(picks)} queries")
+        except Exception as err:  # reported to every request in this micro-batch; the worker keeps going
+            log.exception("scoring failed")
+            for job, _ in picks:
+                job.error = err
+            return
+        for (job, i), reward in zip(picks, rewards, strict=True):
+            job.rewards[i] = reward
+            job.scored += 1
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    request_queue_size = LISTEN_BACKLOG  # the kernel caps it at net.core.somaxconn
+    daemon_threads = True
 
 
 class RewardServer:
-    """The HTTP server around a ``BatchingWorker``; ``start()`` serves from a background thread."""
+    """The HTTP server around a ``BatchingWorker``; ``start()`` serves from a background thread.
 
-    def __init__(self, score: Callable[[list[str]], list[float]], host: str, port: int, batch_size: int):
+    ``prepare`` turns one query text into what ``score`` takes (the real server tokenizes here, in
+    the request's own thread, so the worker only runs forward passes).
+    """
+
+    def __init__(
+        self,
+        score: Callable[[list], list[float]],
+        host: str,
+        port: int,
+        batch_size: int,
+        limits: RequestLimits = RequestLimits(),
+        prepare: Callable[[str], Any] | None = None,
+    ):
         self.worker = BatchingWorker(score, batch_size)
-        self.httpd = ThreadingHTTPServer((host, port), _handler_for(self.worker))
+        self.httpd = _HTTPServer((host, port), _handler_for(self.worker, limits, prepare or (lambda q: q)))
         self.thread: threading.Thread | None = None
 
     @property
@@ -264,8 +415,17 @@ class RewardServer:
         self.close()
 
 
-def _handler_for(worker: BatchingWorker) -> type[BaseHTTPRequestHandler]:
+def one_line(text: str) -> str:
+    """``text`` with its line breaks folded, so every error answer is a single line."""
+    return " ".join(text.split())
+
+
+def _handler_for(
+    worker: BatchingWorker, limits: RequestLimits, prepare: Callable[[str], Any]
+) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = SOCKET_TIMEOUT_S
+
         def do_GET(self) -> None:
             if self.path.rstrip("/") == "/health":
                 self._reply(HTTPStatus.OK, {"status": "ok"})
@@ -275,28 +435,51 @@ def _handler_for(worker: BatchingWorker) -> type[BaseHTTPRequestHandler]:
                 )
 
         def do_POST(self) -> None:
+            announced = self.headers.get("Content-Length", "")
+            self.unread = int(announced) if announced.strip().isdigit() else 0
             try:
                 if self.path.rstrip("/") != "/get_reward":
                     raise RequestError(
                         HTTPStatus.NOT_FOUND, f"no such path {self.path}; use POST /get_reward"
                     )
-                rewards = worker.submit(parse_request(self._body()))
+                length = body_length(self.headers.get("Content-Length"), limits)
+                body, self.unread = self.rfile.read(length), 0
+                if len(body) < length:
+                    raise RequestError(
+                        HTTPStatus.BAD_REQUEST, f"body ended after {len(body)} of {length} bytes"
+                    )
+                queries = parse_request(body, limits)
+                rewards = worker.submit([prepare(q) for q in queries])
             except RequestError as err:
                 self._reply(err.status, {"error": str(err)})
+                self._drop_unread_body()
             except Exception as err:  # a scoring failure is the server's, not the client's
                 self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(err).__name__}: {err}"})
             else:
                 self._reply(HTTPStatus.OK, {"rewards": rewards, "scores": rewards, "extra_logs": {}})
 
-        def _body(self) -> bytes:
-            length = self.headers.get("Content-Length")
-            if length is None or not length.isdigit():
-                raise RequestError(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required")
-            if int(length) > MAX_BODY_BYTES:
-                raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {MAX_BODY_BYTES} bytes")
-            return self.rfile.read(int(length))
+        def _drop_unread_body(self) -> None:
+            """After an answer sent without reading the body (413, 404), read and drop up to
+            ``DRAIN_LIMIT_BYTES`` of it before closing: closing a socket that still holds unread data
+            resets the connection, and a client still sending would never see the answer."""
+            self.close_connection = True
+            try:
+                while 0 < self.unread <= DRAIN_LIMIT_BYTES:
+                    chunk = self.rfile.read(min(self.unread, 1 << 16))
+                    if not chunk:
+                        break
+                    self.unread -= len(chunk)
+            except OSError:  # the client hung up or stalled: nothing left to protect
+                pass
+
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            # http.server's own errors (bad request line, unsupported method, headers too long) as JSON
+            self.close_connection = True
+            self._reply(HTTPStatus(code), {"error": message or HTTPStatus(code).phrase})
 
         def _reply(self, status: HTTPStatus, payload: dict) -> None:
+            if "error" in payload:
+                payload = {"error": one_line(payload["error"])}
             body = json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
@@ -314,6 +497,6 @@ def serve(cfg: ServeRMConfig, device: torch.device | None = None) -> RewardServe
     """Load the reward model and bind the server (call ``serve_forever`` or ``start`` on it)."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     scorer = RewardScorer.load(cfg, device)
-    server = RewardServer(scorer, cfg.host, cfg.port, cfg.batch_size)
+    server = RewardServer(scorer.score_encoded, cfg.host, cfg.port, cfg.batch_size, cfg.limits, scorer.encode)
     log.info("serving %s at %s/get_reward (batch size %d)", cfg.reward_pretrain, server.url, cfg.batch_size)
     return server
