@@ -24,7 +24,12 @@ from tidal.algorithms.advantages import (
     mean_baseline,
     no_baseline,
 )
-from tidal.algorithms.correction import MISMATCH_CORRECTIONS, icepop_weights, tis_weights
+from tidal.algorithms.correction import (
+    MISMATCH_CORRECTIONS,
+    corrected_policy_loss,
+    icepop_weights,
+    tis_weights,
+)
 from tidal.algorithms.distill import distillation_cross_entropy, kd_loss
 from tidal.algorithms.kl import (
     KL_ESTIMATORS,
@@ -81,6 +86,7 @@ __all__ = [
     "RunningMoments",
     "aggregate_loss",
     "compute_kl",
+    "corrected_policy_loss",
     "discounted_returns",
     "distillation_cross_entropy",
     "dpo_loss",

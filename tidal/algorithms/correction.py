@@ -18,6 +18,16 @@ One signature, chosen by name from ``MISMATCH_CORRECTIONS``::
 Note: masked tokens still count in ``aggregate_loss``'s token normaliser; that keeps micro-batch
 accumulation exact and matches "multiply the loss by the weight". ``stats`` report the fraction of
 tokens truncated (tis) or masked (icepop) as ``mismatch_clip_ratio`` plus the mean weight.
+
+``corrected_policy_loss`` applies a correction to a policy loss, as OpenRLHF's ``PolicyLoss`` does:
+
+- token-ratio losses (``ppo``): per-token loss × the weights above;
+- sequence-ratio losses (``gspo``): the sequence ratio is taken against the rollout engine's
+  log-probs, ``s_i = exp(mean_t(log π_t − log π_rollout,t))``, and no token weight is applied; the
+  ratio's own clip range bounds the correction, so the tis/icepop bounds do not enter. This is the
+  GSPO paper's use of the inference engine's likelihoods (arXiv 2507.18071, "Benefit of GSPO for RL
+  Infrastructure"): a sequence-level ratio tolerates token-level engine noise, while a product of
+  token weights and a sequence ratio would mix two importance ratios at different granularities.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import torch
 from torch import Tensor
 
 from tidal.algorithms.masked import masked_mean
+from tidal.algorithms.policy_loss import POLICY_LOSSES
 
 LOG_WEIGHT_CLAMP = 20.0
 
@@ -73,3 +84,38 @@ MISMATCH_CORRECTIONS: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]]
     "tis": tis_weights,
     "icepop": icepop_weights,
 }
+
+
+# Policy losses whose (sequence) ratio takes the rollout log-probs directly when correcting.
+RATIO_AGAINST_ROLLOUT = frozenset({"gspo"})
+
+
+def corrected_policy_loss(
+    loss_type: str,
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    action_mask: Tensor,
+    clip_eps_low: float,
+    clip_eps_high: float | None,
+    dual_clip: float | None = None,
+    rollout_logp: Tensor | None = None,
+    correction: str | None = None,
+    bounds: tuple[float, float] = (0.5, 5.0),
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``POLICY_LOSSES[loss_type]`` with the mismatch ``correction`` (``tis``/``icepop``, None: off)
+    applied as the module docstring says; ``(per_token_loss, stats)``."""
+    loss_fn = POLICY_LOSSES[loss_type]
+    clip = (clip_eps_low, clip_eps_high, dual_clip)
+    if correction is None:
+        return loss_fn(logp, old_logp, advantages, action_mask, *clip)
+    if rollout_logp is None:
+        raise ValueError(f"the {correction} correction needs the rollout engine's log-probs")
+    if loss_type in RATIO_AGAINST_ROLLOUT:
+        per_token, stats = loss_fn(logp, rollout_logp, advantages, action_mask, *clip)
+        mask = action_mask != 0
+        stats["mismatch_weight"] = masked_mean(_importance_weights(old_logp, rollout_logp, mask), mask)
+        return per_token, stats
+    per_token, stats = loss_fn(logp, old_logp, advantages, action_mask, *clip)
+    weights, wstats = MISMATCH_CORRECTIONS[correction](old_logp, rollout_logp, action_mask, *bounds)
+    return per_token * weights, stats | wstats

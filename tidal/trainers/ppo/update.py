@@ -16,10 +16,9 @@ import torch
 from torch import Tensor, nn
 
 from tidal.algorithms import (
-    MISMATCH_CORRECTIONS,
-    POLICY_LOSSES,
     aggregate_loss,
     compute_kl,
+    corrected_policy_loss,
     masked_mean,
     value_loss,
 )
@@ -133,17 +132,12 @@ class PolicyLoss:
             )
         logp = unflatten(logp, mb, self.packing)
         low, high = cfg.clip_bounds
-        per_token, stats = POLICY_LOSSES[cfg.policy_loss_type](
-            logp, mb.old_logprobs, mb.advantages, mask, low, high, cfg.dual_clip
-        )
+        correction = ("icepop" if cfg.use_icepop else "tis") if cfg.enable_vllm_is_correction else None
+        per_token, stats = corrected_policy_loss(
+            cfg.policy_loss_type, logp, mb.old_logprobs, mb.advantages, mask, low, high, cfg.dual_clip,
+            mb.rollout_logprobs, correction, cfg.is_bounds,
+        )  # fmt: skip
         metrics = {f"policy/{k}": _share(v, mask, norm) for k, v in stats.items()}
-        if cfg.enable_vllm_is_correction:
-            name = "icepop" if cfg.use_icepop else "tis"
-            weights, wstats = MISMATCH_CORRECTIONS[name](
-                mb.old_logprobs, mb.rollout_logprobs, mask, *cfg.is_bounds
-            )
-            per_token = per_token * weights
-            metrics.update({f"policy/{k}": _share(v, mask, norm) for k, v in wstats.items()})
         if cfg.use_kl_loss and mb.ref_logprobs is not None:
             kl = compute_kl(logp, mb.ref_logprobs, mask, cfg.kl_estimator)
             per_token = per_token + self.kl_coef * kl
