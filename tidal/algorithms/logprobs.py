@@ -38,8 +38,13 @@ def gather_logprobs(
 
 
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk_size: int | None = None) -> Tensor:
-    """Per-position entropy ``H = logsumexp(z) − Σ softmax(z)·z`` (stable: no log of a probability);
-    shape ``logits.shape[:-1]``, float32."""
+    """Per-position entropy ``H = logsumexp(z) − Σ softmax(z)·z`` with ``z = logits / temperature``
+    (stable: no log of a probability); shape ``logits.shape[:-1]``, float32.
+
+    The RL entropy bonus (``--entropy_loss_coef``) passes the sampling temperature, so it is the
+    entropy of π_T = softmax(logits / T): the distribution the rollouts were sampled from and whose
+    log-probs the policy ratios use, so the bonus regularises the policy being optimised. OpenRLHF
+    takes the entropy of the raw logits (T = 1); the two agree at ``--temperature 1``."""
     pieces = []
     for logit_chunk in _chunks(logits, chunk_size):
         z = logit_chunk.float()
