@@ -227,14 +227,19 @@ class ModelRunner:
                 [seq.num_output_tokens for seq in seqs],
             ]
         )
-        floats = self._tensor([[p.temperature, p.top_p, p.min_p] for p in params], torch.float32)
+        # One row per field, so each field is a contiguous [rows] view (the fused sampling kernel
+        # reads row i at offset i; a column view of a [rows, 3] tensor gave it other fields' values).
+        floats = self._tensor(
+            [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
+            torch.float32,
+        )
         return SamplingTensors(
             all_greedy=False,
             any_truncation=any(p.needs_truncation and not p.greedy for p in params),
-            temperatures=floats[:, 0],
+            temperatures=floats[0],
             top_k=ints[0],
-            top_p=floats[:, 1],
-            min_p=floats[:, 2],
+            top_p=floats[1],
+            min_p=floats[2],
             seeds=ints[1],
             positions=ints[2],
             suppress_rows=suppress_rows,

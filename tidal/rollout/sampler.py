@@ -22,6 +22,7 @@ import torch
 from tidal.accel import triton_available
 
 _MASK32 = 0xFFFFFFFF
+U_MAX = 1.0 - 2.0**-24  # the largest float32 below 1
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
@@ -38,7 +39,11 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     row = mix32((seeds & _MASK32) ^ mix32((positions * 0x9E3779B9 + 0x632BE5AB) & _MASK32))
     cols = mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * 0x85EBCA6B & _MASK32)
     bits = mix32(row[:, None] ^ cols[None, :])
-    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # (2**24 - 1) + 0.5 rounds up to 2**24 in float32, so one draw in 2**24 was exactly 1.0: a Gumbel noise
+    # of +inf that won the argmax whatever the logits (NaN beside a truncated -inf), about 1% of rows at
+    # a 152k vocabulary. Clamp to the largest float32 below 1 (every other value is unchanged).
+    return u.clamp_(max=U_MAX)
 
 
 @dataclass

@@ -71,6 +71,7 @@ def _sample_kernel(
             cols = _mix32((idx.to(tl.int64) * 0x85EBCA6B).to(tl.uint32))
             bits = _mix32(row_hash ^ cols)
             u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            u = tl.minimum(u, 1.0 - 1.0 / 16777216.0)  # never 1.0 (see ``sampler.uniform_noise``)
             gumbel = -libdevice.log(-libdevice.log(u))
             score = tl.where(greedy, x, x + gumbel)
         score = tl.where(valid, score, float("-inf"))
@@ -99,6 +100,8 @@ def fused_sample(
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
     sample = temperatures is not None
+    if sample:  # the kernel reads element ``row`` of each: they must be dense [rows] vectors
+        temperatures, seeds, positions = (t.contiguous() for t in (temperatures, seeds, positions))
     dummy = tokens  # unused pointers when every row is greedy
     _sample_kernel[(rows,)](
         logits, logits.stride(0), temperatures if sample else dummy, seeds if sample else dummy,

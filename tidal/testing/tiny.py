@@ -343,9 +343,13 @@ def build_tiny_model(
     family: str = "llama",
     seed: int = 0,
     vocab_size: int = 512,
+    logit_scale: float = 1.0,
     **config_overrides,
 ) -> Path:
-    """Write a random-init tiny model and its tokenizer to ``path`` (a plain HF folder) and return it."""
+    """Write a random-init tiny model and its tokenizer to ``path`` (a plain HF folder) and return it.
+
+    A random-init model predicts an almost uniform next token; ``logit_scale`` multiplies the final
+    norm's weight (so every logit) to give peaked distributions like a trained model's."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
@@ -363,5 +367,7 @@ def build_tiny_model(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    with torch.no_grad():
+        model.model.norm.weight.mul_(logit_scale)
     model.save_pretrained(str(path))
     return path
