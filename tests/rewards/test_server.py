@@ -306,6 +306,10 @@ def test_health_unknown_path_and_missing_length(server):
 def test_cli_rejects_bad_flags(rm_path, tmp_path, capsys):
     with pytest.raises(ConfigError, match="--batch_size"):
         parse_config(["--reward_pretrain", str(rm_path), "--batch_size", "0"])
+    with pytest.raises(ConfigError, match="--max_request_queries must be >= 1"):
+        parse_config(["--reward_pretrain", str(rm_path), "--max_request_queries", "0"])
+    cfg = parse_config(["--reward_pretrain", str(rm_path), "--max_request_bytes", "2048"])
+    assert cfg.limits == RequestLimits(max_bytes=2048, max_queries=8192)
     with pytest.raises(SystemExit) as exc:
         serve_main(["--reward_pretrain", str(tmp_path / "missing"), "--port", "0"])
     assert exc.value.code == 2 and "--reward_pretrain" in capsys.readouterr().err
