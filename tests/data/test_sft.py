@@ -132,7 +132,7 @@ def test_overlong_and_targetless_samples_are_skipped_and_counted(qwen_tok):
 
 def test_missing_key_names_key_row_and_columns(qwen_tok):
     ds = _ds([{"input": "a", "output": "b"}, {"input": "c", "output": None}])
-    with pytest.raises(DataError, match=r"row 1 of d\.jsonl has no value for key 'output'.*\['input'\]"):
+    with pytest.raises(DataError, match=r"row 2 of d\.jsonl: key 'output' has no value"):
         build_sft_samples(ds, qwen_tok, SFTDataConfig(), source="d.jsonl")
     with pytest.raises(DataError, match=r"'question' not found in d\.jsonl.*\['input', 'output'\]"):
         build_sft_samples(ds, qwen_tok, SFTDataConfig(input_key="question"), source="d.jsonl")
@@ -153,5 +153,5 @@ def test_config_errors(qwen_tok, cfg, match):
 
 def test_message_list_without_chat_template_is_an_error(qwen_tok):
     ds = _ds([{"input": [{"role": "user", "content": "a"}], "output": "b"}])
-    with pytest.raises(DataError, match="row 0 .*--apply_chat_template"):
+    with pytest.raises(DataError, match="row 1 of dataset: key 'input' .*--apply_chat_template"):
         build_sft_samples(ds, qwen_tok, SFTDataConfig())

@@ -54,7 +54,7 @@ def test_too_long_rows_are_skipped_and_counted(llama_tok):
     assert len(samples) == 1 and stats.too_long == 1 and stats.rows == [1]
 
 
-@pytest.mark.parametrize(("labels", "bad_row"), [([1, 2], 1), (["true", "yes"], 0), ([0.0, 0.5], 1)])
+@pytest.mark.parametrize(("labels", "bad_row"), [([1, 2], 2), (["true", "yes"], 1), ([0.0, 0.5], 2)])
 def test_bad_label_names_the_row(llama_tok, labels, bad_row):
     ds = datasets.Dataset.from_list([{"input": "a", "output": "b", "label": x} for x in labels])
     with pytest.raises(DataError, match=f"row {bad_row} of kto.jsonl: label 'label' must be true/false"):
@@ -65,7 +65,7 @@ def test_missing_value_names_the_row(llama_tok):
     ds = datasets.Dataset.from_list(
         [{"input": "a", "output": "b", "label": True}, {"input": "c", "label": False}]
     )
-    with pytest.raises(DataError, match="row 1 of kto.jsonl has no value for key 'output'"):
+    with pytest.raises(DataError, match="row 2 of kto.jsonl: key 'output' has no value"):
         build_unpaired_samples(ds, llama_tok, UnpairedDataConfig(), source="kto.jsonl")
 
 

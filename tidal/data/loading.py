@@ -16,7 +16,14 @@ sources are over-sampled until every source has been seen once, as OpenRLHF does
 caps every source before blending *and* the blended result (OpenRLHF's ``max_count`` semantics).
 
 Every failure is a ``DataError`` naming the source (and line/row/key where relevant): ``datasets``'
-own errors are often cryptic (an empty JSONL file raises ``StopIteration``).
+own errors are often cryptic (an empty JSONL file raises ``StopIteration``, a non-UTF-8 line a
+``UnicodeDecodeError`` only when the row is read). The loaded dataset remembers which file and row
+each of its rows came from (``tidal.data.rows.row_name``).
+
+JSON values keep their types as written: where one column mixes types (a label ``7`` among labels
+``"8"``), ``datasets`` stores it as a ``Json`` column that decodes the *string* ``"8"`` to the number
+8, so a reward function comparing strings scored 0 on every row. Such columns are re-read from the
+file with Python's ``json`` (strings stay strings, numbers stay numbers).
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import datasets
+import numpy as np
+
+from tidal.data.rows import RowOrigins, register_origins
 
 logger = logging.getLogger(__name__)
 
@@ -56,20 +66,35 @@ def load_dataset_spec(
         )
     weights = parse_probs(probs, len(sources)) if probs else None
     parts = [_cap(load_source(src, split), max_samples) for src in sources]
+    starts = tuple(int(x) for x in np.cumsum([0] + [len(p) for p in parts[:-1]]))
     if len(parts) == 1:
-        return parts[0]
+        return register_origins(parts[0], RowOrigins(tuple(sources), starts))
     _warn_on_column_mismatch(sources, parts)
+    parts = _align_json_columns(parts)
+    index = None
     try:
         if weights is None:
             blended = datasets.concatenate_datasets(parts)
         else:
+            # Tag rows with their position in the concatenation to know where each blended row came from.
+            tagged = [
+                p.add_column(_ORIGIN_COLUMN, range(a, a + len(p))) for p, a in zip(parts, starts, strict=True)
+            ]
             blended = datasets.interleave_datasets(
-                parts, probabilities=weights, seed=seed, stopping_strategy="all_exhausted"
+                tagged, probabilities=weights, seed=seed, stopping_strategy="all_exhausted"
             )
+            index = np.asarray(blended[_ORIGIN_COLUMN])
+            blended = blended.remove_columns(_ORIGIN_COLUMN)
     except (ValueError, TypeError) as err:
         columns = "; ".join(f"{s}: {p.column_names}" for s, p in zip(sources, parts, strict=True))
         raise DataError(f"cannot blend datasets with different columns/types ({columns}): {err}") from err
-    return _cap(blended, max_samples)
+    capped = _cap(blended, max_samples)
+    if index is not None:
+        index = index[: len(capped)]
+    return register_origins(capped, RowOrigins(tuple(sources), starts, index))
+
+
+_ORIGIN_COLUMN = "__tidal_origin_row__"
 
 
 def _warn_on_column_mismatch(sources: list[str], parts: list[datasets.Dataset]) -> None:
@@ -148,10 +173,73 @@ def _load_file(path: Path) -> datasets.Dataset:
         )
     if path.stat().st_size == 0:
         raise DataError(f"dataset file {path} is empty")
+    if builder in ("json", "csv"):
+        check_utf8(path)
     try:
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
+        ds = datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as err:  # datasets wraps parser errors in several types; report them uniformly
         raise _file_error(path, builder, err) from err
+    return keep_json_types(ds, path) if builder == "json" else ds
+
+
+def check_utf8(path: Path) -> None:
+    """A ``DataError`` naming the first line of ``path`` that is not valid UTF-8."""
+    with path.open("rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(
+                    f"{path} line {lineno} is not valid UTF-8 (byte {line[err.start]:#04x} at column "
+                    f"{err.start + 1}); save the file as UTF-8"
+                ) from err
+
+
+def _is_mixed_json_column(feature) -> bool:
+    return isinstance(feature, datasets.Json)
+
+
+def keep_json_types(ds: datasets.Dataset, path: Path) -> datasets.Dataset:
+    """Re-read the columns ``datasets`` could not type (mixed types) so each value is as written."""
+    mixed = [name for name, feature in ds.features.items() if _is_mixed_json_column(feature)]
+    if not mixed:
+        return ds
+    records = read_json_records(path)
+    if len(records) != len(ds):  # not the row-per-record layout assumed here: leave datasets' reading
+        return ds
+    for name in mixed:
+        ds = as_json_column(ds, name, [r.get(name) for r in records])
+    return ds
+
+
+def as_json_column(ds: datasets.Dataset, name: str, values: list) -> datasets.Dataset:
+    """``ds`` with column ``name`` replaced by ``values`` in a ``Json`` column that decodes them as given."""
+    # The Json feature stores JSON text; encoding every value ourselves keeps "8" a string.
+    encoded = [None if v is None else json.dumps(v) for v in values]
+    # Added before the old column goes: a table left with no column would have no rows.
+    order, temporary = list(ds.column_names), f"{name}__tidal_json"
+    ds = ds.add_column(temporary, encoded, feature=datasets.Json())
+    return ds.remove_columns(name).rename_column(temporary, name).select_columns(order)
+
+
+def _align_json_columns(parts: list[datasets.Dataset]) -> list[datasets.Dataset]:
+    """A column of mixed types in one source (``Json``) is made ``Json`` in every source, so they blend."""
+    mixed = {n for p in parts for n, f in p.features.items() if _is_mixed_json_column(f)}
+    aligned = []
+    for part in parts:
+        for name in mixed:
+            if name in part.column_names and not _is_mixed_json_column(part.features[name]):
+                part = as_json_column(part, name, list(part[name]))
+        aligned.append(part)
+    return aligned
+
+
+def read_json_records(path: Path) -> list[dict]:
+    """The records of a JSON array or JSON-lines file, as Python's ``json`` reads them."""
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def _file_error(path: Path, builder: str, err: Exception) -> DataError:

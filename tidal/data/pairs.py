@@ -35,6 +35,7 @@ import torch
 
 from tidal.data.collate import collate_packed, collate_padded
 from tidal.data.loading import DataError, require_keys
+from tidal.data.rows import check_text_columns, row_name
 from tidal.data.sft import SFTSample, SkipStats
 from tidal.data.templates import as_messages, chat_text, render_prompt, render_response, tokenize_texts
 
@@ -86,12 +87,15 @@ def build_pair_samples(
     """Render and tokenize every pair; return the kept samples and what was skipped."""
     cfg.validate()
     require_keys(dataset, [cfg.prompt_key, cfg.chosen_key, cfg.rejected_key], source)
+    check_text_columns(
+        dataset, [cfg.prompt_key, cfg.chosen_key, cfg.rejected_key], source, cfg.apply_chat_template
+    )
     margins = _margins(dataset, source)
     samples: list[PairSample] = []
     stats = SkipStats()
     for start in range(0, len(dataset), batch_size):
         rows = range(start, min(start + batch_size, len(dataset)))
-        rendered = [_render_row(dataset[i], i, tokenizer, cfg, source) for i in rows]
+        rendered = [_render_row(dataset[i], row_name(dataset, i, source), tokenizer, cfg) for i in rows]
         chosen = _encode(tokenizer, [c for c, _, _, _ in rendered], cfg.apply_chat_template)
         rejected = _encode(tokenizer, [r for _, r, _, _ in rendered], cfg.apply_chat_template)
         for k, i in enumerate(rows):
@@ -125,18 +129,18 @@ def _margins(dataset: datasets.Dataset, source: str) -> list[float]:
         try:
             out.append(float(value))
         except (TypeError, ValueError) as err:
-            raise DataError(f"row {i} of {source}: margin {value!r} is not a number") from err
+            raise DataError(f"{row_name(dataset, i, source)}: margin {value!r} is not a number") from err
         if not math.isfinite(out[-1]):
-            raise DataError(f"row {i} of {source}: margin {value!r} is not finite")
+            raise DataError(f"{row_name(dataset, i, source)}: margin {value!r} is not finite")
     return out
 
 
-def _render_row(row: dict, i: int, tokenizer, cfg: PairDataConfig, source: str) -> tuple[str, str, int, int]:
+def _render_row(row: dict, where: str, tokenizer, cfg: PairDataConfig) -> tuple[str, str, int, int]:
     """``(chosen_text, rejected_text, chosen_prompt_chars, rejected_prompt_chars)`` of one row."""
     for key in (cfg.prompt_key, cfg.chosen_key, cfg.rejected_key):
         if key is not None and row[key] is None:
             available = [k for k, v in row.items() if v is not None]
-            raise DataError(f"row {i} of {source} has no value for key {key!r}; available keys: {available}")
+            raise DataError(f"{where} has no value for key {key!r}; available keys: {available}")
     try:
         if cfg.prompt_key:
             prompt = render_prompt(
@@ -151,7 +155,7 @@ def _render_row(row: dict, i: int, tokenizer, cfg: PairDataConfig, source: str) 
         rejected, r_prompt = _render_side(row[cfg.rejected_key], tokenizer, cfg.apply_chat_template)
         return chosen, rejected, c_prompt, r_prompt
     except DataError as err:
-        raise DataError(f"row {i} of {source}: {err}") from err
+        raise DataError(f"{where}: {err}") from err
 
 
 def _render_side(value: Any, tokenizer, apply_chat_template: bool) -> tuple[str, int]:

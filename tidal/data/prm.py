@@ -27,6 +27,7 @@ import torch
 
 from tidal.data.collate import collate_packed, collate_padded
 from tidal.data.loading import DataError, require_keys
+from tidal.data.rows import check_text_columns, row_name
 from tidal.data.sft import SFTSample, SkipStats
 from tidal.data.templates import render_prompt, tokenize_texts
 
@@ -92,9 +93,10 @@ def build_prm_samples(
     """Render, tokenize and label every row; return the kept samples and what was skipped."""
     cfg.validate()
     require_keys(dataset, [cfg.input_key, cfg.label_key], source)
+    check_text_columns(dataset, [cfg.input_key], source, cfg.apply_chat_template)
     marker = single_token_id(tokenizer, cfg.placeholder_token, "--placeholder_token")
     reward_ids = reward_token_ids(tokenizer, cfg)
-    texts = [_render(row, i, tokenizer, cfg, source) for i, row in enumerate(dataset)]
+    texts = [_render(row, row_name(dataset, i, source), tokenizer, cfg) for i, row in enumerate(dataset)]
     encoded = tokenize_texts(tokenizer, texts, cfg.apply_chat_template)["input_ids"]
     samples, stats = [], SkipStats()
     for i, (ids, raw) in enumerate(zip(encoded, dataset[cfg.label_key], strict=True)):
@@ -108,7 +110,7 @@ def build_prm_samples(
             if positions and positions[0] == 0:
                 raise DataError("the text starts with a step marker; nothing precedes the first step")
         except DataError as err:
-            raise DataError(f"row {i} of {source}: {err}") from err
+            raise DataError(f"{row_name(dataset, i, source)}: {err}") from err
         if len(ids) > cfg.max_len:
             stats.add("too_long", i)
         elif not positions:
@@ -120,13 +122,13 @@ def build_prm_samples(
     return samples, stats
 
 
-def _render(row: dict, i: int, tokenizer, cfg: PRMDataConfig, source: str) -> str:
+def _render(row: dict, where: str, tokenizer, cfg: PRMDataConfig) -> str:
     if row[cfg.input_key] is None:
-        raise DataError(f"row {i} of {source} has no value for key {cfg.input_key!r}")
+        raise DataError(f"{where} has no value for key {cfg.input_key!r}")
     try:
         return render_prompt(row[cfg.input_key], tokenizer, cfg.input_template, cfg.apply_chat_template)
     except DataError as err:
-        raise DataError(f"row {i} of {source}: {err}") from err
+        raise DataError(f"{where}: {err}") from err
 
 
 def _labels(raw: Any, tokenizer, cfg: PRMDataConfig, reward_ids) -> list:

@@ -15,6 +15,7 @@ from typing import Any
 import datasets
 
 from tidal.data.loading import DataError, require_keys
+from tidal.data.rows import check_text_columns, row_name
 from tidal.data.sft import SkipStats
 from tidal.data.templates import render_prompt, tokenize_texts
 
@@ -38,18 +39,20 @@ def build_prompt_samples(
 ) -> tuple[list[PromptSample], SkipStats]:
     """Render every row's prompt; skip (and count) prompts over ``max_prompt_len`` tokens."""
     require_keys(dataset, [input_key, label_key], source)
+    # The whole column first: an empty prompt fails here, before any model loads, not at a rollout.
+    check_text_columns(dataset, [input_key], source, apply_chat_template, non_empty=[input_key])
     samples, stats = [], SkipStats()
     for i, row in enumerate(dataset):
         value = row[input_key]
         if value is None:
             available = [k for k, v in row.items() if v is not None]
             raise DataError(
-                f"row {i} of {source} has no value for key {input_key!r}; available keys: {available}"
+                f"{row_name(dataset, i, source)} has no value for key {input_key!r}; available keys: {available}"
             )
         try:
             prompt = render_prompt(value, tokenizer, input_template, apply_chat_template)
         except DataError as err:
-            raise DataError(f"row {i} of {source}: {err}") from err
+            raise DataError(f"{row_name(dataset, i, source)}: {err}") from err
         extra = {k: v for k, v in row.items() if k not in (input_key, label_key)}
         samples.append(PromptSample(prompt, row[label_key] if label_key else None, extra))
     if max_prompt_len is not None:

@@ -28,6 +28,7 @@ from typing import Any
 import datasets
 
 from tidal.data.loading import DataError, require_keys
+from tidal.data.rows import check_text_columns, row_name
 from tidal.data.templates import as_messages, chat_text, render_prompt, render_response, tokenize_texts
 
 Span = tuple[int, int]
@@ -114,6 +115,9 @@ def build_sft_samples(
     cfg.validate()
     cfg = replace(cfg, output_key=_effective_output_key(cfg, dataset.column_names))
     require_keys(dataset, [cfg.input_key, cfg.output_key], source)
+    check_text_columns(
+        dataset, [cfg.input_key, cfg.output_key], source, cfg.apply_chat_template or cfg.multiturn
+    )
     inputs = list(dataset[cfg.input_key])
     outputs = list(dataset[cfg.output_key]) if cfg.output_key else [None] * len(inputs)
     samples: list[SFTSample] = []
@@ -158,7 +162,7 @@ def render_sft_row(
         if key is not None and item is None:
             available = [k for k, v in dataset[row].items() if v is not None] if dataset is not None else "?"
             raise DataError(
-                f"row {row} of {source} has no value for key {key!r}; available keys: {available}"
+                f"{row_name(dataset, row, source)} has no value for key {key!r}; available keys: {available}"
             )
     try:
         if cfg.multiturn:
@@ -166,7 +170,7 @@ def render_sft_row(
         else:
             text, spans = _render_single_turn(value, output, tokenizer, cfg)
     except DataError as err:
-        raise DataError(f"row {row} of {source}: {err}") from err
+        raise DataError(f"{row_name(dataset, row, source)}: {err}") from err
     return text, [(0, len(text))] if cfg.pretrain_mode else spans
 
 

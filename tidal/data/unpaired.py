@@ -19,6 +19,7 @@ from typing import Any
 import datasets
 
 from tidal.data.loading import DataError, require_keys
+from tidal.data.rows import check_text_columns, row_name
 from tidal.data.sft import SFTSample, SkipStats
 from tidal.data.templates import render_prompt, render_response, tokenize_texts
 
@@ -68,13 +69,13 @@ class UnpairedSample:
         return SFTSample(self.prompt_ids + self.response_ids, mask, row=self.row)
 
 
-def parse_label(value: Any, row: int, key: str, source: str) -> bool:
+def parse_label(value: Any, where: str, key: str) -> bool:
     """``true``/``false`` (or ``1``/``0``) → bool; anything else is an error naming the row."""
     if isinstance(value, bool):
         return value
     if isinstance(value, (int, float)) and value in (0, 1):
         return bool(value)
-    raise DataError(f"row {row} of {source}: label {key!r} must be true/false (or 1/0), got {value!r}")
+    raise DataError(f"{where}: label {key!r} must be true/false (or 1/0), got {value!r}")
 
 
 def build_unpaired_samples(
@@ -87,11 +88,12 @@ def build_unpaired_samples(
     """Render, tokenize and label every row; return the kept samples and what was skipped."""
     cfg.validate()
     require_keys(dataset, [cfg.input_key, cfg.output_key, cfg.label_key], source)
+    check_text_columns(dataset, [cfg.input_key, cfg.output_key], source, cfg.apply_chat_template)
     samples: list[UnpairedSample] = []
     stats = SkipStats()
     for start in range(0, len(dataset), batch_size):
         rows = range(start, min(start + batch_size, len(dataset)))
-        rendered = [_render_row(dataset[i], i, tokenizer, cfg, source) for i in rows]
+        rendered = [_render_row(dataset[i], row_name(dataset, i, source), tokenizer, cfg) for i in rows]
         prompts = tokenize_texts(tokenizer, [p for p, _, _ in rendered], cfg.apply_chat_template)
         # A response continues the prompt's tokens, so it never gets special tokens of its own.
         responses = tokenizer(
@@ -110,18 +112,18 @@ def build_unpaired_samples(
     return samples, stats
 
 
-def _render_row(row: dict, i: int, tokenizer, cfg: UnpairedDataConfig, source: str) -> tuple[str, str, bool]:
+def _render_row(row: dict, where: str, tokenizer, cfg: UnpairedDataConfig) -> tuple[str, str, bool]:
     """``(prompt_text, response_text, desirable)`` of one row."""
     for key in (cfg.input_key, cfg.output_key, cfg.label_key):
         if row[key] is None:
             available = [k for k, v in row.items() if v is not None]
-            raise DataError(f"row {i} of {source} has no value for key {key!r}; available keys: {available}")
-    desirable = parse_label(row[cfg.label_key], i, cfg.label_key, source)
+            raise DataError(f"{where} has no value for key {key!r}; available keys: {available}")
+    desirable = parse_label(row[cfg.label_key], where, cfg.label_key)
     try:
         prompt = render_prompt(row[cfg.input_key], tokenizer, cfg.input_template, cfg.apply_chat_template)
         response = render_response(
             row[cfg.input_key], row[cfg.output_key], tokenizer, prompt, cfg.apply_chat_template
         )
     except DataError as err:
-        raise DataError(f"row {i} of {source}: {err}") from err
+        raise DataError(f"{where}: {err}") from err
     return prompt, response, desirable
