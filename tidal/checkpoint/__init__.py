@@ -1,6 +1,28 @@
-"""Checkpoints: resumable training state (DCP + loop/RNG state, rotated) and final HF export."""
+"""Checkpoints: resumable training state (DCP + loop/RNG state, rotated), final HF export, and the
+graceful stop on SIGTERM/SIGINT that ends in a checkpoint."""
 
 from tidal.checkpoint.hf_export import save_hf_model
-from tidal.checkpoint.resumable import LoopState, latest_checkpoint, load_checkpoint, save_checkpoint
+from tidal.checkpoint.interrupt import StopSignals, TrainingInterrupted
+from tidal.checkpoint.manager import RunCheckpoints, RunIdentity, flat_settings, model_fingerprint
+from tidal.checkpoint.resumable import (
+    CheckpointError,
+    LoopState,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 
-__all__ = ["LoopState", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "save_hf_model"]
+__all__ = [
+    "CheckpointError",
+    "LoopState",
+    "RunCheckpoints",
+    "RunIdentity",
+    "StopSignals",
+    "TrainingInterrupted",
+    "flat_settings",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "model_fingerprint",
+    "save_checkpoint",
+    "save_hf_model",
+]

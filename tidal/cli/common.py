@@ -11,12 +11,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.agents.base import AgentError
+from tidal.checkpoint import CheckpointError, TrainingInterrupted
 from tidal.config.args import ConfigError, accept_negative_numbers, add_config_group, configs_from_args
 from tidal.data import DataError
 from tidal.rewards.base import RewardError
+from tidal.trainers.optim import NonFiniteError
 
 # Errors in the user's input or files, not bugs: one line naming the flag/file, exit status 2.
 USER_ERRORS = (ConfigError, DataError, FileNotFoundError, RewardError, AgentError)
+# Training that cannot go on (diverged, disk full, unusable checkpoint): one line, exit status 1.
+TRAINING_FAILURES = (CheckpointError, NonFiniteError)
 
 
 def make_parser(prog: str, description: str, groups: Sequence[tuple]) -> argparse.ArgumentParser:
@@ -45,6 +49,10 @@ def run_command(
     except USER_ERRORS as err:
         lines = str(err).splitlines() or [type(err).__name__]
         parser.exit(2, "".join(f"{parser.prog}: error: {line}\n" for line in lines))
+    except TRAINING_FAILURES as err:
+        parser.exit(1, f"{parser.prog}: error: {err}\n")
+    except TrainingInterrupted as err:  # SIGTERM/SIGINT: 143/130, as shells expect
+        parser.exit(err.exit_code, f"{parser.prog}: {err}\n")
 
 
 # Output flags that name folders tidal writes into.

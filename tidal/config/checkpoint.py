@@ -4,17 +4,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.config.args import arg
+from tidal.config.args import AT_LEAST_ONE, ConfigError, arg
 
 
 @dataclass
 class CheckpointConfig:
-    """Checkpoints: where the final model goes and how training state is saved and resumed."""
+    """Checkpoints: where the final model goes and how training state is saved and resumed.
+
+    Each trainer's command sets its own ``--ckpt_path`` default (``./ckpt/checkpoints_sft``,
+    ``_dpo``, ``_ppo``...), as OpenRLHF does, so one trainer never resumes another's checkpoint.
+    """
 
     save_path: str = arg("./ckpt", help="folder for the final Hugging Face model")
     ckpt_path: str = arg("./ckpt/checkpoints", help="folder for resumable training checkpoints")
-    save_steps: int = arg(-1, help="save a resumable checkpoint every N optimizer steps (-1: never)")
-    max_ckpt_num: int = arg(3, help="keep at most this many resumable checkpoints (oldest removed first)")
+    save_steps: int = arg(
+        -1,
+        help="save a resumable checkpoint every N optimizer steps, and on SIGTERM/SIGINT (-1: never)",
+    )
+    max_ckpt_num: int = arg(
+        3,
+        help="keep at most this many resumable checkpoints of this run (its oldest removed first)",
+        check=AT_LEAST_ONE,
+    )
     load_checkpoint: bool = arg(
         False, help="resume from the latest checkpoint in --ckpt_path if there is one"
     )
@@ -22,3 +33,7 @@ class CheckpointConfig:
     disable_ds_ckpt: bool = arg(
         False, help="skip the resumable state (optimizer, RNG) in periodic checkpoints"
     )
+
+    def __post_init__(self) -> None:
+        if self.max_ckpt_num < 1:  # 0 would delete every checkpoint right after writing it
+            raise ConfigError(f"--max_ckpt_num must be at least 1, got {self.max_ckpt_num}")

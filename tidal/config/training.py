@@ -71,6 +71,12 @@ class OptimConfig:
     max_norm: float = arg(
         1.0, help="clip the gradient norm to this value (0 disables clipping)", check=NON_NEGATIVE
     )
+    max_nonfinite_steps: int = arg(
+        3,
+        help="stop after this many optimizer steps in a row had a non-finite loss or gradient norm "
+        "(each such step is skipped; tidal-only, OpenRLHF has no equivalent)",
+        check=AT_LEAST_ONE,
+    )
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.lr_warmup_ratio < 1.0:

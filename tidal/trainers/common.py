@@ -23,7 +23,7 @@ from tidal.distributed import World, parallelize
 from tidal.logging import get_logger
 from tidal.models.precision import Precision
 from tidal.trainers.loop import Optimization
-from tidal.trainers.optim import build_optimizer, build_scheduler
+from tidal.trainers.optim import NonFiniteGuard, build_optimizer, build_scheduler
 
 log = get_logger(__name__)
 
@@ -76,12 +76,18 @@ def build_optimization(
     model = parallelize(model, dist_cfg, world, precision.dtype)
     optimizer = build_optimizer(model, optim)
     scheduler = build_scheduler(optimizer, optim, total_steps)
-    return Optimization(model, optimizer, scheduler, precision, optim.max_norm)
+    guard = NonFiniteGuard(optim.max_nonfinite_steps)
+    return Optimization(model, optimizer, scheduler, precision, optim.max_norm, guard)
 
 
 def run_folder(run_dir: str | None, ckpt: CheckpointConfig) -> Path:
     """Where metrics and the run config go (``<save_path>/run`` unless the run names one)."""
     return Path(run_dir or Path(ckpt.save_path) / "run")
+
+
+def trainer_kind(run) -> str:
+    """``sft``, ``dpo``, ``kto``... from the run's class (``SFTRun``), recorded in its checkpoints."""
+    return type(run).__name__.removesuffix("Run").lower()
 
 
 def flat_config(run) -> dict:
@@ -117,6 +123,6 @@ def fit_run(
 
     trainer = (trainer_cls or SupervisedTrainer)(
         objective, opt, tokenizer, world, run.train, run.ckpt, run.logging, run_folder(run.run_dir, run.ckpt),
-        run_config=flat_config(run), **trainer_kwargs,
+        run_config=flat_config(run), kind=trainer_kind(run), **trainer_kwargs,
     )  # fmt: skip
     return trainer.fit(train, evals)

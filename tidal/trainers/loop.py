@@ -9,13 +9,20 @@ units (tokens for SFT, pairs for DPO) in the *whole optimizer step across all de
 the device count (gradients are averaged over devices). So splitting a step into micro-batches or
 devices never changes the update, and each metric an objective returns is a contribution that
 sums (over micro-batches and devices) to the step's mean.
+
+Faults. A step whose loss or gradient norm is not finite is skipped and counted
+(``train/nonfinite_steps``); ``--max_nonfinite_steps`` such steps in a row stop the run
+(``tidal.trainers.optim.NonFiniteGuard``). SIGTERM/SIGINT finish the current step, write a
+checkpoint when ``--save_steps`` checkpointing is on, and raise ``TrainingInterrupted``
+(``tidal.checkpoint.interrupt``). Checkpoints record the trainer and model they belong to
+(``tidal.checkpoint.manager``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,13 +30,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tidal.checkpoint import LoopState, latest_checkpoint, load_checkpoint, save_checkpoint, save_hf_model
+from tidal.checkpoint import (
+    LoopState,
+    RunCheckpoints,
+    RunIdentity,
+    StopSignals,
+    flat_settings,
+    model_fingerprint,
+    save_hf_model,
+)
 from tidal.config import CheckpointConfig, TrainConfig
 from tidal.data import step_batches
 from tidal.distributed.fsdp import set_gradient_sync
 from tidal.distributed.world import World
 from tidal.logging import LoggingConfig, MetricsLogger, ProgressBar, Throughput, get_logger
 from tidal.models.precision import Precision
+from tidal.trainers.optim import NonFiniteGuard
 
 log = get_logger(__name__)
 
@@ -56,6 +72,7 @@ class Optimization:
     scheduler: Any
     precision: Precision
     max_norm: float = 1.0
+    guard: NonFiniteGuard = field(default_factory=NonFiniteGuard)
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
@@ -73,25 +90,40 @@ def reduce_metrics(sums: dict[str, float], world: World) -> dict[str, float]:
 
 
 def optimizer_step(opt: Optimization) -> float:
-    """Unscale (fp16), clip, step and zero the gradients; returns the pre-clip gradient norm."""
+    """Unscale (fp16), clip, step and zero the gradients; returns the pre-clip gradient norm.
+
+    The step is skipped (gradients dropped) when ``opt.guard`` rejects it: the loss given to
+    ``opt.guard.observe_loss`` for this step or the gradient norm is not finite. The norm is the
+    same on every rank (FSDP reduces it), so all ranks skip together."""
     optimizer, scaler = opt.optimizer, opt.precision.scaler
     if scaler:
         scaler.unscale_(optimizer)
     params = [p for p in opt.model.parameters() if p.grad is not None]
     max_norm = opt.max_norm if opt.max_norm > 0 else math.inf
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    if scaler:
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    apply = opt.guard.allow(opt.guard.take_loss(), norm, scaled=scaler is not None)
+    if apply and scaler:
         scaler.step(optimizer)
         scaler.update()
-    else:
+    elif apply:
         optimizer.step()
+    elif scaler:
+        scaler.update()  # records the overflow (lowers the scale) without stepping
     optimizer.zero_grad(set_to_none=True)
-    return float(norm)
+    return norm
+
+
+# The summed loss of a step's micro-batches, reduced with the metrics and checked before the update.
+STEP_LOSS = "_step_loss"
 
 
 def backward(loss: torch.Tensor, precision: Precision) -> None:
     (precision.scaler.scale(loss) if precision.scaler else loss).backward()
+
+
+# Config groups a checkpoint records; resuming with other values warns (see tidal.checkpoint.manager).
+SETTINGS = ("model", "datasets", "data", "train", "optim")
 
 
 class SupervisedTrainer:
@@ -108,11 +140,16 @@ class SupervisedTrainer:
         log_cfg: LoggingConfig,
         run_dir: str | Path,
         run_config: dict | None = None,
+        kind: str = "supervised",
     ):
         self.objective, self.opt, self.tokenizer, self.world = objective, opt, tokenizer, world
         self.cfg, self.ckpt_cfg, self.log_cfg = train_cfg, ckpt_cfg, log_cfg
         self.run_dir, self.run_config = Path(run_dir), run_config or {}
         self.micro_steps = train_cfg.micro_train_batch_size
+        identity = RunIdentity(
+            kind, {"model": model_fingerprint(opt.model)}, flat_settings(self.run_config, SETTINGS)
+        )
+        self.checkpoints = RunCheckpoints(ckpt_cfg, identity, world)
 
     # ---- one optimizer step ------------------------------------------------------------------
     def _micro_batches(self, samples: Sequence[Any]) -> list[Sequence[Any]]:
@@ -130,7 +167,7 @@ class SupervisedTrainer:
         model.train()
         normaliser = self._normaliser(samples)
         micro = self._micro_batches(samples)
-        sums: dict[str, float] = {}
+        sums: dict[str, float] = {STEP_LOSS: 0.0}
         tokens = 0
         for i, mb in enumerate(micro):
             batch = to_device(self.objective.collate(mb), self.world.device)
@@ -138,10 +175,13 @@ class SupervisedTrainer:
             set_gradient_sync(model, i == len(micro) - 1)
             loss, metrics = self.objective.loss(model, batch, normaliser, precision)
             backward(loss, precision)
+            sums[STEP_LOSS] += float(loss.detach())
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
-        stats = reduce_metrics(sums, self.world)
+        stats = reduce_metrics(sums, self.world)  # the loss check must see every rank's loss
+        self.opt.guard.observe_loss(stats.pop(STEP_LOSS))
         stats["grad_norm"] = optimizer_step(self.opt)
+        stats["nonfinite_steps"] = float(self.opt.guard.skipped)
         stats["lr"] = self.opt.scheduler.get_last_lr()[0]
         stats["tokens"] = reduce_metrics({"t": tokens}, self.world)["t"] * self.world.world_size
         self.opt.scheduler.step()
@@ -164,14 +204,12 @@ class SupervisedTrainer:
 
     # ---- the loop ----------------------------------------------------------------------------
     def _resume(self) -> LoopState:
-        if not self.ckpt_cfg.load_checkpoint:
+        resumed = self.checkpoints.resume({"model": self.opt})
+        if resumed is None:
             return LoopState()
-        folder = latest_checkpoint(self.ckpt_cfg.ckpt_path)
-        if folder is None:
-            log.info("no checkpoint in %s: starting from scratch", self.ckpt_cfg.ckpt_path)
-            return LoopState()
-        loop, _ = load_checkpoint(folder, {"model": self.opt}, self.world)
-        log.info("resumed from %s (step %d, epoch %d)", folder, loop.global_step, loop.epoch)
+        loop, extra = resumed
+        self.opt.guard.load_state_dict(extra.get("nonfinite", {}))
+        log.info("resumed at step %d, epoch %d", loop.global_step, loop.epoch)
         return loop
 
     def fit(self, train: Sequence[Any], eval_samples: Sequence[Any] | None = None) -> list[dict]:
@@ -189,6 +227,7 @@ class SupervisedTrainer:
                 desc="train",
                 is_main=world.is_main,
             ) as bar,
+            StopSignals() as stop,
         ):
             speed = Throughput()
             for epoch in range(loop.epoch, cfg.max_epochs):
@@ -206,6 +245,9 @@ class SupervisedTrainer:
                         logger.log(loop.global_step, stats)
                     self._maybe_eval(eval_samples, loop, logger, end_of_epoch=index + 1 == len(batches))
                     self._maybe_save(loop)
+                    signum = stop.requested(world)
+                    if signum:
+                        raise StopSignals.interrupted(signum, loop.global_step, self._save_now(loop))
                 loop = LoopState(loop.global_step, epoch + 1, 0)
             save_hf_model(
                 self.opt.model, self.tokenizer, self.ckpt_cfg.save_path, world, self.export_config()
@@ -225,15 +267,22 @@ class SupervisedTrainer:
             logger.log(loop.global_step, metrics, prefix="eval")
             log.info("eval @ step %d: %s", loop.global_step, {k: round(v, 4) for k, v in metrics.items()})
 
+    def _save_now(self, loop: LoopState) -> str | None:
+        """The checkpoint of ``loop`` when training stops early (written unless it already is, or
+        checkpointing is off); its folder, or None."""
+        ck = self.checkpoints
+        if not ck.enabled:
+            return None
+        if ck.last_saved_step != loop.global_step:
+            ck.save({"model": self.opt}, loop, {"nonfinite": self.opt.guard.state_dict()})
+        return str(Path(self.ckpt_cfg.ckpt_path) / f"global_step_{loop.global_step}")
+
     def _maybe_save(self, loop: LoopState) -> None:
         ck = self.ckpt_cfg
         if ck.save_steps <= 0 or loop.global_step % ck.save_steps:
             return
         if not ck.disable_ds_ckpt:
-            folder = save_checkpoint(
-                ck.ckpt_path, {"model": self.opt}, loop, self.world, keep=ck.max_ckpt_num
-            )
-            log.info("saved checkpoint %s", folder)
+            self.checkpoints.save({"model": self.opt}, loop, {"nonfinite": self.opt.guard.state_dict()})
         if ck.save_hf_ckpt:
             save_hf_model(
                 self.opt.model,

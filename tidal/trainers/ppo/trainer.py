@@ -17,7 +17,15 @@ import torch
 
 from tidal.algorithms import dynamic_filter_mask, make_kl_controller, masked_mean
 from tidal.algorithms.rewards import RunningMoments
-from tidal.checkpoint import LoopState, latest_checkpoint, load_checkpoint, save_checkpoint, save_hf_model
+from tidal.checkpoint import (
+    LoopState,
+    RunCheckpoints,
+    RunIdentity,
+    StopSignals,
+    flat_settings,
+    model_fingerprint,
+    save_hf_model,
+)
 from tidal.data import step_batches
 from tidal.distributed.collectives import mean_over_world, world_masked_mean
 from tidal.distributed.offload import offload_to_cpu, reload_to_device
@@ -31,6 +39,9 @@ from tidal.trainers.ppo.stream import RolloutJob, rollout_stream
 from tidal.trainers.ppo.update import PolicyLoss, StepShape, ValueLoss, train_on_experience
 
 log = get_logger(__name__)
+
+# Config groups a checkpoint records; resuming with other values warns (see tidal.checkpoint.manager).
+SETTINGS = ("model", "data", "rollout", "rl", "models", "train", "optim")
 
 
 @dataclass
@@ -70,13 +81,16 @@ class PPOTrainer:
             RunningMoments() if run.rl.normalize_reward and not run.models.reward_pretrain else None
         )
         self.n = run.rollout.n_samples_per_prompt
+        models = {name: model_fingerprint(part.model) for name, part in self._trained_parts().items()}
+        identity = RunIdentity("ppo", models, flat_settings(asdict(run), SETTINGS))
+        self.checkpoints = RunCheckpoints(run.ckpt, identity, world)
 
     def fit(self) -> list[dict]:
         run, world = self.run, self.world
         loop, history = self._resume(), []
         logger = MetricsLogger(self.run_dir, run.logging, asdict(run), world.is_main, self._resume_step(loop))
         bar = ProgressBar(self.total_rollouts, initial=loop.global_step, desc="rl", is_main=world.is_main)
-        with logger, bar:
+        with logger, bar, StopSignals() as stop:
             step_start = time.perf_counter()
             for episode in range(loop.epoch, run.models.num_episodes):
                 for result in rollout_stream(self.parts.rollout, self._jobs(episode, loop), self._ahead):
@@ -96,6 +110,9 @@ class PPOTrainer:
                     stats["time/step"], step_start = time.perf_counter() - step_start, time.perf_counter()
                     history.append({"step": loop.global_step, "kl_coef": self.kl_ctl.value, **stats})
                     self.after_step(loop, history[-1], logger, bar)
+                    signum = stop.requested(world)
+                    if signum:
+                        raise StopSignals.interrupted(signum, loop.global_step, self._save_now(loop))
                 loop = LoopState(loop.global_step, episode + 1, 0)
         self.save_final()
         return history
@@ -182,6 +199,7 @@ class PPOTrainer:
         if exp.kl is not None:
             kl = world_masked_mean(exp.kl, exp.action_mask, self.world)
             self.kl_ctl.update(kl, len(exp) * self.world.world_size)
+        stats["nonfinite_steps"] = float(sum(p.guard.skipped for p in self._trained_parts().values()))
         return stats
 
     def sync_weights(self, step: int) -> None:
@@ -223,29 +241,43 @@ class PPOTrainer:
             parts["critic"] = self.parts.critic
         return parts
 
+    def _extra(self) -> dict:
+        return {
+            "kl_coef": self.kl_ctl.value,
+            "moments": asdict(self.moments) if self.moments else None,
+            "nonfinite": {name: p.guard.state_dict() for name, p in self._trained_parts().items()},
+        }
+
+    def _save_now(self, loop: LoopState) -> str | None:
+        """The checkpoint of ``loop`` when training stops early (written unless it already is, or
+        checkpointing is off); its folder, or None."""
+        ck = self.checkpoints
+        if not ck.enabled:
+            return None
+        if ck.last_saved_step != loop.global_step:
+            ck.save(self._trained_parts(), loop, self._extra())
+        return str(Path(self.run.ckpt.ckpt_path) / f"global_step_{loop.global_step}")
+
     def save_checkpoint(self, loop: LoopState) -> None:
         ck = self.run.ckpt
-        extra = {"kl_coef": self.kl_ctl.value, "moments": asdict(self.moments) if self.moments else None}
         if not ck.disable_ds_ckpt:
-            folder = save_checkpoint(
-                ck.ckpt_path, self._trained_parts(), loop, self.world, ck.max_ckpt_num, extra
-            )
-            log.info("saved checkpoint %s", folder)
+            self.checkpoints.save(self._trained_parts(), loop, self._extra())
         if ck.save_hf_ckpt:
             hf_dir = Path(ck.ckpt_path) / f"global_step_{loop.global_step}_hf"
             save_hf_model(self.parts.actor.model, self.parts.tokenizer, hf_dir, self.world)
 
     def _resume(self) -> LoopState:
-        ck = self.run.ckpt
-        folder = latest_checkpoint(ck.ckpt_path) if ck.load_checkpoint else None
-        if folder is None:
+        resumed = self.checkpoints.resume(self._trained_parts())
+        if resumed is None:
             return LoopState()
-        loop, extra = load_checkpoint(folder, self._trained_parts(), self.world)
+        loop, extra = resumed
+        for name, part in self._trained_parts().items():
+            part.guard.load_state_dict(extra.get("nonfinite", {}).get(name, {}))
         self.kl_ctl.value = extra["kl_coef"]
         if self.moments is not None and extra.get("moments"):
             self.moments = RunningMoments(**extra["moments"])
         self.parts.rollout.sync_weights(self.parts.actor.model)
-        log.info("resumed from %s (rollout step %d)", folder, loop.global_step)
+        log.info("resumed at rollout step %d", loop.global_step)
         return loop
 
     def _resume_step(self, loop: LoopState) -> int | None:

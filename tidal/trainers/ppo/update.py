@@ -4,7 +4,8 @@
 samples → micro-batches with gradient accumulation). Loss normalisers count the action tokens (and
 sequences) of the whole optimizer step across devices, so micro-batch size and device count never
 change the update. ``PolicyLoss`` and ``ValueLoss`` are the two objectives; their math lives in
-``tidal.algorithms``.
+``tidal.algorithms``. A step with a non-finite loss or gradient norm is skipped and counted by the
+part's ``NonFiniteGuard`` (``tidal.trainers.optim``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tidal.experience.experience import Experience, micro_batches, model_batch, 
 from tidal.experience.maker import shift_values
 from tidal.models.forward import token_logprobs
 from tidal.models.precision import Precision
-from tidal.trainers.loop import Optimization, backward, optimizer_step, reduce_metrics
+from tidal.trainers.loop import STEP_LOSS, Optimization, backward, optimizer_step, reduce_metrics
 
 
 @dataclass(frozen=True)
@@ -74,13 +75,15 @@ def train_on_experience(
         for start in range(0, len(exp), shape.step_size):
             step = exp.select(order[start : start + shape.step_size])
             norm = Normaliser.of(step, world)
-            sums: dict[str, float] = {}
+            sums: dict[str, float] = {STEP_LOSS: 0.0}
             for rows in _micro_batches(step, shape, world):
                 loss, metrics = loss_fn(opt.model, step.select(rows), norm)
                 backward(loss, opt.precision)
+                sums[STEP_LOSS] += float(loss.detach())
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
-            metrics = reduce_metrics(sums, world)
+            metrics = reduce_metrics(sums, world)  # every rank sees the same loss, so all skip together
+            opt.guard.observe_loss(metrics.pop(STEP_LOSS))
             metrics["grad_norm"] = optimizer_step(opt)
             metrics["lr"] = opt.scheduler.get_last_lr()[0]
             opt.scheduler.step()
