@@ -1,8 +1,16 @@
-"""Load tokenizers and trainable Hugging Face models (full fine-tuning, LoRA or QLoRA)."""
+"""Load tokenizers and trainable Hugging Face models (full fine-tuning, LoRA or QLoRA).
+
+A path that cannot be loaded is a ``ConfigError`` naming the path and why, in one line: a folder
+without ``config.json``, a truncated or corrupt weights file, a tokenizer with neither a pad nor an
+eos token (padding would have no id), rather than a traceback from deep inside ``transformers``.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from tidal.config.args import ConfigError
@@ -19,12 +27,34 @@ def load_tokenizer(path: str, cfg: ModelConfig | None = None):
     except OSError as err:
         raise ConfigError(f"--pretrain {path}: cannot load a tokenizer from it ({err})") from err
     if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ConfigError(
+                f"--pretrain {path}: the tokenizer has neither a pad token nor an eos token; set "
+                '"pad_token" or "eos_token" in its tokenizer_config.json'
+            )
         # Padding positions are masked everywhere, so reusing eos is safe.
         tokenizer.pad_token = tokenizer.eos_token
     if cfg and cfg.tokenizer_chat_template:
         tokenizer.chat_template = cfg.tokenizer_chat_template
     tokenizer.padding_side = "right"
     return tokenizer
+
+
+def check_model_folder(path: str, flag: str = "--pretrain") -> None:
+    """A local folder must hold ``config.json`` (transformers' own error asks for a ``model_type`` key)."""
+    folder = Path(path).expanduser()
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        raise ConfigError(
+            f"{flag} {path}: no config.json in this folder; expected a Hugging Face model folder"
+        )
+
+
+def model_load_error(path: str, err: Exception, flag: str = "--pretrain") -> ConfigError:
+    """One line for a model that ``from_pretrained`` could not read."""
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if isinstance(err, SafetensorError):
+        return ConfigError(f"{flag} {path}: a .safetensors weights file is truncated or corrupt ({reason})")
+    return ConfigError(f"{flag} {path}: cannot load a model from it ({type(err).__name__}: {reason})")
 
 
 def _quantization_config():
@@ -65,10 +95,12 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device, path: str | None = No
     kwargs: dict = {"dtype": torch.float32, "attn_implementation": cfg.attn_implementation}
     if cfg.load_in_4bit:
         kwargs["quantization_config"] = _quantization_config()
+    source = path or cfg.pretrain
+    check_model_folder(source)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path or cfg.pretrain, **kwargs)
-    except OSError as err:
-        raise ConfigError(f"--pretrain {path or cfg.pretrain}: cannot load a model from it ({err})") from err
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except (OSError, ValueError, KeyError, SafetensorError) as err:
+        raise model_load_error(source, err) from err
     if not cfg.load_in_4bit:
         model.to(device)
     if cfg.gradient_checkpointing:

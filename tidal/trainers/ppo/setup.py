@@ -11,10 +11,12 @@ import dataclasses
 import torch
 from torch import nn
 
+from tidal.config import ConfigError
 from tidal.data import build_prompt_samples, load_dataset_spec
 from tidal.distributed import World, init_world
 from tidal.logging import get_logger
 from tidal.models import load_causal_lm, load_tokenizer
+from tidal.models.loading import check_model_folder, model_load_error
 from tidal.models.precision import Precision
 from tidal.models.value_model import load_value_model
 from tidal.rewards.models import RewardModels
@@ -34,6 +36,29 @@ from tidal.trainers.ppo.rollout import LocalRollout
 from tidal.trainers.ppo.trainer import PPOParts, PPOTrainer
 
 log = get_logger(__name__)
+
+
+def check_models_before_loading(run: PPORun) -> None:
+    """Fail in one line, before anything loads, on a model folder the run cannot use: one without
+    ``config.json``, or a policy architecture the rollout engine does not implement."""
+    from transformers import AutoConfig
+
+    from tidal.rollout.models import SUPPORTED_MODEL_TYPES
+
+    folders = {"--pretrain": [run.model.pretrain], "--critic_pretrain": [run.models.critic_pretrain]}
+    folders["--reward_pretrain"] = (run.models.reward_pretrain or "").split(",")
+    for flag, paths in folders.items():
+        for path in filter(None, paths):
+            check_model_folder(path, flag)
+    try:
+        model_type = getattr(AutoConfig.from_pretrained(run.model.pretrain), "model_type", None)
+    except (OSError, ValueError, KeyError) as err:
+        raise model_load_error(run.model.pretrain, err) from err
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"--pretrain {run.model.pretrain}: model_type {model_type!r} is not supported by the rollout engine "
+            f"of tidal ppo; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
 
 
 def load_prompts(run: PPORun, tokenizer, spec: str, probs, split: str, max_samples):
@@ -136,6 +161,7 @@ def run_ppo(run: PPORun, world: World | None = None, ray_actors: dict | None = N
     """Train a policy with RL as configured; returns per-rollout metrics (rank 0's in Ray mode).
 
     ``ray_actors``: in Ray mode, this rank's separate workers per role (actors the driver placed)."""
+    check_models_before_loading(run)
     if world is None and wants_ray(run):
         return run_ppo_ray(run)
     world = world or init_world()
@@ -144,8 +170,6 @@ def run_ppo(run: PPORun, world: World | None = None, ray_actors: dict | None = N
     d = run.data
     prompts = load_prompts(run, tokenizer, d.prompt_data, d.prompt_data_probs, d.prompt_split, d.max_samples)
     if len(prompts) < run.rollout.rollout_batch_size:
-        from tidal.config import ConfigError
-
         raise ConfigError(
             f"--prompt_data {d.prompt_data}: {len(prompts)} prompts is fewer than one --rollout_batch_size "
             f"({run.rollout.rollout_batch_size})"
