@@ -81,7 +81,15 @@ def test_raising_function_names_file(tmp_path):
         ("{'scores': [1, 1, 1]}", r"without 'rewards'"),
         ("'good'", r"returned a str"),
         ("{'rewards': ['a', 'b', 'c']}", r"not numeric"),
-        ("{'rewards': [1, 2, float('nan')]}", r"non-finite values at indices \[2\]"),
+        ("{'rewards': [1, 2, float('nan')]}", r"returned a non-finite reward \(nan\) for sample 2 of 3$"),
+        (
+            "{'rewards': [float('inf'), 2, -float('inf')]}",
+            r"non-finite reward \(inf\) for sample 0 of 3 \(2 samples",
+        ),
+        (
+            "{'rewards': [1, 2, 3], 'scores': [0, float('nan'), 1]}",
+            r"non-finite score \(nan\) for sample 1 of 3",
+        ),
         ("{'rewards': [1, 2, 3], 'scores': [1]}", r"returned scores of length 1"),
         ("{'rewards': [1, 2, 3], 'extra_logs': {'x': 'text'}}", r"extra_logs\['x'\]"),
     ],

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tidal.rewards.base import RewardError, check_finite
 from tidal.rollout.sampler import sequence_seed
 from tidal.rollout.sampling_params import SamplingParams
 
@@ -132,6 +133,26 @@ class Trajectory:
             raise ValueError("the trajectory has no action tokens")
 
 
+def check_trajectory_rewards(trajectory: Trajectory) -> None:
+    """An agent's reward and score, when set, pass the check every reward source goes through."""
+    for what, value in (("reward", trajectory.reward), ("score", trajectory.score)):
+        if value is not None:
+            check_finite([value], what, where=lambda _: "the trajectory")
+
+
+@dataclass(frozen=True)
+class SampleIndex:
+    """Where a sample sits in a rollout, for messages: prompt ``prompt`` (in the whole rollout), sample
+    ``sample`` of its ``n``."""
+
+    prompt: int
+    sample: int
+    n: int
+
+    def __str__(self) -> str:
+        return f"prompt {self.prompt}, sample {self.sample} of {self.n}"
+
+
 def with_params(params: SamplingParams, **changes) -> SamplingParams:
     """``dataclasses.replace`` keeping the vLLM aliases in step: ``max_tokens`` would otherwise override
     a new ``max_new_tokens`` in ``SamplingParams.__post_init__``."""
@@ -196,26 +217,42 @@ class AgentExecutorBase(abc.ABC):
         n = sampling_params.n
         jobs = [
             self._execute_checked(
-                prompt, label, sample_params(sampling_params, i * n + j), client, tokenizer, max_length
-            )
+                prompt,
+                label,
+                sample_params(sampling_params, i * n + j),
+                client,
+                tokenizer,
+                max_length,
+                SampleIndex(i, j, n),
+            )  # fmt: skip
             for i, (prompt, label) in enumerate(zip(prompts, labels, strict=True), start=first_index)
             for j in range(n)
         ]
         return list(await asyncio.gather(*jobs))
 
-    async def _execute_checked(self, prompt, label, params, client, tokenizer, max_length) -> Trajectory:
-        trajectory = await self.execute(prompt, label, params, client, tokenizer, max_length)
+    async def _execute_checked(
+        self, prompt, label, params, client, tokenizer, max_length, index: SampleIndex | None = None
+    ) -> Trajectory:
+        where = f" ({index})" if index is not None else ""
+        try:
+            trajectory = await self.execute(prompt, label, params, client, tokenizer, max_length)
+        except AgentError as err:
+            raise AgentError(f"{err}{where}") from err
         if not isinstance(trajectory, Trajectory):
             raise AgentError(
-                f"{describe(self)}.execute returned a {type(trajectory).__name__}, not a Trajectory"
+                f"{describe(self)}.execute returned a {type(trajectory).__name__}, not a Trajectory{where}"
             )
         try:
             trajectory.check()
-        except ValueError as err:
-            raise AgentError(f"{describe(self)}.execute returned a malformed Trajectory: {err}") from err
+            check_trajectory_rewards(trajectory)
+        except (ValueError, RewardError) as err:
+            raise AgentError(
+                f"{describe(self)}.execute returned a malformed Trajectory{where}: {err}"
+            ) from err
         if len(trajectory.token_ids) > max_length:
             raise AgentError(
-                f"{describe(self)}.execute returned {len(trajectory.token_ids)} tokens; max_length is {max_length}"
+                f"{describe(self)}.execute returned {len(trajectory.token_ids)} tokens; max_length is "
+                f"{max_length}{where}"
             )
         return trajectory
 

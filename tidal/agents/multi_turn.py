@@ -31,7 +31,7 @@ from tidal.agents.base import (
     describe,
     with_params,
 )
-from tidal.rewards.base import RewardError, to_scalar_logs
+from tidal.rewards.base import RewardError, check_finite, to_scalar_logs
 from tidal.rollout.sampler import sequence_seed
 from tidal.rollout.sampling_params import SamplingParams
 
@@ -80,7 +80,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                 "label": label,
                 "sampling_params": params,
             }
-            result = await self._step(agent, states, params)
+            result = await self._step(agent, states, params, turn=len(steps) + 1)
             traj.add_observation(tokenizer(result.feedback, add_special_tokens=False)["input_ids"])
             text += action_text + result.feedback
             params = result.sampling_params or params
@@ -115,10 +115,10 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             )
         return observation
 
-    async def _step(self, agent, states: dict, params: SamplingParams) -> StepResult:
+    async def _step(self, agent, states: dict, params: SamplingParams, turn: int) -> StepResult:
         answer = await self._call(agent.step(states), "step")
         try:
-            return _validate_step(answer, params)
+            return _validate_step(answer, params, turn)
         except (TypeError, ValueError, RewardError) as err:
             raise AgentError(f"{describe(agent)}.step returned {_show(answer)}: {err}") from err
 
@@ -140,7 +140,7 @@ def _action_text(output, llm, tokenizer, params: SamplingParams) -> str:
     return tokenizer.decode(output.token_ids, skip_special_tokens=params.skip_special_tokens)
 
 
-def _validate_step(answer: Any, params: SamplingParams) -> StepResult:
+def _validate_step(answer: Any, params: SamplingParams, turn: int = 1) -> StepResult:
     if not isinstance(answer, dict):
         raise TypeError(f"expected a dict with keys {list(_REQUIRED)}")
     missing = [k for k in _REQUIRED if k not in answer]
@@ -149,8 +149,13 @@ def _validate_step(answer: Any, params: SamplingParams) -> StepResult:
     feedback = answer["environment_feedback"]
     if not isinstance(feedback, str):
         raise TypeError(f"environment_feedback must be a str, got {type(feedback).__name__}")
-    reward = _scalar(answer["rewards"], "rewards")
-    score = reward if answer.get("scores") is None else _scalar(answer["scores"], "scores")
+    # every turn's reward must be finite, not only the last one's (which the trajectory keeps)
+    reward = _finite(_scalar(answer["rewards"], "rewards"), "reward", turn)
+    score = (
+        reward
+        if answer.get("scores") is None
+        else _finite(_scalar(answer["scores"], "scores"), "score", turn)
+    )
     return StepResult(
         reward=reward,
         score=score,
@@ -169,6 +174,11 @@ def _scalar(value: Any, name: str) -> float:
     if value is None or isinstance(value, (str, bytes, list, tuple, dict)):
         raise TypeError(f"{name} must be a number or a one-element tensor, got {type(value).__name__}")
     return float(value)
+
+
+def _finite(value: float, what: str, turn: int) -> float:
+    """``check_finite`` (shared by every reward source) on one step's reward or score."""
+    return float(check_finite([value], what, where=lambda _: f"turn {turn}")[0])
 
 
 def _flag(value: Any) -> bool:

@@ -24,6 +24,7 @@ from tidal.config.rl import RLConfig
 from tidal.experience.experience import Experience, micro_batches, model_batch, unflatten
 from tidal.models.forward import token_logprobs
 from tidal.models.precision import Precision
+from tidal.rewards.base import check_finite
 
 
 def from_trajectories(trajectories: Sequence, pad_id: int) -> Experience:
@@ -41,13 +42,16 @@ def from_trajectories(trajectories: Sequence, pad_id: int) -> Experience:
         act[i, :length] = torch.tensor(t.action_mask)
         logp[i, :length] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
     # Single-turn trajectories are scored later; agents reward (and optionally score) them directly.
-    rewards = torch.tensor(
-        [t.reward if t.reward is not None else 0.0 for t in trajectories], dtype=torch.float32
+    # Executors that override ``run`` skip the per-sample checks, so agent rewards are checked here too.
+    rewards = check_finite(
+        [t.reward if t.reward is not None else 0.0 for t in trajectories], "reward", "agent"
     )
-    scores = torch.tensor(
-        [t.score if t.score is not None else float(r) for t, r in zip(trajectories, rewards, strict=True)]
+    scores = check_finite(
+        [t.score if t.score is not None else float(r) for t, r in zip(trajectories, rewards, strict=True)],
+        "score",
+        "agent",
     )
-    return Experience(seq, attn, act, logp, rewards=rewards, scores=scores.float())
+    return Experience(seq, attn, act, logp, rewards=rewards, scores=scores)
 
 
 @torch.no_grad()

@@ -4,10 +4,16 @@ A reward source maps a batch of ``queries`` (prompt + response text), ``prompts`
 reward per sample. User code (``reward_func.py``) and remote servers return loosely typed values
 (tensors, lists, numpy arrays, 0-d tensors inside lists); ``to_reward_result`` turns them into a
 ``RewardResult`` or raises a ``RewardError`` that says who returned what.
+
+``check_finite`` is the one check every reward source goes through (reward functions, reward
+servers, reward models, agents' ``step`` and trajectories): a NaN or ±inf reward or score is refused
+with a one-line message naming the source and the sample, instead of training on NaN (or clipping an
+inf for training while logging it as inf).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -50,11 +56,33 @@ def to_reward_result(value: Any, n: int, source: str) -> RewardResult:
             )
     if "rewards" not in value:
         raise RewardError(f"{source} returned a dict without 'rewards' (keys: {sorted(value)})")
-    rewards = to_vector(value["rewards"], n, f"{source} returned rewards")
+    rewards = check_finite(to_vector(value["rewards"], n, f"{source} returned rewards"), "reward", source)
     scores = value.get("scores")
-    scores = None if scores is None else to_vector(scores, n, f"{source} returned scores")
+    if scores is not None:
+        scores = check_finite(to_vector(scores, n, f"{source} returned scores"), "score", source)
     logs = to_scalar_logs(value.get("extra_logs") or {}, f"{source} returned extra_logs")
     return RewardResult(rewards, scores, logs)
+
+
+def check_finite(
+    values: Any, what: str, source: str | None = None, where: Callable[[int], str] | None = None
+) -> torch.Tensor:
+    """``values`` (a tensor or numbers, one per sample) as a float32 vector, or a ``RewardError``:
+    "<source> returned a non-finite <what> (nan) for sample 3 of 8 (2 samples in all: [3, 5])".
+
+    ``where(i)`` names sample ``i`` when the caller knows more (an agent's prompt, sample and turn);
+    without ``source`` the message starts at "a non-finite ..." for a caller that names the source.
+    """
+    vector = torch.as_tensor(values, dtype=torch.float32).detach().reshape(-1).cpu()
+    bad = (~torch.isfinite(vector)).nonzero().flatten().tolist()
+    if not bad:
+        return vector
+    name = where or (lambda i: f"sample {i} of {vector.numel()}")
+    first = bad[0]
+    message = f"a non-finite {what} ({vector[first].item()}) for {name(first)}"
+    if len(bad) > 1:
+        message += f" ({len(bad)} samples in all: {bad[:10]}{'...' if len(bad) > 10 else ''})"
+    raise RewardError(f"{source} returned {message}" if source else message)
 
 
 def to_vector(value: Any, n: int, what: str) -> torch.Tensor:
@@ -74,9 +102,6 @@ def to_vector(value: Any, n: int, what: str) -> torch.Tensor:
         raise RewardError(f"{what} of shape {list(tensor.shape)} for {n} samples; expected [{n}]")
     if tensor.numel() != n:
         raise RewardError(f"{what} of length {tensor.numel()} for {n} samples")
-    bad = (~torch.isfinite(tensor)).nonzero().flatten().tolist()
-    if bad:
-        raise RewardError(f"{what} with non-finite values at indices {bad[:10]}")
     return tensor
 
 

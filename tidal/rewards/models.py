@@ -13,7 +13,7 @@ from torch import nn
 
 from tidal.experience.experience import Experience, micro_batches, model_batch
 from tidal.models.precision import Precision
-from tidal.rewards.base import RewardResult
+from tidal.rewards.base import RewardResult, check_finite
 
 
 class RewardModels:
@@ -46,7 +46,7 @@ class RewardModels:
             )
             if self.offload:
                 model.to("cpu")
-            total += scores.cpu()
+            total += check_finite(scores, "reward", f"reward model {_model_name(model, i)}")
             per_model[f"reward_model_{i}"] = float(scores.mean())
         return RewardResult(rewards=total, extra_logs=per_model if len(self.models) > 1 else {})
 
@@ -56,3 +56,10 @@ class RewardModels:
     def _score(self, model: nn.Module, exp: Experience) -> torch.Tensor:
         with self.precision.autocast():
             return model.scores(model_batch(exp, packing=False)).float()
+
+
+def _model_name(model: nn.Module, index: int) -> str:
+    """The checkpoint a reward model was loaded from (its ``--reward_pretrain`` entry), for messages."""
+    config = getattr(model, "config", None)
+    path = getattr(model, "name_or_path", None) or getattr(config, "_name_or_path", None)
+    return f"{index} ({path})" if path else str(index)
