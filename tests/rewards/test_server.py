@@ -212,6 +212,18 @@ def test_http_server_errors_are_json(small_server):
     conn.close()
 
 
+def test_scoring_failure_is_a_one_line_500_for_its_requests_only():
+    def flaky(items):
+        if "q13" in items:
+            raise RuntimeError("CUDA out of memory.\nTried to allocate 2 GiB")
+        return echo_scores(items)
+
+    with RewardServer(flaky, "127.0.0.1", 0, batch_size=2).start() as srv:
+        status, body = post(srv.url + "/get_reward", {"query": ["q12", "q13"]})
+        assert status == 500 and body["error"] == "RuntimeError: CUDA out of memory. Tried to allocate 2 GiB"
+        assert post(srv.url + "/get_reward", {"query": ["q12", "q14"]})[1]["rewards"] == [12.0, 14.0]
+
+
 def test_fair_shares_split_a_micro_batch_round_robin():
     assert fair_shares([100, 1], 4) == [3, 1]
     assert fair_shares([100, 100], 4) == [2, 2]

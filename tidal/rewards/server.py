@@ -129,7 +129,11 @@ class RewardScorer:
         try:
             tokenizer = load_tokenizer(cfg.reward_pretrain)
             model = load_value_model(
-                model_cfg, device, cfg.value_head_prefix, normalize_reward=cfg.normalize_reward
+                model_cfg,
+                device,
+                cfg.value_head_prefix,
+                normalize_reward=cfg.normalize_reward,
+                trained_head=True,
             )
         except ConfigError as err:  # the loaders name --pretrain; this command's flag is --reward_pretrain
             raise ConfigError(f"--reward_pretrain: {err}") from err
@@ -269,10 +273,6 @@ class _Job:
     @property
     def waiting(self) -> int:
         return len(self.items) - self.taken
-
-    def fail(self, err: BaseException) -> None:
-        self.error = err
-        self.done.set()
 
 
 class BatchingWorker:
