@@ -97,3 +97,24 @@ def test_flag_problems_on_configs_and_ranges():
     assert Range(0, 1, high_open=True).accepts(0.0) and not Range(0, 1, high_open=True).accepts(1.0)
     with pytest.raises(ConfigError, match="adam_betas"):  # direct construction is checked too
         OptimConfig(adam_betas=(0.9, 1.0))
+
+
+def test_generate_reports_problems_of_every_config(capsys):
+    from tidal.cli import generate
+
+    argv = [
+        "--pretrain",
+        "m",
+        "--dataset",
+        "d.jsonl",
+        "--output_path",
+        "o.jsonl",
+        "--top_p",
+        "0",
+        "--max_samples",
+        "0",
+    ]
+    assert error_lines(capsys, generate.main, argv) == [
+        "tidal generate: error: --top_p must be in (0, 1], got 0.0",
+        "tidal generate: error: --max_samples must be >= 1 or -1, got 0",
+    ]

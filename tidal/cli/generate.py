@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 
 from tidal.cli.common import make_parser, module_main, run_command
-from tidal.config import DatasetConfig, config_from_args
+from tidal.config import DatasetConfig
+from tidal.config.args import configs_from_args
 from tidal.inference.config import GeneratePromptConfig, PolicyConfig, SamplingConfig, ScoringConfig
 
 GROUPS = [
@@ -35,13 +36,9 @@ def run_from_namespace(ns: argparse.Namespace):
     """The ``GenerateRun`` described by parsed flags (raises ``ConfigError`` on bad combinations)."""
     from tidal.inference.generate import GenerateRun
 
-    run = GenerateRun(
-        policy=config_from_args(PolicyConfig, ns),
-        sampling=config_from_args(SamplingConfig, ns),
-        prompts=config_from_args(GeneratePromptConfig, ns),
-        scoring=config_from_args(ScoringConfig, ns),
-        datasets=config_from_args(DatasetConfig, ns),
-    )
+    classes = {"policy": PolicyConfig, "sampling": SamplingConfig, "prompts": GeneratePromptConfig,
+               "scoring": ScoringConfig, "datasets": DatasetConfig}  # fmt: skip
+    run = GenerateRun(**configs_from_args(classes, ns))  # every flag checked, all problems reported
     run.validate()
     return run
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.config.args import ConfigError, arg
+from tidal.config.args import AT_LEAST_ONE, NON_NEGATIVE, ConfigError, Range, arg
 from tidal.inference.processors import DEFAULT_REWARD_TEMPLATE, POST_PROCESSORS, check_reward_template
 from tidal.rollout import EngineConfig, SamplingParams
 
@@ -59,10 +59,16 @@ class PolicyConfig:
 class SamplingConfig:
     """Sampling: response length and randomness (temperature 0 is greedy)."""
 
-    max_new_tokens: int = arg(1024, help="max tokens per response", aliases=["--generate_max_len"])
-    temperature: float = arg(1.0, help="sampling temperature (0: greedy)")
-    top_p: float = arg(1.0, help="nucleus sampling: keep the most likely tokens up to this probability mass")
-    top_k: int = arg(-1, help="keep the k most likely tokens (-1: off)")
+    max_new_tokens: int = arg(
+        1024, help="max tokens per response", aliases=["--generate_max_len"], check=AT_LEAST_ONE
+    )
+    temperature: float = arg(1.0, help="sampling temperature (0: greedy)", check=NON_NEGATIVE)
+    top_p: float = arg(
+        1.0,
+        help="nucleus sampling: keep the most likely tokens up to this probability mass",
+        check=Range(0, 1, low_open=True),
+    )
+    top_k: int = arg(-1, help="keep the k most likely tokens (-1: off)", check=Range(1, also=(-1, 0)))
     seed: int = arg(42, help="random seed: the same seed, data and flags give the same samples")
 
     def sampling_params(self, n: int = 1) -> SamplingParams:
@@ -88,7 +94,9 @@ class GeneratePromptConfig:
         None, help="template with '{}' for the prompt, e.g. $'User: {}\\nAssistant: '"
     )
     apply_chat_template: bool = arg(False, help="render prompts with the tokenizer's chat template")
-    prompt_max_len: int = arg(1024, help="prompts longer than this many tokens are skipped (and counted)")
+    prompt_max_len: int = arg(
+        1024, help="prompts longer than this many tokens are skipped (and counted)", check=AT_LEAST_ONE
+    )
     n_samples_per_prompt: int = arg(
         1, help="responses sampled per prompt (K); --best_of_n is the same flag", aliases=["--best_of_n"]
     )
