@@ -68,10 +68,22 @@ def test_long_pairs_are_skipped_and_counted(llama_tok):
 @pytest.mark.parametrize(
     ("rows", "cfg", "message"),
     [
-        ([{"chosen": "a", "rejected": "b", "margin": "big"}], PairDataConfig(), "row 1 of dataset.*margin 'big'"),
+        (
+            [{"chosen": "a", "rejected": "b", "margin": "big"}],
+            PairDataConfig(),
+            "row 1 of dataset.*margin 'big'",
+        ),
         ([{"chosen": "a", "other": "b"}], PairDataConfig(), "'rejected' not found"),
-        ([{"chosen": "a", "rejected": None}], PairDataConfig(), "row 1 of dataset.*key 'rejected' has no value"),
-        ([{"chosen": [{"role": "user", "content": "a"}], "rejected": "b"}], PairDataConfig(), "row 1 of dataset.*list"),
+        (
+            [{"chosen": "a", "rejected": None}],
+            PairDataConfig(),
+            "row 1 of dataset.*key 'rejected' has no value",
+        ),
+        (
+            [{"chosen": [{"role": "user", "content": "a"}], "rejected": "b"}],
+            PairDataConfig(),
+            "row 1 of dataset.*list",
+        ),
         ([{"chosen": "a", "rejected": "b"}], PairDataConfig(input_template="Q: {}"), "--prompt_key"),
     ],
 )

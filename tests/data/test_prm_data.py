@@ -60,7 +60,11 @@ def test_long_rows_are_skipped(tok):
     ("rows", "cfg", "message"),
     [
         ([{"input": "a ки b", "label": ["+", "+"]}], {}, "row 1 of dataset.*1 'ки' step marker.*2 label"),
-        ([{"input": "a ки", "label": ["?"]}], {}, r"row 1 of dataset.*\['\?'\] are not among --reward_tokens"),
+        (
+            [{"input": "a ки", "label": ["?"]}],
+            {},
+            r"row 1 of dataset.*\['\?'\] are not among --reward_tokens",
+        ),
         ([{"input": "a ки", "label": [1.5]}], {}, r"row 1 of dataset.*\[0, 1\]"),
         ([{"input": "a ки", "label": [0.5]}], {"reward_tokens": ["+", "-", "="]}, "exactly two"),
         ([{"input": "a ки", "label": "+"}], {}, "row 1 of dataset.*non-empty list"),
