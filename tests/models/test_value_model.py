@@ -91,3 +91,51 @@ def test_lora_trains_adapters_and_head(tiny_llama, prefix):
     assert all(
         p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if n in heads
     )
+
+
+def test_reward_model_without_a_trained_head_is_refused(tiny_llama, tmp_path):
+    """A plain causal LM as a reward model would score with a random head: refused, naming the path."""
+    with pytest.raises(ConfigError) as info:
+        _load(tiny_llama, trained_head=True)
+    message = str(info.value)
+    assert message == (
+        f"{tiny_llama} has no trained value head: its weights have no 'score.weight' (it is a causal LM: "
+        "lm_head, no value head), so it would score with a random head; expected a reward model saved by `tidal rm`"
+    )
+
+
+def test_a_head_under_another_name_suggests_the_prefix(tiny_llama, tmp_path):
+    tokenizer = load_tokenizer(str(tiny_llama))
+    model = _load(tiny_llama, "value_head")
+    out = save_hf_model(model, tokenizer, tmp_path / "rm", World(), {"pad_token_id": tokenizer.pad_token_id})
+    _load(out, "value_head", trained_head=True)  # its own prefix: loads
+    with pytest.raises(
+        ConfigError,
+        match=r"they have a 'value_head' layer: if that is the head, pass --value_head_prefix value_head$",
+    ):
+        _load(out, "score", trained_head=True)
+
+
+def test_critic_from_a_causal_lm_still_gets_a_fresh_head_silently(tiny_llama, caplog):
+    """The PPO critic (and a reward model about to be trained) starts from the policy: no error."""
+    model = _load(tiny_llama)
+    assert model.score.weight.shape[0] == 1
+    assert not [
+        r for r in caplog.records if r.name.startswith("tidal") and r.levelname in ("WARNING", "ERROR")
+    ]
+
+
+def test_ppo_refuses_a_causal_lm_as_reward_model(tiny_llama, tmp_path, capsys):
+    from tidal.cli.train_ppo import main as ppo_main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1>"}\n{"prompt": "2>"}\n')
+    argv = ["--pretrain", str(tiny_llama), "--reward_pretrain", str(tiny_llama), "--prompt_data", str(prompts),
+            "--input_key", "prompt", "--rollout_batch_size", "2", "--train_batch_size", "2",
+            "--micro_train_batch_size", "2", "--generate_max_len", "2", "--save_path", str(tmp_path / "out")]  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        ppo_main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err
+    assert f"{tiny_llama} has no trained value head" in err
+    assert not (tmp_path / "out").exists()

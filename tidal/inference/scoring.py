@@ -43,8 +43,9 @@ class SampleScorer:
         check_same_tokenizer(path, policy_tokenizer)
         try:
             model = load_value_model(
-                ModelConfig(pretrain=path), device, value_head_prefix, normalize_reward=normalize_reward
-            )
+                ModelConfig(pretrain=path), device, value_head_prefix, normalize_reward=normalize_reward,
+                trained_head=True,
+            )  # fmt: skip
         except ConfigError as err:  # the loader speaks of --pretrain; here the flag is --reward_pretrain
             raise ConfigError(f"--reward_pretrain {path}: {err}") from err
         precision = Precision.create(param_dtype, device)

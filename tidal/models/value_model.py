@@ -20,6 +20,11 @@ The state dict therefore is exactly the HF one: a model saved with prefix ``scor
 config's ``pad_token_id`` is the tokenizer's (HF pools at the rightmost non-pad token). Another
 prefix is saved as ``<prefix>.weight`` and mapped back to ``score`` on load (``key_mapping``).
 Training writes ``value_head_prefix``, ``mean`` and ``std`` into the config (``reward_config``).
+
+A fresh head is right for a model about to be trained (the PPO critic built from the policy, a
+reward model trained by ``tidal rm``), and wrong for a reward model that scores: ``trained_head=True``
+refuses a checkpoint whose weights have no head (a plain causal LM passed as ``--reward_pretrain``),
+which would otherwise score with random weights.
 """
 
 from __future__ import annotations
@@ -110,9 +115,13 @@ def load_value_model(
     value_head_prefix: str = HF_HEAD,
     path: str | None = None,
     normalize_reward: bool = False,
+    trained_head: bool = False,
 ) -> nn.Module:
-    """Load a reward/value model in float32 (see the module doc), with checkpointing and LoRA."""
-    model = _from_pretrained(cfg, path or cfg.pretrain, value_head_prefix)
+    """Load a reward/value model in float32 (see the module doc), with checkpointing and LoRA.
+
+    ``trained_head``: the checkpoint must hold the head's weights (a reward model that scores);
+    otherwise a missing head is initialised at random (a critic or a reward model to be trained)."""
+    model = _from_pretrained(cfg, path or cfg.pretrain, value_head_prefix, trained_head)
     attach_value_head(model, value_head_prefix)
     if normalize_reward:
         _enable_normalization(model, path or cfg.pretrain)
@@ -127,7 +136,7 @@ def load_value_model(
     return model
 
 
-def _from_pretrained(cfg: ModelConfig, source: str, value_head_prefix: str) -> nn.Module:
+def _from_pretrained(cfg: ModelConfig, source: str, value_head_prefix: str, trained_head: bool) -> nn.Module:
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value_head_prefix):
@@ -150,9 +159,31 @@ def _from_pretrained(cfg: ModelConfig, source: str, value_head_prefix: str) -> n
     if cfg.load_in_4bit:
         kwargs["quantization_config"] = _quantization_config()
     try:
-        return AutoModelForSequenceClassification.from_pretrained(source, **kwargs)
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            source, output_loading_info=True, **kwargs
+        )
     except (OSError, ValueError) as err:
         raise ConfigError(f"cannot load a sequence-classification model from {source} ({err})") from err
+    if trained_head:
+        check_trained_head(source, value_head_prefix, info)
+    return model
+
+
+def check_trained_head(source: str, value_head_prefix: str, loading_info: dict) -> None:
+    """Refuse a checkpoint without the head's weights (transformers' load report lists it missing:
+    the head would start random); suggest ``--value_head_prefix`` when another head is present."""
+    if not any(key.startswith(f"{HF_HEAD}.") for key in loading_info.get("missing_keys", ())):
+        return
+    unexpected = {key.split(".")[0] for key in loading_info.get("unexpected_keys", ()) if "." in key}
+    kind = " (it is a causal LM: lm_head, no value head)" if "lm_head" in unexpected else ""
+    hint = "".join(
+        f"; they have a '{name}' layer: if that is the head, pass --value_head_prefix {name}"
+        for name in sorted(unexpected - {"lm_head"})[:1]
+    )
+    raise ConfigError(
+        f"{source} has no trained value head: its weights have no '{value_head_prefix}.weight'{kind}, so it "
+        f"would score with a random head; expected a reward model saved by `tidal rm`{hint}"
+    )
 
 
 def _enable_normalization(model: nn.Module, source: str) -> None:

@@ -89,7 +89,9 @@ class RewardWorker:
 
         device = _setup(spec)
         models = [
-            load_value_model(cfg, device, spec.value_head_prefix, normalize_reward=spec.normalize_reward)
+            load_value_model(
+                cfg, device, spec.value_head_prefix, normalize_reward=spec.normalize_reward, trained_head=True
+            )
             for cfg in spec.models
         ]  # fmt: skip
         self.reward_models = RewardModels(models, Precision.create(spec.param_dtype, device), spec.micro_size)

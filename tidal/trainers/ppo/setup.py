@@ -136,6 +136,7 @@ def build_reward_models(run: PPORun, device: torch.device) -> RewardModels | Non
             device,
             run.models.value_head_prefix,
             normalize_reward=run.rl.normalize_reward,
+            trained_head=True,
         )  # fmt: skip
         for path in run.models.reward_pretrain.split(",")
     ]
