@@ -162,3 +162,15 @@ def test_estimate_advantages_kl_in_reward_then_reinforce_whitening():
 def test_estimate_advantages_gae_needs_values():
     with pytest.raises(ValueError, match="critic"):
         estimate_advantages("gae", torch.tensor([1.0]), torch.ones(1, 2), 1)
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "group_norm", "dr_grpo", "reinforce_baseline"])
+def test_gamma_below_one_is_refused_where_returns_are_undiscounted(estimator):
+    """OpenRLHF forces γ = 1 for the group-baseline estimators; tidal refuses instead of ignoring --gamma."""
+    from tidal.config import ConfigError
+    from tidal.config.rl import RLConfig
+
+    with pytest.raises(ConfigError, match=rf"--gamma 0.9: --advantage_estimator {estimator} is undiscounted"):
+        RLConfig(advantage_estimator=estimator, gamma=0.9)
+    for discounted in ("gae", "reinforce"):
+        assert RLConfig(advantage_estimator=discounted, gamma=0.9).gamma == 0.9

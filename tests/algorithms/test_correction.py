@@ -3,6 +3,7 @@ takes the correction (PPO: token weights; GSPO: the rollout log-probs inside the
 
 import math
 
+import pytest
 import torch
 from torch.testing import assert_close
 
@@ -125,3 +126,12 @@ def test_ppo_correction_multiplies_the_token_loss_by_the_weights():
     assert_close(tis, torch.tensor([[-math.exp(0.1), 1.2, 0.0]]))
     off, _ = corrected_policy_loss("ppo", logp, LOGP, adv, SEQ_MASK, 0.2, 0.2)
     assert_close(off, plain)
+
+
+def test_icepop_with_gspo_is_refused_not_ignored():
+    from tidal.config import ConfigError
+    from tidal.config.rl import RLConfig
+
+    RLConfig(policy_loss_type="gspo", enable_vllm_is_correction=True)  # GSPO's own correction: fine
+    with pytest.raises(ConfigError, match="--use_icepop with --policy_loss_type gspo"):
+        RLConfig(policy_loss_type="gspo", enable_vllm_is_correction=True, use_icepop=True)

@@ -131,6 +131,9 @@ class AdvantageEstimator:
     advantages_and_returns: Callable[..., tuple[Tensor, Tensor]]
     whiten: bool
     needs_critic: bool
+    # γ < 1 applies (gae, reinforce); the group-baseline estimators use undiscounted returns, as
+    # OpenRLHF forces γ = 1 for them (tidal refuses --gamma < 1 there instead of ignoring it)
+    discounted: bool = False
 
     def compute(
         self,
@@ -150,8 +153,12 @@ class AdvantageEstimator:
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    "gae": AdvantageEstimator(no_baseline, gae_advantages_and_returns, whiten=True, needs_critic=True),
-    "reinforce": AdvantageEstimator(no_baseline, discounted_returns, whiten=True, needs_critic=False),
+    "gae": AdvantageEstimator(
+        no_baseline, gae_advantages_and_returns, whiten=True, needs_critic=True, discounted=True
+    ),
+    "reinforce": AdvantageEstimator(
+        no_baseline, discounted_returns, whiten=True, needs_critic=False, discounted=True
+    ),
     "reinforce_baseline": AdvantageEstimator(
         mean_baseline, discounted_returns, whiten=True, needs_critic=False
     ),

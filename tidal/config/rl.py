@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tidal.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from tidal.algorithms.correction import RATIO_AGAINST_ROLLOUT
 from tidal.config.args import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, UNIT, ConfigError, Range, arg
 from tidal.rewards.remote import DEFAULT_RETRIES, DEFAULT_TIMEOUT
 
@@ -140,6 +141,14 @@ class RLConfig:
             raise ConfigError("--vllm_is_truncated_threshold takes HIGH or LOW HIGH")
         if self.use_icepop and not self.enable_vllm_is_correction:
             raise ConfigError("--use_icepop needs --enable_vllm_is_correction")
+        if self.use_icepop and self.policy_loss_type in RATIO_AGAINST_ROLLOUT:  # docs/algorithms.md
+            raise ConfigError(
+                "--use_icepop with --policy_loss_type gspo: GSPO corrects in its sequence ratio"
+            )
+        if self.gamma != 1.0 and not ADVANTAGE_ESTIMATORS[self.advantage_estimator].discounted:
+            raise ConfigError(
+                f"--gamma {self.gamma}: --advantage_estimator {self.advantage_estimator} is undiscounted"
+            )
         for flag in ("reward_clip_range", "dynamic_filtering_reward_range", "vllm_is_truncated_threshold"):
             low_high = getattr(self, flag)
             if len(low_high) == 2 and not low_high[0] < low_high[1]:
