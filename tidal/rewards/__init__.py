@@ -8,7 +8,7 @@
 The HTTP reward *server* (``tidal serve_rm``) lives in ``tidal.rewards.server`` and is imported on demand.
 """
 
-from tidal.rewards.base import RewardError, RewardResult, RewardSource, to_reward_result
+from tidal.rewards.base import RewardError, RewardResult, RewardSource, check_finite, to_reward_result
 from tidal.rewards.function import RewardFunction, load_python_file
 from tidal.rewards.loader import load_reward_source
 from tidal.rewards.remote import RemoteReward
@@ -19,6 +19,7 @@ __all__ = [
     "RewardFunction",
     "RewardResult",
     "RewardSource",
+    "check_finite",
     "load_python_file",
     "load_reward_source",
     "to_reward_result",
