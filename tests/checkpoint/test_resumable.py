@@ -201,3 +201,12 @@ def test_changed_settings_warn_and_keep_the_checkpoints_learning_rate(tmp_path, 
     )
     assert "keeps the checkpoint's weights" in caplog.text
     assert new.optimizer.param_groups[0]["lr"] == pytest.approx(part.optimizer.param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("kind", ["sft", "rm", "prm", "dpo", "kto", "kd", "ppo"])
+def test_each_trainer_has_its_own_default_ckpt_path(kind):
+    """OpenRLHF v0.9.2's defaults, so `tidal dpo --load_checkpoint` never finds an SFT run's state."""
+    import importlib
+
+    parser = importlib.import_module(f"tidal.cli.train_{kind}").build_parser()
+    assert parser.get_default("ckpt_path") == f"./ckpt/checkpoints_{kind}"

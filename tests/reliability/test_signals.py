@@ -81,6 +81,7 @@ def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tiny_qwen2, tmp_pat
     assert lines == [f"python -m tidal.cli.train_sft: stopped by SIGTERM after step 2: checkpoint "
                      f"{out / 'ckpt' / 'global_step_2'} saved; resume with --load_checkpoint"]  # fmt: skip
     assert (out / "ckpt" / "latest").read_text() == "global_step_2"
+    assert json.loads((out / "ckpt" / "global_step_2" / "meta.json").read_text())["trainer"] == "sft"
     assert not list((out / "ckpt").glob(".tmp_*")) and not (out / "final" / "model.safetensors").exists()
 
     resumed = run_sft(parse_run(flags(tiny_qwen2, data, out, "--load_checkpoint")))
