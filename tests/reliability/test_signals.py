@@ -1,5 +1,6 @@
 """SIGTERM / SIGINT during training: the step finishes, a checkpoint is written, the command exits
-with one line and 143 / 130, and ``--load_checkpoint`` continues exactly; a second signal exits at once."""
+with one line and 143 / 130, and ``--load_checkpoint`` continues exactly (SFT in a subprocess; the
+RL loop in-process); a second signal exits at once."""
 
 from __future__ import annotations
 
@@ -10,14 +11,18 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
-from tidal.checkpoint import StopSignals
+from tidal.checkpoint import StopSignals, TrainingInterrupted
 from tidal.checkpoint.interrupt import active
+from tidal.cli.train_ppo import parse_run as parse_ppo
 from tidal.cli.train_sft import parse_run
 from tidal.distributed.world import World
 from tidal.testing import AdditionTask
+from tidal.trainers.ppo import run_ppo
+from tidal.trainers.ppo import trainer as trainer_module
 from tidal.trainers.sft import run_sft
 
 # Runs ``python -m tidal.cli.train_sft ARGS``; step 2 waits until a stop signal has arrived, so the
@@ -106,7 +111,7 @@ def test_a_second_signal_exits_at_once():
     script = textwrap.dedent(
         """
         import os, signal, time
-        from tidal.checkpoint import StopSignals
+        from tidal.checkpoint import StopSignals, TrainingInterrupted
         with StopSignals():
             os.kill(os.getpid(), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGINT)
@@ -116,3 +121,33 @@ def test_a_second_signal_exits_at_once():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 130
     assert "second SIGINT: exiting now without saving" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_ppo_finishes_the_rollout_step_and_saves_on_sigterm(tiny_qwen2, tmp_path, monkeypatch):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"{i % 10}>", "label": str(i % 10)}) + "\n" for i in range(16))
+    )
+    reward = Path(__file__).resolve().parents[2] / "examples" / "reward_func.py"
+    original = trainer_module.PPOTrainer.after_step
+
+    def signalled_after_step(self, loop, *args):
+        original(self, loop, *args)
+        if loop.global_step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives between steps, as from a scheduler
+
+    monkeypatch.setattr(trainer_module.PPOTrainer, "after_step", signalled_after_step)
+    run = parse_ppo([
+        "--pretrain", str(tiny_qwen2), "--prompt_data", str(prompts), "--input_key", "prompt", "--label_key", "label",
+        "--remote_rm_url", str(reward), "--n_samples_per_prompt", "2", "--rollout_batch_size", "4",
+        "--train_batch_size", "8", "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "8",
+        "--generate_max_len", "2", "--prompt_max_len", "8", "--init_kl_coef", "0", "--save_steps", "100",
+        "--advantage_estimator", "group_norm", "--save_path", str(tmp_path / "final"),
+        "--ckpt_path", str(tmp_path / "ckpt"),
+    ])  # fmt: skip
+    with pytest.raises(TrainingInterrupted) as stopped:
+        run_ppo(run)
+    assert stopped.value.exit_code == 143 and "stopped by SIGTERM after step 1" in str(stopped.value)
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step_1"
+    assert json.loads((tmp_path / "ckpt" / "global_step_1" / "meta.json").read_text())["trainer"] == "ppo"
+    assert not (tmp_path / "final" / "model.safetensors").exists()
