@@ -40,15 +40,12 @@ from urllib.parse import urlparse
 import datasets
 import numpy as np
 
+from tidal.data.errors import DataError
 from tidal.data.rows import RowOrigins, register_origins
 
 logger = logging.getLogger(__name__)
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
-
-
-class DataError(ValueError):
-    """A dataset could not be loaded or does not have the expected shape; the message says why."""
 
 
 def load_dataset_spec(

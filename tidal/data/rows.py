@@ -22,6 +22,8 @@ from typing import Any
 import datasets
 import numpy as np
 
+from tidal.data.errors import DataError
+
 MAX_REPORTED_ROWS = 5
 
 
@@ -91,8 +93,6 @@ def check_text_columns(
     """Raise one ``DataError`` naming the first bad rows (file and 1-based row) of the ``keys`` columns.
 
     ``non_empty``: keys whose text must not be empty (prompts a model generates from)."""
-    from tidal.data.loading import DataError
-
     problems: list[tuple[int, str]] = []
     for key in dict.fromkeys(k for k in keys if k is not None):
         for i, value in enumerate(dataset[key]):
