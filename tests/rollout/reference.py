@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from tidal.rollout import EngineConfig
+from tidal.rollout.models.registry import FAMILIES as REGISTERED
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = tuple(REGISTERED)  # every family the engine supports, in registry order
 
 
 @torch.inference_mode()

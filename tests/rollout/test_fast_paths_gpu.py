@@ -55,7 +55,7 @@ def test_paged_decode_attention_on_long_contexts(dtype, heads, kv_heads, head_di
 
 @pytest.mark.parametrize("hidden", [896, 3584, 8192])
 def test_fused_add_rms_norm_at_model_widths(hidden):
-    from tidal.rollout.models.decoder import RMSNorm
+    from tidal.rollout.models.layers import RMSNorm
 
     gen = torch.Generator(device="cuda").manual_seed(hidden)
     norm = RMSNorm(hidden, 1e-6).to("cuda", torch.bfloat16)

@@ -136,7 +136,7 @@ def test_update_weights_keeps_graphs_valid(tiny_model, hf_model):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_add_rms_norm_matches_torch(dtype):
-    from tidal.rollout.models.decoder import RMSNorm
+    from tidal.rollout.models.layers import RMSNorm
 
     norm = RMSNorm(896, 1e-6).to(dtype)
     norm.weight.data.normal_()

@@ -25,7 +25,7 @@ from pathlib import Path
 from tidal.cli.common import make_parser, run_command
 from tidal.config.args import arg, config_from_args
 from tidal.logging import get_logger, plot_metrics
-from tidal.testing import AdditionTask, build_tiny_model
+from tidal.testing import TINY_FAMILIES, AdditionTask, build_tiny_model
 
 log = get_logger(__name__)
 
@@ -35,7 +35,7 @@ class DemoConfig:
     """Demo: the tiny model, the task and each stage's budget."""
 
     output_dir: str = arg("./runs/demo", help="run folder (models, data, plots, summary)")
-    family: str = arg("qwen2", help="tiny model family", choices=("llama", "qwen2", "qwen3", "mistral"))
+    family: str = arg("qwen2", help="tiny model family", choices=tuple(TINY_FAMILIES))
     digits: int = arg(1, help="digits per addend")
     train_samples: int = arg(4096, help="synthetic SFT samples")
     eval_samples: int = arg(200, help="test prompts for accuracy")

@@ -12,7 +12,7 @@ Architecture (after nano-vllm, written for tidal):
   The ``n`` samples of a prompt are prefilled once and share the prompt's full blocks by reference count;
   each gets a private copy of the last partial block.
 - ``ModelRunner`` (model_runner.py) builds flat token batches and attention metadata, runs the decoder
-  (models/decoder.py: one implementation for Llama, Mistral, Qwen2, Qwen3 HF checkpoints) and the
+  (models/: shared layers, one file per family, the supported families in models/registry.py) and the
   on-device ``Sampler`` (sampler.py). On CUDA, decode steps replay CUDA graphs (cuda_graph.py) and
   decode attention is a Triton paged kernel (triton_attention.py); ``EngineConfig.enforce_eager`` turns
   the graphs off.
@@ -305,8 +305,7 @@ class LLMEngine:
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         self.runner.free_kv_cache()
         if level == 2 and self.device.type != "cpu":
-            self.model.to("cpu")
-            self.model.rope_cos, self.model.rope_sin = self.model.rope_cos.cpu(), self.model.rope_sin.cpu()
+            self.model.to("cpu")  # weights and the tables derived from them (RoPE buffers)
             torch.cuda.empty_cache()
         self.sleep_level = level
 
@@ -314,10 +313,6 @@ class LLMEngine:
         """Restore what ``sleep`` freed; the KV cache comes back empty (no request survives a sleep)."""
         if self.sleep_level == 2 and self.device.type != "cpu":
             self.model.to(self.device)
-            self.model.rope_cos, self.model.rope_sin = (
-                self.model.rope_cos.to(self.device),
-                self.model.rope_sin.to(self.device),
-            )
         if self.runner.kv_cache is None:
             self.runner.allocate_kv_cache()
         self.sleep_level = 0

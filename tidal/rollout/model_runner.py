@@ -19,7 +19,7 @@ import torch
 from tidal.accel import triton_available
 from tidal.rollout.attention import AttentionMetadata
 from tidal.rollout.cuda_graph import DecodeGraphs
-from tidal.rollout.models.decoder import DecoderForCausalLM
+from tidal.rollout.models.layers import CausalLM
 from tidal.rollout.sampler import Sampler, SamplingTensors
 from tidal.rollout.scheduler import ScheduledBatch
 from tidal.rollout.sequence import Sequence
@@ -57,7 +57,7 @@ def resolve_attention_backend(backend: str, device: torch.device, head_dim: int)
 class ModelRunner:
     def __init__(
         self,
-        model: DecoderForCausalLM,
+        model: CausalLM,
         block_size: int,
         num_blocks: int,
         eos_token_ids: set[int],

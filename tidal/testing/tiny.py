@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from tidal.rollout.models.registry import FAMILIES
+
 # Qwen-style names: transformers maps Qwen model types to Qwen2Tokenizer, which expects <|endoftext|>.
 PAD, BOS, EOS, IM_START = "<|endoftext|>", "<|bos|>", "<|im_end|>", "<|im_start|>"
 SPECIAL_TOKENS = [PAD, BOS, IM_START, EOS]
@@ -307,16 +309,17 @@ def build_tiny_tokenizer(
     return hf_tok
 
 
-# Shapes per family; all tiny (about 1.7-1.9M parameters with the 512-token vocabulary).
+# Shapes shared by every family; all tiny (about 1.7-1.9M parameters with the 512-token vocabulary).
 _BASE = dict(
     hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2
 )
-TINY_FAMILIES = {
-    "llama": dict(model_type="llama", tie_word_embeddings=False, rope_theta=10000.0),
-    "qwen2": dict(model_type="qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
-    "qwen3": dict(model_type="qwen3", tie_word_embeddings=True, rope_theta=1000000.0, head_dim=32),
-    "mistral": dict(model_type="mistral", tie_word_embeddings=False, rope_theta=10000.0, sliding_window=None),
-}
+# Each supported family's own fields come from the engine's registry of families.
+TINY_FAMILIES = {t: dict(model_type=t, **family.tiny) for t, family in FAMILIES.items()}
+
+
+def _check_family(family: str) -> None:
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"unknown tiny model family {family!r}; expected one of {sorted(TINY_FAMILIES)}")
 
 
 def tiny_config(
@@ -325,8 +328,7 @@ def tiny_config(
     """A HF config of the given family with tiny shapes; ``overrides`` replace any field."""
     from transformers import AutoConfig
 
-    if family not in TINY_FAMILIES:
-        raise ValueError(f"unknown tiny model family {family!r}; expected one of {sorted(TINY_FAMILIES)}")
+    _check_family(family)
     fields = {**_BASE, **TINY_FAMILIES[family], **overrides}
     model_type = fields.pop("model_type")
     return AutoConfig.for_model(
@@ -353,8 +355,9 @@ def build_tiny_model(
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
+    _check_family(family)  # before anything is written to ``path``
     tokenizer = build_tiny_tokenizer(
-        path, vocab_size=vocab_size, seed=seed, add_bos=family in ("llama", "mistral")
+        path, vocab_size=vocab_size, seed=seed, add_bos=FAMILIES[family].tiny_adds_bos
     )
     config = tiny_config(
         family,

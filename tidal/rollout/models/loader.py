@@ -1,4 +1,4 @@
-"""Build a ``DecoderForCausalLM`` from a HF folder, a loaded HF model or a state dict, and read weights."""
+"""Build the engine model of a HF config's family (``registry.py``) from checkpoint files or named tensors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from tidal.rollout.models.decoder import DecoderArgs, DecoderForCausalLM
+from tidal.rollout.models.layers import CausalLM
+from tidal.rollout.models.registry import model_class
 
 
 def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -39,11 +40,14 @@ def build_decoder(
     max_model_len: int,
     dtype: torch.dtype,
     device: torch.device,
-) -> DecoderForCausalLM:
-    """Instantiate on ``device`` without random init, then load every weight (all must be present)."""
-    args = DecoderArgs.from_hf_config(hf_config)
+) -> CausalLM:
+    """Instantiate on ``device`` without random init, then load every weight (all must be present).
+
+    An unsupported ``model_type`` fails here, before any weight is read."""
+    cls = model_class(getattr(hf_config, "model_type", None))
+    args = cls.args_from_hf_config(hf_config)
     with torch.device("meta"):
-        model = DecoderForCausalLM(args)
+        model = cls(args)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # to_empty may give tied parameters separate storage
     model.init_rope(hf_config, max_model_len)

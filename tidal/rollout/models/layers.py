@@ -1,0 +1,352 @@
+"""Shared building blocks of the rollout engine's models, and the base class every family file extends.
+
+A family (``llama.py``, ``qwen2.py``, ...) is a ``CausalLM`` subclass that says only what differs from
+the Llama shape: how its ``DecoderArgs`` are read from the HF config (``args_from_hf_config``), which
+attention (``attention_cls``, e.g. q/k norms) and which layer skeleton (``layer_cls``, e.g. post-norm) it
+uses, and how HF weight names map onto its parameters (``packed_params``, ``weight_renames``,
+``ignored_weights``; see ``CausalLM``). The families supported are listed once, in ``registry.py``.
+
+Parameter names mirror the HF names, except that projections that read the same input are packed into one
+matrix (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``: fewer, larger matmuls); ``load_weights``
+maps HF names (checkpoint files or ``named_parameters()`` of a trainer's model) onto those packed slices.
+Model code is single-device and has no sampling logic. Every forward is flat-token: ``input_ids`` and
+``positions`` are [num_tokens], and attention reads/writes the paged KV cache through ``AttentionMetadata``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal.accel import triton_usable
+from tidal.rollout.attention import AttentionMetadata, decode_attention, prefill_attention, store_kv
+from tidal.rollout.models.rope import apply_rope, inv_freq_and_scale, rope_table
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+_NAME_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+@dataclass
+class DecoderArgs:
+    """The shapes and switches a decoder is built from (read from a HF config by the family class)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    sliding_windows: list[int | None]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, config, **overrides) -> DecoderArgs:
+        """The Llama reading of a HF config; a family passes ``overrides`` for what its config implies."""
+        hidden_act = getattr(config, "hidden_act", "silu")
+        if hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
+        num_heads = config.num_attention_heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        fields = dict(
+            model_type=config.model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+            rms_norm_eps=config.rms_norm_eps,
+            hidden_act=hidden_act,
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            sliding_windows=sliding_windows(config),
+        )
+        return cls(**{**fields, **overrides})
+
+
+def sliding_windows(config) -> list[int | None]:
+    """Per-layer window: Qwen-style configs list ``layer_types``; Mistral applies one window everywhere."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return [window if kind == "sliding_attention" else None for kind in layer_types]
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None
+    return [window] * config.num_hidden_layers
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm, optionally fused with the residual add that precedes it.
+
+    HF families round at different points: Llama-style norms round the normalised value to the model
+    dtype and then scale by the weight (the default); ``scale_in_float32`` scales in float32 and rounds the
+    product (OLMo-2). Only the default has the fused Triton kernel (it rounds before scaling).
+    """
+
+    def __init__(self, dim: int, eps: float, scale_in_float32: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.scale_in_float32 = scale_in_float32
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Norm of ``x``, or with ``residual``: (norm of ``x + residual``, ``x + residual``)."""
+        if not self.scale_in_float32 and triton_usable(
+            x
+        ):  # one kernel instead of ~8 (decode is launch-bound)
+            from tidal.rollout.models.triton_norm import add_rms_norm
+
+            normed, total = add_rms_norm(x, self.weight, self.eps, residual)
+            return normed if residual is None else (normed, total)
+        if residual is None:
+            return self._norm(x)
+        total = x + residual
+        return self._norm(total), total
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 like the HF reference, then scale where the family's reference does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.scale_in_float32:
+            return (self.weight * x32).to(x.dtype)
+        return self.weight * x32.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE cos/sin tables [max_model_len, head_dim] in float32, as non-persistent buffers: they follow
+    the model's ``.to(device)`` (sleep / wake-up) but are neither weights nor part of a state dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cos", None, persistent=False)
+        self.register_buffer("sin", None, persistent=False)
+
+    def build(self, hf_config, head_dim: int, max_model_len: int, device: torch.device) -> None:
+        inv_freq, scale = inv_freq_and_scale(hf_config, head_dim, max_model_len)
+        cos, sin = rope_table(inv_freq, scale, max_model_len)
+        self.cos, self.sin = cos.to(device), sin.to(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin at ``positions``, in the activations' dtype."""
+        return self.cos.index_select(0, positions).to(dtype), self.sin.index_select(0, positions).to(dtype)
+
+
+def paged_attention(q, k, v, meta: AttentionMetadata, layer_idx: int, window: int | None, scale: float):
+    """Store this step's k/v into the layer's paged cache, then attend (prefill: over the batch's own
+    tokens; decode: over the cache). q [tokens, heads, d], k/v [tokens, kv_heads, d] -> [tokens, heads*d]."""
+    layer_cache = None if meta.kv_cache is None else meta.kv_cache[layer_idx]
+    if layer_cache is not None:
+        store_kv(layer_cache, k, v, meta.slot_mapping)
+    if meta.is_prefill:
+        return prefill_attention(q, k, v, meta, window, scale)
+    return decode_attention(q, layer_cache, meta, window, scale)
+
+
+class Attention(nn.Module):
+    """Llama attention: packed q/k/v projection, RoPE, paged attention, output projection.
+
+    Families with q/k normalisation override ``qk_heads``."""
+
+    def __init__(self, args: DecoderArgs, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.window = args.sliding_windows[layer_idx]
+        self.scale = args.head_dim**-0.5
+        self.split = [args.q_size, args.kv_size, args.kv_size]
+        self.qkv_proj = nn.Linear(args.hidden_size, sum(self.split), bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.q_size, args.hidden_size, bias=args.o_bias)
+
+    def qk_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The q and k heads of the packed projection, [tokens, heads + kv_heads, head_dim], before RoPE."""
+        return qkv[:, : self.split[0] + self.split[1]].view(
+            -1, self.num_heads + self.num_kv_heads, self.head_dim
+        )
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        # Rotating q and k heads together halves the (launch-bound) RoPE ops.
+        qk = apply_rope(self.qk_heads(qkv), cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.split[0] + self.split[1] :].view(-1, self.num_kv_heads, self.head_dim)
+        return self.o_proj(paged_attention(q, k, v, meta, self.layer_idx, self.window, self.scale))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), with gate and up packed into one ``gate_up_proj``."""
+
+    def __init__(self, args: DecoderArgs):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.act = ACTIVATIONS[args.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm layer (Llama): x + attn(norm(x)), then + mlp(norm(.)).
+
+    Layers pass ``(x, residual)`` whose sum is the hidden state, so each residual add is fused into the
+    next norm (the first layer has no pending add, and the final norm takes the last layer's)."""
+
+    def __init__(self, args: DecoderArgs, layer_idx: int, attention_cls: type[Attention] = Attention):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = attention_cls(args, layer_idx)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = GatedMLP(args)
+
+    def forward(self, x, residual, cos, sin, meta: AttentionMetadata):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, args: DecoderArgs, layer_cls: type[DecoderLayer], attention_cls: type[Attention]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(layer_cls(args, i, attention_cls) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Base of every family: embeddings, decoder layers, final norm, LM head, and the weight loader.
+
+    Returns logits of the selected rows (``logits_index``: each sequence's last prefill token) or of every
+    row. What a family declares, as class attributes:
+
+    - ``attention_cls`` / ``layer_cls``: its attention and layer skeleton;
+    - ``packed_params``: packed parameter -> the HF projections stacked into it, in order, each with the
+      ``DecoderArgs`` attribute giving its rows (the loader copies each HF tensor into its slice);
+    - ``weight_renames``: (HF substring, ours) pairs applied to every HF name first;
+    - ``ignored_weights``: HF name suffixes that are not weights of ours (e.g. RoPE frequencies).
+    """
+
+    attention_cls: ClassVar[type[Attention]] = Attention
+    layer_cls: ClassVar[type[DecoderLayer]] = DecoderLayer
+    packed_params: ClassVar[dict[str, tuple[tuple[str, str], ...]]] = {
+        "qkv_proj": (("q_proj", "q_size"), ("k_proj", "kv_size"), ("v_proj", "kv_size")),
+        "gate_up_proj": (("gate_proj", "intermediate_size"), ("up_proj", "intermediate_size")),
+    }
+    weight_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
+    ignored_weights: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+
+    def __init__(self, args: DecoderArgs):
+        super().__init__()
+        self.args = args
+        self.model = DecoderModel(args, self.layer_cls, self.attention_cls)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.rotary = Rotary()
+        self.tie_weights()
+
+    @classmethod
+    def args_from_hf_config(cls, config) -> DecoderArgs:
+        return DecoderArgs.from_hf_config(config)
+
+    def tie_weights(self) -> None:
+        """Share the output projection with the input embedding; re-run after ``to_empty`` / ``to``."""
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_rope(self, hf_config, max_model_len: int) -> None:
+        """Build the RoPE tables for positions [0, max_model_len) on the model's device."""
+        self.rotary.build(hf_config, self.args.head_dim, max_model_len, self.model.embed_tokens.weight.device)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, logits_index=None) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        residual = None
+        for layer in self.model.layers:
+            x, residual = layer(x, residual, cos, sin, meta)
+        if logits_index is not None:  # prefill needs logits of each sequence's last token only
+            x, residual = x[logits_index], residual[logits_index]
+        return self.lm_head(self.model.norm(x, residual)[0])
+
+    # ------------------------------------------------------------------ weights
+    def _packing(self) -> dict[str, tuple[str, int, int, int]]:
+        """HF projection -> (packed parameter, shard index, first row, rows)."""
+        out = {}
+        for packed, shards in self.packed_params.items():
+            start = 0
+            for index, (hf_name, size_attr) in enumerate(shards):
+                rows = getattr(self.args, size_attr)
+                out[hf_name] = (packed, index, start, rows)
+                start += rows
+        return out
+
+    def weight_keys(self) -> set[str]:
+        """Every (packed-shard) weight a full checkpoint must provide, in ``load_weights``' key format."""
+        shards = {packed: len(parts) for packed, parts in self.packed_params.items()}
+        keys = set()
+        for name, _ in self.named_parameters():
+            count = shards.get(name.rsplit(".", 2)[-2])
+            keys.update([name] if count is None else [f"{name}#{i}" for i in range(count)])
+        return keys
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into our (packed) parameters in place; return the keys loaded."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        packing = self._packing()
+        loaded = set()
+        for raw_name, tensor in named_tensors:
+            name = self._our_name(raw_name)
+            if name.endswith(self.ignored_weights):
+                continue
+            module_name, _, kind = name.rpartition(".")
+            parent, _, leaf = module_name.rpartition(".")
+            shard = packing.get(leaf)
+            if shard is not None:
+                leaf = shard[0]
+            target = f"{parent}.{leaf}.{kind}" if parent else f"{leaf}.{kind}"
+            if self.args.tie_word_embeddings and target == "lm_head.weight":
+                target = "model.embed_tokens.weight"
+            if target not in params:
+                raise ValueError(f"unexpected weight {raw_name!r} for a {self.args.model_type} decoder")
+            dst = params[target] if shard is None else params[target].narrow(0, shard[2], shard[3])
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"weight {raw_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor)  # one copy, converting device and dtype on the way (no host round trip)
+            loaded.add(target if shard is None else f"{target}#{shard[1]}")
+        return loaded
+
+    def _our_name(self, name: str) -> str:
+        # Wrapper prefixes that torch.compile / DDP / FSDP1 add, then the family's renames.
+        for prefix in _NAME_PREFIXES:
+            name = name.replace(prefix, "")
+        for hf, ours in self.weight_renames:
+            name = name.replace(hf, ours)
+        return name
