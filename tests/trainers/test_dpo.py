@@ -15,10 +15,11 @@ from tidal.cli.train_dpo import main as dpo_main
 from tidal.cli.train_dpo import parse_run
 from tidal.data.pairs import collate_pairs
 from tidal.models import Precision, load_causal_lm, load_tokenizer
+from tidal.models.frozen import FrozenModel
 from tidal.testing import AdditionTask
 from tidal.trainers import reference as reference_module
 from tidal.trainers.dpo import DPOConfig, DPOObjective, load_pair_samples, run_dpo
-from tidal.trainers.reference import DisabledAdapters, FrozenModel, sequence_logps
+from tidal.trainers.reference import DisabledAdapters, sequence_logps
 
 CPU = torch.device("cpu")
 FP32 = Precision.create("fp32", CPU)

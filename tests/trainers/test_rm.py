@@ -16,6 +16,7 @@ from tidal.cli.train_rm import main as rm_main
 from tidal.cli.train_rm import parse_run
 from tidal.data.pairs import PairSample, collate_pairs
 from tidal.models import Precision, load_tokenizer
+from tidal.trainers import common as common_module
 from tidal.trainers import rm as rm_module
 from tidal.trainers.rm import RMObjective, load_pair_samples, run_rm
 
@@ -107,7 +108,7 @@ def accuracy(scores: torch.Tensor) -> float:
 def _first_step_grads(tiny, data, out, monkeypatch, *extra):
     """Gradients the first optimizer step applies (an optimizer pre-step hook copies them)."""
     grads = {}
-    build = rm_module.build_optimization
+    build = common_module.build_optimization
 
     def capture(optimizer, args, kwargs):
         if not grads:
@@ -121,7 +122,7 @@ def _first_step_grads(tiny, data, out, monkeypatch, *extra):
         return opt
 
     model = None
-    monkeypatch.setattr(rm_module, "build_optimization", build_and_hook)
+    monkeypatch.setattr(common_module, "build_optimization", build_and_hook)
     run_rm(parse_run(flags(tiny, data, out, "--max_samples", "16", *extra)))
     return grads
 

@@ -1,6 +1,8 @@
 """Checkpoints: resumable training state (DCP + loop/RNG state, rotated), final HF export, and the
-graceful stop on SIGTERM/SIGINT that ends in a checkpoint."""
+graceful stop on SIGTERM/SIGINT that ends in a checkpoint. Training loops use them through one
+``Checkpointer`` (``tidal.checkpoint.checkpointer``)."""
 
+from tidal.checkpoint.checkpointer import Checkpointer, StateFns, Stateful
 from tidal.checkpoint.hf_export import save_hf_model
 from tidal.checkpoint.interrupt import StopSignals, TrainingInterrupted
 from tidal.checkpoint.manager import RunCheckpoints, RunIdentity, flat_settings, model_fingerprint
@@ -14,9 +16,12 @@ from tidal.checkpoint.resumable import (
 
 __all__ = [
     "CheckpointError",
+    "Checkpointer",
     "LoopState",
     "RunCheckpoints",
     "RunIdentity",
+    "StateFns",
+    "Stateful",
     "StopSignals",
     "TrainingInterrupted",
     "flat_settings",

@@ -12,43 +12,34 @@ import torch
 from torch import nn
 
 from tidal.experience.experience import Experience, micro_batches, model_batch
+from tidal.models.frozen import FrozenModel
 from tidal.models.precision import Precision
 from tidal.rewards.base import RewardResult, check_finite
 
 
 class RewardModels:
-    """Score an ``Experience`` with one or more value-head reward models (frozen)."""
+    """Score an ``Experience`` with one or more value-head reward models (frozen; with ``offload`` each
+    stays in CPU memory except while it scores)."""
 
     def __init__(
         self, models: Sequence[nn.Module], precision: Precision, micro_size: int, offload: bool = False
     ):
-        self.models, self.precision, self.micro_size, self.offload = (
-            list(models),
-            precision,
-            micro_size,
-            offload,
-        )
-        for model in self.models:
-            model.eval().requires_grad_(False)
-            if offload:
-                model.to("cpu")
+        self.frozen = [FrozenModel(model, precision.device, offload) for model in models]
+        self.precision, self.micro_size = precision, micro_size
 
     @torch.no_grad()
     def __call__(self, exp: Experience) -> RewardResult:
         exp = exp.to(self.precision.device)  # rollouts arrive on the CPU
         total = torch.zeros(len(exp), dtype=torch.float32)
         per_model = {}
-        for i, model in enumerate(self.models):
-            if self.offload:
-                model.to(self.precision.device)
-            scores = torch.cat(
-                [self._score(model, exp.select(rows)) for rows in micro_batches(exp, self.micro_size)]
-            )
-            if self.offload:
-                model.to("cpu")
+        for i, frozen in enumerate(self.frozen):
+            with frozen.use() as model:
+                scores = torch.cat(
+                    [self._score(model, exp.select(rows)) for rows in micro_batches(exp, self.micro_size)]
+                )
             total += check_finite(scores, "reward", f"reward model {_model_name(model, i)}")
             per_model[f"reward_model_{i}"] = float(scores.mean())
-        return RewardResult(rewards=total, extra_logs=per_model if len(self.models) > 1 else {})
+        return RewardResult(rewards=total, extra_logs=per_model if len(self.frozen) > 1 else {})
 
     def close(self) -> None:
         """Nothing to release: the models live in this process (``RemoteRewardModels`` has workers)."""

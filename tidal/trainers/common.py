@@ -1,11 +1,18 @@
-"""Wiring shared by the trainers that run on ``SupervisedTrainer`` (SFT, RM, PRM, DPO, KTO, KD):
-loading a dataset spec into samples, the step-count check, the optimizer stack and the run folder."""
+"""What the trainers that run on ``SupervisedTrainer`` (SFT, RM, PRM, DPO, KTO, KD) share: the run
+base (``SupervisedRun``), the build recipe (``Recipe`` + ``fit_recipe``), and the wiring both use
+(loading a dataset spec into samples, the step-count check, the optimizer stack, the run folder).
+
+A trainer module holds only what is specific to it: its objective, its data, its configs (its run
+extends ``SupervisedRun``) and a ``Recipe`` subclass saying how its samples, model, frozen models and
+objective are built; ``fit_recipe`` does the rest, in the same order for every trainer.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import asdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -19,16 +26,33 @@ from tidal.config import (
     TrainConfig,
 )
 from tidal.data import load_dataset_spec
-from tidal.distributed import World, parallelize
-from tidal.logging import get_logger
+from tidal.distributed import World, init_world, parallelize
+from tidal.logging import LoggingConfig, get_logger
+from tidal.models import load_causal_lm, load_tokenizer
 from tidal.models.precision import Precision
-from tidal.trainers.loop import Optimization
+from tidal.trainers.loop import Objective, Optimization, SupervisedTrainer
 from tidal.trainers.optim import NonFiniteGuard, build_optimizer, build_scheduler
 
 log = get_logger(__name__)
 
 # builder(dataset, tokenizer, cfg, source=...) -> (samples, SkipStats), e.g. build_sft_samples
 SampleBuilder = Callable[..., tuple[list, object]]
+# loader(spec, probs, split, max_samples, tokenizer, data_cfg, seed) -> samples, e.g. load_sft_samples
+SampleLoader = Callable[..., list]
+
+
+@dataclass(kw_only=True)
+class SupervisedRun:
+    """The configs every supervised run has; each trainer's run adds its own (``data`` and its loss)."""
+
+    model: ModelConfig
+    datasets: DatasetConfig
+    train: TrainConfig
+    optim: OptimConfig
+    ckpt: CheckpointConfig
+    logging: LoggingConfig
+    dist: DistributedConfig
+    run_dir: str | None = None  # metrics and the run config (default: <save_path>/run)
 
 
 def load_samples(
@@ -112,17 +136,64 @@ def seed_everything(train: TrainConfig) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def fit_run(
-    run, objective, opt, tokenizer, world: World, train, evals, trainer_cls=None, **trainer_kwargs
-) -> list[dict]:
-    """Train ``objective`` with the run's train/checkpoint/logging configs; returns per-step metrics.
+class Recipe:
+    """How one supervised trainer builds its run: ``fit_recipe`` calls these hooks in a fixed order.
 
-    ``trainer_cls`` is ``SupervisedTrainer`` or a subclass (reward models, KTO) with extra kwargs.
+    A subclass sets ``label`` and ``load_samples`` and defines ``objective``; the other hooks default
+    to a causal LM policy, no frozen models and the plain ``SupervisedTrainer``.
     """
-    from tidal.trainers.loop import SupervisedTrainer
 
-    trainer = (trainer_cls or SupervisedTrainer)(
+    label: ClassVar[str]  # names the trainer in the start-up log line
+    load_samples: ClassVar[SampleLoader]  # one --dataset spec -> samples (a staticmethod)
+    trainer_cls: ClassVar[type[SupervisedTrainer]] = SupervisedTrainer  # KTO, RM: a subclass
+
+    def check(self, run: Any, world: World) -> None:
+        """Problems across the run's configs, raised before anything loads."""
+
+    def load_model(self, run: Any, world: World) -> nn.Module:
+        """The model to train, on ``world``'s device."""
+        return load_causal_lm(run.model, world.device)
+
+    def load_frozen(self, run: Any, model: nn.Module, world: World) -> Any:
+        """Frozen models the objective reads (a reference, a teacher), or None; loaded before the
+        policy is sharded."""
+        return None
+
+    def objective(self, run: Any, tokenizer, train: Sequence, frozen: Any) -> Objective:
+        raise NotImplementedError
+
+    def trainer_kwargs(self, run: Any, train: Sequence, evals: Sequence | None) -> dict:
+        """Extra arguments of ``trainer_cls``."""
+        return {}
+
+    def describe(self, run: Any, frozen: Any) -> str:
+        """Trainer-specific words for the start-up log line."""
+        return ""
+
+
+def fit_recipe(recipe: Recipe, run: SupervisedRun, world: World | None = None) -> list[dict]:
+    """Build and train ``run`` as ``recipe`` says; returns per-step metrics.
+
+    The order is fixed (it decides what the seeded RNG initialises): checks, seeding, tokenizer,
+    samples, step count, model, frozen models, optimizer stack, objective, training.
+    """
+    world = world or init_world()
+    recipe.check(run, world)
+    seed_everything(run.train)
+    tokenizer = load_tokenizer(run.model.pretrain, run.model)
+    ds = run.datasets
+    train, evals = train_and_eval_samples(recipe.load_samples, ds, tokenizer, run.data, run.train.seed)
+    steps = training_steps(len(train), run.train, world, ds.dataset)
+    model = recipe.load_model(run, world)
+    frozen = recipe.load_frozen(run, model, world)
+    opt = build_optimization(model, run.model, run.optim, run.dist, world, steps)
+    objective = recipe.objective(run, tokenizer, train, frozen)
+    log.info(
+        "%s%s: %d train samples, %d steps, device %s x%d",
+        recipe.label, recipe.describe(run, frozen), len(train), steps, world.device, world.world_size,
+    )  # fmt: skip
+    trainer = recipe.trainer_cls(
         objective, opt, tokenizer, world, run.train, run.ckpt, run.logging, run_folder(run.run_dir, run.ckpt),
-        run_config=flat_config(run), kind=trainer_kind(run), **trainer_kwargs,
+        run_config=flat_config(run), kind=trainer_kind(run), **recipe.trainer_kwargs(run, train, evals),
     )  # fmt: skip
     return trainer.fit(train, evals)

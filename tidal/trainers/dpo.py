@@ -19,27 +19,11 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from tidal.algorithms.preference import DPO_LOSSES
-from tidal.config import (
-    CheckpointConfig,
-    ConfigError,
-    DatasetConfig,
-    DistributedConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
-    arg,
-)
+from tidal.config import ConfigError, arg
 from tidal.data.pairs import PairDataConfig, PairSample, collate_pairs
-from tidal.distributed import World, init_world
-from tidal.logging import LoggingConfig, get_logger
-from tidal.models import Precision, load_causal_lm, load_tokenizer
-from tidal.trainers.common import (
-    build_optimization,
-    fit_run,
-    seed_everything,
-    train_and_eval_samples,
-    training_steps,
-)
+from tidal.distributed import World
+from tidal.models import Precision
+from tidal.trainers.common import Recipe, SupervisedRun, fit_recipe
 from tidal.trainers.reference import (
     Reference,
     ReferenceConfig,
@@ -49,8 +33,6 @@ from tidal.trainers.reference import (
     sequence_logps,
 )
 from tidal.trainers.rm import load_pair_samples
-
-log = get_logger(__name__)
 
 
 @dataclass
@@ -138,43 +120,31 @@ class DPOObjective:
         return loss, metrics
 
 
-@dataclass
-class DPORun:
-    """Everything a DPO run is configured by."""
+@dataclass(kw_only=True)
+class DPORun(SupervisedRun):
+    """Everything a DPO run is configured by: the common configs, its pairs, loss and reference."""
 
-    model: ModelConfig
     data: PairDataConfig
     dpo: DPOConfig
     ref: ReferenceConfig
-    train: TrainConfig
-    optim: OptimConfig
-    ckpt: CheckpointConfig
-    logging: LoggingConfig
-    dist: DistributedConfig
-    datasets: DatasetConfig
-    run_dir: str | None = None
+
+
+class DPORecipe(Recipe):
+    label = "DPO"
+    load_samples = staticmethod(load_pair_samples)
+
+    def load_frozen(self, run: DPORun, model: nn.Module, world: World) -> Reference:
+        return build_reference(model, run.model, run.ref, run.dist, world)
+
+    def objective(self, run: DPORun, tokenizer, train, frozen: Reference) -> DPOObjective:
+        return DPOObjective(
+            frozen, run.dpo, tokenizer.pad_token_id, run.train.packing_samples, run.model.aux_loss_coef
+        )
+
+    def describe(self, run: DPORun, frozen: Reference) -> str:
+        return f" ({run.dpo.loss_name}, beta {run.dpo.beta:g}, reference {type(frozen).__name__})"
 
 
 def run_dpo(run: DPORun, world: World | None = None) -> list[dict]:
     """Train a causal LM with DPO/IPO/cDPO as configured; returns per-step metrics."""
-    world = world or init_world()
-    seed_everything(run.train)
-    tokenizer = load_tokenizer(run.model.pretrain, run.model)
-    ds = run.datasets
-    train, evals = train_and_eval_samples(load_pair_samples, ds, tokenizer, run.data, run.train.seed)
-    steps = training_steps(len(train), run.train, world, ds.dataset)
-    model = load_causal_lm(run.model, world.device)
-    reference = build_reference(model, run.model, run.ref, run.dist, world)
-    opt = build_optimization(model, run.model, run.optim, run.dist, world, steps)
-    objective = DPOObjective(
-        reference, run.dpo, tokenizer.pad_token_id, run.train.packing_samples, run.model.aux_loss_coef
-    )
-    log.info(
-        "DPO (%s, beta %g): %d pairs, %d steps, reference %s",
-        run.dpo.loss_name,
-        run.dpo.beta,
-        len(train),
-        steps,
-        type(reference).__name__,
-    )
-    return fit_run(run, objective, opt, tokenizer, world, train, evals)
+    return fit_recipe(DPORecipe(), run, world)

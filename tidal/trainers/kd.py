@@ -16,37 +16,14 @@ from torch import nn
 
 from tidal.algorithms.distill import distillation_cross_entropy, kd_loss
 from tidal.algorithms.logprobs import entropy_from_logits
-from tidal.config import (
-    CheckpointConfig,
-    ConfigError,
-    DatasetConfig,
-    DistributedConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
-    arg,
-)
+from tidal.config import ConfigError, arg
 from tidal.data import SFTDataConfig, next_token_targets
-from tidal.distributed import World, init_world
-from tidal.logging import LoggingConfig, get_logger
-from tidal.models import Precision, load_causal_lm, load_tokenizer, model_inputs
-from tidal.trainers.common import (
-    build_optimization,
-    fit_run,
-    seed_everything,
-    train_and_eval_samples,
-    training_steps,
-)
-from tidal.trainers.reference import (
-    FrozenModel,
-    aux_forward_kwargs,
-    check_same_vocab,
-    load_frozen,
-    moe_aux_term,
-)
+from tidal.distributed import World
+from tidal.models import Precision, model_inputs
+from tidal.models.frozen import FrozenModel, load_frozen
+from tidal.trainers.common import Recipe, SupervisedRun, fit_recipe
+from tidal.trainers.reference import aux_forward_kwargs, check_same_vocab, moe_aux_term
 from tidal.trainers.sft import SFTBatching, load_sft_samples
-
-log = get_logger(__name__)
 
 
 @dataclass
@@ -100,38 +77,35 @@ class KDObjective(SFTBatching):
         return loss, metrics
 
 
-@dataclass
-class KDRun:
-    """Everything a distillation run is configured by."""
+@dataclass(kw_only=True)
+class KDRun(SupervisedRun):
+    """Everything a distillation run is configured by: the common configs, its SFT data and teacher."""
 
-    model: ModelConfig
     data: SFTDataConfig
     kd: KDConfig
-    train: TrainConfig
-    optim: OptimConfig
-    ckpt: CheckpointConfig
-    logging: LoggingConfig
-    dist: DistributedConfig
-    datasets: DatasetConfig
-    run_dir: str | None = None
+
+
+class KDRecipe(Recipe):
+    label = "KD"
+    load_samples = staticmethod(load_sft_samples)
+
+    def load_frozen(self, run: KDRun, model: nn.Module, world: World) -> FrozenModel:
+        kd = run.kd
+        teacher = load_frozen(
+            kd.teacher_model, run.model, kd.teacher_offload, run.dist, world, "--teacher_model"
+        )
+        check_same_vocab(model, teacher.model, f"--teacher_model {kd.teacher_model}")
+        return teacher
+
+    def objective(self, run: KDRun, tokenizer, train, frozen: FrozenModel) -> KDObjective:
+        return KDObjective(
+            frozen, tokenizer.pad_token_id, run.kd.kd_coef, run.train.packing_samples, run.model.aux_loss_coef
+        )
+
+    def describe(self, run: KDRun, frozen: FrozenModel) -> str:
+        return f" (teacher {run.kd.teacher_model})"
 
 
 def run_kd(run: KDRun, world: World | None = None) -> list[dict]:
     """Distil ``--teacher_model`` into ``--pretrain`` on SFT data; returns per-step metrics."""
-    world = world or init_world()
-    seed_everything(run.train)
-    tokenizer = load_tokenizer(run.model.pretrain, run.model)
-    ds, seed = run.datasets, run.train.seed
-    train, evals = train_and_eval_samples(load_sft_samples, ds, tokenizer, run.data, seed)
-    steps = training_steps(len(train), run.train, world, ds.dataset)
-    model = load_causal_lm(run.model, world.device)
-    teacher = load_frozen(
-        run.kd.teacher_model, run.model, run.kd.teacher_offload, run.dist, world, "--teacher_model"
-    )
-    check_same_vocab(model, teacher.model, f"--teacher_model {run.kd.teacher_model}")
-    opt = build_optimization(model, run.model, run.optim, run.dist, world, steps)
-    objective = KDObjective(
-        teacher, tokenizer.pad_token_id, run.kd.kd_coef, run.train.packing_samples, run.model.aux_loss_coef
-    )
-    log.info("KD: %d train samples, %d steps, teacher %s", len(train), steps, run.kd.teacher_model)
-    return fit_run(run, objective, opt, tokenizer, world, train, evals)
+    return fit_recipe(KDRecipe(), run, world)

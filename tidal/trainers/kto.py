@@ -23,36 +23,20 @@ import torch
 from torch import nn
 
 from tidal.algorithms.preference import kto_loss
-from tidal.config import (
-    CheckpointConfig,
-    ConfigError,
-    DatasetConfig,
-    DistributedConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
-    arg,
-)
+from tidal.config import ConfigError, arg
 from tidal.data import collate_packed, collate_padded
 from tidal.data.unpaired import UnpairedDataConfig, UnpairedSample, build_unpaired_samples
-from tidal.distributed import World, init_world
-from tidal.logging import LoggingConfig, get_logger
-from tidal.models import Precision, load_causal_lm, load_tokenizer
-from tidal.trainers.common import (
-    build_optimization,
-    fit_run,
-    load_samples,
-    seed_everything,
-    train_and_eval_samples,
-    training_steps,
-)
+from tidal.distributed import World
+from tidal.logging import get_logger
+from tidal.models import Precision
+from tidal.models.frozen import eval_mode
+from tidal.trainers.common import Recipe, SupervisedRun, fit_recipe, load_samples
 from tidal.trainers.loop import SupervisedTrainer, reduce_metrics, to_device
 from tidal.trainers.reference import (
     Reference,
     ReferenceConfig,
     aux_forward_kwargs,
     build_reference,
-    eval_mode,
     moe_aux_term,
     sequence_logps,
 )
@@ -176,21 +160,13 @@ class KTOTrainer(SupervisedTrainer):
         obj.desirable_units, obj.undesirable_units = total["desirable"], total["undesirable"]
 
 
-@dataclass
-class KTORun:
-    """Everything a KTO run is configured by."""
+@dataclass(kw_only=True)
+class KTORun(SupervisedRun):
+    """Everything a KTO run is configured by: the common configs, its samples, loss and reference."""
 
-    model: ModelConfig
     data: UnpairedDataConfig
     kto: KTOConfig
     ref: ReferenceConfig
-    train: TrainConfig
-    optim: OptimConfig
-    ckpt: CheckpointConfig
-    logging: LoggingConfig
-    dist: DistributedConfig
-    datasets: DatasetConfig
-    run_dir: str | None = None
 
 
 def load_unpaired_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg, seed: int):
@@ -201,21 +177,29 @@ def load_unpaired_samples(spec: str, probs, split: str, max_samples, tokenizer, 
     return samples
 
 
+class KTORecipe(Recipe):
+    label = "KTO"
+    load_samples = staticmethod(load_unpaired_samples)
+    trainer_cls = KTOTrainer
+
+    def check(self, run: KTORun, world: World) -> None:
+        if run.train.train_batch_size // world.world_size < 2:
+            raise ConfigError(
+                "KTO needs --train_batch_size of at least 2 per device (its KL term pairs samples)"
+            )
+
+    def load_frozen(self, run: KTORun, model: nn.Module, world: World) -> Reference:
+        return build_reference(model, run.model, run.ref, run.dist, world)
+
+    def objective(self, run: KTORun, tokenizer, train, frozen: Reference) -> KTOObjective:
+        return KTOObjective(
+            frozen, run.kto, tokenizer.pad_token_id, run.train.packing_samples, run.model.aux_loss_coef
+        )
+
+    def describe(self, run: KTORun, frozen: Reference) -> str:
+        return f" (beta {run.kto.beta:g}, reference {type(frozen).__name__})"
+
+
 def run_kto(run: KTORun, world: World | None = None) -> list[dict]:
     """Train a causal LM with KTO as configured; returns per-step metrics."""
-    world = world or init_world()
-    seed_everything(run.train)
-    tokenizer = load_tokenizer(run.model.pretrain, run.model)
-    ds, seed = run.datasets, run.train.seed
-    train, evals = train_and_eval_samples(load_unpaired_samples, ds, tokenizer, run.data, seed)
-    steps = training_steps(len(train), run.train, world, ds.dataset)
-    if run.train.train_batch_size // world.world_size < 2:
-        raise ConfigError("KTO needs --train_batch_size of at least 2 per device (its KL term pairs samples)")
-    model = load_causal_lm(run.model, world.device)
-    reference = build_reference(model, run.model, run.ref, run.dist, world)
-    opt = build_optimization(model, run.model, run.optim, run.dist, world, steps)
-    objective = KTOObjective(
-        reference, run.kto, tokenizer.pad_token_id, run.train.packing_samples, run.model.aux_loss_coef
-    )
-    log.info("KTO (beta %g): %d samples, %d steps", run.kto.beta, len(train), steps)
-    return fit_run(run, objective, opt, tokenizer, world, train, evals, KTOTrainer)
+    return fit_recipe(KTORecipe(), run, world)

@@ -14,8 +14,8 @@ Faults. A step whose loss or gradient norm is not finite is skipped and counted
 (``train/nonfinite_steps``); ``--max_nonfinite_steps`` such steps in a row stop the run
 (``tidal.trainers.optim.NonFiniteGuard``). SIGTERM/SIGINT finish the current step, write a
 checkpoint when ``--save_steps`` checkpointing is on, and raise ``TrainingInterrupted``
-(``tidal.checkpoint.interrupt``). Checkpoints record the trainer and model they belong to
-(``tidal.checkpoint.manager``).
+(``tidal.checkpoint.interrupt``). Resume, checkpoints, their rotation and the exports go through one
+``tidal.checkpoint.Checkpointer``, which records the trainer and model they belong to.
 """
 
 from __future__ import annotations
@@ -30,15 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tidal.checkpoint import (
-    LoopState,
-    RunCheckpoints,
-    RunIdentity,
-    StopSignals,
-    flat_settings,
-    model_fingerprint,
-    save_hf_model,
-)
+from tidal.checkpoint import Checkpointer, LoopState, StopSignals, flat_settings
 from tidal.config import CheckpointConfig, TrainConfig
 from tidal.data import step_batches
 from tidal.distributed.fsdp import set_gradient_sync
@@ -146,10 +138,10 @@ class SupervisedTrainer:
         self.cfg, self.ckpt_cfg, self.log_cfg = train_cfg, ckpt_cfg, log_cfg
         self.run_dir, self.run_config = Path(run_dir), run_config or {}
         self.micro_steps = train_cfg.micro_train_batch_size
-        identity = RunIdentity(
-            kind, {"model": model_fingerprint(opt.model)}, flat_settings(self.run_config, SETTINGS)
-        )
-        self.checkpoints = RunCheckpoints(ckpt_cfg, identity, world)
+        self.checkpointer = Checkpointer(
+            ckpt_cfg, world, kind, {"model": opt}, flat_settings(self.run_config, SETTINGS),
+            state={"nonfinite": opt.guard}, hf_copy=self.export,
+        )  # fmt: skip
 
     # ---- one optimizer step ------------------------------------------------------------------
     def _micro_batches(self, samples: Sequence[Any]) -> list[Sequence[Any]]:
@@ -203,22 +195,14 @@ class SupervisedTrainer:
         return reduce_metrics(sums, self.world)
 
     # ---- the loop ----------------------------------------------------------------------------
-    def _resume(self) -> LoopState:
-        resumed = self.checkpoints.resume({"model": self.opt})
-        if resumed is None:
-            return LoopState()
-        loop, extra = resumed
-        self.opt.guard.load_state_dict(extra.get("nonfinite", {}))
-        log.info("resumed at step %d, epoch %d", loop.global_step, loop.epoch)
-        return loop
-
     def fit(self, train: Sequence[Any], eval_samples: Sequence[Any] | None = None) -> list[dict]:
         """Train for ``max_epochs``; returns the per-step metrics of this run (for tests and plots)."""
         cfg, world = self.cfg, self.world
         steps_per_epoch = len(train) // cfg.train_batch_size
-        loop = self._resume()
+        ckpt = self.checkpointer
+        loop = ckpt.resume() or LoopState()
         history: list[dict] = []
-        resume_step = loop.global_step if self.ckpt_cfg.load_checkpoint else None
+        resume_step = ckpt.resume_step(loop)
         with (
             MetricsLogger(self.run_dir, self.log_cfg, self.run_config, world.is_main, resume_step) as logger,
             ProgressBar(
@@ -244,15 +228,17 @@ class SupervisedTrainer:
                     if self.log_cfg.should_log(loop.global_step):
                         logger.log(loop.global_step, stats)
                     self._maybe_eval(eval_samples, loop, logger, end_of_epoch=index + 1 == len(batches))
-                    self._maybe_save(loop)
+                    ckpt.maybe_save(loop)
                     signum = stop.requested(world)
                     if signum:
-                        raise StopSignals.interrupted(signum, loop.global_step, self._save_now(loop))
+                        raise ckpt.stopped(signum, loop)
                 loop = LoopState(loop.global_step, epoch + 1, 0)
-            save_hf_model(
-                self.opt.model, self.tokenizer, self.ckpt_cfg.save_path, world, self.export_config()
-            )
+            self.export(self.ckpt_cfg.save_path)
         return history
+
+    def export(self, path: str | Path) -> Path:
+        """The trained model and tokenizer as a Hugging Face folder at ``path``."""
+        return self.checkpointer.export(self.opt.model, self.tokenizer, path, self.export_config())
 
     def export_config(self) -> dict | None:
         """Extra fields written into the exported model's config (reward models add normalisation)."""
@@ -266,28 +252,3 @@ class SupervisedTrainer:
             metrics = self.evaluate(eval_samples)
             logger.log(loop.global_step, metrics, prefix="eval")
             log.info("eval @ step %d: %s", loop.global_step, {k: round(v, 4) for k, v in metrics.items()})
-
-    def _save_now(self, loop: LoopState) -> str | None:
-        """The checkpoint of ``loop`` when training stops early (written unless it already is, or
-        checkpointing is off); its folder, or None."""
-        ck = self.checkpoints
-        if not ck.enabled:
-            return None
-        if ck.last_saved_step != loop.global_step:
-            ck.save({"model": self.opt}, loop, {"nonfinite": self.opt.guard.state_dict()})
-        return str(Path(self.ckpt_cfg.ckpt_path) / f"global_step_{loop.global_step}")
-
-    def _maybe_save(self, loop: LoopState) -> None:
-        ck = self.ckpt_cfg
-        if ck.save_steps <= 0 or loop.global_step % ck.save_steps:
-            return
-        if not ck.disable_ds_ckpt:
-            self.checkpoints.save({"model": self.opt}, loop, {"nonfinite": self.opt.guard.state_dict()})
-        if ck.save_hf_ckpt:
-            save_hf_model(
-                self.opt.model,
-                self.tokenizer,
-                Path(ck.ckpt_path) / f"global_step_{loop.global_step}_hf",
-                self.world,
-                self.export_config(),
-            )

@@ -15,29 +15,11 @@ from dataclasses import dataclass
 from torch import nn
 
 from tidal.algorithms.prm import prm_loss
-from tidal.config import (
-    CheckpointConfig,
-    ConfigError,
-    DatasetConfig,
-    DistributedConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
-)
+from tidal.config import ConfigError
 from tidal.data.prm import PRMDataConfig, PRMSample, build_prm_samples, collate_prm, reward_token_ids
-from tidal.distributed import World, init_world
-from tidal.logging import LoggingConfig, get_logger
-from tidal.models import Precision, load_causal_lm, load_tokenizer, model_inputs
-from tidal.trainers.common import (
-    build_optimization,
-    fit_run,
-    load_samples,
-    seed_everything,
-    train_and_eval_samples,
-    training_steps,
-)
-
-log = get_logger(__name__)
+from tidal.distributed import World
+from tidal.models import Precision, model_inputs
+from tidal.trainers.common import Recipe, SupervisedRun, fit_recipe, load_samples
 
 
 @dataclass
@@ -66,19 +48,11 @@ class PRMObjective:
         return loss, {"loss": loss.detach(), "acc": accuracy * steps / normaliser}
 
 
-@dataclass
-class PRMRun:
-    """Everything a PRM run is configured by (one small config per component)."""
+@dataclass(kw_only=True)
+class PRMRun(SupervisedRun):
+    """Everything a PRM run is configured by: the common configs and its data."""
 
-    model: ModelConfig
     data: PRMDataConfig
-    train: TrainConfig
-    optim: OptimConfig
-    ckpt: CheckpointConfig
-    logging: LoggingConfig
-    dist: DistributedConfig
-    datasets: DatasetConfig
-    run_dir: str | None = None
 
 
 def load_prm_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: PRMDataConfig, seed: int):
@@ -86,21 +60,22 @@ def load_prm_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: 
     return load_samples(build_prm_samples, spec, probs, split, max_samples, tokenizer, cfg, seed)
 
 
+class PRMRecipe(Recipe):
+    label = "PRM"
+    load_samples = staticmethod(load_prm_samples)
+
+    def check(self, run: PRMRun, world: World) -> None:
+        if run.model.aux_loss_coef > 0:
+            raise ConfigError(
+                "--aux_loss_coef: the MoE load-balancing loss is not supported for PRM training"
+            )
+
+    def objective(self, run: PRMRun, tokenizer, train, frozen) -> PRMObjective:
+        return PRMObjective(
+            tokenizer.pad_token_id, reward_token_ids(tokenizer, run.data), run.train.packing_samples
+        )
+
+
 def run_prm(run: PRMRun, world: World | None = None) -> list[dict]:
     """Train a process reward model as configured; returns per-step metrics."""
-    if run.model.aux_loss_coef > 0:
-        raise ConfigError("--aux_loss_coef: the MoE load-balancing loss is not supported for PRM training")
-    world = world or init_world()
-    seed_everything(run.train)
-    tokenizer = load_tokenizer(run.model.pretrain, run.model)
-    train, evals = train_and_eval_samples(load_prm_samples, run.datasets, tokenizer, run.data, run.train.seed)
-    steps = training_steps(len(train), run.train, world, run.datasets.dataset)
-    model = load_causal_lm(run.model, world.device)
-    opt = build_optimization(model, run.model, run.optim, run.dist, world, steps)
-    objective = PRMObjective(
-        tokenizer.pad_token_id, reward_token_ids(tokenizer, run.data), run.train.packing_samples
-    )
-    log.info(
-        "PRM: %d train samples, %d steps, device %s x%d", len(train), steps, world.device, world.world_size
-    )
-    return fit_run(run, objective, opt, tokenizer, world, train, evals)
+    return fit_recipe(PRMRecipe(), run, world)

@@ -1,14 +1,9 @@
-"""Frozen models a trainer reads but never updates (the DPO/KTO ``reference``, the KD teacher),
-and the per-sequence log-probs the preference objectives compare.
+"""The reference model of DPO and KTO, and the per-sequence log-probs the preference objectives compare.
 
 Two kinds of reference:
 
-- ``FrozenModel``: a separate frozen copy (``--ref_pretrain``, ``--teacher_model``). With offload
-  (``--ref_offload`` / ``--teacher_offload``) it lives in CPU memory and visits the device only for
-  its forward pass on each micro-batch, so it never holds device memory while the policy's
-  activations, gradients and optimizer state do. (Precomputing reference log-probs once would be
-  cheaper, but KTO's mismatched pairs depend on the data order of each epoch and KD needs full
-  teacher distributions, so one mechanism serves all three trainers.)
+- a ``tidal.models.frozen.FrozenModel``: a separate frozen copy (``--ref_pretrain``, default
+  ``--pretrain``), optionally kept in CPU memory between forwards (``--ref_offload``);
 - ``DisabledAdapters``: under LoRA the reference is the policy's own base model with its adapters
   switched off (peft ``disable_adapter()``), so no second copy is loaded.
 
@@ -19,16 +14,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from tidal.config import ConfigError, DistributedConfig, ModelConfig, arg
-from tidal.distributed import World, parallelize
-from tidal.models import Precision, load_causal_lm, resolve_dtype, token_logprobs
-
-CPU = torch.device("cpu")
+from tidal.distributed import World
+from tidal.models import Precision, token_logprobs
+from tidal.models.frozen import FrozenModel, eval_mode, load_frozen
 
 
 @dataclass
@@ -41,34 +35,6 @@ class ReferenceConfig:
     ref_offload: bool = arg(
         False, help="keep the reference model in CPU memory; move it to the device only for its forward"
     )
-
-
-@contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[None]:
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
-class FrozenModel:
-    """A separate model without gradients; ``use()`` yields it on the compute device."""
-
-    def __init__(self, model: nn.Module, device: torch.device, offload: bool = False):
-        self.model, self.device, self.offload = model.requires_grad_(False).eval(), device, offload
-
-    @contextlib.contextmanager
-    def use(self) -> Iterator[nn.Module]:
-        if self.offload:
-            self.model.to(self.device)
-        try:
-            with torch.no_grad(), eval_mode(self.model):
-                yield self.model
-        finally:
-            if self.offload:
-                self.model.to(CPU)
 
 
 class DisabledAdapters:
@@ -86,24 +52,6 @@ class DisabledAdapters:
 
 
 Reference = FrozenModel | DisabledAdapters
-
-
-def load_frozen(
-    path: str, model_cfg: ModelConfig, offload: bool, dist_cfg: DistributedConfig, world: World, flag: str
-) -> FrozenModel:
-    """Load ``path`` as a frozen full-weight model (float32 master copy, no LoRA, no checkpointing).
-
-    Without offload it is sharded like the policy (all ranks run the same number of forwards);
-    an offloaded copy stays whole on each rank, since it moves between CPU and device.
-    """
-    cfg = replace(model_cfg, pretrain=path, lora_rank=0, load_in_4bit=False, gradient_checkpointing=False)
-    try:
-        model = load_causal_lm(cfg, CPU if offload else world.device)
-    except ConfigError as err:
-        raise ConfigError(f"{flag} {path}: {err}") from err
-    if not offload:
-        model = parallelize(model, dist_cfg, world, resolve_dtype(model_cfg.param_dtype, world.device))
-    return FrozenModel(model, world.device, offload)
 
 
 def build_reference(

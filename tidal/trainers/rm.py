@@ -22,29 +22,13 @@ import torch
 from torch import nn
 
 from tidal.algorithms.preference import RM_LOSSES
-from tidal.config import (
-    CheckpointConfig,
-    ConfigError,
-    DatasetConfig,
-    DistributedConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
-    arg,
-)
+from tidal.config import ConfigError, arg
 from tidal.data.pairs import PairDataConfig, PairSample, build_pair_samples, collate_pairs
-from tidal.distributed import World, init_world
-from tidal.logging import LoggingConfig, get_logger
-from tidal.models import Precision, load_tokenizer
+from tidal.distributed import World
+from tidal.logging import get_logger
+from tidal.models import Precision
 from tidal.models.value_model import load_value_model, reward_config
-from tidal.trainers.common import (
-    build_optimization,
-    fit_run,
-    load_samples,
-    seed_everything,
-    train_and_eval_samples,
-    training_steps,
-)
+from tidal.trainers.common import Recipe, SupervisedRun, fit_recipe, load_samples
 from tidal.trainers.loop import SupervisedTrainer, reduce_metrics, to_device
 
 log = get_logger(__name__)
@@ -133,35 +117,17 @@ class RewardModelTrainer(SupervisedTrainer):
         return mean, math.sqrt(var) if var > 0 else 1.0
 
 
-@dataclass
-class RMRun:
-    """Everything a reward-model run is configured by (one small config per component)."""
+@dataclass(kw_only=True)
+class RMRun(SupervisedRun):
+    """Everything a reward-model run is configured by: the common configs, its pairs and head."""
 
-    model: ModelConfig
     data: PairDataConfig
     rm: RMConfig
-    train: TrainConfig
-    optim: OptimConfig
-    ckpt: CheckpointConfig
-    logging: LoggingConfig
-    dist: DistributedConfig
-    datasets: DatasetConfig
-    run_dir: str | None = None
 
 
 def load_pair_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: PairDataConfig, seed: int):
     """Preference pairs of a ``--dataset``-style spec (skipped pairs are logged)."""
     return load_samples(build_pair_samples, spec, probs, split, max_samples, tokenizer, cfg, seed)
-
-
-def _check(run: RMRun) -> None:
-    if run.model.aux_loss_coef > 0:
-        raise ConfigError("--aux_loss_coef: the MoE load-balancing loss is not supported for reward models")
-    if run.rm.normalize_reward and run.model.lora_rank > 0:
-        raise ConfigError(
-            "--normalize_reward with --lora_rank: LoRA runs save adapters only, which cannot carry the "
-            "reward mean/std; merge the adapters (tidal lora_combiner) and train without LoRA, or drop one"
-        )
 
 
 def _use_margin(run: RMRun, train: Sequence[PairSample]) -> bool:
@@ -171,30 +137,34 @@ def _use_margin(run: RMRun, train: Sequence[PairSample]) -> bool:
     return has_margin and run.rm.loss == "sigmoid"
 
 
+class RMRecipe(Recipe):
+    label = "RM"
+    load_samples = staticmethod(load_pair_samples)
+    trainer_cls = RewardModelTrainer
+
+    def check(self, run: RMRun, world: World) -> None:
+        if run.model.aux_loss_coef > 0:
+            raise ConfigError(
+                "--aux_loss_coef: the MoE load-balancing loss is not supported for reward models"
+            )
+        if run.rm.normalize_reward and run.model.lora_rank > 0:
+            raise ConfigError(
+                "--normalize_reward with --lora_rank: LoRA runs save adapters only, which cannot carry the "
+                "reward mean/std; merge the adapters (tidal lora_combiner) and train without LoRA, or drop one"
+            )
+
+    def load_model(self, run: RMRun, world: World) -> nn.Module:
+        return load_value_model(run.model, world.device, run.rm.value_head_prefix)
+
+    def objective(self, run: RMRun, tokenizer, train, frozen) -> RMObjective:
+        return RMObjective(
+            tokenizer.pad_token_id, RM_LOSSES[run.rm.loss], run.train.packing_samples, _use_margin(run, train)
+        )
+
+    def trainer_kwargs(self, run: RMRun, train, evals) -> dict:
+        return {"stats_samples": (evals or train) if run.rm.normalize_reward else None}
+
+
 def run_rm(run: RMRun, world: World | None = None) -> list[dict]:
     """Train a reward model as configured; returns per-step metrics."""
-    _check(run)
-    world = world or init_world()
-    seed_everything(run.train)
-    tokenizer = load_tokenizer(run.model.pretrain, run.model)
-    train, evals = train_and_eval_samples(
-        load_pair_samples, run.datasets, tokenizer, run.data, run.train.seed
-    )
-    steps = training_steps(len(train), run.train, world, run.datasets.dataset)
-    model = load_value_model(run.model, world.device, run.rm.value_head_prefix)
-    opt = build_optimization(model, run.model, run.optim, run.dist, world, steps)
-    objective = RMObjective(
-        tokenizer.pad_token_id, RM_LOSSES[run.rm.loss], run.train.packing_samples, _use_margin(run, train)
-    )
-    log.info("RM: %d train pairs, %d steps, device %s x%d", len(train), steps, world.device, world.world_size)
-    return fit_run(
-        run,
-        objective,
-        opt,
-        tokenizer,
-        world,
-        train,
-        evals,
-        RewardModelTrainer,
-        stats_samples=(evals or train) if run.rm.normalize_reward else None,
-    )
+    return fit_recipe(RMRecipe(), run, world)

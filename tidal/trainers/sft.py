@@ -1,7 +1,7 @@
 """Supervised fine-tuning: next-token loss on response tokens (all tokens in pretrain mode).
 
-``SFTObjective`` plugs into ``SupervisedTrainer``; ``run_sft`` wires data, model, optimizer and
-logging from the component configs (the CLI calls it).
+``SFTObjective`` plugs into ``SupervisedTrainer``; ``run_sft`` (the CLI calls it) builds and trains an
+``SFTRun`` with ``SFTRecipe`` (``tidal.trainers.common.fit_recipe``).
 """
 
 from __future__ import annotations
@@ -11,14 +11,6 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from tidal.config import (
-    CheckpointConfig,
-    DatasetConfig,
-    DistributedConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
-)
 from tidal.data import (
     SFTDataConfig,
     SFTSample,
@@ -26,19 +18,9 @@ from tidal.data import (
     collate_packed,
     collate_padded,
 )
-from tidal.distributed import World, init_world
-from tidal.logging import LoggingConfig, get_logger
-from tidal.models import Precision, load_causal_lm, load_tokenizer, token_logprobs
-from tidal.trainers.common import (
-    build_optimization,
-    fit_run,
-    load_samples,
-    seed_everything,
-    train_and_eval_samples,
-    training_steps,
-)
-
-log = get_logger(__name__)
+from tidal.distributed import World
+from tidal.models import Precision, token_logprobs
+from tidal.trainers.common import Recipe, SupervisedRun, fit_recipe, load_samples
 
 
 class SFTBatching:
@@ -83,19 +65,11 @@ class SFTObjective(SFTBatching):
         return loss, metrics
 
 
-@dataclass
-class SFTRun:
-    """Everything an SFT run is configured by (one small config per component)."""
+@dataclass(kw_only=True)
+class SFTRun(SupervisedRun):
+    """Everything an SFT run is configured by: the common configs and its data."""
 
-    model: ModelConfig
     data: SFTDataConfig
-    train: TrainConfig
-    optim: OptimConfig
-    ckpt: CheckpointConfig
-    logging: LoggingConfig
-    dist: DistributedConfig
-    datasets: DatasetConfig
-    run_dir: str | None = None
 
 
 def load_sft_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: SFTDataConfig, seed: int):
@@ -103,17 +77,14 @@ def load_sft_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: 
     return load_samples(build_sft_samples, spec, probs, split, max_samples, tokenizer, cfg, seed)
 
 
+class SFTRecipe(Recipe):
+    label = "SFT"
+    load_samples = staticmethod(load_sft_samples)
+
+    def objective(self, run: SFTRun, tokenizer, train, frozen) -> SFTObjective:
+        return SFTObjective(tokenizer.pad_token_id, run.train.packing_samples, run.model.aux_loss_coef)
+
+
 def run_sft(run: SFTRun, world: World | None = None) -> list[dict]:
     """Train a causal LM with SFT as configured; returns per-step metrics."""
-    world = world or init_world()
-    seed_everything(run.train)
-    tokenizer = load_tokenizer(run.model.pretrain, run.model)
-    train, evals = train_and_eval_samples(load_sft_samples, run.datasets, tokenizer, run.data, run.train.seed)
-    steps = training_steps(len(train), run.train, world, run.datasets.dataset)
-    model = load_causal_lm(run.model, world.device)
-    opt = build_optimization(model, run.model, run.optim, run.dist, world, steps)
-    objective = SFTObjective(tokenizer.pad_token_id, run.train.packing_samples, run.model.aux_loss_coef)
-    log.info(
-        "SFT: %d train samples, %d steps, device %s x%d", len(train), steps, world.device, world.world_size
-    )
-    return fit_run(run, objective, opt, tokenizer, world, train, evals)
+    return fit_recipe(SFTRecipe(), run, world)
