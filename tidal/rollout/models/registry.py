@@ -42,6 +42,7 @@ _FAMILIES = (
     Family("qwen2", "qwen2:Qwen2ForCausalLM", dict(tie_word_embeddings=True, rope_theta=1000000.0)),
     Family("qwen3", "qwen3:Qwen3ForCausalLM", dict(tie_word_embeddings=True, rope_theta=1000000.0, head_dim=32)),
     Family("mistral", "llama:LlamaForCausalLM", dict(tie_word_embeddings=False, rope_theta=10000.0, sliding_window=None), tiny_adds_bos=True),
+    Family("olmo2", "olmo2:Olmo2ForCausalLM", dict(tie_word_embeddings=False, rope_theta=500000.0)),
 )
 # fmt: on
 FAMILIES: dict[str, Family] = {family.model_type: family for family in _FAMILIES}
