@@ -12,8 +12,7 @@ from tidal.algorithms import estimate_advantages
 from tidal.config.rl import RLConfig
 from tidal.distributed.world import World
 from tidal.experience.experience import Experience
-from tidal.experience.maker import shape_rewards
-from tidal.trainers.ppo.data_parallel import add_world_advantages
+from tidal.experience.maker import BatchReduction, add_advantages, shape_rewards
 
 # RLOO on [0, 0, 0, 20] with n=4: shaped = R_i − mean(others) = [−6.67, −6.67, −6.67, 20] → clip 10.
 RAW = torch.tensor([0.0, 0.0, 0.0, 20.0])
@@ -31,10 +30,10 @@ def _experience(rewards: torch.Tensor, width: int = 3) -> Experience:
 
 
 def _trainer_advantages(rewards, cfg: RLConfig, n: int, world: World) -> Experience:
-    """The trainer's steps: ``shape_rewards`` then ``add_world_advantages``."""
+    """The trainer's steps: ``shape_rewards`` then ``add_advantages`` with the world's reduction."""
     exp = _experience(rewards)
     exp.rewards = shape_rewards(exp, cfg, max_new_tokens=2, moments=None)
-    return add_world_advantages(exp, cfg, n, kl_coef=0.0, world=world)
+    return add_advantages(exp, cfg, n, kl_coef=0.0, reduction=BatchReduction.over(world))
 
 
 def test_estimate_advantages_clips_after_the_rloo_baseline():

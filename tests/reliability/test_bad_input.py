@@ -10,7 +10,8 @@ import shutil
 import pytest
 
 from tidal.cli import train_ppo, train_sft
-from tidal.trainers.ppo import setup as ppo_setup
+from tidal.rollout.models.registry import supported_model_types
+from tidal.trainers.ppo import entry as ppo_setup
 
 
 @pytest.fixture
@@ -99,7 +100,7 @@ def test_unsupported_architecture_in_ppo(capsys, model_copy, tmp_path, no_model_
     line = fails_with(capsys, train_ppo.main, ppo_argv(model_copy, prompts, tmp_path))
     assert line == (
         f"tidal ppo: error: --pretrain {model_copy}: model_type 'gpt_neox' is not supported by the rollout "
-        "engine of tidal ppo; supported: llama, mistral, qwen2, qwen3"
+        f"engine of tidal ppo; supported: {', '.join(supported_model_types())}"
     )
 
 

@@ -300,7 +300,7 @@ def test_async_training_learns(echo_policy, echo_data, tmp_path):
 
 
 def test_vllm_flags_configure_the_engine(echo_policy, echo_data, tmp_path):
-    from tidal.trainers.ppo.rollout import LocalRollout
+    from tidal.placement.rollout import LocalRollout
 
     run = parse_run(rl_flags(echo_policy, echo_data, tmp_path, "--advantage_estimator", "group_norm",
                              "--enforce_eager", "--vllm_gpu_memory_utilization", "0.3",

@@ -14,10 +14,10 @@ from tidal.config import ModelConfig
 from tidal.config.rl import RLModelsConfig, RolloutConfig
 from tidal.distributed.weight_sync import plan_buckets
 from tidal.models import load_tokenizer
+from tidal.placement import remote_rollout
+from tidal.placement.engines import EngineSpec, engine_config, start_process_engines
+from tidal.placement.remote_rollout import RemoteRollout
 from tidal.rollout import EngineConfig, LLMEngine
-from tidal.trainers.ppo import remote_rollout
-from tidal.trainers.ppo.engines import EngineSpec, engine_config, start_process_engines
-from tidal.trainers.ppo.remote_rollout import RemoteRollout
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 REWARD, AGENT = EXAMPLES / "reward_func.py", EXAMPLES / "agent_func.py"

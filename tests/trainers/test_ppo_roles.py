@@ -14,8 +14,8 @@ from tidal.config import ConfigError, ModelConfig
 from tidal.distributed import World
 from tidal.models import load_tokenizer
 from tidal.models.value_model import load_value_model, reward_config
+from tidal.placement.roles import worker_counts
 from tidal.trainers.ppo import run_ppo
-from tidal.trainers.ppo.roles import worker_counts
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ reward models each — unless they are given devices of their own, as in OpenRLH
   ``--colocate_all_models``: that many reward-model workers (T divides it).
 
 Separate workers are child processes of their trainer (GPUs after the trainers', or CPU processes)
-or Ray actors in bundles of their own (``tidal.trainers.ppo.workers``). The critic trains with the
+or Ray actors in bundles of their own (``tidal.placement.workers``). The critic trains with the
 policy workers. ``check_placement`` rejects what this design cannot honour.
 """
 

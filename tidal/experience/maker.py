@@ -1,9 +1,15 @@
 """Make experience: trajectories → ``Experience`` with log-probs, values, KL and advantages.
 
-The steps mirror DESIGN.md's dataflow and each is a small function the RL loop calls in order:
-``from_trajectories`` (tensors), ``forward_logprobs`` / ``forward_values`` (model passes in
-micro-batches, no grad), ``shape_rewards`` (overlong penalty, normalisation) and ``add_advantages``
-(KL, group baselines, reward clipping and returns from ``tidal.algorithms``).
+Each step is a small function the RL loop calls in order: ``from_trajectories`` (tensors, done by
+the rollout), ``shape_rewards`` (overlong penalty, normalisation), ``forward_logprobs`` /
+``forward_values`` (model passes in micro-batches, no grad) and ``add_advantages`` (KL, group
+baselines, reward clipping, returns and whitening from ``tidal.algorithms``).
+
+This is the one path for one process and for data-parallel ranks alike. A rank holds only its share
+of the rollout, so the two batch-wide statistics — the running reward moments and the advantage
+whitening — come in as a ``BatchReduction``: this process's batch alone (``LOCAL``), or every
+rank's (``BatchReduction.over(world)``). A prompt's samples stay on one rank, so group baselines
+need nothing from the others.
 
 Order of the reward steps (OpenRLHF's): overlong penalty → normalisation → group baseline → clip to
 ``--reward_clip_range`` → KL penalty. Clipping comes *after* the baseline, so it bounds the shaped
@@ -13,6 +19,8 @@ reward that reaches the advantages, not the raw reward the baseline is computed 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -21,10 +29,35 @@ from tidal.algorithms import compute_kl, estimate_advantages, masked_whiten, ove
 from tidal.algorithms.advantages import Whitening
 from tidal.algorithms.rewards import RunningMoments
 from tidal.config.rl import RLConfig
+from tidal.distributed.collectives import gather_values, world_masked_whiten
+from tidal.distributed.world import World
 from tidal.experience.experience import Experience, micro_batches, model_batch, unflatten
 from tidal.models.forward import token_logprobs
 from tidal.models.precision import Precision
 from tidal.rewards.base import check_finite
+
+
+def _this_batch(values: Tensor) -> Tensor:
+    return values
+
+
+@dataclass(frozen=True)
+class BatchReduction:
+    """The batch-wide statistics of the experience path: ``whiten`` (advantages over the batch) and
+    ``gather`` (the rewards that update the running moments)."""
+
+    whiten: Whitening = masked_whiten
+    gather: Callable[[Tensor], Tensor] = _this_batch
+
+    @classmethod
+    def over(cls, world: World) -> BatchReduction:
+        """Statistics over every rank's share of the rollout (this batch alone with one process)."""
+        if not world.distributed:
+            return LOCAL
+        return cls(partial(world_masked_whiten, world=world), partial(gather_values, world=world))
+
+
+LOCAL = BatchReduction()
 
 
 def from_trajectories(trajectories: Sequence, pad_id: int) -> Experience:
@@ -106,10 +139,15 @@ def shift_values(raw: Tensor) -> Tensor:
 
 
 def shape_rewards(
-    exp: Experience, cfg: RLConfig, max_new_tokens: int, moments: RunningMoments | None
+    exp: Experience,
+    cfg: RLConfig,
+    max_new_tokens: int,
+    moments: RunningMoments | None,
+    reduction: BatchReduction = LOCAL,
 ) -> Tensor:
     """Scalar rewards after the DAPO overlong penalty and running normalisation (clipping comes
-    later, after the group baseline, in ``add_advantages``)."""
+    later, after the group baseline, in ``add_advantages``). The moments take in the rewards of the
+    whole rollout (``reduction.gather``), so every rank normalises alike."""
     rewards = exp.rewards.clone()
     if cfg.overlong_buffer_len:
         lengths = exp.action_mask.sum(-1)
@@ -117,18 +155,18 @@ def shape_rewards(
             lengths, max_new_tokens, cfg.overlong_buffer_len, cfg.overlong_penalty_factor
         )
     if moments is not None:
-        moments.update(rewards)
+        moments.update(reduction.gather(rewards))
         rewards = moments.normalize(rewards)
     return rewards
 
 
 def add_advantages(
-    exp: Experience, cfg: RLConfig, n_samples: int, kl_coef: float, whiten: Whitening = masked_whiten
+    exp: Experience, cfg: RLConfig, n_samples: int, kl_coef: float, reduction: BatchReduction = LOCAL
 ) -> Experience:
     """Fill ``kl``, ``advantages`` and ``returns`` (KL goes into the reward unless ``--use_kl_loss``).
 
-    The shaped reward is clipped to ``--reward_clip_range`` after the group baseline. ``whiten``: the
-    advantage whitening (over every process in data-parallel training)."""
+    The shaped reward is clipped to ``--reward_clip_range`` after the group baseline; estimators that
+    whiten (gae, reinforce, reinforce_baseline) do it with ``reduction.whiten``."""
     mask = exp.action_mask
     if exp.ref_logprobs is not None:
         exp.kl = compute_kl(exp.old_logprobs, exp.ref_logprobs, mask, cfg.kl_estimator)
@@ -136,6 +174,6 @@ def add_advantages(
     exp.advantages, exp.returns, _ = estimate_advantages(
         cfg.advantage_estimator, exp.rewards, mask, n_samples, kl=kl_in_reward, kl_coef=kl_coef,
         values=exp.values, gamma=cfg.gamma, lambd=cfg.lambd, reward_clip_range=tuple(cfg.reward_clip_range),
-        whiten=whiten,
+        whiten=reduction.whiten,
     )  # fmt: skip
     return exp

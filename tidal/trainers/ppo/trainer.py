@@ -1,8 +1,11 @@
-"""The RL loop: generate → score → make experience → advantages → update → sync weights → log/save.
+"""The RL loop: generate → make experience → advantages → update → sync weights → log/save.
 
 One trainer serves every estimator (PPO with GAE, REINFORCE++, REINFORCE++-baseline, RLOO, GRPO,
-Dr.GRPO): the differences are data in ``tidal.algorithms`` registries. ``fit`` reads top to
-bottom; each phase is a short method below it.
+Dr.GRPO): the differences are data in ``tidal.algorithms`` registries. ``fit`` runs the episodes;
+``train_step`` is one RL step read top to bottom, each phase a short method below it. Where the
+roles run (this device, processes or Ray actors of their own, data-parallel ranks) is not the
+loop's business: it sees the protocols of ``tidal.placement.protocols`` and, for batch-wide
+statistics, a ``BatchReduction`` over its world.
 """
 
 from __future__ import annotations
@@ -30,12 +33,19 @@ from tidal.data import step_batches
 from tidal.distributed.collectives import mean_over_world, world_masked_mean
 from tidal.distributed.offload import offload_to_cpu, reload_to_device
 from tidal.distributed.world import World, all_reduce_sum
-from tidal.experience.maker import forward_logprobs, forward_values, shape_rewards
+from tidal.experience.experience import Experience
+from tidal.experience.maker import (
+    BatchReduction,
+    add_advantages,
+    forward_logprobs,
+    forward_values,
+    shape_rewards,
+)
 from tidal.logging import MetricsLogger, ProgressBar, get_logger
+from tidal.placement.protocols import ReferenceRole, RolloutRole
+from tidal.placement.stream import RolloutJob, RolloutResult, rollout_stream
 from tidal.trainers.loop import Optimization
 from tidal.trainers.ppo.config import PPORun
-from tidal.trainers.ppo.data_parallel import add_world_advantages, world_moments
-from tidal.trainers.ppo.stream import RolloutJob, rollout_stream
 from tidal.trainers.ppo.update import PolicyLoss, StepShape, ValueLoss, train_on_experience
 
 log = get_logger(__name__)
@@ -46,13 +56,20 @@ SETTINGS = ("model", "data", "rollout", "rl", "models", "train", "optim")
 
 @dataclass
 class PPOParts:
-    """What the loop drives: trained roles, frozen roles and the rollout."""
+    """What the loop drives: the trained roles on this device, the frozen reference and the rollout
+    wherever ``tidal.placement`` put them."""
 
     actor: Optimization
     critic: Optimization | None
-    reference: object | None  # LocalReference or RemoteReference (tidal.trainers.ppo.frozen_roles)
-    rollout: object  # LocalRollout or a distributed rollout with generate / sync_weights / sleep
+    reference: ReferenceRole | None
+    rollout: RolloutRole
     tokenizer: object
+
+    def close(self) -> None:
+        """Stop what runs outside this process (engines, reference and reward workers)."""
+        self.rollout.close()
+        if self.reference is not None:
+            self.reference.close()
 
 
 class PhaseTimer:
@@ -69,7 +86,7 @@ class PhaseTimer:
 
 
 class PPOTrainer:
-    """See the module docstring; ``fit`` is the whole algorithm."""
+    """See the module docstring; ``train_step`` is the whole algorithm."""
 
     def __init__(
         self, run: PPORun, parts: PPOParts, prompts: Sequence, eval_prompts: Sequence | None, world: World
@@ -80,6 +97,7 @@ class PPOTrainer:
         self.moments = (
             RunningMoments() if run.rl.normalize_reward and not run.models.reward_pretrain else None
         )
+        self.reduction = BatchReduction.over(world)  # whitening and reward moments over every rank
         self.n = run.rollout.n_samples_per_prompt
         models = {name: model_fingerprint(part.model) for name, part in self._trained_parts().items()}
         identity = RunIdentity("ppo", models, flat_settings(asdict(run), SETTINGS))
@@ -93,19 +111,10 @@ class PPOTrainer:
         with logger, bar, StopSignals() as stop:
             step_start = time.perf_counter()
             for episode in range(loop.epoch, run.models.num_episodes):
-                for result in rollout_stream(self.parts.rollout, self._jobs(episode, loop), self._ahead):
-                    timer = PhaseTimer()
-                    with timer("make_experience"):
-                        self._trainer_awake(True)
-                        exp, stats = self.make_experience(result.exp)
-                    with timer("train"):
-                        stats |= self.update(exp, loop.global_step) if exp is not None else {"skipped": 1.0}
-                    with timer("sync_weights"):
-                        self.sync_weights(loop.global_step)
-                        self._trainer_awake(False)
-                    loop = LoopState(loop.global_step + 1, episode, result.job.index + 1)
-                    stats |= mean_over_world(result.reward_logs, world) | timer.seconds
-                    stats["time/generate"] = result.seconds
+                # generate: each rollout when the loop asks for it, or (--async_train) ahead on a thread
+                for generated in rollout_stream(self.parts.rollout, self._jobs(episode, loop), self._ahead):
+                    stats = self.train_step(generated, loop.global_step)
+                    loop = LoopState(loop.global_step + 1, episode, generated.job.index + 1)
                     # wall time of the step: with --async_train generation overlaps the previous update
                     stats["time/step"], step_start = time.perf_counter() - step_start, time.perf_counter()
                     history.append({"step": loop.global_step, "kl_coef": self.kl_ctl.value, **stats})
@@ -116,6 +125,24 @@ class PPOTrainer:
                 loop = LoopState(loop.global_step, episode + 1, 0)
         self.save_final()
         return history
+
+    def train_step(self, generated: RolloutResult, step: int) -> dict[str, float]:
+        """One RL step on a generated rollout (sampled, run by agents and scored by the rollout role)."""
+        timer = PhaseTimer()
+        with timer("make_experience"):
+            self._trainer_awake(True)
+            exp, stats = self.make_experience(generated.exp)
+        with timer("advantages"):
+            if exp is not None:  # None: dynamic filtering kept no group on any rank
+                exp, stats = self.advantages(exp, stats)
+        with timer("train"):
+            stats |= self.update(exp, step) if exp is not None else {"skipped": 1.0}
+        with timer("sync_weights"):
+            self.sync_weights(step)
+            self._trainer_awake(False)
+        stats |= mean_over_world(generated.reward_logs, self.world) | timer.seconds
+        stats["time/generate"] = generated.seconds
+        return stats
 
     def _jobs(self, episode: int, loop: LoopState) -> list[RolloutJob]:
         """This episode's remaining rollouts (deterministic prompts and seeds, also after a resume)."""
@@ -138,8 +165,8 @@ class PPOTrainer:
         return self.run.placement.async_queue_size if self.run.placement.async_train else None
 
     # ---- phases ------------------------------------------------------------------------------
-    def make_experience(self, exp):
-        """Filter, shape rewards, add old/reference log-probs, values, KL and advantages."""
+    def make_experience(self, exp: Experience) -> tuple[Experience | None, dict[str, float]]:
+        """Filter groups, shape rewards, add old and reference log-probs and values (no grad)."""
         run, actor = self.run, self.parts.actor
         exp = exp.to(self.world.device)
         stats = rollout_stats(exp)
@@ -147,8 +174,7 @@ class PPOTrainer:
             exp = self._dynamic_filter(exp, stats)
             if exp is None:
                 return None, stats
-        moments = world_moments(self.moments, self.world)  # normalise with every rank's rewards
-        exp.rewards = shape_rewards(exp, run.rl, run.rollout.generate_max_len, moments)
+        exp.rewards = shape_rewards(exp, run.rl, run.rollout.generate_max_len, self.moments, self.reduction)
         micro, packing, max_tokens = self._scoring_shape()
         temperature = run.rollout.temperature
         exp.old_logprobs = forward_logprobs(
@@ -159,7 +185,12 @@ class PPOTrainer:
         if self.parts.critic is not None:
             critic = self.parts.critic
             exp.values = forward_values(critic.model, exp, micro, packing, critic.precision, max_tokens)
-        exp = add_world_advantages(exp, run.rl, self.n, self.kl_ctl.value, self.world)
+        return exp, stats
+
+    def advantages(self, exp: Experience, stats: dict[str, float]) -> tuple[Experience, dict[str, float]]:
+        """KL, baseline, reward clipping, returns and whitening (``tidal.experience.maker``); the
+        rollout's and the experience's statistics, averaged over the ranks."""
+        exp = add_advantages(exp, self.run.rl, self.n, self.kl_ctl.value, self.reduction)
         # Ranks hold equal shares, so the mean of their means is the batch mean.
         return exp, mean_over_world(stats | experience_stats(exp), self.world)
 
@@ -176,7 +207,7 @@ class PPOTrainer:
             return exp
         return exp.select(keep.nonzero().squeeze(-1).cpu())
 
-    def update(self, exp, step: int) -> dict[str, float]:
+    def update(self, exp: Experience, step: int) -> dict[str, float]:
         """PPO epochs for the critic, then the policy (unless still frozen); adapts the KL coefficient."""
         run, stats = self.run, {}
         generator = torch.Generator().manual_seed(run.train.seed * 7919 + step)
@@ -317,7 +348,7 @@ class PPOTrainer:
             (reload_to_device if awake else offload_to_cpu)(part)
 
 
-def rollout_stats(exp) -> dict[str, float]:
+def rollout_stats(exp: Experience) -> dict[str, float]:
     lengths = exp.action_mask.sum(-1).float()
     return {
         "reward": float(exp.rewards.mean()),
@@ -327,7 +358,7 @@ def rollout_stats(exp) -> dict[str, float]:
     }
 
 
-def experience_stats(exp) -> dict[str, float]:
+def experience_stats(exp: Experience) -> dict[str, float]:
     mask = exp.action_mask
     stats = {
         "advantages/mean": float(masked_mean(exp.advantages, mask)),

@@ -1,4 +1,5 @@
-"""A stream of rollouts for the RL loop, generated in order, optionally ahead of training.
+"""A stream of rollouts for the RL loop, generated in order, optionally ahead of training (placement in
+time: on this thread, or on a background thread while the trainer trains).
 
 Synchronous (default): each rollout is generated when the loop asks for it, with the latest
 weights. ``--async_train``: a background thread generates up to ``--async_queue_size`` rollouts
@@ -16,13 +17,17 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from tidal.data.prompts import PromptSample
+from tidal.experience.experience import Experience
+from tidal.placement.protocols import RolloutRole
+
 
 @dataclass(frozen=True)
 class RolloutJob:
     """One rollout to generate: its index in the episode, prompts, sample count, temperature, seed."""
 
     index: int
-    prompts: Sequence
+    prompts: Sequence[PromptSample]
     n: int
     temperature: float
     seed: int
@@ -30,19 +35,23 @@ class RolloutJob:
 
 @dataclass
 class RolloutResult:
+    """A generated rollout: its job, ``Experience`` with rewards, the reward logs, generation seconds."""
+
     job: RolloutJob
-    exp: object
+    exp: Experience
     reward_logs: dict
     seconds: float
 
 
-def _generate(rollout, job: RolloutJob) -> RolloutResult:
+def _generate(rollout: RolloutRole, job: RolloutJob) -> RolloutResult:
     start = time.perf_counter()
     _, exp, logs = rollout.generate(job.prompts, job.n, job.temperature, seed=job.seed)
     return RolloutResult(job, exp, logs, time.perf_counter() - start)
 
 
-def rollout_stream(rollout, jobs: Sequence[RolloutJob], ahead: int | None) -> Iterator[RolloutResult]:
+def rollout_stream(
+    rollout: RolloutRole, jobs: Sequence[RolloutJob], ahead: int | None
+) -> Iterator[RolloutResult]:
     """Results of ``jobs`` in order; ``ahead`` (async) lets a thread run up to that many rollouts early."""
     if not ahead:
         for job in jobs:

@@ -3,7 +3,7 @@
 ``--vllm_num_engines E`` without ``--colocate_all_models`` gives every policy worker ``E / T`` engines
 (T: the number of policy workers) on separate devices. An ``EngineWorker`` holds one engine and the
 agent executor, and returns trajectories; scoring stays with the trainer. The trainer drives it
-through a ``tidal.trainers.ppo.workers`` handle: a child process it starts itself (local mode and
+through a ``tidal.placement.workers`` handle: a child process it starts itself (local mode and
 torchrun; on CUDA the GPUs after the trainers', see ``ExtraDevices``) or a Ray actor the driver
 placed (Ray mode).
 
@@ -21,24 +21,15 @@ import torch
 import torch.distributed as dist
 
 from tidal.config import ModelConfig
-from tidal.config.rl import RLModelsConfig, RolloutConfig
+from tidal.config.rl import RLModelsConfig
 from tidal.distributed.weight_sync import SyncPlan, open_sync_group, receive_weights
+from tidal.models import load_tokenizer
+from tidal.placement.protocols import PlacedRun
+from tidal.placement.rollout import build_executor, engine_config
+from tidal.placement.workers import ExtraDevices, ProcessWorker, start_process_workers
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
-from tidal.trainers.ppo.workers import ExtraDevices, ProcessWorker, start_process_workers
 
 STARTUP_TIMEOUT_S = 600
-
-
-def engine_config(cfg: RolloutConfig, device: torch.device | str, seed: int) -> EngineConfig:
-    """The engine's settings from the seed's ``--vllm_*`` flags (shared by local and separate engines)."""
-    return EngineConfig(
-        max_num_seqs=cfg.vllm_generate_batch_size or 256,
-        max_model_len=cfg.total_len,
-        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-        device=str(device),
-        seed=seed,
-        enforce_eager=cfg.enforce_eager,
-    )
 
 
 @dataclass
@@ -56,8 +47,8 @@ class EngineSpec:
         return dataclasses.replace(self, engine=dataclasses.replace(self.engine, device=device))
 
 
-def engine_spec(run) -> EngineSpec:
-    """A ``PPORun``'s engines: the policy checkpoint, ``--vllm_*`` settings, agent and chat template."""
+def engine_spec(run: PlacedRun) -> EngineSpec:
+    """A run's engines: the policy checkpoint, ``--vllm_*`` settings, agent and chat template."""
     return EngineSpec(run.model.pretrain, run.model, engine_config(run.rollout, "auto", run.train.seed),
                       run.models, run.data.apply_chat_template, torch.get_num_threads())  # fmt: skip
 
@@ -66,9 +57,6 @@ class EngineWorker:
     """One rollout engine and its agent executor, in the process (or Ray actor) that owns the device."""
 
     def __init__(self, spec: EngineSpec):
-        from tidal.models import load_tokenizer
-        from tidal.trainers.ppo.rollout import build_executor
-
         torch.set_num_threads(spec.num_threads)
         device = spec.engine.torch_device()
         if device.type == "cuda":

@@ -3,7 +3,7 @@
 ``worker_counts`` says how many workers of each role (engine, reference, reward model) every trainer
 drives on devices of their own (``tidal.config.placement``: 0 when the role sits with the policy
 worker). ``role_spec`` is what builds one (a spec with ``on_device``); ``start_workers`` starts this trainer's share as child
-processes (``tidal.trainers.ppo.workers``), or wraps the Ray actors the driver placed for it.
+processes (``tidal.placement.workers``), or wraps the Ray actors the driver placed for it.
 """
 
 from __future__ import annotations
@@ -12,15 +12,16 @@ import torch
 
 from tidal.config import ConfigError
 from tidal.config.placement import separate_engines, separate_reference, separate_reward
-from tidal.trainers.ppo.engines import EngineWorker, engine_spec
-from tidal.trainers.ppo.frozen_roles import FrozenSpec, ReferenceWorker, RewardWorker, frozen_copy_config
-from tidal.trainers.ppo.workers import ROLES, ExtraDevices, RayWorker, start_process_workers
+from tidal.placement.engines import EngineWorker, engine_spec
+from tidal.placement.frozen_roles import FrozenSpec, ReferenceWorker, RewardWorker, frozen_copy_config
+from tidal.placement.protocols import PlacedRun
+from tidal.placement.workers import ROLES, ExtraDevices, RayWorker, start_process_workers
 
 FLAGS = {"engine": "--vllm_num_engines", "reference": "--ref_num_nodes x --ref_num_gpus_per_node",
          "reward model": "--reward_num_nodes x --reward_num_gpus_per_node"}  # fmt: skip
 
 
-def role_totals(run) -> dict[str, int]:
+def role_totals(run: PlacedRun) -> dict[str, int]:
     """Separate workers of each role in the whole run (0: the role sits with the policy workers)."""
     p, r = run.placement, run.rollout
     return {
@@ -30,7 +31,7 @@ def role_totals(run) -> dict[str, int]:
     }
 
 
-def worker_counts(run, world_size: int) -> dict[str, int]:
+def worker_counts(run: PlacedRun, world_size: int) -> dict[str, int]:
     """Separate workers of each role per trainer; every trainer drives the same number."""
     counts = {}
     for role, total in role_totals(run).items():
@@ -43,7 +44,7 @@ def worker_counts(run, world_size: int) -> dict[str, int]:
     return counts
 
 
-def role_spec(run, role: str):
+def role_spec(run: PlacedRun, role: str):
     """``(factory, spec)`` building one worker of ``role`` (device "auto" until placed)."""
     if role == "engine":
         return EngineWorker, engine_spec(run)
@@ -58,7 +59,7 @@ def role_spec(run, role: str):
     return RewardWorker, spec
 
 
-def start_workers(run, world_size: int, ray_actors: dict | None = None) -> dict[str, list]:
+def start_workers(run: PlacedRun, world_size: int, ray_actors: dict | None = None) -> dict[str, list]:
     """This trainer's separate workers per role (handles with ``submit`` / ``result`` / ``close``)."""
     counts = worker_counts(run, world_size)
     if ray_actors is not None:

@@ -1,10 +1,10 @@
-"""Rollout: the engine generates, agents act, rewards score, weights sync back.
+"""The rollout role: the engine generates, agents act, rewards score, weights sync back.
 
 A ``Rollout`` turns a batch of prompts into an ``Experience`` with scalar rewards: an engine and
 the agent executor make trajectories, and rewards score them here, with the trainer. ``LocalRollout``
 owns tidal's ``LLMEngine`` on the trainer's device; ``RemoteRollout`` (``remote_rollout.py``) drives
-engines on devices of their own. Distributed modes wrap either with the same ``generate`` and
-``sync_weights``.
+engines on devices of their own; ``DataParallelRollout`` (``data_parallel.py``) gives a data-parallel
+rank its share of either. All three are a ``tidal.placement.protocols.RolloutRole``.
 """
 
 from __future__ import annotations
@@ -16,13 +16,27 @@ import torch
 from torch import nn
 
 from tidal.agents import AgentExecutorBase, SingleTurnAgentExecutor, Trajectory, load_agent_executor
+from tidal.config.args import ConfigError
 from tidal.config.rl import RLModelsConfig, RolloutConfig
 from tidal.data.prompts import PromptSample
 from tidal.distributed.weight_sync import engine_weights
 from tidal.experience.experience import Experience
 from tidal.experience.maker import from_trajectories
+from tidal.placement.protocols import RewardRole
 from tidal.rewards import RewardResult, load_reward_source
-from tidal.rollout import LLMEngine, SamplingParams
+from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
+
+
+def engine_config(cfg: RolloutConfig, device: torch.device | str, seed: int) -> EngineConfig:
+    """The engine's settings from the seed's ``--vllm_*`` flags (shared by local and separate engines)."""
+    return EngineConfig(
+        max_num_seqs=cfg.vllm_generate_batch_size or 256,
+        max_model_len=cfg.total_len,
+        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        device=str(device),
+        seed=seed,
+        enforce_eager=cfg.enforce_eager,
+    )
 
 
 def build_executor(models: RLModelsConfig, apply_chat_template: bool) -> AgentExecutorBase:
@@ -36,8 +50,6 @@ def build_executor(models: RLModelsConfig, apply_chat_template: bool) -> AgentEx
 
 def check_sync_flags(cfg: RolloutConfig, device: torch.device) -> None:
     """Weights travel over torch process groups (NCCL on CUDA, gloo on the CPU), never through Ray."""
-    from tidal.config.args import ConfigError
-
     if cfg.vllm_sync_with_ray:
         raise ConfigError(
             "--vllm_sync_with_ray: weights travel over torch process groups (the training group, or a "
@@ -52,7 +64,12 @@ class Rollout:
     (``trajectories``) and how weights reach their engines (``sync_weights``)."""
 
     def __init__(
-        self, tokenizer, cfg: RolloutConfig, models: RLModelsConfig, pad_id: int, reward_models=None
+        self,
+        tokenizer,
+        cfg: RolloutConfig,
+        models: RLModelsConfig,
+        pad_id: int,
+        reward_models: RewardRole | None = None,
     ):
         self.lock = threading.Lock()  # generation (maybe on a background thread) and weight sync take turns
         self.cfg, self.tokenizer, self.pad_id = cfg, tokenizer, pad_id
@@ -65,8 +82,6 @@ class Rollout:
         )
         self.reward_models = reward_models
         if not (models.agent_func_path or self.reward_source or reward_models):
-            from tidal.config.args import ConfigError
-
             raise ConfigError(
                 "RL needs rewards: pass --remote_rm_url, --reward_pretrain or --agent_func_path"
             )
@@ -78,7 +93,7 @@ class Rollout:
 
     def generate(
         self, prompts: Sequence[PromptSample], n: int, temperature: float, seed: int, first_index: int = 0
-    ):
+    ) -> tuple[list[Trajectory], Experience, dict[str, float]]:
         """Trajectories (prompt-major) and their Experience with rewards, scores and reward logs.
 
         ``first_index``: where ``prompts`` start in the whole rollout (a data-parallel share); sample
@@ -124,10 +139,8 @@ class LocalRollout(Rollout):
         pad_id: int,
         apply_chat_template: bool,
         seed: int,
-        reward_models=None,
+        reward_models: RewardRole | None = None,
     ):
-        from tidal.trainers.ppo.engines import engine_config
-
         check_sync_flags(cfg, device)
         super().__init__(tokenizer, cfg, models, pad_id, reward_models)
         self.engine = LLMEngine(model_path, engine_config(cfg, device, seed))

@@ -19,9 +19,10 @@ from tidal.config.rl import RLModelsConfig, RolloutConfig
 from tidal.data.prompts import PromptSample
 from tidal.distributed.weight_sync import engine_weights, open_sync_group, plan_buckets, send_weights
 from tidal.logging import get_logger
+from tidal.placement.protocols import RewardRole
+from tidal.placement.rollout import Rollout, check_sync_flags
+from tidal.placement.workers import scatter
 from tidal.rollout import SamplingParams
-from tidal.trainers.ppo.rollout import Rollout, check_sync_flags
-from tidal.trainers.ppo.workers import scatter
 
 log = get_logger(__name__)
 
@@ -29,10 +30,10 @@ BUCKET_BYTES = 256 << 20  # big enough to amortise a collective, small enough to
 
 
 class RemoteRollout(Rollout):
-    """Drives ``engines`` (``tidal.trainers.ppo.workers`` handles); see the module docstring."""
+    """Drives ``engines`` (``tidal.placement.workers`` handles); see the module docstring."""
 
     def __init__(self, engines: list, tokenizer, cfg: RolloutConfig, models: RLModelsConfig,
-                 device: torch.device, pad_id: int, reward_models=None):  # fmt: skip
+                 device: torch.device, pad_id: int, reward_models: RewardRole | None = None):  # fmt: skip
         check_sync_flags(cfg, device)
         super().__init__(tokenizer, cfg, models, pad_id, reward_models)
         self.engines, self.device = engines, device
@@ -77,6 +78,10 @@ class RemoteRollout(Rollout):
                 e.submit("receive_weights", plan)
             send_weights(self.group, named, plan, self.device)
             return min(e.result() for e in self.engines)
+
+    def sleep(self) -> None:
+        """Nothing to free: engines on devices of their own keep their memory (``PPORun`` refuses
+        ``--vllm_enable_sleep`` with them)."""
 
     def engine_parameters(self) -> list[dict[str, torch.Tensor]]:
         """Each engine's parameters on the CPU (to check a sync)."""

@@ -2,13 +2,12 @@
 
 When ``--ref_num_*`` / ``--reward_num_*`` give them devices of their own (``tidal.config.placement``),
 each trainer drives its share of the workers: it splits its samples over them (contiguous rows) and
-collects log-probs or rewards. Both sides keep the interfaces the RL loop already uses:
+collects log-probs or rewards. Both sides are the roles of ``tidal.placement.protocols``:
 
-- a reference answers ``logprobs(exp, micro, packing, temperature, max_tokens)``:
-  ``LocalReference`` (the model on this device, optionally offloaded between uses) or
-  ``RemoteReference`` (``ReferenceWorker`` processes / Ray actors);
-- reward models answer ``rewards(exp) -> RewardResult``: ``tidal.rewards.models.RewardModels``
-  here, or ``RemoteRewardModels`` (``RewardWorker``).
+- ``ReferenceRole``: ``LocalReference`` (the model on this device, optionally offloaded between
+  uses) or ``RemoteReference`` (``ReferenceWorker`` processes / Ray actors);
+- ``RewardRole``: ``tidal.rewards.models.RewardModels`` here, or ``RemoteRewardModels``
+  (``RewardWorker``).
 """
 
 from __future__ import annotations
@@ -23,9 +22,12 @@ from torch import Tensor, nn
 from tidal.config import ModelConfig
 from tidal.experience.experience import Experience
 from tidal.experience.maker import forward_logprobs
+from tidal.models import load_causal_lm
 from tidal.models.precision import Precision
+from tidal.models.value_model import load_value_model
+from tidal.placement.workers import scatter
 from tidal.rewards.base import RewardResult
-from tidal.trainers.ppo.workers import scatter
+from tidal.rewards.models import RewardModels
 
 
 def frozen_copy_config(cfg: ModelConfig, path: str) -> ModelConfig:
@@ -68,8 +70,6 @@ class ReferenceWorker:
     """The reference policy on its own device: per-token log-probs of the experiences it is sent."""
 
     def __init__(self, spec: FrozenSpec):
-        from tidal.models import load_causal_lm
-
         self.device = _setup(spec)
         self.model = load_causal_lm(spec.models[0], self.device).eval().requires_grad_(False)
         self.precision = Precision.create(spec.param_dtype, self.device)
@@ -84,9 +84,6 @@ class RewardWorker:
     """Reward models on their own device: the summed score of the experiences it is sent."""
 
     def __init__(self, spec: FrozenSpec):
-        from tidal.models.value_model import load_value_model
-        from tidal.rewards.models import RewardModels
-
         device = _setup(spec)
         models = [
             load_value_model(

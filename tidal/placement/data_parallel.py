@@ -1,29 +1,29 @@
 """Data-parallel RL: each process generates, scores and trains on its share of every rollout.
 
-Rank r of W takes a contiguous slice of a rollout's prompts and runs its own ``LocalRollout``
-engine on them. Per-sample seeds follow the *global* prompt index (``first_index``), so the samples
-are those a single process would draw. A prompt's n samples stay on one rank, so group baselines
-(GRPO, RLOO, REINFORCE++-baseline) need no communication; the batch-wide steps do, and this module
-provides their world-aware versions: advantage whitening, running reward normalisation and the
-adaptive-KL mean. The policy (and critic) are FSDP2-sharded across the ranks; weight sync gathers
-full parameters (``DTensor.full_tensor``) into every rank's engine.
+Rank r of W takes a contiguous slice of a rollout's prompts and runs its own rollout (an engine on
+its device, or its separate engines) on them. Per-sample seeds follow the *global* prompt index
+(``first_index``), so the samples are those a single process would draw. A prompt's n samples stay
+on one rank, so group baselines (GRPO, RLOO, REINFORCE++-baseline) need no communication; the
+batch-wide steps do, and the experience path takes them as a ``BatchReduction`` over the world
+(``tidal.experience.maker``). The policy (and critic) are FSDP2-sharded across the ranks; weight
+sync gathers full parameters (``DTensor.full_tensor``) into every rank's engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 
-from tidal.algorithms import masked_whiten
-from tidal.algorithms.rewards import RunningMoments
+from torch import nn
+
+from tidal.agents import Trajectory
 from tidal.config.args import ConfigError
 from tidal.config.placement import separate_engines
-from tidal.config.rl import RLConfig
 from tidal.data.batching import contiguous_splits
-from tidal.distributed.collectives import gather_values, world_masked_whiten
+from tidal.data.prompts import PromptSample
 from tidal.distributed.world import World
 from tidal.experience.experience import Experience
-from tidal.experience.maker import add_advantages
+from tidal.placement.protocols import PlacedRun
+from tidal.placement.rollout import Rollout
 
 
 def shard_bounds(count: int, world: World) -> tuple[int, int]:
@@ -32,21 +32,19 @@ def shard_bounds(count: int, world: World) -> tuple[int, int]:
 
 
 class DataParallelRollout:
-    """This rank's share of every rollout, on its own ``LocalRollout`` (same interface)."""
+    """This rank's share of every rollout, on its own ``LocalRollout`` or ``RemoteRollout``."""
 
-    def __init__(self, local, world: World):
+    def __init__(self, local: Rollout, world: World):
         self.local, self.world = local, world
         self.lock = local.lock
 
-    @property
-    def engine(self):
-        return self.local.engine
-
-    def generate(self, prompts: Sequence, n: int, temperature: float, seed: int):
+    def generate(
+        self, prompts: Sequence[PromptSample], n: int, temperature: float, seed: int
+    ) -> tuple[list[Trajectory], Experience, dict[str, float]]:
         start, stop = shard_bounds(len(prompts), self.world)
         return self.local.generate(prompts[start:stop], n, temperature, seed, first_index=start)
 
-    def sync_weights(self, policy) -> int:
+    def sync_weights(self, policy: nn.Module) -> int:
         return self.local.sync_weights(policy)  # every rank gathers the full weights (a collective)
 
     def sleep(self) -> None:
@@ -56,31 +54,7 @@ class DataParallelRollout:
         self.local.close()
 
 
-class WorldMoments:
-    """A ``RunningMoments`` view that folds in every rank's rewards, so all ranks normalise alike."""
-
-    def __init__(self, moments: RunningMoments, world: World):
-        self.moments, self.world = moments, world
-
-    def update(self, batch) -> None:
-        self.moments.update(gather_values(batch, self.world))
-
-    def normalize(self, x):
-        return self.moments.normalize(x)
-
-
-def world_moments(moments: RunningMoments | None, world: World):
-    return WorldMoments(moments, world) if moments is not None and world.distributed else moments
-
-
-def add_world_advantages(exp: Experience, cfg: RLConfig, n: int, kl_coef: float, world: World) -> Experience:
-    """``add_advantages`` (the one path: baseline, clip, KL, returns) with the whitening of gae,
-    reinforce and reinforce_baseline over every rank."""
-    whiten = partial(world_masked_whiten, world=world) if world.distributed else masked_whiten
-    return add_advantages(exp, cfg, n, kl_coef, whiten=whiten)
-
-
-def check_data_parallel(run, world: World, num_eval_prompts: int | None) -> None:
+def check_data_parallel(run: PlacedRun, world: World, num_eval_prompts: int | None) -> None:
     """Fail clearly on what the data-parallel loop cannot do with ``world.world_size`` processes."""
     w, r = world.world_size, run.rollout
     # separate workers (engines, reference, reward) are checked against w by roles.worker_counts

@@ -1,0 +1,122 @@
+"""Build the roles an RL rank does not train: its rollout and reference, here or on separate workers.
+
+``build_roles`` is the one place that turns a run's placement (``tidal.config.placement``) into
+objects: for each role, the local implementation on this process's device, or the remote one
+driving this rank's separate workers (child processes it starts, or the Ray actors the driver
+placed for it); with several data-parallel ranks the rollout is this rank's share. Reward models
+ride with the rollout, which scores what it generates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tidal.distributed.world import World
+from tidal.logging import get_logger
+from tidal.models import load_causal_lm
+from tidal.models.precision import Precision
+from tidal.models.value_model import load_value_model
+from tidal.placement.data_parallel import DataParallelRollout
+from tidal.placement.frozen_roles import (
+    LocalReference,
+    RemoteReference,
+    RemoteRewardModels,
+    frozen_copy_config,
+)
+from tidal.placement.protocols import PlacedRun, ReferenceRole, RewardRole, RolloutRole
+from tidal.placement.remote_rollout import RemoteRollout
+from tidal.placement.roles import start_workers, worker_counts
+from tidal.placement.rollout import LocalRollout
+from tidal.rewards.models import RewardModels
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Roles:
+    """This rank's frozen and generating roles (``reference`` is None when the run needs none)."""
+
+    reference: ReferenceRole | None
+    rollout: RolloutRole
+
+    def close(self) -> None:
+        self.rollout.close()
+        if self.reference is not None:
+            self.reference.close()
+
+
+def build_roles(
+    run: PlacedRun, world: World, tokenizer, precision: Precision, ray_actors: dict | None = None
+) -> Roles:
+    """The reference and rollout of this rank (see the module docstring); ``precision``: the policy's,
+    which a reference on this device shares. ``ray_actors``: in Ray mode, this rank's separate workers
+    per role."""
+    workers = start_workers(run, world.world_size, ray_actors)
+    try:
+        reference = build_reference(run, world.device, precision, workers["reference"])
+        return Roles(reference, build_rollout(run, world, tokenizer, workers))
+    except BaseException:
+        for handles in workers.values():
+            for w in handles:
+                w.close()
+        raise
+
+
+def build_reference(
+    run: PlacedRun, device: torch.device, precision: Precision, workers: list
+) -> ReferenceRole | None:
+    if not run.rl.needs_reference:
+        return None
+    if workers:
+        return RemoteReference(workers)
+    model = load_causal_lm(frozen_copy_config(run.model, run.model.pretrain), device).eval()
+    return LocalReference(model.requires_grad_(False), precision, device, run.models.ref_reward_offload)
+
+
+def build_rollout(run: PlacedRun, world: World, tokenizer, workers: dict[str, list]) -> RolloutRole:
+    """The engine on this device (``LocalRollout``) or this rank's separate engines (``RemoteRollout``)."""
+    device, pad_id = world.device, tokenizer.pad_token_id
+    reward_models = RemoteRewardModels(workers["reward model"]) if workers["reward model"] else None
+    reward_models = reward_models or build_reward_models(run, device)
+    if workers["engine"]:
+        rollout = RemoteRollout(
+            workers["engine"], tokenizer, run.rollout, run.models, device, pad_id, reward_models
+        )
+    else:
+        rollout = LocalRollout(run.model.pretrain, tokenizer, run.rollout, run.models, device, pad_id,
+                               run.data.apply_chat_template, run.train.seed, reward_models=reward_models)  # fmt: skip
+    return DataParallelRollout(rollout, world) if world.distributed else rollout
+
+
+def build_reward_models(run: PlacedRun, device: torch.device) -> RewardRole | None:
+    if not run.models.reward_pretrain:
+        return None
+    models: list[nn.Module] = [
+        load_value_model(
+            frozen_copy_config(run.model, path),
+            device,
+            run.models.value_head_prefix,
+            normalize_reward=run.rl.normalize_reward,
+            trained_head=True,
+        )  # fmt: skip
+        for path in run.models.reward_pretrain.split(",")
+    ]
+    precision = Precision.create(run.model.param_dtype, device)
+    return RewardModels(
+        models, precision, run.rollout.micro_rollout_batch_size, run.models.ref_reward_offload
+    )
+
+
+def log_placement(run: PlacedRun, world: World) -> None:
+    """Say once how the roles are placed: local mode (all counts 1) or data-parallel processes."""
+    counts = worker_counts(run, world.world_size)
+    separate = ", ".join(f"{n} {role} worker(s)" for role, n in counts.items() if n)
+    where = f"; on devices of their own: {separate}" if separate else ""
+    if world.distributed:
+        log.info("data parallel: process %d of %d on %s with a policy shard and the colocated roles%s",
+                 world.rank, world.world_size, world.device, where)  # fmt: skip
+    else:
+        log.info("local mode: the policy and the colocated roles on %s%s", world.device, where)

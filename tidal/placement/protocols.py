@@ -1,0 +1,87 @@
+"""What the RL loop asks of the roles it does not train, wherever they run.
+
+The loop (``tidal.trainers.ppo.trainer``) trains the policy (and critic) on its own device; three
+other roles may sit with it or on devices of their own, and the loop sees only these protocols:
+
+- ``RolloutRole``: prompts in, trajectories and an ``Experience`` with rewards out; takes the
+  policy's weights after each update. ``LocalRollout`` (an engine on this device), ``RemoteRollout``
+  (engine processes / Ray actors), ``DataParallelRollout`` (this rank's share of either).
+- ``ReferenceRole``: per-token log-probs of the reference policy. ``LocalReference`` /
+  ``RemoteReference`` (``tidal.placement.frozen_roles``).
+- ``RewardRole``: reward-model scores of an ``Experience``. ``tidal.rewards.models.RewardModels`` /
+  ``RemoteRewardModels``.
+
+``PlacedRun`` is the part of an RL run's configuration placement reads (``PPORun`` has it), so this
+package never imports the trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from torch import Tensor, nn
+
+from tidal.agents import Trajectory
+from tidal.config import ModelConfig, PromptDataConfig, TrainConfig
+from tidal.config.placement import PlacementConfig
+from tidal.config.rl import RLConfig, RLModelsConfig, RolloutConfig
+from tidal.data.prompts import PromptSample
+from tidal.experience.experience import Experience
+from tidal.rewards.base import RewardResult
+
+
+class RolloutRole(Protocol):
+    """Generation, agents and scoring for the RL loop; see the module docstring."""
+
+    def generate(
+        self, prompts: Sequence[PromptSample], n: int, temperature: float, seed: int
+    ) -> tuple[list[Trajectory], Experience, dict[str, float]]:
+        """``n`` samples per prompt (prompt-major), their ``Experience`` with rewards and scores, and
+        the reward source's extra logs; sample seeds follow ``seed`` and the global prompt index."""
+        ...
+
+    def sync_weights(self, policy: nn.Module) -> int:
+        """Load the policy's current weights into the engine(s); the number of tensors loaded."""
+        ...
+
+    def sleep(self) -> None:
+        """Free the engine's device memory until the next ``generate`` (``--vllm_enable_sleep``)."""
+        ...
+
+    def close(self) -> None:
+        """Stop what runs outside this process (engine and reward workers)."""
+        ...
+
+
+class ReferenceRole(Protocol):
+    """The frozen reference policy, for the KL penalty or loss."""
+
+    def logprobs(
+        self, exp: Experience, micro: int, packing: bool, temperature: float, max_tokens: int | None
+    ) -> Tensor:
+        """Per-token log-probs ``[N, T]`` of ``exp.sequences`` (in micro-batches of ``micro`` rows, or
+        of at most ``max_tokens`` tokens), on ``exp``'s device."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class RewardRole(Protocol):
+    """One or more reward models scoring whole samples."""
+
+    def __call__(self, exp: Experience) -> RewardResult: ...
+
+    def close(self) -> None: ...
+
+
+class PlacedRun(Protocol):
+    """The configs placement reads from an RL run (``tidal.trainers.ppo.PPORun``)."""
+
+    model: ModelConfig
+    data: PromptDataConfig
+    rollout: RolloutConfig
+    rl: RLConfig
+    models: RLModelsConfig
+    train: TrainConfig
+    placement: PlacementConfig

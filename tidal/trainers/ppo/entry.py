@@ -1,0 +1,128 @@
+"""``run_ppo``: the entry point of an RL run — where its ranks run, then each rank's setup and loop.
+
+``run_ppo`` makes the one placement decision of the run: more than one policy worker and no launcher
+means Ray (``tidal.placement.ray_launch`` starts the ranks as actors and calls ``train_rank`` in
+each); otherwise this process is the whole run (local mode) or one of torchrun's ranks. Every rank
+then runs ``train``: check the models and prompts before anything loads, build the trained parts
+(policy, critic: FSDP2-sharded over the ranks) and ask ``tidal.placement`` for the other roles
+(rollout, reference) here or on devices of their own, and run ``PPOTrainer``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from transformers import AutoConfig
+
+from tidal.config import ConfigError
+from tidal.data import build_prompt_samples, load_dataset_spec
+from tidal.distributed import World, init_world
+from tidal.logging import get_logger
+from tidal.models import load_causal_lm, load_tokenizer
+from tidal.models.loading import check_model_folder, model_load_error
+from tidal.models.value_model import load_value_model
+from tidal.placement.build import build_roles, log_placement
+from tidal.placement.data_parallel import check_data_parallel
+from tidal.placement.ray_launch import run_on_ray, wants_ray
+from tidal.rollout.models.registry import FAMILIES, supported_model_types
+from tidal.trainers.common import build_optimization, seed_everything
+from tidal.trainers.loop import Optimization
+from tidal.trainers.ppo.config import PPORun
+from tidal.trainers.ppo.trainer import PPOParts, PPOTrainer
+
+log = get_logger(__name__)
+
+
+def run_ppo(run: PPORun, world: World | None = None) -> list[dict]:
+    """Train a policy with RL as configured; returns per-rollout metrics (rank 0's in Ray mode)."""
+    check_models_before_loading(run)
+    if world is None and wants_ray(run):
+        return run_on_ray(run, train_rank)
+    return train(run, world or init_world())
+
+
+def train_rank(run: PPORun, ray_actors: dict) -> list[dict]:
+    """One rank of a Ray run, in its actor (torchrun's environment set); ``ray_actors``: this rank's
+    separate workers per role, placed by the driver."""
+    check_models_before_loading(run)  # on this rank's node
+    return train(run, init_world(), ray_actors)
+
+
+def train(run: PPORun, world: World, ray_actors: dict | None = None) -> list[dict]:
+    """This rank's part of the run: prompts, parts, the loop."""
+    seed_everything(run.train)
+    tokenizer = load_tokenizer(run.model.pretrain, run.model)
+    d = run.data
+    prompts = load_prompts(run, tokenizer, d.prompt_data, d.prompt_data_probs, d.prompt_split, d.max_samples)
+    if len(prompts) < run.rollout.rollout_batch_size:
+        raise ConfigError(
+            f"--prompt_data {d.prompt_data}: {len(prompts)} prompts is fewer than one --rollout_batch_size "
+            f"({run.rollout.rollout_batch_size})"
+        )
+    evals = load_prompts(run, tokenizer, d.eval_dataset, None, d.eval_split, None) if d.eval_dataset else None
+    check_data_parallel(run, world, len(evals) if evals is not None else None)
+    log_placement(run, world)
+    parts = build_parts(run, world, tokenizer, total_update_steps(run, len(prompts)), ray_actors)
+    log.info("RL (%s): %d prompts, device %s", run.rl.advantage_estimator, len(prompts), world.device)
+    try:
+        return PPOTrainer(run, parts, prompts, evals, world).fit()
+    finally:
+        parts.close()
+
+
+def check_models_before_loading(run: PPORun) -> None:
+    """Fail in one line, before anything loads, on a model folder the run cannot use: one without
+    ``config.json``, or a policy architecture the rollout engine does not implement."""
+    folders = {"--pretrain": [run.model.pretrain], "--critic_pretrain": [run.models.critic_pretrain]}
+    folders["--reward_pretrain"] = (run.models.reward_pretrain or "").split(",")
+    for flag, paths in folders.items():
+        for path in filter(None, paths):
+            check_model_folder(path, flag)
+    try:
+        model_type = getattr(AutoConfig.from_pretrained(run.model.pretrain), "model_type", None)
+    except (OSError, ValueError, KeyError) as err:
+        raise model_load_error(run.model.pretrain, err) from err
+    if model_type not in FAMILIES:
+        raise ConfigError(
+            f"--pretrain {run.model.pretrain}: model_type {model_type!r} is not supported by the rollout engine "
+            f"of tidal ppo; supported: {', '.join(supported_model_types())}"
+        )
+
+
+def load_prompts(run: PPORun, tokenizer, spec: str, probs, split: str, max_samples):
+    d = run.data
+    dataset = load_dataset_spec(spec, probs, split=split, max_samples=max_samples, seed=run.train.seed)
+    prompts, skipped = build_prompt_samples(dataset, tokenizer, d.input_key, d.label_key, d.input_template,
+                                            d.apply_chat_template, run.rollout.prompt_max_len, source=spec)  # fmt: skip
+    if skipped.count:
+        log.warning("%s: %s", spec, skipped.summary())
+    return prompts
+
+
+def total_update_steps(run: PPORun, num_prompts: int) -> int:
+    rollouts = (num_prompts // run.rollout.rollout_batch_size) * run.models.num_episodes
+    samples = run.rollout.rollout_batch_size * run.rollout.n_samples_per_prompt
+    per_rollout = -(-samples // run.train.train_batch_size) * run.train.max_epochs
+    return max(rollouts * per_rollout, 1)
+
+
+def build_parts(run: PPORun, world: World, tokenizer, steps: int, ray_actors: dict | None = None) -> PPOParts:
+    """The policy (and critic) on this device, then the other roles from ``tidal.placement``."""
+    actor = build_actor(run, world, steps)
+    critic = build_critic(run, world, steps) if run.rl.needs_critic else None
+    roles = build_roles(run, world, tokenizer, actor.precision, ray_actors)
+    return PPOParts(actor, critic, roles.reference, roles.rollout, tokenizer)
+
+
+def build_actor(run: PPORun, world: World, steps: int) -> Optimization:
+    model = load_causal_lm(run.model, world.device)
+    optim = dataclasses.replace(run.optim, learning_rate=run.models.actor_learning_rate)
+    return build_optimization(model, run.model, optim, run.dist, world, steps)
+
+
+def build_critic(run: PPORun, world: World, steps: int) -> Optimization:
+    """The value model: from ``--critic_pretrain``, else the first reward model, else the policy."""
+    cfg = dataclasses.replace(run.model, pretrain=run.critic_source)
+    model = load_value_model(cfg, world.device, run.models.value_head_prefix)
+    optim = dataclasses.replace(run.optim, learning_rate=run.models.critic_learning_rate)
+    return build_optimization(model, cfg, optim, run.dist, world, steps)
