@@ -7,6 +7,9 @@ building blocks (``tidal.rollout.LLMEngine`` samples, ``tidal.algorithms`` holds
 trainer class. ``tests/examples/test_grpo_step.py`` checks that it gives the same loss, gradient norm
 and updated weights as one step of ``tidal ppo`` run with ``GRPOConfig.flags()``.
 
+Read the functions in order: ``pick_prompts`` → ``sample`` → ``reward_func`` → ``group_advantages`` →
+``grpo_loss_backward`` → ``optimizer_step``; ``grpo_step`` chains them and ``main`` runs one step.
+
 Settings that keep the step simple (each is a ``tidal ppo`` flag, see ``GRPOConfig.flags``):
 
 - one optimizer step per rollout (``--train_batch_size`` = every sample, ``--max_epochs 1``): the
@@ -50,7 +53,8 @@ class GRPOConfig:
     clip_eps: float = 0.2  # --eps_clip
     kl_coef: float = 1e-3  # --init_kl_coef, with --use_kl_loss --kl_estimator k3
     reward_clip: float = 10.0  # --reward_clip_range -10 10 (the default)
-    learning_rate: float = 1e-3  # --actor_learning_rate (AdamW, betas 0.9 0.95, no weight decay)
+    learning_rate: float = 1e-3  # --actor_learning_rate (large: a tiny random model, one step)
+    adam_betas: tuple[float, float] = (0.9, 0.95)  # --adam_betas (AdamW without weight decay: --l2 0)
     max_norm: float = 1.0  # --max_norm
     seed: int = 42  # --seed
 
@@ -67,7 +71,8 @@ class GRPOConfig:
             "--temperature", str(self.temperature), "--eps_clip", str(self.clip_eps),
             "--reward_clip_range", str(-self.reward_clip), str(self.reward_clip),
             "--actor_learning_rate", str(self.learning_rate), "--lr_warmup_ratio", "0",
-            "--adam_betas", "0.9", "0.95", "--l2", "0", "--max_norm", str(self.max_norm), "--seed", str(self.seed),
+            "--adam_betas", *map(str, self.adam_betas), "--l2", "0", "--max_norm", str(self.max_norm),
+            "--seed", str(self.seed),
         ]  # fmt: skip
 
 
@@ -146,7 +151,8 @@ def reward_func(queries: list[str], prompts: list[str], labels: list, **kwargs) 
 def group_advantages(rewards: Tensor, cfg: GRPOConfig) -> Tensor:
     """3. GROUP BASELINE: GRPO needs no critic. A sample's advantage is how much better it did than
     its siblings (same prompt): (r − mean) / (std + 1e−9) within each group of ``samples_per_prompt``,
-    clipped to ``reward_clip``. Every token of the response gets its sample's advantage."""
+    clipped to ``reward_clip``. Every token of the response gets its sample's advantage. A group whose
+    samples all score alike gets zeros: GRPO learns only from differences within a group."""
     return group_normalized(rewards, cfg.samples_per_prompt).clamp(-cfg.reward_clip, cfg.reward_clip)
 
 
@@ -233,7 +239,7 @@ def build(model_path: str | Path, cfg: GRPOConfig):
     policy = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
     reference = copy.deepcopy(policy).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(
-        policy.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=0.0
+        policy.parameters(), lr=cfg.learning_rate, betas=cfg.adam_betas, weight_decay=0.0
     )
     engine_cfg = EngineConfig(
         max_model_len=cfg.prompt_max_len + cfg.max_new_tokens, device="cpu", seed=cfg.seed
@@ -251,9 +257,8 @@ def main() -> None:
         prompts, labels = pick_prompts(AdditionTask(seed=0).samples(cfg.prompts_per_step), cfg)
         result = grpo_step(policy, reference, optimizer, engine, tokenizer, prompts, labels, cfg)
     n = cfg.samples_per_prompt
-    print(
-        f"sampled {n} responses for each of {len(prompts)} prompts, e.g. {prompts[0]!r} -> {result.responses[0]!r}"
-    )
+    first = f"{prompts[0]!r} -> {result.responses[0]!r}"
+    print(f"sampled {n} responses for each of {len(prompts)} prompts, e.g. {first}")
     for g, prompt in enumerate(prompts):  # one line per group: its rewards, then its advantages
         group = slice(g * n, (g + 1) * n)
         print(f"  {prompt:<8} rewards    {[round(r, 3) for r in result.rewards[group].tolist()]}")
