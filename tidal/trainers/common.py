@@ -9,6 +9,7 @@ objective are built; ``fit_recipe`` does the rest, in the same order for every t
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,7 +44,8 @@ SampleLoader = Callable[..., list]
 
 @dataclass(kw_only=True)
 class SupervisedRun:
-    """The configs every supervised run has; each trainer's run adds its own (``data`` and its loss)."""
+    """The configs every supervised run has. Each trainer's run adds its own: ``data`` (its data config,
+    which its recipe's ``load_samples`` reads) and the configs of its loss or frozen models."""
 
     model: ModelConfig
     datasets: DatasetConfig
@@ -136,11 +138,12 @@ def seed_everything(train: TrainConfig) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-class Recipe:
+class Recipe(ABC):
     """How one supervised trainer builds its run: ``fit_recipe`` calls these hooks in a fixed order.
 
     A subclass sets ``label`` and ``load_samples`` and defines ``objective``; the other hooks default
-    to a causal LM policy, no frozen models and the plain ``SupervisedTrainer``.
+    to a causal LM policy, no frozen models and the plain ``SupervisedTrainer`` (a subclass of it is
+    where a trainer changes the step, e.g. KTO's KL estimate, or the export, e.g. RM's ``export_config``).
     """
 
     label: ClassVar[str]  # names the trainer in the start-up log line
@@ -148,7 +151,8 @@ class Recipe:
     trainer_cls: ClassVar[type[SupervisedTrainer]] = SupervisedTrainer  # KTO, RM: a subclass
 
     def check(self, run: Any, world: World) -> None:
-        """Problems across the run's configs, raised before anything loads."""
+        """Problems across the run's configs, raised before the tokenizer, data or models load."""
+        return None  # most trainers have none: each config checks its own fields
 
     def load_model(self, run: Any, world: World) -> nn.Module:
         """The model to train, on ``world``'s device."""
@@ -159,8 +163,9 @@ class Recipe:
         policy is sharded."""
         return None
 
+    @abstractmethod
     def objective(self, run: Any, tokenizer, train: Sequence, frozen: Any) -> Objective:
-        raise NotImplementedError
+        """The loss the loop trains, given the training samples and what ``load_frozen`` returned."""
 
     def trainer_kwargs(self, run: Any, train: Sequence, evals: Sequence | None) -> dict:
         """Extra arguments of ``trainer_cls``."""
