@@ -174,3 +174,28 @@ def test_gamma_below_one_is_refused_where_returns_are_undiscounted(estimator):
         RLConfig(advantage_estimator=estimator, gamma=0.9)
     for discounted in ("gae", "reinforce"):
         assert RLConfig(advantage_estimator=discounted, gamma=0.9).gamma == 0.9
+
+
+def test_estimator_facts_live_on_the_registry_entry():
+    grouped = {name for name, est in ADVANTAGE_ESTIMATORS.items() if est.grouped}
+    assert grouped == {"rloo", "reinforce_baseline", "group_norm", "dr_grpo"}
+    assert {name for name, est in ADVANTAGE_ESTIMATORS.items() if est.discounted} == {"gae", "reinforce"}
+
+
+def test_a_new_estimator_is_one_decorated_function(monkeypatch):
+    from tidal.algorithms import advantages
+
+    monkeypatch.setattr(advantages, "ADVANTAGE_ESTIMATORS", dict(ADVANTAGE_ESTIMATORS))
+
+    @advantages.advantage_estimator("max_baseline", advantages.discounted_returns, whiten=False, grouped=True)
+    def max_baseline(rewards, n):
+        groups = rewards.float().view(-1, n)
+        return (groups - groups.max(dim=-1, keepdim=True).values).reshape(-1)
+
+    mask = torch.ones(4, 2)
+    adv, _, _ = advantages.estimate_advantages("max_baseline", torch.tensor([1.0, 3.0, 2.0, 2.0]), mask, 2)
+    assert adv[:, -1].tolist() == [-2.0, 0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="registered twice"):
+        advantages.advantage_estimator("max_baseline", advantages.discounted_returns, whiten=False)(
+            max_baseline
+        )

@@ -8,7 +8,11 @@ An estimator is two steps plus two facts, kept together in one registry entry so
 2. the shaped ``R`` becomes per-token rewards (``rewards.kl_penalized_rewards``), and
    ``est.compute(token_rewards, action_mask, values, gamma, lambd)`` turns them into
    ``(advantages, returns)``, both ``[B, T]``, whitened over the batch when ``est.whiten``;
-3. ``est.needs_critic`` says whether values (a critic model) are required.
+3. ``est.needs_critic`` says whether values (a critic model) are required, ``est.grouped`` whether the
+   baseline needs a prompt group (n ≥ 2), ``est.discounted`` whether γ < 1 applies.
+
+A new estimator is one baseline function decorated with ``@advantage_estimator(name, returns, ...)``
+in this file; the ``--advantage_estimator`` choices and the trainers read ``ADVANTAGE_ESTIMATORS``.
 
 Group baselines (``group_std`` is the *unbiased* std, ``torch.std``'s default, as OpenRLHF, TRL and
 verl compute GRPO; it needs n ≥ 2):
@@ -41,31 +45,62 @@ GROUP_NORM_EPS = 1e-9
 Whitening = Callable[[Tensor, Tensor], Tensor]
 
 
-def no_baseline(rewards: Tensor, n_samples_per_prompt: int) -> Tensor:
-    """R unchanged (``gae``, ``reinforce``)."""
-    return rewards.float().reshape(-1)
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """One registry entry: the group baseline, the token-level recursion and the facts trainers and
+    config checks read (never the name)."""
+
+    baseline: Callable[[Tensor, int], Tensor]
+    advantages_and_returns: Callable[..., tuple[Tensor, Tensor]]
+    whiten: bool
+    needs_critic: bool
+    # γ < 1 applies (gae, reinforce); the group-baseline estimators use undiscounted returns, as
+    # OpenRLHF forces γ = 1 for them (tidal refuses --gamma < 1 there instead of ignoring it)
+    discounted: bool = False
+    # the baseline compares the samples of a prompt group: needs n_samples_per_prompt >= 2
+    grouped: bool = False
+
+    def compute(
+        self,
+        token_rewards: Tensor,
+        action_mask: Tensor,
+        values: Tensor | None = None,
+        gamma: float = 1.0,
+        lambd: float = 1.0,
+        whiten: Whitening = masked_whiten,
+    ) -> tuple[Tensor, Tensor]:
+        """``(advantages, returns)`` ``[B, T]``; advantages whitened by ``whiten`` when ``self.whiten``
+        (over this batch by default; a data-parallel trainer passes a whitening over every process)."""
+        advantages, returns = self.advantages_and_returns(token_rewards, action_mask, values, gamma, lambd)
+        if self.whiten:
+            advantages = whiten(advantages, action_mask)
+        return advantages, returns
 
 
-def mean_baseline(rewards: Tensor, n_samples_per_prompt: int) -> Tensor:
-    """R_i − mean of its group (REINFORCE++-baseline, Dr. GRPO)."""
-    groups = group_by_prompt(rewards.float(), n_samples_per_prompt)
-    return (groups - groups.mean(dim=-1, keepdim=True)).reshape(-1)
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 
-def leave_one_out_baseline(rewards: Tensor, n_samples_per_prompt: int) -> Tensor:
-    """RLOO (Ahmadian et al., arXiv 2402.14740): R_i − (ΣR − R_i)/(n − 1)."""
-    _require_group(n_samples_per_prompt, "rloo")
-    groups = group_by_prompt(rewards.float(), n_samples_per_prompt)
-    others_mean = (groups.sum(dim=-1, keepdim=True) - groups) / (n_samples_per_prompt - 1)
-    return (groups - others_mean).reshape(-1)
+def advantage_estimator(
+    name: str,
+    returns: Callable[..., tuple[Tensor, Tensor]],
+    *,
+    whiten: bool,
+    needs_critic: bool = False,
+    discounted: bool = False,
+    grouped: bool = False,
+):
+    """Register the decorated baseline function as estimator ``name`` with its token-level recursion
+    (``returns``) and facts; a function may carry several (``no_baseline`` is gae's and reinforce's)."""
 
+    def add(baseline: Callable[[Tensor, int], Tensor]):
+        if name in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is registered twice")
+        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(
+            baseline, returns, whiten, needs_critic, discounted, grouped
+        )
+        return baseline
 
-def group_normalized(rewards: Tensor, n_samples_per_prompt: int) -> Tensor:
-    """GRPO (Shao et al., arXiv 2402.03300): (R_i − mean) / (unbiased std + 1e−9) per group."""
-    _require_group(n_samples_per_prompt, "group_norm")
-    groups = group_by_prompt(rewards.float(), n_samples_per_prompt)
-    centred = groups - groups.mean(dim=-1, keepdim=True)
-    return (centred / (groups.std(dim=-1, keepdim=True) + GROUP_NORM_EPS)).reshape(-1)
+    return add
 
 
 def _require_group(n: int, name: str) -> None:
@@ -123,49 +158,40 @@ def discounted_returns(
     return returns, returns.clone()
 
 
-@dataclass(frozen=True)
-class AdvantageEstimator:
-    """One registry entry: the group baseline, the token-level recursion and two facts."""
-
-    baseline: Callable[[Tensor, int], Tensor]
-    advantages_and_returns: Callable[..., tuple[Tensor, Tensor]]
-    whiten: bool
-    needs_critic: bool
-    # γ < 1 applies (gae, reinforce); the group-baseline estimators use undiscounted returns, as
-    # OpenRLHF forces γ = 1 for them (tidal refuses --gamma < 1 there instead of ignoring it)
-    discounted: bool = False
-
-    def compute(
-        self,
-        token_rewards: Tensor,
-        action_mask: Tensor,
-        values: Tensor | None = None,
-        gamma: float = 1.0,
-        lambd: float = 1.0,
-        whiten: Whitening = masked_whiten,
-    ) -> tuple[Tensor, Tensor]:
-        """``(advantages, returns)`` ``[B, T]``; advantages whitened by ``whiten`` when ``self.whiten``
-        (over this batch by default; a data-parallel trainer passes a whitening over every process)."""
-        advantages, returns = self.advantages_and_returns(token_rewards, action_mask, values, gamma, lambd)
-        if self.whiten:
-            advantages = whiten(advantages, action_mask)
-        return advantages, returns
+# ---- group baselines, each registered as the estimators that use it ----------------------------
 
 
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    "gae": AdvantageEstimator(
-        no_baseline, gae_advantages_and_returns, whiten=True, needs_critic=True, discounted=True
-    ),
-    "reinforce": AdvantageEstimator(
-        no_baseline, discounted_returns, whiten=True, needs_critic=False, discounted=True
-    ),
-    "reinforce_baseline": AdvantageEstimator(
-        mean_baseline, discounted_returns, whiten=True, needs_critic=False
-    ),
-    "rloo": AdvantageEstimator(leave_one_out_baseline, discounted_returns, whiten=False, needs_critic=False),
-    "group_norm": AdvantageEstimator(group_normalized, discounted_returns, whiten=False, needs_critic=False),
-    "dr_grpo": AdvantageEstimator(mean_baseline, discounted_returns, whiten=False, needs_critic=False),
-}
+@advantage_estimator("reinforce", discounted_returns, whiten=True, discounted=True)
+@advantage_estimator("gae", gae_advantages_and_returns, whiten=True, needs_critic=True, discounted=True)
+def no_baseline(rewards: Tensor, n_samples_per_prompt: int) -> Tensor:
+    """R unchanged (``gae``, ``reinforce``)."""
+    return rewards.float().reshape(-1)
+
+
+@advantage_estimator("dr_grpo", discounted_returns, whiten=False, grouped=True)
+@advantage_estimator("reinforce_baseline", discounted_returns, whiten=True, grouped=True)
+def mean_baseline(rewards: Tensor, n_samples_per_prompt: int) -> Tensor:
+    """R_i − mean of its group (REINFORCE++-baseline, Dr. GRPO)."""
+    groups = group_by_prompt(rewards.float(), n_samples_per_prompt)
+    return (groups - groups.mean(dim=-1, keepdim=True)).reshape(-1)
+
+
+@advantage_estimator("rloo", discounted_returns, whiten=False, grouped=True)
+def leave_one_out_baseline(rewards: Tensor, n_samples_per_prompt: int) -> Tensor:
+    """RLOO (Ahmadian et al., arXiv 2402.14740): R_i − (ΣR − R_i)/(n − 1)."""
+    _require_group(n_samples_per_prompt, "rloo")
+    groups = group_by_prompt(rewards.float(), n_samples_per_prompt)
+    others_mean = (groups.sum(dim=-1, keepdim=True) - groups) / (n_samples_per_prompt - 1)
+    return (groups - others_mean).reshape(-1)
+
+
+@advantage_estimator("group_norm", discounted_returns, whiten=False, grouped=True)
+def group_normalized(rewards: Tensor, n_samples_per_prompt: int) -> Tensor:
+    """GRPO (Shao et al., arXiv 2402.03300): (R_i − mean) / (unbiased std + 1e−9) per group."""
+    _require_group(n_samples_per_prompt, "group_norm")
+    groups = group_by_prompt(rewards.float(), n_samples_per_prompt)
+    centred = groups - groups.mean(dim=-1, keepdim=True)
+    return (centred / (groups.std(dim=-1, keepdim=True) + GROUP_NORM_EPS)).reshape(-1)
 
 
 def estimate_advantages(

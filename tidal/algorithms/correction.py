@@ -39,6 +39,7 @@ from torch import Tensor
 
 from tidal.algorithms.masked import masked_mean
 from tidal.algorithms.policy_loss import POLICY_LOSSES
+from tidal.algorithms.registry import register
 
 LOG_WEIGHT_CLAMP = 20.0
 
@@ -50,6 +51,10 @@ def _importance_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor) ->
     return torch.exp(log_w.clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)).detach()
 
 
+MISMATCH_CORRECTIONS: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {}
+
+
+@register(MISMATCH_CORRECTIONS, "tis")
 @torch.no_grad()
 def tis_weights(
     old_logp: Tensor, rollout_logp: Tensor, action_mask: Tensor, low: float = 0.0, high: float = 2.0
@@ -65,6 +70,7 @@ def tis_weights(
     }
 
 
+@register(MISMATCH_CORRECTIONS, "icepop")
 @torch.no_grad()
 def icepop_weights(
     old_logp: Tensor, rollout_logp: Tensor, action_mask: Tensor, low: float = 0.5, high: float = 5.0
@@ -78,12 +84,6 @@ def icepop_weights(
         "mismatch_clip_ratio": masked_mean((~inside).float(), mask),
         "mismatch_weight": masked_mean(w, mask),
     }
-
-
-MISMATCH_CORRECTIONS: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
-    "tis": tis_weights,
-    "icepop": icepop_weights,
-}
 
 
 # Policy losses whose (sequence) ratio takes the rollout log-probs directly when correcting.

@@ -27,23 +27,28 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tidal.algorithms.registry import register
 
+KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {}
+
+
+@register(KL_ESTIMATORS, "k1")
 def kl_k1(log_ratio: Tensor) -> Tensor:
     """k1 = r."""
     return log_ratio
 
 
+@register(KL_ESTIMATORS, "k2")
 def kl_k2(log_ratio: Tensor) -> Tensor:
     """k2 = r² / 2."""
     return 0.5 * log_ratio.pow(2)
 
 
+@register(KL_ESTIMATORS, "k3")
 def kl_k3(log_ratio: Tensor) -> Tensor:
     """k3 = exp(−r) − 1 + r (``expm1`` keeps it accurate for small r)."""
     return torch.expm1(-log_ratio) + log_ratio
 
-
-KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
 
 KL_CLIP = 10.0  # OpenRLHF's clamp of the per-token estimate
 

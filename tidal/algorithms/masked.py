@@ -17,6 +17,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from tidal.algorithms.registry import register
+
 
 def _masked_values(x: Tensor, mask: Tensor) -> Tensor:
     """``x * mask`` with exact zeros where the mask is 0, even if ``x`` is nan/inf there."""
@@ -71,6 +73,11 @@ def _normaliser(count: float | Tensor, like: Tensor) -> Tensor:
     return torch.as_tensor(count, dtype=like.dtype, device=like.device).clamp_min(1)
 
 
+# mode -> fn(per_token_loss, mask, num_tokens, num_sequences) -> scalar
+LOSS_AGGREGATIONS: dict[str, Callable[..., Tensor]] = {}
+
+
+@register(LOSS_AGGREGATIONS, "token")
 def _token_mean(loss: Tensor, mask: Tensor, num_tokens: float | None, num_sequences: float | None) -> Tensor:
     count = masked_sum(torch.ones_like(loss), mask) if num_tokens is None else num_tokens
     return masked_sum(loss, mask) / _normaliser(count, loss)
@@ -81,6 +88,7 @@ def _num_sequences(mask: Tensor, num_sequences: float | None) -> float | Tensor:
     return (mask != 0).any(dim=-1).sum() if num_sequences is None else num_sequences
 
 
+@register(LOSS_AGGREGATIONS, "sequence")
 def _sequence_mean(
     loss: Tensor, mask: Tensor, num_tokens: float | None, num_sequences: float | None
 ) -> Tensor:
@@ -88,19 +96,12 @@ def _sequence_mean(
     return per_sequence.sum() / _normaliser(_num_sequences(mask, num_sequences), loss)
 
 
+@register(LOSS_AGGREGATIONS, "sequence_sum")
 def _sequence_sum(
     loss: Tensor, mask: Tensor, num_tokens: float | None, num_sequences: float | None
 ) -> Tensor:
     per_sequence = masked_sum(loss, mask, dim=-1)
     return per_sequence.sum() / _normaliser(_num_sequences(mask, num_sequences), loss)
-
-
-# mode -> fn(per_token_loss, mask, num_tokens, num_sequences) -> scalar
-LOSS_AGGREGATIONS: dict[str, Callable[..., Tensor]] = {
-    "token": _token_mean,
-    "sequence": _sequence_mean,
-    "sequence_sum": _sequence_sum,
-}
 
 
 def aggregate_loss(

@@ -26,6 +26,9 @@ import torch
 from torch import Tensor
 
 from tidal.algorithms.masked import masked_mean
+from tidal.algorithms.registry import register
+
+POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {}
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -63,6 +66,7 @@ def _clipped_surrogate(
     return loss, stats
 
 
+@register(POLICY_LOSSES, "ppo")
 def ppo_policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -84,6 +88,7 @@ def ppo_policy_loss(
     )
 
 
+@register(POLICY_LOSSES, "gspo")
 def gspo_policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -110,9 +115,3 @@ def gspo_policy_loss(
     return _clipped_surrogate(
         log_ratio, token_log_ratio.detach(), advantages, mask, clip_eps_low, clip_eps_high, dual_clip
     )
-
-
-POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
-    "ppo": ppo_policy_loss,
-    "gspo": gspo_policy_loss,
-}

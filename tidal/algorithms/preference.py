@@ -20,7 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tidal.algorithms.registry import register
 
+RM_LOSSES: dict[str, Callable[..., Tensor]] = {}
+DPO_LOSSES: dict[str, Callable[..., tuple[Tensor, Tensor, Tensor]]] = {}
+
+
+@register(RM_LOSSES, "sigmoid")
 def sigmoid_pairwise_loss(
     chosen_rewards: Tensor, rejected_rewards: Tensor, margin: Tensor | None = None
 ) -> Tensor:
@@ -31,18 +37,13 @@ def sigmoid_pairwise_loss(
     return -F.logsigmoid(diff)
 
 
+@register(RM_LOSSES, "logexp")
 def logexp_pairwise_loss(
     chosen_rewards: Tensor, rejected_rewards: Tensor, margin: Tensor | None = None
 ) -> Tensor:
     """log(1 + exp(r_r − r_c)), computed as softplus. Mathematically the sigmoid loss without margin;
     kept for the seed's ``--loss logexp`` flag, which ignores the margin."""
     return F.softplus(rejected_rewards.float() - chosen_rewards.float())
-
-
-RM_LOSSES: dict[str, Callable[..., Tensor]] = {
-    "sigmoid": sigmoid_pairwise_loss,
-    "logexp": logexp_pairwise_loss,
-}
 
 
 def _dpo_logits(
@@ -54,6 +55,7 @@ def _dpo_logits(
     return z, chosen_rewards, rejected_rewards
 
 
+@register(DPO_LOSSES, "sigmoid")
 def dpo_loss(
     policy_chosen: Tensor,
     policy_rejected: Tensor,
@@ -73,6 +75,7 @@ def dpo_loss(
     return loss, chosen_rewards, rejected_rewards
 
 
+@register(DPO_LOSSES, "ipo")
 def ipo_loss(
     policy_chosen: Tensor,
     policy_rejected: Tensor,
@@ -86,9 +89,6 @@ def ipo_loss(
         policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta
     )
     return (z - 1 / (2 * beta)).pow(2), chosen_rewards, rejected_rewards
-
-
-DPO_LOSSES: dict[str, Callable[..., tuple[Tensor, Tensor, Tensor]]] = {"sigmoid": dpo_loss, "ipo": ipo_loss}
 
 
 def kto_kl_estimate(policy_kl_logps: Tensor, ref_kl_logps: Tensor) -> Tensor:
