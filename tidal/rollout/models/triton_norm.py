@@ -1,4 +1,4 @@
-"""Fused residual-add + RMSNorm as one Triton kernel (CUDA only; ``decoder.RMSNorm`` falls back to torch).
+"""Fused residual-add + RMSNorm as one Triton kernel (CUDA only; ``layers.RMSNorm`` falls back to torch).
 
 In plain torch an RMSNorm is ~7 elementwise/reduction kernels, plus one for the residual add: at decode
 batch sizes each is a few microseconds of mostly launch and tail, and a 24-layer model runs 48 of them
