@@ -17,15 +17,11 @@ from torch import nn
 from tidal.distributed.world import World
 from tidal.logging import get_logger
 from tidal.models import load_causal_lm
+from tidal.models.frozen import FrozenModel, frozen_copy_config
 from tidal.models.precision import Precision
 from tidal.models.value_model import load_value_model
 from tidal.placement.data_parallel import DataParallelRollout
-from tidal.placement.frozen_roles import (
-    LocalReference,
-    RemoteReference,
-    RemoteRewardModels,
-    frozen_copy_config,
-)
+from tidal.placement.frozen_roles import LocalReference, RemoteReference, RemoteRewardModels
 from tidal.placement.protocols import PlacedRun, ReferenceRole, RewardRole, RolloutRole
 from tidal.placement.remote_rollout import RemoteRollout
 from tidal.placement.roles import start_workers, worker_counts
@@ -72,8 +68,8 @@ def build_reference(
         return None
     if workers:
         return RemoteReference(workers)
-    model = load_causal_lm(frozen_copy_config(run.model, run.model.pretrain), device).eval()
-    return LocalReference(model.requires_grad_(False), precision, device, run.models.ref_reward_offload)
+    model = load_causal_lm(frozen_copy_config(run.model, run.model.pretrain), device)
+    return LocalReference(FrozenModel(model, device, run.models.ref_reward_offload), precision)
 
 
 def build_rollout(run: PlacedRun, world: World, tokenizer, workers: dict[str, list]) -> RolloutRole:

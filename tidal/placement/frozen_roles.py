@@ -23,18 +23,12 @@ from tidal.config import ModelConfig
 from tidal.experience.experience import Experience
 from tidal.experience.maker import forward_logprobs
 from tidal.models import load_causal_lm
+from tidal.models.frozen import FrozenModel
 from tidal.models.precision import Precision
 from tidal.models.value_model import load_value_model
 from tidal.placement.workers import scatter
 from tidal.rewards.base import RewardResult
 from tidal.rewards.models import RewardModels
-
-
-def frozen_copy_config(cfg: ModelConfig, path: str) -> ModelConfig:
-    """A frozen role (reference, reward model) loads ``path`` in full precision without LoRA."""
-    return dataclasses.replace(
-        cfg, pretrain=path, lora_rank=0, load_in_4bit=False, gradient_checkpointing=False
-    )
 
 
 @dataclass
@@ -71,13 +65,11 @@ class ReferenceWorker:
 
     def __init__(self, spec: FrozenSpec):
         self.device = _setup(spec)
-        self.model = load_causal_lm(spec.models[0], self.device).eval().requires_grad_(False)
-        self.precision = Precision.create(spec.param_dtype, self.device)
+        model = FrozenModel(load_causal_lm(spec.models[0], self.device), self.device)
+        self.reference = LocalReference(model, Precision.create(spec.param_dtype, self.device))
 
     def logprobs(self, exp: Experience, micro: int, packing: bool, temperature: float, max_tokens) -> Tensor:
-        exp = exp.to(self.device)
-        out = forward_logprobs(self.model, exp, micro, packing, temperature, self.precision, max_tokens)
-        return out.cpu()
+        return self.reference.logprobs(exp.to(self.device), micro, packing, temperature, max_tokens).cpu()
 
 
 class RewardWorker:
@@ -107,21 +99,14 @@ def _scatter(workers: Sequence, method: str, exp: Experience, *args) -> list:
 
 
 class LocalReference:
-    """The reference model on this device (``--ref_reward_offload``: in host memory between uses)."""
+    """The reference model in this process (offloaded: in host memory between uses, ``--ref_reward_offload``)."""
 
-    def __init__(self, model: nn.Module, precision: Precision, device: torch.device, offload: bool):
-        self.model, self.precision, self.device, self.offload = model, precision, device, offload
-        if offload:
-            model.to("cpu")
+    def __init__(self, model: FrozenModel, precision: Precision):
+        self.frozen, self.precision = model, precision
 
     def logprobs(self, exp: Experience, micro: int, packing: bool, temperature: float, max_tokens) -> Tensor:
-        if self.offload:
-            self.model.to(self.device)
-        try:
-            return forward_logprobs(self.model, exp, micro, packing, temperature, self.precision, max_tokens)
-        finally:
-            if self.offload:
-                self.model.to("cpu")
+        with self.frozen.use() as model:
+            return forward_logprobs(model, exp, micro, packing, temperature, self.precision, max_tokens)
 
     def close(self) -> None:
         """Nothing to release: the model lives in this process."""

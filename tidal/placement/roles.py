@@ -12,8 +12,9 @@ import torch
 
 from tidal.config import ConfigError
 from tidal.config.placement import separate_engines, separate_reference, separate_reward
+from tidal.models.frozen import frozen_copy_config
 from tidal.placement.engines import EngineWorker, engine_spec
-from tidal.placement.frozen_roles import FrozenSpec, ReferenceWorker, RewardWorker, frozen_copy_config
+from tidal.placement.frozen_roles import FrozenSpec, ReferenceWorker, RewardWorker
 from tidal.placement.protocols import PlacedRun
 from tidal.placement.workers import ROLES, ExtraDevices, RayWorker, start_process_workers
 

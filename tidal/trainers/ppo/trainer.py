@@ -20,15 +20,7 @@ import torch
 
 from tidal.algorithms import dynamic_filter_mask, make_kl_controller, masked_mean
 from tidal.algorithms.rewards import RunningMoments
-from tidal.checkpoint import (
-    LoopState,
-    RunCheckpoints,
-    RunIdentity,
-    StopSignals,
-    flat_settings,
-    model_fingerprint,
-    save_hf_model,
-)
+from tidal.checkpoint import Checkpointer, LoopState, StateFns, StopSignals, flat_settings
 from tidal.data import step_batches
 from tidal.distributed.collectives import mean_over_world, world_masked_mean
 from tidal.distributed.offload import offload_to_cpu, reload_to_device
@@ -99,14 +91,16 @@ class PPOTrainer:
         )
         self.reduction = BatchReduction.over(world)  # whitening and reward moments over every rank
         self.n = run.rollout.n_samples_per_prompt
-        models = {name: model_fingerprint(part.model) for name, part in self._trained_parts().items()}
-        identity = RunIdentity("ppo", models, flat_settings(asdict(run), SETTINGS))
-        self.checkpoints = RunCheckpoints(run.ckpt, identity, world)
+        self.checkpointer = Checkpointer(
+            run.ckpt, world, "ppo", self._trained_parts(), flat_settings(asdict(run), SETTINGS),
+            state=self._loop_state(), hf_copy=self._hf_copy,
+        )  # fmt: skip
 
     def fit(self) -> list[dict]:
         run, world = self.run, self.world
         loop, history = self._resume(), []
-        logger = MetricsLogger(self.run_dir, run.logging, asdict(run), world.is_main, self._resume_step(loop))
+        resume_step = self.checkpointer.resume_step(loop)
+        logger = MetricsLogger(self.run_dir, run.logging, asdict(run), world.is_main, resume_step)
         bar = ProgressBar(self.total_rollouts, initial=loop.global_step, desc="rl", is_main=world.is_main)
         with logger, bar, StopSignals() as stop:
             step_start = time.perf_counter()
@@ -121,7 +115,7 @@ class PPOTrainer:
                     self.after_step(loop, history[-1], logger, bar)
                     signum = stop.requested(world)
                     if signum:
-                        raise StopSignals.interrupted(signum, loop.global_step, self._save_now(loop))
+                        raise self.checkpointer.stopped(signum, loop)
                 loop = LoopState(loop.global_step, episode + 1, 0)
         self.save_final()
         return history
@@ -244,9 +238,7 @@ class PPOTrainer:
         every = self.run.train.eval_steps
         if self.eval_prompts and every > 0 and loop.global_step % every == 0:
             logger.log(loop.global_step, self.evaluate(), prefix="eval")
-        ck = self.run.ckpt
-        if ck.save_steps > 0 and loop.global_step % ck.save_steps == 0:
-            self.save_checkpoint(loop)
+        self.checkpointer.maybe_save(loop)
 
     def evaluate(self) -> dict[str, float]:
         """Mean reward and score of fresh samples on the evaluation prompts."""
@@ -272,53 +264,45 @@ class PPOTrainer:
             parts["critic"] = self.parts.critic
         return parts
 
-    def _extra(self) -> dict:
+    def _loop_state(self) -> dict[str, StateFns]:
+        """What a checkpoint keeps besides the trained parts, under the names it has always had."""
         return {
-            "kl_coef": self.kl_ctl.value,
-            "moments": asdict(self.moments) if self.moments else None,
-            "nonfinite": {name: p.guard.state_dict() for name, p in self._trained_parts().items()},
+            "kl_coef": StateFns(lambda: self.kl_ctl.value, self._load_kl_coef),
+            "moments": StateFns(lambda: asdict(self.moments) if self.moments else None, self._load_moments),
+            "nonfinite": StateFns(self._guard_states, self._load_guard_states),
         }
 
-    def _save_now(self, loop: LoopState) -> str | None:
-        """The checkpoint of ``loop`` when training stops early (written unless it already is, or
-        checkpointing is off); its folder, or None."""
-        ck = self.checkpoints
-        if not ck.enabled:
-            return None
-        if ck.last_saved_step != loop.global_step:
-            ck.save(self._trained_parts(), loop, self._extra())
-        return str(Path(self.run.ckpt.ckpt_path) / f"global_step_{loop.global_step}")
+    def _load_kl_coef(self, value: float) -> None:
+        self.kl_ctl.value = value
 
-    def save_checkpoint(self, loop: LoopState) -> None:
-        ck = self.run.ckpt
-        if not ck.disable_ds_ckpt:
-            self.checkpoints.save(self._trained_parts(), loop, self._extra())
-        if ck.save_hf_ckpt:
-            hf_dir = Path(ck.ckpt_path) / f"global_step_{loop.global_step}_hf"
-            save_hf_model(self.parts.actor.model, self.parts.tokenizer, hf_dir, self.world)
+    def _load_moments(self, saved: dict | None) -> None:
+        if self.moments is not None and saved:
+            self.moments = RunningMoments(**saved)
+
+    def _guard_states(self) -> dict:
+        return {name: p.guard.state_dict() for name, p in self._trained_parts().items()}
+
+    def _load_guard_states(self, saved: dict) -> None:
+        for name, part in self._trained_parts().items():
+            part.guard.load_state_dict(saved.get(name, {}))
+
+    def _hf_copy(self, folder: Path) -> None:
+        """``--save_hf_ckpt``: the policy as a Hugging Face folder next to each checkpoint."""
+        self.checkpointer.export(self.parts.actor.model, self.parts.tokenizer, folder)
 
     def _resume(self) -> LoopState:
-        resumed = self.checkpoints.resume(self._trained_parts())
-        if resumed is None:
+        """Continue from ``--ckpt_path`` (``--load_checkpoint``); the engine gets the restored weights."""
+        loop = self.checkpointer.resume()
+        if loop is None:
             return LoopState()
-        loop, extra = resumed
-        for name, part in self._trained_parts().items():
-            part.guard.load_state_dict(extra.get("nonfinite", {}).get(name, {}))
-        self.kl_ctl.value = extra["kl_coef"]
-        if self.moments is not None and extra.get("moments"):
-            self.moments = RunningMoments(**extra["moments"])
         self.parts.rollout.sync_weights(self.parts.actor.model)
-        log.info("resumed at rollout step %d", loop.global_step)
         return loop
 
-    def _resume_step(self, loop: LoopState) -> int | None:
-        return loop.global_step if self.run.ckpt.load_checkpoint else None
-
     def save_final(self) -> None:
-        save_hf_model(self.parts.actor.model, self.parts.tokenizer, self.run.ckpt.save_path, self.world)
+        self.checkpointer.export(self.parts.actor.model, self.parts.tokenizer, self.run.ckpt.save_path)
         if self.parts.critic is not None and self.run.models.save_value_network:
             critic_dir = Path(str(self.run.ckpt.save_path).rstrip("/") + "_critic")
-            save_hf_model(self.parts.critic.model, self.parts.tokenizer, critic_dir, self.world)
+            self.checkpointer.export(self.parts.critic.model, self.parts.tokenizer, critic_dir)
 
     # ---- helpers -----------------------------------------------------------------------------
     def _rollout_seed(self, step: int) -> int:
