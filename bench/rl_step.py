@@ -15,7 +15,7 @@ policy and rollout engine on the same device):
 6. ``sync_weights``: ``engine.update_weights(engine_weights(policy))``.
 
 Prints one JSON line: the median over ``--steps`` timed steps (after ``--warmup``, which also captures
-the engine's CUDA graphs) of each phase and the whole step, and tokens/s as DESIGN.md §6 defines it:
+the engine's CUDA graphs) of each phase and the whole step, and tokens/s as docs/architecture.md §6 defines it:
 (prompt + response tokens) / step time / GPUs. ``logprob_mismatch`` (mean |old − rollout| log-prob
 over response tokens) checks that engine and trainer agree. The reference is the same step's
 generation share: at 256 new tokens the step is bounded below by the engine's decode time.

@@ -1,7 +1,7 @@
 """Reinforcement-learning configuration: rollout generation, the RL algorithm, rewards and models.
 
 The seed's ``--vllm_*`` flags configure tidal's own rollout engine; the algorithm flags map onto
-the pure functions in ``tidal.algorithms`` (names from DESIGN.md §4).
+the pure functions in ``tidal.algorithms`` (the math: docs/algorithms.md).
 """
 
 from __future__ import annotations

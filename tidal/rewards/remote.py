@@ -1,6 +1,6 @@
 """``RemoteReward``: rewards from HTTP reward servers (``--remote_rm_url http://host:port/get_reward``).
 
-Protocol (DESIGN §3; ``tidal serve_rm`` speaks it): POST JSON ``{"query": [...], "prompts": [...],
+Protocol (docs/architecture.md §5; ``tidal serve_rm`` speaks it): POST JSON ``{"query": [...], "prompts": [...],
 "labels": [...]}`` and receive ``{"rewards": [...], "scores": [...], "extra_logs": {...}}``. With
 several URLs the batch is split into contiguous chunks, one per URL, sent concurrently from threads,
 and the answers are concatenated in order. Connection errors, timeouts, 429 and 5xx answers are

@@ -1,6 +1,6 @@
 """HTTP reward server (``tidal serve_rm``) for ``--remote_rm_url http://host:port/get_reward``.
 
-Protocol (DESIGN §3): ``POST /get_reward`` with JSON ``{"query": [str], "prompts": [str],
+Protocol (docs/architecture.md §5): ``POST /get_reward`` with JSON ``{"query": [str], "prompts": [str],
 "labels": [...]}`` → ``{"rewards": [float], "scores": [float], "extra_logs": {}}``, one reward per
 query, where a query is the full text (prompt + response). ``prompts`` and ``labels`` are optional;
 when given they must be lists as long as ``query``; a reward model scores the query alone, so they
