@@ -11,11 +11,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tidal.config import ModelConfig
+from tidal.config.engine import rollout_engine_config as engine_config
 from tidal.config.rl import RLModelsConfig, RolloutConfig
 from tidal.distributed.weight_sync import plan_buckets
 from tidal.models import load_tokenizer
 from tidal.placement import remote_rollout
-from tidal.placement.engines import EngineSpec, engine_config, start_process_engines
+from tidal.placement.engines import EngineSpec, start_process_engines
 from tidal.placement.remote_rollout import RemoteRollout
 from tidal.rollout import EngineConfig, LLMEngine
 

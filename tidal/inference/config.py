@@ -9,10 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tidal.config.args import AT_LEAST_ONE, NON_NEGATIVE, ConfigError, Range, arg
+from tidal.config.engine import ENGINE_DTYPES, engine_config
 from tidal.inference.processors import DEFAULT_REWARD_TEMPLATE, POST_PROCESSORS, check_reward_template
 from tidal.rollout import EngineConfig, SamplingParams
-
-_ENGINE_DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 @dataclass
@@ -21,7 +20,7 @@ class PolicyConfig:
 
     pretrain: str = arg(help="HF model folder (or hub name) to sample from (required)", metavar="PATH")
     param_dtype: str = arg(
-        "auto", help="engine dtype (auto: bf16 on CUDA, fp32 on CPU)", choices=tuple(_ENGINE_DTYPES)
+        "auto", help="engine dtype (auto: bf16 on CUDA, fp32 on CPU)", choices=tuple(ENGINE_DTYPES)
     )
     max_num_seqs: int = arg(
         256,
@@ -43,16 +42,13 @@ class PolicyConfig:
             raise ConfigError(f"--max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max_model_len must be >= 2, got {self.max_model_len}")
-        try:
-            return EngineConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_model_len=self.max_model_len,
-                gpu_memory_utilization=self.gpu_memory_utilization,
-                dtype=_ENGINE_DTYPES[self.param_dtype],
-                seed=seed,
-            )
-        except ValueError as err:
-            raise ConfigError(str(err).replace("EngineConfig: ", "")) from err
+        return engine_config(
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            seed=seed,
+            param_dtype=self.param_dtype,  # no trainer here: the flag sets the engine's dtype
+        )
 
 
 @dataclass

@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 
 from tidal.config import ModelConfig
+from tidal.config.engine import rollout_engine_config
 from tidal.config.rl import RLModelsConfig
 from tidal.distributed.weight_sync import SyncPlan, open_sync_group, receive_weights
 from tidal.models import load_tokenizer
 from tidal.placement.protocols import PlacedRun
-from tidal.placement.rollout import build_executor, engine_config
+from tidal.placement.rollout import build_executor
 from tidal.placement.workers import ExtraDevices, ProcessWorker, start_process_workers
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
 
@@ -49,7 +50,7 @@ class EngineSpec:
 
 def engine_spec(run: PlacedRun) -> EngineSpec:
     """A run's engines: the policy checkpoint, ``--vllm_*`` settings, agent and chat template."""
-    return EngineSpec(run.model.pretrain, run.model, engine_config(run.rollout, "auto", run.train.seed),
+    return EngineSpec(run.model.pretrain, run.model, rollout_engine_config(run.rollout, "auto", run.train.seed),
                       run.models, run.data.apply_chat_template, torch.get_num_threads())  # fmt: skip
 
 

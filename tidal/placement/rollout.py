@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from tidal.agents import AgentExecutorBase, SingleTurnAgentExecutor, Trajectory, load_agent_executor
+from tidal.agents.base import rollout_logs
 from tidal.config.args import ConfigError
+from tidal.config.engine import rollout_engine_config
 from tidal.config.rl import RLModelsConfig, RolloutConfig
 from tidal.data.prompts import PromptSample
 from tidal.distributed.weight_sync import engine_weights
@@ -24,19 +26,7 @@ from tidal.experience.experience import Experience
 from tidal.experience.maker import from_trajectories
 from tidal.placement.protocols import RewardRole
 from tidal.rewards import RewardResult, load_reward_source
-from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
-
-
-def engine_config(cfg: RolloutConfig, device: torch.device | str, seed: int) -> EngineConfig:
-    """The engine's settings from the seed's ``--vllm_*`` flags (shared by local and separate engines)."""
-    return EngineConfig(
-        max_num_seqs=cfg.vllm_generate_batch_size or 256,
-        max_model_len=cfg.total_len,
-        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-        device=str(device),
-        seed=seed,
-        enforce_eager=cfg.enforce_eager,
-    )
+from tidal.rollout import LLMEngine, SamplingParams
 
 
 def build_executor(models: RLModelsConfig, apply_chat_template: bool) -> AgentExecutorBase:
@@ -104,7 +94,8 @@ class Rollout:
         exp = from_trajectories(trajectories, self.pad_id)
         result = self.score(trajectories, exp, n, prompts)
         exp.rewards, exp.scores = result.rewards.float(), result.scores.float()
-        return trajectories, exp, result.extra_logs
+        # agents' own logs and failed-episode counts (agent/errors) join the reward's logs
+        return trajectories, exp, result.extra_logs | rollout_logs(trajectories)
 
     def trajectories(self, prompts: Sequence[PromptSample], params: SamplingParams, first_index: int):
         raise NotImplementedError
@@ -143,7 +134,7 @@ class LocalRollout(Rollout):
     ):
         check_sync_flags(cfg, device)
         super().__init__(tokenizer, cfg, models, pad_id, reward_models)
-        self.engine = LLMEngine(model_path, engine_config(cfg, device, seed))
+        self.engine = LLMEngine(model_path, rollout_engine_config(cfg, str(device), seed))
         self.executor = build_executor(models, apply_chat_template)
 
     def trajectories(self, prompts: Sequence[PromptSample], params: SamplingParams, first_index: int):

@@ -1,0 +1,38 @@
+"""One flags → ``EngineConfig`` mapping serves RL and ``tidal generate``/``chat``; its dtype rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal.config import ConfigError
+from tidal.config.engine import engine_config, rollout_engine_config
+from tidal.config.rl import RolloutConfig
+from tidal.inference.config import PolicyConfig
+
+
+def test_rl_engine_runs_auto_dtype_and_reads_the_vllm_flags():
+    cfg = RolloutConfig(prompt_max_len=8, generate_max_len=4, vllm_generate_batch_size=3,
+                        vllm_gpu_memory_utilization=0.25, enforce_eager=True)  # fmt: skip
+    engine = rollout_engine_config(cfg, "cpu", 7)
+    assert (engine.dtype, engine.max_num_seqs, engine.max_model_len) == ("auto", 3, 12)
+    assert (engine.gpu_memory_utilization, engine.device, engine.seed, engine.enforce_eager) == (
+        0.25,
+        "cpu",
+        7,
+        True,
+    )
+    assert rollout_engine_config(RolloutConfig(), "auto", 0).max_num_seqs == 256
+
+
+@pytest.mark.parametrize(("flag", "dtype"), [("auto", "auto"), ("bf16", "bfloat16"), ("fp32", "float32")])
+def test_generate_maps_its_param_dtype_through_the_same_function(flag, dtype):
+    policy = PolicyConfig(pretrain="m", param_dtype=flag, max_num_seqs=4, max_model_len=64)
+    assert policy.engine_config(seed=1) == engine_config(
+        max_num_seqs=4, max_model_len=64, gpu_memory_utilization=0.5, seed=1, param_dtype=flag
+    )
+    assert policy.engine_config(seed=1).dtype == dtype
+
+
+def test_engine_rejections_are_one_line_config_errors():
+    with pytest.raises(ConfigError, match="^gpu_memory_utilization"):
+        engine_config(max_num_seqs=1, max_model_len=None, gpu_memory_utilization=1.5, seed=0)
