@@ -17,6 +17,12 @@ Architecture (after nano-vllm, written for tidal):
   decode attention is a Triton paged kernel (triton_attention.py); ``EngineConfig.enforce_eager`` turns
   the graphs off.
 
+Two ways to drive it: ``generate`` runs a list of prompts to completion; the step-level API
+(``add_request`` / ``step`` / ``has_unfinished`` / ``abort``) lets a caller that owns the engine (one
+thread, e.g. ``tidal serve``'s engine loop) add and drop requests between steps, so requests that
+arrive at different times share the continuous batch. The two are not mixed: ``generate`` refuses
+while step-level requests are in flight.
+
 The engine also swaps weights in place (``update_weights``) and frees / restores its KV cache
 (``sleep`` / ``wake_up``) so a trainer can share the device between rollout and training.
 """
@@ -142,6 +148,8 @@ class LLMEngine:
         )
         self._rng = random.Random(self.config.seed)
         self._next_seq_id = 0
+        self._next_request_id = 0
+        self._requests: dict[int, list[Sequence]] = {}  # step-level requests in flight, by id
         self.sleep_level = 0
 
     # ------------------------------------------------------------------ setup
@@ -169,6 +177,8 @@ class LLMEngine:
         """Run every prompt to completion; outputs come back in prompt order."""
         if self.sleep_level:
             raise RuntimeError("LLMEngine is asleep: call wake_up() before generate()")
+        if self._requests:
+            raise RuntimeError("LLMEngine.generate: step-level requests are in flight (add_request/step)")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._params_per_prompt(len(prompts), sampling_params)
@@ -188,6 +198,84 @@ class LLMEngine:
             )
             for i, (p, ids, group) in enumerate(zip(prompts, token_ids, groups, strict=True))
         ]
+
+    # ------------------------------------------------------------------ step-level API
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> int:
+        """Queue one prompt (text or token ids) for the next ``step``; return its request id.
+
+        Raises ``ValueError`` (and queues nothing) for a prompt that is empty, leaves no room for a new
+        token, or needs more KV blocks than the cache has.
+        """
+        if self.sleep_level:
+            raise RuntimeError("LLMEngine is asleep: call wake_up() before add_request()")
+        request_id = self._next_request_id
+        ids = self._encode(request_id, prompt)
+        group = self._make_group(request_id, ids, sampling_params or SamplingParams())
+        self._next_request_id += 1
+        self._requests[request_id] = group
+        self.scheduler.add(group)
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        """Whether any step-level request still has a sample to generate."""
+        return bool(self._requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step (a prefill or one decode token per running sample).
+
+        Returns a snapshot of every request that sampled a token in this step: its samples' ids and
+        log-probs so far, ``finished`` once all its samples have ended (then each sample's ``text`` and
+        ``finish_reason`` are set; before that ``text`` is empty and ``finish_reason`` is ``None``).
+        A finished request leaves the engine.
+        """
+        if not self._requests:
+            return []
+        batch = self.scheduler.schedule()
+        try:
+            tokens, logprobs = self.runner.run(batch)
+            self.scheduler.postprocess(batch, tokens, logprobs)
+        except BaseException:
+            # Same rule as generate: a failed step must not leave half-advanced sequences behind.
+            self.scheduler.abort_all()
+            self._requests.clear()
+            raise
+        advanced = dict.fromkeys(seq.request_index for seq in batch.seqs)
+        outputs = [self._snapshot(request_id) for request_id in advanced]
+        for out in outputs:
+            if out.finished:
+                del self._requests[out.request_id]
+        return outputs
+
+    def abort(self, request_id: int) -> bool:
+        """Drop a step-level request (a client went away): its samples stop and free their KV blocks.
+
+        Returns False when the request is unknown or already finished."""
+        group = self._requests.pop(request_id, None)
+        if group is None:
+            return False
+        scheduler = self.scheduler
+        members = {seq.seq_id for seq in group}
+        for seq in scheduler.running:
+            if seq.seq_id in members:
+                self.block_manager.free(seq)
+        scheduler.running = type(scheduler.running)(s for s in scheduler.running if s.seq_id not in members)
+        # Waiting groups are either never scheduled (no blocks) or preempted singles (blocks freed).
+        waiting = [[s for s in g if s.seq_id not in members] for g in scheduler.waiting]
+        scheduler.waiting = type(scheduler.waiting)(g for g in waiting if g)
+        return True
+
+    def _snapshot(self, request_id: int) -> RequestOutput:
+        group = self._requests[request_id]
+        finished = all(seq.is_finished for seq in group)
+        outputs = [
+            self._completion(seq)
+            if finished
+            else CompletionOutput(seq.sample_index, "", seq.output_token_ids, list(seq.output_logprobs), None)
+            for seq in group
+        ]
+        return RequestOutput(
+            request_id, None, group[0].token_ids[: group[0].num_prompt_tokens], outputs, finished
+        )
 
     def _run(self, groups: list[list[Sequence]], use_tqdm: bool) -> None:
         remaining = [len(g) for g in groups]

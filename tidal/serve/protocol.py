@@ -1,0 +1,432 @@
+"""The OpenAI wire format: request validation into engine inputs, and response / chunk bodies.
+
+Pure functions over dicts (no HTTP here). A request is checked field by field; anything tidal cannot
+honour is a ``RequestError`` (HTTP 400) naming the field and what was expected, never silently
+ignored: e.g. ``presence_penalty`` other than 0, ``logit_bias``, ``tools``, top-k alternatives in
+``logprobs`` (only the sampled token's log-prob is returned), ``echo``. Unknown fields are refused too.
+
+Lengths follow vLLM: a request whose prompt plus ``max_tokens`` exceeds the context length is refused
+with both numbers; without ``max_tokens`` the completion may use the rest of the context (or the
+server's ``--default_max_tokens``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from tidal.rollout import RequestOutput, SamplingParams
+
+CHAT, COMPLETIONS = "chat.completions", "completions"
+
+# Accepted fields; those marked in _NEUTRAL are accepted only at their no-op value.
+_SAMPLING_FIELDS = {"model", "n", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "stream"}
+_SAMPLING_FIELDS |= {"stream_options", "user", "presence_penalty", "frequency_penalty", "logit_bias"}
+_CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+_CHAT_FIELDS |= {"tools", "tool_choice", "parallel_tool_calls", "response_format"}
+_COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+# field → (accepted no-op value, why another value is refused)
+_NEUTRAL = {
+    "presence_penalty": (0, "penalties are not supported"),
+    "frequency_penalty": (0, "penalties are not supported"),
+    "logit_bias": (None, "logit_bias is not supported"),
+    "echo": (False, "echo (prompt log-probs) is not supported"),
+    "suffix": (None, "suffix (insertion) is not supported"),
+    "tools": (None, "tool calls are not supported yet"),
+    "tool_choice": (None, "tool calls are not supported yet"),
+    "parallel_tool_calls": (None, "tool calls are not supported yet"),
+}
+
+
+class RequestError(Exception):
+    """A request the server refuses; becomes ``{"error": {"message", "type", "code", "param"}}``."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        code: str | None = None,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+    ):
+        super().__init__(message)
+        self.message, self.status, self.code, self.param, self.type = message, status, code, param, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
+
+
+@dataclass
+class ServeRequest:
+    """A validated request: what the engine runs and how the answer is written."""
+
+    endpoint: str  # CHAT or COMPLETIONS
+    prompts: list[list[int]]  # one engine request per prompt (a completions batch may hold several)
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False  # streaming: a last chunk with the usage
+    logprobs: bool = False
+    episode_id: str | None = None
+    request_id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the served model allows: its id, context length and the default completion length."""
+
+    name: str
+    max_model_len: int
+    default_max_tokens: int | None = None
+
+
+# ---------------------------------------------------------------------------- field checks
+def _number(body: dict, name: str, default, low=None, high=None, integer=False, low_open=False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise RequestError(
+            f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", param=name
+        )
+    too_low = low is not None and (value <= low if low_open else value < low)
+    if too_low or (high is not None and value > high):
+        bounds = f"{'>' if low_open else '>='} {low}" if high is None else f"in [{low}, {high}]"
+        raise RequestError(f"'{name}' must be {bounds}, got {value}", param=name)
+    return value
+
+
+def _check_fields(body: dict, allowed: set[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise RequestError(f"unsupported field(s): {', '.join(unknown)}", param=unknown[0])
+    for name, (neutral, why) in _NEUTRAL.items():
+        value = body.get(name)
+        if name in allowed and value is not None and value != neutral and value != {} and value != []:
+            raise RequestError(f"'{name}': {why}", param=name)
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError("'stop' must be a non-empty string or a list of non-empty strings", param="stop")
+    return stops
+
+
+def _max_tokens(body: dict, prompt_len: int, limits: ModelLimits, names: tuple[str, ...]) -> int:
+    given = [(name, body[name]) for name in names if body.get(name) is not None]
+    name = given[0][0] if given else names[0]
+    room = limits.max_model_len - prompt_len
+    if room < 1:
+        raise RequestError(
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, your "
+            f"prompt has {prompt_len} tokens, which leaves no room for a completion. Please shorten the prompt.",
+            code="context_length_exceeded",
+            param="messages" if "max_completion_tokens" in names else "prompt",
+        )
+    if not given:
+        return min(room, limits.default_max_tokens or room)
+    max_tokens = _number(body, name, None, low=1, integer=True)
+    if prompt_len + max_tokens > limits.max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion). "
+            f"Please reduce the length of the prompt or '{name}'.",
+            code="context_length_exceeded",
+            param=name,
+        )
+    return max_tokens
+
+
+def _sampling(body: dict, max_tokens: int) -> SamplingParams:
+    seed = _number(body, "seed", None, integer=True)
+    return SamplingParams(
+        n=_number(body, "n", 1, low=1, integer=True),
+        temperature=_number(body, "temperature", 1.0, low=0),
+        top_p=_number(body, "top_p", 1.0, low=0, high=1, low_open=True),
+        top_k=_number(body, "top_k", -1, low=-1, integer=True),
+        max_new_tokens=max_tokens,
+        stop=_stop(body),
+        seed=None if seed is None else seed % 2**64,
+    )
+
+
+def _stream_options(body: dict) -> tuple[bool, bool]:
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise RequestError("'stream' must be a boolean", param="stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise RequestError("'stream_options' is only allowed with 'stream': true", param="stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise RequestError("'stream_options' may only hold 'include_usage'", param="stream_options")
+    return stream, bool(options.get("include_usage", False))
+
+
+def _episode(body: dict, header: str | None) -> str | None:
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise RequestError("'user' must be a string", param="user")
+    return header or user
+
+
+def check_model(body: dict, limits: ModelLimits) -> None:
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise RequestError("'model' is required: the model id from /v1/models", param="model")
+    if model != limits.name:
+        raise RequestError(
+            f"The model '{model}' does not exist; this server serves '{limits.name}'",
+            status=404,
+            code="model_not_found",
+            param="model",
+        )
+
+
+# ---------------------------------------------------------------------------- requests
+def message_text(index: int, message: Any) -> dict:
+    """One chat message as the template sees it: role and plain-text content."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise RequestError(f"messages[{index}] must be an object with a 'role'", param="messages")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: only text ones
+        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            raise RequestError(
+                f"messages[{index}]: only 'text' content parts are supported", param="messages"
+            )
+        content = "".join(str(p.get("text", "")) for p in content)
+    if content is not None and not isinstance(content, str):
+        raise RequestError(
+            f"messages[{index}].content must be a string or a list of text parts", param="messages"
+        )
+    return {**message, "content": content or ""}
+
+
+def chat_prompt_ids(tokenizer, messages: Any) -> list[int]:
+    """Render messages with the tokenizer's chat template (with the generation prompt) into ids."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list", param="messages")
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestError(
+            "the served model's tokenizer has no chat template: use /v1/completions, or start the server "
+            "with --tokenizer_chat_template"
+        )
+    rendered = [message_text(i, m) for i, m in enumerate(messages)]
+    try:
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+    except Exception as err:  # a template may raise on a message order it does not allow
+        raise RequestError(f"the chat template rejected the messages: {err}", param="messages") from err
+    # The template writes any bos itself; encoding must not add a second one.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def completion_prompt_ids(tokenizer, prompt: Any, vocab_size: int) -> list[list[int]]:
+    """``prompt`` as a string, a list of strings, a list of token ids or a list of such lists."""
+    if (
+        isinstance(prompt, str)
+        or isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise RequestError(
+            "'prompt' must be a string, a list of strings or a list of token ids", param="prompt"
+        )
+    prompts = []
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            ids = tokenizer.encode(p)  # as the engine encodes text prompts (bos where the tokenizer adds one)
+        elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            ids = list(p)
+            if any(not 0 <= t < vocab_size for t in ids):
+                raise RequestError(f"prompt {i} has token ids outside [0, {vocab_size})", param="prompt")
+        else:
+            raise RequestError(f"prompt {i} must be a string or a list of token ids", param="prompt")
+        if not ids:
+            raise RequestError(f"prompt {i} is empty", param="prompt")
+        prompts.append(ids)
+    return prompts
+
+
+def parse_chat(body: dict, tokenizer, limits: ModelLimits, episode_header: str | None = None) -> ServeRequest:
+    """A ``/v1/chat/completions`` body → ``ServeRequest``."""
+    _check_fields(body, _CHAT_FIELDS)
+    check_model(body, limits)
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise RequestError("'response_format': only {'type': 'text'} is supported", param="response_format")
+    logprobs = body.get("logprobs") or False
+    if not isinstance(logprobs, bool):
+        raise RequestError("'logprobs' must be a boolean", param="logprobs")
+    top = _number(body, "top_logprobs", 0, low=0, high=20, integer=True)
+    if top:
+        raise RequestError(
+            "'top_logprobs' > 0 is not supported: the engine returns the sampled token's log-prob only "
+            "(use 'logprobs': true with 'top_logprobs': 0)",
+            param="top_logprobs",
+        )
+    ids = chat_prompt_ids(tokenizer, body.get("messages"))
+    max_tokens = _max_tokens(body, len(ids), limits, ("max_completion_tokens", "max_tokens"))
+    stream, include_usage = _stream_options(body)
+    return ServeRequest(
+        CHAT,
+        [ids],
+        _sampling(body, max_tokens),
+        stream,
+        include_usage,
+        logprobs,
+        _episode(body, episode_header),
+    )
+
+
+def parse_completion(
+    body: dict, tokenizer, limits: ModelLimits, vocab_size: int, episode_header: str | None = None
+) -> ServeRequest:
+    """A ``/v1/completions`` body → ``ServeRequest`` (one engine request per prompt)."""
+    _check_fields(body, _COMPLETION_FIELDS)
+    check_model(body, limits)
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        _number(body, "logprobs", 0, low=0, high=5, integer=True)
+        if logprobs > 0:
+            raise RequestError(
+                "'logprobs' > 0 (top alternatives) is not supported: pass 'logprobs': 0 for the sampled "
+                "tokens' log-probs",
+                param="logprobs",
+            )
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise RequestError("'best_of' other than 'n' is not supported", param="best_of")
+    prompts = completion_prompt_ids(tokenizer, body.get("prompt"), vocab_size)
+    # One SamplingParams for the batch: without max_tokens each prompt gets the room the longest leaves.
+    max_tokens = _max_tokens(body, max(len(p) for p in prompts), limits, ("max_tokens",))
+    stream, include_usage = _stream_options(body)
+    return ServeRequest(
+        COMPLETIONS,
+        prompts,
+        _sampling(body, max_tokens),
+        stream,
+        include_usage,
+        logprobs is not None,
+        _episode(body, episode_header),
+    )
+
+
+# ---------------------------------------------------------------------------- responses
+def token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[float]) -> dict:
+    content = []
+    for token_id, logprob in zip(token_ids, logprobs, strict=True):
+        text = token_text(tokenizer, token_id)
+        content.append({"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[float], offset: int = 0) -> dict:
+    tokens = [token_text(tokenizer, t) for t in token_ids]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def response_body(req: ServeRequest, model: str, outputs: list[RequestOutput], tokenizer) -> dict:
+    """The non-streaming answer: one choice per (prompt, sample), index ``prompt * n + sample``."""
+    choices = []
+    for p, out in enumerate(outputs):
+        for sample in out.outputs:
+            choice: dict[str, Any] = {
+                "index": p * req.n + sample.index,
+                "finish_reason": sample.finish_reason,
+            }
+            if req.endpoint == CHAT:
+                choice["message"] = {"role": "assistant", "content": sample.text}
+                choice["logprobs"] = (
+                    chat_logprobs(tokenizer, sample.token_ids, sample.logprobs) if req.logprobs else None
+                )
+            else:
+                choice["text"] = sample.text
+                choice["logprobs"] = (
+                    completion_logprobs(tokenizer, sample.token_ids, sample.logprobs)
+                    if req.logprobs
+                    else None
+                )
+            choices.append(choice)
+    return {
+        "id": req.request_id,
+        "object": "chat.completion" if req.endpoint == CHAT else "text_completion",
+        "created": req.created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(outputs),
+    }
+
+
+def chunk_body(req: ServeRequest, model: str, choices: list[dict], usage_: dict | None = None) -> dict:
+    body = {
+        "id": req.request_id,
+        "object": "chat.completion.chunk" if req.endpoint == CHAT else "text_completion",
+        "created": req.created,
+        "model": model,
+        "choices": choices,
+    }
+    if req.include_usage:
+        body["usage"] = usage_
+    return body
+
+
+def chunk_choice(
+    req: ServeRequest,
+    tokenizer,
+    index: int,
+    text: str,
+    token_ids: list[int],
+    logprobs: list[float],
+    finish_reason: str | None,
+    text_offset: int = 0,
+) -> dict:
+    """One choice of a streamed chunk: the text and the tokens sampled since the previous chunk."""
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason}
+    if req.endpoint == CHAT:
+        choice["delta"] = {"content": text} if text or finish_reason is None else {}
+        choice["logprobs"] = (
+            chat_logprobs(tokenizer, token_ids, logprobs) if req.logprobs and token_ids else None
+        )
+    else:
+        choice["text"] = text
+        choice["logprobs"] = (
+            completion_logprobs(tokenizer, token_ids, logprobs, text_offset) if req.logprobs else None
+        )
+    return choice
+
+
+def streamable_text(text: str, stops: list[str]) -> str:
+    """The part of a growing completion that is safe to send: no half-decoded character at the end
+    (shown as U+FFFD), and not the last characters that could still begin a stop string (the text is
+    cut before a stop string, so those may never be sent)."""
+    text = text.rstrip("\ufffd")
+    hold = max((len(s) for s in stops), default=1) - 1
+    return text[: len(text) - hold] if hold else text

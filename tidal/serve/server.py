@@ -1,0 +1,326 @@
+"""The OpenAI-compatible HTTP server (``tidal serve``): Starlette routes over one ``EngineLoop``.
+
+Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming as
+server-sent events ``data: {...}`` ending with ``data: [DONE]``), and ``GET /health``. Handlers run on
+uvicorn's event loop; each validates its request (``protocol``), submits one engine request per prompt
+to the engine thread and awaits its events, so concurrent clients share the engine's continuous
+batching. A streaming client that disconnects has its requests aborted (their KV blocks freed).
+Every error is OpenAI's ``{"error": {"message", "type", "code", "param"}}``: 400 for a bad request
+(malformed JSON, a bad field, a prompt beyond the context length), 404 for an unknown model or route.
+
+``OpenAIServer(engine, ...).start()`` serves on a background thread (tests, an RL trainer);
+``serve_forever()`` serves on the calling thread until Ctrl-C (the CLI).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+from collections.abc import AsyncIterator
+from functools import partial
+
+from tidal.rollout import LLMEngine, RequestOutput
+from tidal.serve.engine_loop import EngineLoop, EngineStopped
+from tidal.serve.protocol import (
+    CHAT,
+    ModelLimits,
+    RequestError,
+    ServeRequest,
+    chunk_body,
+    chunk_choice,
+    parse_chat,
+    parse_completion,
+    response_body,
+    streamable_text,
+    usage,
+)
+from tidal.serve.recorder import RequestRecorder
+
+EPISODE_HEADER = "x-episode-id"
+
+
+def _post(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, prompt_index: int, event) -> None:
+    """Engine-thread listener: hand the event to the handler's loop (dropped if that loop is gone)."""
+    with contextlib.suppress(RuntimeError):  # the event loop closed (shutting down): nobody is waiting
+        loop.call_soon_threadsafe(events.put_nowait, (prompt_index, event))
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+class _SampleStream:
+    """What one streamed sample has sent so far (tokens, text)."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.text = ""
+
+    def delta(self, tokenizer, req: ServeRequest, sample, finished: bool) -> tuple[str, list, list]:
+        new_ids = sample.token_ids[self.tokens :]
+        new_logprobs = sample.logprobs[self.tokens :]
+        self.tokens = len(sample.token_ids)
+        if finished:
+            text = sample.text  # the engine's final text, cut at a stop string
+        else:
+            decoded = tokenizer.decode(sample.token_ids, skip_special_tokens=req.params.skip_special_tokens)
+            text = streamable_text(decoded, req.params.stop)
+        # Sent text cannot be taken back: send only what extends it (decoding a longer output keeps the
+        # shorter one's text as a prefix once half-decoded characters and stop-string heads are held back).
+        delta = text[len(self.text) :] if text.startswith(self.text) else ""
+        self.text += delta
+        return delta, new_ids, new_logprobs
+
+
+class OpenAIService:
+    """The routes' logic over an ``EngineLoop``; ``app`` is the Starlette application."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        model_name: str,
+        default_max_tokens: int | None = None,
+        recorder: RequestRecorder | None = None,
+    ):
+        if engine.tokenizer is None:
+            raise ValueError("tidal serve needs a model folder with a tokenizer")
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.limits = ModelLimits(model_name, engine.max_model_len, default_max_tokens)
+        self.recorder = recorder
+        self.loop = EngineLoop(engine)
+        self.app = self._build_app()
+
+    def _build_app(self):
+        from starlette.applications import Starlette
+        from starlette.exceptions import HTTPException
+        from starlette.routing import Route
+
+        async def http_error(request, exc: HTTPException):
+            code = "not_found" if exc.status_code == 404 else None
+            return self._error(
+                RequestError(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code, code)
+            )
+
+        routes = [
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+        ]
+        return Starlette(
+            routes=routes,
+            exception_handlers={HTTPException: http_error},
+            lifespan=self._lifespan,
+        )
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app):
+        self.loop.start()
+        try:
+            yield
+        finally:
+            self.loop.close()
+
+    @staticmethod
+    def _error(err: RequestError):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse(err.body(), status_code=err.status)
+
+    # ------------------------------------------------------------------ routes
+    async def health(self, request):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request):
+        from starlette.responses import JSONResponse
+
+        model = {"id": self.limits.name, "object": "model", "created": 0, "owned_by": "tidal"}
+        model["max_model_len"] = self.limits.max_model_len
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def chat(self, request):
+        return await self._handle(request, CHAT)
+
+    async def completions(self, request):
+        return await self._handle(request, "completions")
+
+    async def _handle(self, request, endpoint: str):
+        try:
+            body = await self._json(request)
+            episode = request.headers.get(EPISODE_HEADER)
+            if endpoint == CHAT:
+                req = parse_chat(body, self.tokenizer, self.limits, episode)
+            else:
+                vocab = self.engine.model.args.vocab_size
+                req = parse_completion(body, self.tokenizer, self.limits, vocab, episode)
+            return await self._serve(req)
+        except RequestError as err:
+            return self._error(err)
+
+    @staticmethod
+    async def _json(request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise RequestError(f"the request body is not valid JSON ({err})", code="invalid_json") from err
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        return body
+
+    async def _serve(self, req: ServeRequest):
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        aio_loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        orders = [self.recorder.next_order() if self.recorder and req.episode_id else 0 for _ in req.prompts]
+        accepted = [
+            self.loop.submit(ids, req.params, partial(_post, aio_loop, events, i), req.stream)
+            for i, ids in enumerate(req.prompts)
+        ]
+        ids = []
+        try:
+            for future in accepted:
+                ids.append(await asyncio.wrap_future(future))
+        except (ValueError, EngineStopped) as err:  # refused (e.g. the KV cache cannot hold it), or stopping
+            for future in accepted:
+                self._abort_when_accepted(future)
+            if isinstance(err, EngineStopped):
+                raise RequestError(str(err), 503, type="server_error") from err
+            raise RequestError(str(err)) from err
+        if req.stream:
+            return StreamingResponse(self._stream(req, ids, events, orders), media_type="text/event-stream")
+        outputs: list[RequestOutput | None] = [None] * len(ids)
+        try:
+            while any(o is None for o in outputs):
+                i, event = await events.get()
+                if isinstance(event, BaseException):
+                    raise RequestError(f"generation failed: {event}", 500, type="server_error")
+                outputs[i] = event
+        finally:
+            for i, out in enumerate(outputs):
+                if out is None:
+                    self.loop.abort(ids[i])
+        self._record(req, outputs, orders)
+        return JSONResponse(response_body(req, self.limits.name, outputs, self.tokenizer))
+
+    def _abort_when_accepted(self, future) -> None:
+        future.add_done_callback(lambda f: f.exception() is None and self.loop.abort(f.result()))
+
+    def _record(self, req: ServeRequest, outputs: list[RequestOutput], orders: list[int]) -> None:
+        if self.recorder is None or req.episode_id is None:
+            return
+        for out, order in zip(outputs, orders, strict=True):
+            self.recorder.record(req.episode_id, order, req.endpoint, out)
+
+    async def _stream(
+        self, req: ServeRequest, ids: list[int], events: asyncio.Queue, orders
+    ) -> AsyncIterator[str]:
+        name, tok = self.limits.name, self.tokenizer
+        streams = [[_SampleStream() for _ in range(req.n)] for _ in ids]
+        finals: list[RequestOutput | None] = [None] * len(ids)
+        try:
+            if req.endpoint == CHAT:  # OpenAI opens each choice with the role
+                first = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for k in range(len(ids) * req.n)]  # fmt: skip
+                yield _sse(chunk_body(req, name, first))
+            while any(f is None for f in finals):
+                i, event = await events.get()
+                if isinstance(event, BaseException):
+                    err = RequestError(f"generation failed: {event}", 500, type="server_error")
+                    yield _sse(err.body())
+                    return
+                choices = []
+                for sample in event.outputs:
+                    state = streams[i][sample.index]
+                    offset = len(state.text)
+                    text, new_ids, new_logprobs = state.delta(tok, req, sample, event.finished)
+                    if text or new_ids or event.finished:
+                        index = i * req.n + sample.index
+                        reason = sample.finish_reason if event.finished else None
+                        choices.append(
+                            chunk_choice(req, tok, index, text, new_ids, new_logprobs, reason, offset)
+                        )
+                if choices:
+                    yield _sse(chunk_body(req, name, choices))
+                if event.finished:
+                    finals[i] = event
+            self._record(req, finals, orders)
+            if req.include_usage:
+                yield _sse(chunk_body(req, name, [], usage(finals)))
+            yield "data: [DONE]\n\n"
+        finally:  # a client that went away mid-stream: stop its samples
+            for i, final in enumerate(finals):
+                if final is None:
+                    self.loop.abort(ids[i])
+
+
+class OpenAIServer:
+    """``OpenAIService`` under uvicorn: ``start()`` on a thread (``port`` 0 picks a free port) or
+    ``serve_forever()`` on this one."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        model_name: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        default_max_tokens: int | None = None,
+        recorder: RequestRecorder | None = None,
+        log_level: str = "warning",
+    ):
+        import uvicorn
+
+        self.service = OpenAIService(engine, model_name, default_max_tokens, recorder)
+        config = uvicorn.Config(self.service.app, host=host, port=port, log_level=log_level, lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return self._server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def base_url(self) -> str:
+        host = self._server.config.host
+        return f"http://{host}:{self.port}/v1"
+
+    def start(self) -> OpenAIServer:
+        """Serve on a background thread; returns once the socket listens."""
+        ready = threading.Event()
+        server = self._server
+        original = server.startup
+
+        async def startup(sockets=None):
+            await original(sockets)
+            ready.set()
+
+        server.startup = startup
+        self._thread = threading.Thread(target=server.run, name="tidal-serve-http", daemon=True)
+        self._thread.start()
+        while not ready.wait(0.05):
+            if not self._thread.is_alive():  # startup failed (port in use): uvicorn logged why
+                raise OSError(f"tidal serve could not listen on {server.config.host}:{server.config.port}")
+        if not server.started:
+            raise OSError(f"tidal serve could not listen on {server.config.host}:{server.config.port}")
+        return self
+
+    def serve_forever(self) -> None:
+        self._server.run()
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join()
+        self.service.loop.close()
+
+    def __enter__(self) -> OpenAIServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
