@@ -5,12 +5,15 @@ from tidal.agents import SingleTurnAgentExecutor, load_agent_executor   # in the
 
 executor = load_agent_executor(path) if path else SingleTurnAgentExecutor()
 trajectories = executor.run(engine, tokenizer, prompts, labels, SamplingParams(n=4), max_length=1024)
+
+from tidal.agents import ToolAgentExecutor, parse_tool_calls   # tool-using agents (tools.py, tool_parsers.py)
 """
 
 from tidal.agents.base import (
     AgentError,
     AgentExecutorBase,
     AgentInstanceBase,
+    EpisodeError,
     Trajectory,
     create_instance,
 )
@@ -18,15 +21,31 @@ from tidal.agents.client import LLMClient
 from tidal.agents.loader import load_agent_executor
 from tidal.agents.multi_turn import MultiTurnAgentExecutor
 from tidal.agents.single_turn import SingleTurnAgentExecutor
+from tidal.agents.tool_parsers import (
+    TOOL_PARSERS,
+    ParsedMessage,
+    ToolParseError,
+    detect_tool_parser,
+    parse_tool_calls,
+)
+from tidal.agents.tools import ToolAgentExecutor, tool_schema
 
 __all__ = [
     "AgentError",
     "AgentExecutorBase",
     "AgentInstanceBase",
+    "EpisodeError",
     "LLMClient",
     "MultiTurnAgentExecutor",
+    "ParsedMessage",
     "SingleTurnAgentExecutor",
+    "TOOL_PARSERS",
+    "ToolAgentExecutor",
+    "ToolParseError",
     "Trajectory",
     "create_instance",
+    "detect_tool_parser",
     "load_agent_executor",
+    "parse_tool_calls",
+    "tool_schema",
 ]

@@ -11,6 +11,13 @@ Token-in-token-out: a trajectory is built from token ids (prompt ids, then the e
 the tokenized environment feedback); generated text is never re-tokenized, so the trainer scores
 exactly the tokens that were sampled.
 
+Per-episode failures: an ``EpisodeError`` raised while executing one sample (the agent's code raised,
+a tool call did not parse, an unknown tool, a tool raised) ends THAT episode with reward 0 — keeping
+the tokens generated so far, so a malformed tool call is trained on as a 0-reward action — and the
+rollout goes on. ``run`` logs one warning per kind of failure with its count and first message, and
+``rollout_logs`` counts them for the step's metrics (``agent/errors`` and ``agent/<kind>``). Everything
+else an agent does wrong (a malformed return value, a non-finite reward) still stops the run.
+
 Prompt tokenization follows ``tidal.data.templates``: plain text is tokenized with
 ``add_special_tokens=True`` (a Llama-style tokenizer adds bos once), chat-rendered text with
 ``add_special_tokens=False``. Executors read ``self.add_special_tokens`` (default True); a trainer
@@ -23,6 +30,7 @@ import abc
 import asyncio
 import dataclasses
 import inspect
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -34,9 +42,22 @@ from tidal.rollout.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from tidal.agents.client import LLMClient
 
+logger = logging.getLogger(__name__)
+
 
 class AgentError(RuntimeError):
     """An agent or executor failed or returned something unusable; the message names its class and file."""
+
+
+class EpisodeError(AgentError):
+    """One episode failed; the executor ends it with reward 0 and the rollout goes on (see the module doc).
+
+    ``kind`` names the metric that counts it: ``agent/<kind>`` (e.g. ``agent_errors``,
+    ``tool_parse_errors``, ``unknown_tool_errors``, ``tool_errors``)."""
+
+    def __init__(self, message: str, kind: str = "agent_errors"):
+        super().__init__(message)
+        self.kind = kind
 
 
 class AgentInstanceBase:
@@ -87,8 +108,12 @@ class Trajectory:
     reward: float | None = None  # None: single-turn, scored afterwards by a RewardSource
     score: float | None = None
     extra_logs: dict[str, float] = field(default_factory=dict)
-    finish_reason: str = "stop"  # "stop" / "length" (engine, single-turn); "done" / "length" (agents)
+    finish_reason: str = (
+        "stop"  # "stop" / "length" (engine, single-turn); "done" / "length" / "error" (agents)
+    )
     num_turns: int = 1
+    error: str | None = None  # why the episode failed (an EpisodeError's message); None when it did not
+    error_kind: str | None = None  # the EpisodeError's kind, counted as ``agent/<kind>``
 
     @classmethod
     def start(cls, prompt: str, label: Any, prompt_ids: list[int]) -> Trajectory:
@@ -119,6 +144,11 @@ class Trajectory:
     def response_ids(self) -> list[int]:
         return self.token_ids[self.prompt_len :]
 
+    def fail(self, err: EpisodeError) -> None:
+        """End the episode on ``err``: reward and score 0, finish_reason "error"."""
+        self.reward, self.score, self.finish_reason = 0.0, 0.0, "error"
+        self.error, self.error_kind = str(err), err.kind
+
     def check(self) -> None:
         """Raise ValueError when the per-token lists disagree (a custom ``execute`` got them wrong)."""
         n = len(self.token_ids)
@@ -129,7 +159,8 @@ class Trajectory:
             )
         if not 0 < self.prompt_len <= n or any(self.action_mask[: self.prompt_len]):
             raise ValueError(f"prompt_len {self.prompt_len} must be in [1, {n}] and prompt tokens unmasked")
-        if not any(self.action_mask):
+        # A failed episode may end before its first action; its row then trains nothing.
+        if not any(self.action_mask) and self.error is None:
             raise ValueError("the trajectory has no action tokens")
 
 
@@ -228,7 +259,9 @@ class AgentExecutorBase(abc.ABC):
             for i, (prompt, label) in enumerate(zip(prompts, labels, strict=True), start=first_index)
             for j in range(n)
         ]
-        return list(await asyncio.gather(*jobs))
+        trajectories = list(await asyncio.gather(*jobs))
+        warn_episode_errors(trajectories)
+        return trajectories
 
     async def _execute_checked(
         self, prompt, label, params, client, tokenizer, max_length, index: SampleIndex | None = None
@@ -236,6 +269,9 @@ class AgentExecutorBase(abc.ABC):
         where = f" ({index})" if index is not None else ""
         try:
             trajectory = await self.execute(prompt, label, params, client, tokenizer, max_length)
+        except EpisodeError as err:  # failed before a trajectory existed: the prompt alone, reward 0
+            trajectory = Trajectory.start(prompt, label, self.encode_prompt(tokenizer, prompt)[:max_length])
+            trajectory.fail(err)
         except AgentError as err:
             raise AgentError(f"{err}{where}") from err
         if not isinstance(trajectory, Trajectory):
@@ -254,7 +290,37 @@ class AgentExecutorBase(abc.ABC):
                 f"{describe(self)}.execute returned {len(trajectory.token_ids)} tokens; max_length is "
                 f"{max_length}{where}"
             )
+        if trajectory.error is not None and where:
+            trajectory.error += where
         return trajectory
+
+
+def warn_episode_errors(trajectories: list[Trajectory]) -> None:
+    """One warning per kind of episode failure in this batch: how many, and the first one's message."""
+    failed = [t for t in trajectories if t.error is not None]
+    for kind in dict.fromkeys(t.error_kind for t in failed):
+        of_kind = [t for t in failed if t.error_kind == kind]
+        logger.warning(
+            "agent: %d of %d episodes failed (%s), each ended with reward 0; first: %s",
+            len(of_kind), len(trajectories), kind, of_kind[0].error,
+        )  # fmt: skip
+
+
+def rollout_logs(trajectories: list[Trajectory]) -> dict[str, float]:
+    """The step's agent metrics: each agent ``extra_logs`` key averaged over the episodes that report it,
+    and the number of failed episodes: ``agent/errors`` in all (logged, 0 included, whenever agents
+    rewarded the episodes) and ``agent/<kind>`` per kind that occurred. With several processes the
+    trainer averages these counts over the processes."""
+    values: dict[str, list[float]] = {}
+    for t in trajectories:
+        for key, value in t.extra_logs.items():
+            values.setdefault(key, []).append(value)
+    logs = {key: sum(v) / len(v) for key, v in values.items()}
+    kinds = [t.error_kind for t in trajectories if t.error is not None]
+    if kinds or (trajectories and all(t.reward is not None for t in trajectories)):
+        logs["agent/errors"] = float(len(kinds))
+    logs |= {f"agent/{kind}": float(kinds.count(kind)) for kind in dict.fromkeys(kinds)}
+    return logs
 
 
 def run_coroutine(coro):

@@ -5,11 +5,16 @@ observation (the prompt rule of ``AgentExecutorBase.encode_prompt``), then loop:
 
 1. generate an action from the current token ids (``max_new_tokens`` capped by what is left of
    ``max_length``) and append its ids (action_mask 1, the engine's log-probs);
-2. ``step({"observation_text", "action_text", "label", "sampling_params"})``;
+2. ``step({"observation_text", "action_text", "action_token_ids", "label", "sampling_params"})``;
 3. append the tokenized ``environment_feedback`` (``add_special_tokens=False``; action_mask 0);
 4. stop when the step says ``done`` (finish_reason "done") or the context reaches ``max_length``
    (finish_reason "length"; the last feedback is truncated to fit). A returned ``sampling_params``
    applies from the next turn on.
+
+When ``__init__``, ``reset`` or ``step`` raises (or raises ``EpisodeError`` itself, as the tool
+executor's environment does for a malformed tool call), the episode ends there with reward 0 and
+finish_reason "error", keeping the actions generated so far, and the rollout goes on (see
+``tidal.agents.base``). A malformed ``step`` answer or a non-finite reward still stops the run.
 
 Reward and score are those of the LAST step, as in OpenRLHF: environments that reward only at the
 end return 0 before, and per-step shaping can be accumulated inside the environment. ``extra_logs``
@@ -26,6 +31,7 @@ import torch
 from tidal.agents.base import (
     AgentError,
     AgentExecutorBase,
+    EpisodeError,
     Trajectory,
     create_instance,
     describe,
@@ -59,8 +65,13 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         self.agent_instance_cls = agent_instance_cls
         self.instance_kwargs = dict(instance_kwargs or {})
 
+    def instance_kwargs_for(self, tokenizer) -> dict:
+        """Keyword arguments of each new instance (subclasses add what needs the tokenizer)."""
+        return self.instance_kwargs
+
     async def execute(self, prompt, label, sampling_params, llm, tokenizer, max_length) -> Trajectory:
-        agent = await self._call(create_instance(self.agent_instance_cls, self.instance_kwargs), "__init__")
+        kwargs = self.instance_kwargs_for(tokenizer)
+        agent = await self._call(create_instance(self.agent_instance_cls, kwargs), "__init__")
         observation = await self._reset(agent, prompt, label)
         traj = Trajectory.start(prompt, label, self.encode_prompt(tokenizer, observation))
         if traj.prompt_len >= max_length:
@@ -77,10 +88,15 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             states = {
                 "observation_text": text,
                 "action_text": action_text,
+                "action_token_ids": list(output.token_ids),  # tidal's addition: the sampled ids
                 "label": label,
                 "sampling_params": params,
             }
-            result = await self._step(agent, states, params, turn=len(steps) + 1)
+            try:
+                result = await self._step(agent, states, params, turn=len(steps) + 1)
+            except EpisodeError as err:  # the action stays in the trajectory, trained with reward 0
+                traj.fail(err)
+                break
             traj.add_observation(tokenizer(result.feedback, add_special_tokens=False)["input_ids"])
             text += action_text + result.feedback
             params = result.sampling_params or params
@@ -89,19 +105,21 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         traj.response_text = tokenizer.decode(
             traj.response_ids, skip_special_tokens=sampling_params.skip_special_tokens
         )
-        traj.reward, traj.score = steps[-1].reward, steps[-1].score
         traj.extra_logs = _mean_logs([s.extra_logs for s in steps])
-        traj.finish_reason = "done" if steps[-1].done else "length"
-        traj.num_turns = len(steps)
+        traj.num_turns = len(steps) + (traj.error is not None)
+        if traj.error is None:
+            traj.reward, traj.score = steps[-1].reward, steps[-1].score
+            traj.finish_reason = "done" if steps[-1].done else "length"
         return traj
 
     async def _call(self, awaitable, what: str):
+        """Await the agent's code; what it raises fails this episode only (``EpisodeError``)."""
         try:
             return await awaitable
         except AgentError:
             raise
         except Exception as err:
-            raise AgentError(
+            raise EpisodeError(
                 f"{describe(self.agent_instance_cls)}.{what} raised {type(err).__name__}: {err}"
             ) from err
 
