@@ -12,6 +12,7 @@ from tidal.rewards.base import RewardError, RewardResult, RewardSource, check_fi
 from tidal.rewards.function import RewardFunction, load_python_file
 from tidal.rewards.loader import load_reward_source
 from tidal.rewards.remote import RemoteReward
+from tidal.rewards.sandbox import run_tests as run_tests
 
 __all__ = [
     "RemoteReward",
