@@ -11,6 +11,7 @@ COMMANDS = {
     "rm": ("tidal.cli.train_rm", "reward-model training on preference pairs"),
     "prm": ("tidal.cli.train_prm", "process reward model training on step labels"),
     "serve_rm": ("tidal.cli.serve_rm", "serve a reward model over HTTP (POST /get_reward)"),
+    "serve": ("tidal.cli.serve", "OpenAI-compatible endpoint (/v1/chat/completions, /v1/completions)"),
     "dpo": ("tidal.cli.train_dpo", "direct preference optimisation (DPO, IPO, cDPO)"),
     "kto": ("tidal.cli.train_kto", "Kahneman-Tversky optimisation on unpaired desirable/undesirable data"),
     "kd": ("tidal.cli.train_kd", "knowledge distillation from a teacher model"),

@@ -1,0 +1,41 @@
+"""``tidal serve``'s flags and the server the command builds from them."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal.cli import serve as serve_cli
+from tidal.cli.main import usage
+from tidal.config import ConfigError
+
+
+def test_flags_and_listing(tiny_llama):
+    model, serve = serve_cli.parse_configs(
+        ["--pretrain", str(tiny_llama), "--port", "0", "--max_model_len", "64"]
+    )
+    assert (model.pretrain, serve.port, serve.max_model_len) == (str(tiny_llama), 0, 64)
+    assert serve.model_name(model) == str(tiny_llama)
+    assert "serve" in usage()
+    with pytest.raises(ConfigError, match="--port must be in"):
+        serve_cli.parse_configs(["--pretrain", str(tiny_llama), "--port", "70000"])
+    with pytest.raises(SystemExit):  # a training flag is not a server flag
+        serve_cli.parse_configs(["--pretrain", str(tiny_llama), "--lora_rank", "4"])
+
+
+def test_bad_model_folder_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        serve_cli.main(["--pretrain", str(tmp_path / "missing")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tidal serve: error: --pretrain") and err.count("\n") == 1
+
+
+def test_built_server_answers(tiny_llama):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("starlette")
+    argv = ["--pretrain", str(tiny_llama), "--port", "0", "--served_model_name", "m", "--max_model_len", "64"]
+    server = serve_cli.build_server(*serve_cli.parse_configs(argv + ["--default_max_tokens", "3"]))
+    with server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        r = client.completions.create(model="m", prompt="the")
+    assert r.usage.completion_tokens == 3  # --default_max_tokens
