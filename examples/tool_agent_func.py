@@ -1,0 +1,80 @@
+"""A tool-using agent for ``--agent_func_path examples/tool_agent_func.py``: multiply with a calculator.
+
+Prompts are products like "37*58=" with labels "2146". The model may call ``multiply`` in the Hermes
+format (``<tool_call>{"name": "multiply", "arguments": {"a": 37, "b": 58}}</tool_call>``); the result
+comes back as a ``tool`` message rendered by the chat template, and the model's next message without
+a call is its answer. Reward: 1.0 when the answer's first integer is the product, else 0.0.
+
+``write_data(folder)`` writes the task's files: ``prompts.jsonl`` for RL and ``sft.jsonl``, chat
+demonstrations in which HALF the answers use the tool (and are right) and half guess a number (and
+are wrong), so that after SFT the model knows the call format and RL has a clear choice to learn.
+The tests SFT a tiny model on them, then run ``tidal ppo`` with this file (tests/agents/test_tools.py):
+
+    tidal sft --pretrain MODEL --dataset DIR/sft.jsonl --input_key prompt --output_key answer ...
+    tidal ppo --pretrain SFT_MODEL --prompt_data DIR/prompts.jsonl --input_key prompt --label_key label \\
+        --agent_func_path examples/tool_agent_func.py --generate_max_len 64 ...
+"""
+
+import json
+import random
+import re
+from pathlib import Path
+
+from tidal.agents import ToolAgentExecutor
+
+# A real instruct model reads the tools from the prompt; the tiny test model learns the call format
+# from the SFT demonstrations instead, and a ~300-token tool list would only slow it down on CPU.
+TOOLS_IN_PROMPT = False
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    return a * b
+
+
+def exact_answer(answer: str, label) -> float:
+    """1.0 when the first integer of the final answer is the label."""
+    match = re.search(r"-?\d+", answer)
+    return float(match is not None and match.group(0) == str(label).strip())
+
+
+class AgentExecutor(ToolAgentExecutor):
+    def __init__(self):
+        super().__init__(
+            tools=[multiply],
+            reward_fn=exact_answer,
+            parser="hermes",
+            max_turns=2,
+            tools_in_prompt=TOOLS_IN_PROMPT,
+        )
+
+
+def write_data(folder, n_sft: int = 512, n_prompts: int = 256, seed: int = 0, tool_fraction: float = 0.5):
+    """Write ``sft.jsonl`` (rendered with the ChatML template of tidal.testing's tiny Qwen2 models) and
+    ``prompts.jsonl`` into ``folder``; return the folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    with (folder / "sft.jsonl").open("w") as f:
+        for _ in range(n_sft):
+            a, b = rng.randint(10, 99), rng.randint(10, 99)
+            prompt = f"<|im_start|>user\n{a}*{b}=<|im_end|>\n<|im_start|>assistant\n"
+            if rng.random() < tool_fraction:
+                call = json.dumps({"name": "multiply", "arguments": {"a": a, "b": b}}, separators=(",", ":"))
+                answer = (
+                    f"<tool_call>{call}</tool_call><|im_end|>\n<|im_start|>tool\n{a * b}<|im_end|>\n"
+                    f"<|im_start|>assistant\n{a * b}"
+                )
+            else:  # a guess of the right size, almost always wrong
+                answer = str(rng.randint(100, 9999))
+            f.write(json.dumps({"prompt": prompt, "answer": answer}) + "\n")
+    with (folder / "prompts.jsonl").open("w") as f:
+        for _ in range(n_prompts):
+            a, b = rng.randint(10, 99), rng.randint(10, 99)
+            f.write(json.dumps({"prompt": f"{a}*{b}=", "label": str(a * b)}) + "\n")
+    return folder
