@@ -256,3 +256,23 @@ def test_recorder_keeps_episode_tokens(client, served):
     assert second.prompt_token_ids == chat_ids(tokenizer, turn2) and second.order > first.order
     assert tokenizer.decode(second.samples[0].token_ids, skip_special_tokens=True) == streamed
     assert recorder.episode_ids() == []
+
+
+def test_client_leaving_a_stream_aborts_its_samples(tiny_llama):
+    """The stream would take ~1000 decode steps; the client leaves after two chunks, so the engine
+    must drop both samples (nothing recorded, every KV block free) long before they could finish."""
+    engine = LLMEngine(tiny_llama, EngineConfig(max_num_seqs=4, num_kv_blocks=160, max_model_len=1024))
+    recorder = RequestRecorder()
+    with OpenAIServer(engine, MODEL, recorder=recorder) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        stream = client.completions.create(
+            model=MODEL, prompt="the", max_tokens=1000, n=2, stream=True, user="gone"
+        )
+        chunks = iter(stream)
+        next(chunks), next(chunks)
+        stream.response.close()
+        done = threading.Event()
+        while engine.has_unfinished():  # the abort reaches the engine thread between two steps
+            done.wait(0.01)
+        assert recorder.episode("gone") == []
+        assert engine.block_manager.num_free_blocks == engine.num_kv_blocks
