@@ -80,6 +80,15 @@ def test_model_folder_without_config_json(capsys, model_copy, sft_data, tmp_path
     )
 
 
+def test_model_path_that_does_not_exist(capsys, sft_data, tmp_path):
+    """Neither a local folder nor reachable on the hub (tests run offline): one line that says so first."""
+    missing = tmp_path / "no_such_model"
+    line = fails_with(capsys, train_sft.main, sft_argv(missing, sft_data, tmp_path))
+    assert line.startswith(
+        f"tidal sft: error: --pretrain {missing}: no such local folder, and the Hugging Face hub could not"
+    )
+
+
 def test_tokenizer_without_pad_or_eos(capsys, model_copy, sft_data, tmp_path):
     path = model_copy / "tokenizer_config.json"
     config = json.loads(path.read_text())

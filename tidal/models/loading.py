@@ -25,7 +25,7 @@ def load_tokenizer(path: str, cfg: ModelConfig | None = None):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, use_fast=use_fast)
     except OSError as err:
-        raise ConfigError(f"--pretrain {path}: cannot load a tokenizer from it ({err})") from err
+        raise ConfigError(f"--pretrain {path}: {_cannot_load(path, 'a tokenizer', err)}") from err
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ConfigError(
@@ -51,10 +51,23 @@ def check_model_folder(path: str, flag: str = "--pretrain") -> None:
 
 def model_load_error(path: str, err: Exception, flag: str = "--pretrain") -> ConfigError:
     """One line for a model that ``from_pretrained`` could not read."""
-    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     if isinstance(err, SafetensorError):
-        return ConfigError(f"{flag} {path}: a .safetensors weights file is truncated or corrupt ({reason})")
-    return ConfigError(f"{flag} {path}: cannot load a model from it ({type(err).__name__}: {reason})")
+        return ConfigError(
+            f"{flag} {path}: a .safetensors weights file is truncated or corrupt ({_first_line(err)})"
+        )
+    return ConfigError(f"{flag} {path}: {_cannot_load(path, 'a model', err)}")
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def _cannot_load(path: str, what: str, err: Exception) -> str:
+    # transformers' message for a name that is neither a folder nor reachable on the hub spans lines
+    # and talks about internet connections; say first that no such local folder exists.
+    if not Path(path).expanduser().exists():
+        return f"no such local folder, and the Hugging Face hub could not provide it ({_first_line(err)})"
+    return f"cannot load {what} from it ({type(err).__name__}: {_first_line(err)})"
 
 
 def _quantization_config():
