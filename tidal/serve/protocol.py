@@ -150,6 +150,13 @@ def _max_tokens(body: dict, prompt_len: int, limits: ModelLimits, names: tuple[s
 
 def _sampling(body: dict, max_tokens: int) -> SamplingParams:
     seed = _number(body, "seed", None, integer=True)
+    try:
+        return _params(body, max_tokens, seed)
+    except ValueError as err:  # anything the field checks above let through
+        raise RequestError(str(err).replace("SamplingParams: ", "")) from err
+
+
+def _params(body: dict, max_tokens: int, seed: int | None) -> SamplingParams:
     return SamplingParams(
         n=_number(body, "n", 1, low=1, integer=True),
         temperature=_number(body, "temperature", 1.0, low=0),

@@ -21,6 +21,7 @@ import threading
 from collections.abc import AsyncIterator
 from functools import partial
 
+from tidal.logging import get_logger
 from tidal.rollout import LLMEngine, RequestOutput
 from tidal.serve.engine_loop import EngineLoop, EngineStopped
 from tidal.serve.protocol import (
@@ -37,6 +38,8 @@ from tidal.serve.protocol import (
     usage,
 )
 from tidal.serve.recorder import RequestRecorder
+
+log = get_logger(__name__)
 
 EPISODE_HEADER = "x-episode-id"
 
@@ -161,6 +164,9 @@ class OpenAIService:
             return await self._serve(req)
         except RequestError as err:
             return self._error(err)
+        except Exception as err:  # a bug: still an OpenAI-style answer, and the server keeps serving
+            log.exception("%s failed", request.url.path)
+            return self._error(RequestError(f"internal error: {err}", 500, type="server_error"))
 
     @staticmethod
     async def _json(request) -> dict:
