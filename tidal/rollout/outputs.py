@@ -13,7 +13,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" (eos, stop token or stop string) or "length"
+    finish_reason: str | None  # "stop" (eos, stop token or stop string), "length"; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
 
     @property
