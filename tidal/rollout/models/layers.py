@@ -283,9 +283,14 @@ class CausalLM(nn.Module):
         """Build the RoPE tables for positions [0, max_model_len) on the model's device."""
         self.rotary.build(hf_config, self.args.head_dim, max_model_len, self.model.embed_tokens.weight.device)
 
+    def rope(self, positions, meta: AttentionMetadata, dtype: torch.dtype):
+        """The (cos, sin) that the layers receive. A family whose rotation depends on more than the position
+        (LongRoPE: on the sequence's length) or differs per layer (Gemma 3) overrides this."""
+        return self.rotary(positions, dtype)
+
     def forward(self, input_ids, positions, meta: AttentionMetadata, logits_index=None) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        cos, sin = self.rope(positions, meta, x.dtype)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, cos, sin, meta)
