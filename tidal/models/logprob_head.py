@@ -27,9 +27,8 @@ from tidal.rollout.models.registry import chunkable_model_types
 
 DEFAULT_CHUNK = 2048
 # Families whose causal-LM forward applies nothing after ``lm_head`` (no soft-capping or logit scaling),
-# so replacing the head's output is exact: the engine's families that say so in its registry, and MoE
-# families the trainer loads through transformers but the engine does not implement yet.
-CHUNKABLE_MODEL_TYPES = chunkable_model_types() | {"qwen2_moe", "qwen3_moe", "mixtral"}
+# so replacing the head's output is exact: the engine's families that say so in its registry.
+CHUNKABLE_MODEL_TYPES = chunkable_model_types()
 
 
 def chunkable_head(model: nn.Module) -> nn.Linear | None:

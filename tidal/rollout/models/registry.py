@@ -43,6 +43,12 @@ _FAMILIES = (
     Family("qwen3", "qwen3:Qwen3ForCausalLM", dict(tie_word_embeddings=True, rope_theta=1000000.0, head_dim=32)),
     Family("mistral", "llama:LlamaForCausalLM", dict(tie_word_embeddings=False, rope_theta=10000.0, sliding_window=None), tiny_adds_bos=True),
     Family("olmo2", "olmo2:Olmo2ForCausalLM", dict(tie_word_embeddings=False, rope_theta=500000.0)),
+    Family("gemma2", "gemma2:Gemma2ForCausalLM", dict(tie_word_embeddings=True, head_dim=32, query_pre_attn_scalar=24, sliding_window=8), tiny_adds_bos=True, chunkable_head=False),
+    Family("gemma3_text", "gemma3:Gemma3ForCausalLM", dict(tie_word_embeddings=True, head_dim=32, query_pre_attn_scalar=24, sliding_window=8, sliding_window_pattern=2), tiny_adds_bos=True, chunkable_head=False),
+    Family("phi3", "phi3:Phi3ForCausalLM", dict(tie_word_embeddings=False, rope_theta=10000.0)),
+    Family("qwen3_moe", "qwen3_moe:Qwen3MoeForCausalLM", dict(tie_word_embeddings=False, rope_theta=1000000.0, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[2])),
+    Family("qwen2_moe", "qwen2_moe:Qwen2MoeForCausalLM", dict(tie_word_embeddings=False, rope_theta=1000000.0, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=128, norm_topk_prob=False, decoder_sparse_step=2)),
+    Family("mixtral", "mixtral:MixtralForCausalLM", dict(tie_word_embeddings=False, rope_theta=1000000.0, num_local_experts=4, num_experts_per_tok=2, intermediate_size=128, sliding_window=None), tiny_adds_bos=True),
 )
 # fmt: on
 FAMILIES: dict[str, Family] = {family.model_type: family for family in _FAMILIES}

@@ -1,0 +1,254 @@
+"""The sparse mixture-of-experts block shared by the engine's MoE families (Qwen3-MoE, Qwen2-MoE, Mixtral).
+
+A sparse layer replaces the dense MLP of ``layers.DecoderLayer`` by:
+
+- a router (``gate``, a bias-free linear layer to ``num_experts`` logits), softmax in float32, top-k,
+  optionally renormalised over the k selected (``route``);
+- the experts, stored stacked like transformers' ``*Experts`` modules: ``gate_up_proj`` [E, 2*I, H]
+  (gate rows first) and ``down_proj`` [E, H, I]; ``expert_forward`` sorts the token/expert pairs by
+  expert and runs each expert once on its contiguous slice (grouped GEMM on CUDA, a loop over experts
+  elsewhere: never a loop over tokens), then sums each token's k weighted outputs as transformers does;
+- optionally a shared expert (Qwen2-MoE): a dense gated MLP scaled by ``sigmoid(shared_expert_gate(x))``
+  and added to the routed output.
+
+``expert_forward`` is the one seam where a fused MoE kernel (Triton) plugs in later.
+
+Weights: checkpoint folders store one module per expert (``mlp.experts.{e}.gate_proj.weight``, or
+Mixtral's ``block_sparse_moe.experts.{e}.w1.weight``, renamed by the family); a trainer's
+``named_parameters()`` under transformers >= 5 give the stacked ``mlp.experts.gate_up_proj`` directly.
+``MoECausalLM.load_weights`` takes both: per-expert tensors are copied into their expert's slice of the
+stacked parameter, everything else goes through ``CausalLM``'s generic loader.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from tidal.rollout.models.layers import ACTIVATIONS, Attention, CausalLM, DecoderArgs, DecoderLayer, GatedMLP
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """The routed-experts part of a config.
+
+    ``weights_in_model_dtype``: Qwen-style routers round the top-k weights to the model dtype before
+    they scale the expert outputs; Mixtral keeps them in float32 (the products are then float32 until the
+    per-token sum is rounded). ``sparse_layers``: per layer, whether it has this block (else a dense MLP).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    weights_in_model_dtype: bool
+    sparse_layers: tuple[bool, ...]
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+
+
+@dataclass
+class MoEDecoderArgs(DecoderArgs):
+    """``DecoderArgs`` plus the MoE block's arguments (``None``: every layer dense)."""
+
+    moe: MoEArgs | None = None
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        return self.moe is not None and self.moe.sparse_layers[layer_idx]
+
+
+def qwen_sparse_layers(config) -> tuple[bool, ...]:
+    """Qwen-MoE's rule: a layer is sparse unless listed in ``mlp_only_layers``, when ``num_experts > 0``
+    and its 1-based index is a multiple of ``decoder_sparse_step``."""
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return tuple(
+        i not in dense and config.num_experts > 0 and (i + 1) % step == 0
+        for i in range(config.num_hidden_layers)
+    )
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_in_model_dtype: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [tokens, k], expert ids [tokens, k]) of the k most probable experts, as transformers'
+    top-k routers compute them: softmax in float32, ``topk``, optional renormalisation over the k."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if weights_in_model_dtype:
+        weights = weights.to(router_logits.dtype)
+    return weights, ids
+
+
+def _grouped_mm_usable(x: torch.Tensor) -> bool:
+    # torch's grouped GEMM has no host sync (CUDA-graph safe); its CUDA kernel wants bf16 and sm80+.
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    )
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``x`` [S, in] sorted by expert, ``weight`` [E, out, in], ``offsets`` [E] cumulative row counts ->
+    [S, out]: rows of expert e times ``weight[e].T``."""
+    if _grouped_mm_usable(x):
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    out = x.new_empty(x.shape[0], weight.shape[1])
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):  # one host sync for all experts
+        if end > start:
+            torch.mm(x[start:end], weight[expert].t(), out=out[start:end])
+        start = end
+    return out
+
+
+def expert_forward(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    act,
+) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t; x [T, H] -> [T, H].
+
+    The arithmetic is transformers' grouped path (its default): pairs sorted by expert, gated MLP per
+    expert, scaled by the routing weight, back in token order, summed over k, rounded to ``x.dtype``."""
+    num_tokens, top_k = ids.shape
+    num_experts = gate_up_proj.shape[0]
+    flat_ids = ids.reshape(-1)
+    sorted_ids, order = torch.sort(flat_ids)
+    rows = x[order // top_k]
+    # histc, not bincount: no host sync on CUDA (graph capture); CPU histc wants floats.
+    counts_input = sorted_ids.float() if not x.is_cuda else sorted_ids.int()
+    counts = torch.histc(counts_input, bins=num_experts, min=0, max=num_experts - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    gate, up = grouped_linear(rows, gate_up_proj, offsets).chunk(2, dim=-1)
+    out = grouped_linear(act(gate) * up, down_proj, offsets)
+    out = out * weights.reshape(-1)[order].unsqueeze(-1)
+    unsorted = torch.empty_like(out)
+    unsorted[order] = out
+    return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+class Experts(nn.Module):
+    """The stacked expert weights (names and shapes as transformers' ``*Experts`` modules)."""
+
+    def __init__(self, moe: MoEArgs, hidden_size: int, hidden_act: str):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(moe.num_experts, hidden_size, moe.intermediate_size))
+        self.act = ACTIVATIONS[hidden_act]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return expert_forward(x, self.gate_up_proj, self.down_proj, weights, ids, self.act)
+
+
+class SparseMoE(nn.Module):
+    """Router + experts (+ the optional gated shared expert); x [T, H] -> [T, H]."""
+
+    def __init__(self, args: MoEDecoderArgs):
+        super().__init__()
+        moe = args.moe
+        self.moe = moe
+        self.gate = nn.Linear(args.hidden_size, moe.num_experts, bias=False)
+        self.experts = Experts(moe, args.hidden_size, args.hidden_act)
+        if moe.shared_expert_intermediate_size:
+            shared = replace(args, intermediate_size=moe.shared_expert_intermediate_size, mlp_bias=False)
+            self.shared_expert = GatedMLP(shared)
+            self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(
+            self.gate(x), self.moe.top_k, self.moe.renormalize, self.moe.weights_in_model_dtype
+        )
+        out = self.experts(x, weights, ids)
+        if self.moe.shared_expert_intermediate_size:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class MoEDecoderLayer(DecoderLayer):
+    """Llama's pre-norm layer with the MLP replaced by ``SparseMoE`` where the config says."""
+
+    def __init__(self, args: MoEDecoderArgs, layer_idx: int, attention_cls: type[Attention] = Attention):
+        super().__init__(args, layer_idx, attention_cls)
+        if args.is_sparse(layer_idx):
+            self.mlp = SparseMoE(args)
+
+
+# A per-expert checkpoint weight, after the family's renames: "<block>.experts.<e>.<proj>.weight".
+_PER_EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+# The shared expert's gate/up: their packed rows follow the shared size, not ``intermediate_size``.
+_SHARED_GATE_UP = re.compile(r"^(?P<mlp>.+\.shared_expert)\.(?P<proj>gate_proj|up_proj)\.weight$")
+_GATE_UP_SHARD = {"gate_proj": 0, "up_proj": 1}
+
+
+class MoECausalLM(CausalLM):
+    """Base of the MoE families: ``MoEDecoderLayer``s and a loader that also takes per-expert weights."""
+
+    layer_cls = MoEDecoderLayer
+    # Per-expert projection -> (stacked parameter of ``Experts``, shard of the packed gate/up or None).
+    expert_weights: ClassVar[dict[str, tuple[str, int | None]]] = {
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+        "down_proj": ("down_proj", None),
+    }
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """``CausalLM.load_weights``, plus per-expert and shared-expert tensors copied into their slices.
+
+        A stacked parameter's key counts as loaded once every expert's slices have been given."""
+        params = dict(self.named_parameters())
+        pieces: dict[str, set[tuple[int, int | None]]] = {}
+        loaded: set[str] = set()
+
+        def generic():
+            for raw_name, tensor in named_tensors:
+                name = self._our_name(raw_name)
+                if (match := _PER_EXPERT.match(name)) and match["proj"] in self.expert_weights:
+                    stacked, shard = self.expert_weights[match["proj"]]
+                    target = f"{match['block']}.{stacked}"
+                    dst = self._param(params, target, raw_name).select(0, int(match["expert"]))
+                    _copy(_shard(dst, shard), tensor, raw_name)
+                    pieces.setdefault(target, set()).add((int(match["expert"]), shard))
+                elif match := _SHARED_GATE_UP.match(name):
+                    target = f"{match['mlp']}.gate_up_proj.weight"
+                    shard = _GATE_UP_SHARD[match["proj"]]
+                    _copy(_shard(self._param(params, target, raw_name), shard), tensor, raw_name)
+                    loaded.add(f"{target}#{shard}")
+                else:
+                    yield raw_name, tensor
+
+        loaded |= super().load_weights(generic())
+        for target, got in pieces.items():
+            experts = params[target].shape[0]
+            shards = (0, 1) if target.endswith("gate_up_proj") else (None,)
+            if len(got) == experts * len(shards):
+                loaded.add(target)
+        return loaded
+
+    def _param(self, params: dict[str, nn.Parameter], target: str, raw_name: str) -> nn.Parameter:
+        if target not in params:
+            raise ValueError(f"unexpected weight {raw_name!r} for a {self.args.model_type} decoder")
+        return params[target]
+
+
+def _shard(packed: torch.Tensor, shard: int | None) -> torch.Tensor:
+    """Half ``shard`` of a packed gate/up matrix (rows), or the whole tensor for ``None``."""
+    return packed if shard is None else packed.chunk(2, dim=0)[shard]
+
+
+def _copy(dst: torch.Tensor, tensor: torch.Tensor, raw_name: str) -> None:
+    if tuple(dst.shape) != tuple(tensor.shape):
+        raise ValueError(f"weight {raw_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(tensor)
