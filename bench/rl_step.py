@@ -75,7 +75,7 @@ class GRPOStep:
     """The parts of a local-mode RL run and one step over them (see the module docstring)."""
 
     def __init__(self, args, device: torch.device):
-        from tidal.config.rl import RLConfig
+        from tidal.config.rl import AlgorithmConfig
         from tidal.distributed.world import World
         from tidal.rollout import EngineConfig, LLMEngine
 
@@ -87,7 +87,7 @@ class GRPOStep:
             compile_blocks(self.policy)
         self.opt = optimization(self.policy, device)
         self.world = World(device=device)
-        self.rl = RLConfig(advantage_estimator="group_norm", init_kl_coef=0.0)
+        self.rl = AlgorithmConfig(advantage_estimator="group_norm", init_kl_coef=0.0)
         engine_cfg = EngineConfig(
             max_num_seqs=args.prompts * args.n, max_model_len=args.prompt_len + args.new_tokens,
             gpu_memory_utilization=0.3, device=str(device), seed=args.seed,

@@ -168,12 +168,12 @@ def test_estimate_advantages_gae_needs_values():
 def test_gamma_below_one_is_refused_where_returns_are_undiscounted(estimator):
     """OpenRLHF forces γ = 1 for the group-baseline estimators; tidal refuses instead of ignoring --gamma."""
     from tidal.config import ConfigError
-    from tidal.config.rl import RLConfig
+    from tidal.config.rl import AlgorithmConfig
 
     with pytest.raises(ConfigError, match=rf"--gamma 0.9: --advantage_estimator {estimator} is undiscounted"):
-        RLConfig(advantage_estimator=estimator, gamma=0.9)
+        AlgorithmConfig(advantage_estimator=estimator, gamma=0.9)
     for discounted in ("gae", "reinforce"):
-        assert RLConfig(advantage_estimator=discounted, gamma=0.9).gamma == 0.9
+        assert AlgorithmConfig(advantage_estimator=discounted, gamma=0.9).gamma == 0.9
 
 
 def test_estimator_facts_live_on_the_registry_entry():

@@ -130,8 +130,8 @@ def test_ppo_correction_multiplies_the_token_loss_by_the_weights():
 
 def test_icepop_with_gspo_is_refused_not_ignored():
     from tidal.config import ConfigError
-    from tidal.config.rl import RLConfig
+    from tidal.config.rl import AlgorithmConfig
 
-    RLConfig(policy_loss_type="gspo", enable_vllm_is_correction=True)  # GSPO's own correction: fine
+    AlgorithmConfig(policy_loss_type="gspo", enable_vllm_is_correction=True)  # GSPO's own correction: fine
     with pytest.raises(ConfigError, match="--use_icepop with --policy_loss_type gspo"):
-        RLConfig(policy_loss_type="gspo", enable_vllm_is_correction=True, use_icepop=True)
+        AlgorithmConfig(policy_loss_type="gspo", enable_vllm_is_correction=True, use_icepop=True)

@@ -8,7 +8,7 @@ import torch
 
 from tidal.algorithms import entropy_from_logits, masked_mean
 from tidal.config import ModelConfig
-from tidal.config.rl import RLConfig
+from tidal.config.rl import AlgorithmConfig
 from tidal.distributed import World
 from tidal.experience.experience import Experience
 from tidal.models import Precision, load_causal_lm
@@ -34,7 +34,7 @@ def test_entropy_bonus_is_of_the_tempered_distribution(tiny_llama, packing):
     model = load_causal_lm(ModelConfig(pretrain=str(tiny_llama)), torch.device("cpu"))
     precision = Precision.create("fp32", torch.device("cpu"))
     exp = _experience()
-    loss_fn = PolicyLoss(RLConfig(entropy_loss_coef=0.01), precision, TEMPERATURE, packing)
+    loss_fn = PolicyLoss(AlgorithmConfig(entropy_loss_coef=0.01), precision, TEMPERATURE, packing)
     _, metrics = loss_fn(model, exp, Normaliser.of(exp, World()))
 
     with torch.no_grad():

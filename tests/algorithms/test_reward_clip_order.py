@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from tidal.algorithms import estimate_advantages
-from tidal.config.rl import RLConfig
+from tidal.config.rl import AlgorithmConfig
 from tidal.distributed.world import World
 from tidal.experience.experience import Experience
 from tidal.experience.maker import BatchReduction, add_advantages, shape_rewards
@@ -29,7 +29,7 @@ def _experience(rewards: torch.Tensor, width: int = 3) -> Experience:
                       old_logprobs=zeros.clone())  # fmt: skip
 
 
-def _trainer_advantages(rewards, cfg: RLConfig, n: int, world: World) -> Experience:
+def _trainer_advantages(rewards, cfg: AlgorithmConfig, n: int, world: World) -> Experience:
     """The trainer's steps: ``shape_rewards`` then ``add_advantages`` with the world's reduction."""
     exp = _experience(rewards)
     exp.rewards = shape_rewards(exp, cfg, max_new_tokens=2, moments=None)
@@ -46,7 +46,7 @@ def test_estimate_advantages_clips_after_the_rloo_baseline():
 
 
 def test_trainer_path_clips_after_the_baseline_like_estimate_advantages():
-    cfg = RLConfig(advantage_estimator="rloo", reward_clip_range=(-10.0, 10.0))
+    cfg = AlgorithmConfig(advantage_estimator="rloo", reward_clip_range=(-10.0, 10.0))
     exp = _trainer_advantages(RAW, cfg, 4, World())
     assert_close(exp.advantages[:, -1], EXPECTED)  # was [-3.33, -3.33, -3.33, 10]: clip before baseline
     assert_close(exp.advantages[:, 0], torch.zeros(4))  # prompt token
@@ -54,7 +54,7 @@ def test_trainer_path_clips_after_the_baseline_like_estimate_advantages():
 
 def test_trainer_path_matches_estimate_advantages_with_whitening():
     """reinforce_baseline: mean baseline [-5, -5, -5, 15] → clip 10 → whitened over the batch."""
-    cfg = RLConfig(advantage_estimator="reinforce_baseline", reward_clip_range=(-10.0, 10.0))
+    cfg = AlgorithmConfig(advantage_estimator="reinforce_baseline", reward_clip_range=(-10.0, 10.0))
     rewards = torch.tensor([0.0, 0.0, 0.0, 20.0, 1.0, 2.0, 3.0, -30.0])
     exp = _trainer_advantages(rewards, cfg, 4, World())
     expected, _, token_rewards = estimate_advantages(
@@ -77,12 +77,12 @@ def gloo_group(tmp_path):
 def test_multi_process_path_clips_after_the_baseline_and_whitens_over_the_world(gloo_group):
     """The ``world.distributed`` branch (whitening by all-reduce) on one real process: a World that
     claims 2 ranks makes it take that branch, the 1-process group makes its sums those of the batch."""
-    cfg = RLConfig(advantage_estimator="reinforce_baseline", reward_clip_range=(-10.0, 10.0))
+    cfg = AlgorithmConfig(advantage_estimator="reinforce_baseline", reward_clip_range=(-10.0, 10.0))
     rewards = torch.tensor([0.0, 0.0, 0.0, 20.0, 1.0, 2.0, 3.0, -30.0])
     exp = _trainer_advantages(rewards, cfg, 4, World(rank=0, world_size=2))
     expected, _, _ = estimate_advantages(
         "reinforce_baseline", rewards, exp.action_mask, 4, reward_clip_range=(-10.0, 10.0)
     )
     assert_close(exp.advantages, expected)
-    rloo = RLConfig(advantage_estimator="rloo", reward_clip_range=(-10.0, 10.0))
+    rloo = AlgorithmConfig(advantage_estimator="rloo", reward_clip_range=(-10.0, 10.0))
     assert_close(_trainer_advantages(RAW, rloo, 4, World(rank=0, world_size=2)).advantages[:, -1], EXPECTED)

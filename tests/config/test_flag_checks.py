@@ -9,7 +9,7 @@ import pytest
 
 from tidal.cli import train_ppo, train_sft
 from tidal.config.args import ConfigError, Range, accept_negative_numbers, flag_problems
-from tidal.config.rl import RLModelsConfig, RolloutConfig
+from tidal.config.rl import RewardConfig, RolloutConfig
 from tidal.config.training import OptimConfig
 
 # The model and data paths do not exist: every failure below must come before either is opened.
@@ -60,8 +60,8 @@ def test_negative_exponent_numbers_are_accepted_where_in_range():
     run = train_ppo.parse_run(
         PPO + ["--reward_clip_range", "-1e1", "1E+1", "--eps_clip_low_high", "2e-1", ".3"]
     )
-    assert run.rl.reward_clip_range == (-10.0, 10.0)
-    assert run.rl.eps_clip_low_high == (0.2, 0.3)
+    assert run.algorithm.reward_clip_range == (-10.0, 10.0)
+    assert run.algorithm.eps_clip_low_high == (0.2, 0.3)
 
 
 def test_accept_negative_numbers_leaves_options_alone():
@@ -91,7 +91,7 @@ def test_cross_config_checks_still_run_after_field_checks(capsys):
 def test_flag_problems_on_configs_and_ranges():
     assert flag_problems(RolloutConfig, {"generate_max_len": 1024, "top_k": -1, "max_len": None}) == []
     assert flag_problems(RolloutConfig, {"top_k": -3}) == ["--top_k must be >= 1 or -1 or 0, got -3"]
-    assert flag_problems(RLModelsConfig, {"remote_rm_timeout": float("inf")}) == [
+    assert flag_problems(RewardConfig, {"timeout": float("inf")}) == [
         "--remote_rm_timeout must be a finite number, got inf"
     ]
     assert Range(0, 1, high_open=True).accepts(0.0) and not Range(0, 1, high_open=True).accepts(1.0)

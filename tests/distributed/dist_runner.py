@@ -52,7 +52,7 @@ def sync_mismatches(run, rollout, policy) -> list[str]:
     from tidal.rollout import EngineConfig, LLMEngine
 
     # separate engines: compare their weights with a local engine model of the same checkpoint
-    local = LLMEngine(run.model.pretrain, EngineConfig(device="cpu", num_kv_blocks=4))
+    local = LLMEngine(run.actor.pretrain, EngineConfig(device="cpu", num_kv_blocks=4))
     expected = expected_weights(local.model, policy)
     return [n for actual in rollout.engine_parameters() for n in mismatches(expected, actual)]
 

@@ -117,7 +117,7 @@ def _experience(n=8, width=12, seed=0) -> Experience:
 
 def test_policy_update_does_not_depend_on_micro_batching_or_packing(tiny_llama):
     from tidal.config import ModelConfig
-    from tidal.config.rl import RLConfig
+    from tidal.config.rl import AlgorithmConfig
     from tidal.distributed import World
     from tidal.experience.maker import forward_logprobs
     from tidal.models import Precision, load_causal_lm
@@ -127,7 +127,7 @@ def test_policy_update_does_not_depend_on_micro_batching_or_packing(tiny_llama):
     precision = Precision.create("fp32", torch.device("cpu"))
     exp = _experience()
     exp.old_logprobs = forward_logprobs(model, exp, 8, False, 1.0, precision) - 0.05  # ratios ≠ 1
-    cfg = RLConfig(entropy_loss_coef=0.01)
+    cfg = AlgorithmConfig(entropy_loss_coef=0.01)
     grads = {}
     for micro, packing in [(8, False), (3, False), (2, True)]:
         loss_fn = PolicyLoss(cfg, precision, 1.0, packing)
@@ -308,7 +308,7 @@ def test_vllm_flags_configure_the_engine(echo_policy, echo_data, tmp_path):
     from tidal.models import load_tokenizer
 
     tok = load_tokenizer(str(echo_policy))
-    rollout = LocalRollout(str(echo_policy), tok, run.rollout, run.models, torch.device("cpu"), tok.pad_token_id,
+    rollout = LocalRollout(str(echo_policy), tok, run.rollout, run.reward, run.agent, torch.device("cpu"), tok.pad_token_id,
                            False, 0)  # fmt: skip
     cfg = rollout.engine.config
     assert cfg.enforce_eager and cfg.gpu_memory_utilization == 0.3 and cfg.max_num_seqs == 24

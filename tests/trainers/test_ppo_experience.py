@@ -9,7 +9,7 @@ from torch.testing import assert_close
 
 from tidal.algorithms import masked_whiten
 from tidal.algorithms.rewards import RunningMoments
-from tidal.config.rl import RLConfig
+from tidal.config.rl import AlgorithmConfig
 from tidal.distributed.world import World
 from tidal.experience.experience import Experience
 from tidal.experience.maker import LOCAL, BatchReduction, add_advantages, shape_rewards
@@ -34,7 +34,7 @@ def test_reward_moments_fold_in_what_the_reduction_gathers():
     """A rank with rewards [0, 1] whose peer holds [10, 11]: both normalise with the moments of all four."""
     other_rank = torch.tensor([10.0, 11.0])
     world = BatchReduction(gather=lambda mine: torch.cat([mine, other_rank]))
-    cfg = RLConfig(advantage_estimator="reinforce", normalize_reward=True)
+    cfg = AlgorithmConfig(advantage_estimator="reinforce")
     mine = torch.tensor([0.0, 1.0])
     moments = RunningMoments()
     shaped = shape_rewards(_experience(mine), cfg, max_new_tokens=2, moments=moments, reduction=world)
@@ -50,7 +50,7 @@ def test_advantages_are_whitened_by_the_reduction():
         calls.append(x.shape)
         return masked_whiten(x, mask) * 2  # a stand-in for statistics over other ranks' shares
 
-    cfg = RLConfig(advantage_estimator="reinforce")
+    cfg = AlgorithmConfig(advantage_estimator="reinforce")
     rewards = torch.tensor([0.0, 1.0, 3.0, -2.0])
     local = add_advantages(_experience(rewards), cfg, 1, kl_coef=0.0)
     reduced = add_advantages(

@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import typing
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tidal.agents.base import AgentError
 from tidal.checkpoint import CheckpointError, TrainingInterrupted
-from tidal.config.args import ConfigError, accept_negative_numbers, add_config_group, configs_from_args
+from tidal.config.args import (
+    ConfigError,
+    accept_negative_numbers,
+    add_config_group,
+    config_from_args,
+    deferred_checks,
+    raise_problems,
+)
+from tidal.config.run import run_defaults, run_flags
 from tidal.data import DataError
 from tidal.rewards.base import RewardError
 from tidal.trainers.optim import NonFiniteError
@@ -81,10 +90,11 @@ def module_main(main: Callable[[list[str] | None], object]) -> None:
 class TrainerCommand:
     """A trainer's command line, derived from its run dataclass (one ``--help`` group per config field).
 
-    ``titles`` maps each config field of ``run_cls`` to its group title, in ``--help`` order;
-    ``exclude`` hides flags of a group (``{"optim": ("learning_rate",)}``) and ``defaults`` overrides
-    flag defaults for this command. Each ``tidal.cli.train_*`` module is one of these plus its
-    ``python -m`` entry.
+    ``titles`` maps each config field of ``run_cls`` to its group title, in ``--help`` order. Flag
+    names and defaults come from the run only (``tidal.config.run``: the run's default config per
+    field and its flag renames), so ``parse_run`` on the required flags gives the run that
+    ``run_cls`` builds from the same required values. Each ``tidal.cli.train_*`` module is one of
+    these plus its ``python -m`` entry.
     """
 
     name: str
@@ -92,29 +102,37 @@ class TrainerCommand:
     run_cls: type
     runner: Callable[[Any], Any]
     titles: dict[str, str]
-    exclude: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    defaults: dict[str, Any] = field(default_factory=dict)
 
-    def _config_types(self) -> dict[str, type]:
+    def _fields(self) -> list[tuple[dataclasses.Field, type]]:
+        """The run's config fields in ``--help`` order, with their config classes."""
         hints = typing.get_type_hints(self.run_cls)
-        return {name: hints[name] for name in self.titles}
+        fields = {f.name: f for f in dataclasses.fields(self.run_cls)}
+        return [(fields[name], hints[name]) for name in self.titles]
 
     def build_parser(self, prog: str | None = None) -> argparse.ArgumentParser:
-        types = self._config_types()
-        groups = [(types[f], title, self.exclude.get(f, ())) for f, title in self.titles.items()]
-        parser = make_parser(prog or f"tidal {self.name}", self.description, groups)
-        if self.defaults:
-            parser.set_defaults(**self.defaults)
+        parser = make_parser(prog or f"tidal {self.name}", self.description, [])
+        defaults = run_defaults(self.run_cls)
+        for field, cls in self._fields():
+            add_config_group(parser, cls, self.titles[field.name], flags=run_flags(field),
+                             defaults=defaults.get(field.name))  # fmt: skip
         return parser
 
     def run_from_namespace(self, ns: argparse.Namespace):
         """The run described by parsed flags, every flag checked before anything loads: one
-        ``ConfigError`` lists all problems (then the run's checks across configs)."""
-        configs = configs_from_args(self._config_types(), ns)
-        problems = output_path_problems(list(configs.values()))
-        if problems:
-            raise ConfigError("\n".join(problems))
-        return self.run_cls(**configs)
+        ``ConfigError`` lists all problems, one line each (each config's, then across configs)."""
+        configs, problems = {}, []
+        with deferred_checks():
+            for field, cls in self._fields():
+                try:  # a config that is not ``Checked`` raises its own problems when built
+                    configs[field.name] = config_from_args(cls, ns, run_flags(field))
+                except ConfigError as err:
+                    problems.extend(str(err).splitlines())
+            paths = output_path_problems(list(configs.values()))
+            if problems:
+                raise_problems(problems + paths)
+            run = self.run_cls(**configs)
+        raise_problems(run.problems() + paths)
+        return run
 
     def parse_run(self, argv: Sequence[str]):
         """Flags → the run, without training (for scripts and tests)."""

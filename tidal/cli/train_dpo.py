@@ -16,7 +16,6 @@ COMMAND = TrainerCommand(
         "dpo": "DPO loss",
         "data": "preference pairs",
     },  # fmt: skip
-    defaults={"ckpt_path": "./ckpt/checkpoints_dpo"},
 )
 build_parser, parse_run, main = COMMAND.build_parser, COMMAND.parse_run, COMMAND.main
 

@@ -10,7 +10,6 @@ COMMAND = TrainerCommand(
     KDRun,
     run_kd,
     {**COMMON_TITLES, "model": "model (the student)", "kd": "distillation", "data": "SFT data"},
-    defaults={"ckpt_path": "./ckpt/checkpoints_kd"},
 )
 build_parser, parse_run, main = COMMAND.build_parser, COMMAND.parse_run, COMMAND.main
 

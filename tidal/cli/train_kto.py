@@ -15,7 +15,6 @@ COMMAND = TrainerCommand(
         "kto": "KTO loss",
         "data": "unpaired samples",
     },  # fmt: skip
-    defaults={"ckpt_path": "./ckpt/checkpoints_kto"},
 )
 build_parser, parse_run, main = COMMAND.build_parser, COMMAND.parse_run, COMMAND.main
 

@@ -9,17 +9,20 @@ COMMAND = TrainerCommand(
     PPORun,
     run_ppo,
     {
-        "model": "policy model",
+        "actor": "policy model",
         "data": "prompts",
         "rollout": "rollout (tidal's engine; --vllm_* flags)",
-        "rl": "RL algorithm",
-        "models": "rewards, critic and agents",
-        **{k: v for k, v in COMMON_TITLES.items() if k not in ("model", "datasets")},
-        "optim": "optimizer (learning rates: --actor_learning_rate / --critic_learning_rate)",
+        "algorithm": "RL algorithm",
+        "reward": "rewards",
+        "critic": "critic",
+        "agent": "agents",
+        "frozen": "reference and reward models",
+        "train": "training",
+        "actor_optim": "optimizer (shared by policy and critic; --actor_learning_rate for the policy)",
+        "critic_optim": "critic optimizer (--critic_learning_rate; the other optimizer flags are shared)",
+        **{k: v for k, v in COMMON_TITLES.items() if k in ("ckpt", "logging", "dist")},
         "placement": "placement (Ray)",
     },
-    exclude={"optim": ("learning_rate",)},
-    defaults={"train_batch_size": 128, "micro_train_batch_size": 4, "ckpt_path": "./ckpt/checkpoints_ppo"},
 )
 build_parser, parse_run, main = COMMAND.build_parser, COMMAND.parse_run, COMMAND.main
 

@@ -9,7 +9,6 @@ COMMAND = TrainerCommand(
     PRMRun,
     run_prm,
     {**COMMON_TITLES, "data": "PRM data"},
-    defaults={"ckpt_path": "./ckpt/checkpoints_prm"},
 )
 build_parser, parse_run, main = COMMAND.build_parser, COMMAND.parse_run, COMMAND.main
 

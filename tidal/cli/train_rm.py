@@ -9,7 +9,6 @@ COMMAND = TrainerCommand(
     RMRun,
     run_rm,
     {**COMMON_TITLES, "data": "preference data", "rm": "reward model"},
-    defaults={"ckpt_path": "./ckpt/checkpoints_rm"},
 )
 build_parser, parse_run, main = COMMAND.build_parser, COMMAND.parse_run, COMMAND.main
 

@@ -9,7 +9,6 @@ COMMAND = TrainerCommand(
     SFTRun,
     run_sft,
     {**COMMON_TITLES, "data": "SFT data"},
-    defaults={"ckpt_path": "./ckpt/checkpoints_sft"},
 )
 build_parser, parse_run, main = COMMAND.build_parser, COMMAND.parse_run, COMMAND.main
 

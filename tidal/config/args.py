@@ -1,23 +1,33 @@
-"""Build argparse flags from typed dataclass configs, and configs back from parsed flags.
+"""Build argparse flags from typed dataclass configs, configs back from parsed flags, and check them.
 
 Each component owns a small dataclass (``ModelConfig``, ``OptimConfig``, ...). A field's
 ``metadata`` carries its help text and argparse details, so the flag and its documentation live
 next to the typed value. ``add_config_group`` turns one dataclass into one ``--help`` group;
-``config_from_args`` reads it back. Flags keep the seed's (OpenRLHF's) names.
+``config_from_args`` reads it back. Flags keep the seed's (OpenRLHF's) names: a field whose tidal
+name differs from its flag says so (``arg(..., flag="critic_pretrain")``), and a run can rename a
+config's flags where two configs of one class share a command (``config_field(flags=...)``: the
+actor's and critic's ``OptimConfig`` read ``--actor_learning_rate`` / ``--critic_learning_rate`` and
+share every other optimizer flag).
 
-A field may declare its allowed range (``arg(..., check=POSITIVE)``); ``flag_problems`` checks every
-declared range and that every float is finite, so ``configs_from_args`` can report all bad flags of
-a command at once, before anything is loaded, instead of one per run at the first rollout.
+Checking is one pass that reports every problem, one line each. A field may declare its allowed
+range (``arg(..., check=POSITIVE)``); ``flag_problems`` checks every declared range and that every
+float is finite. A ``Checked`` config adds its own cross-field problems in ``problems``; a run
+(``tidal.config.run.RunConfig``) gathers its configs' problems and those across configs. Building a
+config or run directly raises all of its problems at once; a command builds every config under
+``deferred_checks()`` and then raises everything in one ``ConfigError``, before anything loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import contextvars
 import dataclasses
 import math
 import re
 import types
 import typing
+from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -69,7 +79,9 @@ def arg(default: Any = dataclasses.MISSING, help: str = "", **argparse_kwargs: A
 
     ``argparse_kwargs`` are passed to ``add_argument`` (``choices``, ``nargs``, ``aliases`` for
     extra flag names, ``metavar``), except ``check``: a ``Range`` the value must lie in (see
-    ``flag_problems``). Mutable defaults (lists) are copied per instance.
+    ``flag_problems``), and ``flag``: the flag's name (without ``--``) where it is not the field's
+    own (OpenRLHF's name for a field tidal names by its component). Mutable defaults (lists) are
+    copied per instance.
     """
     metadata = {"help": help, **argparse_kwargs}
     if isinstance(default, list):
@@ -87,11 +99,22 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def _argparse_kwargs(field: dataclasses.Field, tp: Any) -> dict[str, Any]:
-    meta = {k: v for k, v in field.metadata.items() if k not in ("aliases", "check")}
+# field metadata that is tidal's, not add_argument's
+NOT_ARGPARSE = ("aliases", "check", "flag", "cli")
+
+
+def flag_name(field: dataclasses.Field, flags: Mapping[str, str] | None = None) -> str:
+    """The flag (without ``--``) of a config field: the run's rename, else the field's ``flag``, else its name."""
+    return (flags or {}).get(field.name) or field.metadata.get("flag") or field.name
+
+
+def _argparse_kwargs(field: dataclasses.Field, tp: Any, defaults: object | None = None) -> dict[str, Any]:
+    meta = {k: v for k, v in field.metadata.items() if k not in NOT_ARGPARSE}
     default = field.default if field.default is not dataclasses.MISSING else None
     if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
         default = field.default_factory()  # type: ignore[misc]
+    if defaults is not None:  # the run's default of this config
+        default = getattr(defaults, field.name)
     base, _ = _unwrap_optional(tp)
     kwargs: dict[str, Any] = {"default": default, **meta}
     if base is bool:
@@ -116,17 +139,24 @@ def add_config_group(
     title: str,
     description: str = "",
     exclude: set[str] = frozenset(),
+    flags: Mapping[str, str] | None = None,
+    defaults: object | None = None,
 ) -> None:
-    """Add one ``--help`` group with a flag per field of the dataclass ``cls`` (minus ``exclude``)."""
+    """Add one ``--help`` group with a flag per field of the dataclass ``cls`` (minus ``exclude``).
+
+    ``flags`` renames fields' flags (a run's ``config_field(flags=...)``); ``defaults``, an instance
+    of ``cls``, gives the flags' defaults (a run's default for this config) instead of the class's.
+    A flag that an earlier group already added is shared: both configs read it."""
     group = parser.add_argument_group(title, description or (cls.__doc__ or "").strip().split("\n")[0])
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         if not field.init or field.metadata.get("cli") is False or field.name in exclude:
             continue
-        names = [f"--{field.name}", *field.metadata.get("aliases", [])]
-        kwargs = _argparse_kwargs(field, hints[field.name])
-        kwargs.pop("cli", None)
-        group.add_argument(*names, dest=field.name, **kwargs)
+        name = flag_name(field, flags)
+        if f"--{name}" in parser._option_string_actions:  # shared with an earlier config of the command
+            continue
+        kwargs = _argparse_kwargs(field, hints[field.name], defaults)
+        group.add_argument(f"--{name}", *field.metadata.get("aliases", []), dest=name, **kwargs)
 
 
 # argparse takes "-1e-3" for an option (its negative-number pattern has no exponent), so
@@ -144,42 +174,92 @@ def _numbers(value: Any) -> list:
     return [v for v in items if isinstance(v, (int, float)) and not isinstance(v, bool)]
 
 
-def flag_problems(cls: type, values: dict[str, Any]) -> list[str]:
-    """One message per flag of ``cls`` whose value in ``values`` is non-finite or outside its ``Range``."""
+def flag_problems(cls: type, values: dict[str, Any], flags: Mapping[str, str] | None = None) -> list[str]:
+    """One message per field of ``cls`` whose value in ``values`` (by field name) is non-finite or
+    outside its ``Range``; messages name the field's flag."""
     problems = []
     for field in dataclasses.fields(cls):
         if field.name not in values or values[field.name] is None:
             continue
-        value, check = values[field.name], field.metadata.get("check")
+        value, check, name = values[field.name], field.metadata.get("check"), flag_name(field, flags)
         numbers = _numbers(value)
         shown = " ".join(str(v) for v in value) if isinstance(value, (list, tuple)) else value
         if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
-            problems.append(f"--{field.name} must be a finite number, got {shown}")
+            problems.append(f"--{name} must be a finite number, got {shown}")
         elif check is not None and not all(check.accepts(v) for v in numbers):
             each = "each value " if isinstance(value, (list, tuple)) else ""
-            problems.append(f"--{field.name} {each}must be {check.describe()}, got {shown}")
+            problems.append(f"--{name} {each}must be {check.describe()}, got {shown}")
     return problems
 
 
-def _values(cls: type, ns: argparse.Namespace, overrides: dict[str, Any]) -> dict[str, Any]:
-    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if f.init and hasattr(ns, f.name)}
+_DEFERRED = contextvars.ContextVar("tidal_deferred_checks", default=False)
+
+
+@contextlib.contextmanager
+def deferred_checks() -> Iterator[None]:
+    """Build configs and runs without raising, so a command can collect every problem first."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+def checks_deferred() -> bool:
+    """Inside ``deferred_checks``: configs and runs are built without raising."""
+    return _DEFERRED.get()
+
+
+def raise_problems(problems: list[str]) -> None:
+    """One ``ConfigError``, one line per problem (each once), if there are any."""
+    if problems:
+        raise ConfigError("\n".join(dict.fromkeys(problems)))
+
+
+class Checked:
+    """Base of a checked config dataclass: ``problems`` lists what is wrong with it (field ranges,
+    then the subclass's own cross-field checks, which extend ``problems``); building one raises them
+    all at once unless under ``deferred_checks``."""
+
+    def problems(self, flags: Mapping[str, str] | None = None) -> list[str]:
+        """Every problem of this config, one line each; ``flags``: the run's renames of its flags."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return flag_problems(type(self), values, flags)
+
+    def __post_init__(self) -> None:
+        if not checks_deferred():
+            raise_problems(self.problems())
+
+
+def config_problems(cfg: object, flags: Mapping[str, str] | None = None) -> list[str]:
+    """A config's problems: its own ``problems`` if it is ``Checked``, else its field ranges."""
+    if isinstance(cfg, Checked):
+        return cfg.problems(flags)
+    return flag_problems(type(cfg), {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, flags)
+
+
+def _values(cls: type, ns: argparse.Namespace, flags: Mapping[str, str] | None, overrides: dict) -> dict:
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.init and hasattr(ns, flag_name(f, flags)):
+            values[f.name] = getattr(ns, flag_name(f, flags))
     values.update(overrides)
     return values
 
 
-def config_from_args(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> T:
+def config_from_args(
+    cls: type[T], ns: argparse.Namespace, flags: Mapping[str, str] | None = None, **overrides: Any
+) -> T:
     """Instantiate ``cls`` from the parsed namespace (fields missing from it keep their defaults).
 
-    Range and finiteness problems of its flags raise one ``ConfigError`` naming all of them."""
-    values = _values(cls, ns, overrides)
-    problems = flag_problems(cls, values)
-    if problems:
-        raise ConfigError("\n".join(problems))
+    Range and finiteness problems of its flags raise one ``ConfigError`` naming all of them (a
+    ``Checked`` config under ``deferred_checks`` is built anyway: its ``problems`` report them)."""
+    values = _values(cls, ns, flags, overrides)
+    if not (checks_deferred() and issubclass(cls, Checked)):
+        raise_problems(flag_problems(cls, values, flags))
+    hints = typing.get_type_hints(cls)
     for key, value in values.items():
-        if (
-            isinstance(value, list)
-            and typing.get_origin(_unwrap_optional(typing.get_type_hints(cls)[key])[0]) is tuple
-        ):
+        if isinstance(value, list) and typing.get_origin(_unwrap_optional(hints[key])[0]) is tuple:
             values[key] = tuple(value)
     return cls(**values)
 
@@ -193,8 +273,7 @@ def configs_from_args(classes: dict[str, type], ns: argparse.Namespace) -> dict[
             configs[name] = config_from_args(cls, ns)
         except ConfigError as err:
             problems.extend(str(err).splitlines())
-    if problems:
-        raise ConfigError("\n".join(dict.fromkeys(problems)))  # a flag shared by two configs: once
+    raise_problems(problems)  # a flag shared by two configs: once
     return configs
 
 

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from tidal.config.args import AT_LEAST_ONE, ConfigError, arg
+from tidal.config.args import AT_LEAST_ONE, Checked, arg
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Checked):
     """Checkpoints: where the final model goes and how training state is saved and resumed.
 
-    Each trainer's command sets its own ``--ckpt_path`` default (``./ckpt/checkpoints_sft``,
-    ``_dpo``, ``_ppo``...), as OpenRLHF does, so one trainer never resumes another's checkpoint.
+    Each trainer's run sets its own ``--ckpt_path`` default (``./ckpt/checkpoints_sft``, ``_dpo``,
+    ``_ppo``...: ``tidal.trainers.common.checkpoints``), as OpenRLHF does, so one trainer never resumes
+    another's checkpoint. ``--max_ckpt_num`` >= 1: 0 would delete every checkpoint right after writing it.
     """
 
     save_path: str = arg("./ckpt", help="folder for the final Hugging Face model")
@@ -34,6 +36,7 @@ class CheckpointConfig:
         False, help="skip the resumable state (optimizer, RNG) in periodic checkpoints"
     )
 
-    def __post_init__(self) -> None:
-        if self.max_ckpt_num < 1:  # 0 would delete every checkpoint right after writing it
-            raise ConfigError(f"--max_ckpt_num must be at least 1, got {self.max_ckpt_num}")
+
+def trainer_checkpoints(kind: str) -> Callable[[], CheckpointConfig]:
+    """A run's default ``CheckpointConfig``: ``--ckpt_path ./ckpt/checkpoints_<kind>`` (OpenRLHF's)."""
+    return lambda: CheckpointConfig(ckpt_path=f"./ckpt/checkpoints_{kind}")

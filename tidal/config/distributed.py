@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.config.args import ConfigError, arg
+from tidal.config.args import Checked, arg
 
 
 @dataclass
-class DistributedConfig:
+class DistributedConfig(Checked):
     """Distributed training (FSDP2); DeepSpeed-style flags keep their names."""
 
     zero_stage: int = arg(
@@ -29,7 +29,7 @@ class DistributedConfig:
     zpg: int = arg(1, help="ZeRO++ hierarchical partition size (only 1 is supported)")
     deepcompile: bool = arg(False, help="DeepSpeed DeepCompile (not supported: fails)")
 
-    def __post_init__(self) -> None:
+    def problems(self, flags=None) -> list[str]:
         unsupported = {
             "ring_attn_size": (
                 self.ring_attn_size != 1,
@@ -42,6 +42,5 @@ class DistributedConfig:
             "zpg": (self.zpg != 1, "ZeRO++ hierarchical partitioning has no FSDP2 equivalent"),
             "deepcompile": (self.deepcompile, "DeepSpeed DeepCompile has no FSDP2 equivalent here"),
         }
-        for flag, (bad, why) in unsupported.items():
-            if bad:
-                raise ConfigError(f"--{flag}={getattr(self, flag)}: {why}")
+        own = [f"--{flag}={getattr(self, flag)}: {why}" for flag, (bad, why) in unsupported.items() if bad]
+        return super().problems(flags) + own

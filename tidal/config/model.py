@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.config.args import NON_NEGATIVE, POSITIVE, ConfigError, Range, arg
+from tidal.config.args import NON_NEGATIVE, POSITIVE, Checked, Range, arg
 
 PARAM_DTYPES = ("auto", "bf16", "fp16", "fp32")
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Checked):
     """Model: checkpoint, precision and memory options."""
 
     pretrain: str = arg(help="HF model name or local folder to start from (required)", metavar="PATH")
@@ -48,8 +48,8 @@ class ModelConfig:
         False, help="QLoRA: load the base model in 4-bit (needs bitsandbytes and --lora_rank)"
     )
 
-    def __post_init__(self) -> None:
+    def problems(self, flags=None) -> list[str]:
+        own = []
         if self.load_in_4bit and self.lora_rank <= 0:
-            raise ConfigError("--load_in_4bit trains LoRA adapters on a 4-bit base: set --lora_rank > 0")
-        if self.lora_rank < 0:
-            raise ConfigError(f"--lora_rank must be >= 0, got {self.lora_rank}")
+            own.append("--load_in_4bit trains LoRA adapters on a 4-bit base: set --lora_rank > 0")
+        return super().problems(flags) + own  # --lora_rank < 0: its range check

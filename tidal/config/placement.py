@@ -17,18 +17,18 @@ reward models each — unless they are given devices of their own, as in OpenRLH
 
 Separate workers are child processes of their trainer (GPUs after the trainers', or CPU processes)
 or Ray actors in bundles of their own (``tidal.placement.workers``). The critic trains with the
-policy workers. ``check_placement`` rejects what this design cannot honour.
+policy workers. ``placement_problems`` lists what this design cannot honour.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.config.args import ConfigError, arg
+from tidal.config.args import AT_LEAST_ONE, Checked, arg
 
 
 @dataclass
-class PlacementConfig:
+class PlacementConfig(Checked):
     """Placement (Ray): devices per role, colocation, sleep modes and asynchronous training."""
 
     actor_num_nodes: int = arg(1, help="nodes for the policy")
@@ -58,16 +58,18 @@ class PlacementConfig:
         False, help="offload trainer weights and optimizer state while generating"
     )
     async_train: bool = arg(False, help="generate the next rollout while training on the current one")
-    async_queue_size: int = arg(1, help="max rollouts generated ahead of training (staleness bound)")
+    async_queue_size: int = arg(
+        1, help="max rollouts generated ahead of training (staleness bound)", check=AT_LEAST_ONE
+    )
 
-    def __post_init__(self) -> None:
-        if self.async_queue_size < 1:
-            raise ConfigError(f"--async_queue_size must be >= 1, got {self.async_queue_size}")
+    def problems(self, flags=None) -> list[str]:
         counts = [self.actor_num_nodes, self.actor_num_gpus_per_node, self.ref_num_nodes, self.ref_num_gpus_per_node,
                   self.critic_num_nodes, self.critic_num_gpus_per_node, self.reward_num_nodes,
                   self.reward_num_gpus_per_node]  # fmt: skip
+        own = []
         if min(c for c in counts if c is not None) < 1:
-            raise ConfigError("--*_num_nodes and --*_num_gpus_per_node must be >= 1")
+            own.append("--*_num_nodes and --*_num_gpus_per_node must be >= 1")
+        return super().problems(flags) + own
 
     @property
     def actor_world_size(self) -> int:
@@ -103,25 +105,26 @@ def separate_reward(p: PlacementConfig) -> bool:
     return p.sized("reward") and not (p.colocate_critic_reward or p.colocate_all_models)
 
 
-def check_placement(
+def placement_problems(
     p: PlacementConfig,
     vllm_num_engines: int | None,
     vllm_tensor_parallel_size: int,
     needs_reference: bool,
     needs_critic: bool,
     has_reward_model: bool,
-) -> None:
-    """Fail clearly on placements the data-parallel design cannot honour (see the module docstring)."""
+) -> list[str]:
+    """Placements the data-parallel design cannot honour (see the module docstring), one line each."""
+    problems = []
     if vllm_tensor_parallel_size != 1:
-        raise ConfigError(
+        problems.append(
             f"--vllm_tensor_parallel_size {vllm_tensor_parallel_size}: tidal's rollout engine runs on one "
             "device per policy worker; tensor-parallel engines are not supported (use 1)"
         )
     w = p.actor_world_size
     if separate_engines(p, vllm_num_engines):
-        check_separate_engines(p, vllm_num_engines, w)
+        problems += separate_engine_problems(p, vllm_num_engines, w)
     elif vllm_num_engines not in (None, w):
-        raise ConfigError(
+        problems.append(
             f"--vllm_num_engines {vllm_num_engines} with --colocate_all_models: each of the {w} policy "
             f"workers runs one engine on its own device; set --vllm_num_engines {w} (or leave it unset)"
         )
@@ -133,29 +136,32 @@ def check_placement(
             continue
         count = p.role_count(role)
         if separate[role] and count % w:
-            raise ConfigError(
+            problems.append(
                 f"--{role}_num_nodes x --{role}_num_gpus_per_node = {count}: each of the {w} policy workers "
                 f"drives the same number of {role} workers on devices of their own, so it must be a "
                 f"multiple of {w}"
             )
         if not separate[role] and p.role_size(role) not in ((1, 1), actor):
             where = "trains on" if role == "critic" else "is colocated with"
-            raise ConfigError(
+            problems.append(
                 f"--{role}_num_nodes/--{role}_num_gpus_per_node {p.role_size(role)}: the {role} model {where} "
                 f"the policy workers, so its size must be 1x1 or the actor's {actor[0]}x{actor[1]}"
             )
+    return problems
 
 
-def check_separate_engines(p: PlacementConfig, engines: int, w: int) -> None:
+def separate_engine_problems(p: PlacementConfig, engines: int, w: int) -> list[str]:
     """``engines`` separate engines for ``w`` policy workers (processes)."""
+    problems = []
     if engines < 1 or engines % w:
-        raise ConfigError(
+        problems.append(
             f"--vllm_num_engines {engines}: without --colocate_all_models each of the {w} policy workers "
             f"drives the same number of engines on devices of their own, so it must be a multiple of {w}"
         )
     if p.deepspeed_enable_sleep:
-        raise ConfigError(
+        problems.append(
             "--deepspeed_enable_sleep frees the policy's device for a colocated engine, but "
             f"--vllm_num_engines {engines} without --colocate_all_models puts the engines on devices of "
             "their own: drop it, or pass --colocate_all_models"
         )
+    return problems

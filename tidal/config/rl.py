@@ -1,7 +1,10 @@
-"""Reinforcement-learning configuration: rollout generation, the RL algorithm, rewards and models.
+"""Reinforcement-learning configs, one per component that reads them (``tidal.trainers.ppo.PPORun``
+holds them): the rollout (engine and sampling), the algorithm (advantages, losses, KL, reward
+shaping), rewards, the critic, agents, the frozen models' offload and the RL training schedule.
 
 The seed's ``--vllm_*`` flags configure tidal's own rollout engine; the algorithm flags map onto
-the pure functions in ``tidal.algorithms`` (the math: docs/algorithms.md).
+the pure functions in ``tidal.algorithms`` (the math: docs/algorithms.md). Fields named by their
+component keep OpenRLHF's flag (``RewardConfig.pretrain`` is ``--reward_pretrain``).
 """
 
 from __future__ import annotations
@@ -10,12 +13,13 @@ from dataclasses import dataclass
 
 from tidal.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from tidal.algorithms.correction import RATIO_AGAINST_ROLLOUT
-from tidal.config.args import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, UNIT, ConfigError, Range, arg
+from tidal.config.args import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, UNIT, Checked, Range, arg
+from tidal.config.training import TrainConfig
 from tidal.rewards.remote import DEFAULT_RETRIES, DEFAULT_TIMEOUT
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(Checked):
     """Rollout: sampling and tidal's generation engine (``--vllm_*`` flags configure it)."""
 
     rollout_batch_size: int = arg(
@@ -69,13 +73,13 @@ class RolloutConfig:
     vllm_enable_sleep: bool = arg(False, help="free the engine's KV cache while training (colocated models)")
     enforce_eager: bool = arg(False, help="run the engine without CUDA graphs")
 
-    def __post_init__(self) -> None:
-        if self.n_samples_per_prompt < 1 or self.rollout_batch_size < 1:
-            raise ConfigError("--n_samples_per_prompt and --rollout_batch_size must be >= 1")
+    def problems(self, flags=None) -> list[str]:
+        own = []
         if self.max_len is not None and self.max_len <= self.prompt_max_len:
-            raise ConfigError(
+            own.append(
                 f"--max_len {self.max_len} leaves no room for a response after --prompt_max_len {self.prompt_max_len}"
             )
+        return super().problems(flags) + own
 
     @property
     def total_len(self) -> int:
@@ -83,8 +87,9 @@ class RolloutConfig:
 
 
 @dataclass
-class RLConfig:
-    """RL algorithm: advantages, KL, policy/value losses and reward shaping."""
+class AlgorithmConfig(Checked):
+    """RL algorithm: advantages, KL, policy/value losses and reward shaping (read by the experience
+    path, ``tidal.experience.maker``, and the update, ``tidal.trainers.ppo.update``)."""
 
     advantage_estimator: str = arg("gae", help="advantage estimator", choices=tuple(ADVANTAGE_ESTIMATORS))
     gamma: float = arg(1.0, help="discount factor", check=UNIT)
@@ -111,7 +116,6 @@ class RLConfig:
     use_kl_loss: bool = arg(False, help="put β·KL in the loss instead of the reward (GRPO)")
     kl_target: float | None = arg(None, help="target KL for the adaptive KL controller", check=POSITIVE)
     kl_horizon: int = arg(10000, help="horizon of the adaptive KL controller", check=AT_LEAST_ONE)
-    normalize_reward: bool = arg(False, help="normalise rewards with running mean/std")
     reward_clip_range: tuple[float, float] = arg(
         (-10.0, 10.0), help="clip scalar rewards to [low, high]", nargs=2
     )
@@ -134,25 +138,30 @@ class RLConfig:
     overlong_penalty_factor: float = arg(1.0, help="DAPO overlong penalty factor", check=NON_NEGATIVE)
     freezing_actor_steps: int = arg(-1, help="train only the critic for this many steps")
 
-    def __post_init__(self) -> None:
+    def problems(self, flags=None) -> list[str]:
+        own = []
         if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ConfigError(f"--dual_clip must be > 1, got {self.dual_clip}")
+            own.append(f"--dual_clip must be > 1, got {self.dual_clip}")
         if not 1 <= len(self.vllm_is_truncated_threshold) <= 2:
-            raise ConfigError("--vllm_is_truncated_threshold takes HIGH or LOW HIGH")
+            own.append("--vllm_is_truncated_threshold takes HIGH or LOW HIGH")
         if self.use_icepop and not self.enable_vllm_is_correction:
-            raise ConfigError("--use_icepop needs --enable_vllm_is_correction")
+            own.append("--use_icepop needs --enable_vllm_is_correction")
         if self.use_icepop and self.policy_loss_type in RATIO_AGAINST_ROLLOUT:  # docs/algorithms.md
-            raise ConfigError(
-                "--use_icepop with --policy_loss_type gspo: GSPO corrects in its sequence ratio"
-            )
-        if self.gamma != 1.0 and not ADVANTAGE_ESTIMATORS[self.advantage_estimator].discounted:
-            raise ConfigError(
+            own.append("--use_icepop with --policy_loss_type gspo: GSPO corrects in its sequence ratio")
+        if self.gamma != 1.0 and not self.estimator.discounted:
+            own.append(
                 f"--gamma {self.gamma}: --advantage_estimator {self.advantage_estimator} is undiscounted"
             )
         for flag in ("reward_clip_range", "dynamic_filtering_reward_range", "vllm_is_truncated_threshold"):
             low_high = getattr(self, flag)
             if len(low_high) == 2 and not low_high[0] < low_high[1]:
-                raise ConfigError(f"--{flag} needs LOW < HIGH, got {low_high[0]} {low_high[1]}")
+                own.append(f"--{flag} needs LOW < HIGH, got {low_high[0]} {low_high[1]}")
+        return super().problems(flags) + own
+
+    @property
+    def estimator(self):
+        """The registry entry of ``--advantage_estimator`` (``tidal.algorithms.advantages``): its facts."""
+        return ADVANTAGE_ESTIMATORS[self.advantage_estimator]
 
     @property
     def clip_bounds(self) -> tuple[float, float]:
@@ -169,38 +178,91 @@ class RLConfig:
 
     @property
     def needs_critic(self) -> bool:
-        return ADVANTAGE_ESTIMATORS[self.advantage_estimator].needs_critic
+        return self.estimator.needs_critic
+
+    @property
+    def needs_groups(self) -> bool:
+        """The estimator's baseline compares samples of one prompt (n >= 2)."""
+        return self.estimator.grouped
 
 
 @dataclass
-class RLModelsConfig:
-    """RL models and rewards: critic, reward models, reward functions and agents."""
+class RewardConfig(Checked):
+    """Rewards: reward models, or reward functions/servers, and reward normalisation."""
 
-    critic_pretrain: str | None = arg(
-        None, help="critic initialisation (default: first reward model, else --pretrain)"
+    pretrain: str | None = arg(
+        None, flag="reward_pretrain", help="reward model(s), comma-separated; their scores are summed"
     )
-    reward_pretrain: str | None = arg(None, help="reward model(s), comma-separated; their scores are summed")
-    remote_rm_url: str | None = arg(
-        None, help="reward_func.py file, or comma-separated HTTP reward-server URLs"
+    remote_url: str | None = arg(
+        None, flag="remote_rm_url", help="reward_func.py file, or comma-separated HTTP reward-server URLs"
     )
     # OpenRLHF waits 180 s per request and tries 6 times (~18 min on a server that accepts and never
     # answers); tidal's shorter defaults (tidal.rewards.remote) fail such a run in ~3 min.
-    remote_rm_timeout: float = arg(
+    timeout: float = arg(
         DEFAULT_TIMEOUT,
+        flag="remote_rm_timeout",
         help="seconds a reward-server request may wait for each read before it is retried",
         check=POSITIVE,
     )
-    remote_rm_retries: int = arg(
+    retries: int = arg(
         DEFAULT_RETRIES,
+        flag="remote_rm_retries",
         help="retries of a failed reward-server request (timeouts, resets, 429/5xx)",
         check=NON_NEGATIVE,
     )
-    value_head_prefix: str = arg("score", help="attribute name of the value head in reward/critic models")
-    agent_func_path: str | None = arg(None, help="agent_func.py with an AgentExecutor class (multi-turn)")
-    critic_learning_rate: float = arg(9e-6, help="critic learning rate", check=POSITIVE)
-    actor_learning_rate: float = arg(1e-6, help="policy learning rate", check=POSITIVE)
-    save_value_network: bool = arg(False, help="also save the critic as a HF folder")
-    ref_reward_offload: bool = arg(False, help="keep reference and reward models on the CPU between uses")
+    normalize: bool = arg(
+        False,
+        flag="normalize_reward",
+        help="normalise rewards: reward models with their stored mean/std, reward functions with running "
+        "mean/std",
+    )
+
+    def problems(self, flags=None) -> list[str]:
+        own = (
+            ["use either --remote_rm_url or --reward_pretrain, not both"]
+            if self.remote_url and self.pretrain
+            else []
+        )
+        return super().problems(flags) + own
+
+
+@dataclass
+class CriticConfig(Checked):
+    """Critic (value model) of PPO with GAE: where it starts and whether it is saved."""
+
+    pretrain: str | None = arg(
+        None,
+        flag="critic_pretrain",
+        help="critic initialisation (default: first reward model, else --pretrain)",
+    )
+    value_head_prefix: str = arg(
+        "score", help="attribute name of the value head in the critic and the reward models"
+    )
+    save: bool = arg(False, flag="save_value_network", help="also save the critic as a HF folder")
+
+
+@dataclass
+class AgentConfig(Checked):
+    """Agents: multi-turn rollouts driven by a user's AgentExecutor."""
+
+    func_path: str | None = arg(
+        None, flag="agent_func_path", help="agent_func.py with an AgentExecutor class (multi-turn)"
+    )
+
+
+@dataclass
+class FrozenModelsConfig(Checked):
+    """The frozen models of an RL run (reference and reward models) that share the policy's device."""
+
+    offload: bool = arg(
+        False, flag="ref_reward_offload", help="keep reference and reward models on the CPU between uses"
+    )
+
+
+@dataclass
+class RLTrainConfig(TrainConfig):
+    """Training loop: episodes over the prompts, batch sizes, epochs per rollout, dynamic batching."""
+
     num_episodes: int = arg(1, help="passes over the prompt dataset", check=AT_LEAST_ONE)
     use_dynamic_batch: bool = arg(False, help="micro-batches by token budget instead of sample count")
     train_max_tokens_per_gpu: int = arg(
@@ -209,7 +271,3 @@ class RLModelsConfig:
     rollout_max_tokens_per_gpu: int | None = arg(
         None, help="token budget of a scoring micro-batch (default: train's)", check=AT_LEAST_ONE
     )
-
-    def __post_init__(self) -> None:
-        if self.remote_rm_url and self.reward_pretrain:
-            raise ConfigError("use either --remote_rm_url or --reward_pretrain, not both")

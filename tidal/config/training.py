@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.config.args import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, UNIT, ConfigError, Range, arg
+from tidal.config.args import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, UNIT, Checked, ConfigError, Range, arg
 
 LR_SCHEDULERS = ("cosine_with_min_lr", "cosine", "linear", "constant", "constant_with_warmup")
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Checked):
     """Training loop: batch sizes, epochs, evaluation and seeding."""
 
     train_batch_size: int = arg(
@@ -31,25 +31,26 @@ class TrainConfig:
     seed: int = arg(42, help="random seed (data order, initialisation, dropout)")
     full_determinism: bool = arg(False, help="use deterministic torch algorithms (slower)")
 
-    def __post_init__(self) -> None:
-        if self.micro_train_batch_size <= 0 or self.train_batch_size <= 0:
-            raise ConfigError("--train_batch_size and --micro_train_batch_size must be positive")
-        if self.max_epochs <= 0:
-            raise ConfigError(f"--max_epochs must be positive, got {self.max_epochs}")
-
-    def micro_steps_per_step(self, world_size: int) -> int:
-        """Gradient-accumulation count; the global batch must split evenly over devices and micro-batches."""
+    def batch_problems(self, world_size: int) -> list[str]:
+        """The global batch must split evenly over devices and micro-batches."""
         per_rank, rem = divmod(self.train_batch_size, world_size)
         if rem or per_rank % self.micro_train_batch_size:
-            raise ConfigError(
+            return [
                 f"--train_batch_size {self.train_batch_size} must be divisible by "
                 f"--micro_train_batch_size {self.micro_train_batch_size} x {world_size} device(s)"
-            )
-        return per_rank // self.micro_train_batch_size
+            ]
+        return []
+
+    def micro_steps_per_step(self, world_size: int) -> int:
+        """Gradient-accumulation count (raises if the batch does not split, see ``batch_problems``)."""
+        problems = self.batch_problems(world_size)
+        if problems:
+            raise ConfigError(problems[0])
+        return self.train_batch_size // world_size // self.micro_train_batch_size
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Checked):
     """Optimizer (AdamW) and learning-rate schedule."""
 
     learning_rate: float = arg(5e-6, help="peak learning rate", check=POSITIVE)
@@ -77,13 +78,3 @@ class OptimConfig:
         "(each such step is skipped; tidal-only, OpenRLHF has no equivalent)",
         check=AT_LEAST_ONE,
     )
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.lr_warmup_ratio < 1.0:
-            raise ConfigError(f"--lr_warmup_ratio must be in [0, 1), got {self.lr_warmup_ratio}")
-        if not self.learning_rate > 0:  # also catches nan
-            raise ConfigError(f"--learning_rate must be positive, got {self.learning_rate}")
-        if not all(0 <= b < 1 for b in self.adam_betas):
-            raise ConfigError(
-                f"--adam_betas must each be in [0, 1), got {self.adam_betas[0]} {self.adam_betas[1]}"
-            )

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from tidal.algorithms import compute_kl, estimate_advantages, masked_whiten, overlong_penalty
 from tidal.algorithms.advantages import Whitening
 from tidal.algorithms.rewards import RunningMoments
-from tidal.config.rl import RLConfig
+from tidal.config.rl import AlgorithmConfig
 from tidal.distributed.collectives import gather_values, world_masked_whiten
 from tidal.distributed.world import World
 from tidal.experience.experience import Experience, micro_batches, model_batch, unflatten
@@ -140,7 +140,7 @@ def shift_values(raw: Tensor) -> Tensor:
 
 def shape_rewards(
     exp: Experience,
-    cfg: RLConfig,
+    cfg: AlgorithmConfig,
     max_new_tokens: int,
     moments: RunningMoments | None,
     reduction: BatchReduction = LOCAL,
@@ -161,7 +161,7 @@ def shape_rewards(
 
 
 def add_advantages(
-    exp: Experience, cfg: RLConfig, n_samples: int, kl_coef: float, reduction: BatchReduction = LOCAL
+    exp: Experience, cfg: AlgorithmConfig, n_samples: int, kl_coef: float, reduction: BatchReduction = LOCAL
 ) -> Experience:
     """Fill ``kl``, ``advantages`` and ``returns`` (KL goes into the reward unless ``--use_kl_loss``).
 

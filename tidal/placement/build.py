@@ -64,12 +64,12 @@ def build_roles(
 def build_reference(
     run: PlacedRun, device: torch.device, precision: Precision, workers: list
 ) -> ReferenceRole | None:
-    if not run.rl.needs_reference:
+    if not run.algorithm.needs_reference:
         return None
     if workers:
         return RemoteReference(workers)
-    model = load_causal_lm(frozen_copy_config(run.model, run.model.pretrain), device)
-    return LocalReference(FrozenModel(model, device, run.models.ref_reward_offload), precision)
+    model = load_causal_lm(frozen_copy_config(run.actor, run.actor.pretrain), device)
+    return LocalReference(FrozenModel(model, device, run.frozen.offload), precision)
 
 
 def build_rollout(run: PlacedRun, world: World, tokenizer, workers: dict[str, list]) -> RolloutRole:
@@ -79,30 +79,30 @@ def build_rollout(run: PlacedRun, world: World, tokenizer, workers: dict[str, li
     reward_models = reward_models or build_reward_models(run, device)
     if workers["engine"]:
         rollout = RemoteRollout(
-            workers["engine"], tokenizer, run.rollout, run.models, device, pad_id, reward_models
+            workers["engine"], tokenizer, run.rollout, run.reward, run.agent, device, pad_id, reward_models
         )
     else:
-        rollout = LocalRollout(run.model.pretrain, tokenizer, run.rollout, run.models, device, pad_id,
+        rollout = LocalRollout(run.actor.pretrain, tokenizer, run.rollout, run.reward, run.agent, device, pad_id,
                                run.data.apply_chat_template, run.train.seed, reward_models=reward_models)  # fmt: skip
     return DataParallelRollout(rollout, world) if world.distributed else rollout
 
 
 def build_reward_models(run: PlacedRun, device: torch.device) -> RewardRole | None:
-    if not run.models.reward_pretrain:
+    if not run.reward.pretrain:
         return None
     models: list[nn.Module] = [
         load_value_model(
-            frozen_copy_config(run.model, path),
+            frozen_copy_config(run.actor, path),
             device,
-            run.models.value_head_prefix,
-            normalize_reward=run.rl.normalize_reward,
+            run.critic.value_head_prefix,
+            normalize_reward=run.reward.normalize,
             trained_head=True,
         )  # fmt: skip
-        for path in run.models.reward_pretrain.split(",")
+        for path in run.reward.pretrain.split(",")
     ]
-    precision = Precision.create(run.model.param_dtype, device)
+    precision = Precision.create(run.actor.param_dtype, device)
     return RewardModels(
-        models, precision, run.rollout.micro_rollout_batch_size, run.models.ref_reward_offload
+        models, precision, run.rollout.micro_rollout_batch_size, run.frozen.offload
     )
 
 

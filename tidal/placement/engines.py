@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from tidal.config import ModelConfig
 from tidal.config.engine import rollout_engine_config
-from tidal.config.rl import RLModelsConfig
+from tidal.config.rl import AgentConfig
 from tidal.distributed.weight_sync import SyncPlan, open_sync_group, receive_weights
 from tidal.models import load_tokenizer
 from tidal.placement.protocols import PlacedRun
@@ -40,7 +40,7 @@ class EngineSpec:
     model_path: str
     model: ModelConfig
     engine: EngineConfig
-    models: RLModelsConfig
+    agent: AgentConfig
     apply_chat_template: bool
     num_threads: int  # CPU: torch threads of the engine process (the trainer's own count)
 
@@ -50,8 +50,8 @@ class EngineSpec:
 
 def engine_spec(run: PlacedRun) -> EngineSpec:
     """A run's engines: the policy checkpoint, ``--vllm_*`` settings, agent and chat template."""
-    return EngineSpec(run.model.pretrain, run.model, rollout_engine_config(run.rollout, "auto", run.train.seed),
-                      run.models, run.data.apply_chat_template, torch.get_num_threads())  # fmt: skip
+    return EngineSpec(run.actor.pretrain, run.actor, rollout_engine_config(run.rollout, "auto", run.train.seed),
+                      run.agent, run.data.apply_chat_template, torch.get_num_threads())  # fmt: skip
 
 
 class EngineWorker:
@@ -64,7 +64,7 @@ class EngineWorker:
             torch.cuda.set_device(device.index or 0)
         self.engine = LLMEngine(spec.model_path, spec.engine)
         self.tokenizer = load_tokenizer(spec.model_path, spec.model)
-        self.executor = build_executor(spec.models, spec.apply_chat_template)
+        self.executor = build_executor(spec.agent, spec.apply_chat_template)
         self.group = None
 
     def describe(self) -> tuple[str, str]:

@@ -25,7 +25,14 @@ from torch import Tensor, nn
 from tidal.agents import Trajectory
 from tidal.config import ModelConfig, PromptDataConfig, TrainConfig
 from tidal.config.placement import PlacementConfig
-from tidal.config.rl import RLConfig, RLModelsConfig, RolloutConfig
+from tidal.config.rl import (
+    AgentConfig,
+    AlgorithmConfig,
+    CriticConfig,
+    FrozenModelsConfig,
+    RewardConfig,
+    RolloutConfig,
+)
 from tidal.data.prompts import PromptSample
 from tidal.experience.experience import Experience
 from tidal.rewards.base import RewardResult
@@ -78,10 +85,13 @@ class RewardRole(Protocol):
 class PlacedRun(Protocol):
     """The configs placement reads from an RL run (``tidal.trainers.ppo.PPORun``)."""
 
-    model: ModelConfig
+    actor: ModelConfig
     data: PromptDataConfig
     rollout: RolloutConfig
-    rl: RLConfig
-    models: RLModelsConfig
+    algorithm: AlgorithmConfig
+    reward: RewardConfig
+    critic: CriticConfig
+    agent: AgentConfig
+    frozen: FrozenModelsConfig
     train: TrainConfig
     placement: PlacementConfig

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tidal.config.rl import RLModelsConfig, RolloutConfig
+from tidal.config.rl import AgentConfig, RewardConfig, RolloutConfig
 from tidal.data.prompts import PromptSample
 from tidal.distributed.weight_sync import engine_weights, open_sync_group, plan_buckets, send_weights
 from tidal.logging import get_logger
@@ -32,10 +32,10 @@ BUCKET_BYTES = 256 << 20  # big enough to amortise a collective, small enough to
 class RemoteRollout(Rollout):
     """Drives ``engines`` (``tidal.placement.workers`` handles); see the module docstring."""
 
-    def __init__(self, engines: list, tokenizer, cfg: RolloutConfig, models: RLModelsConfig,
+    def __init__(self, engines: list, tokenizer, cfg: RolloutConfig, reward: RewardConfig, agent: AgentConfig,
                  device: torch.device, pad_id: int, reward_models: RewardRole | None = None):  # fmt: skip
         check_sync_flags(cfg, device)
-        super().__init__(tokenizer, cfg, models, pad_id, reward_models)
+        super().__init__(tokenizer, cfg, reward, agent, pad_id, reward_models)
         self.engines, self.device = engines, device
         described = [e.call("describe") for e in engines]
         self.dtype = getattr(torch, described[0][1].removeprefix("torch."))

@@ -27,8 +27,8 @@ def role_totals(run: PlacedRun) -> dict[str, int]:
     p, r = run.placement, run.rollout
     return {
         "engine": r.vllm_num_engines if separate_engines(p, r.vllm_num_engines) else 0,
-        "reference": p.role_count("ref") if run.rl.needs_reference and separate_reference(p) else 0,
-        "reward model": p.role_count("reward") if run.models.reward_pretrain and separate_reward(p) else 0,
+        "reference": p.role_count("ref") if run.algorithm.needs_reference and separate_reference(p) else 0,
+        "reward model": p.role_count("reward") if run.reward.pretrain and separate_reward(p) else 0,
     }
 
 
@@ -49,13 +49,13 @@ def role_spec(run: PlacedRun, role: str):
     """``(factory, spec)`` building one worker of ``role`` (device "auto" until placed)."""
     if role == "engine":
         return EngineWorker, engine_spec(run)
-    threads, dtype = torch.get_num_threads(), run.model.param_dtype
+    threads, dtype = torch.get_num_threads(), run.actor.param_dtype
     if role == "reference":
-        return ReferenceWorker, FrozenSpec((frozen_copy_config(run.model, run.model.pretrain),), dtype,
+        return ReferenceWorker, FrozenSpec((frozen_copy_config(run.actor, run.actor.pretrain),), dtype,
                                            num_threads=threads)  # fmt: skip
-    paths = run.models.reward_pretrain.split(",")
-    spec = FrozenSpec(tuple(frozen_copy_config(run.model, p) for p in paths), dtype, num_threads=threads,
-                      value_head_prefix=run.models.value_head_prefix, normalize_reward=run.rl.normalize_reward,
+    paths = run.reward.pretrain.split(",")
+    spec = FrozenSpec(tuple(frozen_copy_config(run.actor, p) for p in paths), dtype, num_threads=threads,
+                      value_head_prefix=run.critic.value_head_prefix, normalize_reward=run.reward.normalize,
                       micro_size=run.rollout.micro_rollout_batch_size)  # fmt: skip
     return RewardWorker, spec
 

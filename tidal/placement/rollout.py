@@ -19,7 +19,7 @@ from tidal.agents import AgentExecutorBase, SingleTurnAgentExecutor, Trajectory,
 from tidal.agents.base import rollout_logs
 from tidal.config.args import ConfigError
 from tidal.config.engine import rollout_engine_config
-from tidal.config.rl import RLModelsConfig, RolloutConfig
+from tidal.config.rl import AgentConfig, RewardConfig, RolloutConfig
 from tidal.data.prompts import PromptSample
 from tidal.distributed.weight_sync import engine_weights
 from tidal.experience.experience import Experience
@@ -29,10 +29,8 @@ from tidal.rewards import RewardResult, load_reward_source
 from tidal.rollout import LLMEngine, SamplingParams
 
 
-def build_executor(models: RLModelsConfig, apply_chat_template: bool) -> AgentExecutorBase:
-    executor = (
-        load_agent_executor(models.agent_func_path) if models.agent_func_path else SingleTurnAgentExecutor()
-    )
+def build_executor(agent: AgentConfig, apply_chat_template: bool) -> AgentExecutorBase:
+    executor = load_agent_executor(agent.func_path) if agent.func_path else SingleTurnAgentExecutor()
     # Chat-rendered prompts already carry the template's special tokens (see tidal.data.templates).
     executor.add_special_tokens = not apply_chat_template
     return executor
@@ -57,21 +55,20 @@ class Rollout:
         self,
         tokenizer,
         cfg: RolloutConfig,
-        models: RLModelsConfig,
+        reward: RewardConfig,
+        agent: AgentConfig,
         pad_id: int,
         reward_models: RewardRole | None = None,
     ):
         self.lock = threading.Lock()  # generation (maybe on a background thread) and weight sync take turns
         self.cfg, self.tokenizer, self.pad_id = cfg, tokenizer, pad_id
         self.reward_source = (
-            load_reward_source(
-                models.remote_rm_url, timeout=models.remote_rm_timeout, max_retries=models.remote_rm_retries
-            )
-            if models.remote_rm_url
+            load_reward_source(reward.remote_url, timeout=reward.timeout, max_retries=reward.retries)
+            if reward.remote_url
             else None
         )
         self.reward_models = reward_models
-        if not (models.agent_func_path or self.reward_source or reward_models):
+        if not (agent.func_path or self.reward_source or reward_models):
             raise ConfigError(
                 "RL needs rewards: pass --remote_rm_url, --reward_pretrain or --agent_func_path"
             )
@@ -125,7 +122,8 @@ class LocalRollout(Rollout):
         model_path: str,
         tokenizer,
         cfg: RolloutConfig,
-        models: RLModelsConfig,
+        reward: RewardConfig,
+        agent: AgentConfig,
         device: torch.device,
         pad_id: int,
         apply_chat_template: bool,
@@ -133,9 +131,9 @@ class LocalRollout(Rollout):
         reward_models: RewardRole | None = None,
     ):
         check_sync_flags(cfg, device)
-        super().__init__(tokenizer, cfg, models, pad_id, reward_models)
+        super().__init__(tokenizer, cfg, reward, agent, pad_id, reward_models)
         self.engine = LLMEngine(model_path, rollout_engine_config(cfg, str(device), seed))
-        self.executor = build_executor(models, apply_chat_template)
+        self.executor = build_executor(agent, apply_chat_template)
 
     def trajectories(self, prompts: Sequence[PromptSample], params: SamplingParams, first_index: int):
         # first_index is passed on only when set, for executors overriding ``run`` without it

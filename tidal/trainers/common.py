@@ -26,6 +26,7 @@ from tidal.config import (
     OptimConfig,
     TrainConfig,
 )
+from tidal.config.run import RunConfig, config_field
 from tidal.data import load_dataset_spec
 from tidal.distributed import World, init_world, parallelize
 from tidal.logging import LoggingConfig, get_logger
@@ -43,18 +44,23 @@ SampleLoader = Callable[..., list]
 
 
 @dataclass(kw_only=True)
-class SupervisedRun:
+class SupervisedRun(RunConfig):
     """The configs every supervised run has. Each trainer's run adds its own: ``data`` (its data config,
-    which its recipe's ``load_samples`` reads) and the configs of its loss or frozen models."""
+    which its recipe's ``load_samples`` reads), the configs of its loss or frozen models, and its
+    ``ckpt`` default (``trainer_checkpoints("<kind>")``). Only ``model`` and ``datasets`` have
+    required flags; every default is here or in the trainer's run, and its command reads them."""
 
-    model: ModelConfig
-    datasets: DatasetConfig
-    train: TrainConfig
-    optim: OptimConfig
-    ckpt: CheckpointConfig
-    logging: LoggingConfig
-    dist: DistributedConfig
+    model: ModelConfig = config_field()
+    datasets: DatasetConfig = config_field()
+    train: TrainConfig = config_field(TrainConfig)
+    optim: OptimConfig = config_field(OptimConfig)
+    ckpt: CheckpointConfig = config_field(CheckpointConfig)
+    logging: LoggingConfig = config_field(LoggingConfig)
+    dist: DistributedConfig = config_field(DistributedConfig)
     run_dir: str | None = None  # metrics and the run config (default: <save_path>/run)
+
+    def cross_problems(self, world: World | None = None) -> list[str]:
+        return self.train.batch_problems(world.world_size) if world is not None else []
 
 
 def load_samples(
@@ -183,6 +189,7 @@ def fit_recipe(recipe: Recipe, run: SupervisedRun, world: World | None = None) -
     samples, step count, model, frozen models, optimizer stack, objective, training.
     """
     world = world or init_world()
+    run.check(world)
     recipe.check(run, world)
     seed_everything(run.train)
     tokenizer = load_tokenizer(run.model.pretrain, run.model)

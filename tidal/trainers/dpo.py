@@ -20,6 +20,8 @@ from torch import Tensor, nn
 
 from tidal.algorithms.preference import DPO_LOSSES
 from tidal.config import ConfigError, arg
+from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
+from tidal.config.run import config_field
 from tidal.data.pairs import PairDataConfig, PairSample, collate_pairs
 from tidal.distributed import World
 from tidal.models import Precision
@@ -124,9 +126,10 @@ class DPOObjective:
 class DPORun(SupervisedRun):
     """Everything a DPO run is configured by: the common configs, its pairs, loss and reference."""
 
-    data: PairDataConfig
-    dpo: DPOConfig
-    ref: ReferenceConfig
+    data: PairDataConfig = config_field(PairDataConfig)
+    dpo: DPOConfig = config_field(DPOConfig)
+    ref: ReferenceConfig = config_field(ReferenceConfig)
+    ckpt: CheckpointConfig = config_field(trainer_checkpoints("dpo"))
 
 
 class DPORecipe(Recipe):

@@ -17,6 +17,8 @@ from torch import nn
 from tidal.algorithms.distill import distillation_cross_entropy, kd_loss
 from tidal.algorithms.logprobs import entropy_from_logits
 from tidal.config import ConfigError, arg
+from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
+from tidal.config.run import config_field
 from tidal.data import SFTDataConfig, next_token_targets
 from tidal.distributed import World
 from tidal.models import Precision, model_inputs
@@ -81,8 +83,9 @@ class KDObjective(SFTBatching):
 class KDRun(SupervisedRun):
     """Everything a distillation run is configured by: the common configs, its SFT data and teacher."""
 
-    data: SFTDataConfig
+    data: SFTDataConfig = config_field(SFTDataConfig)
     kd: KDConfig
+    ckpt: CheckpointConfig = config_field(trainer_checkpoints("kd"))
 
 
 class KDRecipe(Recipe):

@@ -24,6 +24,8 @@ from torch import nn
 
 from tidal.algorithms.preference import kto_loss
 from tidal.config import ConfigError, arg
+from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
+from tidal.config.run import config_field
 from tidal.data import collate_packed, collate_padded
 from tidal.data.unpaired import UnpairedDataConfig, UnpairedSample, build_unpaired_samples
 from tidal.distributed import World
@@ -164,9 +166,10 @@ class KTOTrainer(SupervisedTrainer):
 class KTORun(SupervisedRun):
     """Everything a KTO run is configured by: the common configs, its samples, loss and reference."""
 
-    data: UnpairedDataConfig
-    kto: KTOConfig
-    ref: ReferenceConfig
+    data: UnpairedDataConfig = config_field(UnpairedDataConfig)
+    kto: KTOConfig = config_field(KTOConfig)
+    ref: ReferenceConfig = config_field(ReferenceConfig)
+    ckpt: CheckpointConfig = config_field(trainer_checkpoints("kto"))
 
 
 def load_unpaired_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg, seed: int):

@@ -16,6 +16,8 @@ from torch import nn
 
 from tidal.algorithms.prm import prm_loss
 from tidal.config import ConfigError
+from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
+from tidal.config.run import config_field
 from tidal.data.prm import PRMDataConfig, PRMSample, build_prm_samples, collate_prm, reward_token_ids
 from tidal.distributed import World
 from tidal.models import Precision, model_inputs
@@ -52,7 +54,8 @@ class PRMObjective:
 class PRMRun(SupervisedRun):
     """Everything a PRM run is configured by: the common configs and its data."""
 
-    data: PRMDataConfig
+    data: PRMDataConfig = config_field(PRMDataConfig)
+    ckpt: CheckpointConfig = config_field(trainer_checkpoints("prm"))
 
 
 def load_prm_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: PRMDataConfig, seed: int):

@@ -23,6 +23,8 @@ from torch import nn
 
 from tidal.algorithms.preference import RM_LOSSES
 from tidal.config import ConfigError, arg
+from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
+from tidal.config.run import config_field
 from tidal.data.pairs import PairDataConfig, PairSample, build_pair_samples, collate_pairs
 from tidal.distributed import World
 from tidal.logging import get_logger
@@ -121,8 +123,9 @@ class RewardModelTrainer(SupervisedTrainer):
 class RMRun(SupervisedRun):
     """Everything a reward-model run is configured by: the common configs, its pairs and head."""
 
-    data: PairDataConfig
-    rm: RMConfig
+    data: PairDataConfig = config_field(PairDataConfig)
+    rm: RMConfig = config_field(RMConfig)
+    ckpt: CheckpointConfig = config_field(trainer_checkpoints("rm"))
 
 
 def load_pair_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: PairDataConfig, seed: int):

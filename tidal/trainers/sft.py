@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
+from tidal.config.run import config_field
 from tidal.data import (
     SFTDataConfig,
     SFTSample,
@@ -69,7 +71,8 @@ class SFTObjective(SFTBatching):
 class SFTRun(SupervisedRun):
     """Everything an SFT run is configured by: the common configs and its data."""
 
-    data: SFTDataConfig
+    data: SFTDataConfig = config_field(SFTDataConfig)
+    ckpt: CheckpointConfig = config_field(trainer_checkpoints("sft"))
 
 
 def load_sft_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: SFTDataConfig, seed: int):

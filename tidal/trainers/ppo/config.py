@@ -1,97 +1,118 @@
-"""``PPORun``: every component config of an RL run, and the checks that span several of them."""
+"""``PPORun``: every component config of an RL run, grouped by the component that reads it, its
+defaults (``tidal ppo``'s), and the checks that span several configs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from tidal.config import (
     CheckpointConfig,
-    ConfigError,
     DistributedConfig,
     ModelConfig,
     OptimConfig,
     PromptDataConfig,
-    TrainConfig,
 )
 from tidal.config.placement import (
     PlacementConfig,
-    check_placement,
+    placement_problems,
     separate_engines,
     separate_reference,
     separate_reward,
 )
-from tidal.config.rl import RLConfig, RLModelsConfig, RolloutConfig
+from tidal.config.rl import (
+    AgentConfig,
+    AlgorithmConfig,
+    CriticConfig,
+    FrozenModelsConfig,
+    RewardConfig,
+    RLTrainConfig,
+    RolloutConfig,
+)
+from tidal.config.run import RunConfig, config_field
 from tidal.logging import LoggingConfig
 
-# rloo and group baselines compare samples of the same prompt
-GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
+
+def ppo_train() -> RLTrainConfig:
+    """OpenRLHF's train_ppo_ray defaults: micro-batches of 4 samples (128 per optimizer step)."""
+    return RLTrainConfig(train_batch_size=128, micro_train_batch_size=4)
 
 
-@dataclass
-class PPORun:
-    """An RL run: policy model, prompts, rollout, algorithm, other models, schedule and I/O."""
+@dataclass(kw_only=True)
+class PPORun(RunConfig):
+    """An RL run. Only the policy (``actor``) and the prompts (``data``) have required flags; every
+    other config has the defaults of ``tidal ppo``. The actor's and critic's optimizers share every
+    optimizer flag except their learning rates (``--actor_learning_rate``, ``--critic_learning_rate``)."""
 
-    model: ModelConfig
-    data: PromptDataConfig
-    rollout: RolloutConfig
-    rl: RLConfig
-    models: RLModelsConfig
-    train: TrainConfig
-    optim: OptimConfig
-    ckpt: CheckpointConfig
-    logging: LoggingConfig
-    dist: DistributedConfig
-    placement: PlacementConfig
+    actor: ModelConfig = config_field()  # the policy; reference, critic and reward models copy its precision
+    data: PromptDataConfig = config_field()
+    rollout: RolloutConfig = config_field(RolloutConfig)
+    algorithm: AlgorithmConfig = config_field(AlgorithmConfig)
+    reward: RewardConfig = config_field(RewardConfig)
+    critic: CriticConfig = config_field(CriticConfig)
+    agent: AgentConfig = config_field(AgentConfig)
+    frozen: FrozenModelsConfig = config_field(FrozenModelsConfig)
+    train: RLTrainConfig = config_field(ppo_train)
+    actor_optim: OptimConfig = config_field(
+        lambda: OptimConfig(learning_rate=1e-6), flags={"learning_rate": "actor_learning_rate"}
+    )
+    critic_optim: OptimConfig = config_field(
+        lambda: OptimConfig(learning_rate=9e-6), flags={"learning_rate": "critic_learning_rate"}
+    )
+    ckpt: CheckpointConfig = config_field(lambda: CheckpointConfig(ckpt_path="./ckpt/checkpoints_ppo"))
+    logging: LoggingConfig = config_field(LoggingConfig)
+    dist: DistributedConfig = config_field(DistributedConfig)
+    placement: PlacementConfig = config_field(PlacementConfig)
 
-    def __post_init__(self) -> None:
-        if self.rl.advantage_estimator in GROUP_ESTIMATORS and self.rollout.n_samples_per_prompt < 2:
-            raise ConfigError(
-                f"--advantage_estimator {self.rl.advantage_estimator} compares samples of a prompt: "
+    def cross_problems(self, world: Any = None) -> list[str]:
+        a, r, p, n = self.algorithm, self.rollout, self.placement, self.rollout.n_samples_per_prompt
+        problems = []
+        if a.needs_groups and n < 2:
+            problems.append(
+                f"--advantage_estimator {a.advantage_estimator} compares samples of a prompt: "
                 "set --n_samples_per_prompt >= 2"
             )
-        if self.rl.dynamic_filtering and self.rollout.n_samples_per_prompt < 2:
-            raise ConfigError("--dynamic_filtering needs --n_samples_per_prompt >= 2")
-        if self.rl.use_kl_loss and self.rl.init_kl_coef <= 0:
-            raise ConfigError("--use_kl_loss needs --init_kl_coef > 0")
-        if self.placement.async_train and (
-            self.rollout.vllm_enable_sleep or self.placement.deepspeed_enable_sleep
-        ):
-            raise ConfigError(
+        if a.dynamic_filtering and n < 2:
+            problems.append("--dynamic_filtering needs --n_samples_per_prompt >= 2")
+        if a.use_kl_loss and a.init_kl_coef <= 0:
+            problems.append("--use_kl_loss needs --init_kl_coef > 0")
+        if p.async_train and (r.vllm_enable_sleep or p.deepspeed_enable_sleep):
+            problems.append(
                 "--async_train generates while training, so the engine and trainer cannot sleep in turn: "
                 "drop --vllm_enable_sleep/--deepspeed_enable_sleep"
             )
-        check_placement(
-            self.placement, self.rollout.vllm_num_engines, self.rollout.vllm_tensor_parallel_size,
-            self.rl.needs_reference, self.rl.needs_critic, bool(self.models.reward_pretrain),
+        problems += placement_problems(
+            p, r.vllm_num_engines, r.vllm_tensor_parallel_size,
+            a.needs_reference, a.needs_critic, bool(self.reward.pretrain),
         )  # fmt: skip
-        if separate_engines(self.placement, self.rollout.vllm_num_engines) and self.rollout.vllm_enable_sleep:
-            raise ConfigError(
+        if separate_engines(p, r.vllm_num_engines) and r.vllm_enable_sleep:
+            problems.append(
                 "--vllm_enable_sleep frees a colocated engine's memory for the trainer, but --vllm_num_engines "
                 "without --colocate_all_models puts the engines on devices of their own: drop it, or pass "
                 "--colocate_all_models"
             )
-        p = self.placement
-        colocated = (self.rl.needs_reference and not separate_reference(p)) or (
-            bool(self.models.reward_pretrain) and not separate_reward(p)
+        colocated = (a.needs_reference and not separate_reference(p)) or (
+            bool(self.reward.pretrain) and not separate_reward(p)
         )
-        if self.models.ref_reward_offload and not colocated:
-            raise ConfigError(
+        if self.frozen.offload and not colocated:
+            problems.append(
                 "--ref_reward_offload keeps a reference or reward model that shares the policy's device in host "
                 "memory between uses, but this run has none (no --init_kl_coef > 0 / --reward_pretrain, or "
                 "they run on devices of their own)"
             )
-        samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+        samples = r.rollout_batch_size * n
         if self.train.train_batch_size > samples:
-            raise ConfigError(
+            problems.append(
                 f"--train_batch_size {self.train.train_batch_size} exceeds the samples of one rollout "
                 f"(--rollout_batch_size x --n_samples_per_prompt = {samples})"
             )
+        return problems
 
     @property
     def critic_source(self) -> str:
         """OpenRLHF's default: the critic starts from the first reward model, else the policy."""
-        if self.models.critic_pretrain:
-            return self.models.critic_pretrain
-        if self.models.reward_pretrain:
-            return self.models.reward_pretrain.split(",")[0]
-        return self.model.pretrain
+        if self.critic.pretrain:
+            return self.critic.pretrain
+        if self.reward.pretrain:
+            return self.reward.pretrain.split(",")[0]
+        return self.actor.pretrain

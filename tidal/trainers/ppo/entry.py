@@ -51,7 +51,7 @@ def train_rank(run: PPORun, ray_actors: dict) -> list[dict]:
 def train(run: PPORun, world: World, ray_actors: dict | None = None) -> list[dict]:
     """This rank's part of the run: prompts, parts, the loop."""
     seed_everything(run.train)
-    tokenizer = load_tokenizer(run.model.pretrain, run.model)
+    tokenizer = load_tokenizer(run.actor.pretrain, run.actor)
     d = run.data
     prompts = load_prompts(run, tokenizer, d.prompt_data, d.prompt_data_probs, d.prompt_split, d.max_samples)
     if len(prompts) < run.rollout.rollout_batch_size:
@@ -63,7 +63,7 @@ def train(run: PPORun, world: World, ray_actors: dict | None = None) -> list[dic
     check_data_parallel(run, world, len(evals) if evals is not None else None)
     log_placement(run, world)
     parts = build_parts(run, world, tokenizer, total_update_steps(run, len(prompts)), ray_actors)
-    log.info("RL (%s): %d prompts, device %s", run.rl.advantage_estimator, len(prompts), world.device)
+    log.info("RL (%s): %d prompts, device %s", run.algorithm.advantage_estimator, len(prompts), world.device)
     try:
         return PPOTrainer(run, parts, prompts, evals, world).fit()
     finally:
@@ -73,18 +73,18 @@ def train(run: PPORun, world: World, ray_actors: dict | None = None) -> list[dic
 def check_models_before_loading(run: PPORun) -> None:
     """Fail in one line, before anything loads, on a model folder the run cannot use: one without
     ``config.json``, or a policy architecture the rollout engine does not implement."""
-    folders = {"--pretrain": [run.model.pretrain], "--critic_pretrain": [run.models.critic_pretrain]}
-    folders["--reward_pretrain"] = (run.models.reward_pretrain or "").split(",")
+    folders = {"--pretrain": [run.actor.pretrain], "--critic_pretrain": [run.critic.pretrain]}
+    folders["--reward_pretrain"] = (run.reward.pretrain or "").split(",")
     for flag, paths in folders.items():
         for path in filter(None, paths):
             check_model_folder(path, flag)
     try:
-        model_type = getattr(AutoConfig.from_pretrained(run.model.pretrain), "model_type", None)
+        model_type = getattr(AutoConfig.from_pretrained(run.actor.pretrain), "model_type", None)
     except (OSError, ValueError, KeyError) as err:
-        raise model_load_error(run.model.pretrain, err) from err
+        raise model_load_error(run.actor.pretrain, err) from err
     if model_type not in FAMILIES:
         raise ConfigError(
-            f"--pretrain {run.model.pretrain}: model_type {model_type!r} is not supported by the rollout engine "
+            f"--pretrain {run.actor.pretrain}: model_type {model_type!r} is not supported by the rollout engine "
             f"of tidal ppo; supported: {', '.join(supported_model_types())}"
         )
 
@@ -100,7 +100,7 @@ def load_prompts(run: PPORun, tokenizer, spec: str, probs, split: str, max_sampl
 
 
 def total_update_steps(run: PPORun, num_prompts: int) -> int:
-    rollouts = (num_prompts // run.rollout.rollout_batch_size) * run.models.num_episodes
+    rollouts = (num_prompts // run.rollout.rollout_batch_size) * run.train.num_episodes
     samples = run.rollout.rollout_batch_size * run.rollout.n_samples_per_prompt
     per_rollout = -(-samples // run.train.train_batch_size) * run.train.max_epochs
     return max(rollouts * per_rollout, 1)
@@ -109,20 +109,18 @@ def total_update_steps(run: PPORun, num_prompts: int) -> int:
 def build_parts(run: PPORun, world: World, tokenizer, steps: int, ray_actors: dict | None = None) -> PPOParts:
     """The policy (and critic) on this device, then the other roles from ``tidal.placement``."""
     actor = build_actor(run, world, steps)
-    critic = build_critic(run, world, steps) if run.rl.needs_critic else None
+    critic = build_critic(run, world, steps) if run.algorithm.needs_critic else None
     roles = build_roles(run, world, tokenizer, actor.precision, ray_actors)
     return PPOParts(actor, critic, roles.reference, roles.rollout, tokenizer)
 
 
 def build_actor(run: PPORun, world: World, steps: int) -> Optimization:
-    model = load_causal_lm(run.model, world.device)
-    optim = dataclasses.replace(run.optim, learning_rate=run.models.actor_learning_rate)
-    return build_optimization(model, run.model, optim, run.dist, world, steps)
+    model = load_causal_lm(run.actor, world.device)
+    return build_optimization(model, run.actor, run.actor_optim, run.dist, world, steps)
 
 
 def build_critic(run: PPORun, world: World, steps: int) -> Optimization:
     """The value model: from ``--critic_pretrain``, else the first reward model, else the policy."""
-    cfg = dataclasses.replace(run.model, pretrain=run.critic_source)
-    model = load_value_model(cfg, world.device, run.models.value_head_prefix)
-    optim = dataclasses.replace(run.optim, learning_rate=run.models.critic_learning_rate)
-    return build_optimization(model, cfg, optim, run.dist, world, steps)
+    cfg = dataclasses.replace(run.actor, pretrain=run.critic_source)
+    model = load_value_model(cfg, world.device, run.critic.value_head_prefix)
+    return build_optimization(model, cfg, run.critic_optim, run.dist, world, steps)

@@ -43,7 +43,18 @@ from tidal.trainers.ppo.update import PolicyLoss, StepShape, ValueLoss, train_on
 log = get_logger(__name__)
 
 # Config groups a checkpoint records; resuming with other values warns (see tidal.checkpoint.manager).
-SETTINGS = ("model", "data", "rollout", "rl", "models", "train", "optim")
+SETTINGS = (
+    "actor",
+    "data",
+    "rollout",
+    "algorithm",
+    "reward",
+    "critic",
+    "agent",
+    "train",
+    "actor_optim",
+    "critic_optim",
+)
 
 
 @dataclass
@@ -85,10 +96,10 @@ class PPOTrainer:
     ):
         self.run, self.parts, self.world = run, parts, world
         self.prompts, self.eval_prompts = prompts, eval_prompts
-        self.kl_ctl = make_kl_controller(run.rl.init_kl_coef, run.rl.kl_target, run.rl.kl_horizon)
-        self.moments = (
-            RunningMoments() if run.rl.normalize_reward and not run.models.reward_pretrain else None
+        self.kl_ctl = make_kl_controller(
+            run.algorithm.init_kl_coef, run.algorithm.kl_target, run.algorithm.kl_horizon
         )
+        self.moments = RunningMoments() if run.reward.normalize and not run.reward.pretrain else None
         self.reduction = BatchReduction.over(world)  # whitening and reward moments over every rank
         self.n = run.rollout.n_samples_per_prompt
         self.checkpointer = Checkpointer(
@@ -104,7 +115,7 @@ class PPOTrainer:
         bar = ProgressBar(self.total_rollouts, initial=loop.global_step, desc="rl", is_main=world.is_main)
         with logger, bar, StopSignals() as stop:
             step_start = time.perf_counter()
-            for episode in range(loop.epoch, run.models.num_episodes):
+            for episode in range(loop.epoch, run.train.num_episodes):
                 # generate: each rollout when the loop asks for it, or (--async_train) ahead on a thread
                 for generated in rollout_stream(self.parts.rollout, self._jobs(episode, loop), self._ahead):
                     stats = self.train_step(generated, loop.global_step)
@@ -164,11 +175,13 @@ class PPOTrainer:
         run, actor = self.run, self.parts.actor
         exp = exp.to(self.world.device)
         stats = rollout_stats(exp)
-        if run.rl.dynamic_filtering:
+        if run.algorithm.dynamic_filtering:
             exp = self._dynamic_filter(exp, stats)
             if exp is None:
                 return None, stats
-        exp.rewards = shape_rewards(exp, run.rl, run.rollout.generate_max_len, self.moments, self.reduction)
+        exp.rewards = shape_rewards(
+            exp, run.algorithm, run.rollout.generate_max_len, self.moments, self.reduction
+        )
         micro, packing, max_tokens = self._scoring_shape()
         temperature = run.rollout.temperature
         exp.old_logprobs = forward_logprobs(
@@ -184,7 +197,7 @@ class PPOTrainer:
     def advantages(self, exp: Experience, stats: dict[str, float]) -> tuple[Experience, dict[str, float]]:
         """KL, baseline, reward clipping, returns and whitening (``tidal.experience.maker``); the
         rollout's and the experience's statistics, averaged over the ranks."""
-        exp = add_advantages(exp, self.run.rl, self.n, self.kl_ctl.value, self.reduction)
+        exp = add_advantages(exp, self.run.algorithm, self.n, self.kl_ctl.value, self.reduction)
         # Ranks hold equal shares, so the mean of their means is the batch mean.
         return exp, mean_over_world(stats | experience_stats(exp), self.world)
 
@@ -192,7 +205,7 @@ class PPOTrainer:
         """DAPO dynamic sampling: drop groups whose mean score is outside the range; None if no rank
         kept any. With several processes every rank must run the same sharded forwards, so dropped
         samples stay in the batch with no action tokens: they add no loss and are not counted."""
-        keep = dynamic_filter_mask(exp.scores, self.n, *self.run.rl.dynamic_filtering_reward_range)
+        keep = dynamic_filter_mask(exp.scores, self.n, *self.run.algorithm.dynamic_filtering_reward_range)
         stats["dynamic_filter/kept"] = float(keep.float().mean())
         if all_reduce_sum(int(keep.sum()), self.world) == 0:
             return None
@@ -208,17 +221,17 @@ class PPOTrainer:
         shape = StepShape(
             step_size=run.train.train_batch_size // self.world.world_size,
             micro_size=run.train.micro_train_batch_size,
-            max_tokens=run.models.train_max_tokens_per_gpu if run.models.use_dynamic_batch else None,
+            max_tokens=run.train.train_max_tokens_per_gpu if run.train.use_dynamic_batch else None,
             epochs=run.train.max_epochs,
             packing=run.train.packing_samples,
         )
         if self.parts.critic is not None:
-            loss = ValueLoss(run.rl.value_clip, self.parts.critic.precision, shape.packing)
+            loss = ValueLoss(run.algorithm.value_clip, self.parts.critic.precision, shape.packing)
             stats |= train_on_experience(self.parts.critic, exp, loss, shape, self.world, generator)
-        if step >= run.rl.freezing_actor_steps:
+        if step >= run.algorithm.freezing_actor_steps:
             actor = self.parts.actor
             loss = PolicyLoss(
-                run.rl, actor.precision, run.rollout.temperature, shape.packing, self.kl_ctl.value
+                run.algorithm, actor.precision, run.rollout.temperature, shape.packing, self.kl_ctl.value
             )
             stats |= train_on_experience(actor, exp, loss, shape, self.world, generator)
         if exp.kl is not None:
@@ -228,7 +241,7 @@ class PPOTrainer:
         return stats
 
     def sync_weights(self, step: int) -> None:
-        if step >= self.run.rl.freezing_actor_steps:
+        if step >= self.run.algorithm.freezing_actor_steps:
             self.parts.rollout.sync_weights(self.parts.actor.model)
 
     def after_step(self, loop: LoopState, stats: dict, logger: MetricsLogger, bar: ProgressBar) -> None:
@@ -256,7 +269,7 @@ class PPOTrainer:
 
     @property
     def total_rollouts(self) -> int:
-        return (len(self.prompts) // self.run.rollout.rollout_batch_size) * self.run.models.num_episodes
+        return (len(self.prompts) // self.run.rollout.rollout_batch_size) * self.run.train.num_episodes
 
     def _trained_parts(self) -> dict:
         parts = {"policy": self.parts.actor}
@@ -300,7 +313,7 @@ class PPOTrainer:
 
     def save_final(self) -> None:
         self.checkpointer.export(self.parts.actor.model, self.parts.tokenizer, self.run.ckpt.save_path)
-        if self.parts.critic is not None and self.run.models.save_value_network:
+        if self.parts.critic is not None and self.run.critic.save:
             critic_dir = Path(str(self.run.ckpt.save_path).rstrip("/") + "_critic")
             self.checkpointer.export(self.parts.critic.model, self.parts.tokenizer, critic_dir)
 
@@ -310,7 +323,7 @@ class PPOTrainer:
 
     def _scoring_shape(self) -> tuple[int, bool, int | None]:
         """(samples per micro-batch, packing, token budget) for the no-grad scoring passes."""
-        m = self.run.models
+        m = self.run.train
         max_tokens = (
             (m.rollout_max_tokens_per_gpu or m.train_max_tokens_per_gpu) if m.use_dynamic_batch else None
         )

@@ -23,7 +23,7 @@ from tidal.algorithms import (
     masked_mean,
     value_loss,
 )
-from tidal.config.rl import RLConfig
+from tidal.config.rl import AlgorithmConfig
 from tidal.distributed.collectives import max_over_world
 from tidal.distributed.world import World
 from tidal.experience.experience import Experience, micro_batches, model_batch, unflatten
@@ -118,7 +118,7 @@ def _share(value: Tensor, mask: Tensor, norm: Normaliser) -> Tensor:
 class PolicyLoss:
     """Clipped policy loss (+ KL loss, entropy bonus, mismatch correction) for one micro-batch."""
 
-    cfg: RLConfig
+    cfg: AlgorithmConfig
     precision: Precision
     temperature: float
     packing: bool
