@@ -101,6 +101,11 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     [S, out]: rows of expert e times ``weight[e].T``."""
     if _grouped_mm_usable(x):
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():  # the loop below needs the counts on the host
+        raise RuntimeError(
+            f"MoE decode in CUDA graphs needs bfloat16 weights (torch grouped GEMM), not {x.dtype}: "
+            "load the engine in bfloat16 or set enforce_eager"
+        )
     out = x.new_empty(x.shape[0], weight.shape[1])
     start = 0
     for expert, end in enumerate(offsets.tolist()):  # one host sync for all experts
