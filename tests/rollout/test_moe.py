@@ -144,3 +144,41 @@ def test_mixtral_sliding_window_matches_hf(tiny_model, hf_model):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
         expected = hf_logprobs(hf, prompt, out.outputs[0].token_ids)
         torch.testing.assert_close(torch.tensor(out.outputs[0].logprobs), expected, atol=1e-4, rtol=0)
+
+
+def _hf_sparse_block(family: str, experts_implementation: str):
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = tiny_config(family)
+    config._experts_implementation = experts_implementation
+    blocks = {
+        "qwen3_moe": Qwen3MoeSparseMoeBlock,
+        "qwen2_moe": Qwen2MoeSparseMoeBlock,
+        "mixtral": MixtralSparseMoeBlock,
+    }
+    return config, blocks[family](config).eval()
+
+
+@pytest.mark.parametrize("experts_implementation", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_sparse_block_matches_hf_within_1e5(family, experts_implementation):
+    """One MoE block, float32, against both of transformers' expert paths (per-expert loop, grouped)."""
+    config, hf = _hf_sparse_block(family, experts_implementation)
+    torch.manual_seed(0)
+    for name, param in hf.named_parameters():
+        torch.nn.init.normal_(param, std=0.3 if name.endswith("gate.weight") else 0.05)
+    ours = moe.SparseMoE(model_class(family).args_from_hf_config(config))
+    weights = dict(hf.named_parameters())
+    if "shared_expert.gate_proj.weight" in weights:  # ours packs gate/up like the dense MLP
+        gate, up = weights.pop("shared_expert.gate_proj.weight"), weights.pop("shared_expert.up_proj.weight")
+        weights["shared_expert.gate_up_proj.weight"] = torch.cat([gate, up])
+    ours.load_state_dict(weights, strict=True)
+    x = torch.randn(1, 37, config.hidden_size)
+    with torch.no_grad():
+        want = hf(x)
+        got = ours(x[0])
+    want = (want[0] if isinstance(want, tuple) else want)[0]
+    assert want.abs().max() > 0.05  # the experts contribute
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
