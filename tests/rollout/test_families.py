@@ -77,7 +77,8 @@ def test_trainer_side_loads_each_family_and_takes_an_sft_step(family, tiny_model
     with torch.no_grad():
         full, _ = token_logprobs(model, padded, chunk_size=None)
         chunked, _ = token_logprobs(model, padded, chunk_size=4)
-        assert enable_varlen_attention(model, force=True)
+        # Gemma 2 loads with eager attention (SDPA cannot soft-cap): its packed rows take the 4-D mask path.
+        assert enable_varlen_attention(model, force=True) or model.config._attn_implementation == "eager"
         packed_lp, _ = token_logprobs(model, packed)
     torch.testing.assert_close(chunked, full, atol=1e-5, rtol=0)
     want = full[padded["loss_mask"].bool()]

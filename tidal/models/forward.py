@@ -26,7 +26,9 @@ PACKED_ATTENTION = "auto"
 _VARLEN_IMPLS = ("tidal_varlen", "flash_attention_2", "flash_attention_3")
 
 
-def packed_attention_mask(segment_ids: torch.Tensor, additive: bool = False) -> torch.Tensor:
+def packed_attention_mask(
+    segment_ids: torch.Tensor, additive: bool = False, window: int | None = None
+) -> torch.Tensor:
     """[B, 1, T, T] mask: causal within a segment, blocked across segments.
 
     Boolean (True = may attend) for ``sdpa``; ``eager`` attention adds the mask to the scores, so it
@@ -34,6 +36,8 @@ def packed_attention_mask(segment_ids: torch.Tensor, additive: bool = False) -> 
     """
     t = segment_ids.shape[-1]
     causal = torch.ones(t, t, dtype=torch.bool, device=segment_ids.device).tril()
+    if window is not None:  # a sliding-window layer also sees only the last ``window`` keys
+        causal = causal.triu(1 - window)
     allowed = (causal & (segment_ids[:, :, None] == segment_ids[:, None, :]))[:, None]
     if not additive:
         return allowed
@@ -61,8 +65,19 @@ def model_inputs(model: nn.Module, batch: dict) -> dict:
         kwargs.update(varlen_kwargs(batch))
     else:
         impl = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
-        kwargs["attention_mask"] = packed_attention_mask(batch["segment_ids"], additive=impl == "eager")
+        kwargs["attention_mask"] = _packed_masks(model, batch["segment_ids"], additive=impl == "eager")
     return kwargs
+
+
+def _packed_masks(model: nn.Module, segment_ids: torch.Tensor, additive: bool):
+    """The packed mask; for a model with sliding-window layers (Gemma, Qwen2 with ``use_sliding_window``)
+    a ``{layer kind: mask}`` mapping, as HF's own mask creation makes, so those layers keep their window."""
+    config = getattr(model, "config", None)
+    mask = packed_attention_mask(segment_ids, additive)
+    window = getattr(config, "sliding_window", None)
+    if window is None or "sliding_attention" not in (getattr(config, "layer_types", None) or ()):
+        return mask
+    return {"full_attention": mask, "sliding_attention": packed_attention_mask(segment_ids, additive, window)}
 
 
 def token_logprobs(

@@ -101,15 +101,31 @@ def apply_lora(model: nn.Module, cfg: ModelConfig, task_type: str = "CAUSAL_LM")
     return get_peft_model(model, lora)
 
 
+def _attn_implementation(source: str, cfg: ModelConfig) -> str:
+    """``--attn_implementation``, except that the default ``sdpa`` becomes ``eager`` for a model class
+    without SDPA support (Gemma 2: SDPA cannot soft-cap attention scores), as transformers itself chooses
+    when no implementation is given."""
+    if cfg.attn_implementation != "sdpa":
+        return cfg.attn_implementation
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(source))]
+    except (OSError, ValueError, KeyError):
+        return "sdpa"  # from_pretrained reports the problem (or custom code decides)
+    return "sdpa" if getattr(model_cls, "_supports_sdpa", True) else "eager"
+
+
 def load_causal_lm(cfg: ModelConfig, device: torch.device, path: str | None = None) -> nn.Module:
     """Load a causal LM for training in float32 (master weights), with checkpointing and LoRA applied."""
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict = {"dtype": torch.float32, "attn_implementation": cfg.attn_implementation}
-    if cfg.load_in_4bit:
-        kwargs["quantization_config"] = _quantization_config()
     source = path or cfg.pretrain
     check_model_folder(source)
+    kwargs: dict = {"dtype": torch.float32, "attn_implementation": _attn_implementation(source, cfg)}
+    if cfg.load_in_4bit:
+        kwargs["quantization_config"] = _quantization_config()
     try:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError, KeyError, SafetensorError) as err:

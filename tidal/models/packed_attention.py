@@ -106,7 +106,7 @@ def varlen_attention_forward(
         and not (dropout > 0 and module.training)
     )
     if not usable:  # fp32, CPU, sliding window or dropout: the same math through a materialised mask
-        mask = _block_causal_mask(cu, query.shape[2], query.device)
+        mask = _block_causal_mask(cu, query.shape[2], query.device, sliding_window)
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
     q, k, v = (t[0].transpose(0, 1).to(dtype).contiguous() for t in (query, key, value))  # [T, H, D]
     out = _varlen(q, k, v, cu.to(torch.int32), int(kwargs["max_length_q"]), scaling)
@@ -149,12 +149,17 @@ def _varlen_params() -> frozenset[str]:
     return frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def _block_causal_mask(cu: torch.Tensor, length: int, device: torch.device) -> torch.Tensor:
-    """``[1, 1, T, T]`` boolean mask: causal within each ``cu`` segment (the fallback path)."""
+def _block_causal_mask(
+    cu: torch.Tensor, length: int, device: torch.device, window: int | None = None
+) -> torch.Tensor:
+    """``[1, 1, T, T]`` boolean mask: causal within each ``cu`` segment, within ``window`` keys of a
+    sliding-window layer (the fallback path)."""
     seg = torch.zeros(length, dtype=torch.long, device=device)
     seg[cu[1:-1].long()] = 1
     seg = seg.cumsum(0)
     causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    if window is not None:
+        causal = causal.triu(1 - window)
     return (causal & (seg[:, None] == seg[None, :]))[None, None]
 
 
