@@ -8,12 +8,13 @@ What differs from ``layers.py``'s Llama shape (transformers' ``modeling_phi3.py`
 - ``rope_parameters`` of type "longrope" (the 128k-context models): two sets of per-frequency factors,
   ``short_factor`` and ``long_factor``, and one attention factor scaling cos/sin. transformers picks the
   set per forward from the sequence length: short while ``max position + 1 <= original_max_position_
-  embeddings``, long beyond, and never re-rotates keys already cached. The engine reproduces
-  ``generate`` exactly with one rule per token: a prefill token uses the long set when its sequence's
-  prompt is longer than ``original_max_position_embeddings``, a decode token when its own position is at
-  or past it. (A single HF forward over a whole sequence longer than that rotates every position with
-  the long set, so for such sequences the trainer's log-probs of the tokens before the boundary differ
-  from generate's and the engine's, by construction of LongRoPE in transformers.)
+  embeddings``, long beyond. The engine applies that rule per token: a prefill token uses the long set
+  when its sequence's prompt is longer than ``original_max_position_embeddings``, a decode token when its
+  own position is at or past it. So sequences that stay within the original length, and prompts that
+  start past it, match ``transformers.generate`` exactly. A sequence that *crosses* the boundary while
+  decoding matches HF's forward with its KV cache (keys already cached keep the short rotation), not
+  ``generate``: Phi-3's ``prepare_inputs_for_generation`` drops the cache at the crossing and recomputes
+  the whole sequence with the long set, which this paged engine does not do.
 
 Other RoPE types and the optional sliding window (over every layer) are the generic ones.
 """
@@ -48,8 +49,8 @@ def original_max_positions(hf_config) -> int:
 
 
 def long_rope_tokens(positions: torch.Tensor, meta: AttentionMetadata, original: int) -> torch.Tensor:
-    """Which tokens take the long factors (bool [tokens]): transformers' choice for ``generate``, where a
-    forward's sequence length is its last position + 1 (see the module docstring)."""
+    """Which tokens take the long factors (bool [tokens]): transformers' choice for a forward over a
+    sequence, whose length is its last position + 1 (see the module docstring)."""
     if not meta.is_prefill:
         return positions >= original
     padded = positions[meta.pad_index].masked_fill(~meta.pad_valid, 0)  # [batch, max_len]
