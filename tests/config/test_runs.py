@@ -150,3 +150,34 @@ def test_group_requirement_comes_from_the_estimator_registry(name):
             train_ppo.parse_run(argv)
     else:
         assert train_ppo.parse_run(argv).algorithm.advantage_estimator == name
+
+
+def test_supervised_trainer_checks_join_the_same_pass():
+    argv = [
+        *SUPERVISED,
+        "--aux_loss_coef",
+        "0.1",
+        "--lora_rank",
+        "4",
+        "--normalize_reward",
+        "--max_epochs",
+        "0",
+    ]
+    with pytest.raises(ConfigError) as info:
+        train_rm.parse_run(argv)
+    assert str(info.value).splitlines() == [
+        "--max_epochs must be >= 1, got 0",
+        "--aux_loss_coef: the MoE load-balancing loss is not supported for reward models",
+        "--normalize_reward with --lora_rank: LoRA runs save adapters only, which cannot carry the "
+        "reward mean/std; merge the adapters (tidal lora_combiner) and train without LoRA, or drop one",
+    ]
+    with pytest.raises(ConfigError) as info:
+        train_dpo.parse_run([*SUPERVISED, "--beta", "0", "--ipo", "--label_smoothing", "0.1", "--l2", "-1"])
+    assert str(info.value).splitlines() == [
+        "--l2 must be >= 0, got -1.0",
+        "--beta must be positive, got 0.0",
+        "--label_smoothing (cDPO) applies to the sigmoid DPO loss, not to --ipo",
+    ]
+    kto = train_kto.parse_run([*SUPERVISED, "--train_batch_size", "2", "--micro_train_batch_size", "1"])
+    with pytest.raises(ConfigError, match="KTO needs --train_batch_size of at least 2 per device"):
+        kto.check(SimpleNamespace(world_size=2))

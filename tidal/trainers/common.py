@@ -156,10 +156,6 @@ class Recipe(ABC):
     load_samples: ClassVar[SampleLoader]  # one --dataset spec -> samples (a staticmethod)
     trainer_cls: ClassVar[type[SupervisedTrainer]] = SupervisedTrainer  # KTO, RM: a subclass
 
-    def check(self, run: Any, world: World) -> None:
-        """Problems across the run's configs, raised before the tokenizer, data or models load."""
-        return None  # most trainers have none: each config checks its own fields
-
     def load_model(self, run: Any, world: World) -> nn.Module:
         """The model to train, on ``world``'s device."""
         return load_causal_lm(run.model, world.device)
@@ -189,8 +185,7 @@ def fit_recipe(recipe: Recipe, run: SupervisedRun, world: World | None = None) -
     samples, step count, model, frozen models, optimizer stack, objective, training.
     """
     world = world or init_world()
-    run.check(world)
-    recipe.check(run, world)
+    run.check(world)  # every problem of the run at once, before the tokenizer, data or models load
     seed_everything(run.train)
     tokenizer = load_tokenizer(run.model.pretrain, run.model)
     ds = run.datasets

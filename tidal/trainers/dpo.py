@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from tidal.algorithms.preference import DPO_LOSSES
-from tidal.config import ConfigError, arg
+from tidal.config import Checked, arg
 from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
 from tidal.config.run import config_field
 from tidal.data.pairs import PairDataConfig, PairSample, collate_pairs
@@ -38,7 +38,7 @@ from tidal.trainers.rm import load_pair_samples
 
 
 @dataclass
-class DPOConfig:
+class DPOConfig(Checked):
     """DPO-family loss: β, the IPO variant, cDPO label smoothing and the NLL term."""
 
     beta: float = arg(0.1, help="β: strength of the implicit KL constraint to the reference")
@@ -48,15 +48,17 @@ class DPOConfig:
     )
     nll_loss_coef: float = arg(0.0, help="weight of the NLL loss on the chosen responses' tokens")
 
-    def __post_init__(self) -> None:
+    def problems(self, flags=None) -> list[str]:
+        own = []
         if self.beta <= 0:
-            raise ConfigError(f"--beta must be positive, got {self.beta}")
+            own.append(f"--beta must be positive, got {self.beta}")
         if not 0.0 <= self.label_smoothing < 0.5:
-            raise ConfigError(f"--label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+            own.append(f"--label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
         if self.ipo and self.label_smoothing > 0:
-            raise ConfigError("--label_smoothing (cDPO) applies to the sigmoid DPO loss, not to --ipo")
+            own.append("--label_smoothing (cDPO) applies to the sigmoid DPO loss, not to --ipo")
         if self.nll_loss_coef < 0:
-            raise ConfigError(f"--nll_loss_coef must be >= 0, got {self.nll_loss_coef}")
+            own.append(f"--nll_loss_coef must be >= 0, got {self.nll_loss_coef}")
+        return super().problems(flags) + own
 
     @property
     def loss_name(self) -> str:

@@ -16,7 +16,7 @@ from torch import nn
 
 from tidal.algorithms.distill import distillation_cross_entropy, kd_loss
 from tidal.algorithms.logprobs import entropy_from_logits
-from tidal.config import ConfigError, arg
+from tidal.config import Checked, arg
 from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
 from tidal.config.run import config_field
 from tidal.data import SFTDataConfig, next_token_targets
@@ -29,7 +29,7 @@ from tidal.trainers.sft import SFTBatching, load_sft_samples
 
 
 @dataclass
-class KDConfig:
+class KDConfig(Checked):
     """Distillation: the teacher and how much its distributions weigh against the labels."""
 
     teacher_model: str = arg(help="teacher model (HF folder or name); must share the student's tokenizer")
@@ -38,9 +38,9 @@ class KDConfig:
         False, help="keep the teacher in CPU memory; move it to the device only for its forward"
     )
 
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.kd_coef <= 1.0:
-            raise ConfigError(f"--kd_coef must be in [0, 1], got {self.kd_coef}")
+    def problems(self, flags=None) -> list[str]:
+        own = [] if 0.0 <= self.kd_coef <= 1.0 else [f"--kd_coef must be in [0, 1], got {self.kd_coef}"]
+        return super().problems(flags) + own
 
 
 @dataclass

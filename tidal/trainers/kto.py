@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from tidal.algorithms.preference import kto_loss
-from tidal.config import ConfigError, arg
+from tidal.config import Checked, ConfigError, arg
 from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
 from tidal.config.run import config_field
 from tidal.data import collate_packed, collate_padded
@@ -47,18 +47,20 @@ log = get_logger(__name__)
 
 
 @dataclass
-class KTOConfig:
+class KTOConfig(Checked):
     """KTO loss: β and the weights of desirable and undesirable samples."""
 
     beta: float = arg(0.01, help="β: how sharply the loss saturates around the KL reference point")
     desirable_loss_weight: float = arg(1.0, help="w_d: weight of desirable samples' loss")
     undesirable_loss_weight: float = arg(1.0, help="w_u: weight of undesirable samples' loss")
 
-    def __post_init__(self) -> None:
+    def problems(self, flags=None) -> list[str]:
+        own = []
         if self.beta <= 0:
-            raise ConfigError(f"--beta must be positive, got {self.beta}")
+            own.append(f"--beta must be positive, got {self.beta}")
         if self.desirable_loss_weight < 0 or self.undesirable_loss_weight < 0:
-            raise ConfigError("--desirable_loss_weight and --undesirable_loss_weight must be >= 0")
+            own.append("--desirable_loss_weight and --undesirable_loss_weight must be >= 0")
+        return super().problems(flags) + own
 
 
 @dataclass
@@ -171,6 +173,14 @@ class KTORun(SupervisedRun):
     ref: ReferenceConfig = config_field(ReferenceConfig)
     ckpt: CheckpointConfig = config_field(trainer_checkpoints("kto"))
 
+    def cross_problems(self, world: World | None = None) -> list[str]:
+        problems = super().cross_problems(world)
+        if world is not None and self.train.train_batch_size // world.world_size < 2:
+            problems.append(
+                "KTO needs --train_batch_size of at least 2 per device (its KL term pairs samples)"
+            )
+        return problems
+
 
 def load_unpaired_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg, seed: int):
     samples = load_samples(build_unpaired_samples, spec, probs, split, max_samples, tokenizer, cfg, seed)
@@ -184,12 +194,6 @@ class KTORecipe(Recipe):
     label = "KTO"
     load_samples = staticmethod(load_unpaired_samples)
     trainer_cls = KTOTrainer
-
-    def check(self, run: KTORun, world: World) -> None:
-        if run.train.train_batch_size // world.world_size < 2:
-            raise ConfigError(
-                "KTO needs --train_batch_size of at least 2 per device (its KL term pairs samples)"
-            )
 
     def load_frozen(self, run: KTORun, model: nn.Module, world: World) -> Reference:
         return build_reference(model, run.model, run.ref, run.dist, world)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from torch import nn
 
 from tidal.algorithms.prm import prm_loss
-from tidal.config import ConfigError
 from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
 from tidal.config.run import config_field
 from tidal.data.prm import PRMDataConfig, PRMSample, build_prm_samples, collate_prm, reward_token_ids
@@ -57,6 +56,12 @@ class PRMRun(SupervisedRun):
     data: PRMDataConfig = config_field(PRMDataConfig)
     ckpt: CheckpointConfig = config_field(trainer_checkpoints("prm"))
 
+    def cross_problems(self, world: World | None = None) -> list[str]:
+        problems = super().cross_problems(world)
+        if self.model.aux_loss_coef > 0:
+            problems.append("--aux_loss_coef: the MoE load-balancing loss is not supported for PRM training")
+        return problems
+
 
 def load_prm_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: PRMDataConfig, seed: int):
     """PRM samples of a ``--dataset``-style spec (skipped rows are logged)."""
@@ -66,12 +71,6 @@ def load_prm_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: 
 class PRMRecipe(Recipe):
     label = "PRM"
     load_samples = staticmethod(load_prm_samples)
-
-    def check(self, run: PRMRun, world: World) -> None:
-        if run.model.aux_loss_coef > 0:
-            raise ConfigError(
-                "--aux_loss_coef: the MoE load-balancing loss is not supported for PRM training"
-            )
 
     def objective(self, run: PRMRun, tokenizer, train, frozen) -> PRMObjective:
         return PRMObjective(

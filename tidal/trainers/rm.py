@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from tidal.algorithms.preference import RM_LOSSES
-from tidal.config import ConfigError, arg
+from tidal.config import arg
 from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
 from tidal.config.run import config_field
 from tidal.data.pairs import PairDataConfig, PairSample, build_pair_samples, collate_pairs
@@ -127,6 +127,17 @@ class RMRun(SupervisedRun):
     rm: RMConfig = config_field(RMConfig)
     ckpt: CheckpointConfig = config_field(trainer_checkpoints("rm"))
 
+    def cross_problems(self, world: World | None = None) -> list[str]:
+        problems = super().cross_problems(world)
+        if self.model.aux_loss_coef > 0:
+            problems.append("--aux_loss_coef: the MoE load-balancing loss is not supported for reward models")
+        if self.rm.normalize_reward and self.model.lora_rank > 0:
+            problems.append(
+                "--normalize_reward with --lora_rank: LoRA runs save adapters only, which cannot carry the "
+                "reward mean/std; merge the adapters (tidal lora_combiner) and train without LoRA, or drop one"
+            )
+        return problems
+
 
 def load_pair_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: PairDataConfig, seed: int):
     """Preference pairs of a ``--dataset``-style spec (skipped pairs are logged)."""
@@ -144,17 +155,6 @@ class RMRecipe(Recipe):
     label = "RM"
     load_samples = staticmethod(load_pair_samples)
     trainer_cls = RewardModelTrainer
-
-    def check(self, run: RMRun, world: World) -> None:
-        if run.model.aux_loss_coef > 0:
-            raise ConfigError(
-                "--aux_loss_coef: the MoE load-balancing loss is not supported for reward models"
-            )
-        if run.rm.normalize_reward and run.model.lora_rank > 0:
-            raise ConfigError(
-                "--normalize_reward with --lora_rank: LoRA runs save adapters only, which cannot carry the "
-                "reward mean/std; merge the adapters (tidal lora_combiner) and train without LoRA, or drop one"
-            )
 
     def load_model(self, run: RMRun, world: World) -> nn.Module:
         return load_value_model(run.model, world.device, run.rm.value_head_prefix)
