@@ -5,11 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tidal.config.args import AT_LEAST_ONE, ConfigError, Range, arg
+from tidal.config.engine import engine_config
 from tidal.config.model import ModelConfig
 from tidal.rollout import EngineConfig
 
-# ModelConfig.param_dtype's names → the engine's.
-ENGINE_DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # ModelConfig's flags that mean nothing to a server (training options); hidden from ``tidal serve``.
 UNUSED_MODEL_FLAGS = (
     "attn_implementation",
@@ -59,16 +58,13 @@ class ServeConfig:
             raise ConfigError(f"--max_model_len must be >= 2, got {self.max_model_len}")
 
     def engine_config(self, model: ModelConfig) -> EngineConfig:
-        try:
-            return EngineConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_model_len=self.max_model_len,
-                gpu_memory_utilization=self.gpu_memory_utilization,
-                dtype=ENGINE_DTYPES[model.param_dtype],
-                seed=self.seed,
-            )
-        except ValueError as err:
-            raise ConfigError(str(err).replace("EngineConfig: ", "")) from err
+        return engine_config(
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            seed=self.seed,
+            param_dtype=model.param_dtype,
+        )
 
     def model_name(self, model: ModelConfig) -> str:
         return self.served_model_name or model.pretrain
