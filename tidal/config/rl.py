@@ -44,7 +44,12 @@ class RolloutConfig(Checked):
     top_p: float = arg(1.0, help="nucleus sampling", check=Range(0, 1, low_open=True))
     top_k: int = arg(-1, help="top-k sampling (-1: off)", check=Range(1, also=(-1, 0)))
     eval_temperature: float = arg(0.6, help="sampling temperature for evaluation", check=NON_NEGATIVE)
-    eval_n_samples_per_prompt: int = arg(4, help="samples per prompt for evaluation", check=AT_LEAST_ONE)
+    eval_n_samples_per_prompt: int = arg(
+        4, help="samples per prompt for evaluation (k of the logged eval/pass@k)", check=AT_LEAST_ONE
+    )
+    eval_pass_threshold: float = arg(
+        1.0, help="an evaluation sample passes (eval/pass@1, eval/pass@k) when its score is >= this"
+    )
     vllm_num_engines: int | None = arg(
         None,
         help="rollout engines on devices of their own, a multiple of the policy workers (with "

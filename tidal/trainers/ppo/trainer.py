@@ -33,6 +33,7 @@ from tidal.experience.maker import (
     forward_values,
     shape_rewards,
 )
+from tidal.inference.evaluation import pass_at_k_stats
 from tidal.logging import MetricsLogger, ProgressBar, get_logger
 from tidal.placement.protocols import ReferenceRole, RolloutRole
 from tidal.placement.stream import RolloutJob, RolloutResult, rollout_stream
@@ -254,12 +255,15 @@ class PPOTrainer:
         self.checkpointer.maybe_save(loop)
 
     def evaluate(self) -> dict[str, float]:
-        """Mean reward and score of fresh samples on the evaluation prompts."""
+        """Mean reward and score of fresh samples on the evaluation prompts, and pass@1 / pass@k
+        (k = --eval_n_samples_per_prompt; a sample passes when its score is >= --eval_pass_threshold)."""
         r = self.run.rollout
         _, exp, logs = self.parts.rollout.generate(self.eval_prompts, r.eval_n_samples_per_prompt, r.eval_temperature,
                                                    seed=self.run.train.seed)  # fmt: skip
         self._sleep_engine()
         stats = {"reward": float(exp.rewards.mean()), "score": float(exp.scores.mean()), **logs}
+        # trajectories are prompt-major, so each prompt's samples are consecutive in exp.scores
+        stats |= pass_at_k_stats(exp.scores.tolist(), r.eval_n_samples_per_prompt, r.eval_pass_threshold)
         return mean_over_world(stats, self.world, weight=len(exp))
 
     # ---- checkpoints -------------------------------------------------------------------------
