@@ -7,8 +7,8 @@ a call is its answer. Reward: 1.0 when the answer's first integer is the product
 
 ``write_data(folder)`` writes the task's files: ``prompts.jsonl`` for RL and ``sft.jsonl``, chat
 demonstrations in which HALF the answers use the tool (and are right) and half guess a number (and
-are wrong), so that after SFT the model knows the call format and RL has a clear choice to learn.
-The tests SFT a tiny model on them, then run ``tidal ppo`` with this file (tests/agents/test_tools.py):
+are wrong), so that after SFT the model knows the call format and RL has a choice to learn:
+
 
     tidal sft --pretrain MODEL --dataset DIR/sft.jsonl --input_key prompt --output_key answer ...
     tidal ppo --pretrain SFT_MODEL --prompt_data DIR/prompts.jsonl --input_key prompt --label_key label \\
@@ -54,15 +54,22 @@ class AgentExecutor(ToolAgentExecutor):
         )
 
 
-def write_data(folder, n_sft: int = 512, n_prompts: int = 256, seed: int = 0, tool_fraction: float = 0.5):
+def write_data(
+    folder,
+    n_sft: int = 512,
+    n_prompts: int = 256,
+    seed: int = 0,
+    tool_fraction: float = 0.5,
+    operands: tuple[int, int] = (10, 99),
+):
     """Write ``sft.jsonl`` (rendered with the ChatML template of tidal.testing's tiny Qwen2 models) and
-    ``prompts.jsonl`` into ``folder``; return the folder."""
+    ``prompts.jsonl`` into ``folder``, with factors drawn from ``operands`` (inclusive); return the folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     with (folder / "sft.jsonl").open("w") as f:
         for _ in range(n_sft):
-            a, b = rng.randint(10, 99), rng.randint(10, 99)
+            a, b = rng.randint(*operands), rng.randint(*operands)
             prompt = f"<|im_start|>user\n{a}*{b}=<|im_end|>\n<|im_start|>assistant\n"
             if rng.random() < tool_fraction:
                 call = json.dumps({"name": "multiply", "arguments": {"a": a, "b": b}}, separators=(",", ":"))
@@ -71,10 +78,10 @@ def write_data(folder, n_sft: int = 512, n_prompts: int = 256, seed: int = 0, to
                     f"<|im_start|>assistant\n{a * b}"
                 )
             else:  # a guess of the right size, almost always wrong
-                answer = str(rng.randint(100, 9999))
+                answer = str(rng.randint(1, operands[1] ** 2))
             f.write(json.dumps({"prompt": prompt, "answer": answer}) + "\n")
     with (folder / "prompts.jsonl").open("w") as f:
         for _ in range(n_prompts):
-            a, b = rng.randint(10, 99), rng.randint(10, 99)
+            a, b = rng.randint(*operands), rng.randint(*operands)
             f.write(json.dumps({"prompt": f"{a}*{b}=", "label": str(a * b)}) + "\n")
     return folder

@@ -1,5 +1,5 @@
 """Tool calls: the parsers, ToolAgentExecutor on a scripted model (token in, token out; each kind of
-per-episode failure), and examples/tool_agent_func.py learning to use its calculator under tidal ppo."""
+per-episode failure), examples/tool_agent_func.py, and failed episodes counted by a tidal ppo run."""
 
 from __future__ import annotations
 
@@ -310,35 +310,89 @@ def test_bad_tools_are_explained():
     assert tool_schema(multiply)["function"]["parameters"]["required"] == ["a", "b"]
 
 
-# ---- the example trains ----------------------------------------------------------------------------
-def test_example_learns_to_use_the_calculator(tiny_qwen2, tmp_path):
-    import importlib.util
+# ---- the example and the RL loop -------------------------------------------------------------------
+def test_example_agent_file(qwen_tok, tmp_path):
+    from tidal.agents import load_agent_executor
 
-    from tidal.cli.train_ppo import parse_run
-    from tidal.cli.train_sft import parse_run as parse_sft
-    from tidal.trainers.ppo import run_ppo
-    from tidal.trainers.sft import run_sft
+    executor = load_agent_executor(EXAMPLES / "tool_agent_func.py")
+    assert isinstance(executor, ToolAgentExecutor) and executor.parser == "hermes"
+    scripts = {
+        "37*58=": ['<tool_call>{"name":"multiply","arguments":{"a":37,"b":58}}</tool_call>', "2146"],
+        "12*11=": ["132"],
+        "20*30=": [call("multiply", a=20, b=30), "599"],
+    }
+    trajs, engine = run(executor, qwen_tok, scripts, ["2146", "132", "600"])
+    assert [t.reward for t in trajs] == [1.0, 1.0, 0.0]
+    assert [t.extra_logs["agent/tool_calls"] for t in trajs] == [1.0, 0.0, 1.0]
+    assert any("<|im_start|>tool\n2146<|im_end|>\n<|im_start|>assistant\n" in text for text in engine.calls)
+    # its data: SFT demonstrations in the chat format the executor renders, and RL prompts with labels
+    import importlib.util
 
     spec = importlib.util.spec_from_file_location("tool_agent_func", EXAMPLES / "tool_agent_func.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    data = example.write_data(tmp_path / "data", n_sft=512, n_prompts=256)
-    sft = tmp_path / "sft"
-    run_sft(parse_sft([
-        "--pretrain", str(tiny_qwen2), "--dataset", str(data / "sft.jsonl"), "--input_key", "prompt",
-        "--output_key", "answer", "--max_len", "96", "--train_batch_size", "32", "--micro_train_batch_size", "32",
-        "--packing_samples", "--max_epochs", "3", "--learning_rate", "3e-3", "--save_path", str(sft),
-    ]))  # fmt: skip
-    history = run_ppo(parse_run([
-        "--pretrain", str(sft), "--prompt_data", str(data / "prompts.jsonl"), "--input_key", "prompt",
-        "--label_key", "label", "--agent_func_path", str(EXAMPLES / "tool_agent_func.py"),
-        "--advantage_estimator", "reinforce_baseline", "--n_samples_per_prompt", "8", "--rollout_batch_size", "8",
-        "--train_batch_size", "64", "--micro_train_batch_size", "64", "--micro_rollout_batch_size", "64",
-        "--generate_max_len", "48", "--prompt_max_len", "16", "--actor_learning_rate", "1e-3", "--lr_warmup_ratio", "0",
-        "--init_kl_coef", "0", "--save_path", str(tmp_path / "final"), "--ckpt_path", str(tmp_path / "ckpt"),
-        "--seed", "3", "--max_samples", "64",
-    ]))  # fmt: skip
-    rewards = [h["reward"] for h in history]
-    print(rewards, [h.get("agent/tool_calls") for h in history])
-    assert all("agent/errors" in h and "agent/tool_calls" in h for h in history)
-    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.15, rewards
+    data = example.write_data(tmp_path, n_sft=8, n_prompts=4, tool_fraction=1.0)
+    demo = json.loads((data / "sft.jsonl").read_text().splitlines()[0])
+    prompt = json.loads((data / "prompts.jsonl").read_text().splitlines()[0])
+    a, b = re.search(r"user\n(\d+)\*(\d+)=", demo["prompt"]).groups()
+    assert demo["prompt"] == qwen_tok.apply_chat_template(
+        [{"role": "user", "content": f"{a}*{b}="}], tokenize=False, add_generation_prompt=True
+    )
+    assert parse_tool_calls(demo["answer"].split("<|im_end|>")[0], "hermes").calls == [
+        ("multiply", {"a": int(a), "b": int(b)})
+    ]
+    assert demo["answer"].endswith(str(int(a) * int(b)))
+    x, y = prompt["prompt"].rstrip("=").split("*")
+    assert prompt["label"] == str(int(x) * int(y))
+
+
+FLAKY_AGENT = '''
+from tidal.agents import ToolAgentExecutor
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    return a * b
+
+
+def reward(answer, label):
+    if label.endswith("0"):
+        raise ConnectionError("judge unreachable")
+    return 0.5
+
+
+class AgentExecutor(ToolAgentExecutor):
+    def __init__(self):
+        super().__init__(tools=[multiply], reward_fn=reward, parser="hermes", max_turns=1, tools_in_prompt=False)
+'''
+
+
+def test_failed_episodes_are_counted_in_the_step_logs_and_training_goes_on(tiny_qwen2, tmp_path, caplog):
+    from tidal.cli.train_ppo import parse_run
+    from tidal.trainers.ppo import run_ppo
+
+    (tmp_path / "agent.py").write_text(FLAKY_AGENT)
+    with (tmp_path / "prompts.jsonl").open("w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": f"{i}*10=", "label": str(i * 10 + i % 2)}) + "\n")
+    with caplog.at_level(logging.WARNING, logger="tidal.agents.base"):
+        history = run_ppo(parse_run([
+            "--pretrain", str(tiny_qwen2), "--prompt_data", str(tmp_path / "prompts.jsonl"), "--input_key", "prompt",
+            "--label_key", "label", "--agent_func_path", str(tmp_path / "agent.py"),
+            "--advantage_estimator", "reinforce_baseline", "--n_samples_per_prompt", "2", "--rollout_batch_size", "4",
+            "--train_batch_size", "8", "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "8",
+            "--generate_max_len", "4", "--prompt_max_len", "16", "--init_kl_coef", "0",
+            "--save_path", str(tmp_path / "final"), "--ckpt_path", str(tmp_path / "ckpt"), "--seed", "1",
+        ]))  # fmt: skip
+    # labels ending in 0 (the 4 even prompts, 8 episodes) fail in reward_fn; the other 8 score 0.5
+    assert len(history) == 2 and sum(h["agent/errors"] for h in history) == 8.0
+    assert [h["agent/errors"] for h in history] == [h.get("agent/agent_errors", 0.0) for h in history]
+    assert sum(h["reward"] for h in history) / 2 == pytest.approx(0.25)
+    assert all("policy/loss" in h for h in history)
+    warnings = [r.getMessage() for r in caplog.records if "episodes failed (agent_errors)" in r.getMessage()]
+    assert len(warnings) == 2 and "step raised ConnectionError: judge unreachable" in warnings[0]
