@@ -232,8 +232,9 @@ class PPOTrainer:
         if step >= run.algorithm.freezing_actor_steps:
             actor = self.parts.actor
             loss = PolicyLoss(
-                run.algorithm, actor.precision, run.rollout.temperature, shape.packing, self.kl_ctl.value
-            )
+                run.algorithm, actor.precision, run.rollout.temperature, shape.packing, self.kl_ctl.value,
+                aux_loss_coef=run.actor.aux_loss_coef,
+            )  # fmt: skip
             stats |= train_on_experience(actor, exp, loss, shape, self.world, generator)
         if exp.kl is not None:
             kl = world_masked_mean(exp.kl, exp.action_mask, self.world)

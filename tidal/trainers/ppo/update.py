@@ -10,6 +10,7 @@ part's ``NonFiniteGuard`` (``tidal.trainers.optim``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ from tidal.distributed.world import World
 from tidal.experience.experience import Experience, micro_batches, model_batch, unflatten
 from tidal.experience.maker import shift_values
 from tidal.models.forward import token_logprobs
+from tidal.models.moe_routing import capture_router_logits, router_aux_loss
 from tidal.models.precision import Precision
 from tidal.trainers.loop import STEP_LOSS, Optimization, backward, optimizer_step, reduce_metrics
 
@@ -123,10 +125,12 @@ class PolicyLoss:
     temperature: float
     packing: bool
     kl_coef: float = 0.0
+    aux_loss_coef: float = 0.0  # --aux_loss_coef: MoE load-balancing loss weight (0 on dense models)
 
     def __call__(self, model: nn.Module, mb: Experience, norm: Normaliser):
         cfg, mask = self.cfg, mb.action_mask
-        with self.precision.autocast():
+        routers = capture_router_logits(model) if self.aux_loss_coef > 0 else contextlib.nullcontext([])
+        with self.precision.autocast(), routers as router_logits:
             logp, out = token_logprobs(
                 model,
                 model_batch(mb, self.packing),
@@ -152,6 +156,15 @@ class PolicyLoss:
         loss = aggregate_loss(
             per_token, mask, cfg.loss_agg_mode, num_tokens=norm.tokens, num_sequences=norm.sequences
         )
+        if self.aux_loss_coef > 0:
+            # Packed rows hold only real tokens; padded rows count only the attended ones.
+            tokens = None if self.packing else mb.attention_mask
+            aux = router_aux_loss(model, router_logits, tokens)
+            aux = logp.new_zeros(()) if aux is None else aux  # dense: no router, no loss (OpenRLHF)
+            # The step's loss is a sum over micro-batches, so each adds its token share of the aux loss.
+            share = mask.sum() / norm.tokens
+            loss = loss + self.aux_loss_coef * aux * share
+            metrics["policy/aux_loss"] = aux.detach() * share
         metrics["policy/loss"] = loss.detach()
         return loss, metrics
 

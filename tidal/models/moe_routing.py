@@ -1,0 +1,81 @@
+"""The routers of HF mixture-of-experts models: capture their logits, and the load-balancing loss.
+
+HF MoE families (Qwen3-MoE, Mixtral, ...) declare their router class in ``_can_record_outputs
+["router_logits"]``; every instance of that class is one MoE layer's router, whose forward returns
+``(router_logits, routing_weights, selected_experts)``. We hook those modules directly rather than
+pass ``output_router_logits=True``: HF then computes its own aux loss with the forward's
+``attention_mask``, which breaks on packed rows (a ``[B, 1, T, T]`` mask) — here the caller says
+which tokens count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def router_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's MoE routers in layer order; empty for a dense model."""
+    classes = set()
+    for module in model.modules():
+        recorder = (getattr(module, "_can_record_outputs", None) or {}).get("router_logits")
+        if recorder is not None and getattr(recorder, "target_class", None) is not None:
+            classes.add(recorder.target_class)
+    if not classes:
+        return []
+    return [m for m in model.modules() if isinstance(m, tuple(classes))]
+
+
+def is_moe(model: nn.Module) -> bool:
+    return bool(router_modules(model))
+
+
+@contextlib.contextmanager
+def capture_router_logits(model: nn.Module) -> Iterator[list[Tensor]]:
+    """Collect each router's logits ``[tokens, experts]`` (layer order) of the forwards run inside."""
+    logits: list[Tensor] = []
+
+    def hook(_module, _inputs, output):
+        logits.append(output[0])
+
+    handles = [m.register_forward_hook(hook) for m in router_modules(model)]
+    try:
+        yield logits
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def load_balancing_loss(router_logits: list[Tensor], top_k: int, token_mask: Tensor | None = None) -> Tensor:
+    """Switch Transformer's load-balancing loss (HF's ``load_balancing_loss_func``): ``E × Σ_e f_e P_e``
+    over every layer's tokens, with ``f_e`` the fraction of top-k picks that go to expert ``e`` and
+    ``P_e`` its mean router probability. ``token_mask`` (``[tokens]``, 1 = counts) drops padding."""
+    probs = torch.cat([x.float() for x in router_logits]).softmax(-1)  # [layers × tokens, E]
+    n_experts = probs.shape[-1]
+    weight = probs.new_ones(probs.shape[0])
+    if token_mask is not None:
+        weight = token_mask.reshape(-1).to(probs).repeat(len(router_logits))
+    picks = F.one_hot(probs.topk(top_k, dim=-1).indices, n_experts).sum(1).to(probs)  # [rows, E]
+    rows = weight.sum().clamp(min=1.0)
+    tokens_per_expert = (picks * weight[:, None]).sum(0) / rows
+    prob_per_expert = (probs * weight[:, None]).sum(0) / rows
+    return (tokens_per_expert * prob_per_expert).sum() * n_experts
+
+
+def router_top_k(model: nn.Module) -> int:
+    """Experts per token of the model's routers."""
+    router = router_modules(model)[0]
+    return int(getattr(router, "top_k", None) or model.config.num_experts_per_tok)
+
+
+def router_aux_loss(
+    model: nn.Module, router_logits: list[Tensor], token_mask: Tensor | None
+) -> Tensor | None:
+    """The load-balancing loss of captured router logits; ``None`` for a dense model (no routers)."""
+    if not router_logits:
+        return None
+    return load_balancing_loss(router_logits, router_top_k(model), token_mask)
