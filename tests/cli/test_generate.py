@@ -12,6 +12,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from tidal.cli.generate import main as generate_main
 from tidal.cli.generate import parse_run
 from tidal.cli.main import main as tidal_main
+from tidal.inference.evaluation import pass_at_k_stats
+from tidal.inference.generate import run_generate
 from tidal.inference.processors import PromptGroup, make_post_processor
 from tidal.inference.scoring import SampleScorer
 from tidal.testing import AdditionTask, build_tiny_model
@@ -180,6 +182,10 @@ def test_post_processors_on_ties():
         (["--top_p", "0"], "--top_p must be in (0, 1]"),
         (["--csft_reward", "1", "--reward_template", "{input}"], "--reward_template must contain {reward}"),
         (["--reward_template", "{input} {reward}"], "--reward_template is only used by"),
+        (["--eval_task", "generate_vllm"], "OpenRLHF's modes (generate, generate_vllm)"),
+        (["--eval_task", "t.py", "--reward_pretrain", "RM"], "--eval_task and --reward_pretrain"),
+        (["--label_key", "label"], "--label_key is read by --eval_task"),
+        (["--eval_pass_threshold", "0.5"], "--eval_pass_threshold needs --eval_task"),
     ],
 )
 def test_bad_flag_combinations_exit_2(tiny_llama, prompts, tmp_path, capsys, extra, message):
@@ -217,3 +223,39 @@ def test_reward_model_with_another_tokenizer_is_rejected(tiny_llama, prompts, tm
 def test_best_of_n_is_n_samples_per_prompt(tiny_llama, prompts, tmp_path):
     flags = ["--pretrain", str(tiny_llama), "--dataset", str(prompts), "--output_path", str(tmp_path / "o")]
     assert parse_run([*flags, "--best_of_n", "3"]).prompts.n_samples_per_prompt == 3
+
+
+EVAL_TASK = """
+import json, zlib
+import torch
+
+def reward_func(queries, prompts, labels):
+    # deterministic 0/1 scores from the response text, rewards 10x; every call is recorded for the test
+    scores = [float(zlib.crc32(q[len(p):].encode()) % 2) for q, p in zip(queries, prompts)]
+    with open({log!r}, "a") as f:
+        f.write(json.dumps({{"prompts": prompts, "labels": labels, "scores": scores}}) + "\\n")
+    return {{"rewards": 10 * torch.tensor(scores), "scores": torch.tensor(scores)}}
+"""
+
+
+def test_eval_task_reports_pass_at_k_and_mean_reward(tiny_llama, prompts, tmp_path):
+    calls = tmp_path / "calls.jsonl"
+    (tmp_path / "task.py").write_text(EVAL_TASK.format(log=str(calls)))
+    out = tmp_path / "eval.jsonl"
+    result = run_generate(parse_run([
+        "--pretrain", str(tiny_llama), "--dataset", str(prompts), "--input_key", "prompt", "--label_key", "label",
+        "--output_path", str(out), "--max_new_tokens", "6", "--seed", "7", "--n_samples_per_prompt", "4",
+        "--max_num_seqs", "4", "--eval_task", str(tmp_path / "task.py"),
+    ]))  # fmt: skip
+    recorded = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert len(recorded) > 1  # --max_num_seqs 4 makes two chunks (4 prompts, then 1), each scored by the task
+    scores = [s for call in recorded for s in call["scores"]]
+    labels = [x for call in recorded for x in call["labels"]]
+    expected = [json.loads(line)["label"] for line in prompts.read_text().splitlines()]
+    assert labels == [x for x in expected for _ in range(4)]  # prompt-major, labels from --label_key
+    assert 0 < sum(scores) < len(scores)  # the check below is not trivially all-pass or all-fail
+    assert result.eval == pytest.approx(
+        pass_at_k_stats(scores, 4) | {"reward": 10 * sum(scores) / len(scores)}
+    )
+    assert set(result.eval) == {"pass@1", "pass@4", "reward"}
+    assert len(out.read_text().splitlines()) == N_PROMPTS * 4

@@ -96,6 +96,7 @@ class GeneratePromptConfig:
     n_samples_per_prompt: int = arg(
         1, help="responses sampled per prompt (K); --best_of_n is the same flag", aliases=["--best_of_n"]
     )
+    label_key: str | None = arg(None, help="dataset key of the label handed to --eval_task's reward_func")
 
     def validate(self) -> None:
         if self.n_samples_per_prompt < 1:
@@ -134,15 +135,37 @@ class ScoringConfig:
     csft_reward: float | None = arg(
         None, help="condition generation on this reward: prompts are rendered with --reward_template"
     )
+    eval_task: str | None = arg(
+        None,
+        help="evaluate: score every sample with this reward function (a .py file defining reward_func, "
+        "as --remote_rm_url) or reward server URL, and report pass@1, pass@k and the mean reward",
+        metavar="PATH|URL",
+    )
+    eval_pass_threshold: float = arg(
+        1.0, help="--eval_task: a sample passes (pass@1, pass@k) when its score is >= this"
+    )
 
     @property
     def template(self) -> str:
         return self.reward_template or DEFAULT_REWARD_TEMPLATE
 
     def validate(self, n_samples: int) -> None:
+        if self.eval_task is not None:
+            check_eval_task(self.eval_task)
+            if self.reward_pretrain is not None:
+                raise ConfigError(
+                    "--eval_task and --reward_pretrain both score the samples: pass one of them"
+                )
+        elif self.eval_pass_threshold != 1.0:
+            raise ConfigError(
+                "--eval_pass_threshold needs --eval_task (a reward function to score the samples)"
+            )
         if self.reward_pretrain is None:
             needs_rm = [
-                (self.post_processor is not None, f"--post_processor {self.post_processor}"),
+                (
+                    self.post_processor is not None and self.eval_task is None,
+                    f"--post_processor {self.post_processor}",
+                ),
                 (self.normalize_reward, "--normalize_reward"),
                 (self.value_head_prefix != "score", "--value_head_prefix"),
                 (self.micro_batch_size is not None, "--micro_batch_size"),
@@ -161,3 +184,17 @@ class ScoringConfig:
             if self.post_processor != "csft" and self.csft_reward is None:
                 raise ConfigError("--reward_template is only used by --post_processor csft and --csft_reward")
             check_reward_template(self.reward_template)
+
+
+def check_eval_task(value: str) -> None:
+    """``--eval_task`` names a reward function (``.py``) or server (``http(s)://``). OpenRLHF's
+    batch-inference modes under the same flag (generate, generate_vllm, rm) are not tasks here:
+    ``tidal generate`` always generates, and scores with a reward model through --reward_pretrain."""
+    v = value.strip()
+    if v.endswith(".py") or v.startswith(("http://", "https://")):
+        return
+    raise ConfigError(
+        f"--eval_task {value!r}: expected a reward function file (.py defining reward_func) or a reward "
+        "server URL; OpenRLHF's modes (generate, generate_vllm) are what tidal generate always does "
+        "(drop the flag), and reward-model scoring is --reward_pretrain"
+    )

@@ -3,8 +3,9 @@
 Pipeline: load and render the prompts (``tidal.data``: ``--input_key``, ``--input_template``,
 ``--apply_chat_template``), tokenize them with the shared rule of ``tidal.data.templates``, sample
 with tidal's ``LLMEngine`` (never ``transformers.generate``), optionally score every prompt+response
-with a reward model (``scoring.SampleScorer``), turn each prompt's samples into rows with a
-post-processor (``processors``), and append the rows to ``--output_path``.
+with a reward model (``scoring.SampleScorer``) or an evaluation task (``--eval_task``: a reward
+function, whose scores give pass@1 and pass@k, ``evaluation``), turn each prompt's samples into rows
+with a post-processor (``processors``), and append the rows to ``--output_path``.
 
 Prompts go through the engine in chunks of about ``CHUNK_SEQS_PER_SLOT × --max_num_seqs`` samples:
 the file grows and is flushed chunk by chunk (a long run can be watched, and an interrupted one keeps
@@ -26,9 +27,11 @@ from tidal.config.args import ConfigError
 from tidal.config.data import DatasetConfig
 from tidal.data import DataError, build_prompt_samples, load_dataset_spec, tokenize_texts
 from tidal.inference.config import GeneratePromptConfig, PolicyConfig, SamplingConfig, ScoringConfig
+from tidal.inference.evaluation import pass_at_k_stats
 from tidal.inference.processors import PromptGroup, make_post_processor, reward_tag
 from tidal.inference.scoring import SampleScorer
 from tidal.logging import get_logger
+from tidal.rewards import load_reward_source
 from tidal.rollout import LLMEngine
 
 log = get_logger(__name__)
@@ -49,6 +52,8 @@ class GenerateRun:
     def validate(self) -> None:
         self.prompts.validate()
         self.scoring.validate(self.prompts.n_samples_per_prompt)
+        if self.prompts.label_key is not None and self.scoring.eval_task is None:
+            raise ConfigError("--label_key is read by --eval_task's reward_func: pass --eval_task too")
         n = self.prompts.n_samples_per_prompt
         if n > self.policy.max_num_seqs:
             raise ConfigError(
@@ -64,6 +69,7 @@ class GenerateResult:
     samples: int
     rows: int
     mean_reward: float | None
+    eval: dict[str, float] | None = None  # --eval_task: pass@1, pass@k and the mean reward
 
 
 def run_generate(run: GenerateRun) -> GenerateResult:
@@ -84,7 +90,9 @@ def run_generate(run: GenerateRun) -> GenerateResult:
             micro_batch_size=run.scoring.micro_batch_size or 16,
             device=engine.device,
         )
-    return write_samples(run, engine, scorer, load_prompts(run, engine.tokenizer, engine.max_model_len))
+    task = load_reward_source(run.scoring.eval_task) if run.scoring.eval_task else None
+    prompts = load_prompts(run, engine.tokenizer, engine.max_model_len)
+    return write_samples(run, engine, scorer, prompts, task=task)
 
 
 def load_engine(policy: PolicyConfig, seed: int) -> LLMEngine:
@@ -107,14 +115,17 @@ def load_engine(policy: PolicyConfig, seed: int) -> LLMEngine:
 class Prompts:
     """Rendered prompts, the ids the policy is conditioned on, and the ids the reward model sees
     before each response (the same, except that ``--csft_reward``'s tag is left out: the reward
-    model judges the answer to the question, not to the quality tag)."""
+    model judges the answer to the question, not to the quality tag), and the ``--label_key`` labels
+    (None without it) that ``--eval_task`` sees."""
 
     texts: list[str]
     ids: list[list[int]]
     scored_ids: list[list[int]]
+    labels: list
 
     def select(self, rows) -> Prompts:
-        return Prompts(*([field[i] for i in rows] for field in (self.texts, self.ids, self.scored_ids)))
+        fields = (self.texts, self.ids, self.scored_ids, self.labels)
+        return Prompts(*([field[i] for i in rows] for field in fields))
 
 
 def load_prompts(run: GenerateRun, tokenizer, max_model_len: int) -> Prompts:
@@ -127,6 +138,7 @@ def load_prompts(run: GenerateRun, tokenizer, max_model_len: int) -> Prompts:
         dataset,
         tokenizer,
         cfg.input_key,
+        label_key=cfg.label_key,
         input_template=cfg.input_template,
         apply_chat_template=cfg.apply_chat_template,
         source=ds_cfg.dataset,
@@ -151,18 +163,20 @@ def load_prompts(run: GenerateRun, tokenizer, max_model_len: int) -> Prompts:
         log.warning(
             "skipped %d prompt(s) longer than %d tokens; first rows: %s", len(skipped), limit, skipped[:10]
         )
-    return Prompts(texts, ids, scored).select([i for i, x in enumerate(ids) if len(x) <= limit])
+    labels = [s.label for s in samples]
+    return Prompts(texts, ids, scored, labels).select([i for i, x in enumerate(ids) if len(x) <= limit])
 
 
-def write_samples(run: GenerateRun, engine: LLMEngine, scorer, prompts: Prompts) -> GenerateResult:
-    """Generate chunk by chunk, appending (and flushing) each chunk's rows to ``--output_path``."""
+def write_samples(run: GenerateRun, engine: LLMEngine, scorer, prompts: Prompts, task=None) -> GenerateResult:
+    """Generate chunk by chunk, appending (and flushing) each chunk's rows to ``--output_path``;
+    ``task`` (``--eval_task``'s reward source) rewards the samples and its scores give pass@k."""
     n = run.prompts.n_samples_per_prompt
     params = run.sampling.sampling_params(n)
     process = make_post_processor(run.scoring.post_processor, run.scoring.template)
     chunk = max(1, CHUNK_SEQS_PER_SLOT * run.policy.max_num_seqs // n)
     path = Path(run.prompts.output_path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows, rewards, tokens, start = 0, [], 0, time.perf_counter()
+    rows, rewards, scores, tokens, start = 0, [], [], 0, time.perf_counter()
     with (
         path.open("w", encoding="utf-8") as out,
         tqdm(total=len(prompts.texts), desc="generate", unit="prompt") as bar,
@@ -171,6 +185,8 @@ def write_samples(run: GenerateRun, engine: LLMEngine, scorer, prompts: Prompts)
             part = prompts.select(range(first, min(first + chunk, len(prompts.texts))))
             results = engine.generate(part.ids, params)
             groups = _groups(part, results, scorer)
+            if task is not None:
+                scores += _task_scores(task, part, results, groups)
             for group in groups:
                 for row in process(group):
                     out.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -186,7 +202,13 @@ def write_samples(run: GenerateRun, engine: LLMEngine, scorer, prompts: Prompts)
         len(prompts.texts), n, rows, path, tokens / max(elapsed, 1e-9),
         f", mean reward {mean:.4f}" if mean is not None else "",
     )  # fmt: skip
-    return GenerateResult(path, len(prompts.texts), len(prompts.texts) * n, rows, mean)
+    evaluation = None
+    if task is not None:
+        evaluation = pass_at_k_stats(scores, n, run.scoring.eval_pass_threshold) | {"reward": mean}
+        log.info(
+            "eval (%s): %s", run.scoring.eval_task, ", ".join(f"{k} {v:.4f}" for k, v in evaluation.items())
+        )
+    return GenerateResult(path, len(prompts.texts), len(prompts.texts) * n, rows, mean, evaluation)
 
 
 def _groups(prompts: Prompts, results, scorer) -> list[PromptGroup]:
@@ -203,3 +225,17 @@ def _groups(prompts: Prompts, results, scorer) -> list[PromptGroup]:
     for group in groups:
         group.rewards = [next(scores) for _ in group.outputs]
     return groups
+
+
+def _task_scores(task, prompts: Prompts, results, groups: list[PromptGroup]) -> list[float]:
+    """Reward the chunk's samples with ``--eval_task`` (as RL does: queries are prompt + response);
+    the rewards go into the groups (for post-processors), the scores (prompt-major) are returned."""
+    pairs = [(t, label, c.text) for t, label, r in zip(prompts.texts, prompts.labels, results, strict=True)
+             for c in r.outputs]  # fmt: skip
+    result = task(
+        [t + text for t, _, text in pairs], [t for t, _, _ in pairs], [label for _, label, _ in pairs]
+    )
+    rewards = iter(result.rewards.tolist())
+    for group in groups:
+        group.rewards = [next(rewards) for _ in group.outputs]
+    return result.scores.tolist()
