@@ -23,7 +23,7 @@ GROUPS = [
 
 def build_parser(prog: str = "tidal chat") -> argparse.ArgumentParser:
     parser = make_parser(
-        prog, "Interactive multi-turn chat with a model (one message per input line).", GROUPS
+        prog, "Interactive multi-turn chat with a model (one message per input line).", GROUPS, command="chat"
     )
     parser.set_defaults(max_new_tokens=512)  # a chat reply, not a long-form rollout
     return parser

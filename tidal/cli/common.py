@@ -13,8 +13,10 @@ from typing import Any
 
 from tidal.agents.base import AgentError
 from tidal.checkpoint import CheckpointError, TrainingInterrupted
+from tidal.cli.openrlhf import aliases, openrlhf_module, refusals
 from tidal.config.args import (
     ConfigError,
+    FlagParser,
     accept_negative_numbers,
     add_config_group,
     config_from_args,
@@ -32,13 +34,22 @@ USER_ERRORS = (ConfigError, DataError, FileNotFoundError, RewardError, AgentErro
 TRAINING_FAILURES = (CheckpointError, NonFiniteError)
 
 
-def make_parser(prog: str, description: str, groups: Sequence[tuple]) -> argparse.ArgumentParser:
+def make_parser(
+    prog: str, description: str, groups: Sequence[tuple], command: str | None = None
+) -> argparse.ArgumentParser:
     """A parser with one ``--help`` group per config dataclass, defaults shown.
 
     Each group is ``(ConfigClass, title)`` or ``(ConfigClass, title, excluded_field_names)``.
+    ``command``: the tidal command (``sft``), whose OpenRLHF counterpart's flags that tidal does not
+    define are aliased or refused with a reason (``tidal.cli.openrlhf``).
     """
-    parser = argparse.ArgumentParser(
-        prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    module = openrlhf_module(command) if command else None
+    parser = FlagParser(
+        prog=prog,
+        description=description,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        refused=refusals(module) if module else None,
+        aliases=aliases(module) if module else None,
     )
     accept_negative_numbers(parser)
     for cls, title, *rest in groups:
@@ -110,7 +121,7 @@ class TrainerCommand:
         return [(fields[name], hints[name]) for name in self.titles]
 
     def build_parser(self, prog: str | None = None) -> argparse.ArgumentParser:
-        parser = make_parser(prog or f"tidal {self.name}", self.description, [])
+        parser = make_parser(prog or f"tidal {self.name}", self.description, [], command=self.name)
         defaults = run_defaults(self.run_cls)
         for field, cls in self._fields():
             add_config_group(parser, cls, self.titles[field.name], flags=run_flags(field),

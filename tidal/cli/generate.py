@@ -29,6 +29,7 @@ def build_parser(prog: str = "tidal generate") -> argparse.ArgumentParser:
         "optionally score them with a reward model and keep the best (rs), tag them with their reward "
         "(csft) or pair best and worst (iter_dpo).",
         GROUPS,
+        command="generate",
     )
 
 

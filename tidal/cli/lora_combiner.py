@@ -107,7 +107,10 @@ def combine(cfg: LoraCombineConfig) -> Path:
 
 def build_parser(prog: str = "tidal lora_combiner") -> argparse.ArgumentParser:
     return make_parser(
-        prog, "Merge LoRA adapters into their base model.", [(LoraCombineConfig, "LoRA merge")]
+        prog,
+        "Merge LoRA adapters into their base model.",
+        [(LoraCombineConfig, "LoRA merge")],
+        command="lora_combiner",
     )
 
 

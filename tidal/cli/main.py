@@ -26,10 +26,31 @@ COMMANDS = {
 }
 
 
+# OpenRLHF's module names that are not tidal command names: each runs its module (same flags as the
+# tidal command in tidal.cli.openrlhf.OPENRLHF_MODULES, plus that module's OpenRLHF-only handling).
+OPENRLHF_COMMANDS = {
+    "train_sft": "tidal.cli.train_sft",
+    "train_rm": "tidal.cli.train_rm",
+    "train_prm": "tidal.cli.train_prm",
+    "train_dpo": "tidal.cli.train_dpo",
+    "train_kto": "tidal.cli.train_kto",
+    "train_kd": "tidal.cli.train_kd",
+    "train_ppo_ray": "tidal.cli.train_ppo_ray",
+    "batch_inference": "tidal.cli.batch_inference",
+    "interactive_chat": "tidal.cli.interactive_chat",
+}
+
+
 def usage() -> str:
     lines = ["usage: tidal <command> [flags]   (tidal <command> --help for its flags)", "", "commands:"]
     lines += [f"  {name:<14} {desc}" for name, (_, desc) in COMMANDS.items()]
+    lines += ["", "OpenRLHF's module names work too: " + ", ".join(OPENRLHF_COMMANDS)]
     return "\n".join(lines)
+
+
+def command_module(name: str) -> str | None:
+    """The module that runs ``tidal <name>`` (a tidal command or an OpenRLHF module name)."""
+    return COMMANDS[name][0] if name in COMMANDS else OPENRLHF_COMMANDS.get(name)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,9 +59,10 @@ def main(argv: list[str] | None = None) -> None:
         print(usage())
         return
     name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
+    module_name = command_module(name)
+    if module_name is None:
         sys.exit(f"tidal: unknown command {name!r}\n\n{usage()}")
-    module = importlib.import_module(COMMANDS[name][0])
+    module = importlib.import_module(module_name)
     module.main(rest, prog=f"tidal {name}")
 
 

@@ -16,7 +16,12 @@ GROUPS = [(ServeRMConfig, "reward server")]
 
 
 def build_parser(prog: str = "tidal serve_rm") -> argparse.ArgumentParser:
-    return make_parser(prog, 'Serve a reward model: POST /get_reward {"query": [...]} -> rewards.', GROUPS)
+    return make_parser(
+        prog,
+        'Serve a reward model: POST /get_reward {"query": [...]} -> rewards.',
+        GROUPS,
+        command="serve_rm",
+    )
 
 
 def parse_config(argv: list[str]) -> ServeRMConfig:

@@ -23,11 +23,13 @@ import argparse
 import contextlib
 import contextvars
 import dataclasses
+import difflib
 import math
 import re
+import sys
 import types
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Container, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -167,6 +169,87 @@ NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 def accept_negative_numbers(parser: argparse.ArgumentParser) -> None:
     """Let multi-value flags take negative numbers in any float form (``-1e-3``, ``-.5``)."""
     parser._negative_number_matcher = NEGATIVE_NUMBER  # private, but unchanged since Python 3.2
+
+
+def _flag_of(token: str) -> str | None:
+    """``--name`` or ``--name=value`` → ``name``; anything else (values, ``-h``) → None."""
+    if not token.startswith("--") or token == "--":
+        return None
+    return token[2:].split("=", 1)[0]
+
+
+def rewrite_aliases(argv: Sequence[str], aliases: Mapping[str, Sequence[str]], known: Container) -> list[str]:
+    """Replace each aliased flag the parser does not define by the argv that does the same
+    (``--train_split x`` → ``--dataset_split x``; ``--greedy_sampling`` → ``--temperature 0``)."""
+    out: list[str] = []
+    for i, token in enumerate(argv):
+        if token == "--":
+            return out + list(argv[i:])
+        name = _flag_of(token)
+        if name in aliases and f"--{name}" not in known:
+            replacement = list(aliases[name])
+            if "=" in token:  # --train_split=x → --dataset_split=x
+                replacement[-1] += token[token.index("=") :]
+            out += replacement
+        else:
+            out.append(token)
+    return out
+
+
+def refused_flags(argv: Sequence[str], refused: Mapping[str, str], known: Container) -> list[str]:
+    """One ``--flag: reason`` line per refused flag in ``argv`` that the parser does not define."""
+    found = []
+    for token in argv:
+        if token == "--":
+            break
+        name = _flag_of(token)
+        if name in refused and f"--{name}" not in known:
+            found.append(f"--{name} is not supported: {refused[name]}")
+    return list(dict.fromkeys(found))
+
+
+def close_flag(token: str, known: Sequence[str]) -> str | None:
+    """The defined flag closest to an unknown ``--flag`` (for "did you mean"), if any is close."""
+    name = _flag_of(token)
+    matches = difflib.get_close_matches(f"--{name}", [k for k in known if k.startswith("--")], n=1)
+    return matches[0] if name and matches else None
+
+
+class FlagParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` that knows another tool's flags it does not define (OpenRLHF's, see
+    ``tidal.cli.openrlhf``): ``aliases`` are rewritten to the flags that do the same, ``refused``
+    flags fail with their reason, one line each, before argparse parses anything; a flag nobody
+    knows still gets argparse's "unrecognized arguments", with the closest defined flag suggested."""
+
+    def __init__(
+        self,
+        *args: Any,
+        refused: Mapping[str, str] | None = None,
+        aliases: Mapping[str, Sequence[str]] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.refused, self.aliases = dict(refused or {}), dict(aliases or {})
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None):  # type: ignore[override]
+        argv = list(sys.argv[1:] if args is None else args)
+        known = self._option_string_actions
+        lines = refused_flags(argv, self.refused, known)
+        if lines:
+            self.exit(2, "".join(f"{self.prog}: error: {line}\n" for line in lines))
+        return super().parse_known_args(rewrite_aliases(argv, self.aliases, known), namespace)
+
+    def error(self, message: str) -> typing.NoReturn:
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            hints = [
+                f"{token} (did you mean {match}?)"
+                if (match := close_flag(token, list(self._option_string_actions)))
+                else token
+                for token in message[len(prefix) :].split()
+            ]
+            message = prefix + " ".join(hints)
+        super().error(message)
 
 
 def _numbers(value: Any) -> list:

@@ -1,0 +1,126 @@
+"""Every OpenRLHF v0.9.2 flag of a CLI tidal mirrors is honoured by the tidal command (defined, or
+aliased to the tidal flag that does the same) or refused by tidal's one-line error naming the flag
+and the reason, never argparse's bare "unrecognized arguments"; and OpenRLHF's module names run.
+
+``openrlhf_v0_9_2_flags.json`` is OpenRLHF v0.9.2's flags (names, types, defaults, choices) per CLI.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from tidal.cli import batch_inference, main
+from tidal.cli.openrlhf import OPENRLHF_MODULES, aliases, openrlhf_module, refusals
+from tidal.config.args import ConfigError
+
+TABLE = json.loads((Path(__file__).parent / "openrlhf_v0_9_2_flags.json").read_text())
+CLIS = sorted(k for k in TABLE if not k.startswith("_"))
+
+
+def _parser(cli: str):
+    return importlib.import_module(main.COMMANDS[OPENRLHF_MODULES[cli]][0]).build_parser()
+
+
+def _flag_names(cli: str) -> list[str]:
+    return [entry["flags"][0][2:] for entry in TABLE[cli]]
+
+
+def test_the_table_covers_every_cli_tidal_mirrors():
+    assert set(CLIS) == set(OPENRLHF_MODULES)
+
+
+@pytest.mark.parametrize("cli", CLIS)
+def test_every_flag_is_honoured_aliased_or_refused(cli):
+    parser = _parser(cli)
+    unhandled = [
+        name
+        for name in _flag_names(cli)
+        if f"--{name}" not in parser._option_string_actions
+        and name not in aliases(cli)
+        and name not in refusals(cli)
+        and not (cli == "batch_inference" and name == "eval_task")  # its OpenRLHF modes: batch_inference.py
+    ]
+    assert unhandled == []
+
+
+@pytest.mark.parametrize("cli", CLIS)
+def test_no_stale_table_entries(cli):
+    """A flag the command now defines must leave the refusal/alias tables (its own flag wins anyway)."""
+    known = _parser(cli)._option_string_actions
+    assert [n for n in [*refusals(cli), *aliases(cli)] if f"--{n}" in known] == []
+    openrlhf = {name for other in CLIS for name in _flag_names(other)}  # shared trainer tables
+    assert set(refusals(cli)) <= openrlhf and set(aliases(cli)) <= set(_flag_names(cli))
+    for replacement in aliases(cli).values():  # an alias rewrites to a flag the command defines
+        assert replacement[0] in known
+
+
+@pytest.mark.parametrize("cli", CLIS)
+def test_refused_flags_fail_with_one_line_naming_the_flag_and_reason(cli, capsys):
+    for name, reason in refusals(cli).items():
+        with pytest.raises(SystemExit) as exit_info:
+            _parser(cli).parse_args([f"--{name}", "1"])  # before any required-flag check
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2
+        assert err == f"{_parser(cli).prog}: error: --{name} is not supported: {reason}\n"
+
+
+def test_all_refused_flags_are_reported_at_once(capsys):
+    with pytest.raises(SystemExit):
+        _parser("train_sft").parse_args(["--use_ms", "--max_ckpt_mem=5", "--pretrain", "x"])
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" is not")[0] for line in lines] == [
+        "tidal sft: error: --use_ms",
+        "tidal sft: error: --max_ckpt_mem",
+    ]
+
+
+def test_aliases_parse_to_the_tidal_flag():
+    ns = _parser("train_sft").parse_args(["--pretrain", "m", "--dataset", "d", "--train_split", "dev"])
+    assert ns.dataset_split == "dev"
+    chat = _parser("interactive_chat").parse_args(["--pretrain", "m", "--greedy_sampling", "--max_len=99"])
+    assert (chat.temperature, chat.max_model_len) == (0.0, 99)
+
+
+def test_unknown_flag_gets_argparse_message_with_a_suggestion(capsys):
+    with pytest.raises(SystemExit):
+        _parser("train_sft").parse_args(["--pretrain", "m", "--dataset", "d", "--learnig_rate", "1"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --learnig_rate (did you mean --learning_rate?) 1" in err
+
+
+def test_a_flag_the_command_defines_wins_over_the_tables():
+    parser = _parser("train_sft")
+    parser.refused["learning_rate"] = "should not be seen"
+    assert (
+        parser.parse_args(["--pretrain", "m", "--dataset", "d", "--learning_rate", "0.5"]).learning_rate
+        == 0.5
+    )
+
+
+def test_batch_inference_reads_openrlhf_eval_task_modes():
+    argv = ["--pretrain", "m", "--eval_task", "generate_vllm", "--eval_task=generate", "--eval_task", "f.py"]
+    assert batch_inference.without_sampling_modes(argv) == ["--pretrain", "m", "--eval_task", "f.py"]
+    with pytest.raises(ConfigError, match="--eval_task rm"):
+        batch_inference.without_sampling_modes(["--eval_task", "rm"])
+
+
+def test_batch_inference_refuses_rm_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main.main(["batch_inference", "--eval_task", "rm", "--pretrain", "m"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == f"tidal batch_inference: error: {batch_inference.RM_REFUSAL}\n"
+
+
+@pytest.mark.parametrize("cli", CLIS)
+def test_openrlhf_module_names_run(cli, capsys):
+    """``tidal <openrlhf name> --help`` and ``python -m tidal.cli.<openrlhf name>`` (the module exists)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main.main([cli, "--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: tidal {cli}")
+    assert importlib.util.find_spec(f"tidal.cli.{cli}") is not None
+    assert openrlhf_module(OPENRLHF_MODULES[cli]) == cli

@@ -1,0 +1,131 @@
+"""OpenRLHF v0.9.2 flags that tidal's commands do not define: each is either an alias (rewritten to
+the tidal flag that does the same) or refused with its reason, one line, before argparse runs.
+
+An OpenRLHF script therefore never meets argparse's bare "unrecognized arguments": a flag tidal can
+honour under another name is honoured, one it cannot is refused by name with why (a DeepSpeed-only
+knob with no FSDP2 meaning, a feature tidal does not have). The tables are per OpenRLHF module name
+(``train_sft``...); ``tests/cli/openrlhf_v0_9_2_flags.json`` holds OpenRLHF's flags and
+``tests/cli/test_openrlhf_flags.py`` checks that every one is accepted, aliased or refused here.
+A flag a command defines itself always wins over these tables (an entry left behind is harmless,
+and the test reports it). Deliberate differences are listed in ``docs/openrlhf.md``.
+"""
+
+from __future__ import annotations
+
+# tidal command → OpenRLHF module name(s), for ``tidal <openrlhf name>`` and the tables below.
+OPENRLHF_MODULES = {
+    "train_sft": "sft",
+    "train_rm": "rm",
+    "train_prm": "prm",
+    "train_dpo": "dpo",
+    "train_kto": "kto",
+    "train_kd": "kd",
+    "train_ppo_ray": "ppo",
+    "serve_rm": "serve_rm",
+    "lora_combiner": "lora_combiner",
+    "batch_inference": "generate",
+    "interactive_chat": "chat",
+}
+
+_DEEPSPEED_CKPT = (
+    "a DeepSpeed checkpoint option; tidal saves torch.distributed.checkpoint (FSDP2) checkpoints"
+)
+
+# Refused by every trainer command.
+_TRAINER_REFUSED = {
+    "max_ckpt_mem": f"{_DEEPSPEED_CKPT} and keeps the newest --max_ckpt_num of them, with no memory cap",
+    "use_ds_universal_ckpt": _DEEPSPEED_CKPT,
+    "grad_accum_dtype": (
+        "a DeepSpeed engine option with no FSDP2 counterpart in tidal: gradients accumulate in the "
+        "parameters' dtype"
+    ),
+    "use_liger_kernel": "Liger kernels are not part of tidal; drop the flag",
+    "ring_head_stride": "ring attention is not supported by tidal (only --ring_attn_size 1)",
+    "use_ms": "ModelScope downloads are not supported: pass a local folder or a Hugging Face hub name",
+}
+
+_NOT_YET = "not implemented in tidal yet"
+
+_RL_REFUSED = {
+    "enable_prefix_caching": "a vLLM option; tidal's rollout engine has no prefix cache",
+    "enable_ema": f"an EMA copy of the policy is {_NOT_YET}",
+    "ema_beta": f"an EMA copy of the policy (--enable_ema) is {_NOT_YET}",
+    "actor_init_on_gpu": "a DeepSpeed ZeRO-3 initialisation option; tidal's FSDP2 loads each shard on its GPU",
+    "ptx_coef": f"the pretraining (ptx) loss mixed into the policy loss is {_NOT_YET}",
+    "no_advantage_std_norm": f"turning off the advantages' std normalisation is {_NOT_YET}",
+    "stop_properly_penalty_coef": f"the penalty for responses cut at --generate_max_len is {_NOT_YET}",
+    "perf": "OpenRLHF's throughput report has no tidal counterpart (tidal logs timings with its metrics)",
+}
+
+_RM_REFUSED = {
+    "compute_fp32_loss": f"computing the reward-model loss in fp32 is {_NOT_YET}",
+    "margin_loss": f"the margin term of the reward-model loss is {_NOT_YET}",
+}
+
+_LOADER_NOT_YET = {
+    "disable_fast_tokenizer": f"the slow tokenizer for this command is {_NOT_YET}",
+    "use_ms": _TRAINER_REFUSED["use_ms"],
+}
+
+_INFERENCE_REFUSED = {
+    **_LOADER_NOT_YET,
+    "attn_implementation": "tidal's rollout engine has its own attention kernels (no Hugging Face attention)",
+    "repetition_penalty": f"a repetition penalty in tidal's sampler is {_NOT_YET}",
+    "enable_csft": f"conditional-SFT prompts (--csft_prompt) for this command are {_NOT_YET}",
+    "csft_prompt": f"conditional-SFT prompts for this command are {_NOT_YET}",
+}
+
+# OpenRLHF flag → reason, per OpenRLHF module.
+REFUSED: dict[str, dict[str, str]] = {
+    "train_sft": dict(_TRAINER_REFUSED),
+    "train_rm": {**_TRAINER_REFUSED, **_RM_REFUSED},
+    "train_prm": dict(_TRAINER_REFUSED),
+    "train_dpo": dict(_TRAINER_REFUSED),
+    "train_kto": dict(_TRAINER_REFUSED),
+    "train_kd": dict(_TRAINER_REFUSED),
+    "train_ppo_ray": {**_TRAINER_REFUSED, **_RL_REFUSED},
+    "serve_rm": {
+        **_LOADER_NOT_YET,
+        "load_in_4bit": f"serving a 4-bit reward model is {_NOT_YET}",
+        "packing_samples": "tidal's reward server pads each batch (packing is not used when serving)",
+    },
+    "lora_combiner": {},
+    "batch_inference": {
+        **_INFERENCE_REFUSED,
+        "zero_stage": "DeepSpeed ZeRO does not apply: tidal samples with its own rollout engine",
+        "local_rank": "DeepSpeed's launcher argument: tidal reads its rank from torchrun's environment",
+        "full_determinism": f"{_NOT_YET} for sampling (--seed makes the same flags give the same samples)",
+        "tp_size": "tensor parallelism in tidal's rollout engine is not supported by this command",
+        "enable_prefix_caching": _RL_REFUSED["enable_prefix_caching"],
+        "iter": f"iterative-DPO iteration seeds for this command are {_NOT_YET}",
+        "rollout_batch_size": f"{_NOT_YET} (tidal generate samples the whole dataset in one pass)",
+        "output_key": f"{_NOT_YET} (tidal generate writes the response under 'output')",
+    },
+    "interactive_chat": {
+        **_INFERENCE_REFUSED,
+        "load_in_4bit": f"chatting with a 4-bit model is {_NOT_YET}",
+        "ta_prompt": f"an assistant preamble (use --system_prompt for a system message) is {_NOT_YET}",
+    },
+}
+
+# OpenRLHF flag → the tidal argv that does the same, per OpenRLHF module.
+ALIASES: dict[str, dict[str, tuple[str, ...]]] = {
+    "train_sft": {"train_split": ("--dataset_split",)},
+    "batch_inference": {"greedy_sampling": ("--temperature", "0"), "max_len": ("--max_model_len",)},
+    "interactive_chat": {"greedy_sampling": ("--temperature", "0"), "max_len": ("--max_model_len",)},
+}
+
+
+def openrlhf_module(command: str) -> str | None:
+    """The OpenRLHF module name of a tidal command (``sft`` → ``train_sft``), if it has one."""
+    return next((module for module, ours in OPENRLHF_MODULES.items() if ours == command), None)
+
+
+def refusals(module: str) -> dict[str, str]:
+    """The refused OpenRLHF flags of one OpenRLHF module (none for an unknown name)."""
+    return REFUSED.get(module, {})
+
+
+def aliases(module: str) -> dict[str, tuple[str, ...]]:
+    """The aliased OpenRLHF flags of one OpenRLHF module (none for an unknown name)."""
+    return ALIASES.get(module, {})
