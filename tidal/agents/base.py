@@ -108,9 +108,7 @@ class Trajectory:
     reward: float | None = None  # None: single-turn, scored afterwards by a RewardSource
     score: float | None = None
     extra_logs: dict[str, float] = field(default_factory=dict)
-    finish_reason: str = (
-        "stop"  # "stop" / "length" (engine, single-turn); "done" / "length" / "error" (agents)
-    )
+    finish_reason: str = "stop"  # "stop"/"length" (engine, single-turn); "done"/"length"/"error" (agents)
     num_turns: int = 1
     error: str | None = None  # why the episode failed (an EpisodeError's message); None when it did not
     error_kind: str | None = None  # the EpisodeError's kind, counted as ``agent/<kind>``
