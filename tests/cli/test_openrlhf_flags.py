@@ -124,3 +124,12 @@ def test_openrlhf_module_names_run(cli, capsys):
     assert capsys.readouterr().out.startswith(f"usage: tidal {cli}")
     assert importlib.util.find_spec(f"tidal.cli.{cli}") is not None
     assert openrlhf_module(OPENRLHF_MODULES[cli]) == cli
+
+
+def test_docs_list_every_alias_and_refusal():
+    docs = (Path(__file__).parents[2] / "docs" / "openrlhf.md").read_text()
+    for cli in CLIS:
+        for name, reason in refusals(cli).items():
+            assert f"| `--{name}` |" in docs and reason in docs, name
+        for name in aliases(cli):
+            assert f"`--{name}" in docs, name

@@ -70,7 +70,7 @@ _LOADER_NOT_YET = {
 _INFERENCE_REFUSED = {
     **_LOADER_NOT_YET,
     "attn_implementation": "tidal's rollout engine has its own attention kernels (no Hugging Face attention)",
-    "repetition_penalty": f"a repetition penalty in tidal's sampler is {_NOT_YET}",
+    "repetition_penalty": f"a repetition penalty in the sampler is {_NOT_YET}",
     "enable_csft": f"conditional-SFT prompts (--csft_prompt) for this command are {_NOT_YET}",
     "csft_prompt": f"conditional-SFT prompts for this command are {_NOT_YET}",
 }
@@ -98,7 +98,7 @@ REFUSED: dict[str, dict[str, str]] = {
         "tp_size": "tensor parallelism in tidal's rollout engine is not supported by this command",
         "enable_prefix_caching": _RL_REFUSED["enable_prefix_caching"],
         "iter": f"iterative-DPO iteration seeds for this command are {_NOT_YET}",
-        "rollout_batch_size": f"{_NOT_YET} (tidal generate samples the whole dataset in one pass)",
+        "rollout_batch_size": f"{_NOT_YET} (tidal generate's engine batches prompts by --max_num_seqs)",
         "output_key": f"{_NOT_YET} (tidal generate writes the response under 'output')",
     },
     "interactive_chat": {
