@@ -228,6 +228,16 @@ def test_auto_parser_needs_a_template_that_shows_tool_calls(qwen_tok):
         run(executor, qwen_tok, {"2*3=": ["6"]}, ["6"])
 
 
+def test_a_tokenizer_without_chat_template_is_refused(qwen_tok):
+    import copy
+
+    plain = copy.deepcopy(qwen_tok)
+    plain.chat_template = None
+    executor = ToolAgentExecutor([multiply], exact, parser="hermes")
+    with pytest.raises(AgentError, match=r"the tokenizer has no chat template"):
+        run(executor, plain, {"2*3=": ["6"]}, ["6"])
+
+
 def test_max_turns_without_an_answer_scores_zero(qwen_tok):
     executor = ToolAgentExecutor([multiply], exact, parser="hermes", max_turns=2, tools_in_prompt=False)
     [traj], _ = run(executor, qwen_tok, {"2*3=": [call("multiply", a=2, b=3)] * 2}, ["6"])

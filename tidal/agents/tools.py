@@ -258,6 +258,12 @@ class ToolAgentExecutor(MultiTurnAgentExecutor):
                 "render_prompt": self.add_special_tokens}  # fmt: skip
 
     def resolve_parser(self, tokenizer) -> str:
+        # Checked here, not in the episode: without a template every episode would fail the same way.
+        if not getattr(tokenizer, "chat_template", None):
+            raise AgentError(
+                f"{describe(self)}: the tokenizer has no chat template, which renders the chat and the tool "
+                "messages; set one (e.g. --tokenizer_chat_template)"
+            )
         if self.parser != "auto":
             return self.parser
         found = detect_tool_parser(getattr(tokenizer, "chat_template", None))
