@@ -182,3 +182,37 @@ def test_sparse_block_matches_hf_within_1e5(family, experts_implementation):
     want = (want[0] if isinstance(want, tuple) else want)[0]
     assert want.abs().max() > 0.05  # the experts contribute
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_recorded_routing_is_what_the_hf_routers_pick(family, tiny_model, hf_model):
+    """Router replay: prefill and decode record each token's experts, as HF's routers choose them
+    over the whole sampled sequence (every token but the last, which no forward read)."""
+    from tidal.models.moe_routing import capture_router_logits
+
+    path = tiny_model(family)
+    hf = hf_model(path)
+    engine = LLMEngine(path, config=cpu_config(record_routing=True))
+    params = SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=0, ignore_eos=True)
+    outputs = engine.generate([PROMPTS[0], PROMPTS[1]], params)
+    top_k = hf.config.num_experts_per_tok
+    for request in outputs:
+        for sample in request.outputs:
+            tokens = request.prompt_token_ids + sample.token_ids
+            recorded = sample.routed_experts
+            assert recorded.shape == (
+                len(tokens) - 1,
+                engine.model.args.num_layers - _dense_layers(hf),
+                top_k,
+            )
+            with torch.no_grad(), capture_router_logits(hf) as logits:
+                hf(input_ids=torch.tensor([tokens[:-1]]))
+            expected = torch.stack([x.topk(top_k, dim=-1).indices for x in logits], dim=1)
+            # Same experts (their order within the k may differ only between tied probabilities).
+            assert torch.equal(torch.from_numpy(recorded).long().sort(-1).values, expected.sort(-1).values)
+    plain = LLMEngine(path, config=cpu_config()).generate([PROMPTS[0]], params)
+    assert plain[0].outputs[0].routed_experts is None  # recording is opt-in
+
+
+def _dense_layers(hf) -> int:
+    return len(getattr(hf.config, "mlp_only_layers", None) or ())

@@ -79,3 +79,60 @@ def router_aux_loss(
     if not router_logits:
         return None
     return load_balancing_loss(router_logits, router_top_k(model), token_mask)
+
+
+# ---- router replay ----------------------------------------------------------------------------------
+# A replaying router keeps its own logits (so its weights still get gradients) but takes the experts
+# recorded by the engine: routing weights = softmax(own logits) at the forced experts, renormalised over
+# them where the router renormalises (verl's "R3" convention). Rows with id -1 (not recorded, e.g. the
+# last sampled token, which the engine never ran through the model) keep the router's own choice.
+_FORCED = "_tidal_forced_experts"
+_HOOK = "_tidal_replay_hook"
+
+
+def _replay_hook(router: nn.Module, _inputs, output):
+    forced = getattr(router, _FORCED, None)
+    if forced is None:
+        return output
+    logits, scores, own_ids = output
+    if forced.shape != own_ids.shape:
+        raise ValueError(
+            f"router replay: {tuple(forced.shape)} recorded expert ids for a router that saw "
+            f"{tuple(own_ids.shape)} (tokens, top-k)"
+        )
+    forced = forced.to(own_ids.device)
+    ids = torch.where(forced >= 0, forced.to(own_ids.dtype), own_ids)
+    weights = logits.float().softmax(-1).gather(-1, ids)
+    if getattr(router, "norm_topk_prob", True):  # Mixtral's router always renormalises
+        weights = weights / weights.sum(-1, keepdim=True)
+    return logits, weights.to(scores.dtype), ids
+
+
+def force_routing(model: nn.Module, experts: Tensor | None) -> None:
+    """Make every router of ``model`` pick ``experts`` ``[tokens, layers, k]`` (the forward's tokens in
+    its flattened order, one column per router in layer order); ``None`` restores normal routing.
+
+    The forced ids stay until the next call, so a gradient-checkpointing recompute during backward
+    routes the same way as the forward it repeats."""
+    routers = router_modules(model)
+    if experts is not None and experts.shape[1] != len(routers):
+        raise ValueError(
+            f"router replay: ids for {experts.shape[1]} MoE layers, the model has {len(routers)}"
+        )
+    for layer, router in enumerate(routers):
+        if getattr(router, _HOOK, None) is None:
+            setattr(router, _HOOK, router.register_forward_hook(_replay_hook))
+        setattr(router, _FORCED, None if experts is None else experts[:, layer])
+
+
+@contextlib.contextmanager
+def replayed_routing(model: nn.Module, experts: Tensor | None) -> Iterator[None]:
+    """``force_routing`` for the forwards inside (no-op for ``None``), then normal routing again."""
+    if experts is None:
+        yield
+        return
+    force_routing(model, experts)
+    try:
+        yield
+    finally:
+        force_routing(model, None)

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tidal.rollout.block_manager import BlockManager, blocks_needed
@@ -64,6 +65,8 @@ class EngineConfig:
     seed: int = 0  # seeds for requests without SamplingParams.seed
     enforce_eager: bool = False  # CUDA: run decode op by op instead of replaying CUDA graphs
     attention_backend: str = "auto"  # decode attention: auto (triton on CUDA), triton, torch
+    # Router replay: record each token's MoE experts into ``CompletionOutput.routed_experts`` (no CUDA graphs)
+    record_routing: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
@@ -137,6 +140,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enforce_eager=self.config.enforce_eager,
             attention_backend=self.config.attention_backend,
+            record_routing=self.config.record_routing,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -365,6 +369,7 @@ class LLMEngine:
             logprobs=list(seq.output_logprobs),
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
+            routed_experts=None if seq.routing is None else np.stack(seq.routing[: seq.num_tokens - 1]),
         )
 
     # ------------------------------------------------------------------ weights and memory

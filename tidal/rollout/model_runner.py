@@ -20,6 +20,7 @@ from tidal.accel import triton_available
 from tidal.rollout.attention import AttentionMetadata
 from tidal.rollout.cuda_graph import DecodeGraphs
 from tidal.rollout.models.layers import CausalLM
+from tidal.rollout.models.moe import SparseMoE
 from tidal.rollout.sampler import Sampler, SamplingTensors
 from tidal.rollout.scheduler import ScheduledBatch
 from tidal.rollout.sequence import Sequence
@@ -65,8 +66,11 @@ class ModelRunner:
         max_model_len: int = 2048,
         enforce_eager: bool = False,
         attention_backend: str = "auto",
+        record_routing: bool = False,
     ):
         self.model = model
+        # Router replay: the MoE blocks whose expert choices are recorded per token (none: dense model).
+        self.routers = [m for m in model.modules() if isinstance(m, SparseMoE)] if record_routing else []
         self.args = model.args
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -85,7 +89,7 @@ class ModelRunner:
         self._host = torch.zeros(max_num_seqs * (2 + max_blocks), dtype=torch.int32, pin_memory=cuda)
         self._host_np = self._host.numpy()
         self.graphs = None
-        if cuda and not enforce_eager:
+        if cuda and not enforce_eager and not self.routers:  # recording runs decode eagerly (Python hooks)
             self.graphs = DecodeGraphs(self.decode_forward, self.device, max_num_seqs, max_blocks)
 
     @staticmethod
@@ -110,12 +114,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[int], list[float]]:
+        for router in self.routers:
+            router.recorded = []
         if batch.is_prefill:
             input_ids, positions, meta, logits_index, rows = self._prepare_prefill(batch.groups)
             logits = self.model(input_ids, positions, meta, logits_index)
             logits = logits[rows]  # one prefill row per group -> one sampling row per sample
         else:
             logits = self._decode(batch.seqs)
+        if self.routers:
+            self._store_routing(batch)
         if batch.block_copies:
             src, dst = zip(*batch.block_copies, strict=True)
             self.kv_cache[:, :, self._tensor(dst)] = self.kv_cache[:, :, self._tensor(src)]
@@ -123,6 +131,26 @@ class ModelRunner:
         # One device-to-host copy (float64 holds every token id exactly).
         packed = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).cpu()
         return packed[0].to(torch.int64).tolist(), packed[1].tolist()
+
+    def _store_routing(self, batch: ScheduledBatch) -> None:
+        """Give each sequence the experts its step's input tokens were routed to (one copy to the host).
+
+        A prefill reads every token of its group's first sequence (the samples share the prompt); a
+        decode step reads each sequence's last token, at position ``num_tokens - 1``."""
+        ids = torch.stack([r.recorded.pop() for r in self.routers], dim=1).to(torch.int16).cpu().numpy()
+        for router in self.routers:
+            router.recorded = None
+        if batch.is_prefill:
+            start = 0
+            for group in batch.groups:
+                n = group[0].num_tokens
+                for seq in group:
+                    seq.routing = list(ids[start : start + n])
+                start += n
+            return
+        for row, seq in enumerate(batch.seqs):
+            position = seq.num_tokens - 1
+            seq.routing = (seq.routing or [])[:position] + [ids[row]]
 
     def _prepare_prefill(self, groups: list[list[Sequence]]):
         input_ids, positions, slots, lens = [], [], [], []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class CompletionOutput:
@@ -15,6 +17,9 @@ class CompletionOutput:
     logprobs: list[float]
     finish_reason: str | None  # "stop" (eos, stop token or stop string), "length"; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
+    # With ``EngineConfig.record_routing`` on a MoE model: ``[prompt + output tokens - 1, MoE layers, k]``
+    # int expert ids each token was routed to (every token but the last, which no forward read).
+    routed_experts: np.ndarray | None = None
 
     @property
     def cumulative_logprob(self) -> float:

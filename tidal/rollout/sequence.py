@@ -41,6 +41,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # Router replay: the experts each position's token was routed to ([MoE layers, k] per position),
+        # when the engine records routing; the last token has none until a forward reads it.
+        self.routing: list | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

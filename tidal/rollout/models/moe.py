@@ -13,6 +13,9 @@ A sparse layer replaces the dense MLP of ``layers.DecoderLayer`` by:
 
 ``expert_forward`` is the one seam where a fused MoE kernel (Triton) plugs in later.
 
+Router replay (``--moe_router_replay``): while ``SparseMoE.recorded`` is a list, each forward appends
+its selected expert ids; ``ModelRunner`` hands them to the sequences (see ``record_routing``).
+
 Weights: checkpoint folders store one module per expert (``mlp.experts.{e}.gate_proj.weight``, or
 Mixtral's ``block_sparse_moe.experts.{e}.w1.weight``, renamed by the family); a trainer's
 ``named_parameters()`` under transformers >= 5 give the stacked ``mlp.experts.gate_up_proj`` directly.
@@ -170,11 +173,15 @@ class SparseMoE(nn.Module):
             shared = replace(args, intermediate_size=moe.shared_expert_intermediate_size, mlp_bias=False)
             self.shared_expert = GatedMLP(shared)
             self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
+        # Router replay: a list while the runner records routing (each forward appends its ids [T, k]).
+        self.recorded: list[torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(
             self.gate(x), self.moe.top_k, self.moe.renormalize, self.moe.weights_in_model_dtype
         )
+        if self.recorded is not None:
+            self.recorded.append(ids)
         out = self.experts(x, weights, ids)
         if self.moe.shared_expert_intermediate_size:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
