@@ -406,3 +406,16 @@ def test_failed_episodes_are_counted_in_the_step_logs_and_training_goes_on(tiny_
     assert all("policy/loss" in h for h in history)
     warnings = [r.getMessage() for r in caplog.records if "episodes failed (agent_errors)" in r.getMessage()]
     assert len(warnings) == 2 and "step raised ConnectionError: judge unreachable" in warnings[0]
+
+
+def test_tool_turn_text_does_not_repeat_the_end_of_turn(qwen_tok):
+    from tidal.agents.tools import render_tool_turn
+
+    tool = [{"role": "tool", "content": "6"}]
+    ended = qwen_tok("x", add_special_tokens=False)["input_ids"] + [qwen_tok.eos_token_id]
+    assert (
+        render_tool_turn(qwen_tok, tool, ended) == "\n<|im_start|>tool\n6<|im_end|>\n<|im_start|>assistant\n"
+    )
+    # cut by the length limit: the template's end of turn closes the assistant message
+    cut = qwen_tok("x", add_special_tokens=False)["input_ids"]
+    assert render_tool_turn(qwen_tok, tool, cut).startswith("<|im_end|>\n<|im_start|>tool\n6")
