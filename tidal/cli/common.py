@@ -11,8 +11,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tidal.agents.base import AgentError
-from tidal.checkpoint import CheckpointError, TrainingInterrupted
 from tidal.cli.openrlhf import aliases, openrlhf_module, refusals
 from tidal.config.args import (
     ConfigError,
@@ -24,14 +22,21 @@ from tidal.config.args import (
     raise_problems,
 )
 from tidal.config.run import run_defaults, run_flags
-from tidal.data import DataError
-from tidal.rewards.base import RewardError
-from tidal.trainers.optim import NonFiniteError
 
-# Errors in the user's input or files, not bugs: one line naming the flag/file, exit status 2.
-USER_ERRORS = (ConfigError, DataError, FileNotFoundError, RewardError, AgentError)
-# Training that cannot go on (diverged, disk full, unusable checkpoint): one line, exit status 1.
-TRAINING_FAILURES = (CheckpointError, NonFiniteError)
+
+def error_kinds() -> tuple[tuple[type, ...], tuple[type, ...], type]:
+    """(user errors, training failures, interruption): errors in the user's input or files, not bugs
+    (one line naming the flag/file, exit status 2); training that cannot go on (diverged, disk full,
+    unusable checkpoint: one line, exit status 1); SIGTERM/SIGINT. Imported here, not at the top, so
+    that building a parser (``--help``) does not import torch and datasets through these modules."""
+    from tidal.agents.base import AgentError
+    from tidal.checkpoint import CheckpointError, TrainingInterrupted
+    from tidal.data import DataError
+    from tidal.rewards.base import RewardError
+    from tidal.trainers.optim import NonFiniteError
+
+    user = (ConfigError, DataError, FileNotFoundError, RewardError, AgentError)
+    return user, (CheckpointError, NonFiniteError), TrainingInterrupted
 
 
 def make_parser(
@@ -64,14 +69,15 @@ def run_command(
     and exit with status 2."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ns = parser.parse_args(argv)
+    user_errors, training_failures, interrupted = error_kinds()
     try:
         return body(ns)
-    except USER_ERRORS as err:
+    except user_errors as err:
         lines = str(err).splitlines() or [type(err).__name__]
         parser.exit(2, "".join(f"{parser.prog}: error: {line}\n" for line in lines))
-    except TRAINING_FAILURES as err:
+    except training_failures as err:
         parser.exit(1, f"{parser.prog}: error: {err}\n")
-    except TrainingInterrupted as err:  # SIGTERM/SIGINT: 143/130, as shells expect
+    except interrupted as err:  # SIGTERM/SIGINT: 143/130, as shells expect
         parser.exit(err.exit_code, f"{parser.prog}: {err}\n")
 
 

@@ -14,15 +14,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from tidal.cli.common import make_parser, module_main, run_command
 from tidal.config import ConfigError, arg, config_from_args
 from tidal.logging import get_logger
 
 log = get_logger(__name__)
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# --param_dtype → torch dtype name (torch is imported by the merge, not by --help)
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 @dataclass
@@ -60,6 +59,7 @@ def adapter_task(lora_path: Path, is_rm: bool) -> str:
 
 
 def load_base(model_path: str, is_rm: bool):
+    import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     try:
@@ -82,6 +82,7 @@ def load_tokenizer_for(cfg: LoraCombineConfig):
 
 def combine(cfg: LoraCombineConfig) -> Path:
     """Merge ``cfg.lora_path`` into ``cfg.model_path`` and write ``cfg.output_path``; returns it."""
+    import torch
     from peft import PeftModel
 
     lora_path, output = Path(cfg.lora_path), Path(cfg.output_path)
@@ -97,7 +98,7 @@ def combine(cfg: LoraCombineConfig) -> Path:
         raise ConfigError(
             f"--lora_path {lora_path} does not fit --model_path {cfg.model_path}: {err}"
         ) from err
-    merged = model.merge_and_unload().to(DTYPES[cfg.param_dtype])
+    merged = model.merge_and_unload().to(getattr(torch, DTYPES[cfg.param_dtype]))
     output.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(str(output), safe_serialization=True)
     tokenizer.save_pretrained(str(output))
