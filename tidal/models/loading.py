@@ -7,6 +7,8 @@ eos token (padding would have no id), rather than a traceback from deep inside `
 
 from __future__ import annotations
 
+import importlib.util
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -15,6 +17,7 @@ from torch import nn
 
 from tidal.config.args import ConfigError
 from tidal.config.model import ModelConfig
+from tidal.logging import get_logger
 
 
 def load_tokenizer(path: str, cfg: ModelConfig | None = None):
@@ -101,12 +104,31 @@ def apply_lora(model: nn.Module, cfg: ModelConfig, task_type: str = "CAUSAL_LM")
     return get_peft_model(model, lora)
 
 
+@cache
+def _say_no_flash_attn() -> None:
+    get_logger(__name__).info(
+        "--attn_implementation flash_attention_2: the flash-attn package is not installed; using "
+        "sdpa, with tidal's varlen attention for packed samples where torch provides it (CUDA)"
+    )
+
+
+def available_attn_implementation(name: str) -> str:
+    """``flash_attention_2`` without the flash-attn package becomes ``sdpa`` (said once, at info level):
+    most OpenRLHF scripts pass it, and tidal runs packed rows through its own varlen kernel
+    (``tidal.models.packed_attention``) instead. Any other name is returned unchanged."""
+    if name != "flash_attention_2" or importlib.util.find_spec("flash_attn") is not None:
+        return name
+    _say_no_flash_attn()
+    return "sdpa"
+
+
 def _attn_implementation(source: str, cfg: ModelConfig) -> str:
     """``--attn_implementation``, except that the default ``sdpa`` becomes ``eager`` for a model class
     without SDPA support (Gemma 2: SDPA cannot soft-cap attention scores), as transformers itself chooses
     when no implementation is given."""
-    if cfg.attn_implementation != "sdpa":
-        return cfg.attn_implementation
+    name = available_attn_implementation(cfg.attn_implementation)
+    if name != "sdpa":
+        return name
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 

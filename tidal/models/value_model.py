@@ -38,7 +38,7 @@ from tidal.config.args import ConfigError
 from tidal.config.model import ModelConfig
 from tidal.logging import get_logger
 from tidal.models.forward import model_inputs
-from tidal.models.loading import _quantization_config, apply_lora
+from tidal.models.loading import _quantization_config, apply_lora, available_attn_implementation
 
 log = get_logger(__name__)
 
@@ -153,7 +153,11 @@ def _from_pretrained(cfg: ModelConfig, source: str, value_head_prefix: str, trai
         )
     config.num_labels = 1
     config.use_cache = False
-    kwargs: dict = {"config": config, "dtype": torch.float32, "attn_implementation": cfg.attn_implementation}
+    kwargs: dict = {
+        "config": config,
+        "dtype": torch.float32,
+        "attn_implementation": available_attn_implementation(cfg.attn_implementation),
+    }
     if value_head_prefix != HF_HEAD:
         kwargs["key_mapping"] = {rf"^{value_head_prefix}\.": f"{HF_HEAD}."}
     if cfg.load_in_4bit:
