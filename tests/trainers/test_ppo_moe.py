@@ -172,3 +172,76 @@ def test_router_replay_brings_trainer_log_probs_to_the_engine(tiny_moe):
     with_replay = _engine_vs_trainer_gap(tiny_moe, trainer, replay=True)
     print(f"engine-vs-trainer |Δ log-prob|: {without:.5f} without replay, {with_replay:.5f} with")
     assert with_replay < 0.5 * without
+
+
+def test_routed_experts_travel_with_the_experience():
+    """Trajectories → Experience (-1 past the recorded tokens), then select/concat/flatten keep them aligned."""
+    from types import SimpleNamespace
+
+    from tidal.experience.experience import forced_experts
+    from tidal.experience.maker import from_trajectories
+
+    def traj(n, seed):
+        routed = torch.randint(0, 8, (n - 1, 3, 2), generator=torch.Generator().manual_seed(seed)).numpy()
+        return SimpleNamespace(token_ids=list(range(1, n + 1)), action_mask=[0, 0] + [1] * (n - 2),
+                               rollout_logprobs=[0.0] * n, reward=1.0, score=None, routed_experts=routed)  # fmt: skip
+
+    trajectories = [traj(5, 0), traj(7, 1)]
+    exp = from_trajectories(trajectories, pad_id=0)
+    assert exp.routed_experts.shape == (2, 7, 3, 2)
+    assert torch.equal(
+        exp.routed_experts[0, :4].long(), torch.from_numpy(trajectories[0].routed_experts).long()
+    )
+    assert (exp.routed_experts[0, 4:] == -1).all() and (exp.routed_experts[1, 6] == -1).all()
+    short = exp.select([0])
+    assert short.routed_experts.shape == (1, 5, 3, 2)
+    both = Experience.concat([short, exp.select([1])])
+    assert torch.equal(both.routed_experts, exp.routed_experts)
+    packed = forced_experts(exp, packing=True)  # the real tokens of both rows, in order
+    assert packed.shape == (12, 3, 2) and torch.equal(packed[5:], exp.routed_experts[1])
+    assert forced_experts(exp, packing=False).shape == (14, 3, 2)
+
+
+def test_grpo_with_router_replay_routes_the_trainer_as_the_engine(tiny_moe, tmp_path, monkeypatch):
+    """End to end: the engine records, the experience carries the experts, and the trainer's old-log-prob
+    and update forwards force them (``force_routing`` receives the recorded ids)."""
+    from tests.trainers.test_ppo import rl_flags
+    from tidal.cli.train_ppo import parse_run
+    from tidal.models import moe_routing
+    from tidal.trainers.ppo import run_ppo, update
+
+    data = _echo_data(tmp_path / "data")
+    forced = {"scoring": [], "update": []}
+
+    original = moe_routing.force_routing
+    monkeypatch.setattr(moe_routing, "force_routing", _spy(original, forced["scoring"]))
+    monkeypatch.setattr(update, "force_routing", _spy(original, forced["update"]))
+    flags = rl_flags(tiny_moe, data, tmp_path / "rl", "--advantage_estimator", "group_norm",
+                     "--moe_router_replay", "--max_samples", "32")  # fmt: skip
+    history = run_ppo(parse_run(flags))
+    assert len(history) == 2
+    # Two micro-batches of 64 samples per step, for the old log-probs and for the update.
+    assert len(forced["scoring"]) == 4 and len(forced["update"]) == 4
+    for experts in forced["scoring"] + forced["update"]:
+        assert experts.dtype == torch.int16 and experts.shape[1:] == (3, 2) and (experts >= 0).any()
+
+
+def _spy(fn, calls: list):
+    def spied(model, experts):
+        if experts is not None:
+            calls.append(experts)
+        return fn(model, experts)
+
+    return spied
+
+
+def test_router_replay_is_refused_on_a_dense_model(tiny_llama, tmp_path):
+    from tests.trainers.test_ppo import rl_flags
+    from tidal.cli.train_ppo import parse_run
+    from tidal.config import ConfigError
+    from tidal.trainers.ppo import run_ppo
+
+    data = _echo_data(tmp_path / "data")
+    flags = rl_flags(tiny_llama, data, tmp_path / "rl", "--moe_router_replay")
+    with pytest.raises(ConfigError, match="--moe_router_replay: .* dense model"):
+        run_ppo(parse_run(flags))

@@ -112,6 +112,8 @@ class Trajectory:
     num_turns: int = 1
     error: str | None = None  # why the episode failed (an EpisodeError's message); None when it did not
     error_kind: str | None = None  # the EpisodeError's kind, counted as ``agent/<kind>``
+    # --moe_router_replay (single-turn): the engine's experts per token, [tokens - 1, MoE layers, k]
+    routed_experts: Any = None
 
     @classmethod
     def start(cls, prompt: str, label: Any, prompt_ids: list[int]) -> Trajectory:

@@ -65,6 +65,7 @@ def _prompt_params(
 def _trajectory(prompt, label, prompt_ids, completion: CompletionOutput, tokenizer, params, engine_decodes):
     traj = Trajectory.start(prompt, label, prompt_ids)
     traj.add_action(completion.token_ids, completion.logprobs)
+    traj.routed_experts = completion.routed_experts  # None unless the engine records routing
     # The engine's text is cut at stop strings (vLLM's behaviour); decode here only when it has no tokenizer.
     traj.response_text = (
         completion.text

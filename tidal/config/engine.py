@@ -30,6 +30,7 @@ def engine_config(
     param_dtype: str = "auto",
     device: str = "auto",
     enforce_eager: bool = False,
+    record_routing: bool = False,
 ) -> EngineConfig:
     """The engine's settings; ``param_dtype`` is a ``--param_dtype`` value (``ENGINE_DTYPES``).
 
@@ -43,6 +44,7 @@ def engine_config(
             device=str(device),
             seed=seed,
             enforce_eager=enforce_eager,
+            record_routing=record_routing,
         )
     except ValueError as err:
         raise ConfigError(str(err).replace("EngineConfig: ", "")) from err
@@ -65,4 +67,5 @@ def rollout_engine_config(cfg: RolloutConfig, device: str, seed: int) -> EngineC
         param_dtype=ROLLOUT_PARAM_DTYPE,
         device=device,
         enforce_eager=cfg.enforce_eager,
+        record_routing=cfg.moe_router_replay,  # the experts the trainer replays
     )

@@ -77,6 +77,11 @@ class RolloutConfig(Checked):
     )
     vllm_enable_sleep: bool = arg(False, help="free the engine's KV cache while training (colocated models)")
     enforce_eager: bool = arg(False, help="run the engine without CUDA graphs")
+    moe_router_replay: bool = arg(
+        False,
+        help="MoE policies: the engine records each token's experts and the trainer's forwards reuse them "
+        "(routing weights from the trainer's router); decode then runs without CUDA graphs",
+    )
 
     def problems(self, flags=None) -> list[str]:
         own = []

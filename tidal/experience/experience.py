@@ -3,7 +3,8 @@
 Every per-token tensor is ``[N, T]`` and aligned with ``sequences``: column ``t`` describes token
 ``t`` (its log-prob given tokens ``< t``, its value, its reward). ``action_mask`` is 1 on tokens the
 policy generated (0 on prompt, padding and environment feedback), so losses never touch anything
-else. Rows are right-padded; ``attention_mask`` marks real tokens.
+else. Rows are right-padded; ``attention_mask`` marks real tokens. ``routed_experts`` (router replay) is
+per-token too, with two more dimensions (MoE layer, top-k slot).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class Experience:
     kl: Tensor | None = None  # [N, T] per-token KL estimate (policy vs reference)
     advantages: Tensor | None = None  # [N, T]
     returns: Tensor | None = None  # [N, T]
+    # --moe_router_replay: [N, T, MoE layers, k] experts the engine routed each token to (-1: not recorded)
+    routed_experts: Tensor | None = None
 
     def __len__(self) -> int:
         return self.sequences.shape[0]
@@ -45,7 +48,7 @@ class Experience:
         picked = {}
         for name, value in self.tensors().items():
             value = value[index]
-            picked[name] = value[:, :width] if value.dim() == 2 else value
+            picked[name] = value[:, :width] if value.dim() >= 2 else value
         return replace(self, **picked)
 
     def to(self, device: torch.device) -> Experience:
@@ -60,10 +63,17 @@ class Experience:
             values = [getattr(p, f.name) for p in parts]
             if any(v is None for v in values):
                 continue
-            if values[0].dim() == 2:
-                values = [torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in values]
+            if values[0].dim() >= 2:  # per-token: pad the token dimension (-1 for expert ids: unrecorded)
+                fill = -1 if f.name == "routed_experts" else 0
+                values = [_pad_tokens(v, width, fill) for v in values]
             out[f.name] = torch.cat(values)
         return Experience(**out)
+
+
+def _pad_tokens(x: Tensor, width: int, value: int = 0) -> Tensor:
+    """Right-pad dimension 1 (tokens) of a per-token tensor to ``width``."""
+    pad = [0, 0] * (x.dim() - 2) + [0, width - x.shape[1]]
+    return torch.nn.functional.pad(x, pad, value=value)
 
 
 def model_batch(exp: Experience, packing: bool) -> dict[str, Tensor]:
@@ -86,8 +96,17 @@ def model_batch(exp: Experience, packing: bool) -> dict[str, Tensor]:
 
 
 def flatten_like(x: Tensor, exp: Experience, packing: bool) -> Tensor:
-    """A per-token ``[N, T]`` tensor in the layout of ``model_batch`` (``[1, ΣT]`` when packed)."""
+    """A per-token ``[N, T, ...]`` tensor in the layout of ``model_batch`` (``[1, ΣT, ...]`` when packed)."""
     return x[exp.attention_mask.bool()][None] if packing else x
+
+
+def forced_experts(exp: Experience, packing: bool) -> Tensor | None:
+    """Router replay: ``routed_experts`` as the routers of ``model_batch``'s forward see the tokens —
+    ``[tokens, MoE layers, k]``, rows flattened (padding included) or packed; ``None`` without replay."""
+    if exp.routed_experts is None:
+        return None
+    routed = flatten_like(exp.routed_experts, exp, packing)
+    return routed.reshape(-1, *routed.shape[2:])
 
 
 def unflatten(x: Tensor, exp: Experience, packing: bool) -> Tensor:

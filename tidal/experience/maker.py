@@ -31,8 +31,9 @@ from tidal.algorithms.rewards import RunningMoments
 from tidal.config.rl import AlgorithmConfig
 from tidal.distributed.collectives import gather_values, world_masked_whiten
 from tidal.distributed.world import World
-from tidal.experience.experience import Experience, micro_batches, model_batch, unflatten
+from tidal.experience.experience import Experience, forced_experts, micro_batches, model_batch, unflatten
 from tidal.models.forward import token_logprobs
+from tidal.models.moe_routing import replayed_routing
 from tidal.models.precision import Precision
 from tidal.rewards.base import check_finite
 
@@ -84,19 +85,51 @@ def from_trajectories(trajectories: Sequence, pad_id: int) -> Experience:
         "score",
         "agent",
     )
-    return Experience(seq, attn, act, logp, rewards=rewards, scores=scores)
+    return Experience(
+        seq,
+        attn,
+        act,
+        logp,
+        rewards=rewards,
+        scores=scores,
+        routed_experts=_routed_experts(trajectories, width),
+    )
+
+
+def _routed_experts(trajectories: Sequence, width: int) -> Tensor | None:
+    """Router replay: the engine's expert ids ``[N, width, layers, k]`` (-1 where none was recorded: the
+    last token, padding); ``None`` when the rollout recorded none."""
+    routed = [getattr(t, "routed_experts", None) for t in trajectories]
+    if all(r is None for r in routed):
+        return None
+    shape = next(r for r in routed if r is not None).shape[1:]
+    out = torch.full((len(trajectories), width, *shape), -1, dtype=torch.int16)
+    for i, (t, r) in enumerate(zip(trajectories, routed, strict=True)):
+        if r is None:
+            raise ValueError(f"router replay: sample {i} of the rollout has no recorded experts")
+        n = min(len(r), len(t.token_ids))  # a truncated trajectory drops the routing past its end
+        out[i, :n] = torch.as_tensor(r[:n], dtype=torch.int16)
+    return out
 
 
 @torch.no_grad()
 def _per_token(
-    fn: Callable[[dict], Tensor], exp: Experience, micro: int, packing: bool, max_tokens=None
+    fn: Callable[[dict], Tensor],
+    exp: Experience,
+    micro: int,
+    packing: bool,
+    max_tokens=None,
+    model: nn.Module | None = None,
+    replay: bool = False,
 ) -> Tensor:
-    """Run ``fn`` over micro-batches of ``exp`` and reassemble an ``[N, T]`` tensor."""
+    """Run ``fn`` over micro-batches of ``exp`` and reassemble an ``[N, T]`` tensor; with ``replay``,
+    ``model``'s routers take the experts the engine recorded (``--moe_router_replay``)."""
     device = exp.sequences.device
     out = torch.zeros(exp.sequences.shape, dtype=torch.float32, device=device)
     for rows in micro_batches(exp, micro, max_tokens):
         part = exp.select(rows)
-        values = unflatten(fn(model_batch(part, packing)).float(), part, packing)
+        with replayed_routing(model, forced_experts(part, packing) if replay else None):
+            values = unflatten(fn(model_batch(part, packing)).float(), part, packing)
         out[rows, : values.shape[1]] = values
     return out
 
@@ -109,15 +142,17 @@ def forward_logprobs(
     temperature: float,
     precision: Precision,
     max_tokens: int | None = None,
+    replay: bool = False,
 ) -> Tensor:
-    """Per-token log-probs ``[N, T]`` of ``exp.sequences`` under ``model`` (sampling temperature applied)."""
+    """Per-token log-probs ``[N, T]`` of ``exp.sequences`` under ``model`` (sampling temperature applied);
+    ``replay``: route every token to the experts the engine chose (``exp.routed_experts``)."""
     model.eval()
 
     def fn(batch):
         with precision.autocast():
             return token_logprobs(model, batch, temperature)[0]
 
-    return _per_token(fn, exp, micro, packing, max_tokens)
+    return _per_token(fn, exp, micro, packing, max_tokens, model, replay)
 
 
 def forward_values(

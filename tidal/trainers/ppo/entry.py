@@ -79,13 +79,30 @@ def check_models_before_loading(run: PPORun) -> None:
         for path in filter(None, paths):
             check_model_folder(path, flag)
     try:
-        model_type = getattr(AutoConfig.from_pretrained(run.actor.pretrain), "model_type", None)
+        config = AutoConfig.from_pretrained(run.actor.pretrain)
+        model_type = getattr(config, "model_type", None)
     except (OSError, ValueError, KeyError) as err:
         raise model_load_error(run.actor.pretrain, err) from err
     if model_type not in FAMILIES:
         raise ConfigError(
             f"--pretrain {run.actor.pretrain}: model_type {model_type!r} is not supported by the rollout engine "
             f"of tidal ppo; supported: {', '.join(supported_model_types())}"
+        )
+    if run.rollout.moe_router_replay:
+        check_router_replay(run, config)
+
+
+def check_router_replay(run: PPORun, config) -> None:
+    """``--moe_router_replay`` replays experts: the policy must have them, and the engine records them
+    for single-turn samples only (an agent's turns are separate engine requests)."""
+    if not any(getattr(config, key, 0) for key in ("num_experts", "num_local_experts")):
+        raise ConfigError(
+            f"--moe_router_replay: --pretrain {run.actor.pretrain} (model_type {config.model_type!r}) is a dense "
+            "model with no MoE routers to replay; drop the flag"
+        )
+    if run.agent.func_path:
+        raise ConfigError(
+            "--moe_router_replay records routing for single-turn samples; it does not support --agent_func_path"
         )
 
 

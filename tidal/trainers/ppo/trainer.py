@@ -35,6 +35,7 @@ from tidal.experience.maker import (
 )
 from tidal.inference.evaluation import pass_at_k_stats
 from tidal.logging import MetricsLogger, ProgressBar, get_logger
+from tidal.models.moe_routing import force_routing
 from tidal.placement.protocols import ReferenceRole, RolloutRole
 from tidal.placement.stream import RolloutJob, RolloutResult, rollout_stream
 from tidal.trainers.loop import Optimization
@@ -186,8 +187,9 @@ class PPOTrainer:
         micro, packing, max_tokens = self._scoring_shape()
         temperature = run.rollout.temperature
         exp.old_logprobs = forward_logprobs(
-            actor.model, exp, micro, packing, temperature, actor.precision, max_tokens
-        )
+            actor.model, exp, micro, packing, temperature, actor.precision, max_tokens,
+            replay=run.rollout.moe_router_replay,
+        )  # fmt: skip
         if self.parts.reference is not None:
             exp.ref_logprobs = self.parts.reference.logprobs(exp, micro, packing, temperature, max_tokens)
         if self.parts.critic is not None:
@@ -233,9 +235,11 @@ class PPOTrainer:
             actor = self.parts.actor
             loss = PolicyLoss(
                 run.algorithm, actor.precision, run.rollout.temperature, shape.packing, self.kl_ctl.value,
-                aux_loss_coef=run.actor.aux_loss_coef,
+                aux_loss_coef=run.actor.aux_loss_coef, router_replay=run.rollout.moe_router_replay,
             )  # fmt: skip
             stats |= train_on_experience(actor, exp, loss, shape, self.world, generator)
+            if loss.router_replay:
+                force_routing(actor.model, None)  # the last backward is done: route normally again
         if exp.kl is not None:
             kl = world_masked_mean(exp.kl, exp.action_mask, self.world)
             self.kl_ctl.update(kl, len(exp) * self.world.world_size)

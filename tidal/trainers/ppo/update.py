@@ -27,10 +27,10 @@ from tidal.algorithms import (
 from tidal.config.rl import AlgorithmConfig
 from tidal.distributed.collectives import max_over_world
 from tidal.distributed.world import World
-from tidal.experience.experience import Experience, micro_batches, model_batch, unflatten
+from tidal.experience.experience import Experience, forced_experts, micro_batches, model_batch, unflatten
 from tidal.experience.maker import shift_values
 from tidal.models.forward import token_logprobs
-from tidal.models.moe_routing import capture_router_logits, router_aux_loss
+from tidal.models.moe_routing import capture_router_logits, force_routing, router_aux_loss
 from tidal.models.precision import Precision
 from tidal.trainers.loop import STEP_LOSS, Optimization, backward, optimizer_step, reduce_metrics
 
@@ -126,9 +126,14 @@ class PolicyLoss:
     packing: bool
     kl_coef: float = 0.0
     aux_loss_coef: float = 0.0  # --aux_loss_coef: MoE load-balancing loss weight (0 on dense models)
+    # --moe_router_replay: route as the engine did. The forced experts stay set after the forward, so a
+    # checkpointing recompute in backward routes alike; the caller clears them (``force_routing(m, None)``).
+    router_replay: bool = False
 
     def __call__(self, model: nn.Module, mb: Experience, norm: Normaliser):
         cfg, mask = self.cfg, mb.action_mask
+        if self.router_replay:
+            force_routing(model, forced_experts(mb, self.packing))
         routers = capture_router_logits(model) if self.aux_loss_coef > 0 else contextlib.nullcontext([])
         with self.precision.autocast(), routers as router_logits:
             logp, out = token_logprobs(
