@@ -31,6 +31,14 @@ def load_python_file(path: str | Path, flag: str, error: type[Exception] = Value
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
+    except ModuleNotFoundError as err:
+        del sys.modules[name]
+        if (err.name or "").split(".")[0] == "openrlhf":  # a file written for OpenRLHF
+            raise error(
+                f"{flag} {path} imports {err.name}, which is OpenRLHF's: import the same names from "
+                f"tidal.agents instead (e.g. `from tidal.agents import AgentInstanceBase, MultiTurnAgentExecutor`)"
+            ) from err
+        raise error(f"importing {flag} {path} failed: {type(err).__name__}: {err}") from err
     except Exception as err:
         del sys.modules[name]
         raise error(f"importing {flag} {path} failed: {type(err).__name__}: {err}") from err
