@@ -220,6 +220,13 @@ class RewardConfig(Checked):
         help="retries of a failed reward-server request (timeouts, resets, 429/5xx)",
         check=NON_NEGATIVE,
     )
+    teacher_model: str | None = arg(
+        None,
+        help="on-policy distillation: this model (the policy's tokenizer) takes the reference's place, so "
+        "the per-token KL penalty beta*(log p_policy - log p_teacher) on the policy's own samples is the "
+        "distillation signal; needs --init_kl_coef > 0 (docs/recipes.md)",
+        metavar="PATH",
+    )
     normalize: bool = arg(
         False,
         flag="normalize_reward",

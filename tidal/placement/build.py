@@ -68,7 +68,9 @@ def build_reference(
         return None
     if workers:
         return RemoteReference(workers)
-    model = load_causal_lm(frozen_copy_config(run.actor, run.actor.pretrain), device)
+    # on-policy distillation: the teacher is the model the KL penalty pulls the policy towards
+    source = run.reward.teacher_model or run.actor.pretrain
+    model = load_causal_lm(frozen_copy_config(run.actor, source), device)
     return LocalReference(FrozenModel(model, device, run.frozen.offload), precision)
 
 

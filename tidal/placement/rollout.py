@@ -68,9 +68,11 @@ class Rollout:
             else None
         )
         self.reward_models = reward_models
-        if not (agent.func_path or self.reward_source or reward_models):
+        # on-policy distillation may run on the teacher's signal alone (scalar rewards 0)
+        self.distilling = bool(reward.teacher_model)
+        if not (agent.func_path or self.reward_source or reward_models or self.distilling):
             raise ConfigError(
-                "RL needs rewards: pass --remote_rm_url, --reward_pretrain or --agent_func_path"
+                "RL needs rewards: pass --remote_rm_url, --reward_pretrain, --agent_func_path or --teacher_model"
             )
 
     def sampling_params(self, n: int, temperature: float, seed: int) -> SamplingParams:
@@ -102,6 +104,8 @@ class Rollout:
             return RewardResult(rewards=exp.rewards, scores=exp.scores)
         if self.reward_models is not None:
             return self.reward_models(exp)
+        if self.distilling and self.reward_source is None:  # the KL to the teacher is the only signal
+            return RewardResult(rewards=torch.zeros(len(trajectories)))
         queries = [t.prompt + t.response_text for t in trajectories]
         labels = [p.label for p in prompts for _ in range(n)]
         return self.reward_source(queries, [t.prompt for t in trajectories], labels)

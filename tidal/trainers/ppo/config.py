@@ -76,6 +76,14 @@ class PPORun(RunConfig):
             problems.append("--dynamic_filtering needs --n_samples_per_prompt >= 2")
         if a.use_kl_loss and a.init_kl_coef <= 0:
             problems.append("--use_kl_loss needs --init_kl_coef > 0")
+        if self.reward.teacher_model and a.init_kl_coef <= 0:
+            problems.append("--teacher_model distils through the KL penalty: set --init_kl_coef > 0 (e.g. 1)")
+        if self.reward.teacher_model and separate_reference(p):
+            problems.append(
+                "--teacher_model runs colocated with the policy (in the reference's place); a reference on "
+                "devices of its own is not supported with it yet: drop --ref_num_nodes/--ref_num_gpus_per_node "
+                "or pass --colocate_actor_ref"
+            )
         if p.async_train and (r.vllm_enable_sleep or p.deepspeed_enable_sleep):
             problems.append(
                 "--async_train generates while training, so the engine and trainer cannot sleep in turn: "
