@@ -56,10 +56,8 @@ class SFTObjective(SFTBatching):
         nll = -(logprobs * mask).sum()
         loss = nll / normaliser
         metrics = {"loss": loss.detach()}
-        if self.aux_loss_coef > 0:
-            aux = getattr(outputs, "aux_loss", None)
-            if aux is None:
-                raise ValueError("--aux_loss_coef > 0 needs a mixture-of-experts model that returns aux_loss")
+        aux = getattr(outputs, "aux_loss", None) if self.aux_loss_coef > 0 else None
+        if aux is not None:  # a dense model has no load-balancing loss: 0, as OpenRLHF
             # Weight the per-micro-batch aux loss by its share of the step's tokens.
             aux_term = self.aux_loss_coef * aux * (mask.sum() / normaliser)
             loss = loss + aux_term
