@@ -245,3 +245,18 @@ def test_router_replay_is_refused_on_a_dense_model(tiny_llama, tmp_path):
     flags = rl_flags(tiny_llama, data, tmp_path / "rl", "--moe_router_replay")
     with pytest.raises(ConfigError, match="--moe_router_replay: .* dense model"):
         run_ppo(parse_run(flags))
+
+
+def test_router_replay_is_refused_with_agents(tiny_moe, tmp_path):
+    from tests.trainers.test_ppo import EXAMPLES, rl_flags
+    from tidal.cli.train_ppo import parse_run
+    from tidal.config import ConfigError
+    from tidal.trainers.ppo.entry import check_models_before_loading
+
+    data = _echo_data(tmp_path / "data")
+    agent = str(EXAMPLES / "agent_func.py")
+    run = parse_run(
+        rl_flags(tiny_moe, data, tmp_path / "rl", "--moe_router_replay", "--agent_func_path", agent)
+    )
+    with pytest.raises(ConfigError, match="--moe_router_replay .* --agent_func_path"):
+        check_models_before_loading(run)
