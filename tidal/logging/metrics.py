@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from tidal.config.args import ConfigError
 from tidal.logging.config import LoggingConfig, default_run_name
 from tidal.logging.console import get_logger
 
@@ -40,6 +41,15 @@ def to_scalar(key: str, value: Any) -> float | int:
     if isinstance(value, numbers.Real):
         return float(value)
     raise TypeError(f"metric {key!r} must be a scalar number or 0-d tensor, got {type(value).__name__}")
+
+
+def wandb_error(err: Exception) -> ConfigError:
+    """W&B refused to start (no network, a bad key): one line naming the flag and the way out."""
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return ConfigError(
+        f"--use_wandb: W&B could not start ({type(err).__name__}: {first}); check the network and the "
+        "API key, or log offline with --use_wandb offline (wandb sync uploads later)"
+    )
 
 
 class MetricsLogger:
@@ -99,19 +109,22 @@ class MetricsLogger:
         import wandb
 
         mode = self.cfg.wandb_mode()
-        if self.cfg.wandb_key and mode not in ("offline", "disabled"):
-            wandb.login(key=self.cfg.wandb_key)
-        return wandb.init(
-            entity=self.cfg.wandb_org,
-            project=self.cfg.wandb_project,
-            group=self.cfg.wandb_group,
-            name=self.run_name,
-            id=run_id,
-            resume="allow" if resume else None,
-            dir=str(self.run_dir),
-            config=run_config,
-            mode=mode,
-        )
+        try:
+            if self.cfg.wandb_key and mode not in ("offline", "disabled"):
+                wandb.login(key=self.cfg.wandb_key)
+            return wandb.init(
+                entity=self.cfg.wandb_org,
+                project=self.cfg.wandb_project,
+                group=self.cfg.wandb_group,
+                name=self.run_name,
+                id=run_id,
+                resume="allow" if resume else None,
+                dir=str(self.run_dir),
+                config=run_config,
+                mode=mode,
+            )
+        except (wandb.errors.Error, OSError) as err:  # no network, a bad key: before any training
+            raise wandb_error(err) from err
 
     def _wandb_log(self, step: int, record: dict, prefix: str) -> None:
         # A per-prefix step metric (as OpenRLHF does) lets train/eval rows arrive in any order;
