@@ -260,3 +260,29 @@ def test_router_replay_is_refused_with_agents(tiny_moe, tmp_path):
     )
     with pytest.raises(ConfigError, match="--moe_router_replay .* --agent_func_path"):
         check_models_before_loading(run)
+
+
+def test_replayed_update_gradients_survive_gradient_checkpointing(tiny_moe):
+    """The forced experts stay set through backward, so a checkpointing recompute routes as the forward
+    did: the gradients equal those without checkpointing (and differ from unreplayed routing)."""
+    from tidal.models.moe_routing import force_routing
+
+    exp = _experience()
+    g = torch.Generator().manual_seed(3)
+    exp.routed_experts = torch.randint(0, 8, (*exp.sequences.shape, 3, 2), generator=g).to(torch.int16)
+    exp.routed_experts[..., 1] = (exp.routed_experts[..., 0] + 1) % 8  # two distinct experts per token
+    precision = Precision.create("fp32", CPU)
+    grads = {}
+    for checkpointing, replay in [(False, True), (True, True), (False, False)]:
+        model = load_causal_lm(ModelConfig(pretrain=str(tiny_moe)), CPU)
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        exp.old_logprobs = torch.zeros_like(exp.rollout_logprobs)
+        loss_fn = PolicyLoss(AlgorithmConfig(), precision, 1.0, False, router_replay=replay)
+        loss, _ = loss_fn(model, exp, Normaliser.of(exp, World()))
+        loss.backward()
+        force_routing(model, None)
+        grads[(checkpointing, replay)] = model.model.layers[0].mlp.experts.down_proj.grad.clone()
+    torch.testing.assert_close(grads[(True, True)], grads[(False, True)], atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(grads[(False, True)], grads[(False, False)], atol=1e-6)
