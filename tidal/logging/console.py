@@ -26,6 +26,20 @@ class TqdmHandler(logging.Handler):
             self.handleError(record)
 
 
+# Library loggers whose warnings are noise for tidal's users at the default level, with the level they
+# get (unless the user already set one): bitsandbytes warns on import, on CPUs with AVX512-BF16, that
+# the optional `kernels` package is missing (it only speeds up 4-bit matmuls on CPU).
+QUIET_LIBRARY_LOGGERS = {"bitsandbytes.backends.cpu.ops": logging.ERROR}
+
+
+def quiet_library_loggers() -> None:
+    """Raise the noisy library loggers' levels (``QUIET_LIBRARY_LOGGERS``) where the user has not."""
+    for name, level in QUIET_LIBRARY_LOGGERS.items():
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(level)
+
+
 def _configure_root() -> logging.Logger:
     root = logging.getLogger(ROOT_NAME)
     if not any(isinstance(h, TqdmHandler) for h in root.handlers):
@@ -33,6 +47,7 @@ def _configure_root() -> logging.Logger:
         handler.setFormatter(logging.Formatter(FORMAT, datefmt="%H:%M:%S"))
         root.addHandler(handler)
         root.setLevel(logging.INFO)
+        quiet_library_loggers()
     return root
 
 
