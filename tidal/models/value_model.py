@@ -29,6 +29,8 @@ which would otherwise score with random weights.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
 
 import torch
@@ -163,14 +165,49 @@ def _from_pretrained(cfg: ModelConfig, source: str, value_head_prefix: str, trai
     if cfg.load_in_4bit:
         kwargs["quantization_config"] = _quantization_config()
     try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(
-            source, output_loading_info=True, **kwargs
-        )
+        with quiet_load_report():
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                source, output_loading_info=True, **kwargs
+            )
     except (OSError, ValueError) as err:
         raise ConfigError(f"cannot load a sequence-classification model from {source} ({err})") from err
     if trained_head:
         check_trained_head(source, value_head_prefix, info)
+    warn_missing_body_weights(source, info)
     return model
+
+
+QUIET_LOAD_LOGGERS = ("modeling_utils", "distributed.tensor_parallel")
+
+
+@contextlib.contextmanager
+def quiet_load_report():
+    """Hold back transformers' load report (a warning table) while loading a value model: building one
+    from a causal LM always lists ``lm_head`` unexpected and ``score.weight`` missing, which is the
+    design (a new head), not a problem. tidal reads the same loading info itself: a missing trained
+    head is refused (``check_trained_head``), other missing weights are warned about
+    (``warn_missing_body_weights``)."""
+    # transformers checks the tensor-parallel plan (and warns on its own logger) whenever the
+    # modeling_utils logger's level is WARNING or above, so that logger is held back too.
+    loggers = [logging.getLogger(f"transformers.{name}") for name in QUIET_LOAD_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger, level in zip(loggers, levels, strict=True):
+        logger.setLevel(max(level, logging.ERROR))
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def warn_missing_body_weights(source: str, loading_info: dict) -> None:
+    """One warning when weights other than the value head were missing (initialised at random)."""
+    missing = sorted(k for k in loading_info.get("missing_keys", ()) if not k.startswith(f"{HF_HEAD}."))
+    if missing:
+        log.warning(
+            "%s: %d weights missing from the checkpoint were initialised at random: %s",
+            source, len(missing), ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else ""),
+        )  # fmt: skip
 
 
 def check_trained_head(source: str, value_head_prefix: str, loading_info: dict) -> None:
