@@ -1,5 +1,6 @@
 """Building a critic/reward model from a causal LM prints no transformers load report (``score.weight
-MISSING`` is the design: a new head); weights missing from the body are still warned about, by tidal."""
+MISSING`` is the design: a new head); weights missing from the body are still warned about, by tidal.
+Applying LoRA shows no deprecation warning from peft reading transformers' old property."""
 
 from __future__ import annotations
 
@@ -38,3 +39,15 @@ def test_quiet_load_report_restores_levels(name):
     with value_model.quiet_load_report():
         assert logger.level >= logging.ERROR
     assert logger.level == before
+
+
+def test_lora_prints_no_deprecation_warning(tiny_llama):
+    import warnings
+
+    from tidal.models.loading import apply_lora, load_causal_lm
+
+    model = load_causal_lm(ModelConfig(pretrain=str(tiny_llama)), torch.device("cpu"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_lora(model, ModelConfig(pretrain=str(tiny_llama), lora_rank=4))
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]

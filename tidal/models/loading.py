@@ -8,6 +8,7 @@ eos token (padding would have no id), rather than a traceback from deep inside `
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from functools import cache
 from pathlib import Path
 
@@ -101,7 +102,11 @@ def apply_lora(model: nn.Module, cfg: ModelConfig, task_type: str = "CAUSAL_LM")
         target_modules=targets,
         task_type=task_type,
     )
-    return get_peft_model(model, lora)
+    with warnings.catch_warnings():
+        # peft reads transformers' deprecated ``is_gradient_checkpointing`` (a FutureWarning per run
+        # that the user cannot act on); only that warning is held back.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, lora)
 
 
 @cache
