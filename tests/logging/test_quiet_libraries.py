@@ -29,3 +29,18 @@ def test_a_level_the_user_set_is_kept(monkeypatch):
         assert logging.getLogger(name).level == logging.DEBUG
     finally:
         logging.getLogger(name).setLevel(logging.NOTSET)
+
+
+def test_a_tiny_lora_sft_run_prints_no_library_noise(tiny_llama, tmp_path):
+    """A whole run in a fresh process (imports included): no bitsandbytes `kernels` line, no
+    deprecation or future warnings, no transformers load report."""
+    from tidal.testing import AdditionTask
+
+    data = AdditionTask(digits=2).write_jsonl(tmp_path / "train.jsonl", 8)
+    argv = ["sft", "--pretrain", str(tiny_llama), "--dataset", str(data), "--input_key", "prompt",
+            "--output_key", "answer", "--max_len", "64", "--train_batch_size", "8", "--micro_train_batch_size", "4",
+            "--lora_rank", "4", "--save_path", str(tmp_path / "out"), "--ckpt_path", str(tmp_path / "ckpt")]  # fmt: skip
+    run = subprocess.run([sys.executable, "-m", "tidal.cli.main", *argv], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for noise in ("kernels", "DeprecationWarning", "FutureWarning", "LOAD REPORT", "Traceback"):
+        assert noise not in run.stderr, noise
