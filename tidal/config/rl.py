@@ -265,6 +265,23 @@ class AgentConfig(Checked):
     func_path: str | None = arg(
         None, flag="agent_func_path", help="agent_func.py with an AgentExecutor class (multi-turn)"
     )
+    endpoint: str | None = arg(
+        None,
+        flag="agent_endpoint",
+        help="file defining agent(base_url, prompt, label) -> reward: any OpenAI-API client code against "
+        "the live policy; each episode's requests are trained token-in-token-out (docs/recipes.md)",
+        metavar="PATH",
+    )
+
+    def problems(self, flags=None) -> list[str]:
+        own = (
+            [
+                "use either --agent_func_path (an AgentExecutor) or --agent_endpoint (an agent function), not both"
+            ]
+            if self.func_path and self.endpoint
+            else []
+        )
+        return super().problems(flags) + own
 
 
 @dataclass

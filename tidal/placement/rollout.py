@@ -17,6 +17,7 @@ from torch import nn
 
 from tidal.agents import AgentExecutorBase, SingleTurnAgentExecutor, Trajectory, load_agent_executor
 from tidal.agents.base import rollout_logs
+from tidal.agents.endpoint import EndpointAgentExecutor
 from tidal.config.args import ConfigError
 from tidal.config.engine import rollout_engine_config
 from tidal.config.rl import AgentConfig, RewardConfig, RolloutConfig
@@ -30,6 +31,8 @@ from tidal.rollout import LLMEngine, SamplingParams
 
 
 def build_executor(agent: AgentConfig, apply_chat_template: bool) -> AgentExecutorBase:
+    if agent.endpoint:  # the agent function renders its own prompts: it is sent the dataset's text
+        return EndpointAgentExecutor.from_file(agent.endpoint)
     executor = load_agent_executor(agent.func_path) if agent.func_path else SingleTurnAgentExecutor()
     # Chat-rendered prompts already carry the template's special tokens (see tidal.data.templates).
     executor.add_special_tokens = not apply_chat_template
@@ -70,9 +73,10 @@ class Rollout:
         self.reward_models = reward_models
         # on-policy distillation may run on the teacher's signal alone (scalar rewards 0)
         self.distilling = bool(reward.teacher_model)
-        if not (agent.func_path or self.reward_source or reward_models or self.distilling):
+        if not (agent.func_path or agent.endpoint or self.reward_source or reward_models or self.distilling):
             raise ConfigError(
-                "RL needs rewards: pass --remote_rm_url, --reward_pretrain, --agent_func_path or --teacher_model"
+                "RL needs rewards: pass --remote_rm_url, --reward_pretrain, --agent_func_path, --agent_endpoint "
+                "or --teacher_model"
             )
 
     def sampling_params(self, n: int, temperature: float, seed: int) -> SamplingParams:

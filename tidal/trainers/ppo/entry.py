@@ -100,9 +100,10 @@ def check_router_replay(run: PPORun, config) -> None:
             f"--moe_router_replay: --pretrain {run.actor.pretrain} (model_type {config.model_type!r}) is a dense "
             "model with no MoE routers to replay; drop the flag"
         )
-    if run.agent.func_path:
+    if run.agent.func_path or run.agent.endpoint:
         raise ConfigError(
-            "--moe_router_replay records routing for single-turn samples; it does not support --agent_func_path"
+            "--moe_router_replay records routing for single-turn samples; it does not support "
+            "--agent_func_path or --agent_endpoint"
         )
 
 
