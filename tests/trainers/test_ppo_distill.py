@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tidal.cli.train_ppo import parse_run
 from tidal.cli.train_sft import parse_run as parse_sft
 from tidal.config.args import ConfigError
+from tidal.testing import build_tiny_model
 from tidal.trainers.ppo import run_ppo
 from tidal.trainers.sft import run_sft
 
@@ -89,3 +90,11 @@ def test_bad_distillation_flags(echo_models, tmp_path, extra, message):
     flags = distill_flags(echo_models, tmp_path, *extra)
     with pytest.raises(ConfigError, match=message):
         parse_run(flags)
+
+
+def test_teacher_with_another_tokenizer_is_refused(echo_models, tmp_path):
+    other = build_tiny_model(tmp_path / "other", "llama", vocab_size=300, seed=1)
+    flags = distill_flags(echo_models, tmp_path)
+    flags[flags.index("--teacher_model") + 1] = str(other)
+    with pytest.raises(ConfigError, match="--teacher_model .* has a different tokenizer than --pretrain"):
+        run_ppo(parse_run(flags))

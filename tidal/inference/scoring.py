@@ -68,31 +68,32 @@ class SampleScorer:
         return rewards
 
 
-def check_same_tokenizer(path: str, policy_tokenizer) -> None:
-    """The reward model scores the policy's token ids, so both must use one vocabulary."""
+def check_same_tokenizer(path: str, policy_tokenizer, flag: str = "--reward_pretrain") -> None:
+    """The model at ``path`` (a reward model, or ``--teacher_model``) scores the policy's token ids,
+    so both must use one vocabulary; ``flag`` names it in errors."""
     from transformers import AutoTokenizer
 
     try:
         rm_tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):  # a weights-only folder: at least every policy token must embed
-        _check_vocab_size(path, len(policy_tokenizer))
+        _check_vocab_size(path, len(policy_tokenizer), flag)
         return
     if rm_tokenizer.get_vocab() != policy_tokenizer.get_vocab():
         raise ConfigError(
-            f"--reward_pretrain {path} has a different tokenizer than --pretrain: the reward model reads "
+            f"{flag} {path} has a different tokenizer than --pretrain: the model reads "
             "the policy's token ids, so both must share one tokenizer"
         )
 
 
-def _check_vocab_size(path: str, num_tokens: int) -> None:
+def _check_vocab_size(path: str, num_tokens: int, flag: str = "--reward_pretrain") -> None:
     from transformers import AutoConfig
 
     try:
         vocab_size = AutoConfig.from_pretrained(path).vocab_size
     except OSError as err:
-        raise ConfigError(f"--reward_pretrain {path}: cannot load a model config from it ({err})") from err
+        raise ConfigError(f"{flag} {path}: cannot load a model config from it ({err})") from err
     if vocab_size < num_tokens:
         raise ConfigError(
-            f"--reward_pretrain {path} has {vocab_size} token embeddings but the policy's tokenizer has "
-            f"{num_tokens} tokens: the reward model must share the policy's tokenizer"
+            f"{flag} {path} has {vocab_size} token embeddings but the policy's tokenizer has "
+            f"{num_tokens} tokens: the model must share the policy's tokenizer"
         )

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tidal.distributed.world import World
+from tidal.inference.scoring import check_same_tokenizer
 from tidal.logging import get_logger
 from tidal.models import load_causal_lm
 from tidal.models.frozen import FrozenModel, frozen_copy_config
@@ -50,6 +51,8 @@ def build_roles(
     """The reference and rollout of this rank (see the module docstring); ``precision``: the policy's,
     which a reference on this device shares. ``ray_actors``: in Ray mode, this rank's separate workers
     per role."""
+    if run.reward.teacher_model:  # before any worker starts: the teacher scores the student's token ids
+        check_same_tokenizer(run.reward.teacher_model, tokenizer, flag="--teacher_model")
     workers = start_workers(run, world.world_size, ray_actors)
     try:
         reference = build_reference(run, world.device, precision, workers["reference"])
