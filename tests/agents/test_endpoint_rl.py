@@ -77,7 +77,8 @@ async def agent(base_url, prompt, label):
 """
 
 
-def test_ppo_trains_on_the_endpoint_tokens(tiny_qwen2, tmp_path, monkeypatch):
+@pytest.mark.parametrize("placement", [[], ["--vllm_num_engines", "1"]], ids=["local", "separate_engine"])
+def test_ppo_trains_on_the_endpoint_tokens(tiny_qwen2, tmp_path, monkeypatch, placement):
     from tidal.cli.train_ppo import parse_run
     from tidal.placement import rollout as rollout_module
     from tidal.serve.protocol import token_text
@@ -103,7 +104,7 @@ def test_ppo_trains_on_the_endpoint_tokens(tiny_qwen2, tmp_path, monkeypatch):
         "--advantage_estimator", "rloo", "--rollout_batch_size", "4", "--train_batch_size", "8",
         "--micro_train_batch_size", "8", "--generate_max_len", "4", "--prompt_max_len", "8", "--init_kl_coef", "0",
         "--actor_learning_rate", "1e-3", "--seed", "5", "--save_path", str(out / "final"), "--ckpt_path",
-        str(out / "ckpt"),
+        str(out / "ckpt"), *placement,
     ]))  # fmt: skip
     assert len(history) == 2 and all(h["grad_norm"] > 0 for h in history)
     # the one prompt whose agent raises ("3>", 2 samples) fails alone, and training goes on
