@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tidal.cli import batch_inference, main
-from tidal.cli.openrlhf import OPENRLHF_MODULES, aliases, openrlhf_module, refusals
+from tidal.cli.openrlhf import DOTTED_REFUSED, OPENRLHF_MODULES, REFUSED, aliases, openrlhf_module, refusals
 from tidal.config.args import ConfigError
 
 TABLE = json.loads((Path(__file__).parent / "openrlhf_v0_9_2_flags.json").read_text())
@@ -53,7 +53,7 @@ def test_no_stale_table_entries(cli):
     known = _parser(cli)._option_string_actions
     assert [n for n in [*refusals(cli), *aliases(cli)] if f"--{n}" in known] == []
     openrlhf = {name for other in CLIS for name in _flag_names(other)}  # shared trainer tables
-    assert set(refusals(cli)) <= openrlhf and set(aliases(cli)) <= set(_flag_names(cli))
+    assert set(refusals(cli)) - set(DOTTED_REFUSED) <= openrlhf and set(aliases(cli)) <= set(_flag_names(cli))
     for replacement in aliases(cli).values():  # an alias rewrites to a flag the command defines
         assert replacement[0] in known
 
@@ -133,3 +133,41 @@ def test_docs_list_every_alias_and_refusal():
             assert f"| `--{name}` |" in docs and reason in docs, name
         for name in aliases(cli):
             assert f"`--{name}" in docs, name
+
+
+HEAD_SFT = json.loads((Path(__file__).parent / "openrlhf_head_train_sft_flags.json").read_text())["train_sft"]
+
+
+def test_every_openrlhf_head_sft_flag_is_renamed_honoured_or_refused():
+    """OpenRLHF's current dotted style (``--model.model_name_or_path``) for train_sft, in full."""
+    parser = _parser("train_sft")
+    known = parser._option_string_actions
+    renames = parser.renames([o[2:] for o in known if o.startswith("--")])
+    unhandled = []
+    for entry in HEAD_SFT:
+        name = entry["flags"][0][2:]
+        target = renames[name][0][2:] if name in renames else name
+        if (
+            f"--{target}" not in known
+            and target not in aliases("train_sft")
+            and target not in refusals("train_sft")
+        ):
+            unhandled.append(name)
+    assert unhandled == []
+
+
+def test_dotted_flags_parse_to_the_same_configs():
+    argv = ["--model.model_name_or_path", "m", "--data.dataset", "d", "--ds.lora.rank", "4", "--adam.lr=0.5",
+            "--train.micro_batch_size", "2", "--eval.dataset", "e", "--ds.zero_stage", "2"]  # fmt: skip
+    ns = _parser("train_sft").parse_args(argv)
+    assert (ns.pretrain, ns.dataset, ns.lora_rank, ns.learning_rate) == ("m", "d", 4, 0.5)
+    assert (ns.micro_train_batch_size, ns.eval_dataset) == (2, "e")
+
+
+def test_dotted_refusals_name_the_flag_as_typed(capsys):
+    with pytest.raises(SystemExit):
+        _parser("train_sft").parse_args(["--ds.ring_attn_head_stride", "1", "--muon.lr", "0.1"])
+    assert capsys.readouterr().err.splitlines() == [
+        f"tidal sft: error: --ds.ring_attn_head_stride (--ring_head_stride) is not supported: {REFUSED['train_sft']['ring_head_stride']}",
+        f"tidal sft: error: --muon.lr is not supported: {DOTTED_REFUSED['muon.lr']}",
+    ]

@@ -9,9 +9,10 @@ import sys
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
-from tidal.cli.openrlhf import aliases, openrlhf_module, refusals
+from tidal.cli.openrlhf import aliases, dotted_aliases, openrlhf_module, refusals
 from tidal.config.args import (
     ConfigError,
     FlagParser,
@@ -55,6 +56,7 @@ def make_parser(
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         refused=refusals(module) if module else None,
         aliases=aliases(module) if module else None,
+        renames=partial(dotted_aliases, module) if module else None,
     )
     accept_negative_numbers(parser)
     for cls, title, *rest in groups:

@@ -12,6 +12,8 @@ and the test reports it). Deliberate differences are listed in ``docs/openrlhf.m
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 # tidal command → OpenRLHF module name(s), for ``tidal <openrlhf name>`` and the tables below.
 OPENRLHF_MODULES = {
     "train_sft": "sft",
@@ -116,14 +118,79 @@ ALIASES: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
+# OpenRLHF's current flag style (after v0.10: ``--actor.model_name_or_path``, ``--ds.zero_stage``):
+# each dotted flag is rewritten to its v0.9.2 name, which the tables above then honour, alias or
+# refuse. Covered in full (every flag of OpenRLHF HEAD's train_sft): train_sft; the shared groups
+# below also serve the other trainers, where a dotted flag not listed gets argparse's message.
+DOTTED_PREFIXES = ("ckpt", "logger", "train", "ds", "data", "model")  # --<prefix>.<v0.9.2 name>
+DOTTED: dict[str, str] = {
+    "ckpt.output_dir": "save_path",
+    "ckpt.save_hf": "save_hf_ckpt",
+    "ckpt.disable_ds": "disable_ds_ckpt",
+    "ckpt.path": "ckpt_path",
+    "ckpt.max_num": "max_ckpt_num",
+    "ckpt.max_mem": "max_ckpt_mem",
+    "ckpt.load_enable": "load_checkpoint",
+    "eval.steps": "eval_steps",
+    "eval.dataset": "eval_dataset",
+    "eval.split": "eval_split",
+    "ds.use_universal_ckpt": "use_ds_universal_ckpt",
+    "ds.tensor_parallel_size": "ds_tensor_parallel_size",
+    "ds.ring_attn_head_stride": "ring_head_stride",
+    "ds.lora.rank": "lora_rank",
+    "ds.lora.alpha": "lora_alpha",
+    "ds.lora.dropout": "lora_dropout",
+    "ds.lora.target_modules": "target_modules",
+    "train.micro_batch_size": "micro_train_batch_size",
+    "train.batch_size": "train_batch_size",
+    "train.full_determinism_enable": "full_determinism",
+    "model.gradient_checkpointing_enable": "gradient_checkpointing",
+    "model.gradient_checkpointing_reentrant": "gradient_checkpointing_use_reentrant",
+    "model.model_name_or_path": "pretrain",
+    "model.pretrain_mode_enable": "pretrain_mode",
+    "adam.lr": "learning_rate",
+    "adam.betas": "adam_betas",
+    "adam.weight_decay": "l2",
+    "logger.wandb.key": "use_wandb",
+    "logger.wandb.org": "wandb_org",
+    "logger.wandb.group": "wandb_group",
+    "logger.wandb.project": "wandb_project",
+    "logger.wandb.run_name": "wandb_run_name",
+    "logger.tensorboard_dir": "use_tensorboard",
+}
+
+_MUON = "the Muon optimizer is not supported: tidal trains with AdamW (OpenRLHF's --optim adam)"
+# Dotted flags with no v0.9.2 counterpart that tidal cannot honour (every trainer).
+DOTTED_REFUSED = {
+    "optim": "tidal always trains with AdamW (OpenRLHF's default --optim adam): drop the flag",
+    **{f"muon.{name}": _MUON for name in ("lr", "momentum", "ns_steps", "nesterov", "no_nesterov")},
+    "adam.eps": "tidal's AdamW uses eps 1e-8 (OpenRLHF's default); other values are not supported",
+    "ds.experts_implementation": "choosing the MoE experts' kernel is not supported (transformers' default is used)",
+    "data.dataloader_num_workers": "tidal prepares batches in the training process (no DataLoader workers)",
+}
+
+
+def dotted_aliases(module: str, flags: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """OpenRLHF's dotted flags for a trainer module, as aliases to v0.9.2 names: the ``DOTTED`` table,
+    plus ``--<prefix>.<name>`` for each v0.9.2 ``name`` in ``flags`` (the command's own flags and
+    its aliased and refused OpenRLHF flags) under the ``DOTTED_PREFIXES``."""
+    if not module.startswith("train_"):
+        return {}
+    names = set(flags) | set(aliases(module)) | set(refusals(module))
+    found = {f"{prefix}.{name}": (f"--{name}",) for prefix in DOTTED_PREFIXES for name in names}
+    return {**found, **{dotted: (f"--{name}",) for dotted, name in DOTTED.items()}}
+
+
 def openrlhf_module(command: str) -> str | None:
     """The OpenRLHF module name of a tidal command (``sft`` → ``train_sft``), if it has one."""
     return next((module for module, ours in OPENRLHF_MODULES.items() if ours == command), None)
 
 
 def refusals(module: str) -> dict[str, str]:
-    """The refused OpenRLHF flags of one OpenRLHF module (none for an unknown name)."""
-    return REFUSED.get(module, {})
+    """The refused OpenRLHF flags of one OpenRLHF module (none for an unknown name); a trainer's
+    include the dotted-style flags that have no v0.9.2 counterpart (``DOTTED_REFUSED``)."""
+    extra = DOTTED_REFUSED if module.startswith("train_") else {}
+    return {**REFUSED.get(module, {}), **extra}
 
 
 def aliases(module: str) -> dict[str, tuple[str, ...]]:

@@ -29,7 +29,7 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Container, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -196,15 +196,20 @@ def rewrite_aliases(argv: Sequence[str], aliases: Mapping[str, Sequence[str]], k
     return out
 
 
-def refused_flags(argv: Sequence[str], refused: Mapping[str, str], known: Container) -> list[str]:
-    """One ``--flag: reason`` line per refused flag in ``argv`` that the parser does not define."""
+def refused_flags(
+    argv: Sequence[str], refused: Mapping[str, str], known: Container, typed: Sequence[str] | None = None
+) -> list[str]:
+    """One ``--flag: reason`` line per refused flag in ``argv`` that the parser does not define;
+    ``typed``: the argv as the user wrote it, token for token, to name a renamed flag as typed too."""
     found = []
-    for token in argv:
+    for i, token in enumerate(argv):
         if token == "--":
             break
         name = _flag_of(token)
         if name in refused and f"--{name}" not in known:
-            found.append(f"--{name} is not supported: {refused[name]}")
+            original = _flag_of(typed[i]) if typed is not None else name
+            shown = f"--{name}" if original == name else f"--{original} (--{name})"
+            found.append(f"{shown} is not supported: {refused[name]}")
     return list(dict.fromkeys(found))
 
 
@@ -217,24 +222,31 @@ def close_flag(token: str, known: Sequence[str]) -> str | None:
 
 class FlagParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` that knows another tool's flags it does not define (OpenRLHF's, see
-    ``tidal.cli.openrlhf``): ``aliases`` are rewritten to the flags that do the same, ``refused``
-    flags fail with their reason, one line each, before argparse parses anything; a flag nobody
-    knows still gets argparse's "unrecognized arguments", with the closest defined flag suggested."""
+    ``tidal.cli.openrlhf``): ``renames`` (given the parser's flag names) first rewrite another
+    spelling of a flag name (OpenRLHF's dotted names), then ``refused`` flags fail with their reason,
+    one line each, before argparse parses anything, and ``aliases`` are rewritten to the flags that do
+    the same; a flag nobody knows still gets argparse's "unrecognized arguments", with the closest
+    defined flag suggested."""
 
     def __init__(
         self,
         *args: Any,
         refused: Mapping[str, str] | None = None,
         aliases: Mapping[str, Sequence[str]] | None = None,
+        renames: Callable[[list[str]], Mapping[str, Sequence[str]]] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.refused, self.aliases = dict(refused or {}), dict(aliases or {})
+        self.refused, self.aliases, self.renames = dict(refused or {}), dict(aliases or {}), renames
 
     def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None):  # type: ignore[override]
-        argv = list(sys.argv[1:] if args is None else args)
+        typed = list(sys.argv[1:] if args is None else args)
         known = self._option_string_actions
-        lines = refused_flags(argv, self.refused, known)
+        argv = typed
+        if self.renames is not None:  # another spelling of a flag name, one token for one token
+            names = [option[2:] for option in known if option.startswith("--")]
+            argv = rewrite_aliases(typed, self.renames(names), known)
+        lines = refused_flags(argv, self.refused, known, typed if len(argv) == len(typed) else None)
         if lines:
             self.exit(2, "".join(f"{self.prog}: error: {line}\n" for line in lines))
         return super().parse_known_args(rewrite_aliases(argv, self.aliases, known), namespace)
