@@ -31,9 +31,12 @@ from tidal.rollout import LLMEngine, SamplingParams
 
 
 def build_executor(agent: AgentConfig, apply_chat_template: bool) -> AgentExecutorBase:
-    if agent.endpoint:  # the agent function renders its own prompts: it is sent the dataset's text
-        return EndpointAgentExecutor.from_file(agent.endpoint)
-    executor = load_agent_executor(agent.func_path) if agent.func_path else SingleTurnAgentExecutor()
+    if agent.endpoint:  # the agent function renders its own requests from the dataset's prompt text
+        executor = EndpointAgentExecutor.from_file(agent.endpoint)
+    elif agent.func_path:
+        executor = load_agent_executor(agent.func_path)
+    else:
+        executor = SingleTurnAgentExecutor()
     # Chat-rendered prompts already carry the template's special tokens (see tidal.data.templates).
     executor.add_special_tokens = not apply_chat_template
     return executor
