@@ -2,7 +2,8 @@
 aliased to the tidal flag that does the same) or refused by tidal's one-line error naming the flag
 and the reason, never argparse's bare "unrecognized arguments"; and OpenRLHF's module names run.
 
-``openrlhf_v0_9_2_flags.json`` is OpenRLHF v0.9.2's flags (names, types, defaults, choices) per CLI.
+``openrlhf_v0_9_2_flags.json`` is OpenRLHF v0.9.2's flags (names, types, defaults, choices) per CLI;
+``openrlhf_head_flags.json`` OpenRLHF HEAD's (dotted names), each rewritten to a v0.9.2 name or refused.
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ from pathlib import Path
 import pytest
 
 from tidal.cli import batch_inference, main
-from tidal.cli.openrlhf import DOTTED_REFUSED, OPENRLHF_MODULES, REFUSED, aliases, openrlhf_module, refusals
+from tidal.cli.openrlhf import (
+    DOTTED_REFUSED,
+    DOTTED_REFUSED_BY_MODULE,
+    OPENRLHF_MODULES,
+    REFUSED,
+    aliases,
+    openrlhf_module,
+    refusals,
+)
 from tidal.config.args import ConfigError
 
 TABLE = json.loads((Path(__file__).parent / "openrlhf_v0_9_2_flags.json").read_text())
@@ -53,7 +62,8 @@ def test_no_stale_table_entries(cli):
     known = _parser(cli)._option_string_actions
     assert [n for n in [*refusals(cli), *aliases(cli)] if f"--{n}" in known] == []
     openrlhf = {name for other in CLIS for name in _flag_names(other)}  # shared trainer tables
-    assert set(refusals(cli)) - set(DOTTED_REFUSED) <= openrlhf and set(aliases(cli)) <= set(_flag_names(cli))
+    dotted = set(DOTTED_REFUSED) | set(DOTTED_REFUSED_BY_MODULE.get(cli, {}))
+    assert set(refusals(cli)) - dotted <= openrlhf and set(aliases(cli)) <= set(_flag_names(cli))
     for replacement in aliases(cli).values():  # an alias rewrites to a flag the command defines
         assert replacement[0] in known
 
@@ -135,25 +145,31 @@ def test_docs_list_every_alias_and_refusal():
             assert f"`--{name}" in docs, name
 
 
-HEAD_SFT = json.loads((Path(__file__).parent / "openrlhf_head_train_sft_flags.json").read_text())["train_sft"]
+HEAD = json.loads((Path(__file__).parent / "openrlhf_head_flags.json").read_text())
+HEAD_CLIS = sorted(k for k in HEAD if not k.startswith("_"))
 
 
-def test_every_openrlhf_head_sft_flag_is_renamed_honoured_or_refused():
-    """OpenRLHF's current dotted style (``--model.model_name_or_path``) for train_sft, in full."""
-    parser = _parser("train_sft")
+@pytest.mark.parametrize("cli", HEAD_CLIS)
+def test_every_openrlhf_head_flag_is_renamed_honoured_or_refused(cli):
+    """OpenRLHF's current dotted style (``--actor.model_name_or_path``), every CLI it has."""
+    parser = _parser(cli)
     known = parser._option_string_actions
     renames = parser.renames([o[2:] for o in known if o.startswith("--")])
     unhandled = []
-    for entry in HEAD_SFT:
+    for entry in HEAD[cli]:
         name = entry["flags"][0][2:]
         target = renames[name][0][2:] if name in renames else name
-        if (
-            f"--{target}" not in known
-            and target not in aliases("train_sft")
-            and target not in refusals("train_sft")
-        ):
+        if f"--{target}" not in known and target not in aliases(cli) and target not in refusals(cli):
             unhandled.append(name)
     assert unhandled == []
+
+
+def test_dotted_ppo_flags_parse_to_the_same_configs():
+    argv = ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "d", "--algo.advantage.estimator",
+            "group_norm", "--algo.kl.init_coef", "0.02", "--rollout.n_samples_per_prompt", "4"]  # fmt: skip
+    ns = _parser("train_ppo_ray").parse_args(argv)
+    assert (ns.pretrain, ns.prompt_data, ns.advantage_estimator) == ("m", "d", "group_norm")
+    assert (ns.init_kl_coef, ns.n_samples_per_prompt) == (0.02, 4)
 
 
 def test_dotted_flags_parse_to_the_same_configs():

@@ -120,8 +120,8 @@ ALIASES: dict[str, dict[str, tuple[str, ...]]] = {
 
 # OpenRLHF's current flag style (after v0.10: ``--actor.model_name_or_path``, ``--ds.zero_stage``):
 # each dotted flag is rewritten to its v0.9.2 name, which the tables above then honour, alias or
-# refuse. Covered in full (every flag of OpenRLHF HEAD's train_sft): train_sft; the shared groups
-# below also serve the other trainers, where a dotted flag not listed gets argparse's message.
+# refuse. Every flag of OpenRLHF HEAD's CLIs is covered (train_sft, train_rm, train_dpo,
+# train_ppo_ray, serve_rm, lora_combiner: the modules HEAD has).
 DOTTED_PREFIXES = ("ckpt", "logger", "train", "ds", "data", "model")  # --<prefix>.<v0.9.2 name>
 DOTTED: dict[str, str] = {
     "ckpt.output_dir": "save_path",
@@ -159,6 +159,111 @@ DOTTED: dict[str, str] = {
     "logger.tensorboard_dir": "use_tensorboard",
 }
 
+_VISION = "vision-language models (images in prompts) are not supported by tidal"
+# Per-module dotted flags (where a name means different v0.9.2 flags in different modules).
+DOTTED_BY_MODULE: dict[str, dict[str, str]] = {
+    "train_dpo": {
+        "ref.offload": "ref_offload",
+        "ref.model_name_or_path": "ref_pretrain",
+        "model.ipo_enable": "ipo",
+    },
+    "train_rm": {
+        "model.compute_fp32_loss_enable": "compute_fp32_loss",
+        "model.margin_loss_enable": "margin_loss",
+        "model.loss_type": "loss",
+    },
+    "serve_rm": {
+        "reward.model_name_or_path": "reward_pretrain",
+        "reward.normalize_enable": "normalize_reward",
+    },
+    "train_ppo_ray": {
+        **{
+            f"{role}.{what}": f"{role}_{what}"
+            for role in ("ref", "reward", "actor", "critic")
+            for what in ("num_nodes", "num_gpus_per_node")
+        },  # fmt: skip
+        "train.colocate_all": "colocate_all_models",
+        **{
+            f"vllm.{name}": f"vllm_{name}"
+            for name in (
+                "num_engines",
+                "tensor_parallel_size",
+                "sync_backend",
+                "sync_with_ray",
+                "enable_sleep",
+                "gpu_memory_utilization",
+            )
+        },  # fmt: skip
+        "vllm.enable_prefix_caching": "enable_prefix_caching",
+        "vllm.enforce_eager": "enforce_eager",
+        "algo.advantage.is_correction_enable": "enable_vllm_is_correction",
+        "algo.advantage.is_correction_threshold": "vllm_is_truncated_threshold",
+        "train.async_enable": "async_train",
+        "actor.gradient_checkpointing_enable": "gradient_checkpointing",
+        "actor.gradient_checkpointing_reentrant": "gradient_checkpointing_use_reentrant",
+        "ds.enable_sleep": "deepspeed_enable_sleep",
+        "train.dynamic_batch_enable": "use_dynamic_batch",
+        "rollout.max_tokens_per_gpu": "rollout_max_tokens_per_gpu",
+        "train.max_tokens_per_gpu": "train_max_tokens_per_gpu",
+        "rollout.batch_size": "rollout_batch_size",
+        "rollout.vllm_generate_batch_size": "vllm_generate_batch_size",
+        "rollout.micro_batch_size": "micro_rollout_batch_size",
+        "rollout.max_new_tokens": "generate_max_len",
+        "rollout.top_p": "top_p",
+        "rollout.temperature": "temperature",
+        "rollout.n_samples_per_prompt": "n_samples_per_prompt",
+        "actor.eps_clip": "eps_clip",
+        "actor.eps_clip_low_high": "eps_clip_low_high",
+        "actor.dual_clip": "dual_clip",
+        "actor.policy_loss_type": "policy_loss_type",
+        "actor.aux_loss_coef": "aux_loss_coef",
+        "actor.entropy_coef": "entropy_loss_coef",
+        "actor.model_name_or_path": "pretrain",
+        "critic.value_clip": "value_clip",
+        "critic.freezing_steps": "freezing_actor_steps",
+        "critic.save_value_network": "save_value_network",
+        "critic.model_name_or_path": "critic_pretrain",
+        "algo.advantage.lambd": "lambd",
+        "algo.advantage.gamma": "gamma",
+        "algo.advantage.estimator": "advantage_estimator",
+        "algo.advantage.no_std_norm": "no_advantage_std_norm",
+        "algo.kl.target": "kl_target",
+        "algo.kl.horizon": "kl_horizon",
+        "algo.kl.init_coef": "init_kl_coef",
+        "algo.kl.estimator": "kl_estimator",
+        "algo.kl.use_loss": "use_kl_loss",
+        "algo.dynamic_filtering_enable": "dynamic_filtering",
+        "algo.dynamic_filtering_range": "dynamic_filtering_reward_range",
+        "reward.normalize_enable": "normalize_reward",
+        "reward.clip_range": "reward_clip_range",
+        "reward.overlong_buffer_len": "overlong_buffer_len",
+        "reward.overlong_penalty_factor": "overlong_penalty_factor",
+        "reward.stop_properly_penalty_coef": "stop_properly_penalty_coef",
+        "reward.model_name_or_path": "reward_pretrain",
+        "reward.remote_url": "remote_rm_url",
+        "data.prompt_dataset": "prompt_data",
+        "data.prompt_probs": "prompt_data_probs",
+        "eval.temperature": "eval_temperature",
+        "eval.n_samples_per_prompt": "eval_n_samples_per_prompt",
+    },
+}
+_OFFLOAD_TOGETHER = "tidal offloads the reference and reward models together: use --ref_reward_offload"
+# Per-module dotted flags with no v0.9.2 counterpart that tidal cannot honour.
+DOTTED_REFUSED_BY_MODULE: dict[str, dict[str, str]] = {
+    "train_ppo_ray": {
+        "ref.offload": _OFFLOAD_TOGETHER,
+        "reward.offload": _OFFLOAD_TOGETHER,
+        "algo.advantage.is_correction_type": (
+            "choose the correction with v0.9.2's flags: --enable_vllm_is_correction (TIS), --use_icepop"
+        ),
+        "train.partial_rollout_enable": f"partial rollouts (resumed across steps) are {_NOT_YET}",
+        "ckpt.best_metric_key": f"keeping the best checkpoint by an eval metric is {_NOT_YET}",
+        "data.image_key": _VISION,
+        "data.max_images_per_prompt": _VISION,
+        "actor.freeze_visual_encoder": _VISION,
+    },
+}
+
 _MUON = "the Muon optimizer is not supported: tidal trains with AdamW (OpenRLHF's --optim adam)"
 # Dotted flags with no v0.9.2 counterpart that tidal cannot honour (every trainer).
 DOTTED_REFUSED = {
@@ -171,14 +276,13 @@ DOTTED_REFUSED = {
 
 
 def dotted_aliases(module: str, flags: Iterable[str]) -> dict[str, tuple[str, ...]]:
-    """OpenRLHF's dotted flags for a trainer module, as aliases to v0.9.2 names: the ``DOTTED`` table,
+    """OpenRLHF's dotted flags for a module, as aliases to v0.9.2 names: the ``DOTTED*`` tables,
     plus ``--<prefix>.<name>`` for each v0.9.2 ``name`` in ``flags`` (the command's own flags and
     its aliased and refused OpenRLHF flags) under the ``DOTTED_PREFIXES``."""
-    if not module.startswith("train_"):
-        return {}
     names = set(flags) | set(aliases(module)) | set(refusals(module))
     found = {f"{prefix}.{name}": (f"--{name}",) for prefix in DOTTED_PREFIXES for name in names}
-    return {**found, **{dotted: (f"--{name}",) for dotted, name in DOTTED.items()}}
+    table = {**DOTTED, **DOTTED_BY_MODULE.get(module, {})}
+    return {**found, **{dotted: (f"--{name}",) for dotted, name in table.items()}}
 
 
 def openrlhf_module(command: str) -> str | None:
@@ -188,9 +292,8 @@ def openrlhf_module(command: str) -> str | None:
 
 def refusals(module: str) -> dict[str, str]:
     """The refused OpenRLHF flags of one OpenRLHF module (none for an unknown name); a trainer's
-    include the dotted-style flags that have no v0.9.2 counterpart (``DOTTED_REFUSED``)."""
-    extra = DOTTED_REFUSED if module.startswith("train_") else {}
-    return {**REFUSED.get(module, {}), **extra}
+    include the dotted-style flags that have no v0.9.2 counterpart (``DOTTED_REFUSED*``)."""
+    return {**REFUSED.get(module, {}), **DOTTED_REFUSED, **DOTTED_REFUSED_BY_MODULE.get(module, {})}
 
 
 def aliases(module: str) -> dict[str, tuple[str, ...]]:
