@@ -6,32 +6,17 @@ from __future__ import annotations
 
 import json
 import signal
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
+from tests.checkpoint.parts import Part, make_part
 from tidal.checkpoint import Checkpointer, LoopState, StateFns
 from tidal.config import CheckpointConfig
 from tidal.distributed.world import World
 from tidal.trainers.optim import NonFiniteGuard
 
 WORLD = World()
-
-
-@dataclass
-class Part:
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-
-
-def make_part(seed: int) -> Part:
-    torch.manual_seed(seed)
-    model = nn.Linear(4, 3)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return Part(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s)))
 
 
 def train_one_step(part: Part) -> None:

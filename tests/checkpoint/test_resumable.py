@@ -4,13 +4,12 @@ checkpoint, foreign checkpoints are refused, changed settings warn, ``--max_ckpt
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
+from tests.checkpoint.parts import Part, make_part
 from tidal.checkpoint import (
     CheckpointError,
     LoopState,
@@ -24,20 +23,6 @@ from tidal.config import CheckpointConfig, ConfigError
 from tidal.distributed.world import World
 
 WORLD = World()
-
-
-@dataclass
-class Part:
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-
-
-def make_part(seed: int = 0, lr: float = 1e-3) -> Part:
-    torch.manual_seed(seed)
-    model = nn.Linear(4, 3)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    return Part(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s)))
 
 
 def save(path: Path, step: int, lineage: str, part: Part | None = None, keep: int = 3) -> Path:

@@ -9,14 +9,13 @@ import os
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch import nn
 
+from tests.checkpoint.parts import make_part
 from tidal.checkpoint import (
     CheckpointError,
     LoopState,
@@ -29,20 +28,6 @@ from tidal.checkpoint import (
 from tidal.distributed.world import World
 
 WORLD = World()
-
-
-@dataclass
-class Part:
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-
-
-def make_part(seed: int) -> Part:
-    torch.manual_seed(seed)
-    model = nn.Linear(4, 3)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return Part(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
 
 
 def no_space(*args, **kwargs):
