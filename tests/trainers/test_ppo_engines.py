@@ -41,7 +41,9 @@ def _rollout(model_path, count: int) -> RemoteRollout:
     tokenizer = load_tokenizer(str(model_path))
     engines = start_process_engines(spec, count, devices=["cpu"] * count)  # CPU processes, also with GPUs
     try:
-        return RemoteRollout(engines, tokenizer, cfg, reward, AgentConfig(), torch.device("cpu"), tokenizer.pad_token_id)
+        return RemoteRollout(
+            engines, tokenizer, cfg, reward, AgentConfig(), torch.device("cpu"), tokenizer.pad_token_id
+        )
     except BaseException:
         for e in engines:
             e.close()
@@ -120,7 +122,9 @@ def test_nccl_sync_from_gpu0_to_an_engine_on_gpu1(tiny_qwen2):
                       AgentConfig(), False, 1)  # fmt: skip
     tokenizer = load_tokenizer(str(tiny_qwen2))
     engines = start_process_engines(spec, 1)  # the GPU after this process's: cuda:1
-    rollout = RemoteRollout(engines, tokenizer, cfg, reward, AgentConfig(), torch.device("cuda:0"), tokenizer.pad_token_id)
+    rollout = RemoteRollout(
+        engines, tokenizer, cfg, reward, AgentConfig(), torch.device("cuda:0"), tokenizer.pad_token_id
+    )
     try:
         policy = AutoModelForCausalLM.from_pretrained(tiny_qwen2).cuda()
         with torch.no_grad():

@@ -106,9 +106,7 @@ def build_reward_models(run: PlacedRun, device: torch.device) -> RewardRole | No
         for path in run.reward.pretrain.split(",")
     ]
     precision = Precision.create(run.actor.param_dtype, device)
-    return RewardModels(
-        models, precision, run.rollout.micro_rollout_batch_size, run.frozen.offload
-    )
+    return RewardModels(models, precision, run.rollout.micro_rollout_batch_size, run.frozen.offload)
 
 
 def log_placement(run: PlacedRun, world: World) -> None:
