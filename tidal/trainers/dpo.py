@@ -29,9 +29,9 @@ from tidal.trainers.common import Recipe, SupervisedRun, fit_recipe
 from tidal.trainers.reference import (
     Reference,
     ReferenceConfig,
-    aux_forward_kwargs,
     build_reference,
     moe_aux_term,
+    moe_router_logits,
     sequence_logps,
 )
 from tidal.trainers.rm import load_pair_samples
@@ -90,11 +90,11 @@ class DPOObjective:
 
     def loss(self, model: nn.Module, batch: dict, normaliser: float, precision: Precision):
         ref_logps = self.reference_logps(batch, precision)
-        logps, counts, outputs = sequence_logps(
-            model, batch, precision, **aux_forward_kwargs(self.aux_loss_coef)
-        )
+        with moe_router_logits(model, self.aux_loss_coef) as router_logits:
+            logps, counts, _ = sequence_logps(model, batch, precision)
         loss, metrics = self.loss_from_logps(logps, counts, ref_logps, normaliser)
-        aux = moe_aux_term(outputs, self.aux_loss_coef, logps.shape[0] / 2 / normaliser)
+        share = logps.shape[0] / 2 / normaliser
+        aux = moe_aux_term(model, router_logits, batch, self.aux_loss_coef, share)
         if aux is not None:
             loss = loss + aux
             metrics["aux_loss"] = aux.detach()

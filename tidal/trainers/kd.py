@@ -24,7 +24,7 @@ from tidal.distributed import World
 from tidal.models import Precision, model_inputs
 from tidal.models.frozen import FrozenModel, load_frozen
 from tidal.trainers.common import Recipe, SupervisedRun, fit_recipe
-from tidal.trainers.reference import aux_forward_kwargs, check_same_vocab, moe_aux_term
+from tidal.trainers.reference import check_same_vocab, moe_aux_term, moe_router_logits
 from tidal.trainers.sft import SFTBatching, load_sft_samples
 
 
@@ -58,10 +58,8 @@ class KDObjective(SFTBatching):
             return teacher(**model_inputs(teacher, batch), use_cache=False).logits
 
     def loss(self, model: nn.Module, batch: dict, normaliser: float, precision: Precision):
-        with precision.autocast():
-            outputs = model(
-                **model_inputs(model, batch), use_cache=False, **aux_forward_kwargs(self.aux_loss_coef)
-            )
+        with precision.autocast(), moe_router_logits(model, self.aux_loss_coef) as router_logits:
+            outputs = model(**model_inputs(model, batch), use_cache=False)
         student, teacher = outputs.logits, self.teacher_logits(batch, precision)
         targets = next_token_targets(batch["input_ids"], batch["loss_mask"])
         per_token = kd_loss(student, teacher, targets, alpha=self.alpha)
@@ -72,7 +70,7 @@ class KDObjective(SFTBatching):
             trained = targets != -100
             kl = distillation_cross_entropy(student, teacher) - entropy_from_logits(teacher)
             metrics["teacher_kl"] = kl[trained].sum() / normaliser
-        aux = moe_aux_term(outputs, self.aux_loss_coef, float(trained.sum()) / normaliser)
+        aux = moe_aux_term(model, router_logits, batch, self.aux_loss_coef, float(trained.sum()) / normaliser)
         if aux is not None:
             loss = loss + aux
             metrics["aux_loss"] = aux.detach()

@@ -37,9 +37,9 @@ from tidal.trainers.loop import SupervisedTrainer, reduce_metrics, to_device
 from tidal.trainers.reference import (
     Reference,
     ReferenceConfig,
-    aux_forward_kwargs,
     build_reference,
     moe_aux_term,
+    moe_router_logits,
     sequence_logps,
 )
 
@@ -87,17 +87,17 @@ class KTOObjective:
         batch["num_tokens"] = sum(len(s) for s in samples)
         return batch
 
-    def logratios(self, model: nn.Module, batch: dict, precision: Precision, **forward_kwargs):
-        """``(π − ref [B], policy forward outputs)`` over the response tokens."""
+    def logratios(self, model: nn.Module, batch: dict, precision: Precision, aux_loss_coef: float = 0.0):
+        """``(π [B], ref [B], the policy forward's router logits)`` over the response tokens (router
+        logits only with ``aux_loss_coef`` > 0, and never the reference's, which may share routers)."""
         with self.reference.use() as reference:
             ref_logps, _, _ = sequence_logps(reference, batch, precision)
-        logps, _, outputs = sequence_logps(model, batch, precision, **forward_kwargs)
-        return logps, ref_logps, outputs
+        with moe_router_logits(model, aux_loss_coef) as router_logits:
+            logps, _, _ = sequence_logps(model, batch, precision)
+        return logps, ref_logps, router_logits
 
     def loss(self, model: nn.Module, batch: dict, normaliser: float, precision: Precision):
-        logps, ref_logps, outputs = self.logratios(
-            model, batch, precision, **aux_forward_kwargs(self.aux_loss_coef)
-        )
+        logps, ref_logps, router_logits = self.logratios(model, batch, precision, self.aux_loss_coef)
         desirable, cfg = batch["desirable"], self.cfg
         losses, rewards = kto_loss(
             logps,
@@ -116,7 +116,7 @@ class KTOObjective:
         ):
             if units > 0:
                 metrics[name] = rewards[mask].sum() / units
-        aux = moe_aux_term(outputs, self.aux_loss_coef, len(losses) / normaliser)
+        aux = moe_aux_term(model, router_logits, batch, self.aux_loss_coef, len(losses) / normaliser)
         if aux is not None:
             loss = loss + aux
             metrics["aux_loss"] = aux.detach()

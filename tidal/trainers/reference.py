@@ -23,6 +23,7 @@ from tidal.config import ConfigError, DistributedConfig, ModelConfig, arg
 from tidal.distributed import World
 from tidal.models import Precision, token_logprobs
 from tidal.models.frozen import FrozenModel, eval_mode, load_frozen
+from tidal.models.moe_routing import capture_router_logits, router_aux_loss
 
 
 @dataclass
@@ -101,16 +102,37 @@ def sequence_logps(model: nn.Module, batch: dict, precision: Precision, **forwar
     return sums, counts, outputs
 
 
-def moe_aux_term(outputs, coef: float, share: float) -> torch.Tensor | None:
-    """``--aux_loss_coef`` × the MoE load-balancing loss, weighted by this micro-batch's ``share``
-    of the step (so accumulation leaves the update unchanged); ``None`` when the coefficient is 0."""
+@contextlib.contextmanager
+def moe_router_logits(model: nn.Module, coef: float) -> Iterator[list[torch.Tensor]]:
+    """The routers' logits of the forwards run inside, when ``--aux_loss_coef`` > 0 (else nothing).
+
+    Hooks the routers (``tidal.models.moe_routing``) instead of passing ``output_router_logits=True``:
+    HF then computes its own aux loss from the forward's attention mask, which fails on packed rows."""
+    if coef <= 0:
+        yield []
+        return
+    with capture_router_logits(model) as logits:
+        yield logits
+
+
+def moe_aux_term(
+    model: nn.Module,
+    router_logits: list[torch.Tensor],
+    batch: dict,
+    coef: float,
+    share: float,
+    dense_is_zero: bool = False,
+) -> torch.Tensor | None:
+    """``--aux_loss_coef`` × the MoE load-balancing loss, weighted by this micro-batch's ``share`` of the
+    step (so accumulation leaves the update unchanged); ``None`` when the coefficient is 0, or for a
+    dense model when ``dense_is_zero`` (else a dense model is a ``ConfigError``)."""
     if coef <= 0:
         return None
-    aux = getattr(outputs, "aux_loss", None)
+    # Packed rows hold only real tokens; padded rows count only the attended ones.
+    tokens = None if "segment_ids" in batch else batch.get("attention_mask")
+    aux = router_aux_loss(model, router_logits, tokens)
     if aux is None:
-        raise ConfigError("--aux_loss_coef > 0 needs a mixture-of-experts model that returns aux_loss")
+        if dense_is_zero:
+            return None
+        raise ConfigError("--aux_loss_coef > 0 needs a mixture-of-experts model (this one has no router)")
     return coef * aux * share
-
-
-def aux_forward_kwargs(coef: float) -> dict:
-    return {"output_router_logits": True} if coef > 0 else {}

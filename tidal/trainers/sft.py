@@ -23,6 +23,7 @@ from tidal.data import (
 from tidal.distributed import World
 from tidal.models import Precision, token_logprobs
 from tidal.trainers.common import Recipe, SupervisedRun, fit_recipe, load_samples
+from tidal.trainers.reference import moe_aux_term, moe_router_logits
 
 
 class SFTBatching:
@@ -49,19 +50,18 @@ class SFTObjective(SFTBatching):
     aux_loss_coef: float = 0.0
 
     def loss(self, model: nn.Module, batch: dict, normaliser: float, precision: Precision):
-        extra = {"output_router_logits": True} if self.aux_loss_coef > 0 else {}
-        with precision.autocast():
-            logprobs, outputs = token_logprobs(model, batch, **extra)
+        with precision.autocast(), moe_router_logits(model, self.aux_loss_coef) as router_logits:
+            logprobs, _ = token_logprobs(model, batch)
         mask = batch["loss_mask"].to(logprobs.dtype)
         nll = -(logprobs * mask).sum()
         loss = nll / normaliser
         metrics = {"loss": loss.detach()}
-        aux = getattr(outputs, "aux_loss", None) if self.aux_loss_coef > 0 else None
-        if aux is not None:  # a dense model has no load-balancing loss: 0, as OpenRLHF
-            # Weight the per-micro-batch aux loss by its share of the step's tokens.
-            aux_term = self.aux_loss_coef * aux * (mask.sum() / normaliser)
-            loss = loss + aux_term
-            metrics["aux_loss"] = aux_term.detach()
+        # Weighted by the micro-batch's share of the step's tokens; a dense model adds 0, as OpenRLHF.
+        share = mask.sum() / normaliser
+        aux = moe_aux_term(model, router_logits, batch, self.aux_loss_coef, share, dense_is_zero=True)
+        if aux is not None:
+            loss = loss + aux
+            metrics["aux_loss"] = aux.detach()
         return loss, metrics
 
 
