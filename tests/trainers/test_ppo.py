@@ -23,10 +23,9 @@ from tidal.trainers.sft import run_sft
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-@pytest.fixture(scope="module")
-def echo_data(tmp_path_factory):
+def write_echo_data(d: Path) -> Path:
     """'7>' → '7': SFT answers are right only half the time, so RL has a clear signal to follow."""
-    d = tmp_path_factory.mktemp("echo")
+    d.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
     with (d / "sft.jsonl").open("w") as f:
         for _ in range(1024):
@@ -37,6 +36,11 @@ def echo_data(tmp_path_factory):
         for i in range(512):
             f.write(json.dumps({"prompt": f"{i % 10}>", "label": str(i % 10)}) + "\n")
     return d
+
+
+@pytest.fixture(scope="module")
+def echo_data(tmp_path_factory):
+    return write_echo_data(tmp_path_factory.mktemp("echo"))
 
 
 @pytest.fixture(scope="module")

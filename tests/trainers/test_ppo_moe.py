@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.trainers.test_ppo import write_echo_data
 from tidal.config import ModelConfig
 from tidal.config.rl import AlgorithmConfig
 from tidal.distributed import World
@@ -100,7 +101,7 @@ def test_grpo_on_a_tiny_moe_raises_reward(tiny_moe, tmp_path):
     from tidal.trainers.ppo import run_ppo
     from tidal.trainers.sft import run_sft
 
-    data = _echo_data(tmp_path / "data")
+    data = write_echo_data(tmp_path / "data")
     policy = tmp_path / "sft"
     run_sft(parse_sft([
         "--pretrain", str(tiny_moe), "--dataset", str(data / "sft.jsonl"), "--input_key", "prompt",
@@ -114,23 +115,6 @@ def test_grpo_on_a_tiny_moe_raises_reward(tiny_moe, tmp_path):
     assert len(history) == 10
     assert all("policy/aux_loss" in h and h["policy/aux_loss"] > 0 for h in history)
     assert_learns(history, gain=0.1)  # 0.48 → 0.64 (seeded)
-
-
-def _echo_data(d):
-    import json
-    import random
-
-    d.mkdir(parents=True)
-    rng = random.Random(0)
-    with (d / "sft.jsonl").open("w") as f:
-        for _ in range(1024):
-            x = rng.randint(0, 9)
-            answer = x if rng.random() < 0.5 else rng.choice([y for y in range(10) if y != x])
-            f.write(json.dumps({"prompt": f"{x}>", "answer": str(answer), "label": str(x)}) + "\n")
-    with (d / "prompts.jsonl").open("w") as f:
-        for i in range(512):
-            f.write(json.dumps({"prompt": f"{i % 10}>", "label": str(i % 10)}) + "\n")
-    return d
 
 
 def _engine_vs_trainer_gap(engine_path, trainer, replay: bool) -> float:
@@ -210,7 +194,7 @@ def test_grpo_with_router_replay_routes_the_trainer_as_the_engine(tiny_moe, tmp_
     from tidal.models import moe_routing
     from tidal.trainers.ppo import run_ppo, update
 
-    data = _echo_data(tmp_path / "data")
+    data = write_echo_data(tmp_path / "data")
     forced = {"scoring": [], "update": []}
 
     original = moe_routing.force_routing
@@ -241,7 +225,7 @@ def test_router_replay_is_refused_on_a_dense_model(tiny_llama, tmp_path):
     from tidal.config import ConfigError
     from tidal.trainers.ppo import run_ppo
 
-    data = _echo_data(tmp_path / "data")
+    data = write_echo_data(tmp_path / "data")
     flags = rl_flags(tiny_llama, data, tmp_path / "rl", "--moe_router_replay")
     with pytest.raises(ConfigError, match="--moe_router_replay: .* dense model"):
         run_ppo(parse_run(flags))
@@ -253,7 +237,7 @@ def test_router_replay_is_refused_with_agents(tiny_moe, tmp_path):
     from tidal.config import ConfigError
     from tidal.trainers.ppo.entry import check_models_before_loading
 
-    data = _echo_data(tmp_path / "data")
+    data = write_echo_data(tmp_path / "data")
     agent = str(EXAMPLES / "agent_func.py")
     run = parse_run(
         rl_flags(tiny_moe, data, tmp_path / "rl", "--moe_router_replay", "--agent_func_path", agent)

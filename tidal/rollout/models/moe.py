@@ -75,6 +75,19 @@ def qwen_sparse_layers(config) -> tuple[bool, ...]:
     )
 
 
+def qwen_moe_args(config, shared_expert_intermediate_size: int | None = None) -> MoEArgs:
+    """The MoE settings of a Qwen-MoE config (Qwen2-MoE adds a shared expert)."""
+    return MoEArgs(
+        num_experts=config.num_experts,
+        top_k=config.num_experts_per_tok,
+        intermediate_size=config.moe_intermediate_size,
+        renormalize=bool(config.norm_topk_prob),
+        weights_in_model_dtype=True,
+        sparse_layers=qwen_sparse_layers(config),
+        shared_expert_intermediate_size=shared_expert_intermediate_size,
+    )
+
+
 def route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_in_model_dtype: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

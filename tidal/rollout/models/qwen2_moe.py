@@ -9,20 +9,12 @@ top ``num_experts_per_tok``, renormalised iff ``norm_topk_prob``), plus ``shared
 
 from __future__ import annotations
 
-from tidal.rollout.models.moe import MoEArgs, MoECausalLM, MoEDecoderArgs, qwen_sparse_layers
+from tidal.rollout.models.moe import MoECausalLM, MoEDecoderArgs, qwen_moe_args
 
 
 class Qwen2MoeForCausalLM(MoECausalLM):
     @classmethod
     def args_from_hf_config(cls, config) -> MoEDecoderArgs:
-        moe = MoEArgs(
-            num_experts=config.num_experts,
-            top_k=config.num_experts_per_tok,
-            intermediate_size=config.moe_intermediate_size,
-            renormalize=bool(config.norm_topk_prob),
-            weights_in_model_dtype=True,
-            sparse_layers=qwen_sparse_layers(config),
-            shared_expert_intermediate_size=config.shared_expert_intermediate_size,
-        )
+        moe = qwen_moe_args(config, config.shared_expert_intermediate_size)
         qkv_bias = bool(getattr(config, "qkv_bias", True))
         return MoEDecoderArgs.from_hf_config(config, qkv_bias=qkv_bias, o_bias=False, moe=moe)

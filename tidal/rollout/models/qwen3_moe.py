@@ -8,7 +8,7 @@ routing weights rounded to the model dtype) except those listed in ``mlp_only_la
 
 from __future__ import annotations
 
-from tidal.rollout.models.moe import MoEArgs, MoECausalLM, MoEDecoderArgs, qwen_sparse_layers
+from tidal.rollout.models.moe import MoECausalLM, MoEDecoderArgs, qwen_moe_args
 from tidal.rollout.models.qwen3 import Qwen3Attention
 
 
@@ -17,12 +17,4 @@ class Qwen3MoeForCausalLM(MoECausalLM):
 
     @classmethod
     def args_from_hf_config(cls, config) -> MoEDecoderArgs:
-        moe = MoEArgs(
-            num_experts=config.num_experts,
-            top_k=config.num_experts_per_tok,
-            intermediate_size=config.moe_intermediate_size,
-            renormalize=bool(config.norm_topk_prob),
-            weights_in_model_dtype=True,
-            sparse_layers=qwen_sparse_layers(config),
-        )
-        return MoEDecoderArgs.from_hf_config(config, moe=moe)
+        return MoEDecoderArgs.from_hf_config(config, moe=qwen_moe_args(config))
