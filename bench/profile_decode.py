@@ -1,0 +1,212 @@
+"""Profile: where one decode step of tidal's rollout engine spends its time (issue #18's "profile first").
+
+Builds the engine on a random-init model (``bench/rollout.py``'s shapes), prefills ``--batch`` prompts,
+then runs ``--steps`` decode steps through ``LLMEngine.step`` twice:
+
+1. timed with host clocks: the wall time of each step, and inside it the host-only phases — the
+   scheduler (``schedule`` + ``postprocess``), the engine's bookkeeping (snapshots of the outputs), and
+   ``ModelRunner.run`` (which enqueues the forward and sampling, then blocks on the one device-to-host
+   copy of the sampled ids);
+2. under ``torch.profiler``: every GPU kernel's time, grouped by what it does (GEMMs, attention, norms,
+   rotary, sampling and log-softmax, element-wise and copies), so that ``gpu_busy_ms`` — the sum of kernel
+   time per step — can be set against the wall time: the difference is time the GPU waits for the host.
+
+Prints one JSON line (milliseconds per step) and, on stderr, the top kernels.
+
+    python bench/profile_decode.py --config qwen2.5-0.5b --batch 256 --prompt_len 128 --steps 64
+    python bench/profile_decode.py   # tiny model on the CPU (plumbing check; CPU "kernels" are ops)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# Kernel name → category, first match wins (names of cuBLAS/CUTLASS, Triton and ATen kernels).
+CATEGORIES = [
+    ("gemm", r"gemm|cutlass|nvjet|sm90_xmma|ampere_|cublas|splitk|matmul|^aten::(add)?mm$|bmm"),
+    ("attention", r"attention|attn|paged|flash"),
+    ("norm", r"norm"),
+    ("rotary", r"rope|rotary"),
+    ("sampling", r"sample|softmax|gumbel|argmax|topk|sort|logprob|exponential|log_softmax|max_"),
+    ("copy", r"copy|memcpy|memset|fill|cat|index|gather|scatter"),
+    ("elementwise", r"elementwise|vectorized|reduce|silu|mul|add"),
+]
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, pattern in CATEGORIES if re.search(pattern, low)), "other")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from bench.rollout import CONFIGS
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--config", choices=sorted(CONFIGS), help="random-init model of this shape (default: tiny)"
+    )
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--prompt_len", type=int, default=32)
+    p.add_argument("--steps", type=int, default=16, help="decode steps per measurement")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--enforce_eager", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top", type=int, default=15, help="kernels listed on stderr")
+    return p.parse_args(argv)
+
+
+class PhaseClock:
+    """Accumulates host time of wrapped methods by phase name."""
+
+    def __init__(self):
+        self.total = defaultdict(float)
+
+    def wrap(self, obj, method: str, phase: str) -> None:
+        inner = getattr(obj, method)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.total[phase] += time.perf_counter() - start
+
+        setattr(obj, method, timed)
+
+
+def build_engine(args, tmp: str):
+    from bench.rollout import load_hf_model
+    from tidal.rollout import EngineConfig, LLMEngine
+
+    ns = argparse.Namespace(model=None, config=args.config, device=args.device, seed=args.seed)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    hf, path = load_hf_model(ns, dtype, tmp)
+    config = EngineConfig(
+        max_num_seqs=args.batch,
+        max_model_len=args.prompt_len + 3 * args.steps + 8,
+        dtype=str(dtype).removeprefix("torch."),
+        device=args.device,
+        seed=args.seed,
+        enforce_eager=args.enforce_eager,
+    )
+    return LLMEngine(path, config, model=hf), hf.config.vocab_size
+
+
+def start_batch(engine, args, vocab: int) -> None:
+    """Queue ``batch`` prompts that decode long enough for every measurement, and prefill them."""
+    from tidal.rollout import SamplingParams
+
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(5, min(vocab, 100_000), (args.batch, args.prompt_len), generator=gen).tolist()
+    params = SamplingParams(temperature=args.temperature, max_new_tokens=3 * args.steps + 4, ignore_eos=True)
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    while any(not s.num_output_tokens for s in _seqs(engine)):
+        engine.step()  # prefills (the scheduler may need several)
+
+
+def _seqs(engine):
+    return list(engine.scheduler.running) + [s for g in engine.scheduler.waiting for s in g]
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def host_phases(engine, args) -> dict:
+    clock = PhaseClock()
+    clock.wrap(engine.scheduler, "schedule", "schedule")
+    clock.wrap(engine.scheduler, "postprocess", "postprocess")
+    clock.wrap(engine.runner, "run", "runner_run")
+    clock.wrap(engine.runner, "_decode", "runner_forward_enqueue")
+    clock.wrap(engine.runner, "sampler", "runner_sampler_enqueue")
+    sync(args.device)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    wall = time.perf_counter() - start
+    ms = {phase: round(t / args.steps * 1e3, 4) for phase, t in clock.total.items()}
+    ms["step_wall"] = round(wall / args.steps * 1e3, 4)
+    ms["engine_bookkeeping"] = round(
+        ms["step_wall"] - ms["schedule"] - ms["postprocess"] - ms["runner_run"], 4
+    )
+    ms["runner_wait_for_gpu"] = round(
+        ms["runner_run"] - ms["runner_forward_enqueue"] - ms["runner_sampler_enqueue"], 4
+    )
+    return ms
+
+
+def kernel_profile(engine, args) -> tuple[dict, list, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    sync(args.device)
+    with profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        sync(args.device)
+    on_gpu = args.device.startswith("cuda")
+    per_kernel = defaultdict(float)
+    for event in prof.events():
+        if on_gpu and event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name] += event.device_time / 1e3  # us → ms
+        elif (
+            not on_gpu
+            and event.device_type == torch.autograd.DeviceType.CPU
+            and event.name.startswith("aten::")
+        ):
+            per_kernel[event.name] += event.self_cpu_time_total / 1e3
+    by_cat = defaultdict(float)
+    for name, ms in per_kernel.items():
+        by_cat[category(name)] += ms
+    per_step = {cat: round(ms / args.steps, 4) for cat, ms in sorted(by_cat.items(), key=lambda kv: -kv[1])}
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]
+    busy = sum(per_kernel.values()) / args.steps
+    return per_step, [(name[:90], round(ms / args.steps, 4)) for name, ms in top], busy
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        engine, vocab = build_engine(args, tmp)
+        start_batch(engine, args, vocab)
+        for _ in range(4):  # warm-up: graph capture, first-call allocations
+            engine.step()
+        phases = host_phases(engine, args)
+        kernels, top, busy = kernel_profile(engine, args)
+    result = {
+        "bench": "profile_decode",
+        "model": args.config or "tiny-qwen2",
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "temperature": args.temperature,
+        "enforce_eager": args.enforce_eager,
+        "host_ms": phases,
+        "kernel_ms": kernels,
+        "gpu_busy_ms": round(busy, 4),
+        "gpu_idle_ms": round(phases["step_wall"] - busy, 4),
+        "torch": torch.__version__,
+    }
+    for name, ms in top:
+        print(f"{ms:9.4f} ms/step  {name}", file=sys.stderr)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
