@@ -7,7 +7,9 @@ An estimator is two steps plus two facts, kept together in one registry entry so
    consecutive samples (``N = num_prompts · n``);
 2. the shaped ``R`` becomes per-token rewards (``rewards.kl_penalized_rewards``), and
    ``est.compute(token_rewards, action_mask, values, gamma, lambd)`` turns them into
-   ``(advantages, returns)``, both ``[B, T]``, whitened over the batch when ``est.whiten``;
+   ``(advantages, returns)``, both ``[B, T]``, whitened over the batch when ``est.whiten`` (only
+   centred, ``masked_centre``, with ``--no_advantage_std_norm``: OpenRLHF v0.9.2 subtracts the
+   batch mean and skips the division by the std);
 3. ``est.needs_critic`` says whether values (a critic model) are required, ``est.grouped`` whether the
    baseline needs a prompt group (n ≥ 2), ``est.discounted`` whether γ < 1 applies.
 
@@ -36,13 +38,20 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tidal.algorithms.masked import masked_whiten
+from tidal.algorithms.masked import masked_mean, masked_whiten
 from tidal.algorithms.rewards import group_by_prompt, kl_penalized_rewards
 
 GROUP_NORM_EPS = 1e-9
 
 # (advantages, action_mask) -> whitened advantages: ``masked_whiten`` or its all-process version
 Whitening = Callable[[Tensor, Tensor], Tensor]
+
+
+def masked_centre(x: Tensor, mask: Tensor) -> Tensor:
+    """``x − mean`` over the masked entries of the whole tensor, not divided by the std
+    (``--no_advantage_std_norm``); masked-out entries become 0, as ``masked_whiten`` leaves them."""
+    centred = x - masked_mean(x, mask)
+    return torch.where(mask != 0, centred, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 @dataclass(frozen=True)

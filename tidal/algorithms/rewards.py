@@ -1,5 +1,5 @@
-"""Reward shaping: KL-in-reward token rewards, reward normalisation, DAPO overlong penalty and
-dynamic filtering.
+"""Reward shaping: KL-in-reward token rewards, reward normalisation, DAPO overlong penalty, ProRL
+stop-properly penalty and dynamic filtering.
 
 Scalar rewards ``R`` are ``[N]`` (one per sample); per-token tensors are ``[B, T]`` over action
 tokens with an ``action_mask`` that may be left- or right-aligned, or have holes (multi-turn
@@ -97,6 +97,17 @@ def overlong_penalty(
         raise ValueError(f"overlong buffer length must be positive, got {buffer_len}")
     excess = response_lengths.float() - (max_new_tokens - buffer_len)
     return -excess.clamp(0, buffer_len) / buffer_len * penalty_factor
+
+
+def stop_properly_penalty(rewards: Tensor, truncated: Tensor, coef: float) -> Tensor:
+    """ProRL's stop-properly penalty (OpenRLHF v0.9.2 ``--stop_properly_penalty_coef``), ``[N]``:
+    the reward of a sample cut at the token limit (finish reason "length") is *multiplied* by
+    ``coef`` in [0, 1] (0 zeroes it); samples that stopped by themselves keep theirs. A scaling, not
+    a subtraction: a negative reward of a truncated sample moves towards 0."""
+    if not 0.0 <= coef <= 1.0:
+        raise ValueError(f"stop_properly_penalty_coef must be in [0, 1], got {coef}")
+    scale = torch.where(truncated.bool().to(rewards.device), coef, 1.0)
+    return rewards * scale.to(rewards.dtype)
 
 
 def dynamic_filter_mask(

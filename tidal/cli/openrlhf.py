@@ -54,14 +54,7 @@ _RL_REFUSED = {
     "ema_beta": f"an EMA copy of the policy (--enable_ema) is {_NOT_YET}",
     "actor_init_on_gpu": "a DeepSpeed ZeRO-3 initialisation option; tidal's FSDP2 loads each shard on its GPU",
     "ptx_coef": f"the pretraining (ptx) loss mixed into the policy loss is {_NOT_YET}",
-    "no_advantage_std_norm": f"turning off the advantages' std normalisation is {_NOT_YET}",
-    "stop_properly_penalty_coef": f"the penalty for responses cut at --generate_max_len is {_NOT_YET}",
     "perf": "OpenRLHF's throughput report has no tidal counterpart (tidal logs timings with its metrics)",
-}
-
-_RM_REFUSED = {
-    "compute_fp32_loss": f"computing the reward-model loss in fp32 is {_NOT_YET}",
-    "margin_loss": f"the margin term of the reward-model loss is {_NOT_YET}",
 }
 
 _LOADER_NOT_YET = {
@@ -80,7 +73,7 @@ _INFERENCE_REFUSED = {
 # OpenRLHF flag → reason, per OpenRLHF module.
 REFUSED: dict[str, dict[str, str]] = {
     "train_sft": dict(_TRAINER_REFUSED),
-    "train_rm": {**_TRAINER_REFUSED, **_RM_REFUSED},
+    "train_rm": dict(_TRAINER_REFUSED),
     "train_prm": dict(_TRAINER_REFUSED),
     "train_dpo": dict(_TRAINER_REFUSED),
     "train_kto": dict(_TRAINER_REFUSED),

@@ -146,6 +146,17 @@ class AlgorithmConfig(Checked):
         None, help="DAPO overlong penalty buffer (tokens)", check=AT_LEAST_ONE
     )
     overlong_penalty_factor: float = arg(1.0, help="DAPO overlong penalty factor", check=NON_NEGATIVE)
+    stop_properly_penalty_coef: float | None = arg(
+        None,
+        help="ProRL stop-properly penalty: the reward of a sample cut at --generate_max_len (finish reason "
+        "'length') is multiplied by this coefficient in [0, 1] (unset: off)",
+        check=UNIT,
+    )
+    no_advantage_std_norm: bool = arg(
+        False,
+        help="estimators that whiten advantages (gae, reinforce, reinforce_baseline) only subtract the "
+        "batch mean, without dividing by the std",
+    )
     freezing_actor_steps: int = arg(-1, help="train only the critic for this many steps")
 
     def problems(self, flags=None) -> list[str]:
@@ -158,6 +169,11 @@ class AlgorithmConfig(Checked):
             own.append("--use_icepop needs --enable_vllm_is_correction")
         if self.use_icepop and self.policy_loss_type in RATIO_AGAINST_ROLLOUT:  # docs/algorithms.md
             own.append("--use_icepop with --policy_loss_type gspo: GSPO corrects in its sequence ratio")
+        if self.no_advantage_std_norm and not self.estimator.whiten:
+            own.append(
+                f"--no_advantage_std_norm: --advantage_estimator {self.advantage_estimator} does not normalise "
+                "advantages over the batch (only gae, reinforce and reinforce_baseline do)"
+            )
         if self.gamma != 1.0 and not self.estimator.discounted:
             own.append(
                 f"--gamma {self.gamma}: --advantage_estimator {self.advantage_estimator} is undiscounted"

@@ -34,6 +34,8 @@ class Experience:
     returns: Tensor | None = None  # [N, T]
     # --moe_router_replay: [N, T, MoE layers, k] experts the engine routed each token to (-1: not recorded)
     routed_experts: Tensor | None = None
+    # [N] bool: the sample ended at the token limit (finish reason "length"); --stop_properly_penalty_coef
+    truncated: Tensor | None = None
 
     def __len__(self) -> int:
         return self.sequences.shape[0]

@@ -1,7 +1,7 @@
 """Make experience: trajectories → ``Experience`` with log-probs, values, KL and advantages.
 
 Each step is a small function the RL loop calls in order: ``from_trajectories`` (tensors, done by
-the rollout), ``shape_rewards`` (overlong penalty, normalisation), ``forward_logprobs`` /
+the rollout), ``shape_rewards`` (overlong and stop-properly penalties, normalisation), ``forward_logprobs`` /
 ``forward_values`` (model passes in micro-batches, no grad) and ``add_advantages`` (KL, group
 baselines, reward clipping, returns and whitening from ``tidal.algorithms``).
 
@@ -11,8 +11,8 @@ whitening — come in as a ``BatchReduction``: this process's batch alone (``LOC
 rank's (``BatchReduction.over(world)``). A prompt's samples stay on one rank, so group baselines
 need nothing from the others.
 
-Order of the reward steps (OpenRLHF's): overlong penalty → normalisation → group baseline → clip to
-``--reward_clip_range`` → KL penalty. Clipping comes *after* the baseline, so it bounds the shaped
+Order of the reward steps (OpenRLHF's): overlong penalty → stop-properly penalty → normalisation →
+group baseline → clip to ``--reward_clip_range`` → KL penalty. Clipping comes *after* the baseline, so it bounds the shaped
 reward that reaches the advantages, not the raw reward the baseline is computed from.
 """
 
@@ -26,10 +26,10 @@ import torch
 from torch import Tensor, nn
 
 from tidal.algorithms import compute_kl, estimate_advantages, masked_whiten, overlong_penalty
-from tidal.algorithms.advantages import Whitening
-from tidal.algorithms.rewards import RunningMoments
+from tidal.algorithms.advantages import Whitening, masked_centre
+from tidal.algorithms.rewards import RunningMoments, stop_properly_penalty
 from tidal.config.rl import AlgorithmConfig
-from tidal.distributed.collectives import gather_values, world_masked_whiten
+from tidal.distributed.collectives import gather_values, world_masked_mean, world_masked_whiten
 from tidal.distributed.world import World
 from tidal.experience.experience import Experience, forced_experts, micro_batches, model_batch, unflatten
 from tidal.models.forward import token_logprobs
@@ -44,18 +44,30 @@ def _this_batch(values: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class BatchReduction:
-    """The batch-wide statistics of the experience path: ``whiten`` (advantages over the batch) and
-    ``gather`` (the rewards that update the running moments)."""
+    """The batch-wide statistics of the experience path: ``whiten`` (advantages over the batch),
+    ``centre`` (the same without the std, ``--no_advantage_std_norm``) and ``gather`` (the rewards
+    that update the running moments)."""
 
     whiten: Whitening = masked_whiten
     gather: Callable[[Tensor], Tensor] = _this_batch
+    centre: Whitening = masked_centre
 
     @classmethod
     def over(cls, world: World) -> BatchReduction:
         """Statistics over every rank's share of the rollout (this batch alone with one process)."""
         if not world.distributed:
             return LOCAL
-        return cls(partial(world_masked_whiten, world=world), partial(gather_values, world=world))
+        return cls(
+            partial(world_masked_whiten, world=world),
+            partial(gather_values, world=world),
+            partial(world_masked_centre, world=world),
+        )
+
+
+def world_masked_centre(x: Tensor, mask: Tensor, world: World) -> Tensor:
+    """``masked_centre`` with the mean over every process's masked entries."""
+    centred = x - world_masked_mean(x, mask, world)
+    return torch.where(mask != 0, centred, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 LOCAL = BatchReduction()
@@ -93,6 +105,7 @@ def from_trajectories(trajectories: Sequence, pad_id: int) -> Experience:
         rewards=rewards,
         scores=scores,
         routed_experts=_routed_experts(trajectories, width),
+        truncated=torch.tensor([getattr(t, "finish_reason", None) == "length" for t in trajectories]),
     )
 
 
@@ -180,7 +193,8 @@ def shape_rewards(
     moments: RunningMoments | None,
     reduction: BatchReduction = LOCAL,
 ) -> Tensor:
-    """Scalar rewards after the DAPO overlong penalty and running normalisation (clipping comes
+    """Scalar rewards after the DAPO overlong penalty, the stop-properly penalty (truncated samples'
+    rewards scaled by ``--stop_properly_penalty_coef``) and running normalisation (clipping comes
     later, after the group baseline, in ``add_advantages``). The moments take in the rewards of the
     whole rollout (``reduction.gather``), so every rank normalises alike."""
     rewards = exp.rewards.clone()
@@ -189,6 +203,8 @@ def shape_rewards(
         rewards += overlong_penalty(
             lengths, max_new_tokens, cfg.overlong_buffer_len, cfg.overlong_penalty_factor
         )
+    if cfg.stop_properly_penalty_coef is not None and exp.truncated is not None:
+        rewards = stop_properly_penalty(rewards, exp.truncated, cfg.stop_properly_penalty_coef)
     if moments is not None:
         moments.update(reduction.gather(rewards))
         rewards = moments.normalize(rewards)
@@ -201,7 +217,8 @@ def add_advantages(
     """Fill ``kl``, ``advantages`` and ``returns`` (KL goes into the reward unless ``--use_kl_loss``).
 
     The shaped reward is clipped to ``--reward_clip_range`` after the group baseline; estimators that
-    whiten (gae, reinforce, reinforce_baseline) do it with ``reduction.whiten``."""
+    whiten (gae, reinforce, reinforce_baseline) do it with ``reduction.whiten``, or only centre the
+    advantages with ``reduction.centre`` under ``--no_advantage_std_norm``."""
     mask = exp.action_mask
     if exp.ref_logprobs is not None:
         exp.kl = compute_kl(exp.old_logprobs, exp.ref_logprobs, mask, cfg.kl_estimator)
@@ -209,6 +226,6 @@ def add_advantages(
     exp.advantages, exp.returns, _ = estimate_advantages(
         cfg.advantage_estimator, exp.rewards, mask, n_samples, kl=kl_in_reward, kl_coef=kl_coef,
         values=exp.values, gamma=cfg.gamma, lambd=cfg.lambd, reward_clip_range=tuple(cfg.reward_clip_range),
-        whiten=reduction.whiten,
+        whiten=reduction.centre if cfg.no_advantage_std_norm else reduction.whiten,
     )  # fmt: skip
     return exp
