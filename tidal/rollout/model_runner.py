@@ -221,6 +221,7 @@ class ModelRunner:
             cached is not None
             and cached[0] == key  # each of these sequences got exactly one token since
             and cached[1].suppress_rows is None
+            and cached[1].penalty_rows is None  # the seen tokens change every step
             and not any(seq.num_output_tokens < seq.params.min_new_tokens for seq in seqs)
         ):
             st = cached[1]
@@ -243,9 +244,10 @@ class ModelRunner:
         ]
         suppress_rows = self._tensor([r for r, _ in suppress]) if suppress else None
         suppress_tokens = self._tensor([t for _, t in suppress]) if suppress else None
+        penalty = self._penalty_tensors(seqs)
         if all(p.greedy for p in params):
             return SamplingTensors(
-                all_greedy=True, suppress_rows=suppress_rows, suppress_tokens=suppress_tokens
+                all_greedy=True, suppress_rows=suppress_rows, suppress_tokens=suppress_tokens, **penalty
             )
         # Two host-to-device copies for all per-row settings, not one per field.
         ints = self._tensor(
@@ -272,7 +274,23 @@ class ModelRunner:
             positions=ints[2],
             suppress_rows=suppress_rows,
             suppress_tokens=suppress_tokens,
+            **penalty,
         )
+
+    def _penalty_tensors(self, seqs: list[Sequence]) -> dict:
+        """``SamplingTensors``' repetition-penalty triples: each distinct token of the prompt and output
+        of every row whose ``repetition_penalty`` is not 1 (none: the sampler's default path)."""
+        rows, tokens, penalties = [], [], []
+        for row, seq in enumerate(seqs):
+            if seq.params.penalizes_repetition:
+                seen = sorted(set(seq.token_ids))
+                rows += [row] * len(seen)
+                tokens += seen
+                penalties += [seq.params.repetition_penalty] * len(seen)
+        if not rows:
+            return {}
+        return {"penalty_rows": self._tensor(rows), "penalty_tokens": self._tensor(tokens),
+                "penalties": self._tensor(penalties, torch.float32)}  # fmt: skip
 
     def _stop_ids(self, seq: Sequence) -> list[int]:
         eos = [] if seq.params.ignore_eos else self.eos_token_ids

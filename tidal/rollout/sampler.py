@@ -1,7 +1,7 @@
 """``Sampler``: turns a batch of last-position logits into tokens and their log-probs, on device.
 
-Per row it applies temperature, then top-k, top-p and min-p truncation, and samples with the Gumbel-max
-trick. The Gumbel noise comes from a counter-based hash of (sequence seed, output position, token id)
+Per row it applies the repetition penalty (rows that ask for one), temperature, then top-k, top-p and
+min-p truncation, and samples with the Gumbel-max trick. The Gumbel noise comes from a counter-based hash of (sequence seed, output position, token id)
 computed with integer tensor ops, so:
 
 - every row gets independent noise without a per-row ``torch.Generator`` loop (the decode hot path stays
@@ -10,7 +10,7 @@ computed with integer tensor ops, so:
   seeded request reproduces its output however it was batched or preempted.
 
 The returned log-prob is ``log_softmax(logits / T)`` (raw logits when greedy) of the chosen token,
-before truncation and before the ``min_new_tokens`` suppression (see ``SamplingParams``).
+before truncation, the ``min_new_tokens`` suppression and the repetition penalty (see ``SamplingParams``).
 """
 
 from __future__ import annotations
@@ -65,6 +65,22 @@ class SamplingTensors:
         None  # with suppress_tokens: (row, token) pairs that cannot be sampled
     )
     suppress_tokens: torch.Tensor | None = None
+    # --repetition_penalty: (row, token, penalty) triples, one per distinct token already in a row's
+    # prompt or output, for the rows whose penalty is not 1 (None when no row has one).
+    penalty_rows: torch.Tensor | None = None
+    penalty_tokens: torch.Tensor | None = None
+    penalties: torch.Tensor | None = None  # float32
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, penalties: torch.Tensor
+) -> torch.Tensor:
+    """Hugging Face's and vLLM's repetition penalty on float logits: at each (row, token) a positive
+    logit is divided by the penalty, a negative one multiplied (both move it down for a penalty > 1).
+    Each (row, token) pair must appear once."""
+    picked = logits[rows, tokens]
+    penalized = torch.where(picked > 0, picked / penalties, picked * penalties)
+    return logits.index_put((rows, tokens), penalized)
 
 
 def truncate_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor):
@@ -84,14 +100,16 @@ def truncate_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
 class Sampler:
     """Stateless: all randomness comes from the per-row seeds in ``SamplingTensors``.
 
-    ``fused``: on CUDA, rows without truncation or suppression go through one Triton kernel
-    (``triton_sampling.fused_sample``) that computes the same tokens without the float32 copies."""
+    ``fused``: on CUDA, rows without truncation, suppression or repetition penalty go through one
+    Triton kernel (``triton_sampling.fused_sample``) that computes the same tokens without the float32
+    copies; a batch with any of those takes the torch path (``reference``)."""
 
     def __init__(self, fused: bool = False):
         self.fused = fused and triton_available()
 
     def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fused and logits.is_cuda and not st.any_truncation and st.suppress_rows is None:
+        plain = not st.any_truncation and st.suppress_rows is None and st.penalty_rows is None
+        if self.fused and logits.is_cuda and plain:
             from tidal.rollout.triton_sampling import fused_sample
 
             if st.all_greedy:
@@ -107,6 +125,10 @@ class Sampler:
             greedy = st.temperatures == 0
             scaled = scaled / torch.where(greedy, 1.0, st.temperatures)[:, None]
         logprobs = scaled.log_softmax(dim=-1)
+        if st.penalty_rows is not None:  # after the log-probs: they are of the unpenalized logits
+            # Dividing by T > 0 and penalizing commute (the sign is kept), so this equals HF's
+            # penalty-then-temperature order.
+            scaled = apply_repetition_penalty(scaled, st.penalty_rows, st.penalty_tokens, st.penalties)
         if st.suppress_rows is not None:
             scaled = scaled.index_put((st.suppress_rows, st.suppress_tokens), torch.tensor(float("-inf")))
         tokens = scaled.argmax(dim=-1)

@@ -3,8 +3,8 @@
 Log-prob semantics (what an RL trainer must recompute to line up importance-sampling corrections):
 the per-token log-prob returned with every sampled token is ``log_softmax(logits / temperature)[token]``
 of the model's *unmodified* logits, i.e. taken BEFORE top-k / top-p / min-p truncation and before the
-``min_new_tokens`` suppression of stop tokens. With ``temperature == 0`` (greedy) it is the raw
-``log_softmax(logits)[token]``.
+``min_new_tokens`` suppression of stop tokens, and before the repetition penalty. With
+``temperature == 0`` (greedy) it is the raw ``log_softmax(logits)[token]``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ class SamplingParams:
       ``include_stop_str_in_output``) while ``token_ids``/``logprobs`` keep every sampled token, up to and
       including the one that completed the stop string, because that is what the policy actually produced.
     - ``ignore_eos``: keep generating past the model's eos tokens (benchmarks).
+    - ``repetition_penalty``: Hugging Face's and vLLM's: the logit of every token already in the prompt
+      or the output is divided by it when positive and multiplied by it when negative (> 1 discourages
+      repeats, 1 is off); it changes which token is sampled, not the returned log-probs.
     - ``n``: samples per prompt; the prompt is prefilled once and its KV cache blocks are shared.
     - ``seed``: same seed -> same outputs; noise is derived from (seed, sample index, output position),
       so it does not depend on which other requests share the batch. Unseeded requests draw a seed from
@@ -49,6 +52,7 @@ class SamplingParams:
     seed: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    repetition_penalty: float = 1.0
     # vLLM spellings; when given they override the *_new_tokens fields and are kept equal to them.
     max_tokens: int | None = None
     min_tokens: int | None = None
@@ -80,6 +84,7 @@ class SamplingParams:
                 f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}",
             ),
             (all(s for s in self.stop), "stop strings must be non-empty"),
+            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -88,6 +93,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalizes_repetition(self) -> bool:
+        return self.repetition_penalty != 1.0
 
     @property
     def needs_truncation(self) -> bool:
