@@ -11,7 +11,10 @@ A sparse layer replaces the dense MLP of ``layers.DecoderLayer`` by:
 - optionally a shared expert (Qwen2-MoE): a dense gated MLP scaled by ``sigmoid(shared_expert_gate(x))``
   and added to the routed output.
 
-``expert_forward`` is the one seam where a fused MoE kernel (Triton) plugs in later.
+``expert_forward`` dispatches to the fused Triton kernels (``tidal/rollout/triton_moe.py``) on CUDA when
+Triton is importable and the experts are SiLU-gated (every MoE family here); the path above is the
+reference and the fallback. ``FUSED_MOE = False`` forces it (benchmarks; read at each call, so set it
+before an engine captures its CUDA graphs).
 
 Router replay (``--moe_router_replay``): while ``SparseMoE.recorded`` is a list, each forward appends
 its selected expert ids; ``ModelRunner`` hands them to the sequences (see ``record_routing``).
@@ -31,8 +34,10 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from tidal.accel import triton_usable
 from tidal.rollout.models.layers import ACTIVATIONS, Attention, CausalLM, DecoderArgs, DecoderLayer, GatedMLP
 
 
@@ -102,6 +107,10 @@ def route(
     return weights, ids
 
 
+# False: ``expert_forward`` always takes the unfused path (benchmarks compare the two).
+FUSED_MOE = True
+
+
 def _grouped_mm_usable(x: torch.Tensor) -> bool:
     # torch's grouped GEMM has no host sync (CUDA-graph safe); its CUDA kernel wants bf16 and sm80+.
     return (
@@ -131,6 +140,17 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     return out
 
 
+def _fused_usable(x: torch.Tensor, gate_up_proj: torch.Tensor, act) -> bool:
+    # The kernels fuse SiLU only; 16-bit tensor-core dots need sm80+ for bfloat16.
+    return (
+        FUSED_MOE
+        and act is F.silu
+        and triton_usable(x)
+        and gate_up_proj.dtype == x.dtype
+        and (x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) >= (8, 0))
+    )
+
+
 def expert_forward(
     x: torch.Tensor,
     gate_up_proj: torch.Tensor,
@@ -141,8 +161,25 @@ def expert_forward(
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t; x [T, H] -> [T, H].
 
-    The arithmetic is transformers' grouped path (its default): pairs sorted by expert, gated MLP per
-    expert, scaled by the routing weight, back in token order, summed over k, rounded to ``x.dtype``."""
+    On CUDA with Triton: ``triton_moe.fused_expert_forward``. Else the arithmetic is transformers'
+    grouped path (its default): pairs sorted by expert, gated MLP per expert, scaled by the routing
+    weight, back in token order, summed over k, rounded to ``x.dtype``."""
+    if _fused_usable(x, gate_up_proj, act):
+        from tidal.rollout.triton_moe import fused_expert_forward
+
+        return fused_expert_forward(x, gate_up_proj, down_proj, weights, ids)
+    return unfused_expert_forward(x, gate_up_proj, down_proj, weights, ids, act)
+
+
+def unfused_expert_forward(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    act,
+) -> torch.Tensor:
+    """``expert_forward`` without the fused kernels (grouped GEMM or a loop over experts)."""
     num_tokens, top_k = ids.shape
     num_experts = gate_up_proj.shape[0]
     flat_ids = ids.reshape(-1)

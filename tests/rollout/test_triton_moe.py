@@ -1,0 +1,242 @@
+"""The fused MoE kernels (``tidal/rollout/triton_moe.py``) against a plain float32 per-expert reference.
+
+Two groups:
+
+- ``gpu``: the compiled kernels at Qwen3-30B-A3B's shapes (hidden 2048, 128 experts, top-8,
+  ``moe_intermediate_size`` 768) in bfloat16, 1 to 4096 tokens, uniform and skewed routing (most tokens
+  on the same 8 experts, a quarter of the experts given no token), inside a CUDA graph, and the dispatch
+  in ``moe.expert_forward`` (``FUSED_MOE``);
+- interpreter: the same kernels run by Triton's interpreter on CPU (``TRITON_INTERPRET=1``) at tiny
+  shapes, float32 and float16 (the interpreter's bfloat16 dot is broken in triton 3.6: it returns
+  garbage even for a single 16x16 tile), skipped where triton is not importable or CUDA is present
+  (there the compiled kernels are tested and the module must stay compiled).
+
+bfloat16 tolerance: the reference upcasts the same bf16 weights and inputs and computes in float32, so
+the error is the kernel's roundings: the activation (one bf16 rounding, relative 2^-9 per element), the
+per-pair outputs and the final sum (one each). Those are independent per element, so the relative
+Frobenius error is ~2^-8 at most: 1e-2 leaves a margin of ~2.5x, and each test also checks that the
+fused error is no larger than the unfused path's own (which rounds more often), and that a wrong
+routing weight on a single slot would exceed the tolerance.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tidal.rollout.models import moe
+
+
+def reference(x, gate_up, down, weights, ids) -> torch.Tensor:
+    """float32 loop over tokens' slots, one expert matmul each group: the definition, nothing shared
+    with the kernels."""
+    x, gate_up, down, weights = x.float(), gate_up.float(), down.float(), weights.float()
+    inter = gate_up.shape[1] // 2
+    out = torch.zeros_like(x)
+    for expert in ids.unique().tolist():
+        tokens, slots = (ids == expert).nonzero(as_tuple=True)
+        h = x[tokens] @ gate_up[expert].t()
+        act = F.silu(h[:, :inter]) * h[:, inter:]
+        out.index_add_(0, tokens, (act @ down[expert].t()) * weights[tokens, slots, None])
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def routing(num_tokens: int, num_experts: int, top_k: int, skewed: bool, gen: torch.Generator, device):
+    """Qwen-style routing (softmax, top-k, renormalised); skewed: 90% of the tokens strongly prefer
+    experts 0..top_k-1 and the last quarter of the experts is never chosen."""
+    logits = torch.randn(num_tokens, num_experts, generator=gen, device=device)
+    if skewed:
+        logits[: num_tokens * 9 // 10 + 1, :top_k] += 8.0
+        logits[:, num_experts * 3 // 4 :] = -1e4
+    return moe.route(logits, top_k, renormalize=True, weights_in_model_dtype=False)
+
+
+def experts(num_experts, hidden, inter, gen, device, dtype):
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen, device=device) / hidden**0.5
+    down = torch.randn(num_experts, hidden, inter, generator=gen, device=device) / inter**0.5
+    return gate_up.to(dtype), down.to(dtype)
+
+
+# --------------------------------------------------------------------------------------------- GPU
+GPU_SHAPE = dict(hidden=2048, num_experts=128, top_k=8, inter=768)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("skewed", [False, True])
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 256, 4096])
+def test_fused_moe_matches_float32_reference_at_qwen3_30b_shapes(num_tokens, skewed):
+    from tidal.rollout.triton_moe import fused_expert_forward
+
+    s = GPU_SHAPE
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    gate_up, down = experts(s["num_experts"], s["hidden"], s["inter"], gen, "cuda", torch.bfloat16)
+    x = torch.randn(num_tokens, s["hidden"], generator=gen, device="cuda").bfloat16()
+    weights, ids = routing(num_tokens, s["num_experts"], s["top_k"], skewed, gen, "cuda")
+    weights = weights.bfloat16()
+    if skewed:
+        assert ids.unique().numel() <= s["num_experts"] * 3 // 4
+    ref = reference(x, gate_up, down, weights, ids)
+    out = fused_expert_forward(x, gate_up, down, weights, ids)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    tol = 1e-2
+    err = _rel(out, ref)
+    assert err < tol, err
+    unfused = moe.unfused_expert_forward(x, gate_up, down, weights, ids, F.silu)
+    assert err <= 1.5 * _rel(unfused, ref) + 1e-4, (err, _rel(unfused, ref))
+    # Every token is right, not just the bulk (a dropped block would hit a few tokens only).
+    per_token = (out.float() - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert per_token.max().item() < 5 * tol
+    # A plausible bug, one slot's routing weight lost for every token, is far outside the tolerance.
+    dropped = weights.clone()
+    dropped[:, -1] = 0
+    assert _rel(reference(x, gate_up, down, dropped, ids), ref) > 3 * tol
+
+
+@pytest.mark.gpu
+def test_fused_moe_mixtral_float32_routing_weights_and_float32_model():
+    """Mixtral keeps routing weights in float32 (pair outputs then float32); a float32 engine runs
+    IEEE float32 dots (no TF32)."""
+    from tidal.rollout.triton_moe import fused_expert_forward
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-5)):
+        gate_up, down = experts(8, 512, 384, gen, "cuda", dtype)
+        x = torch.randn(100, 512, generator=gen, device="cuda").to(dtype)
+        weights, ids = routing(100, 8, 2, False, gen, "cuda")  # float32 weights
+        out = fused_expert_forward(x, gate_up, down, weights, ids)
+        assert out.dtype == dtype
+        assert _rel(out, reference(x, gate_up, down, weights, ids)) < tol
+
+
+@pytest.mark.gpu
+def test_fused_moe_replays_in_a_cuda_graph_with_new_routing():
+    """Decode replays captured graphs: the alignment must not sync with the host, and a replay with
+    other routing (same shapes) must give that routing's result."""
+    from tidal.rollout.triton_moe import fused_expert_forward
+
+    s = GPU_SHAPE
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    gate_up, down = experts(s["num_experts"], s["hidden"], s["inter"], gen, "cuda", torch.bfloat16)
+    x = torch.randn(64, s["hidden"], generator=gen, device="cuda").bfloat16()
+    weights, ids = routing(64, s["num_experts"], s["top_k"], False, gen, "cuda")
+    weights = weights.bfloat16()
+    fused_expert_forward(x, gate_up, down, weights, ids)  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused_expert_forward(x, gate_up, down, weights, ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    new_weights, new_ids = routing(64, s["num_experts"], s["top_k"], True, gen, "cuda")
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    x.copy_(torch.randn(64, s["hidden"], generator=gen, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fused_expert_forward(x, gate_up, down, weights, ids))
+
+
+@pytest.mark.gpu
+def test_expert_forward_dispatch_follows_fused_moe_switch(monkeypatch):
+    from tidal.rollout.triton_moe import fused_expert_forward
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    gate_up, down = experts(16, 256, 128, gen, "cuda", torch.bfloat16)
+    x = torch.randn(33, 256, generator=gen, device="cuda").bfloat16()
+    weights, ids = routing(33, 16, 4, False, gen, "cuda")
+    fused = fused_expert_forward(x, gate_up, down, weights, ids)
+    unfused = moe.unfused_expert_forward(x, gate_up, down, weights, ids, F.silu)
+    assert not torch.equal(fused, unfused)  # the two paths round differently: the check below can tell
+    assert torch.equal(moe.expert_forward(x, gate_up, down, weights, ids, F.silu), fused)
+    monkeypatch.setattr(moe, "FUSED_MOE", False)
+    assert torch.equal(moe.expert_forward(x, gate_up, down, weights, ids, F.silu), unfused)
+    monkeypatch.setattr(moe, "FUSED_MOE", True)
+    gelu = moe.ACTIVATIONS["gelu"]  # not fused: the unfused path runs
+    assert torch.equal(
+        moe.expert_forward(x, gate_up, down, weights, ids, gelu),
+        moe.unfused_expert_forward(x, gate_up, down, weights, ids, gelu),
+    )
+
+
+# ------------------------------------------------------------------------------------ interpreter
+@pytest.fixture(scope="module")
+def tm():
+    """``tidal.rollout.triton_moe`` with its kernels run by Triton's interpreter."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the gpu tests run the compiled kernels")
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the module's @triton.jit runs
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        import tidal.rollout.triton_moe as module
+
+        if not isinstance(module._moe_gemm, InterpretedFunction):
+            module = importlib.reload(module)
+        yield module
+    except ImportError:
+        pytest.skip("triton is not installed")
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+def test_align_pairs_sorts_and_pads_each_expert_to_whole_blocks(tm):
+    ids = torch.tensor([[3, 0], [3, 1], [3, 0], [1, 3], [3, 0]])  # expert 2 gets nothing
+    aligned = tm.align_pairs(ids, num_experts=5, block_m=2)
+    pairs, blocks = aligned.sorted_pairs.tolist(), aligned.block_expert.tolist()
+    assert len(pairs) == tm.padded_capacity(10, 5, 2) == 16  # 10 pairs + 5 experts x 1 pad, rounded up
+    # Expert 0: pairs 1, 5, 9 (+1 pad); expert 1: 3, 6; expert 3: 0, 2, 4, 7, 8 (+1 pad); 2 blocks unused.
+    assert pairs == [1, 5, 9, 10, 3, 6, 0, 2, 4, 7, 8, 10, 10, 10, 10, 10]
+    assert blocks == [0, 0, 1, 3, 3, 3, -1, -1]
+    assert aligned.num_pairs == 10
+
+
+def test_align_pairs_capacity_holds_any_routing(tm):
+    """The static capacity is enough for the worst case: every expert with a pair pads a whole block."""
+    gen = torch.Generator().manual_seed(0)
+    for num_tokens, num_experts, top_k, block_m in [(1, 8, 2, 16), (3, 64, 8, 16), (50, 6, 2, 4)]:
+        ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+        aligned = tm.align_pairs(ids, num_experts, block_m)
+        real = aligned.sorted_pairs[aligned.sorted_pairs < aligned.num_pairs]
+        assert sorted(real.tolist()) == list(range(num_tokens * top_k))
+        block_of_row = aligned.block_expert.repeat_interleave(block_m)
+        assert torch.equal(block_of_row[aligned.sorted_pairs < aligned.num_pairs], ids.reshape(-1)[real])
+
+
+@pytest.mark.parametrize(
+    "num_tokens, num_experts, top_k, skewed",
+    [(1, 4, 1, False), (7, 6, 2, True), (40, 6, 3, True), (33, 8, 2, False)],
+)
+def test_fused_moe_interpreted_matches_reference(tm, num_tokens, num_experts, top_k, skewed):
+    """Tiny shapes that do not divide the tiles (hidden 40, intermediate 24 with 16-wide tiles: several
+    K steps and N tiles, masked edges), experts without tokens, one expert over several row blocks."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    gate_up, down = experts(num_experts, 40, 24, gen, "cpu", torch.float32)
+    x = torch.randn(num_tokens, 40, generator=gen)
+    weights, ids = routing(num_tokens, num_experts, top_k, skewed, gen, "cpu")
+    ref = reference(x, gate_up, down, weights, ids)
+    small = tm.TileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
+    for config in (small, None):
+        out = tm.fused_expert_forward(x, gate_up, down, weights, ids, config)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # The model-dtype routing weights path (Qwen) gives the unfused path's result in float16 too.
+    half = [t.half() for t in (x, gate_up, down, weights)]
+    out = tm.fused_expert_forward(*half, ids, small)
+    assert out.dtype == torch.float16
+    assert _rel(out, ref) < 3e-3  # float16: 2^-11 per rounding
+    dropped = weights.clone()
+    dropped[:, 0] = 0
+    assert _rel(reference(x, gate_up, down, dropped, ids), ref) > 0.1

@@ -1,0 +1,217 @@
+"""Fused sparse-MoE experts in Triton: the engine's ``expert_forward`` on CUDA (SiLU-gated experts).
+
+The unfused path (``models/moe.py``) gathers every token/expert pair's row into a sorted copy, runs two
+grouped GEMMs with the ``[pairs, 2 * intermediate]`` gate/up result, the activation and the weighted
+down result each written and read back, then un-permutes. Here:
+
+1. ``align_pairs`` (torch, no host sync, so CUDA graphs can capture it) sorts the pairs by expert and
+   pads each expert's run to a multiple of ``BLOCK_M``: ``sorted_pairs[i]`` is a pair index
+   ``token * top_k + slot`` (``num_pairs`` marks padding) and ``block_expert[b]`` the expert of block
+   ``b`` (-1 past the last). The buffers have a static size, the most padding ``num_pairs`` pairs can
+   need, so the grid does not depend on the routing.
+2. ``_moe_gemm`` with ``GATED``: per (block of one expert's pairs, tile of ``intermediate``) it gathers
+   the tokens' rows of ``x`` straight from ``x`` and multiplies them by the expert's gate and up weight
+   tiles (each read once per block), then ``silu(gate) * up`` in float32 in the epilogue, stored once
+   in the model dtype;
+3. ``_moe_gemm`` without ``GATED``: the down projection of those rows, times the pair's routing weight in
+   the epilogue, stored at the pair's own row (token order, so no un-permute);
+4. the per-token sum of the k rows (a strided reduction in torch: deterministic, no atomics).
+
+Numerics: products accumulate in float32 (tensor cores for 16-bit inputs, IEEE for float32); the gated
+activation is rounded once instead of three times, otherwise the roundings are the unfused path's (the
+pair outputs are stored in ``promote(x, weights)``: the model dtype for Qwen routers, float32 for
+Mixtral's, and the k-sum is rounded to the model dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes of one launch; ``block_m`` also sets the padding of each expert's pairs."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def tile_config(num_pairs: int, num_experts: int) -> TileConfig:
+    """Small row blocks when experts get few pairs (decode: padding is wasted work), larger ones for
+    prefill, where each expert's weight tile is then reused by more rows."""
+    rows_per_expert = num_pairs / num_experts
+    if rows_per_expert <= 16:
+        return TileConfig(16, 64, 64, num_warps=4, num_stages=4)
+    if rows_per_expert <= 64:
+        return TileConfig(32, 64, 64, num_warps=4, num_stages=4)
+    return TileConfig(64, 128, 64, num_warps=8, num_stages=3)
+
+
+@dataclass
+class AlignedPairs:
+    """Token/expert pairs sorted by expert, each expert's run padded to a multiple of ``block_m``."""
+
+    sorted_pairs: torch.Tensor  # [capacity] int32: pair index token * top_k + slot; num_pairs = padding
+    block_expert: torch.Tensor  # [capacity // block_m] int32: expert of each block, -1 = unused block
+    num_pairs: int
+
+
+def padded_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The most rows the padded layout can need: each of at most min(pairs, experts) non-empty experts
+    pads by at most ``block_m - 1`` rows."""
+    rows = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
+    return triton.cdiv(rows, block_m) * block_m
+
+
+def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedPairs:
+    """Sort and pad the pairs of ``ids`` [tokens, k] (expert ids) by expert; torch ops without a host
+    sync (the counts stay on the device)."""
+    flat = ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    count_start = torch.cumsum(counts, 0) - counts
+    sorted_experts, order = torch.sort(flat, stable=True)
+    rank = torch.arange(num_pairs, device=device) - count_start[sorted_experts]
+    capacity = padded_capacity(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs[padded_start[sorted_experts] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(0, capacity, block_m, device=device)
+    # The expert whose padded run holds the block's first row; past the last run: num_experts -> -1.
+    block_expert = torch.searchsorted(padded_end, block_starts, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return AlignedPairs(sorted_pairs, block_expert, num_pairs)
+
+
+@triton.jit
+def _moe_gemm(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    route_ptr,
+    sorted_pairs_ptr,
+    block_expert_ptr,
+    N,
+    K: tl.constexpr,
+    num_pairs,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    TOP_K: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One (block of ``BLOCK_M`` padded rows of one expert, ``BLOCK_N`` output columns) tile.
+
+    ``GATED``: rows of ``a`` are tokens (``pair // TOP_K``), the weight holds gate rows [0, N) then up
+    rows [N, 2N), out[row] = silu(gate) * up at the padded row. Else: rows of ``a`` are padded rows,
+    out[pair] = routing weight * (a @ w.T). Weight and ``a`` rows are contiguous along K."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    valid = pairs < num_pairs
+    if GATED:
+        a_rows = pairs // TOP_K
+    else:
+        a_rows = rows
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + ks[None, :]
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    w_ptrs = w_base + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATED:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = ks < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if GATED:
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if GATED:
+        # silu(g) = g / (1 + e^-g), written with builtins (the interpreter cannot call tl.sigmoid, a
+        # jit function, once triton was imported without TRITON_INTERPRET).
+        result = acc / (1.0 + tl.exp(-acc)) * acc_up
+        out_rows = rows
+    else:
+        route = tl.load(route_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+        result = acc * route[:, None]
+        out_rows = pairs
+    out_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+def _launch(a, w, out, route, aligned: AlignedPairs, top_k: int, gated: bool, cfg: TileConfig) -> None:
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    grid = (aligned.block_expert.numel(), triton.cdiv(n, cfg.block_n))
+    _moe_gemm[grid](
+        a,
+        w,
+        out,
+        route,
+        aligned.sorted_pairs,
+        aligned.block_expert,
+        n,
+        w.shape[2],
+        aligned.num_pairs,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        TOP_K=top_k,
+        GATED=gated,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def fused_expert_forward(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """sum_k weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) with e = ids[t, k]; x [T, H] -> [T, H].
+
+    ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I], as ``moe.Experts`` stores them."""
+    num_tokens, top_k = ids.shape
+    num_experts, double_inter, hidden = gate_up_proj.shape
+    x, gate_up_proj, down_proj = x.contiguous(), gate_up_proj.contiguous(), down_proj.contiguous()
+    cfg = config or tile_config(num_tokens * top_k, num_experts)
+    aligned = align_pairs(ids, num_experts, cfg.block_m)
+    route = weights.reshape(-1).contiguous()
+    inter = x.new_empty(aligned.sorted_pairs.numel(), double_inter // 2)
+    _launch(x, gate_up_proj, inter, route, aligned, top_k, True, cfg)
+    out = x.new_empty(num_tokens * top_k, hidden, dtype=torch.promote_types(x.dtype, weights.dtype))
+    _launch(inter, down_proj, out, route, aligned, top_k, False, cfg)
+    return out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
