@@ -142,7 +142,7 @@ def test_objective_applies_margin_and_normaliser():
     rewards = torch.tensor([2.0, 0.5, 1.0, 1.0])  # chosen (2.0, 0.5), rejected (1.0, 1.0)
     model = SimpleNamespace(scores=lambda batch: rewards)
     pairs = [PairSample([1, 2], [1, 3], 1, 0.5), PairSample([1, 4], [1, 5], 1, 0.0)]
-    objective = RMObjective(0, rm_module.RM_LOSSES["sigmoid"])
+    objective = RMObjective(0, rm_module.RM_LOSSES["sigmoid"], margin_loss=True)
     batch = objective.collate(pairs)
     loss, metrics = objective.loss(model, batch, normaliser=4.0, precision=Precision(torch.float32, "cpu"))
     sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
@@ -150,6 +150,61 @@ def test_objective_applies_margin_and_normaliser():
     assert loss.item() == pytest.approx(want, rel=1e-6)
     assert metrics["acc"].item() == pytest.approx(1 / 4)
     assert metrics["reward_gap"].item() == pytest.approx((1.0 - 0.5) / 4)
+
+
+def test_objective_without_margin_loss_ignores_the_margin_column():
+    """As OpenRLHF: the dataset's margins enter the loss only with --margin_loss."""
+    rewards = torch.tensor([2.0, 0.5, 1.0, 1.0])
+    model = SimpleNamespace(scores=lambda batch: rewards)
+    objective = RMObjective(0, rm_module.RM_LOSSES["sigmoid"])
+    batch = objective.collate([PairSample([1, 2], [1, 3], 1, 0.5), PairSample([1, 4], [1, 5], 1, 0.0)])
+    loss, _ = objective.loss(model, batch, normaliser=2.0, precision=Precision(torch.float32, "cpu"))
+    want = (math.log1p(math.exp(-(2.0 - 1.0))) + math.log1p(math.exp(-(0.5 - 1.0)))) / 2
+    assert loss.item() == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("fp32", [False, True])
+def test_compute_fp32_loss_picks_the_loss_dtype(fp32):
+    """Without --compute_fp32_loss the loss is computed on the rewards rounded to the compute dtype
+    (bf16 here), with it on the float32 rewards."""
+    rewards = torch.tensor([1.2345678, 0.1234567, 0.3333333, 0.7777777])
+    model = SimpleNamespace(scores=lambda batch: rewards)
+    objective = RMObjective(0, rm_module.RM_LOSSES["sigmoid"], fp32_loss=fp32)
+    batch = objective.collate([PairSample([1, 2], [1, 3], 1), PairSample([1, 4], [1, 5], 1)])
+    loss, metrics = objective.loss(
+        model, batch, normaliser=2.0, precision=Precision(torch.bfloat16, torch.device("cpu"))
+    )
+    dtype = torch.float32 if fp32 else torch.bfloat16
+    chosen, rejected = rewards.to(dtype).chunk(2)
+    assert loss.dtype == dtype
+    assert torch.equal(loss, -torch.nn.functional.logsigmoid(chosen - rejected).sum() / 2.0)
+    assert metrics["reward_gap"].dtype == torch.float32  # metrics stay float32
+
+
+def margin_rows(n: int, seed: int) -> list[dict]:
+    return [{**row, "margin": 2.0} for row in keyword_pairs(n, seed)]
+
+
+def test_margin_loss_changes_the_update(tiny_qwen2, tmp_path, monkeypatch):
+    """--margin_loss reaches the loss through the command: the first step's gradients change."""
+    data = write_jsonl(tmp_path / "margins.jsonl", margin_rows(16, 5))
+    plain = _first_step_grads(tiny_qwen2, data, tmp_path / "a", monkeypatch)
+    margin = _first_step_grads(tiny_qwen2, data, tmp_path / "b", monkeypatch, "--margin_loss")
+    assert plain["score.weight"].abs().max() > 1e-4
+    assert not torch.allclose(plain["score.weight"], margin["score.weight"], atol=1e-6, rtol=1e-4)
+
+
+def test_margin_loss_needs_a_margin_in_every_row(tiny_llama, tmp_path, capsys):
+    rows = margin_rows(16, 6)
+    del rows[3]["margin"]
+    data = write_jsonl(tmp_path / "margins.jsonl", rows)
+    with pytest.raises(SystemExit) as exc:
+        rm_main(flags(tiny_llama, data, tmp_path, "--margin_loss"))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # (datasets' progress bars may come first)
+    assert last.endswith(f"row 4 of {data} has no 'margin' value; --margin_loss needs a number in every row")
+    assert "Traceback" not in err
 
 
 def test_seed_rm_command_runs_with_paths_changed(tiny_llama, tmp_path):
@@ -174,6 +229,7 @@ def test_seed_rm_command_runs_with_paths_changed(tiny_llama, tmp_path):
         (["--normalize_reward", "--lora_rank", "4"], "--normalize_reward with --lora_rank"),
         (["--loss", "hinge"], "invalid choice"),
         (["--train_batch_size", "512"], "fewer than one --train_batch_size"),
+        (["--margin_loss", "--loss", "logexp"], "--margin_loss with --loss logexp"),
     ],
 )
 def test_bad_flags_fail_clearly(tiny_llama, pair_files, tmp_path, capsys, extra, message):

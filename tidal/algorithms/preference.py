@@ -5,7 +5,8 @@ response. Losses are returned per sample, so the caller chooses the normaliser (
 global count for gradient accumulation).
 
 - ``RM_LOSSES`` — ``fn(chosen_rewards, rejected_rewards, margin=None) -> loss [B]``
-  (Bradley–Terry; InstructGPT, arXiv 2203.02155; margin as in Llama 2, arXiv 2307.09288).
+  (Bradley–Terry; InstructGPT, arXiv 2203.02155; margin as in Llama 2, arXiv 2307.09288), computed
+  in the rewards' dtype (the caller casts them: fp32 or the model's compute dtype).
 - ``DPO_LOSSES`` — ``fn(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta,
   label_smoothing=0.0) -> (loss [B], chosen_rewards [B], rejected_rewards [B])`` with
   z = (π_c − π_r) − (ref_c − ref_r) and implicit rewards β·(π − ref) (detached).
@@ -30,10 +31,10 @@ DPO_LOSSES: dict[str, Callable[..., tuple[Tensor, Tensor, Tensor]]] = {}
 def sigmoid_pairwise_loss(
     chosen_rewards: Tensor, rejected_rewards: Tensor, margin: Tensor | None = None
 ) -> Tensor:
-    """−log σ(r_c − r_r − margin)."""
-    diff = chosen_rewards.float() - rejected_rewards.float()
+    """−log σ(r_c − r_r − margin), in the rewards' dtype (the caller picks it: ``--compute_fp32_loss``)."""
+    diff = chosen_rewards - rejected_rewards
     if margin is not None:
-        diff = diff - margin.float()
+        diff = diff - margin.to(diff.dtype)
     return -F.logsigmoid(diff)
 
 
@@ -41,9 +42,10 @@ def sigmoid_pairwise_loss(
 def logexp_pairwise_loss(
     chosen_rewards: Tensor, rejected_rewards: Tensor, margin: Tensor | None = None
 ) -> Tensor:
-    """log(1 + exp(r_r − r_c)), computed as softplus. Mathematically the sigmoid loss without margin;
-    kept for the seed's ``--loss logexp`` flag, which ignores the margin."""
-    return F.softplus(rejected_rewards.float() - chosen_rewards.float())
+    """log(1 + exp(r_r − r_c)), computed as softplus in the rewards' dtype. Mathematically the sigmoid
+    loss without margin; kept for the seed's ``--loss logexp`` flag. It has no margin term (OpenRLHF's
+    ``LogExpLoss`` ignores it), so ``--margin_loss`` with it is refused by the RM trainer."""
+    return F.softplus(rejected_rewards - chosen_rewards)
 
 
 def _dpo_logits(

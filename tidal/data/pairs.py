@@ -1,7 +1,8 @@
 """Pairwise preference samples (chosen vs. rejected) for reward-model and DPO-family training.
 
 Rows hold ``--chosen_key`` and ``--rejected_key`` (strings or chat-message lists), optionally a
-``--prompt_key`` and a numeric ``margin`` column (used by the sigmoid RM loss, as Llama 2). Rendering
+``--prompt_key`` and a numeric ``margin`` column (the RM loss's margin with ``--margin_loss``, as
+Llama 2; a missing value is 0, or a ``DataError`` naming the row with ``require_margin``). Rendering
 follows OpenRLHF's ``RewardDataset``:
 
 - with ``--prompt_key``: the prompt is rendered as in SFT (``render_prompt``: chat template, input
@@ -83,14 +84,16 @@ def build_pair_samples(
     cfg: PairDataConfig,
     source: str = "dataset",
     batch_size: int = 1024,
+    require_margin: bool = False,
 ) -> tuple[list[PairSample], SkipStats]:
-    """Render and tokenize every pair; return the kept samples and what was skipped."""
+    """Render and tokenize every pair; return the kept samples and what was skipped. With
+    ``require_margin`` every row must have a numeric ``margin``."""
     cfg.validate()
     require_keys(dataset, [cfg.prompt_key, cfg.chosen_key, cfg.rejected_key], source)
     check_text_columns(
         dataset, [cfg.prompt_key, cfg.chosen_key, cfg.rejected_key], source, cfg.apply_chat_template
     )
-    margins = _margins(dataset, source)
+    margins = _margins(dataset, source, require_margin)
     samples: list[PairSample] = []
     stats = SkipStats()
     for start in range(0, len(dataset), batch_size):
@@ -118,12 +121,17 @@ def build_pair_samples(
     return samples, stats
 
 
-def _margins(dataset: datasets.Dataset, source: str) -> list[float]:
+def _margins(dataset: datasets.Dataset, source: str, required: bool = False) -> list[float]:
+    """Each row's margin (0 where it has none, unless ``required``)."""
     if MARGIN_COLUMN not in dataset.column_names:
+        if required and len(dataset):
+            raise DataError(_no_margin(dataset, 0, source))
         return [0.0] * len(dataset)
     out = []
     for i, value in enumerate(dataset[MARGIN_COLUMN]):
         if value is None:
+            if required:
+                raise DataError(_no_margin(dataset, i, source))
             out.append(0.0)
             continue
         try:
@@ -133,6 +141,13 @@ def _margins(dataset: datasets.Dataset, source: str) -> list[float]:
         if not math.isfinite(out[-1]):
             raise DataError(f"{row_name(dataset, i, source)}: margin {value!r} is not finite")
     return out
+
+
+def _no_margin(dataset: datasets.Dataset, row: int, source: str) -> str:
+    return (
+        f"{row_name(dataset, row, source)} has no {MARGIN_COLUMN!r} value; --margin_loss needs a number "
+        "in every row"
+    )
 
 
 def _render_row(row: dict, where: str, tokenizer, cfg: PairDataConfig) -> tuple[str, str, int, int]:

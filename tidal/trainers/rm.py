@@ -2,9 +2,17 @@
 
 ``RMObjective`` scores the chosen and rejected sequences of each pair with the value model
 (``tidal.models.value_model``: the head's value at the last token) and applies a pairwise loss from
-``RM_LOSSES`` (``--loss sigmoid`` uses the dataset's ``margin`` column, as Llama 2). Metrics: loss,
-accuracy (chosen scored above rejected), mean reward gap and mean chosen/rejected rewards; the eval
-set gets the same ones under ``eval/``.
+``RM_LOSSES``. Metrics: loss, accuracy (chosen scored above rejected), mean reward gap and mean
+chosen/rejected rewards; the eval set gets the same ones under ``eval/``.
+
+As in OpenRLHF v0.9.2's ``train_rm``:
+
+- ``--margin_loss``: the sigmoid loss subtracts each pair's ``margin`` (a dataset column, as Llama 2):
+  −log σ(r_c − r_r − margin). Every row must then have a numeric margin (a row without one is a
+  one-line ``DataError`` naming the file and row; OpenRLHF silently uses 0). Without the flag the
+  column is not used. ``--loss logexp`` has no margin term, so the two together are refused.
+- ``--compute_fp32_loss``: the loss is computed on float32 rewards; without it, on the rewards
+  rounded to the model's compute dtype (``--param_dtype``; float32 on the CPU, where both agree).
 
 ``--normalize_reward``: after training, the mean and standard deviation of the model's rewards (chosen
 and rejected) over the eval set, or the training set without one, are written into the saved
@@ -17,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -40,8 +49,14 @@ log = get_logger(__name__)
 class RMConfig:
     """Reward model: pairwise loss, value head name and reward normalisation."""
 
-    loss: str = arg(
-        "sigmoid", help="pairwise loss (sigmoid uses the 'margin' column)", choices=tuple(RM_LOSSES)
+    loss: str = arg("sigmoid", help="pairwise loss", choices=tuple(RM_LOSSES))
+    margin_loss: bool = arg(
+        False,
+        help="subtract each pair's 'margin' (a number every row must have) in the sigmoid loss: "
+        "-log sigmoid(r_chosen - r_rejected - margin)",
+    )
+    compute_fp32_loss: bool = arg(
+        False, help="compute the loss on float32 rewards (default: in the --param_dtype compute dtype)"
     )
     value_head_prefix: str = arg(
         "score", help="attribute name of the value head (score: HF's name)", aliases=["--value_prefix_head"]
@@ -53,12 +68,15 @@ class RMConfig:
 
 @dataclass
 class RMObjective:
-    """Pairwise loss summed over pairs, divided by the step's pair count."""
+    """Pairwise loss summed over pairs, divided by the step's pair count; with ``margin_loss`` each
+    pair's margin enters the loss, with ``fp32_loss`` it is computed on float32 rewards (else on the
+    rewards rounded to the compute dtype, as OpenRLHF's bf16 reward model gives them)."""
 
     pad_id: int
     loss_fn: Callable[..., torch.Tensor]
     packing: bool = False
-    use_margin: bool = True
+    margin_loss: bool = False
+    fp32_loss: bool = False
 
     def weight(self, sample: PairSample) -> float:
         return 1.0
@@ -71,9 +89,10 @@ class RMObjective:
     def loss(self, model: nn.Module, batch: dict, normaliser: float, precision: Precision):
         with precision.autocast():
             rewards = model.scores(batch)
-        chosen, rejected = rewards.float().chunk(2)
-        per_pair = self.loss_fn(chosen, rejected, batch["margin"] if self.use_margin else None)
+        loss_rewards = rewards.to(torch.float32 if self.fp32_loss else precision.dtype)
+        per_pair = self.loss_fn(*loss_rewards.chunk(2), batch["margin"] if self.margin_loss else None)
         loss = per_pair.sum() / normaliser
+        chosen, rejected = rewards.float().chunk(2)  # metrics in float32 either way
         gap = (chosen - rejected).detach()
         metrics = {
             "loss": loss.detach(),
@@ -131,6 +150,11 @@ class RMRun(SupervisedRun):
         problems = super().cross_problems(world)
         if self.model.aux_loss_coef > 0:
             problems.append("--aux_loss_coef: the MoE load-balancing loss is not supported for reward models")
+        if self.rm.margin_loss and self.rm.loss != "sigmoid":
+            problems.append(
+                f"--margin_loss with --loss {self.rm.loss}: only the sigmoid loss has a margin term; "
+                "use --loss sigmoid or drop --margin_loss"
+            )
         if self.rm.normalize_reward and self.model.lora_rank > 0:
             problems.append(
                 "--normalize_reward with --lora_rank: LoRA runs save adapters only, which cannot carry the "
@@ -144,25 +168,35 @@ def load_pair_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg:
     return load_samples(build_pair_samples, spec, probs, split, max_samples, tokenizer, cfg, seed)
 
 
-def _use_margin(run: RMRun, train: Sequence[PairSample]) -> bool:
-    has_margin = any(s.margin != 0 for s in train)
-    if has_margin and run.rm.loss == "logexp":
-        log.warning("--loss logexp ignores the dataset's margin column; use --loss sigmoid to apply it")
-    return has_margin and run.rm.loss == "sigmoid"
+def load_margin_pair_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg, seed: int):
+    """Like ``load_pair_samples``, but every row must have a numeric ``margin`` (``--margin_loss``)."""
+    builder = partial(build_pair_samples, require_margin=True)
+    return load_samples(builder, spec, probs, split, max_samples, tokenizer, cfg, seed)
+
+
+def _warn_unused_margins(run: RMRun, train: Sequence[PairSample]) -> None:
+    if not run.rm.margin_loss and any(s.margin != 0 for s in train):
+        log.warning("the dataset's margin column is not used without --margin_loss (as in OpenRLHF)")
 
 
 class RMRecipe(Recipe):
     label = "RM"
-    load_samples = staticmethod(load_pair_samples)
     trainer_cls = RewardModelTrainer
+
+    def __init__(self, margin_loss: bool = False):
+        # --margin_loss requires the margin in every row, so it picks the sample loader.
+        self.load_samples = load_margin_pair_samples if margin_loss else load_pair_samples
 
     def load_model(self, run: RMRun, world: World) -> nn.Module:
         return load_value_model(run.model, world.device, run.rm.value_head_prefix)
 
     def objective(self, run: RMRun, tokenizer, train, frozen) -> RMObjective:
+        _warn_unused_margins(run, train)
+        rm = run.rm
         return RMObjective(
-            tokenizer.pad_token_id, RM_LOSSES[run.rm.loss], run.train.packing_samples, _use_margin(run, train)
-        )
+            tokenizer.pad_token_id, RM_LOSSES[rm.loss], run.train.packing_samples, rm.margin_loss,
+            rm.compute_fp32_loss,
+        )  # fmt: skip
 
     def trainer_kwargs(self, run: RMRun, train, evals) -> dict:
         return {"stats_samples": (evals or train) if run.rm.normalize_reward else None}
@@ -170,4 +204,4 @@ class RMRecipe(Recipe):
 
 def run_rm(run: RMRun, world: World | None = None) -> list[dict]:
     """Train a reward model as configured; returns per-step metrics."""
-    return fit_recipe(RMRecipe(), run, world)
+    return fit_recipe(RMRecipe(run.rm.margin_loss), run, world)
