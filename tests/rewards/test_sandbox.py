@@ -121,6 +121,26 @@ def test_libc_fork_bomb_is_bounded_by_the_process_limit():
     assert result.score == 0.0 and result.status in ("timeout", "crashed", "error")
 
 
+@pytest.mark.skipif(
+    os.geteuid() != 0 or sandbox._pids_cgroup_parent() is None, reason="needs root and a pids cgroup"
+)
+def test_root_libc_forks_are_bounded_by_the_pids_cgroup():
+    # As root RLIMIT_NPROC does not apply; the sample's pids cgroup (pids.max = 4) must refuse the 5th
+    # process. Children pause, so every successful fork stays alive and counts until the sweep.
+    code = (
+        "import ctypes\nlibc = ctypes.CDLL(None)\nFORKS = 0\n"
+        "for _ in range(40):\n"
+        "    pid = libc.fork()\n"
+        "    if pid == 0:\n"
+        "        libc.pause()\n"
+        "    FORKS += pid > 0\n"
+    )
+    result = run_tests(code, "assert FORKS < 4, FORKS", FINISHING)
+    assert result.status == "passed", result
+    mine = f"tidal-sandbox-{os.getpid()}-"
+    assert not [p for p in Path(sandbox._pids_cgroup_parent()).iterdir() if p.name.startswith(mine)]
+
+
 def test_scratch_directory_is_the_cwd_and_is_removed():
     code = "import os\nCWD = os.getcwd()\nopen('note.txt', 'w').write('x')"
     # the second assert fails on purpose, so its message carries the scratch directory's path

@@ -19,7 +19,10 @@ What is enforced, and where (docs/recipes.md, "Code rewards in a sandbox", says 
   ``SandboxResult`` with a status and a one-line message.
 - kernel side, in the child before the code runs (``resource.setrlimit``): CPU seconds, address space
   (``memory_mb``), processes (RLIMIT_NPROC; Linux does not apply it to root), file size, open files,
-  no core files.
+  no core files. Running as root, where a pids cgroup can be created (cgroup v1 ``pids`` controller or
+  v2 with ``pids`` enabled; probed once), each sample also gets a cgroup of its own whose ``pids.max``
+  is ``max_processes``: that bounds a fork bomb that calls libc through ``ctypes`` even for root, and
+  the final sweep kills every process listed in it.
 - namespaces, where ``unshare --user --net --pid`` works (probed once; ``namespaces="on"/"off"/"auto"``):
   no network interfaces at all, and every process of the sample dies with the namespace's first process.
 - Python side, an audit hook installed before the code runs: network (connect, bind, sendto, DNS),
@@ -314,7 +317,7 @@ def _test_spec(tests: Sequence[TestCase] | str) -> dict:
 def _run_child(code: str, spec: dict, limits: SandboxLimits, use_namespaces: bool) -> SandboxResult:
     scratch = tempfile.mkdtemp(prefix="tidal-sandbox-")
     read_fd, write_fd = os.pipe()
-    proc = None
+    proc = cgroup = None
     try:
         job = {"code": code, "tests": spec, "limits": dataclasses.asdict(limits), "result_fd": write_fd}
         job_path = os.path.join(scratch, ".job.json")
@@ -324,6 +327,10 @@ def _run_child(code: str, spec: dict, limits: SandboxLimits, use_namespaces: boo
         command = [sys.executable, "-I", "-B", "-X", "utf8", os.path.abspath(__file__), job_path]
         if use_namespaces:
             command = [*_NAMESPACE_PREFIX, *command]
+        cgroup = _new_pids_cgroup(limits.max_processes)
+        if cgroup is not None:
+            # The shell joins the cgroup, then execs the sandbox: no process of the sample starts outside it.
+            command = ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', cgroup, *command]
         proc = subprocess.Popen(
             command,
             cwd=scratch,
@@ -346,7 +353,81 @@ def _run_child(code: str, spec: dict, limits: SandboxLimits, use_namespaces: boo
         if proc is not None:
             _kill_session(proc)
             proc.stdout.close()
+        if cgroup is not None:
+            _remove_cgroup(cgroup)
         _remove_tree(scratch)
+
+
+def _pids_cgroup_parent() -> str | None:
+    """A folder where a root process may create pids cgroups: the v1 ``pids`` hierarchy, or this
+    process's v2 cgroup when it delegates ``pids`` to children. None when not root or not possible."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return None
+    return _probe_pids_cgroup()
+
+
+@functools.cache
+def _probe_pids_cgroup() -> str | None:
+    candidates = ["/sys/fs/cgroup/pids"]
+    with contextlib.suppress(OSError):
+        with open("/proc/self/cgroup", encoding="utf-8") as f:
+            v2 = [line.split(":", 2)[2].strip() for line in f if line.startswith("0::")]
+        if v2:
+            candidates.append("/sys/fs/cgroup" + v2[0].rstrip("/"))
+    for parent in candidates:
+        probe = os.path.join(parent, f"tidal-sandbox-probe-{os.getpid()}")
+        try:
+            os.mkdir(probe)
+        except OSError:
+            continue
+        try:
+            with open(os.path.join(probe, "pids.max"), "w", encoding="utf-8") as f:
+                f.write("1")
+            return parent
+        except OSError:
+            continue
+        finally:
+            with contextlib.suppress(OSError):
+                os.rmdir(probe)
+    return None
+
+
+_CGROUP_COUNT = iter(range(1 << 62))
+
+
+def _new_pids_cgroup(max_processes: int) -> str | None:
+    """A fresh cgroup whose ``pids.max`` is ``max_processes`` (None where pids cgroups are unavailable)."""
+    parent = _pids_cgroup_parent()
+    if parent is None:
+        return None
+    path = os.path.join(parent, f"tidal-sandbox-{os.getpid()}-{next(_CGROUP_COUNT)}")
+    try:
+        os.mkdir(path)
+        with open(os.path.join(path, "pids.max"), "w", encoding="utf-8") as f:
+            f.write(str(max_processes))
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+        return None
+    return path
+
+
+def _remove_cgroup(path: str, attempts: int = 50) -> None:
+    """SIGKILL every process left in the sample's cgroup, then remove it (a cgroup must be empty)."""
+    for _ in range(attempts):
+        try:
+            with open(os.path.join(path, "cgroup.procs"), encoding="utf-8") as f:
+                pids = [int(line) for line in f if line.strip()]
+        except OSError:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            os.rmdir(path)
+            return
+        except OSError:
+            time.sleep(0.02)  # killed processes leave the cgroup once reaped
 
 
 def _child_env(scratch: str) -> dict[str, str]:
