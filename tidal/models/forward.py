@@ -10,6 +10,11 @@ so RoPE sees each sample as if it were alone). No token may attend across a samp
 
 ``token_logprobs`` never materialises ``[B, T, V]`` logits for supported families: the LM head runs
 in checkpointed chunks (``logprob_head.py``); ``outputs.logits`` is still there, computed on demand.
+
+Under ``--ring_attn_size N`` (``ring_attention.use_ring``) a packed row is split along the sequence
+across the ring group and each rank runs the model on its chunk (``ring_token_logprobs``); the targets
+are the row's next tokens taken before the split, so a chunk's last token is scored against the next
+chunk's first, and the per-token log-probs are gathered back into the whole row on every rank.
 """
 
 from __future__ import annotations
@@ -17,8 +22,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tidal.algorithms.logprobs import gather_logprobs
-from tidal.models.logprob_head import DEFAULT_CHUNK, LogprobOutputs, chunkable_head, head_logprobs
+from tidal.algorithms.logprobs import entropy_from_logits, gather_logprobs
+from tidal.models import ring_attention as ring_attn
+from tidal.models.logprob_head import (
+    DEFAULT_CHUNK,
+    LogprobOutputs,
+    chunkable_head,
+    chunked_logprobs,
+    head_logprobs,
+)
 from tidal.models.packed_attention import enable_varlen_attention, varlen_kwargs
 
 # "auto": varlen kernels for packed rows where possible; "mask": always the 4-D mask (benchmarks).
@@ -95,6 +107,11 @@ def token_logprobs(
     (aligned like the log-probs). ``chunk_size=None`` (or an unsupported model) takes the plain path:
     full logits, then ``gather_logprobs``.
     """
+    ring = ring_attn.active_ring()
+    if ring is not None and "segment_ids" in batch:
+        return ring_token_logprobs(
+            model, batch, ring, temperature, chunk_size, with_entropy, **forward_kwargs
+        )
     head = chunkable_head(model) if chunk_size else None
     inputs = model_inputs(model, batch)
     if head is None:
@@ -103,11 +120,97 @@ def token_logprobs(
         lp = gather_logprobs(outputs.logits[:, :-1], ids[:, 1:], temperature)
         lp = torch.cat([lp.new_zeros(ids.shape[0], 1), lp], dim=1)
         if with_entropy:
-            from tidal.algorithms.logprobs import entropy_from_logits
-
             ent = entropy_from_logits(outputs.logits[:, :-1], temperature, chunk_size=1024)
             outputs.entropy = torch.cat([ent.new_zeros(ids.shape[0], 1), ent], dim=1)
         return lp, outputs
     with head_logprobs(head, batch["input_ids"], temperature, chunk_size, with_entropy) as result:
         outputs = model(**inputs, use_cache=False, **forward_kwargs)
     return result.logprobs, LogprobOutputs(outputs, head, result)
+
+
+class RingOutputs:
+    """What a ring forward returns besides the log-probs: ``entropy`` (whole row, aligned like them) and
+    the model's other outputs. Logits exist only per chunk, so ``logits`` is refused."""
+
+    def __init__(self, outputs, entropy: torch.Tensor | None):
+        self._outputs, self.entropy = outputs, entropy
+
+    @property
+    def logits(self):
+        raise RuntimeError("a ring-attention forward keeps no whole-row logits; use the log-probs")
+
+    def __getattr__(self, name: str):
+        return getattr(self._outputs, name)
+
+
+def ring_token_logprobs(
+    model: nn.Module,
+    batch: dict,
+    ring: ring_attn.RingGroup,
+    temperature: float = 1.0,
+    chunk_size: int | None = DEFAULT_CHUNK,
+    with_entropy: bool = False,
+    **forward_kwargs,
+):
+    """``token_logprobs`` of a packed ``[1, ΣT]`` row, computed by the ring group (every rank passes the
+    same row): pad to a multiple of the ring size, run this rank's chunk, gather the whole row's values."""
+    ids = batch["input_ids"]
+    if ids.shape[0] != 1:
+        raise ValueError(f"ring attention takes one packed row, got {ids.shape[0]}")
+    length, size = ids.shape[1], ring.size
+    targets = torch.roll(ids, -1, dims=1)  # the last one is never used: nothing follows the row
+    segments = batch["segment_ids"]
+    pad_segment = int(segments.max()) + 1  # padding is a segment of its own, attended by nothing real
+    padded_segments = ring_attn.pad_row(segments, size, pad_segment)
+    local = {
+        k: ring_attn.local_chunk(ring_attn.pad_row(batch[k], size, 0), ring)
+        for k in ("input_ids", "position_ids")
+    }
+    local_targets = ring_attn.local_chunk(ring_attn.pad_row(targets, size, 0), ring)
+    layout = ring_attn.RingLayout(ring, padded_segments[0], local["input_ids"].shape[1])
+    head = chunkable_head(model) if chunk_size else None
+    kwargs = dict(local, attention_mask=None, use_cache=False, tidal_ring=layout, **forward_kwargs)
+    with ring_attn.ring_attention_impl(model):
+        if head is None:
+            outputs = model(**kwargs)
+            logits = outputs.logits[0]
+            lp = gather_logprobs(logits, local_targets[0], temperature)
+            ent = entropy_from_logits(logits, temperature, chunk_size=1024) if with_entropy else None
+        else:
+            with _ring_head(head, local_targets[0], temperature, chunk_size, with_entropy) as result:
+                outputs = model(**kwargs)
+            lp, ent = result
+    return _whole_row(lp, ring, length), RingOutputs(
+        outputs, _whole_row(ent, ring, length) if ent is not None else None
+    )
+
+
+def _whole_row(local_next: torch.Tensor, ring: ring_attn.RingGroup, length: int) -> torch.Tensor:
+    """This chunk's next-token values ``[L]`` → the whole row ``[1, T]`` aligned with ``input_ids``
+    (column t scores token t; column 0 is 0)."""
+    full = ring_attn.gather_chunks(local_next[None], ring)[:, : length - 1]
+    return torch.cat([full.new_zeros(1, 1), full], dim=1)
+
+
+class _ring_head:  # noqa: N801 - used like a context manager function
+    """Swap the LM head for one ring forward: it returns chunked log-probs of ``targets`` (the next
+    tokens of every local position) in place of logits; the context yields ``[logprobs, entropy]``."""
+
+    def __init__(self, head: nn.Linear, targets, temperature, chunk_size, with_entropy):
+        self.head, self.result = head, [None, None]
+
+        def forward(hidden: torch.Tensor) -> torch.Tensor:
+            logp, ent = chunked_logprobs(
+                hidden[0], head.weight, head.bias, targets, temperature, chunk_size, with_entropy
+            )
+            self.result[:] = [logp, ent]
+            return logp[None]
+
+        self.forward = forward
+
+    def __enter__(self):
+        self.head.forward = self.forward
+        return self.result
+
+    def __exit__(self, *exc):
+        del self.head.forward

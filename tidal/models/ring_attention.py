@@ -1,0 +1,403 @@
+"""Ring attention: exact causal attention over a packed row split along the sequence across N ranks.
+
+A ring group (``RingGroup``, made by ``tidal.distributed.mesh.ring_group``) is N consecutive ranks that
+all hold the same packed row ``[1, ΣT]`` (``tidal.data.collate``). The row is padded to a multiple of N
+(the padding is a segment of its own) and cut into N contiguous chunks; rank r runs the model on chunk
+r (its tokens, positions and segment ids). Inside every attention layer rank r has the queries, keys and
+values of its chunk only, so the keys and values travel: N steps, each attending the local queries to
+the block in hand while it is passed to the next rank (point-to-point send/recv, overlapped with the
+compute), partial results merged by the log-sum-exp (online-softmax) rule. Blocks from later ranks lie
+entirely in the future and are skipped. The result equals plain causal attention up to float rounding.
+
+Backward (``_RingAttention``) is a second ring pass: the key/value blocks travel again and their
+gradients travel with them, each rank adding its queries' contribution, until after N shifts every
+block's dK/dV is back on the rank that owns it. Nothing ever holds the whole sequence's K/V.
+
+Segment ids are not sent: every rank of the group has the whole packed row, so a block's segment ids
+and token indices are known locally. ``--ring_head_stride`` (OpenRLHF's flag) is the number of key/value
+heads passed around the ring at a time: a larger stride means fewer, larger messages (faster, more
+memory); it must divide the model's key/value heads.
+
+The per-block math (``attend_block``, ``merge_blocks``, ``block_grads``) is plain torch in float32,
+tiled over query rows to bound the ``[rows, keys]`` score matrix; it runs on the CPU (gloo) and CUDA
+(NCCL). The HF plug-in is an ``AttentionInterface`` implementation, ``tidal_ring``, selected only for
+the duration of a ring forward (``ring_attention_impl``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+RING = "tidal_ring"
+ROW_TILE = 2048  # query rows (× grouped heads) scored at a time: bounds the fp32 [rows, keys] scores
+
+
+@dataclass(frozen=True)
+class RingGroup:
+    """This rank's ring: the process group, its place in it and the global ranks in ring order."""
+
+    group: Any  # a torch.distributed ProcessGroup
+    rank: int
+    size: int
+    ranks: tuple[int, ...]
+    head_stride: int = 1
+
+    @property
+    def next_rank(self) -> int:
+        return self.ranks[(self.rank + 1) % self.size]
+
+    @property
+    def prev_rank(self) -> int:
+        return self.ranks[(self.rank - 1) % self.size]
+
+
+_ACTIVE: RingGroup | None = None
+
+
+def active_ring() -> RingGroup | None:
+    """The ring group packed forwards run on (set by ``use_ring``), or None."""
+    return _ACTIVE
+
+
+@contextlib.contextmanager
+def use_ring(ring: RingGroup | None) -> Iterator[RingGroup | None]:
+    """Within the context, packed ``token_logprobs`` calls run as ring attention over ``ring``."""
+    global _ACTIVE
+    previous, _ACTIVE = _ACTIVE, ring
+    try:
+        yield ring
+    finally:
+        _ACTIVE = previous
+
+
+# ---- the block math (pure functions) ---------------------------------------------------------------
+def block_mask(
+    q_idx: Tensor, q_seg: Tensor, k_idx: Tensor, k_seg: Tensor, window: int | None = None
+) -> Tensor:
+    """``[Lq, Lk]`` boolean: query i may attend key j (same segment, j not after i, within ``window``).
+
+    ``*_idx`` are token indices in the whole packed row, ``*_seg`` its segment ids."""
+    diff = q_idx[:, None] - k_idx[None, :]
+    allowed = (diff >= 0) & (q_seg[:, None] == k_seg[None, :])
+    if window is not None:
+        allowed &= diff < window
+    return allowed
+
+
+def _safe(lse: Tensor) -> Tensor:
+    """``lse`` with −inf (a row that sees no key) replaced by 0, so ``exp(s − lse)`` stays 0, not NaN."""
+    return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+
+
+def attend_block(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Softmax attention of ``q`` ``[G, R, D]`` to one key block ``k``/``v`` ``[G, Lk, D]`` under
+    ``allowed`` ``[R, Lk]``: ``(out [G, R, D], lse [G, R])`` in float32, normalised within the block
+    (a row that sees no key gets out 0, lse −inf)."""
+    outs, lses = [], []
+    for rows in torch.arange(q.shape[1], device=q.device).split(ROW_TILE):
+        s = (q[:, rows].float() @ k.float().transpose(-1, -2)) * scale
+        s = s.masked_fill(~allowed[rows], float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - _safe(lse)[..., None])
+        outs.append(p @ v.float())
+        lses.append(lse)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+
+
+def merge_blocks(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Combine two normalised partial attentions over disjoint key sets (the log-sum-exp rule)."""
+    new = torch.logaddexp(lse, lse_b)
+    safe = _safe(new)
+    merged = out * torch.exp(lse - safe)[..., None] + out_b * torch.exp(lse_b - safe)[..., None]
+    return merged, new
+
+
+def block_grads(
+    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, lse: Tensor, dout: Tensor, delta: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One block's share of the gradients ``(dq, dk, dv)`` (float32), given the final ``lse`` of the
+    queries and ``delta = Σ_d dout·out`` (the softmax backward's row term)."""
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    kf, vf = k.float(), v.float()
+    for rows in torch.arange(q.shape[1], device=q.device).split(ROW_TILE):
+        qr = q[:, rows].float()
+        s = (qr @ kf.transpose(-1, -2)) * scale
+        s = s.masked_fill(~allowed[rows], float("-inf"))
+        p = torch.exp(s - _safe(lse[:, rows])[..., None])
+        do = dout[:, rows].float()
+        dv += p.transpose(-1, -2) @ do
+        ds = p * (do @ vf.transpose(-1, -2) - delta[:, rows, None])
+        dq[:, rows] = (ds @ kf) * scale
+        dk += (ds.transpose(-1, -2) @ qr) * scale
+    return dq, dk, dv
+
+
+# ---- the ring --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RingLayout:
+    """Where the blocks of one packed row are: its chunk length and the whole row's segment ids."""
+
+    ring: RingGroup
+    segment_ids: Tensor  # [N·L] of the padded row (every rank has all of it)
+    chunk: int  # L: tokens per rank
+    window: int | None = None
+
+    def block(self, owner: int) -> tuple[Tensor, Tensor]:
+        """Token indices and segment ids of ``owner``'s chunk."""
+        start = owner * self.chunk
+        idx = torch.arange(start, start + self.chunk, device=self.segment_ids.device)
+        return idx, self.segment_ids[start : start + self.chunk]
+
+    def mask(self, owner: int) -> Tensor:
+        """Local queries × ``owner``'s keys, with the query rows repeated for grouped heads by callers."""
+        q_idx, q_seg = self.block(self.ring.rank)
+        k_idx, k_seg = self.block(owner)
+        return block_mask(q_idx, q_seg, k_idx, k_seg, self.window)
+
+
+class _Shift:
+    """Send tensors to the next rank of the ring and receive the previous rank's (asynchronously)."""
+
+    def __init__(self, tensors: Sequence[Tensor], ring: RingGroup):
+        self.received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), ring.next_rank, ring.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, ring.prev_rank, ring.group) for r in self.received]
+        self.requests = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> list[Tensor]:
+        for request in self.requests:
+            request.wait()
+        return self.received
+
+
+def _grouped(q: Tensor, groups: int) -> Tensor:
+    """``[Hq, L, D]`` → ``[Hk, g·L, D]``: each key/value head with the rows of the query heads it serves
+    (HF's ``repeat_kv`` order: query head h reads key/value head h // g)."""
+    hq, length, d = q.shape
+    return q.reshape(hq // groups, groups * length, d)
+
+
+def _ring_forward(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, scale: float):
+    """``(out [Hk, g·L, D], lse [Hk, g·L])`` for grouped queries ``q`` and local ``k``/``v`` ``[Hk, L, D]``."""
+    ring, groups = layout.ring, q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    block = [k, v]
+    for step in range(ring.size):
+        owner = (ring.rank - step) % ring.size
+        shift = _Shift(block, ring) if step < ring.size - 1 else None
+        if owner <= ring.rank:  # a later rank's keys are all in the future of every local query
+            allowed = layout.mask(owner).repeat(groups, 1)
+            o, l_ = attend_block(q, block[0], block[1], allowed, scale)
+            out, lse = merge_blocks(out, lse, o, l_)
+        if shift is not None:
+            block = shift.wait()
+    return out, lse
+
+
+def _ring_backward(q, k, v, out, lse, dout, layout: RingLayout, scale: float):
+    """``(dq, dk, dv)`` in float32: K/V travel once more, their gradients with them, and after N shifts
+    each block's gradient is back on its owner."""
+    ring, groups = layout.ring, q.shape[1] // k.shape[1]
+    delta = (dout.float() * out).sum(-1)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    block = [k, v]
+    grads = [
+        torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+        torch.zeros_like(v, dtype=torch.float32),
+    ]
+    for step in range(ring.size):
+        owner = (ring.rank - step) % ring.size
+        shift = _Shift(block, ring) if step < ring.size - 1 else None
+        if owner <= ring.rank:
+            allowed = layout.mask(owner).repeat(groups, 1)
+            dq_b, dk_b, dv_b = block_grads(q, block[0], block[1], allowed, scale, lse, dout, delta)
+            dq += dq_b
+            grads = [grads[0] + dk_b, grads[1] + dv_b]
+        grads = _Shift(grads, ring).wait()
+        if shift is not None:
+            block = shift.wait()
+    return dq, grads[0], grads[1]
+
+
+def _head_slices(kv_heads: int, stride: int) -> list[slice]:
+    return [slice(h, h + stride) for h in range(0, kv_heads, stride)]
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention of one row: ``q`` ``[Hq, L, D]``, ``k``/``v`` ``[Hk, L, D]`` → ``[Hq, L, D]``,
+    ``--ring_head_stride`` key/value heads (and their query heads) per ring pass."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout: RingLayout, scale: float):
+        hq, length, d = q.shape
+        hk = k.shape[0]
+        groups = hq // hk
+        gq = _grouped(q, groups)
+        outs, lses = [], []
+        for heads in _head_slices(hk, layout.ring.head_stride):
+            o, l_ = _ring_forward(gq[heads], k[heads], v[heads], layout, scale)
+            outs.append(o)
+            lses.append(l_)
+        out, lse = torch.cat(outs), torch.cat(lses)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout, ctx.scale = layout, scale
+        return out.reshape(hq, length, d).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        hq, length, d = q.shape
+        hk = k.shape[0]
+        groups = hq // hk
+        gq, gdout = _grouped(q, groups), _grouped(grad.contiguous(), groups)
+        dqs, dks, dvs = [], [], []
+        for heads in _head_slices(hk, ctx.layout.ring.head_stride):
+            dq, dk, dv = _ring_backward(
+                gq[heads], k[heads], v[heads], out[heads], lse[heads], gdout[heads], ctx.layout, ctx.scale
+            )
+            dqs.append(dq)
+            dks.append(dk)
+            dvs.append(dv)
+        dq = torch.cat(dqs).reshape(hq, length, d).to(q.dtype)
+        return dq, torch.cat(dks).to(k.dtype), torch.cat(dvs).to(v.dtype), None, None
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, scale: float | None = None) -> Tensor:
+    """Exact causal attention of this rank's chunk (``[Hq, L, D]`` queries, ``[Hk, L, D]`` keys/values)
+    over the whole packed row spread across ``layout.ring``; differentiable."""
+    if k.shape[0] % layout.ring.head_stride:
+        raise ValueError(
+            f"--ring_head_stride {layout.ring.head_stride} must divide the model's {k.shape[0]} key/value heads"
+        )
+    return _RingAttention.apply(q, k, v, layout, q.shape[-1] ** -0.5 if scale is None else scale)
+
+
+# ---- the sequence split and the gather -------------------------------------------------------------
+def padded_length(length: int, size: int) -> int:
+    """The packed row's length rounded up to a multiple of the ring size."""
+    return -(-length // size) * size
+
+
+def pad_row(t: Tensor, size: int, value: int) -> Tensor:
+    """``[1, T]`` → ``[1, T']`` (T' a multiple of ``size``), filled with ``value``."""
+    return nn.functional.pad(t, (0, padded_length(t.shape[-1], size) - t.shape[-1]), value=value)
+
+
+def local_chunk(t: Tensor, ring: RingGroup) -> Tensor:
+    """This rank's contiguous chunk of a padded ``[1, T']`` row."""
+    chunk = t.shape[-1] // ring.size
+    return t[..., ring.rank * chunk : (ring.rank + 1) * chunk]
+
+
+class _GatherChunks(torch.autograd.Function):
+    """All-gather the chunks of a ``[1, L]`` row along the sequence. Every rank of the ring then computes
+    the same loss from the same full row, so each rank's upstream gradient is the whole row's; backward
+    keeps this rank's slice of it (the other ranks take theirs), with no communication."""
+
+    @staticmethod
+    def forward(ctx, local: Tensor, ring: RingGroup):
+        parts = [torch.empty_like(local) for _ in range(ring.size)]
+        dist.all_gather(parts, local.contiguous(), group=ring.group)
+        ctx.ring, ctx.chunk = ring, local.shape[-1]
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start = ctx.ring.rank * ctx.chunk
+        return grad[..., start : start + ctx.chunk].contiguous(), None
+
+
+def gather_chunks(local: Tensor, ring: RingGroup) -> Tensor:
+    """The full padded row from every rank's ``[1, L]`` chunk (differentiable, see ``_GatherChunks``)."""
+    return _GatherChunks.apply(local, ring)
+
+
+def turns(items: Sequence[Any], ring: RingGroup | None) -> Iterator[tuple[bool, Any]]:
+    """``(mine, item)`` for every item of every rank of the ring group, in the same order on all of them.
+
+    Each rank keeps its own data; for ring attention the group takes turns, all of its ranks running
+    the forward (and backward) of one rank's micro-batch together. Items are all-gathered as Python
+    objects (move tensors to the CPU first); every rank must hold the same number of them."""
+    if ring is None:
+        for item in items:
+            yield True, item
+        return
+    counts: list = [None] * ring.size
+    dist.all_gather_object(counts, len(items), group=ring.group)
+    if len(set(counts)) != 1:
+        raise RuntimeError(
+            f"ring attention: the ranks of a ring group hold {counts} micro-batches, not equal"
+        )
+    for item in items:
+        gathered: list = [None] * ring.size
+        dist.all_gather_object(gathered, item, group=ring.group)
+        for owner, theirs in enumerate(gathered):
+            yield owner == ring.rank, theirs
+
+
+# ---- the Hugging Face plug-in ----------------------------------------------------------------------
+@cache
+def register() -> None:
+    """Register ``tidal_ring`` with transformers (once per process)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(RING, ring_attention_forward)
+    AttentionMaskInterface.register(RING, _no_mask)
+
+
+def _no_mask(*args, **kwargs):
+    """Ring attention builds its block masks from segment ids; HF builds no mask."""
+    return None
+
+
+@contextlib.contextmanager
+def ring_attention_impl(model: nn.Module) -> Iterator[None]:
+    """Switch ``model``'s attention to ``tidal_ring`` for the duration of one forward."""
+    register()
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = RING  # read by every attention layer at call time
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+def ring_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+):
+    """HF attention signature: ``query`` ``[1, H, L, D]`` of this rank's chunk → ``([1, L, H, D], None)``;
+    the ring layout comes in the ``tidal_ring`` keyword the forward was called with."""
+    layout: RingLayout | None = kwargs.get("tidal_ring")
+    if layout is None:
+        raise RuntimeError("tidal_ring attention needs the ring layout (run it through token_logprobs)")
+    if query.shape[0] != 1:
+        raise ValueError(f"ring attention takes one packed row, got a batch of {query.shape[0]}")
+    if dropout > 0 and module.training:
+        raise ValueError("ring attention has no attention dropout; set the model's attention_dropout to 0")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("ring attention does not support attention logit soft-capping")
+    if sliding_window is not None:
+        layout = RingLayout(layout.ring, layout.segment_ids, layout.chunk, sliding_window)
+    out = ring_attention(query[0], key[0], value[0], layout, scaling)
+    return out.transpose(0, 1)[None], None
