@@ -20,8 +20,15 @@ the engine's CUDA graphs) of each phase and the whole step, and tokens/s as docs
 over response tokens) checks that engine and trainer agree. The reference is the same step's
 generation share: at 256 new tokens the step is bounded below by the engine's decode time.
 
+The policy is a random-init model of ``--config``: a dense Qwen2.5 shape of bench/train_step.py or a
+Qwen3-MoE shape of bench/moe.py (``qwen3-moe-2b``: 16 experts, top-2, ~2.2B parameters; ``tiny-moe``).
+For MoE policies the JSON also names the trainer's experts kernel (transformers' ``experts_implementation``)
+and whether the engine ran the fused Triton experts.
+
     python bench/rl_step.py                                # tiny model on CPU, < 1 minute
+    python bench/rl_step.py --config tiny-moe              # tiny MoE on CPU
     python bench/rl_step.py --device cuda --config qwen2.5-0.5b
+    python bench/rl_step.py --device cuda --config qwen3-moe-2b
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe import moe_config  # noqa: E402
 from train_step import (  # noqa: E402
     CONFIGS,
     make_model,
@@ -46,12 +54,14 @@ from train_step import (  # noqa: E402
     versions,
 )
 
+# bench/moe.py shapes small enough to train (fp32 master weights + Adam) on one GPU.
+MOE_POLICIES = ("qwen3-moe-2b", "tiny-moe")
 PHASES = ("generate", "reward", "old_logprobs", "advantages", "update", "sync_weights")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
+    p.add_argument("--config", default="tiny", choices=[*sorted(CONFIGS), *MOE_POLICIES])
     p.add_argument("--device", default="cpu")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
@@ -66,9 +76,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.device == "cpu" and args.config == "tiny" and args.new_tokens == 256:
+    if args.device == "cpu" and args.config in ("tiny", "tiny-moe") and args.new_tokens == 256:
         args.prompts, args.n, args.prompt_len, args.new_tokens, args.micro = 4, 4, 16, 16, 8
     return args
+
+
+def make_policy(name: str, device: torch.device, gradient_checkpointing: bool, seed: int):
+    """``train_step.make_model`` for a dense shape; for a MoE shape the same steps on its config."""
+    if name not in MOE_POLICIES:
+        return make_model(name, device, gradient_checkpointing, seed)
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with device:
+        model = AutoModelForCausalLM.from_config(
+            moe_config(name), dtype=torch.float32, attn_implementation="sdpa"
+        )
+    model.config.use_cache = False
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def moe_report(policy, device: torch.device) -> dict:
+    """For a MoE policy: the trainer's experts kernel and whether the engine's fused experts ran."""
+    if getattr(policy.config, "num_experts", None) is None:
+        return {}
+    from tidal.accel import triton_available
+    from tidal.rollout.models import moe
+
+    return {
+        "experts_implementation": policy.config._experts_implementation,
+        "engine_fused_moe": moe.FUSED_MOE and device.type == "cuda" and triton_available(),
+    }
 
 
 class GRPOStep:
@@ -80,7 +120,7 @@ class GRPOStep:
         from tidal.rollout import EngineConfig, LLMEngine
 
         self.args, self.device = args, device
-        self.policy = make_model(args.config, device, not args.no_gradient_checkpointing, args.seed)
+        self.policy = make_policy(args.config, device, not args.no_gradient_checkpointing, args.seed)
         if args.compile:
             from tidal.models.compile import compile_blocks
 
@@ -198,7 +238,7 @@ def main(argv=None) -> dict:
         "policy_loss": round(float(stats.get("policy/loss", float("nan"))), 5),
         "grad_norm": round(float(stats.get("grad_norm", float("nan"))), 4),
         "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
-        "attn_impl": bench.policy.config._attn_implementation,
+        "attn_impl": bench.policy.config._attn_implementation, **moe_report(bench.policy, device),
     }  # fmt: skip
     print(json.dumps(report))
     return report
