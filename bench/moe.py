@@ -112,29 +112,40 @@ def build_hf(name: str, device: torch.device, dtype: torch.dtype, seed: int):
     return model.eval()
 
 
+def keep_grouped_mm(hf) -> str | None:
+    """Register grouped_mm under another name and select it (``generate`` swaps only "grouped_mm" for
+    batched_mm); the error in words where this transformers cannot."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
+
+        ALL_EXPERTS_FUNCTIONS.register(HF_GROUPED_ALIAS, grouped_mm_experts_forward)
+        hf.set_experts_implementation(HF_GROUPED_ALIAS)
+    except (ImportError, AttributeError, KeyError, ValueError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
 def hf_reference(hf, prompts: torch.Tensor, new_tokens: int, device: torch.device) -> dict:
-    """tokens/s of ``hf.generate`` with transformers' default experts kernel, then (if that fails for
-    memory) with grouped_mm kept; each attempt's error is reported."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
-
-    ALL_EXPERTS_FUNCTIONS.register(HF_GROUPED_ALIAS, grouped_mm_experts_forward)
+    """tokens/s of ``hf.generate`` with transformers' default experts kernel, then (if that runs out of
+    memory) with grouped_mm kept throughout; each failed attempt's error is reported."""
     ids = prompts.to(device)
+    original = getattr(hf.config, "_experts_implementation", None)
+    default = "batched_mm in generate" if device.type == "cuda" and original == "grouped_mm" else original
     result: dict = {"batch": len(prompts), "new_tokens": new_tokens, "errors": {}}
-    original = hf.get_experts_implementation()
-    default = "batched_mm in generate" if device.type == "cuda" else original[""]
-    for impl in ("default", HF_GROUPED_ALIAS):
-        if impl != "default":
-            hf.set_experts_implementation(impl)
 
-        def run(n=new_tokens):
-            with torch.inference_mode():
-                out = hf.generate(
-                    ids, attention_mask=torch.ones_like(ids), do_sample=False, top_k=None, top_p=None,
-                    temperature=None, max_new_tokens=n, min_new_tokens=n,
-                )  # fmt: skip
-            return out[:, ids.shape[1] :].tolist()
+    def run(n=new_tokens):
+        with torch.inference_mode():
+            out = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, top_k=None, top_p=None,
+                temperature=None, max_new_tokens=n, min_new_tokens=n,
+            )  # fmt: skip
+        return out[:, ids.shape[1] :].tolist()
 
-        label = f"default ({default})" if impl == "default" else impl
+    for attempt in ("default", HF_GROUPED_ALIAS):
+        label = f"default ({default})" if attempt == "default" else attempt
+        if attempt != "default" and (problem := keep_grouped_mm(hf)):
+            result["errors"][label] = problem
+            break
         log(f"transformers.generate, experts {label}: B={len(prompts)}, {new_tokens} new tokens")
         try:
             run(2)  # warm-up
@@ -146,12 +157,11 @@ def hf_reference(hf, prompts: torch.Tensor, new_tokens: int, device: torch.devic
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             continue
-        result.update(
-            experts=label, s=round(seconds, 3), tokens_per_s=round(len(prompts) * new_tokens / seconds, 1)
-        )
-        result["tokens"] = tokens
+        rate = round(len(prompts) * new_tokens / seconds, 1)
+        result.update(experts=label, s=round(seconds, 3), tokens_per_s=rate, tokens=tokens)
         break
-    hf.set_experts_implementation(original)
+    if original is not None and getattr(hf.config, "_experts_implementation", None) != original:
+        hf.set_experts_implementation(original)
     return result
 
 

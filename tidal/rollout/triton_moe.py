@@ -44,12 +44,14 @@ class TileConfig:
 
 
 def tile_config(num_pairs: int, num_experts: int) -> TileConfig:
-    """Small row blocks when experts get few pairs (decode: padding is wasted work), larger ones for
-    prefill, where each expert's weight tile is then reused by more rows."""
+    """Row blocks sized to the pairs an expert gets on average: decode is bound by reading the weights,
+    so a block should hold all of an expert's pairs (an expert split over two blocks is read twice)
+    without much padding; prefill reuses each weight tile over larger blocks. Untuned starting points
+    (16 is the smallest ``tl.dot`` M)."""
     rows_per_expert = num_pairs / num_experts
-    if rows_per_expert <= 16:
+    if rows_per_expert <= 4:
         return TileConfig(16, 64, 64, num_warps=4, num_stages=4)
-    if rows_per_expert <= 64:
+    if rows_per_expert <= 24:
         return TileConfig(32, 64, 64, num_warps=4, num_stages=4)
     return TileConfig(64, 128, 64, num_warps=8, num_stages=3)
 
