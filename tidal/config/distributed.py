@@ -5,6 +5,9 @@ forward); ``1`` and ``2`` shard gradients and optimizer state but keep parameter
 forward and backward; ``0`` replicates (DDP). ``--adam_offload`` keeps sharded parameters,
 gradients and optimizer state in CPU memory (FSDP2 ``CPUOffloadPolicy``). With one process these
 have nothing to shard and the model trains on the single device.
+
+``--ring_attn_size N`` (sequence parallelism, ``tidal.models.ring_attention``) needs packed samples and
+a world size that N divides; ``--ring_head_stride`` is the number of key/value heads per ring pass.
 """
 
 from __future__ import annotations
@@ -24,17 +27,18 @@ class DistributedConfig(Checked):
     adam_offload: bool = arg(False, help="keep sharded params, grads and optimizer state on the CPU")
     overlap_comm: bool = arg(False, help="prefetch the next layer's all-gather during compute (more memory)")
     local_rank: int = arg(-1, help="set by launchers; tidal reads LOCAL_RANK from the environment")
-    ring_attn_size: int = arg(1, help="ring-attention group size (only 1 is supported)")
+    ring_attn_size: int = arg(
+        1, help="ring-attention group size: each packed row is split along the sequence over this many ranks"
+    )
+    ring_head_stride: int = arg(
+        1, help="key/value heads passed around the ring at a time (larger: faster, more memory)"
+    )
     ds_tensor_parallel_size: int = arg(1, help="tensor-parallel size for training (only 1 is supported)")
     zpg: int = arg(1, help="ZeRO++ hierarchical partition size (only 1 is supported)")
     deepcompile: bool = arg(False, help="DeepSpeed DeepCompile (not supported: fails)")
 
     def problems(self, flags=None) -> list[str]:
         unsupported = {
-            "ring_attn_size": (
-                self.ring_attn_size != 1,
-                "ring attention (sequence parallelism) is not supported yet",
-            ),
             "ds_tensor_parallel_size": (
                 self.ds_tensor_parallel_size != 1,
                 "tensor parallelism for training is not supported; use --zero_stage 3",
@@ -43,4 +47,19 @@ class DistributedConfig(Checked):
             "deepcompile": (self.deepcompile, "DeepSpeed DeepCompile has no FSDP2 equivalent here"),
         }
         own = [f"--{flag}={getattr(self, flag)}: {why}" for flag, (bad, why) in unsupported.items() if bad]
-        return super().problems(flags) + own
+        return super().problems(flags) + own + self.ring_problems()
+
+    def ring_problems(self) -> list[str]:
+        """Ring-attention settings that cannot work whatever the world size."""
+        problems = [
+            f"--{flag} must be >= 1, got {getattr(self, flag)}"
+            for flag in ("ring_attn_size", "ring_head_stride")
+            if getattr(self, flag) < 1
+        ]
+        if self.ring_attn_size > 1 and self.ds_tensor_parallel_size > 1:
+            problems.append(
+                f"--ring_attn_size {self.ring_attn_size} with --ds_tensor_parallel_size "
+                f"{self.ds_tensor_parallel_size}: ring attention and tensor-parallel training do not combine "
+                "yet; use one of them"
+            )
+        return problems

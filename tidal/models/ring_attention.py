@@ -283,6 +283,15 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, scale: f
     return _RingAttention.apply(q, k, v, layout, q.shape[-1] ** -0.5 if scale is None else scale)
 
 
+def head_stride_problem(model: nn.Module, stride: int) -> str | None:
+    """Why ``--ring_head_stride`` cannot split ``model``'s key/value heads, or None."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+    if heads is not None and heads % stride:
+        return f"--ring_head_stride {stride} must divide the model's {heads} key/value heads"
+    return None
+
+
 # ---- the sequence split and the gather -------------------------------------------------------------
 def padded_length(length: int, size: int) -> int:
     """The packed row's length rounded up to a multiple of the ring size."""
@@ -328,22 +337,20 @@ def turns(items: Sequence[Any], ring: RingGroup | None) -> Iterator[tuple[bool, 
 
     Each rank keeps its own data; for ring attention the group takes turns, all of its ranks running
     the forward (and backward) of one rank's micro-batch together. Items are all-gathered as Python
-    objects (move tensors to the CPU first); every rank must hold the same number of them."""
+    objects (move tensors to the CPU first); a rank holding fewer items than another sits out the
+    turns it has no item for (every rank still runs the others' turns)."""
     if ring is None:
         for item in items:
             yield True, item
         return
     counts: list = [None] * ring.size
     dist.all_gather_object(counts, len(items), group=ring.group)
-    if len(set(counts)) != 1:
-        raise RuntimeError(
-            f"ring attention: the ranks of a ring group hold {counts} micro-batches, not equal"
-        )
-    for item in items:
+    for i in range(max(counts)):
         gathered: list = [None] * ring.size
-        dist.all_gather_object(gathered, item, group=ring.group)
+        dist.all_gather_object(gathered, items[i] if i < len(items) else None, group=ring.group)
         for owner, theirs in enumerate(gathered):
-            yield owner == ring.rank, theirs
+            if i < counts[owner]:
+                yield owner == ring.rank, theirs
 
 
 # ---- the Hugging Face plug-in ----------------------------------------------------------------------

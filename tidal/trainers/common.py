@@ -29,9 +29,11 @@ from tidal.config import (
 from tidal.config.run import RunConfig, config_field
 from tidal.data import load_dataset_spec
 from tidal.distributed import World, init_world, parallelize
+from tidal.distributed.mesh import ring_group, ring_layout_problems
 from tidal.logging import LoggingConfig, get_logger
 from tidal.models import load_causal_lm, load_tokenizer
 from tidal.models.precision import Precision
+from tidal.models.ring_attention import head_stride_problem, use_ring
 from tidal.trainers.loop import Objective, Optimization, SupervisedTrainer
 from tidal.trainers.optim import NonFiniteGuard, build_optimizer, build_scheduler
 
@@ -59,8 +61,42 @@ class SupervisedRun(RunConfig):
     dist: DistributedConfig = config_field(DistributedConfig)
     run_dir: str | None = None  # metrics and the run config (default: <save_path>/run)
 
+    def problems(self, world: World | None = None) -> list[str]:
+        return super().problems(world) + ring_problems(self, world)
+
     def cross_problems(self, world: World | None = None) -> list[str]:
         return self.train.batch_problems(world.world_size) if world is not None else []
+
+
+# Trainers whose loss reads only ``token_logprobs`` of packed rows, which ring attention computes; the
+# others are refused with why (``ring_problems``).
+RING_UNSUPPORTED = {
+    "rm": "its loss reads the reward head's value at each sequence's last token",
+    "prm": "its loss reads whole-row logits at the step tokens",
+    "kd": "its loss reads the student's and the teacher's whole-row logits",
+    "kto": "its KL reference point runs forwards outside the ring group's turns",
+}
+
+
+def ring_problems(run: SupervisedRun, world: World | None = None) -> list[str]:
+    """One line per reason ``--ring_attn_size`` cannot run for this trainer, these flags and world."""
+    size = run.dist.ring_attn_size
+    if size <= 1:
+        return []
+    kind = trainer_kind(run)
+    problems = []
+    if kind in RING_UNSUPPORTED:
+        problems.append(f"--ring_attn_size {size}: not supported by tidal {kind}: {RING_UNSUPPORTED[kind]}")
+    if not run.train.packing_samples:
+        problems.append(
+            f"--ring_attn_size {size} needs --packing_samples (ring attention splits packed rows)"
+        )
+    if run.model.aux_loss_coef > 0:
+        problems.append(
+            f"--ring_attn_size {size} with --aux_loss_coef {run.model.aux_loss_coef}: the MoE load-balancing "
+            "loss of a sequence split over ranks is not supported; set --aux_loss_coef 0"
+        )
+    return problems + (ring_layout_problems(size, world.world_size) if world is not None else [])
 
 
 def load_samples(
@@ -186,12 +222,15 @@ def fit_recipe(recipe: Recipe, run: SupervisedRun, world: World | None = None) -
     """
     world = world or init_world()
     run.check(world)  # every problem of the run at once, before the tokenizer, data or models load
+    ring = ring_group(world, run.dist.ring_attn_size, run.dist.ring_head_stride)
     seed_everything(run.train)
     tokenizer = load_tokenizer(run.model.pretrain, run.model)
     ds = run.datasets
     train, evals = train_and_eval_samples(recipe.load_samples, ds, tokenizer, run.data, run.train.seed)
     steps = training_steps(len(train), run.train, world, ds.dataset)
     model = recipe.load_model(run, world)
+    if ring is not None and (problem := head_stride_problem(model, ring.head_stride)):
+        raise ConfigError(problem)
     frozen = recipe.load_frozen(run, model, world)
     opt = build_optimization(model, run.model, run.optim, run.dist, world, steps)
     objective = recipe.objective(run, tokenizer, train, frozen)
@@ -203,4 +242,5 @@ def fit_recipe(recipe: Recipe, run: SupervisedRun, world: World | None = None) -
         objective, opt, tokenizer, world, run.train, run.ckpt, run.logging, run_folder(run.run_dir, run.ckpt),
         run_config=flat_config(run), kind=trainer_kind(run), **recipe.trainer_kwargs(run, train, evals),
     )  # fmt: skip
-    return trainer.fit(train, evals)
+    with use_ring(ring):  # packed forwards of this run split their rows over the ring group
+        return trainer.fit(train, evals)

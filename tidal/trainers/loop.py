@@ -16,6 +16,13 @@ Faults. A step whose loss or gradient norm is not finite is skipped and counted
 checkpoint when ``--save_steps`` checkpointing is on, and raise ``TrainingInterrupted``
 (``tidal.checkpoint.interrupt``). Resume, checkpoints, their rotation and the exports go through one
 ``tidal.checkpoint.Checkpointer``, which records the trainer and model they belong to.
+
+Ring attention (``--ring_attn_size N``). Each rank keeps its own share of the data; the ranks of a
+ring group take turns (``tidal.models.ring_attention.turns``): for every micro-batch of every rank of
+the group, all N ranks run its forward and backward together, each over its chunk of the sequence.
+Every rank of the group computes the same loss for that micro-batch and keeps the gradient of its
+chunk, so the ring's gradients sum to the micro-batch's, and only the owner counts the loss and
+metrics: normalisers, metrics and the update are those of plain data parallelism.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from tidal.distributed.fsdp import set_gradient_sync
 from tidal.distributed.world import World
 from tidal.logging import LoggingConfig, MetricsLogger, ProgressBar, Throughput, get_logger
 from tidal.models.precision import Precision
+from tidal.models.ring_attention import active_ring, turns
 from tidal.trainers.optim import NonFiniteGuard
 
 log = get_logger(__name__)
@@ -158,15 +166,19 @@ class SupervisedTrainer:
         model, precision = self.opt.model, self.opt.precision
         model.train()
         normaliser = self._normaliser(samples)
-        micro = self._micro_batches(samples)
+        ring = active_ring()
+        micro = [self.objective.collate(mb) for mb in self._micro_batches(samples)]
+        last = len(micro) * (ring.size if ring else 1) - 1
         sums: dict[str, float] = {STEP_LOSS: 0.0}
         tokens = 0
-        for i, mb in enumerate(micro):
-            batch = to_device(self.objective.collate(mb), self.world.device)
-            tokens += int(batch.get("num_tokens", batch["input_ids"].numel()))
-            set_gradient_sync(model, i == len(micro) - 1)
+        for i, (mine, collated) in enumerate(turns(micro, ring)):
+            batch = to_device(collated, self.world.device)
+            set_gradient_sync(model, i == last)
             loss, metrics = self.objective.loss(model, batch, normaliser, precision)
             backward(loss, precision)
+            if not mine:  # another rank's micro-batch: it counts the loss and metrics
+                continue
+            tokens += int(batch.get("num_tokens", batch["input_ids"].numel()))
             sums[STEP_LOSS] += float(loss.detach())
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
@@ -187,9 +199,12 @@ class SupervisedTrainer:
         share = samples[self.world.rank :: self.world.world_size]
         normaliser = self._normaliser(share)
         sums: dict[str, float] = {}
-        for mb in self._micro_batches(share):
-            batch = to_device(self.objective.collate(mb), self.world.device)
+        micro = [self.objective.collate(mb) for mb in self._micro_batches(share)]
+        for mine, collated in turns(micro, active_ring()):
+            batch = to_device(collated, self.world.device)
             _, metrics = self.objective.loss(model, batch, normaliser, self.opt.precision)
+            if not mine:
+                continue
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
         return reduce_metrics(sums, self.world)

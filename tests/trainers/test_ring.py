@@ -1,0 +1,124 @@
+"""``--ring_attn_size 2`` (ring attention over 2 CPU processes, gloo) trains SFT and DPO exactly as one
+process does with ``--ring_attn_size 1`` on packed rows of uneven lengths; impossible ring settings
+fail with one line before any model loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tidal.cli import train_dpo, train_sft
+from tidal.config import ConfigError
+from tidal.testing import AdditionTask
+from tidal.trainers.dpo import run_dpo
+from tidal.trainers.sft import run_sft
+
+RUNNER = Path(__file__).with_name("ring_runner.py")
+KEYS = {"sft": ("loss", "grad_norm"), "dpo": ("loss", "reward_margin", "grad_norm")}
+
+
+def write_data(folder: Path) -> tuple[Path, Path]:
+    sft = AdditionTask(digits=3, seed=4).write_jsonl(folder / "sft.jsonl", 16)
+    pairs = folder / "pairs.jsonl"
+    with pairs.open("w") as f:
+        for i, s in enumerate(AdditionTask(digits=3, seed=5).samples(16)):
+            wrong = str(int(s["answer"]) * (7 + i) + 1)  # rejected answers of uneven lengths
+            f.write(json.dumps({"prompt": s["prompt"], "chosen": s["answer"], "rejected": wrong}) + "\n")
+    return sft, pairs
+
+
+def flags(kind: str, model: Path, data: dict, out: Path, *extra: str, packing: bool = True) -> list[str]:
+    common = [
+        "--pretrain", str(model), "--max_len", "64", "--train_batch_size", "4", "--micro_train_batch_size", "2",
+        "--learning_rate", "2e-3", "--lr_warmup_ratio", "0", "--zero_stage", "2", "--seed", "5",
+        "--max_samples", "8", "--save_path", str(out / "final"), "--ckpt_path", str(out / "ckpt"),
+        *(["--packing_samples"] if packing else []), *extra,
+    ]  # fmt: skip
+    if kind == "dpo":
+        return [*common, "--dataset", str(data["pairs"]), "--prompt_key", "prompt", "--beta", "0.1",
+                "--ref_pretrain", str(data["reference"])]  # fmt: skip
+    return [*common, "--dataset", str(data["sft"]), "--input_key", "prompt", "--output_key", "answer"]
+
+
+def perturbed(model_dir: Path, out: Path) -> Path:
+    """A DPO reference that differs from the policy, so the log-ratios are not all zero."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(out)
+    return out
+
+
+def test_ring_of_two_matches_one_process(tiny_llama, tmp_path):
+    sft, pairs = write_data(tmp_path)
+    data = {"sft": sft, "pairs": pairs, "reference": perturbed(tiny_llama, tmp_path / "ref")}
+    one = {
+        "sft": run_sft(train_sft.parse_run(flags("sft", tiny_llama, data, tmp_path / "sft1"))),
+        "dpo": run_dpo(train_dpo.parse_run(flags("dpo", tiny_llama, data, tmp_path / "dpo1"))),
+    }
+    specs = [
+        {"kind": kind, "out": str(tmp_path / f"{kind}2.json"),
+         "argv": flags(kind, tiny_llama, data, tmp_path / f"{kind}2", "--ring_attn_size", "2")}
+        for kind in one
+    ]  # fmt: skip
+    (tmp_path / "runs.json").write_text(json.dumps(specs))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(RUNNER), str(tmp_path / "runs.json")]  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for kind, history in one.items():
+        two = json.loads((tmp_path / f"{kind}2.json").read_text())
+        assert two["ring_forwards"] > 0  # the packed forwards did run as ring attention
+        assert len(history) == len(two["history"]) >= 2
+        for a, b in zip(history, two["history"], strict=True):
+            for key in KEYS[kind]:
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (kind, key, a["step"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--packing_samples", "--ring_attn_size", "2"],
+            "--ring_attn_size 2 must divide the number of processes (1)",
+        ),
+        (["--ring_attn_size", "2", "--no_packing"], "--ring_attn_size 2 needs --packing_samples"),
+        (
+            ["--ring_attn_size", "2", "--ds_tensor_parallel_size", "2"],
+            "--ds_tensor_parallel_size 2",
+        ),
+        (["--ring_attn_size", "0"], "--ring_attn_size must be >= 1, got 0"),
+        (["--ring_head_stride", "0"], "--ring_head_stride must be >= 1, got 0"),
+    ],
+)
+def test_impossible_ring_settings_fail_before_loading(tiny_llama, tmp_path, extra, message, monkeypatch):
+    import tidal.trainers.common as common
+
+    monkeypatch.setattr(common, "load_causal_lm", lambda *a, **k: pytest.fail("a model loaded"))
+    packing = "--no_packing" not in extra
+    extra = [f for f in extra if f != "--no_packing"]
+    argv = flags("sft", tiny_llama, {"sft": tmp_path / "x.jsonl"}, tmp_path, *extra, packing=packing)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        run_sft(train_sft.parse_run(argv))
+
+
+def test_trainers_without_ring_support_refuse_it(tiny_llama, tmp_path):
+    from tidal.cli import train_rm
+
+    data = {"pairs": tmp_path / "pairs.jsonl"}
+    argv = flags("dpo", tiny_llama, {**data, "reference": tiny_llama}, tmp_path, "--ring_attn_size", "2")
+    argv = argv[: argv.index("--beta")]  # the reward model takes the pairs without DPO's flags
+    with pytest.raises(ConfigError, match="--ring_attn_size 2: not supported by tidal rm: its loss reads"):
+        train_rm.parse_run(argv)
