@@ -33,7 +33,7 @@ def test_piped_session_keeps_history(tiny_llama):
     stdin = "12+34=\nhow are you\n/exit\nnever read\n"
     proc = subprocess.run(
         [sys.executable, "-m", "tidal.cli.chat", "--pretrain", str(tiny_llama), "--max_new_tokens", "6",
-         "--temperature", "0", "--system_prompt", "You add numbers."],
+         "--temperature", "0", "--repetition_penalty", "1", "--system_prompt", "You add numbers."],
         input=stdin, capture_output=True, text=True, timeout=120,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip

@@ -14,6 +14,9 @@ from tidal.config import config_from_args
 from tidal.inference.chat import ChatConfig
 from tidal.inference.config import PolicyConfig, SamplingConfig
 
+# OpenRLHF interactive_chat's sampling defaults (tidal generate keeps vLLM's 1.0 / 1.0 / off).
+CHAT_SAMPLING_DEFAULTS = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.2}
+
 GROUPS = [
     (PolicyConfig, "model and engine", ("max_num_seqs",)),
     (ChatConfig, "conversation"),
@@ -26,6 +29,7 @@ def build_parser(prog: str = "tidal chat") -> argparse.ArgumentParser:
         prog, "Interactive multi-turn chat with a model (one message per input line).", GROUPS, command="chat"
     )
     parser.set_defaults(max_new_tokens=512)  # a chat reply, not a long-form rollout
+    parser.set_defaults(**CHAT_SAMPLING_DEFAULTS)
     return parser
 
 

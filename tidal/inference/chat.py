@@ -7,6 +7,9 @@ A ``ChatSession`` keeps the conversation and renders it before every turn:
 - without one: plain text, each user turn formatted with ``--input_template`` (default
   ``"User: {}\\nAssistant: "``) and followed by the model's reply, as OpenRLHF's interactive chat.
 
+``--ta_prompt FILE`` (plain text only, as OpenRLHF) opens the conversation with the file's text, and
+``--enable_csft`` ends every prompt with ``--csft_prompt`` (conditional SFT), in both renderings.
+
 When the rendered history leaves no room for ``--max_new_tokens``, the oldest turns are dropped
 (the system prompt stays). ``run_chat`` reads the user's lines from a text stream, so the session
 can be driven by a terminal or a pipe; ``/reset`` clears the history, ``/exit`` (or end of input)
@@ -16,10 +19,12 @@ ends the session.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TextIO
 
 from tidal.config.args import ConfigError, arg
 from tidal.data.templates import check_input_template, tokenize_texts
+from tidal.inference.config import DEFAULT_CSFT_PROMPT, csft_prompt_suffix
 from tidal.rollout import LLMEngine, SamplingParams
 
 DEFAULT_INPUT_TEMPLATE = "User: {}\nAssistant: "
@@ -41,18 +46,48 @@ class ChatConfig:
         DEFAULT_INPUT_TEMPLATE, help="without a chat template: how a user turn is written ('{}' is the text)"
     )
     system_prompt: str | None = arg(None, help="system message that opens the conversation")
+    ta_prompt: str | None = arg(
+        None,
+        help="text file whose content opens a plain-text conversation (OpenRLHF's assistant preamble; "
+        "not with a chat template: use --system_prompt there)",
+        metavar="FILE",
+    )
+    enable_csft: bool = arg(False, help="conditional SFT: end every prompt with --csft_prompt")
+    csft_prompt: str = arg(
+        DEFAULT_CSFT_PROMPT, help="--enable_csft: appended to each prompt (stripped, then one space)"
+    )
 
     def use_template(self, tokenizer) -> bool:
         has_template = bool(getattr(tokenizer, "chat_template", None))
         if self.apply_chat_template == "true" and not has_template:
             raise ConfigError("--apply_chat_template true: the tokenizer has no chat template")
-        return has_template if self.apply_chat_template == "auto" else self.apply_chat_template == "true"
+        use = has_template if self.apply_chat_template == "auto" else self.apply_chat_template == "true"
+        if use and self.ta_prompt is not None:
+            raise ConfigError(
+                "--ta_prompt opens a plain-text conversation and the chat template is on: use "
+                "--system_prompt with a chat template, or --apply_chat_template false"
+            )
+        return use
+
+    def preamble(self) -> str:
+        """The text that opens a plain-text conversation: ``--system_prompt``, then ``--ta_prompt``'s file."""
+        parts = [self.system_prompt + "\n"] if self.system_prompt else []
+        if self.ta_prompt is not None:
+            try:
+                parts.append(Path(self.ta_prompt).read_text(encoding="utf-8") + "\n")
+            except (OSError, UnicodeDecodeError) as err:
+                raise ConfigError(f"--ta_prompt {self.ta_prompt}: cannot read it as text ({err})") from err
+        return "".join(parts)
 
     def validate(self) -> None:
         try:
             check_input_template(self.input_template)
         except ValueError as err:
             raise ConfigError(str(err)) from err
+        if self.csft_prompt != DEFAULT_CSFT_PROMPT and not self.enable_csft:
+            raise ConfigError("--csft_prompt is appended to the prompts by --enable_csft: pass it too")
+        if self.ta_prompt is not None:
+            self.preamble()  # an unreadable file fails before the model loads
 
 
 class ChatSession:
@@ -62,6 +97,8 @@ class ChatSession:
         self.engine, self.params, self.cfg = engine, params, cfg
         self.tokenizer = engine.tokenizer
         self.use_template = cfg.use_template(self.tokenizer)
+        self.preamble = "" if self.use_template else cfg.preamble()
+        self.suffix = csft_prompt_suffix(cfg.csft_prompt) if cfg.enable_csft else ""
         self.turns: list[tuple[str, str]] = []  # (user, assistant) pairs, oldest first
         self.dropped = 0  # turns forgotten because the history outgrew the context
 
@@ -84,11 +121,14 @@ class ChatSession:
             for user, assistant in self.turns:
                 messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
             messages.append({"role": "user", "content": text})
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        parts = [self.cfg.system_prompt + "\n"] if self.cfg.system_prompt else []
+            rendered = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+            return rendered + self.suffix
+        parts = [self.preamble]
         for user, assistant in self.turns:
             parts += [self.cfg.input_template.format(user), assistant, "\n"]
-        parts.append(self.cfg.input_template.format(text))
+        parts += [self.cfg.input_template.format(text), self.suffix]
         return "".join(parts)
 
     def _fit(self, text: str) -> list[int]:

@@ -8,10 +8,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.config.args import AT_LEAST_ONE, NON_NEGATIVE, ConfigError, Range, arg
+from tidal.config.args import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, ConfigError, Range, arg
 from tidal.config.engine import ENGINE_DTYPES, engine_config
 from tidal.inference.processors import DEFAULT_REWARD_TEMPLATE, POST_PROCESSORS, check_reward_template
 from tidal.rollout import EngineConfig, SamplingParams
+
+DEFAULT_CSFT_PROMPT = "<rm_score>: 5.00"  # OpenRLHF's
+ITER_SLICE = 2048  # OpenRLHF's --rollout_batch_size default: the prompts of one --iter
+CHUNK_SEQS_PER_SLOT = 4  # without --rollout_batch_size: samples per engine call per --max_num_seqs slot
+
+
+def csft_prompt_suffix(csft_prompt: str) -> str:
+    """What ``--enable_csft`` appends to a rendered prompt (OpenRLHF's: the stripped prompt and a space)."""
+    return csft_prompt.strip() + " "
 
 
 @dataclass
@@ -36,6 +45,7 @@ class PolicyConfig:
         aliases=["--vllm_gpu_memory_utilization"],
     )
     tokenizer_chat_template: str | None = arg(None, help="Jinja chat template that replaces the tokenizer's")
+    disable_fast_tokenizer: bool = arg(False, help="load the slow (Python) tokenizer")
 
     def engine_config(self, seed: int) -> EngineConfig:
         if self.max_num_seqs < 1:
@@ -66,6 +76,12 @@ class SamplingConfig:
     )
     top_k: int = arg(-1, help="keep the k most likely tokens (-1: off)", check=Range(1, also=(-1, 0)))
     seed: int = arg(42, help="random seed: the same seed, data and flags give the same samples")
+    repetition_penalty: float = arg(
+        1.0,
+        help="divide the logit of every token already in the prompt or response by this when positive, "
+        "multiply when negative (as transformers and vLLM; > 1 discourages repeats, 1: off)",
+        check=POSITIVE,
+    )
 
     def sampling_params(self, n: int = 1) -> SamplingParams:
         try:
@@ -75,6 +91,7 @@ class SamplingConfig:
                 top_p=self.top_p,
                 top_k=self.top_k,
                 max_new_tokens=self.max_new_tokens,
+                repetition_penalty=self.repetition_penalty,
             )
         except ValueError as err:  # SamplingParams' messages use the field names, which are the flags
             raise ConfigError("--" + str(err).replace("SamplingParams: ", "")) from err
@@ -97,8 +114,38 @@ class GeneratePromptConfig:
         1, help="responses sampled per prompt (K); --best_of_n is the same flag", aliases=["--best_of_n"]
     )
     label_key: str | None = arg(None, help="dataset key of the label handed to --eval_task's reward_func")
+    output_key: str = arg(
+        "output", help="key of the response in the written rows (iter_dpo rows have chosen/rejected)"
+    )
+    enable_csft: bool = arg(False, help="conditional SFT: end every prompt with --csft_prompt")
+    csft_prompt: str = arg(
+        DEFAULT_CSFT_PROMPT, help="--enable_csft: appended to each prompt (stripped, then one space)"
+    )
+    iter: int | None = arg(
+        None,
+        help="iterative DPO: sample only the prompts of iteration ITER, dataset rows "
+        "[ITER x --rollout_batch_size, (ITER + 1) x --rollout_batch_size)",
+        check=NON_NEGATIVE,
+    )
+    rollout_batch_size: int | None = arg(
+        None,
+        help=f"prompts handed to the engine per call (the progress bar and the output file advance by "
+        f"these), and --iter's slice size (unset: {ITER_SLICE} for --iter; without it, about "
+        f"{CHUNK_SEQS_PER_SLOT} x --max_num_seqs samples' worth)",
+        check=AT_LEAST_ONE,
+    )
+
+    @property
+    def iter_rows(self) -> range | None:
+        """The dataset rows ``--iter`` selects (None: every row)."""
+        if self.iter is None:
+            return None
+        size = self.rollout_batch_size or ITER_SLICE
+        return range(self.iter * size, (self.iter + 1) * size)
 
     def validate(self) -> None:
+        if self.csft_prompt != DEFAULT_CSFT_PROMPT and not self.enable_csft:
+            raise ConfigError("--csft_prompt is appended to the prompts by --enable_csft: pass it too")
         if self.n_samples_per_prompt < 1:
             raise ConfigError(
                 f"--n_samples_per_prompt/--best_of_n must be >= 1, got {self.n_samples_per_prompt}"

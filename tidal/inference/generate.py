@@ -7,8 +7,12 @@ with a reward model (``scoring.SampleScorer``) or an evaluation task (``--eval_t
 function, whose scores give pass@1 and pass@k, ``evaluation``), turn each prompt's samples into rows
 with a post-processor (``processors``), and append the rows to ``--output_path``.
 
-Prompts go through the engine in chunks of about ``CHUNK_SEQS_PER_SLOT × --max_num_seqs`` samples:
-the file grows and is flushed chunk by chunk (a long run can be watched, and an interrupted one keeps
+``--iter`` keeps only one iteration's slice of the dataset rows (iterative DPO, as OpenRLHF), and
+``--enable_csft`` ends every prompt with ``--csft_prompt`` (conditional SFT; the reward model still
+scores the answer to the plain prompt).
+
+Prompts go through the engine in chunks of ``--rollout_batch_size`` prompts (unset: about
+``CHUNK_SEQS_PER_SLOT × --max_num_seqs`` samples); the file grows and is flushed chunk by chunk (a long run can be watched, and an interrupted one keeps
 the finished chunks), while a chunk is still large enough that continuous batching keeps the engine
 full until its tail drains. ``input`` in the output is the prompt exactly as the model saw it
 (rendered), so a training step on the file must not render it again.
@@ -26,7 +30,14 @@ from tqdm import tqdm
 from tidal.config.args import ConfigError
 from tidal.config.data import DatasetConfig
 from tidal.data import DataError, build_prompt_samples, load_dataset_spec, tokenize_texts
-from tidal.inference.config import GeneratePromptConfig, PolicyConfig, SamplingConfig, ScoringConfig
+from tidal.inference.config import (
+    CHUNK_SEQS_PER_SLOT,
+    GeneratePromptConfig,
+    PolicyConfig,
+    SamplingConfig,
+    ScoringConfig,
+    csft_prompt_suffix,
+)
 from tidal.inference.evaluation import pass_at_k_stats
 from tidal.inference.processors import PromptGroup, make_post_processor, reward_tag
 from tidal.inference.scoring import SampleScorer
@@ -35,8 +46,6 @@ from tidal.rewards import load_reward_source
 from tidal.rollout import LLMEngine
 
 log = get_logger(__name__)
-
-CHUNK_SEQS_PER_SLOT = 4
 
 
 @dataclass
@@ -60,6 +69,15 @@ class GenerateRun:
                 f"--best_of_n/--n_samples_per_prompt {n} exceeds --max_num_seqs {self.policy.max_num_seqs}"
             )
         self.sampling.sampling_params(n)  # raises ConfigError on bad sampling flags
+        if self.prompts.enable_csft and self.scoring.csft_reward is not None:
+            raise ConfigError(
+                "--enable_csft (a fixed --csft_prompt) and --csft_reward (a reward in --reward_template) "
+                "both condition the prompts: pass one of them"
+            )
+        if self.prompts.output_key != "output" and self.scoring.post_processor == "iter_dpo":
+            raise ConfigError(
+                "--output_key: --post_processor iter_dpo writes 'chosen' and 'rejected', no response key"
+            )
 
 
 @dataclass
@@ -96,12 +114,18 @@ def run_generate(run: GenerateRun) -> GenerateResult:
 
 
 def load_engine(policy: PolicyConfig, seed: int) -> LLMEngine:
+    from tidal.config.model import ModelConfig
     from tidal.models import load_tokenizer
 
     config = policy.engine_config(seed)
-    tokenizer = load_tokenizer(policy.pretrain)
-    if policy.tokenizer_chat_template:
-        tokenizer.chat_template = policy.tokenizer_chat_template
+    tokenizer = load_tokenizer(
+        policy.pretrain,
+        ModelConfig(
+            pretrain=policy.pretrain,
+            disable_fast_tokenizer=policy.disable_fast_tokenizer,
+            tokenizer_chat_template=policy.tokenizer_chat_template,
+        ),
+    )
     try:
         engine = LLMEngine(policy.pretrain, config, tokenizer=tokenizer)
     except (OSError, ValueError, KeyError) as err:
@@ -134,6 +158,14 @@ def load_prompts(run: GenerateRun, tokenizer, max_model_len: int) -> Prompts:
     dataset = load_dataset_spec(
         ds_cfg.dataset, ds_cfg.dataset_probs, ds_cfg.dataset_split, ds_cfg.max_samples, run.sampling.seed
     )
+    rows = cfg.iter_rows
+    if rows is not None:
+        if rows.start >= len(dataset):
+            raise DataError(
+                f"--iter {cfg.iter} selects rows {rows.start}..{rows.stop - 1} of {ds_cfg.dataset}, which "
+                f"has {len(dataset)} rows (--rollout_batch_size {rows.stop - rows.start} per iteration)"
+            )
+        dataset = dataset.select(range(rows.start, min(rows.stop, len(dataset))))
     samples, _ = build_prompt_samples(
         dataset,
         tokenizer,
@@ -147,6 +179,8 @@ def load_prompts(run: GenerateRun, tokenizer, max_model_len: int) -> Prompts:
     texts = plain
     if run.scoring.csft_reward is not None:
         texts = [reward_tag(run.scoring.template, t, run.scoring.csft_reward) for t in plain]
+    if cfg.enable_csft:
+        texts = [t + csft_prompt_suffix(cfg.csft_prompt) for t in plain]
     ids = [list(x) for x in tokenize_texts(tokenizer, texts, cfg.apply_chat_template)["input_ids"]]
     scored = (
         ids
@@ -173,7 +207,8 @@ def write_samples(run: GenerateRun, engine: LLMEngine, scorer, prompts: Prompts,
     n = run.prompts.n_samples_per_prompt
     params = run.sampling.sampling_params(n)
     process = make_post_processor(run.scoring.post_processor, run.scoring.template)
-    chunk = max(1, CHUNK_SEQS_PER_SLOT * run.policy.max_num_seqs // n)
+    chunk = run.prompts.rollout_batch_size or max(1, CHUNK_SEQS_PER_SLOT * run.policy.max_num_seqs // n)
+    key = run.prompts.output_key
     path = Path(run.prompts.output_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rows, rewards, scores, tokens, start = 0, [], [], 0, time.perf_counter()
@@ -189,6 +224,7 @@ def write_samples(run: GenerateRun, engine: LLMEngine, scorer, prompts: Prompts,
                 scores += _task_scores(task, part, results, groups)
             for group in groups:
                 for row in process(group):
+                    row = {key if k == "output" else k: v for k, v in row.items()}  # --output_key
                     out.write(json.dumps(row, ensure_ascii=False) + "\n")
                     rows += 1
                 rewards += group.rewards or []

@@ -21,7 +21,8 @@ for anything malformed: invalid or non-UTF-8 JSON, nesting too deep, wrong types
 
 Batching: one worker thread scores micro-batches of at most ``--batch_size`` queries drawn from all
 waiting requests at once, round-robin (each request contributes an equal share; a request's queries
-go shortest first, so a micro-batch pads little). Concurrent requests share forward passes, and a
+go shortest first, so a micro-batch pads little; with ``--packing_samples`` a micro-batch is one packed
+row, no padding, each query attending only to itself). Concurrent requests share forward passes, and a
 large request is interleaved with the others instead of holding the model: a small request that
 arrives while a large one is being scored is answered after about one micro-batch.
 """
@@ -40,9 +41,9 @@ from typing import Any
 
 import torch
 
-from tidal.config.args import AT_LEAST_ONE, ConfigError, arg
+from tidal.config.args import AT_LEAST_ONE, ConfigError, arg, deferred_checks
 from tidal.config.model import ModelConfig
-from tidal.data.collate import collate_padded
+from tidal.data.collate import collate_packed, collate_padded
 from tidal.data.sft import SFTSample
 from tidal.logging import get_logger
 from tidal.models import Precision, load_tokenizer
@@ -86,6 +87,11 @@ class ServeRMConfig:
     attn_implementation: str = arg(
         "sdpa", help="attention kernel passed to transformers", choices=("sdpa", "eager", "flash_attention_2")
     )
+    packing_samples: bool = arg(
+        False, help="score each micro-batch as one packed row (no padding; same rewards as padded batches)"
+    )
+    load_in_4bit: bool = arg(False, help="load the reward model's linear layers in 4-bit NF4 (bitsandbytes)")
+    disable_fast_tokenizer: bool = arg(False, help="load the slow (Python) tokenizer")
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.max_len < 2:
@@ -110,10 +116,18 @@ class RewardScorer:
     """Scores query texts with a reward model in padded batches of at most ``batch_size``."""
 
     def __init__(
-        self, model, tokenizer, device: torch.device, precision: Precision, max_len: int, batch_size: int
+        self,
+        model,
+        tokenizer,
+        device: torch.device,
+        precision: Precision,
+        max_len: int,
+        batch_size: int,
+        packing: bool = False,
     ):
         self.model, self.tokenizer, self.device = model.eval(), tokenizer, device
         self.precision, self.max_len, self.batch_size = precision, max_len, batch_size
+        self.collate = collate_packed if packing else collate_padded  # --packing_samples
         plain = tokenizer("a", add_special_tokens=True)["input_ids"]
         self.bos_id = (
             plain[0] if tokenizer.bos_token_id is not None and plain[0] == tokenizer.bos_token_id else None
@@ -121,13 +135,18 @@ class RewardScorer:
 
     @classmethod
     def load(cls, cfg: ServeRMConfig, device: torch.device) -> RewardScorer:
-        model_cfg = ModelConfig(
-            pretrain=cfg.reward_pretrain,
-            param_dtype=cfg.param_dtype,
-            attn_implementation=cfg.attn_implementation,
-        )
+        # ModelConfig's rule that --load_in_4bit needs --lora_rank is about training (QLoRA); a served
+        # model is only read, so that check is skipped here.
+        with deferred_checks():
+            model_cfg = ModelConfig(
+                pretrain=cfg.reward_pretrain,
+                param_dtype=cfg.param_dtype,
+                attn_implementation=cfg.attn_implementation,
+                load_in_4bit=cfg.load_in_4bit,
+                disable_fast_tokenizer=cfg.disable_fast_tokenizer,
+            )
         try:
-            tokenizer = load_tokenizer(cfg.reward_pretrain)
+            tokenizer = load_tokenizer(cfg.reward_pretrain, model_cfg)
             model = load_value_model(
                 model_cfg,
                 device,
@@ -138,7 +157,9 @@ class RewardScorer:
         except ConfigError as err:  # the loaders name --pretrain; this command's flag is --reward_pretrain
             raise ConfigError(f"--reward_pretrain: {err}") from err
         precision = Precision.create(cfg.param_dtype, device)
-        return cls(model.to(precision.dtype), tokenizer, device, precision, cfg.max_len, cfg.batch_size)
+        if not cfg.load_in_4bit:  # a 4-bit model keeps its quantized weights (bitsandbytes refuses .to)
+            model = model.to(precision.dtype)
+        return cls(model, tokenizer, device, precision, cfg.max_len, cfg.batch_size, cfg.packing_samples)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of one query, tokenized as reward-model training data (see the module doc)."""
@@ -162,7 +183,7 @@ class RewardScorer:
         rewards = [0.0] * len(encoded)
         for start in range(0, len(order), self.batch_size):
             chunk = order[start : start + self.batch_size]
-            batch = collate_padded(
+            batch = self.collate(
                 [SFTSample(encoded[i], [0] * len(encoded[i])) for i in chunk], self.tokenizer.pad_token_id
             )
             batch = {k: v.to(self.device) for k, v in batch.items()}
