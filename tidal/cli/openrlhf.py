@@ -58,16 +58,17 @@ _RL_REFUSED = {
 }
 
 _LOADER_NOT_YET = {
-    "disable_fast_tokenizer": f"the slow tokenizer for this command is {_NOT_YET}",
     "use_ms": _TRAINER_REFUSED["use_ms"],
 }
+
+_CHAT_4BIT = (
+    "tidal chat runs on tidal's rollout engine, whose layers hold bf16/fp16/fp32 weights (no 4-bit "
+    "kernels); serve_rm --load_in_4bit does load a 4-bit reward model"
+)
 
 _INFERENCE_REFUSED = {
     **_LOADER_NOT_YET,
     "attn_implementation": "tidal's rollout engine has its own attention kernels (no Hugging Face attention)",
-    "repetition_penalty": f"a repetition penalty in the sampler is {_NOT_YET}",
-    "enable_csft": f"conditional-SFT prompts (--csft_prompt) for this command are {_NOT_YET}",
-    "csft_prompt": f"conditional-SFT prompts for this command are {_NOT_YET}",
 }
 
 # OpenRLHF flag → reason, per OpenRLHF module.
@@ -81,8 +82,6 @@ REFUSED: dict[str, dict[str, str]] = {
     "train_ppo_ray": {**_TRAINER_REFUSED, **_RL_REFUSED},
     "serve_rm": {
         **_LOADER_NOT_YET,
-        "load_in_4bit": f"serving a 4-bit reward model is {_NOT_YET}",
-        "packing_samples": "tidal's reward server pads each batch (packing is not used when serving)",
     },
     "lora_combiner": {},
     "batch_inference": {
@@ -92,14 +91,10 @@ REFUSED: dict[str, dict[str, str]] = {
         "full_determinism": f"{_NOT_YET} for sampling (--seed makes the same flags give the same samples)",
         "tp_size": "tensor parallelism in tidal's rollout engine is not supported by this command",
         "enable_prefix_caching": _RL_REFUSED["enable_prefix_caching"],
-        "iter": f"iterative-DPO iteration seeds for this command are {_NOT_YET}",
-        "rollout_batch_size": f"{_NOT_YET} (tidal generate's engine batches prompts by --max_num_seqs)",
-        "output_key": f"{_NOT_YET} (tidal generate writes the response under 'output')",
     },
     "interactive_chat": {
         **_INFERENCE_REFUSED,
-        "load_in_4bit": f"chatting with a 4-bit model is {_NOT_YET}",
-        "ta_prompt": f"an assistant preamble (use --system_prompt for a system message) is {_NOT_YET}",
+        "load_in_4bit": _CHAT_4BIT,
     },
 }
 
