@@ -240,3 +240,29 @@ def test_fused_moe_interpreted_matches_reference(tm, num_tokens, num_experts, to
     dropped = weights.clone()
     dropped[:, 0] = 0
     assert _rel(reference(x, gate_up, down, dropped, ids), ref) > 0.1
+
+
+def test_expert_forward_dispatches_to_fused_kernels_unless_switched_off(tm, monkeypatch):
+    """Where the fused path is usable (patched to count CPU tensors as usable here), ``expert_forward``
+    returns the kernels' result; ``FUSED_MOE = False`` and non-SiLU experts take the unfused path."""
+    monkeypatch.setattr(moe, "triton_usable", lambda x: True)
+    calls = []
+
+    def counted(*args):
+        calls.append(len(args))
+        return fused_expert_forward(*args)
+
+    fused_expert_forward = tm.fused_expert_forward
+    monkeypatch.setattr(tm, "fused_expert_forward", counted)
+    gen = torch.Generator().manual_seed(5)
+    gate_up, down = experts(4, 40, 24, gen, "cpu", torch.float32)
+    x = torch.randn(9, 40, generator=gen)
+    weights, ids = routing(9, 4, 2, False, gen, "cpu")
+    ref = reference(x, gate_up, down, weights, ids)
+    torch.testing.assert_close(moe.expert_forward(x, gate_up, down, weights, ids, F.silu), ref)
+    assert calls == [5]
+    gelu = moe.ACTIVATIONS["gelu"]
+    moe.expert_forward(x, gate_up, down, weights, ids, gelu)
+    monkeypatch.setattr(moe, "FUSED_MOE", False)
+    torch.testing.assert_close(moe.expert_forward(x, gate_up, down, weights, ids, F.silu), ref)
+    assert calls == [5]  # neither the GELU experts nor the switched-off path reached the kernels
