@@ -4,13 +4,14 @@ by consumer with OpenRLHF's flag names, and one check pass reports every problem
 from __future__ import annotations
 
 import dataclasses
+import typing
 from types import SimpleNamespace
 
 import pytest
 
 from tidal.algorithms import ADVANTAGE_ESTIMATORS
 from tidal.cli import train_dpo, train_kd, train_kto, train_ppo, train_prm, train_rm, train_sft
-from tidal.config import ConfigError, DatasetConfig, ModelConfig, PromptDataConfig
+from tidal.config import ConfigError, ModelConfig, PromptDataConfig
 from tidal.config.args import deferred_checks
 from tidal.config.rl import AlgorithmConfig, RewardConfig, RolloutConfig
 from tidal.config.training import OptimConfig
@@ -27,7 +28,10 @@ PPO = ["--pretrain", "m", "--prompt_data", "p.jsonl"]
 
 
 def _supervised(cls, **extra):
-    return cls(model=ModelConfig(pretrain="m"), datasets=DatasetConfig(dataset="d.jsonl"), **extra)
+    """The run with its required values; ``datasets`` is of the run's own class (DPO, KTO, KD and PRM read
+    the eval split ``test`` by default, as OpenRLHF: ``HeldOutDatasetConfig``)."""
+    datasets = typing.get_type_hints(cls)["datasets"](dataset="d.jsonl")
+    return cls(model=ModelConfig(pretrain="m"), datasets=datasets, **extra)
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from tidal.config.args import Range, arg
 
+# OpenRLHF v0.9.2's --input_template default for train_sft, train_kto and train_kd (its other trainers
+# default to none); those runs set it as their data config's default (docs/openrlhf.md, "Defaults").
+OPENRLHF_INPUT_TEMPLATE = "User: {}\nAssistant: "
+
 
 @dataclass
 class DatasetConfig:
@@ -45,3 +49,12 @@ class PromptDataConfig:
         None, help="template with {} for the prompt text, e.g. 'User: {}\\nAssistant: '"
     )
     apply_chat_template: bool = arg(False, help="render prompts with the tokenizer's chat template")
+
+
+@dataclass
+class HeldOutDatasetConfig(DatasetConfig):
+    """Datasets whose evaluation split defaults to ``test`` (OpenRLHF v0.9.2's train_prm, train_dpo,
+    train_kto and train_kd; train_sft and train_rm read ``train``). A single file has one split, so this
+    matters only for folders and hub datasets."""
+
+    eval_split: str = arg("test", help="split of the evaluation dataset")

@@ -60,7 +60,7 @@ class PairDataConfig:
     apply_chat_template: bool = _flag(
         False, "render prompts and responses with the tokenizer's chat template"
     )
-    max_len: int = _flag(2048, "skip pairs whose chosen or rejected sequence is longer than this")
+    max_len: int = _flag(512, "skip pairs whose chosen or rejected sequence is longer than this")
 
     def validate(self) -> None:
         if self.input_template and not self.prompt_key:

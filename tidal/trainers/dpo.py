@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from tidal.algorithms.preference import DPO_LOSSES
-from tidal.config import Checked, arg
+from tidal.config import Checked, OptimConfig, arg
 from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
+from tidal.config.data import HeldOutDatasetConfig
 from tidal.config.run import config_field
 from tidal.data.pairs import PairDataConfig, PairSample, collate_pairs
 from tidal.distributed import World
@@ -128,6 +129,8 @@ class DPOObjective:
 class DPORun(SupervisedRun):
     """Everything a DPO run is configured by: the common configs, its pairs, loss and reference."""
 
+    datasets: HeldOutDatasetConfig = config_field()
+    optim: OptimConfig = config_field(lambda: OptimConfig(learning_rate=1e-5))  # OpenRLHF's train_dpo
     data: PairDataConfig = config_field(PairDataConfig)
     dpo: DPOConfig = config_field(DPOConfig)
     ref: ReferenceConfig = config_field(ReferenceConfig)

@@ -18,6 +18,7 @@ from tidal.algorithms.distill import distillation_cross_entropy, kd_loss
 from tidal.algorithms.logprobs import entropy_from_logits
 from tidal.config import Checked, arg
 from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
+from tidal.config.data import OPENRLHF_INPUT_TEMPLATE, HeldOutDatasetConfig
 from tidal.config.run import config_field
 from tidal.data import SFTDataConfig, next_token_targets
 from tidal.distributed import World
@@ -81,7 +82,8 @@ class KDObjective(SFTBatching):
 class KDRun(SupervisedRun):
     """Everything a distillation run is configured by: the common configs, its SFT data and teacher."""
 
-    data: SFTDataConfig = config_field(SFTDataConfig)
+    datasets: HeldOutDatasetConfig = config_field()
+    data: SFTDataConfig = config_field(lambda: SFTDataConfig(input_template=OPENRLHF_INPUT_TEMPLATE))
     kd: KDConfig
     ckpt: CheckpointConfig = config_field(trainer_checkpoints("kd"))
 

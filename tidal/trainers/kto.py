@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from tidal.algorithms.preference import kto_loss
-from tidal.config import Checked, ConfigError, arg
+from tidal.config import Checked, ConfigError, OptimConfig, arg
 from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
+from tidal.config.data import OPENRLHF_INPUT_TEMPLATE, HeldOutDatasetConfig
 from tidal.config.run import config_field
 from tidal.data import collate_packed, collate_padded
 from tidal.data.unpaired import UnpairedDataConfig, UnpairedSample, build_unpaired_samples
@@ -140,7 +141,7 @@ class KTOTrainer(SupervisedTrainer):
         return super().train_step(samples)
 
     def evaluate(self, samples: Sequence[UnpairedSample]) -> dict[str, float]:
-        self.prepare_step(samples[self.world.rank :: self.world.world_size])
+        self.prepare_step(samples[self.world.dp_rank :: self.world.dp_size])
         return super().evaluate(samples)
 
     def prepare_step(self, samples: Sequence[UnpairedSample]) -> None:
@@ -168,14 +169,18 @@ class KTOTrainer(SupervisedTrainer):
 class KTORun(SupervisedRun):
     """Everything a KTO run is configured by: the common configs, its samples, loss and reference."""
 
-    data: UnpairedDataConfig = config_field(UnpairedDataConfig)
+    datasets: HeldOutDatasetConfig = config_field()
+    optim: OptimConfig = config_field(lambda: OptimConfig(learning_rate=1e-5))  # OpenRLHF's train_kto
+    data: UnpairedDataConfig = config_field(
+        lambda: UnpairedDataConfig(input_template=OPENRLHF_INPUT_TEMPLATE)
+    )
     kto: KTOConfig = config_field(KTOConfig)
     ref: ReferenceConfig = config_field(ReferenceConfig)
     ckpt: CheckpointConfig = config_field(trainer_checkpoints("kto"))
 
     def cross_problems(self, world: World | None = None) -> list[str]:
         problems = super().cross_problems(world)
-        if world is not None and self.train.train_batch_size // world.world_size < 2:
+        if world is not None and self.train.train_batch_size // world.dp_size < 2:
             problems.append(
                 "KTO needs --train_batch_size of at least 2 per device (its KL term pairs samples)"
             )

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from tidal.algorithms.prm import prm_loss
+from tidal.config import OptimConfig, TrainConfig
 from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
+from tidal.config.data import HeldOutDatasetConfig
 from tidal.config.run import config_field
 from tidal.data.prm import PRMDataConfig, PRMSample, build_prm_samples, collate_prm, reward_token_ids
 from tidal.distributed import World
@@ -53,6 +55,9 @@ class PRMObjective:
 class PRMRun(SupervisedRun):
     """Everything a PRM run is configured by: the common configs and its data."""
 
+    datasets: HeldOutDatasetConfig = config_field()
+    train: TrainConfig = config_field(lambda: TrainConfig(micro_train_batch_size=1))  # OpenRLHF's train_prm
+    optim: OptimConfig = config_field(lambda: OptimConfig(learning_rate=1e-6))
     data: PRMDataConfig = config_field(PRMDataConfig)
     ckpt: CheckpointConfig = config_field(trainer_checkpoints("prm"))
 

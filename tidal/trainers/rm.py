@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from tidal.algorithms.preference import RM_LOSSES
-from tidal.config import arg
+from tidal.config import OptimConfig, TrainConfig, arg
 from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
 from tidal.config.run import config_field
 from tidal.data.pairs import PairDataConfig, PairSample, build_pair_samples, collate_pairs
@@ -125,14 +125,14 @@ class RewardModelTrainer(SupervisedTrainer):
         was_training = model.training
         model.eval()
         sums = {"n": 0.0, "s": 0.0, "ss": 0.0}
-        for mb in self._micro_batches(samples[world.rank :: world.world_size]):
+        for mb in self._micro_batches(samples[world.dp_rank :: world.dp_size]):
             with self.opt.precision.autocast():
                 r = model.scores(to_device(self.objective.collate(mb), world.device)).double()
             sums["n"] += r.numel()
             sums["s"] += r.sum().item()
             sums["ss"] += r.pow(2).sum().item()
         model.train(was_training)
-        total = {k: v * world.world_size for k, v in reduce_metrics(sums, world).items()}
+        total = {k: v * world.dp_size for k, v in reduce_metrics(sums, world).items()}
         mean = total["s"] / total["n"]
         var = max(total["ss"] - total["n"] * mean**2, 0.0) / max(total["n"] - 1, 1)
         return mean, math.sqrt(var) if var > 0 else 1.0
@@ -142,6 +142,8 @@ class RewardModelTrainer(SupervisedTrainer):
 class RMRun(SupervisedRun):
     """Everything a reward-model run is configured by: the common configs, its pairs and head."""
 
+    train: TrainConfig = config_field(lambda: TrainConfig(micro_train_batch_size=1))  # OpenRLHF's train_rm
+    optim: OptimConfig = config_field(lambda: OptimConfig(learning_rate=9e-6))
     data: PairDataConfig = config_field(PairDataConfig)
     rm: RMConfig = config_field(RMConfig)
     ckpt: CheckpointConfig = config_field(trainer_checkpoints("rm"))

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from tidal.config import TrainConfig
 from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
+from tidal.config.data import OPENRLHF_INPUT_TEMPLATE
 from tidal.config.run import config_field
 from tidal.data import (
     SFTDataConfig,
@@ -69,7 +71,8 @@ class SFTObjective(SFTBatching):
 class SFTRun(SupervisedRun):
     """Everything an SFT run is configured by: the common configs and its data."""
 
-    data: SFTDataConfig = config_field(SFTDataConfig)
+    data: SFTDataConfig = config_field(lambda: SFTDataConfig(input_template=OPENRLHF_INPUT_TEMPLATE))
+    train: TrainConfig = config_field(lambda: TrainConfig(max_epochs=2))  # OpenRLHF's train_sft default
     ckpt: CheckpointConfig = config_field(trainer_checkpoints("sft"))
 
 
