@@ -242,6 +242,13 @@ def test_fused_moe_interpreted_matches_reference(tm, num_tokens, num_experts, to
     assert _rel(reference(x, gate_up, down, dropped, ids), ref) > 0.1
 
 
+def test_fused_moe_interpreted_no_tokens(tm):
+    gate_up, down = experts(4, 40, 24, torch.Generator().manual_seed(0), "cpu", torch.float32)
+    ids = torch.zeros(0, 2, dtype=torch.long)
+    out = tm.fused_expert_forward(torch.zeros(0, 40), gate_up, down, torch.zeros(0, 2), ids)
+    assert out.shape == (0, 40)
+
+
 def test_expert_forward_dispatches_to_fused_kernels_unless_switched_off(tm, monkeypatch):
     """Where the fused path is usable (patched to count CPU tensors as usable here), ``expert_forward``
     returns the kernels' result; ``FUSED_MOE = False`` and non-SiLU experts take the unfused path."""
