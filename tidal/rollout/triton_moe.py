@@ -208,7 +208,7 @@ def fused_expert_forward(
     ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I], as ``moe.Experts`` stores them."""
     num_tokens, top_k = ids.shape
     num_experts, double_inter, hidden = gate_up_proj.shape
-    if num_tokens == 0:  # an empty grid cannot launch
+    if num_tokens == 0:  # nothing to route (the allocations below would be empty)
         return torch.zeros_like(x)
     x, gate_up_proj, down_proj = x.contiguous(), gate_up_proj.contiguous(), down_proj.contiguous()
     cfg = config or tile_config(num_tokens * top_k, num_experts)
