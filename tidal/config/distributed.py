@@ -2,9 +2,10 @@
 
 ``--zero_stage 3`` shards parameters, gradients and optimizer state (FSDP2 resharding after
 forward); ``1`` and ``2`` shard gradients and optimizer state but keep parameters gathered between
-forward and backward; ``0`` replicates (DDP). ``--adam_offload`` keeps sharded parameters,
-gradients and optimizer state in CPU memory (FSDP2 ``CPUOffloadPolicy``). With one process these
-have nothing to shard and the model trains on the single device.
+forward and backward; ``0`` replicates (DDP). ``--adam_offload`` keeps (sharded) parameters,
+gradients and optimizer state in CPU memory and steps AdamW there (FSDP2 ``CPUOffloadPolicy``; with
+one process on a one-device mesh); training on the CPU it changes nothing (a log line says so). With
+one process the ZeRO stages have nothing to shard and the model trains on the single device.
 
 ``--ring_attn_size N`` (sequence parallelism, ``tidal.models.ring_attention``) needs packed samples and
 a world size that N divides; ``--ring_head_stride`` is the number of key/value heads per ring pass.
@@ -24,7 +25,11 @@ class DistributedConfig(Checked):
     zero_stage: int = arg(
         2, help="0: replicate (DDP); 1/2: shard grads+optimizer; 3: also shard params", choices=(0, 1, 2, 3)
     )
-    adam_offload: bool = arg(False, help="keep sharded params, grads and optimizer state on the CPU")
+    adam_offload: bool = arg(
+        False,
+        help="keep params, grads and AdamW state in CPU memory and step AdamW there (GPU training, any "
+        "number of processes; nothing changes when training on the CPU)",
+    )
     overlap_comm: bool = arg(False, help="prefetch the next layer's all-gather during compute (more memory)")
     local_rank: int = arg(-1, help="set by launchers; tidal reads LOCAL_RANK from the environment")
     ring_attn_size: int = arg(

@@ -13,7 +13,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from tidal.config.distributed import DistributedConfig
+from tidal.distributed.offload import cpu_offload_policy, ensure_process_group
 from tidal.distributed.world import World
+from tidal.logging import get_logger
+
+log = get_logger(__name__)
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -30,8 +34,15 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 def parallelize(
     model: nn.Module, cfg: DistributedConfig, world: World, compute_dtype: torch.dtype
 ) -> nn.Module:
-    """Shard ``model`` over ``world`` in place and return it; a no-op with a single process."""
+    """Shard ``model`` over ``world`` in place and return it; with a single process a no-op, unless
+    ``--adam_offload`` asks for its weights, gradients and optimizer state in host memory."""
+    if cfg.adam_offload and world.device.type == "cpu":
+        log.info(
+            "--adam_offload: training on the CPU, the weights and optimizer state are in CPU memory already"
+        )
     if not world.distributed:
+        if cfg.adam_offload and world.device.type == "cuda":
+            return offload_single_device(model, world.device, compute_dtype, cfg.zero_stage == 3)
         return model
     if cfg.zero_stage == 0:
         mesh = init_device_mesh(
@@ -52,6 +63,25 @@ def parallelize(
         for prev, nxt in zip(blocks, blocks[1:], strict=False):
             prev.set_modules_to_forward_prefetch([nxt])
             nxt.set_modules_to_backward_prefetch([prev])
+    return model
+
+
+def offload_single_device(
+    model: nn.Module, device: torch.device, compute_dtype: torch.dtype, reshard_after_forward: bool
+) -> nn.Module:
+    """``--adam_offload`` with one process: FSDP2 with ``CPUOffloadPolicy`` on a one-device mesh, so
+    weights (float32), gradients and AdamW state live in host memory and AdamW steps there; each block's
+    weights are copied to ``device`` in ``compute_dtype`` for its forward and backward."""
+    ensure_process_group(device)
+    mesh = init_device_mesh(device.type, (1,))
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    kwargs = dict(
+        mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+        offload_policy=cpu_offload_policy(device),
+    )  # fmt: skip
+    for block in transformer_blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
     return model
 
 

@@ -1,12 +1,40 @@
-"""Move a trained role's weights, gradients and optimizer state off the accelerator and back.
+"""Keep a trained role's weights, gradients and optimizer state off the accelerator.
 
-``--deepspeed_enable_sleep`` (the hybrid engine): while the rollout engine generates, the trainer's
-memory goes to host RAM, and comes back before training. On the CPU there is nothing to move.
+- ``--deepspeed_enable_sleep`` (the hybrid engine): while the rollout engine generates, the trainer's
+  memory goes to host RAM (``offload_to_cpu``), and comes back before training (``reload_to_device``).
+- ``--adam_offload``: FSDP2's ``CPUOffloadPolicy`` (``tidal.distributed.fsdp``) keeps them in host
+  memory for the whole run and AdamW steps there. With one process FSDP2 still needs a process group
+  for its one-device mesh: ``ensure_process_group`` starts one (gloo for CPU tensors, NCCL for CUDA).
+
+On the CPU there is nothing to move.
 """
 
 from __future__ import annotations
 
+import atexit
+
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy
+
+
+def ensure_process_group(device: torch.device) -> None:
+    """A one-process default group for ``device`` unless one exists (destroyed at exit)."""
+    if dist.is_initialized():
+        return
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    atexit.register(destroy_own_group)
+
+
+def destroy_own_group() -> None:
+    if dist.is_initialized() and dist.get_world_size() == 1:
+        dist.destroy_process_group()
+
+
+def cpu_offload_policy(device: torch.device) -> CPUOffloadPolicy:
+    """Host copies pinned where there is a GPU to copy them to (pinning needs CUDA)."""
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda")
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
