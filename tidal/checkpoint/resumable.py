@@ -326,6 +326,14 @@ def _write_pointer(ckpt_path: Path, name: str) -> None:
     os.replace(tmp, ckpt_path / "latest")
 
 
+def trainer_state_file(folder: Path, rank: int) -> Path:
+    """This rank's trainer state; rank 0's when the checkpoint was written by fewer processes (a run
+    resumed on more processes or another tensor-parallel layout: the loop and schedulers are the same on
+    every rank, and the model and optimizer shards are resharded by DCP)."""
+    own = folder / f"trainer_state_rank{rank}.pt"
+    return own if rank < int(read_meta(folder).get("world_size", 1)) else folder / "trainer_state_rank0.pt"
+
+
 def load_checkpoint(folder, parts: dict, world: World) -> tuple[LoopState, dict]:
     """Restore every part, the schedulers and RNG from ``folder``; returns the loop state and extras."""
     folder = Path(folder)
@@ -338,7 +346,7 @@ def load_checkpoint(folder, parts: dict, world: World) -> tuple[LoopState, dict]
             model_state_dict=state[f"{name}_model"],
             optim_state_dict=state[f"{name}_optim"],
         )
-    trainer_state = torch.load(folder / f"trainer_state_rank{world.rank}.pt", weights_only=False)
+    trainer_state = torch.load(trainer_state_file(folder, world.rank), weights_only=False)
     for name, part in parts.items():
         part.scheduler.load_state_dict(trainer_state["schedulers"][name])
     set_rng_state(trainer_state["rng"])

@@ -38,16 +38,15 @@ class DistributedConfig(Checked):
     ring_head_stride: int = arg(
         1, help="key/value heads passed around the ring at a time (larger: faster, more memory)"
     )
-    ds_tensor_parallel_size: int = arg(1, help="tensor-parallel size for training (only 1 is supported)")
+    ds_tensor_parallel_size: int = arg(
+        1, help="tensor-parallel size for training (DTensor TP inside FSDP2; must divide the process count)"
+    )
     zpg: int = arg(1, help="ZeRO++ hierarchical partition size (only 1 is supported)")
     deepcompile: bool = arg(False, help="DeepSpeed DeepCompile (not supported: fails)")
 
     def problems(self, flags=None) -> list[str]:
         unsupported = {
-            "ds_tensor_parallel_size": (
-                self.ds_tensor_parallel_size != 1,
-                "tensor parallelism for training is not supported; use --zero_stage 3",
-            ),
+            "ds_tensor_parallel_size": (self.ds_tensor_parallel_size < 1, "must be at least 1"),
             "zpg": (self.zpg != 1, "ZeRO++ hierarchical partitioning has no FSDP2 equivalent"),
             "deepcompile": (self.deepcompile, "DeepSpeed DeepCompile has no FSDP2 equivalent here"),
         }

@@ -44,7 +44,7 @@ def all_gather_objects(obj, world: World) -> list:
 def gather_values(values: Tensor, world: World) -> Tensor:
     """A 1-D tensor concatenated over processes in rank order (e.g. a rollout's scalar rewards)."""
     parts = all_gather_objects(values.detach().cpu().reshape(-1), world)
-    return torch.cat(parts).to(values.device)
+    return torch.cat(parts[:: world.tp_size]).to(values.device)  # one copy per tensor-parallel group
 
 
 def world_masked_mean(x: Tensor, mask: Tensor, world: World) -> float:

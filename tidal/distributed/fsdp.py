@@ -2,7 +2,9 @@
 
 The model code knows nothing about sharding: this module wraps each transformer block and then the
 root. ``--zero_stage`` picks the mesh and resharding (see ``tidal.config.distributed``); stage 0 is
-HSDP with shard size 1, i.e. plain replication with gradient all-reduce.
+HSDP with shard size 1, i.e. plain replication with gradient all-reduce. With
+``--ds_tensor_parallel_size`` the decoder layers are first split over tensor-parallel ranks and FSDP2
+shards over the data-parallel sub-mesh (``tidal.distributed.tensor_parallel``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from tidal.config.distributed import DistributedConfig
 from tidal.distributed.offload import cpu_offload_policy, ensure_process_group
+from tidal.distributed.tensor_parallel import apply_tensor_parallel, training_mesh
 from tidal.distributed.world import World
 from tidal.logging import get_logger
 
@@ -44,12 +47,9 @@ def parallelize(
         if cfg.adam_offload and world.device.type == "cuda":
             return offload_single_device(model, world.device, compute_dtype, cfg.zero_stage == 3)
         return model
-    if cfg.zero_stage == 0:
-        mesh = init_device_mesh(
-            world.device.type, (world.world_size, 1), mesh_dim_names=("replicate", "shard")
-        )
-    else:
-        mesh = init_device_mesh(world.device.type, (world.world_size,))
+    mesh, tp_mesh = training_mesh(world, cfg.zero_stage)
+    if tp_mesh is not None:  # split the decoder layers over tp first; FSDP2 shards the rest over dp
+        apply_tensor_parallel(model, tp_mesh)
     # Weights stay float32 (master copy); compute and all-gathers use compute_dtype, grads reduce in fp32.
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.zero_stage == 3)

@@ -16,12 +16,26 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class World:
-    """Where this process sits: its rank among ``world_size`` processes and its device."""
+    """Where this process sits: its rank among ``world_size`` processes and its device.
+
+    With tensor parallelism (``tidal.distributed.tensor_parallel``) the ``tp_size`` consecutive ranks of
+    one data-parallel group train on the same batch: data is sharded by ``dp_rank`` of ``dp_size``."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    tp_size: int = 1
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel group (its batch share)."""
+        return self.rank // self.tp_size
+
+    @property
+    def dp_size(self) -> int:
+        """The number of data-parallel groups (distinct batch shares)."""
+        return self.world_size // self.tp_size
 
     @property
     def is_main(self) -> bool:

@@ -27,8 +27,9 @@ from tidal.placement.rollout import Rollout
 
 
 def shard_bounds(count: int, world: World) -> tuple[int, int]:
-    """This rank's contiguous ``[start, stop)`` of ``count`` items (earlier ranks take the remainder)."""
-    return contiguous_splits(count, world.world_size)[world.rank]
+    """This rank's contiguous ``[start, stop)`` of ``count`` items (earlier ranks take the remainder);
+    the tensor-parallel ranks of one data-parallel group share one slice."""
+    return contiguous_splits(count, world.dp_size)[world.dp_rank]
 
 
 class DataParallelRollout:
@@ -71,11 +72,13 @@ def check_data_parallel(run: PlacedRun, world: World, num_eval_prompts: int | No
             f"--actor_num_nodes x --actor_num_gpus_per_node = {run.placement.actor_world_size}, but the "
             f"launcher started {w} processes"
         )
+    dp = world.dp_size  # the processes that hold distinct data (all of them without tensor parallelism)
+    groups = f"{dp} data-parallel groups" if world.tp_size > 1 else f"{dp} processes"
     for flag, value in (
         ("rollout_batch_size", r.rollout_batch_size),
         ("train_batch_size", run.train.train_batch_size),
     ):
-        if value % w:
-            raise ConfigError(f"--{flag} {value} must be divisible by the {w} processes")
-    if num_eval_prompts is not None and num_eval_prompts < w:
-        raise ConfigError(f"--eval_dataset has {num_eval_prompts} prompts, fewer than the {w} processes")
+        if value % dp:
+            raise ConfigError(f"--{flag} {value} must be divisible by the {groups}")
+    if num_eval_prompts is not None and num_eval_prompts < dp:
+        raise ConfigError(f"--eval_dataset has {num_eval_prompts} prompts, fewer than the {groups}")

@@ -30,6 +30,7 @@ from tidal.config.run import RunConfig, config_field
 from tidal.data import load_dataset_spec
 from tidal.distributed import World, init_world, parallelize
 from tidal.distributed.mesh import ring_group, ring_layout_problems
+from tidal.distributed.tensor_parallel import model_layout_problems, with_tensor_parallel
 from tidal.logging import LoggingConfig, get_logger
 from tidal.models import load_causal_lm, load_tokenizer
 from tidal.models.precision import Precision
@@ -65,7 +66,12 @@ class SupervisedRun(RunConfig):
         return super().problems(world) + ring_problems(self, world)
 
     def cross_problems(self, world: World | None = None) -> list[str]:
-        return self.train.batch_problems(world.world_size) if world is not None else []
+        if world is None:
+            return []
+        tp = self.dist.ds_tensor_parallel_size
+        return model_layout_problems(tp, world.world_size, {"--pretrain": self.model}) + (
+            self.train.batch_problems(world.dp_size) if world.world_size % tp == 0 else []
+        )
 
 
 # Trainers whose loss reads only ``token_logprobs`` of packed rows, which ring attention computes; the
@@ -121,7 +127,7 @@ def train_and_eval_samples(load: Callable, ds: DatasetConfig, tokenizer, cfg, se
 
 def training_steps(n_samples: int, train: TrainConfig, world: World, dataset: str) -> int:
     """Optimizer steps of the run; fails early on batch arithmetic or too little data."""
-    train.micro_steps_per_step(world.world_size)  # validates the batch arithmetic early
+    train.micro_steps_per_step(world.dp_size)  # validates the batch arithmetic early
     steps = (n_samples // train.train_batch_size) * train.max_epochs
     if steps == 0:
         raise ConfigError(
@@ -220,7 +226,7 @@ def fit_recipe(recipe: Recipe, run: SupervisedRun, world: World | None = None) -
     The order is fixed (it decides what the seeded RNG initialises): checks, seeding, tokenizer,
     samples, step count, model, frozen models, optimizer stack, objective, training.
     """
-    world = world or init_world()
+    world = with_tensor_parallel(world or init_world(), run.dist.ds_tensor_parallel_size)
     run.check(world)  # every problem of the run at once, before the tokenizer, data or models load
     ring = ring_group(world, run.dist.ring_attn_size, run.dist.ring_head_stride)
     seed_everything(run.train)

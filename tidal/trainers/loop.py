@@ -41,6 +41,7 @@ from tidal.checkpoint import Checkpointer, LoopState, StopSignals, flat_settings
 from tidal.config import CheckpointConfig, TrainConfig
 from tidal.data import step_batches
 from tidal.distributed.fsdp import set_gradient_sync
+from tidal.distributed.tensor_parallel import clip_grad_norm
 from tidal.distributed.world import World
 from tidal.logging import LoggingConfig, MetricsLogger, ProgressBar, Throughput, get_logger
 from tidal.models.precision import Precision
@@ -100,7 +101,7 @@ def optimizer_step(opt: Optimization) -> float:
         scaler.unscale_(optimizer)
     params = [p for p in opt.model.parameters() if p.grad is not None]
     max_norm = opt.max_norm if opt.max_norm > 0 else math.inf
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norm = clip_grad_norm(params, max_norm)  # torch's clip, per mesh under tensor parallelism
     norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     apply = opt.guard.allow(opt.guard.take_loss(), norm, scaled=scaler is not None)
     if apply and scaler:
@@ -187,7 +188,7 @@ class SupervisedTrainer:
         stats["grad_norm"] = optimizer_step(self.opt)
         stats["nonfinite_steps"] = float(self.opt.guard.skipped)
         stats["lr"] = self.opt.scheduler.get_last_lr()[0]
-        stats["tokens"] = reduce_metrics({"t": tokens}, self.world)["t"] * self.world.world_size
+        stats["tokens"] = reduce_metrics({"t": tokens}, self.world)["t"] * self.world.dp_size
         self.opt.scheduler.step()
         return stats
 
@@ -196,7 +197,7 @@ class SupervisedTrainer:
         """Metrics over all of ``samples`` (this device's share), normalised like training."""
         model = self.opt.model
         model.eval()
-        share = samples[self.world.rank :: self.world.world_size]
+        share = samples[self.world.dp_rank :: self.world.dp_size]
         normaliser = self._normaliser(share)
         sums: dict[str, float] = {}
         micro = [self.objective.collate(mb) for mb in self._micro_batches(share)]
@@ -231,7 +232,7 @@ class SupervisedTrainer:
             speed = Throughput()
             for epoch in range(loop.epoch, cfg.max_epochs):
                 batches = step_batches(
-                    len(train), cfg.train_batch_size, cfg.seed, epoch, world.world_size, world.rank
+                    len(train), cfg.train_batch_size, cfg.seed, epoch, world.dp_size, world.dp_rank
                 )
                 for index in range(loop.step_in_epoch, len(batches)):
                     stats = self.train_step([train[i] for i in batches[index]])

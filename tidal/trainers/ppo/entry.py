@@ -15,8 +15,10 @@ import dataclasses
 from transformers import AutoConfig
 
 from tidal.config import ConfigError
+from tidal.config.placement import separate_engines
 from tidal.data import build_prompt_samples, load_dataset_spec
 from tidal.distributed import World, init_world
+from tidal.distributed.tensor_parallel import model_layout_problems, with_tensor_parallel
 from tidal.logging import get_logger
 from tidal.models import load_causal_lm, load_tokenizer
 from tidal.models.loading import check_model_folder, model_load_error
@@ -50,6 +52,8 @@ def train_rank(run: PPORun, ray_actors: dict) -> list[dict]:
 
 def train(run: PPORun, world: World, ray_actors: dict | None = None) -> list[dict]:
     """This rank's part of the run: prompts, parts, the loop."""
+    world = with_tensor_parallel(world, run.dist.ds_tensor_parallel_size)
+    check_tensor_parallel(run, world)
     seed_everything(run.train)
     tokenizer = load_tokenizer(run.actor.pretrain, run.actor)
     d = run.data
@@ -68,6 +72,23 @@ def train(run: PPORun, world: World, ray_actors: dict | None = None) -> list[dic
         return PPOTrainer(run, parts, prompts, evals, world).fit()
     finally:
         parts.close()
+
+
+def check_tensor_parallel(run: PPORun, world: World) -> None:
+    """``--ds_tensor_parallel_size`` layouts the policy (and critic) cannot train in, before anything
+    loads; the rollout engines stay one per process, colocated (each tp rank generates its group's share)."""
+    tp = run.dist.ds_tensor_parallel_size
+    models = {"--pretrain": run.actor}
+    if run.algorithm.needs_critic:
+        models["--critic_pretrain"] = dataclasses.replace(run.actor, pretrain=run.critic_source)
+    problems = model_layout_problems(tp, world.world_size, models)
+    if tp > 1 and separate_engines(run.placement, run.rollout.vllm_num_engines):
+        problems.append(
+            f"--ds_tensor_parallel_size {tp} with --vllm_num_engines {run.rollout.vllm_num_engines} on devices of "
+            "their own: tensor-parallel training needs the engines colocated (--colocate_all_models)"
+        )
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def check_models_before_loading(run: PPORun) -> None:

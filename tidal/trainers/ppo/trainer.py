@@ -222,7 +222,7 @@ class PPOTrainer:
         run, stats = self.run, {}
         generator = torch.Generator().manual_seed(run.train.seed * 7919 + step)
         shape = StepShape(
-            step_size=run.train.train_batch_size // self.world.world_size,
+            step_size=run.train.train_batch_size // self.world.dp_size,
             micro_size=run.train.micro_train_batch_size,
             max_tokens=run.train.train_max_tokens_per_gpu if run.train.use_dynamic_batch else None,
             epochs=run.train.max_epochs,
@@ -242,7 +242,7 @@ class PPOTrainer:
                 force_routing(actor.model, None)  # the last backward is done: route normally again
         if exp.kl is not None:
             kl = world_masked_mean(exp.kl, exp.action_mask, self.world)
-            self.kl_ctl.update(kl, len(exp) * self.world.world_size)
+            self.kl_ctl.update(kl, len(exp) * self.world.dp_size)
         stats["nonfinite_steps"] = float(sum(p.guard.skipped for p in self._trained_parts().values()))
         return stats
 
