@@ -10,7 +10,7 @@ import argparse
 
 from tidal.cli.common import make_parser, module_main, run_command
 from tidal.config import config_from_args
-from tidal.rewards.server import ServeRMConfig
+from tidal.config.serve_rm import ServeRMConfig
 
 GROUPS = [(ServeRMConfig, "reward server")]
 

@@ -7,9 +7,14 @@ batch size, context length and memory share (``rollout_engine_config`` for RL).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tidal.config.args import ConfigError
-from tidal.config.rl import RolloutConfig
-from tidal.rollout import EngineConfig
+
+if TYPE_CHECKING:  # annotations only: the parsers of tidal generate/chat import this module for --help,
+    # and tidal.rollout (torch) and tidal.config.rl (tidal.algorithms, torch) load only when a command runs
+    from tidal.config.rl import RolloutConfig
+    from tidal.rollout import EngineConfig
 
 # --param_dtype values → the engine's dtype names ("auto": bfloat16 on CUDA, float32 on CPU)
 ENGINE_DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -35,6 +40,8 @@ def engine_config(
     """The engine's settings; ``param_dtype`` is a ``--param_dtype`` value (``ENGINE_DTYPES``).
 
     Engine-side rejections (``EngineConfig``'s ``ValueError``) become one-line ``ConfigError``s."""
+    from tidal.rollout import EngineConfig  # torch: only when an engine is configured, not for --help
+
     try:
         return EngineConfig(
             max_num_seqs=max_num_seqs,

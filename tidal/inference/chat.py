@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from tidal.config.args import ConfigError, arg
-from tidal.data.templates import check_input_template, tokenize_texts
 from tidal.inference.config import DEFAULT_CSFT_PROMPT, csft_prompt_suffix
-from tidal.rollout import LLMEngine, SamplingParams
+
+if TYPE_CHECKING:  # ChatConfig builds tidal chat's --help: torch and datasets load when a chat starts
+    from tidal.rollout import LLMEngine, SamplingParams
 
 DEFAULT_INPUT_TEMPLATE = "User: {}\nAssistant: "
 RESET, EXIT = "/reset", "/exit"
@@ -80,6 +81,8 @@ class ChatConfig:
         return "".join(parts)
 
     def validate(self) -> None:
+        from tidal.data.templates import check_input_template  # tidal.data imports datasets
+
         try:
             check_input_template(self.input_template)
         except ValueError as err:
@@ -133,6 +136,8 @@ class ChatSession:
 
     def _fit(self, text: str) -> list[int]:
         """Token ids of the prompt, dropping the oldest turns until the reply fits the context."""
+        from tidal.data.templates import tokenize_texts
+
         budget = self.engine.max_model_len - self.params.max_new_tokens
         while True:
             ids = tokenize_texts(self.tokenizer, [self.render(text)], self.use_template)["input_ids"][0]

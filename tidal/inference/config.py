@@ -7,11 +7,14 @@ Each dataclass is one ``--help`` group (``tidal.config.args``). Cross-flag check
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tidal.config.args import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, ConfigError, Range, arg
 from tidal.config.engine import ENGINE_DTYPES, engine_config
 from tidal.inference.processors import DEFAULT_REWARD_TEMPLATE, POST_PROCESSORS, check_reward_template
-from tidal.rollout import EngineConfig, SamplingParams
+
+if TYPE_CHECKING:  # tidal.rollout imports torch: these configs build --help, the engine loads on a run
+    from tidal.rollout import EngineConfig, SamplingParams
 
 DEFAULT_CSFT_PROMPT = "<rm_score>: 5.00"  # OpenRLHF's
 ITER_SLICE = 2048  # OpenRLHF's --rollout_batch_size default: the prompts of one --iter
@@ -84,6 +87,8 @@ class SamplingConfig:
     )
 
     def sampling_params(self, n: int = 1) -> SamplingParams:
+        from tidal.rollout import SamplingParams  # torch: only when sampling, not for --help
+
         try:
             return SamplingParams(
                 n=n,

@@ -41,8 +41,9 @@ from typing import Any
 
 import torch
 
-from tidal.config.args import AT_LEAST_ONE, ConfigError, arg, deferred_checks
+from tidal.config.args import ConfigError, deferred_checks
 from tidal.config.model import ModelConfig
+from tidal.config.serve_rm import RequestLimits, ServeRMConfig
 from tidal.data.collate import collate_packed, collate_padded
 from tidal.data.sft import SFTSample
 from tidal.logging import get_logger
@@ -54,62 +55,6 @@ log = get_logger(__name__)
 LISTEN_BACKLOG = 1024  # socketserver's default of 5 reset connections under a burst of 32 clients
 SOCKET_TIMEOUT_S = 60.0  # a client that stalls mid-request frees its thread after this
 DRAIN_LIMIT_BYTES = 256 * 1024 * 1024  # an oversized body up to this is read and dropped (see _refuse_body)
-
-
-@dataclass
-class ServeRMConfig:
-    """Reward server: which reward model, where to listen, and how to batch."""
-
-    reward_pretrain: str = arg(
-        help="reward model folder (trained with tidal rm) to serve (required)", metavar="PATH"
-    )
-    host: str = arg("127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    port: int = arg(5000, help="port to listen on (0: any free port)")
-    max_len: int = arg(2048, help="queries longer than this many tokens keep their last max_len tokens")
-    batch_size: int = arg(16, help="most queries per forward pass; concurrent requests are coalesced")
-    max_request_bytes: int = arg(
-        16 * 1024 * 1024,
-        help="largest request body in bytes; larger ones get HTTP 413 (tidal-only flag)",
-        check=AT_LEAST_ONE,
-    )
-    max_request_queries: int = arg(
-        8192, help="most queries in one request; more get HTTP 413 (tidal-only flag)", check=AT_LEAST_ONE
-    )
-    normalize_reward: bool = arg(False, help="return (reward - mean) / std with the stats stored by tidal rm")
-    value_head_prefix: str = arg(
-        "score", help="attribute name of the value head", aliases=["--value_prefix_head"]
-    )
-    param_dtype: str = arg(
-        "auto",
-        help="compute dtype (auto: bf16 on CUDA, fp32 on CPU)",
-        choices=("auto", "bf16", "fp16", "fp32"),
-    )
-    attn_implementation: str = arg(
-        "sdpa", help="attention kernel passed to transformers", choices=("sdpa", "eager", "flash_attention_2")
-    )
-    packing_samples: bool = arg(
-        False, help="score each micro-batch as one packed row (no padding; same rewards as padded batches)"
-    )
-    load_in_4bit: bool = arg(False, help="load the reward model's linear layers in 4-bit NF4 (bitsandbytes)")
-    disable_fast_tokenizer: bool = arg(False, help="load the slow (Python) tokenizer")
-
-    def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.max_len < 2:
-            raise ConfigError("--batch_size must be >= 1 and --max_len >= 2")
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
-
-    @property
-    def limits(self) -> RequestLimits:
-        return RequestLimits(self.max_request_bytes, self.max_request_queries)
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What one ``/get_reward`` request may hold (bigger ones are refused with 413)."""
-
-    max_bytes: int = 16 * 1024 * 1024
-    max_queries: int = 8192
 
 
 class RewardScorer:
