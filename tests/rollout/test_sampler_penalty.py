@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.rollout.reference import PROMPTS, cpu_config
-from tidal.rollout import LLMEngine, SamplingParams
+from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
 from tidal.rollout.sampler import Sampler, SamplingTensors, apply_repetition_penalty
 
 
@@ -90,3 +90,28 @@ def test_penalty_must_be_positive():
     with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
         SamplingParams(repetition_penalty=0.0)
     assert not SamplingParams().penalizes_repetition
+
+
+@pytest.mark.gpu
+def test_cuda_penalized_sampling_takes_the_torch_path_and_matches_hf(tiny_model):
+    """On CUDA (fused sampling kernel, decode CUDA graphs) a penalized batch still gets the penalty:
+    greedy and sampled rows mixed, the greedy ones equal ``transformers.generate``."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model("llama")
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).cuda().eval()
+    engine = LLMEngine(path, EngineConfig(device="cuda", dtype="float32", max_model_len=128, block_size=4))
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True, repetition_penalty=1.5)
+    sampled = SamplingParams(
+        temperature=1.0, max_new_tokens=16, ignore_eos=True, seed=1, repetition_penalty=1.5
+    )
+    outputs = engine.generate(PROMPTS, [greedy, sampled, greedy, sampled])
+    for prompt, out in zip(PROMPTS[::2], outputs[::2], strict=True):
+        with torch.inference_mode():
+            ref = hf.generate(
+                torch.tensor([prompt], device="cuda"),
+                do_sample=False,
+                max_new_tokens=16,
+                repetition_penalty=1.5,
+            )
+        assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
