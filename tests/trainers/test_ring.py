@@ -122,3 +122,70 @@ def test_trainers_without_ring_support_refuse_it(tiny_llama, tmp_path):
     argv = argv[: argv.index("--beta")]  # the reward model takes the pairs without DPO's flags
     with pytest.raises(ConfigError, match="--ring_attn_size 2: not supported by tidal rm: its loss reads"):
         train_rm.parse_run(argv)
+
+
+REWARD = """
+import torch
+
+
+def reward_func(queries, prompts, labels, **kwargs):
+    values = [sum(ord(c) for c in q[len(p):]) % 7 / 7 for q, p in zip(queries, prompts)]
+    return {"rewards": torch.tensor(values)}
+"""
+
+
+def test_grpo_ring_of_two_matches_one_process(tiny_qwen2, tmp_path):
+    """GRPO with a reference (KL loss), an entropy bonus and packed micro-batches: scoring and updates
+    under ring attention over 2 processes match one process."""
+    from tidal.cli.train_ppo import parse_run
+    from tidal.trainers.ppo import run_ppo
+
+    with (tmp_path / "prompts.jsonl").open("w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": f"{i % 10}+{i % 3}={'1' * (i % 4)}", "label": "x"}) + "\n")
+    (tmp_path / "reward.py").write_text(REWARD)
+
+    def argv(out: Path, *extra: str) -> list[str]:
+        return [
+            "--pretrain", str(tiny_qwen2), "--prompt_data", str(tmp_path / "prompts.jsonl"), "--input_key", "prompt",
+            "--label_key", "label", "--remote_rm_url", str(tmp_path / "reward.py"), "--n_samples_per_prompt", "2",
+            "--rollout_batch_size", "4", "--train_batch_size", "8", "--micro_train_batch_size", "2",
+            "--micro_rollout_batch_size", "2", "--generate_max_len", "4", "--prompt_max_len", "8",
+            "--actor_learning_rate", "2e-3", "--lr_warmup_ratio", "0", "--zero_stage", "2", "--seed", "3",
+            "--advantage_estimator", "group_norm", "--init_kl_coef", "0.05", "--use_kl_loss",
+            "--colocate_actor_ref", "--entropy_loss_coef", "0.01", "--packing_samples", "--max_samples", "8",
+            "--save_path", str(out / "final"), "--ckpt_path", str(out / "ckpt"), *extra,
+        ]  # fmt: skip
+
+    one = run_ppo(parse_run(argv(tmp_path / "one")))
+    specs = [
+        {
+            "kind": "ppo",
+            "out": str(tmp_path / "two.json"),
+            "argv": argv(tmp_path / "two", "--ring_attn_size", "2"),
+        }
+    ]
+    (tmp_path / "runs.json").write_text(json.dumps(specs))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(RUNNER), str(tmp_path / "runs.json")]  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert two["ring_forwards"] > 0
+    assert len(one) == len(two["history"]) >= 2
+    for a, b in zip(one, two["history"], strict=True):
+        for key in ("reward", "policy/loss", "response_length", "grad_norm", "kl", "policy/kl_loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (key, a)
+
+
+def test_ppo_with_a_critic_refuses_ring(tiny_qwen2, tmp_path, monkeypatch):
+    from tidal.cli.train_ppo import parse_run
+    from tidal.trainers.ppo import entry, run_ppo
+
+    monkeypatch.setattr(entry, "load_tokenizer", lambda *a, **k: pytest.fail("loading started"))
+    argv = ["--pretrain", str(tiny_qwen2), "--prompt_data", str(tmp_path / "p.jsonl"), "--advantage_estimator", "gae",
+            "--ring_attn_size", "2", "--packing_samples", "--save_path", str(tmp_path / "f")]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"must divide the number of processes \(1\).*critic's values"):
+        run_ppo(parse_run(argv))

@@ -35,6 +35,7 @@ from tidal.experience.experience import Experience, forced_experts, micro_batche
 from tidal.models.forward import token_logprobs
 from tidal.models.moe_routing import replayed_routing
 from tidal.models.precision import Precision
+from tidal.models.ring_attention import active_ring, turns
 from tidal.rewards.base import check_finite
 
 
@@ -136,10 +137,24 @@ def _per_token(
     replay: bool = False,
 ) -> Tensor:
     """Run ``fn`` over micro-batches of ``exp`` and reassemble an ``[N, T]`` tensor; with ``replay``,
-    ``model``'s routers take the experts the engine recorded (``--moe_router_replay``)."""
+    ``model``'s routers take the experts the engine recorded (``--moe_router_replay``). Under ring
+    attention the ring group takes turns (``ring_attention.turns``): every rank runs every rank's
+    micro-batches and keeps its own."""
     device = exp.sequences.device
     out = torch.zeros(exp.sequences.shape, dtype=torch.float32, device=device)
-    for rows in micro_batches(exp, micro, max_tokens):
+    groups = micro_batches(exp, micro, max_tokens)
+    ring = active_ring()
+    if ring is not None:
+        batches = [{k: v.cpu() for k, v in model_batch(exp.select(rows), packing).items()} for rows in groups]
+        own = iter(groups)
+        for mine, batch in turns(batches, ring):
+            values = fn({k: v.to(device) for k, v in batch.items()})
+            if mine:
+                rows = next(own)
+                values = unflatten(values.float(), exp.select(rows), packing)
+                out[rows, : values.shape[1]] = values
+        return out
+    for rows in groups:
         part = exp.select(rows)
         with replayed_routing(model, forced_experts(part, packing) if replay else None):
             values = unflatten(fn(model_batch(part, packing)).float(), part, packing)

@@ -18,10 +18,12 @@ from tidal.config import ConfigError
 from tidal.config.placement import separate_engines
 from tidal.data import build_prompt_samples, load_dataset_spec
 from tidal.distributed import World, init_world
+from tidal.distributed.mesh import ring_group, ring_layout_problems
 from tidal.distributed.tensor_parallel import model_layout_problems, with_tensor_parallel
 from tidal.logging import get_logger
 from tidal.models import load_causal_lm, load_tokenizer
 from tidal.models.loading import check_model_folder, model_load_error
+from tidal.models.ring_attention import use_ring
 from tidal.models.value_model import load_value_model
 from tidal.placement.build import build_roles, log_placement
 from tidal.placement.data_parallel import check_data_parallel
@@ -52,6 +54,7 @@ def train_rank(run: PPORun, ray_actors: dict) -> list[dict]:
 
 def train(run: PPORun, world: World, ray_actors: dict | None = None) -> list[dict]:
     """This rank's part of the run: prompts, parts, the loop."""
+    ring = ring_for(run, world)  # one-line errors before anything loads; this rank's ring group or None
     world = with_tensor_parallel(world, run.dist.ds_tensor_parallel_size)
     check_tensor_parallel(run, world)
     seed_everything(run.train)
@@ -69,7 +72,8 @@ def train(run: PPORun, world: World, ray_actors: dict | None = None) -> list[dic
     parts = build_parts(run, world, tokenizer, total_update_steps(run, len(prompts)), ray_actors)
     log.info("RL (%s): %d prompts, device %s", run.algorithm.advantage_estimator, len(prompts), world.device)
     try:
-        return PPOTrainer(run, parts, prompts, evals, world).fit()
+        with use_ring(ring):  # packed policy/reference forwards split their rows over the ring group
+            return PPOTrainer(run, parts, prompts, evals, world).fit()
     finally:
         parts.close()
 
@@ -89,6 +93,33 @@ def check_tensor_parallel(run: PPORun, world: World) -> None:
         )
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def ring_for(run: PPORun, world: World):
+    """This rank's ring-attention group (``--ring_attn_size``), or None; impossible settings fail in one
+    line first. The policy and reference forwards run under the ring; a critic does not yet."""
+    size = run.dist.ring_attn_size
+    if size <= 1:
+        return None
+    problems = ring_layout_problems(size, world.world_size)
+    if not run.train.packing_samples:
+        problems.append(
+            f"--ring_attn_size {size} needs --packing_samples (ring attention splits packed rows)"
+        )
+    if run.algorithm.needs_critic:
+        problems.append(
+            f"--ring_attn_size {size} with --advantage_estimator {run.algorithm.advantage_estimator}: the critic's "
+            "values do not run under ring attention yet; use a critic-free estimator (group_norm, rloo, ...)"
+        )
+    if run.actor.aux_loss_coef > 0:
+        problems.append(
+            f"--ring_attn_size {size} with --aux_loss_coef: the MoE load-balancing loss is not supported"
+        )
+    if run.rollout.moe_router_replay:
+        problems.append(f"--ring_attn_size {size} with --moe_router_replay: routing replay is not supported")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return ring_group(world, size, run.dist.ring_head_stride)
 
 
 def check_models_before_loading(run: PPORun) -> None:

@@ -32,6 +32,7 @@ from tidal.experience.maker import shift_values
 from tidal.models.forward import token_logprobs
 from tidal.models.moe_routing import capture_router_logits, force_routing, router_aux_loss
 from tidal.models.precision import Precision
+from tidal.models.ring_attention import active_ring, turns
 from tidal.trainers.loop import STEP_LOSS, Optimization, backward, optimizer_step, reduce_metrics
 
 
@@ -78,9 +79,11 @@ def train_on_experience(
             step = exp.select(order[start : start + shape.step_size])
             norm = Normaliser.of(step, world)
             sums: dict[str, float] = {STEP_LOSS: 0.0}
-            for rows in _micro_batches(step, shape, world):
-                loss, metrics = loss_fn(opt.model, step.select(rows), norm)
+            for mine, mb in _turns(step, _micro_batches(step, shape, world), world):
+                loss, metrics = loss_fn(opt.model, mb, norm)
                 backward(loss, opt.precision)
+                if not mine:  # a ring peer's micro-batch (ring attention): its owner counts it
+                    continue
                 sums[STEP_LOSS] += float(loss.detach())
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
@@ -109,6 +112,17 @@ def _micro_batches(step: Experience, shape: StepShape, world: World) -> list[lis
             raise RuntimeError(f"cannot split {len(step)} rows into {target} micro-batches")
         groups[largest:largest] = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
     return groups
+
+
+def _turns(step: Experience, groups: list[list[int]], world: World):
+    """``(mine, micro-batch)`` of this step. Under ring attention the ring group takes turns
+    (``tidal.models.ring_attention.turns``): every rank runs every rank's micro-batches, each over its
+    chunk of the sequence, and only the owner counts the loss (the ring's gradients sum to it)."""
+    ring = active_ring()
+    if ring is None:
+        return ((True, step.select(rows)) for rows in groups)
+    parts = [step.select(rows).to(torch.device("cpu")) for rows in groups]
+    return ((mine, mb.to(world.device)) for mine, mb in turns(parts, ring))
 
 
 def _share(value: Tensor, mask: Tensor, norm: Normaliser) -> Tensor:
