@@ -68,9 +68,10 @@ class SupervisedRun(RunConfig):
     def cross_problems(self, world: World | None = None) -> list[str]:
         if world is None:
             return []
-        tp = self.dist.ds_tensor_parallel_size
-        return model_layout_problems(tp, world.world_size, {"--pretrain": self.model}) + (
-            self.train.batch_problems(world.dp_size) if world.world_size % tp == 0 else []
+        tp, size = self.dist.ds_tensor_parallel_size, world.world_size
+        # the batch is split over the data-parallel groups (size // tp), once tp divides the world
+        return model_layout_problems(tp, size, {"--pretrain": self.model}) + (
+            self.train.batch_problems(size // tp) if size % tp == 0 else []
         )
 
 

@@ -180,10 +180,12 @@ class KTORun(SupervisedRun):
 
     def cross_problems(self, world: World | None = None) -> list[str]:
         problems = super().cross_problems(world)
-        if world is not None and self.train.train_batch_size // world.dp_size < 2:
-            problems.append(
-                "KTO needs --train_batch_size of at least 2 per device (its KL term pairs samples)"
-            )
+        if world is not None:
+            groups = max(world.world_size // self.dist.ds_tensor_parallel_size, 1)  # tp ranks share samples
+            if self.train.train_batch_size // groups < 2:
+                problems.append(
+                    "KTO needs --train_batch_size of at least 2 per device (its KL term pairs samples)"
+                )
         return problems
 
 
