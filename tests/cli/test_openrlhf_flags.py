@@ -24,7 +24,6 @@ from tidal.cli.openrlhf import (
     openrlhf_module,
     refusals,
 )
-from tidal.config.args import ConfigError
 
 TABLE = json.loads((Path(__file__).parent / "openrlhf_v0_9_2_flags.json").read_text())
 CLIS = sorted(k for k in TABLE if not k.startswith("_"))
@@ -113,16 +112,8 @@ def test_a_flag_the_command_defines_wins_over_the_tables():
 
 def test_batch_inference_reads_openrlhf_eval_task_modes():
     argv = ["--pretrain", "m", "--eval_task", "generate_vllm", "--eval_task=generate", "--eval_task", "f.py"]
-    assert batch_inference.without_sampling_modes(argv) == ["--pretrain", "m", "--eval_task", "f.py"]
-    with pytest.raises(ConfigError, match="--eval_task rm"):
-        batch_inference.without_sampling_modes(["--eval_task", "rm"])
-
-
-def test_batch_inference_refuses_rm_in_one_line(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main.main(["batch_inference", "--eval_task", "rm", "--pretrain", "m"])
-    assert exit_info.value.code == 2
-    assert capsys.readouterr().err == f"tidal batch_inference: error: {batch_inference.RM_REFUSAL}\n"
+    assert batch_inference.split_eval_task(argv) == (["--pretrain", "m", "--eval_task", "f.py"], False)
+    assert batch_inference.split_eval_task(["--eval_task", "rm", "--pretrain", "m"]) == (["--pretrain", "m"], True)
 
 
 @pytest.mark.parametrize("cli", CLIS)
@@ -174,16 +165,17 @@ def test_dotted_ppo_flags_parse_to_the_same_configs():
 
 def test_dotted_flags_parse_to_the_same_configs():
     argv = ["--model.model_name_or_path", "m", "--data.dataset", "d", "--ds.lora.rank", "4", "--adam.lr=0.5",
-            "--train.micro_batch_size", "2", "--eval.dataset", "e", "--ds.zero_stage", "2"]  # fmt: skip
+            "--train.micro_batch_size", "2", "--eval.dataset", "e", "--ds.zero_stage", "2",
+            "--ds.ring_attn_head_stride", "2"]  # fmt: skip
     ns = _parser("train_sft").parse_args(argv)
     assert (ns.pretrain, ns.dataset, ns.lora_rank, ns.learning_rate) == ("m", "d", 4, 0.5)
-    assert (ns.micro_train_batch_size, ns.eval_dataset) == (2, "e")
+    assert (ns.micro_train_batch_size, ns.eval_dataset, ns.ring_head_stride) == (2, "e", 2)
 
 
 def test_dotted_refusals_name_the_flag_as_typed(capsys):
     with pytest.raises(SystemExit):
-        _parser("train_sft").parse_args(["--ds.ring_attn_head_stride", "1", "--muon.lr", "0.1"])
+        _parser("train_sft").parse_args(["--ds.use_universal_ckpt", "--muon.lr", "0.1"])
     assert capsys.readouterr().err.splitlines() == [
-        f"tidal sft: error: --ds.ring_attn_head_stride (--ring_head_stride) is not supported: {REFUSED['train_sft']['ring_head_stride']}",
+        f"tidal sft: error: --ds.use_universal_ckpt (--use_ds_universal_ckpt) is not supported: {REFUSED['train_sft']['use_ds_universal_ckpt']}",
         f"tidal sft: error: --muon.lr is not supported: {DOTTED_REFUSED['muon.lr']}",
     ]

@@ -42,7 +42,6 @@ _TRAINER_REFUSED = {
         "parameters' dtype"
     ),
     "use_liger_kernel": "Liger kernels are not part of tidal; drop the flag",
-    "ring_head_stride": "ring attention is not supported by tidal (only --ring_attn_size 1)",
     "use_ms": "ModelScope downloads are not supported: pass a local folder or a Hugging Face hub name",
 }
 
