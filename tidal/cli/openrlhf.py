@@ -49,10 +49,7 @@ _NOT_YET = "not implemented in tidal yet"
 
 _RL_REFUSED = {
     "enable_prefix_caching": "a vLLM option; tidal's rollout engine has no prefix cache",
-    "enable_ema": f"an EMA copy of the policy is {_NOT_YET}",
-    "ema_beta": f"an EMA copy of the policy (--enable_ema) is {_NOT_YET}",
     "actor_init_on_gpu": "a DeepSpeed ZeRO-3 initialisation option; tidal's FSDP2 loads each shard on its GPU",
-    "ptx_coef": f"the pretraining (ptx) loss mixed into the policy loss is {_NOT_YET}",
     "perf": "OpenRLHF's throughput report has no tidal counterpart (tidal logs timings with its metrics)",
 }
 

@@ -18,6 +18,8 @@ COMMAND = TrainerCommand(
         "agent": "agents",
         "frozen": "reference and reward models",
         "train": "training",
+        "ema": "EMA of the policy (the saved model with --enable_ema)",
+        "ptx": "PPO-ptx: pretraining loss in the policy update",
         "actor_optim": "optimizer (shared by policy and critic; --actor_learning_rate for the policy)",
         "critic_optim": "critic optimizer (--critic_learning_rate; the other optimizer flags are shared)",
         **{k: v for k, v in COMMON_TITLES.items() if k in ("ckpt", "logging", "dist")},

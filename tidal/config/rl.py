@@ -310,6 +310,51 @@ class FrozenModelsConfig(Checked):
 
 
 @dataclass
+class EMAConfig(Checked):
+    """An EMA of the policy's weights, updated after each optimizer step and saved as the run's model.
+
+    ``--enable_ema`` / ``--ema_beta`` as in OpenRLHF v0.9.2 (``tidal.trainers.ppo.ema``)."""
+
+    enable: bool = arg(
+        False,
+        flag="enable_ema",
+        help="keep an EMA of the policy's weights; --save_path (and --save_hf_ckpt copies) get the EMA model",
+    )
+    beta: float = arg(
+        0.992, flag="ema_beta", help="EMA decay: ema = beta * ema + (1 - beta) * weights", check=UNIT
+    )
+
+
+@dataclass
+class PtxConfig(Checked):
+    """A next-token loss on --pretrain_data texts, weighted by --ptx_coef, added to the policy update.
+
+    InstructGPT's PPO-ptx, as OpenRLHF <= v0.7 computed it (``tidal.trainers.ppo.ptx``)."""
+
+    coef: float = arg(
+        0.05,
+        flag="ptx_coef",
+        help="weight of the pretraining loss in the policy update (needs --pretrain_data; without it "
+        "there is no ptx loss, as in OpenRLHF v0.9.2)",
+        check=NON_NEGATIVE,
+    )
+    data: str | None = arg(
+        None,
+        flag="pretrain_data",
+        help="pretraining text dataset(s) for the ptx loss: its --input_key column, every token trained",
+        metavar="DATASET",
+    )
+    data_probs: str | None = arg(
+        None, flag="pretrain_data_probs", help="blend weights for the pretraining datasets"
+    )
+    split: str = arg("train", flag="pretrain_split", help="split of the pretraining dataset")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.data) and self.coef > 0
+
+
+@dataclass
 class RLTrainConfig(TrainConfig):
     """Training loop: episodes over the prompts, batch sizes, epochs per rollout, dynamic batching."""
 

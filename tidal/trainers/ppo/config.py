@@ -24,7 +24,9 @@ from tidal.config.rl import (
     AgentConfig,
     AlgorithmConfig,
     CriticConfig,
+    EMAConfig,
     FrozenModelsConfig,
+    PtxConfig,
     RewardConfig,
     RLTrainConfig,
     RolloutConfig,
@@ -53,6 +55,8 @@ class PPORun(RunConfig):
     agent: AgentConfig = config_field(AgentConfig)
     frozen: FrozenModelsConfig = config_field(FrozenModelsConfig)
     train: RLTrainConfig = config_field(ppo_train)
+    ema: EMAConfig = config_field(EMAConfig)
+    ptx: PtxConfig = config_field(PtxConfig)
     actor_optim: OptimConfig = config_field(
         lambda: OptimConfig(learning_rate=1e-6), flags={"learning_rate": "actor_learning_rate"}
     )
@@ -108,6 +112,8 @@ class PPORun(RunConfig):
                 "memory between uses, but this run has none (no --init_kl_coef > 0 / --reward_pretrain, or "
                 "they run on devices of their own)"
             )
+        if self.ptx.data and self.ptx.coef <= 0:
+            problems.append("--pretrain_data is only read for the ptx loss: set --ptx_coef > 0, or drop it")
         samples = r.rollout_batch_size * n
         if self.train.train_batch_size > samples:
             problems.append(

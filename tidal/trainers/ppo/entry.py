@@ -16,7 +16,7 @@ from transformers import AutoConfig
 
 from tidal.config import ConfigError
 from tidal.config.placement import separate_engines
-from tidal.data import build_prompt_samples, load_dataset_spec
+from tidal.data import SFTDataConfig, build_prompt_samples, load_dataset_spec
 from tidal.distributed import World, init_world
 from tidal.distributed.mesh import ring_group, ring_layout_problems
 from tidal.distributed.tensor_parallel import model_layout_problems, with_tensor_parallel
@@ -32,7 +32,9 @@ from tidal.rollout.models.registry import FAMILIES, supported_model_types
 from tidal.trainers.common import build_optimization, seed_everything
 from tidal.trainers.loop import Optimization
 from tidal.trainers.ppo.config import PPORun
+from tidal.trainers.ppo.ptx import PtxStream
 from tidal.trainers.ppo.trainer import PPOParts, PPOTrainer
+from tidal.trainers.sft import load_sft_samples
 
 log = get_logger(__name__)
 
@@ -67,9 +69,11 @@ def train(run: PPORun, world: World, ray_actors: dict | None = None) -> list[dic
             f"({run.rollout.rollout_batch_size})"
         )
     evals = load_prompts(run, tokenizer, d.eval_dataset, None, d.eval_split, None) if d.eval_dataset else None
+    ptx = load_ptx_stream(run, tokenizer, world) if run.ptx.enabled else None
     check_data_parallel(run, world, len(evals) if evals is not None else None)
     log_placement(run, world)
     parts = build_parts(run, world, tokenizer, total_update_steps(run, len(prompts)), ray_actors)
+    parts.ptx = ptx
     log.info("RL (%s): %d prompts, device %s", run.algorithm.advantage_estimator, len(prompts), world.device)
     try:
         with use_ring(ring):  # packed policy/reference forwards split their rows over the ring group
@@ -117,6 +121,10 @@ def ring_for(run: PPORun, world: World):
         )
     if run.rollout.moe_router_replay:
         problems.append(f"--ring_attn_size {size} with --moe_router_replay: routing replay is not supported")
+    if run.ptx.enabled:
+        problems.append(
+            f"--ring_attn_size {size} with --pretrain_data: the ptx loss does not run under ring attention"
+        )
     if problems:
         raise ConfigError("; ".join(problems))
     return ring_group(world, size, run.dist.ring_head_stride)
@@ -167,6 +175,18 @@ def load_prompts(run: PPORun, tokenizer, spec: str, probs, split: str, max_sampl
     if skipped.count:
         log.warning("%s: %s", spec, skipped.summary())
     return prompts
+
+
+def load_ptx_stream(run: PPORun, tokenizer, world: World) -> PtxStream:
+    """``--pretrain_data`` as pretrain-mode SFT samples (every token of the ``--input_key`` text, at
+    most prompt + generate length, as OpenRLHF), in this rank's micro-batches for the ptx loss (ranks
+    of one tensor-parallel group share theirs: the stream is split by data-parallel rank)."""
+    p, d = run.ptx, run.data
+    cfg = SFTDataConfig(
+        input_key=d.input_key, output_key=None, pretrain_mode=True, max_len=run.rollout.total_len
+    )
+    samples = load_sft_samples(p.data, p.data_probs, p.split, d.max_samples, tokenizer, cfg, run.train.seed)
+    return PtxStream(samples, run.train.micro_train_batch_size, run.train.seed, world.dp_rank, world.dp_size)
 
 
 def total_update_steps(run: PPORun, num_prompts: int) -> int:

@@ -40,7 +40,10 @@ from tidal.placement.protocols import ReferenceRole, RolloutRole
 from tidal.placement.stream import RolloutJob, RolloutResult, rollout_stream
 from tidal.trainers.loop import Optimization
 from tidal.trainers.ppo.config import PPORun
+from tidal.trainers.ppo.ema import PolicyEMA
+from tidal.trainers.ppo.ptx import PtxLoss, PtxStream
 from tidal.trainers.ppo.update import PolicyLoss, StepShape, ValueLoss, train_on_experience
+from tidal.trainers.sft import SFTObjective
 
 log = get_logger(__name__)
 
@@ -56,19 +59,22 @@ SETTINGS = (
     "train",
     "actor_optim",
     "critic_optim",
+    "ema",
+    "ptx",
 )
 
 
 @dataclass
 class PPOParts:
     """What the loop drives: the trained roles on this device, the frozen reference and the rollout
-    wherever ``tidal.placement`` put them."""
+    wherever ``tidal.placement`` put them, and this rank's pretraining micro-batches (``--pretrain_data``)."""
 
     actor: Optimization
     critic: Optimization | None
     reference: ReferenceRole | None
     rollout: RolloutRole
     tokenizer: object
+    ptx: PtxStream | None = None
 
     def close(self) -> None:
         """Stop what runs outside this process (engines, reference and reward workers)."""
@@ -104,6 +110,8 @@ class PPOTrainer:
         self.moments = RunningMoments() if run.reward.normalize and not run.reward.pretrain else None
         self.reduction = BatchReduction.over(world)  # whitening and reward moments over every rank
         self.n = run.rollout.n_samples_per_prompt
+        # --enable_ema: the average starts from the initial policy (a resume restores the saved one)
+        self.ema = PolicyEMA(parts.actor.model, run.ema.beta) if run.ema.enable else None
         self.checkpointer = Checkpointer(
             run.ckpt, world, "ppo", self._trained_parts(), flat_settings(asdict(run), SETTINGS),
             state=self._loop_state(), hf_copy=self._hf_copy,
@@ -237,7 +245,9 @@ class PPOTrainer:
                 run.algorithm, actor.precision, run.rollout.temperature, shape.packing, self.kl_ctl.value,
                 aux_loss_coef=run.actor.aux_loss_coef, router_replay=run.rollout.moe_router_replay,
             )  # fmt: skip
-            stats |= train_on_experience(actor, exp, loss, shape, self.world, generator)
+            ema_update = self.ema.update if self.ema is not None else None
+            ptx = self._ptx_loss() if self.parts.ptx is not None else None
+            stats |= train_on_experience(actor, exp, loss, shape, self.world, generator, ptx, ema_update)
             if loss.router_replay:
                 force_routing(actor.model, None)  # the last backward is done: route normally again
         if exp.kl is not None:
@@ -245,6 +255,14 @@ class PPOTrainer:
             self.kl_ctl.update(kl, len(exp) * self.world.dp_size)
         stats["nonfinite_steps"] = float(sum(p.guard.skipped for p in self._trained_parts().values()))
         return stats
+
+    def _ptx_loss(self) -> PtxLoss:
+        """``--ptx_coef`` x the next-token loss of this rank's next pretraining micro-batch."""
+        run, actor = self.run, self.parts.actor
+        objective = SFTObjective(
+            self.parts.tokenizer.pad_token_id, run.train.packing_samples, run.actor.aux_loss_coef
+        )
+        return PtxLoss(run.ptx.coef, self.parts.ptx, objective, actor.precision, self.world.device)
 
     def sync_weights(self, step: int) -> None:
         if step >= self.run.algorithm.freezing_actor_steps:
@@ -288,11 +306,16 @@ class PPOTrainer:
 
     def _loop_state(self) -> dict[str, StateFns]:
         """What a checkpoint keeps besides the trained parts, under the names it has always had."""
-        return {
+        state = {
             "kl_coef": StateFns(lambda: self.kl_ctl.value, self._load_kl_coef),
             "moments": StateFns(lambda: asdict(self.moments) if self.moments else None, self._load_moments),
             "nonfinite": StateFns(self._guard_states, self._load_guard_states),
         }
+        if self.ema is not None:
+            state["ema"] = self.ema
+        if self.parts.ptx is not None:
+            state["ptx"] = self.parts.ptx
+        return state
 
     def _load_kl_coef(self, value: float) -> None:
         self.kl_ctl.value = value
@@ -309,8 +332,17 @@ class PPOTrainer:
             part.guard.load_state_dict(saved.get(name, {}))
 
     def _hf_copy(self, folder: Path) -> None:
-        """``--save_hf_ckpt``: the policy as a Hugging Face folder next to each checkpoint."""
-        self.checkpointer.export(self.parts.actor.model, self.parts.tokenizer, folder)
+        """``--save_hf_ckpt``: the policy (its EMA with ``--enable_ema``) as a Hugging Face folder next
+        to each checkpoint."""
+        self._export_policy(folder)
+
+    def _export_policy(self, path) -> None:
+        """The policy as a Hugging Face folder; with ``--enable_ema`` the averaged weights, as OpenRLHF."""
+        if self.ema is None:
+            self.checkpointer.export(self.parts.actor.model, self.parts.tokenizer, path)
+            return
+        with self.ema.swapped_in():
+            self.checkpointer.export(self.parts.actor.model, self.parts.tokenizer, path)
 
     def _resume(self) -> LoopState:
         """Continue from ``--ckpt_path`` (``--load_checkpoint``); the engine gets the restored weights."""
@@ -321,7 +353,7 @@ class PPOTrainer:
         return loop
 
     def save_final(self) -> None:
-        self.checkpointer.export(self.parts.actor.model, self.parts.tokenizer, self.run.ckpt.save_path)
+        self._export_policy(self.run.ckpt.save_path)
         if self.parts.critic is not None and self.run.critic.save:
             critic_dir = Path(str(self.run.ckpt.save_path).rstrip("/") + "_critic")
             self.checkpointer.export(self.parts.critic.model, self.parts.tokenizer, critic_dir)

@@ -1,7 +1,9 @@
 """PPO updates: several epochs of minibatch steps over one rollout, for the policy and the critic.
 
 ``train_on_experience`` is the shared loop (shuffle → optimizer steps of ``--train_batch_size``
-samples → micro-batches with gradient accumulation). Loss normalisers count the action tokens (and
+samples → micro-batches with gradient accumulation; optionally a ptx micro-batch after each policy
+micro-batch, ``tidal.trainers.ppo.ptx``, and a hook after each optimizer step, the policy's EMA).
+Loss normalisers count the action tokens (and
 sequences) of the whole optimizer step across devices, so micro-batch size and device count never
 change the update. ``PolicyLoss`` and ``ValueLoss`` are the two objectives; their math lives in
 ``tidal.algorithms``. A step with a non-finite loss or gradient norm is skipped and counted by the
@@ -68,8 +70,14 @@ def train_on_experience(
     shape: StepShape,
     world: World,
     generator: torch.Generator,
+    extra_loss: Callable[[nn.Module, int], tuple[Tensor, dict]] | None = None,
+    after_step: Callable[[], None] | None = None,
 ) -> dict[str, float]:
-    """Run ``shape.epochs`` passes of optimizer steps over ``exp``; returns metrics averaged over steps."""
+    """Run ``shape.epochs`` passes of optimizer steps over ``exp``; returns metrics averaged over steps.
+
+    ``extra_loss(model, micro_batches)``, when given, is backpropagated separately after each
+    micro-batch's loss (the ptx loss: one graph at a time) and counts in the step's loss;
+    ``after_step()`` runs after each optimizer step (the EMA update)."""
     totals: dict[str, float] = {}
     steps = 0
     opt.model.train()
@@ -79,17 +87,25 @@ def train_on_experience(
             step = exp.select(order[start : start + shape.step_size])
             norm = Normaliser.of(step, world)
             sums: dict[str, float] = {STEP_LOSS: 0.0}
-            for mine, mb in _turns(step, _micro_batches(step, shape, world), world):
+            groups = _micro_batches(step, shape, world)
+            for mine, mb in _turns(step, groups, world):
                 loss, metrics = loss_fn(opt.model, mb, norm)
                 backward(loss, opt.precision)
                 if not mine:  # a ring peer's micro-batch (ring attention): its owner counts it
                     continue
                 sums[STEP_LOSS] += float(loss.detach())
+                if extra_loss is not None:
+                    extra, extra_metrics = extra_loss(opt.model, len(groups))
+                    backward(extra, opt.precision)
+                    sums[STEP_LOSS] += float(extra.detach())
+                    metrics = {**metrics, **extra_metrics}
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
             metrics = reduce_metrics(sums, world)  # every rank sees the same loss, so all skip together
             opt.guard.observe_loss(metrics.pop(STEP_LOSS))
             metrics["grad_norm"] = optimizer_step(opt)
+            if after_step is not None:
+                after_step()
             metrics["lr"] = opt.scheduler.get_last_lr()[0]
             opt.scheduler.step()
             for k, v in metrics.items():
