@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from tidal.cli.batch_inference import main as batch_main
 from tidal.cli.chat import build_parser as chat_parser
@@ -174,3 +174,96 @@ def test_ta_prompt_with_a_chat_template_is_refused(tiny_llama, tmp_path, capsys)
 def test_chat_sampling_defaults_are_openrlhf_interactive_chats():
     ns = chat_parser().parse_args(["--pretrain", "m"])
     assert (ns.temperature, ns.top_p, ns.repetition_penalty) == (0.2, 0.9, 1.2)
+
+
+# ---------------------------------------------------------------- batch_inference --eval_task rm
+
+
+@pytest.fixture(scope="module")
+def reward_model(tiny_llama, tmp_path_factory):
+    """A reward model on the policy's tokenizer: the tiny LM's body with a random (seeded) value head."""
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(str(tiny_llama), num_labels=1)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    path = tmp_path_factory.mktemp("rm")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+SAMPLES = [("1+1=", "2"), ("1+1=", "11"), ("2+3=", "5"), ("1+1=", "3"), ("2+3=", "6")]
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory):
+    """A file as ``tidal generate --best_of_n`` writes it: several responses per prompt."""
+    path = tmp_path_factory.mktemp("rmdata") / "samples.jsonl"
+    path.write_text("".join(json.dumps({"input": p, "response": r}) + "\n" for p, r in SAMPLES))
+    return path
+
+
+def hf_reward(model_path, text: str) -> float:
+    """The value head at the last token of ``text`` (+ eos), from transformers directly."""
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    hf = AutoModelForSequenceClassification.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    ids = torch.tensor([tokenizer(text + tokenizer.eos_token)["input_ids"]])
+    with torch.no_grad():
+        return hf.score(hf.model(ids).last_hidden_state)[0, -1, 0].item()
+
+
+def score(reward_model, samples, out, *extra) -> list[dict]:
+    batch_main([
+        "--eval_task", "rm", "--pretrain", str(reward_model), "--dataset", str(samples), "--output_key",
+        "response", "--output_path", str(out), "--micro_batch_size", "2", *extra,
+    ])  # fmt: skip
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_rm_mode_scores_every_response_of_the_file(reward_model, samples, tmp_path):
+    rows = score(reward_model, samples, tmp_path / "r.jsonl")
+    assert [(row["input"], row["response"]) for row in rows] == [  # grouped by prompt, file order within
+        SAMPLES[0],
+        SAMPLES[1],
+        SAMPLES[3],
+        SAMPLES[2],
+        SAMPLES[4],
+    ]
+    for row in rows:
+        assert row["reward"] == pytest.approx(
+            hf_reward(reward_model, row["input"] + row["response"]), abs=1e-4
+        )
+
+
+def test_rm_mode_rejection_sampling_keeps_the_best_response_per_prompt(reward_model, samples, tmp_path):
+    scored = score(reward_model, samples, tmp_path / "all.jsonl")
+    best = score(reward_model, samples, tmp_path / "rs.jsonl", "--post_processor", "rs")
+    assert [row["input"] for row in best] == ["1+1=", "2+3="]
+    for row in best:
+        assert row["reward"] == max(r["reward"] for r in scored if r["input"] == row["input"])
+    pairs = score(reward_model, samples, tmp_path / "dpo.jsonl", "--post_processor", "iter_dpo")
+    assert [(p["chosen_reward"] >= p["rejected_reward"]) for p in pairs] == [True, True]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--best_of_n", "2"], "--n_samples_per_prompt has no meaning with --eval_task rm"),
+        (["--temperature", "0.5"], "--temperature has no meaning with --eval_task rm"),
+        (["--reward_pretrain", "R"], "--reward_pretrain has no meaning with --eval_task rm"),
+        (["--reward_template", "{input}{reward}"], "--reward_template is only used by --post_processor csft"),
+    ],
+)
+def test_rm_mode_refuses_sampling_flags_in_one_line(reward_model, samples, tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as exc:
+        score(reward_model, samples, tmp_path / "x.jsonl", *extra)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_rm_mode_names_a_row_without_the_response_key(reward_model, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"input": "a", "response": "b"}) + "\n" + json.dumps({"input": "a"}) + "\n")
+    with pytest.raises(SystemExit) as exc:
+        score(reward_model, data, tmp_path / "x.jsonl")
+    assert exc.value.code == 2 and "row 2 of" in capsys.readouterr().err

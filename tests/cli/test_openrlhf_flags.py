@@ -24,7 +24,6 @@ from tidal.cli.openrlhf import (
     openrlhf_module,
     refusals,
 )
-from tidal.config.args import ConfigError
 
 TABLE = json.loads((Path(__file__).parent / "openrlhf_v0_9_2_flags.json").read_text())
 CLIS = sorted(k for k in TABLE if not k.startswith("_"))
@@ -113,16 +112,9 @@ def test_a_flag_the_command_defines_wins_over_the_tables():
 
 def test_batch_inference_reads_openrlhf_eval_task_modes():
     argv = ["--pretrain", "m", "--eval_task", "generate_vllm", "--eval_task=generate", "--eval_task", "f.py"]
-    assert batch_inference.without_sampling_modes(argv) == ["--pretrain", "m", "--eval_task", "f.py"]
-    with pytest.raises(ConfigError, match="--eval_task rm"):
-        batch_inference.without_sampling_modes(["--eval_task", "rm"])
-
-
-def test_batch_inference_refuses_rm_in_one_line(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main.main(["batch_inference", "--eval_task", "rm", "--pretrain", "m"])
-    assert exit_info.value.code == 2
-    assert capsys.readouterr().err == f"tidal batch_inference: error: {batch_inference.RM_REFUSAL}\n"
+    assert batch_inference.split_eval_task(argv) == (["--pretrain", "m", "--eval_task", "f.py"], False)
+    rm = ["--eval_task", "rm", "--pretrain", "m"]
+    assert batch_inference.split_eval_task(rm) == (["--pretrain", "m"], True)
 
 
 @pytest.mark.parametrize("cli", CLIS)

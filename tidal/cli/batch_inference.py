@@ -3,9 +3,9 @@
 
 OpenRLHF's ``--eval_task generate`` and ``generate_vllm`` both mean "sample responses", which is what
 ``tidal generate`` always does (tidal has one rollout engine, not a Hugging Face and a vLLM path), so
-they are taken out of the flags here; ``rm`` (scoring an existing file) is refused with a reason; any
-other value is ``tidal generate``'s own ``--eval_task``. OpenRLHF's other flags are aliased or refused
-by ``tidal.cli.openrlhf``.
+they are taken out of the flags here; ``rm`` scores an existing file with the reward model at
+``--pretrain`` (``tidal.inference.score_file``); any other value is ``tidal generate``'s own
+``--eval_task``. OpenRLHF's other flags are aliased or refused by ``tidal.cli.openrlhf``.
 """
 
 from __future__ import annotations
@@ -15,19 +15,15 @@ from collections.abc import Sequence
 
 from tidal.cli import generate
 from tidal.cli.common import module_main, run_command
-from tidal.config.args import ConfigError
 
 SAMPLING_MODES = ("generate", "generate_vllm")
-RM_REFUSAL = (
-    "--eval_task rm (score an existing file) is not supported yet: score the samples while "
-    "generating with --reward_pretrain"
-)
+RM_MODE = "rm"
 
 
-def without_sampling_modes(argv: Sequence[str]) -> list[str]:
-    """``argv`` without ``--eval_task generate|generate_vllm`` (sampling is what tidal generate does);
-    ``--eval_task rm`` raises ``ConfigError`` with the reason."""
-    out, i = [], 0
+def split_eval_task(argv: Sequence[str]) -> tuple[list[str], bool]:
+    """``argv`` without OpenRLHF's ``--eval_task generate|generate_vllm|rm`` (sampling is what tidal
+    generate does), and whether ``rm`` (score an existing file) was asked for."""
+    out, rm, i = [], False, 0
     while i < len(argv):
         token = argv[i]
         if token == "--eval_task" and i + 1 < len(argv):
@@ -38,25 +34,27 @@ def without_sampling_modes(argv: Sequence[str]) -> list[str]:
             out.append(token)
             i += 1
             continue
-        if value == "rm":
-            raise ConfigError(RM_REFUSAL)
-        if value not in SAMPLING_MODES:
+        rm = rm or value == RM_MODE
+        if value not in (*SAMPLING_MODES, RM_MODE):
             out += argv[i : i + step]
         i += step
-    return out
+    return out, rm
 
 
 def build_parser(prog: str = "tidal batch_inference"):
     return generate.build_parser(prog)
 
 
+def score_from_args(ns):
+    """``--eval_task rm``: score the file's responses with the reward model at ``--pretrain``."""
+    from tidal.inference.score_file import run_score_file
+
+    return run_score_file(generate.run_from_namespace(ns, validate=False))
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "tidal batch_inference"):
-    parser = build_parser(prog)
-    try:
-        argv = without_sampling_modes(sys.argv[1:] if argv is None else argv)
-    except ConfigError as err:
-        parser.exit(2, f"{prog}: error: {err}\n")
-    return run_command(parser, argv, generate.run_from_args)
+    argv, rm = split_eval_task(sys.argv[1:] if argv is None else argv)
+    return run_command(build_parser(prog), argv, score_from_args if rm else generate.run_from_args)
 
 
 if __name__ == "__main__":

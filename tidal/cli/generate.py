@@ -33,14 +33,16 @@ def build_parser(prog: str = "tidal generate") -> argparse.ArgumentParser:
     )
 
 
-def run_from_namespace(ns: argparse.Namespace):
-    """The ``GenerateRun`` described by parsed flags (raises ``ConfigError`` on bad combinations)."""
+def run_from_namespace(ns: argparse.Namespace, validate: bool = True):
+    """The ``GenerateRun`` described by parsed flags (raises ``ConfigError`` on bad combinations);
+    ``validate=False`` leaves the cross-flag checks to the caller (batch_inference's rm mode has its own)."""
     from tidal.inference.generate import GenerateRun
 
     classes = {"policy": PolicyConfig, "sampling": SamplingConfig, "prompts": GeneratePromptConfig,
                "scoring": ScoringConfig, "datasets": DatasetConfig}  # fmt: skip
     run = GenerateRun(**configs_from_args(classes, ns))  # every flag checked, all problems reported
-    run.validate()
+    if validate:
+        run.validate()
     return run
 
 

@@ -38,16 +38,18 @@ class SampleScorer:
         param_dtype: str = "auto",
         micro_batch_size: int = 16,
         device: torch.device | None = None,
+        flag: str = "--reward_pretrain",
     ) -> SampleScorer:
+        """``flag``: the flag that named ``path``, for errors (``--pretrain`` in batch_inference's rm mode)."""
         device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        check_same_tokenizer(path, policy_tokenizer)
+        check_same_tokenizer(path, policy_tokenizer, flag)
         try:
             model = load_value_model(
                 ModelConfig(pretrain=path), device, value_head_prefix, normalize_reward=normalize_reward,
                 trained_head=True,
             )  # fmt: skip
-        except ConfigError as err:  # the loader speaks of --pretrain; here the flag is --reward_pretrain
-            raise ConfigError(f"--reward_pretrain {path}: {err}") from err
+        except ConfigError as err:  # the loader speaks of --pretrain; name the flag that gave the path
+            raise ConfigError(f"{flag} {path}: {err}") from err
         precision = Precision.create(param_dtype, device)
         return cls(model, policy_tokenizer.pad_token_id, precision, micro_batch_size)
 
