@@ -48,7 +48,7 @@ def perturbed(model_dir: Path, out: Path) -> Path:
 def flags(kind: str, model: Path, data: dict, out: Path, zero: str, *extra) -> list[str]:
     common = [
         "--pretrain", str(model), "--max_len", "64", "--train_batch_size", "8", "--micro_train_batch_size", "2",
-        "--learning_rate", "2e-3", "--lr_warmup_ratio", "0", "--zero_stage", zero, "--seed", "5",
+        "--learning_rate", "2e-3", "--lr_warmup_ratio", "0", "--zero_stage", zero, "--seed", "5", "--max_epochs", "1",
         "--save_path", str(out / "final"), "--ckpt_path", str(out / "ckpt"), *extra,
     ]  # fmt: skip
     if kind == "rm":

@@ -88,7 +88,7 @@ def flags(model, data, out, *extra) -> list[str]:
     return [
         "--pretrain", str(model), "--dataset", str(data), "--input_key", "prompt", "--output_key", "answer",
         "--max_len", "48", "--train_batch_size", "4", "--micro_train_batch_size", "2", "--lr_warmup_ratio", "0",
-        "--max_samples", "24", "--logging_steps", "1", "--save_path", str(out / "final"),
+        "--max_samples", "24", "--max_epochs", "1", "--logging_steps", "1", "--save_path", str(out / "final"),
         "--ckpt_path", str(out / "ckpt"), *extra,
     ]  # fmt: skip
 

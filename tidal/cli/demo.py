@@ -88,8 +88,8 @@ class Demo:
         train = self.task.write_jsonl(self.data / "sft.jsonl", c.train_samples, "train", c.sft_wrong_fraction)
         run_sft(parse_run([
             "--pretrain", str(base), "--dataset", str(train), "--input_key", "prompt", "--output_key", "answer",
-            "--input_template", "{}", "--max_len", "32", "--train_batch_size", "32", "--micro_train_batch_size", "32", "--packing_samples",
-            "--max_epochs", str(c.sft_epochs), "--learning_rate", str(c.sft_learning_rate),
+            "--max_len", "32", "--train_batch_size", "32", "--micro_train_batch_size", "32", "--packing_samples",
+            "--input_template", "{}", "--max_epochs", str(c.sft_epochs), "--learning_rate", str(c.sft_learning_rate),
             "--lr_warmup_ratio", "0.05", "--seed", str(c.seed), "--logging_steps", "10", "--save_path", str(out),
         ]))  # fmt: skip
         return out
