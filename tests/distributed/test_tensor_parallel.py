@@ -1,5 +1,5 @@
 """Tensor-parallel training (``--ds_tensor_parallel_size 2``, DTensor TP inside FSDP2, CPU gloo) matches
-one process step by step for SFT and GRPO; its DCP checkpoints reshard (a TP=2 checkpoint resumes with
+one process step by step for SFT, GRPO, DPO, a reward model and PPO with a critic; its DCP checkpoints reshard (a TP=2 checkpoint resumes with
 TP=1, in 2 data-parallel processes and in 1, and a 1-process checkpoint resumes with TP=2); the HF
 export holds the full weights; impossible layouts fail before any model loads."""
 
@@ -12,13 +12,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tidal.cli import train_ppo, train_sft
+from tidal.cli import train_dpo, train_ppo, train_rm, train_sft
 from tidal.config import ConfigError
 from tidal.distributed.tensor_parallel import layout_problems, matching_modules, tp_plan
 from tidal.distributed.world import World
 from tidal.testing import AdditionTask
 from tidal.testing.tiny import tiny_config
+from tidal.trainers.dpo import run_dpo
 from tidal.trainers.ppo import run_ppo
+from tidal.trainers.rm import run_rm
 from tidal.trainers.sft import run_sft
 
 TP2 = ["--ds_tensor_parallel_size", "2"]
@@ -117,6 +119,52 @@ def test_tp2_matches_one_process_and_checkpoints_reshard(tiny_qwen2, tmp_path, d
     (tp2 / "ckpt" / "latest").write_text("global_step_2")
     resumed_1 = run_sft(train_sft.parse_run(resume(tp2, tmp_path / "tp2_to_one")))
     dist.assert_steps_match(one[2:], resumed_1, ("loss", "grad_norm", "lr"))
+
+
+def test_tp2_other_trainers_match_one_process(tiny_llama, tmp_path, dist):
+    """DPO (its frozen reference split with the same plan), a reward model (a value head on the split
+    body) and PPO with GAE (a split critic) under TP=2 match one process."""
+    pairs = tmp_path / "pairs.jsonl"
+    with pairs.open("w") as f:
+        for i, s in enumerate(AdditionTask(digits=2, seed=5).samples(16)):
+            wrong = str(int(s["answer"]) + 1 + i % 5)
+            f.write(json.dumps({"prompt": s["prompt"], "chosen": s["answer"], "rejected": wrong}) + "\n")
+    rl = write_rl_data(tmp_path)
+
+    def pair_flags(out: Path) -> list[str]:
+        return [
+            "--pretrain", str(tiny_llama), "--dataset", str(pairs), "--prompt_key", "prompt", "--max_len", "64",
+            "--train_batch_size", "8", "--micro_train_batch_size", "2", "--learning_rate", "2e-3",
+            "--lr_warmup_ratio", "0", "--zero_stage", "2", "--seed", "5", "--max_epochs", "1",
+            "--save_path", str(out / "final"), "--ckpt_path", str(out / "ckpt"),
+        ]  # fmt: skip
+
+    gae = ["--advantage_estimator", "gae", "--critic_learning_rate", "2e-3", "--n_samples_per_prompt", "2",
+           "--train_batch_size", "8"]  # fmt: skip
+    one = {
+        "dpo": run_dpo(train_dpo.parse_run(pair_flags(tmp_path / "dpo1"))),
+        "rm": run_rm(train_rm.parse_run(pair_flags(tmp_path / "rm1"))),
+        "ppo": run_ppo(train_ppo.parse_run(grpo_flags(tiny_llama, rl, tmp_path / "gae1", *gae))),
+    }
+    argv = {
+        "dpo": pair_flags(tmp_path / "dpo2"),
+        "rm": pair_flags(tmp_path / "rm2"),
+        "ppo": grpo_flags(tiny_llama, rl, tmp_path / "gae2", *gae),
+    }
+    specs = [{"kind": k, "out": str(tmp_path / f"{k}2.json"), "argv": [*a, *TP2]} for k, a in argv.items()]
+    dist.torchrun(specs, tmp_path)
+    keys = {
+        "dpo": ("loss", "reward_margin", "grad_norm"),
+        "rm": ("loss", "acc", "reward_gap", "grad_norm"),
+        "ppo": ("reward", "policy/loss", "critic/loss", "grad_norm"),
+    }
+    for kind, history in one.items():
+        two = dist.result(tmp_path / f"{kind}2.json")["history"]
+        assert len(two) == len(history) >= 2
+        dist.assert_steps_match(history[:1], two[:1], keys[kind])
+        # After an Adam step the sharded matmuls' float rounding differences are amplified in the
+        # parameters whose gradients are near zero (seen: 6e-5 relative on the reward model's grad norm).
+        dist.assert_steps_match(history[1:], two[1:], keys[kind], tol=1e-4)
 
 
 def test_plan_covers_every_decoder_linear(tiny_llama):

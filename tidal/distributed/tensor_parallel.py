@@ -35,6 +35,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from tidal.config.args import ConfigError
 from tidal.distributed.world import World
 
 # The plan of the families whose transformers config class has no ``base_model_tp_plan`` (Llama-style
@@ -191,7 +192,13 @@ def matching_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Modul
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    """Split ``model``'s decoder layers over ``tp_mesh`` in place, following its family's plan."""
+    """Split ``model``'s decoder layers over ``tp_mesh`` in place, following its family's plan.
+
+    The trained models' layouts were checked before loading; a frozen model (a reference or teacher from
+    another folder) is checked here, since DTensor would split a head across ranks without complaint."""
+    problems = layout_problems(tp_mesh.size(), tp_mesh.size(), model.config, model=model.config.name_or_path)
+    if problems:
+        raise ConfigError("; ".join(problems))
     plan = tp_plan(model.config)
     for pattern, style_name in plan.items():
         for _, module in matching_modules(model, pattern):
