@@ -200,7 +200,6 @@ def test_bad_flag_combinations_exit_2(tiny_llama, prompts, tmp_path, capsys, ext
     ("extra", "message"),
     [
         (["--input_key", "question"], "key 'question' not found"),
-        (["--normalize_reward"], "has no reward mean/std"),
         (["--prompt_max_len", "2"], "longer than 2 tokens (--prompt_max_len)"),
     ],
 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -75,9 +77,13 @@ def test_saved_model_round_trips(tiny_llama, tmp_path, prefix):
             _load(out, "score")
 
 
-def test_normalize_without_stats_fails_clearly(tiny_llama):
-    with pytest.raises(ConfigError, match="--normalize_reward.*mean/std"):
-        _load(tiny_llama, normalize_reward=True)
+def test_normalize_without_stats_uses_mean_0_std_1_as_openrlhf(tiny_llama, caplog):
+    """OpenRLHF keeps mean 0 / std 1 when the config stores none: the scores are unchanged (said once)."""
+    with caplog.at_level(logging.INFO, logger="tidal.models.value_model"):
+        model = _load(tiny_llama, normalize_reward=True)
+    scores = torch.tensor([-1.5, 0.25, 3.0])
+    assert torch.equal(model.normalize(scores), scores)
+    assert any("stores no reward mean/std" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("prefix", ["score", "value_head"])

@@ -9,7 +9,8 @@ random, as in OpenRLHF) and mixes ``ValueHeadMixin`` into its class, which adds:
   PPO critic uses it;
 - ``scores(batch)`` → ``[B]`` the value at the last real token of each row (the rightmost position
   with ``attention_mask == 1``, so left and right padding both work) or, for a packed row, of each
-  segment; with ``normalize_reward`` it returns ``(score − config.mean) / config.std``.
+  segment; with ``normalize_reward`` it returns ``(score − config.mean) / config.std`` (a config without
+  a stored mean/std normalises with 0 and 1, i.e. not at all, as OpenRLHF; a log line says so).
 
 ``forward`` is overridden (rather than calling the base model from ``values``) so that FSDP2's hooks
 on the root module, which gather the head and the embeddings, run.
@@ -230,10 +231,13 @@ def check_trained_head(source: str, value_head_prefix: str, loading_info: dict) 
 def _enable_normalization(model: nn.Module, source: str) -> None:
     mean, std = getattr(model.config, "mean", None), getattr(model.config, "std", None)
     if mean is None or std is None:
-        raise ConfigError(
-            f"--normalize_reward: {source} has no reward mean/std in its config "
-            "(train the reward model with --normalize_reward to store them)"
+        # OpenRLHF v0.9.2 keeps mean 0 and std 1 when the config stores none: the scores stay as they are.
+        log.info(
+            "--normalize_reward: %s stores no reward mean/std (tidal rm --normalize_reward writes them); "
+            "its scores are used as they are (mean 0, std 1, as OpenRLHF)",
+            source,
         )
+        return
     if not std > 0:
         raise ConfigError(f"--normalize_reward: {source} stores a non-positive reward std {std}")
     model.normalize_reward, model.reward_mean, model.reward_std = True, float(mean), float(std)
