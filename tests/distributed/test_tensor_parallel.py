@@ -167,6 +167,18 @@ def test_tp2_other_trainers_match_one_process(tiny_llama, tmp_path, dist):
         dist.assert_steps_match(history[1:], two[1:], keys[kind], tol=1e-4)
 
 
+def test_tp2_by_dp2_four_processes_match_one(tiny_qwen2, tmp_path, dist):
+    """A (dp=2, tp=2) mesh: each data-parallel pair of ranks trains on its half of every batch."""
+    sft = AdditionTask(digits=2, seed=4).write_jsonl(tmp_path / "sft.jsonl", 16)
+    flags = sft_flags(tiny_qwen2, sft, tmp_path / "one", "--save_steps", "-1", "--max_epochs", "1")
+    one = run_sft(train_sft.parse_run(flags))
+    argv = sft_flags(tiny_qwen2, sft, tmp_path / "four", "--save_steps", "-1", "--max_epochs", "1", *TP2)
+    dist.torchrun([{"kind": "sft", "out": str(tmp_path / "four.json"), "argv": argv}], tmp_path, nproc=4)
+    four = dist.result(tmp_path / "four.json")["history"]
+    assert len(four) == len(one) == 2
+    dist.assert_steps_match(one, four, ("loss", "grad_norm", "tokens"))
+
+
 def test_plan_covers_every_decoder_linear(tiny_llama):
     """The plan names every q/k/v/o and gate/up/down projection of the model (a renamed module would
     silently stay replicated)."""
