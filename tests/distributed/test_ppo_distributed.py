@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from tidal.cli.train_ppo import parse_run
 from tidal.config import ConfigError
@@ -33,6 +35,9 @@ def rl_data(tmp_path_factory):
         for i in range(12):
             f.write(json.dumps({"prompt": f"{i % 10}+{i % 3}=", "label": str(i % 10 + i % 3)}) + "\n")
     (d / "reward.py").write_text(REWARD)
+    with (d / "pretrain.jsonl").open("w") as f:  # --pretrain_data: each rank reads its own micro-batches
+        for i in range(40):
+            f.write(json.dumps({"prompt": f"{i} fox"}) + "\n")
     return d
 
 
@@ -66,6 +71,11 @@ CONFIGS = {
     "gae": ["--advantage_estimator", "gae", "--init_kl_coef", "0", "--critic_learning_rate", "2e-3",
             "--n_samples_per_prompt", "2", "--train_batch_size", "8", "--use_dynamic_batch",
             "--train_max_tokens_per_gpu", "24"],
+    # OpenRLHF's PPO flags: an EMA of the sharded policy (the saved model), the ptx loss, centred advantages
+    # (a sequence-mean loss, since the token mean of centred advantages is 0 on the first pass)
+    "ema_ptx": ["--advantage_estimator", "reinforce", "--init_kl_coef", "0", "--no_advantage_std_norm",
+                "--loss_agg_mode", "sequence", "--enable_ema", "--ema_beta", "0.5", "--ptx_coef", "0.5",
+                "--stop_properly_penalty_coef", "0.5"],
 }
 # fmt: on
 # Token-weighted logged means (advantages/*, kl) are averaged per rank, so they are not compared.
@@ -73,23 +83,33 @@ KEYS = ("reward", "score", "policy/loss", "response_length", "reward_sq", "kl_co
 
 
 def test_two_processes_match_one(tiny_qwen2, rl_data, tmp_path, dist):
+    configs = {
+        **CONFIGS,
+        "ema_ptx": [*CONFIGS["ema_ptx"], "--pretrain_data", str(rl_data / "pretrain.jsonl")],
+    }
     one = {name: run_ppo(parse_run(rl_flags(tiny_qwen2, rl_data, tmp_path / f"{name}1", *extra)))
-           for name, extra in CONFIGS.items()}  # fmt: skip
+           for name, extra in configs.items()}  # fmt: skip
     specs = [
         {"kind": "ppo", "out": str(tmp_path / f"{name}2.json"), "check_sync": True,
          "argv": rl_flags(tiny_qwen2, rl_data, tmp_path / f"{name}2", *extra)}
-        for name, extra in CONFIGS.items()
+        for name, extra in configs.items()
     ]  # fmt: skip
     dist.torchrun(specs, tmp_path)
     for name in CONFIGS:
         two = dist.result(tmp_path / f"{name}2.json")
         assert len(two["history"]) == 3
         assert any(h["policy/loss"] != 0.0 for h in one[name])
-        keys = KEYS + {"gae": ("critic/loss",), "grpo_filter": ("grad_norm", "dynamic_filter/kept")}.get(
-            name, ()
-        )
+        keys = KEYS + {
+            "gae": ("critic/loss",),
+            "grpo_filter": ("grad_norm", "dynamic_filter/kept"),
+            "ema_ptx": ("policy/ptx_loss", "grad_norm"),
+        }.get(name, ())
         dist.assert_steps_match(one[name], two["history"], keys)
         assert len(two["syncs"]) == 3 and all(s == [] for s in two["syncs"]), two["syncs"]
+    # the EMA of the FSDP2-sharded policy (each rank averages its shards) saves as one process's does
+    saved = [load_file(tmp_path / f"ema_ptx{n}" / "final" / "model.safetensors") for n in (1, 2)]
+    for name, weight in saved[0].items():
+        torch.testing.assert_close(saved[1][name], weight, atol=2e-5, rtol=1e-4, msg=name)
 
 
 def test_placement_flags_fail_clearly(tiny_qwen2, rl_data, tmp_path):
