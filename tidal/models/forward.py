@@ -170,16 +170,16 @@ def ring_token_logprobs(
     layout = ring_attn.RingLayout(ring, padded_segments[0], local["input_ids"].shape[1])
     head = chunkable_head(model) if chunk_size else None
     kwargs = dict(local, attention_mask=None, use_cache=False, tidal_ring=layout, **forward_kwargs)
-    with ring_attn.ring_attention_impl(model):
-        if head is None:
+    ring_attn.switch_to_ring(model)
+    if head is None:
+        outputs = model(**kwargs)
+        logits = outputs.logits[0]
+        lp = gather_logprobs(logits, local_targets[0], temperature)
+        ent = entropy_from_logits(logits, temperature, chunk_size=1024) if with_entropy else None
+    else:
+        with _ring_head(head, local_targets[0], temperature, chunk_size, with_entropy) as result:
             outputs = model(**kwargs)
-            logits = outputs.logits[0]
-            lp = gather_logprobs(logits, local_targets[0], temperature)
-            ent = entropy_from_logits(logits, temperature, chunk_size=1024) if with_entropy else None
-        else:
-            with _ring_head(head, local_targets[0], temperature, chunk_size, with_entropy) as result:
-                outputs = model(**kwargs)
-            lp, ent = result
+        lp, ent = result
     return _whole_row(lp, ring, length), RingOutputs(
         outputs, _whole_row(ent, ring, length) if ent is not None else None
     )

@@ -20,8 +20,9 @@ memory); it must divide the model's key/value heads.
 
 The per-block math (``attend_block``, ``merge_blocks``, ``block_grads``) is plain torch in float32,
 tiled over query rows to bound the ``[rows, keys]`` score matrix; it runs on the CPU (gloo) and CUDA
-(NCCL). The HF plug-in is an ``AttentionInterface`` implementation, ``tidal_ring``, selected only for
-the duration of a ring forward (``ring_attention_impl``).
+(NCCL). The HF plug-in is an ``AttentionInterface`` implementation, ``tidal_ring``: a model's first
+ring forward switches it to it (``switch_to_ring``) and leaving the ``use_ring`` scope switches it
+back, so checkpointed layers that recompute in backward take the ring path again.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ class RingGroup:
 
 
 _ACTIVE: RingGroup | None = None
+# Models switched to ``tidal_ring`` inside the active ``use_ring`` scope: config id → (config, previous).
+_SWITCHED: dict[int, tuple[Any, str]] = {}
 
 
 def active_ring() -> RingGroup | None:
@@ -69,13 +72,18 @@ def active_ring() -> RingGroup | None:
 
 @contextlib.contextmanager
 def use_ring(ring: RingGroup | None) -> Iterator[RingGroup | None]:
-    """Within the context, packed ``token_logprobs`` calls run as ring attention over ``ring``."""
+    """Within the context, packed ``token_logprobs`` calls run as ring attention over ``ring``; the
+    models they switched to ``tidal_ring`` get their attention implementation back on leaving it."""
     global _ACTIVE
     previous, _ACTIVE = _ACTIVE, ring
     try:
         yield ring
     finally:
         _ACTIVE = previous
+        if previous is None:
+            for config, impl in _SWITCHED.values():
+                config._attn_implementation = impl
+            _SWITCHED.clear()
 
 
 # ---- the block math (pure functions) ---------------------------------------------------------------
@@ -99,12 +107,13 @@ def _safe(lse: Tensor) -> Tensor:
 
 def attend_block(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """Softmax attention of ``q`` ``[G, R, D]`` to one key block ``k``/``v`` ``[G, Lk, D]`` under
-    ``allowed`` ``[R, Lk]``: ``(out [G, R, D], lse [G, R])`` in float32, normalised within the block
-    (a row that sees no key gets out 0, lse −inf)."""
+    ``allowed`` ``[Lq, Lk]`` (row r of ``q`` is query r mod Lq: grouped query heads stack their rows):
+    ``(out [G, R, D], lse [G, R])`` in float32, normalised within the block (a row that sees no key
+    gets out 0, lse −inf)."""
     outs, lses = [], []
     for rows in torch.arange(q.shape[1], device=q.device).split(ROW_TILE):
         s = (q[:, rows].float() @ k.float().transpose(-1, -2)) * scale
-        s = s.masked_fill(~allowed[rows], float("-inf"))
+        s = s.masked_fill(~allowed[rows % allowed.shape[0]], float("-inf"))
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - _safe(lse)[..., None])
         outs.append(p @ v.float())
@@ -124,7 +133,7 @@ def block_grads(
     q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, lse: Tensor, dout: Tensor, delta: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One block's share of the gradients ``(dq, dk, dv)`` (float32), given the final ``lse`` of the
-    queries and ``delta = Σ_d dout·out`` (the softmax backward's row term)."""
+    queries and ``delta = Σ_d dout·out`` (the softmax backward's row term); shapes as ``attend_block``."""
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
@@ -132,7 +141,7 @@ def block_grads(
     for rows in torch.arange(q.shape[1], device=q.device).split(ROW_TILE):
         qr = q[:, rows].float()
         s = (qr @ kf.transpose(-1, -2)) * scale
-        s = s.masked_fill(~allowed[rows], float("-inf"))
+        s = s.masked_fill(~allowed[rows % allowed.shape[0]], float("-inf"))
         p = torch.exp(s - _safe(lse[:, rows])[..., None])
         do = dout[:, rows].float()
         dv += p.transpose(-1, -2) @ do
@@ -159,7 +168,7 @@ class RingLayout:
         return idx, self.segment_ids[start : start + self.chunk]
 
     def mask(self, owner: int) -> Tensor:
-        """Local queries × ``owner``'s keys, with the query rows repeated for grouped heads by callers."""
+        """``[L, L]``: local queries × ``owner``'s keys."""
         q_idx, q_seg = self.block(self.ring.rank)
         k_idx, k_seg = self.block(owner)
         return block_mask(q_idx, q_seg, k_idx, k_seg, self.window)
@@ -169,7 +178,7 @@ class _Shift:
     """Send tensors to the next rank of the ring and receive the previous rank's (asynchronously)."""
 
     def __init__(self, tensors: Sequence[Tensor], ring: RingGroup):
-        self.received = [torch.empty_like(t) for t in tensors]
+        self.received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
         ops = [dist.P2POp(dist.isend, t.contiguous(), ring.next_rank, ring.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, ring.prev_rank, ring.group) for r in self.received]
         self.requests = dist.batch_isend_irecv(ops)
@@ -189,7 +198,7 @@ def _grouped(q: Tensor, groups: int) -> Tensor:
 
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, scale: float):
     """``(out [Hk, g·L, D], lse [Hk, g·L])`` for grouped queries ``q`` and local ``k``/``v`` ``[Hk, L, D]``."""
-    ring, groups = layout.ring, q.shape[1] // k.shape[1]
+    ring = layout.ring
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
     block = [k, v]
@@ -197,7 +206,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, scale: fl
         owner = (ring.rank - step) % ring.size
         shift = _Shift(block, ring) if step < ring.size - 1 else None
         if owner <= ring.rank:  # a later rank's keys are all in the future of every local query
-            allowed = layout.mask(owner).repeat(groups, 1)
+            allowed = layout.mask(owner)
             o, l_ = attend_block(q, block[0], block[1], allowed, scale)
             out, lse = merge_blocks(out, lse, o, l_)
         if shift is not None:
@@ -208,7 +217,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, scale: fl
 def _ring_backward(q, k, v, out, lse, dout, layout: RingLayout, scale: float):
     """``(dq, dk, dv)`` in float32: K/V travel once more, their gradients with them, and after N shifts
     each block's gradient is back on its owner."""
-    ring, groups = layout.ring, q.shape[1] // k.shape[1]
+    ring = layout.ring
     delta = (dout.float() * out).sum(-1)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     block = [k, v]
@@ -220,7 +229,7 @@ def _ring_backward(q, k, v, out, lse, dout, layout: RingLayout, scale: float):
         owner = (ring.rank - step) % ring.size
         shift = _Shift(block, ring) if step < ring.size - 1 else None
         if owner <= ring.rank:
-            allowed = layout.mask(owner).repeat(groups, 1)
+            allowed = layout.mask(owner)
             dq_b, dk_b, dv_b = block_grads(q, block[0], block[1], allowed, scale, lse, dout, delta)
             dq += dq_b
             grads = [grads[0] + dk_b, grads[1] + dv_b]
@@ -280,7 +289,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, scale: f
         raise ValueError(
             f"--ring_head_stride {layout.ring.head_stride} must divide the model's {k.shape[0]} key/value heads"
         )
-    return _RingAttention.apply(q, k, v, layout, q.shape[-1] ** -0.5 if scale is None else scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), layout, scale)
 
 
 def head_stride_problem(model: nn.Module, stride: int) -> str | None:
@@ -369,17 +379,14 @@ def _no_mask(*args, **kwargs):
     return None
 
 
-@contextlib.contextmanager
-def ring_attention_impl(model: nn.Module) -> Iterator[None]:
-    """Switch ``model``'s attention to ``tidal_ring`` for the duration of one forward."""
+def switch_to_ring(model: nn.Module) -> None:
+    """Run ``model``'s attention as ``tidal_ring`` until the ``use_ring`` scope ends. Not just for one
+    forward: a checkpointed layer recomputes its forward during backward, and must take the same path."""
     register()
     config = model.config
-    previous = config._attn_implementation
-    config._attn_implementation = RING  # read by every attention layer at call time
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous
+    if config._attn_implementation != RING:  # read by every attention layer at call time
+        _SWITCHED[id(config)] = (config, config._attn_implementation)
+        config._attn_implementation = RING
 
 
 def ring_attention_forward(
