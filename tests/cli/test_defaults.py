@@ -1,5 +1,5 @@
-"""Every trainer command's defaults equal OpenRLHF v0.9.2's for the same flag, except the deliberate
-differences in ``DELIBERATE`` (each with its reason, also listed in docs/openrlhf.md, "Defaults").
+"""Every trainer and inference command's defaults equal OpenRLHF v0.9.2's for the same flag, except the
+deliberate differences in ``DELIBERATE`` (each with its reason, also listed in docs/openrlhf.md, "Defaults").
 
 The reference is ``tests/cli/openrlhf_v0_9_2_flags.json`` (OpenRLHF's own argparse defaults per CLI).
 A flag tidal spells differently (an alias in ``tidal.cli.openrlhf.ALIASES``) is compared through the
@@ -19,7 +19,9 @@ from tidal.cli.openrlhf import OPENRLHF_MODULES, aliases
 
 TABLE = json.loads((Path(__file__).parent / "openrlhf_v0_9_2_flags.json").read_text())
 TRAINERS = ("train_sft", "train_rm", "train_prm", "train_dpo", "train_kto", "train_kd", "train_ppo_ray")
-EVERY = "every trainer"
+INFERENCE = ("batch_inference", "interactive_chat", "serve_rm")
+CLIS = TRAINERS + INFERENCE
+EVERY = "every command"
 
 # (OpenRLHF CLI or EVERY, flag) -> why tidal's default differs on purpose.
 DELIBERATE: dict[tuple[str, str], str] = {
@@ -67,10 +69,36 @@ DELIBERATE: dict[tuple[str, str], str] = {
     ("train_ppo_ray", "ckpt_path"): (
         "./ckpt/checkpoints_ppo, named after tidal's command, so existing tidal PPO checkpoints still resume"
     ),
+    ("batch_inference", "max_len"): (
+        "unset: the model's context length bounds prompt + response (tidal's engine sizes its cache to it)"
+    ),
+    ("batch_inference", "micro_batch_size"): (
+        "unset means 16 as OpenRLHF; unset lets tidal refuse the flag outside --eval_task rm, where it does nothing"
+    ),
+    ("batch_inference", "rollout_batch_size"): (
+        "unset means 2048 prompts per --iter as OpenRLHF; set, it also caps the prompts per engine call"
+    ),
+    ("batch_inference", "value_head_prefix"): (
+        "'score': the head name train_rm saves by default (OpenRLHF's batch_inference default does not match "
+        "its own train_rm)"
+    ),
+    ("interactive_chat", "max_len"): "unset: the model's context length bounds the conversation",
+    ("interactive_chat", "apply_chat_template"): (
+        "auto: the tokenizer's chat template when it has one, else plain text (OpenRLHF: off unless passed)"
+    ),
+    (
+        "serve_rm",
+        "host",
+    ): "127.0.0.1: an unauthenticated server listens on loopback unless --host says otherwise",
+    ("serve_rm", "batch_size"): (
+        "16: bounded memory per forward (tidal coalesces concurrent requests); OpenRLHF's unset is one "
+        "forward per request, however large"
+    ),
 }
 
 
 def _parser(cli: str):
+    """The command's argparse parser (an OpenRLHF CLI name → tidal's module for it)."""
     return importlib.import_module(main.COMMANDS[OPENRLHF_MODULES[cli]][0]).build_parser()
 
 
@@ -81,6 +109,8 @@ def _same(tidal, openrlhf) -> bool:
         tidal = list(tidal)
     if isinstance(tidal, bool) or isinstance(openrlhf, bool):
         return tidal is openrlhf
+    if isinstance(openrlhf, str) and isinstance(tidal, int | float):
+        return str(tidal) == openrlhf  # argparse converts a string default through type= (serve_rm --max_len)
     return tidal == openrlhf
 
 
@@ -104,7 +134,7 @@ def _deliberate(cli: str, name: str) -> str | None:
     return DELIBERATE.get((cli, name)) or DELIBERATE.get((EVERY, name))
 
 
-@pytest.mark.parametrize("cli", TRAINERS)
+@pytest.mark.parametrize("cli", CLIS)
 def test_defaults_equal_openrlhf_v0_9_2_unless_deliberate(cli):
     unexplained = {n: d for n, d in differences(cli).items() if _deliberate(cli, n) is None}
     assert unexplained == {}
@@ -112,11 +142,11 @@ def test_defaults_equal_openrlhf_v0_9_2_unless_deliberate(cli):
 
 def test_every_deliberate_difference_is_still_a_difference():
     """A default that now matches must leave the table (a stale reason would mislead)."""
-    found = {(cli, name) for cli in TRAINERS for name in differences(cli)}
+    found = {(cli, name) for cli in CLIS for name in differences(cli)}
     stale = [
         key
         for key in DELIBERATE
-        if not any((cli, key[1]) in found for cli in (TRAINERS if key[0] == EVERY else (key[0],)))
+        if not any((cli, key[1]) in found for cli in (CLIS if key[0] == EVERY else (key[0],)))
     ]
     assert stale == []
 
@@ -144,6 +174,7 @@ def test_docs_list_every_deliberate_difference():
         ("train_prm", "learning_rate", 1e-6),
         ("train_dpo", "eval_split", "test"),
         ("train_sft", "eval_split", "train"),
+        ("batch_inference", "seed", 1234),
     ],
 )
 def test_examples_of_openrlhf_defaults(cli, flag, value):

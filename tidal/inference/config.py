@@ -78,7 +78,7 @@ class SamplingConfig:
         check=Range(0, 1, low_open=True),
     )
     top_k: int = arg(-1, help="keep the k most likely tokens (-1: off)", check=Range(1, also=(-1, 0)))
-    seed: int = arg(42, help="random seed: the same seed, data and flags give the same samples")
+    seed: int = arg(1234, help="random seed: the same seed, data and flags give the same samples")
     repetition_penalty: float = arg(
         1.0,
         help="divide the logit of every token already in the prompt or response by this when positive, "
