@@ -19,6 +19,7 @@ from torch import nn
 from tidal.config.args import ConfigError
 from tidal.config.model import ModelConfig
 from tidal.logging import get_logger
+from tidal.models.moe_experts import use_trainer_experts
 
 
 def load_tokenizer(path: str, cfg: ModelConfig | None = None):
@@ -157,6 +158,7 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device, path: str | None = No
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError, KeyError, SafetensorError) as err:
         raise model_load_error(source, err) from err
+    use_trainer_experts(model)  # MoE experts' grouped GEMMs in the autocast dtype (no-op for dense models)
     if not cfg.load_in_4bit:
         model.to(device)
     if cfg.gradient_checkpointing:
