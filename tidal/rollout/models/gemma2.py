@@ -28,6 +28,7 @@ from torch import nn
 
 from tidal.rollout.attention import AttentionMetadata, store_kv
 from tidal.rollout.models.layers import Attention, CausalLM, DecoderArgs, GatedMLP, RMSNorm
+from tidal.rollout.models.parallel import ParallelLMHead, TPGroup, VocabParallelEmbedding
 from tidal.rollout.models.rope import apply_rope
 
 
@@ -70,7 +71,7 @@ class GemmaRMSNorm(RMSNorm):
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class ScaledEmbedding(nn.Embedding):
+class ScaledEmbedding(VocabParallelEmbedding):
     """Embedding times ``sqrt(hidden_size)``; the factor is rounded to the weights' dtype first, as in HF
     (in bfloat16 sqrt(3072) = 55.43 becomes 55.5)."""
 
@@ -85,11 +86,11 @@ def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     return x if cap is None else torch.tanh(x / cap) * cap
 
 
-class SoftcappedHead(nn.Linear):
-    """The LM head followed by the final logit soft-capping."""
+class SoftcappedHead(ParallelLMHead):
+    """The LM head followed by the final logit soft-capping (of the full, gathered logits)."""
 
-    def __init__(self, in_features: int, out_features: int, cap: float | None):
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, hidden_size: int, vocab_size: int, tp: TPGroup, cap: float | None):
+        super().__init__(hidden_size, vocab_size, tp)
         self.cap = cap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -170,9 +171,11 @@ class GemmaCausalLM(CausalLM):
 
     def __init__(self, args: GemmaArgs):
         super().__init__(args)
-        self.model.embed_tokens = ScaledEmbedding(args.vocab_size, args.hidden_size)
+        self.model.embed_tokens = ScaledEmbedding(args.vocab_size, args.hidden_size, args.tp)
         self.model.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = SoftcappedHead(args.hidden_size, args.vocab_size, args.final_logit_softcapping)
+        self.lm_head = SoftcappedHead(
+            args.hidden_size, args.vocab_size, args.tp, args.final_logit_softcapping
+        )
         self.tie_weights()
 
 

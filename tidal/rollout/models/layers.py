@@ -9,14 +9,16 @@ uses, and how HF weight names map onto its parameters (``packed_params``, ``weig
 Parameter names mirror the HF names, except that projections that read the same input are packed into one
 matrix (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``: fewer, larger matmuls); ``load_weights``
 maps HF names (checkpoint files or ``named_parameters()`` of a trainer's model) onto those packed slices.
-Model code is single-device and has no sampling logic. Every forward is flat-token: ``input_ids`` and
+Layers are built from ``args.tp`` (``parallel.py``): with a tensor-parallel size above 1 each rank holds
+its shard of the projections, embedding and LM head, and ``load_weights`` slices every full tensor to that
+shard as it copies it; size 1 is the plain single-device model. Model code has no sampling logic. Every forward is flat-token: ``input_ids`` and
 ``positions`` are [num_tokens], and attention reads/writes the paged KV cache through ``AttentionMetadata``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -25,6 +27,17 @@ from torch import nn
 
 from tidal.accel import triton_usable
 from tidal.rollout.attention import AttentionMetadata, decode_attention, prefill_attention, store_kv
+from tidal.rollout.models.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    even_rows,
+    head_rows,
+    kv_heads_per_rank,
+)
 from tidal.rollout.models.rope import apply_rope, inv_freq_and_scale, rope_table
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -50,6 +63,13 @@ class DecoderArgs:
     mlp_bias: bool
     tie_word_embeddings: bool
     sliding_windows: list[int | None]
+    # The engine process's tensor-parallel place (set by the loader, not read from the HF config).
+    tp: TPGroup = field(default=SINGLE, repr=False, compare=False)
+
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads this rank computes and caches."""
+        return kv_heads_per_rank(self.num_heads, self.num_kv_heads, self.tp.size)
 
     @property
     def q_size(self) -> int:
@@ -161,24 +181,27 @@ def paged_attention(q, k, v, meta: AttentionMetadata, layer_idx: int, window: in
     if layer_cache is not None:
         store_kv(layer_cache, k, v, meta.slot_mapping)
     if meta.is_prefill:
-        return prefill_attention(q, k, v, meta, window, scale)
+        return prefill_attention(q, k, v, meta, window, scale, layer_cache)
     return decode_attention(q, layer_cache, meta, window, scale)
 
 
 class Attention(nn.Module):
     """Llama attention: packed q/k/v projection, RoPE, paged attention, output projection.
 
-    Families with q/k normalisation override ``qk_heads``."""
+    Families with q/k normalisation override ``qk_heads``. ``num_heads`` / ``num_kv_heads`` are this
+    rank's (all of them without tensor parallelism)."""
 
     def __init__(self, args: DecoderArgs, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        q_rows, kv_rows = head_rows(args.num_heads, args.num_kv_heads, args.head_dim, args.tp)
+        self.head_dim = args.head_dim
+        self.num_heads, self.num_kv_heads = q_rows.size // args.head_dim, kv_rows.size // args.head_dim
         self.window = args.sliding_windows[layer_idx]
         self.scale = args.head_dim**-0.5
-        self.split = [args.q_size, args.kv_size, args.kv_size]
-        self.qkv_proj = nn.Linear(args.hidden_size, sum(self.split), bias=args.qkv_bias)
-        self.o_proj = nn.Linear(args.q_size, args.hidden_size, bias=args.o_bias)
+        self.split = [q_rows.size, kv_rows.size, kv_rows.size]
+        self.qkv_proj = ColumnParallelLinear(args.hidden_size, (q_rows, kv_rows, kv_rows), bias=args.qkv_bias)
+        self.o_proj = RowParallelLinear(q_rows, args.hidden_size, bias=args.o_bias, tp=args.tp)
 
     def qk_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """The q and k heads of the packed projection, [tokens, heads + kv_heads, head_dim], before RoPE."""
@@ -200,8 +223,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, args: DecoderArgs):
         super().__init__()
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        rows = even_rows(args.intermediate_size, args.tp, "intermediate_size")
+        self.gate_up_proj = ColumnParallelLinear(args.hidden_size, (rows, rows), bias=args.mlp_bias)
+        self.down_proj = RowParallelLinear(rows, args.hidden_size, bias=args.mlp_bias, tp=args.tp)
         self.act = ACTIVATIONS[args.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -235,7 +259,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, args: DecoderArgs, layer_cls: type[DecoderLayer], attention_cls: type[Attention]):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, args.tp)
         self.layers = nn.ModuleList(layer_cls(args, i, attention_cls) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -250,7 +274,8 @@ class CausalLM(nn.Module):
     - ``packed_params``: packed parameter -> the HF projections stacked into it, in order, each with the
       ``DecoderArgs`` attribute giving its rows (the loader copies each HF tensor into its slice);
     - ``weight_renames``: (HF substring, ours) pairs applied to every HF name first;
-    - ``ignored_weights``: HF name suffixes that are not weights of ours (e.g. RoPE frequencies).
+    - ``ignored_weights``: HF name suffixes that are not weights of ours (e.g. RoPE frequencies);
+    - ``supports_tp``: whether its layers shard for a tensor-parallel engine (``parallel.py``).
     """
 
     attention_cls: ClassVar[type[Attention]] = Attention
@@ -261,12 +286,13 @@ class CausalLM(nn.Module):
     }
     weight_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
     ignored_weights: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+    supports_tp: ClassVar[bool] = True
 
     def __init__(self, args: DecoderArgs):
         super().__init__()
         self.args = args
         self.model = DecoderModel(args, self.layer_cls, self.attention_cls)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(args.hidden_size, args.vocab_size, args.tp)
         self.rotary = Rotary()
         self.tie_weights()
 
@@ -339,7 +365,12 @@ class CausalLM(nn.Module):
                 target = "model.embed_tokens.weight"
             if target not in params:
                 raise ValueError(f"unexpected weight {raw_name!r} for a {self.args.model_type} decoder")
-            dst = params[target] if shard is None else params[target].narrow(0, shard[2], shard[3])
+            owner = self.get_submodule(target.rpartition(".")[0])
+            if hasattr(owner, "take"):  # a (tensor-)parallel layer slices the full tensor to its shard
+                part = None if shard is None else shard[1]
+                dst, tensor = owner.take(params[target], kind, part, tensor, raw_name)
+            else:
+                dst = params[target] if shard is None else params[target].narrow(0, shard[2], shard[3])
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"weight {raw_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"

@@ -1,4 +1,8 @@
-"""Build the engine model of a HF config's family (``registry.py``) from checkpoint files or named tensors."""
+"""Build the engine model of a HF config's family (``registry.py``) from checkpoint files or named tensors.
+
+With a tensor-parallel ``TPGroup`` the model is built as this rank's shard (``parallel.py``) and every
+full tensor read is sliced to that shard as it is copied, so no rank holds more than its share.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from tidal.rollout.models.layers import CausalLM
+from tidal.rollout.models.layers import CausalLM, DecoderArgs
+from tidal.rollout.models.parallel import SINGLE, TPGroup, TPLayoutError, check_heads, even_rows
 from tidal.rollout.models.registry import model_class
 
 
@@ -34,18 +39,48 @@ def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     yield from torch.load(binary, map_location="cpu", weights_only=True).items()
 
 
+def tp_layout_problem(hf_config, tp_size: int) -> str | None:
+    """Why ``hf_config``'s model cannot run as a ``tp_size``-way tensor-parallel engine, or None.
+
+    Reads only the config (an unsupported family raises ``UnsupportedModelError``), so commands call it
+    before any weight is loaded."""
+    if tp_size == 1:
+        return None
+    cls = model_class(getattr(hf_config, "model_type", None))
+    args = cls.args_from_hf_config(hf_config)
+    if not cls.supports_tp or getattr(args, "moe", None) is not None:
+        return f"the rollout engine does not shard {args.model_type} models for tensor parallelism (use 1)"
+    try:
+        check_heads(args.num_heads, args.num_kv_heads, tp_size)
+        even_rows(args.intermediate_size, TPGroup(size=tp_size), "intermediate_size")
+    except TPLayoutError as err:
+        return str(err)
+    return None
+
+
+def model_args(hf_config, tp: TPGroup = SINGLE) -> tuple[type[CausalLM], DecoderArgs]:
+    """The family class and its ``DecoderArgs`` for this rank; an impossible TP layout raises."""
+    cls = model_class(getattr(hf_config, "model_type", None))
+    problem = tp_layout_problem(hf_config, tp.size)
+    if problem:
+        raise TPLayoutError(problem)
+    args = cls.args_from_hf_config(hf_config)
+    args.tp = tp
+    return cls, args
+
+
 def build_decoder(
     hf_config,
     weights: Iterable[tuple[str, torch.Tensor]],
     max_model_len: int,
     dtype: torch.dtype,
     device: torch.device,
+    tp: TPGroup = SINGLE,
 ) -> CausalLM:
     """Instantiate on ``device`` without random init, then load every weight (all must be present).
 
-    An unsupported ``model_type`` fails here, before any weight is read."""
-    cls = model_class(getattr(hf_config, "model_type", None))
-    args = cls.args_from_hf_config(hf_config)
+    An unsupported ``model_type`` or TP layout fails here, before any weight is read."""
+    cls, args = model_args(hf_config, tp)
     with torch.device("meta"):
         model = cls(args)
     model = model.to_empty(device=device).to(dtype)

@@ -53,6 +53,7 @@ class Olmo2DecoderLayer(nn.Module):
 class Olmo2ForCausalLM(CausalLM):
     attention_cls = Olmo2Attention
     layer_cls = Olmo2DecoderLayer
+    supports_tp = False  # q_norm / k_norm span every head: a sharded norm needs a cross-rank reduction
 
     def __init__(self, args: DecoderArgs):
         super().__init__(args)
