@@ -16,7 +16,7 @@ from tidal.cli import train_dpo, train_ppo, train_rm, train_sft
 from tidal.config import ConfigError
 from tidal.distributed.tensor_parallel import layout_problems, matching_modules, tp_plan
 from tidal.distributed.world import World
-from tidal.testing import AdditionTask
+from tidal.testing import AdditionTask, build_tiny_model
 from tidal.testing.tiny import tiny_config
 from tidal.trainers.dpo import run_dpo
 from tidal.trainers.ppo import run_ppo
@@ -177,6 +177,27 @@ def test_tp2_by_dp2_four_processes_match_one(tiny_qwen2, tmp_path, dist):
     four = dist.result(tmp_path / "four.json")["history"]
     assert len(four) == len(one) == 2
     dist.assert_steps_match(one, four, ("loss", "grad_norm", "tokens"))
+
+
+# Each plan style: per-head q/k norms (qwen3), gathered q/k/v before a whole-width norm (olmo2), a fused
+# qkv and gate_up gathered whole (phi3), plain column/row splits with soft-capping (gemma2).
+FAMILIES = ("qwen3", "olmo2", "phi3", "gemma2")
+
+
+def test_tp2_plan_styles_of_each_family_match_one(tmp_path, dist):
+    sft = AdditionTask(digits=2, seed=4).write_jsonl(tmp_path / "sft.jsonl", 16)
+    one, specs = {}, []
+    for family in FAMILIES:
+        model = build_tiny_model(tmp_path / family, family, seed=0)
+        flags = sft_flags(model, sft, tmp_path / f"{family}1", "--save_steps", "-1", "--max_epochs", "1")
+        one[family] = run_sft(train_sft.parse_run(flags))
+        argv = sft_flags(model, sft, tmp_path / f"{family}2", "--save_steps", "-1", "--max_epochs", "1", *TP2)
+        specs.append({"kind": "sft", "out": str(tmp_path / f"{family}2.json"), "argv": argv})
+    dist.torchrun(specs, tmp_path)
+    for family in FAMILIES:
+        two = dist.result(tmp_path / f"{family}2.json")["history"]
+        assert len(two) == 2, family
+        dist.assert_steps_match(one[family], two, ("loss", "grad_norm"))
 
 
 def test_plan_covers_every_decoder_linear(tiny_llama):
