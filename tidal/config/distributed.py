@@ -9,6 +9,10 @@ one process the ZeRO stages have nothing to shard and the model trains on the si
 
 ``--ring_attn_size N`` (sequence parallelism, ``tidal.models.ring_attention``) needs packed samples and
 a world size that N divides; ``--ring_head_stride`` is the number of key/value heads per ring pass.
+
+``--ds_tensor_parallel_size N`` splits the decoder layers over N consecutive ranks (DTensor tensor
+parallelism inside FSDP2, ``tidal.distributed.tensor_parallel``); the layouts it cannot train (N not
+dividing the processes, heads or MLP width; LoRA; MoE) are refused there, before any model loads.
 """
 
 from __future__ import annotations
