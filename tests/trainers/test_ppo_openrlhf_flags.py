@@ -195,7 +195,7 @@ def _weights(folder) -> dict[str, torch.Tensor]:
 
 
 def test_saved_model_is_the_ema_of_the_policy_after_each_step(tiny_qwen2, rl_data, tmp_path, monkeypatch):
-    """Three optimizer steps with β = 0.5: the saved model is β³·w0 + (1−β)·Σ β^(3−i)·w_i of the
+    """Two optimizer steps with β = 0.5: the saved model is β²·w0 + (1−β)·β·w1 + (1−β)·w2 of the
     policy's weights w_i after each step, recorded as the run goes."""
     seen: list[dict[str, torch.Tensor]] = []
     original = update_module.optimizer_step
@@ -209,14 +209,14 @@ def test_saved_model_is_the_ema_of_the_policy_after_each_step(tiny_qwen2, rl_dat
 
     monkeypatch.setattr(update_module, "optimizer_step", recording)
     flags = _rl_flags(
-        tiny_qwen2, rl_data, tmp_path, "--max_samples", "48", "--enable_ema", "--ema_beta", "0.5"
+        tiny_qwen2, rl_data, tmp_path, "--max_samples", "32", "--enable_ema", "--ema_beta", "0.5"
     )
-    assert len(run_ppo(parse_run(flags))) == 3 and len(seen) == 4
+    assert len(run_ppo(parse_run(flags))) == 2 and len(seen) == 3
     beta, saved = 0.5, _weights(tmp_path / "final")
     for name, w0 in seen[0].items():
-        expected = beta**3 * w0 + sum((1 - beta) * beta ** (3 - i) * seen[i][name] for i in (1, 2, 3))
+        expected = beta**2 * w0 + (1 - beta) * beta * seen[1][name] + (1 - beta) * seen[2][name]
         assert_close(saved[name], expected, atol=1e-6, rtol=1e-5, msg=name)
-    assert any(not torch.equal(saved[k], seen[3][k]) for k in saved)  # not the last policy
+    assert any(not torch.equal(saved[k], seen[2][k]) for k in saved)  # not the last policy
 
 
 def test_resume_is_exact_with_ema_and_ptx(tiny_qwen2, rl_data, tmp_path, monkeypatch):
@@ -337,3 +337,26 @@ def test_pretrain_data_without_ptx_coef_is_refused():
         parse_run(_ppo_flags("--pretrain_data", "p.jsonl", "--ptx_coef", "0"))
     run = parse_run(_ppo_flags("--enable_ema", "--pretrain_data", "p.jsonl"))
     assert (run.ema.enable, run.ema.beta, run.ptx.coef, run.ptx.data) == (True, 0.992, 0.05, "p.jsonl")
+
+
+def test_the_trainer_scales_the_rewards_of_truncated_samples(tiny_qwen2, rl_data, tmp_path, monkeypatch):
+    """A constant reward of 1 through a real step: with coef 0.25 the samples cut at --generate_max_len
+    reach the advantages with 0.25, the others with 1."""
+    (tmp_path / "ones.py").write_text(
+        "import torch\n\ndef reward_func(queries, prompts, labels, **kwargs):\n"
+        "    return {'rewards': torch.ones(len(queries))}\n"
+    )
+    seen = []
+    original = trainer_module.PPOTrainer.advantages
+
+    def spy(self, exp, stats):
+        seen.append((exp.rewards.clone(), exp.truncated.clone()))
+        return original(self, exp, stats)
+
+    monkeypatch.setattr(trainer_module.PPOTrainer, "advantages", spy)
+    flags = _rl_flags(tiny_qwen2, rl_data, tmp_path, "--max_samples", "16", "--stop_properly_penalty_coef", "0.25",
+                      "--remote_rm_url", str(tmp_path / "ones.py"))  # fmt: skip
+    run_ppo(parse_run(flags))
+    rewards, truncated = seen[0]
+    assert truncated.any()
+    assert_close(rewards, torch.where(truncated, 0.25, 1.0))
