@@ -90,6 +90,13 @@ def check_model(ring, model_dir: str) -> None:
                 torch.testing.assert_close(grad, expected[name], atol=1e-5, rtol=1e-5, msg=f"{case} {name}")
 
 
+def check_turns(ring) -> None:
+    """Every rank sees every rank's items in the same order; a rank with fewer sits out its missing turns."""
+    mine = [f"r{ring.rank}i{i}" for i in range(2 - ring.rank)]  # rank 0 holds 2 items, rank 1 holds 1
+    seen = list(ra.turns(mine, ring))
+    assert seen == [(ring.rank == 0, "r0i0"), (ring.rank == 1, "r1i0"), (ring.rank == 0, "r0i1")], seen
+
+
 def main() -> None:
     torch.set_num_threads(1)
     world = init_world()
@@ -97,6 +104,7 @@ def main() -> None:
         ring = ring_group(world, 2, stride)
         check_op(ring)
     check_op(ring, window=3)
+    check_turns(ring)
     check_model(ring_group(world, 2, 1), sys.argv[1])
     shutdown(world)
 

@@ -19,6 +19,8 @@ chunk's first, and the per-token log-probs are gathered back into the whole row 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -192,25 +194,21 @@ def _whole_row(local_next: torch.Tensor, ring: ring_attn.RingGroup, length: int)
     return torch.cat([full.new_zeros(1, 1), full], dim=1)
 
 
-class _ring_head:  # noqa: N801 - used like a context manager function
+@contextlib.contextmanager
+def _ring_head(head: nn.Linear, targets, temperature, chunk_size, with_entropy):
     """Swap the LM head for one ring forward: it returns chunked log-probs of ``targets`` (the next
-    tokens of every local position) in place of logits; the context yields ``[logprobs, entropy]``."""
+    tokens of every local position) in place of logits; yields ``[logprobs, entropy]``, filled by it."""
+    result: list = [None, None]
 
-    def __init__(self, head: nn.Linear, targets, temperature, chunk_size, with_entropy):
-        self.head, self.result = head, [None, None]
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        logp, ent = chunked_logprobs(
+            hidden[0], head.weight, head.bias, targets, temperature, chunk_size, with_entropy
+        )
+        result[:] = [logp, ent]
+        return logp[None]
 
-        def forward(hidden: torch.Tensor) -> torch.Tensor:
-            logp, ent = chunked_logprobs(
-                hidden[0], head.weight, head.bias, targets, temperature, chunk_size, with_entropy
-            )
-            self.result[:] = [logp, ent]
-            return logp[None]
-
-        self.forward = forward
-
-    def __enter__(self):
-        self.head.forward = self.forward
-        return self.result
-
-    def __exit__(self, *exc):
-        del self.head.forward
+    head.forward = forward  # an instance attribute shadows the class's forward for this module only
+    try:
+        yield result
+    finally:
+        del head.forward

@@ -286,7 +286,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, scale: f
     """Exact causal attention of this rank's chunk (``[Hq, L, D]`` queries, ``[Hk, L, D]`` keys/values)
     over the whole packed row spread across ``layout.ring``; differentiable."""
     if k.shape[0] % layout.ring.head_stride:
-        raise ValueError(
+        from tidal.config.args import ConfigError  # a user error: the CLI reports it in one line
+
+        raise ConfigError(
             f"--ring_head_stride {layout.ring.head_stride} must divide the model's {k.shape[0]} key/value heads"
         )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
