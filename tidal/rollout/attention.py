@@ -6,7 +6,11 @@ Tokens travel through the model flattened (``[num_tokens, ...]``, sequences back
 - prefill: each sequence's fresh keys/values are attended directly (no cached prefix is read), gathered
   into a right-padded ``[batch, max_len]`` layout for one SDPA call with a causal + padding mask;
 - decode: one query per sequence; its keys/values are gathered from the paged cache through the block
-  tables (``[batch, max_blocks * block_size]``) and masked by context length.
+  tables (``[batch, max_blocks * block_size]``) and masked by context length;
+- prefill with context (prefix caching, chunked prefill: ``block_tables`` set on a prefill): each
+  sequence's tokens ``[start, end)`` are queries (padded as in prefill) and its keys/values ``[0, end)``
+  are gathered from the paged cache (the fresh ones were just stored there), with a causal mask offset by
+  ``start`` (``query_starts``) and ``context_lens`` = ``end``.
 
 Both paths are a fixed number of batched ops per layer with no per-sequence Python, and decode shapes
 depend only on (batch, max_blocks), so a decode step can be captured in a CUDA graph.
@@ -36,14 +40,32 @@ class AttentionMetadata:
     # decode
     block_tables: torch.Tensor | None = None  # [batch, max_blocks]
     context_lens: torch.Tensor | None = None  # [batch]; 0 marks a CUDA-graph padding row
+    query_starts: torch.Tensor | None = None  # prefill with context: [batch] position of the first query
     backend: str = "torch"  # decode attention: "torch" or "triton"
     _masks: dict = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor:
         """Boolean attention mask (True = attend), cached per sliding-window size for the step."""
         if window not in self._masks:
-            self._masks[window] = self._prefill_mask(window) if self.is_prefill else self._decode_mask(window)
+            if not self.is_prefill:
+                self._masks[window] = self._decode_mask(window)
+            elif self.block_tables is not None:
+                self._masks[window] = self._context_mask(window)
+            else:
+                self._masks[window] = self._prefill_mask(window)
         return self._masks[window]
+
+    def _context_mask(self, window: int | None) -> torch.Tensor:
+        device = self.pad_index.device
+        cols = torch.arange(self.pad_index.shape[1], device=device)
+        last = self.pad_valid.sum(1, keepdim=True) - 1
+        # A padding query row repeats the sequence's last query (a row with nothing to attend is NaN).
+        q = self.query_starts[:, None] + torch.minimum(cols[None, :], last)  # [batch, q] positions
+        k = torch.arange(self.block_tables.shape[1] * self.kv_cache.shape[3], device=device)
+        mask = k[None, None, :] <= q[:, :, None]
+        if window is not None:
+            mask &= k[None, None, :] > q[:, :, None] - window
+        return mask[:, None]  # [batch, 1, q, k]
 
     def _prefill_mask(self, window: int | None) -> torch.Tensor:
         length = self.pad_index.shape[1]
@@ -69,8 +91,18 @@ def store_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_m
     flat[1].index_copy_(0, slot_mapping, v)
 
 
-def prefill_attention(q, k, v, meta: AttentionMetadata, window: int | None, scale: float) -> torch.Tensor:
+def prefill_attention(
+    q,
+    k,
+    v,
+    meta: AttentionMetadata,
+    window: int | None,
+    scale: float,
+    layer_cache: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q [tokens, heads, d], k/v [tokens, kv_heads, d] -> [tokens, heads * d]."""
+    if meta.block_tables is not None:
+        return context_prefill_attention(q, layer_cache, meta, window, scale)
     idx = meta.pad_index
     qp, kp, vp = (x[idx].transpose(1, 2) for x in (q, k, v))  # [batch, heads, len, d]
     out = F.scaled_dot_product_attention(
@@ -100,3 +132,18 @@ def torch_decode_attention(q, layer_cache: torch.Tensor, meta: AttentionMetadata
         q[:, :, None, :], kv[0], kv[1], attn_mask=meta.mask(window), scale=scale, enable_gqa=True
     )
     return out.reshape(batch, -1)
+
+
+def context_prefill_attention(
+    q, layer_cache: torch.Tensor, meta: AttentionMetadata, window: int | None, scale
+):
+    """Prefill queries [tokens, heads, d] against their sequences' cached keys/values (the prefix and the
+    tokens just stored) -> [tokens, heads * d]; one masked SDPA call over the gathered blocks."""
+    qp = q[meta.pad_index].transpose(1, 2)  # [batch, heads, len, d]
+    batch, num_kv, head_dim = qp.shape[0], layer_cache.shape[-2], layer_cache.shape[-1]
+    blocks = layer_cache.flatten(2).index_select(1, meta.block_tables.view(-1))
+    kv = blocks.view(2, batch, -1, num_kv, head_dim).transpose(2, 3)  # [2, batch, kv_heads, slots, d]
+    out = F.scaled_dot_product_attention(
+        qp, kv[0], kv[1], attn_mask=meta.mask(window), scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2)[meta.pad_valid].reshape(q.shape[0], -1)

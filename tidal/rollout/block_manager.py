@@ -9,12 +9,17 @@ prefilled once into the first sample's blocks; the others point at the same *ful
 count + 1) and get a private copy of the last, partially filled block (a copy-on-write done eagerly: the
 model runner copies that block right after the prefill). Full blocks are never written again, so decode
 never touches a shared block.
+
+With prefix caching (``prefix_cache``, see prefix_cache.py) a sequence's leading full blocks may come
+from the cache instead (shared the same way); the free queue then doubles as the LRU of cached blocks
+that no sequence uses: a block freed first is evicted (reused for new tokens) first.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
+from tidal.rollout.prefix_cache import PrefixCache, extend_block_hashes
 from tidal.rollout.sequence import Sequence
 
 
@@ -25,11 +30,13 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 class BlockManager:
     """Free list + reference counts over the block ids of the engine's KV cache."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        # Free block ids, oldest first (an ordered dict: a cached block can leave from the middle).
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.ref_counts = [0] * num_blocks
+        self.prefix_cache = PrefixCache() if prefix_caching else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -41,19 +48,54 @@ class BlockManager:
         return blocks_needed(num_tokens, self.block_size) + (n - 1) * partial
 
     def can_allocate(self, group: list[Sequence]) -> bool:
-        return self.group_blocks_needed(group[0].num_tokens, len(group)) <= self.num_free_blocks
+        need = self.group_blocks_needed(group[0].num_tokens, len(group))
+        if self.prefix_cache is not None:
+            cached = self.cached_prefix(group[0])
+            # Cached blocks cost nothing, unless they are free (then they leave the free queue).
+            need -= sum(1 for block in cached if self.ref_counts[block] > 0)
+        return need <= self.num_free_blocks
 
     def _take(self) -> int:
-        block = self.free_blocks.popleft()
+        block, _ = self.free_blocks.popitem(last=False)
+        if self.prefix_cache is not None:
+            self.prefix_cache.evict(block)
         self.ref_counts[block] = 1
         return block
+
+    def _share(self, block: int) -> int:
+        """One more reference to a cached block (revived from the free queue if no one used it)."""
+        if self.ref_counts[block] == 0:
+            del self.free_blocks[block]
+        self.ref_counts[block] += 1
+        return block
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks of the longest prefix of ``seq``, leaving at least its last token to compute."""
+        usable = (seq.num_tokens - 1) // self.block_size
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, usable)
+        return self.prefix_cache.match(seq.block_hashes[:usable])
+
+    def register(self, seq: Sequence, num_computed: int) -> None:
+        """Cache the full blocks among ``seq``'s first ``num_computed`` tokens (their K/V is written)."""
+        full = min(num_computed // self.block_size, len(seq.block_table))
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, full)
+        for block, key in zip(seq.block_table[:full], seq.block_hashes, strict=False):
+            self.prefix_cache.register(block, key)
+
+    def invalidate_prefix_cache(self) -> None:
+        """Forget every cached block (new weights, or a freed KV cache); blocks in use stay allocated."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def allocate(self, group: list[Sequence]) -> list[tuple[int, int]]:
         """Give every sequence of a group (same tokens) its blocks; return (src, dst) blocks to copy."""
         parent = group[0]
         num_tokens = parent.num_tokens
         assert all(not s.block_table and s.num_tokens == num_tokens for s in group)
-        parent.block_table = [self._take() for _ in range(blocks_needed(num_tokens, self.block_size))]
+        cached = [] if self.prefix_cache is None else [self._share(b) for b in self.cached_prefix(parent)]
+        fresh = blocks_needed(num_tokens, self.block_size) - len(cached)
+        parent.block_table = cached + [self._take() for _ in range(fresh)]
+        parent.num_computed_tokens = len(cached) * self.block_size
         num_full = num_tokens // self.block_size
         copies = []
         for child in group[1:]:
@@ -77,9 +119,16 @@ class BlockManager:
         if self.needs_new_block(seq):
             seq.block_table.append(self._take())
 
-    def free(self, seq: Sequence) -> None:
-        for block in seq.block_table:
+    def free(self, seq: Sequence, num_computed: int | None = None) -> None:
+        """Release ``seq``'s blocks. With prefix caching its computed full blocks are cached first
+        (``num_computed``: tokens with K/V written; default all but the last, as for a running sequence)."""
+        blocks = seq.block_table
+        if self.prefix_cache is not None:
+            self.register(seq, seq.num_tokens - 1 if num_computed is None else num_computed)
+            blocks = blocks[::-1]  # the tail queues first, so a shared prefix is evicted last
+        for block in blocks:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+                self.free_blocks[block] = None
         seq.block_table = []
+        seq.num_computed_tokens = 0

@@ -10,6 +10,15 @@ Every engine step is either one prefill batch or one decode batch:
 
 After each step ``postprocess`` appends the sampled tokens, applies the stop rules and frees the blocks
 of finished sequences, so finished sequences leave and waiting ones join at every step.
+
+*Context prefill* (prefix caching or chunked prefill on; ``_schedule_context_prefill``): a prefill
+computes each group's tokens ``[start, end)`` (``ScheduledBatch.chunks``) while attending to the K/V of
+``[0, start)`` already in the cache, ``start`` being the cached prefix (prefix caching) or what earlier
+chunks computed. With ``chunked_prefill`` a prefill step computes at most ``max_num_batched_tokens``
+tokens: a longer prompt is split over several steps (its group waits in ``prefilling``, holding all its
+blocks from admission, so it never needs more), and only a group whose last chunk ran samples a token.
+While both are pending, prefill chunks and decode steps alternate (a step is one or the other, no mixed
+step), so a long prompt delays the running sequences by one chunk at a time instead of one whole prefill.
 """
 
 from __future__ import annotations
@@ -31,9 +40,15 @@ class ScheduledBatch:
     is_prefill: bool
     groups: list[list[Sequence]]
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Context prefill: each group's [start, end) token range; None: whole prompts from position 0.
+    chunks: list[tuple[int, int]] | None = None
+    final: list[bool] | None = None  # context prefill: whether the group's prompt ends with this chunk
 
     @property
     def seqs(self) -> list[Sequence]:
+        """The sequences that sample a token in this step."""
+        if self.final is not None:
+            return [seq for group, last in zip(self.groups, self.final, strict=True) if last for seq in group]
         return [seq for group in self.groups for seq in group]
 
 
@@ -46,6 +61,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: set[int],
         detokenize: Detokenize | None = None,
+        chunked_prefill: bool = False,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -55,12 +71,19 @@ class Scheduler:
         self.detokenize = detokenize
         self.waiting: deque[list[Sequence]] = deque()
         self.running: deque[Sequence] = deque()
+        # Counters for benchmarks and tests: prompt tokens computed by prefills, and taken from the cache.
+        self.num_prefill_tokens = 0
+        self.num_cached_tokens = 0
+        self.chunked_prefill = chunked_prefill
+        self.context_prefill = chunked_prefill or block_manager.prefix_cache is not None
+        self.prefilling: deque[list[Sequence]] = deque()  # context prefill: groups between chunks
+        self._last_was_prefill = False
 
     def add(self, group: list[Sequence]) -> None:
         self.waiting.append(group)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
 
     def abort_all(self) -> None:
         """Drop every queued and running sequence and free its blocks (after an interrupted step)."""
@@ -68,9 +91,24 @@ class Scheduler:
             self.block_manager.free(seq)
         self.running.clear()
         self.waiting.clear()
+        self.drop_prefilling(None)
+
+    def drop_prefilling(self, seq_ids: set[int] | None) -> None:
+        """Free the groups between prefill chunks whose sequences are in ``seq_ids`` (None: all)."""
+        kept = deque()
+        for group in self.prefilling:
+            if seq_ids is None or any(seq.seq_id in seq_ids for seq in group):
+                for seq in group:
+                    self.block_manager.free(seq, group[0].num_computed_tokens)
+            else:
+                kept.append(group)
+        self.prefilling = kept
 
     def schedule(self) -> ScheduledBatch:
-        batch = self._schedule_prefill() or self._schedule_decode()
+        if self.context_prefill:
+            batch = self._schedule_context()
+        else:
+            batch = self._schedule_prefill() or self._schedule_decode()
         if batch is None:  # the engine checks at add time that any single sequence fits, so this is a bug
             raise RuntimeError("scheduler could not schedule any sequence (KV cache too small?)")
         return batch
@@ -89,6 +127,7 @@ class Scheduler:
             if not self.block_manager.can_allocate(group):
                 break
             self.waiting.popleft()
+            self.num_prefill_tokens += group_tokens
             copies += self.block_manager.allocate(group)
             for seq in group:
                 seq.status = SequenceStatus.RUNNING
@@ -117,8 +156,72 @@ class Scheduler:
                 scheduled.append(seq)
         self.running.extend(scheduled)
         if not scheduled:
-            return self._schedule_prefill()
+            return self._schedule_context_prefill() if self.context_prefill else self._schedule_prefill()
         return ScheduledBatch(False, [[seq] for seq in scheduled])
+
+    def _schedule_context(self) -> ScheduledBatch | None:
+        # Chunked prefill: after a prefill step, the running sequences get their decode step first.
+        if self.chunked_prefill and self._last_was_prefill and self.running:
+            batch = self._schedule_decode() or self._schedule_context_prefill()
+        else:
+            batch = self._schedule_context_prefill() or self._schedule_decode()
+        self._last_was_prefill = batch is not None and batch.is_prefill
+        return batch
+
+    def _chunk_end(self, start: int, num_tokens: int, budget: int) -> int:
+        return min(num_tokens, start + budget) if self.chunked_prefill else num_tokens
+
+    def _uncached_tokens(self, seq: Sequence) -> int:
+        blocks = self.block_manager
+        cached = len(blocks.cached_prefix(seq)) if blocks.prefix_cache is not None else 0
+        return seq.num_tokens - cached * blocks.block_size
+
+    def _schedule_context_prefill(self) -> ScheduledBatch | None:
+        """Continue the groups between chunks, then admit waiting groups, within the token budget."""
+        groups, chunks, final, copies = [], [], [], []
+        budget = self.max_num_batched_tokens
+        for group in self.prefilling:  # admitted earlier: their blocks are allocated
+            if budget <= 0:
+                break
+            start = group[0].num_computed_tokens
+            end = self._chunk_end(start, group[0].num_tokens, budget)
+            groups.append(group)
+            chunks.append((start, end))
+            budget -= end - start
+        num_seqs = len(self.running) + sum(len(g) for g in self.prefilling)
+        while self.waiting and budget > 0:
+            group = self.waiting[0]
+            if num_seqs + len(group) > self.max_num_seqs:
+                break
+            if not self.block_manager.can_allocate(group):
+                break
+            # Without chunking a prompt longer than the budget still runs, alone, rather than never.
+            if not self.chunked_prefill and groups and self._uncached_tokens(group[0]) > budget:
+                break
+            self.waiting.popleft()
+            group[0].pending_copies = self.block_manager.allocate(group)
+            self.num_cached_tokens += group[0].num_computed_tokens
+            start = group[0].num_computed_tokens
+            end = self._chunk_end(start, group[0].num_tokens, budget)
+            for seq in group:
+                seq.status = SequenceStatus.RUNNING
+            self.prefilling.append(group)
+            groups.append(group)
+            chunks.append((start, end))
+            budget -= end - start
+            num_seqs += len(group)
+        if not groups:
+            return None
+        for group, (start, end) in zip(groups, chunks, strict=True):
+            self.num_prefill_tokens += end - start
+            last = end == group[0].num_tokens
+            final.append(last)
+            if last:  # the group leaves ``prefilling`` and decodes from the next step on
+                copies += group[0].pending_copies
+                group[0].pending_copies = []
+                self.prefilling.remove(group)
+                self.running.extend(group)
+        return ScheduledBatch(True, groups, copies, chunks, final)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -129,6 +232,8 @@ class Scheduler:
         self, batch: ScheduledBatch, token_ids: list[int], logprobs: list[float]
     ) -> list[Sequence]:
         """Append sampled tokens, apply stop rules; return the sequences that finished this step."""
+        if batch.chunks is not None:
+            self._record_chunks(batch)
         finished = []
         for seq, token, logprob in zip(batch.seqs, token_ids, logprobs, strict=True):
             seq.append(token, logprob)
@@ -139,6 +244,15 @@ class Scheduler:
         if finished:
             self.running = deque(seq for seq in self.running if not seq.is_finished)
         return finished
+
+    def _record_chunks(self, batch: ScheduledBatch) -> None:
+        """After a context prefill: how far each group's prompt is computed; cache its full blocks."""
+        cache = self.block_manager.prefix_cache is not None
+        for group, (_, end) in zip(batch.groups, batch.chunks, strict=True):
+            for seq in group:
+                seq.num_computed_tokens = end
+            if cache:  # at once, so that prompts admitted from the next step on share these blocks
+                self.block_manager.register(group[0], end)
 
     def _check_stop(self, seq: Sequence) -> None:
         params, token = seq.params, seq.token_ids[-1]

@@ -17,7 +17,9 @@ class Sequence:
     """The state of one sample. ``token_ids`` holds prompt then output ids.
 
     KV invariant: while running, the cache holds keys/values for all tokens but the last one, which is
-    the next decode step's input (its KV is written during that step).
+    the next decode step's input (its KV is written during that step). While a prompt is prefilled in
+    chunks (or starts from cached prefix blocks), ``num_computed_tokens`` counts the leading tokens whose
+    KV is already in the cache; the next prefill chunk starts there.
     """
 
     def __init__(
@@ -44,6 +46,10 @@ class Sequence:
         # Router replay: the experts each position's token was routed to ([MoE layers, k] per position),
         # when the engine records routing; the last token has none until a forward reads it.
         self.routing: list | None = None
+        # Prefix caching / chunked prefill (unused otherwise): see the class docstring.
+        self.num_computed_tokens = 0
+        self.block_hashes: list[int] = []  # content hash of each full block so far (prefix_cache.py)
+        self.pending_copies: list[tuple[int, int]] = []  # n > 1: copy-on-write due after the last chunk
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,0 +1,125 @@
+"""Prefix caching (``EngineConfig.enable_prefix_caching``): same tokens and log-probs as without it,
+shared blocks (only uncached tokens are computed), multi-turn reuse, LRU eviction, invalidation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.rollout.reference import cpu_config
+from tidal.rollout import LLMEngine, SamplingParams
+
+rng = random.Random(0)
+SYSTEM = [rng.randrange(3, 500) for _ in range(37)]  # a "system prompt" over 9 full blocks of 4
+PROMPTS = [SYSTEM + [rng.randrange(3, 500) for _ in range(k)] for k in (1, 6, 13, 22, 3)]
+
+
+def _config(**overrides):
+    return cpu_config(max_model_len=128, block_size=4, **overrides)
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+
+
+def _assert_same(expected, got):
+    for a, b in zip(expected, got, strict=True):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert x.token_ids == y.token_ids
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    return tiny_model("llama")
+
+
+def test_prefix_caching_matches_no_cache(llama):
+    """A mixed-length batch sharing a system prompt, run twice (the second run hits the cache), then
+    seeded sampling with n=2 (shared blocks plus copy-on-write of the last prompt block)."""
+    plain, cached = LLMEngine(llama, _config()), LLMEngine(llama, _config(enable_prefix_caching=True))
+    expected = plain.generate(PROMPTS, _greedy(6))
+    _assert_same(expected, cached.generate(PROMPTS, _greedy(6)))
+    before = cached.scheduler.num_prefill_tokens
+    _assert_same(expected, cached.generate(PROMPTS, _greedy(6)))
+    # Second run: every prompt's full blocks but the last token's are cached.
+    assert cached.scheduler.num_prefill_tokens - before == sum(
+        len(p) - (len(p) - 1) // 4 * 4 for p in PROMPTS
+    )
+    sampled = SamplingParams(temperature=1.0, n=2, seed=7, max_new_tokens=6, ignore_eos=True)
+    _assert_same(plain.generate(PROMPTS, sampled), cached.generate(PROMPTS, sampled))
+    assert cached.block_manager.num_free_blocks == cached.num_kv_blocks
+
+
+def test_second_request_computes_only_uncached_tokens(llama, monkeypatch):
+    engine = LLMEngine(llama, _config(enable_prefix_caching=True))
+    computed = []
+    forward = engine.runner.model.forward
+    monkeypatch.setattr(
+        engine.runner.model, "forward", lambda ids, *a: (computed.append(len(ids)), forward(ids, *a))[1]
+    )
+    first = engine.generate([PROMPTS[1]], _greedy(1))  # 43 tokens: 10 full blocks computed
+    assert computed == [43]
+    computed.clear()
+    longer = PROMPTS[1] + [5, 6, 7, 8, 9]  # 48 tokens: the 40 cached ones are reused, 8 computed
+    second = engine.generate([longer], _greedy(3))
+    assert computed[0] == 8 and engine.scheduler.num_cached_tokens == 40
+    reference = LLMEngine(llama, _config())
+    _assert_same(reference.generate([PROMPTS[1]], _greedy(1)), first)
+    _assert_same(reference.generate([longer], _greedy(3)), second)
+
+
+def test_multi_turn_history_reuses_decoded_blocks(llama):
+    """Turn 2's prompt is turn 1's prompt + answer + a new message: the blocks filled while decoding
+    the answer are cached when the sequence ends, so only the new message is computed."""
+    engine = LLMEngine(llama, _config(enable_prefix_caching=True))
+    reference = LLMEngine(llama, _config())
+    history = list(PROMPTS[0])  # 38 tokens
+    for turn in range(3):
+        out = engine.generate([history], _greedy(10))
+        _assert_same(reference.generate([history], _greedy(10)), out)
+        before = engine.scheduler.num_prefill_tokens
+        history = history + out[0].outputs[0].token_ids + [11 + turn, 12, 13]
+        if turn == 2:
+            break
+        engine.generate([history], _greedy(1))
+        # Cached: the previous turn's sequence but its last (sampled, never computed) token, in full blocks.
+        cached = (len(history) - 3 - 1) // 4 * 4
+        assert engine.scheduler.num_prefill_tokens - before == len(history) - cached
+
+
+def test_lru_eviction_under_a_tiny_cache(llama):
+    engine = LLMEngine(llama, _config(enable_prefix_caching=True, num_kv_blocks=12))
+    reference = LLMEngine(llama, _config())
+    a, b = PROMPTS[0][:20], list(range(100, 140))
+    engine.generate([a], _greedy(1))  # blocks 0-5; the 5 full ones (0-4) stay cached once freed
+    assert len(engine.block_manager.prefix_cache) == 5
+    # b takes 10 of the 12 blocks: the 6 never used first, then a's, tail first (5, then 4, 3, 2 evicted).
+    _assert_same(reference.generate([b], _greedy(1)), engine.generate([b], _greedy(1)))
+    assert len(engine.block_manager.prefix_cache) == 2 + 10  # a's blocks 0-1 and all of b's
+    before = engine.scheduler.num_prefill_tokens
+    _assert_same(reference.generate([a], _greedy(2)), engine.generate([a], _greedy(2)))
+    assert engine.scheduler.num_prefill_tokens - before == 20 - 8  # a's first two blocks survived
+    assert engine.block_manager.num_free_blocks == 12
+
+
+def test_update_weights_and_sleep_invalidate_the_cache(llama, tiny_model, hf_model):
+    other = tiny_model("llama", seed=1)
+    engine = LLMEngine(llama, _config(enable_prefix_caching=True))
+    engine.generate([PROMPTS[2]], _greedy(2))
+    engine.update_weights(hf_model(other).named_parameters())
+    before = engine.scheduler.num_prefill_tokens
+    out = engine.generate([PROMPTS[2]], _greedy(4))
+    assert engine.scheduler.num_prefill_tokens - before == len(PROMPTS[2])  # nothing reused
+    _assert_same(LLMEngine(other, _config()).generate([PROMPTS[2]], _greedy(4)), out)
+    engine.sleep()
+    engine.wake_up()
+    before = engine.scheduler.num_prefill_tokens
+    _assert_same(out, engine.generate([PROMPTS[2]], _greedy(4)))
+    assert engine.scheduler.num_prefill_tokens - before == len(PROMPTS[2])
+
+
+def test_refused_with_router_replay():
+    with pytest.raises(ValueError, match="record_routing"):
+        _config(enable_prefix_caching=True, record_routing=True)
