@@ -232,3 +232,10 @@ def test_impossible_layouts_fail_before_loading(tiny_qwen2, tmp_path):
             run_sft(run, world)
     with pytest.raises(ConfigError, match="--ring_attn_size 2 with --ds_tensor_parallel_size 2"):
         train_sft.parse_run(sft_flags(tiny_qwen2, sft, tmp_path / "x", *TP2, "--ring_attn_size", "2"))
+    moe = build_tiny_model(tmp_path / "moe", "qwen3_moe", seed=0)
+    with pytest.raises(ConfigError, match=f"--pretrain {moe} is a mixture-of-experts model"):
+        run_sft(train_sft.parse_run(sft_flags(moe, sft, tmp_path / "x", *TP2)), World(rank=0, world_size=2))
+    rl = write_rl_data(tmp_path)
+    engines = train_ppo.parse_run(grpo_flags(tiny_qwen2, rl, tmp_path / "x", *TP2, "--vllm_num_engines", "2"))
+    with pytest.raises(ConfigError, match="--ds_tensor_parallel_size 2 with --vllm_num_engines 2"):
+        run_ppo(engines, World(rank=0, world_size=2))
