@@ -7,7 +7,8 @@ sampler state to checkpoint.
 
 Each optimizer step consumes ``global_batch`` consecutive indices of the permutation (the
 ``--train_batch_size``); rank ``r`` of ``world_size`` gets the contiguous slice
-``[r * global_batch / world_size, (r + 1) * global_batch / world_size)`` of it. The incomplete last
+``[r * global_batch / world_size, (r + 1) * global_batch / world_size)`` of it (with tensor parallelism
+the trainers pass the data-parallel rank and size: the tp ranks of a group share a slice). The incomplete last
 step is dropped (``drop_last``): every step has the same number of samples, so losses and learning
 rate schedules are comparable across steps, and at most ``global_batch - 1`` samples per epoch go
 unseen (they are different ones each epoch).
