@@ -245,7 +245,8 @@ def _head_slices(kv_heads: int, stride: int) -> list[slice]:
 
 class _RingAttention(torch.autograd.Function):
     """Ring attention of one row: ``q`` ``[Hq, L, D]``, ``k``/``v`` ``[Hk, L, D]`` → ``[Hq, L, D]``,
-    ``--ring_head_stride`` key/value heads (and their query heads) per ring pass."""
+    ``--ring_head_stride`` key/value heads (and their query heads) per ring pass. The math runs in
+    float32 with autocast off, forward and backward alike (autocast would round the float32 blocks)."""
 
     @staticmethod
     def forward(ctx, q, k, v, layout: RingLayout, scale: float):
@@ -254,10 +255,11 @@ class _RingAttention(torch.autograd.Function):
         groups = hq // hk
         gq = _grouped(q, groups)
         outs, lses = [], []
-        for heads in _head_slices(hk, layout.ring.head_stride):
-            o, l_ = _ring_forward(gq[heads], k[heads], v[heads], layout, scale)
-            outs.append(o)
-            lses.append(l_)
+        with torch.autocast(q.device.type, enabled=False):
+            for heads in _head_slices(hk, layout.ring.head_stride):
+                o, l_ = _ring_forward(gq[heads], k[heads], v[heads], layout, scale)
+                outs.append(o)
+                lses.append(l_)
         out, lse = torch.cat(outs), torch.cat(lses)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.layout, ctx.scale = layout, scale
@@ -271,13 +273,14 @@ class _RingAttention(torch.autograd.Function):
         groups = hq // hk
         gq, gdout = _grouped(q, groups), _grouped(grad.contiguous(), groups)
         dqs, dks, dvs = [], [], []
-        for heads in _head_slices(hk, ctx.layout.ring.head_stride):
-            dq, dk, dv = _ring_backward(
-                gq[heads], k[heads], v[heads], out[heads], lse[heads], gdout[heads], ctx.layout, ctx.scale
-            )
-            dqs.append(dq)
-            dks.append(dk)
-            dvs.append(dv)
+        with torch.autocast(q.device.type, enabled=False):
+            for heads in _head_slices(hk, ctx.layout.ring.head_stride):
+                dq, dk, dv = _ring_backward(
+                    gq[heads], k[heads], v[heads], out[heads], lse[heads], gdout[heads], ctx.layout, ctx.scale
+                )
+                dqs.append(dq)
+                dks.append(dk)
+                dvs.append(dv)
         dq = torch.cat(dqs).reshape(hq, length, d).to(q.dtype)
         return dq, torch.cat(dks).to(k.dtype), torch.cat(dvs).to(v.dtype), None, None
 
