@@ -1,7 +1,8 @@
 """Tensor-parallel training (``--ds_tensor_parallel_size 2``, DTensor TP inside FSDP2, CPU gloo) matches
-one process step by step for SFT, GRPO, DPO, a reward model and PPO with a critic; its DCP checkpoints reshard (a TP=2 checkpoint resumes with
-TP=1, in 2 data-parallel processes and in 1, and a 1-process checkpoint resumes with TP=2); the HF
-export holds the full weights; impossible layouts fail before any model loads."""
+one process step by step for SFT, GRPO, DPO, a reward model and PPO with a critic, also on a 2 x 2 mesh
+and for each plan style; its DCP checkpoints reshard (a TP=2 checkpoint resumes with TP=1, in 2
+data-parallel processes and in 1, and a 1-process checkpoint resumes with TP=2); the HF export holds
+the full weights; impossible layouts fail before any model loads."""
 
 from __future__ import annotations
 
@@ -133,7 +134,8 @@ def test_tp2_other_trainers_match_one_process(tiny_llama, tmp_path, dist):
 
     def pair_flags(out: Path) -> list[str]:
         return [
-            "--pretrain", str(tiny_llama), "--dataset", str(pairs), "--prompt_key", "prompt", "--max_len", "64",
+            "--pretrain", str(tiny_llama), "--dataset", str(pairs), "--prompt_key", "prompt",
+            "--max_len", "64",
             "--train_batch_size", "8", "--micro_train_batch_size", "2", "--learning_rate", "2e-3",
             "--lr_warmup_ratio", "0", "--zero_stage", "2", "--seed", "5", "--max_epochs", "1",
             "--save_path", str(out / "final"), "--ckpt_path", str(out / "ckpt"),
@@ -221,7 +223,8 @@ def test_impossible_layouts_fail_before_loading(tiny_qwen2, tmp_path):
 
     sft = AdditionTask(digits=2, seed=4).write_jsonl(tmp_path / "sft.jsonl", 16)
     cases = [
-        ([], World(rank=0, world_size=3), "--ds_tensor_parallel_size 2 must divide the number of processes \\(3\\)"),
+        ([], World(rank=0, world_size=3),
+         r"--ds_tensor_parallel_size 2 must divide the number of processes \(3\)"),
         (["--lora_rank", "4"], World(rank=0, world_size=2), "--lora_rank 4: LoRA is not tensor-parallel"),
         (["--train_batch_size", "6", "--micro_train_batch_size", "2"], World(rank=0, world_size=4),
          "--train_batch_size 6"),  # 2 data-parallel groups x 2 x 2 do not make 6

@@ -57,7 +57,8 @@ MOE_HINTS = ("num_experts", "num_local_experts")
 class HeadShardedNorm(ParallelStyle):
     """A per-head norm (Qwen3's ``q_norm``/``k_norm``) applied to this rank's heads: its weight is
     replicated over tp and its input is sharded along the heads dimension (``-2``), so the weight's
-    gradient, a sum over every head, is all-reduced over tp (transformers' "replicated_with_grad_allreduce")."""
+    gradient, a sum over every head, is all-reduced over tp (transformers' style
+    "replicated_with_grad_allreduce")."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def partition(name, mod, mesh):

@@ -115,9 +115,10 @@ def log_placement(run: PlacedRun, world: World) -> None:
     separate = ", ".join(f"{n} {role} worker(s)" for role, n in counts.items() if n)
     where = f"; on devices of their own: {separate}" if separate else ""
     if world.tp_size > 1:
-        log.info("data x tensor parallel: process %d of %d (data-parallel group %d of %d, %d tensor-parallel "
-                 "ranks each) on %s with a policy shard and the colocated roles%s", world.rank,
-                 world.world_size, world.dp_rank, world.dp_size, world.tp_size, world.device, where)  # fmt: skip
+        log.info("data x tensor parallel: process %d of %d (data-parallel group %d of %d, %d tensor-"
+                 "parallel ranks each) on %s with a policy shard and the colocated roles%s", world.rank,
+                 world.world_size, world.dp_rank, world.dp_size, world.tp_size, world.device,
+                 where)  # fmt: skip
     elif world.distributed:
         log.info("data parallel: process %d of %d on %s with a policy shard and the colocated roles%s",
                  world.rank, world.world_size, world.device, where)  # fmt: skip

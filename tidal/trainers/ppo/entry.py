@@ -92,8 +92,8 @@ def check_tensor_parallel(run: PPORun, world: World) -> None:
     problems = model_layout_problems(tp, world.world_size, models)
     if tp > 1 and separate_engines(run.placement, run.rollout.vllm_num_engines):
         problems.append(
-            f"--ds_tensor_parallel_size {tp} with --vllm_num_engines {run.rollout.vllm_num_engines} on devices of "
-            "their own: tensor-parallel training needs the engines colocated (--colocate_all_models)"
+            f"--ds_tensor_parallel_size {tp} with --vllm_num_engines {run.rollout.vllm_num_engines} on "
+            "devices of their own: tensor-parallel training needs the engines colocated (--colocate_all_models)"
         )
     if problems:
         raise ConfigError("; ".join(problems))
