@@ -178,8 +178,9 @@ class _Shift:
     """Send tensors to the next rank of the ring and receive the previous rank's (asynchronously)."""
 
     def __init__(self, tensors: Sequence[Tensor], ring: RingGroup):
+        self.sent = [t.contiguous() for t in tensors]  # kept alive until the sends complete
         self.received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), ring.next_rank, ring.group) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, ring.next_rank, ring.group) for t in self.sent]
         ops += [dist.P2POp(dist.irecv, r, ring.prev_rank, ring.group) for r in self.received]
         self.requests = dist.batch_isend_irecv(ops)
 
