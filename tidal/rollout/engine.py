@@ -25,11 +25,16 @@ while step-level requests are in flight.
 
 The engine also swaps weights in place (``update_weights``) and frees / restores its KV cache
 (``sleep`` / ``wake_up``) so a trainer can share the device between rollout and training.
+
+``EngineConfig.tp_size`` N > 1 makes a tensor-parallel engine: this process is rank 0 (everything
+above, unchanged API) and starts N-1 worker processes that each hold a shard of the model and of the
+KV cache (``tp_worker.py``, ``models/parallel.py``); ``close()`` stops them.
 """
 
 from __future__ import annotations
 
 import random
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +44,8 @@ import torch
 
 from tidal.rollout.block_manager import BlockManager, blocks_needed
 from tidal.rollout.model_runner import ModelRunner
-from tidal.rollout.models.loader import build_decoder, iter_checkpoint
+from tidal.rollout.models.loader import build_decoder, iter_checkpoint, tp_layout_problem
+from tidal.rollout.models.parallel import SINGLE
 from tidal.rollout.outputs import CompletionOutput, RequestOutput
 from tidal.rollout.sampler import sequence_seed
 from tidal.rollout.sampling_params import SamplingParams
@@ -67,10 +73,16 @@ class EngineConfig:
     attention_backend: str = "auto"  # decode attention: auto (triton on CUDA), triton, torch
     # Router replay: record each token's MoE experts into ``CompletionOutput.routed_experts`` (no CUDA graphs)
     record_routing: bool = False
+    # Tensor parallelism: processes (devices) the engine spans; on CUDA the GPUs from ``device`` on.
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
             raise ValueError("EngineConfig: max_num_seqs, max_num_batched_tokens and block_size must be >= 1")
+        if self.tp_size < 1:
+            raise ValueError(f"EngineConfig: tp_size must be >= 1, got {self.tp_size}")
+        if self.tp_size > 1 and self.record_routing:
+            raise ValueError("EngineConfig: record_routing (MoE router replay) needs tp_size 1")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(
                 f"EngineConfig: dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
@@ -127,9 +139,13 @@ class LLMEngine:
             weights = iter_checkpoint(model_path)
         else:
             raise ValueError("LLMEngine needs a model folder path, a loaded model or a state_dict")
-        self.model = build_decoder(self.hf_config, weights, self.max_model_len, self.dtype, self.device)
+        self.peers = None
+        try:
+            self._build(weights)
+        except BaseException:
+            self.close()
+            raise
         self.eos_token_ids = _eos_token_ids(self.hf_config, model_path, model, self.tokenizer)
-        self.num_kv_blocks = self._kv_blocks()
         self.block_manager = BlockManager(self.num_kv_blocks, self.config.block_size)
         self.runner = ModelRunner(
             self.model,
@@ -141,6 +157,7 @@ class LLMEngine:
             enforce_eager=self.config.enforce_eager,
             attention_backend=self.config.attention_backend,
             record_routing=self.config.record_routing,
+            peers=self.peers,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -157,6 +174,40 @@ class LLMEngine:
         self.sleep_level = 0
 
     # ------------------------------------------------------------------ setup
+    def _build(self, weights) -> None:
+        """The model (this rank's shard) and the KV-cache size; with ``tp_size`` > 1, first the workers,
+        which receive every weight as this process loads it and then the cache size."""
+        tp = SINGLE
+        size = self.config.tp_size
+        if size > 1:
+            from tidal.rollout.tp_worker import TPPeers, WorkerSpec, tp_devices
+
+            problem = tp_layout_problem(self.hf_config, size)  # before any process starts
+            if problem:
+                raise ValueError(problem)
+            spec = WorkerSpec(
+                self.hf_config,
+                self.max_model_len,
+                self.dtype,
+                self.config.block_size,
+                self.config.max_num_seqs,
+                self.config.enforce_eager,
+                self.config.attention_backend,
+                torch.get_num_threads(),
+            )
+            self.peers = TPPeers(spec, tp_devices(self.device, size))
+            self._finalizer = weakref.finalize(self, self.peers.close)
+            tp, weights = self.peers.tp, self.peers.broadcasting(weights)
+        self.model = build_decoder(self.hf_config, weights, self.max_model_len, self.dtype, self.device, tp)
+        self.num_kv_blocks = self._kv_blocks()
+        if self.peers is not None:
+            self.peers.send("runner", self.num_kv_blocks)
+
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's worker processes (nothing to do for one process)."""
+        if self.peers is not None:
+            self.peers.close()
+
     def _kv_blocks(self) -> int:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
@@ -389,13 +440,19 @@ class LLMEngine:
                 count += 1
                 yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
 
-        self.model.load_weights(gathered())
+        if self.peers is None:
+            self.model.load_weights(gathered())
+            return count
+        self.peers.send("load")
+        self.model.load_weights(self.peers.broadcasting(gathered()))
         return count
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (level 1); level 2 also moves the weights to CPU."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.peers is not None:
+            self.peers.send("sleep", level)
         self.runner.free_kv_cache()
         if level == 2 and self.device.type != "cpu":
             self.model.to("cpu")  # weights and the tables derived from them (RoPE buffers)
@@ -404,6 +461,8 @@ class LLMEngine:
 
     def wake_up(self) -> None:
         """Restore what ``sleep`` freed; the KV cache comes back empty (no request survives a sleep)."""
+        if self.peers is not None:
+            self.peers.send("wake")
         if self.sleep_level == 2 and self.device.type != "cpu":
             self.model.to(self.device)
         if self.runner.kv_cache is None:

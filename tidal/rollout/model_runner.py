@@ -9,9 +9,18 @@ int32 arrays (last token, context length, block table per sequence) written into
 buffer and moved with one host-to-device copy; positions and KV slots are derived on device; on CUDA the
 forward is a CUDA-graph replay (``cuda_graph.py``) unless ``enforce_eager``; the sampled tokens and
 their log-probs come back with one device-to-host copy.
+
+A tensor-parallel engine (``tp_worker.py``) runs one runner per rank, each with its shard of the model
+and a KV cache of its KV heads only. Rank 0's runner turns each batch into a ``PrefillStep`` /
+``DecodeStep`` (host arrays), sends it to the other ranks (``peers``), and all ranks run ``forward_step``
+on it; the logits are gathered in the LM head, and rank 0 alone samples. Decode steps run eagerly there
+(no CUDA graphs: they would capture the collectives).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -24,6 +33,36 @@ from tidal.rollout.models.moe import SparseMoE
 from tidal.rollout.sampler import Sampler, SamplingTensors
 from tidal.rollout.scheduler import ScheduledBatch
 from tidal.rollout.sequence import Sequence
+
+
+@dataclass
+class PrefillStep:
+    """A prefill's model inputs as host arrays: one row per group (its first sequence's tokens)."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    lens: list[int]
+    rows: list[int]  # the logits row of each sampled sequence
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class DecodeStep:
+    """A decode step's staged int32 inputs (``fill_decode_inputs``) and its row counts."""
+
+    staged: np.ndarray
+    num_seqs: int
+    rows: int
+    width: int
+    use_graph: bool
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+class StepPeers(Protocol):
+    """The other ranks of a tensor-parallel engine, as rank 0's runner sees them."""
+
+    def send_step(self, step: PrefillStep | DecodeStep) -> None: ...
 
 
 def fill_decode_inputs(seqs: list[Sequence], rows: int, width: int, out: np.ndarray) -> np.ndarray:
@@ -67,8 +106,11 @@ class ModelRunner:
         enforce_eager: bool = False,
         attention_backend: str = "auto",
         record_routing: bool = False,
+        peers: StepPeers | None = None,
     ):
         self.model = model
+        self.peers = peers
+        tp_size = model.args.tp.size
         # Router replay: the MoE blocks whose expert choices are recorded per token (none: dense model).
         self.routers = [m for m in model.modules() if isinstance(m, SparseMoE)] if record_routing else []
         self.args = model.args
@@ -89,17 +131,19 @@ class ModelRunner:
         self._host = torch.zeros(max_num_seqs * (2 + max_blocks), dtype=torch.int32, pin_memory=cuda)
         self._host_np = self._host.numpy()
         self.graphs = None
-        if cuda and not enforce_eager and not self.routers:  # recording runs decode eagerly (Python hooks)
+        # Recording runs decode eagerly (Python hooks); so does tensor parallelism (collectives).
+        if cuda and not enforce_eager and not self.routers and tp_size == 1:
             self.graphs = DecodeGraphs(self.decode_forward, self.device, max_num_seqs, max_blocks)
 
     @staticmethod
     def bytes_per_block(args, block_size: int, dtype: torch.dtype) -> int:
+        """KV bytes of one block on one rank (a tensor-parallel rank caches its KV heads only)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * elem
+        return args.num_layers * 2 * block_size * args.local_kv_heads * args.head_dim * elem
 
     def allocate_kv_cache(self) -> None:
         a = self.args
-        shape = (a.num_layers, 2, self.num_blocks + 1, self.block_size, a.num_kv_heads, a.head_dim)
+        shape = (a.num_layers, 2, self.num_blocks + 1, self.block_size, a.local_kv_heads, a.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def free_kv_cache(self) -> None:
@@ -116,17 +160,13 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> tuple[list[int], list[float]]:
         for router in self.routers:
             router.recorded = []
-        if batch.is_prefill:
-            input_ids, positions, meta, logits_index, rows = self._prepare_prefill(batch.groups)
-            logits = self.model(input_ids, positions, meta, logits_index)
-            logits = logits[rows]  # one prefill row per group -> one sampling row per sample
-        else:
-            logits = self._decode(batch.seqs)
+        step = self._prefill_step(batch.groups) if batch.is_prefill else self._decode_step(batch.seqs)
+        step.block_copies = batch.block_copies
+        if self.peers is not None:
+            self.peers.send_step(step)
+        logits = self.forward_step(step)
         if self.routers:
             self._store_routing(batch)
-        if batch.block_copies:
-            src, dst = zip(*batch.block_copies, strict=True)
-            self.kv_cache[:, :, self._tensor(dst)] = self.kv_cache[:, :, self._tensor(src)]
         tokens, logprobs = self.sampler(logits, self._sampling_tensors(batch.seqs))
         # One device-to-host copy (float64 holds every token id exactly).
         packed = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).cpu()
@@ -152,7 +192,21 @@ class ModelRunner:
             position = seq.num_tokens - 1
             seq.routing = (seq.routing or [])[:position] + [ids[row]]
 
-    def _prepare_prefill(self, groups: list[list[Sequence]]):
+    @torch.inference_mode()
+    def forward_step(self, step: PrefillStep | DecodeStep) -> torch.Tensor:
+        """The step's logits (one row per sampled sequence), then the KV block copies it asks for."""
+        if isinstance(step, PrefillStep):
+            input_ids, positions, meta, logits_index = self._prefill_tensors(step)
+            logits = self.model(input_ids, positions, meta, logits_index)
+            logits = logits[self._tensor(step.rows)]  # one prefill row per group -> one row per sample
+        else:
+            logits = self._decode_staged(step)
+        if step.block_copies:
+            src, dst = zip(*step.block_copies, strict=True)
+            self.kv_cache[:, :, self._tensor(dst)] = self.kv_cache[:, :, self._tensor(src)]
+        return logits
+
+    def _prefill_step(self, groups: list[list[Sequence]]) -> PrefillStep:
         input_ids, positions, slots, lens = [], [], [], []
         bs = self.block_size
         for group in groups:
@@ -162,6 +216,13 @@ class ModelRunner:
             positions.append(pos)
             slots.append(np.asarray(seq.block_table)[pos // bs] * bs + pos % bs)
             lens.append(seq.num_tokens)
+        rows = [i for i, group in enumerate(groups) for _ in group]
+        return PrefillStep(
+            np.asarray(input_ids), np.concatenate(positions), np.concatenate(slots), lens, rows
+        )
+
+    def _prefill_tensors(self, step: PrefillStep):
+        lens = step.lens
         lens_t = self._tensor(lens)
         starts = torch.cumsum(lens_t, 0) - lens_t
         cols = torch.arange(max(lens), device=self.device)
@@ -169,26 +230,32 @@ class ModelRunner:
         pad_index = torch.where(valid, starts[:, None] + cols[None, :], 0)
         meta = AttentionMetadata(
             is_prefill=True,
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device),
+            slot_mapping=torch.from_numpy(step.slots).to(self.device),
             kv_cache=self.kv_cache,
             pad_index=pad_index,
             pad_valid=valid,
             unpad_index=valid.view(-1).nonzero().view(-1),
         )
-        rows = self._tensor([i for i, group in enumerate(groups) for _ in group])
-        positions = torch.from_numpy(np.concatenate(positions)).to(self.device)
-        return self._tensor(input_ids), positions, meta, starts + lens_t - 1, rows
+        positions = torch.from_numpy(step.positions).to(self.device)
+        return torch.from_numpy(step.input_ids).to(self.device), positions, meta, starts + lens_t - 1
 
-    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Logits [len(seqs), vocab] of one decode step (graph replay when possible)."""
+    def _decode_step(self, seqs: list[Sequence]) -> DecodeStep:
+        """Stage one decode step's inputs in the host buffer (graph-bucketed rows when graphs apply)."""
         n = len(seqs)
         width = max(len(seq.block_table) for seq in seqs)
         use_graph = self.graphs is not None and n <= self.graphs.max_batch
         rows = self.graphs.bucket(n) if use_graph else n
         staged = fill_decode_inputs(seqs, rows, width, self._host_np)
-        host = self._host[: staged.size]
-        if use_graph:
-            return self.graphs.run(host, n, rows, width)
+        return DecodeStep(staged, n, rows, width, use_graph)
+
+    def _decode_staged(self, step: DecodeStep) -> torch.Tensor:
+        """Logits [num_seqs, vocab] of one decode step (graph replay when possible)."""
+        rows, width = step.rows, step.width
+        if not np.may_share_memory(step.staged, self._host_np):  # a step received from rank 0
+            self._host_np[: step.staged.size] = step.staged
+        host = self._host[: step.staged.size]
+        if step.use_graph:
+            return self.graphs.run(host, step.num_seqs, rows, width)
         stage = host.to(self.device, non_blocking=True)
         return self.decode_forward(stage[:rows], stage[rows : 2 * rows], stage[2 * rows :].view(rows, width))
 

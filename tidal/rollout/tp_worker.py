@@ -1,0 +1,223 @@
+"""The processes of a tensor-parallel rollout engine (``EngineConfig.tp_size`` N > 1).
+
+The process that builds ``LLMEngine`` is rank 0: it owns the scheduler, the sequences, the sampler and
+the engine's API. It starts ranks 1..N-1 itself (``torch.multiprocessing``, spawn), one per device (all
+on the CPU, or N GPUs), and drives them with ``TPPeers``:
+
+- two process groups of their own, built on a TCP store (so the engine needs no default process group
+  and never touches a trainer's): the tensor group (NCCL on CUDA, gloo on CPU) for the model's
+  collectives and weight broadcasts, and a gloo control group that carries rank 0's commands (pickled);
+- weights (at start-up and on ``update_weights``): rank 0 broadcasts each full tensor and every rank
+  keeps its shard (``CausalLM.load_weights`` slices it);
+- each step: rank 0's ``ModelRunner`` sends the step's host inputs (``PrefillStep`` / ``DecodeStep``,
+  with the KV block copies), every rank runs the forward on its shard, the LM head gathers the logits
+  and rank 0 samples from them (same code and seeds as one process);
+- ``sleep`` / ``wake_up`` / ``close`` are forwarded as commands.
+
+A worker (``worker_main``) builds its model shard and KV cache, then loops on commands until ``stop``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import traceback
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tidal.rollout.models.parallel import TPGroup
+
+HOST = "127.0.0.1"
+TIMEOUT_S = 1800.0
+
+
+@dataclass
+class WorkerSpec:
+    """What a worker needs to build its shard and runner (picklable)."""
+
+    hf_config: Any
+    max_model_len: int
+    dtype: torch.dtype
+    block_size: int
+    max_num_seqs: int
+    enforce_eager: bool
+    attention_backend: str
+    num_threads: int
+
+
+def tp_devices(device: torch.device, size: int) -> list[torch.device]:
+    """Rank r's device: the CPU for every rank, or the ``size`` GPUs from rank 0's on."""
+    if device.type != "cuda":
+        return [device] * size
+    first = device.index or 0
+    available = torch.cuda.device_count()
+    if first + size > available:
+        raise ValueError(
+            f"tensor-parallel size {size} from {device} needs GPUs {first}..{first + size - 1} "
+            f"but {available} are visible"
+        )
+    return [torch.device("cuda", first + r) for r in range(size)]
+
+
+def open_groups(store: dist.Store, rank: int, size: int, device: torch.device):
+    """(tensor-group ``TPGroup``, gloo control group) on prefixes of ``store``."""
+    timeout = timedelta(seconds=TIMEOUT_S)
+    tensor_store = dist.PrefixStore("tp_tensor", store)
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        group = dist.ProcessGroupNCCL(tensor_store, rank, size, opts)
+    else:
+        group = dist.ProcessGroupGloo(tensor_store, rank, size, timeout)
+    control = dist.ProcessGroupGloo(dist.PrefixStore("tp_control", store), rank, size, timeout)
+    return TPGroup(rank, size, group), control
+
+
+class Channel:
+    """Rank 0's commands to the other ranks: pickled objects broadcast over the gloo control group."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        self.group.broadcast([tensor], opts).wait()
+
+    def send(self, message) -> None:
+        data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+        self._broadcast(torch.tensor([data.numel()], dtype=torch.int64))
+        self._broadcast(data)
+
+    def recv(self):
+        size = torch.zeros(1, dtype=torch.int64)
+        self._broadcast(size)
+        data = torch.empty(int(size), dtype=torch.uint8)
+        self._broadcast(data)
+        return pickle.loads(data.numpy().tobytes())
+
+
+def receive_tensors(
+    channel: Channel, tp: TPGroup, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A worker's side of ``TPPeers.broadcasting``: each full tensor, until rank 0 says ``end``."""
+    while True:
+        message = channel.recv()
+        if message[0] == "end":
+            return
+        _, name, shape, dtype = message
+        yield name, tp.broadcast(torch.empty(shape, dtype=dtype, device=device))
+
+
+class TPPeers:
+    """Rank 0's handle on ranks 1..N-1: starts them, sends them weights, steps and commands."""
+
+    def __init__(self, spec: WorkerSpec, devices: list[torch.device]):
+        size = len(devices)
+        self.device = devices[0]
+        store = dist.TCPStore(
+            HOST, 0, size, True, timeout=timedelta(seconds=TIMEOUT_S), wait_for_workers=False
+        )
+        context = torch.multiprocessing.get_context("spawn")
+        self.procs = [
+            context.Process(
+                target=worker_main, args=(rank, size, store.port, str(devices[rank]), spec), daemon=True
+            )
+            for rank in range(1, size)
+        ]
+        for proc in self.procs:
+            proc.start()
+        self.tp, control = open_groups(store, 0, size, self.device)
+        self.channel = Channel(control)
+        self._store = store  # the workers' rendezvous lives as long as the engine
+
+    def broadcasting(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``named`` as rank 0 loads it, each tensor broadcast to the other ranks on the way."""
+        for name, tensor in named:
+            full = tensor.to(self.device).contiguous()
+            self.channel.send(("tensor", name, tuple(full.shape), full.dtype))
+            yield name, self.tp.broadcast(full)
+        self.channel.send(("end",))
+
+    def send_step(self, step) -> None:
+        self.channel.send(("step", step))
+
+    def send(self, *command) -> None:
+        self.channel.send(command)
+
+    def close(self) -> None:
+        """Stop the workers (they leave their loop and exit); kill any that do not."""
+        if not self.procs:
+            return
+        if all(proc.is_alive() for proc in self.procs):
+            with contextlib.suppress(RuntimeError):  # a worker already gone: terminated below
+                self.channel.send(("stop",))
+        for proc in self.procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+        self.procs = []
+
+
+def worker_main(rank: int, size: int, port: int, device: str, spec: WorkerSpec) -> None:
+    """Rank ``rank`` of a TP engine: build the shard from rank 0's weights, then serve commands."""
+    try:
+        _serve(rank, size, port, torch.device(device), spec)
+    except BaseException:
+        traceback.print_exc()
+        raise SystemExit(1) from None
+
+
+def _serve(rank: int, size: int, port: int, device: torch.device, spec: WorkerSpec) -> None:
+    from tidal.rollout.model_runner import ModelRunner
+    from tidal.rollout.models.loader import build_decoder
+
+    torch.set_num_threads(spec.num_threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore(HOST, port, size, False, timeout=timedelta(seconds=TIMEOUT_S))
+    tp, control = open_groups(store, rank, size, device)
+    channel = Channel(control)
+    weights = receive_tensors(channel, tp, device)
+    model = build_decoder(spec.hf_config, weights, spec.max_model_len, spec.dtype, device, tp=tp)
+    _, num_kv_blocks = channel.recv()
+    runner = ModelRunner(
+        model,
+        spec.block_size,
+        num_kv_blocks,
+        set(),  # stop tokens matter to sampling only, which is rank 0's
+        max_num_seqs=spec.max_num_seqs,
+        max_model_len=spec.max_model_len,
+        enforce_eager=spec.enforce_eager,
+        attention_backend=spec.attention_backend,
+    )
+    asleep_level = 0
+    while True:
+        command = channel.recv()
+        kind = command[0]
+        if kind == "step":
+            runner.forward_step(command[1])
+        elif kind == "load":
+            model.load_weights(receive_tensors(channel, tp, device))
+        elif kind == "sleep":
+            asleep_level = command[1]
+            runner.free_kv_cache()
+            if asleep_level == 2 and device.type != "cpu":
+                model.to("cpu")
+                torch.cuda.empty_cache()
+        elif kind == "wake":
+            if asleep_level == 2 and device.type != "cpu":
+                model.to(device)
+            if runner.kv_cache is None:
+                runner.allocate_kv_cache()
+            asleep_level = 0
+        elif kind == "stop":
+            return
+        else:
+            raise RuntimeError(f"unknown tensor-parallel engine command {kind!r}")
