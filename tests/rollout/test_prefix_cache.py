@@ -120,6 +120,8 @@ def test_update_weights_and_sleep_invalidate_the_cache(llama, tiny_model, hf_mod
     assert engine.scheduler.num_prefill_tokens - before == len(PROMPTS[2])
 
 
-def test_refused_with_router_replay():
-    with pytest.raises(ValueError, match="record_routing"):
-        _config(enable_prefix_caching=True, record_routing=True)
+@pytest.mark.parametrize("feature", ["enable_prefix_caching", "enable_chunked_prefill"])
+@pytest.mark.parametrize("other", [{"record_routing": True}, {"tp_size": 2}])
+def test_refused_with_router_replay_and_tensor_parallelism(feature, other):
+    with pytest.raises(ValueError, match="need tp_size 1 and record_routing"):
+        _config(**{feature: True}, **other)

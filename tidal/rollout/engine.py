@@ -73,6 +73,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # decode attention: auto (triton on CUDA), triton, torch
     # Router replay: record each token's MoE experts into ``CompletionOutput.routed_experts`` (no CUDA graphs)
     record_routing: bool = False
+    # Reuse the KV blocks of cached prompt prefixes (prefix_cache.py); vLLM's and OpenRLHF's name.
+    enable_prefix_caching: bool = False
+    # Prefill long prompts in chunks of at most max_num_batched_tokens, alternating with decode steps.
+    enable_chunked_prefill: bool = False
     # Tensor parallelism: processes (devices) the engine spans; on CUDA the GPUs from ``device`` on.
     tp_size: int = 1
 
@@ -83,6 +87,13 @@ class EngineConfig:
             raise ValueError(f"EngineConfig: tp_size must be >= 1, got {self.tp_size}")
         if self.tp_size > 1 and self.record_routing:
             raise ValueError("EngineConfig: record_routing (MoE router replay) needs tp_size 1")
+        if (self.enable_prefix_caching or self.enable_chunked_prefill) and (
+            self.record_routing or self.tp_size > 1
+        ):
+            raise ValueError(
+                "EngineConfig: enable_prefix_caching and enable_chunked_prefill need tp_size 1 and "
+                "record_routing (MoE router replay) off"
+            )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(
                 f"EngineConfig: dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
@@ -146,7 +157,10 @@ class LLMEngine:
             self.close()
             raise
         self.eos_token_ids = _eos_token_ids(self.hf_config, model_path, model, self.tokenizer)
-        self.block_manager = BlockManager(self.num_kv_blocks, self.config.block_size)
+        self.block_manager = BlockManager(
+            self.num_kv_blocks, self.config.block_size, prefix_caching=self.config.enable_prefix_caching
+        )
+        self._check_context_prefill()
         self.runner = ModelRunner(
             self.model,
             self.config.block_size,
@@ -166,6 +180,7 @@ class LLMEngine:
             self.max_model_len,
             self.eos_token_ids,
             self._detokenize,
+            chunked_prefill=self.config.enable_chunked_prefill,
         )
         self._rng = random.Random(self.config.seed)
         self._next_seq_id = 0
@@ -207,6 +222,22 @@ class LLMEngine:
         """Stop a tensor-parallel engine's worker processes (nothing to do for one process)."""
         if self.peers is not None:
             self.peers.close()
+
+    def _check_context_prefill(self) -> None:
+        """Prefix caching and chunked prefill compute a prompt's tail against its cached head: refuse, in
+        one line, the models whose prefill attention does not read the cache (soft-capped scores) or whose
+        RoPE depends on the whole prompt's length (LongRoPE)."""
+        cfg = self.config
+        if not (cfg.enable_prefix_caching or cfg.enable_chunked_prefill):
+            return
+        wanted = "enable_prefix_caching" if cfg.enable_prefix_caching else "enable_chunked_prefill"
+        reason = None
+        if getattr(self.model.args, "attn_logit_softcapping", None) is not None:
+            reason = "attention logit soft-capping (Gemma 2)"
+        elif getattr(self.model, "longrope_original", None) is not None:
+            reason = "LongRoPE (Phi-3 long context)"
+        if reason:
+            raise ValueError(f"{wanted} is not supported with {reason}")
 
     def _kv_blocks(self) -> int:
         cfg = self.config
@@ -317,6 +348,7 @@ class LLMEngine:
         # Waiting groups are either never scheduled (no blocks) or preempted singles (blocks freed).
         waiting = [[s for s in g if s.seq_id not in members] for g in scheduler.waiting]
         scheduler.waiting = type(scheduler.waiting)(g for g in waiting if g)
+        scheduler.drop_prefilling(members)  # chunked prefill: a group between chunks holds blocks
         return True
 
     def _snapshot(self, request_id: int) -> RequestOutput:
@@ -432,6 +464,7 @@ class LLMEngine:
         """
         if isinstance(named_tensors, Mapping):
             named_tensors = named_tensors.items()
+        self.block_manager.invalidate_prefix_cache()  # cached K/V was computed with the old weights
         count = 0
 
         def gathered():
@@ -451,6 +484,7 @@ class LLMEngine:
         """Free the KV cache (level 1); level 2 also moves the weights to CPU."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        self.block_manager.invalidate_prefix_cache()  # the cache's contents are freed
         if self.peers is not None:
             self.peers.send("sleep", level)
         self.runner.free_kv_cache()

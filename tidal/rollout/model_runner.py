@@ -158,6 +158,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[int], list[float]]:
+        if batch.chunks is not None:
+            return self._run_context_prefill(batch)
         for router in self.routers:
             router.recorded = []
         step = self._prefill_step(batch.groups) if batch.is_prefill else self._decode_step(batch.seqs)
@@ -278,6 +280,55 @@ class ModelRunner:
             backend=self.backend,
         )
         return self.model(input_ids, positions, meta)
+
+    def _run_context_prefill(self, batch: ScheduledBatch) -> tuple[list[int], list[float]]:
+        """A prefill with context (prefix caching / chunked prefill): each group computes its tokens
+        ``[start, end)`` against the K/V of ``[0, start)`` in the cache; only groups whose prompt ends
+        here sample. Eager and single-process (the engine refuses these features with tensor parallelism
+        and router replay)."""
+        bs = self.block_size
+        ids, positions, slots, tables = [], [], [], []
+        for group, (start, end) in zip(batch.groups, batch.chunks, strict=True):
+            seq = group[0]
+            pos = np.arange(start, end)
+            table = np.asarray(seq.block_table[: -(-end // bs)])
+            ids.extend(seq.token_ids[start:end])
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        padded = np.zeros((len(tables), width), dtype=np.int64)  # unused entries: block 0, masked out
+        for row, table in zip(padded, tables, strict=True):
+            row[: len(table)] = table
+        lens_t = self._tensor([end - start for start, end in batch.chunks])
+        starts = torch.cumsum(lens_t, 0) - lens_t
+        cols = torch.arange(int(lens_t.max()), device=self.device)
+        valid = cols[None, :] < lens_t[:, None]
+        meta = AttentionMetadata(
+            is_prefill=True,
+            slot_mapping=self._tensor(np.concatenate(slots)),
+            kv_cache=self.kv_cache,
+            pad_index=torch.where(valid, starts[:, None] + cols[None, :], 0),
+            pad_valid=valid,
+            unpad_index=valid.view(-1).nonzero().view(-1),
+            block_tables=self._tensor(padded),
+            context_lens=self._tensor([end for _, end in batch.chunks]),
+            query_starts=self._tensor([start for start, _ in batch.chunks]),
+        )
+        last = [i for i, final in enumerate(batch.final) if final]
+        logits_index = (starts + lens_t - 1)[self._tensor(last)]
+        logits = self.model(self._tensor(ids), self._tensor(np.concatenate(positions)), meta, logits_index)
+        if batch.block_copies:  # n > 1: the samples' copies of the prompt's last block, now complete
+            src, dst = zip(*batch.block_copies, strict=True)
+            self.kv_cache[:, :, self._tensor(dst)] = self.kv_cache[:, :, self._tensor(src)]
+        seqs = batch.seqs
+        if not seqs:  # every group is between chunks: nothing to sample yet
+            return [], []
+        sampled = [group for group, final in zip(batch.groups, batch.final, strict=True) if final]
+        rows = self._tensor([i for i, group in enumerate(sampled) for _ in group])
+        tokens, logprobs = self.sampler(logits[rows], self._sampling_tensors(seqs))
+        packed = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).cpu()
+        return packed[0].to(torch.int64).tolist(), packed[1].tolist()
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         """Per-row settings; a decode step over the same sequences as the previous one reuses its tensors

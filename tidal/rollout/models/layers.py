@@ -181,7 +181,7 @@ def paged_attention(q, k, v, meta: AttentionMetadata, layer_idx: int, window: in
     if layer_cache is not None:
         store_kv(layer_cache, k, v, meta.slot_mapping)
     if meta.is_prefill:
-        return prefill_attention(q, k, v, meta, window, scale)
+        return prefill_attention(q, k, v, meta, window, scale, layer_cache)
     return decode_attention(q, layer_cache, meta, window, scale)
 
 

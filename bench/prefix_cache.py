@@ -1,0 +1,261 @@
+"""Benchmark: prefix caching on multi-turn agent episodes, and chunked prefill under a long prompt.
+
+Two runs, one JSON line each (both with the feature off and on, same engine settings otherwise):
+
+- ``agent``: ``--episodes`` episodes of ``--turns`` turns. Every episode starts from one shared
+  ``--system_len``-token system prompt; each turn appends a ``--user_tokens`` message, and the turn's
+  prompt is the whole history (system + every earlier message and answer + the new message), as
+  tidal's multi-turn agents submit it; the model answers ``--answer_tokens`` tokens (greedy,
+  ``ignore_eos``), so a turn adds ``user_tokens + answer_tokens`` tokens (default 128 + 128 = 256).
+  All episodes' turn t run in one ``generate`` call. Reported per mode: prompt tokens computed by
+  prefills (``prefill_tokens``), tokens taken from the cache, wall time, and whether the answers agree
+  with the cache-off run (``same_tokens``: fraction of answer tokens equal; bf16 may flip a near tie).
+- ``chunked``: ``--decoders`` sequences decode (``--decode_prompt_len``-token prompts); after
+  ``--warmup_steps`` steps a ``--long_prompt``-token prompt arrives. Reported per mode: the longest
+  and the median time between two tokens of the decoding sequences while the long prompt is prefilled
+  (``max_inter_token_ms``: without chunking, the whole prefill stalls them), and the long prompt's time
+  to first token. Chunked: ``enable_chunked_prefill`` with ``max_num_batched_tokens = --chunk``.
+
+The model is random-init with a real model's shapes (``--config``, as bench/rollout.py), or ``--model``.
+
+    python bench/prefix_cache.py --tiny          # tiny qwen2 on CPU, < 1 minute
+    python bench/prefix_cache.py --config qwen2.5-0.5b --device cuda
+    python bench/prefix_cache.py --config qwen2.5-0.5b --device cuda --only chunked --chunk 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rollout_bench():
+    """bench/rollout.py (its model shapes and loader), imported by path: bench/ is not a package."""
+    spec = importlib.util.spec_from_file_location("bench_rollout", ROOT / "bench" / "rollout.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--model", help="HF model folder")
+    source.add_argument("--config", help="random-init model of this shape (bench/rollout.py's CONFIGS)")
+    p.add_argument("--tiny", action="store_true", help="tiny qwen2 model and small sizes, CPU, < 1 minute")
+    p.add_argument("--only", choices=["agent", "chunked"], help="run one of the two benchmarks")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce_eager", action="store_true")
+    # agent
+    p.add_argument("--episodes", type=int, default=32)
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--system_len", type=int, default=1024)
+    p.add_argument("--user_tokens", type=int, default=128)
+    p.add_argument("--answer_tokens", type=int, default=128)
+    # chunked
+    p.add_argument("--decoders", type=int, default=255)
+    p.add_argument("--decode_prompt_len", type=int, default=128)
+    p.add_argument("--long_prompt", type=int, default=16384)
+    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--warmup_steps", type=int, default=8)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.device = "cpu"
+        args.episodes, args.turns, args.system_len, args.user_tokens, args.answer_tokens = 4, 4, 64, 16, 16
+        args.decoders, args.decode_prompt_len, args.long_prompt, args.chunk = 7, 16, 480, 64
+    return args
+
+
+def load(args, tmp: str):
+    """(hf model or None, model folder or None, vocab size)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if args.dtype == "auto":
+        dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    else:
+        dtype = getattr(torch, args.dtype)
+    if args.model:
+        return None, args.model, AutoConfig.from_pretrained(args.model).vocab_size
+    if args.config:
+        fields = dict(_rollout_bench().CONFIGS[args.config])
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        torch.manual_seed(args.seed)
+        with torch.device(args.device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        return model, None, config.vocab_size
+    from tidal.testing import build_tiny_model
+
+    path = build_tiny_model(Path(tmp) / "tiny", "qwen2", seed=args.seed, max_position_embeddings=2048)
+    return None, str(path), AutoConfig.from_pretrained(str(path)).vocab_size
+
+
+def make_engine(args, model, path, **features):
+    from tidal.rollout import EngineConfig, LLMEngine
+
+    config = EngineConfig(
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        max_num_seqs=max(args.episodes, args.decoders + 1),
+        **features,
+    )
+    return LLMEngine(path, config, model=model)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def agent_run(args, engine, vocab: int) -> tuple[dict, list[list[int]]]:
+    """All episodes, turn by turn; returns the counters and every answer's tokens."""
+    from tidal.rollout import SamplingParams
+
+    gen = torch.Generator().manual_seed(args.seed)
+    system = torch.randint(5, vocab, (args.system_len,), generator=gen).tolist()
+    histories = [list(system) for _ in range(args.episodes)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.answer_tokens, ignore_eos=True)
+    scheduler = engine.scheduler
+    prefill0, cached0 = scheduler.num_prefill_tokens, scheduler.num_cached_tokens
+    answers = []
+    sync(args.device)
+    start = time.perf_counter()
+    for _ in range(args.turns):
+        for history in histories:
+            history.extend(torch.randint(5, vocab, (args.user_tokens,), generator=gen).tolist())
+        outputs = engine.generate(histories, params)
+        for history, out in zip(histories, outputs, strict=True):
+            history.extend(out.outputs[0].token_ids)
+            answers.append(out.outputs[0].token_ids)
+    sync(args.device)
+    stats = {
+        "wall_s": round(time.perf_counter() - start, 3),
+        "prefill_tokens": scheduler.num_prefill_tokens - prefill0,
+        "cached_tokens": scheduler.num_cached_tokens - cached0,
+    }
+    return stats, answers
+
+
+def warm_up(engine, vocab: int) -> None:
+    """Kernels, CUDA graphs and allocator pools before the timed runs (random tokens, nothing shared)."""
+    from tidal.rollout import SamplingParams
+
+    prompts = torch.randint(5, vocab, (4, 64), generator=torch.Generator().manual_seed(12345)).tolist()
+    engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+
+
+def bench_agent(args, model, path, vocab: int) -> dict:
+    result = {"bench": "prefix_cache_agent", "episodes": args.episodes, "turns": args.turns,
+              "system_len": args.system_len, "tokens_per_turn": args.user_tokens + args.answer_tokens}  # fmt: skip
+    max_len = args.system_len + args.turns * (args.user_tokens + args.answer_tokens)
+    reference = None
+    for name, on in (("off", False), ("on", True)):
+        engine = make_engine(args, model, path, enable_prefix_caching=on)
+        if engine.max_model_len < max_len:
+            raise SystemExit(
+                f"the episodes need max_model_len >= {max_len}; the model has {engine.max_model_len}"
+            )
+        warm_up(engine, vocab)
+        stats, answers = agent_run(args, engine, vocab)
+        reference = reference or answers
+        pairs = [(a, b) for x, y in zip(reference, answers, strict=True) for a, b in zip(x, y, strict=True)]
+        stats["same_tokens"] = round(sum(a == b for a, b in pairs) / len(pairs), 4)
+        result[name] = stats
+        del engine
+    result["prefill_tokens_ratio"] = round(
+        result["on"]["prefill_tokens"] / result["off"]["prefill_tokens"], 4
+    )
+    result["speedup"] = round(result["off"]["wall_s"] / result["on"]["wall_s"], 3)
+    return result
+
+
+def chunked_run(args, engine, vocab: int) -> dict:
+    """Decoders running, then the long prompt arrives; step timings until every sequence decodes again."""
+    from tidal.rollout import SamplingParams
+
+    gen = torch.Generator().manual_seed(args.seed)
+    budget = args.warmup_steps + 2 * (args.long_prompt // args.chunk + 1) + 8
+    short = SamplingParams(temperature=0.0, max_new_tokens=budget + 8, ignore_eos=True)
+    ids = [
+        engine.add_request(torch.randint(5, vocab, (args.decode_prompt_len,), generator=gen).tolist(), short)
+        for _ in range(args.decoders)
+    ]
+    long_prompt = torch.randint(5, vocab, (args.long_prompt,), generator=gen).tolist()
+    long_id, arrival, ttft, steps = None, None, None, []  # steps: (end time, decoders advanced)
+    for step in range(budget):
+        if step == args.warmup_steps:
+            params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+            long_id = engine.add_request(long_prompt, params)
+            ids.append(long_id)
+            arrival = time.perf_counter()
+        advanced = {out.request_id for out in engine.step()}  # returns once the tokens are on the host
+        now = time.perf_counter()
+        steps.append((now, bool(advanced - {long_id})))
+        if long_id in advanced and ttft is None:
+            ttft = now - arrival
+        elif ttft is not None and steps[-1][1]:
+            break  # the first decode step after the long prompt's first token closes the window
+    for request in ids:  # leave the engine empty
+        engine.abort(request)
+    decode_times = [t for t, decoded in steps if decoded]
+    gaps = [b - a for a, b in zip(decode_times, decode_times[1:], strict=False) if b > arrival]
+    return {
+        "max_inter_token_ms": round(max(gaps) * 1e3, 2),
+        "median_inter_token_ms": round(statistics.median(gaps) * 1e3, 2),
+        "long_prompt_ttft_ms": round(ttft * 1e3, 2),
+        "steps_in_window": sum(1 for t, _ in steps if t > arrival),
+    }
+
+
+def bench_chunked(args, model, path, vocab: int) -> dict:
+    result = {"bench": "chunked_prefill", "decoders": args.decoders, "decode_prompt_len": args.decode_prompt_len,
+              "long_prompt": args.long_prompt, "chunk": args.chunk}  # fmt: skip
+    for name, features in (
+        ("off", {}),
+        ("on", {"enable_chunked_prefill": True, "max_num_batched_tokens": args.chunk}),
+    ):
+        engine = make_engine(args, model, path, **features)
+        warm_up(engine, vocab)
+        if args.device.startswith("cuda"):
+            chunked_run(
+                args, engine, vocab
+            )  # first-call costs (a 16k-token prefill's kernels) out of the timing
+        result[name] = chunked_run(args, engine, vocab)
+        del engine
+    result["max_inter_token_ratio"] = round(
+        result["off"]["max_inter_token_ms"] / result["on"]["max_inter_token_ms"], 3
+    )
+    return result
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model, path, vocab = load(args, tmp)
+        env = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+               "torch": torch.__version__, "model": args.model or args.config or "tiny-qwen2"}  # fmt: skip
+        for name, bench in (("agent", bench_agent), ("chunked", bench_chunked)):
+            if args.only in (None, name):
+                result = {**bench(args, model, path, vocab), **env}
+                print(json.dumps(result), flush=True)
+                results.append(result)
+    return results
+
+
+if __name__ == "__main__":
+    main()
