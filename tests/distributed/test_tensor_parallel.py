@@ -13,13 +13,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tidal.cli import train_dpo, train_ppo, train_rm, train_sft
+from tidal.cli import train_dpo, train_kd, train_kto, train_ppo, train_rm, train_sft
 from tidal.config import ConfigError
 from tidal.distributed.tensor_parallel import layout_problems, matching_modules, tp_plan
 from tidal.distributed.world import World
 from tidal.testing import AdditionTask, build_tiny_model
 from tidal.testing.tiny import tiny_config
 from tidal.trainers.dpo import run_dpo
+from tidal.trainers.kd import run_kd
+from tidal.trainers.kto import run_kto
 from tidal.trainers.ppo import run_ppo
 from tidal.trainers.rm import run_rm
 from tidal.trainers.sft import run_sft
@@ -123,46 +125,60 @@ def test_tp2_matches_one_process_and_checkpoints_reshard(tiny_qwen2, tmp_path, d
 
 
 def test_tp2_other_trainers_match_one_process(tiny_llama, tmp_path, dist):
-    """DPO (its frozen reference split with the same plan), a reward model (a value head on the split
-    body) and PPO with GAE (a split critic) under TP=2 match one process."""
-    pairs = tmp_path / "pairs.jsonl"
-    with pairs.open("w") as f:
+    """DPO and KTO (their frozen reference split with the same plan), KD (a split teacher), a reward model
+    (a value head on the split body) and PPO with GAE (a split critic) under TP=2 match one process."""
+    pairs, unpaired = tmp_path / "pairs.jsonl", tmp_path / "unpaired.jsonl"
+    with pairs.open("w") as p, unpaired.open("w") as u:
         for i, s in enumerate(AdditionTask(digits=2, seed=5).samples(16)):
             wrong = str(int(s["answer"]) + 1 + i % 5)
-            f.write(json.dumps({"prompt": s["prompt"], "chosen": s["answer"], "rejected": wrong}) + "\n")
+            p.write(json.dumps({"prompt": s["prompt"], "chosen": s["answer"], "rejected": wrong}) + "\n")
+            good = i % 2 == 0
+            row = {"input": s["prompt"], "output": s["answer"] if good else wrong, "label": good}
+            u.write(json.dumps(row) + "\n")
+    sft = AdditionTask(digits=2, seed=4).write_jsonl(tmp_path / "sft.jsonl", 16)
     rl = write_rl_data(tmp_path)
 
-    def pair_flags(out: Path) -> list[str]:
+    def common(out: Path) -> list[str]:
         return [
-            "--pretrain", str(tiny_llama), "--dataset", str(pairs), "--prompt_key", "prompt",
-            "--max_len", "64",
-            "--train_batch_size", "8", "--micro_train_batch_size", "2", "--learning_rate", "2e-3",
-            "--lr_warmup_ratio", "0", "--zero_stage", "2", "--seed", "5", "--max_epochs", "1",
+            "--pretrain", str(tiny_llama), "--max_len", "64", "--train_batch_size", "8",
+            "--micro_train_batch_size", "2", "--learning_rate", "2e-3", "--lr_warmup_ratio", "0",
+            "--zero_stage", "2", "--seed", "5", "--max_epochs", "1",
             "--save_path", str(out / "final"), "--ckpt_path", str(out / "ckpt"),
         ]  # fmt: skip
 
+    data = {
+        "dpo": ["--dataset", str(pairs), "--prompt_key", "prompt"],
+        "rm": ["--dataset", str(pairs), "--prompt_key", "prompt"],
+        "kto": ["--dataset", str(unpaired), "--input_template", "{}"],
+        "kd": ["--dataset", str(sft), "--input_key", "prompt", "--output_key", "answer",
+               "--teacher_model", str(tiny_llama)],
+    }  # fmt: skip
     gae = ["--advantage_estimator", "gae", "--critic_learning_rate", "2e-3", "--n_samples_per_prompt", "2",
            "--train_batch_size", "8"]  # fmt: skip
-    one = {
-        "dpo": run_dpo(train_dpo.parse_run(pair_flags(tmp_path / "dpo1"))),
-        "rm": run_rm(train_rm.parse_run(pair_flags(tmp_path / "rm1"))),
-        "ppo": run_ppo(train_ppo.parse_run(grpo_flags(tiny_llama, rl, tmp_path / "gae1", *gae))),
-    }
-    argv = {
-        "dpo": pair_flags(tmp_path / "dpo2"),
-        "rm": pair_flags(tmp_path / "rm2"),
-        "ppo": grpo_flags(tiny_llama, rl, tmp_path / "gae2", *gae),
-    }
-    specs = [{"kind": k, "out": str(tmp_path / f"{k}2.json"), "argv": [*a, *TP2]} for k, a in argv.items()]
+    argv = {kind: [*common(tmp_path / f"{kind}_N_"), *extra] for kind, extra in data.items()}  # _N_: 1 or 2
+    argv["ppo"] = grpo_flags(tiny_llama, rl, tmp_path / "gae_N_", *gae)
+    runs = {"dpo": (train_dpo, run_dpo), "rm": (train_rm, run_rm), "kto": (train_kto, run_kto),
+            "kd": (train_kd, run_kd), "ppo": (train_ppo, run_ppo)}  # fmt: skip
+    one = {k: run(cli.parse_run([a.replace("_N_", "1") for a in argv[k]])) for k, (cli, run) in runs.items()}
+    specs = [
+        {
+            "kind": k,
+            "out": str(tmp_path / f"{k}2.json"),
+            "argv": [*(a.replace("_N_", "2") for a in argv[k]), *TP2],
+        }
+        for k in runs
+    ]
     dist.torchrun(specs, tmp_path)
     keys = {
         "dpo": ("loss", "reward_margin", "grad_norm"),
         "rm": ("loss", "acc", "reward_gap", "grad_norm"),
+        "kto": ("loss", "kl", "grad_norm"),
+        "kd": ("loss", "grad_norm"),
         "ppo": ("reward", "policy/loss", "critic/loss", "grad_norm"),
     }
     for kind, history in one.items():
         two = dist.result(tmp_path / f"{kind}2.json")["history"]
-        assert len(two) == len(history) >= 2
+        assert len(two) == len(history) >= 2, kind
         dist.assert_steps_match(history[:1], two[:1], keys[kind])
         # After an Adam step the sharded matmuls' float rounding differences are amplified in the
         # parameters whose gradients are near zero (seen: 6e-5 relative on the reward model's grad norm).
