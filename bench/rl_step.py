@@ -87,26 +87,38 @@ def make_policy(name: str, device: torch.device, gradient_checkpointing: bool, s
         return make_model(name, device, gradient_checkpointing, seed)
     from transformers import AutoModelForCausalLM
 
+    from tidal.models.moe_experts import use_trainer_experts
+
     torch.manual_seed(seed)
     with device:
         model = AutoModelForCausalLM.from_config(
             moe_config(name), dtype=torch.float32, attn_implementation="sdpa"
         )
     model.config.use_cache = False
+    use_trainer_experts(model)  # as tidal.models.load_causal_lm does for a MoE model
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
-def moe_report(policy, device: torch.device) -> dict:
-    """For a MoE policy: the trainer's experts kernel and whether the engine's fused experts ran."""
+def moe_report(policy, device: torch.device, precision) -> dict:
+    """For a MoE policy: the trainer's experts kernel, the dtype its grouped GEMMs run in under the
+    update's autocast, and whether the engine's fused experts ran."""
     if getattr(policy.config, "num_experts", None) is None:
         return {}
     from tidal.accel import triton_available
+    from tidal.models.moe_experts import TRAINER_EXPERTS, experts_compute_dtype
     from tidal.rollout.models import moe
 
+    implementation = policy.config._experts_implementation
+    weight = next(p for n, p in policy.named_parameters() if n.endswith("experts.gate_up_proj"))
+    gemm_dtype = weight.dtype if implementation == "grouped_mm" else None  # transformers: the weights'
+    if implementation == TRAINER_EXPERTS:
+        with precision.autocast():
+            gemm_dtype = experts_compute_dtype(weight, device.type)
     return {
-        "experts_implementation": policy.config._experts_implementation,
+        "experts_implementation": implementation,
+        "experts_gemm_dtype": None if gemm_dtype is None else str(gemm_dtype).removeprefix("torch."),
         "engine_fused_moe": moe.FUSED_MOE and device.type == "cuda" and triton_available(),
     }
 
@@ -238,7 +250,8 @@ def main(argv=None) -> dict:
         "policy_loss": round(float(stats.get("policy/loss", float("nan"))), 5),
         "grad_norm": round(float(stats.get("grad_norm", float("nan"))), 4),
         "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
-        "attn_impl": bench.policy.config._attn_implementation, **moe_report(bench.policy, device),
+        "attn_impl": bench.policy.config._attn_implementation,
+        **moe_report(bench.policy, device, bench.opt.precision),
     }  # fmt: skip
     print(json.dumps(report))
     return report
