@@ -10,7 +10,7 @@ import argparse
 
 from tidal.cli.common import make_parser, module_main, run_command
 from tidal.config import DatasetConfig
-from tidal.config.args import configs_from_args
+from tidal.config.args import ConfigError, configs_from_args
 from tidal.inference.config import GeneratePromptConfig, PolicyConfig, SamplingConfig, ScoringConfig
 
 GROUPS = [
@@ -43,7 +43,24 @@ def run_from_namespace(ns: argparse.Namespace, validate: bool = True):
     run = GenerateRun(**configs_from_args(classes, ns))  # every flag checked, all problems reported
     if validate:
         run.validate()
+        check_tp_layout(run.policy.pretrain, run.policy.tp_size)
     return run
+
+
+def check_tp_layout(pretrain: str, tp_size: int) -> None:
+    """A ``--tp_size`` that the model's shapes cannot be split by fails here, from its config alone."""
+    if tp_size == 1:
+        return
+    from transformers import AutoConfig
+
+    from tidal.rollout.models.loader import tp_layout_problem
+
+    try:
+        problem = tp_layout_problem(AutoConfig.from_pretrained(pretrain), tp_size)
+    except (OSError, ValueError):  # unreadable or unsupported: loading the engine reports it
+        return
+    if problem:
+        raise ConfigError(f"--tp_size {tp_size}: {problem}")
 
 
 def parse_run(argv: list[str]):

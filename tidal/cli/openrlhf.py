@@ -85,7 +85,6 @@ REFUSED: dict[str, dict[str, str]] = {
         "zero_stage": "DeepSpeed ZeRO does not apply: tidal samples with its own rollout engine",
         "local_rank": "DeepSpeed's launcher argument: tidal reads its rank from torchrun's environment",
         "full_determinism": f"{_NOT_YET} for sampling (--seed makes the same flags give the same samples)",
-        "tp_size": "tensor parallelism in tidal's rollout engine is not supported by this command",
         "enable_prefix_caching": _RL_REFUSED["enable_prefix_caching"],
     },
     "interactive_chat": {

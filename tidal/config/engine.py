@@ -35,6 +35,7 @@ def engine_config(
     param_dtype: str = "auto",
     device: str = "auto",
     enforce_eager: bool = False,
+    tp_size: int = 1,
     record_routing: bool = False,
 ) -> EngineConfig:
     """The engine's settings; ``param_dtype`` is a ``--param_dtype`` value (``ENGINE_DTYPES``).
@@ -52,6 +53,7 @@ def engine_config(
             seed=seed,
             enforce_eager=enforce_eager,
             record_routing=record_routing,
+            tp_size=tp_size,
         )
     except ValueError as err:
         raise ConfigError(str(err).replace("EngineConfig: ", "")) from err

@@ -49,6 +49,12 @@ class PolicyConfig:
     )
     tokenizer_chat_template: str | None = arg(None, help="Jinja chat template that replaces the tokenizer's")
     disable_fast_tokenizer: bool = arg(False, help="load the slow (Python) tokenizer")
+    tp_size: int = arg(
+        1,
+        help="tensor-parallel size of the engine: processes it spans, on the CPU or on that many GPUs "
+        "(OpenRLHF's default is every visible GPU; tidal's is 1)",
+        check=AT_LEAST_ONE,
+    )
 
     def engine_config(self, seed: int) -> EngineConfig:
         if self.max_num_seqs < 1:
@@ -61,6 +67,7 @@ class PolicyConfig:
             gpu_memory_utilization=self.gpu_memory_utilization,
             seed=seed,
             param_dtype=self.param_dtype,  # no trainer here: the flag sets the engine's dtype
+            tp_size=self.tp_size,
         )
 
 
