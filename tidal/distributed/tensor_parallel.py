@@ -201,12 +201,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     if problems:
         raise ConfigError("; ".join(problems))
     plan = tp_plan(model.config)
+    split = 0
     for pattern, style_name in plan.items():
         for _, module in matching_modules(model, pattern):
             style = make_style(style_name)
             if style is None:  # layout_problems refused it before the model loaded
                 raise ValueError(f"tensor-parallel style {style_name!r} of {pattern} is not supported")
             parallelize_module(module, tp_mesh, style)
+            split += 1
+    if not split:  # a plan naming none of the modules would leave every tp rank a whole replica
+        raise ValueError(f"the tensor-parallel plan of {type(model).__name__} matches none of its modules")
     return model
 
 
