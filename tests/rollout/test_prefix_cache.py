@@ -125,3 +125,17 @@ def test_update_weights_and_sleep_invalidate_the_cache(llama, tiny_model, hf_mod
 def test_refused_with_router_replay_and_tensor_parallelism(feature, other):
     with pytest.raises(ValueError, match="need tp_size 1 and record_routing"):
         _config(**{feature: True}, **other)
+
+
+def test_enable_prefix_caching_flag_reaches_the_engine():
+    """``tidal ppo`` (RolloutConfig) and ``tidal generate`` (PolicyConfig) pass the OpenRLHF flag on."""
+    from tidal.cli.generate import build_parser
+    from tidal.config.engine import rollout_engine_config
+    from tidal.config.rl import RolloutConfig
+    from tidal.inference.config import PolicyConfig
+
+    assert rollout_engine_config(RolloutConfig(enable_prefix_caching=True), "cpu", 0).enable_prefix_caching
+    assert PolicyConfig(pretrain="m", enable_prefix_caching=True).engine_config(0).enable_prefix_caching
+    assert not PolicyConfig(pretrain="m").engine_config(0).enable_prefix_caching
+    argv = ["--pretrain", "m", "--dataset", "d.jsonl", "--output_path", "o.jsonl", "--enable_prefix_caching"]
+    assert build_parser().parse_args(argv).enable_prefix_caching

@@ -48,7 +48,6 @@ _TRAINER_REFUSED = {
 _NOT_YET = "not implemented in tidal yet"
 
 _RL_REFUSED = {
-    "enable_prefix_caching": "a vLLM option; tidal's rollout engine has no prefix cache",
     "actor_init_on_gpu": "a DeepSpeed ZeRO-3 initialisation option; tidal's FSDP2 loads each shard on its GPU",
     "perf": "OpenRLHF's throughput report has no tidal counterpart (tidal logs timings with its metrics)",
 }
@@ -85,7 +84,6 @@ REFUSED: dict[str, dict[str, str]] = {
         "zero_stage": "DeepSpeed ZeRO does not apply: tidal samples with its own rollout engine",
         "local_rank": "DeepSpeed's launcher argument: tidal reads its rank from torchrun's environment",
         "full_determinism": f"{_NOT_YET} for sampling (--seed makes the same flags give the same samples)",
-        "enable_prefix_caching": _RL_REFUSED["enable_prefix_caching"],
     },
     "interactive_chat": {
         **_INFERENCE_REFUSED,

@@ -37,6 +37,7 @@ def engine_config(
     enforce_eager: bool = False,
     tp_size: int = 1,
     record_routing: bool = False,
+    enable_prefix_caching: bool = False,
 ) -> EngineConfig:
     """The engine's settings; ``param_dtype`` is a ``--param_dtype`` value (``ENGINE_DTYPES``).
 
@@ -54,6 +55,7 @@ def engine_config(
             enforce_eager=enforce_eager,
             record_routing=record_routing,
             tp_size=tp_size,
+            enable_prefix_caching=enable_prefix_caching,
         )
     except ValueError as err:
         raise ConfigError(str(err).replace("EngineConfig: ", "")) from err
@@ -77,4 +79,5 @@ def rollout_engine_config(cfg: RolloutConfig, device: str, seed: int) -> EngineC
         device=device,
         enforce_eager=cfg.enforce_eager,
         record_routing=cfg.moe_router_replay,  # the experts the trainer replays
+        enable_prefix_caching=cfg.enable_prefix_caching,
     )

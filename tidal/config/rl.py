@@ -77,6 +77,11 @@ class RolloutConfig(Checked):
     )
     vllm_enable_sleep: bool = arg(False, help="free the engine's KV cache while training (colocated models)")
     enforce_eager: bool = arg(False, help="run the engine without CUDA graphs")
+    enable_prefix_caching: bool = arg(
+        False,
+        help="reuse the engine's cached KV blocks of prompt prefixes already computed (shared system prompts, "
+        "the history of multi-turn episodes); invalidated at each weight update",
+    )
     moe_router_replay: bool = arg(
         False,
         help="MoE policies: the engine records each token's experts and the trainer's forwards reuse them "

@@ -55,6 +55,11 @@ class PolicyConfig:
         "(OpenRLHF's default is every visible GPU; tidal's is 1)",
         check=AT_LEAST_ONE,
     )
+    enable_prefix_caching: bool = arg(
+        False,
+        help="reuse the engine's cached KV blocks of prompt prefixes already computed (e.g. a shared "
+        "system prompt, or the n samples of earlier prompts)",
+    )
 
     def engine_config(self, seed: int) -> EngineConfig:
         if self.max_num_seqs < 1:
@@ -68,6 +73,7 @@ class PolicyConfig:
             seed=seed,
             param_dtype=self.param_dtype,  # no trainer here: the flag sets the engine's dtype
             tp_size=self.tp_size,
+            enable_prefix_caching=self.enable_prefix_caching,
         )
 
 
