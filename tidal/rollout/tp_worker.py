@@ -1,8 +1,10 @@
 """The processes of a tensor-parallel rollout engine (``EngineConfig.tp_size`` N > 1).
 
 The process that builds ``LLMEngine`` is rank 0: it owns the scheduler, the sequences, the sampler and
-the engine's API. It starts ranks 1..N-1 itself (``torch.multiprocessing``, spawn), one per device (all
-on the CPU, or N GPUs), and drives them with ``TPPeers``:
+the engine's API. It starts ranks 1..N-1 itself, one per device (all on the CPU, or N GPUs), as fresh
+Python processes (``python -m tidal.rollout.tp_worker``; not ``multiprocessing``, whose daemonic
+processes — an engine process of ``tidal ppo``'s separate engines — may not have children), hands them
+their ``WorkerSpec`` through the rendezvous store, and drives them with ``TPPeers``:
 
 - two process groups of their own, built on a TCP store (so the engine needs no default process group
   and never touches a trainer's): the tensor group (NCCL on CUDA, gloo on CPU) for the model's
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import subprocess
+import sys
 import traceback
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -120,18 +124,11 @@ class TPPeers:
     def __init__(self, spec: WorkerSpec, devices: list[torch.device]):
         size = len(devices)
         self.device = devices[0]
-        store = dist.TCPStore(
-            HOST, 0, size, True, timeout=timedelta(seconds=TIMEOUT_S), wait_for_workers=False
-        )
-        context = torch.multiprocessing.get_context("spawn")
-        self.procs = [
-            context.Process(
-                target=worker_main, args=(rank, size, store.port, str(devices[rank]), spec), daemon=True
-            )
-            for rank in range(1, size)
-        ]
-        for proc in self.procs:
-            proc.start()
+        timeout = timedelta(seconds=TIMEOUT_S)
+        store = dist.TCPStore(HOST, 0, size, True, timeout=timeout, wait_for_workers=False)
+        store.set("spec", pickle.dumps(spec))
+        command = [sys.executable, "-m", "tidal.rollout.tp_worker", str(size), str(store.port)]
+        self.procs = [subprocess.Popen([*command, str(rank), str(devices[rank])]) for rank in range(1, size)]
         self.tp, control = open_groups(store, 0, size, self.device)
         self.channel = Channel(control)
         self._store = store  # the workers' rendezvous lives as long as the engine
@@ -154,34 +151,36 @@ class TPPeers:
         """Stop the workers (they leave their loop and exit); kill any that do not."""
         if not self.procs:
             return
-        if all(proc.is_alive() for proc in self.procs):
-            with contextlib.suppress(RuntimeError):  # a worker already gone: terminated below
+        if all(proc.poll() is None for proc in self.procs):
+            with contextlib.suppress(RuntimeError):  # a worker already gone: killed below
                 self.channel.send(("stop",))
         for proc in self.procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         self.procs = []
 
 
-def worker_main(rank: int, size: int, port: int, device: str, spec: WorkerSpec) -> None:
+def worker_main(size: int, port: int, rank: int, device: str) -> None:
     """Rank ``rank`` of a TP engine: build the shard from rank 0's weights, then serve commands."""
     try:
-        _serve(rank, size, port, torch.device(device), spec)
+        _serve(size, port, rank, torch.device(device))
     except BaseException:
         traceback.print_exc()
         raise SystemExit(1) from None
 
 
-def _serve(rank: int, size: int, port: int, device: torch.device, spec: WorkerSpec) -> None:
+def _serve(size: int, port: int, rank: int, device: torch.device) -> None:
     from tidal.rollout.model_runner import ModelRunner
     from tidal.rollout.models.loader import build_decoder
 
+    store = dist.TCPStore(HOST, port, size, False, timeout=timedelta(seconds=TIMEOUT_S))
+    spec: WorkerSpec = pickle.loads(store.get("spec"))
     torch.set_num_threads(spec.num_threads)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore(HOST, port, size, False, timeout=timedelta(seconds=TIMEOUT_S))
     tp, control = open_groups(store, rank, size, device)
     channel = Channel(control)
     weights = receive_tensors(channel, tp, device)
@@ -221,3 +220,7 @@ def _serve(rank: int, size: int, port: int, device: torch.device, spec: WorkerSp
             return
         else:
             raise RuntimeError(f"unknown tensor-parallel engine command {kind!r}")
+
+
+if __name__ == "__main__":
+    worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
