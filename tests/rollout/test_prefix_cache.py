@@ -139,3 +139,17 @@ def test_enable_prefix_caching_flag_reaches_the_engine():
     assert not PolicyConfig(pretrain="m").engine_config(0).enable_prefix_caching
     argv = ["--pretrain", "m", "--dataset", "d.jsonl", "--output_path", "o.jsonl", "--enable_prefix_caching"]
     assert build_parser().parse_args(argv).enable_prefix_caching
+
+
+def test_a_request_in_flight_across_update_weights_is_never_cached(llama, tiny_model, hf_model):
+    """Its blocks hold K/V of the old weights (and, after the update, of the new ones): none may be
+    cached when it ends, or a later prompt would reuse stale K/V."""
+    engine = LLMEngine(llama, _config(enable_prefix_caching=True))
+    engine.add_request(PROMPTS[3], _greedy(6))
+    engine.step()  # its prefill: the prompt's full blocks are cached at once
+    assert len(engine.block_manager.prefix_cache) == len(PROMPTS[3]) // 4
+    engine.update_weights(hf_model(tiny_model("llama", seed=1)).named_parameters())
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.block_manager.prefix_cache) == 0
+    assert engine.block_manager.num_free_blocks == engine.num_kv_blocks

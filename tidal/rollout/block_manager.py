@@ -37,6 +37,9 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.ref_counts = [0] * num_blocks
         self.prefix_cache = PrefixCache() if prefix_caching else None
+        # Bumped by each invalidation: a sequence allocated before it holds K/V of other weights (or of
+        # an interrupted step), which must never enter the cache when it is freed.
+        self.cache_epoch = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -77,6 +80,8 @@ class BlockManager:
 
     def register(self, seq: Sequence, num_computed: int) -> None:
         """Cache the full blocks among ``seq``'s first ``num_computed`` tokens (their K/V is written)."""
+        if seq.cache_epoch != self.cache_epoch:
+            return
         full = min(num_computed // self.block_size, len(seq.block_table))
         extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, full)
         for block, key in zip(seq.block_table[:full], seq.block_hashes, strict=False):
@@ -86,6 +91,7 @@ class BlockManager:
         """Forget every cached block (new weights, or a freed KV cache); blocks in use stay allocated."""
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
+            self.cache_epoch += 1
 
     def allocate(self, group: list[Sequence]) -> list[tuple[int, int]]:
         """Give every sequence of a group (same tokens) its blocks; return (src, dst) blocks to copy."""
@@ -96,6 +102,8 @@ class BlockManager:
         fresh = blocks_needed(num_tokens, self.block_size) - len(cached)
         parent.block_table = cached + [self._take() for _ in range(fresh)]
         parent.num_computed_tokens = len(cached) * self.block_size
+        for seq in group:
+            seq.cache_epoch = self.cache_epoch
         num_full = num_tokens // self.block_size
         copies = []
         for child in group[1:]:

@@ -87,6 +87,9 @@ class Scheduler:
 
     def abort_all(self) -> None:
         """Drop every queued and running sequence and free its blocks (after an interrupted step)."""
+        # The interrupted step may have written part of its K/V: cache nothing (first, so that the
+        # sequences freed below do not register their blocks either).
+        self.block_manager.invalidate_prefix_cache()
         for seq in self.running:
             self.block_manager.free(seq)
         self.running.clear()

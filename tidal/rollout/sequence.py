@@ -50,6 +50,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_hashes: list[int] = []  # content hash of each full block so far (prefix_cache.py)
         self.pending_copies: list[tuple[int, int]] = []  # n > 1: copy-on-write due after the last chunk
+        self.cache_epoch = 0  # the block manager's cache epoch when its blocks were allocated
 
     def __len__(self) -> int:
         return len(self.token_ids)
