@@ -50,6 +50,7 @@ def echo_policy(tiny_qwen2, echo_data):
         "--pretrain", str(tiny_qwen2), "--dataset", str(echo_data / "sft.jsonl"), "--input_key", "prompt",
         "--output_key", "answer", "--max_len", "16", "--train_batch_size", "32", "--micro_train_batch_size", "32",
         "--packing_samples", "--max_epochs", "2", "--learning_rate", "3e-3", "--save_path", str(out),
+        "--input_template", "{}",  # RL prompts are raw: SFT on them untemplated
     ]))  # fmt: skip
     return out
 

@@ -23,6 +23,7 @@ def sft(base, data, out):
         "--pretrain", str(base), "--dataset", str(data), "--input_key", "prompt", "--output_key", "answer",
         "--max_len", "16", "--train_batch_size", "32", "--micro_train_batch_size", "32", "--packing_samples",
         "--max_epochs", "2", "--learning_rate", "3e-3", "--save_path", str(out),
+        "--input_template", "{}",  # RL prompts are raw: SFT on them untemplated
     ]))  # fmt: skip
 
 

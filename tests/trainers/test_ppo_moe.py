@@ -107,6 +107,7 @@ def test_grpo_on_a_tiny_moe_raises_reward(tiny_moe, tmp_path):
         "--pretrain", str(tiny_moe), "--dataset", str(data / "sft.jsonl"), "--input_key", "prompt",
         "--output_key", "answer", "--max_len", "16", "--train_batch_size", "32", "--micro_train_batch_size", "32",
         "--packing_samples", "--max_epochs", "2", "--learning_rate", "3e-3", "--save_path", str(policy),
+        "--input_template", "{}",  # RL prompts are raw: SFT on them untemplated
     ]))  # fmt: skip
     flags = rl_flags(
         policy, data, tmp_path / "rl", "--advantage_estimator", "group_norm", "--aux_loss_coef", "0.001"
