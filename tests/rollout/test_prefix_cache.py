@@ -16,7 +16,7 @@ PROMPTS = [SYSTEM + [rng.randrange(3, 500) for _ in range(k)] for k in (1, 6, 13
 
 
 def _config(**overrides):
-    return cpu_config(max_model_len=128, block_size=4, **overrides)
+    return cpu_config(**{"max_model_len": 128, "block_size": 4, **overrides})
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -153,3 +153,37 @@ def test_a_request_in_flight_across_update_weights_is_never_cached(llama, tiny_m
         engine.step()
     assert len(engine.block_manager.prefix_cache) == 0
     assert engine.block_manager.num_free_blocks == engine.num_kv_blocks
+
+
+def test_multi_turn_agent_episodes_reuse_their_history(llama):
+    """MultiTurnAgentExecutor, unchanged, submits each turn's whole history as token ids: with prefix
+    caching the earlier turns' blocks are reused and the trajectories equal the cache-off ones."""
+    from transformers import AutoTokenizer
+
+    from tidal.agents import AgentInstanceBase, MultiTurnAgentExecutor
+
+    class ThreeTurns(AgentInstanceBase):
+        def __init__(self):
+            self.turn = 0
+
+        async def step(self, states, **kwargs):
+            self.turn += 1
+            feedback = " try again, and explain each step of the sum in more detail please:"
+            return {"rewards": 0.0, "scores": 0.0, "environment_feedback": feedback, "done": self.turn == 3}
+
+    tokenizer = AutoTokenizer.from_pretrained(str(llama))
+    params = SamplingParams(temperature=0.0, max_new_tokens=9, ignore_eos=True)
+    runs = {}
+    for caching in (False, True):
+        engine = LLMEngine(llama, _config(enable_prefix_caching=caching, max_model_len=256))
+        trajectories = MultiTurnAgentExecutor(ThreeTurns).run(
+            engine, tokenizer, ["What is 12+34? Think step by step."] * 2, ["46"] * 2, params, max_length=250
+        )
+        runs[caching] = ([t.token_ids for t in trajectories], [t.rollout_logprobs for t in trajectories])
+        cached = engine.scheduler.num_cached_tokens
+    assert runs[True][0] == runs[False][0]
+    for a, b in zip(runs[True][1], runs[False][1], strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5
+    # Turns 2 and 3 of both episodes reuse at least the full blocks of the first turn's prompt.
+    prompt_len = len(tokenizer("What is 12+34? Think step by step.")["input_ids"])
+    assert cached >= 2 * 2 * (prompt_len // 4 * 4) > 0
