@@ -79,5 +79,6 @@ def rollout_engine_config(cfg: RolloutConfig, device: str, seed: int) -> EngineC
         device=device,
         enforce_eager=cfg.enforce_eager,
         record_routing=cfg.moe_router_replay,  # the experts the trainer replays
+        tp_size=cfg.vllm_tensor_parallel_size,
         enable_prefix_caching=cfg.enable_prefix_caching,
     )

@@ -115,12 +115,8 @@ def placement_problems(
 ) -> list[str]:
     """Placements the data-parallel design cannot honour (see the module docstring), one line each."""
     problems = []
-    if vllm_tensor_parallel_size != 1:
-        problems.append(
-            f"--vllm_tensor_parallel_size {vllm_tensor_parallel_size}: tidal's rollout engine runs on one "
-            "device per policy worker; tensor-parallel engines are not supported (use 1)"
-        )
     w = p.actor_world_size
+    problems += engine_tp_problems(p, vllm_num_engines, vllm_tensor_parallel_size, w)
     if separate_engines(p, vllm_num_engines):
         problems += separate_engine_problems(p, vllm_num_engines, w)
     elif vllm_num_engines not in (None, w):
@@ -148,6 +144,21 @@ def placement_problems(
                 f"the policy workers, so its size must be 1x1 or the actor's {actor[0]}x{actor[1]}"
             )
     return problems
+
+
+def engine_tp_problems(p: PlacementConfig, engines: int | None, tp: int, w: int) -> list[str]:
+    """A tensor-parallel engine spans ``tp`` devices (processes): its own, or in local mode (one policy
+    worker) the worker's device and the next ``tp - 1``; engines colocated with several workers would
+    overlap the other workers' devices."""
+    if tp < 1:
+        return [f"--vllm_tensor_parallel_size must be >= 1, got {tp}"]
+    if tp > 1 and w > 1 and not separate_engines(p, engines):
+        return [
+            f"--vllm_tensor_parallel_size {tp} with engines colocated with the {w} policy workers: each engine "
+            f"would span its worker's device and the next {tp - 1}, which other workers use; put the engines "
+            "on devices of their own (--vllm_num_engines without --colocate_all_models) or use 1"
+        ]
+    return []
 
 
 def separate_engine_problems(p: PlacementConfig, engines: int, w: int) -> list[str]:

@@ -56,7 +56,9 @@ class RolloutConfig(Checked):
         "--colocate_all_models: one per policy worker, sharing its device); unset: one per policy worker",
     )
     vllm_tensor_parallel_size: int = arg(
-        1, help="devices per engine (Ray mode; local mode runs one engine on one device)"
+        1,
+        help="devices (processes) per engine: tensor parallelism; engines on devices of their own, or "
+        "local mode's one engine",
     )
     vllm_gpu_memory_utilization: float = arg(
         0.5,

@@ -14,6 +14,7 @@ import contextlib
 import os
 from collections.abc import Callable
 
+from tidal.config import ConfigError
 from tidal.distributed.ray_group import RayWorkerGroup
 from tidal.logging import get_logger
 from tidal.placement.protocols import PlacedRun
@@ -55,6 +56,12 @@ def run_on_ray(run: PlacedRun, rank_main: Callable[[PlacedRun, dict], list[dict]
 
 def _role_group(run: PlacedRun, role: str, count: int) -> RayWorkerGroup:
     """One Ray actor per worker of ``role``, each in a bundle of its own (a GPU, or a CPU)."""
+    tp = run.rollout.vllm_tensor_parallel_size
+    if role == "engine" and tp > 1:  # a Ray engine actor holds a one-device bundle
+        raise ConfigError(
+            f"--vllm_tensor_parallel_size {tp} in Ray mode: each engine actor gets one device; tensor-parallel "
+            "engines run in local mode or under torchrun (engine processes started by each trainer)"
+        )
     name = "tidal-" + role.replace(" ", "-")
     group = RayWorkerGroup(count, name=name, actor_cls=WorkerActor, init_args=role_spec(run, role))
     log.info("Ray mode: %d %s workers (%s each) on %d node(s)", count, role, group.resources,

@@ -65,12 +65,13 @@ def start_workers(run: PlacedRun, world_size: int, ray_actors: dict | None = Non
     counts = worker_counts(run, world_size)
     if ray_actors is not None:
         return {role: [RayWorker(a, role) for a in ray_actors.get(role, [])] for role in ROLES}
-    extra, started = ExtraDevices(counts), {role: [] for role in ROLES}
+    tp = run.rollout.vllm_tensor_parallel_size  # a tensor-parallel engine spans tp devices
+    extra, started = ExtraDevices({**counts, "engine": counts["engine"] * tp}), {role: [] for role in ROLES}
     try:
         for role in ROLES:
             if counts[role]:
                 factory, spec = role_spec(run, role)
-                devices = extra.devices(role)
+                devices = extra.devices(role)[:: tp if role == "engine" else 1]  # each engine's first
                 specs = [spec.on_device(d) for d in devices]
                 started[role] = start_process_workers(factory, specs, role, devices)
     except BaseException:

@@ -28,6 +28,7 @@ from tidal.models.value_model import load_value_model
 from tidal.placement.build import build_roles, log_placement
 from tidal.placement.data_parallel import check_data_parallel
 from tidal.placement.ray_launch import run_on_ray, wants_ray
+from tidal.rollout.models.loader import tp_layout_problem
 from tidal.rollout.models.registry import FAMILIES, supported_model_types
 from tidal.trainers.common import build_optimization, seed_everything
 from tidal.trainers.loop import Optimization
@@ -148,6 +149,10 @@ def check_models_before_loading(run: PPORun) -> None:
             f"--pretrain {run.actor.pretrain}: model_type {model_type!r} is not supported by the rollout engine "
             f"of tidal ppo; supported: {', '.join(supported_model_types())}"
         )
+    tp = run.rollout.vllm_tensor_parallel_size
+    tp_problem = tp_layout_problem(config, tp)
+    if tp_problem:
+        raise ConfigError(f"--vllm_tensor_parallel_size {tp}: {tp_problem}")
     if run.rollout.moe_router_replay:
         check_router_replay(run, config)
 

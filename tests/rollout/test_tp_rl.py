@@ -1,0 +1,74 @@
+"""``tidal ppo --vllm_tensor_parallel_size 2`` on the CPU: a local-mode engine of two processes, and a
+separate engine process that itself spans two, take the steps of the one-process engine (weights synced
+to every rank between steps); layouts the config refuses fail in one line before any model loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tidal.cli.train_ppo import main as ppo_main
+from tidal.cli.train_ppo import parse_run
+from tidal.trainers.ppo import run_ppo
+
+REWARD = Path(__file__).resolve().parents[2] / "examples" / "reward_func.py"
+COMPARED = ("reward", "score", "response_length", "policy/loss", "grad_norm")
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp_rl") / "prompts.jsonl"
+    with path.open("w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": f"{i % 10}+{i % 3}=", "label": str(i % 10 + i % 3)}) + "\n")
+    return path
+
+
+def flags(model, prompts, out, *extra) -> list[str]:
+    return [
+        "--pretrain", str(model), "--prompt_data", str(prompts), "--input_key", "prompt", "--label_key", "label",
+        "--remote_rm_url", str(REWARD), "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2",
+        "--rollout_batch_size", "4", "--train_batch_size", "8", "--micro_train_batch_size", "8",
+        "--generate_max_len", "4", "--prompt_max_len", "8", "--actor_learning_rate", "5e-3", "--lr_warmup_ratio",
+        "0", "--init_kl_coef", "0", "--seed", "5", "--max_samples", "8", "--save_path", str(out / "final"),
+        "--ckpt_path", str(out / "ckpt"), *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_model, prompts, tmp_path_factory):
+    return run_ppo(parse_run(flags(tiny_model("llama"), prompts, tmp_path_factory.mktemp("tp1"))))
+
+
+@pytest.mark.parametrize("extra", [[], ["--vllm_num_engines", "1"]], ids=["local-engine", "separate-engine"])
+def test_tp2_engine_takes_the_steps_of_one_process(tiny_model, prompts, one_process, tmp_path, extra):
+    tp2 = run_ppo(
+        parse_run(flags(tiny_model("llama"), prompts, tmp_path, "--vllm_tensor_parallel_size", "2", *extra))
+    )
+    assert len(tp2) == len(one_process) == 2
+    for a, b in zip(one_process, tp2, strict=True):
+        for key in COMPARED:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (key, a[key], b[key])
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--vllm_tensor_parallel_size", "4"],
+            "--vllm_tensor_parallel_size 4: tensor-parallel size 4 does not divide num_attention_heads=6",
+        ),  # fmt: skip
+        (
+            ["--vllm_tensor_parallel_size", "2", "--actor_num_gpus_per_node", "2"],
+            "--vllm_tensor_parallel_size 2 with engines colocated with the 2 policy workers",
+        ),  # fmt: skip
+    ],
+)
+def test_impossible_tp_layouts_exit_2(tiny_model, prompts, tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as exc:
+        ppo_main(flags(tiny_model("llama"), prompts, tmp_path, *extra))
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "final").exists()
