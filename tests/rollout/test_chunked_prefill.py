@@ -85,3 +85,9 @@ def test_chunked_prefill_with_prefix_caching(qwen2):
     _assert_same(expected, engine.generate(PROMPTS, _greedy(4)))
     _assert_same(expected, engine.generate(PROMPTS, _greedy(4)))
     assert engine.scheduler.num_cached_tokens > 0
+
+
+def test_refused_for_soft_capped_attention(tiny_model):
+    """Gemma 2's soft-capped prefill attends to the step's own K/V only: a one-line refusal."""
+    with pytest.raises(ValueError, match="enable_chunked_prefill is not supported with attention logit soft"):
+        LLMEngine(tiny_model("gemma2"), _config(enable_chunked_prefill=True))
