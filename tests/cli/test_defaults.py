@@ -82,6 +82,9 @@ DELIBERATE: dict[tuple[str, str], str] = {
         "'score': the head name train_rm saves by default (OpenRLHF's batch_inference default does not match "
         "its own train_rm)"
     ),
+    ("batch_inference", "tp_size"): (
+        "1: one process on one device; OpenRLHF's default spans every visible GPU (tidal's engine runs on the CPU too)"
+    ),
     ("interactive_chat", "max_len"): "unset: the model's context length bounds the conversation",
     ("interactive_chat", "apply_chat_template"): (
         "auto: the tokenizer's chat template when it has one, else plain text (OpenRLHF: off unless passed)"
