@@ -1,5 +1,6 @@
 """Every trainer and inference command's defaults equal OpenRLHF v0.9.2's for the same flag, except the
-deliberate differences in ``DELIBERATE`` (each with its reason, also listed in docs/openrlhf.md, "Defaults").
+deliberate differences in ``tidal.cli.openrlhf.DEFAULT_DIFFERENCES`` (each with OpenRLHF's default and
+the reason, shown in the flag's ``--help`` and listed in docs/openrlhf.md, "Defaults").
 
 The reference is ``tests/cli/openrlhf_v0_9_2_flags.json`` (OpenRLHF's own argparse defaults per CLI).
 A flag tidal spells differently (an alias in ``tidal.cli.openrlhf.ALIASES``) is compared through the
@@ -15,89 +16,12 @@ from pathlib import Path
 import pytest
 
 from tidal.cli import main
-from tidal.cli.openrlhf import OPENRLHF_MODULES, aliases
+from tidal.cli.openrlhf import DEFAULT_DIFFERENCES, EVERY, OPENRLHF_MODULES, aliases, default_difference
 
 TABLE = json.loads((Path(__file__).parent / "openrlhf_v0_9_2_flags.json").read_text())
 TRAINERS = ("train_sft", "train_rm", "train_prm", "train_dpo", "train_kto", "train_kd", "train_ppo_ray")
 INFERENCE = ("batch_inference", "interactive_chat", "serve_rm")
 CLIS = TRAINERS + INFERENCE
-EVERY = "every command"
-
-# (OpenRLHF CLI or EVERY, flag) -> why tidal's default differs on purpose.
-DELIBERATE: dict[tuple[str, str], str] = {
-    (EVERY, "param_dtype"): (
-        "auto: bf16 on a GPU (OpenRLHF's default) and float32 on the CPU, where bf16 is slow and imprecise"
-    ),
-    (EVERY, "attn_implementation"): (
-        "sdpa ships with torch; flash-attn is optional in tidal (passing flash_attention_2 without it "
-        "falls back to sdpa and tidal's varlen path)"
-    ),
-    (
-        EVERY,
-        "max_samples",
-    ): "unset means every sample; OpenRLHF's cap (1e6, PPO 1e8) is a large number meaning the same",
-    (
-        EVERY,
-        "wandb_project",
-    ): "runs are logged to the W&B project 'tidal' rather than OpenRLHF's per-script names",
-    (EVERY, "wandb_run_name"): (
-        "unset: tidal names the run itself; OpenRLHF's default is a Python expression, not a value"
-    ),
-    ("train_sft", "output_key"): (
-        "'output': OpenRLHF's unset key fails on single-turn data; with --multiturn/--pretrain_mode "
-        "tidal accepts it unset"
-    ),
-    ("train_kto", "output_key"): "'output': OpenRLHF's unset key fails when a response is read",
-    ("train_kto", "pretrain"): "--pretrain is required (OpenRLHF's default downloads bigscience/bloomz-1b7)",
-    ("train_prm", "placeholder_token"): (
-        "'ки' (Math-Shepherd's step marker, which OpenRLHF's PRM example passes); OpenRLHF's unset "
-        "marker cannot train"
-    ),
-    ("train_ppo_ray", "actor_num_gpus_per_node"): (
-        "1: tidal's default PPO run uses one device; OpenRLHF's 8 assumes a full node"
-    ),
-    ("train_ppo_ray", "ref_num_nodes"): "unset: the reference follows the actor's placement",
-    ("train_ppo_ray", "ref_num_gpus_per_node"): "unset: the reference follows the actor's placement",
-    ("train_ppo_ray", "reward_num_nodes"): "unset: the reward model follows the actor's placement",
-    ("train_ppo_ray", "reward_num_gpus_per_node"): "unset: the reward model follows the actor's placement",
-    ("train_ppo_ray", "critic_num_nodes"): "unset: the critic follows the actor's placement",
-    ("train_ppo_ray", "critic_num_gpus_per_node"): "unset: the critic follows the actor's placement",
-    ("train_ppo_ray", "vllm_gpu_memory_utilization"): (
-        "0.5 of the free memory: tidal's engine sizes its KV cache from what is free and by default "
-        "shares the device with training (vLLM's 0.95 is of the total, on a dedicated GPU)"
-    ),
-    ("train_ppo_ray", "ckpt_path"): (
-        "./ckpt/checkpoints_ppo, named after tidal's command, so existing tidal PPO checkpoints still resume"
-    ),
-    ("batch_inference", "max_len"): (
-        "unset: the model's context length bounds prompt + response (tidal's engine sizes its cache to it)"
-    ),
-    ("batch_inference", "micro_batch_size"): (
-        "unset means 16 as OpenRLHF; unset lets tidal refuse the flag outside --eval_task rm, where it does nothing"
-    ),
-    ("batch_inference", "rollout_batch_size"): (
-        "unset means 2048 prompts per --iter as OpenRLHF; set, it also caps the prompts per engine call"
-    ),
-    ("batch_inference", "value_head_prefix"): (
-        "'score': the head name train_rm saves by default (OpenRLHF's batch_inference default does not match "
-        "its own train_rm)"
-    ),
-    ("batch_inference", "tp_size"): (
-        "1: one process on one device; OpenRLHF's default spans every visible GPU (tidal's engine runs on the CPU too)"
-    ),
-    ("interactive_chat", "max_len"): "unset: the model's context length bounds the conversation",
-    ("interactive_chat", "apply_chat_template"): (
-        "auto: the tokenizer's chat template when it has one, else plain text (OpenRLHF: off unless passed)"
-    ),
-    (
-        "serve_rm",
-        "host",
-    ): "127.0.0.1: an unauthenticated server listens on loopback unless --host says otherwise",
-    ("serve_rm", "batch_size"): (
-        "16: bounded memory per forward (tidal coalesces concurrent requests); OpenRLHF's unset is one "
-        "forward per request, however large"
-    ),
-}
 
 
 def _parser(cli: str):
@@ -133,13 +57,9 @@ def differences(cli: str) -> dict[str, tuple]:
     return out
 
 
-def _deliberate(cli: str, name: str) -> str | None:
-    return DELIBERATE.get((cli, name)) or DELIBERATE.get((EVERY, name))
-
-
 @pytest.mark.parametrize("cli", CLIS)
 def test_defaults_equal_openrlhf_v0_9_2_unless_deliberate(cli):
-    unexplained = {n: d for n, d in differences(cli).items() if _deliberate(cli, n) is None}
+    unexplained = {n: d for n, d in differences(cli).items() if default_difference(cli, n) is None}
     assert unexplained == {}
 
 
@@ -148,7 +68,7 @@ def test_every_deliberate_difference_is_still_a_difference():
     found = {(cli, name) for cli in CLIS for name in differences(cli)}
     stale = [
         key
-        for key in DELIBERATE
+        for key in DEFAULT_DIFFERENCES
         if not any((cli, key[1]) in found for cli in (CLIS if key[0] == EVERY else (key[0],)))
     ]
     assert stale == []
@@ -157,8 +77,31 @@ def test_every_deliberate_difference_is_still_a_difference():
 def test_docs_list_every_deliberate_difference():
     docs = (Path(__file__).parents[2] / "docs" / "openrlhf.md").read_text()
     section = docs.split("## Defaults", 1)[1].split("\n## ", 1)[0]
-    for (cli, name), reason in DELIBERATE.items():
-        assert f"| `--{name}` | {cli} | {reason} |" in section, name
+    for (cli, name), diff in DEFAULT_DIFFERENCES.items():
+        assert f"| `--{name}` | {cli} | {diff.openrlhf} | {diff.reason} |" in section, name
+
+
+def _shown(value) -> str:
+    """OpenRLHF's default as the table writes it."""
+    return "unset" if value is None else "off" if value is False else str(value)
+
+
+def test_stated_openrlhf_defaults_are_openrlhf_v0_9_2s():
+    """Each single-CLI entry states OpenRLHF's actual default (every-command entries describe theirs)."""
+    for (cli, name), diff in DEFAULT_DIFFERENCES.items():
+        if cli != EVERY:
+            reference = next(e["default"] for e in TABLE[cli] if e["flags"][0] == f"--{name}")
+            assert diff.openrlhf == _shown(reference), (cli, name)
+
+
+@pytest.mark.parametrize(("cli", "flag"), [("train_ppo_ray", "ckpt_path"), ("train_sft", "param_dtype")])
+def test_help_states_the_deliberate_difference(cli, flag, capsys):
+    """``--help`` ends a deliberately different flag's text with OpenRLHF's default and the reason."""
+    with pytest.raises(SystemExit):
+        _parser(cli).parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    diff = default_difference(cli, flag)
+    assert f"(OpenRLHF's default: {diff.openrlhf}; {' '.join(diff.reason.split())})" in text
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from tidal.cli.openrlhf import aliases, dotted_aliases, openrlhf_module, refusals
+from tidal.cli.openrlhf import aliases, default_notes, dotted_aliases, openrlhf_module, refusals
 from tidal.config.args import (
     ConfigError,
     FlagParser,
@@ -57,6 +57,7 @@ def make_parser(
         refused=refusals(module) if module else None,
         aliases=aliases(module) if module else None,
         renames=partial(dotted_aliases, module) if module else None,
+        notes=default_notes(module) if module else None,
     )
     accept_negative_numbers(parser)
     for cls, title, *rest in groups:

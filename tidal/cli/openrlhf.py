@@ -13,6 +13,7 @@ and the test reports it). Deliberate differences are listed in ``docs/openrlhf.m
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 # tidal command → OpenRLHF module name(s), for ``tidal <openrlhf name>`` and the tables below.
 OPENRLHF_MODULES = {
@@ -280,3 +281,127 @@ def refusals(module: str) -> dict[str, str]:
 def aliases(module: str) -> dict[str, tuple[str, ...]]:
     """The aliased OpenRLHF flags of one OpenRLHF module (none for an unknown name)."""
     return ALIASES.get(module, {})
+
+
+EVERY = "every command"  # a DEFAULT_DIFFERENCES key that holds for each OpenRLHF CLI with the flag
+
+
+class DefaultDifference(NamedTuple):
+    """A flag whose tidal default differs from OpenRLHF v0.9.2's on purpose."""
+
+    openrlhf: str  # OpenRLHF's default, as a user would read it ("unset" for None)
+    reason: str  # tidal's default, and why
+
+
+# (OpenRLHF module or EVERY, flag) → the deliberate difference; ``--help`` appends each to its flag
+# (``default_notes``), docs/openrlhf.md ("Defaults") lists them, and ``tests/cli/test_defaults.py``
+# checks that every other shared flag's default equals OpenRLHF's and that each of these still differs.
+DEFAULT_DIFFERENCES: dict[tuple[str, str], DefaultDifference] = {
+    (EVERY, "param_dtype"): DefaultDifference(
+        "bf16",
+        "auto: bf16 on a GPU (OpenRLHF's default) and float32 on the CPU, where bf16 is slow and imprecise",
+    ),
+    (EVERY, "attn_implementation"): DefaultDifference(
+        "flash_attention_2",
+        "sdpa ships with torch; flash-attn is optional in tidal (passing flash_attention_2 without it "
+        "falls back to sdpa and tidal's varlen path)",
+    ),
+    (EVERY, "max_samples"): DefaultDifference(
+        "1000000 (train_ppo_ray, batch_inference: 1e8)",
+        "unset means every sample; OpenRLHF's cap (1e6, PPO 1e8) is a large number meaning the same",
+    ),
+    (EVERY, "wandb_project"): DefaultDifference(
+        "openrlhf_train_<sft, rm, prm, dpo or ppo> (per script)",
+        "runs are logged to the W&B project 'tidal' rather than OpenRLHF's per-script names",
+    ),
+    (EVERY, "wandb_run_name"): DefaultDifference(
+        "<kind>_<month><day>T<hour>:<minute>",
+        "unset: tidal names the run itself; OpenRLHF's default is a Python expression, not a value",
+    ),
+    ("train_sft", "output_key"): DefaultDifference(
+        "unset",
+        "'output': OpenRLHF's unset key fails on single-turn data; with --multiturn/--pretrain_mode "
+        "tidal accepts it unset",
+    ),
+    ("train_kto", "output_key"): DefaultDifference(
+        "unset", "'output': OpenRLHF's unset key fails when a response is read"
+    ),
+    ("train_kto", "pretrain"): DefaultDifference(
+        "bigscience/bloomz-1b7", "--pretrain is required (OpenRLHF's default downloads bigscience/bloomz-1b7)"
+    ),
+    ("train_prm", "placeholder_token"): DefaultDifference(
+        "unset",
+        "'ки' (Math-Shepherd's step marker, which OpenRLHF's PRM example passes); OpenRLHF's unset "
+        "marker cannot train",
+    ),
+    ("train_ppo_ray", "actor_num_gpus_per_node"): DefaultDifference(
+        "8", "1: tidal's default PPO run uses one device; OpenRLHF's 8 assumes a full node"
+    ),
+    **{
+        ("train_ppo_ray", f"{role}_num_{what}"): DefaultDifference(
+            "1" if what == "nodes" else "8", f"unset: the {name} follows the actor's placement"
+        )
+        for role, name in (("ref", "reference"), ("reward", "reward model"), ("critic", "critic"))
+        for what in ("nodes", "gpus_per_node")
+    },
+    ("train_ppo_ray", "vllm_gpu_memory_utilization"): DefaultDifference(
+        "0.95",
+        "0.5 of the free memory: tidal's engine sizes its KV cache from what is free and by default "
+        "shares the device with training (vLLM's 0.95 is of the total, on a dedicated GPU)",
+    ),
+    ("train_ppo_ray", "ckpt_path"): DefaultDifference(
+        "./ckpt/checkpoints_ppo_ray",
+        "./ckpt/checkpoints_ppo, named after tidal's command, so existing tidal PPO checkpoints still resume",
+    ),
+    ("batch_inference", "max_len"): DefaultDifference(
+        "2048",
+        "unset: the model's context length bounds prompt + response (tidal's engine sizes its cache to it)",
+    ),
+    ("batch_inference", "micro_batch_size"): DefaultDifference(
+        "16",
+        "unset means 16 as OpenRLHF; unset lets tidal refuse the flag outside --eval_task rm, where it does "
+        "nothing",
+    ),
+    ("batch_inference", "rollout_batch_size"): DefaultDifference(
+        "2048",
+        "unset means 2048 prompts per --iter as OpenRLHF; set, it also caps the prompts per engine call",
+    ),
+    ("batch_inference", "tp_size"): DefaultDifference(
+        "torch.cuda.device_count()",
+        "1: one process on one device; OpenRLHF's default spans every visible GPU (tidal's engine runs on the CPU too)",
+    ),
+    ("batch_inference", "value_head_prefix"): DefaultDifference(
+        "value_head",
+        "'score': the head name train_rm saves by default (OpenRLHF's batch_inference default does not "
+        "match its own train_rm)",
+    ),
+    ("interactive_chat", "max_len"): DefaultDifference(
+        "4096", "unset: the model's context length bounds the conversation"
+    ),
+    ("interactive_chat", "apply_chat_template"): DefaultDifference(
+        "off",
+        "auto: the tokenizer's chat template when it has one, else plain text (OpenRLHF: off unless passed)",
+    ),
+    ("serve_rm", "host"): DefaultDifference(
+        "0.0.0.0", "127.0.0.1: an unauthenticated server listens on loopback unless --host says otherwise"
+    ),
+    ("serve_rm", "batch_size"): DefaultDifference(
+        "unset",
+        "16: bounded memory per forward (tidal coalesces concurrent requests); OpenRLHF's unset is one "
+        "forward per request, however large",
+    ),
+}
+
+
+def default_difference(module: str, flag: str) -> DefaultDifference | None:
+    """The deliberate default difference of ``flag`` in OpenRLHF's ``module``, if there is one."""
+    return DEFAULT_DIFFERENCES.get((module, flag)) or DEFAULT_DIFFERENCES.get((EVERY, flag))
+
+
+def default_notes(module: str) -> dict[str, str]:
+    """Flag → the note its ``--help`` ends with: "OpenRLHF's default: X; <why tidal's differs>"."""
+    flags = {flag for _, flag in DEFAULT_DIFFERENCES}
+    notes = {flag: default_difference(module, flag) for flag in flags}
+    return {
+        flag: f"OpenRLHF's default: {diff.openrlhf}; {diff.reason}" for flag, diff in notes.items() if diff
+    }

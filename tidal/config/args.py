@@ -226,7 +226,8 @@ class FlagParser(argparse.ArgumentParser):
     spelling of a flag name (OpenRLHF's dotted names), then ``refused`` flags fail with their reason,
     one line each, before argparse parses anything, and ``aliases`` are rewritten to the flags that do
     the same; a flag nobody knows still gets argparse's "unrecognized arguments", with the closest
-    defined flag suggested."""
+    defined flag suggested. ``notes`` (flag name → text) end those flags' ``--help`` in parentheses
+    (where a default differs from the other tool's on purpose)."""
 
     def __init__(
         self,
@@ -234,10 +235,20 @@ class FlagParser(argparse.ArgumentParser):
         refused: Mapping[str, str] | None = None,
         aliases: Mapping[str, Sequence[str]] | None = None,
         renames: Callable[[list[str]], Mapping[str, Sequence[str]]] | None = None,
+        notes: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.refused, self.aliases, self.renames = dict(refused or {}), dict(aliases or {}), renames
+        self.notes = dict(notes or {})
+
+    def format_help(self) -> str:
+        # Flags are added after construction (by config groups), so the notes join their help here, once.
+        for action in self._actions:
+            note = next((self.notes.pop(o[2:]) for o in action.option_strings if o[2:] in self.notes), None)
+            if note is not None:  # argparse %-formats help text: a literal % must be doubled
+                action.help = f"{action.help or ''} ({note.replace('%', '%%')})".lstrip()
+        return super().format_help()
 
     def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None):  # type: ignore[override]
         typed = list(sys.argv[1:] if args is None else args)
