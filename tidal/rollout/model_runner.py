@@ -315,7 +315,8 @@ class ModelRunner:
             context_lens=self._tensor([end for _, end in batch.chunks]),
             query_starts=self._tensor([start for start, _ in batch.chunks]),
         )
-        last = [i for i, final in enumerate(batch.final) if final]
+        # Between chunks nothing samples; one row's logits anyway keeps every kernel's shapes non-empty.
+        last = [i for i, final in enumerate(batch.final) if final] or [0]
         logits_index = (starts + lens_t - 1)[self._tensor(last)]
         logits = self.model(self._tensor(ids), self._tensor(np.concatenate(positions)), meta, logits_index)
         if batch.block_copies:  # n > 1: the samples' copies of the prompt's last block, now complete
