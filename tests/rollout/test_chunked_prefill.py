@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.rollout.reference import cpu_config
-from tidal.rollout import LLMEngine, SamplingParams
+from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
 
 PROMPTS = [list(range(3 + i, 3 + i + 5 + 9 * i)) for i in range(5)]  # 5 to 41 tokens
 
@@ -91,3 +91,26 @@ def test_refused_for_soft_capped_attention(tiny_model):
     """Gemma 2's soft-capped prefill attends to the step's own K/V only: a one-line refusal."""
     with pytest.raises(ValueError, match="enable_chunked_prefill is not supported with attention logit soft"):
         LLMEngine(tiny_model("gemma2"), _config(enable_chunked_prefill=True))
+
+
+@pytest.mark.gpu
+def test_cuda_context_prefill_matches(tiny_model):
+    """On CUDA (CUDA-graph decode, Triton decode attention), float32: prefix caching + chunked prefill
+    give the plain engine's tokens, log-probs within 1e-4."""
+    path = tiny_model("qwen2")
+
+    def config(**features):
+        return EngineConfig(device="cuda", dtype="float32", max_model_len=128, block_size=4, **features)
+
+    plain = LLMEngine(path, config())
+    both = LLMEngine(
+        path, config(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=7)
+    )
+    expected = plain.generate(PROMPTS, _greedy(5))
+    for _ in range(2):  # the second run hits the prefix cache
+        got = both.generate(PROMPTS, _greedy(5))
+        for a, b in zip(expected, got, strict=True):
+            x, y = a.outputs[0], b.outputs[0]
+            assert x.token_ids == y.token_ids
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) < 1e-4
+    assert both.scheduler.num_cached_tokens > 0
