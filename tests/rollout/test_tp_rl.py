@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tidal.cli.train_ppo import main as ppo_main
 from tidal.cli.train_ppo import parse_run
@@ -72,3 +73,16 @@ def test_impossible_tp_layouts_exit_2(tiny_model, prompts, tmp_path, capsys, ext
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "final").exists()
+
+
+def test_local_tp_engine_with_too_few_gpus_exits_2(tiny_model, prompts, tmp_path, capsys, monkeypatch):
+    """On CUDA the local engine spans the trainer's GPU and the next ones: too few fail before loading."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit) as exc:
+        ppo_main(flags(tiny_model("llama"), prompts, tmp_path, "--vllm_tensor_parallel_size", "2"))
+    assert exc.value.code == 2
+    message = (
+        "--vllm_tensor_parallel_size 2: the local engine spans 2 GPUs from the trainer's (cuda:0..cuda:1)"
+    )
+    assert f"{message} but 1 are visible" in capsys.readouterr().err

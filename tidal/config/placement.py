@@ -161,6 +161,13 @@ def engine_tp_problems(p: PlacementConfig, engines: int | None, tp: int, w: int)
     return []
 
 
+def local_engine_gpu_problem(tp: int, gpus: int) -> str | None:
+    """Local mode on CUDA: the engine spans the trainer's GPU (the first) and the next ``tp - 1``."""
+    if tp > gpus:
+        return f"the local engine spans {tp} GPUs from the trainer's (cuda:0..cuda:{tp - 1}) but {gpus} are visible"
+    return None
+
+
 def separate_engine_problems(p: PlacementConfig, engines: int, w: int) -> list[str]:
     """``engines`` separate engines for ``w`` policy workers (processes)."""
     problems = []

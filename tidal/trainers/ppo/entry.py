@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from transformers import AutoConfig
 
 from tidal.config import ConfigError
-from tidal.config.placement import separate_engines
+from tidal.config.placement import local_engine_gpu_problem, separate_engines
 from tidal.data import SFTDataConfig, build_prompt_samples, load_dataset_spec
 from tidal.distributed import World, init_world
 from tidal.distributed.mesh import ring_group, ring_layout_problems
@@ -151,6 +152,9 @@ def check_models_before_loading(run: PPORun) -> None:
         )
     tp = run.rollout.vllm_tensor_parallel_size
     tp_problem = tp_layout_problem(config, tp)
+    local_engine = not separate_engines(run.placement, run.rollout.vllm_num_engines)
+    if not tp_problem and tp > 1 and local_engine and torch.cuda.is_available():
+        tp_problem = local_engine_gpu_problem(tp, torch.cuda.device_count())
     if tp_problem:
         raise ConfigError(f"--vllm_tensor_parallel_size {tp}: {tp_problem}")
     if run.rollout.moe_router_replay:
