@@ -10,8 +10,8 @@ Two runs, one JSON line each (both with the feature off and on, same engine sett
   All episodes' turn t run in one ``generate`` call. Reported per mode: prompt tokens computed by
   prefills (``prefill_tokens``), tokens taken from the cache, wall time, and whether the answers agree
   with the cache-off run (``same_tokens``: fraction of answer tokens equal; bf16 may flip a near tie).
-- ``chunked``: ``--decoders`` sequences decode (``--decode_prompt_len``-token prompts); after
-  ``--warmup_steps`` steps a ``--long_prompt``-token prompt arrives. Reported per mode: the longest
+- ``chunked``: ``--decoders`` sequences decode (``--decode_prompt_len``-token prompts); once all are
+  prefilled and ``--warmup_steps`` decode steps later, a ``--long_prompt``-token prompt arrives. Reported per mode: the longest
   and the median time between two tokens of the decoding sequences while the long prompt is prefilled
   (``max_inter_token_ms``: without chunking, the whole prefill stalls them), and the long prompt's time
   to first token. Chunked: ``enable_chunked_prefill`` with ``max_num_batched_tokens = --chunk``.
@@ -198,11 +198,15 @@ def chunked_run(args, engine, vocab: int) -> dict:
 
     gen = torch.Generator().manual_seed(args.seed)
     budget = args.warmup_steps + 2 * (args.long_prompt // args.chunk + 1) + 8
-    short = SamplingParams(temperature=0.0, max_new_tokens=budget + 8, ignore_eos=True)
+    admission = 2 * (args.decoders * args.decode_prompt_len // args.chunk + 1)  # steps to admit them all
+    short = SamplingParams(temperature=0.0, max_new_tokens=admission + budget + 8, ignore_eos=True)
     ids = [
         engine.add_request(torch.randint(5, vocab, (args.decode_prompt_len,), generator=gen).tolist(), short)
         for _ in range(args.decoders)
     ]
+    scheduler = engine.scheduler
+    while scheduler.waiting or scheduler.prefilling:  # every decoder prefilled and decoding
+        engine.step()
     long_prompt = torch.randint(5, vocab, (args.long_prompt,), generator=gen).tolist()
     long_id, arrival, ttft, steps = None, None, None, []  # steps: (end time, decoders advanced)
     for step in range(budget):
