@@ -38,10 +38,6 @@ _DEEPSPEED_CKPT = (
 _TRAINER_REFUSED = {
     "max_ckpt_mem": f"{_DEEPSPEED_CKPT} and keeps the newest --max_ckpt_num of them, with no memory cap",
     "use_ds_universal_ckpt": _DEEPSPEED_CKPT,
-    "grad_accum_dtype": (
-        "a DeepSpeed engine option with no FSDP2 counterpart in tidal: gradients accumulate in the "
-        "parameters' dtype"
-    ),
     "use_liger_kernel": "Liger kernels are not part of tidal; drop the flag",
     "use_ms": "ModelScope downloads are not supported: pass a local folder or a Hugging Face hub name",
 }

@@ -6,6 +6,7 @@ forward and backward; ``0`` replicates (DDP). ``--adam_offload`` keeps (sharded)
 gradients and optimizer state in CPU memory and steps AdamW there (FSDP2 ``CPUOffloadPolicy``; with
 one process on a one-device mesh); training on the CPU it changes nothing (a log line says so). With
 one process the ZeRO stages have nothing to shard and the model trains on the single device.
+``--grad_accum_dtype`` is FSDP2's ``reduce_dtype`` (``tidal.models.precision``): float32 unless set.
 
 ``--ring_attn_size N`` (sequence parallelism, ``tidal.models.ring_attention``) needs packed samples and
 a world size that N divides; ``--ring_head_stride`` is the number of key/value heads per ring pass.
@@ -44,6 +45,14 @@ class DistributedConfig(Checked):
     )
     ds_tensor_parallel_size: int = arg(
         1, help="tensor-parallel size for training (DTensor TP inside FSDP2; must divide the process count)"
+    )
+    grad_accum_dtype: str | None = arg(
+        None,
+        help="dtype gradients are reduced across processes and accumulated in over a step's micro-batches "
+        "(FSDP2's reduce_dtype; OpenRLHF's DeepSpeed option). Unset = fp32: tidal keeps float32 master "
+        "weights, so with any --param_dtype gradients are float32 already; bf16/fp16 round them to that "
+        "dtype (less communication; with one process FSDP2 wraps the model on its one device)",
+        choices=("fp32", "bf16", "fp16"),
     )
     zpg: int = arg(1, help="ZeRO++ hierarchical partition size (only 1 is supported)")
     deepcompile: bool = arg(False, help="DeepSpeed DeepCompile (not supported: fails)")

@@ -19,6 +19,7 @@ from tidal.distributed.offload import cpu_offload_policy, ensure_process_group
 from tidal.distributed.tensor_parallel import apply_tensor_parallel, training_mesh
 from tidal.distributed.world import World
 from tidal.logging import get_logger
+from tidal.models.precision import grad_accum_dtype
 
 log = get_logger(__name__)
 
@@ -43,15 +44,16 @@ def parallelize(
         log.info(
             "--adam_offload: training on the CPU, the weights and optimizer state are in CPU memory already"
         )
+    mp = mixed_precision(cfg, compute_dtype)
     if not world.distributed:
         if cfg.adam_offload and world.device.type == "cuda":
-            return offload_single_device(model, world.device, compute_dtype, cfg.zero_stage == 3)
+            return offload_single_device(model, world.device, compute_dtype, cfg.zero_stage == 3, mp)
+        if mp.reduce_dtype != torch.float32:  # --grad_accum_dtype bf16/fp16 asks FSDP2 to round grads
+            return shard_single_device(model, world.device, mp, cfg.zero_stage == 3)
         return model
     mesh, tp_mesh = training_mesh(world, cfg.zero_stage)
     if tp_mesh is not None:  # split the decoder layers over tp first; FSDP2 shards the rest over dp
         apply_tensor_parallel(model, tp_mesh)
-    # Weights stay float32 (master copy); compute and all-gathers use compute_dtype, grads reduce in fp32.
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.zero_stage == 3)
     if cfg.adam_offload and world.device.type == "cuda":
         kwargs["offload_policy"] = CPUOffloadPolicy()
@@ -66,19 +68,43 @@ def parallelize(
     return model
 
 
+def mixed_precision(cfg: DistributedConfig, compute_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    """FSDP2's policy: weights stay float32 (master copy); compute and all-gathers use
+    ``compute_dtype``; gradients are reduced, and accumulated between micro-batches without a sync, in
+    ``--grad_accum_dtype`` (float32 unless set)."""
+    return MixedPrecisionPolicy(
+        param_dtype=compute_dtype, reduce_dtype=grad_accum_dtype(cfg.grad_accum_dtype)
+    )
+
+
 def offload_single_device(
-    model: nn.Module, device: torch.device, compute_dtype: torch.dtype, reshard_after_forward: bool
+    model: nn.Module,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    reshard_after_forward: bool,
+    mp: MixedPrecisionPolicy | None = None,
 ) -> nn.Module:
     """``--adam_offload`` with one process: FSDP2 with ``CPUOffloadPolicy`` on a one-device mesh, so
     weights (float32), gradients and AdamW state live in host memory and AdamW steps there; each block's
     weights are copied to ``device`` in ``compute_dtype`` for its forward and backward."""
+    mp = mp or MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    return shard_single_device(model, device, mp, reshard_after_forward, cpu_offload_policy(device))
+
+
+def shard_single_device(
+    model: nn.Module,
+    device: torch.device,
+    mp: MixedPrecisionPolicy,
+    reshard_after_forward: bool,
+    offload_policy: CPUOffloadPolicy | None = None,
+) -> nn.Module:
+    """FSDP2 on a one-device mesh (one process): what ``--adam_offload`` (with ``offload_policy``) and
+    ``--grad_accum_dtype bf16/fp16`` (the policy's ``reduce_dtype``) need from FSDP2 with nothing to shard."""
     ensure_process_group(device)
     mesh = init_device_mesh(device.type, (1,))
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    kwargs = dict(
-        mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
-        offload_policy=cpu_offload_policy(device),
-    )  # fmt: skip
+    kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
     for block in transformer_blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)

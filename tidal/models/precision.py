@@ -4,6 +4,10 @@
 gradients and AdamW state stay float32 (FSDP2 additionally all-gathers in the compute dtype).
 fp16 needs loss scaling, which ``Precision.scaler`` provides. ``auto`` is bf16 on CUDA and fp32 on
 the CPU, where bf16 matmuls are about 20x slower.
+
+Gradients therefore are float32 whatever ``--param_dtype`` says. ``--grad_accum_dtype`` (OpenRLHF's
+DeepSpeed option) picks the dtype FSDP2 reduces them in across processes and accumulates them in
+between the micro-batches of one step (``grad_accum_dtype``); unset, that is float32.
 """
 
 from __future__ import annotations
@@ -21,6 +25,11 @@ def resolve_dtype(param_dtype: str, device: torch.device) -> torch.dtype:
     if param_dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[param_dtype]
+
+
+def grad_accum_dtype(name: str | None) -> torch.dtype:
+    """Map ``--grad_accum_dtype`` (``fp32``/``bf16``/``fp16``, unset: fp32) to a torch dtype."""
+    return torch.float32 if name is None else _DTYPES[name]
 
 
 @dataclass
