@@ -5,11 +5,13 @@ starts."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 from tests.rollout.reference import PROMPTS, cpu_config
-from tidal.rollout import LLMEngine, SamplingParams
+from tidal.rollout import LLMEngine, SamplingParams, tp_worker
 from tidal.rollout.models.loader import iter_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
@@ -79,3 +81,15 @@ def test_tp2_update_weights_and_sleep(tiny_model, tp_engine):
 def test_impossible_layout_refused_before_start(tiny_model, family, overrides, tp_size, message):
     with pytest.raises(ValueError, match=message):
         LLMEngine(tiny_model(family, **overrides), config(tp_size))
+
+
+def test_a_worker_that_cannot_start_fails_the_engine(tiny_model, monkeypatch):
+    """A rank that exits during start-up raises on rank 0 (its traceback is on stderr), no waiting."""
+    real_popen = tp_worker.subprocess.Popen
+    monkeypatch.setattr(
+        tp_worker.subprocess,
+        "Popen",
+        lambda command: real_popen([sys.executable, "-c", "raise SystemExit(3)"]),
+    )
+    with pytest.raises(RuntimeError, match=r"tensor-parallel engine rank 1 exited \(code 3\) while starting"):
+        LLMEngine(tiny_model("llama"), config(2))

@@ -217,6 +217,7 @@ class LLMEngine:
         self.num_kv_blocks = self._kv_blocks()
         if self.peers is not None:
             self.peers.send("runner", self.num_kv_blocks)
+            self.peers.wait_for("built", "building its shard and KV cache")
 
     def close(self) -> None:
         """Stop a tensor-parallel engine's worker processes (nothing to do for one process)."""

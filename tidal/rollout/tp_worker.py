@@ -25,6 +25,7 @@ import contextlib
 import pickle
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -106,6 +107,10 @@ class Channel:
         return pickle.loads(data.numpy().tobytes())
 
 
+class Stopped(Exception):
+    """Rank 0 closed the engine (also while a worker was still receiving weights)."""
+
+
 def receive_tensors(
     channel: Channel, tp: TPGroup, device: torch.device
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -114,6 +119,8 @@ def receive_tensors(
         message = channel.recv()
         if message[0] == "end":
             return
+        if message[0] == "stop":  # rank 0 failed to build its shard and is closing the engine
+            raise Stopped
         _, name, shape, dtype = message
         yield name, tp.broadcast(torch.empty(shape, dtype=dtype, device=device))
 
@@ -129,9 +136,30 @@ class TPPeers:
         store.set("spec", pickle.dumps(spec))
         command = [sys.executable, "-m", "tidal.rollout.tp_worker", str(size), str(store.port)]
         self.procs = [subprocess.Popen([*command, str(rank), str(devices[rank])]) for rank in range(1, size)]
-        self.tp, control = open_groups(store, 0, size, self.device)
-        self.channel = Channel(control)
         self._store = store  # the workers' rendezvous lives as long as the engine
+        self.channel = None
+        try:
+            self.wait_for("joined", "starting")
+            self.tp, control = open_groups(store, 0, size, self.device)
+        except BaseException:
+            self.close()
+            raise
+        self.channel = Channel(control)
+
+    def wait_for(self, key: str, doing: str) -> None:
+        """Until every worker has set ``key`` in the store; a worker that exits first raises (its
+        traceback is on stderr) instead of leaving rank 0 waiting on a collective."""
+        pending = dict(enumerate(self.procs, start=1))
+        while pending:
+            for rank, proc in list(pending.items()):
+                if self._store.check([f"{key}{rank}"]):
+                    del pending[rank]
+                elif proc.poll() is not None:
+                    raise RuntimeError(
+                        f"tensor-parallel engine rank {rank} exited (code {proc.returncode}) while {doing}"
+                    )
+            if pending:
+                time.sleep(0.01)
 
     def broadcasting(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """``named`` as rank 0 loads it, each tensor broadcast to the other ranks on the way."""
@@ -151,7 +179,7 @@ class TPPeers:
         """Stop the workers (they leave their loop and exit); kill any that do not."""
         if not self.procs:
             return
-        if all(proc.poll() is None for proc in self.procs):
+        if self.channel is not None and all(proc.poll() is None for proc in self.procs):
             with contextlib.suppress(RuntimeError):  # a worker already gone: killed below
                 self.channel.send(("stop",))
         for proc in self.procs:
@@ -167,6 +195,8 @@ def worker_main(size: int, port: int, rank: int, device: str) -> None:
     """Rank ``rank`` of a TP engine: build the shard from rank 0's weights, then serve commands."""
     try:
         _serve(size, port, rank, torch.device(device))
+    except Stopped:
+        return
     except BaseException:
         traceback.print_exc()
         raise SystemExit(1) from None
@@ -181,6 +211,7 @@ def _serve(size: int, port: int, rank: int, device: torch.device) -> None:
     torch.set_num_threads(spec.num_threads)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    store.set(f"joined{rank}", "1")
     tp, control = open_groups(store, rank, size, device)
     channel = Channel(control)
     weights = receive_tensors(channel, tp, device)
@@ -196,6 +227,7 @@ def _serve(size: int, port: int, rank: int, device: torch.device) -> None:
         enforce_eager=spec.enforce_eager,
         attention_backend=spec.attention_backend,
     )
+    store.set(f"built{rank}", "1")
     asleep_level = 0
     while True:
         command = channel.recv()
