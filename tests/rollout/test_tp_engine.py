@@ -43,11 +43,17 @@ def tp_engine():
         engine.close()
 
 
-# llama: 2 KV heads split 1 + 1; qwen3: q/k norms per head; llama with 1 KV head: replicated on both ranks.
+# llama: 2 KV heads split 1 + 1; qwen3: q/k norms per head; llama with 1 KV head: replicated on both
+# ranks; olmo2 with 1 KV head: q/k norms over the whole (sharded) projections, the KV head counted once.
 @pytest.mark.parametrize(
     ("family", "overrides"),
-    [("llama", {}), ("qwen3", {}), ("llama", {"num_key_value_heads": 1})],
-    ids=["llama", "qwen3", "llama-kv1"],
+    [
+        ("llama", {}),
+        ("qwen3", {}),
+        ("llama", {"num_key_value_heads": 1}),
+        ("olmo2", {"num_key_value_heads": 1}),
+    ],
+    ids=["llama", "qwen3", "llama-kv1", "olmo2-kv1"],
 )
 def test_tp2_matches_one_process(tiny_model, tp_engine, family, overrides):
     path = tiny_model(family, vocab_size=501, **overrides)  # 501: the vocabulary splits unevenly
@@ -75,7 +81,7 @@ def test_tp2_update_weights_and_sleep(tiny_model, tp_engine):
     [
         ("llama", {}, 4, "tensor-parallel size 4 does not divide num_attention_heads=6"),
         ("llama", {"num_key_value_heads": 3}, 2, "num_key_value_heads=3"),
-        ("olmo2", {}, 2, "does not shard olmo2 models"),
+        ("qwen3_moe", {}, 2, "does not shard qwen3_moe models"),
     ],
 )
 def test_impossible_layout_refused_before_start(tiny_model, family, overrides, tp_size, message):

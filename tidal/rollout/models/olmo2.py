@@ -8,6 +8,10 @@ What differs from ``layers.py``'s Llama shape (transformers' ``modeling_olmo2.py
   projections, applied before the split into heads and RoPE;
 - every RMSNorm scales by its weight in float32 and rounds the product (``scale_in_float32``).
 
+Under tensor parallelism each rank holds some of the heads, so ``q_norm`` / ``k_norm`` (``ShardedRMSNorm``)
+all-reduce the sum of squares to normalise over the whole projection (a KV head replicated on several ranks
+is counted once).
+
 Weight names, the q/k/v and gate/up packing, ``attention_bias`` (q/k/v and o) and the bias-free MLP are
 Llama's, so the generic loader applies unchanged.
 """
@@ -19,13 +23,39 @@ from torch import nn
 
 from tidal.rollout.attention import AttentionMetadata
 from tidal.rollout.models.layers import Attention, CausalLM, DecoderArgs, GatedMLP, RMSNorm
+from tidal.rollout.models.parallel import Rows, TPGroup, head_rows
+
+
+class ShardedRMSNorm(RMSNorm):
+    """An RMSNorm (float32 scaling) over a dimension whose rows ``rows`` this rank holds, ``replicas``
+    ranks holding each; the mean square is over the full dimension. Size 1: the plain norm."""
+
+    def __init__(self, rows: Rows, eps: float, tp: TPGroup, replicas: int):
+        super().__init__(rows.size, eps, scale_in_float32=True)
+        self.rows, self.tp, self.replicas = rows, tp, replicas
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.tp.size == 1:
+            return super().forward(x, residual)
+        x32 = x.float()
+        square_sum = self.tp.all_reduce(x32.pow(2).sum(-1, keepdim=True)) / self.replicas
+        x32 = x32 * torch.rsqrt(square_sum / self.rows.full + self.eps)
+        return (self.weight * x32).to(x.dtype)
+
+    def take(self, param: torch.Tensor, kind: str, part: int | None, tensor: torch.Tensor, name: str):
+        if tuple(tensor.shape) != (self.rows.full,):
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {(self.rows.full,)}")
+        return param, self.rows.take(tensor, 0)
 
 
 class Olmo2Attention(Attention):
     def __init__(self, args: DecoderArgs, layer_idx: int):
         super().__init__(args, layer_idx)
-        self.q_norm = RMSNorm(args.q_size, args.rms_norm_eps, scale_in_float32=True)
-        self.k_norm = RMSNorm(args.kv_size, args.rms_norm_eps, scale_in_float32=True)
+        tp = args.tp
+        q_rows, kv_rows = head_rows(args.num_heads, args.num_kv_heads, args.head_dim, tp)
+        kv_replicas = max(1, tp.size // args.num_kv_heads)  # ranks sharing each KV head
+        self.q_norm = ShardedRMSNorm(q_rows, args.rms_norm_eps, tp, replicas=1)
+        self.k_norm = ShardedRMSNorm(kv_rows, args.rms_norm_eps, tp, replicas=kv_replicas)
 
     def qk_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         q_end, k_end = self.split[0], self.split[0] + self.split[1]
@@ -53,7 +83,6 @@ class Olmo2DecoderLayer(nn.Module):
 class Olmo2ForCausalLM(CausalLM):
     attention_cls = Olmo2Attention
     layer_cls = Olmo2DecoderLayer
-    supports_tp = False  # q_norm / k_norm span every head: a sharded norm needs a cross-rank reduction
 
     def __init__(self, args: DecoderArgs):
         super().__init__(args)
