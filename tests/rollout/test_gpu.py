@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.rollout.reference import PROMPTS
+from tests.rollout.reference import FAMILIES, PROMPTS
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_cuda_float32_greedy_matches_hf(family, tiny_model):
+    """Every registered family (MoE ones through the fused Triton experts) on the CUDA path."""
     from transformers import AutoModelForCausalLM
 
     path = tiny_model(family)
