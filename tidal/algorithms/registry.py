@@ -6,8 +6,9 @@
     def ppo_policy_loss(...): ...
 
 Adding a loss, KL estimator, aggregation or correction is one decorated function in one file; the
-flags' ``choices`` and the trainers read the registries, so nothing else changes. (Advantage
-estimators carry facts besides the function: ``advantages.advantage_estimator``.)
+trainers read the registries. A flag's ``choices`` are the registry's names kept in
+``tidal.config.registries`` (``--help`` imports no torch): add the name there too, a test checks they
+match. (Advantage estimators carry facts besides the function: ``advantages.advantage_estimator``.)
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import sys
 import typing
@@ -115,12 +116,16 @@ class TrainerCommand:
     field and its flag renames), so ``parse_run`` on the required flags gives the run that
     ``run_cls`` builds from the same required values. Each ``tidal.cli.train_*`` module is one of
     these plus its ``python -m`` entry.
+
+    ``runner`` names the function that trains the run, ``"module:function"``, imported only when the
+    command runs: the run classes are light (``tidal.config.supervised``, ``tidal.trainers.ppo.config``),
+    so ``--help`` imports no torch, transformers or datasets.
     """
 
     name: str
     description: str
     run_cls: type
-    runner: Callable[[Any], Any]
+    runner: str
     titles: dict[str, str]
 
     def _fields(self) -> list[tuple[dataclasses.Field, type]]:
@@ -158,8 +163,13 @@ class TrainerCommand:
         """Flags → the run, without training (for scripts and tests)."""
         return self.run_from_namespace(self.build_parser().parse_args(argv))
 
+    def train(self, run: Any) -> Any:
+        """Train ``run`` with the ``runner`` function (its module is imported here)."""
+        module, _, function = self.runner.partition(":")
+        return getattr(importlib.import_module(module), function)(run)
+
     def main(self, argv: Sequence[str] | None = None, prog: str | None = None):
-        return run_command(self.build_parser(prog), argv, lambda ns: self.runner(self.run_from_namespace(ns)))
+        return run_command(self.build_parser(prog), argv, lambda ns: self.train(self.run_from_namespace(ns)))
 
     def module_main(self) -> None:
         """``python -m tidal.cli.train_<name>``."""

@@ -2,13 +2,13 @@
 (``--label_smoothing``) on preference pairs, with the seed's flags."""
 
 from tidal.cli.common import COMMON_TITLES, TrainerCommand
-from tidal.trainers.dpo import DPORun, run_dpo
+from tidal.config.supervised import DPORun
 
 COMMAND = TrainerCommand(
     "dpo",
     "Direct preference optimisation (DPO, IPO, cDPO).",
     DPORun,
-    run_dpo,
+    "tidal.trainers.dpo:run_dpo",
     {
         **COMMON_TITLES,
         "model": "model (the policy)",

@@ -2,13 +2,13 @@
 on SFT data, with the seed's flags."""
 
 from tidal.cli.common import COMMON_TITLES, TrainerCommand
-from tidal.trainers.kd import KDRun, run_kd
+from tidal.config.supervised import KDRun
 
 COMMAND = TrainerCommand(
     "kd",
     "Knowledge distillation from a frozen teacher on SFT data.",
     KDRun,
-    run_kd,
+    "tidal.trainers.kd:run_kd",
     {**COMMON_TITLES, "model": "model (the student)", "kd": "distillation", "data": "SFT data"},
 )
 build_parser, parse_run, main = COMMAND.build_parser, COMMAND.parse_run, COMMAND.main

@@ -1,13 +1,13 @@
 """``tidal kto`` / ``python -m tidal.cli.train_kto``: KTO on unpaired desirable/undesirable samples."""
 
 from tidal.cli.common import COMMON_TITLES, TrainerCommand
-from tidal.trainers.kto import KTORun, run_kto
+from tidal.config.supervised import KTORun
 
 COMMAND = TrainerCommand(
     "kto",
     "Kahneman-Tversky optimisation on unpaired desirable/undesirable samples.",
     KTORun,
-    run_kto,
+    "tidal.trainers.kto:run_kto",
     {
         **COMMON_TITLES,
         "model": "model (the policy)",

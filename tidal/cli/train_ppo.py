@@ -1,13 +1,13 @@
 """``tidal ppo`` / ``python -m tidal.cli.train_ppo`` (alias ``train_ppo_ray``): RL with the seed's flags."""
 
 from tidal.cli.common import COMMON_TITLES, TrainerCommand
-from tidal.trainers.ppo import PPORun, run_ppo
+from tidal.trainers.ppo.config import PPORun
 
 COMMAND = TrainerCommand(
     "ppo",
     "RL: PPO, REINFORCE++, REINFORCE++-baseline, RLOO, GRPO, Dr.GRPO with reward functions, servers or agents.",
     PPORun,
-    run_ppo,
+    "tidal.trainers.ppo.entry:run_ppo",
     {
         "actor": "policy model",
         "data": "prompts",

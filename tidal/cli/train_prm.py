@@ -1,13 +1,13 @@
 """``tidal prm`` / ``python -m tidal.cli.train_prm``: process-reward-model training (step labels)."""
 
 from tidal.cli.common import COMMON_TITLES, TrainerCommand
-from tidal.trainers.prm import PRMRun, run_prm
+from tidal.config.supervised import PRMRun
 
 COMMAND = TrainerCommand(
     "prm",
     "Train a process reward model on per-step labels.",
     PRMRun,
-    run_prm,
+    "tidal.trainers.prm:run_prm",
     {**COMMON_TITLES, "data": "PRM data"},
 )
 build_parser, parse_run, main = COMMAND.build_parser, COMMAND.parse_run, COMMAND.main

@@ -1,13 +1,13 @@
 """``tidal rm`` / ``python -m tidal.cli.train_rm``: reward-model training with the seed's flags."""
 
 from tidal.cli.common import COMMON_TITLES, TrainerCommand
-from tidal.trainers.rm import RMRun, run_rm
+from tidal.config.supervised import RMRun
 
 COMMAND = TrainerCommand(
     "rm",
     "Train a reward model on pairwise preference data.",
     RMRun,
-    run_rm,
+    "tidal.trainers.rm:run_rm",
     {**COMMON_TITLES, "data": "preference data", "rm": "reward model"},
 )
 build_parser, parse_run, main = COMMAND.build_parser, COMMAND.parse_run, COMMAND.main

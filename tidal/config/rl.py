@@ -11,11 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
-from tidal.algorithms.correction import RATIO_AGAINST_ROLLOUT
 from tidal.config.args import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, UNIT, Checked, Range, arg
+from tidal.config.registries import (
+    ADVANTAGE_ESTIMATOR_NAMES,
+    DEFAULT_RETRIES,
+    DEFAULT_TIMEOUT,
+    KL_ESTIMATOR_NAMES,
+    LOSS_AGGREGATION_NAMES,
+    POLICY_LOSS_NAMES,
+)
 from tidal.config.training import TrainConfig
-from tidal.rewards.remote import DEFAULT_RETRIES, DEFAULT_TIMEOUT
 
 
 @dataclass
@@ -103,12 +108,20 @@ class RolloutConfig(Checked):
         return self.max_len or self.prompt_max_len + self.generate_max_len
 
 
+def ratio_against_rollout() -> frozenset[str]:
+    """``tidal.algorithms.correction.RATIO_AGAINST_ROLLOUT``, imported when a check needs it (it imports
+    torch; building the default configs for ``--help`` does not)."""
+    from tidal.algorithms.correction import RATIO_AGAINST_ROLLOUT
+
+    return RATIO_AGAINST_ROLLOUT
+
+
 @dataclass
 class AlgorithmConfig(Checked):
     """RL algorithm: advantages, KL, policy/value losses and reward shaping (read by the experience
     path, ``tidal.experience.maker``, and the update, ``tidal.trainers.ppo.update``)."""
 
-    advantage_estimator: str = arg("gae", help="advantage estimator", choices=tuple(ADVANTAGE_ESTIMATORS))
+    advantage_estimator: str = arg("gae", help="advantage estimator", choices=ADVANTAGE_ESTIMATOR_NAMES)
     gamma: float = arg(1.0, help="discount factor", check=UNIT)
     lambd: float = arg(1.0, help="GAE lambda", check=UNIT)
     eps_clip: float = arg(0.2, help="PPO clip range", check=POSITIVE)
@@ -117,10 +130,10 @@ class AlgorithmConfig(Checked):
     )
     dual_clip: float | None = arg(None, help="dual-clip constant c > 1 for negative advantages")
     policy_loss_type: str = arg(
-        "ppo", help="ppo: token ratio; gspo: sequence ratio", choices=tuple(POLICY_LOSSES)
+        "ppo", help="ppo: token ratio; gspo: sequence ratio", choices=POLICY_LOSS_NAMES
     )
     loss_agg_mode: str = arg(
-        "token", help="loss mean over tokens or over sequences", choices=tuple(LOSS_AGGREGATIONS)
+        "token", help="loss mean over tokens or over sequences", choices=LOSS_AGGREGATION_NAMES
     )
     value_clip: float | None = arg(0.5, help="PPO value clip range", check=POSITIVE)
     entropy_loss_coef: float | None = arg(
@@ -129,7 +142,7 @@ class AlgorithmConfig(Checked):
     init_kl_coef: float = arg(
         0.01, help="KL coefficient β (0 disables the reference model)", check=NON_NEGATIVE
     )
-    kl_estimator: str = arg("k1", help="KL estimator", choices=tuple(KL_ESTIMATORS))
+    kl_estimator: str = arg("k1", help="KL estimator", choices=KL_ESTIMATOR_NAMES)
     use_kl_loss: bool = arg(False, help="put β·KL in the loss instead of the reward (GRPO)")
     kl_target: float | None = arg(None, help="target KL for the adaptive KL controller", check=POSITIVE)
     kl_horizon: int = arg(10000, help="horizon of the adaptive KL controller", check=AT_LEAST_ONE)
@@ -174,7 +187,7 @@ class AlgorithmConfig(Checked):
             own.append("--vllm_is_truncated_threshold takes HIGH or LOW HIGH")
         if self.use_icepop and not self.enable_vllm_is_correction:
             own.append("--use_icepop needs --enable_vllm_is_correction")
-        if self.use_icepop and self.policy_loss_type in RATIO_AGAINST_ROLLOUT:  # docs/algorithms.md
+        if self.use_icepop and self.policy_loss_type in ratio_against_rollout():  # docs/algorithms.md
             own.append("--use_icepop with --policy_loss_type gspo: GSPO corrects in its sequence ratio")
         if self.no_advantage_std_norm and not self.estimator.whiten:
             own.append(
@@ -194,6 +207,8 @@ class AlgorithmConfig(Checked):
     @property
     def estimator(self):
         """The registry entry of ``--advantage_estimator`` (``tidal.algorithms.advantages``): its facts."""
+        from tidal.algorithms import ADVANTAGE_ESTIMATORS  # imports torch: not at --help
+
         return ADVANTAGE_ESTIMATORS[self.advantage_estimator]
 
     @property

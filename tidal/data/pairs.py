@@ -28,12 +28,13 @@ side longer than ``max_len`` tokens, or a side without a response token, are ski
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import datasets
 import torch
 
+from tidal.config.sample_data import PairDataConfig
 from tidal.data.collate import collate_packed, collate_padded
 from tidal.data.loading import DataError, require_keys
 from tidal.data.rows import check_text_columns, row_name
@@ -41,32 +42,6 @@ from tidal.data.sft import SFTSample, SkipStats
 from tidal.data.templates import as_messages, chat_text, render_prompt, render_response, tokenize_texts
 
 MARGIN_COLUMN = "margin"
-
-
-def _flag(default, help: str, **extra):
-    return field(default=default, metadata={"help": help, **extra})
-
-
-@dataclass
-class PairDataConfig:
-    """Preference pairs: which keys hold the prompt, chosen and rejected responses, and how to render."""
-
-    prompt_key: str | None = _flag(None, "dataset key of the prompt (unset: chosen/rejected hold it)")
-    chosen_key: str = _flag("chosen", "dataset key of the preferred response or conversation")
-    rejected_key: str = _flag("rejected", "dataset key of the dispreferred response or conversation")
-    input_template: str | None = _flag(
-        None, "template with '{}' for the prompt (needs --prompt_key), e.g. $'User: {}\\nAssistant: '"
-    )
-    apply_chat_template: bool = _flag(
-        False, "render prompts and responses with the tokenizer's chat template"
-    )
-    max_len: int = _flag(512, "skip pairs whose chosen or rejected sequence is longer than this")
-
-    def validate(self) -> None:
-        if self.input_template and not self.prompt_key:
-            raise DataError("--input_template formats the prompt, so it needs --prompt_key")
-        if self.max_len < 2:
-            raise DataError(f"--max_len must be at least 2, got {self.max_len}")
 
 
 @dataclass

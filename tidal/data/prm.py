@@ -19,44 +19,18 @@ truncates); rows longer than ``max_len`` tokens are skipped and counted, never t
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import datasets
 import torch
 
+from tidal.config.sample_data import PRMDataConfig
 from tidal.data.collate import collate_packed, collate_padded
 from tidal.data.loading import DataError, require_keys
 from tidal.data.rows import check_text_columns, row_name
 from tidal.data.sft import SFTSample, SkipStats
 from tidal.data.templates import render_prompt, tokenize_texts
-
-
-def _flag(default, help: str, **extra):
-    return field(default=default, metadata={"help": help, **extra})
-
-
-@dataclass
-class PRMDataConfig:
-    """PRM data: the text with step markers, the per-step labels and the reward tokens."""
-
-    input_key: str = _flag("input", "dataset key of the text with a step marker after every step")
-    label_key: str = _flag("label", "dataset key of the per-step labels (reward-token strings or 0-1 floats)")
-    placeholder_token: str = _flag("ки", "the step-marker token; the reward is predicted at it")
-    reward_tokens: list[str] | None = _flag(
-        None,
-        "tokens the step reward is read from, good first (e.g. + -); unset: the whole vocabulary",
-        nargs="+",
-    )
-    input_template: str | None = _flag(None, "template with '{}' for the input text")
-    apply_chat_template: bool = _flag(False, "render the input as a user message with the chat template")
-    max_len: int = _flag(2048, "skip samples longer than this many tokens")
-
-    def validate(self) -> None:
-        if self.max_len < 2:
-            raise DataError(f"--max_len must be at least 2, got {self.max_len}")
-        if self.reward_tokens is not None and len(set(self.reward_tokens)) != len(self.reward_tokens):
-            raise DataError(f"--reward_tokens must be distinct, got {self.reward_tokens}")
 
 
 @dataclass

@@ -27,46 +27,12 @@ from typing import Any
 
 import datasets
 
+from tidal.config.sample_data import DEFAULT_OUTPUT_KEY, SFTDataConfig
 from tidal.data.loading import DataError, require_keys
 from tidal.data.rows import check_text_columns, row_name
 from tidal.data.templates import as_messages, chat_text, render_prompt, render_response, tokenize_texts
 
 Span = tuple[int, int]
-DEFAULT_OUTPUT_KEY = "output"
-
-
-def _flag(default, help: str):
-    """A field whose ``metadata["help"]`` becomes the flag's help text (``tidal.config.args``)."""
-    return field(default=default, metadata={"help": help})
-
-
-@dataclass
-class SFTDataConfig:
-    """SFT data: which keys hold the prompt and response, how to render them, what is trained."""
-
-    input_key: str = _flag("input", "dataset key of the prompt (a message list with --multiturn)")
-    output_key: str | None = _flag(
-        DEFAULT_OUTPUT_KEY, "dataset key of the response; may be unset with --multiturn/--pretrain_mode"
-    )
-    input_template: str | None = _flag(
-        None, "template with '{}' for the prompt, e.g. $'User: {}\\nAssistant: '"
-    )
-    apply_chat_template: bool = _flag(
-        False, "render prompts and responses with the tokenizer's chat template"
-    )
-    multiturn: bool = _flag(False, "input_key holds a conversation; train on every assistant turn")
-    pretrain_mode: bool = _flag(False, "continued pre-training: train on every token")
-    max_len: int = _flag(2048, "skip samples longer than this many tokens")
-
-    def validate(self) -> None:
-        if self.output_key is None and not (self.multiturn or self.pretrain_mode):
-            raise DataError("--output_key is required unless --multiturn or --pretrain_mode is set")
-        if self.multiturn and not self.apply_chat_template:
-            raise DataError(
-                "--multiturn needs --apply_chat_template (turns are found with the chat template)"
-            )
-        if self.max_len < 2:
-            raise DataError(f"--max_len must be at least 2, got {self.max_len}")
 
 
 @dataclass

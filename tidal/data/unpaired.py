@@ -13,39 +13,16 @@ Samples longer than ``max_len`` tokens are skipped and counted in ``SkipStats``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import datasets
 
+from tidal.config.sample_data import UnpairedDataConfig
 from tidal.data.loading import DataError, require_keys
 from tidal.data.rows import check_text_columns, row_name
 from tidal.data.sft import SFTSample, SkipStats
 from tidal.data.templates import render_prompt, render_response, tokenize_texts
-
-
-def _flag(default, help: str):
-    return field(default=default, metadata={"help": help})
-
-
-@dataclass
-class UnpairedDataConfig:
-    """Unpaired (KTO) data: keys of the prompt, the response and its desirable/undesirable label."""
-
-    input_key: str = _flag("input", "dataset key of the prompt")
-    output_key: str = _flag("output", "dataset key of the response")
-    label_key: str = _flag("label", "dataset key of the label: true (desirable) or false (undesirable)")
-    input_template: str | None = _flag(
-        None, "template with '{}' for the prompt, e.g. $'User: {}\\nAssistant: '"
-    )
-    apply_chat_template: bool = _flag(
-        False, "render prompts and responses with the tokenizer's chat template"
-    )
-    max_len: int = _flag(2048, "skip samples whose prompt + response is longer than this many tokens")
-
-    def validate(self) -> None:
-        if self.max_len < 2:
-            raise DataError(f"--max_len must be at least 2, got {self.max_len}")
 
 
 @dataclass

@@ -26,12 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from tidal.config.registries import DEFAULT_RETRIES, DEFAULT_TIMEOUT  # --remote_rm_timeout/_retries
 from tidal.data.batching import contiguous_splits
 from tidal.rewards.base import RewardError, RewardResult, to_reward_result
 
 _RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
-DEFAULT_TIMEOUT = 60.0  # --remote_rm_timeout
-DEFAULT_RETRIES = 2  # --remote_rm_retries
 
 
 class RemoteReward:

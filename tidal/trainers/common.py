@@ -1,17 +1,19 @@
 """What the trainers that run on ``SupervisedTrainer`` (SFT, RM, PRM, DPO, KTO, KD) share: the run
-base (``SupervisedRun``), the build recipe (``Recipe`` + ``fit_recipe``), and the wiring both use
-(loading a dataset spec into samples, the step-count check, the optimizer stack, the run folder).
+base (``SupervisedRun``, defined in ``tidal.config.supervised``), the build recipe (``Recipe`` +
+``fit_recipe``), and the wiring both use (loading a dataset spec into samples, the step-count check,
+the optimizer stack, the run folder).
 
 A trainer module holds only what is specific to it: its objective, its data, its configs (its run
-extends ``SupervisedRun``) and a ``Recipe`` subclass saying how its samples, model, frozen models and
-objective are built; ``fit_recipe`` does the rest, in the same order for every trainer.
+extends ``SupervisedRun``; the configs live in ``tidal.config.supervised``) and a ``Recipe`` subclass
+saying how its samples, model, frozen models and objective are built; ``fit_recipe`` does the rest, in
+the same order for every trainer.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -26,12 +28,12 @@ from tidal.config import (
     OptimConfig,
     TrainConfig,
 )
-from tidal.config.run import RunConfig, config_field
+from tidal.config.supervised import SupervisedRun as SupervisedRun
 from tidal.data import load_dataset_spec
 from tidal.distributed import World, init_world, parallelize
 from tidal.distributed.mesh import ring_group, ring_layout_problems
-from tidal.distributed.tensor_parallel import model_layout_problems, with_tensor_parallel
-from tidal.logging import LoggingConfig, get_logger
+from tidal.distributed.tensor_parallel import with_tensor_parallel
+from tidal.logging import get_logger
 from tidal.models import load_causal_lm, load_tokenizer
 from tidal.models.precision import Precision
 from tidal.models.ring_attention import head_stride_problem, use_ring
@@ -44,35 +46,6 @@ log = get_logger(__name__)
 SampleBuilder = Callable[..., tuple[list, object]]
 # loader(spec, probs, split, max_samples, tokenizer, data_cfg, seed) -> samples, e.g. load_sft_samples
 SampleLoader = Callable[..., list]
-
-
-@dataclass(kw_only=True)
-class SupervisedRun(RunConfig):
-    """The configs every supervised run has. Each trainer's run adds its own: ``data`` (its data config,
-    which its recipe's ``load_samples`` reads), the configs of its loss or frozen models, and its
-    ``ckpt`` default (``trainer_checkpoints("<kind>")``). Only ``model`` and ``datasets`` have
-    required flags; every default is here or in the trainer's run, and its command reads them."""
-
-    model: ModelConfig = config_field()
-    datasets: DatasetConfig = config_field()
-    train: TrainConfig = config_field(TrainConfig)
-    optim: OptimConfig = config_field(OptimConfig)
-    ckpt: CheckpointConfig = config_field(CheckpointConfig)
-    logging: LoggingConfig = config_field(LoggingConfig)
-    dist: DistributedConfig = config_field(DistributedConfig)
-    run_dir: str | None = None  # metrics and the run config (default: <save_path>/run)
-
-    def problems(self, world: World | None = None) -> list[str]:
-        return super().problems(world) + ring_problems(self, world)
-
-    def cross_problems(self, world: World | None = None) -> list[str]:
-        if world is None:
-            return []
-        tp, size = self.dist.ds_tensor_parallel_size, world.world_size
-        # the batch is split over the data-parallel groups (size // tp), once tp divides the world
-        return model_layout_problems(tp, size, {"--pretrain": self.model}) + (
-            self.train.batch_problems(size // tp) if size % tp == 0 else []
-        )
 
 
 # Trainers whose loss reads only ``token_logprobs`` of packed rows, which ring attention computes; the

@@ -19,51 +19,20 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from tidal.algorithms.preference import DPO_LOSSES
-from tidal.config import Checked, OptimConfig, arg
-from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
-from tidal.config.data import HeldOutDatasetConfig
-from tidal.config.run import config_field
-from tidal.data.pairs import PairDataConfig, PairSample, collate_pairs
+from tidal.config.supervised import DPOConfig as DPOConfig
+from tidal.config.supervised import DPORun as DPORun
+from tidal.data.pairs import PairSample, collate_pairs
 from tidal.distributed import World
 from tidal.models import Precision
-from tidal.trainers.common import Recipe, SupervisedRun, fit_recipe
+from tidal.trainers.common import Recipe, fit_recipe
 from tidal.trainers.reference import (
     Reference,
-    ReferenceConfig,
     build_reference,
     moe_aux_term,
     moe_router_logits,
     sequence_logps,
 )
 from tidal.trainers.rm import load_pair_samples
-
-
-@dataclass
-class DPOConfig(Checked):
-    """DPO-family loss: β, the IPO variant, cDPO label smoothing and the NLL term."""
-
-    beta: float = arg(0.1, help="β: strength of the implicit KL constraint to the reference")
-    ipo: bool = arg(False, help="use the IPO loss (z − 1/(2β))² instead of the sigmoid DPO loss")
-    label_smoothing: float = arg(
-        0.0, help="cDPO: assumed probability that a preference label is flipped (0 ≤ ls < 0.5)"
-    )
-    nll_loss_coef: float = arg(0.0, help="weight of the NLL loss on the chosen responses' tokens")
-
-    def problems(self, flags=None) -> list[str]:
-        own = []
-        if self.beta <= 0:
-            own.append(f"--beta must be positive, got {self.beta}")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            own.append(f"--label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
-        if self.ipo and self.label_smoothing > 0:
-            own.append("--label_smoothing (cDPO) applies to the sigmoid DPO loss, not to --ipo")
-        if self.nll_loss_coef < 0:
-            own.append(f"--nll_loss_coef must be >= 0, got {self.nll_loss_coef}")
-        return super().problems(flags) + own
-
-    @property
-    def loss_name(self) -> str:
-        return "ipo" if self.ipo else "sigmoid"
 
 
 @dataclass
@@ -124,18 +93,6 @@ class DPOObjective:
             metrics["nll_loss"] = nll.detach()
         metrics["loss"] = loss.detach()
         return loss, metrics
-
-
-@dataclass(kw_only=True)
-class DPORun(SupervisedRun):
-    """Everything a DPO run is configured by: the common configs, its pairs, loss and reference."""
-
-    datasets: HeldOutDatasetConfig = config_field()
-    optim: OptimConfig = config_field(lambda: OptimConfig(learning_rate=1e-5))  # OpenRLHF's train_dpo
-    data: PairDataConfig = config_field(PairDataConfig)
-    dpo: DPOConfig = config_field(DPOConfig)
-    ref: ReferenceConfig = config_field(ReferenceConfig)
-    ckpt: CheckpointConfig = config_field(trainer_checkpoints("dpo"))
 
 
 class DPORecipe(Recipe):

@@ -16,32 +16,15 @@ from torch import nn
 
 from tidal.algorithms.distill import distillation_cross_entropy, kd_loss
 from tidal.algorithms.logprobs import entropy_from_logits
-from tidal.config import Checked, arg
-from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
-from tidal.config.data import OPENRLHF_INPUT_TEMPLATE, HeldOutDatasetConfig
-from tidal.config.run import config_field
-from tidal.data import SFTDataConfig, next_token_targets
+from tidal.config.supervised import KDConfig as KDConfig
+from tidal.config.supervised import KDRun as KDRun
+from tidal.data import next_token_targets
 from tidal.distributed import World
 from tidal.models import Precision, model_inputs
 from tidal.models.frozen import FrozenModel, load_frozen
-from tidal.trainers.common import Recipe, SupervisedRun, fit_recipe
+from tidal.trainers.common import Recipe, fit_recipe
 from tidal.trainers.reference import check_same_vocab, moe_aux_term, moe_router_logits
 from tidal.trainers.sft import SFTBatching, load_sft_samples
-
-
-@dataclass
-class KDConfig(Checked):
-    """Distillation: the teacher and how much its distributions weigh against the labels."""
-
-    teacher_model: str = arg(help="teacher model (HF folder or name); must share the student's tokenizer")
-    kd_coef: float = arg(0.4, help="α: weight of the distillation term; the LM loss gets 1 − α")
-    teacher_offload: bool = arg(
-        False, help="keep the teacher in CPU memory; move it to the device only for its forward"
-    )
-
-    def problems(self, flags=None) -> list[str]:
-        own = [] if 0.0 <= self.kd_coef <= 1.0 else [f"--kd_coef must be in [0, 1], got {self.kd_coef}"]
-        return super().problems(flags) + own
 
 
 @dataclass
@@ -78,16 +61,6 @@ class KDObjective(SFTBatching):
             loss = loss + aux
             metrics["aux_loss"] = aux.detach()
         return loss, metrics
-
-
-@dataclass(kw_only=True)
-class KDRun(SupervisedRun):
-    """Everything a distillation run is configured by: the common configs, its SFT data and teacher."""
-
-    datasets: HeldOutDatasetConfig = config_field()
-    data: SFTDataConfig = config_field(lambda: SFTDataConfig(input_template=OPENRLHF_INPUT_TEMPLATE))
-    kd: KDConfig
-    ckpt: CheckpointConfig = config_field(trainer_checkpoints("kd"))
 
 
 class KDRecipe(Recipe):

@@ -23,21 +23,19 @@ import torch
 from torch import nn
 
 from tidal.algorithms.preference import kto_loss
-from tidal.config import Checked, ConfigError, OptimConfig, arg
-from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
-from tidal.config.data import OPENRLHF_INPUT_TEMPLATE, HeldOutDatasetConfig
-from tidal.config.run import config_field
+from tidal.config import ConfigError
+from tidal.config.supervised import KTOConfig as KTOConfig
+from tidal.config.supervised import KTORun as KTORun
 from tidal.data import collate_packed, collate_padded
-from tidal.data.unpaired import UnpairedDataConfig, UnpairedSample, build_unpaired_samples
+from tidal.data.unpaired import UnpairedSample, build_unpaired_samples
 from tidal.distributed import World
 from tidal.logging import get_logger
 from tidal.models import Precision
 from tidal.models.frozen import eval_mode
-from tidal.trainers.common import Recipe, SupervisedRun, fit_recipe, load_samples
+from tidal.trainers.common import Recipe, fit_recipe, load_samples
 from tidal.trainers.loop import SupervisedTrainer, reduce_metrics, to_device
 from tidal.trainers.reference import (
     Reference,
-    ReferenceConfig,
     build_reference,
     moe_aux_term,
     moe_router_logits,
@@ -45,23 +43,6 @@ from tidal.trainers.reference import (
 )
 
 log = get_logger(__name__)
-
-
-@dataclass
-class KTOConfig(Checked):
-    """KTO loss: β and the weights of desirable and undesirable samples."""
-
-    beta: float = arg(0.01, help="β: how sharply the loss saturates around the KL reference point")
-    desirable_loss_weight: float = arg(1.0, help="w_d: weight of desirable samples' loss")
-    undesirable_loss_weight: float = arg(1.0, help="w_u: weight of undesirable samples' loss")
-
-    def problems(self, flags=None) -> list[str]:
-        own = []
-        if self.beta <= 0:
-            own.append(f"--beta must be positive, got {self.beta}")
-        if self.desirable_loss_weight < 0 or self.undesirable_loss_weight < 0:
-            own.append("--desirable_loss_weight and --undesirable_loss_weight must be >= 0")
-        return super().problems(flags) + own
 
 
 @dataclass
@@ -165,30 +146,6 @@ class KTOTrainer(SupervisedTrainer):
         # kto_kl_estimate's mean, clamped at 0, taken over every device's mismatched pairs.
         obj.kl = max(total["logratio"] / total["n"], 0.0)
         obj.desirable_units, obj.undesirable_units = total["desirable"], total["undesirable"]
-
-
-@dataclass(kw_only=True)
-class KTORun(SupervisedRun):
-    """Everything a KTO run is configured by: the common configs, its samples, loss and reference."""
-
-    datasets: HeldOutDatasetConfig = config_field()
-    optim: OptimConfig = config_field(lambda: OptimConfig(learning_rate=1e-5))  # OpenRLHF's train_kto
-    data: UnpairedDataConfig = config_field(
-        lambda: UnpairedDataConfig(input_template=OPENRLHF_INPUT_TEMPLATE)
-    )
-    kto: KTOConfig = config_field(KTOConfig)
-    ref: ReferenceConfig = config_field(ReferenceConfig)
-    ckpt: CheckpointConfig = config_field(trainer_checkpoints("kto"))
-
-    def cross_problems(self, world: World | None = None) -> list[str]:
-        problems = super().cross_problems(world)
-        if world is not None:
-            groups = max(world.world_size // self.dist.ds_tensor_parallel_size, 1)  # tp ranks share samples
-            if self.train.train_batch_size // groups < 2:
-                problems.append(
-                    "KTO needs --train_batch_size of at least 2 per device (its KL term pairs samples)"
-                )
-        return problems
 
 
 def load_unpaired_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg, seed: int):

@@ -15,14 +15,11 @@ from dataclasses import dataclass
 from torch import nn
 
 from tidal.algorithms.prm import prm_loss
-from tidal.config import OptimConfig, TrainConfig
-from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
-from tidal.config.data import HeldOutDatasetConfig
-from tidal.config.run import config_field
+from tidal.config.supervised import PRMRun as PRMRun
 from tidal.data.prm import PRMDataConfig, PRMSample, build_prm_samples, collate_prm, reward_token_ids
 from tidal.distributed import World
 from tidal.models import Precision, model_inputs
-from tidal.trainers.common import Recipe, SupervisedRun, fit_recipe, load_samples
+from tidal.trainers.common import Recipe, fit_recipe, load_samples
 
 
 @dataclass
@@ -49,23 +46,6 @@ class PRMObjective:
         loss, accuracy = prm_loss(logits, mask, batch["labels"], ids, num_steps=normaliser)
         steps = mask.sum()
         return loss, {"loss": loss.detach(), "acc": accuracy * steps / normaliser}
-
-
-@dataclass(kw_only=True)
-class PRMRun(SupervisedRun):
-    """Everything a PRM run is configured by: the common configs and its data."""
-
-    datasets: HeldOutDatasetConfig = config_field()
-    train: TrainConfig = config_field(lambda: TrainConfig(micro_train_batch_size=1))  # OpenRLHF's train_prm
-    optim: OptimConfig = config_field(lambda: OptimConfig(learning_rate=1e-6))
-    data: PRMDataConfig = config_field(PRMDataConfig)
-    ckpt: CheckpointConfig = config_field(trainer_checkpoints("prm"))
-
-    def cross_problems(self, world: World | None = None) -> list[str]:
-        problems = super().cross_problems(world)
-        if self.model.aux_loss_coef > 0:
-            problems.append("--aux_loss_coef: the MoE load-balancing loss is not supported for PRM training")
-        return problems
 
 
 def load_prm_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: PRMDataConfig, seed: int):

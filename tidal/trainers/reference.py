@@ -14,28 +14,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from tidal.config import ConfigError, DistributedConfig, ModelConfig, arg
+from tidal.config import ConfigError, DistributedConfig, ModelConfig
+from tidal.config.supervised import ReferenceConfig as ReferenceConfig
 from tidal.distributed import World
 from tidal.models import Precision, token_logprobs
 from tidal.models.frozen import FrozenModel, eval_mode, load_frozen
 from tidal.models.moe_routing import capture_router_logits, router_aux_loss
-
-
-@dataclass
-class ReferenceConfig:
-    """Reference model of DPO/KTO: a frozen copy of the start model, or the LoRA base."""
-
-    ref_pretrain: str | None = arg(
-        None, help="reference model (default: --pretrain; under LoRA: the base with adapters disabled)"
-    )
-    ref_offload: bool = arg(
-        False, help="keep the reference model in CPU memory; move it to the device only for its forward"
-    )
 
 
 class DisabledAdapters:

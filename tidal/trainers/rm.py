@@ -31,39 +31,17 @@ import torch
 from torch import nn
 
 from tidal.algorithms.preference import RM_LOSSES
-from tidal.config import OptimConfig, TrainConfig, arg
-from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
-from tidal.config.run import config_field
+from tidal.config.supervised import RMConfig as RMConfig
+from tidal.config.supervised import RMRun as RMRun
 from tidal.data.pairs import PairDataConfig, PairSample, build_pair_samples, collate_pairs
 from tidal.distributed import World
 from tidal.logging import get_logger
 from tidal.models import Precision
 from tidal.models.value_model import load_value_model, reward_config
-from tidal.trainers.common import Recipe, SupervisedRun, fit_recipe, load_samples
+from tidal.trainers.common import Recipe, fit_recipe, load_samples
 from tidal.trainers.loop import SupervisedTrainer, reduce_metrics, to_device
 
 log = get_logger(__name__)
-
-
-@dataclass
-class RMConfig:
-    """Reward model: pairwise loss, value head name and reward normalisation."""
-
-    loss: str = arg("sigmoid", help="pairwise loss", choices=tuple(RM_LOSSES))
-    margin_loss: bool = arg(
-        False,
-        help="subtract each pair's 'margin' (a number every row must have) in the sigmoid loss: "
-        "-log sigmoid(r_chosen - r_rejected - margin)",
-    )
-    compute_fp32_loss: bool = arg(
-        False, help="compute the loss on float32 rewards (default: in the --param_dtype compute dtype)"
-    )
-    value_head_prefix: str = arg(
-        "score", help="attribute name of the value head (score: HF's name)", aliases=["--value_prefix_head"]
-    )
-    normalize_reward: bool = arg(
-        False, help="store the reward mean/std (eval set, else train set) in the saved config"
-    )
 
 
 @dataclass
@@ -136,33 +114,6 @@ class RewardModelTrainer(SupervisedTrainer):
         mean = total["s"] / total["n"]
         var = max(total["ss"] - total["n"] * mean**2, 0.0) / max(total["n"] - 1, 1)
         return mean, math.sqrt(var) if var > 0 else 1.0
-
-
-@dataclass(kw_only=True)
-class RMRun(SupervisedRun):
-    """Everything a reward-model run is configured by: the common configs, its pairs and head."""
-
-    train: TrainConfig = config_field(lambda: TrainConfig(micro_train_batch_size=1))  # OpenRLHF's train_rm
-    optim: OptimConfig = config_field(lambda: OptimConfig(learning_rate=9e-6))
-    data: PairDataConfig = config_field(PairDataConfig)
-    rm: RMConfig = config_field(RMConfig)
-    ckpt: CheckpointConfig = config_field(trainer_checkpoints("rm"))
-
-    def cross_problems(self, world: World | None = None) -> list[str]:
-        problems = super().cross_problems(world)
-        if self.model.aux_loss_coef > 0:
-            problems.append("--aux_loss_coef: the MoE load-balancing loss is not supported for reward models")
-        if self.rm.margin_loss and self.rm.loss != "sigmoid":
-            problems.append(
-                f"--margin_loss with --loss {self.rm.loss}: only the sigmoid loss has a margin term; "
-                "use --loss sigmoid or drop --margin_loss"
-            )
-        if self.rm.normalize_reward and self.model.lora_rank > 0:
-            problems.append(
-                "--normalize_reward with --lora_rank: LoRA runs save adapters only, which cannot carry the "
-                "reward mean/std; merge the adapters (tidal lora_combiner) and train without LoRA, or drop one"
-            )
-        return problems
 
 
 def load_pair_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: PairDataConfig, seed: int):

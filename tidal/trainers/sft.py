@@ -11,10 +11,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from tidal.config import TrainConfig
-from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
-from tidal.config.data import OPENRLHF_INPUT_TEMPLATE
-from tidal.config.run import config_field
+from tidal.config.supervised import SFTRun as SFTRun
 from tidal.data import (
     SFTDataConfig,
     SFTSample,
@@ -24,7 +21,7 @@ from tidal.data import (
 )
 from tidal.distributed import World
 from tidal.models import Precision, token_logprobs
-from tidal.trainers.common import Recipe, SupervisedRun, fit_recipe, load_samples
+from tidal.trainers.common import Recipe, fit_recipe, load_samples
 from tidal.trainers.reference import moe_aux_term, moe_router_logits
 
 
@@ -65,15 +62,6 @@ class SFTObjective(SFTBatching):
             loss = loss + aux
             metrics["aux_loss"] = aux.detach()
         return loss, metrics
-
-
-@dataclass(kw_only=True)
-class SFTRun(SupervisedRun):
-    """Everything an SFT run is configured by: the common configs and its data."""
-
-    data: SFTDataConfig = config_field(lambda: SFTDataConfig(input_template=OPENRLHF_INPUT_TEMPLATE))
-    train: TrainConfig = config_field(lambda: TrainConfig(max_epochs=2))  # OpenRLHF's train_sft default
-    ckpt: CheckpointConfig = config_field(trainer_checkpoints("sft"))
 
 
 def load_sft_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: SFTDataConfig, seed: int):
