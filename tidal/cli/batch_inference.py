@@ -5,7 +5,8 @@ OpenRLHF's ``--eval_task generate`` and ``generate_vllm`` both mean "sample resp
 ``tidal generate`` always does (tidal has one rollout engine, not a Hugging Face and a vLLM path), so
 they are taken out of the flags here; ``rm`` scores an existing file with the reward model at
 ``--pretrain`` (``tidal.inference.score_file``); any other value is ``tidal generate``'s own
-``--eval_task``. OpenRLHF's other flags are aliased or refused by ``tidal.cli.openrlhf``.
+``--eval_task``. ``--zero_stage 0`` (OpenRLHF's default: a whole model per process) is what tidal does and
+is taken out too. OpenRLHF's other flags are aliased or refused by ``tidal.cli.openrlhf``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,22 @@ def split_eval_task(argv: Sequence[str]) -> tuple[list[str], bool]:
     return out, rm
 
 
+def drop_zero_stage_0(argv: Sequence[str]) -> list[str]:
+    """``argv`` without OpenRLHF's ``--zero_stage 0`` (its default, which its scripts pass): a whole model
+    in each process, which is how tidal samples and scores. Another stage (sharding the weights over
+    processes) stays in, for ``tidal.cli.openrlhf`` to refuse with its reason."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--zero_stage" and i + 1 < len(argv) and argv[i + 1] == "0":
+            i += 2
+        elif argv[i] == "--zero_stage=0":
+            i += 1
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def build_parser(prog: str = "tidal batch_inference"):
     return generate.build_parser(prog)
 
@@ -53,7 +70,7 @@ def score_from_args(ns):
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "tidal batch_inference"):
-    argv, rm = split_eval_task(sys.argv[1:] if argv is None else argv)
+    argv, rm = split_eval_task(drop_zero_stage_0(sys.argv[1:] if argv is None else argv))
     return run_command(build_parser(prog), argv, score_from_args if rm else generate.run_from_args)
 
 

@@ -78,7 +78,10 @@ REFUSED: dict[str, dict[str, str]] = {
     "lora_combiner": {},
     "batch_inference": {
         **_INFERENCE_REFUSED,
-        "zero_stage": "DeepSpeed ZeRO does not apply: tidal samples with its own rollout engine",
+        "zero_stage": (
+            "only 0 (OpenRLHF's default: a whole model in each process) is accepted: tidal samples and "
+            "scores with whole models, never ZeRO-sharded ones"
+        ),
         "local_rank": "DeepSpeed's launcher argument: tidal reads its rank from torchrun's environment",
         "full_determinism": f"{_NOT_YET} for sampling (--seed makes the same flags give the same samples)",
     },

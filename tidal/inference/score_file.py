@@ -3,7 +3,8 @@ reward model at ``--pretrain`` (OpenRLHF's rm mode), then post-process and write
 
 Each row's ``--input_key`` (the prompt) and ``--output_key`` (its response) are rendered as for reward-model
 training (``--input_template`` / ``--apply_chat_template``; a plain-text response ends with eos) and
-scored; a sequence longer than ``--max_len`` keeps its last tokens, as ``tidal serve_rm`` does, so the
+scored (with ``--apply_chat_template`` and no ``--output_key`` column, as OpenRLHF, the conversation at
+``--input_key`` is the prompt turns, then the response: its last turn, written as its text); a sequence longer than ``--max_len`` keeps its last tokens, as ``tidal serve_rm`` does, so the
 scored final token stays. Rows are grouped by their prompt text (the samples ``tidal generate`` wrote
 for one prompt, as OpenRLHF groups them) and go through ``--post_processor`` (rs, csft, iter_dpo) or
 are all written with their ``reward``; the response is written under ``--output_key``.
@@ -136,11 +137,16 @@ def render_rows(dataset, tokenizer, run: GenerateRun) -> tuple[list[str], list, 
     from tidal.data.templates import render_prompt, render_response, tokenize_texts
 
     cfg, source = run.prompts, run.datasets.dataset
-    require_keys(dataset, [cfg.input_key, cfg.output_key], source)
+    # OpenRLHF reads a chat without an --output_key column as prompt turns then the response (its last turn)
+    whole_chats = cfg.apply_chat_template and cfg.output_key not in (dataset.column_names or ())
+    require_keys(dataset, [cfg.input_key] if whole_chats else [cfg.input_key, cfg.output_key], source)
     prompts, responses, texts = [], [], []
     for i, row in enumerate(dataset):
-        value, response = row[cfg.input_key], row[cfg.output_key]
         try:
+            if whole_chats:
+                value, response = split_last_turn(row[cfg.input_key], cfg.input_key)
+            else:
+                value, response = row[cfg.input_key], row[cfg.output_key]
             if value is None or response is None:
                 missing = cfg.input_key if value is None else cfg.output_key
                 raise DataError(f"no value for key {missing!r}")
@@ -153,6 +159,18 @@ def render_rows(dataset, tokenizer, run: GenerateRun) -> tuple[list[str], list, 
         texts.append(text)
     ids = [list(x) for x in tokenize_texts(tokenizer, texts, cfg.apply_chat_template)["input_ids"]]
     return prompts, responses, ids
+
+
+def split_last_turn(chat, key: str) -> tuple[list, str]:
+    """A conversation → (its turns before the last, the last turn's text): the response to score."""
+    from tidal.data import DataError
+
+    if not (isinstance(chat, list) and len(chat) > 1 and all(isinstance(m, dict) for m in chat)):
+        raise DataError(
+            f"{key!r} must be a conversation (a list of two or more messages) when the file has no "
+            "--output_key column; pass --output_key for a separate response"
+        )
+    return chat[:-1], chat[-1].get("content")
 
 
 def group_by_prompt(prompts: list[str], responses: list, rewards: list[float]) -> list[PromptGroup]:
