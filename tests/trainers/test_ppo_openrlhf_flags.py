@@ -360,3 +360,21 @@ def test_the_trainer_scales_the_rewards_of_truncated_samples(tiny_qwen2, rl_data
     rewards, truncated = seen[0]
     assert truncated.any()
     assert_close(rewards, torch.where(truncated, 0.25, 1.0))
+
+
+@pytest.mark.parametrize(("family", "reason"), [("gemma2", "soft-capping"), ("phi3", "LongRoPE")])
+def test_prefix_caching_refused_before_loading_for_models_it_cannot_serve(family, reason, tmp_path):
+    """``--enable_prefix_caching`` on a policy whose prefill cannot read a cached head (Gemma 2's
+    soft-capped scores, Phi-3's LongRoPE) fails in one line from the config, before anything loads."""
+    from tests.rollout.test_dense_families import LONGROPE
+    from tests.trainers.test_ppo import rl_flags, write_echo_data
+    from tidal.cli.train_ppo import parse_run
+    from tidal.config import ConfigError
+    from tidal.testing import build_tiny_model
+    from tidal.trainers.ppo.entry import check_models_before_loading
+
+    policy = build_tiny_model(tmp_path / family, family, seed=0, **(LONGROPE if family == "phi3" else {}))
+    data = write_echo_data(tmp_path / "data")
+    run = parse_run(rl_flags(policy, data, tmp_path / "rl", "--enable_prefix_caching"))
+    with pytest.raises(ConfigError, match=f"--enable_prefix_caching: not supported with .*{reason}"):
+        check_models_before_loading(run)

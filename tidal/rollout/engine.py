@@ -44,7 +44,12 @@ import torch
 
 from tidal.rollout.block_manager import BlockManager, blocks_needed
 from tidal.rollout.model_runner import ModelRunner
-from tidal.rollout.models.loader import build_decoder, iter_checkpoint, tp_layout_problem
+from tidal.rollout.models.loader import (
+    build_decoder,
+    context_prefill_problem,
+    iter_checkpoint,
+    tp_layout_problem,
+)
 from tidal.rollout.models.parallel import SINGLE
 from tidal.rollout.outputs import CompletionOutput, RequestOutput
 from tidal.rollout.sampler import sequence_seed
@@ -226,17 +231,12 @@ class LLMEngine:
 
     def _check_context_prefill(self) -> None:
         """Prefix caching and chunked prefill compute a prompt's tail against its cached head: refuse, in
-        one line, the models whose prefill attention does not read the cache (soft-capped scores) or whose
-        RoPE depends on the whole prompt's length (LongRoPE)."""
+        one line, the models that cannot (``loader.context_prefill_problem``)."""
         cfg = self.config
         if not (cfg.enable_prefix_caching or cfg.enable_chunked_prefill):
             return
         wanted = "enable_prefix_caching" if cfg.enable_prefix_caching else "enable_chunked_prefill"
-        reason = None
-        if getattr(self.model.args, "attn_logit_softcapping", None) is not None:
-            reason = "attention logit soft-capping (Gemma 2)"
-        elif getattr(self.model, "longrope_original", None) is not None:
-            reason = "LongRoPE (Phi-3 long context)"
+        reason = context_prefill_problem(self.hf_config)
         if reason:
             raise ValueError(f"{wanted} is not supported with {reason}")
 

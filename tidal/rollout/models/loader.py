@@ -15,6 +15,7 @@ import torch
 from tidal.rollout.models.layers import CausalLM, DecoderArgs
 from tidal.rollout.models.parallel import SINGLE, TPGroup, TPLayoutError, check_heads, even_rows
 from tidal.rollout.models.registry import model_class
+from tidal.rollout.models.rope import rope_parameters
 
 
 def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -55,6 +56,18 @@ def tp_layout_problem(hf_config, tp_size: int) -> str | None:
         even_rows(args.intermediate_size, TPGroup(size=tp_size), "intermediate_size")
     except TPLayoutError as err:
         return str(err)
+    return None
+
+
+def context_prefill_problem(hf_config) -> str | None:
+    """Why prefix caching / chunked prefill (a prompt's tail computed against its cached head) cannot run
+    ``hf_config``'s model, or None: soft-capped attention scores (Gemma 2; the context prefill does not
+    cap them) and LongRoPE (Phi-3 long context: its RoPE table depends on the whole prompt's length).
+    Reads only the config, so commands call it before any weight is loaded."""
+    if getattr(hf_config, "attn_logit_softcapping", None) is not None:
+        return "attention logit soft-capping (Gemma 2)"
+    if rope_parameters(hf_config).get("rope_type") == "longrope":
+        return "LongRoPE (Phi-3 long context)"
     return None
 
 

@@ -29,7 +29,7 @@ from tidal.models.value_model import load_value_model
 from tidal.placement.build import build_roles, log_placement
 from tidal.placement.data_parallel import check_data_parallel
 from tidal.placement.ray_launch import run_on_ray, wants_ray
-from tidal.rollout.models.loader import tp_layout_problem
+from tidal.rollout.models.loader import context_prefill_problem, tp_layout_problem
 from tidal.rollout.models.registry import FAMILIES, supported_model_types
 from tidal.trainers.common import build_optimization, seed_everything
 from tidal.trainers.loop import Optimization
@@ -157,6 +157,10 @@ def check_models_before_loading(run: PPORun) -> None:
         tp_problem = local_engine_gpu_problem(tp, torch.cuda.device_count())
     if tp_problem:
         raise ConfigError(f"--vllm_tensor_parallel_size {tp}: {tp_problem}")
+    if run.rollout.enable_prefix_caching and (problem := context_prefill_problem(config)):
+        raise ConfigError(
+            f"--enable_prefix_caching: not supported with {problem} (--pretrain {run.actor.pretrain})"
+        )
     if run.rollout.moe_router_replay:
         check_router_replay(run, config)
 
