@@ -11,6 +11,9 @@ for our engine:
 - ``update_weights_ms``: ``engine.update_weights(hf_model.named_parameters())``, tensors on the device;
 - ``graph_pool_mb``: memory held by the CUDA graph of the benchmark's batch bucket.
 
+``--tp_size N``: a tensor-parallel engine over N GPUs (from ``--device``'s); the decode bytes are then one
+rank's (its weight shard and the KV cache of its KV heads), so ``roofline_fraction`` is per GPU.
+
 ``--hf_new_tokens`` caps HF's run (its tokens/s is then measured over that many new tokens, which flatters
 HF: its per-token cost grows with the context); ``--skip_hf`` leaves HF out.
 
@@ -20,6 +23,8 @@ HF: its per-token cost grows with the context); ``--skip_hf`` leaves HF out.
     python bench/rollout.py --config qwen2.5-7b --device cuda --batch 256 --prompt_len 128 --new_tokens 512 \
         --hf_new_tokens 64
     python bench/rollout.py --model path/to/hf_folder --device cuda --dtype bfloat16
+    python bench/rollout.py --config qwen2.5-14b --device cuda --batch 256 --prompt_len 128 --new_tokens 512 \
+        --skip_hf --tp_size 2
 """
 
 from __future__ import annotations
@@ -67,6 +72,22 @@ CONFIGS = {
         bos_token_id=151643,
         eos_token_id=151645,
     ),
+    # Qwen2.5-14B's shapes.
+    "qwen2.5-14b": dict(
+        model_type="qwen2",
+        hidden_size=5120,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        intermediate_size=13824,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    ),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -88,6 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip_hf", action="store_true", help="time our engine only")
     p.add_argument("--enforce_eager", action="store_true", help="our engine without CUDA graphs")
     p.add_argument("--attention_backend", default="auto", choices=["auto", "triton", "torch"])
+    p.add_argument("--tp_size", type=int, default=1, help="tensor-parallel engine over this many GPUs")
     p.add_argument(
         "--temperature", type=float, default=0.0, help="> 0: sample (both engines) instead of greedy"
     )
@@ -178,6 +200,7 @@ def main(argv=None) -> dict:
             seed=args.seed,
             enforce_eager=args.enforce_eager,
             attention_backend=args.attention_backend,
+            tp_size=args.tp_size,
         )
         engine = LLMEngine(path, config, model=hf)
         ids = prompts.to(args.device)
@@ -215,6 +238,7 @@ def main(argv=None) -> dict:
         pool_mb = graph_pool_mb(engine, args.batch) if args.device.startswith("cuda") else None
         step_s = (our_time - prefill_time) / max(1, args.new_tokens - 1)
         step_bytes = decode_bytes(engine, args.batch, args.prompt_len + args.new_tokens / 2)
+        engine.close()
     result = {
         "bench": "rollout",
         "model": args.model or args.config or "tiny-qwen2",
@@ -227,6 +251,7 @@ def main(argv=None) -> dict:
         "temperature": args.temperature,
         "enforce_eager": args.enforce_eager,
         "attention_backend": engine.runner.backend,
+        "tp_size": args.tp_size,
         "tidal_tokens_per_s": round(args.batch * args.new_tokens / our_time, 1),
         "tidal_s": round(our_time, 3),
         "prefill_s": round(prefill_time, 4),
