@@ -5,7 +5,9 @@ wrote them (``examples/scripts/train_rejection_sampling_llama.sh``, ``train_cond
 Each step's flags are the script's own, in its order; only ``openrlhf`` becomes ``tidal`` in the module
 paths, model and data paths point at tiny models and files, and size flags are small (``SIZES``). The
 launcher (``python -m``, ``deepspeed --module``) becomes one in-process call of the module's ``main``:
-one process, as ``deepspeed`` on one GPU. One iteration of each loop.
+one process, as ``deepspeed`` on one GPU. One iteration of each loop. The scripts build each command as
+a string that the shell word-splits, so rejection sampling's ``--input_template ""`` arrives as the two
+quote characters, and is passed so here.
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ def test_rejection_sampling_llama(tiny_llama, reward_model, prompt_collection, t
     step("openrlhf.cli.train_sft", [
         "--max_len", "4096", "--dataset", str(rm_out), "--dataset_probs", "1.0", "--train_batch_size", "128",
         "--micro_train_batch_size", "2", "--pretrain", str(policy), "--save_path", str(model_out),
-        "--input_template", "", "--zero_stage", "2", "--max_epochs", "1", "--param_dtype", "bf16",
+        "--input_template", '""', "--zero_stage", "2", "--max_epochs", "1", "--param_dtype", "bf16",
         "--learning_rate", "2e-6", "--gradient_checkpointing",
     ])  # fmt: skip
     assert (model_out / "config.json").exists() and (model_out / "model.safetensors").exists()

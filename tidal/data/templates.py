@@ -6,7 +6,9 @@ Three ways to render a prompt, as OpenRLHF's ``--input_template`` / ``--apply_ch
   ``{"role", "content"}`` messages) is rendered by the tokenizer's chat template with
   ``add_generation_prompt=True``;
 - ``input_template`` (contains ``{}``): the string is formatted into it;
-- neither: the string as is.
+- neither: the string as is. A template that is only a pair of quotes (``""``, ``''``) is no template:
+  OpenRLHF's scripts pass ``--input_template ""`` inside a command string that the shell word-splits,
+  so the two quote characters arrive literally (OpenRLHF would make every prompt ``""``).
 
 A response is ``response + eos_token`` without a chat template (as OpenRLHF), and with one it is
 the assistant turn exactly as the template renders it: the full conversation minus the prompt
@@ -25,6 +27,7 @@ from typing import Any
 from tidal.data.loading import DataError
 
 Messages = list[dict[str, Any]]
+QUOTED_EMPTY = ('""', "''")  # an empty template as a word-split shell command string delivers it
 
 
 def render_prompt(value: Any, tokenizer, input_template: str | None, apply_chat_template: bool) -> str:
@@ -35,7 +38,7 @@ def render_prompt(value: Any, tokenizer, input_template: str | None, apply_chat_
         raise DataError(
             f"prompt is a {type(value).__name__}, not a string; message lists need --apply_chat_template"
         )
-    if input_template:
+    if input_template and input_template not in QUOTED_EMPTY:
         check_input_template(input_template)
         return input_template.format(value)
     return value
