@@ -27,7 +27,16 @@ print(",".join(m for m in {heavy!r} if m in sys.modules))
 # (their runs live in tidal.config.supervised and tidal.trainers.ppo.config; the trainer is imported
 # when the command runs), under tidal's names and OpenRLHF's module names.
 LIGHT_COMMANDS = (
-    *("lora_combiner", "generate", "batch_inference", "chat", "interactive_chat", "serve_rm"),
+    *(
+        "lora_combiner",
+        "generate",
+        "batch_inference",
+        "chat",
+        "interactive_chat",
+        "serve_rm",
+        "serve",
+        "demo",
+    ),
     *("sft", "rm", "prm", "dpo", "kto", "kd", "ppo"),
     *("train_sft", "train_rm", "train_prm", "train_dpo", "train_kto", "train_kd", "train_ppo_ray"),
 )

@@ -22,3 +22,10 @@ from tidal.config import registries
 )
 def test_names_equal_registry_keys(names, registry):
     assert getattr(registries, names) == tuple(getattr(algorithms, registry))
+
+
+def test_model_family_names_equal_the_engine_registry():
+    from tidal.rollout.models.registry import FAMILIES
+    from tidal.testing import TINY_FAMILIES
+
+    assert registries.MODEL_FAMILY_NAMES == tuple(FAMILIES) == tuple(TINY_FAMILIES)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from tidal.cli.common import make_parser, run_command
 from tidal.config.args import arg, config_from_args
+from tidal.config.registries import MODEL_FAMILY_NAMES
 from tidal.logging import get_logger, plot_metrics
-from tidal.testing import TINY_FAMILIES, AdditionTask, build_tiny_model
 
 log = get_logger(__name__)
 
@@ -35,7 +35,7 @@ class DemoConfig:
     """Demo: the tiny model, the task and each stage's budget."""
 
     output_dir: str = arg("./runs/demo", help="run folder (models, data, plots, summary)")
-    family: str = arg("qwen2", help="tiny model family", choices=tuple(TINY_FAMILIES))
+    family: str = arg("qwen2", help="tiny model family", choices=MODEL_FAMILY_NAMES)
     digits: int = arg(1, help="digits per addend")
     train_samples: int = arg(4096, help="synthetic SFT samples")
     eval_samples: int = arg(200, help="test prompts for accuracy")
@@ -54,6 +54,8 @@ class Demo:
     """The stages, sharing the task, the held-out prompts and the run folder."""
 
     def __init__(self, cfg: DemoConfig):
+        from tidal.testing import AdditionTask  # torch: when the demo runs, not for --help
+
         self.cfg, self.root = cfg, Path(cfg.output_dir)
         self.task = AdditionTask(digits=cfg.digits, seed=cfg.seed)
         self.held_out = self.task.samples(cfg.eval_samples, split="test")
@@ -171,6 +173,8 @@ class Demo:
 
 def run_demo(cfg: DemoConfig) -> dict:
     """Run every stage; returns (and writes) the summary."""
+    from tidal.testing import build_tiny_model
+
     start = time.perf_counter()
     demo = Demo(cfg)
     base = build_tiny_model(demo.root / "base_model", cfg.family, seed=cfg.seed)

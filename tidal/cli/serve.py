@@ -14,7 +14,7 @@ import argparse
 from tidal.cli.common import make_parser, module_main, run_command
 from tidal.config import ConfigError, ModelConfig
 from tidal.config.args import configs_from_args
-from tidal.serve.config import UNUSED_MODEL_FLAGS, ServeConfig
+from tidal.config.serve import UNUSED_MODEL_FLAGS, ServeConfig
 
 GROUPS = [(ModelConfig, "model", UNUSED_MODEL_FLAGS), (ServeConfig, "server")]
 

@@ -1,0 +1,76 @@
+"""``tidal serve``'s own flags (the model flags come from ``tidal.config.ModelConfig``).
+
+A light module (no torch): ``tidal serve --help`` builds its parser from it without loading the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tidal.config.args import AT_LEAST_ONE, ConfigError, Range, arg
+from tidal.config.engine import engine_config
+from tidal.config.model import ModelConfig
+
+if TYPE_CHECKING:
+    from tidal.rollout import EngineConfig
+
+# ModelConfig's flags that mean nothing to a server (training options); hidden from ``tidal serve``.
+UNUSED_MODEL_FLAGS = (
+    "attn_implementation",
+    "gradient_checkpointing",
+    "torch_compile",
+    "gradient_checkpointing_use_reentrant",
+    "aux_loss_coef",
+    "lora_rank",
+    "lora_alpha",
+    "lora_dropout",
+    "target_modules",
+    "load_in_4bit",
+)
+
+
+@dataclass
+class ServeConfig:
+    """Server: where to listen, the model's public name, and the engine's capacity."""
+
+    host: str = arg("127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    port: int = arg(8000, help="port to listen on (0: any free port)", check=Range(0, 65535))
+    served_model_name: str | None = arg(
+        None, help="model id in /v1/models and the requests' 'model' field (default: --pretrain)"
+    )
+    max_num_seqs: int = arg(
+        256,
+        help="samples the engine decodes together (continuous batching across clients)",
+        check=AT_LEAST_ONE,
+    )
+    max_model_len: int | None = arg(
+        None, help="context length: prompt + completion tokens (default: the model's max_position_embeddings)"
+    )
+    gpu_memory_utilization: float = arg(
+        0.5,
+        help="CUDA: share of free memory (after weights) for the KV cache",
+        check=Range(0, 1, low_open=True),
+    )
+    default_max_tokens: int | None = arg(
+        None,
+        help="completion length when a request sets no max_tokens (default: the rest of the context, as vLLM)",
+        check=AT_LEAST_ONE,
+    )
+    seed: int = arg(0, help="seed of the samples of requests that give no 'seed'")
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"--max_model_len must be >= 2, got {self.max_model_len}")
+
+    def engine_config(self, model: ModelConfig) -> EngineConfig:
+        return engine_config(
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            seed=self.seed,
+            param_dtype=model.param_dtype,
+        )
+
+    def model_name(self, model: ModelConfig) -> str:
+        return self.served_model_name or model.pretrain
