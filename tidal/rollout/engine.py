@@ -140,6 +140,7 @@ class LLMEngine:
         state_dict: Mapping[str, torch.Tensor] | None = None,
         hf_config=None,
         tokenizer=None,
+        tp_group: tuple | None = None,
     ):
         self.config = config or EngineConfig()
         self.hf_config = hf_config or _load_hf_config(model_path, model)
@@ -157,7 +158,7 @@ class LLMEngine:
             raise ValueError("LLMEngine needs a model folder path, a loaded model or a state_dict")
         self.peers = None
         try:
-            self._build(weights)
+            self._build(weights, tp_group)
         except BaseException:
             self.close()
             raise
@@ -194,12 +195,19 @@ class LLMEngine:
         self.sleep_level = 0
 
     # ------------------------------------------------------------------ setup
-    def _build(self, weights) -> None:
+    def _build(self, weights, tp_group) -> None:
         """The model (this rank's shard) and the KV-cache size; with ``tp_size`` > 1, first the workers,
-        which receive every weight as this process loads it and then the cache size."""
+        which receive every weight as this process loads it and then the cache size. ``tp_group``
+        (``tp_worker.colocated_group``): this process is one rank of an engine spanning training
+        processes, which each load their shard themselves (``GroupPeers``)."""
         tp = SINGLE
         size = self.config.tp_size
-        if size > 1:
+        if tp_group is not None:
+            from tidal.rollout.tp_worker import GroupPeers
+
+            self.peers = GroupPeers(*tp_group)
+            tp = self.peers.tp
+        elif size > 1:
             from tidal.rollout.tp_worker import TPPeers, WorkerSpec, tp_devices
 
             problem = tp_layout_problem(self.hf_config, size)  # before any process starts
@@ -220,9 +228,16 @@ class LLMEngine:
             tp, weights = self.peers.tp, self.peers.broadcasting(weights)
         self.model = build_decoder(self.hf_config, weights, self.max_model_len, self.dtype, self.device, tp)
         self.num_kv_blocks = self._kv_blocks()
-        if self.peers is not None:
+        if tp_group is not None:
+            self.num_kv_blocks = self.peers.agree_blocks(self.num_kv_blocks)
+        elif self.peers is not None:
             self.peers.send("runner", self.num_kv_blocks)
             self.peers.wait_for("built", "building its shard and KV cache")
+
+    def take_turns(self, generate):
+        """Run ``generate()`` (calls of this engine's generation API): directly, or in an engine spanning
+        training processes, in this rank's turn while serving the other ranks' turns."""
+        return generate() if self.peers is None else self.peers.take_turns(generate, self.runner)
 
     def close(self) -> None:
         """Stop a tensor-parallel engine's worker processes (nothing to do for one process)."""
@@ -474,11 +489,7 @@ class LLMEngine:
                 count += 1
                 yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
 
-        if self.peers is None:
-            self.model.load_weights(gathered())
-            return count
-        self.peers.send("load")
-        self.model.load_weights(self.peers.broadcasting(gathered()))
+        self.model.load_weights(gathered() if self.peers is None else self.peers.loading(gathered()))
         return count
 
     def sleep(self, level: int = 1) -> None:
@@ -487,7 +498,7 @@ class LLMEngine:
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         self.block_manager.invalidate_prefix_cache()  # the cache's contents are freed
         if self.peers is not None:
-            self.peers.send("sleep", level)
+            self.peers.sleep(level)
         self.runner.free_kv_cache()
         if level == 2 and self.device.type != "cpu":
             self.model.to("cpu")  # weights and the tables derived from them (RoPE buffers)
@@ -497,7 +508,7 @@ class LLMEngine:
     def wake_up(self) -> None:
         """Restore what ``sleep`` freed; the KV cache comes back empty (no request survives a sleep)."""
         if self.peers is not None:
-            self.peers.send("wake")
+            self.peers.wake()
         if self.sleep_level == 2 and self.device.type != "cpu":
             self.model.to(self.device)
         if self.runner.kv_cache is None:

@@ -84,26 +84,27 @@ def open_groups(store: dist.Store, rank: int, size: int, device: torch.device):
 
 
 class Channel:
-    """Rank 0's commands to the other ranks: pickled objects broadcast over the gloo control group."""
+    """Commands from one rank (``root``, rank 0 unless a colocated group's driver) to the others:
+    pickled objects broadcast over the gloo control group."""
 
     def __init__(self, group):
         self.group = group
 
-    def _broadcast(self, tensor: torch.Tensor) -> None:
+    def _broadcast(self, tensor: torch.Tensor, root: int) -> None:
         opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = 0, 0
+        opts.rootRank, opts.rootTensor = root, 0
         self.group.broadcast([tensor], opts).wait()
 
-    def send(self, message) -> None:
+    def send(self, message, root: int = 0) -> None:
         data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
-        self._broadcast(torch.tensor([data.numel()], dtype=torch.int64))
-        self._broadcast(data)
+        self._broadcast(torch.tensor([data.numel()], dtype=torch.int64), root)
+        self._broadcast(data, root)
 
-    def recv(self):
+    def recv(self, root: int = 0):
         size = torch.zeros(1, dtype=torch.int64)
-        self._broadcast(size)
+        self._broadcast(size, root)
         data = torch.empty(int(size), dtype=torch.uint8)
-        self._broadcast(data)
+        self._broadcast(data, root)
         return pickle.loads(data.numpy().tobytes())
 
 
@@ -175,6 +176,21 @@ class TPPeers:
     def send(self, *command) -> None:
         self.channel.send(command)
 
+    def loading(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``update_weights``: the workers receive every tensor from rank 0."""
+        self.send("load")
+        return self.broadcasting(named)
+
+    def sleep(self, level: int) -> None:
+        self.send("sleep", level)
+
+    def wake(self) -> None:
+        self.send("wake")
+
+    def take_turns(self, generate, runner):
+        """Rank 0 is the only driver."""
+        return generate()
+
     def close(self) -> None:
         """Stop the workers (they leave their loop and exit); kill any that do not."""
         if not self.procs:
@@ -189,6 +205,68 @@ class TPPeers:
                 proc.kill()
                 proc.wait()
         self.procs = []
+
+
+class GroupPeers:
+    """A TP engine spanning a group of training processes (colocated with them; ``colocated_group``).
+
+    Every rank holds a whole ``LLMEngine`` front (scheduler, sampler) over its shard and its KV cache,
+    loads its shard from its own full tensors (each trainer gathers the policy anyway) and sleeps on its
+    own. The ranks take turns as driver (``take_turns``): while one generates its share of the prompts
+    and sends its steps, the others serve them on their shards; the KV cache is empty between turns."""
+
+    def __init__(self, tp: TPGroup, control):
+        self.tp, self.channel = tp, Channel(control)
+
+    def agree_blocks(self, num_blocks: int) -> int:
+        """The KV blocks every rank can hold (the driver's block tables must fit every rank's cache)."""
+        counts = torch.tensor([num_blocks], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.channel.group.allreduce([counts], opts).wait()
+        return int(counts)
+
+    def send_step(self, step) -> None:
+        self.channel.send(("step", step), root=self.tp.rank)
+
+    def loading(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        return named
+
+    def sleep(self, level: int) -> None:
+        pass  # every rank's trainer puts its own engine to sleep
+
+    def wake(self) -> None:
+        pass
+
+    def take_turns(self, generate, runner):
+        """``generate()`` on this rank in its turn; the other ranks' turns served on ``runner``."""
+        result = None
+        for driver in range(self.tp.size):
+            if driver == self.tp.rank:
+                result = generate()
+                self.channel.send(("release",), root=driver)
+                continue
+            while (command := self.channel.recv(root=driver))[0] == "step":
+                runner.forward_step(command[1])
+        return result
+
+    def close(self) -> None:
+        pass
+
+
+def colocated_group(tp_size: int, device: torch.device) -> tuple[TPGroup, Any]:
+    """This training process's TP engine group: ranks ``[g * tp_size, (g + 1) * tp_size)`` of the
+    default (training) world, as a (model collectives, gloo control) pair. Collective over the world:
+    every process creates every group, in the same order."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    mine = None
+    for first in range(0, world, tp_size):
+        ranks = list(range(first, first + tp_size))
+        groups = dist.new_group(ranks, backend=backend), dist.new_group(ranks, backend="gloo")
+        if rank in ranks:
+            mine = TPGroup(rank - first, tp_size, groups[0]), groups[1]
+    return mine
 
 
 def worker_main(size: int, port: int, rank: int, device: str) -> None:
