@@ -164,3 +164,29 @@ def test_blending_sources_with_different_columns(tmp_path, caplog):
     p3 = _write_jsonl(tmp_path / "c.jsonl", [{"input": 1, "output": "y"}])
     with pytest.raises(DataError, match=r"cannot blend .*a\.jsonl: \['input', 'output'\]; .*c\.jsonl"):
         load_dataset_spec(f"{p1},{p3}", probs="0.5,0.5")
+
+
+def test_local_files_load_without_datasets_progress_bars(tmp_path, capfd):
+    """At tidal's default log level, reading a local file prints no "Generating train split" bar (start-up
+    noise); the bars stay enabled for everything else afterwards."""
+    import datasets
+
+    from tidal.data.loading import load_source
+
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.enable_progress_bars()  # as in a user's shell (the test session may have them off)
+    try:
+        for name in ("quiet", "loud"):
+            path = tmp_path / f"{name}.jsonl"
+            path.write_text("".join(f'{{"prompt": "{name}{i}"}}\n' for i in range(3)))
+            capfd.readouterr()
+            if name == "quiet":
+                assert len(load_source(str(path))) == 3
+                assert "Generating" not in capfd.readouterr().err
+                assert datasets.is_progress_bar_enabled()
+            else:  # the check can see a bar: without tidal's guard, datasets prints one
+                datasets.load_dataset("json", data_files=str(path), split="train")
+                assert "Generating" in capfd.readouterr().err
+    finally:
+        if not was_enabled:
+            datasets.disable_progress_bars()

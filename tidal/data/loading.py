@@ -126,9 +126,11 @@ def load_source(source: str, split: str = "train") -> datasets.Dataset:
     """Load one source: a local file, a ``save_to_disk`` folder, a data folder, or a hub name."""
     path = Path(source).expanduser()
     if path.is_file():
-        ds = _load_file(path)
+        with _quiet_progress():
+            ds = _load_file(path)
     elif path.is_dir():
-        ds = _load_folder(path, split)
+        with _quiet_progress():
+            ds = _load_folder(path, split)
     elif _looks_like_file(source):
         raise DataError(f"dataset file not found: {source}")
     else:
@@ -318,6 +320,21 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
             return True
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def _quiet_progress() -> Iterator[None]:
+    """No ``datasets`` progress bars ("Generating train split", "Map") while a local source is read, at
+    tidal's default log level: start-up noise that says nothing about the user's run (a local file
+    converts in seconds). With the ``tidal`` logger at DEBUG, or bars already off, nothing changes."""
+    if not datasets.is_progress_bar_enabled() or logging.getLogger("tidal").isEnabledFor(logging.DEBUG):
+        yield
+        return
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.enable_progress_bars()
 
 
 @contextlib.contextmanager
