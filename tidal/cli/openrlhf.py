@@ -38,11 +38,20 @@ _DEEPSPEED_CKPT = (
 _TRAINER_REFUSED = {
     "max_ckpt_mem": f"{_DEEPSPEED_CKPT} and keeps the newest --max_ckpt_num of them, with no memory cap",
     "use_ds_universal_ckpt": _DEEPSPEED_CKPT,
-    "use_liger_kernel": "Liger kernels are not part of tidal; drop the flag",
     "use_ms": "ModelScope downloads are not supported: pass a local folder or a Hugging Face hub name",
 }
 
 _NOT_YET = "not implemented in tidal yet"
+
+# --use_liger_kernel switches tidal's fused LM-head loss on where it is off by default (train_kd,
+# train_prm: tidal.models.logprob_head); these trainers' log-probs always take it.
+_ALWAYS_FUSED = {
+    "use_liger_kernel": (
+        "this trainer always computes its log-probs with tidal's fused LM head (chunked, one chunk's "
+        "logits at a time; Triton kernels on CUDA), so there is nothing to switch on (Liger's own "
+        "kernels are not part of tidal): drop the flag"
+    )
+}
 
 _RL_REFUSED = {
     "actor_init_on_gpu": "a DeepSpeed ZeRO-3 initialisation option; tidal's FSDP2 loads each shard on its GPU",
@@ -65,13 +74,13 @@ _INFERENCE_REFUSED = {
 
 # OpenRLHF flag → reason, per OpenRLHF module.
 REFUSED: dict[str, dict[str, str]] = {
-    "train_sft": dict(_TRAINER_REFUSED),
+    "train_sft": {**_TRAINER_REFUSED, **_ALWAYS_FUSED},
     "train_rm": dict(_TRAINER_REFUSED),
     "train_prm": dict(_TRAINER_REFUSED),
-    "train_dpo": dict(_TRAINER_REFUSED),
-    "train_kto": dict(_TRAINER_REFUSED),
+    "train_dpo": {**_TRAINER_REFUSED, **_ALWAYS_FUSED},
+    "train_kto": {**_TRAINER_REFUSED, **_ALWAYS_FUSED},
     "train_kd": dict(_TRAINER_REFUSED),
-    "train_ppo_ray": {**_TRAINER_REFUSED, **_RL_REFUSED},
+    "train_ppo_ray": {**_TRAINER_REFUSED, **_RL_REFUSED, **_ALWAYS_FUSED},
     "serve_rm": {
         **_LOADER_NOT_YET,
     },

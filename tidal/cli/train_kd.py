@@ -9,7 +9,13 @@ COMMAND = TrainerCommand(
     "Knowledge distillation from a frozen teacher on SFT data.",
     KDRun,
     "tidal.trainers.kd:run_kd",
-    {**COMMON_TITLES, "model": "model (the student)", "kd": "distillation", "data": "SFT data"},
+    {
+        **COMMON_TITLES,
+        "model": "model (the student)",
+        "kd": "distillation",
+        "data": "SFT data",
+        "kernels": "kernels",
+    },
 )
 build_parser, parse_run, main = COMMAND.build_parser, COMMAND.parse_run, COMMAND.main
 

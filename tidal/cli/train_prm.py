@@ -8,7 +8,7 @@ COMMAND = TrainerCommand(
     "Train a process reward model on per-step labels.",
     PRMRun,
     "tidal.trainers.prm:run_prm",
-    {**COMMON_TITLES, "data": "PRM data"},
+    {**COMMON_TITLES, "data": "PRM data", "kernels": "kernels"},
 )
 build_parser, parse_run, main = COMMAND.build_parser, COMMAND.parse_run, COMMAND.main
 

@@ -38,6 +38,18 @@ class ReferenceConfig:
     )
 
 
+@dataclass
+class FusedHeadConfig:
+    """Kernels: the fused LM-head loss (OpenRLHF's --use_liger_kernel switch)."""
+
+    use_liger_kernel: bool = arg(
+        False,
+        help="compute the loss with tidal's fused LM head: the head runs inside the loss (KD: chunk by chunk, "
+        "one chunk's logits at a time; PRM: only at step markers, only the reward tokens' rows) instead of "
+        "full [batch, length, vocab] logits (SFT, DPO, KTO and PPO log-probs always do). Not Liger itself",
+    )
+
+
 @dataclass(kw_only=True)
 class SupervisedRun(RunConfig):
     """The configs every supervised run has. Each trainer's run adds its own: ``data`` (its data config,
@@ -137,6 +149,7 @@ class PRMRun(SupervisedRun):
     optim: OptimConfig = config_field(lambda: OptimConfig(learning_rate=1e-6))
     data: PRMDataConfig = config_field(PRMDataConfig)
     ckpt: CheckpointConfig = config_field(trainer_checkpoints("prm"))
+    kernels: FusedHeadConfig = config_field(FusedHeadConfig)
 
     def cross_problems(self, world: World | None = None) -> list[str]:
         problems = super().cross_problems(world)
@@ -249,3 +262,4 @@ class KDRun(SupervisedRun):
     data: SFTDataConfig = config_field(lambda: SFTDataConfig(input_template=OPENRLHF_INPUT_TEMPLATE))
     kd: KDConfig
     ckpt: CheckpointConfig = config_field(trainer_checkpoints("kd"))
+    kernels: FusedHeadConfig = config_field(FusedHeadConfig)

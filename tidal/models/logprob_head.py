@@ -10,11 +10,18 @@ On CUDA the float32 passes over a chunk's logits run as Triton kernels (``triton
 ``head_logprobs`` swaps the LM head's ``forward`` for the duration of one model call, so the model's
 own forward (and any FSDP2 / peft wrapping around it) runs unchanged and only the head's output
 changes: ``[B, T]`` log-probs instead of ``[B, T, V]`` logits.
+
+The token log-probs of SFT, DPO, KTO and PPO always take this path. Losses that need more of the
+vocabulary than the target token (KD's distributions, PRM's reward tokens at step markers) read full
+logits unless ``--use_liger_kernel`` (OpenRLHF's switch for its fused kernels) asks for their fused
+head: ``head_output`` lets such a loss apply the head itself, on the positions and rows it needs or
+chunk by chunk (``chunked_rows``), inside the model's forward.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -230,3 +237,26 @@ class LogprobOutputs:
 
     def __getitem__(self, key):
         return self.logits if key == "logits" else self._outputs[key]
+
+
+@contextlib.contextmanager
+def head_output(head: nn.Linear, fn: Callable[[Tensor], Tensor]):
+    """Within the context, ``head(hidden)`` returns ``fn(hidden)`` (``[B, T, H]`` hidden states in)
+    instead of ``[B, T, V]`` logits, so the model's ``logits`` output is whatever the loss computed from
+    the head's input; ``fn`` runs inside the model's forward, where FSDP2 has the head's weights."""
+    head.forward = fn  # an instance attribute shadows the class's forward for this module only
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def chunked_rows(fn: Callable[..., tuple[Tensor, ...]], chunk_size: int, *rows: Tensor) -> tuple[Tensor, ...]:
+    """``fn`` over chunks of ``chunk_size`` rows of ``rows`` (split along dim 0), outputs concatenated.
+    Under autograd each chunk runs in a non-reentrant checkpoint, so backward recomputes it and at most
+    one chunk's intermediates (e.g. its ``[chunk, V]`` logits) exist at a time."""
+    recording = torch.is_grad_enabled() and any(r.requires_grad for r in rows)
+    outs = []
+    for chunk in zip(*(r.split(chunk_size) for r in rows), strict=True):
+        outs.append(checkpoint(fn, *chunk, use_reentrant=False) if recording else fn(*chunk))
+    return tuple(torch.cat(parts) for parts in zip(*outs, strict=True))

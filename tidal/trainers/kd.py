@@ -22,6 +22,7 @@ from tidal.data import next_token_targets
 from tidal.distributed import World
 from tidal.models import Precision, model_inputs
 from tidal.models.frozen import FrozenModel, load_frozen
+from tidal.models.logprob_head import DEFAULT_CHUNK, chunkable_head, chunked_rows, head_output
 from tidal.trainers.common import Recipe, fit_recipe
 from tidal.trainers.reference import check_same_vocab, moe_aux_term, moe_router_logits
 from tidal.trainers.sft import SFTBatching, load_sft_samples
@@ -36,24 +37,50 @@ class KDObjective(SFTBatching):
     alpha: float
     packing: bool = False
     aux_loss_coef: float = 0.0
+    fused_head: bool = False  # --use_liger_kernel: the student's head runs chunk by chunk inside the loss
 
     def teacher_logits(self, batch: dict, precision: Precision) -> torch.Tensor:
         with self.teacher.use() as teacher, precision.autocast():
             return teacher(**model_inputs(teacher, batch), use_cache=False).logits
 
+    def per_token(self, model: nn.Module, batch: dict, precision: Precision, targets: torch.Tensor):
+        """``(kd_loss [B, T], KL(teacher ‖ student) [B, T], detached)`` of the micro-batch."""
+        head = chunkable_head(model) if self.fused_head else None
+        if head is None:
+            with precision.autocast():
+                student = model(**model_inputs(model, batch), use_cache=False).logits
+            teacher = self.teacher_logits(batch, precision)
+            per_token = kd_loss(student, teacher, targets, alpha=self.alpha)
+            with torch.no_grad():
+                kl = distillation_cross_entropy(student, teacher) - entropy_from_logits(teacher)
+            return per_token, kl
+        teacher = self.teacher_logits(batch, precision)  # first: the student's head consumes it
+
+        def chunk(h, teacher_chunk, target_chunk):
+            z = nn.functional.linear(h, head.weight, head.bias)
+            loss = kd_loss(z[None], teacher_chunk[None], target_chunk[None], alpha=self.alpha)[0]
+            with torch.no_grad():
+                kl = distillation_cross_entropy(z, teacher_chunk) - entropy_from_logits(teacher_chunk)
+            return loss, kl
+
+        def fused(hidden):
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            rows = (flat, teacher.reshape(flat.shape[0], -1), targets.reshape(-1))
+            return torch.stack(chunked_rows(chunk, DEFAULT_CHUNK, *rows))
+
+        with precision.autocast(), head_output(head, fused):
+            per_token, kl = model(**model_inputs(model, batch), use_cache=False).logits
+        return per_token.view(targets.shape), kl.view(targets.shape).detach()
+
     def loss(self, model: nn.Module, batch: dict, normaliser: float, precision: Precision):
-        with precision.autocast(), moe_router_logits(model, self.aux_loss_coef) as router_logits:
-            outputs = model(**model_inputs(model, batch), use_cache=False)
-        student, teacher = outputs.logits, self.teacher_logits(batch, precision)
         targets = next_token_targets(batch["input_ids"], batch["loss_mask"])
-        per_token = kd_loss(student, teacher, targets, alpha=self.alpha)
+        with moe_router_logits(model, self.aux_loss_coef) as router_logits:
+            per_token, kl = self.per_token(model, batch, precision, targets)
         loss = per_token.sum() / normaliser
         metrics = {"loss": loss.detach()}
-        with torch.no_grad():
-            # KL(p_teacher || p_student) = cross-entropy − teacher entropy: what distillation minimises.
-            trained = targets != -100
-            kl = distillation_cross_entropy(student, teacher) - entropy_from_logits(teacher)
-            metrics["teacher_kl"] = kl[trained].sum() / normaliser
+        # KL(p_teacher || p_student) = cross-entropy − teacher entropy: what distillation minimises.
+        trained = targets != -100
+        metrics["teacher_kl"] = kl[trained].sum() / normaliser
         # A dense model has no router: its load-balancing loss is 0 (as SFT and PPO; docs/openrlhf.md).
         share = float(trained.sum()) / normaliser
         aux = moe_aux_term(model, router_logits, batch, self.aux_loss_coef, share, dense_is_zero=True)
@@ -77,8 +104,9 @@ class KDRecipe(Recipe):
 
     def objective(self, run: KDRun, tokenizer, train, frozen: FrozenModel) -> KDObjective:
         return KDObjective(
-            frozen, tokenizer.pad_token_id, run.kd.kd_coef, run.train.packing_samples, run.model.aux_loss_coef
-        )
+            frozen, tokenizer.pad_token_id, run.kd.kd_coef, run.train.packing_samples, run.model.aux_loss_coef,
+            fused_head=run.kernels.use_liger_kernel,
+        )  # fmt: skip
 
     def describe(self, run: KDRun, frozen: FrozenModel) -> str:
         return f" (teacher {run.kd.teacher_model})"

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from tidal.algorithms.prm import prm_loss
@@ -19,6 +20,7 @@ from tidal.config.supervised import PRMRun as PRMRun
 from tidal.data.prm import PRMDataConfig, PRMSample, build_prm_samples, collate_prm, reward_token_ids
 from tidal.distributed import World
 from tidal.models import Precision, model_inputs
+from tidal.models.logprob_head import chunkable_head, head_output
 from tidal.trainers.common import Recipe, fit_recipe, load_samples
 
 
@@ -29,6 +31,7 @@ class PRMObjective:
     pad_id: int
     reward_ids: list[int] | None  # None: every vocabulary id (hard labels are token ids)
     packing: bool = False
+    fused_head: bool = False  # --use_liger_kernel: the head runs only at step markers, on the reward rows
 
     def weight(self, sample: PRMSample) -> float:
         return float(len(sample.step_positions))
@@ -39,11 +42,28 @@ class PRMObjective:
         return batch
 
     def loss(self, model: nn.Module, batch: dict, normaliser: float, precision: Precision):
-        with precision.autocast():
-            logits = model(**model_inputs(model, batch), use_cache=False).logits
-        ids = self.reward_ids if self.reward_ids is not None else range(logits.shape[-1])
         mask = batch["placeholder_mask"]
-        loss, accuracy = prm_loss(logits, mask, batch["labels"], ids, num_steps=normaliser)
+        head = chunkable_head(model) if self.fused_head else None
+        if head is None:
+            with precision.autocast():
+                logits = model(**model_inputs(model, batch), use_cache=False).logits
+            ids = self.reward_ids if self.reward_ids is not None else range(logits.shape[-1])
+            loss, accuracy = prm_loss(logits, mask, batch["labels"], ids, num_steps=normaliser)
+        else:
+            selected, rows = mask.bool(), self.reward_ids
+
+            def step_logits(hidden):  # [steps, reward tokens]: the only logits the loss reads
+                weight = head.weight if rows is None else head.weight[rows]
+                bias = head.bias if head.bias is None or rows is None else head.bias[rows]
+                return nn.functional.linear(hidden[selected], weight, bias)
+
+            with precision.autocast(), head_output(head, step_logits):
+                logits = model(**model_inputs(model, batch), use_cache=False).logits
+            every = torch.ones(1, logits.shape[0], dtype=torch.bool, device=logits.device)
+            labels = batch["labels"][selected][None]
+            loss, accuracy = prm_loss(
+                logits[None], every, labels, range(logits.shape[-1]), num_steps=normaliser
+            )
         steps = mask.sum()
         return loss, {"loss": loss.detach(), "acc": accuracy * steps / normaliser}
 
@@ -59,8 +79,9 @@ class PRMRecipe(Recipe):
 
     def objective(self, run: PRMRun, tokenizer, train, frozen) -> PRMObjective:
         return PRMObjective(
-            tokenizer.pad_token_id, reward_token_ids(tokenizer, run.data), run.train.packing_samples
-        )
+            tokenizer.pad_token_id, reward_token_ids(tokenizer, run.data), run.train.packing_samples,
+            fused_head=run.kernels.use_liger_kernel,
+        )  # fmt: skip
 
 
 def run_prm(run: PRMRun, world: World | None = None) -> list[dict]:
