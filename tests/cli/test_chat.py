@@ -83,3 +83,38 @@ def test_bad_flags_exit_2(tiny_llama, capsys, extra, message):
     with pytest.raises(SystemExit) as exc:
         chat_main(["--pretrain", str(tiny_llama), *extra])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_load_in_4bit_replies_from_an_nf4_model(tiny_llama):
+    """``--load_in_4bit``: the chat runs on bitsandbytes NF4 layers through transformers, and its greedy
+    reply is the 4-bit model's own greedy continuation of the rendered conversation."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    from tidal.inference.hf_generator import HFGenerator
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
+    generator = HFGenerator(str(tiny_llama), tokenizer, seed=0, device="cpu")
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in generator.model.modules())
+    session = ChatSession(generator, GREEDY, ChatConfig(system_prompt="You add numbers."))
+    reply = session.reply("12+34=")
+
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), quantization_config=quant, device_map="cpu")
+    messages = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "12+34="}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=6)
+    new = out[0, len(ids) :].tolist()
+    if tokenizer.eos_token_id in new:
+        new = new[: new.index(tokenizer.eos_token_id)]
+    assert reply == tokenizer.decode(new, skip_special_tokens=True).strip()
+
+
+def test_load_in_4bit_refuses_engine_options(tiny_llama, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        chat_main(["--pretrain", str(tiny_llama), "--load_in_4bit", "--tp_size", "2"])
+    assert exit_info.value.code == 2
+    assert "--load_in_4bit chats through transformers" in capsys.readouterr().err

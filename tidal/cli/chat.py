@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from tidal.cli.common import make_parser, module_main, run_command
-from tidal.config import config_from_args
+from tidal.config import ConfigError, config_from_args
 from tidal.inference.chat import ChatConfig
 from tidal.inference.config import PolicyConfig, SamplingConfig
 
@@ -42,8 +42,28 @@ def run_from_args(ns: argparse.Namespace):
     sampling = config_from_args(SamplingConfig, ns)
     params = sampling.sampling_params()
     policy = config_from_args(PolicyConfig, ns, max_num_seqs=1)
-    session = ChatSession(load_engine(policy, sampling.seed), params, chat)
+    engine = load_4bit(policy, sampling.seed) if chat.load_in_4bit else load_engine(policy, sampling.seed)
+    session = ChatSession(engine, params, chat)
     return run_chat(session, sys.stdin, sys.stdout, interactive=sys.stdin.isatty())
+
+
+def load_4bit(policy, seed: int):
+    """``--load_in_4bit``: the model in NF4 through transformers (``tidal.inference.hf_generator``)."""
+    from tidal.config import ModelConfig
+    from tidal.inference.hf_generator import HFGenerator
+    from tidal.models import load_tokenizer
+
+    if policy.tp_size != 1 or policy.enable_prefix_caching:
+        raise ConfigError("--load_in_4bit chats through transformers: --tp_size and --enable_prefix_caching are "
+                          "options of tidal's engine, which it does not use")  # fmt: skip
+    model = ModelConfig(pretrain=policy.pretrain, disable_fast_tokenizer=policy.disable_fast_tokenizer,
+                        tokenizer_chat_template=policy.tokenizer_chat_template)  # fmt: skip
+    try:
+        return HFGenerator(policy.pretrain, load_tokenizer(policy.pretrain, model), seed)
+    except (OSError, ValueError, ImportError) as err:
+        raise ConfigError(
+            f"--pretrain {policy.pretrain} --load_in_4bit: cannot load it in 4 bits ({err})"
+        ) from err
 
 
 def main(argv: list[str] | None = None, prog: str = "tidal chat"):

@@ -62,10 +62,6 @@ _LOADER_NOT_YET = {
     "use_ms": _TRAINER_REFUSED["use_ms"],
 }
 
-_CHAT_4BIT = (
-    "tidal chat runs on tidal's rollout engine, whose layers hold bf16/fp16/fp32 weights (no 4-bit "
-    "kernels); serve_rm --load_in_4bit does load a 4-bit reward model"
-)
 
 _INFERENCE_REFUSED = {
     **_LOADER_NOT_YET,
@@ -96,7 +92,6 @@ REFUSED: dict[str, dict[str, str]] = {
     },
     "interactive_chat": {
         **_INFERENCE_REFUSED,
-        "load_in_4bit": _CHAT_4BIT,
     },
 }
 

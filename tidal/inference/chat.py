@@ -53,6 +53,11 @@ class ChatConfig:
         "not with a chat template: use --system_prompt there)",
         metavar="FILE",
     )
+    load_in_4bit: bool = arg(
+        False,
+        help="load the model's linear layers in 4-bit NF4 (bitsandbytes) and reply through "
+        "transformers.generate (tidal's engine has no 4-bit kernels; slower, for models that only fit in 4 bits)",
+    )
     enable_csft: bool = arg(False, help="conditional SFT: end every prompt with --csft_prompt")
     csft_prompt: str = arg(
         DEFAULT_CSFT_PROMPT, help="--enable_csft: appended to each prompt (stripped, then one space)"
