@@ -18,6 +18,15 @@ rollout goes on. ``run`` logs one warning per kind of failure with its count and
 ``rollout_logs`` counts them for the step's metrics (``agent/errors`` and ``agent/<kind>``). Everything
 else an agent does wrong (a malformed return value, a non-finite reward) still stops the run.
 
+Router replay (``--moe_router_replay``): when the engine records routing, every trajectory carries the
+experts each of its tokens was routed to (``Trajectory.routed_experts``, aligned with ``token_ids``).
+Executors add each engine answer's record with ``Trajectory.add_routing``; a token keeps the experts of
+the FIRST forward that read it (prompt and observation tokens: the prefill that first read them;
+sampled tokens: the decode step that read them, or the next turn's prefill for a turn's last token).
+Tokens no forward read (the trajectory's last token, a final environment feedback) have no record and
+route as the trainer's routers choose; they come after every trained token, so they change no trained
+log-prob.
+
 Prompt tokenization follows ``tidal.data.templates``: plain text is tokenized with
 ``add_special_tokens=True`` (a Llama-style tokenizer adds bos once), chat-rendered text with
 ``add_special_tokens=False``. Executors read ``self.add_special_tokens`` (default True); a trainer
@@ -34,6 +43,8 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from tidal.rewards.base import RewardError, check_finite
 from tidal.rollout.sampler import sequence_seed
@@ -112,7 +123,7 @@ class Trajectory:
     num_turns: int = 1
     error: str | None = None  # why the episode failed (an EpisodeError's message); None when it did not
     error_kind: str | None = None  # the EpisodeError's kind, counted as ``agent/<kind>``
-    # --moe_router_replay (single-turn): the engine's experts per token, [tokens - 1, MoE layers, k]
+    # --moe_router_replay: the engine's experts per token, [rows <= tokens, MoE layers, k] (see module doc)
     routed_experts: Any = None
 
     @classmethod
@@ -137,8 +148,22 @@ class Trajectory:
         self.action_mask += [0] * len(token_ids)
         self.rollout_logprobs += [0.0] * len(token_ids)
 
+    def add_routing(self, recorded: np.ndarray | None) -> None:
+        """Router replay: extend ``routed_experts`` with an engine record (``CompletionOutput.routed_experts``
+        of a request whose prompt was this trajectory's tokens so far) past the rows already held, so each
+        token keeps the experts of the first forward that read it. ``None`` (no recording) is a no-op."""
+        if recorded is None:
+            return
+        held = 0 if self.routed_experts is None else len(self.routed_experts)
+        if self.routed_experts is None:
+            self.routed_experts = np.array(recorded)
+        elif len(recorded) > held:
+            self.routed_experts = np.concatenate([self.routed_experts, recorded[held:]])
+
     def truncate(self, max_length: int) -> None:
         del self.token_ids[max_length:], self.action_mask[max_length:], self.rollout_logprobs[max_length:]
+        if self.routed_experts is not None:
+            self.routed_experts = self.routed_experts[:max_length]
 
     @property
     def response_ids(self) -> list[int]:
@@ -157,6 +182,8 @@ class Trajectory:
                 f"token_ids ({n}), action_mask ({len(self.action_mask)}) and rollout_logprobs "
                 f"({len(self.rollout_logprobs)}) must have the same length"
             )
+        if self.routed_experts is not None and len(self.routed_experts) > n:
+            raise ValueError(f"routed_experts has {len(self.routed_experts)} rows for {n} tokens")
         if not 0 < self.prompt_len <= n or any(self.action_mask[: self.prompt_len]):
             raise ValueError(f"prompt_len {self.prompt_len} must be in [1, {n}] and prompt tokens unmasked")
         # A failed episode may end before its first action; its row then trains nothing.
@@ -260,6 +287,8 @@ class AgentExecutorBase(abc.ABC):
             for j in range(n)
         ]
         trajectories = list(await asyncio.gather(*jobs))
+        if records_routing(llm_engine):
+            complete_routing(trajectories, self)
         warn_episode_errors(trajectories)
         return trajectories
 
@@ -293,6 +322,29 @@ class AgentExecutorBase(abc.ABC):
         if trajectory.error is not None and where:
             trajectory.error += where
         return trajectory
+
+
+def records_routing(engine) -> bool:
+    """Whether ``engine`` records each token's experts (``EngineConfig.record_routing``: router replay)."""
+    return bool(getattr(getattr(engine, "config", None), "record_routing", False))
+
+
+def complete_routing(trajectories: list[Trajectory], executor: AgentExecutorBase) -> None:
+    """Router replay needs every trajectory's experts. An episode that failed before its first action
+    has no record: it gets an empty one (its row trains nothing); one with actions and no record comes
+    from an ``execute`` that did not call ``add_routing``, which would silently train it unreplayed."""
+    records = [t.routed_experts for t in trajectories if t.routed_experts is not None]
+    for i, t in enumerate(trajectories):
+        if t.routed_experts is not None:
+            continue
+        if any(t.action_mask):
+            raise AgentError(
+                f"{describe(executor)}.execute returned trajectory {i} without routed_experts; with "
+                "--moe_router_replay call trajectory.add_routing(output.routed_experts) after each "
+                "llm.generate (MultiTurnAgentExecutor does)"
+            )
+        if records:
+            t.routed_experts = records[0][:0]
 
 
 def warn_episode_errors(trajectories: list[Trajectory]) -> None:

@@ -16,7 +16,8 @@ observations (e.g. a tool result and the next chat header). It is then trained e
 on) when ``agent`` raises (``agent_errors``), returns a non-number, makes no request, asks for
 several samples in one request, or sends a prompt that does not extend the episode's tokens so far
 (``endpoint_errors``: e.g. a chat template that re-renders earlier turns differently; send token-id
-prompts to ``/v1/completions`` to keep full control).
+prompts to ``/v1/completions`` to keep full control). Under router replay each request's recorded
+experts extend the trajectory's (``Trajectory.add_routing``), as for a ``step()`` agent.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def trajectory_from_requests(prompt: str, label: Any, requests, tokenizer, max_l
         traj.add_observation(ids[len(traj.token_ids) :])
         sample = request.samples[0]
         traj.add_action(sample.token_ids, sample.logprobs)
+        traj.add_routing(sample.routed_experts)  # router replay; None unless the engine records
         traj.num_turns += 1
         traj.finish_reason = sample.finish_reason
         if len(traj.token_ids) >= max_length:

@@ -11,6 +11,9 @@ observation (the prompt rule of ``AgentExecutorBase.encode_prompt``), then loop:
    (finish_reason "length"; the last feedback is truncated to fit). A returned ``sampling_params``
    applies from the next turn on.
 
+Under router replay each turn's engine record extends the trajectory's ``routed_experts`` (each token
+keeps the experts of the first forward that read it; see ``tidal.agents.base``).
+
 When ``__init__``, ``reset`` or ``step`` raises (or raises ``EpisodeError`` itself, as the tool
 executor's environment does for a malformed tool call), the episode ends there with reward 0 and
 finish_reason "error", keeping the actions generated so far, and the rollout goes on (see
@@ -84,6 +87,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             turn_params = _turn_params(params, max_length - len(traj.token_ids), len(steps))
             output = await llm.generate(traj.token_ids, turn_params)
             traj.add_action(output.token_ids, output.logprobs)
+            traj.add_routing(output.routed_experts)  # router replay; None unless the engine records
             action_text = _action_text(output, llm, tokenizer, turn_params)
             states = {
                 "observation_text": text,

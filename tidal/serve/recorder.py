@@ -2,7 +2,8 @@
 
 Every completed request that names an episode (header ``X-Episode-Id``, else the body's ``user``) is
 recorded as the engine saw it: the prompt's token ids, and per sample the sampled ids, their
-log-probs (``SamplingParams``' semantics) and the finish reason. An RL integration turns an episode's
+log-probs (``SamplingParams``' semantics), the finish reason and, when the engine records routing (MoE
+router replay), the experts each token of the request was routed to. An RL integration turns an episode's
 requests into a trajectory from these ids directly, so no text is ever re-tokenized. Requests are kept
 in the order the server received them (an agent's turns), whatever order they finished in.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from tidal.rollout import RequestOutput
 
@@ -20,6 +22,8 @@ class RecordedSample:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    # ``CompletionOutput.routed_experts`` (prompt + sampled tokens - 1 rows); None unless recorded
+    routed_experts: Any = None
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,9 @@ class RequestRecorder:
 
     def record(self, episode_id: str, order: int, endpoint: str, output: RequestOutput) -> None:
         samples = [
-            RecordedSample(list(c.token_ids), list(c.logprobs), c.finish_reason)
+            RecordedSample(
+                list(c.token_ids), list(c.logprobs), c.finish_reason, getattr(c, "routed_experts", None)
+            )
             for c in sorted(output.outputs, key=lambda c: c.index)
         ]
         request = RecordedRequest(order, endpoint, list(output.prompt_token_ids), samples)
