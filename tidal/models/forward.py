@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from tidal.algorithms.logprobs import entropy_from_logits, gather_logprobs
+from tidal.models import batch_invariant
 from tidal.models import ring_attention as ring_attn
 from tidal.models.logprob_head import (
     DEFAULT_CHUNK,
@@ -109,6 +110,8 @@ def token_logprobs(
     (aligned like the log-probs). ``chunk_size=None`` (or an unsupported model) takes the plain path:
     full logits, then ``gather_logprobs``.
     """
+    if batch_invariant.is_exact(model):
+        return exact_token_logprobs(model, batch, temperature, with_entropy, **forward_kwargs)
     ring = ring_attn.active_ring()
     if ring is not None and "segment_ids" in batch:
         return ring_token_logprobs(
@@ -128,6 +131,23 @@ def token_logprobs(
     with head_logprobs(head, batch["input_ids"], temperature, chunk_size, with_entropy) as result:
         outputs = model(**inputs, use_cache=False, **forward_kwargs)
     return result.logprobs, LogprobOutputs(outputs, head, result)
+
+
+def exact_token_logprobs(
+    model: nn.Module, batch: dict, temperature: float, with_entropy: bool = False, **forward_kwargs
+):
+    """``token_logprobs`` of a model switched by ``batch_invariant.make_exact``: full logits (its LM head
+    is the batch-invariant linear), then the batch-invariant log-softmax the engine's sampler also runs.
+    The attention reads samples from ``position_ids``, so padded and packed rows need no mask."""
+    ids = batch["input_ids"]
+    inputs = {"input_ids": ids, "position_ids": batch["position_ids"], "attention_mask": None}
+    outputs = model(**inputs, use_cache=False, **forward_kwargs)
+    lp = batch_invariant.token_logprobs(outputs.logits[:, :-1], ids[:, 1:], temperature)
+    lp = torch.cat([lp.new_zeros(ids.shape[0], 1), lp], dim=1)
+    if with_entropy:
+        ent = entropy_from_logits(outputs.logits[:, :-1], temperature, chunk_size=1024)
+        outputs.entropy = torch.cat([ent.new_zeros(ids.shape[0], 1), ent], dim=1)
+    return lp, outputs
 
 
 class RingOutputs:

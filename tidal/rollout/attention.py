@@ -42,6 +42,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor | None = None  # [batch]; 0 marks a CUDA-graph padding row
     query_starts: torch.Tensor | None = None  # prefill with context: [batch] position of the first query
     backend: str = "torch"  # decode attention: "torch" or "triton"
+    exact: bool = False  # batch-invariant attention (``exact_attention``; EngineConfig.exact_logprobs)
     _masks: dict = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor:
@@ -147,3 +148,26 @@ def context_prefill_attention(
         qp, kv[0], kv[1], attn_mask=meta.mask(window), scale=scale, enable_gqa=True
     )
     return out.transpose(1, 2)[meta.pad_valid].reshape(q.shape[0], -1)
+
+
+def exact_attention(q, k, v, meta: AttentionMetadata, layer_cache: torch.Tensor, window: int | None, scale):
+    """Every path (prefill, decode, prefill with context) through ``batch_invariant.attention``, whose
+    result for a query does not depend on the step's other sequences or on how many keys it gathers:
+    q [tokens, heads, d] -> [tokens, heads * d]."""
+    from tidal.models.batch_invariant import attention
+
+    if meta.is_prefill and meta.block_tables is None:  # the batch's own keys, at positions 0..len-1
+        idx = meta.pad_index
+        q_pos = torch.arange(idx.shape[1], device=q.device).expand(idx.shape)
+        out = attention(q[idx], k[idx], v[idx], q_pos, scale, window)
+        return out[meta.pad_valid].reshape(q.shape[0], -1)
+    batch = meta.block_tables.shape[0]
+    blocks = layer_cache.flatten(2).index_select(1, meta.block_tables.view(-1))
+    kv = blocks.view(2, batch, -1, *layer_cache.shape[-2:])  # [2, batch, slots, kv_heads, d]
+    if meta.is_prefill:  # queries [start, end) of each sequence against its cached keys
+        cols = torch.arange(meta.pad_index.shape[1], device=q.device)
+        q_pos = meta.query_starts[:, None] + cols[None, :]
+        out = attention(q[meta.pad_index], kv[0], kv[1], q_pos, scale, window)
+        return out[meta.pad_valid].reshape(q.shape[0], -1)
+    q_pos = (meta.context_lens.long() - 1).clamp(min=0)[:, None]  # a padding row reads slot 0
+    return attention(q[:, None], kv[0], kv[1], q_pos, scale, window).reshape(batch, -1)

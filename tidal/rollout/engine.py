@@ -84,8 +84,13 @@ class EngineConfig:
     enable_chunked_prefill: bool = False
     # Tensor parallelism: processes (devices) the engine spans; on CUDA the GPUs from ``device`` on.
     tp_size: int = 1
+    # Sampled-token log-probs bit-identical to the trainer's exact-mode forward (tidal.models.batch_invariant);
+    # CPU float32, one process, dense Llama/Mistral/Qwen2/Qwen3 for now.
+    exact_logprobs: bool = False
 
     def __post_init__(self) -> None:
+        if self.exact_logprobs and self.tp_size > 1:
+            raise ValueError("EngineConfig: exact_logprobs needs tp_size 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
             raise ValueError("EngineConfig: max_num_seqs, max_num_batched_tokens and block_size must be >= 1")
         if self.tp_size < 1:
@@ -148,6 +153,11 @@ class LLMEngine:
         self.device = self.config.torch_device()
         self.dtype = self.config.torch_dtype(self.device)
         self.max_model_len = self.config.max_model_len or self.hf_config.max_position_embeddings
+        if self.config.exact_logprobs and (self.device.type != "cpu" or self.dtype != torch.float32):
+            raise ValueError(
+                f"EngineConfig: exact_logprobs runs on the CPU in float32 only for now, "
+                f"not {self.device.type} {self.dtype}"
+            )
         if model is not None:
             weights = model.named_parameters()
         elif state_dict is not None:
@@ -178,6 +188,7 @@ class LLMEngine:
             attention_backend=self.config.attention_backend,
             record_routing=self.config.record_routing,
             peers=self.peers,
+            exact=self.config.exact_logprobs,
         )
         self.scheduler = Scheduler(
             self.block_manager,

@@ -26,10 +26,13 @@ import numpy as np
 import torch
 
 from tidal.accel import triton_available
+from tidal.models import batch_invariant as bi
 from tidal.rollout.attention import AttentionMetadata
 from tidal.rollout.cuda_graph import DecodeGraphs
-from tidal.rollout.models.layers import CausalLM
+from tidal.rollout.models.layers import ACTIVATIONS as ACTIVATIONS_BY_NAME
+from tidal.rollout.models.layers import CausalLM, GatedMLP, RMSNorm, Rotary
 from tidal.rollout.models.moe import SparseMoE
+from tidal.rollout.models.parallel import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from tidal.rollout.sampler import Sampler, SamplingTensors
 from tidal.rollout.scheduler import ScheduledBatch
 from tidal.rollout.sequence import Sequence
@@ -94,6 +97,53 @@ def resolve_attention_backend(backend: str, device: torch.device, head_dim: int)
     return "triton"
 
 
+def make_exact(model: CausalLM) -> None:
+    """Switch the engine's decoder to the batch-invariant ops (``tidal.models.batch_invariant``), in place,
+    computing what ``batch_invariant.make_exact`` makes a transformers model compute: a packed projection
+    runs each of its parts (q, k, v; gate, up) as its own matmul, as the HF model's separate layers do."""
+    problem = bi.exact_problem(model.args)
+    if problem:
+        raise ValueError(problem)
+    act = ACTIVATIONS_BY_NAME[model.args.hidden_act]
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear):
+            module.forward = bi.bound_forward(_exact_packed_linear, module)
+        elif isinstance(module, (RowParallelLinear, ParallelLMHead)):
+            module.forward = bi.bound_forward(lambda m, x: bi.linear(x, m.weight, m.bias), module)
+        elif isinstance(module, RMSNorm):
+            module.forward = bi.bound_forward(_exact_norm, module)
+        elif isinstance(module, Rotary):
+            module.forward = bi.bound_forward(
+                lambda m, positions, dtype: bi.rope_cos_sin(positions, m.inv_freq, m.scale, dtype), module
+            )
+        elif isinstance(module, GatedMLP):
+            module.forward = bi.bound_forward(
+                lambda m, x: m.down_proj(
+                    bi.pointwise(act, _exact_part(m.gate_up_proj, x, 0)) * _exact_part(m.gate_up_proj, x, 1)
+                ),
+                module,
+            )
+
+
+def _exact_packed_linear(module: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([_exact_part(module, x, i) for i in range(len(module.parts))], dim=-1)
+
+
+def _exact_part(module: ColumnParallelLinear, x: torch.Tensor, part: int) -> torch.Tensor:
+    """Packed part ``part``'s output: its rows of the weight (and bias) in a matmul of their own."""
+    start = sum(p.size for p in module.parts[:part])
+    size = module.parts[part].size
+    bias = None if module.bias is None else module.bias[start : start + size]
+    return bi.linear(x, module.weight[start : start + size], bias)
+
+
+def _exact_norm(module: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None):
+    if residual is None:
+        return bi.rms_norm(x, module.weight, module.eps, module.scale_in_float32)
+    total = x + residual
+    return bi.rms_norm(total, module.weight, module.eps, module.scale_in_float32), total
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -107,8 +157,13 @@ class ModelRunner:
         attention_backend: str = "auto",
         record_routing: bool = False,
         peers: StepPeers | None = None,
+        exact: bool = False,
     ):
         self.model = model
+        # Exact log-probs (EngineConfig.exact_logprobs): the batch-invariant ops the trainer also runs.
+        self.exact = exact
+        if exact:
+            make_exact(model)
         self.peers = peers
         tp_size = model.args.tp.size
         # Router replay: the MoE blocks whose expert choices are recorded per token (none: dense model).
@@ -121,7 +176,7 @@ class ModelRunner:
         self.device = model.model.embed_tokens.weight.device
         self.dtype = model.model.embed_tokens.weight.dtype
         self.backend = resolve_attention_backend(attention_backend, self.device, self.args.head_dim)
-        self.sampler = Sampler(fused=self.device.type == "cuda")
+        self.sampler = Sampler(fused=self.device.type == "cuda", exact=exact)
         self._last_sampling: tuple[list[int], SamplingTensors] | None = None
         self.kv_cache: torch.Tensor | None = None
         self.allocate_kv_cache()
@@ -237,6 +292,7 @@ class ModelRunner:
             pad_index=pad_index,
             pad_valid=valid,
             unpad_index=valid.view(-1).nonzero().view(-1),
+            exact=self.exact,
         )
         positions = torch.from_numpy(step.positions).to(self.device)
         return torch.from_numpy(step.input_ids).to(self.device), positions, meta, starts + lens_t - 1
@@ -278,6 +334,7 @@ class ModelRunner:
             block_tables=block_tables,
             context_lens=context_lens,
             backend=self.backend,
+            exact=self.exact,
         )
         return self.model(input_ids, positions, meta)
 
@@ -314,6 +371,7 @@ class ModelRunner:
             block_tables=self._tensor(padded),
             context_lens=self._tensor([end for _, end in batch.chunks]),
             query_starts=self._tensor([start for start, _ in batch.chunks]),
+            exact=self.exact,
         )
         # Between chunks nothing samples; one row's logits anyway keeps every kernel's shapes non-empty.
         last = [i for i, final in enumerate(batch.final) if final] or [0]

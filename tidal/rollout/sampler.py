@@ -104,10 +104,14 @@ class Sampler:
     Triton kernel (``triton_sampling.fused_sample``) that computes the same tokens without the float32
     copies; a batch with any of those takes the torch path (``reference``)."""
 
-    def __init__(self, fused: bool = False):
-        self.fused = fused and triton_available()
+    def __init__(self, fused: bool = False, exact: bool = False):
+        self.fused = fused and triton_available() and not exact
+        self.exact = exact
 
     def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.exact:  # the same tokens; their log-probs from the batch-invariant log-softmax
+            tokens, _ = self.reference(logits, st)
+            return tokens, exact_logprobs(logits, tokens, st)
         plain = not st.any_truncation and st.suppress_rows is None and st.penalty_rows is None
         if self.fused and logits.is_cuda and plain:
             from tidal.rollout.triton_sampling import fused_sample
@@ -138,6 +142,16 @@ class Sampler:
             gumbel = -torch.log(-torch.log(uniform_noise(st.seeds, st.positions, logits.shape[-1])))
             tokens = torch.where(greedy, tokens, (scaled + gumbel).argmax(dim=-1))
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def exact_logprobs(logits: torch.Tensor, tokens: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """``log_softmax(logits / T)`` at ``tokens`` through ``batch_invariant.token_logprobs`` (the trainer's
+    exact-mode log-softmax): each row's value is a function of that row alone."""
+    from tidal.models.batch_invariant import token_logprobs
+
+    if st.all_greedy:
+        return token_logprobs(logits, tokens)
+    return token_logprobs(logits, tokens, torch.where(st.temperatures == 0, 1.0, st.temperatures))
 
 
 def sequence_seed(request_seed: int, sample_index: int) -> int:

@@ -26,7 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.accel import triton_usable
-from tidal.rollout.attention import AttentionMetadata, decode_attention, prefill_attention, store_kv
+from tidal.rollout.attention import (
+    AttentionMetadata,
+    decode_attention,
+    exact_attention,
+    prefill_attention,
+    store_kv,
+)
 from tidal.rollout.models.parallel import (
     SINGLE,
     ColumnParallelLinear,
@@ -166,6 +172,7 @@ class Rotary(nn.Module):
 
     def build(self, hf_config, head_dim: int, max_model_len: int, device: torch.device) -> None:
         inv_freq, scale = inv_freq_and_scale(hf_config, head_dim, max_model_len)
+        self.inv_freq, self.scale = inv_freq, scale  # kept for exact mode (batch_invariant.rope_cos_sin)
         cos, sin = rope_table(inv_freq, scale, max_model_len)
         self.cos, self.sin = cos.to(device), sin.to(device)
 
@@ -180,6 +187,8 @@ def paged_attention(q, k, v, meta: AttentionMetadata, layer_idx: int, window: in
     layer_cache = None if meta.kv_cache is None else meta.kv_cache[layer_idx]
     if layer_cache is not None:
         store_kv(layer_cache, k, v, meta.slot_mapping)
+    if meta.exact:
+        return exact_attention(q, k, v, meta, layer_cache, window, scale)
     if meta.is_prefill:
         return prefill_attention(q, k, v, meta, window, scale, layer_cache)
     return decode_attention(q, layer_cache, meta, window, scale)

@@ -1,0 +1,238 @@
+"""Batch-invariant ops: each row's result is a function of that row alone (``--exact_logprobs``).
+
+The rollout engine (flat tokens, paged KV cache, prefill and decode) and the trainer (a transformers model
+over packed or padded rows) call these same functions in exact mode, so a token's log-prob is bit-identical
+whichever side computes it, whatever else shares its batch, and whether it was a prefill or a decode token.
+What makes each one invariant (measured on CPU float32, torch 2.13 / MKL; ``tests/rollout/
+test_exact_logprobs.py`` checks every one):
+
+- matmul: torch's CPU GEMM gives a row a different result for 1 row (a GEMV path) than for 2+ rows, so
+  ``linear`` pads the rows to a multiple of ``ROW_BLOCK`` and multiplies blocks of exactly that many rows
+  (one batched call): every row goes through the same kernel shape. Measured: a row's result does not
+  depend on its place in the block, the other rows, or on how many output columns share the call.
+- transcendental pointwise ops (exp, log, rsqrt, cos, sin, SiLU): ATen runs a vectorised (SLEEF) loop and
+  finishes the tail of a tensor with the scalar libm function, which can differ by an ulp; so the same
+  value could round differently in a 1-token decode than in a 100-token prefill. ``pointwise`` runs the op
+  on zero-padded blocks of ``POINT_BLOCK`` elements (a multiple of every vector width, below ATen's
+  parallel grain), so every element takes the vector path.
+- reductions over the last dimension (RMSNorm's mean, the softmax sums) and over a small fixed dimension
+  (attention's key block) reduce each output in an order that depends only on the reduced length;
+  attention reduces keys in blocks of ``KEY_BLOCK`` at fixed absolute key positions, then adds the block
+  sums in block order, so extra (masked, exactly-zero) key blocks beyond a query's position change nothing.
+- elementwise mul/add/div are exactly rounded on every path (no fused multiply-add on torch's CPU kernels).
+
+Not yet exact: CUDA (bf16 or fp32) — the same structure applies (fixed tiles for GEMM, fixed key splits,
+no split-K), but these torch formulations are not claimed invariant there; the engine refuses exact mode
+off the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+ROW_BLOCK = 16  # rows per GEMM call
+POINT_BLOCK = 4096  # elements per pointwise call (ATen's parallel grain is 32768)
+KEY_BLOCK = 16  # keys reduced together in attention
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` over ``x [..., K]``, with every row computed in a ``ROW_BLOCK``-row GEMM."""
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    m = rows.shape[0]
+    padded = rows.new_zeros(-(-m // ROW_BLOCK) * ROW_BLOCK, shape[-1])
+    padded[:m] = rows
+    blocks = padded.view(-1, ROW_BLOCK, shape[-1])
+    out = torch.bmm(blocks, weight.t().expand(blocks.shape[0], *weight.t().shape)).view(-1, weight.shape[0])
+    out = out[:m]
+    if bias is not None:  # a separate add: addmm's fused bias could round differently
+        out = out + bias
+    return out.view(*shape[:-1], weight.shape[0])
+
+
+def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn`` (an elementwise op) over ``x``, every element on the vectorised path (see the module doc)."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    padded = flat.new_zeros(-(-n // POINT_BLOCK) * POINT_BLOCK)
+    padded[:n] = flat
+    out = torch.cat([fn(block) for block in padded.split(POINT_BLOCK)])
+    return out[:n].view(x.shape)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, scale_in_float32: bool = False
+) -> torch.Tensor:
+    """Llama's RMSNorm (normalise in float32; scale after rounding to ``x``'s dtype unless
+    ``scale_in_float32``), with a row-invariant mean and rsqrt."""
+    x32 = x.float()
+    x32 = x32 * pointwise(torch.rsqrt, x32.pow(2).mean(-1, keepdim=True) + eps)
+    if scale_in_float32:
+        return (weight * x32).to(x.dtype)
+    return weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[*positions.shape, head_dim]`` (rotate-half layout) of integer ``positions``."""
+    freqs = positions[..., None].float() * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (pointwise(torch.cos, emb) * scale).to(dtype), (pointwise(torch.sin, emb) * scale).to(dtype)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of ``q [B, Lq, H, D]`` (at positions ``q_pos [B, Lq]``) over each row's keys
+    ``k, v [B, Lk, KV, D]`` at positions ``0..Lk-1``; key ``j`` is seen iff ``j <= q_pos`` (and within the
+    sliding ``window``). Scores and softmax in float32; keys beyond a query's position may hold anything
+    finite. Returns ``[B, Lq, H, D]`` in ``q``'s dtype."""
+    b, lq, h, d = q.shape
+    lk = -(-k.shape[1] // KEY_BLOCK) * KEY_BLOCK
+    if lk != k.shape[1]:  # pad keys to whole blocks (masked below)
+        pad = (0, 0, 0, 0, 0, lk - k.shape[1])
+        k, v = torch.nn.functional.pad(k, pad), torch.nn.functional.pad(v, pad)
+    groups = h // k.shape[2]
+    k = k.float().repeat_interleave(groups, dim=2)  # [B, Lk, H, D]
+    v = v.float().repeat_interleave(groups, dim=2)
+    scores = (q.float()[:, :, None] * k[:, None]).sum(-1) * scale  # [B, Lq, Lk, H]
+    j = torch.arange(lk, device=q.device)
+    seen = j[None, None, :] <= q_pos[:, :, None]
+    if window is not None:
+        seen &= j[None, None, :] > q_pos[:, :, None] - window
+    scores = scores.masked_fill(~seen[..., None], float("-inf"))
+    top = scores.amax(dim=2, keepdim=True)  # a max is exact in any order
+    p = pointwise(torch.exp, scores - top)  # [B, Lq, Lk, H]
+    nb = lk // KEY_BLOCK
+    p_blocks = p.view(b, lq, nb, KEY_BLOCK, h)
+    denom_blocks = p_blocks.sum(3)  # [B, Lq, nb, H]
+    out_blocks = (p_blocks[..., None] * v.view(b, 1, nb, KEY_BLOCK, h, d)).sum(3)  # [B, Lq, nb, H, D]
+    denom, out = denom_blocks[:, :, 0], out_blocks[:, :, 0]
+    for i in range(1, nb):  # block order: trailing all-masked blocks add exact zeros
+        denom = denom + denom_blocks[:, :, i]
+        out = out + out_blocks[:, :, i]
+    return (out / denom[..., None]).to(q.dtype)
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float | torch.Tensor = 1.0
+) -> torch.Tensor:
+    """``log_softmax(logits / temperature)`` at ``tokens`` (float32), each row reduced on its own.
+    ``temperature``: a number, or a tensor broadcasting against ``logits[..., :1]``."""
+    z = logits.float()
+    temp = torch.as_tensor(temperature, dtype=torch.float32, device=z.device)
+    z = z / (temp if temp.dim() == 0 else temp[..., None])
+    top = z.amax(-1, keepdim=True)
+    total = pointwise(torch.exp, z - top).sum(-1, keepdim=True)
+    lse = top + pointwise(torch.log, total)
+    return (z.gather(-1, tokens[..., None]) - lse).squeeze(-1)
+
+
+def segment_layout(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For rows ``[B, T]`` of one or more samples each (positions restart at 0 per sample, as in packed
+    rows): ``(index [S, L], valid [S, L], local [S, L])`` — the flat token index of each sample's ``l``-th
+    token, whether it exists, and its position within the sample. A sample starts wherever the position
+    does not continue the previous token's (a row start, a 0, or a padding token)."""
+    bsz, t = position_ids.shape
+    flat = position_ids.reshape(-1)
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = flat[1:] != flat[:-1] + 1
+    starts[::t] = True
+    first = torch.nonzero(starts).view(-1)
+    lengths = torch.diff(torch.cat([first, first.new_tensor([flat.numel()])]))
+    cols = torch.arange(int(lengths.max()), device=flat.device)
+    valid = cols[None, :] < lengths[:, None]
+    index = torch.where(valid, first[:, None] + cols[None, :], 0)
+    return index, valid, cols[None, :].expand_as(index)
+
+
+# ---------------------------------------------------------------- a transformers model in exact mode
+EXACT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+EXACT_ATTENTION = "tidal_exact"
+
+
+def exact_problem(config) -> str | None:
+    """Why a model of this HF config cannot run in exact mode (None: it can)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in EXACT_MODEL_TYPES:
+        return f"--exact_logprobs supports the {', '.join(EXACT_MODEL_TYPES)} families, not {model_type!r}"
+    return None
+
+
+def hf_exact_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention (``query [B, H, T, D]``, ``key/value [B, KV, T, D]``) through ``attention``:
+    each sample of a row (found from ``position_ids``; the mask is not read) attends its own tokens."""
+    position_ids = kwargs.get("position_ids")
+    b, h, t, d = query.shape
+    if position_ids is None:
+        position_ids = torch.arange(t, device=query.device).expand(b, t)
+    index, valid, local = segment_layout(position_ids)
+    q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d)[index] for x in (query, key, value))
+    window = getattr(module, "tidal_window", None)
+    out = attention(q, k, v, local, scaling if scaling is not None else d**-0.5, window)
+    flat = out.new_zeros(b * t, h, d)
+    flat[index[valid]] = out[valid]
+    return flat.view(b, t, h, d), None
+
+
+def make_exact(model: torch.nn.Module) -> torch.nn.Module:
+    """Switch a transformers model of a supported family to the batch-invariant ops, in place: every
+    ``nn.Linear`` (LM head included), RMSNorm, the MLP's activation, RoPE and attention. Returns it."""
+    from transformers import AttentionInterface
+
+    from tidal.rollout.models.layers import ACTIVATIONS, sliding_windows
+
+    config = model.config
+    problem = exact_problem(config)
+    if problem:
+        raise ValueError(problem)
+    AttentionInterface.register(EXACT_ATTENTION, hf_exact_attention)
+    windows = sliding_windows(config)
+    act = ACTIVATIONS[config.hidden_act]
+    for module in model.modules():
+        name = type(module).__name__
+        if isinstance(module, torch.nn.Linear):
+            module.forward = bound_forward(lambda m, x: linear(x, m.weight, m.bias), module)
+        elif name.endswith("RMSNorm"):
+            module.forward = bound_forward(lambda m, x: rms_norm(x, m.weight, m.variance_epsilon), module)
+        elif name.endswith("RotaryEmbedding"):
+            module.forward = bound_forward(
+                lambda m, x, position_ids: rope_cos_sin(
+                    position_ids, m.inv_freq, m.attention_scaling, x.dtype
+                ),
+                module,
+            )
+        elif all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj")):
+            module.forward = bound_forward(
+                lambda m, x: m.down_proj(pointwise(act, m.gate_proj(x)) * m.up_proj(x)), module
+            )
+        elif hasattr(module, "layer_idx") and hasattr(module, "o_proj"):
+            module.tidal_window = windows[module.layer_idx]
+    for cfg in {
+        id(c): c for c in (config, getattr(getattr(model, "model", None), "config", config))
+    }.values():
+        cfg._attn_implementation = EXACT_ATTENTION
+    model.tidal_exact = True
+    return model
+
+
+def is_exact(model: torch.nn.Module) -> bool:
+    """Whether ``make_exact`` switched this model (or the model it wraps)."""
+    return bool(getattr(model, "tidal_exact", False))
+
+
+def bound_forward(fn, module):
+    """``fn`` with ``module`` as its first argument (an instance ``forward`` that shadows the class's)."""
+
+    def forward(*args, **kwargs):
+        return fn(module, *args, **kwargs)
+
+    return forward
