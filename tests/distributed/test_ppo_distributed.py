@@ -115,7 +115,7 @@ def test_two_processes_match_one(tiny_qwen2, rl_data, tmp_path, dist):
 def test_placement_flags_fail_clearly(tiny_qwen2, rl_data, tmp_path):
     base = rl_flags(tiny_qwen2, rl_data, tmp_path, "--advantage_estimator", "group_norm")
     cases = [
-        (["--actor_num_gpus_per_node", "2", "--vllm_tensor_parallel_size", "2"], "--vllm_tensor_parallel_size"),
+        (["--actor_num_gpus_per_node", "2", "--vllm_tensor_parallel_size", "4"], "--vllm_tensor_parallel_size"),
         (["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1"], "--vllm_num_engines"),
         (["--actor_num_gpus_per_node", "2", "--critic_num_gpus_per_node", "4", "--advantage_estimator", "gae"],
          "--critic_num_nodes"),

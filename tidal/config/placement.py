@@ -119,10 +119,12 @@ def placement_problems(
     problems += engine_tp_problems(p, vllm_num_engines, vllm_tensor_parallel_size, w)
     if separate_engines(p, vllm_num_engines):
         problems += separate_engine_problems(p, vllm_num_engines, w)
-    elif vllm_num_engines not in (None, w):
+    elif vllm_num_engines not in (None, colocated_engines(w, vllm_tensor_parallel_size)):
+        engines = colocated_engines(w, vllm_tensor_parallel_size)
         problems.append(
-            f"--vllm_num_engines {vllm_num_engines} with --colocate_all_models: each of the {w} policy "
-            f"workers runs one engine on its own device; set --vllm_num_engines {w} (or leave it unset)"
+            f"--vllm_num_engines {vllm_num_engines} with --colocate_all_models: the {w} policy workers run "
+            f"{engines} engine(s) on their own devices (one per worker, or one per --vllm_tensor_parallel_size "
+            f"workers); set --vllm_num_engines {engines} (or leave it unset)"
         )
     actor = p.role_size("actor")
     separate = {"ref": separate_reference(p) and needs_reference, "critic": False,
@@ -146,17 +148,28 @@ def placement_problems(
     return problems
 
 
+def colocated_engines(w: int, tp: int) -> int:
+    """Engines colocated with ``w`` policy workers: one per worker, or with tensor parallelism one per
+    ``tp`` consecutive workers, spanning their devices (OpenRLHF's hybrid engine: engines x tp = workers)."""
+    return w // tp if w > 1 and tp > 1 else w
+
+
 def engine_tp_problems(p: PlacementConfig, engines: int | None, tp: int, w: int) -> list[str]:
-    """A tensor-parallel engine spans ``tp`` devices (processes): its own, or in local mode (one policy
-    worker) the worker's device and the next ``tp - 1``; engines colocated with several workers would
-    overlap the other workers' devices."""
+    """A tensor-parallel engine spans ``tp`` devices (processes): its own, in local mode (one policy
+    worker) the worker's device and the next ``tp - 1``, or colocated with several workers, ``tp``
+    consecutive workers' devices (so ``tp`` must divide their number)."""
     if tp < 1:
         return [f"--vllm_tensor_parallel_size must be >= 1, got {tp}"]
-    if tp > 1 and w > 1 and not separate_engines(p, engines):
+    if tp > 1 and w > 1 and not separate_engines(p, engines) and w % tp:
         return [
             f"--vllm_tensor_parallel_size {tp} with engines colocated with the {w} policy workers: each engine "
-            f"would span its worker's device and the next {tp - 1}, which other workers use; put the engines "
-            "on devices of their own (--vllm_num_engines without --colocate_all_models) or use 1"
+            f"spans {tp} consecutive workers' devices, so {tp} must divide {w}"
+        ]
+    if tp > 1 and w > 1 and not separate_engines(p, engines) and p.async_train:
+        return [
+            f"--vllm_tensor_parallel_size {tp} with --async_train: an engine colocated with {tp} policy workers "
+            "generates in turns with them, not on a background thread; drop --async_train or put the engines "
+            "on devices of their own (--vllm_num_engines without --colocate_all_models)"
         ]
     return []
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from tidal.agents import Trajectory
 from tidal.config.args import ConfigError
-from tidal.config.placement import separate_engines
+from tidal.config.placement import colocated_engines, separate_engines
 from tidal.data.batching import contiguous_splits
 from tidal.data.prompts import PromptSample
 from tidal.distributed.world import World
@@ -59,10 +59,11 @@ def check_data_parallel(run: PlacedRun, world: World, num_eval_prompts: int | No
     """Fail clearly on what the data-parallel loop cannot do with ``world.world_size`` processes."""
     w, r = world.world_size, run.rollout
     # separate workers (engines, reference, reward) are checked against w by roles.worker_counts
-    if not separate_engines(run.placement, r.vllm_num_engines) and (r.vllm_num_engines or w) != w:
-        where = f"each of the {w} processes runs one engine" if w > 1 else "local mode runs one engine"
+    engines = colocated_engines(w, r.vllm_tensor_parallel_size)  # w, or one per TP group of processes
+    if not separate_engines(run.placement, r.vllm_num_engines) and (r.vllm_num_engines or engines) != engines:
+        where = f"the {w} processes run {engines} engine(s)" if w > 1 else "local mode runs one engine"
         raise ConfigError(
-            f"--vllm_num_engines {r.vllm_num_engines} with --colocate_all_models: {where}; set it to {w} "
+            f"--vllm_num_engines {r.vllm_num_engines} with --colocate_all_models: {where}; set it to {engines} "
             "(or leave it unset)"
         )
     if not world.distributed:

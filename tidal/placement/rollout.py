@@ -124,6 +124,18 @@ class Rollout:
             self.reward_models.close()
 
 
+def colocated_tp_group(cfg: RolloutConfig, device: torch.device):
+    """With several training processes and --vllm_tensor_parallel_size N, the engine spans N consecutive
+    processes (their devices): this process's group (``tp_worker.colocated_group``); else None."""
+    import torch.distributed as dist
+
+    if cfg.vllm_tensor_parallel_size == 1 or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    from tidal.rollout.tp_worker import colocated_group
+
+    return colocated_group(cfg.vllm_tensor_parallel_size, device)
+
+
 class LocalRollout(Rollout):
     """Generation on the trainer's own device (the hybrid engine: it sleeps while the trainer trains
     when ``--vllm_enable_sleep`` is set)."""
@@ -143,7 +155,8 @@ class LocalRollout(Rollout):
     ):
         check_sync_flags(cfg, device)
         super().__init__(tokenizer, cfg, reward, agent, pad_id, reward_models)
-        self.engine = LLMEngine(model_path, rollout_engine_config(cfg, str(device), seed))
+        config = rollout_engine_config(cfg, str(device), seed)
+        self.engine = LLMEngine(model_path, config, tp_group=colocated_tp_group(cfg, device))
         self.executor = build_executor(agent, apply_chat_template)
 
     def trajectories(self, prompts: Sequence[PromptSample], params: SamplingParams, first_index: int):
@@ -151,10 +164,11 @@ class LocalRollout(Rollout):
         offset = {"first_index": first_index} if first_index else {}
         if self.engine.is_sleeping:
             self.engine.wake_up()
-        return self.executor.run(
+        # an engine spanning several training processes generates each one's share in turn
+        return self.engine.take_turns(lambda: self.executor.run(
             self.engine, self.tokenizer, [p.prompt for p in prompts], [p.label for p in prompts], params,
             self.cfg.total_len, **offset,
-        )  # fmt: skip
+        ))  # fmt: skip
 
     def sync_weights(self, policy: nn.Module) -> int:
         """Copy the policy's weights into the engine (in place, same device)."""

@@ -44,6 +44,9 @@ class TPGroup:
     size: int = 1
     group: Any = None
 
+    def __deepcopy__(self, memo) -> TPGroup:
+        return self  # a handle on the engine's process group: copies of a model share it
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (identity for size 1)."""
         if self.size > 1:

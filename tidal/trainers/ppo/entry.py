@@ -152,7 +152,9 @@ def check_models_before_loading(run: PPORun) -> None:
         )
     tp = run.rollout.vllm_tensor_parallel_size
     tp_problem = tp_layout_problem(config, tp)
-    local_engine = not separate_engines(run.placement, run.rollout.vllm_num_engines)
+    local_engine = run.placement.actor_world_size == 1 and not separate_engines(
+        run.placement, run.rollout.vllm_num_engines
+    )
     if not tp_problem and tp > 1 and local_engine and torch.cuda.is_available():
         tp_problem = local_engine_gpu_problem(tp, torch.cuda.device_count())
     if tp_problem:
