@@ -232,19 +232,74 @@ def test_router_replay_is_refused_on_a_dense_model(tiny_llama, tmp_path):
         run_ppo(parse_run(flags))
 
 
-def test_router_replay_is_refused_with_agents(tiny_moe, tmp_path):
+def _perturbed_routers(model):
+    """The trainer's routers moved by 0.3 × their std: a stand-in for kernels that flip routing."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.weight.add_(torch.randn_like(gate.weight) * gate.weight.std() * 0.3)
+    return model
+
+
+def test_grpo_with_a_multi_turn_agent_replays_every_turn(tiny_moe, tmp_path, monkeypatch):
+    """``--agent_func_path`` with ``--moe_router_replay``: the experience carries the engine's experts on
+    prompt, action and feedback tokens, and the first step's old log-probs (trainer routers perturbed, the
+    engine's not) are much closer to the engine's with replay than without (the same rollout: same seed)."""
     from tests.trainers.test_ppo import EXAMPLES, rl_flags
     from tidal.cli.train_ppo import parse_run
-    from tidal.config import ConfigError
-    from tidal.trainers.ppo.entry import check_models_before_loading
+    from tidal.trainers.ppo import entry, run_ppo
+    from tidal.trainers.ppo import trainer as trainer_module
 
     data = write_echo_data(tmp_path / "data")
-    agent = str(EXAMPLES / "agent_func.py")
-    run = parse_run(
-        rl_flags(tiny_moe, data, tmp_path / "rl", "--moe_router_replay", "--agent_func_path", agent)
+    monkeypatch.setattr(entry, "load_causal_lm", lambda *a, **k: _perturbed_routers(load_causal_lm(*a, **k)))
+    seen = []
+    original = trainer_module.PPOTrainer.make_experience
+
+    def spy(self, exp):
+        seen.append(exp)
+        return original(self, exp)
+
+    monkeypatch.setattr(trainer_module.PPOTrainer, "make_experience", spy)
+    mismatch = {}
+    for replay in (False, True):
+        flags = rl_flags(tiny_moe, data, tmp_path / f"rl{replay}", "--advantage_estimator", "group_norm",
+                         "--agent_func_path", str(EXAMPLES / "agent_func.py"), "--rollout_batch_size", "4",
+                         "--train_batch_size", "32", "--micro_train_batch_size", "32",
+                         "--micro_rollout_batch_size", "32", "--max_samples", "4", "--prompt_max_len", "48",
+                         *(["--moe_router_replay"] if replay else []))  # fmt: skip
+        flags.remove("--remote_rm_url")
+        flags.remove(str(EXAMPLES / "reward_func.py"))
+        [step] = run_ppo(parse_run(flags))
+        mismatch[replay] = step["rollout/logprob_mismatch"]
+    print(
+        f"multi-turn engine-vs-trainer |Δ log-prob|: {mismatch[False]:.5f} without replay, {mismatch[True]:.5f} with"
     )
-    with pytest.raises(ConfigError, match="--moe_router_replay .* --agent_func_path"):
-        check_models_before_loading(run)
+    assert mismatch[True] < 0.5 * mismatch[False]
+    exp = seen[-1]
+    assert seen[0].routed_experts is None and exp.routed_experts.shape[2:] == (3, 2)
+    # Feedback between two actions: its tokens carry the experts of the prefill that read them.
+    acted, real = exp.action_mask.bool(), exp.attention_mask.bool()
+    feedback = ~acted & real & (acted.long().cumsum(1) > 0) & (acted.long().flip(1).cumsum(1).flip(1) > 0)
+    assert feedback.any(), "expected environment feedback between two actions"
+    assert (exp.routed_experts[feedback] >= 0).all() and (exp.routed_experts[acted] >= 0).any()
+
+
+@pytest.mark.parametrize("agent_flag", ["--agent_func_path", "--agent_endpoint"])
+def test_router_replay_is_accepted_with_agents(tiny_moe, tmp_path, agent_flag):
+    """Both agent kinds carry the engine's experts into their trajectories (tests/agents/test_router_replay.py)."""
+    from tests.trainers.test_ppo import EXAMPLES, rl_flags
+    from tidal.cli.train_ppo import parse_run
+    from tidal.trainers.ppo.entry import check_models_before_loading
+
+    agent = tmp_path / "agent.py"
+    agent.write_text("def agent(base_url, prompt, label):\n    return 0.0\n")
+    flags = rl_flags(tiny_moe, write_echo_data(tmp_path / "data"), tmp_path / "rl", "--moe_router_replay",
+                     agent_flag, str(agent))  # fmt: skip
+    flags.remove("--remote_rm_url")
+    flags.remove(str(EXAMPLES / "reward_func.py"))
+    check_models_before_loading(parse_run(flags))
 
 
 def test_replayed_update_gradients_survive_gradient_checkpointing(tiny_moe):

@@ -168,17 +168,12 @@ def check_models_before_loading(run: PPORun) -> None:
 
 
 def check_router_replay(run: PPORun, config) -> None:
-    """``--moe_router_replay`` replays experts: the policy must have them, and the engine records them
-    for single-turn samples only (an agent's turns are separate engine requests)."""
+    """``--moe_router_replay`` replays experts: the policy must have them. Agents (``--agent_func_path``,
+    ``--agent_endpoint``) carry each turn's recorded experts into their trajectories (``tidal.agents.base``)."""
     if not any(getattr(config, key, 0) for key in ("num_experts", "num_local_experts")):
         raise ConfigError(
             f"--moe_router_replay: --pretrain {run.actor.pretrain} (model_type {config.model_type!r}) is a dense "
             "model with no MoE routers to replay; drop the flag"
-        )
-    if run.agent.func_path or run.agent.endpoint:
-        raise ConfigError(
-            "--moe_router_replay records routing for single-turn samples; it does not support "
-            "--agent_func_path or --agent_endpoint"
         )
 
 
