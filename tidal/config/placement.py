@@ -13,11 +13,15 @@ reward models each — unless they are given devices of their own, as in OpenRLH
 - ``--ref_num_nodes/--ref_num_gpus_per_node`` set without ``--colocate_actor_ref`` or
   ``--colocate_all_models``: that many reference workers (T divides it);
 - ``--reward_num_nodes/--reward_num_gpus_per_node`` set without ``--colocate_critic_reward`` or
-  ``--colocate_all_models``: that many reward-model workers (T divides it).
+  ``--colocate_all_models``: that many reward-model workers (T divides it);
+- ``--critic_num_nodes/--critic_num_gpus_per_node`` set without ``--colocate_critic_reward`` or
+  ``--colocate_all_models``: a critic on devices of its own, one worker per policy worker (the count
+  must equal T), trained while the policy updates (``tidal.placement.critic``); local mode and
+  torchrun only. Otherwise the critic trains on the policy workers.
 
 Separate workers are child processes of their trainer (GPUs after the trainers', or CPU processes)
-or Ray actors in bundles of their own (``tidal.placement.workers``). The critic trains with the
-policy workers. ``placement_problems`` lists what this design cannot honour.
+or Ray actors in bundles of their own (``tidal.placement.workers``). ``placement_problems`` lists
+what this design cannot honour.
 """
 
 from __future__ import annotations
@@ -40,10 +44,10 @@ class PlacementConfig(Checked):
         None, help="devices per node for the reference model (unset: with the policy workers)"
     )
     critic_num_nodes: int | None = arg(
-        None, help="nodes for the critic (the critic trains on the policy workers)"
+        None, help="nodes for the critic (unset: it trains on the policy workers)"
     )
     critic_num_gpus_per_node: int | None = arg(
-        None, help="devices per node for the critic (the critic trains on the policy workers)"
+        None, help="devices per node for the critic (unset: it trains on the policy workers)"
     )
     reward_num_nodes: int | None = arg(
         None, help="nodes for the reward model (unset: with the policy workers)"
@@ -100,6 +104,11 @@ def separate_reference(p: PlacementConfig) -> bool:
     return p.sized("ref") and not (p.colocate_actor_ref or p.colocate_all_models)
 
 
+def separate_critic(p: PlacementConfig) -> bool:
+    """The critic on devices of its own (sized, and not colocated with the reward model or everything)."""
+    return p.sized("critic") and not (p.colocate_critic_reward or p.colocate_all_models)
+
+
 def separate_reward(p: PlacementConfig) -> bool:
     """Reward-model workers on devices of their own (sized, and not colocated)."""
     return p.sized("reward") and not (p.colocate_critic_reward or p.colocate_all_models)
@@ -127,13 +136,19 @@ def placement_problems(
             f"workers); set --vllm_num_engines {engines} (or leave it unset)"
         )
     actor = p.role_size("actor")
-    separate = {"ref": separate_reference(p) and needs_reference, "critic": False,
+    separate = {"ref": separate_reference(p) and needs_reference, "critic": separate_critic(p) and needs_critic,
                 "reward": separate_reward(p) and has_reward_model}  # fmt: skip
     for role, needed in (("ref", needs_reference), ("critic", needs_critic), ("reward", has_reward_model)):
         if not needed or not p.sized(role):
             continue
         count = p.role_count(role)
-        if separate[role] and count % w:
+        if role == "critic" and separate[role] and count != w:
+            problems.append(
+                f"--critic_num_nodes x --critic_num_gpus_per_node = {count}: a critic on devices of its own runs "
+                f"one worker per policy worker (each trains on its worker's share of the batch), so it must be "
+                f"{w} (or leave them unset to train it on the policy workers)"
+            )
+        elif separate[role] and count % w:
             problems.append(
                 f"--{role}_num_nodes x --{role}_num_gpus_per_node = {count}: each of the {w} policy workers "
                 f"drives the same number of {role} workers on devices of their own, so it must be a "

@@ -1,7 +1,8 @@
 """What the RL loop asks of the roles it does not train, wherever they run.
 
-The loop (``tidal.trainers.ppo.trainer``) trains the policy (and critic) on its own device; three
-other roles may sit with it or on devices of their own, and the loop sees only these protocols:
+The loop (``tidal.trainers.ppo.trainer``) trains the policy on its own device; the critic it also
+trains and three other roles may sit with it or on devices of their own, and the loop sees only these
+protocols:
 
 - ``RolloutRole``: prompts in, trajectories and an ``Experience`` with rewards out; takes the
   policy's weights after each update. ``LocalRollout`` (an engine on this device), ``RemoteRollout``
@@ -10,6 +11,9 @@ other roles may sit with it or on devices of their own, and the loop sees only t
   ``RemoteReference`` (``tidal.placement.frozen_roles``).
 - ``RewardRole``: reward-model scores of an ``Experience``. ``tidal.rewards.models.RewardModels`` /
   ``RemoteRewardModels``.
+- ``CriticRole``: the value model the loop trains with the policy (GAE). ``LocalCritic`` (on the
+  policy workers) / ``RemoteCritic`` (a worker process of its own, trained while the policy updates;
+  ``tidal.placement.critic``).
 
 ``PlacedRun`` is the part of an RL run's configuration placement reads (``PPORun`` has it), so this
 package never imports the trainer.
@@ -24,6 +28,7 @@ from torch import Tensor, nn
 
 from tidal.agents import Trajectory
 from tidal.config import ModelConfig, PromptDataConfig, TrainConfig
+from tidal.config.distributed import DistributedConfig
 from tidal.config.placement import PlacementConfig
 from tidal.config.rl import (
     AgentConfig,
@@ -33,6 +38,7 @@ from tidal.config.rl import (
     RewardConfig,
     RolloutConfig,
 )
+from tidal.config.training import OptimConfig
 from tidal.data.prompts import PromptSample
 from tidal.experience.experience import Experience
 from tidal.rewards.base import RewardResult
@@ -82,6 +88,47 @@ class RewardRole(Protocol):
     def close(self) -> None: ...
 
 
+class CriticRole(Protocol):
+    """The critic (value model) the loop trains, wherever it runs."""
+
+    def values(self, exp: Experience, micro: int, packing: bool, max_tokens: int | None) -> Tensor:
+        """Values ``[N, T]`` of ``exp`` (no grad; micro-batches as for the reference), on ``exp``'s device."""
+        ...
+
+    def start_train(self, exp: Experience, shape, generator) -> None:
+        """Begin the PPO epochs on ``exp`` (``shape``: a ``tidal.trainers.ppo.update.StepShape``), shuffled
+        from ``generator``, which is left as if the update had drawn from it here. A remote critic trains
+        while the caller goes on (the policy update); a local one trains now."""
+        ...
+
+    def finish_train(self) -> dict[str, float]:
+        """The update's statistics (``critic/...``, ``grad_norm``, ``lr``), once it is done."""
+        ...
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for a non-finite loss or gradient so far."""
+        ...
+
+    def checkpoint_parts(self) -> dict:
+        """Trained parts the trainer's checkpoints shard (``{"critic": Optimization}`` when local)."""
+        ...
+
+    def checkpoint_state(self) -> dict:
+        """Checkpoint state by name (``state_dict`` / ``load_state_dict``) the trainer saves besides them."""
+        ...
+
+    def set_awake(self, awake: bool) -> None:
+        """``--deepspeed_enable_sleep``: reload (True) or offload (False) a critic on the policy's device."""
+        ...
+
+    def export(self, tokenizer, path) -> None:
+        """The critic as a Hugging Face folder at ``path`` (``--save_value_network``); every rank calls it."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class PlacedRun(Protocol):
     """The configs placement reads from an RL run (``tidal.trainers.ppo.PPORun``)."""
 
@@ -95,3 +142,8 @@ class PlacedRun(Protocol):
     frozen: FrozenModelsConfig
     train: TrainConfig
     placement: PlacementConfig
+    critic_optim: OptimConfig
+    dist: DistributedConfig
+
+    @property
+    def critic_source(self) -> str: ...

@@ -9,7 +9,8 @@ calls. Two handles drive one with the same ``submit`` / ``result`` / ``call``:
 
 Devices of child processes (``ExtraDevices``): on CUDA, the trainers of a node take its first GPUs
 (``LOCAL_WORLD_SIZE``); after them every trainer gets a contiguous run of GPUs for its own workers,
-engines first, then the reference, then reward models. Without GPUs every worker is a CPU process.
+engines first, then the reference, then reward models; a critic on devices of its own comes after all
+of those (``ExtraDevices.after``). Without GPUs every worker is a CPU process.
 """
 
 from __future__ import annotations
@@ -132,20 +133,39 @@ class ExtraDevices:
         count = self.counts.get(role, 0)
         if not torch.cuda.is_available():
             return ["cpu"] * count
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        local_rank, local_world = _local_place()
         per_trainer = sum(self.counts.values())
-        needed, found = local_world * (1 + per_trainer), torch.cuda.device_count()
+        self._check_gpus(local_world * (1 + per_trainer), self.counts)
+        before = sum(self.counts.get(r, 0) for r in ROLES[: ROLES.index(role)])
+        first = local_world + local_rank * per_trainer + before
+        return [f"cuda:{first + j}" for j in range(count)]
+
+    def after(self, role: str, count: int) -> list[str]:
+        """``count`` devices of this trainer for ``role`` (the critic) after every trainer's ``counts``
+        workers, which keep their places."""
+        if not torch.cuda.is_available():
+            return ["cpu"] * count
+        local_rank, local_world = _local_place()
+        per_trainer = sum(self.counts.values())
+        self._check_gpus(local_world * (1 + per_trainer + count), {**self.counts, role: count})
+        first = local_world * (1 + per_trainer) + local_rank * count
+        return [f"cuda:{first + j}" for j in range(count)]
+
+    @staticmethod
+    def _check_gpus(needed: int, counts: dict[str, int]) -> None:
+        found, local_world = torch.cuda.device_count(), _local_place()[1]
         if found < needed:
-            wanted = ", ".join(f"{n} {r}" for r, n in self.counts.items() if n)
+            wanted = ", ".join(f"{n} {r}" for r, n in counts.items() if n)
             raise ConfigError(
                 f"separate workers get GPUs of their own: {local_world} trainer(s) with {wanted} each need "
                 f"{needed} GPUs on this node, found {found} (colocate them with --colocate_all_models, "
                 "--colocate_actor_ref or --colocate_critic_reward, or leave their sizes unset)"
             )
-        before = sum(self.counts.get(r, 0) for r in ROLES[: ROLES.index(role)])
-        first = local_world + local_rank * per_trainer + before
-        return [f"cuda:{first + j}" for j in range(count)]
+
+
+def _local_place() -> tuple[int, int]:
+    """(this trainer's local rank, trainers on this node), from torchrun's environment."""
+    return int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
 def scatter(workers: list, count: int, method: str, args_of: Callable[[int, int], tuple]) -> list:

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig
 
 from tidal.config import ConfigError
-from tidal.config.placement import local_engine_gpu_problem, separate_engines
+from tidal.config.placement import local_engine_gpu_problem, separate_critic, separate_engines
 from tidal.data import SFTDataConfig, build_prompt_samples, load_dataset_spec
 from tidal.distributed import World, init_world
 from tidal.distributed.mesh import ring_group, ring_layout_problems
@@ -25,8 +25,7 @@ from tidal.logging import get_logger
 from tidal.models import load_causal_lm, load_tokenizer
 from tidal.models.loading import check_model_folder, model_load_error
 from tidal.models.ring_attention import use_ring
-from tidal.models.value_model import load_value_model
-from tidal.placement.build import build_roles, log_placement
+from tidal.placement.build import build_critic, build_roles, critic_ray_problem, log_placement
 from tidal.placement.data_parallel import check_data_parallel
 from tidal.placement.ray_launch import run_on_ray, wants_ray
 from tidal.rollout.models.loader import context_prefill_problem, tp_layout_problem
@@ -45,6 +44,8 @@ def run_ppo(run: PPORun, world: World | None = None) -> list[dict]:
     """Train a policy with RL as configured; returns per-rollout metrics (rank 0's in Ray mode)."""
     check_models_before_loading(run)
     if world is None and wants_ray(run):
+        if problem := critic_ray_problem(run):
+            raise ConfigError(problem)
         return run_on_ray(run, train_rank)
     return train(run, world or init_world())
 
@@ -92,6 +93,11 @@ def check_tensor_parallel(run: PPORun, world: World) -> None:
     if run.algorithm.needs_critic:
         models["--critic_pretrain"] = dataclasses.replace(run.actor, pretrain=run.critic_source)
     problems = model_layout_problems(tp, world.world_size, models)
+    if tp > 1 and run.algorithm.needs_critic and separate_critic(run.placement):
+        problems.append(
+            f"--ds_tensor_parallel_size {tp} with a critic on devices of its own (--critic_num_nodes/"
+            "--critic_num_gpus_per_node): its workers train data-parallel only; leave them unset"
+        )
     if tp > 1 and separate_engines(run.placement, run.rollout.vllm_num_engines):
         problems.append(
             f"--ds_tensor_parallel_size {tp} with --vllm_num_engines {run.rollout.vllm_num_engines} on "
@@ -209,7 +215,7 @@ def total_update_steps(run: PPORun, num_prompts: int) -> int:
 def build_parts(run: PPORun, world: World, tokenizer, steps: int, ray_actors: dict | None = None) -> PPOParts:
     """The policy (and critic) on this device, then the other roles from ``tidal.placement``."""
     actor = build_actor(run, world, steps)
-    critic = build_critic(run, world, steps) if run.algorithm.needs_critic else None
+    critic = build_critic(run, world, steps) if run.algorithm.needs_critic else None  # here or its own
     roles = build_roles(run, world, tokenizer, actor.precision, ray_actors)
     return PPOParts(actor, critic, roles.reference, roles.rollout, tokenizer)
 
@@ -218,9 +224,3 @@ def build_actor(run: PPORun, world: World, steps: int) -> Optimization:
     model = load_causal_lm(run.actor, world.device)
     return build_optimization(model, run.actor, run.actor_optim, run.dist, world, steps)
 
-
-def build_critic(run: PPORun, world: World, steps: int) -> Optimization:
-    """The value model: from ``--critic_pretrain``, else the first reward model, else the policy."""
-    cfg = dataclasses.replace(run.actor, pretrain=run.critic_source)
-    model = load_value_model(cfg, world.device, run.critic.value_head_prefix)
-    return build_optimization(model, cfg, run.critic_optim, run.dist, world, steps)

@@ -30,19 +30,18 @@ from tidal.experience.maker import (
     BatchReduction,
     add_advantages,
     forward_logprobs,
-    forward_values,
     shape_rewards,
 )
 from tidal.inference.evaluation import pass_at_k_stats
 from tidal.logging import MetricsLogger, ProgressBar, get_logger
 from tidal.models.moe_routing import force_routing
-from tidal.placement.protocols import ReferenceRole, RolloutRole
+from tidal.placement.protocols import CriticRole, ReferenceRole, RolloutRole
 from tidal.placement.stream import RolloutJob, RolloutResult, rollout_stream
 from tidal.trainers.loop import Optimization
 from tidal.trainers.ppo.config import PPORun
 from tidal.trainers.ppo.ema import PolicyEMA
 from tidal.trainers.ppo.ptx import PtxLoss, PtxStream
-from tidal.trainers.ppo.update import PolicyLoss, StepShape, ValueLoss, train_on_experience
+from tidal.trainers.ppo.update import PolicyLoss, StepShape, train_on_experience
 from tidal.trainers.sft import SFTObjective
 
 log = get_logger(__name__)
@@ -66,21 +65,23 @@ SETTINGS = (
 
 @dataclass
 class PPOParts:
-    """What the loop drives: the trained roles on this device, the frozen reference and the rollout
+    """What the loop drives: the policy on this device, the critic, the frozen reference and the rollout
     wherever ``tidal.placement`` put them, and this rank's pretraining micro-batches (``--pretrain_data``)."""
 
     actor: Optimization
-    critic: Optimization | None
+    critic: CriticRole | None
     reference: ReferenceRole | None
     rollout: RolloutRole
     tokenizer: object
     ptx: PtxStream | None = None
 
     def close(self) -> None:
-        """Stop what runs outside this process (engines, reference and reward workers)."""
+        """Stop what runs outside this process (engines, critic, reference and reward workers)."""
         self.rollout.close()
         if self.reference is not None:
             self.reference.close()
+        if self.critic is not None:
+            self.critic.close()
 
 
 class PhaseTimer:
@@ -201,8 +202,7 @@ class PPOTrainer:
         if self.parts.reference is not None:
             exp.ref_logprobs = self.parts.reference.logprobs(exp, micro, packing, temperature, max_tokens)
         if self.parts.critic is not None:
-            critic = self.parts.critic
-            exp.values = forward_values(critic.model, exp, micro, packing, critic.precision, max_tokens)
+            exp.values = self.parts.critic.values(exp, micro, packing, max_tokens)
         return exp, stats
 
     def advantages(self, exp: Experience, stats: dict[str, float]) -> tuple[Experience, dict[str, float]]:
@@ -226,7 +226,8 @@ class PPOTrainer:
         return exp.select(keep.nonzero().squeeze(-1).cpu())
 
     def update(self, exp: Experience, step: int) -> dict[str, float]:
-        """PPO epochs for the critic, then the policy (unless still frozen); adapts the KL coefficient."""
+        """PPO epochs for the critic and the policy (unless still frozen); adapts the KL coefficient. A
+        critic on devices of its own trains during the policy's epochs; a local one trains first."""
         run, stats = self.run, {}
         generator = torch.Generator().manual_seed(run.train.seed * 7919 + step)
         shape = StepShape(
@@ -236,9 +237,9 @@ class PPOTrainer:
             epochs=run.train.max_epochs,
             packing=run.train.packing_samples,
         )
-        if self.parts.critic is not None:
-            loss = ValueLoss(run.algorithm.value_clip, self.parts.critic.precision, shape.packing)
-            stats |= train_on_experience(self.parts.critic, exp, loss, shape, self.world, generator)
+        critic = self.parts.critic
+        if critic is not None:
+            critic.start_train(exp, shape, generator)
         if step >= run.algorithm.freezing_actor_steps:
             actor = self.parts.actor
             loss = PolicyLoss(
@@ -250,10 +251,13 @@ class PPOTrainer:
             stats |= train_on_experience(actor, exp, loss, shape, self.world, generator, ptx, ema_update)
             if loss.router_replay:
                 force_routing(actor.model, None)  # the last backward is done: route normally again
+        if critic is not None:
+            stats = critic.finish_train() | stats  # the critic's keys first, as when it trained first
         if exp.kl is not None:
             kl = world_masked_mean(exp.kl, exp.action_mask, self.world)
             self.kl_ctl.update(kl, len(exp) * self.world.dp_size)
-        stats["nonfinite_steps"] = float(sum(p.guard.skipped for p in self._trained_parts().values()))
+        skipped = self.parts.actor.guard.skipped + (critic.skipped_steps if critic is not None else 0)
+        stats["nonfinite_steps"] = float(skipped)
         return stats
 
     def _ptx_loss(self) -> PtxLoss:
@@ -299,9 +303,10 @@ class PPOTrainer:
         return (len(self.prompts) // self.run.rollout.rollout_batch_size) * self.run.train.num_episodes
 
     def _trained_parts(self) -> dict:
+        """The trained parts this rank's checkpoints shard: the policy, and the critic when it is here."""
         parts = {"policy": self.parts.actor}
         if self.parts.critic is not None:
-            parts["critic"] = self.parts.critic
+            parts |= self.parts.critic.checkpoint_parts()
         return parts
 
     def _loop_state(self) -> dict[str, StateFns]:
@@ -315,6 +320,8 @@ class PPOTrainer:
             state["ema"] = self.ema
         if self.parts.ptx is not None:
             state["ptx"] = self.parts.ptx
+        if self.parts.critic is not None:
+            state |= self.parts.critic.checkpoint_state()  # a critic with workers of its own saves there
         return state
 
     def _load_kl_coef(self, value: float) -> None:
@@ -356,7 +363,7 @@ class PPOTrainer:
         self._export_policy(self.run.ckpt.save_path)
         if self.parts.critic is not None and self.run.critic.save:
             critic_dir = Path(str(self.run.ckpt.save_path).rstrip("/") + "_critic")
-            self.checkpointer.export(self.parts.critic.model, self.parts.tokenizer, critic_dir)
+            self.parts.critic.export(self.parts.tokenizer, critic_dir)
 
     # ---- helpers -----------------------------------------------------------------------------
     def _rollout_seed(self, step: int) -> int:
@@ -382,8 +389,9 @@ class PPOTrainer:
             self._sleep_engine()
         if not self.run.placement.deepspeed_enable_sleep:
             return
-        for part in self._trained_parts().values():
-            (reload_to_device if awake else offload_to_cpu)(part)
+        (reload_to_device if awake else offload_to_cpu)(self.parts.actor)
+        if self.parts.critic is not None:
+            self.parts.critic.set_awake(awake)
 
 
 def rollout_stats(exp: Experience) -> dict[str, float]:

@@ -1,0 +1,125 @@
+"""A critic on devices of its own (``--critic_num_nodes/--critic_num_gpus_per_node``): a GAE run with the
+critic in a process of its own, trained while the policy updates, takes the colocated run's steps,
+resumes exactly and exports the value network; impossible layouts fail in one line before any model
+loads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tidal.cli.train_ppo import parse_run
+from tidal.config import ConfigError
+from tidal.distributed import World
+from tidal.placement.workers import ExtraDevices
+from tidal.trainers.ppo import run_ppo
+from tidal.trainers.ppo.entry import check_tensor_parallel
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+SEPARATE = ("--critic_num_nodes", "1", "--critic_num_gpus_per_node", "1")
+KEYS = ("reward", "critic/loss", "policy/loss", "grad_norm", "values/mean", "advantages/abs_mean",
+        "returns/mean", "kl", "nonfinite_steps")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    with path.open("w") as f:
+        for i in range(24):  # 3 rollouts of 8
+            f.write(json.dumps({"prompt": f"{i % 10}>", "label": str(i % 10)}) + "\n")
+    return path
+
+
+def flags(policy, prompts, out, *extra) -> list[str]:
+    return [
+        "--pretrain", str(policy), "--prompt_data", str(prompts), "--input_key", "prompt", "--label_key", "label",
+        "--remote_rm_url", str(EXAMPLES / "reward_func.py"), "--advantage_estimator", "gae",
+        "--init_kl_coef", "0.01", "--n_samples_per_prompt", "2", "--rollout_batch_size", "8",
+        "--train_batch_size", "8", "--micro_train_batch_size", "4", "--max_epochs", "2",
+        "--generate_max_len", "4", "--prompt_max_len", "8", "--actor_learning_rate", "5e-3",
+        "--critic_learning_rate", "5e-3", "--lr_warmup_ratio", "0", "--seed", "5", "--save_steps", "2",
+        "--save_value_network", "--save_path", str(out / "final"), "--ckpt_path", str(out / "ckpt"), *extra,
+    ]  # fmt: skip
+
+
+def assert_same_steps(expected: list[dict], got: list[dict]) -> None:
+    assert [h["step"] for h in got] == [h["step"] for h in expected]
+    for a, b in zip(expected, got, strict=True):
+        for key in KEYS:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (a["step"], key, a[key], b[key])
+
+
+def test_separate_critic_matches_colocated_resumes_and_exports(tiny_qwen2, prompts, tmp_path):
+    colocated = run_ppo(parse_run(flags(tiny_qwen2, prompts, tmp_path / "here")))
+    separate = run_ppo(parse_run(flags(tiny_qwen2, prompts, tmp_path / "own", *SEPARATE)))
+    assert len(colocated) == 3 and all("critic/loss" in h for h in colocated)
+    assert_same_steps(colocated, separate)
+    assert colocated[-1]["critic/loss"] != colocated[0]["critic/loss"]  # the critic trained
+
+    # the value network the critic's worker exports is the colocated critic's
+    here = load_file(tmp_path / "here" / "final_critic" / "model.safetensors")
+    own = load_file(tmp_path / "own" / "final_critic" / "model.safetensors")
+    assert here.keys() == own.keys()
+    for name, weight in here.items():
+        torch.testing.assert_close(own[name], weight, atol=1e-5, rtol=1e-5, msg=name)
+
+    # resume from the step-2 checkpoint: the worker gets its critic state back, step 3 is the same
+    shutil.copytree(tmp_path / "own" / "ckpt", tmp_path / "resumed" / "ckpt")
+    resumed = run_ppo(
+        parse_run(flags(tiny_qwen2, prompts, tmp_path / "resumed", *SEPARATE, "--load_checkpoint"))
+    )
+    assert [h["step"] for h in resumed] == [3]
+    for key in KEYS:
+        assert resumed[0][key] == separate[2][key], key
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        # one critic worker per policy worker (torchrun with 2 processes: sizes from the flags)
+        (("--actor_num_gpus_per_node", "2", "--critic_num_gpus_per_node", "1"), "must be 2"),
+        (("--actor_num_gpus_per_node", "2", "--critic_num_gpus_per_node", "4"), "= 4: a critic on devices"),
+    ],
+)
+def test_impossible_critic_layouts_fail_in_one_line(tiny_qwen2, prompts, tmp_path, extra, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        parse_run(flags(tiny_qwen2, prompts, tmp_path, *extra))
+    assert "\n" not in str(err.value)
+
+
+def test_critic_placements_refused_before_any_model_loads(tiny_qwen2, prompts, tmp_path, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model loaded before the refusal")
+
+    monkeypatch.setattr("tidal.trainers.ppo.entry.load_causal_lm", no_loading)
+    # Ray mode (2 policy workers, no torchrun) has no critic workers of its own
+    run = parse_run(flags(tiny_qwen2, prompts, tmp_path, "--actor_num_gpus_per_node", "2",
+                          "--critic_num_gpus_per_node", "2"))  # fmt: skip
+    with pytest.raises(ConfigError, match="not in Ray mode"):
+        run_ppo(run)
+    # tensor-parallel training: the critic's workers are data-parallel only
+    run = parse_run(flags(tiny_qwen2, prompts, tmp_path, *SEPARATE, "--ds_tensor_parallel_size", "2"))
+    with pytest.raises(ConfigError, match="critic on devices of its own"):
+        check_tensor_parallel(run, World(world_size=2, tp_size=2))
+    # colocated with the reward model (so with the policy): no separate critic, nothing refused
+    run = parse_run(flags(tiny_qwen2, prompts, tmp_path, *SEPARATE, "--colocate_critic_reward",
+                          "--actor_num_gpus_per_node", "2", "--critic_num_gpus_per_node", "2"))  # fmt: skip
+    assert run.placement.critic_num_gpus_per_node == 2
+
+
+def test_critic_devices_come_after_every_trainers_other_workers(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    extra = ExtraDevices({"engine": 1, "reference": 1, "reward model": 0})
+    assert extra.devices("engine") == ["cuda:4"]  # trainers on 0-1, trainer 0's workers on 2-3
+    assert extra.after("critic", 1) == ["cuda:7"]  # after both trainers' engines and references
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 7)
+    with pytest.raises(ConfigError, match="need 8 GPUs on this node, found 7"):
+        extra.after("critic", 1)

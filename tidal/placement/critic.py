@@ -1,0 +1,210 @@
+"""The critic of a GAE run: trained on the policy workers (``LocalCritic``) or on devices of its own
+(``RemoteCritic``), behind ``tidal.placement.protocols.CriticRole``.
+
+``LocalCritic`` is the critic as it always was: its FSDP2 shard on this rank's device, its values in
+the make-experience phase and its PPO epochs just before the policy's. ``RemoteCritic`` drives one
+``CriticWorker`` per policy worker (``--critic_num_nodes x --critic_num_gpus_per_node`` equal to the
+actor's count, without ``--colocate_critic_reward`` / ``--colocate_all_models``): a child process on
+the devices after the trainers' other workers (``tidal.placement.workers.ExtraDevices.after``) that
+holds the value model, its optimizer and schedule, and trains together with the other critic workers
+(an FSDP2 group of their own, each on its trainer's share of the batch, as the colocated critic is).
+Its update runs while the trainer updates the policy: ``start_train`` sends the experience,
+``finish_train`` collects the statistics. Both give the colocated run's numbers:
+
+- the update's shuffles: the worker draws from a copy of the trainer's generator, which the trainer
+  then advances past the critic's draws (``skip_shuffles``), so the policy shuffles as after a local
+  critic;
+- the value head's random init: the worker starts from the trainer's RNG state where the colocated
+  critic would have been built, and the trainer continues from the worker's state after it.
+
+Checkpoints: the worker gathers its full state (weights, optimizer, schedule, non-finite guard) on the
+CPU and the trainer writes it with its own loop state (``checkpoint_state``); a resume sends it back.
+A checkpoint resumes with the critic placed as when it was written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from tidal.checkpoint.hf_export import save_hf_model
+from tidal.config import ModelConfig
+from tidal.config.distributed import DistributedConfig
+from tidal.config.training import OptimConfig
+from tidal.distributed.offload import offload_to_cpu, reload_to_device
+from tidal.distributed.world import World, init_world
+from tidal.experience.experience import Experience
+from tidal.experience.maker import forward_values
+from tidal.models.value_model import load_value_model
+from tidal.trainers.common import build_optimization
+from tidal.trainers.loop import Optimization
+from tidal.trainers.ppo.update import StepShape, ValueLoss, train_on_experience
+
+CPU = torch.device("cpu")
+
+
+def skip_shuffles(generator: torch.Generator, rows: int, epochs: int) -> None:
+    """Advance ``generator`` past the draws ``train_on_experience`` makes for ``rows`` rows over
+    ``epochs`` epochs (one permutation each), as if the critic had trained with it here."""
+    for _ in range(epochs):
+        torch.randperm(rows, generator=generator)
+
+
+class LocalCritic:
+    """The critic on this rank's device (see the module docstring)."""
+
+    def __init__(self, opt: Optimization, value_clip: float | None, world: World):
+        self.opt, self.value_clip, self.world = opt, value_clip, world
+        self._stats: dict[str, float] | None = None
+
+    def values(self, exp: Experience, micro: int, packing: bool, max_tokens: int | None) -> Tensor:
+        return forward_values(self.opt.model, exp, micro, packing, self.opt.precision, max_tokens)
+
+    def start_train(self, exp: Experience, shape: StepShape, generator: torch.Generator) -> None:
+        loss = ValueLoss(self.value_clip, self.opt.precision, shape.packing)
+        self._stats = train_on_experience(self.opt, exp, loss, shape, self.world, generator)
+
+    def finish_train(self) -> dict[str, float]:
+        stats, self._stats = self._stats or {}, None
+        return stats
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.opt.guard.skipped
+
+    def checkpoint_parts(self) -> dict[str, Optimization]:
+        return {"critic": self.opt}
+
+    def checkpoint_state(self) -> dict:
+        return {}
+
+    def set_awake(self, awake: bool) -> None:
+        (reload_to_device if awake else offload_to_cpu)(self.opt)
+
+    def export(self, tokenizer, path) -> None:
+        save_hf_model(self.opt.model, tokenizer, path, self.world)
+
+    def close(self) -> None:
+        """Nothing to stop: the critic lives in this process."""
+
+
+@dataclass
+class CriticSpec:
+    """One critic worker: its model and optimizer configs, its rank among the critic workers, where
+    they meet, its device, and the trainer's RNG state to build from (picklable)."""
+
+    model: ModelConfig
+    optim: OptimConfig
+    dist: DistributedConfig
+    value_head_prefix: str
+    value_clip: float | None
+    total_steps: int
+    rng_state: Tensor
+    rank: int = 0
+    world_size: int = 1
+    master: tuple[str, int] = ("127.0.0.1", 0)  # the critic workers' rendezvous when world_size > 1
+    device: str = "cpu"
+    num_threads: int = 1
+
+    def on_device(self, device: str) -> CriticSpec:
+        return dataclasses.replace(self, device=device)
+
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class CriticWorker:
+    """The critic's value model, optimizer and schedule in a process of its own."""
+
+    def __init__(self, spec: CriticSpec):
+        torch.set_num_threads(spec.num_threads)
+        # this process's place among the critic workers (a child inherits its trainer's torchrun env)
+        os.environ.update(RANK=str(spec.rank), WORLD_SIZE=str(spec.world_size), MASTER_ADDR=spec.master[0],
+                          MASTER_PORT=str(spec.master[1]))  # fmt: skip
+        self.world = init_world(spec.device)
+        self.spec = spec
+        torch.set_rng_state(spec.rng_state)
+        model = load_value_model(spec.model, self.world.device, spec.value_head_prefix)
+        self.opt = build_optimization(model, spec.model, spec.optim, spec.dist, self.world, spec.total_steps)
+
+    def rng_state(self) -> Tensor:
+        """The RNG state after building (the trainer continues from it, as after a colocated critic)."""
+        return torch.get_rng_state()
+
+    def values(self, exp: Experience, micro: int, packing: bool, max_tokens: int | None) -> Tensor:
+        exp = exp.to(self.world.device)
+        return forward_values(self.opt.model, exp, micro, packing, self.opt.precision, max_tokens).cpu()
+
+    def train(self, exp: Experience, shape: StepShape, generator_state: Tensor) -> tuple[dict, int]:
+        generator = torch.Generator()
+        generator.set_state(generator_state)
+        loss = ValueLoss(self.spec.value_clip, self.opt.precision, shape.packing)
+        stats = train_on_experience(self.opt, exp.to(self.world.device), loss, shape, self.world, generator)
+        return stats, self.opt.guard.skipped
+
+    def state_dict(self) -> dict:
+        """The full state on the CPU (on the first critic worker; the others return their schedule and guard)."""
+        model, optim = get_state_dict(self.opt.model, self.opt.optimizer, options=FULL)
+        return {"model": model, "optim": optim, "scheduler": self.opt.scheduler.state_dict(),
+                "guard": self.opt.guard.state_dict()}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        options = dataclasses.replace(FULL, broadcast_from_rank0=self.world.distributed)
+        set_state_dict(self.opt.model, self.opt.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=options)  # fmt: skip
+        self.opt.scheduler.load_state_dict(state["scheduler"])
+        self.opt.guard.load_state_dict(state["guard"])
+
+    def export(self, tokenizer, path: str) -> None:
+        save_hf_model(self.opt.model, tokenizer, path, self.world)
+
+
+class RemoteCritic:
+    """The critic on this trainer's critic worker (a ``CriticWorker`` handle); see the module docstring."""
+
+    def __init__(self, worker):
+        self.worker = worker
+        self._skipped = 0
+
+    def values(self, exp: Experience, micro: int, packing: bool, max_tokens: int | None) -> Tensor:
+        values = self.worker.call("values", exp.to(CPU), micro, packing, max_tokens)
+        return values.to(exp.sequences.device)
+
+    def start_train(self, exp: Experience, shape: StepShape, generator: torch.Generator) -> None:
+        self.worker.submit("train", exp.to(CPU), shape, generator.get_state())
+        skip_shuffles(generator, len(exp), shape.epochs)
+
+    def finish_train(self) -> dict[str, float]:
+        stats, self._skipped = self.worker.result()
+        return stats
+
+    @property
+    def skipped_steps(self) -> int:
+        return self._skipped
+
+    def checkpoint_parts(self) -> dict[str, Optimization]:
+        return {}
+
+    def checkpoint_state(self) -> dict:
+        return {"critic_worker": self}
+
+    def state_dict(self) -> dict:
+        return self.worker.call("state_dict")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.worker.call("load_state_dict", state)
+        self._skipped = int(state["guard"].get("skipped", 0))
+
+    def set_awake(self, awake: bool) -> None:
+        """Nothing to offload: the critic has devices of its own."""
+
+    def export(self, tokenizer, path) -> None:
+        self.worker.call("export", tokenizer, str(path))
+
+    def close(self) -> None:
+        self.worker.close()
