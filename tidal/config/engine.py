@@ -38,6 +38,7 @@ def engine_config(
     tp_size: int = 1,
     record_routing: bool = False,
     enable_prefix_caching: bool = False,
+    exact_logprobs: bool = False,
 ) -> EngineConfig:
     """The engine's settings; ``param_dtype`` is a ``--param_dtype`` value (``ENGINE_DTYPES``).
 
@@ -56,6 +57,7 @@ def engine_config(
             record_routing=record_routing,
             tp_size=tp_size,
             enable_prefix_caching=enable_prefix_caching,
+            exact_logprobs=exact_logprobs,
         )
     except ValueError as err:
         raise ConfigError(str(err).replace("EngineConfig: ", "")) from err
@@ -81,4 +83,5 @@ def rollout_engine_config(cfg: RolloutConfig, device: str, seed: int) -> EngineC
         record_routing=cfg.moe_router_replay,  # the experts the trainer replays
         tp_size=cfg.vllm_tensor_parallel_size,
         enable_prefix_caching=cfg.enable_prefix_caching,
+        exact_logprobs=cfg.exact_logprobs,  # the policy's forward runs the same ops (PPOTrainer)
     )

@@ -94,9 +94,18 @@ class RolloutConfig(Checked):
         help="MoE policies: the engine records each token's experts and the trainer's forwards reuse them "
         "(routing weights from the trainer's router); decode then runs without CUDA graphs",
     )
+    exact_logprobs: bool = arg(
+        False,
+        help="exact on-policy log-probs: the engine and the policy run batch-invariant ops "
+        "(tidal.models.batch_invariant), so the rollout's log-probs equal the trainer's bit for bit and the "
+        "old-log-prob forward is skipped (CPU float32; Llama, Mistral, Qwen2, Qwen3; not with "
+        "--vllm_tensor_parallel_size > 1 or LoRA)",
+    )
 
     def problems(self, flags=None) -> list[str]:
         own = []
+        if self.exact_logprobs and self.vllm_tensor_parallel_size > 1:
+            own.append("--exact_logprobs needs --vllm_tensor_parallel_size 1")
         if self.max_len is not None and self.max_len <= self.prompt_max_len:
             own.append(
                 f"--max_len {self.max_len} leaves no room for a response after --prompt_max_len {self.prompt_max_len}"

@@ -34,6 +34,7 @@ from tidal.experience.maker import (
 )
 from tidal.inference.evaluation import pass_at_k_stats
 from tidal.logging import MetricsLogger, ProgressBar, get_logger
+from tidal.models.batch_invariant import make_exact
 from tidal.models.moe_routing import force_routing
 from tidal.placement.protocols import CriticRole, ReferenceRole, RolloutRole
 from tidal.placement.stream import RolloutJob, RolloutResult, rollout_stream
@@ -113,6 +114,11 @@ class PPOTrainer:
         self.n = run.rollout.n_samples_per_prompt
         # --enable_ema: the average starts from the initial policy (a resume restores the saved one)
         self.ema = PolicyEMA(parts.actor.model, run.ema.beta) if run.ema.enable else None
+        # --exact_logprobs: the policy runs the engine's batch-invariant ops, so (weights being the engine's:
+        # not --async_train, whose rollouts may come from older weights) its old log-probs are the rollout's.
+        if run.rollout.exact_logprobs:
+            make_exact(parts.actor.model)
+        self._engine_logprobs_exact = run.rollout.exact_logprobs and not run.placement.async_train
         self.checkpointer = Checkpointer(
             run.ckpt, world, "ppo", self._trained_parts(), flat_settings(asdict(run), SETTINGS),
             state=self._loop_state(), hf_copy=self._hf_copy,
@@ -195,10 +201,13 @@ class PPOTrainer:
         )
         micro, packing, max_tokens = self._scoring_shape()
         temperature = run.rollout.temperature
-        exp.old_logprobs = forward_logprobs(
-            actor.model, exp, micro, packing, temperature, actor.precision, max_tokens,
-            replay=run.rollout.moe_router_replay,
-        )  # fmt: skip
+        if self._engine_logprobs_exact:  # bit-identical to this forward's: skip it
+            exp.old_logprobs = exp.rollout_logprobs.clone()
+        else:
+            exp.old_logprobs = forward_logprobs(
+                actor.model, exp, micro, packing, temperature, actor.precision, max_tokens,
+                replay=run.rollout.moe_router_replay,
+            )  # fmt: skip
         if self.parts.reference is not None:
             exp.ref_logprobs = self.parts.reference.logprobs(exp, micro, packing, temperature, max_tokens)
         if self.parts.critic is not None:

@@ -1,0 +1,195 @@
+"""Exact log-probs (``EngineConfig.exact_logprobs`` / ``--exact_logprobs``, CPU float32): the engine's
+sampled-token log-probs equal the trainer's forward bit for bit, whatever the batch and whether a token
+came from prefill or decode; the batch-invariant ops underneath; the GRPO step that skips its forward."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tidal.models import batch_invariant as bi
+from tidal.models.forward import token_logprobs
+from tidal.rollout import EngineConfig, LLMEngine
+from tidal.rollout.sampling_params import SamplingParams
+
+TEMPERATURE = 0.8
+
+
+def _engine(path, exact=True):
+    config = EngineConfig(device="cpu", max_model_len=128, num_kv_blocks=64, exact_logprobs=exact)
+    return LLMEngine(path, config)
+
+
+def _rollout(vocab=512, n=8, seed=0):
+    """GRPO-like requests: prompts and response budgets of mixed lengths, each sample its own seed."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [
+        torch.randint(3, vocab, (int(k),), generator=g).tolist()
+        for k in torch.randint(2, 30, (n,), generator=g)
+    ]
+    params = [
+        SamplingParams(temperature=TEMPERATURE, max_tokens=int(m), seed=i, ignore_eos=True)
+        for i, m in enumerate(torch.randint(1, 20, (n,), generator=g))
+    ]  # fmt: skip
+    return prompts, params
+
+
+def _trainer_logprobs(hf, prompts, outputs, packed: bool) -> list[torch.Tensor]:
+    """The trainer's per-token log-probs of each response (packed: one row; else right-padded rows)."""
+    rows = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs, strict=True)]
+    lengths = torch.tensor([len(r) for r in rows])
+    if packed:
+        batch = {
+            "input_ids": torch.tensor([t for r in rows for t in r])[None],
+            "position_ids": torch.cat([torch.arange(n) for n in lengths.tolist()])[None],
+            "segment_ids": torch.repeat_interleave(torch.arange(len(rows)), lengths)[None],
+        }
+    else:
+        width = int(lengths.max())
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+        batch = {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+    with torch.no_grad():
+        lp = token_logprobs(hf, batch, TEMPERATURE)[0]
+    out, offset = [], 0
+    for i, (p, r) in enumerate(zip(prompts, rows, strict=True)):
+        if packed:
+            out.append(lp[0, offset + len(p) : offset + len(r)])
+            offset += len(r)
+        else:
+            out.append(lp[i, len(p) : len(r)])
+    return out
+
+
+def _max_gap(engine_outputs, trainer: list[torch.Tensor]) -> float:
+    return max(
+        (torch.tensor(o.outputs[0].logprobs) - t).abs().max().item()
+        for o, t in zip(engine_outputs, trainer, strict=True)
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_engine_and_trainer_logprobs_are_bit_identical(tiny_model, family):
+    path = tiny_model(family, logit_scale=4.0)
+    prompts, params = _rollout()
+    outputs = _engine(path).generate(prompts, params)
+    hf = bi.make_exact(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval())
+    assert _max_gap(outputs, _trainer_logprobs(hf, prompts, outputs, packed=True)) == 0.0
+    assert _max_gap(outputs, _trainer_logprobs(hf, prompts, outputs, packed=False)) == 0.0
+
+
+def test_default_mode_is_not_exact(tiny_model):
+    """Without the mode the same comparison is off by float32 rounding (recorded in docs/algorithms.md)."""
+    path = tiny_model("llama", logit_scale=4.0)
+    prompts, params = _rollout()
+    outputs = _engine(path, exact=False).generate(prompts, params)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    assert 0.0 < _max_gap(outputs, _trainer_logprobs(hf, prompts, outputs, packed=True)) < 1e-3
+
+
+def test_a_request_alone_and_in_a_larger_batch_gets_identical_logprobs(tiny_model):
+    path = tiny_model("llama", logit_scale=4.0)
+    engine = _engine(path)
+    prompts, params = _rollout(n=12, seed=1)
+    together = engine.generate(prompts, params)
+    for i in (0, 5, 11):
+        alone = engine.generate([prompts[i]], [params[i]])[0].outputs[0]
+        assert alone.token_ids == together[i].outputs[0].token_ids
+        assert alone.logprobs == together[i].outputs[0].logprobs
+
+
+def test_decode_and_prefill_of_the_same_tokens_agree(tiny_model):
+    """Greedy decoding, then each prefix prefilled: the prefill's first token and its log-prob are the
+    decode's, bit for bit."""
+    path = tiny_model("llama", logit_scale=4.0)
+    engine = _engine(path)
+    prompt = list(range(5, 25))
+    decoded = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    tokens, logprobs = decoded[0].outputs[0].token_ids, decoded[0].outputs[0].logprobs
+    prefixes = [prompt + tokens[:k] for k in (3, 7, 11)]
+    prefilled = engine.generate(prefixes, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    for k, out in zip((3, 7, 11), prefilled, strict=True):
+        assert out.outputs[0].token_ids == [tokens[k]]
+        assert out.outputs[0].logprobs == [logprobs[k]]
+
+
+def test_linear_rows_do_not_depend_on_the_batch():
+    torch.manual_seed(0)
+    weight, x = torch.randn(320, 192), torch.randn(37, 192)
+    full = bi.linear(x, weight)
+    for start, stop in ((0, 1), (5, 6), (3, 20), (36, 37)):
+        assert torch.equal(bi.linear(x[start:stop], weight), full[start:stop])
+    # separate parts of a packed projection equal the packed product's columns
+    assert torch.equal(bi.linear(x, weight[:64]), full[:, :64])
+
+
+def test_attention_does_not_depend_on_other_queries_or_extra_keys():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 21, 4, 8), torch.randn(3, 40, 2, 8), torch.randn(3, 40, 2, 8)
+    pos = torch.arange(21).expand(3, 21)
+    full = bi.attention(q, k, v, pos, 0.35)
+    # query 13 of row 1 alone, against only its 14 keys (garbage beyond them must not matter either)
+    alone = bi.attention(q[1:2, 13:14], k[1:2, :14], v[1:2, :14], torch.tensor([[13]]), 0.35)
+    assert torch.equal(alone, full[1:2, 13:14])
+    junk_k = k.clone()
+    junk_k[:, 30:] = 1e3
+    assert torch.equal(bi.attention(q, junk_k, v, pos, 0.35), full)
+
+
+def test_exact_mode_refuses_what_it_does_not_cover(tiny_model):
+    with pytest.raises(ValueError, match="tp_size 1"):
+        EngineConfig(exact_logprobs=True, tp_size=2)
+    with pytest.raises(ValueError, match="gemma2"):
+        _engine(tiny_model("gemma2"))
+
+
+def test_grpo_step_skips_the_old_logprob_forward(tiny_qwen2, tmp_path, monkeypatch):
+    from tidal.cli.train_ppo import parse_run
+    from tidal.experience.maker import forward_logprobs
+    from tidal.trainers.ppo import run_ppo
+    from tidal.trainers.ppo import trainer as trainer_module
+
+    with (tmp_path / "prompts.jsonl").open("w") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": f"{i % 10}>", "label": str(i % 10)}) + "\n")
+    checked = []
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("--exact_logprobs ran the old-log-prob forward")
+
+    real = trainer_module.PPOTrainer.make_experience
+
+    def make_experience(self, exp):
+        out, stats = real(self, exp)
+        # the forward it skipped gives exactly the engine's log-probs on every action token
+        micro, packing, max_tokens = self._scoring_shape()
+        actor = self.parts.actor
+        lp = forward_logprobs(actor.model, out, micro, packing, self.run.rollout.temperature, actor.precision)
+        mask = out.action_mask.bool()
+        checked.append(mask.sum().item())
+        assert torch.equal(lp[mask], out.old_logprobs[mask])
+        return out, stats
+
+    monkeypatch.setattr(trainer_module, "forward_logprobs", no_forward)
+    monkeypatch.setattr(trainer_module.PPOTrainer, "make_experience", make_experience)
+    history = run_ppo(parse_run([
+        "--pretrain", str(tiny_qwen2), "--prompt_data", str(tmp_path / "prompts.jsonl"), "--input_key", "prompt",
+        "--label_key", "label", "--remote_rm_url", str(_reward_func()), "--advantage_estimator", "group_norm",
+        "--n_samples_per_prompt", "4", "--rollout_batch_size", "4", "--train_batch_size", "16",
+        "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "8", "--generate_max_len", "6",
+        "--prompt_max_len", "8", "--init_kl_coef", "0", "--save_path", str(tmp_path / "final"),
+        "--seed", "3", "--max_samples", "8", "--packing_samples", "--exact_logprobs",
+    ]))  # fmt: skip
+    assert len(history) == 2 and len(checked) == 2 and min(checked) > 0
+    assert all(h["rollout/logprob_mismatch"] == 0.0 for h in history)
+
+
+def _reward_func():
+    from pathlib import Path
+
+    return Path(__file__).resolve().parents[2] / "examples" / "reward_func.py"
