@@ -26,19 +26,6 @@ def prompts(tmp_path_factory):
     return AdditionTask(seed=3).write_jsonl(tmp_path_factory.mktemp("gen") / "prompts.jsonl", N_PROMPTS)
 
 
-@pytest.fixture(scope="module")
-def reward_model(tiny_llama, tmp_path_factory):
-    """A reward model on the policy's tokenizer: the tiny LM's body with a random (seeded) value head."""
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(str(tiny_llama), num_labels=1)
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
-    model.config.pad_token_id = tokenizer.pad_token_id
-    path = tmp_path_factory.mktemp("rm")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def run(model, prompts, out, *extra) -> list[dict]:
     generate_main([
         "--pretrain", str(model), "--dataset", str(prompts), "--input_key", "prompt",

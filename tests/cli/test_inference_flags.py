@@ -179,19 +179,6 @@ def test_chat_sampling_defaults_are_openrlhf_interactive_chats():
 # ---------------------------------------------------------------- batch_inference --eval_task rm
 
 
-@pytest.fixture(scope="module")
-def reward_model(tiny_llama, tmp_path_factory):
-    """A reward model on the policy's tokenizer: the tiny LM's body with a random (seeded) value head."""
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(str(tiny_llama), num_labels=1)
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
-    model.config.pad_token_id = tokenizer.pad_token_id
-    path = tmp_path_factory.mktemp("rm")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 SAMPLES = [("1+1=", "2"), ("1+1=", "11"), ("2+3=", "5"), ("1+1=", "3"), ("2+3=", "6")]
 
 

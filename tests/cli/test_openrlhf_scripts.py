@@ -17,8 +17,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 # OpenRLHF's size flags → the values these tests use (everything else is the script's).
 SIZES = {
@@ -48,19 +46,6 @@ def step(module: str, argv: list[str]) -> None:
 
 def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def reward_model(tiny_llama, tmp_path_factory):
-    """A reward model on the policy's tokenizer: the tiny LM's body with a seeded value head."""
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(str(tiny_llama), num_labels=1)
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
-    model.config.pad_token_id = tokenizer.pad_token_id
-    path = tmp_path_factory.mktemp("rm")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

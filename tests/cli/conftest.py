@@ -1,0 +1,20 @@
+"""Fixtures shared by the CLI tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+
+@pytest.fixture(scope="module")
+def reward_model(tiny_llama, tmp_path_factory):
+    """A reward model on the policy's tokenizer: the tiny LM's body with a random (seeded) value head."""
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(str(tiny_llama), num_labels=1)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    path = tmp_path_factory.mktemp("rm")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
