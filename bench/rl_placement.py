@@ -11,7 +11,9 @@ once per variant and reads the phases it logs (``time/*`` in ``<save_path>/run/m
 - ``separate_async``: the same with ``--async_train``: the engine generates the next rollout while
   the trainer trains, so a step costs about max(generate, train) instead of their sum;
 - ``colocated``: ``torchrun --nproc_per_node 2 --colocate_all_models``: two data-parallel workers,
-  each with its policy shard (FSDP2) and its own engine on the same device.
+  each with its policy shard (FSDP2) and its own engine on the same device;
+- ``colocated_tp2``: the same with ``--vllm_tensor_parallel_size 2``: one engine spanning both workers'
+  devices, each holding half of it (the workers generate their shares in turn).
 
 Phases: ``generate`` (engine + reward), ``make_experience`` (old log-probs, advantages),
 ``train`` (the update), ``sync_weights``, and the step's wall time ``time/step`` (with
@@ -51,6 +53,7 @@ VARIANTS = {
     "separate": (1, ["--vllm_num_engines", "1"]),
     "separate_async": (1, ["--vllm_num_engines", "1", "--async_train"]),
     "colocated": (2, ["--colocate_all_models"]),
+    "colocated_tp2": (2, ["--colocate_all_models", "--vllm_tensor_parallel_size", "2"]),
 }
 
 
@@ -58,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    default = ["local", "separate", "separate_async", "colocated"]
+    p.add_argument("--variants", nargs="+", default=default, choices=list(VARIANTS))
     p.add_argument("--prompts", type=int, default=32, help="prompts per rollout")
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
     p.add_argument("--prompt_len", type=int, default=64)
