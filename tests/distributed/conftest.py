@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as torch_dist
 
 RUNNER = Path(__file__).with_name("dist_runner.py")
 
@@ -41,3 +42,12 @@ def dist():
     """The helpers above, for tests (test modules cannot import each other under importlib mode)."""
     return type("Dist", (), {"torchrun": staticmethod(torchrun), "result": staticmethod(result),
                              "assert_steps_match": staticmethod(assert_steps_match)})  # fmt: skip
+
+
+@pytest.fixture
+def own_process_group():
+    """The one-process group FSDP2 on one device starts (offload, reduce dtype), torn down after the test."""
+    assert not torch_dist.is_initialized()
+    yield
+    if torch_dist.is_initialized():
+        torch_dist.destroy_process_group()

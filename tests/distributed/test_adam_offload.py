@@ -23,15 +23,6 @@ from tidal.trainers.optim import build_optimizer
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def own_process_group():
-    """The one-process group ``offload_single_device`` starts, torn down after the test."""
-    assert not dist.is_initialized()
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _loss(model, ids):
     return model(input_ids=ids, labels=ids).loss
 

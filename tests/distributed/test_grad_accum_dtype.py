@@ -18,15 +18,6 @@ from tidal.models import load_causal_lm
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def own_process_group():
-    """The one-process group FSDP2 on one device starts, torn down after the test."""
-    assert not dist.is_initialized()
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize(
     ("flag", "reduce"), [(None, torch.float32), ("fp32", torch.float32), ("bf16", torch.bfloat16)]
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tidal.rollout import EngineConfig
+from tidal.rollout import EngineConfig, SamplingParams
 from tidal.rollout.models.registry import FAMILIES as REGISTERED
 
 FAMILIES = tuple(REGISTERED)  # every family the engine supports, in registry order
@@ -33,3 +33,21 @@ PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 40)), [100, 200, 300, *range(17, 34)]
 def cpu_config(**overrides) -> EngineConfig:
     """Tests compare with float32 CPU references, also on machines where ``device="auto"`` picks CUDA."""
     return EngineConfig(device="cpu", dtype="float32", **overrides)
+
+
+def small_cache_config(**overrides) -> EngineConfig:
+    """A CPU engine with 128-token contexts in blocks of 4 (prefix-cache and chunked-prefill tests)."""
+    return cpu_config(**{"max_model_len": 128, "block_size": 4, **overrides})
+
+
+def greedy(n: int) -> SamplingParams:
+    """Greedy sampling of exactly ``n`` tokens."""
+    return SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+
+
+def assert_same_outputs(expected, got, tol: float = 1e-5) -> None:
+    """Same sampled tokens and log-probs within ``tol``, request by request and sample by sample."""
+    for a, b in zip(expected, got, strict=True):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert x.token_ids == y.token_ids
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) < tol
