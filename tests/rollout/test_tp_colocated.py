@@ -1,6 +1,7 @@
 """A TP=2 engine that spans two training processes (``tp_worker.colocated_group``, gloo): each rank drives
 its own prompts in its turn while the other serves them on its shard, and gets what a one-process engine
-gives for those prompts; each rank loads new weights itself (``update_weights``) with the same result."""
+gives for those prompts; each rank loads new weights itself (``update_weights``) with the same result; a
+turn that fails raises on its rank without stopping the other's."""
 
 from __future__ import annotations
 
@@ -34,7 +35,12 @@ def rank_main(rank: int, port: int, path: str, new_path: str, out: dict) -> None
     engine.sleep()
     engine.wake_up()
     after = engine.take_turns(lambda: engine.generate(mine, GREEDY))
-    out[rank] = (outputs(before), outputs(after))
+    # a failing turn (rank 0's prompt is out of the vocabulary) raises there; the other rank's turn runs
+    try:
+        again = outputs(engine.take_turns(lambda: engine.generate([[10**6]] if rank == 0 else mine, GREEDY)))
+    except ValueError as err:
+        again = str(err)
+    out[rank] = (outputs(before), outputs(after), again)
     dist.destroy_process_group()
 
 
@@ -51,8 +57,10 @@ def test_engine_spanning_two_training_processes(tiny_model):
         out = manager.dict()
         mp.spawn(rank_main, args=(free_port(), str(old), str(new), out), nprocs=2)
         results = dict(out)
+    assert "outside [0, 501)" in results[0][2]
+    assert results[1][2] == results[1][1]
     for rank in (0, 1):
-        for path, got in zip((old, new), results[rank], strict=True):
+        for path, got in zip((old, new), results[rank][:2], strict=True):
             expected = outputs(LLMEngine(path, cpu_config(max_model_len=64, block_size=4)).generate(
                 PROMPTS[rank::2], GREEDY))  # fmt: skip
             for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):

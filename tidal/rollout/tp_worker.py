@@ -240,14 +240,19 @@ class GroupPeers:
 
     def take_turns(self, generate, runner):
         """``generate()`` on this rank in its turn; the other ranks' turns served on ``runner``."""
-        result = None
+        result, error = None, None
         for driver in range(self.tp.size):
             if driver == self.tp.rank:
-                result = generate()
+                try:
+                    result = generate()
+                except Exception as err:  # still release the group and serve the later turns
+                    error = err
                 self.channel.send(("release",), root=driver)
                 continue
             while (command := self.channel.recv(root=driver))[0] == "step":
                 runner.forward_step(command[1])
+        if error is not None:
+            raise error
         return result
 
     def close(self) -> None:
