@@ -17,6 +17,10 @@ their ``WorkerSpec`` through the rendezvous store, and drives them with ``TPPeer
 - ``sleep`` / ``wake_up`` / ``close`` are forwarded as commands.
 
 A worker (``worker_main``) builds its model shard and KV cache, then loops on commands until ``stop``.
+
+An engine may instead span N training processes that exist already (RL's hybrid engine with several
+workers): ``colocated_group`` makes their groups out of the training world and ``GroupPeers`` gives every
+rank a whole engine front over its shard; the ranks take turns driving generation (``take_turns``).
 """
 
 from __future__ import annotations
