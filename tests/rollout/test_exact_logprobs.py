@@ -193,3 +193,27 @@ def _reward_func():
     from pathlib import Path
 
     return Path(__file__).resolve().parents[2] / "examples" / "reward_func.py"
+
+
+@pytest.mark.parametrize(
+    ("family", "extra", "message"),
+    [
+        ("gemma2", [], "--exact_logprobs supports"),
+        ("qwen2", ["--lora_rank", "4"], "LoRA"),
+        ("qwen2", ["--vllm_tensor_parallel_size", "2"], "--vllm_tensor_parallel_size 1"),
+    ],
+)
+def test_tidal_ppo_refuses_uncovered_setups_in_one_line(tiny_model, tmp_path, capsys, family, extra, message):
+    from tidal.cli.train_ppo import main as ppo_main
+
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "1>", "label": "1"}) + "\n")
+    flags = [
+        "--pretrain", str(tiny_model(family)), "--prompt_data", str(tmp_path / "prompts.jsonl"),
+        "--input_key", "prompt", "--remote_rm_url", str(_reward_func()), "--save_path", str(tmp_path / "out"),
+        "--exact_logprobs", *extra,
+    ]  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        ppo_main(flags)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

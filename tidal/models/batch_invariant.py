@@ -159,11 +159,13 @@ EXACT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 EXACT_ATTENTION = "tidal_exact"
 
 
-def exact_problem(config) -> str | None:
-    """Why a model of this HF config cannot run in exact mode (None: it can)."""
+def exact_problem(config, lora_rank: int = 0) -> str | None:
+    """Why a model of this HF config (or ``DecoderArgs``) cannot run in exact mode (None: it can)."""
     model_type = getattr(config, "model_type", None)
     if model_type not in EXACT_MODEL_TYPES:
         return f"--exact_logprobs supports the {', '.join(EXACT_MODEL_TYPES)} families, not {model_type!r}"
+    if lora_rank:  # the adapters' own matmuls are not batch-invariant yet
+        return "--exact_logprobs does not support LoRA (--lora_rank) yet"
     return None
 
 

@@ -23,6 +23,7 @@ from tidal.distributed.mesh import ring_group, ring_layout_problems
 from tidal.distributed.tensor_parallel import model_layout_problems, with_tensor_parallel
 from tidal.logging import get_logger
 from tidal.models import load_causal_lm, load_tokenizer
+from tidal.models.batch_invariant import exact_problem
 from tidal.models.loading import check_model_folder, model_load_error
 from tidal.models.ring_attention import use_ring
 from tidal.placement.build import build_critic, build_roles, critic_ray_problem, log_placement
@@ -169,6 +170,8 @@ def check_models_before_loading(run: PPORun) -> None:
         raise ConfigError(
             f"--enable_prefix_caching: not supported with {problem} (--pretrain {run.actor.pretrain})"
         )
+    if run.rollout.exact_logprobs and (problem := exact_problem(config, run.actor.lora_rank)):
+        raise ConfigError(f"{problem} (--pretrain {run.actor.pretrain})")
     if run.rollout.moe_router_replay:
         check_router_replay(run, config)
 
@@ -223,4 +226,3 @@ def build_parts(run: PPORun, world: World, tokenizer, steps: int, ray_actors: di
 def build_actor(run: PPORun, world: World, steps: int) -> Optimization:
     model = load_causal_lm(run.actor, world.device)
     return build_optimization(model, run.actor, run.actor_optim, run.dist, world, steps)
-
