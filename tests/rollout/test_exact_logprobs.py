@@ -73,9 +73,11 @@ def _max_gap(engine_outputs, trainer: list[torch.Tensor]) -> float:
     )
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_engine_and_trainer_logprobs_are_bit_identical(tiny_model, family):
-    path = tiny_model(family, logit_scale=4.0)
+@pytest.mark.parametrize(
+    ("family", "overrides"), [("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 8})]
+)
+def test_engine_and_trainer_logprobs_are_bit_identical(tiny_model, family, overrides):
+    path = tiny_model(family, logit_scale=4.0, **overrides)
     prompts, params = _rollout()
     outputs = _engine(path).generate(prompts, params)
     hf = bi.make_exact(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval())
@@ -116,6 +118,27 @@ def test_decode_and_prefill_of_the_same_tokens_agree(tiny_model):
     for k, out in zip((3, 7, 11), prefilled, strict=True):
         assert out.outputs[0].token_ids == [tokens[k]]
         assert out.outputs[0].logprobs == [logprobs[k]]
+
+
+def test_prefix_caching_and_chunked_prefill_keep_the_exact_logprobs(tiny_model):
+    """Prefill with context (cached prefix, prompt chunks) reads its keys from the paged cache: the same
+    log-probs as the plain exact engine's."""
+    path = tiny_model("llama", logit_scale=4.0)
+    shared = list(range(3, 40))
+    prompts = [shared + [100 + i] * (i + 1) for i in range(6)]
+    params = [
+        SamplingParams(temperature=TEMPERATURE, max_tokens=6, seed=i, ignore_eos=True) for i in range(6)
+    ]
+    plain = _engine(path).generate(prompts, params)
+    config = EngineConfig(
+        device="cpu", max_model_len=128, num_kv_blocks=64, exact_logprobs=True, enable_prefix_caching=True,
+        enable_chunked_prefill=True, max_num_batched_tokens=24,
+    )  # fmt: skip
+    engine = LLMEngine(path, config)
+    engine.generate(prompts[:1], params[:1])  # caches the shared prefix
+    for a, b in zip(plain, engine.generate(prompts, params), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
 def test_linear_rows_do_not_depend_on_the_batch():
