@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tidal.models import batch_invariant as bi
 from tidal.models.forward import token_logprobs
 from tidal.rollout import EngineConfig, LLMEngine
+from tidal.rollout import batch_invariant as bi
 from tidal.rollout.sampling_params import SamplingParams
 
 TEMPERATURE = 0.8

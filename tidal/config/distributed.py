@@ -80,3 +80,13 @@ class DistributedConfig(Checked):
                 "yet; use one of them"
             )
         return problems
+
+
+def ring_layout_problems(ring_size: int, world_size: int) -> list[str]:
+    """One line per impossible ring layout (none when ring attention is off)."""
+    if ring_size > 1 and world_size % ring_size:
+        return [
+            f"--ring_attn_size {ring_size} must divide the number of processes ({world_size}): "
+            "the world splits into ring groups of that many consecutive ranks"
+        ]
+    return []

@@ -97,7 +97,7 @@ class RolloutConfig(Checked):
     exact_logprobs: bool = arg(
         False,
         help="exact on-policy log-probs: the engine and the policy run batch-invariant ops "
-        "(tidal.models.batch_invariant), so the rollout's log-probs equal the trainer's bit for bit and the "
+        "(tidal.rollout.batch_invariant), so the rollout's log-probs equal the trainer's bit for bit and the "
         "old-log-prob forward is skipped (CPU float32; Llama, Mistral, Qwen2, Qwen3; not with "
         "--vllm_tensor_parallel_size > 1 or LoRA)",
     )

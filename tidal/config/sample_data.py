@@ -3,12 +3,14 @@
 
 They live here, not beside the sample builders in ``tidal.data`` (which re-exports them), so that a
 trainer's parser builds without importing the datasets library. ``validate`` raises
-``tidal.data.DataError``; it runs when samples are built.
+``DataError`` (``tidal.config.errors``); it runs when samples are built.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from tidal.config.errors import DataError
 
 DEFAULT_OUTPUT_KEY = "output"
 
@@ -37,7 +39,6 @@ class SFTDataConfig:
     max_len: int = _flag(2048, "skip samples longer than this many tokens")
 
     def validate(self) -> None:
-        from tidal.data.errors import DataError  # here: importing tidal.data loads the datasets library
 
         if self.output_key is None and not (self.multiturn or self.pretrain_mode):
             raise DataError("--output_key is required unless --multiturn or --pretrain_mode is set")
@@ -65,7 +66,6 @@ class PairDataConfig:
     max_len: int = _flag(512, "skip pairs whose chosen or rejected sequence is longer than this")
 
     def validate(self) -> None:
-        from tidal.data.errors import DataError  # here: importing tidal.data loads the datasets library
 
         if self.input_template and not self.prompt_key:
             raise DataError("--input_template formats the prompt, so it needs --prompt_key")
@@ -89,7 +89,6 @@ class UnpairedDataConfig:
     max_len: int = _flag(2048, "skip samples whose prompt + response is longer than this many tokens")
 
     def validate(self) -> None:
-        from tidal.data.errors import DataError  # here: importing tidal.data loads the datasets library
 
         if self.max_len < 2:
             raise DataError(f"--max_len must be at least 2, got {self.max_len}")
@@ -112,7 +111,6 @@ class PRMDataConfig:
     max_len: int = _flag(2048, "skip samples longer than this many tokens")
 
     def validate(self) -> None:
-        from tidal.data.errors import DataError  # here: importing tidal.data loads the datasets library
 
         if self.max_len < 2:
             raise DataError(f"--max_len must be at least 2, got {self.max_len}")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from tidal.config.args import Checked, arg
 from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
 from tidal.config.data import OPENRLHF_INPUT_TEMPLATE, DatasetConfig, HeldOutDatasetConfig
-from tidal.config.distributed import DistributedConfig
+from tidal.config.distributed import DistributedConfig, ring_layout_problems
 from tidal.config.model import ModelConfig
 from tidal.config.registries import RM_LOSS_NAMES
 from tidal.config.run import RunConfig, config_field
@@ -67,8 +67,6 @@ class SupervisedRun(RunConfig):
     run_dir: str | None = None  # metrics and the run config (default: <save_path>/run)
 
     def problems(self, world: World | None = None) -> list[str]:
-        from tidal.trainers.common import ring_problems  # imports torch: checked when a run is built
-
         return super().problems(world) + ring_problems(self, world)
 
     def cross_problems(self, world: World | None = None) -> list[str]:
@@ -81,6 +79,42 @@ class SupervisedRun(RunConfig):
         return model_layout_problems(tp, size, {"--pretrain": self.model}) + (
             self.train.batch_problems(size // tp) if size % tp == 0 else []
         )
+
+
+# Trainers whose loss reads only ``token_logprobs`` of packed rows, which ring attention computes; the
+# others are refused with why (``ring_problems``).
+RING_UNSUPPORTED = {
+    "rm": "its loss reads the reward head's value at each sequence's last token",
+    "prm": "its loss reads whole-row logits at the step tokens",
+    "kd": "its loss reads the student's and the teacher's whole-row logits",
+    "kto": "its KL reference point runs forwards outside the ring group's turns",
+}
+
+
+def ring_problems(run: SupervisedRun, world: World | None = None) -> list[str]:
+    """One line per reason ``--ring_attn_size`` cannot run for this trainer, these flags and world."""
+    size = run.dist.ring_attn_size
+    if size <= 1:
+        return []
+    kind = trainer_kind(run)
+    problems = []
+    if kind in RING_UNSUPPORTED:
+        problems.append(f"--ring_attn_size {size}: not supported by tidal {kind}: {RING_UNSUPPORTED[kind]}")
+    if not run.train.packing_samples:
+        problems.append(
+            f"--ring_attn_size {size} needs --packing_samples (ring attention splits packed rows)"
+        )
+    if run.model.aux_loss_coef > 0:
+        problems.append(
+            f"--ring_attn_size {size} with --aux_loss_coef {run.model.aux_loss_coef}: the MoE load-balancing "
+            "loss of a sequence split over ranks is not supported; set --aux_loss_coef 0"
+        )
+    return problems + (ring_layout_problems(size, world.world_size) if world is not None else [])
+
+
+def trainer_kind(run) -> str:
+    """``sft``, ``dpo``, ``kto``... from the run's class (``SFTRun``), recorded in its checkpoints."""
+    return type(run).__name__.removesuffix("Run").lower()
 
 
 @dataclass(kw_only=True)

@@ -1,9 +1,4 @@
-"""``DataError``: a dataset could not be loaded or does not have the expected shape.
+"""``DataError`` for the data modules: defined in ``tidal.config.errors`` (below both the data configs and
+``tidal.data``, so neither imports the other to raise it) and re-exported here."""
 
-Its own module so that every data module (loading, row naming, samples) can raise it without
-importing each other.
-"""
-
-
-class DataError(ValueError):
-    """A dataset could not be loaded or does not have the expected shape; the message says why."""
+from tidal.config.errors import DataError as DataError

@@ -10,18 +10,9 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from tidal.config.distributed import ring_layout_problems as ring_layout_problems
 from tidal.distributed.world import World
 from tidal.models.ring_attention import RingGroup
-
-
-def ring_layout_problems(ring_size: int, world_size: int) -> list[str]:
-    """One line per impossible ring layout (none when ring attention is off)."""
-    if ring_size > 1 and world_size % ring_size:
-        return [
-            f"--ring_attn_size {ring_size} must divide the number of processes ({world_size}): "
-            "the world splits into ring groups of that many consecutive ranks"
-        ]
-    return []
 
 
 def ring_group(world: World, size: int, head_stride: int = 1) -> RingGroup | None:

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from tidal.algorithms.logprobs import entropy_from_logits, gather_logprobs
-from tidal.models import batch_invariant
 from tidal.models import ring_attention as ring_attn
 from tidal.models.logprob_head import (
     DEFAULT_CHUNK,
@@ -35,6 +34,7 @@ from tidal.models.logprob_head import (
     head_logprobs,
 )
 from tidal.models.packed_attention import enable_varlen_attention, varlen_kwargs
+from tidal.rollout import batch_invariant
 
 # "auto": varlen kernels for packed rows where possible; "mask": always the 4-D mask (benchmarks).
 PACKED_ATTENTION = "auto"

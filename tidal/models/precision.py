@@ -27,11 +27,6 @@ def resolve_dtype(param_dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[param_dtype]
 
 
-def grad_accum_dtype(name: str | None) -> torch.dtype:
-    """Map ``--grad_accum_dtype`` (``fp32``/``bf16``/``fp16``, unset: fp32) to a torch dtype."""
-    return torch.float32 if name is None else _DTYPES[name]
-
-
 @dataclass
 class Precision:
     """Autocast context and (for fp16) a gradient scaler for one device."""

@@ -154,7 +154,7 @@ def exact_attention(q, k, v, meta: AttentionMetadata, layer_cache: torch.Tensor,
     """Every path (prefill, decode, prefill with context) through ``batch_invariant.attention``, whose
     result for a query does not depend on the step's other sequences or on how many keys it gathers:
     q [tokens, heads, d] -> [tokens, heads * d]."""
-    from tidal.models.batch_invariant import attention
+    from tidal.rollout.batch_invariant import attention
 
     if meta.is_prefill and meta.block_tables is None:  # the batch's own keys, at positions 0..len-1
         idx = meta.pad_index

@@ -84,7 +84,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = False
     # Tensor parallelism: processes (devices) the engine spans; on CUDA the GPUs from ``device`` on.
     tp_size: int = 1
-    # Sampled-token log-probs bit-identical to the trainer's exact-mode forward (tidal.models.batch_invariant);
+    # Sampled-token log-probs bit-identical to the trainer's exact-mode forward (tidal.rollout.batch_invariant);
     # CPU float32, one process, dense Llama/Mistral/Qwen2/Qwen3 for now.
     exact_logprobs: bool = False
 

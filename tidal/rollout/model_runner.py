@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from tidal.accel import triton_available
-from tidal.models import batch_invariant as bi
+from tidal.rollout import batch_invariant as bi
 from tidal.rollout.attention import AttentionMetadata
 from tidal.rollout.cuda_graph import DecodeGraphs
 from tidal.rollout.models.layers import ACTIVATIONS as ACTIVATIONS_BY_NAME
@@ -98,7 +98,7 @@ def resolve_attention_backend(backend: str, device: torch.device, head_dim: int)
 
 
 def make_exact(model: CausalLM) -> None:
-    """Switch the engine's decoder to the batch-invariant ops (``tidal.models.batch_invariant``), in place,
+    """Switch the engine's decoder to the batch-invariant ops (``tidal.rollout.batch_invariant``), in place,
     computing what ``batch_invariant.make_exact`` makes a transformers model compute: a packed projection
     runs each of its parts (q, k, v; gate, up) as its own matmul, as the HF model's separate layers do."""
     problem = bi.exact_problem(model.args)

@@ -147,7 +147,7 @@ class Sampler:
 def exact_logprobs(logits: torch.Tensor, tokens: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """``log_softmax(logits / T)`` at ``tokens`` through ``batch_invariant.token_logprobs`` (the trainer's
     exact-mode log-softmax): each row's value is a function of that row alone."""
-    from tidal.models.batch_invariant import token_logprobs
+    from tidal.rollout.batch_invariant import token_logprobs
 
     if st.all_greedy:
         return token_logprobs(logits, tokens)

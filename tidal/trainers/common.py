@@ -28,10 +28,13 @@ from tidal.config import (
     OptimConfig,
     TrainConfig,
 )
+from tidal.config.supervised import RING_UNSUPPORTED as RING_UNSUPPORTED
 from tidal.config.supervised import SupervisedRun as SupervisedRun
+from tidal.config.supervised import ring_problems as ring_problems
+from tidal.config.supervised import trainer_kind
 from tidal.data import load_dataset_spec
 from tidal.distributed import World, init_world, parallelize
-from tidal.distributed.mesh import ring_group, ring_layout_problems
+from tidal.distributed.mesh import ring_group
 from tidal.distributed.tensor_parallel import with_tensor_parallel
 from tidal.logging import get_logger
 from tidal.models import load_causal_lm, load_tokenizer
@@ -46,37 +49,6 @@ log = get_logger(__name__)
 SampleBuilder = Callable[..., tuple[list, object]]
 # loader(spec, probs, split, max_samples, tokenizer, data_cfg, seed) -> samples, e.g. load_sft_samples
 SampleLoader = Callable[..., list]
-
-
-# Trainers whose loss reads only ``token_logprobs`` of packed rows, which ring attention computes; the
-# others are refused with why (``ring_problems``).
-RING_UNSUPPORTED = {
-    "rm": "its loss reads the reward head's value at each sequence's last token",
-    "prm": "its loss reads whole-row logits at the step tokens",
-    "kd": "its loss reads the student's and the teacher's whole-row logits",
-    "kto": "its KL reference point runs forwards outside the ring group's turns",
-}
-
-
-def ring_problems(run: SupervisedRun, world: World | None = None) -> list[str]:
-    """One line per reason ``--ring_attn_size`` cannot run for this trainer, these flags and world."""
-    size = run.dist.ring_attn_size
-    if size <= 1:
-        return []
-    kind = trainer_kind(run)
-    problems = []
-    if kind in RING_UNSUPPORTED:
-        problems.append(f"--ring_attn_size {size}: not supported by tidal {kind}: {RING_UNSUPPORTED[kind]}")
-    if not run.train.packing_samples:
-        problems.append(
-            f"--ring_attn_size {size} needs --packing_samples (ring attention splits packed rows)"
-        )
-    if run.model.aux_loss_coef > 0:
-        problems.append(
-            f"--ring_attn_size {size} with --aux_loss_coef {run.model.aux_loss_coef}: the MoE load-balancing "
-            "loss of a sequence split over ranks is not supported; set --aux_loss_coef 0"
-        )
-    return problems + (ring_layout_problems(size, world.world_size) if world is not None else [])
 
 
 def load_samples(
@@ -131,11 +103,6 @@ def build_optimization(
 def run_folder(run_dir: str | None, ckpt: CheckpointConfig) -> Path:
     """Where metrics and the run config go (``<save_path>/run`` unless the run names one)."""
     return Path(run_dir or Path(ckpt.save_path) / "run")
-
-
-def trainer_kind(run) -> str:
-    """``sft``, ``dpo``, ``kto``... from the run's class (``SFTRun``), recorded in its checkpoints."""
-    return type(run).__name__.removesuffix("Run").lower()
 
 
 def flat_config(run) -> dict:

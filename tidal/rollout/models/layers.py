@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tidal.accel import triton_usable
@@ -33,6 +32,8 @@ from tidal.rollout.attention import (
     prefill_attention,
     store_kv,
 )
+from tidal.rollout.models.architecture import ACTIVATIONS as ACTIVATIONS
+from tidal.rollout.models.architecture import sliding_windows as sliding_windows
 from tidal.rollout.models.parallel import (
     SINGLE,
     ColumnParallelLinear,
@@ -46,7 +47,6 @@ from tidal.rollout.models.parallel import (
 )
 from tidal.rollout.models.rope import apply_rope, inv_freq_and_scale, rope_table
 
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 _NAME_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
@@ -111,17 +111,6 @@ class DecoderArgs:
             sliding_windows=sliding_windows(config),
         )
         return cls(**{**fields, **overrides})
-
-
-def sliding_windows(config) -> list[int | None]:
-    """Per-layer window: Qwen-style configs list ``layer_types``; Mistral applies one window everywhere."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return [window if kind == "sliding_attention" else None for kind in layer_types]
-    if getattr(config, "use_sliding_window", True) is False:
-        window = None
-    return [window] * config.num_hidden_layers
 
 
 class RMSNorm(nn.Module):

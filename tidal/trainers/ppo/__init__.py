@@ -10,6 +10,12 @@ imports no torch.
 """
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the same names for type checkers, and for tests/test_imports.py's import graph
+    from tidal.trainers.ppo.config import PPORun
+    from tidal.trainers.ppo.entry import run_ppo
+    from tidal.trainers.ppo.trainer import PPOParts, PPOTrainer
 
 # name → the submodule that defines it
 _EXPORTS = {

@@ -23,12 +23,12 @@ from tidal.distributed.mesh import ring_group, ring_layout_problems
 from tidal.distributed.tensor_parallel import model_layout_problems, with_tensor_parallel
 from tidal.logging import get_logger
 from tidal.models import load_causal_lm, load_tokenizer
-from tidal.models.batch_invariant import exact_problem
 from tidal.models.loading import check_model_folder, model_load_error
 from tidal.models.ring_attention import use_ring
 from tidal.placement.build import build_critic, build_roles, critic_ray_problem, log_placement
 from tidal.placement.data_parallel import check_data_parallel
 from tidal.placement.ray_launch import run_on_ray, wants_ray
+from tidal.rollout.batch_invariant import exact_problem
 from tidal.rollout.models.loader import context_prefill_problem, tp_layout_problem
 from tidal.rollout.models.registry import FAMILIES, supported_model_types
 from tidal.trainers.common import build_optimization, seed_everything

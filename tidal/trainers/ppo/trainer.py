@@ -34,10 +34,10 @@ from tidal.experience.maker import (
 )
 from tidal.inference.evaluation import pass_at_k_stats
 from tidal.logging import MetricsLogger, ProgressBar, get_logger
-from tidal.models.batch_invariant import make_exact
 from tidal.models.moe_routing import force_routing
 from tidal.placement.protocols import CriticRole, ReferenceRole, RolloutRole
 from tidal.placement.stream import RolloutJob, RolloutResult, rollout_stream
+from tidal.rollout.batch_invariant import make_exact
 from tidal.trainers.loop import Optimization
 from tidal.trainers.ppo.config import PPORun
 from tidal.trainers.ppo.ema import PolicyEMA

@@ -190,7 +190,7 @@ def make_exact(model: torch.nn.Module) -> torch.nn.Module:
     ``nn.Linear`` (LM head included), RMSNorm, the MLP's activation, RoPE and attention. Returns it."""
     from transformers import AttentionInterface
 
-    from tidal.rollout.models.layers import ACTIVATIONS, sliding_windows
+    from tidal.rollout.models.architecture import ACTIVATIONS, sliding_windows
 
     config = model.config
     problem = exact_problem(config)
