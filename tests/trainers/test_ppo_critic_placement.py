@@ -6,7 +6,10 @@ loads."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ from safetensors.torch import load_file
 from tidal.cli.train_ppo import parse_run
 from tidal.config import ConfigError
 from tidal.distributed import World
+from tidal.placement.build import log_placement
 from tidal.placement.workers import ExtraDevices
 from tidal.trainers.ppo import run_ppo
 from tidal.trainers.ppo.entry import check_tensor_parallel
@@ -106,6 +110,12 @@ def test_critic_placements_refused_before_any_model_loads(tiny_qwen2, prompts, t
     run = parse_run(flags(tiny_qwen2, prompts, tmp_path, *SEPARATE, "--ds_tensor_parallel_size", "2"))
     with pytest.raises(ConfigError, match="critic on devices of its own"):
         check_tensor_parallel(run, World(world_size=2, tp_size=2))
+    # torchrun: as many critic workers as processes, whatever the flags say
+    run = parse_run(flags(tiny_qwen2, prompts, tmp_path, *SEPARATE))
+    with pytest.raises(
+        ConfigError, match="= 1: a critic on devices of its own runs one worker per policy worker"
+    ):
+        log_placement(run, World(world_size=2))
     # colocated with the reward model (so with the policy): no separate critic, nothing refused
     run = parse_run(flags(tiny_qwen2, prompts, tmp_path, *SEPARATE, "--colocate_critic_reward",
                           "--actor_num_gpus_per_node", "2", "--critic_num_gpus_per_node", "2"))  # fmt: skip
@@ -123,3 +133,41 @@ def test_critic_devices_come_after_every_trainers_other_workers(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 7)
     with pytest.raises(ConfigError, match="need 8 GPUs on this node, found 7"):
         extra.after("critic", 1)
+
+
+REWARD = """
+import torch
+
+
+def reward_func(queries, prompts, labels, **kwargs):
+    return {"rewards": torch.tensor([sum(ord(c) for c in q[len(p):]) % 7 / 7 for q, p in zip(queries, prompts)])}
+"""
+
+
+@pytest.mark.slow  # about a minute and a half on a loaded 2-core machine (torchrun, 2 critic processes)
+def test_two_critic_workers_under_torchrun_match_colocated(tiny_qwen2, prompts, tmp_path):
+    """torchrun with 2 processes: the critic on 2 worker processes of its own (their own FSDP2 group,
+    meeting at a free port, not torchrun's store) takes the colocated critic's steps."""
+    (tmp_path / "reward.py").write_text(REWARD)  # a dense reward: the critic has returns to fit
+    base = (
+        "--remote_rm_url",
+        str(tmp_path / "reward.py"),
+        "--actor_num_gpus_per_node",
+        "2",
+        "--zero_stage",
+        "3",
+    )
+    specs = [{"kind": "ppo", "out": str(tmp_path / f"{name}.json"), "argv": flags(tiny_qwen2, prompts, tmp_path / name,
+                                                                               *base, *extra)}
+             for name, extra in (("here", ()), ("own", ("--critic_num_gpus_per_node", "2")))]  # fmt: skip
+    (tmp_path / "runs.json").write_text(json.dumps(specs))
+    runner = Path(__file__).resolve().parents[1] / "distributed" / "dist_runner.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(runner),
+           str(tmp_path / "runs.json")]  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    here, own = (json.loads((tmp_path / f"{n}.json").read_text())["history"] for n in ("here", "own"))
+    assert len(here) == 3 and here[-1]["critic/loss"] != here[0]["critic/loss"]
+    assert_same_steps(here, own)

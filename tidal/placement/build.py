@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tidal.config import ConfigError
 from tidal.config.placement import separate_critic
 from tidal.distributed.world import World
 from tidal.inference.scoring import check_same_tokenizer
@@ -127,6 +128,20 @@ def build_critic(run: PlacedRun, world: World, steps: int) -> CriticRole:
     return RemoteCritic(worker)
 
 
+def critic_workers(run: PlacedRun, world_size: int) -> int:
+    """Critic workers per trainer: 1 for a critic on devices of its own, whose count must then be the
+    number of processes (under torchrun the flags' sizes are not the launcher's), else 0."""
+    if not (run.algorithm.needs_critic and separate_critic(run.placement)):
+        return 0
+    count = run.placement.role_count("critic")
+    if count != world_size:
+        raise ConfigError(
+            f"--critic_num_nodes x --critic_num_gpus_per_node = {count}: a critic on devices of its own runs one "
+            f"worker per policy worker, so it must be {world_size} (the processes of this run)"
+        )
+    return 1
+
+
 def critic_ray_problem(run: PlacedRun) -> str | None:
     """Ray mode has no critic workers of its own yet (its actors are placed by the driver, which does
     not start a process group for them): a critic on devices of its own is refused there."""
@@ -168,8 +183,9 @@ def build_reward_models(run: PlacedRun, device: torch.device) -> RewardRole | No
 
 
 def log_placement(run: PlacedRun, world: World) -> None:
-    """Say once how the roles are placed: local mode (all counts 1) or data-parallel processes."""
-    counts = worker_counts(run, world.world_size)
+    """Say once how the roles are placed: local mode (all counts 1) or data-parallel processes; a
+    placement these processes cannot honour fails here, before any model loads."""
+    counts = worker_counts(run, world.world_size) | {"critic": critic_workers(run, world.world_size)}
     separate = ", ".join(f"{n} {role} worker(s)" for role, n in counts.items() if n)
     where = f"; on devices of their own: {separate}" if separate else ""
     if world.tp_size > 1:

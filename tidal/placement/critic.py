@@ -126,6 +126,7 @@ class CriticWorker:
         # this process's place among the critic workers (a child inherits its trainer's torchrun env)
         os.environ.update(RANK=str(spec.rank), WORLD_SIZE=str(spec.world_size), MASTER_ADDR=spec.master[0],
                           MASTER_PORT=str(spec.master[1]))  # fmt: skip
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 serves the critic group's own store
         self.world = init_world(spec.device)
         self.spec = spec
         torch.set_rng_state(spec.rng_state)
