@@ -5,8 +5,8 @@ then runs ``--steps`` decode steps through ``LLMEngine.step`` twice:
 
 1. timed with host clocks: the wall time of each step, and inside it the host-only phases — the
    scheduler (``schedule`` + ``postprocess``), the engine's bookkeeping (snapshots of the outputs), and
-   ``ModelRunner.run`` (which enqueues the forward and sampling, then blocks on the one device-to-host
-   copy of the sampled ids);
+   ``ModelRunner.run`` (which builds the decode inputs, enqueues the forward and sampling, then blocks
+   on the one device-to-host copy of the sampled ids);
 2. under ``torch.profiler``: every GPU kernel's time, grouped by what it does (GEMMs, attention, norms,
    rotary, sampling and log-softmax, element-wise and copies), so that ``gpu_busy_ms`` — the sum of kernel
    time per step — can be set against the wall time: the difference is time the GPU waits for the host.
@@ -64,6 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--enforce_eager", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top", type=int, default=15, help="kernels listed on stderr")
+    p.add_argument(
+        "--final_only",
+        action="store_true",
+        help="step(snapshot=...) declines every unfinished request (a non-streaming server's engine loop)",
+    )
     return p.parse_args(argv)
 
 
@@ -126,26 +131,30 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def step_kwargs(args) -> dict:
+    return {"snapshot": lambda request_id: False} if args.final_only else {}
+
+
 def host_phases(engine, args) -> dict:
     clock = PhaseClock()
     clock.wrap(engine.scheduler, "schedule", "schedule")
     clock.wrap(engine.scheduler, "postprocess", "postprocess")
     clock.wrap(engine.runner, "run", "runner_run")
-    clock.wrap(engine.runner, "_decode", "runner_forward_enqueue")
+    clock.wrap(engine.runner, "_decode_step", "runner_decode_inputs")
+    clock.wrap(engine.runner, "forward_step", "runner_forward_enqueue")
     clock.wrap(engine.runner, "sampler", "runner_sampler_enqueue")
     sync(args.device)
     start = time.perf_counter()
     for _ in range(args.steps):
-        engine.step()
+        engine.step(**step_kwargs(args))
     wall = time.perf_counter() - start
     ms = {phase: round(t / args.steps * 1e3, 4) for phase, t in clock.total.items()}
     ms["step_wall"] = round(wall / args.steps * 1e3, 4)
     ms["engine_bookkeeping"] = round(
         ms["step_wall"] - ms["schedule"] - ms["postprocess"] - ms["runner_run"], 4
     )
-    ms["runner_wait_for_gpu"] = round(
-        ms["runner_run"] - ms["runner_forward_enqueue"] - ms["runner_sampler_enqueue"], 4
-    )
+    enqueue = ms["runner_decode_inputs"] + ms["runner_forward_enqueue"] + ms["runner_sampler_enqueue"]
+    ms["runner_wait_for_gpu"] = round(ms["runner_run"] - enqueue, 4)
     return ms
 
 
@@ -156,7 +165,7 @@ def kernel_profile(engine, args) -> tuple[dict, list, float]:
     sync(args.device)
     with profile(activities=activities) as prof:
         for _ in range(args.steps):
-            engine.step()
+            engine.step(**step_kwargs(args))
         sync(args.device)
     on_gpu = args.device.startswith("cuda")
     per_kernel = defaultdict(float)
@@ -196,6 +205,7 @@ def main(argv=None) -> dict:
         "prompt_len": args.prompt_len,
         "temperature": args.temperature,
         "enforce_eager": args.enforce_eager,
+        "final_only": args.final_only,
         "host_ms": phases,
         "kernel_ms": kernels,
         "gpu_busy_ms": round(busy, 4),

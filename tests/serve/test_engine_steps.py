@@ -55,6 +55,31 @@ def test_streaming_snapshots_grow_until_finished(engine):
     assert lengths == [1, 2, 3, 4]
 
 
+def test_snapshot_choice_keeps_final_outputs_and_skips_the_others(engine):
+    """``step(snapshot=...)``: unfinished requests it declines get no output (nothing copied), chosen ones
+    one per step, and every request still gets its final output, equal to the all-snapshots run."""
+    params = [SamplingParams(max_new_tokens=n, seed=n) for n in (3, 5)]
+    ids = [engine.add_request([5, 6, 7 + i], p) for i, p in enumerate(params)]
+    reference = _drain(engine)
+    ids = [engine.add_request([5, 6, 7 + i], p) for i, p in enumerate(params)]
+    streamed, seen, final = ids[1], [], {}
+    while engine.has_unfinished():
+        for out in engine.step(snapshot=lambda r: r == streamed):
+            seen.append((out.request_id, out.finished))
+            if out.finished:
+                final[out.request_id] = out
+    assert [f for r, f in seen if r == ids[0]] == [True]  # the final output only
+    assert [f for r, f in seen if r == streamed] == [False] * 4 + [True]
+    for old, new in zip(sorted(reference), ids, strict=True):
+        a, b = reference[old].outputs[0], final[new].outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason, a.logprobs) == (
+            b.token_ids,
+            b.text,
+            b.finish_reason,
+            b.logprobs,
+        )
+
+
 def test_abort_frees_blocks_and_generate_refuses_while_in_flight(engine):
     free = engine.block_manager.num_free_blocks
     kept = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=6, seed=3))

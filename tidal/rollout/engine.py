@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import random
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -333,13 +333,18 @@ class LLMEngine:
         """Whether any step-level request still has a sample to generate."""
         return bool(self._requests)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, snapshot: Callable[[int], bool] | None = None) -> list[RequestOutput]:
         """Run one scheduler step (a prefill or one decode token per running sample).
 
         Returns a snapshot of every request that sampled a token in this step: its samples' ids and
         log-probs so far, ``finished`` once all its samples have ended (then each sample's ``text`` and
         ``finish_reason`` are set; before that ``text`` is empty and ``finish_reason`` is ``None``).
         A finished request leaves the engine.
+
+        ``snapshot(request_id)`` chooses the unfinished requests that get one (default: all); a finished
+        request always does. A snapshot copies everything sampled so far, so a caller that needs only
+        final outputs (a non-streaming server) skips a cost that grows with the length generated
+        (measured: 1.3 ms of a 4.3 ms decode step at 256 requests, docs/benchmarks.md).
         """
         if not self._requests:
             return []
@@ -353,10 +358,13 @@ class LLMEngine:
             self._requests.clear()
             raise
         advanced = dict.fromkeys(seq.request_index for seq in batch.seqs)
-        outputs = [self._snapshot(request_id) for request_id in advanced]
-        for out in outputs:
-            if out.finished:
-                del self._requests[out.request_id]
+        outputs = []
+        for request_id in advanced:
+            finished = all(seq.is_finished for seq in self._requests[request_id])
+            if finished or snapshot is None or snapshot(request_id):
+                outputs.append(self._snapshot(request_id))
+            if finished:
+                del self._requests[request_id]
         return outputs
 
     def abort(self, request_id: int) -> bool:

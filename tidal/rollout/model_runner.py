@@ -246,8 +246,11 @@ class ModelRunner:
                 start += n
             return
         for row, seq in enumerate(batch.seqs):
-            position = seq.num_tokens - 1
-            seq.routing = (seq.routing or [])[:position] + [ids[row]]
+            # in place (a list rebuilt every step would copy the whole record: quadratic in the length)
+            routing = seq.routing if seq.routing is not None else []
+            del routing[seq.num_tokens - 1 :]
+            routing.append(ids[row])
+            seq.routing = routing
 
     @torch.inference_mode()
     def forward_step(self, step: PrefillStep | DecodeStep) -> torch.Tensor:

@@ -98,7 +98,7 @@ class EngineLoop:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(snapshot=self._streams)
         except Exception as err:  # the engine dropped every request; tell their clients, keep serving
             log.exception("engine step failed; %d request(s) dropped", len(self._active))
             self._fail_all(err)
@@ -111,6 +111,12 @@ class EngineLoop:
                 del self._active[out.request_id]
             if out.finished or submission.stream:
                 submission.listener(out)
+
+    def _streams(self, request_id: int) -> bool:
+        """Whether a request's listener wants every step's output (streaming); the others get the final
+        one only, so the engine skips copying their outputs so far each step."""
+        submission = self._active.get(request_id)
+        return submission is not None and submission.stream
 
     def _fail_all(self, err: BaseException) -> None:
         for request_id, submission in list(self._active.items()):
