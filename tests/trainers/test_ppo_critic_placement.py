@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tidal.checkpoint import CheckpointError
 from tidal.cli.train_ppo import parse_run
 from tidal.config import ConfigError
 from tidal.distributed import World
@@ -80,6 +81,10 @@ def test_separate_critic_matches_colocated_resumes_and_exports(tiny_qwen2, promp
     assert [h["step"] for h in resumed] == [3]
     for key in KEYS:
         assert resumed[0][key] == separate[2][key], key
+
+    # the colocated run's checkpoint has no critic worker state: a one-line refusal, not a traceback
+    with pytest.raises(CheckpointError, match="no state of a critic on devices of its own"):
+        run_ppo(parse_run(flags(tiny_qwen2, prompts, tmp_path / "here", *SEPARATE, "--load_checkpoint")))
 
 
 @pytest.mark.parametrize(

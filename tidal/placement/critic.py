@@ -33,6 +33,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from tidal.checkpoint.hf_export import save_hf_model
+from tidal.checkpoint.resumable import CheckpointError
 from tidal.config import ModelConfig
 from tidal.config.distributed import DistributedConfig
 from tidal.config.training import OptimConfig
@@ -198,6 +199,11 @@ class RemoteCritic:
         return self.worker.call("state_dict")
 
     def load_state_dict(self, state: dict) -> None:
+        if not state:
+            raise CheckpointError(
+                "the checkpoint holds no state of a critic on devices of its own (it was written with the critic "
+                "on the policy workers): resume it with --critic_num_nodes/--critic_num_gpus_per_node unset"
+            )
         self.worker.call("load_state_dict", state)
         self._skipped = int(state["guard"].get("skipped", 0))
 
