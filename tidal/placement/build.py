@@ -28,7 +28,7 @@ from tidal.models import load_causal_lm
 from tidal.models.frozen import FrozenModel, frozen_copy_config
 from tidal.models.precision import Precision
 from tidal.models.value_model import load_value_model
-from tidal.placement.critic import CriticSpec, CriticWorker, LocalCritic, RemoteCritic
+from tidal.placement.critic import CriticSpec, CriticUpdate, CriticWorker, LocalCritic, RemoteCritic
 from tidal.placement.data_parallel import DataParallelRollout
 from tidal.placement.frozen_roles import LocalReference, RemoteReference, RemoteRewardModels
 from tidal.placement.protocols import CriticRole, PlacedRun, ReferenceRole, RewardRole, RolloutRole
@@ -102,22 +102,21 @@ def build_rollout(run: PlacedRun, world: World, tokenizer, workers: dict[str, li
     return DataParallelRollout(rollout, world) if world.distributed else rollout
 
 
-def build_critic(run: PlacedRun, world: World, steps: int) -> CriticRole:
+def build_critic(run: PlacedRun, world: World, steps: int, update: CriticUpdate) -> CriticRole:
     """The critic from ``--critic_pretrain`` (else the first reward model, else the policy): on this
     rank's device (FSDP2-sharded over the policy workers), or on a worker process of its own when
     ``--critic_num_*`` give it devices (``tidal.config.placement.separate_critic``). ``steps``: optimizer
-    steps of the run (the LR schedule)."""
+    steps of the run (the LR schedule); ``update``: its PPO epochs (the trainer's, run where it is)."""
     cfg = dataclasses.replace(run.actor, pretrain=run.critic_source)
     if not separate_critic(run.placement):
         model = load_value_model(cfg, world.device, run.critic.value_head_prefix)
         opt = build_optimization(model, cfg, run.critic_optim, run.dist, world, steps)
-        return LocalCritic(opt, run.algorithm.value_clip, world)
+        return LocalCritic(opt, update, world)
     counts = worker_counts(run, world.world_size)  # the other roles' devices come first
     extra = ExtraDevices({**counts, "engine": counts["engine"] * run.rollout.vllm_tensor_parallel_size})
     devices = extra.after("critic", 1)
     # the value head's random init starts where a colocated critic's would (after the policy's load)
-    spec = CriticSpec(cfg, run.critic_optim, run.dist, run.critic.value_head_prefix, run.algorithm.value_clip,
-                      steps, torch.get_rng_state(), world.rank, world.world_size, critic_rendezvous(world),
+    spec = CriticSpec(cfg, run.critic_optim, run.dist, run.critic.value_head_prefix, update, steps, torch.get_rng_state(), world.rank, world.world_size, critic_rendezvous(world),
                       devices[0], torch.get_num_threads())  # fmt: skip
     [worker] = start_process_workers(CriticWorker, [spec], "critic", devices)
     try:

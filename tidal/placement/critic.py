@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,13 +45,16 @@ from tidal.experience.maker import forward_values
 from tidal.models.value_model import load_value_model
 from tidal.trainers.common import build_optimization
 from tidal.trainers.loop import Optimization
-from tidal.trainers.ppo.update import StepShape, ValueLoss, train_on_experience
+
+# The critic's PPO epochs: ``update(opt, exp, shape, world, generator) -> stats``, given by the trainer
+# (``tidal.trainers.ppo.entry.ValueUpdate``; picklable, so a critic worker runs the same code).
+CriticUpdate = Callable[..., dict[str, float]]
 
 CPU = torch.device("cpu")
 
 
 def skip_shuffles(generator: torch.Generator, rows: int, epochs: int) -> None:
-    """Advance ``generator`` past the draws ``train_on_experience`` makes for ``rows`` rows over
+    """Advance ``generator`` past the draws ``tidal.trainers.ppo.update.train_on_experience`` makes for ``rows`` rows over
     ``epochs`` epochs (one permutation each), as if the critic had trained with it here."""
     for _ in range(epochs):
         torch.randperm(rows, generator=generator)
@@ -59,16 +63,15 @@ def skip_shuffles(generator: torch.Generator, rows: int, epochs: int) -> None:
 class LocalCritic:
     """The critic on this rank's device (see the module docstring)."""
 
-    def __init__(self, opt: Optimization, value_clip: float | None, world: World):
-        self.opt, self.value_clip, self.world = opt, value_clip, world
+    def __init__(self, opt: Optimization, update: CriticUpdate, world: World):
+        self.opt, self.update, self.world = opt, update, world
         self._stats: dict[str, float] | None = None
 
     def values(self, exp: Experience, micro: int, packing: bool, max_tokens: int | None) -> Tensor:
         return forward_values(self.opt.model, exp, micro, packing, self.opt.precision, max_tokens)
 
-    def start_train(self, exp: Experience, shape: StepShape, generator: torch.Generator) -> None:
-        loss = ValueLoss(self.value_clip, self.opt.precision, shape.packing)
-        self._stats = train_on_experience(self.opt, exp, loss, shape, self.world, generator)
+    def start_train(self, exp: Experience, shape, generator: torch.Generator) -> None:
+        self._stats = self.update(self.opt, exp, shape, self.world, generator)
 
     def finish_train(self) -> dict[str, float]:
         stats, self._stats = self._stats or {}, None
@@ -103,7 +106,7 @@ class CriticSpec:
     optim: OptimConfig
     dist: DistributedConfig
     value_head_prefix: str
-    value_clip: float | None
+    update: CriticUpdate
     total_steps: int
     rng_state: Tensor
     rank: int = 0
@@ -142,11 +145,10 @@ class CriticWorker:
         exp = exp.to(self.world.device)
         return forward_values(self.opt.model, exp, micro, packing, self.opt.precision, max_tokens).cpu()
 
-    def train(self, exp: Experience, shape: StepShape, generator_state: Tensor) -> tuple[dict, int]:
+    def train(self, exp: Experience, shape, generator_state: Tensor) -> tuple[dict, int]:
         generator = torch.Generator()
         generator.set_state(generator_state)
-        loss = ValueLoss(self.spec.value_clip, self.opt.precision, shape.packing)
-        stats = train_on_experience(self.opt, exp.to(self.world.device), loss, shape, self.world, generator)
+        stats = self.spec.update(self.opt, exp.to(self.world.device), shape, self.world, generator)
         return stats, self.opt.guard.skipped
 
     def state_dict(self) -> dict:
@@ -177,7 +179,7 @@ class RemoteCritic:
         values = self.worker.call("values", exp.to(CPU), micro, packing, max_tokens)
         return values.to(exp.sequences.device)
 
-    def start_train(self, exp: Experience, shape: StepShape, generator: torch.Generator) -> None:
+    def start_train(self, exp: Experience, shape, generator: torch.Generator) -> None:
         self.worker.submit("train", exp.to(CPU), shape, generator.get_state())
         skip_shuffles(generator, len(exp), shape.epochs)
 

@@ -11,6 +11,7 @@ then runs ``train``: check the models and prompts before anything loads, build t
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig
@@ -36,6 +37,7 @@ from tidal.trainers.loop import Optimization
 from tidal.trainers.ppo.config import PPORun
 from tidal.trainers.ppo.ptx import PtxStream
 from tidal.trainers.ppo.trainer import PPOParts, PPOTrainer
+from tidal.trainers.ppo.update import StepShape, ValueLoss, train_on_experience
 from tidal.trainers.sft import load_sft_samples
 
 log = get_logger(__name__)
@@ -218,9 +220,22 @@ def total_update_steps(run: PPORun, num_prompts: int) -> int:
 def build_parts(run: PPORun, world: World, tokenizer, steps: int, ray_actors: dict | None = None) -> PPOParts:
     """The policy (and critic) on this device, then the other roles from ``tidal.placement``."""
     actor = build_actor(run, world, steps)
-    critic = build_critic(run, world, steps) if run.algorithm.needs_critic else None  # here or its own
+    update = ValueUpdate(run.algorithm.value_clip)  # the critic's epochs, here or in its own worker
+    critic = build_critic(run, world, steps, update) if run.algorithm.needs_critic else None
     roles = build_roles(run, world, tokenizer, actor.precision, ray_actors)
     return PPOParts(actor, critic, roles.reference, roles.rollout, tokenizer)
+
+
+@dataclass(frozen=True)
+class ValueUpdate:
+    """The critic's PPO epochs on an experience (``tidal.placement.critic.CriticUpdate``): picklable, so
+    a critic on devices of its own runs this same code in its worker."""
+
+    value_clip: float | None
+
+    def __call__(self, opt: Optimization, exp, shape: StepShape, world: World, generator) -> dict[str, float]:
+        loss = ValueLoss(self.value_clip, opt.precision, shape.packing)
+        return train_on_experience(opt, exp, loss, shape, world, generator)
 
 
 def build_actor(run: PPORun, world: World, steps: int) -> Optimization:
