@@ -54,8 +54,9 @@ CPU = torch.device("cpu")
 
 
 def skip_shuffles(generator: torch.Generator, rows: int, epochs: int) -> None:
-    """Advance ``generator`` past the draws ``tidal.trainers.ppo.update.train_on_experience`` makes for ``rows`` rows over
-    ``epochs`` epochs (one permutation each), as if the critic had trained with it here."""
+    """Advance ``generator`` past the draws the critic's update (``train_on_experience`` of
+    ``tidal.trainers.ppo.update``) makes for ``rows`` rows over ``epochs`` epochs (one permutation
+    each), as if the critic had trained with it here."""
     for _ in range(epochs):
         torch.randperm(rows, generator=generator)
 
