@@ -106,6 +106,23 @@ def test_local_tp_engine_with_too_few_gpus_exits_2(tiny_model, prompts, tmp_path
     assert f"{message} but 1 are visible" in capsys.readouterr().err
 
 
+def test_local_tp_engine_over_separate_workers_gpus_exits_2(
+    tiny_model, prompts, tmp_path, capsys, monkeypatch
+):
+    """A local TP=2 engine takes cuda:1, where a reference on a device of its own would start: refused."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    extra = ("--vllm_tensor_parallel_size", "2", "--ref_num_nodes", "1", "--ref_num_gpus_per_node", "1",
+             "--init_kl_coef", "0.01")  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        ppo_main(flags(tiny_model("llama"), prompts, tmp_path, *extra))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        "--vllm_tensor_parallel_size 2: the local engine spans cuda:0..cuda:1, the GPUs where the ref" in err
+    )
+
+
 RUNNER = Path(__file__).resolve().parents[1] / "distributed" / "dist_runner.py"
 
 

@@ -196,6 +196,20 @@ def local_engine_gpu_problem(tp: int, gpus: int) -> str | None:
     return None
 
 
+def local_engine_overlap_problem(p: PlacementConfig, tp: int) -> str | None:
+    """Local mode on CUDA: a ``tp``-GPU engine takes cuda:1..cuda:tp-1 too, which is where workers on
+    devices of their own (reference, reward model, critic) would start."""
+    roles = [role for role, separate in (("ref", separate_reference(p)), ("reward", separate_reward(p)),
+                                         ("critic", separate_critic(p))) if separate]  # fmt: skip
+    if tp == 1 or not roles:
+        return None
+    return (
+        f"the local engine spans cuda:0..cuda:{tp - 1}, the GPUs where the {', '.join(roles)} worker(s) on "
+        f"devices of their own would start: run the engines on their own devices too (--vllm_num_engines "
+        f"without --colocate_all_models) or colocate the {', '.join(roles)} model(s) with the policy"
+    )
+
+
 def separate_engine_problems(p: PlacementConfig, engines: int, w: int) -> list[str]:
     """``engines`` separate engines for ``w`` policy workers (processes)."""
     problems = []

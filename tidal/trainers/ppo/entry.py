@@ -17,7 +17,12 @@ import torch
 from transformers import AutoConfig
 
 from tidal.config import ConfigError
-from tidal.config.placement import local_engine_gpu_problem, separate_critic, separate_engines
+from tidal.config.placement import (
+    local_engine_gpu_problem,
+    local_engine_overlap_problem,
+    separate_critic,
+    separate_engines,
+)
 from tidal.data import SFTDataConfig, build_prompt_samples, load_dataset_spec
 from tidal.distributed import World, init_world
 from tidal.distributed.mesh import ring_group, ring_layout_problems
@@ -166,6 +171,7 @@ def check_models_before_loading(run: PPORun) -> None:
     )
     if not tp_problem and tp > 1 and local_engine and torch.cuda.is_available():
         tp_problem = local_engine_gpu_problem(tp, torch.cuda.device_count())
+        tp_problem = tp_problem or local_engine_overlap_problem(run.placement, tp)
     if tp_problem:
         raise ConfigError(f"--vllm_tensor_parallel_size {tp}: {tp_problem}")
     if run.rollout.enable_prefix_caching and (problem := context_prefill_problem(config)):
