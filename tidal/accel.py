@@ -20,3 +20,7 @@ def triton_available() -> bool:
 def triton_usable(t: torch.Tensor) -> bool:
     """Triton kernels can run on ``t``: a CUDA tensor, with Triton installed."""
     return t.is_cuda and triton_available()
+
+
+# The dtype names of --param_dtype and --grad_accum_dtype (OpenRLHF's spellings), for every layer.
+DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -20,6 +20,12 @@ def _flag(default, help: str, **extra):
     return field(default=default, metadata={"help": help, **extra})
 
 
+def check_max_len(max_len: int) -> None:
+    """Every sample config's length bound: room for at least a prompt token and a response token."""
+    if max_len < 2:
+        raise DataError(f"--max_len must be at least 2, got {max_len}")
+
+
 @dataclass
 class SFTDataConfig:
     """SFT data: which keys hold the prompt and response, how to render them, what is trained."""
@@ -39,15 +45,13 @@ class SFTDataConfig:
     max_len: int = _flag(2048, "skip samples longer than this many tokens")
 
     def validate(self) -> None:
-
         if self.output_key is None and not (self.multiturn or self.pretrain_mode):
             raise DataError("--output_key is required unless --multiturn or --pretrain_mode is set")
         if self.multiturn and not self.apply_chat_template:
             raise DataError(
                 "--multiturn needs --apply_chat_template (turns are found with the chat template)"
             )
-        if self.max_len < 2:
-            raise DataError(f"--max_len must be at least 2, got {self.max_len}")
+        check_max_len(self.max_len)
 
 
 @dataclass
@@ -66,11 +70,9 @@ class PairDataConfig:
     max_len: int = _flag(512, "skip pairs whose chosen or rejected sequence is longer than this")
 
     def validate(self) -> None:
-
         if self.input_template and not self.prompt_key:
             raise DataError("--input_template formats the prompt, so it needs --prompt_key")
-        if self.max_len < 2:
-            raise DataError(f"--max_len must be at least 2, got {self.max_len}")
+        check_max_len(self.max_len)
 
 
 @dataclass
@@ -89,9 +91,7 @@ class UnpairedDataConfig:
     max_len: int = _flag(2048, "skip samples whose prompt + response is longer than this many tokens")
 
     def validate(self) -> None:
-
-        if self.max_len < 2:
-            raise DataError(f"--max_len must be at least 2, got {self.max_len}")
+        check_max_len(self.max_len)
 
 
 @dataclass
@@ -111,8 +111,6 @@ class PRMDataConfig:
     max_len: int = _flag(2048, "skip samples longer than this many tokens")
 
     def validate(self) -> None:
-
-        if self.max_len < 2:
-            raise DataError(f"--max_len must be at least 2, got {self.max_len}")
+        check_max_len(self.max_len)
         if self.reward_tokens is not None and len(set(self.reward_tokens)) != len(self.reward_tokens):
             raise DataError(f"--reward_tokens must be distinct, got {self.reward_tokens}")

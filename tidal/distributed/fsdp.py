@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from tidal.accel import DTYPE_NAMES
 from tidal.config.distributed import DistributedConfig
 from tidal.distributed.offload import cpu_offload_policy, ensure_process_group
 from tidal.distributed.tensor_parallel import apply_tensor_parallel, training_mesh
@@ -23,14 +24,9 @@ from tidal.logging import get_logger
 log = get_logger(__name__)
 
 
-# --grad_accum_dtype names (tidal.models.precision's names for --param_dtype; a copy here so that
-# tidal.distributed does not import tidal.models, which imports it)
-_GRAD_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
 def grad_accum_dtype(name: str | None) -> torch.dtype:
     """Map ``--grad_accum_dtype`` (``fp32``/``bf16``/``fp16``, unset: fp32) to a torch dtype."""
-    return torch.float32 if name is None else _GRAD_DTYPES[name]
+    return torch.float32 if name is None else DTYPE_NAMES[name]
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from tidal.accel import DTYPE_NAMES
 
 
 def resolve_dtype(param_dtype: str, device: torch.device) -> torch.dtype:
     """Map the ``--param_dtype`` choice to a torch dtype for ``device``."""
     if param_dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[param_dtype]
+    return DTYPE_NAMES[param_dtype]
 
 
 @dataclass
