@@ -65,7 +65,7 @@ class DPOObjective:
         loss, metrics = self.loss_from_logps(logps, counts, ref_logps, normaliser)
         share = logps.shape[0] / 2 / normaliser
         # A dense model has no router: its load-balancing loss is 0 (as SFT and PPO; docs/openrlhf.md).
-        aux = moe_aux_term(model, router_logits, batch, self.aux_loss_coef, share, dense_is_zero=True)
+        aux = moe_aux_term(model, router_logits, batch, self.aux_loss_coef, share)
         if aux is not None:
             loss = loss + aux
             metrics["aux_loss"] = aux.detach()

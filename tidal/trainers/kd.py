@@ -83,7 +83,7 @@ class KDObjective(SFTBatching):
         metrics["teacher_kl"] = kl[trained].sum() / normaliser
         # A dense model has no router: its load-balancing loss is 0 (as SFT and PPO; docs/openrlhf.md).
         share = float(trained.sum()) / normaliser
-        aux = moe_aux_term(model, router_logits, batch, self.aux_loss_coef, share, dense_is_zero=True)
+        aux = moe_aux_term(model, router_logits, batch, self.aux_loss_coef, share)
         if aux is not None:
             loss = loss + aux
             metrics["aux_loss"] = aux.detach()

@@ -100,7 +100,7 @@ class KTOObjective:
                 metrics[name] = rewards[mask].sum() / units
         # A dense model has no router: its load-balancing loss is 0 (as SFT and PPO; docs/openrlhf.md).
         share = len(losses) / normaliser
-        aux = moe_aux_term(model, router_logits, batch, self.aux_loss_coef, share, dense_is_zero=True)
+        aux = moe_aux_term(model, router_logits, batch, self.aux_loss_coef, share)
         if aux is not None:
             loss = loss + aux
             metrics["aux_loss"] = aux.detach()

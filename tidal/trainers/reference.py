@@ -109,18 +109,15 @@ def moe_aux_term(
     batch: dict,
     coef: float,
     share: float,
-    dense_is_zero: bool = False,
 ) -> torch.Tensor | None:
     """``--aux_loss_coef`` × the MoE load-balancing loss, weighted by this micro-batch's ``share`` of the
-    step (so accumulation leaves the update unchanged); ``None`` when the coefficient is 0, or for a
-    dense model when ``dense_is_zero`` (else a dense model is a ``ConfigError``)."""
+    step (so accumulation leaves the update unchanged); ``None`` when the coefficient is 0 or the model
+    is dense (it has no router: the term is 0, as every trainer treats it)."""
     if coef <= 0:
         return None
     # Packed rows hold only real tokens; padded rows count only the attended ones.
     tokens = None if "segment_ids" in batch else batch.get("attention_mask")
     aux = router_aux_loss(model, router_logits, tokens)
     if aux is None:
-        if dense_is_zero:
-            return None
-        raise ConfigError("--aux_loss_coef > 0 needs a mixture-of-experts model (this one has no router)")
+        return None
     return coef * aux * share

@@ -57,7 +57,7 @@ class SFTObjective(SFTBatching):
         metrics = {"loss": loss.detach()}
         # Weighted by the micro-batch's share of the step's tokens; a dense model adds 0, as OpenRLHF.
         share = mask.sum() / normaliser
-        aux = moe_aux_term(model, router_logits, batch, self.aux_loss_coef, share, dense_is_zero=True)
+        aux = moe_aux_term(model, router_logits, batch, self.aux_loss_coef, share)
         if aux is not None:
             loss = loss + aux
             metrics["aux_loss"] = aux.detach()
