@@ -350,8 +350,7 @@ class LLMEngine:
             return []
         batch = self.scheduler.schedule()
         try:
-            tokens, logprobs = self.runner.run(batch)
-            self.scheduler.postprocess(batch, tokens, logprobs)
+            self.scheduler.postprocess(batch, *self.runner.run(batch))
         except BaseException:
             # Same rule as generate: a failed step must not leave half-advanced sequences behind.
             self.scheduler.abort_all()
@@ -392,7 +391,14 @@ class LLMEngine:
         outputs = [
             self._completion(seq)
             if finished
-            else CompletionOutput(seq.sample_index, "", seq.output_token_ids, list(seq.output_logprobs), None)
+            else CompletionOutput(
+                seq.sample_index,
+                "",
+                seq.output_token_ids,
+                list(seq.output_logprobs),
+                None,
+                top_logprobs=_copy(seq.output_top_logprobs),
+            )
             for seq in group
         ]
         return RequestOutput(
@@ -409,8 +415,7 @@ class LLMEngine:
         try:
             while self.scheduler.has_unfinished():
                 batch = self.scheduler.schedule()
-                tokens, logprobs = self.runner.run(batch)
-                for seq in self.scheduler.postprocess(batch, tokens, logprobs):
+                for seq in self.scheduler.postprocess(batch, *self.runner.run(batch)):
                     remaining[seq.request_index] -= 1
                     if bar is not None and remaining[seq.request_index] == 0:
                         bar.update(1)
@@ -488,6 +493,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             routed_experts=None if seq.routing is None else np.stack(seq.routing[: seq.num_tokens - 1]),
+            top_logprobs=_copy(seq.output_top_logprobs),
         )
 
     # ------------------------------------------------------------------ weights and memory
@@ -537,6 +543,11 @@ class LLMEngine:
     @property
     def is_sleeping(self) -> bool:
         return self.sleep_level > 0
+
+
+def _copy(items: list | None) -> list | None:
+    """A snapshot of a growing per-token list (None stays None)."""
+    return None if items is None else list(items)
 
 
 def _cut_at_stop(text: str, params: SamplingParams) -> str:

@@ -33,9 +33,13 @@ from tidal.rollout.models.layers import ACTIVATIONS as ACTIVATIONS_BY_NAME
 from tidal.rollout.models.layers import CausalLM, GatedMLP, RMSNorm, Rotary
 from tidal.rollout.models.moe import SparseMoE
 from tidal.rollout.models.parallel import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
-from tidal.rollout.sampler import Sampler, SamplingTensors
+from tidal.rollout.sampler import Sampler, SamplingTensors, top_logprobs
 from tidal.rollout.scheduler import ScheduledBatch
 from tidal.rollout.sequence import Sequence
+
+# What a step returns per sampled row: token ids, their log-probs and, when any row asks, each row's
+# (token id, log-prob) alternatives (None for a row that did not ask); see ``ModelRunner.run``.
+StepResult = tuple[list[int], list[float], list[list[tuple[int, float]] | None] | None]
 
 
 @dataclass
@@ -212,7 +216,9 @@ class ModelRunner:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[int], list[float]]:
+    def run(self, batch: ScheduledBatch) -> StepResult:
+        """Run one scheduled step: its sampled tokens, their log-probs and, for the rows whose request asks
+        (``SamplingParams.logprobs``), their top alternatives (None when no row does)."""
         if batch.chunks is not None:
             return self._run_context_prefill(batch)
         for router in self.routers:
@@ -224,10 +230,7 @@ class ModelRunner:
         logits = self.forward_step(step)
         if self.routers:
             self._store_routing(batch)
-        tokens, logprobs = self.sampler(logits, self._sampling_tensors(batch.seqs))
-        # One device-to-host copy (float64 holds every token id exactly).
-        packed = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).cpu()
-        return packed[0].to(torch.int64).tolist(), packed[1].tolist()
+        return self._sample(logits, batch.seqs)
 
     def _store_routing(self, batch: ScheduledBatch) -> None:
         """Give each sequence the experts its step's input tokens were routed to (one copy to the host).
@@ -341,7 +344,7 @@ class ModelRunner:
         )
         return self.model(input_ids, positions, meta)
 
-    def _run_context_prefill(self, batch: ScheduledBatch) -> tuple[list[int], list[float]]:
+    def _run_context_prefill(self, batch: ScheduledBatch) -> StepResult:
         """A prefill with context (prefix caching / chunked prefill): each group computes its tokens
         ``[start, end)`` against the K/V of ``[0, start)`` in the cache; only groups whose prompt ends
         here sample. Eager and single-process (the engine refuses these features with tensor parallelism
@@ -385,12 +388,28 @@ class ModelRunner:
             self.kv_cache[:, :, self._tensor(dst)] = self.kv_cache[:, :, self._tensor(src)]
         seqs = batch.seqs
         if not seqs:  # every group is between chunks: nothing to sample yet
-            return [], []
+            return [], [], None
         sampled = [group for group, final in zip(batch.groups, batch.final, strict=True) if final]
         rows = self._tensor([i for i, group in enumerate(sampled) for _ in group])
-        tokens, logprobs = self.sampler(logits[rows], self._sampling_tensors(seqs))
-        packed = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).cpu()
-        return packed[0].to(torch.int64).tolist(), packed[1].tolist()
+        return self._sample(logits[rows], seqs)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepResult:
+        """Sample one token per row; the top log-prob alternatives only when some row asks for them."""
+        st = self._sampling_tensors(seqs)
+        tokens, logprobs = self.sampler(logits, st)
+        k = st.num_top_logprobs
+        if not k:  # one device-to-host copy (float64 holds every token id exactly)
+            packed = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).cpu()
+            return packed[0].to(torch.int64).tolist(), packed[1].tolist(), None
+        ids, values = top_logprobs(logits, st, k, self.exact)
+        columns = (tokens[:, None], logprobs[:, None], ids, values)
+        packed = torch.cat([c.to(torch.float64) for c in columns], dim=1).cpu().numpy()
+        top_ids, top_values = packed[:, 2 : 2 + k].astype(np.int64).tolist(), packed[:, 2 + k :].tolist()
+        top = [
+            list(zip(row_ids, row_values, strict=True)) if seq.params.num_top_logprobs else None
+            for seq, row_ids, row_values in zip(seqs, top_ids, top_values, strict=True)
+        ]
+        return packed[:, 0].astype(np.int64).tolist(), packed[:, 1].tolist(), top
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         """Per-row settings; a decode step over the same sequences as the previous one reuses its tensors
@@ -425,9 +444,14 @@ class ModelRunner:
         suppress_rows = self._tensor([r for r, _ in suppress]) if suppress else None
         suppress_tokens = self._tensor([t for _, t in suppress]) if suppress else None
         penalty = self._penalty_tensors(seqs)
+        top = min(max(p.num_top_logprobs for p in params), vocab)
         if all(p.greedy for p in params):
             return SamplingTensors(
-                all_greedy=True, suppress_rows=suppress_rows, suppress_tokens=suppress_tokens, **penalty
+                all_greedy=True,
+                suppress_rows=suppress_rows,
+                suppress_tokens=suppress_tokens,
+                num_top_logprobs=top,
+                **penalty,
             )
         # Two host-to-device copies for all per-row settings, not one per field.
         ints = self._tensor(
@@ -454,6 +478,7 @@ class ModelRunner:
             positions=ints[2],
             suppress_rows=suppress_rows,
             suppress_tokens=suppress_tokens,
+            num_top_logprobs=top,
             **penalty,
         )
 

@@ -20,6 +20,9 @@ class CompletionOutput:
     # With ``EngineConfig.record_routing`` on a MoE model: ``[prompt + output tokens - 1, MoE layers, k]``
     # int expert ids each token was routed to (every token but the last, which no forward read).
     routed_experts: np.ndarray | None = None
+    # With ``SamplingParams.logprobs`` = k > 0: per output token, its k most likely alternatives as
+    # (token id, log-prob) pairs, most likely first (the distribution of ``logprobs``); None otherwise.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def cumulative_logprob(self) -> float:

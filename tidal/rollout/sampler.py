@@ -11,6 +11,8 @@ computed with integer tensor ops, so:
 
 The returned log-prob is ``log_softmax(logits / T)`` (raw logits when greedy) of the chosen token,
 before truncation, the ``min_new_tokens`` suppression and the repetition penalty (see ``SamplingParams``).
+``top_logprobs`` gives the k most likely tokens of that same distribution, for the steps where a request
+asks for alternatives (``SamplingParams.logprobs``); other steps never compute it.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ class SamplingTensors:
     penalty_rows: torch.Tensor | None = None
     penalty_tokens: torch.Tensor | None = None
     penalties: torch.Tensor | None = None  # float32
+    # The most top log-prob alternatives any row asks for (SamplingParams.logprobs); 0: none computed.
+    num_top_logprobs: int = 0
 
 
 def apply_repetition_penalty(
@@ -152,6 +156,26 @@ def exact_logprobs(logits: torch.Tensor, tokens: torch.Tensor, st: SamplingTenso
     if st.all_greedy:
         return token_logprobs(logits, tokens)
     return token_logprobs(logits, tokens, torch.where(st.temperatures == 0, 1.0, st.temperatures))
+
+
+def top_logprobs(
+    logits: torch.Tensor, st: SamplingTensors, k: int, exact: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely tokens of every row and their log-probs, most likely first: ``(ids [rows, k],
+    logprobs [rows, k])`` of the distribution the sampled log-prob comes from, ``log_softmax(logits / T)``
+    (raw logits for greedy rows), before truncation, suppression and the repetition penalty. The ops are
+    those of ``Sampler.reference`` (``exact``: of ``exact_logprobs``), so a sampled token among the top k
+    has the same log-prob in both."""
+    scaled = logits.float()
+    if not st.all_greedy:
+        scaled = scaled / torch.where(st.temperatures == 0, 1.0, st.temperatures)[:, None]
+    if not exact:
+        values, ids = scaled.log_softmax(dim=-1).topk(k, dim=-1)
+        return ids, values
+    # log-softmax is increasing within a row: its top k are the scaled logits' top k.
+    ids = scaled.topk(k, dim=-1).indices
+    values = torch.stack([exact_logprobs(logits, ids[:, j], st) for j in range(k)], dim=-1)
+    return ids, values
 
 
 def sequence_seed(request_seed: int, sample_index: int) -> int:

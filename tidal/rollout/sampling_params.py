@@ -5,6 +5,11 @@ the per-token log-prob returned with every sampled token is ``log_softmax(logits
 of the model's *unmodified* logits, i.e. taken BEFORE top-k / top-p / min-p truncation and before the
 ``min_new_tokens`` suppression of stop tokens, and before the repetition penalty. With
 ``temperature == 0`` (greedy) it is the raw ``log_softmax(logits)[token]``.
+
+``logprobs=k`` adds, per sampled token, the k most likely tokens of that same distribution (after
+temperature, before truncation): vLLM returns the raw-logit log-softmax there by default; tidal keeps the
+alternatives consistent with the sampled token's own log-prob, so the sampled token, when among them,
+carries the same value.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ class SamplingParams:
       or the output is divided by it when positive and multiplied by it when negative (> 1 discourages
       repeats, 1 is off); it changes which token is sampled, not the returned log-probs.
     - ``n``: samples per prompt; the prompt is prefilled once and its KV cache blocks are shared.
+    - ``logprobs`` (vLLM's name): with k > 0, each output token also gets its k most likely alternatives
+      (``CompletionOutput.top_logprobs``); None or 0 computes none.
     - ``seed``: same seed -> same outputs; noise is derived from (seed, sample index, output position),
       so it does not depend on which other requests share the batch. Unseeded requests draw a seed from
       the engine's seeded generator, so a fixed engine seed and request list also reproduce.
@@ -53,6 +60,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     repetition_penalty: float = 1.0
+    logprobs: int | None = None
     # vLLM spellings; when given they override the *_new_tokens fields and are kept equal to them.
     max_tokens: int | None = None
     min_tokens: int | None = None
@@ -85,6 +93,7 @@ class SamplingParams:
             ),
             (all(s for s in self.stop), "stop strings must be non-empty"),
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -97,6 +106,11 @@ class SamplingParams:
     @property
     def penalizes_repetition(self) -> bool:
         return self.repetition_penalty != 1.0
+
+    @property
+    def num_top_logprobs(self) -> int:
+        """How many alternatives each output token gets (0: none)."""
+        return self.logprobs or 0
 
     @property
     def needs_truncation(self) -> bool:

@@ -232,14 +232,21 @@ class Scheduler:
         self.waiting.appendleft([seq])
 
     def postprocess(
-        self, batch: ScheduledBatch, token_ids: list[int], logprobs: list[float]
+        self,
+        batch: ScheduledBatch,
+        token_ids: list[int],
+        logprobs: list[float],
+        top_logprobs: list[list[tuple[int, float]] | None] | None = None,
     ) -> list[Sequence]:
-        """Append sampled tokens, apply stop rules; return the sequences that finished this step."""
+        """Append sampled tokens (and the top alternatives of the rows that asked for them), apply stop
+        rules; return the sequences that finished this step."""
         if batch.chunks is not None:
             self._record_chunks(batch)
         finished = []
-        for seq, token, logprob in zip(batch.seqs, token_ids, logprobs, strict=True):
-            seq.append(token, logprob)
+        seqs = batch.seqs
+        tops = top_logprobs if top_logprobs is not None else [None] * len(seqs)
+        for seq, token, logprob, top in zip(seqs, token_ids, logprobs, tops, strict=True):
+            seq.append(token, logprob, top)
             self._check_stop(seq)
             if seq.is_finished:
                 self.block_manager.free(seq)

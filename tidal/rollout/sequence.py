@@ -39,6 +39,8 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.output_logprobs: list[float] = []
+        # SamplingParams.logprobs = k > 0: each output token's k (token id, log-prob) alternatives.
+        self.output_top_logprobs: list[list[tuple[int, float]]] | None = [] if params.logprobs else None
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
@@ -75,9 +77,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
-    def append(self, token_id: int, logprob: float) -> None:
+    def append(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None = None) -> None:
         self.token_ids.append(token_id)
         self.output_logprobs.append(logprob)
+        if self.output_top_logprobs is not None:
+            self.output_top_logprobs.append(top[: self.params.logprobs])
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         self.status = SequenceStatus.FINISHED
