@@ -206,7 +206,8 @@ def test_malformed_and_unsupported_requests(served):
     assert status == 400 and "not valid JSON" in body["error"]["message"]
     assert body["error"]["type"] == "invalid_request_error"
     cases = [
-        ({"model": "tiny", "messages": MESSAGES, "top_logprobs": 2, "logprobs": True}, 400, "top_logprobs"),
+        ({"model": "tiny", "messages": MESSAGES, "top_logprobs": 21, "logprobs": True}, 400, "[0, 20]"),
+        ({"model": "tiny", "messages": MESSAGES, "top_logprobs": 2}, 400, "needs 'logprobs': true"),
         ({"model": "tiny", "messages": MESSAGES, "presence_penalty": 0.5}, 400, "presence_penalty"),
         (
             {"model": "tiny", "messages": MESSAGES, "temperature": "hot"},
@@ -221,9 +222,9 @@ def test_malformed_and_unsupported_requests(served):
         status, body = _post(base + "/chat/completions", json.dumps(payload).encode())
         assert (status, fragment in body["error"]["message"]) == (want_status, True), body
     status, body = _post(
-        base + "/completions", json.dumps({"model": "tiny", "prompt": "a", "logprobs": 2}).encode()
+        base + "/completions", json.dumps({"model": "tiny", "prompt": "a", "logprobs": 6}).encode()
     )
-    assert status == 400 and "'logprobs' > 0" in body["error"]["message"]
+    assert status == 400 and "'logprobs' must be in [0, 5]" in body["error"]["message"]
 
 
 def test_recorder_keeps_episode_tokens(client, served):

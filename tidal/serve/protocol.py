@@ -2,8 +2,15 @@
 
 Pure functions over dicts (no HTTP here). A request is checked field by field; anything tidal cannot
 honour is a ``RequestError`` (HTTP 400) naming the field and what was expected, never silently
-ignored: e.g. ``presence_penalty`` other than 0, ``logit_bias``, ``tools``, top-k alternatives in
-``logprobs`` (only the sampled token's log-prob is returned), ``echo``. Unknown fields are refused too.
+ignored: e.g. ``presence_penalty`` other than 0, ``logit_bias``, ``tools``, ``echo``. Unknown fields are
+refused too.
+
+Log-probs follow OpenAI: chat ``logprobs: true`` with ``top_logprobs: k`` (0..20) gives each content token
+its k most likely alternatives (token, logprob, bytes); completions ``logprobs: k`` (0..5) gives each
+token a ``{token: logprob}`` dict of the k most likely and the sampled one. Every value is of the
+distribution the token was sampled from, ``log_softmax(logits / temperature)`` before top-k / top-p
+truncation (raw logits when greedy; see ``SamplingParams``), where vLLM by default reports the raw
+logits' log-softmax whatever the temperature.
 
 Lengths follow vLLM: a request whose prompt plus ``max_tokens`` exceeds the context length is refused
 with both numbers; without ``max_tokens`` the completion may use the rest of the context (or the
@@ -148,15 +155,15 @@ def _max_tokens(body: dict, prompt_len: int, limits: ModelLimits, names: tuple[s
     return max_tokens
 
 
-def _sampling(body: dict, max_tokens: int) -> SamplingParams:
+def _sampling(body: dict, max_tokens: int, top_logprobs: int = 0) -> SamplingParams:
     seed = _number(body, "seed", None, integer=True)
     try:
-        return _params(body, max_tokens, seed)
+        return _params(body, max_tokens, seed, top_logprobs)
     except ValueError as err:  # anything the field checks above let through
         raise RequestError(str(err).replace("SamplingParams: ", "")) from err
 
 
-def _params(body: dict, max_tokens: int, seed: int | None) -> SamplingParams:
+def _params(body: dict, max_tokens: int, seed: int | None, top_logprobs: int) -> SamplingParams:
     return SamplingParams(
         n=_number(body, "n", 1, low=1, integer=True),
         temperature=_number(body, "temperature", 1.0, low=0),
@@ -165,6 +172,7 @@ def _params(body: dict, max_tokens: int, seed: int | None) -> SamplingParams:
         max_new_tokens=max_tokens,
         stop=_stop(body),
         seed=None if seed is None else seed % 2**64,
+        logprobs=top_logprobs or None,  # 0: the engine computes no alternatives
     )
 
 
@@ -279,19 +287,15 @@ def parse_chat(body: dict, tokenizer, limits: ModelLimits, episode_header: str |
     if not isinstance(logprobs, bool):
         raise RequestError("'logprobs' must be a boolean", param="logprobs")
     top = _number(body, "top_logprobs", 0, low=0, high=20, integer=True)
-    if top:
-        raise RequestError(
-            "'top_logprobs' > 0 is not supported: the engine returns the sampled token's log-prob only "
-            "(use 'logprobs': true with 'top_logprobs': 0)",
-            param="top_logprobs",
-        )
+    if top and not logprobs:
+        raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     ids = chat_prompt_ids(tokenizer, body.get("messages"))
     max_tokens = _max_tokens(body, len(ids), limits, ("max_completion_tokens", "max_tokens"))
     stream, include_usage = _stream_options(body)
     return ServeRequest(
         CHAT,
         [ids],
-        _sampling(body, max_tokens),
+        _sampling(body, max_tokens, top),
         stream,
         include_usage,
         logprobs,
@@ -306,14 +310,7 @@ def parse_completion(
     _check_fields(body, _COMPLETION_FIELDS)
     check_model(body, limits)
     logprobs = body.get("logprobs")
-    if logprobs is not None:
-        _number(body, "logprobs", 0, low=0, high=5, integer=True)
-        if logprobs > 0:
-            raise RequestError(
-                "'logprobs' > 0 (top alternatives) is not supported: pass 'logprobs': 0 for the sampled "
-                "tokens' log-probs",
-                param="logprobs",
-            )
+    top = _number(body, "logprobs", 0, low=0, high=5, integer=True)
     best_of = body.get("best_of")
     if best_of is not None and best_of != body.get("n", 1):
         raise RequestError("'best_of' other than 'n' is not supported", param="best_of")
@@ -324,7 +321,7 @@ def parse_completion(
     return ServeRequest(
         COMPLETIONS,
         prompts,
-        _sampling(body, max_tokens),
+        _sampling(body, max_tokens, top),
         stream,
         include_usage,
         logprobs is not None,
@@ -337,21 +334,55 @@ def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[float]) -> dict:
+Alternatives = list[tuple[int, float]]  # one token's (token id, log-prob) alternatives, most likely first
+
+
+def _chat_token(tokenizer, token_id: int, logprob: float) -> dict:
+    text = token_text(tokenizer, token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def chat_logprobs(
+    tokenizer, token_ids: list[int], logprobs: list[float], tops: list[Alternatives] | None = None
+) -> dict:
+    """``choice.logprobs`` of a chat answer; ``tops``: each token's alternatives (None: ``top_logprobs`` 0)."""
     content = []
-    for token_id, logprob in zip(token_ids, logprobs, strict=True):
-        text = token_text(tokenizer, token_id)
-        content.append({"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []})
+    for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
+        entry = _chat_token(tokenizer, token_id, logprob)
+        entry["top_logprobs"] = [] if tops is None else [_chat_token(tokenizer, t, v) for t, v in tops[i]]
+        content.append(entry)
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[float], offset: int = 0) -> dict:
+def _completion_top(tokenizer, token_id: int, logprob: float, top: Alternatives) -> dict[str, float]:
+    """OpenAI's legacy ``{token: logprob}``: the k most likely tokens, and the sampled one (so up to k + 1
+    entries); tokens that decode to the same text share one key, the most likely one's value."""
+    alternatives: dict[str, float] = {}
+    for t, value in [*top, (token_id, logprob)]:
+        alternatives.setdefault(token_text(tokenizer, t), value)
+    return alternatives
+
+
+def completion_logprobs(
+    tokenizer,
+    token_ids: list[int],
+    logprobs: list[float],
+    offset: int = 0,
+    tops: list[Alternatives] | None = None,
+) -> dict:
+    """``choice.logprobs`` of a completion; ``tops``: each token's alternatives (None: ``logprobs`` 0)."""
     tokens = [token_text(tokenizer, t) for t in token_ids]
     offsets = []
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+    top_logprobs = None
+    if tops is not None:
+        top_logprobs = [
+            _completion_top(tokenizer, t, v, top) for t, v, top in zip(token_ids, logprobs, tops, strict=True)
+        ]
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top_logprobs,
+            "text_offset": offsets}  # fmt: skip
 
 
 def usage(outputs: list[RequestOutput]) -> dict:
@@ -372,12 +403,14 @@ def response_body(req: ServeRequest, model: str, outputs: list[RequestOutput], t
             if req.endpoint == CHAT:
                 choice["message"] = {"role": "assistant", "content": sample.text}
                 choice["logprobs"] = (
-                    chat_logprobs(tokenizer, sample.token_ids, sample.logprobs) if req.logprobs else None
+                    chat_logprobs(tokenizer, sample.token_ids, sample.logprobs, sample.top_logprobs)
+                    if req.logprobs
+                    else None
                 )
             else:
                 choice["text"] = sample.text
                 choice["logprobs"] = (
-                    completion_logprobs(tokenizer, sample.token_ids, sample.logprobs)
+                    completion_logprobs(tokenizer, sample.token_ids, sample.logprobs, 0, sample.top_logprobs)
                     if req.logprobs
                     else None
                 )
@@ -414,18 +447,20 @@ def chunk_choice(
     logprobs: list[float],
     finish_reason: str | None,
     text_offset: int = 0,
+    tops: list[Alternatives] | None = None,
 ) -> dict:
-    """One choice of a streamed chunk: the text and the tokens sampled since the previous chunk."""
+    """One choice of a streamed chunk: the text and the tokens sampled since the previous chunk (with
+    their alternatives, ``tops``, when the request asks for them)."""
     choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason}
     if req.endpoint == CHAT:
         choice["delta"] = {"content": text} if text or finish_reason is None else {}
         choice["logprobs"] = (
-            chat_logprobs(tokenizer, token_ids, logprobs) if req.logprobs and token_ids else None
+            chat_logprobs(tokenizer, token_ids, logprobs, tops) if req.logprobs and token_ids else None
         )
     else:
         choice["text"] = text
         choice["logprobs"] = (
-            completion_logprobs(tokenizer, token_ids, logprobs, text_offset) if req.logprobs else None
+            completion_logprobs(tokenizer, token_ids, logprobs, text_offset, tops) if req.logprobs else None
         )
     return choice
 

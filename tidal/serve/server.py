@@ -61,9 +61,12 @@ class _SampleStream:
         self.tokens = 0
         self.text = ""
 
-    def delta(self, tokenizer, req: ServeRequest, sample, finished: bool) -> tuple[str, list, list]:
+    def delta(
+        self, tokenizer, req: ServeRequest, sample, finished: bool
+    ) -> tuple[str, list, list, list | None]:
         new_ids = sample.token_ids[self.tokens :]
         new_logprobs = sample.logprobs[self.tokens :]
+        new_tops = None if sample.top_logprobs is None else sample.top_logprobs[self.tokens :]
         self.tokens = len(sample.token_ids)
         if finished:
             text = sample.text  # the engine's final text, cut at a stop string
@@ -74,7 +77,7 @@ class _SampleStream:
         # shorter one's text as a prefix once half-decoded characters and stop-string heads are held back).
         delta = text[len(self.text) :] if text.startswith(self.text) else ""
         self.text += delta
-        return delta, new_ids, new_logprobs
+        return delta, new_ids, new_logprobs, new_tops
 
 
 class OpenAIService:
@@ -245,12 +248,14 @@ class OpenAIService:
                 for sample in event.outputs:
                     state = streams[i][sample.index]
                     offset = len(state.text)
-                    text, new_ids, new_logprobs = state.delta(tok, req, sample, event.finished)
+                    text, new_ids, new_logprobs, new_tops = state.delta(tok, req, sample, event.finished)
                     if text or new_ids or event.finished:
                         index = i * req.n + sample.index
                         reason = sample.finish_reason if event.finished else None
                         choices.append(
-                            chunk_choice(req, tok, index, text, new_ids, new_logprobs, reason, offset)
+                            chunk_choice(
+                                req, tok, index, text, new_ids, new_logprobs, reason, offset, new_tops
+                            )
                         )
                 if choices:
                     yield _sse(chunk_body(req, name, choices))
