@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.rollout.reference import PROMPTS, cpu_config
-from tidal.rollout import LLMEngine, SamplingParams
+from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
 from tidal.rollout.sampler import SamplingTensors, top_logprobs
 
 
@@ -113,3 +113,36 @@ def test_chunked_prefill_and_exact_engines_give_the_same_alternatives(tiny_model
         for token, logprob, top in zip(z.token_ids, z.logprobs, z.top_logprobs, strict=True):
             if token in dict(top):
                 assert dict(top)[token] == logprob
+
+
+@pytest.mark.gpu
+def test_cuda_engine_alternatives(tiny_model):
+    """CUDA float32 (CUDA graphs, the fused Triton sampler for the sampled token): the alternatives come
+    from the same distribution as the sampled log-prob and match an HF forward on the GPU."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model("qwen2")
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).cuda().eval()
+    engine = LLMEngine(path, EngineConfig(device="cuda", dtype="float32", max_model_len=64, block_size=4))
+    k = 5
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True, logprobs=k)
+    sampled = SamplingParams(temperature=0.8, max_new_tokens=8, ignore_eos=True, seed=1, logprobs=k)
+    plain = SamplingParams(temperature=0.8, max_new_tokens=8, ignore_eos=True, seed=1)
+    outs = engine.generate(PROMPTS[:2] * 3, [greedy, greedy, sampled, sampled, plain, plain])
+    for out in outs[4:]:
+        assert out.outputs[0].top_logprobs is None
+    for prompt, out, temperature in zip(PROMPTS[:2] * 2, outs[:4], [0.0, 0.0, 0.8, 0.8], strict=True):
+        sample = out.outputs[0]
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt + sample.token_ids], device="cuda")).logits[
+                0, len(prompt) - 1 : -1
+            ]
+            dist = (logits.float() / (temperature or 1.0)).log_softmax(-1).cpu()
+        for step, (token, logprob, top) in enumerate(
+            zip(sample.token_ids, sample.logprobs, sample.top_logprobs, strict=True)
+        ):
+            values = [v for _, v in top]
+            assert len(top) == k and values == sorted(values, reverse=True)
+            torch.testing.assert_close(torch.tensor(values), dist[step].topk(k).values, atol=1e-4, rtol=0)
+            if temperature == 0.0:
+                assert top[0][0] == token and abs(top[0][1] - logprob) < 1e-5
