@@ -222,7 +222,8 @@ def _reward_func():
     ("family", "extra", "message"),
     [
         ("gemma2", [], "--exact_logprobs supports"),
-        ("qwen2", ["--lora_rank", "4"], "LoRA"),
+        ("qwen2", ["--lora_rank", "4", "--lora_dropout", "0.1"], "--lora_dropout 0"),
+        ("qwen2", ["--lora_rank", "4", "--load_in_4bit"], "4-bit base"),
         ("qwen2", ["--vllm_tensor_parallel_size", "2"], "--vllm_tensor_parallel_size 1"),
     ],
 )

@@ -159,13 +159,16 @@ EXACT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 EXACT_ATTENTION = "tidal_exact"
 
 
-def exact_problem(config, lora_rank: int = 0) -> str | None:
-    """Why a model of this HF config (or ``DecoderArgs``) cannot run in exact mode (None: it can)."""
+def exact_problem(config, lora_dropout: float = 0.0, load_in_4bit: bool = False) -> str | None:
+    """Why a model of this HF config (or ``DecoderArgs``) cannot run in exact mode (None: it can). LoRA
+    adapters run merged (``tidal.models.exact_lora``), which dropout on their input would break."""
     model_type = getattr(config, "model_type", None)
     if model_type not in EXACT_MODEL_TYPES:
         return f"--exact_logprobs supports the {', '.join(EXACT_MODEL_TYPES)} families, not {model_type!r}"
-    if lora_rank:  # the adapters' own matmuls are not batch-invariant yet
-        return "--exact_logprobs does not support LoRA (--lora_rank) yet"
+    if lora_dropout:
+        return "--exact_logprobs runs LoRA adapters merged, which needs --lora_dropout 0"
+    if load_in_4bit:  # the engine holds dequantized weights; the 4-bit matmul is not batch-invariant
+        return "--exact_logprobs does not support a 4-bit base (--load_in_4bit)"
     return None
 
 

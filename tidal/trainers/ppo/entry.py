@@ -178,7 +178,10 @@ def check_models_before_loading(run: PPORun) -> None:
         raise ConfigError(
             f"--enable_prefix_caching: not supported with {problem} (--pretrain {run.actor.pretrain})"
         )
-    if run.rollout.exact_logprobs and (problem := exact_problem(config, run.actor.lora_rank)):
+    lora_dropout = run.actor.lora_dropout if run.actor.lora_rank else 0.0
+    if run.rollout.exact_logprobs and (
+        problem := exact_problem(config, lora_dropout, run.actor.load_in_4bit)
+    ):
         raise ConfigError(f"{problem} (--pretrain {run.actor.pretrain})")
     if run.rollout.moe_router_replay:
         check_router_replay(run, config)

@@ -34,6 +34,7 @@ from tidal.experience.maker import (
 )
 from tidal.inference.evaluation import pass_at_k_stats
 from tidal.logging import MetricsLogger, ProgressBar, get_logger
+from tidal.models.exact_lora import make_lora_exact
 from tidal.models.moe_routing import force_routing
 from tidal.placement.protocols import CriticRole, ReferenceRole, RolloutRole
 from tidal.placement.stream import RolloutJob, RolloutResult, rollout_stream
@@ -116,8 +117,8 @@ class PPOTrainer:
         self.ema = PolicyEMA(parts.actor.model, run.ema.beta) if run.ema.enable else None
         # --exact_logprobs: the policy runs the engine's batch-invariant ops, so (weights being the engine's:
         # not --async_train, whose rollouts may come from older weights) its old log-probs are the rollout's.
-        if run.rollout.exact_logprobs:
-            make_exact(parts.actor.model)
+        if run.rollout.exact_logprobs:  # LoRA layers multiply by the merged weight the engine receives
+            make_lora_exact(make_exact(parts.actor.model))
         self._engine_logprobs_exact = run.rollout.exact_logprobs and not run.placement.async_train
         self.checkpointer = Checkpointer(
             run.ckpt, world, "ppo", self._trained_parts(), flat_settings(asdict(run), SETTINGS),

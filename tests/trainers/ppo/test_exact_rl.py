@@ -1,0 +1,165 @@
+"""``--exact_logprobs`` in GRPO runs beyond one process with a local engine: FSDP2 over 2 processes
+(gloo), separate engine processes fed by the weight sync, LoRA (merged weights), alone and sharded.
+On every rank, at every step, the forward the trainer skipped is run anyway and must give the engine's
+log-probs bit for bit (without the mode it does not: checked too, so the check is not vacuous).
+
+This file is also the torchrun script: ``python -m torch.distributed.run --nproc_per_node 2
+test_exact_rl.py RUNS.json`` runs each spec of RUNS.json and writes one JSON report per rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REWARD = '''
+import torch
+
+
+def reward_func(queries, prompts, labels, **kwargs):
+    """A dense, deterministic reward of the response text, so every group has a signal."""
+    return {"rewards": torch.tensor([sum(ord(c) for c in q[len(p):]) % 7 / 7 for q, p in zip(queries, prompts)])}
+'''
+
+
+def grpo_flags(policy, data: Path, out: Path, *extra: str) -> list[str]:
+    """3 GRPO steps of 2 prompts x 4 samples (one optimizer step each), packed, exact unless told."""
+    return [
+        "--pretrain", str(policy), "--prompt_data", str(data / "prompts.jsonl"), "--input_key", "prompt",
+        "--label_key", "label", "--remote_rm_url", str(data / "reward.py"), "--advantage_estimator", "group_norm",
+        "--n_samples_per_prompt", "4", "--rollout_batch_size", "2", "--train_batch_size", "8",
+        "--micro_train_batch_size", "4", "--micro_rollout_batch_size", "4", "--generate_max_len", "6",
+        "--prompt_max_len", "8", "--actor_learning_rate", "5e-3", "--lr_warmup_ratio", "0", "--init_kl_coef", "0",
+        "--temperature", "0.9", "--seed", "3", "--max_samples", "6", "--packing_samples", "--zero_stage", "3",
+        "--save_path", str(out / "final"), *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("exact_rl")
+    with (d / "prompts.jsonl").open("w") as f:
+        for i in range(6):
+            f.write(json.dumps({"prompt": f"{i}+{i % 3}=", "label": str(i + i % 3)}) + "\n")
+    (d / "reward.py").write_text(REWARD)
+    return d
+
+
+# ---------------------------------------------------------------- the check, run in every process
+def lora_b_norm(model) -> float:
+    """Sum of |B| over this rank's LoRA B weights (0 before the adapters learn anything)."""
+    total = 0.0
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            total += float((p.to_local() if hasattr(p, "to_local") else p).detach().abs().sum())
+    return total
+
+
+def run_checked(argv: list[str]) -> dict:
+    """Run ``tidal ppo`` with ``argv``; at each step, this rank's max |engine - trainer forward| log-prob
+    over the action tokens, their count and the LoRA B norm. In exact mode the trainer's own old-log-prob
+    forward must not run (it raises)."""
+    from tidal.cli.train_ppo import main as ppo_main
+    from tidal.experience.maker import forward_logprobs
+    from tidal.trainers.ppo import trainer as trainer_module
+
+    report = {"gaps": [], "tokens": [], "lora_b": []}
+    exact = "--exact_logprobs" in argv
+    real_forward, real_make = trainer_module.forward_logprobs, trainer_module.PPOTrainer.make_experience
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("--exact_logprobs ran the old-log-prob forward")
+
+    def make_experience(self, exp):
+        out, stats = real_make(self, exp)
+        micro, packing, _ = self._scoring_shape()
+        actor = self.parts.actor
+        lp = forward_logprobs(actor.model, out, micro, packing, self.run.rollout.temperature, actor.precision)
+        mask = out.action_mask.bool()
+        report["gaps"].append(float((lp[mask] - out.rollout_logprobs[mask]).abs().max()))
+        report["tokens"].append(int(mask.sum()))
+        report["lora_b"].append(lora_b_norm(actor.model))
+        return out, stats
+
+    trainer_module.forward_logprobs = no_forward if exact else real_forward
+    trainer_module.PPOTrainer.make_experience = make_experience
+    try:
+        report["history"] = ppo_main(argv)
+    finally:
+        trainer_module.forward_logprobs, trainer_module.PPOTrainer.make_experience = real_forward, real_make
+    return report
+
+
+def main() -> None:
+    """torchrun entry: every spec ``{"argv": [...], "out": prefix}`` in order; ``<prefix><rank>.json``."""
+    from tidal.distributed import init_world, shutdown
+
+    torch.set_num_threads(1)
+    world = init_world()
+    for spec in json.loads(Path(sys.argv[1]).read_text()):
+        report = run_checked(spec["argv"])
+        Path(f"{spec['out']}{world.rank}.json").write_text(json.dumps(report))
+    shutdown(world)
+
+
+def torchrun(specs: list[dict], folder: Path, nproc: int = 2) -> None:
+    runs = folder / "runs.json"
+    runs.write_text(json.dumps(specs))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           __file__, str(runs)]  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def assert_exact(report: dict, steps: int = 3) -> None:
+    assert len(report["history"]) == steps and len(report["gaps"]) == steps
+    assert min(report["tokens"]) > 0 and report["gaps"] == [0.0] * steps, report["gaps"]
+    assert all(h["rollout/logprob_mismatch"] == 0.0 for h in report["history"])
+    assert any(h["grad_norm"] > 0.0 for h in report["history"][:-1])  # later steps ran updated weights
+
+
+# ---------------------------------------------------------------- tests
+LORA = ["--lora_rank", "4", "--lora_alpha", "16", "--target_modules", "all-linear"]
+
+
+def test_lora_policy_gives_the_engine_logprobs_exactly_and_learns(tiny_qwen2, data, tmp_path):
+    """The engine runs the merged weights; the policy's exact forward multiplies by the same tensor."""
+    report = run_checked(grpo_flags(tiny_qwen2, data, tmp_path / "lora", "--exact_logprobs", *LORA))
+    assert_exact(report)
+    assert report["lora_b"][0] == 0.0 and report["lora_b"][-1] > 0.0  # the adapters trained
+    assert any(h["policy/loss"] != 0.0 for h in report["history"])
+    plain = run_checked(grpo_flags(tiny_qwen2, data, tmp_path / "plain", *LORA))
+    assert max(plain["gaps"]) > 0.0  # without the mode the same check sees the gap
+
+
+def test_exact_over_two_processes_and_separate_engines(tiny_qwen2, data, tmp_path):
+    """FSDP2 over 2 gloo processes: each rank's own engine; one separate engine process per rank (weights
+    by broadcast); LoRA on the sharded policy (each rank merges its rows). Every rank is exact."""
+    runs = {
+        "fsdp": ["--exact_logprobs"],
+        "engines": ["--exact_logprobs", "--vllm_num_engines", "2"],
+        "lora": ["--exact_logprobs", *LORA],
+        "plain": [],
+    }
+    specs = [
+        {"argv": grpo_flags(tiny_qwen2, data, tmp_path / name, *extra), "out": str(tmp_path / name)}
+        for name, extra in runs.items()
+    ]
+    torchrun(specs, tmp_path)
+    for rank in (0, 1):
+        reports = {name: json.loads((tmp_path / f"{name}{rank}.json").read_text()) for name in runs}
+        for name in ("fsdp", "engines", "lora"):
+            assert_exact(reports[name])
+        assert reports["lora"]["lora_b"][-1] > 0.0
+        assert max(reports["plain"]["gaps"]) > 0.0
+
+
+if __name__ == "__main__":
+    main()
