@@ -138,11 +138,14 @@ def exact_token_logprobs(
 ):
     """``token_logprobs`` of a model switched by ``batch_invariant.make_exact``: full logits (its LM head
     is the batch-invariant linear), then the batch-invariant log-softmax the engine's sampler also runs.
-    The attention reads samples from ``position_ids``, so padded and packed rows need no mask."""
+    The attention reads samples from ``position_ids``, so padded and packed rows need no mask. The model
+    computes in the engine's dtype (``batch_invariant.use_compute_dtype``) with autocast off: autocast
+    would re-cast between the ops (e.g. run ``exp`` in float32 where the engine runs it in bf16)."""
     ids = batch["input_ids"]
     inputs = {"input_ids": ids, "position_ids": batch["position_ids"], "attention_mask": None}
-    outputs = model(**inputs, use_cache=False, **forward_kwargs)
-    lp = batch_invariant.token_logprobs(outputs.logits[:, :-1], ids[:, 1:], temperature)
+    with batch_invariant.exact_autocast_off(ids.device):
+        outputs = model(**inputs, use_cache=False, **forward_kwargs)
+        lp = batch_invariant.token_logprobs(outputs.logits[:, :-1], ids[:, 1:], temperature)
     lp = torch.cat([lp.new_zeros(ids.shape[0], 1), lp], dim=1)
     if with_entropy:
         ent = entropy_from_logits(outputs.logits[:, :-1], temperature, chunk_size=1024)

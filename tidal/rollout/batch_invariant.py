@@ -21,16 +21,23 @@ test_exact_logprobs.py`` checks every one):
   sums in block order, so extra (masked, exactly-zero) key blocks beyond a query's position change nothing.
 - elementwise mul/add/div are exactly rounded on every path (no fused multiply-add on torch's CPU kernels).
 
-Not yet exact: CUDA (bf16 or fp32) — the same structure applies (fixed tiles for GEMM, fixed key splits,
-no split-K), but these torch formulations are not claimed invariant there; the engine refuses exact mode
-off the CPU.
+On CUDA (bf16 or fp32) cuBLAS and torch's reduction kernels choose their tiling from the batch's shape, so
+``linear``, ``rms_norm``, ``attention`` and ``token_logprobs`` run Triton kernels with one fixed
+configuration each (``tidal.rollout.triton_exact``: no split-K, K reduced in fixed blocks, fixed key
+blocks from position 0); ``pointwise`` calls the op directly (a CUDA elementwise kernel computes every
+element with the same code, so the CPU padding is not needed). The ops are differentiable there (the
+trainer's policy loss runs them): the backward recomputes a plain torch formulation, which needs no
+invariance. Dtypes: both sides compute in the engine's dtype (``make_exact``'s ``compute_dtype``; bf16 on
+CUDA), the weights rounded once to it, and autocast must not re-cast inside the ops (``exact_autocast_off``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 ROW_BLOCK = 16  # rows per GEMM call
 POINT_BLOCK = 4096  # elements per pointwise call (ATen's parallel grain is 32768)
@@ -38,8 +45,18 @@ KEY_BLOCK = 16  # keys reduced together in attention
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` over ``x [..., K]``, with every row computed in a ``ROW_BLOCK``-row GEMM."""
+    """``x @ weight.T (+ bias)`` over ``x [..., K]``, with every row computed in a ``ROW_BLOCK``-row GEMM
+    (on CUDA: the fixed-tile Triton GEMM). The weight and bias are used in ``x``'s dtype (the compute
+    dtype: a trainer's float32 master weights rounded once, as the engine's copy is)."""
     shape = x.shape
+    weight = weight.to(x.dtype)
+    bias = None if bias is None else bias.to(x.dtype)
+    if _on_triton(x):
+        rows = x.reshape(-1, shape[-1])
+        out = _invariant(lambda a, w: _triton().matmul(a, w), F.linear, rows, weight)
+        if bias is not None:
+            out = out + bias
+        return out.view(*shape[:-1], weight.shape[0])
     rows = x.reshape(-1, shape[-1])
     m = rows.shape[0]
     padded = rows.new_zeros(-(-m // ROW_BLOCK) * ROW_BLOCK, shape[-1])
@@ -54,6 +71,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``fn`` (an elementwise op) over ``x``, every element on the vectorised path (see the module doc)."""
+    if x.is_cuda:  # every element through the same code already
+        return fn(x)
     flat = x.reshape(-1)
     n = flat.numel()
     padded = flat.new_zeros(-(-n // POINT_BLOCK) * POINT_BLOCK)
@@ -66,7 +85,15 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, scale_in_float32: bool = False
 ) -> torch.Tensor:
     """Llama's RMSNorm (normalise in float32; scale after rounding to ``x``'s dtype unless
-    ``scale_in_float32``), with a row-invariant mean and rsqrt."""
+    ``scale_in_float32``), with a row-invariant mean and rsqrt. The weight is used in ``x``'s dtype."""
+    weight = weight.to(x.dtype)
+    if _on_triton(x):
+        return _invariant(
+            lambda a, w: _triton().rms_norm(a, w, eps, scale_in_float32),
+            lambda a, w: _torch_rms_norm(a, w, eps, scale_in_float32),
+            x,
+            weight,
+        )
     x32 = x.float()
     x32 = x32 * pointwise(torch.rsqrt, x32.pow(2).mean(-1, keepdim=True) + eps)
     if scale_in_float32:
@@ -78,7 +105,7 @@ def rope_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[*positions.shape, head_dim]`` (rotate-half layout) of integer ``positions``."""
-    freqs = positions[..., None].float() * inv_freq.float()
+    freqs = positions[..., None].float() * inv_freq.to(positions.device, torch.float32)
     emb = torch.cat((freqs, freqs), dim=-1)
     return (pointwise(torch.cos, emb) * scale).to(dtype), (pointwise(torch.sin, emb) * scale).to(dtype)
 
@@ -95,6 +122,14 @@ def attention(
     ``k, v [B, Lk, KV, D]`` at positions ``0..Lk-1``; key ``j`` is seen iff ``j <= q_pos`` (and within the
     sliding ``window``). Scores and softmax in float32; keys beyond a query's position may hold anything
     finite. Returns ``[B, Lq, H, D]`` in ``q``'s dtype."""
+    if _on_triton(q):
+        return _invariant(
+            lambda q_, k_, v_: _triton().attention(q_, k_, v_, q_pos, scale, window),
+            lambda q_, k_, v_: _torch_attention(q_, k_, v_, q_pos, scale, window),
+            q,
+            k,
+            v,
+        )
     b, lq, h, d = q.shape
     lk = -(-k.shape[1] // KEY_BLOCK) * KEY_BLOCK
     if lk != k.shape[1]:  # pad keys to whole blocks (masked below)
@@ -127,6 +162,13 @@ def token_logprobs(
 ) -> torch.Tensor:
     """``log_softmax(logits / temperature)`` at ``tokens`` (float32), each row reduced on its own.
     ``temperature``: a number, or a tensor broadcasting against ``logits[..., :1]``."""
+    if _on_triton(logits):
+        temp = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
+        return _invariant(
+            lambda z: _triton().token_logprobs(z, tokens, temp),
+            lambda z: _torch_token_logprobs(z, tokens, temp),
+            logits,
+        )
     z = logits.float()
     temp = torch.as_tensor(temperature, dtype=torch.float32, device=z.device)
     z = z / (temp if temp.dim() == 0 else temp[..., None])
@@ -134,6 +176,110 @@ def token_logprobs(
     total = pointwise(torch.exp, z - top).sum(-1, keepdim=True)
     lse = top + pointwise(torch.log, total)
     return (z.gather(-1, tokens[..., None]) - lse).squeeze(-1)
+
+
+# ---------------------------------------------------------------- CUDA: Triton forward, torch backward
+def _on_triton(x: torch.Tensor) -> bool:
+    """Whether ``x``'s op runs the Triton kernels (CUDA); the interpreter tests switch CPU tensors over."""
+    return x.is_cuda
+
+
+def _triton():
+    from tidal.rollout import triton_exact  # Triton is imported only where a kernel runs
+
+    return triton_exact
+
+
+class _Recompute(torch.autograd.Function):
+    """``fast(*tensors)`` forward; the gradient of ``reference(*tensors)`` (recomputed) backward."""
+
+    @staticmethod
+    def forward(ctx, fast, reference, *tensors):
+        ctx.reference = reference
+        ctx.save_for_backward(*tensors)
+        return fast(*tensors)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        wanted = [t for t in inputs if t.requires_grad]
+        with torch.enable_grad():
+            out = ctx.reference(*inputs)
+        grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+        return None, None, *(next(grads) if t.requires_grad else None for t in inputs)
+
+
+def _invariant(fast: Callable, reference: Callable, *tensors: torch.Tensor) -> torch.Tensor:
+    """``fast(*tensors)`` (a batch-invariant kernel), differentiable through ``reference`` (the same
+    function in plain torch) when a gradient is wanted."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _Recompute.apply(fast, reference, *tensors)
+    return fast(*tensors)
+
+
+def _torch_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, scale_in_float32: bool
+) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if scale_in_float32:
+        return (weight.float() * x32).to(x.dtype)
+    return weight * x32.to(x.dtype)
+
+
+def _torch_attention(q, k, v, q_pos, scale: float, window: int | None) -> torch.Tensor:
+    j = torch.arange(k.shape[1], device=q.device)
+    seen = j[None, None, :] <= q_pos[:, :, None]
+    if window is not None:
+        seen &= j[None, None, :] > q_pos[:, :, None] - window
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=seen[:, None], scale=scale,
+        enable_gqa=True,
+    )  # fmt: skip
+    return out.transpose(1, 2)
+
+
+def _torch_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
+    z = logits.float() / (temp if temp.dim() == 0 else temp[..., None])
+    return torch.log_softmax(z, -1).gather(-1, tokens[..., None]).squeeze(-1)
+
+
+def exact_autocast_off(device: torch.device):
+    """A context in which autocast leaves an exact-mode forward's dtypes alone (they are the engine's)."""
+    if device.type in ("cuda", "cpu"):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def exact_device_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why exact mode cannot run on ``device`` in ``dtype`` (None: it can): CPU float32, CUDA bfloat16 or
+    float32 with Triton installed."""
+    if device.type == "cpu" and dtype == torch.float32:
+        return None
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float32):
+        from tidal.accel import triton_available
+
+        return None if triton_available() else "exact_logprobs on CUDA needs Triton installed"
+    return f"exact_logprobs runs on the CPU in float32 and on CUDA in bfloat16 or float32, not {device.type} {dtype}"
+
+
+def engine_dtype(device: torch.device) -> torch.dtype:
+    """The RL rollout engine's dtype on ``device`` (its ``auto``: bfloat16 on CUDA, float32 on CPU)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def use_compute_dtype(model: torch.nn.Module, dtype: torch.dtype | None = None) -> None:
+    """Make an exact-mode transformers model compute in ``dtype`` (default: ``engine_dtype`` of its
+    device) as the engine does: the embedding output is cast to it, so the residual stream is in it, and
+    the ops take the (e.g. float32 master) weights rounded to it. With autocast off around the forward
+    (``exact_autocast_off``) nothing re-casts in between."""
+    if dtype is None:
+        dtype = engine_dtype(next(model.parameters()).device)
+    embed = model.get_input_embeddings()
+    if getattr(embed, "tidal_compute_hook", None) is not None:
+        embed.tidal_compute_hook.remove()
+    embed.tidal_compute_hook = embed.register_forward_hook(lambda module, args, out: out.to(dtype))
+    model.tidal_compute_dtype = dtype
 
 
 def segment_layout(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -188,9 +334,10 @@ def hf_exact_attention(module, query, key, value, attention_mask, scaling=None, 
     return flat.view(b, t, h, d), None
 
 
-def make_exact(model: torch.nn.Module) -> torch.nn.Module:
+def make_exact(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Switch a transformers model of a supported family to the batch-invariant ops, in place: every
-    ``nn.Linear`` (LM head included), RMSNorm, the MLP's activation, RoPE and attention. Returns it."""
+    ``nn.Linear`` (LM head included), RMSNorm, the MLP's activation, RoPE and attention, computing in
+    ``compute_dtype`` (``use_compute_dtype``). Returns it."""
     from transformers import AttentionInterface
 
     from tidal.rollout.models.architecture import ACTIVATIONS, sliding_windows
@@ -225,6 +372,7 @@ def make_exact(model: torch.nn.Module) -> torch.nn.Module:
         id(c): c for c in (config, getattr(getattr(model, "model", None), "config", config))
     }.values():
         cfg._attn_implementation = EXACT_ATTENTION
+    use_compute_dtype(model, compute_dtype)
     model.tidal_exact = True
     return model
 

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tidal.rollout.batch_invariant import exact_device_problem
 from tidal.rollout.block_manager import BlockManager, blocks_needed
 from tidal.rollout.model_runner import ModelRunner
 from tidal.rollout.models.loader import (
@@ -85,7 +86,7 @@ class EngineConfig:
     # Tensor parallelism: processes (devices) the engine spans; on CUDA the GPUs from ``device`` on.
     tp_size: int = 1
     # Sampled-token log-probs bit-identical to the trainer's exact-mode forward (tidal.rollout.batch_invariant);
-    # CPU float32, one process, dense Llama/Mistral/Qwen2/Qwen3 for now.
+    # CPU float32 or CUDA bf16/fp32 (batch_invariant.exact_device_problem), dense Llama/Mistral/Qwen2/Qwen3.
     exact_logprobs: bool = False
 
     def __post_init__(self) -> None:
@@ -153,11 +154,8 @@ class LLMEngine:
         self.device = self.config.torch_device()
         self.dtype = self.config.torch_dtype(self.device)
         self.max_model_len = self.config.max_model_len or self.hf_config.max_position_embeddings
-        if self.config.exact_logprobs and (self.device.type != "cpu" or self.dtype != torch.float32):
-            raise ValueError(
-                f"EngineConfig: exact_logprobs runs on the CPU in float32 only for now, "
-                f"not {self.device.type} {self.dtype}"
-            )
+        if self.config.exact_logprobs and (problem := exact_device_problem(self.device, self.dtype)):
+            raise ValueError(f"EngineConfig: {problem}")
         if model is not None:
             weights = model.named_parameters()
         elif state_dict is not None:

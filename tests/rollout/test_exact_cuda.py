@@ -1,0 +1,480 @@
+"""``--exact_logprobs`` on CUDA: the batch-invariant Triton kernels (``tidal/rollout/triton_exact.py``) and the
+engine-vs-trainer equality they give in bfloat16.
+
+Two groups:
+
+- ``gpu``: the compiled kernels at Qwen2-7B / 0.5B shapes (K=3584, 152k vocabulary rows, head_dim 128,
+  GQA 28/4, up to 4k keys) against a float64 reference computed from the same (bf16) inputs, and their
+  invariance: a row alone, inside 1..300 other rows, as a decode or a prefill query gives the same bits
+  (``torch.equal``); then the engine's sampled-token log-probs on CUDA bf16 (and fp32) against the trainer's
+  exact forward (a float32 master model under bf16 autocast, as ``tidal ppo`` runs it): max |diff| == 0,
+  and the gap without the mode, printed.
+- interpreter: the same kernels run by Triton's interpreter on CPU (``TRITON_INTERPRET=1``) at small
+  float32 shapes, the batch-invariant ops dispatched to them (their gradients included), and the engine
+  against the trainer with every exact op on the kernels; skipped where triton is not importable or CUDA
+  is present.
+
+Tolerances (bf16 vs float64 of the same bf16 inputs): the GEMM rounds its float32 sum once to bf16
+(relative 2^-9) and float32 accumulation over K=3584 adds ~1e-6; RMSNorm rounds the normalised value and
+the product with the weight (2 x 2^-9); attention rounds the probabilities to bf16 before P@V (at most
+2^-9 of each term, so 2^-9 max|v| in all) and the output (2^-9); the log-softmax reads bf16 logits exactly
+and reduces in float32 with approximate exp/log (~1e-6 relative to the log-sum-exp). Each bound below
+is about 2x those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+
+import pytest
+import torch
+
+from tidal.rollout import batch_invariant as bi
+
+TEMPERATURE = 0.8
+
+
+# ------------------------------------------------------------------------------------ references
+def ref_matmul(x, w):
+    return x.double() @ w.double().T
+
+
+def ref_rms_norm(x, w, eps):
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+def ref_attention(q, k, v, q_pos, scale, window=None):
+    """float64 causal attention, the definition: key j seen iff j <= q_pos (and within the window)."""
+    groups = q.shape[2] // k.shape[2]
+    k = k.double().repeat_interleave(groups, dim=2)
+    v = v.double().repeat_interleave(groups, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k) * scale
+    j = torch.arange(k.shape[1], device=q.device)
+    seen = j[None, None, :] <= q_pos[:, :, None]
+    if window is not None:
+        seen &= j[None, None, :] > q_pos[:, :, None] - window
+    scores = scores.masked_fill(~seen[:, None], float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+
+
+def ref_token_logprobs(logits, tokens, temperature):
+    z = logits.double() / temperature.double()[..., None]
+    return torch.log_softmax(z, -1).gather(-1, tokens[..., None]).squeeze(-1)
+
+
+# ------------------------------------------------------------------------------------ gpu: kernels
+def _gpu():
+    from tidal.rollout import triton_exact
+
+    return triton_exact
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("k", "n"), [(3584, 4608), (896, 151936)])
+def test_matmul_matches_float64_and_each_row_is_its_own(dtype, k, n):
+    te = _gpu()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(301, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).to(dtype)
+    full = te.matmul(x, w)
+    assert full.dtype == dtype
+    ref = ref_matmul(x, w)
+    if dtype == torch.bfloat16:
+        bound = 2**-8 * ref.abs() + 1e-5
+    else:  # IEEE float32 products (not TF32), float32 sums
+        bound = 1e-5 * (x.double().abs() @ w.double().abs().T)
+    assert ((full.double() - ref).abs() <= bound).all()
+    for rows in (slice(0, 1), slice(7, 8), slice(300, 301), slice(3, 5), slice(0, 17), slice(1, 300)):
+        assert torch.equal(te.matmul(x[rows], w), full[rows])
+    # a packed projection's part (a slice of the weight) gives the full product's columns
+    assert torch.equal(te.matmul(x[:9], w[512:1024]), full[:9, 512:1024])
+    # a row's place in the batch does not matter either
+    perm = torch.randperm(301, device="cuda", generator=g)
+    assert torch.equal(te.matmul(x[perm], w), full[perm])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", [896, 3584])
+def test_rms_norm_matches_float64_and_each_row_is_its_own(hidden):
+    te = _gpu()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = (torch.randn(301, hidden, device="cuda", generator=g) * 3).bfloat16()
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).bfloat16()
+    full = te.rms_norm(x, w, 1e-6, False)
+    ref = ref_rms_norm(x, w, 1e-6)
+    assert ((full.double() - ref).abs() <= 2**-7 * ref.abs() + 1e-6).all()
+    for rows in (slice(0, 1), slice(150, 151), slice(0, 2), slice(5, 301)):
+        assert torch.equal(te.rms_norm(x[rows], w, 1e-6, False), full[rows])
+    # through the op, with a float32 (master) weight: the weight is rounded to bf16 first, as the engine's
+    assert torch.equal(bi.rms_norm(x, w.float(), 1e-6), full)
+
+
+@pytest.mark.gpu
+def test_token_logprobs_match_float64_over_a_152k_vocabulary_and_each_row_is_its_own():
+    te = _gpu()
+    g = torch.Generator(device="cuda").manual_seed(2)
+    vocab = 151936
+    logits = (torch.randn(300, vocab, device="cuda", generator=g) * 4).bfloat16()
+    tokens = torch.randint(0, vocab, (300,), device="cuda", generator=g)
+    temps = torch.rand(300, device="cuda", generator=g) + 0.3
+    full = te.token_logprobs(logits, tokens, temps)
+    ref = ref_token_logprobs(logits, tokens, temps)
+    assert (full.double() - ref).abs().max().item() < 1e-4
+    for rows in (slice(0, 1), slice(299, 300), slice(10, 12), slice(1, 300)):
+        assert torch.equal(te.token_logprobs(logits[rows], tokens[rows], temps[rows]), full[rows])
+    # through the op: [B, T, V] rows and a scalar temperature
+    lp = bi.token_logprobs(logits.view(3, 100, vocab), tokens.view(3, 100), TEMPERATURE)
+    alone = bi.token_logprobs(logits[150:151], tokens[150:151], TEMPERATURE)
+    assert torch.equal(lp.view(-1)[150:151], alone)
+
+
+def _attention_inputs(b, lq, lk, heads=28, kv=4, d=128, seed=3):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, lq, heads, d, device="cuda", generator=g).bfloat16()
+    k = torch.randn(b, lk, kv, d, device="cuda", generator=g).bfloat16()
+    v = torch.randn(b, lk, kv, d, device="cuda", generator=g).bfloat16()
+    return q, k, v
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 1000])
+def test_attention_matches_float64_at_4k_keys_with_gqa(window):
+    te = _gpu()
+    q, k, v = _attention_inputs(2, 4096, 4096)
+    scale = 128**-0.5
+    pos = torch.arange(4096, device="cuda").expand(2, 4096)
+    out = te.attention(q, k, v, pos, scale, window)
+    pick = torch.tensor([0, 1, 63, 64, 65, 999, 1000, 2047, 3000, 4095], device="cuda")
+    ref = ref_attention(q[:, pick], k, v, pos[:, pick], scale, window)
+    bound = 2**-8 * ref.abs() + 2**-8 * v.abs().max().item()
+    assert ((out[:, pick].double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 100])
+def test_attention_query_alone_in_a_batch_as_decode_or_prefill_gives_the_same_bits(window):
+    te = _gpu()
+    scale = 128**-0.5
+    q, k, v = _attention_inputs(5, 700, 700)
+    pos = torch.arange(700, device="cuda").expand(5, 700)
+    prefill = te.attention(q, k, v, pos, scale, window)
+    for b, p in ((0, 0), (1, 63), (2, 64), (3, 401), (4, 699)):
+        # decode: one query against the sequence's keys up to it (the rest of a block garbage)
+        keys = -(-(p + 1) // 16) * 16
+        k_junk, v_junk = k[b : b + 1, :keys].clone(), v[b : b + 1, :keys].clone()
+        k_junk[:, p + 1 :], v_junk[:, p + 1 :] = 30.0, -7.0
+        decode = te.attention(
+            q[b : b + 1, p : p + 1], k_junk, v_junk, pos[b : b + 1, p : p + 1], scale, window
+        )
+        assert torch.equal(decode, prefill[b : b + 1, p : p + 1])
+        # the same query inside a batch of 300 decode rows of other sequences (a paged-cache width of 720)
+        rows = torch.randint(0, 5, (300,), device="cuda")
+        rows[137] = b
+        qpos = torch.randint(0, 700, (300, 1), device="cuda")
+        qpos[137] = p
+        kw = torch.nn.functional.pad(k[rows], (0, 0, 0, 0, 0, 20))
+        vw = torch.nn.functional.pad(v[rows], (0, 0, 0, 0, 0, 20))
+        batch = te.attention(q[rows, qpos[:, 0]][:, None], kw, vw, qpos, scale, window)
+        assert torch.equal(batch[137:138], prefill[b : b + 1, p : p + 1])
+    # a prefill of a shorter prompt (the same first 300 tokens) agrees on those tokens
+    short = te.attention(q[:, :300], k[:, :300], v[:, :300], pos[:, :300], scale, window)
+    assert torch.equal(short, prefill[:, :300])
+    # chunked prefill: queries [300, 700) against all keys
+    chunk = te.attention(q[:, 300:], k, v, pos[:, 300:], scale, window)
+    assert torch.equal(chunk, prefill[:, 300:])
+
+
+@pytest.mark.gpu
+def test_attention_float32_matches_float64():
+    te = _gpu()
+    q, k, v = (t.float() for t in _attention_inputs(2, 300, 300, heads=8, kv=2, d=64))
+    pos = torch.arange(300, device="cuda").expand(2, 300)
+    out = te.attention(q, k, v, pos, 0.125)
+    assert (out.double() - ref_attention(q, k, v, pos, 0.125)).abs().max().item() < 1e-5
+
+
+@pytest.mark.gpu
+def test_exact_ops_capture_in_a_cuda_graph():
+    """The engine captures decode steps in CUDA graphs: the kernels need no host sync."""
+    te = _gpu()
+    q, k, v = _attention_inputs(4, 1, 256)
+    pos = torch.tensor([[0], [100], [255], [17]], device="cuda")
+    w = torch.randn(640, 128 * 28, device="cuda").bfloat16()
+    eager = te.matmul(te.attention(q, k, v, pos, 0.1).view(4, -1), w)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        te.matmul(te.attention(q, k, v, pos, 0.1).view(4, -1), w)  # compile outside the capture
+        with torch.cuda.graph(graph, stream=stream):
+            captured = te.matmul(te.attention(q, k, v, pos, 0.1).view(4, -1), w)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+
+# ------------------------------------------------------------------------------------ gpu: end to end
+def _rollout(vocab=512, n=8, seed=0):
+    """GRPO-like requests: prompts and response budgets of mixed lengths, each sample its own seed."""
+    from tidal.rollout.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [
+        torch.randint(3, vocab, (int(k),), generator=g).tolist()
+        for k in torch.randint(2, 30, (n,), generator=g)
+    ]
+    params = [
+        SamplingParams(temperature=TEMPERATURE, max_tokens=int(m), seed=i, ignore_eos=True)
+        for i, m in enumerate(torch.randint(1, 20, (n,), generator=g))
+    ]  # fmt: skip
+    return prompts, params
+
+
+def _trainer_gaps(hf, prompts, outputs, device, precision=None) -> float:
+    """max |engine - trainer| over the responses, the trainer scoring one packed row."""
+    from tidal.models.forward import token_logprobs
+
+    rows = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs, strict=True)]
+    lengths = [len(r) for r in rows]
+    batch = {
+        "input_ids": torch.tensor([t for r in rows for t in r], device=device)[None],
+        "position_ids": torch.cat([torch.arange(n, device=device) for n in lengths])[None],
+        "segment_ids": torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lengths))[None].to(
+            device
+        ),
+    }
+    with torch.no_grad(), precision.autocast() if precision else contextlib.nullcontext():
+        lp = token_logprobs(hf, batch, TEMPERATURE)[0][0].float().cpu()
+    gap, offset = 0.0, 0
+    for p, r, o in zip(prompts, rows, outputs, strict=True):
+        trainer = lp[offset + len(p) : offset + len(r)]
+        gap = max(gap, (torch.tensor(o.outputs[0].logprobs) - trainer).abs().max().item())
+        offset += len(r)
+    return gap
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("family", "overrides"), [("qwen2", {}), ("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 8})]
+)
+def test_cuda_bf16_engine_and_trainer_logprobs_are_bit_identical(tiny_model, family, overrides):
+    """The engine in bf16 (CUDA graphs on) against the trainer's float32 master model under bf16 autocast:
+    exact mode gives 0; without it the gap is printed (and is not 0)."""
+    from transformers import AutoModelForCausalLM
+
+    from tidal.models.precision import Precision
+    from tidal.rollout import EngineConfig, LLMEngine
+
+    path = tiny_model(family, logit_scale=4.0, **overrides)
+    prompts, params = _rollout()
+    device = torch.device("cuda")
+    precision = Precision.create("bf16", device)
+    gaps = {}
+    for exact in (False, True):
+        config = EngineConfig(device="cuda", max_model_len=128, num_kv_blocks=64, exact_logprobs=exact)
+        engine = LLMEngine(path, config)
+        assert engine.dtype == torch.bfloat16
+        outputs = engine.generate(prompts, params)
+        engine.close()
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
+        if exact:
+            bi.make_exact(hf)  # computes in bf16, the engine's dtype on CUDA
+        gaps[exact] = _trainer_gaps(hf, prompts, outputs, device, precision)
+    print(f"{family} cuda bf16 max |engine - trainer|: without the mode {gaps[False]:.3g}, with {gaps[True]}")
+    assert gaps[True] == 0.0
+    assert gaps[False] > 0.0
+
+
+@pytest.mark.gpu
+def test_cuda_float32_engine_and_trainer_logprobs_are_bit_identical(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from tidal.rollout import EngineConfig, LLMEngine
+
+    path = tiny_model("qwen2", logit_scale=4.0)
+    prompts, params = _rollout(seed=4)
+    config = EngineConfig(
+        device="cuda", dtype="float32", max_model_len=128, num_kv_blocks=64, exact_logprobs=True
+    )
+    outputs = LLMEngine(path, config).generate(prompts, params)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).cuda().eval()
+    bi.make_exact(hf, compute_dtype=torch.float32)
+    assert _trainer_gaps(hf, prompts, outputs, torch.device("cuda")) == 0.0
+
+
+@pytest.mark.gpu
+def test_cuda_request_alone_and_in_a_larger_batch_gets_identical_logprobs(tiny_model):
+    from tidal.rollout import EngineConfig, LLMEngine
+
+    engine = LLMEngine(
+        tiny_model("qwen2", logit_scale=4.0),
+        EngineConfig(device="cuda", max_model_len=128, num_kv_blocks=128, exact_logprobs=True),
+    )
+    prompts, params = _rollout(n=40, seed=1)
+    together = engine.generate(prompts, params)
+    for i in (0, 17, 39):
+        alone = engine.generate([prompts[i]], [params[i]])[0].outputs[0]
+        assert alone.token_ids == together[i].outputs[0].token_ids
+        assert alone.logprobs == together[i].outputs[0].logprobs
+
+
+@pytest.mark.gpu
+def test_cuda_exact_forward_is_differentiable(tiny_model):
+    """The policy loss backpropagates through the kernels (their backward is plain torch's)."""
+    from transformers import AutoModelForCausalLM
+
+    from tidal.models.forward import token_logprobs
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model("qwen2")), dtype=torch.float32).cuda()
+    bi.make_exact(hf)
+    ids = torch.randint(3, 500, (2, 24), device="cuda")
+    batch = {"input_ids": ids, "position_ids": torch.arange(24, device="cuda").expand(2, 24)}
+    token_logprobs(hf, batch, 1.0)[0][:, 1:].sum().backward()
+    grads = [p.grad for p in hf.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert hf.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+# ------------------------------------------------------------------------------------ interpreter
+@pytest.fixture(scope="module")
+def te():
+    """``tidal.rollout.triton_exact`` with its kernels run by Triton's interpreter."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the gpu tests run the compiled kernels")
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the module's @triton.jit runs
+    try:
+        import triton.runtime.interpreter as interpreter
+
+        import tidal.rollout.triton_exact as module
+
+        if not isinstance(module._matmul_kernel, interpreter.InterpretedFunction):
+            module = importlib.reload(module)
+        _index_scalars_of_one_element(interpreter)
+        yield module
+    except ImportError:
+        pytest.skip("triton is not installed")
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+def _index_scalars_of_one_element(interpreter) -> None:
+    """triton 3.6's interpreter holds a scalar as a 1-element array and makes ``range`` bounds of it with
+    ``int(array)``, which numpy >= 2.4 refuses for 1-d arrays; read its one element instead."""
+    if getattr(interpreter, "_tidal_patched", False):
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch
+    interpreter._tidal_patched = True
+
+
+@pytest.fixture
+def on_kernels(te, monkeypatch):
+    """Every batch-invariant op on CPU tensors through the (interpreted) kernels."""
+    monkeypatch.setattr(bi, "_on_triton", lambda x: True)
+    return te
+
+
+def test_interpreted_matmul_rms_norm_and_logprobs_match_float64_and_are_row_invariant(te):
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(70, 100, generator=g), torch.randn(130, 100, generator=g)
+    full = te.matmul(x, w)
+    assert ((full.double() - ref_matmul(x, w)).abs() <= 1e-5 * (x.abs() @ w.abs().T)).all()
+    for rows in (slice(0, 1), slice(64, 65), slice(3, 40), slice(60, 70)):
+        assert torch.equal(te.matmul(x[rows], w), full[rows])
+    assert torch.equal(te.matmul(x[:5], w[64:100]), full[:5, 64:100])
+
+    x3, wn = torch.randn(4, 3, 1100, generator=g), torch.randn(1100, generator=g)
+    norm = te.rms_norm(x3, wn, 1e-6, False)
+    assert (norm.double() - ref_rms_norm(x3, wn, 1e-6)).abs().max().item() < 1e-5
+    assert torch.equal(te.rms_norm(x3[2, 1:2], wn, 1e-6, False), norm[2, 1:2])
+
+    logits, tokens = torch.randn(6, 5000, generator=g) * 4, torch.randint(0, 5000, (6,), generator=g)
+    temps = torch.rand(6, generator=g) + 0.3
+    lp = te.token_logprobs(logits, tokens, temps)
+    assert (lp.double() - ref_token_logprobs(logits, tokens, temps)).abs().max().item() < 1e-5
+    assert torch.equal(te.token_logprobs(logits[4:5], tokens[4:5], temps[4:5]), lp[4:5])
+
+
+@pytest.mark.parametrize("window", [None, 10])
+def test_interpreted_attention_matches_float64_and_a_query_alone_gives_the_same_bits(te, window):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (
+        torch.randn(2, 40, 4, 16, generator=g),
+        torch.randn(2, 40, 2, 16, generator=g),
+        torch.randn(2, 40, 2, 16, generator=g),
+    )
+    pos = torch.arange(40).expand(2, 40)
+    full = te.attention(q, k, v, pos, 0.3, window)
+    assert (full.double() - ref_attention(q, k, v, pos, 0.3, window)).abs().max().item() < 1e-5
+    for b, p in ((0, 0), (1, 13), (0, 31), (1, 32), (1, 39)):
+        junk_k, junk_v = k[b : b + 1].clone(), v[b : b + 1].clone()
+        junk_k[:, p + 1 :], junk_v[:, p + 1 :] = 50.0, -9.0
+        alone = te.attention(q[b : b + 1, p : p + 1], junk_k, junk_v, pos[b : b + 1, p : p + 1], 0.3, window)
+        assert torch.equal(alone, full[b : b + 1, p : p + 1])
+    assert torch.equal(te.attention(q[:, 33:], k, v, pos[:, 33:], 0.3, window), full[:, 33:])
+
+
+def test_ops_on_the_kernels_have_the_reference_gradients(on_kernels):
+    """The kernels have no backward of their own: ``_invariant`` gives the torch formulation's."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 7, 32, generator=g, requires_grad=True)
+    w = torch.randn(48, 32, generator=g, requires_grad=True)
+    out = bi.linear(x, w)
+    assert torch.equal(out.detach(), on_kernels.matmul(x.detach().view(-1, 32), w.detach()).view(5, 7, 48))
+    (out * torch.linspace(-1, 1, 48)).sum().backward()
+    ref_x, ref_w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    (torch.nn.functional.linear(ref_x, ref_w) * torch.linspace(-1, 1, 48)).sum().backward()
+    assert torch.allclose(x.grad, ref_x.grad) and torch.allclose(w.grad, ref_w.grad)
+
+    q = torch.randn(2, 9, 4, 16, generator=g, requires_grad=True)
+    kv = torch.randn(2, 9, 2, 16, generator=g, requires_grad=True)
+    pos = torch.arange(9).expand(2, 9)
+    bi.attention(q, kv, kv, pos, 0.25).square().sum().backward()
+    ref_q, ref_kv = q.detach().requires_grad_(), kv.detach().requires_grad_()
+    ref_attention(ref_q, ref_kv, ref_kv, pos, 0.25).float().square().sum().backward()
+    assert torch.allclose(q.grad, ref_q.grad, atol=1e-5) and torch.allclose(kv.grad, ref_kv.grad, atol=1e-5)
+
+    logits = torch.randn(3, 50, generator=g, requires_grad=True)
+    tokens = torch.tensor([1, 7, 49])
+    bi.token_logprobs(logits, tokens, 0.7).sum().backward()
+    expected = torch.nn.functional.one_hot(tokens, 50) - torch.softmax(logits.detach() / 0.7, -1)
+    assert torch.allclose(logits.grad, expected / 0.7, atol=1e-6)
+
+
+def test_interpreted_engine_and_trainer_logprobs_are_bit_identical(tiny_model, on_kernels):
+    """The CUDA dispatch end to end on CPU: the engine (prefill and decode) and the trainer's exact forward,
+    both on the kernels, give the same log-probs (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    from tidal.rollout import EngineConfig, LLMEngine
+    from tidal.rollout.sampling_params import SamplingParams
+
+    path = tiny_model(
+        "qwen2",
+        logit_scale=4.0,
+        num_hidden_layers=1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+    )
+    prompts = [list(range(5, 17)), list(range(40, 43)), list(range(7, 30))]
+    params = [
+        SamplingParams(temperature=TEMPERATURE, max_tokens=m, seed=i, ignore_eos=True)
+        for i, m in enumerate((4, 2, 3))
+    ]
+    config = EngineConfig(device="cpu", max_model_len=64, num_kv_blocks=16, exact_logprobs=True)
+    outputs = LLMEngine(path, config).generate(prompts, params)
+    hf = bi.make_exact(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval())
+    assert _trainer_gaps(hf, prompts, outputs, torch.device("cpu")) == 0.0

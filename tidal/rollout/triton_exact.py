@@ -1,0 +1,263 @@
+"""Batch-invariant Triton kernels: ``--exact_logprobs`` on CUDA (``tidal.rollout.batch_invariant`` calls them).
+
+cuBLAS picks a GEMM kernel (tile shape, split-K) from the problem's M, and torch's reduction kernels pick
+their launch configuration from the number of rows, so a row's result there depends on what else is in
+the batch. These kernels fix everything that decides a row's reduction order:
+
+- one compiled configuration per kernel (no autotuning, no split-K); the row count ``M`` is not
+  specialised on (``do_not_specialize``), so a 1-row decode and a 4k-row prefill run the same code;
+- float32 accumulation, the reduced dimension walked in fixed blocks from 0 upward;
+- a row's (or a query's) result is computed by instructions that read only that row: the other rows of
+  its tile go through the same tensor-core instructions in other lanes, and masked rows are zeros.
+
+``matmul``: ``x [M, K] @ w [N, K]^T`` in ``BLOCK_M x BLOCK_N`` tiles, K in ``BLOCK_K`` steps (bf16 or fp32;
+fp32 uses IEEE products, not TF32), out in ``x``'s dtype. ``rms_norm``: one program per row. ``token_logprobs``:
+one program per row, the vocabulary in ``VOCAB_BLOCK`` chunks (max, then sum of exponentials). ``attention``:
+``QUERY_BLOCK`` queries of one (row, head) per program over keys in ``KEY_BLOCK`` blocks at fixed absolute
+positions, online softmax in block order; a block a query sees none of leaves its state bit-unchanged
+(alpha is exactly 1, it adds exact zeros), so the keys beyond a query's position, the other queries of its
+tile and whether it is a prefill or a decode query change nothing.
+
+Keys and values beyond a query's position may hold anything finite (stale cache slots, padding).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# One configuration each (see the module doc): changing one changes results, never correctness.
+MATMUL_BLOCK_M, MATMUL_BLOCK_N, MATMUL_BLOCK_K = 64, 64, 64
+NORM_BLOCK = 1024
+VOCAB_BLOCK = 2048
+QUERY_BLOCK, KEY_BLOCK = 32, 64
+
+
+@triton.jit(do_not_specialize=["M", "N"])
+def _matmul_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K: tl.constexpr,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        a = tl.load(
+            x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk,
+            mask=(rows[:, None] < M) & (k[None, :] < K),
+            other=0.0,
+        )
+        b = tl.load(
+            w_ptr + cols[None, :] * stride_wn + k[:, None] * stride_wk,
+            mask=(cols[None, :] < N) & (k[:, None] < K),
+            other=0.0,
+        )
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    out = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ w [N, K]^T`` in ``x``'s dtype (``w`` must have it too), each row on its own."""
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    grid = (triton.cdiv(m, MATMUL_BLOCK_M), triton.cdiv(n, MATMUL_BLOCK_N))
+    _matmul_kernel[grid](
+        x, w, out, m, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
+        BLOCK_M=MATMUL_BLOCK_M, BLOCK_N=MATMUL_BLOCK_N, BLOCK_K=MATMUL_BLOCK_K,
+        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr, N: tl.constexpr, stride_x, stride_o, eps,
+    BLOCK: tl.constexpr, SCALE_IN_FLOAT32: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    squares = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c0 in range(0, N, BLOCK):
+        c = c0 + offs
+        x = tl.load(x_ptr + row * stride_x + c, mask=c < N, other=0.0).to(tl.float32)
+        squares += x * x
+    inv = 1.0 / tl.sqrt_rn(tl.sum(squares, axis=0) / N + eps)
+    dtype = out_ptr.dtype.element_ty
+    for c0 in range(0, N, BLOCK):
+        c = c0 + offs
+        x = tl.load(x_ptr + row * stride_x + c, mask=c < N, other=0.0).to(tl.float32)
+        # the weight in the activations' dtype, as the engine (bf16 weights) holds it
+        w = tl.load(w_ptr + c, mask=c < N, other=0.0).to(dtype).to(tl.float32)
+        y = x * inv
+        if SCALE_IN_FLOAT32:
+            out = w * y
+        else:
+            out = w * y.to(dtype).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + c, out.to(dtype), mask=c < N)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale_in_float32: bool) -> torch.Tensor:
+    """RMSNorm of each row of ``x [..., N]`` (statistics in float32), out in ``x``'s dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows, weight.contiguous(), out, rows.shape[1], rows.stride(0), out.stride(0), float(eps),
+            BLOCK=NORM_BLOCK, SCALE_IN_FLOAT32=scale_in_float32, num_warps=4,
+        )  # fmt: skip
+    return out.view(x.shape)
+
+
+@triton.jit
+def _token_logprobs_kernel(
+    logits_ptr, tokens_ptr, temp_ptr, out_ptr, V: tl.constexpr, stride_l, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    temp = tl.full((BLOCK,), 1.0, tl.float32) * tl.load(temp_ptr + row)
+    offs = tl.arange(0, BLOCK)
+    base = logits_ptr + row * stride_l
+    top = tl.full((BLOCK,), float("-inf"), tl.float32)
+    for v0 in range(0, V, BLOCK):
+        c = v0 + offs
+        z = tl.load(base + c, mask=c < V, other=float("-inf")).to(tl.float32)
+        top = tl.maximum(top, tl.math.div_rn(z, temp))
+    m = tl.max(top, axis=0)
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for v0 in range(0, V, BLOCK):
+        c = v0 + offs
+        z = tl.load(base + c, mask=c < V, other=float("-inf")).to(tl.float32)
+        total += tl.where(c < V, tl.exp(tl.math.div_rn(z, temp) - m), 0.0)
+    lse = m + tl.log(tl.sum(total, axis=0))
+    token = tl.load(tokens_ptr + row)
+    z_token = tl.load(base + token).to(tl.float32)
+    tl.store(out_ptr + row, tl.math.div_rn(z_token, tl.load(temp_ptr + row)) - lse)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits / temperature)`` at ``tokens`` (float32) per row of ``logits [..., V]``;
+    ``temperature`` (float32) broadcasts against ``logits.shape[:-1]``."""
+    lead = logits.shape[:-1]
+    rows = logits.reshape(-1, logits.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    temps = temperature.to(torch.float32).expand(lead).reshape(-1).contiguous()
+    toks = tokens.expand(lead).reshape(-1).contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.float32, device=logits.device)
+    if rows.shape[0]:
+        _token_logprobs_kernel[(rows.shape[0],)](
+            rows, toks, temps, out, rows.shape[1], rows.stride(0), BLOCK=VOCAB_BLOCK, num_warps=8
+        )
+    return out.view(lead)
+
+
+@triton.jit(do_not_specialize=["Lq", "Lk"])
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, Lq, Lk, H, GROUPS, scale,
+    sqb, sql, sqh, sqd, skb, skl, skh, skd, svb, svl, svh, svd, spb, spl, sob, sol, soh, sod,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr, IEEE: tl.constexpr,
+):  # WINDOW: the sliding window (0: none)  # fmt: skip
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    kvh = h // GROUPS
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    live = rows < Lq
+    dmask = dims < HEAD_DIM
+    # a padding query (row >= Lq) sits at position -1: it sees no key
+    pos = tl.load(pos_ptr + b * spb + rows * spl, mask=live, other=-1).to(tl.int32)
+    q = tl.load(
+        q_ptr + b * sqb + rows[:, None] * sql + h * sqh + dims[None, :] * sqd,
+        mask=live[:, None] & dmask[None, :],
+        other=0.0,
+    )
+    # Key blocks [lo, hi): every block any query of the tile sees. The blocks outside it are ones each of
+    # these queries sees nothing of, which would leave its state unchanged: skipping them is exact.
+    # (Blocks past Lk, if a position were, are masked by ``kin``.)
+    hi = tl.max(pos, axis=0) + 1
+    lo = 0
+    if WINDOW:
+        first = tl.min(tl.where(live, pos, 2147483647), axis=0) - WINDOW + 1
+        lo = (tl.maximum(first, 0) // BLOCK_N) * BLOCK_N
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    keys = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + keys
+        kin = kpos < Lk
+        k = tl.load(
+            k_ptr + b * skb + kpos[None, :] * skl + kvh * skh + dims[:, None] * skd,
+            mask=kin[None, :] & dmask[:, None],
+            other=0.0,
+        )
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        seen = (kpos[None, :] <= pos[:, None]) & kin[None, :]
+        if WINDOW:
+            seen &= kpos[None, :] > pos[:, None] - WINDOW
+        s = tl.where(seen, s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # a query that sees nothing new keeps m: alpha exactly 1, and p is all exact zeros
+        alpha = tl.where(m_new == m_i, 1.0, tl.exp(m_i - m_safe))
+        p = tl.where(seen, tl.exp(s - m_safe[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_ptr + b * svb + kpos[:, None] * svl + kvh * svh + dims[None, :] * svd,
+            mask=kin[:, None] & dmask[None, :],
+            other=0.0,
+        )
+        if IEEE:
+            acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        o_ptr + b * sob + rows[:, None] * sol + h * soh + dims[None, :] * sod,
+        out.to(o_ptr.dtype.element_ty),
+        mask=live[:, None] & dmask[None, :],
+    )
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """``batch_invariant.attention``'s contract (causal, GQA, optional sliding window; key ``j`` at
+    position ``j``) on CUDA: ``q [B, Lq, H, D]``, ``k, v [B, Lk, KV, D]``, ``q_pos [B, Lq]`` ->
+    ``[B, Lq, H, D]`` in ``q``'s dtype."""
+    b, lq, h, d = q.shape
+    lk, kv = k.shape[1], k.shape[2]
+    out = torch.empty(b, lq, h, d, dtype=q.dtype, device=q.device)
+    if b * lq * h == 0:
+        return out
+    pos = q_pos.expand(b, lq)
+    grid = (triton.cdiv(lq, QUERY_BLOCK), b * h)
+    _attention_kernel[grid](
+        q, k, v, pos, out, lq, lk, h, h // kv, float(scale),
+        *q.stride(), *k.stride(), *v.stride(), *pos.stride(), *out.stride(),
+        HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=QUERY_BLOCK, BLOCK_N=KEY_BLOCK,
+        WINDOW=window or 0, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out
