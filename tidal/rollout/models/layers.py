@@ -17,11 +17,13 @@ shard as it copies it; size 1 is the plain single-device model. Model code has n
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tidal.accel import triton_usable
@@ -46,6 +48,17 @@ from tidal.rollout.models.parallel import (
     kv_heads_per_rank,
 )
 from tidal.rollout.models.rope import apply_rope, inv_freq_and_scale, rope_table
+
+# False: the decoder never runs ``triton_fused``'s kernels (SwiGLU; RoPE + KV store) and takes the torch
+# ops instead (benchmarks compare the two; both give bit-equal results). Read at each forward, so set it
+# before an engine captures its CUDA graphs. TIDAL_FUSED_KERNELS=0 in the environment starts it off.
+FUSED_KERNELS = os.environ.get("TIDAL_FUSED_KERNELS", "1") != "0"
+
+
+def fused_kernels_usable(x: torch.Tensor) -> bool:
+    """``triton_fused``'s kernels run on ``x``: switched on, CUDA, Triton importable."""
+    return FUSED_KERNELS and triton_usable(x)
+
 
 _NAME_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -170,11 +183,14 @@ class Rotary(nn.Module):
         return self.cos.index_select(0, positions).to(dtype), self.sin.index_select(0, positions).to(dtype)
 
 
-def paged_attention(q, k, v, meta: AttentionMetadata, layer_idx: int, window: int | None, scale: float):
-    """Store this step's k/v into the layer's paged cache, then attend (prefill: over the batch's own
-    tokens; decode: over the cache). q [tokens, heads, d], k/v [tokens, kv_heads, d] -> [tokens, heads*d]."""
+def paged_attention(
+    q, k, v, meta: AttentionMetadata, layer_idx: int, window: int | None, scale: float, stored: bool = False
+):
+    """Store this step's k/v into the layer's paged cache (unless ``stored``: a fused kernel did), then
+    attend (prefill: over the batch's own tokens; decode: over the cache). q [tokens, heads, d], k/v
+    [tokens, kv_heads, d] -> [tokens, heads*d]."""
     layer_cache = None if meta.kv_cache is None else meta.kv_cache[layer_idx]
-    if layer_cache is not None:
+    if layer_cache is not None and not stored:
         store_kv(layer_cache, k, v, meta.slot_mapping)
     if meta.exact:
         return exact_attention(q, k, v, meta, layer_cache, window, scale)
@@ -207,13 +223,31 @@ class Attention(nn.Module):
             -1, self.num_heads + self.num_kv_heads, self.head_dim
         )
 
+    def fused_qk_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, tuple[RMSNorm, RMSNorm] | None]:
+        """What ``triton_fused.rope_store_kv`` reads: the q/k heads before RoPE and the per-head
+        (q, k) RMSNorms it applies first (None: the heads are taken as ``qk_heads`` gives them)."""
+        return self.qk_heads(qkv), None
+
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        v = qkv[:, self.split[0] + self.split[1] :].view(-1, self.num_kv_heads, self.head_dim)
+        if fused_kernels_usable(qkv) and not meta.exact:
+            q, k = self._fused_rope_store(qkv, v, cos, sin, meta)
+            out = paged_attention(q, k, v, meta, self.layer_idx, self.window, self.scale, stored=True)
+            return self.o_proj(out)
         # Rotating q and k heads together halves the (launch-bound) RoPE ops.
         qk = apply_rope(self.qk_heads(qkv), cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.split[0] + self.split[1] :].view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(paged_attention(q, k, v, meta, self.layer_idx, self.window, self.scale))
+
+    def _fused_rope_store(self, qkv, v, cos, sin, meta: AttentionMetadata):
+        """(q, k) after norms and RoPE, k/v already in the layer's cache: one kernel (``triton_fused``)."""
+        from tidal.rollout.models.triton_fused import rope_store_kv
+
+        qk, norms = self.fused_qk_heads(qkv)
+        layer_cache = None if meta.kv_cache is None else meta.kv_cache[self.layer_idx]
+        weights, eps = (None, 0.0) if norms is None else ((norms[0].weight, norms[1].weight), norms[0].eps)
+        return rope_store_kv(qk, v, cos, sin, self.num_heads, layer_cache, meta.slot_mapping, weights, eps)
 
 
 class GatedMLP(nn.Module):
@@ -227,7 +261,12 @@ class GatedMLP(nn.Module):
         self.act = ACTIVATIONS[args.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act is F.silu and fused_kernels_usable(gate_up):
+            from tidal.rollout.models.triton_fused import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 

@@ -21,6 +21,10 @@ class Qwen3Attention(Attention):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         return torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
 
+    def fused_qk_heads(self, qkv: torch.Tensor):
+        # The fused RoPE kernel applies the per-head norms itself (as triton_norm computes them).
+        return super().qk_heads(qkv), (self.q_norm, self.k_norm)
+
 
 class Qwen3ForCausalLM(CausalLM):
     attention_cls = Qwen3Attention

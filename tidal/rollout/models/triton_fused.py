@@ -1,0 +1,223 @@
+"""Fused Triton kernels for the decoder's element-wise work (CUDA only; ``layers.py`` falls back to torch).
+
+Two kernels, each bit-equal to the torch ops it replaces (the contract: greedy parity with transformers
+must not move), so every rounding of the torch path is reproduced in the kernel:
+
+- ``silu_and_mul``: ``F.silu(gate) * up`` over the packed ``gate_up`` projection ([T, 2I] -> [T, I]).
+  torch's CUDA SiLU computes ``x / (1 + exp(-x))`` in float32 and rounds once to the model dtype; the mul
+  rounds the float32 product of the two model-dtype values once more. The kernel uses libdevice's
+  ``expf`` (what nvcc links for ``::exp``) and an IEEE division (``div_rn``), not Triton's approximate
+  defaults.
+- ``rope_store_kv``: RoPE on the q and k heads (rotate-half layout), optionally after Qwen3's per-head
+  q/k RMSNorm, and the store of k/v into the paged KV cache at ``slot_mapping``. It replaces the two
+  norms' copies, ``apply_rope``'s ~6 ops and ``store_kv``'s two ``index_copy_``. torch rounds each
+  product ``x * cos``, ``rot * sin`` and their sum to the model dtype; the kernel does the same, with
+  ``mul_rn`` / ``add_rn`` so that float32 models do not get a fused multiply-add either. The norm is
+  ``triton_norm``'s arithmetic (same expression, same 1-D layout: 4 warps over one head) because that
+  kernel is what the unfused path runs on CUDA.
+
+Triton's interpreter (CPU tests, ``TRITON_INTERPRET=1``) has no libdevice; there numpy's float32 ops
+are already exactly rounded and the plain operators are used instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import libdevice
+
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _mul_rn(a, b):
+    if _INTERPRETED:
+        out = a * b
+    else:
+        out = libdevice.mul_rn(a, b)
+    return out
+
+
+@triton.jit
+def _add_rn(a, b):
+    if _INTERPRETED:
+        out = a + b
+    else:
+        out = libdevice.add_rn(a, b)
+    return out
+
+
+@triton.jit
+def _silu(x):
+    """torch's CUDA SiLU in float32: x / (1 + expf(-x)), IEEE division."""
+    if _INTERPRETED:
+        out = x / (1.0 + tl.exp(-x))
+    else:
+        out = tl.math.div_rn(x, 1.0 + libdevice.exp(-x))
+    return out
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    act = _silu(gate.to(tl.float32)).to(gate.dtype)  # F.silu's output, in the model dtype
+    out = _mul_rn(act.to(tl.float32), up.to(tl.float32)).to(gate.dtype)
+    tl.store(out_ptr + row * n_cols + cols, out, mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` for ``gate, up = gate_up.chunk(2, -1)``: [T, 2I] -> [T, I], one kernel."""
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    width = gate_up.shape[-1] // 2
+    rows = gate_up.numel() // gate_up.shape[-1]
+    out = torch.empty(*gate_up.shape[:-1], width, dtype=gate_up.dtype, device=gate_up.device)
+    if rows == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(width))
+    flat = gate_up.reshape(rows, gate_up.shape[-1])  # a view for the [T, 2I] projection output
+    _silu_and_mul_kernel[(rows, triton.cdiv(width, block))](
+        flat, out, width, flat.stride(0), BLOCK=block, num_warps=4 if block >= 512 else 2
+    )
+    return out
+
+
+@triton.jit
+def _rope_store_kv_kernel(
+    qk_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_qk_t,
+    stride_qk_h,
+    stride_v_t,
+    stride_v_h,
+    stride_cos,
+    v_cache_offset,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    eps,
+    HAS_NORM: tl.constexpr,
+    HAS_CACHE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One program per (token, head): heads [0, H) are q, [H, H + KV) are k, [H + KV, H + 2 KV) are v.
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < head_dim
+    half = head_dim // 2
+    if h < num_heads + num_kv_heads:
+        partner = tl.where(cols < half, cols + half, cols - half)
+        src = qk_ptr + t * stride_qk_t + h * stride_qk_h
+        x = tl.load(src + cols, mask=mask, other=0.0)
+        xp = tl.load(src + partner, mask=mask, other=0.0)
+        if HAS_NORM:
+            # triton_norm's arithmetic over this head (its partner half is normalised by the same factor).
+            if h < num_heads:
+                w_ptr = q_weight_ptr
+            else:
+                w_ptr = k_weight_ptr
+            x32 = x.to(tl.float32)
+            inv = tl.rsqrt(tl.sum(x32 * x32, 0) / head_dim + eps)
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            wp = tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+            x = (w * (x32 * inv).to(x.dtype).to(tl.float32)).to(x.dtype)
+            xp = (wp * (xp.to(tl.float32) * inv).to(x.dtype).to(tl.float32)).to(x.dtype)
+        c = tl.load(cos_ptr + t * stride_cos + cols, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + t * stride_cos + cols, mask=mask, other=0.0).to(tl.float32)
+        rot = tl.where(cols < half, -xp.to(tl.float32), xp.to(tl.float32))
+        # apply_rope: x * cos and rot * sin each rounded to the model dtype, then their rounded sum.
+        a = _mul_rn(x.to(tl.float32), c).to(x.dtype).to(tl.float32)
+        b = _mul_rn(rot, s).to(x.dtype).to(tl.float32)
+        out = _add_rn(a, b).to(x.dtype)
+        if h < num_heads:
+            tl.store(q_out_ptr + (t * num_heads + h) * head_dim + cols, out, mask=mask)
+        else:
+            kh = h - num_heads
+            tl.store(k_out_ptr + (t * num_kv_heads + kh) * head_dim + cols, out, mask=mask)
+            if HAS_CACHE:
+                slot = tl.load(slot_ptr + t).to(tl.int64)
+                tl.store(cache_ptr + (slot * num_kv_heads + kh) * head_dim + cols, out, mask=mask)
+    else:
+        if HAS_CACHE:
+            vh = h - num_heads - num_kv_heads
+            v = tl.load(v_ptr + t * stride_v_t + vh * stride_v_h + cols, mask=mask, other=0.0)
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+            dst = cache_ptr + v_cache_offset + (slot * num_kv_heads + vh) * head_dim + cols
+            tl.store(dst, v, mask=mask)
+
+
+def rope_store_kv(
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    layer_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+    norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE of the q and k heads ``qk`` [T, H + KV, D] (per-head RMSNorm with ``norm_weights`` = (q, k)
+    first), and k/v ([T, KV, D]) stored into ``layer_cache`` [2, blocks, block_size, KV, D] at
+    ``slot_mapping`` -> (q [T, H, D], k [T, KV, D]), both contiguous. cos/sin: [T, D], model dtype."""
+    tokens, heads, head_dim = qk.shape
+    num_kv = heads - num_heads
+    q_out = torch.empty(tokens, num_heads, head_dim, dtype=qk.dtype, device=qk.device)
+    k_out = torch.empty(tokens, num_kv, head_dim, dtype=qk.dtype, device=qk.device)
+    if tokens == 0:
+        return q_out, k_out
+    if qk.stride(-1) != 1:
+        qk = qk.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    has_cache = layer_cache is not None
+    if has_cache and (not layer_cache.is_contiguous() or layer_cache.dtype != qk.dtype):
+        raise ValueError(
+            f"rope_store_kv: the KV cache must be contiguous {qk.dtype}, got {layer_cache.dtype}"
+        )
+    q_weight, k_weight = norm_weights if norm_weights is not None else (qk, qk)
+    grid = (tokens, heads + (num_kv if has_cache else 0))
+    _rope_store_kv_kernel[grid](
+        qk,
+        v,
+        cos,
+        sin,
+        q_weight,
+        k_weight,
+        q_out,
+        k_out,
+        layer_cache if has_cache else qk,
+        slot_mapping if has_cache else qk,
+        qk.stride(0),
+        qk.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos.stride(0),
+        layer_cache[0].numel() if has_cache else 0,
+        num_heads,
+        num_kv,
+        head_dim,
+        eps,
+        HAS_NORM=norm_weights is not None,
+        HAS_CACHE=has_cache,
+        BLOCK=triton.next_power_of_2(head_dim),
+        num_warps=4,  # triton_norm's layout for a head (its sum of squares must reduce in the same order)
+    )
+    return q_out, k_out
