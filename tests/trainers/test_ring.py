@@ -1,5 +1,5 @@
-"""``--ring_attn_size 2`` (ring attention over 2 CPU processes, gloo) trains SFT and DPO exactly as one
-process does with ``--ring_attn_size 1`` on packed rows of uneven lengths; impossible ring settings
+"""``--ring_attn_size 2`` (ring attention over 2 CPU processes, gloo) trains SFT, DPO and GRPO exactly as
+one process does with ``--ring_attn_size 1`` on packed rows of uneven lengths; impossible ring settings
 fail with one line before any model loads."""
 
 from __future__ import annotations
@@ -116,16 +116,6 @@ def test_impossible_ring_settings_fail_before_loading(tiny_llama, tmp_path, extr
         run_sft(train_sft.parse_run(argv))
 
 
-def test_trainers_without_ring_support_refuse_it(tiny_llama, tmp_path):
-    from tidal.cli import train_rm
-
-    data = {"pairs": tmp_path / "pairs.jsonl"}
-    argv = flags("dpo", tiny_llama, {**data, "reference": tiny_llama}, tmp_path, "--ring_attn_size", "2")
-    argv = argv[: argv.index("--beta")]  # the reward model takes the pairs without DPO's flags
-    with pytest.raises(ConfigError, match="--ring_attn_size 2: not supported by tidal rm: its loss reads"):
-        train_rm.parse_run(argv)
-
-
 REWARD = """
 import torch
 
@@ -182,12 +172,12 @@ def test_grpo_ring_of_two_matches_one_process(tiny_qwen2, tmp_path):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (key, a)
 
 
-def test_ppo_with_a_critic_refuses_ring(tiny_qwen2, tmp_path, monkeypatch):
+def test_ppo_impossible_ring_fails_before_loading(tiny_qwen2, tmp_path, monkeypatch):
     from tidal.cli.train_ppo import parse_run
     from tidal.trainers.ppo import entry, run_ppo
 
     monkeypatch.setattr(entry, "load_tokenizer", lambda *a, **k: pytest.fail("loading started"))
     argv = ["--pretrain", str(tiny_qwen2), "--prompt_data", str(tmp_path / "p.jsonl"), "--advantage_estimator", "gae",
             "--ring_attn_size", "2", "--packing_samples", "--save_path", str(tmp_path / "f")]  # fmt: skip
-    with pytest.raises(ConfigError, match=r"must divide the number of processes \(1\).*critic's values"):
+    with pytest.raises(ConfigError, match=r"--ring_attn_size 2 must divide the number of processes \(1\)"):
         run_ppo(parse_run(argv))

@@ -81,25 +81,12 @@ class SupervisedRun(RunConfig):
         )
 
 
-# Trainers whose loss reads only ``token_logprobs`` of packed rows, which ring attention computes; the
-# others are refused with why (``ring_problems``).
-RING_UNSUPPORTED = {
-    "rm": "its loss reads the reward head's value at each sequence's last token",
-    "prm": "its loss reads whole-row logits at the step tokens",
-    "kd": "its loss reads the student's and the teacher's whole-row logits",
-    "kto": "its KL reference point runs forwards outside the ring group's turns",
-}
-
-
 def ring_problems(run: SupervisedRun, world: World | None = None) -> list[str]:
     """One line per reason ``--ring_attn_size`` cannot run for this trainer, these flags and world."""
     size = run.dist.ring_attn_size
     if size <= 1:
         return []
-    kind = trainer_kind(run)
-    problems = []
-    if kind in RING_UNSUPPORTED:
-        problems.append(f"--ring_attn_size {size}: not supported by tidal {kind}: {RING_UNSUPPORTED[kind]}")
+    problems = []  # every supervised trainer runs under ring attention (docs/distributed.md)
     if not run.train.packing_samples:
         problems.append(
             f"--ring_attn_size {size} needs --packing_samples (ring attention splits packed rows)"

@@ -20,6 +20,7 @@ chunk's first, and the per-token log-probs are gathered back into the whole row 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -168,6 +169,56 @@ class RingOutputs:
         return getattr(self._outputs, name)
 
 
+@dataclass(frozen=True)
+class RingChunk:
+    """This rank's chunk of a packed ``[1, T]`` row split over a ring group (every rank of the group holds
+    the whole row): the row is padded to a multiple of the ring size (the padding is a segment of its
+    own, attended by nothing real) and rank r runs the model on the r-th contiguous chunk."""
+
+    ring: ring_attn.RingGroup
+    layout: ring_attn.RingLayout
+    inputs: dict  # the local ``input_ids`` and ``position_ids`` [1, L]
+    length: int  # T: the row's real length
+
+    def local(self, row: torch.Tensor, pad_value: float | int = 0) -> torch.Tensor:
+        """This rank's chunk of a whole-row ``[1, T]`` tensor (padded with ``pad_value``)."""
+        return ring_attn.local_chunk(ring_attn.pad_row(row, self.ring.size, pad_value), self.ring)
+
+    def counts(self, row_mask: torch.Tensor) -> list[int]:
+        """How many positions of a whole-row ``[1, T]`` mask fall in each rank's chunk."""
+        padded = ring_attn.pad_row(row_mask.long(), self.ring.size, 0)
+        return padded.view(self.ring.size, -1).sum(-1).tolist()
+
+    def model_kwargs(self, model: nn.Module) -> dict:
+        """Forward keyword arguments of ``model`` for the chunk (switching its attention to the ring)."""
+        ring_attn.switch_to_ring(model)
+        return dict(self.inputs, attention_mask=None, tidal_ring=self.layout)
+
+    def whole(self, local: torch.Tensor) -> torch.Tensor:
+        """Per-token values ``[1, L]`` of every rank's chunk → the whole row ``[1, T]`` (differentiable:
+        each rank keeps the gradient of its chunk; see ``ring_attention.gather_chunks``)."""
+        return ring_attn.gather_chunks(local, self.ring)[:, : self.length]
+
+
+def ring_chunk(batch: dict, ring: ring_attn.RingGroup | None = None) -> RingChunk | None:
+    """This rank's ``RingChunk`` of a packed one-row batch under ring attention (``ring``, default the
+    active one of ``ring_attention.use_ring``), or None (no ring, or a padded batch)."""
+    ring = ring if ring is not None else ring_attn.active_ring()
+    if ring is None or "segment_ids" not in batch:
+        return None
+    ids = batch["input_ids"]
+    if ids.shape[0] != 1:
+        raise ValueError(f"ring attention takes one packed row, got {ids.shape[0]}")
+    segments = batch["segment_ids"]
+    padded_segments = ring_attn.pad_row(segments, ring.size, int(segments.max()) + 1)
+    local = {
+        k: ring_attn.local_chunk(ring_attn.pad_row(batch[k], ring.size, 0), ring)
+        for k in ("input_ids", "position_ids")
+    }
+    layout = ring_attn.RingLayout(ring, padded_segments[0], local["input_ids"].shape[1])
+    return RingChunk(ring, layout, local, ids.shape[1])
+
+
 def ring_token_logprobs(
     model: nn.Module,
     batch: dict,
@@ -179,23 +230,12 @@ def ring_token_logprobs(
 ):
     """``token_logprobs`` of a packed ``[1, ΣT]`` row, computed by the ring group (every rank passes the
     same row): pad to a multiple of the ring size, run this rank's chunk, gather the whole row's values."""
+    chunk = ring_chunk(batch, ring)
     ids = batch["input_ids"]
-    if ids.shape[0] != 1:
-        raise ValueError(f"ring attention takes one packed row, got {ids.shape[0]}")
-    length, size = ids.shape[1], ring.size
     targets = torch.roll(ids, -1, dims=1)  # the last one is never used: nothing follows the row
-    segments = batch["segment_ids"]
-    pad_segment = int(segments.max()) + 1  # padding is a segment of its own, attended by nothing real
-    padded_segments = ring_attn.pad_row(segments, size, pad_segment)
-    local = {
-        k: ring_attn.local_chunk(ring_attn.pad_row(batch[k], size, 0), ring)
-        for k in ("input_ids", "position_ids")
-    }
-    local_targets = ring_attn.local_chunk(ring_attn.pad_row(targets, size, 0), ring)
-    layout = ring_attn.RingLayout(ring, padded_segments[0], local["input_ids"].shape[1])
+    local_targets = chunk.local(targets)
     head = chunkable_head(model) if chunk_size else None
-    kwargs = dict(local, attention_mask=None, use_cache=False, tidal_ring=layout, **forward_kwargs)
-    ring_attn.switch_to_ring(model)
+    kwargs = dict(chunk.model_kwargs(model), use_cache=False, **forward_kwargs)
     if head is None:
         outputs = model(**kwargs)
         logits = outputs.logits[0]
@@ -205,6 +245,7 @@ def ring_token_logprobs(
         with _ring_head(head, local_targets[0], temperature, chunk_size, with_entropy) as result:
             outputs = model(**kwargs)
         lp, ent = result
+    length = chunk.length
     return _whole_row(lp, ring, length), RingOutputs(
         outputs, _whole_row(ent, ring, length) if ent is not None else None
     )

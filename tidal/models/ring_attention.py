@@ -348,6 +348,35 @@ def gather_chunks(local: Tensor, ring: RingGroup) -> Tensor:
     return _GatherChunks.apply(local, ring)
 
 
+class _GatherRows(torch.autograd.Function):
+    """All-gather rows ``[n_r, ...]`` of uneven counts (``counts[r]`` on rank r, known to every rank) in
+    rank order; like ``_GatherChunks``, backward keeps this rank's rows of the gradient."""
+
+    @staticmethod
+    def forward(ctx, local: Tensor, counts: tuple[int, ...], ring: RingGroup):
+        width = max(max(counts), 1)  # all_gather takes equal shapes: pad every rank's rows to the most
+        padded = local.new_zeros((width, *local.shape[1:]))
+        padded[: local.shape[0]] = local
+        parts = [torch.empty_like(padded) for _ in range(ring.size)]
+        dist.all_gather(parts, padded, group=ring.group)
+        ctx.start, ctx.count = sum(counts[: ring.rank]), counts[ring.rank]
+        return torch.cat([part[:n] for part, n in zip(parts, counts, strict=True)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.start : ctx.start + ctx.count].contiguous(), None, None
+
+
+def gather_rows(local: Tensor, counts: Sequence[int], ring: RingGroup) -> Tensor:
+    """Every rank's rows, in rank order, from each rank's ``[counts[rank], ...]`` (differentiable, see
+    ``_GatherRows``): the values a loss reads at a few positions of the row (PRM's step tokens)."""
+    if local.shape[0] != counts[ring.rank]:
+        raise ValueError(
+            f"rank {ring.rank} of the ring has {local.shape[0]} rows, expected {counts[ring.rank]}"
+        )
+    return _GatherRows.apply(local, tuple(int(n) for n in counts), ring)
+
+
 def turns(items: Sequence[Any], ring: RingGroup | None) -> Iterator[tuple[bool, Any]]:
     """``(mine, item)`` for every item of every rank of the ring group, in the same order on all of them.
 

@@ -6,7 +6,8 @@ random, as in OpenRLHF) and mixes ``ValueHeadMixin`` into its class, which adds:
 
 - ``forward(input_ids, attention_mask, position_ids)`` → per-token values ``[B, T]`` (float32);
 - ``values(batch)`` the same for a collated batch, padded or packed (``tidal.models.forward``); the
-  PPO critic uses it;
+  PPO critic uses it. Under ``--ring_attn_size`` a packed row runs as ring attention over the ring
+  group, each rank valuing its chunk, and the ``[T]`` values are all-gathered into the whole row;
 - ``scores(batch)`` → ``[B]`` the value at the last real token of each row (the rightmost position
   with ``attention_mask == 1``, so left and right padding both work) or, for a packed row, of each
   segment; with ``normalize_reward`` it returns ``(score − config.mean) / config.std`` (a config without
@@ -40,7 +41,7 @@ from torch import Tensor, nn
 from tidal.config.args import ConfigError
 from tidal.config.model import ModelConfig
 from tidal.logging import get_logger
-from tidal.models.forward import model_inputs
+from tidal.models.forward import model_inputs, ring_chunk
 from tidal.models.loading import _quantization_config, apply_lora, available_attn_implementation
 
 log = get_logger(__name__)
@@ -73,8 +74,13 @@ class ValueHeadMixin:
         return getattr(self, self.value_head_prefix)(hidden).squeeze(-1).float().clone()
 
     def values(self, batch: dict) -> Tensor:
-        """Per-token values ``[B, T]`` of a padded or packed batch."""
-        return self(**model_inputs(self, batch))
+        """Per-token values ``[B, T]`` of a padded or packed batch. Under ring attention a packed row is
+        split over the ring group: each rank values its chunk and the values of the whole row are
+        gathered (``forward.RingChunk.whole``), so every rank reads any token's value, as one process."""
+        chunk = ring_chunk(batch)
+        if chunk is None:
+            return self(**model_inputs(self, batch))
+        return chunk.whole(self(**chunk.model_kwargs(self)))
 
     def scores(self, batch: dict) -> Tensor:
         """One value per sequence: ``[B]`` (padded) or ``[num_segments]`` (packed)."""

@@ -20,6 +20,10 @@ Its update runs while the trainer updates the policy: ``start_train`` sends the 
 Checkpoints: the worker gathers its full state (weights, optimizer, schedule, non-finite guard) on the
 CPU and the trainer writes it with its own loop state (``checkpoint_state``); a resume sends it back.
 A checkpoint resumes with the critic placed as when it was written.
+
+Ring attention (``--ring_attn_size``): the local critic's forwards and updates run inside the trainer's
+``use_ring`` scope, so its packed rows are split like the policy's (``ValueHeadMixin.values``); the
+critic workers make the same ring groups among themselves and enter them for each call.
 """
 
 from __future__ import annotations
@@ -38,10 +42,12 @@ from tidal.checkpoint.resumable import CheckpointError
 from tidal.config import ModelConfig
 from tidal.config.distributed import DistributedConfig
 from tidal.config.training import OptimConfig
+from tidal.distributed.mesh import ring_group
 from tidal.distributed.offload import offload_to_cpu, reload_to_device
 from tidal.distributed.world import World, init_world
 from tidal.experience.experience import Experience
 from tidal.experience.maker import forward_values
+from tidal.models.ring_attention import use_ring
 from tidal.models.value_model import load_value_model
 from tidal.trainers.common import build_optimization
 from tidal.trainers.loop import Optimization
@@ -134,6 +140,9 @@ class CriticWorker:
         os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 serves the critic group's own store
         self.world = init_world(spec.device)
         self.spec = spec
+        # the trainers' ring groups (--ring_attn_size), made among the critic workers: worker i serves
+        # trainer i, so the ranks of a ring group take the same turns as their trainers
+        self.ring = ring_group(self.world, spec.dist.ring_attn_size, spec.dist.ring_head_stride)
         torch.set_rng_state(spec.rng_state)
         model = load_value_model(spec.model, self.world.device, spec.value_head_prefix)
         self.opt = build_optimization(model, spec.model, spec.optim, spec.dist, self.world, spec.total_steps)
@@ -144,12 +153,14 @@ class CriticWorker:
 
     def values(self, exp: Experience, micro: int, packing: bool, max_tokens: int | None) -> Tensor:
         exp = exp.to(self.world.device)
-        return forward_values(self.opt.model, exp, micro, packing, self.opt.precision, max_tokens).cpu()
+        with use_ring(self.ring):
+            return forward_values(self.opt.model, exp, micro, packing, self.opt.precision, max_tokens).cpu()
 
     def train(self, exp: Experience, shape, generator_state: Tensor) -> tuple[dict, int]:
         generator = torch.Generator()
         generator.set_state(generator_state)
-        stats = self.spec.update(self.opt, exp.to(self.world.device), shape, self.world, generator)
+        with use_ring(self.ring):
+            stats = self.spec.update(self.opt, exp.to(self.world.device), shape, self.world, generator)
         return stats, self.opt.guard.skipped
 
     def state_dict(self) -> dict:

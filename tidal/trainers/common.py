@@ -28,7 +28,6 @@ from tidal.config import (
     OptimConfig,
     TrainConfig,
 )
-from tidal.config.supervised import RING_UNSUPPORTED as RING_UNSUPPORTED
 from tidal.config.supervised import SupervisedRun as SupervisedRun
 from tidal.config.supervised import ring_problems as ring_problems
 from tidal.config.supervised import trainer_kind

@@ -12,6 +12,10 @@ is summed over samples and divided by the step's sample count. TRL shifts the re
 within each device's batch, which makes the pairs depend on how the step is split; we swap
 responses between neighbours (samples 0↔1, 2↔3, …) instead, so with an even per-device share the
 pairs, the estimate and hence the update are the same for any number of devices or micro-batches.
+
+Under ``--ring_attn_size`` (packed rows) the mismatched-pair forwards take ring turns like the loss's
+(``ring_attention.turns``): every rank of the ring group runs each rank's micro-batches, each over its
+chunk, and only the owner counts the log-ratios, so the estimate is the one of plain data parallelism.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from tidal.distributed import World
 from tidal.logging import get_logger
 from tidal.models import Precision
 from tidal.models.frozen import eval_mode
+from tidal.models.ring_attention import active_ring, turns
 from tidal.trainers.common import Recipe, fit_recipe, load_samples
 from tidal.trainers.loop import SupervisedTrainer, reduce_metrics, to_device
 from tidal.trainers.reference import (
@@ -135,11 +140,13 @@ class KTOTrainer(SupervisedTrainer):
             )
         obj = self.objective
         sums = {"logratio": 0.0, "n": float(len(samples))}
+        micro = [obj.collate(mb) for mb in self._micro_batches(mismatched(samples))]
         with torch.no_grad(), eval_mode(self.opt.model):
-            for mb in self._micro_batches(mismatched(samples)):
-                batch = to_device(obj.collate(mb), self.world.device)
+            for mine, collated in turns(micro, active_ring()):  # a ring group runs each rank's pairs together
+                batch = to_device(collated, self.world.device)
                 logps, ref_logps, _ = obj.logratios(self.opt.model, batch, self.opt.precision)
-                sums["logratio"] += float((logps - ref_logps).sum())
+                if mine:
+                    sums["logratio"] += float((logps - ref_logps).sum())
         sums["desirable"] = float(sum(s.desirable for s in samples))
         sums["undesirable"] = sums["n"] - sums["desirable"]
         total = reduce_metrics(sums, self.world)  # sums over devices / device count

@@ -18,6 +18,11 @@ As in OpenRLHF v0.9.2's ``train_rm``:
 and rejected) over the eval set, or the training set without one, are written into the saved
 config (``mean``, ``std``); loading the model with ``--normalize_reward`` (PPO, ``serve_rm``) then
 returns ``(reward − mean) / std``. The final folder loads with ``AutoModelForSequenceClassification``.
+
+Under ``--ring_attn_size`` (packed pairs) the value model's per-token values are computed chunk by
+chunk over the ring group and gathered into the whole row (``ValueHeadMixin.values``), so each
+sequence's last-token reward is read as with one process; the ring group takes turns over its ranks'
+micro-batches (``SupervisedTrainer``), for training, evaluation and the reward statistics alike.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from tidal.data.pairs import PairDataConfig, PairSample, build_pair_samples, col
 from tidal.distributed import World
 from tidal.logging import get_logger
 from tidal.models import Precision
+from tidal.models.ring_attention import active_ring, turns
 from tidal.models.value_model import load_value_model, reward_config
 from tidal.trainers.common import Recipe, fit_recipe, load_samples
 from tidal.trainers.loop import SupervisedTrainer, reduce_metrics, to_device
@@ -103,9 +109,14 @@ class RewardModelTrainer(SupervisedTrainer):
         was_training = model.training
         model.eval()
         sums = {"n": 0.0, "s": 0.0, "ss": 0.0}
-        for mb in self._micro_batches(samples[world.dp_rank :: world.dp_size]):
+        micro = [
+            self.objective.collate(mb) for mb in self._micro_batches(samples[world.dp_rank :: world.dp_size])
+        ]
+        for mine, collated in turns(micro, active_ring()):  # a ring group scores each rank's pairs together
             with self.opt.precision.autocast():
-                r = model.scores(to_device(self.objective.collate(mb), world.device)).double()
+                r = model.scores(to_device(collated, world.device)).double()
+            if not mine:
+                continue
             sums["n"] += r.numel()
             sums["s"] += r.sum().item()
             sums["ss"] += r.pow(2).sum().item()

@@ -117,7 +117,9 @@ def check_tensor_parallel(run: PPORun, world: World) -> None:
 
 def ring_for(run: PPORun, world: World):
     """This rank's ring-attention group (``--ring_attn_size``), or None; impossible settings fail in one
-    line first. The policy and reference forwards run under the ring; a critic does not yet."""
+    line first. The policy, reference and critic forwards run under the ring (a critic on devices of its
+    own makes the same ring groups among its workers, ``tidal.placement.critic``); reward models score
+    padded rows and are not split."""
     size = run.dist.ring_attn_size
     if size <= 1:
         return None
@@ -125,11 +127,6 @@ def ring_for(run: PPORun, world: World):
     if not run.train.packing_samples:
         problems.append(
             f"--ring_attn_size {size} needs --packing_samples (ring attention splits packed rows)"
-        )
-    if run.algorithm.needs_critic:
-        problems.append(
-            f"--ring_attn_size {size} with --advantage_estimator {run.algorithm.advantage_estimator}: the critic's "
-            "values do not run under ring attention yet; use a critic-free estimator (group_norm, rloo, ...)"
         )
     if run.actor.aux_loss_coef > 0:
         problems.append(

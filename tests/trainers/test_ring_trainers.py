@@ -1,0 +1,170 @@
+"""``--ring_attn_size 2`` (2 gloo processes) for the trainers whose losses read more than log-probs: the
+reward model (last-token values), PRM (logits at the step tokens), KD (student and teacher logits), KTO
+(its KL reference point's forwards) and PPO with a critic (GAE) match one process with
+``--ring_attn_size 1`` to 1e-5, on packed rows of uneven lengths."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tidal.cli import train_kd, train_kto, train_prm, train_rm
+from tidal.testing import AdditionTask, build_tiny_model
+from tidal.trainers.kd import run_kd
+from tidal.trainers.kto import run_kto
+from tidal.trainers.prm import run_prm
+from tidal.trainers.rm import run_rm
+
+RUNNER = Path(__file__).with_name("ring_runner.py")
+MARK = "ки"
+RUNS = {
+    "rm": (train_rm, run_rm),
+    "prm": (train_prm, run_prm),
+    "kd": (train_kd, run_kd),
+    "kto": (train_kto, run_kto),
+}
+KEYS = {
+    "rm": ("loss", "acc", "reward_gap", "chosen_reward", "grad_norm"),
+    "prm": ("loss", "acc", "grad_norm"),
+    "kd": ("loss", "teacher_kl", "grad_norm"),
+    "kto": ("loss", "kl", "desirable_reward", "undesirable_reward", "grad_norm"),
+}
+# The pairwise loss ignores a shift of all rewards, so its gradient along that direction is rounding noise,
+# which Adam scales up to a full step: at 2e-3 the rewards' mean (chosen_reward, the saved mean) drifts
+# by ~2e-5 between any two exact runs; the RM trains slower.
+LEARNING_RATE = {"rm": "2e-4"}
+# extra flags of the ring runs: the RM recomputes its ring forwards in backward, KD fuses its head (one
+# process does not), KTO passes 2 key/value heads at a time; PRM's ring path always runs its head at the
+# step tokens only, one process takes the full logits
+RING_EXTRA = {
+    "rm": ["--gradient_checkpointing"],
+    "prm": [],
+    "kd": ["--use_liger_kernel"],
+    "kto": ["--ring_head_stride", "2"],
+}
+
+
+def perturbed(model_dir: Path, out: Path, seed: int) -> Path:
+    """``model_dir`` with perturbed weights (a KTO reference, a KD teacher that differ from the policy)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    return out
+
+
+def with_step_marker(folder: Path) -> Path:
+    """A tiny Qwen2 whose tokenizer has the PRM step marker as one token."""
+    path = build_tiny_model(folder, "qwen2", seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.add_tokens([MARK])
+    tokenizer.save_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path))
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(str(path))
+    return path
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def datasets(folder: Path) -> dict[str, Path]:
+    """Pairs, SFT rows, unpaired rows and PRM steps, all of uneven lengths."""
+    samples = AdditionTask(digits=3, seed=5).samples(16)
+    pairs = [
+        {"prompt": s["prompt"], "chosen": s["answer"], "rejected": str(int(s["answer"]) * (7 + i) + 1)}
+        for i, s in enumerate(samples)
+    ]
+    unpaired = [
+        {"input": s["prompt"], "output": s["answer"] if i % 2 == 0 else str(int(s["answer"]) * (3 + i)),
+         "label": i % 2 == 0}
+        for i, s in enumerate(samples)
+    ]  # fmt: skip
+    steps = [
+        {"input": "Solve: " + " ".join(f"{'a b' * (1 + (i + k) % 3)} {MARK}" for k in range(2 + i % 3)),
+         "label": ["+" if (i + k) % 2 else "-" for k in range(2 + i % 3)]}
+        for i in range(16)
+    ]  # fmt: skip
+    return {
+        "pairs": write_jsonl(folder / "pairs.jsonl", pairs),
+        "sft": AdditionTask(digits=3, seed=4).write_jsonl(folder / "sft.jsonl", 16),
+        "unpaired": write_jsonl(folder / "unpaired.jsonl", unpaired),
+        "steps": write_jsonl(folder / "steps.jsonl", steps),
+    }
+
+
+def flags(kind: str, models: dict, data: dict, out: Path, *extra: str) -> list[str]:
+    model = models["prm" if kind == "prm" else "policy"]
+    common = [
+        "--pretrain", str(model), "--max_len", "64", "--train_batch_size", "4", "--micro_train_batch_size", "2",
+        "--learning_rate", LEARNING_RATE.get(kind, "2e-3"), "--lr_warmup_ratio", "0", "--zero_stage", "2", "--seed", "5",
+        "--max_samples", "8", "--save_path", str(out / "final"), "--ckpt_path", str(out / "ckpt"),
+        "--packing_samples", *extra,
+    ]  # fmt: skip
+    own = {
+        "rm": ["--dataset", str(data["pairs"]), "--prompt_key", "prompt", "--normalize_reward"],
+        "prm": ["--dataset", str(data["steps"]), "--placeholder_token", MARK, "--reward_tokens", "+", "-"],
+        "kd": ["--dataset", str(data["sft"]), "--input_key", "prompt", "--output_key", "answer",
+               "--teacher_model", str(models["other"]), "--kd_coef", "0.6"],
+        "kto": ["--dataset", str(data["unpaired"]), "--ref_pretrain", str(models["other"]), "--beta", "0.1"],
+    }  # fmt: skip
+    return [*common, *own[kind]]
+
+
+def run_ring(tmp_path: Path, specs: list[dict]) -> None:
+    """The runs of ``specs`` with 2 processes under torchrun (``ring_runner.py``)."""
+    (tmp_path / "runs.json").write_text(json.dumps(specs))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(RUNNER), str(tmp_path / "runs.json")]  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def assert_same_steps(one: list[dict], two: list[dict], keys, kind: str) -> None:
+    assert len(one) == len(two) >= 2
+    for a, b in zip(one, two, strict=True):
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (kind, key, a["step"], a[key], b[key])
+
+
+def test_rm_prm_kd_kto_ring_of_two_match_one_process(tiny_llama, tmp_path):
+    models = {
+        "policy": tiny_llama,
+        "other": perturbed(tiny_llama, tmp_path / "other", seed=0),
+        "prm": with_step_marker(tmp_path / "prm_model"),
+    }
+    data = datasets(tmp_path)
+    one = {
+        kind: run(cli.parse_run(flags(kind, models, data, tmp_path / f"{kind}1")))
+        for kind, (cli, run) in RUNS.items()
+    }
+    run_ring(
+        tmp_path,
+        [
+            {"kind": kind, "out": str(tmp_path / f"{kind}2.json"),
+             "argv": flags(kind, models, data, tmp_path / f"{kind}2", "--ring_attn_size", "2", *RING_EXTRA[kind])}
+            for kind in RUNS
+        ],
+    )  # fmt: skip
+    for kind, history in one.items():
+        two = json.loads((tmp_path / f"{kind}2.json").read_text())
+        assert two["ring_layers"] > 0  # the model's attention layers ran as ring attention
+        assert_same_steps(history, two["history"], KEYS[kind], kind)
+    # the reward statistics (--normalize_reward) are taken in ring turns too
+    saved = [json.loads((tmp_path / f"rm{n}" / "final" / "config.json").read_text()) for n in (1, 2)]
+    for key in ("mean", "std"):
+        assert saved[1][key] == pytest.approx(saved[0][key], rel=1e-5, abs=1e-5)
