@@ -5,7 +5,8 @@ on a cluster with GPUs, else ``{"CPU": 1}`` — and starts one ``RankWorker`` ac
 *args)`` calls ``fn`` on every actor with the launcher environment torchrun would set (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), so ``fn`` sets itself up with
 ``tidal.distributed.init_world()`` exactly as under torchrun: both launchers share all code below.
-Other actors placed the same way (rollout engines) pass their class as ``actor_cls``.
+Other actors placed the same way (rollout engines) pass their class as ``actor_cls``, and ``devices``
+per bundle when one actor holds several (a tensor-parallel engine).
 Ray is an optional dependency (``pip install 'tidal[ray]'``); it is imported only here.
 """
 
@@ -36,10 +37,10 @@ def connect() -> None:
         ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
 
 
-def bundle_resources() -> dict[str, float]:
-    """One device per worker: a GPU where the cluster has GPUs, else a CPU (a CPU worker process)."""
+def bundle_resources(devices: int = 1) -> dict[str, float]:
+    """``devices`` devices per worker: GPUs where the cluster has GPUs, else CPUs (CPU worker processes)."""
     ray = import_ray()
-    return {"GPU": 1.0} if ray.cluster_resources().get("GPU", 0) > 0 else {"CPU": 1.0}
+    return {"GPU" if ray.cluster_resources().get("GPU", 0) > 0 else "CPU": float(devices)}
 
 
 class RankWorker:
@@ -71,13 +72,13 @@ class RayWorkerGroup:
     """``world_size`` ``RankWorker`` actors in one placement group (see the module docstring)."""
 
     def __init__(self, world_size: int, strategy: str = "PACK", name: str = "tidal-policy",
-                 actor_cls: type = RankWorker, init_args: tuple = ()):  # fmt: skip
+                 actor_cls: type = RankWorker, init_args: tuple = (), devices: int = 1):  # fmt: skip
         ray = import_ray()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         connect()
-        self.world_size, self.resources = world_size, bundle_resources()
+        self.world_size, self.resources = world_size, bundle_resources(devices)
         self.pg = placement_group([dict(self.resources) for _ in range(world_size)], strategy=strategy)
         try:
             ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
@@ -88,7 +89,7 @@ class RayWorkerGroup:
                 f"{PLACEMENT_TIMEOUT_S}s; cluster resources: {ray.cluster_resources()}"
             ) from err
         gpu = "GPU" in self.resources
-        actor = ray.remote(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0)(actor_cls)
+        actor = ray.remote(num_cpus=0 if gpu else devices, num_gpus=devices if gpu else 0)(actor_cls)
         self.actors = [
             actor.options(
                 name=f"{name}-{rank}-{self.pg.id.hex()[:8]}",

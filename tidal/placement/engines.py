@@ -93,6 +93,10 @@ class EngineWorker:
         """The engine's parameters on the CPU (its own fused names), to check a sync."""
         return {n: p.detach().cpu() for n, p in self.engine.model.named_parameters()}
 
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's other ranks (a Ray actor is killed without running exit hooks)."""
+        self.engine.close()
+
 
 def start_process_engines(
     spec: EngineSpec, count: int, devices: list[str] | None = None

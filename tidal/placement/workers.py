@@ -122,6 +122,12 @@ class WorkerActor(RankWorker):
     def call(self, method: str, *args):
         return getattr(self.worker, method)(*args)
 
+    def close(self) -> None:
+        """Before the driver kills this actor: the worker's own ``close`` if it has one (a tensor-parallel
+        engine stops its rank processes, which Ray did not start and would not end)."""
+        if (close := getattr(self.worker, "close", None)) is not None:
+            close()
+
 
 @dataclass(frozen=True)
 class ExtraDevices:
