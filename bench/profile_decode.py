@@ -15,6 +15,10 @@ Prints one JSON line (milliseconds per step) and, on stderr, the top kernels.
 
     python bench/profile_decode.py --config qwen2.5-0.5b --batch 256 --prompt_len 128 --steps 64
     python bench/profile_decode.py   # tiny model on the CPU (plumbing check; CPU "kernels" are ops)
+
+``--fused_kernels both`` measures the decoder with and without the fused Triton kernels (SwiGLU; RoPE +
+q/k norm + KV store: ``tidal/rollout/models/triton_fused.py``) in one run, one engine each, and prints a
+JSON line for each (``"fused_kernels": true/false``).
 """
 
 from __future__ import annotations
@@ -64,6 +68,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--enforce_eager", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top", type=int, default=15, help="kernels listed on stderr")
+    p.add_argument(
+        "--fused_kernels",
+        choices=("on", "off", "both"),
+        default="on",
+        help="the decoder's fused Triton kernels (layers.FUSED_KERNELS; CUDA only): on, off, or each in turn",
+    )
     p.add_argument(
         "--final_only",
         action="store_true",
@@ -148,7 +158,12 @@ def host_phases(engine, args) -> dict:
     for _ in range(args.steps):
         engine.step(**step_kwargs(args))
     wall = time.perf_counter() - start
-    ms = {phase: round(t / args.steps * 1e3, 4) for phase, t in clock.total.items()}
+    # A phase whose method a step did not call (e.g. an engine that launches steps ahead) counts 0.
+    phases = ("schedule", "postprocess", "runner_run", "runner_decode_inputs", "runner_forward_enqueue")
+    ms = {
+        phase: round(clock.total.get(phase, 0.0) / args.steps * 1e3, 4) for phase in (*phases, *clock.total)
+    }
+    ms.setdefault("runner_sampler_enqueue", 0.0)
     ms["step_wall"] = round(wall / args.steps * 1e3, 4)
     ms["engine_bookkeeping"] = round(
         ms["step_wall"] - ms["schedule"] - ms["postprocess"] - ms["runner_run"], 4
@@ -187,8 +202,11 @@ def kernel_profile(engine, args) -> tuple[dict, list, float]:
     return per_step, [(name[:90], round(ms / args.steps, 4)) for name, ms in top], busy
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+def measure(args, fused: bool) -> dict:
+    """One engine, built with the fused kernels on or off (read at capture: set before the engine)."""
+    from tidal.rollout.models import layers
+
+    layers.FUSED_KERNELS = fused
     with tempfile.TemporaryDirectory() as tmp:
         engine, vocab = build_engine(args, tmp)
         start_batch(engine, args, vocab)
@@ -196,6 +214,9 @@ def main(argv=None) -> dict:
             engine.step()
         phases = host_phases(engine, args)
         kernels, top, busy = kernel_profile(engine, args)
+    del engine
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the next engine sizes its KV cache from the free memory
     result = {
         "bench": "profile_decode",
         "model": args.config or "tiny-qwen2",
@@ -206,16 +227,25 @@ def main(argv=None) -> dict:
         "temperature": args.temperature,
         "enforce_eager": args.enforce_eager,
         "final_only": args.final_only,
+        "fused_kernels": fused,
         "host_ms": phases,
         "kernel_ms": kernels,
         "gpu_busy_ms": round(busy, 4),
         "gpu_idle_ms": round(phases["step_wall"] - busy, 4),
         "torch": torch.__version__,
     }
+    print(f"fused_kernels={fused}:", file=sys.stderr)
     for name, ms in top:
         print(f"{ms:9.4f} ms/step  {name}", file=sys.stderr)
-    print(json.dumps(result))
+    print(json.dumps(result), flush=True)
     return result
+
+
+def main(argv=None) -> dict | list[dict]:
+    args = parse_args(argv)
+    settings = {"on": [True], "off": [False], "both": [True, False]}[args.fused_kernels]
+    results = [measure(args, fused) for fused in settings]
+    return results[0] if len(results) == 1 else results
 
 
 if __name__ == "__main__":
