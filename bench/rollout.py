@@ -14,12 +14,23 @@ for our engine:
 ``--tp_size N``: a tensor-parallel engine over N GPUs (from ``--device``'s); the decode bytes are then one
 rank's (its weight shard and the KV cache of its KV heads), so ``roofline_fraction`` is per GPU.
 
+``--async_scheduling off|on|both``: our engine with the synchronous loop, with async scheduling (decode step
+t+1 launched while the device runs step t), or both in one run (two engines, timed runs interleaved): the
+top-level fields are then the synchronous engine's, ``async_on`` has the async engine's timings, the
+steps it launched ahead and used, and ``same_outputs`` (token ids and log-probs equal to the synchronous
+run's, as they must be). ``--stop_fraction F`` makes the last ``F`` of the vocabulary stop tokens (sampling
+on a random-init model: each sample stops with probability about ``F`` per token, as eos ends RL samples
+at different steps; steps launched ahead after a stop are discarded); ``tidal_tokens_per_s`` then counts
+the tokens generated (use with ``--skip_hf``).
+
 ``--hf_new_tokens`` caps HF's run (its tokens/s is then measured over that many new tokens, which flatters
 HF: its per-token cost grows with the context); ``--skip_hf`` leaves HF out.
 
     python bench/rollout.py                                    # tiny qwen2 model on CPU, < 1 minute
     python bench/rollout.py --batch 16 --prompt_len 32 --new_tokens 64 --threads 1 --repeats 3
     python bench/rollout.py --config qwen2.5-0.5b --device cuda --batch 256 --prompt_len 128 --new_tokens 512
+    python bench/rollout.py --config qwen2.5-0.5b --device cuda --batch 256 --prompt_len 128 --new_tokens 512 \
+        --skip_hf --async_scheduling both --temperature 1.0
     python bench/rollout.py --config qwen2.5-7b --device cuda --batch 256 --prompt_len 128 --new_tokens 512 \
         --hf_new_tokens 64
     python bench/rollout.py --model path/to/hf_folder --device cuda --dtype bfloat16
@@ -113,6 +124,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--temperature", type=float, default=0.0, help="> 0: sample (both engines) instead of greedy"
     )
+    p.add_argument(
+        "--async_scheduling",
+        default="off",
+        choices=["off", "on", "both"],
+        help="our engine's loop: synchronous, async scheduling, or both in one run",
+    )
+    p.add_argument(
+        "--stop_fraction", type=float, default=0.0, help="the last fraction of the vocabulary stops a sample"
+    )
     p.add_argument("--peak_tb_s", type=float, default=4.3, help="memory bandwidth for the roofline")
     return p.parse_args(argv)
 
@@ -192,18 +212,24 @@ def main(argv=None) -> dict:
         vocab = hf.config.vocab_size
         gen = torch.Generator().manual_seed(args.seed)
         prompts = torch.randint(5, min(vocab, 100_000), (args.batch, args.prompt_len), generator=gen)
-        config = EngineConfig(
-            max_num_seqs=args.batch,
-            max_model_len=args.prompt_len + args.new_tokens,
-            dtype=str(dtype).removeprefix("torch."),
-            device=args.device,
-            seed=args.seed,
-            enforce_eager=args.enforce_eager,
-            attention_backend=args.attention_backend,
-            tp_size=args.tp_size,
-        )
-        engine = LLMEngine(path, config, model=hf)
+        configs = {
+            label: EngineConfig(
+                max_num_seqs=args.batch,
+                max_model_len=args.prompt_len + args.new_tokens,
+                dtype=str(dtype).removeprefix("torch."),
+                device=args.device,
+                seed=args.seed,
+                enforce_eager=args.enforce_eager,
+                attention_backend=args.attention_backend,
+                tp_size=args.tp_size,
+                async_scheduling=label == "on",
+            )
+            for label in (["off", "on"] if args.async_scheduling == "both" else [args.async_scheduling])
+        }
+        engines = {label: LLMEngine(path, config, model=hf) for label, config in configs.items()}
+        engine = next(iter(engines.values()))
         ids = prompts.to(args.device)
+        stops = list(range(vocab - round(args.stop_fraction * vocab), vocab))
 
         def run_hf(n=hf_new):
             with torch.inference_mode():
@@ -218,27 +244,52 @@ def main(argv=None) -> dict:
                 )
             return out[:, args.prompt_len :].tolist()
 
-        def run_ours(n=args.new_tokens):
-            params = SamplingParams(temperature=args.temperature, max_new_tokens=n, ignore_eos=True)
-            return [o.outputs[0].token_ids for o in engine.generate(prompts.tolist(), params)]
+        def run_ours(n=args.new_tokens, engine=engine):
+            params = SamplingParams(
+                temperature=args.temperature, max_new_tokens=n, ignore_eos=True, stop_token_ids=stops
+            )
+            return [o.outputs[0] for o in engine.generate(prompts.tolist(), params)]
 
         if not args.skip_hf:
             run_hf(4)  # warm-up: first-call allocations and kernel selection stay out of the timings
-        run_ours(4)
-        # Interleave the timed runs so that load changes on a shared machine hit both engines alike.
-        hf_runs, our_runs, prefill_runs = [], [], []
+        for each in engines.values():
+            run_ours(4, each)
+        # Interleave the timed runs so that load changes on a shared machine hit all engines alike.
+        hf_runs, runs = [], {label: ([], []) for label in engines}
         for _ in range(args.repeats):
             if not args.skip_hf:
                 hf_runs.append(timed(run_hf, args.device))
-            our_runs.append(timed(run_ours, args.device))
-            prefill_runs.append(timed(lambda: run_ours(1), args.device))
-        our_time, our_out = min(our_runs, key=lambda r: r[0])
-        prefill_time = min(r[0] for r in prefill_runs)
+            for label, each in engines.items():
+                runs[label][0].append(timed(lambda each=each: run_ours(engine=each), args.device))
+                runs[label][1].append(timed(lambda each=each: run_ours(1, each), args.device))
+        timings = {
+            label: (*min(full, key=lambda r: r[0]), min(r[0] for r in prefill))
+            for label, (full, prefill) in runs.items()
+        }
+        our_time, our_samples, prefill_time = next(iter(timings.values()))
+        our_out = [s.token_ids for s in our_samples]
+        generated = sum(len(s.token_ids) for s in our_samples)
         update_ms = update_weights_ms(engine, hf, args.device)
         pool_mb = graph_pool_mb(engine, args.batch) if args.device.startswith("cuda") else None
         step_s = (our_time - prefill_time) / max(1, args.new_tokens - 1)
         step_bytes = decode_bytes(engine, args.batch, args.prompt_len + args.new_tokens / 2)
-        engine.close()
+        if args.async_scheduling == "both":
+            on_time, on_samples, on_prefill = timings["on"]
+            on_step_s = (on_time - on_prefill) / max(1, args.new_tokens - 1)
+            stats = engines["on"].ahead_stats
+            async_on = {
+                "tidal_tokens_per_s": round(sum(len(s.token_ids) for s in on_samples) / on_time, 1),
+                "tidal_s": round(on_time, 3),
+                "prefill_s": round(on_prefill, 4),
+                "decode_step_ms": round(on_step_s * 1e3, 3),
+                "roofline_fraction": round(step_bytes / on_step_s / (args.peak_tb_s * 1e12), 3),
+                "steps_launched_ahead": stats.launched,
+                "steps_used": stats.used,
+                "same_outputs": [(s.token_ids, s.logprobs) for s in our_samples]
+                == [(s.token_ids, s.logprobs) for s in on_samples],
+            }
+        for each in engines.values():
+            each.close()
     result = {
         "bench": "rollout",
         "model": args.model or args.config or "tiny-qwen2",
@@ -252,7 +303,9 @@ def main(argv=None) -> dict:
         "enforce_eager": args.enforce_eager,
         "attention_backend": engine.runner.backend,
         "tp_size": args.tp_size,
-        "tidal_tokens_per_s": round(args.batch * args.new_tokens / our_time, 1),
+        "async_scheduling": args.async_scheduling,
+        "stop_fraction": args.stop_fraction,
+        "tidal_tokens_per_s": round(generated / our_time, 1),
         "tidal_s": round(our_time, 3),
         "prefill_s": round(prefill_time, 4),
         "decode_step_ms": round(step_s * 1e3, 3),
@@ -261,6 +314,8 @@ def main(argv=None) -> dict:
         "update_weights_ms": update_ms,
         "graph_pool_mb": pool_mb,
     }
+    if args.async_scheduling == "both":
+        result["async_on"] = async_on
     if hf_runs:
         hf_time, hf_out = min(hf_runs, key=lambda r: r[0])
         hf_rate = args.batch * hf_new / hf_time

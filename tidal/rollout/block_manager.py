@@ -127,6 +127,21 @@ class BlockManager:
         if self.needs_new_block(seq):
             seq.block_table.append(self._take())
 
+    def take_block(self, seq: Sequence) -> int:
+        """Give ``seq`` one more block (async scheduling: the slot of a token not sampled yet)."""
+        block = self._take()
+        seq.block_table.append(block)
+        return block
+
+    def return_block(self, seq: Sequence) -> None:
+        """Undo ``take_block``: the block goes back to the front of the free queue, so that returning the
+        blocks taken in reverse order restores the queue exactly (the next takes hand out the same ids).
+        Not with prefix caching, whose eviction on take cannot be undone."""
+        block = seq.block_table.pop()
+        self.ref_counts[block] = 0
+        self.free_blocks[block] = None
+        self.free_blocks.move_to_end(block, last=False)
+
     def free(self, seq: Sequence, num_computed: int | None = None) -> None:
         """Release ``seq``'s blocks. With prefix caching its computed full blocks are cached first
         (``num_computed``: tokens with K/V written; default all but the last, as for a running sequence)."""

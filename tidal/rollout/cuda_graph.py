@@ -9,7 +9,9 @@ launch. Graphs need fixed shapes and fixed addresses, so:
 - inputs live in static device buffers (token ids, context lengths, block tables of the full
   ``max_model_len`` width); positions and KV slots are derived from them inside the graph;
 - the host stages a step's inputs in one pinned int32 buffer, copied with one host-to-device transfer,
-  then spread into the static buffers by three device copies before the replay.
+  then spread into the static buffers by three device copies before the replay. A step launched ahead
+  (async scheduling) takes its input ids from the previous step's sampled ids on the device instead
+  (``ahead_input_ids``), so nothing waits for them to reach the host.
 
 Graphs are captured on the first step that needs a bucket (a warm-up run first compiles the Triton
 kernels and picks cuBLAS algorithms). They capture the KV cache's and the weights' addresses:
@@ -28,6 +30,13 @@ from collections.abc import Callable
 import torch
 
 DecodeForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def ahead_input_ids(prev_tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """A step launched ahead: its int32 input ids, gathered on the device from the previous step's sampled
+    ids at ``rows``; row ``len(prev_tokens)`` (padding) gives token 0, as a step staged on the host has."""
+    padded = torch.cat((prev_tokens, prev_tokens.new_zeros(1)))
+    return padded.index_select(0, rows).to(torch.int32)
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -63,12 +72,25 @@ class DecodeGraphs:
         self.graphs.clear()
         self.pool = None
 
-    def run(self, host_stage: torch.Tensor, batch: int, rows: int, width: int) -> torch.Tensor:
-        """Replay the bucket's graph on inputs staged as ``[ids rows][ctx rows][tables rows x width]``."""
+    def run(
+        self,
+        host_stage: torch.Tensor,
+        batch: int,
+        rows: int,
+        width: int,
+        ahead: torch.Tensor | None = None,
+        copied: torch.cuda.Event | None = None,
+    ) -> torch.Tensor:
+        """Replay the bucket's graph on inputs staged as ``[ids rows][ctx rows][tables rows x width]``.
+
+        ``ahead``: the previous step's sampled ids, which the staged ids index (``ahead_input_ids``);
+        ``copied``: recorded once the host buffer is read (it may then be rewritten)."""
         graph, logits = self.graphs.get(rows) or self._capture(rows)
         stage = self.stage[: host_stage.numel()]
         stage.copy_(host_stage, non_blocking=True)
-        self.input_ids[:rows].copy_(stage[:rows])
+        if copied is not None:
+            copied.record()
+        self.input_ids[:rows].copy_(stage[:rows] if ahead is None else ahead_input_ids(ahead, stage[:rows]))
         self.context_lens[:rows].copy_(stage[rows : 2 * rows])
         self.block_tables[:rows, :width].copy_(stage[2 * rows :].view(rows, width))
         graph.replay()

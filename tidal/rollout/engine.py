@@ -23,6 +23,14 @@ thread, e.g. ``tidal serve``'s engine loop) add and drop requests between steps,
 arrive at different times share the continuous batch. The two are not mixed: ``generate`` refuses
 while step-level requests are in flight.
 
+Async scheduling (``EngineConfig.async_scheduling``): while the device runs decode step t, the host
+launches step t+1 (inputs: step t's sampled ids, read on the device), then reads step t's ids and
+post-processes them. Step t+1 was planned assuming no sequence stops at t; when the scheduler, run as in
+the synchronous loop, then schedules a different step (a sequence stopped, a request came or went), the
+early step is discarded and the scheduled one launched, so every step computes exactly what the
+synchronous loop computes: same tokens and log-probs for a fixed seed. Which settings and steps stay
+synchronous: ``async_fallback`` and ``Scheduler.plan_ahead``.
+
 The engine also swaps weights in place (``update_weights``) and frees / restores its KV cache
 (``sleep`` / ``wake_up``) so a trainer can share the device between rollout and training.
 
@@ -44,7 +52,7 @@ import torch
 
 from tidal.rollout.batch_invariant import exact_device_problem
 from tidal.rollout.block_manager import BlockManager, blocks_needed
-from tidal.rollout.model_runner import ModelRunner
+from tidal.rollout.model_runner import LaunchedStep, ModelRunner
 from tidal.rollout.models.loader import (
     build_decoder,
     context_prefill_problem,
@@ -55,7 +63,7 @@ from tidal.rollout.models.parallel import SINGLE
 from tidal.rollout.outputs import CompletionOutput, RequestOutput
 from tidal.rollout.sampler import sequence_seed
 from tidal.rollout.sampling_params import SamplingParams
-from tidal.rollout.scheduler import Scheduler
+from tidal.rollout.scheduler import Lookahead, ScheduledBatch, Scheduler
 from tidal.rollout.sequence import Sequence
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -88,6 +96,9 @@ class EngineConfig:
     # Sampled-token log-probs bit-identical to the trainer's exact-mode forward (tidal.rollout.batch_invariant);
     # CPU float32 or CUDA bf16/fp32 (batch_invariant.exact_device_problem), dense Llama/Mistral/Qwen2/Qwen3.
     exact_logprobs: bool = False
+    # Launch decode step t+1 while the device runs step t (module docstring); exact, so only speed changes.
+    # Some settings keep the synchronous loop (``async_fallback``).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.exact_logprobs and self.tp_size > 1:
@@ -171,6 +182,12 @@ class LLMEngine:
             self.close()
             raise
         self.eos_token_ids = _eos_token_ids(self.hf_config, model_path, model, self.tokenizer)
+        # Whether decode steps are launched ahead (the setting, unless ``async_fallback`` names a reason).
+        self.async_scheduling = (
+            self.config.async_scheduling and async_fallback(self.config, self.peers) is None
+        )
+        self._ahead: _Ahead | None = None  # the decode step launched ahead, not yet scheduled for real
+        self.ahead_stats = AheadStats()
         self.block_manager = BlockManager(
             self.num_kv_blocks, self.config.block_size, prefix_caching=self.config.enable_prefix_caching
         )
@@ -187,6 +204,7 @@ class LLMEngine:
             record_routing=self.config.record_routing,
             peers=self.peers,
             exact=self.config.exact_logprobs,
+            lookahead=self.async_scheduling,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -346,12 +364,12 @@ class LLMEngine:
         """
         if not self._requests:
             return []
-        batch = self.scheduler.schedule()
         try:
-            self.scheduler.postprocess(batch, *self.runner.run(batch))
+            batch, _ = self._advance()
         except BaseException:
             # Same rule as generate: a failed step must not leave half-advanced sequences behind.
             self.scheduler.abort_all()
+            self._drop_ahead()
             self._requests.clear()
             raise
         advanced = dict.fromkeys(seq.request_index for seq in batch.seqs)
@@ -362,6 +380,8 @@ class LLMEngine:
                 outputs.append(self._snapshot(request_id))
             if finished:
                 del self._requests[request_id]
+        if not self._requests:
+            self._drop_ahead()
         return outputs
 
     def abort(self, request_id: int) -> bool:
@@ -412,8 +432,7 @@ class LLMEngine:
             bar = tqdm(total=len(groups), desc="rollout", unit="req")
         try:
             while self.scheduler.has_unfinished():
-                batch = self.scheduler.schedule()
-                for seq in self.scheduler.postprocess(batch, *self.runner.run(batch)):
+                for seq in self._advance()[1]:
                     remaining[seq.request_index] -= 1
                     if bar is not None and remaining[seq.request_index] == 0:
                         bar.update(1)
@@ -422,8 +441,45 @@ class LLMEngine:
             self.scheduler.abort_all()
             raise
         finally:
+            self._drop_ahead()  # every sequence stopped at the last step: the one launched after is void
             if bar is not None:
                 bar.close()
+
+    def _advance(self) -> tuple[ScheduledBatch, list[Sequence]]:
+        """One step of the synchronous loop (schedule, run, postprocess); returns it and the sequences
+        that finished. With async scheduling the step may already be running (launched ahead by the call
+        before, used when the scheduler schedules exactly it), and the next one is launched before this
+        one's result is read."""
+        batch = self.scheduler.schedule()
+        if not self.async_scheduling:
+            return batch, self.scheduler.postprocess(batch, *self.runner.run(batch))
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.plan.matches(batch):
+            launched = ahead.launched
+            self.ahead_stats.used += 1
+        else:
+            if ahead is not None:
+                self.runner.discard(ahead.launched)
+            launched = self.runner.launch(batch)
+        self._ahead = self._launch_ahead(batch, launched)
+        return batch, self.scheduler.postprocess(batch, *launched.result())
+
+    def _launch_ahead(self, batch: ScheduledBatch, launched: LaunchedStep) -> _Ahead | None:
+        plan = self.scheduler.plan_ahead(batch)
+        if plan is None:
+            return None
+        try:
+            step = self.runner.launch_ahead(plan.seqs, plan.rows, launched)
+        finally:
+            self.scheduler.release_ahead(plan)  # its inputs are staged; schedule() takes the blocks again
+        self.ahead_stats.launched += 1
+        return _Ahead(plan, step)
+
+    def _drop_ahead(self) -> None:
+        """Forget the step launched ahead (no sequence is left to use it, or the weights or cache change)."""
+        if self._ahead is not None:
+            self.runner.discard(self._ahead.launched)
+            self._ahead = None
 
     def _params_per_prompt(self, num_prompts: int, sampling_params) -> list[SamplingParams]:
         if sampling_params is None:
@@ -503,6 +559,7 @@ class LLMEngine:
         """
         if isinstance(named_tensors, Mapping):
             named_tensors = named_tensors.items()
+        self._drop_ahead()  # it ran with the old weights
         self.block_manager.invalidate_prefix_cache()  # cached K/V was computed with the old weights
         count = 0
 
@@ -519,6 +576,7 @@ class LLMEngine:
         """Free the KV cache (level 1); level 2 also moves the weights to CPU."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        self._drop_ahead()
         self.block_manager.invalidate_prefix_cache()  # the cache's contents are freed
         if self.peers is not None:
             self.peers.sleep(level)
@@ -541,6 +599,37 @@ class LLMEngine:
     @property
     def is_sleeping(self) -> bool:
         return self.sleep_level > 0
+
+
+def async_fallback(config: EngineConfig, peers=None) -> str | None:
+    """Why an engine with these settings runs every step synchronously (None: async scheduling applies):
+    tensor parallelism (each step's inputs are sent to the other ranks from the host), router replay
+    (routing is read back after each step), prefix caching (taking a block evicts a cached one, which
+    cannot be undone when a step launched ahead is discarded) and exact log-probs (kept on the one path
+    it is tested on). Per step, ``Scheduler.plan_ahead`` names the steps that stay synchronous."""
+    if config.tp_size > 1 or peers is not None:
+        return "tensor parallelism"
+    if config.record_routing:
+        return "record_routing"
+    if config.enable_prefix_caching:
+        return "enable_prefix_caching"
+    if config.exact_logprobs:
+        return "exact_logprobs"
+    return None
+
+
+@dataclass
+class AheadStats:
+    """Async scheduling's counts: decode steps launched ahead, and those used (the rest were discarded)."""
+
+    launched: int = 0
+    used: int = 0
+
+
+@dataclass
+class _Ahead:
+    plan: Lookahead
+    launched: LaunchedStep
 
 
 def _copy(items: list | None) -> list | None:

@@ -10,6 +10,13 @@ buffer and moved with one host-to-device copy; positions and KV slots are derive
 forward is a CUDA-graph replay (``cuda_graph.py``) unless ``enforce_eager``; the sampled tokens and
 their log-probs come back with one device-to-host copy.
 
+A step is *launched* (``launch``: everything enqueued, the copy to the host started, a ``LaunchedStep``
+returned) and its result read later (``LaunchedStep.result``, the one wait on the device); ``run`` does
+both at once. Async scheduling (the engine's ``async_scheduling``) launches the next decode step before
+reading a step's result (``launch_ahead``): its input ids are the sampled ids still on the device, so
+the host builds step t+1 while the device runs step t. Decode inputs then alternate between two staging
+buffers, each rewritten only after the copy that last read it ran.
+
 A tensor-parallel engine (``tp_worker.py``) runs one runner per rank, each with its shard of the model
 and a KV cache of its KV heads only. Rank 0's runner turns each batch into a ``PrefillStep`` /
 ``DecodeStep`` (host arrays), sends it to the other ranks (``peers``), and all ranks run ``forward_step``
@@ -28,7 +35,7 @@ import torch
 from tidal.accel import triton_available
 from tidal.rollout import batch_invariant as bi
 from tidal.rollout.attention import AttentionMetadata
-from tidal.rollout.cuda_graph import DecodeGraphs
+from tidal.rollout.cuda_graph import DecodeGraphs, ahead_input_ids
 from tidal.rollout.models.layers import ACTIVATIONS as ACTIVATIONS_BY_NAME
 from tidal.rollout.models.layers import CausalLM, GatedMLP, RMSNorm, Rotary
 from tidal.rollout.models.moe import SparseMoE
@@ -64,6 +71,38 @@ class DecodeStep:
     width: int
     use_graph: bool
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    buffer: int = 0  # the staging buffer it is in (a step received from rank 0 is in none of this rank's)
+    # A step launched ahead (async scheduling): each row's input id is the previous step's sampled id at
+    # the row staged in place of the token (``fill_decode_inputs``), read on the device.
+    ahead: torch.Tensor | None = None
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are enqueued and whose copy to the host has started."""
+
+    tokens: torch.Tensor | None  # [rows] sampled ids on the device (a step launched ahead reads them)
+    host: torch.Tensor | None  # [rows, 2 + 2k] float64: token, log-prob, k alternative ids, k log-probs
+    ready: torch.cuda.Event | None  # CUDA: recorded after the copy to the host
+    top_rows: list[bool] | None = None  # k > 0: which rows asked for alternatives
+
+    def result(self) -> StepResult:
+        """Wait for the copy to the host; the step's tokens, log-probs and top alternatives."""
+        if self.host is None:  # nothing sampled (every group of a chunked prefill is between chunks)
+            return [], [], None
+        if self.ready is not None:
+            self.ready.synchronize()
+        packed = self.host.numpy()
+        tokens, logprobs = packed[:, 0].astype(np.int64).tolist(), packed[:, 1].tolist()
+        if self.top_rows is None:
+            return tokens, logprobs, None
+        k = (packed.shape[1] - 2) // 2
+        top_ids, top_values = packed[:, 2 : 2 + k].astype(np.int64).tolist(), packed[:, 2 + k :].tolist()
+        top = [
+            list(zip(row_ids, row_values, strict=True)) if asked else None
+            for asked, row_ids, row_values in zip(self.top_rows, top_ids, top_values, strict=True)
+        ]
+        return tokens, logprobs, top
 
 
 class StepPeers(Protocol):
@@ -72,17 +111,34 @@ class StepPeers(Protocol):
     def send_step(self, step: PrefillStep | DecodeStep) -> None: ...
 
 
-def fill_decode_inputs(seqs: list[Sequence], rows: int, width: int, out: np.ndarray) -> np.ndarray:
+def fill_decode_inputs(
+    seqs: list[Sequence],
+    rows: int,
+    width: int,
+    out: np.ndarray,
+    ahead: tuple[list[int], int] | None = None,
+) -> np.ndarray:
     """Write ``[last tokens][context lengths][block tables rows x width]`` (int32) into ``out``.
 
     Rows past ``len(seqs)`` are padding (token 0, context 0); unused table entries are block 0, which
     the torch attention backend may gather but masks out.
+
+    ``ahead = (prev_rows, prev_size)``: a step launched ahead (async scheduling), whose last tokens are
+    not on the host yet: the token field holds each sequence's row in the previous step's sampled ids
+    (padding rows ``prev_size``, one past their end: token 0, see ``cuda_graph.ahead_input_ids``) and each
+    context counts that token too.
     """
     n = len(seqs)
     view = out[: rows * (2 + width)]
     view[: 2 * rows] = 0
-    view[:n] = [seq.last_token for seq in seqs]
-    view[rows : rows + n] = [seq.num_tokens for seq in seqs]
+    if ahead is None:
+        view[:n] = [seq.last_token for seq in seqs]
+        view[rows : rows + n] = [seq.num_tokens for seq in seqs]
+    else:
+        prev_rows, prev_size = ahead
+        view[:rows] = prev_size
+        view[:n] = prev_rows
+        view[rows : rows + n] = [seq.num_tokens + 1 for seq in seqs]
     tables = view[2 * rows :].reshape(rows, width)
     tables.fill(0)
     for row, seq in zip(tables, seqs, strict=False):
@@ -162,6 +218,7 @@ class ModelRunner:
         record_routing: bool = False,
         peers: StepPeers | None = None,
         exact: bool = False,
+        lookahead: bool = False,
     ):
         self.model = model
         # Exact log-probs (EngineConfig.exact_logprobs): the batch-invariant ops the trainer also runs.
@@ -186,9 +243,15 @@ class ModelRunner:
         self.allocate_kv_cache()
         max_blocks = -(-max_model_len // block_size)
         cuda = self.device.type == "cuda"
-        # One staging buffer for a decode step's int32 inputs; pinned so the copy is asynchronous.
-        self._host = torch.zeros(max_num_seqs * (2 + max_blocks), dtype=torch.int32, pin_memory=cuda)
-        self._host_np = self._host.numpy()
+        # Staging buffers for a decode step's int32 inputs, pinned so the copy is asynchronous: one, or two
+        # used in turn when steps are launched ahead (``lookahead``), each with an event recorded after the
+        # copy that reads it, so that it is rewritten only once that copy ran.
+        size = max_num_seqs * (2 + max_blocks)
+        self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=cuda) for _ in range(1 + lookahead)]
+        self._hosts_np = [host.numpy() for host in self._hosts]
+        self._copied = [torch.cuda.Event() if cuda and lookahead else None for _ in self._hosts]
+        self._next_host = 0
+        self._discarded: LaunchedStep | None = None  # kept until a later step's result was read
         self.graphs = None
         # Recording runs decode eagerly (Python hooks); so does tensor parallelism (collectives).
         if cuda and not enforce_eager and not self.routers and tp_size == 1:
@@ -215,10 +278,14 @@ class ModelRunner:
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepResult:
         """Run one scheduled step: its sampled tokens, their log-probs and, for the rows whose request asks
         (``SamplingParams.logprobs``), their top alternatives (None when no row does)."""
+        return self.launch(batch).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Enqueue one scheduled step (``run`` without the wait for its result)."""
         if batch.chunks is not None:
             return self._run_context_prefill(batch)
         for router in self.routers:
@@ -231,6 +298,21 @@ class ModelRunner:
         if self.routers:
             self._store_routing(batch)
         return self._sample(logits, batch.seqs)
+
+    @torch.inference_mode()
+    def launch_ahead(self, seqs: list[Sequence], prev_rows: list[int], prev: LaunchedStep) -> LaunchedStep:
+        """Async scheduling: enqueue the decode step of ``seqs`` (``Scheduler.plan_ahead``, blocks taken)
+        before ``prev``'s result is read: each sequence's input is the id sampled at row ``prev_rows[i]``
+        of ``prev`` (on the device), its context and its sampling position one token further than the
+        host knows. The inputs equal those ``launch`` builds once that token is appended."""
+        step = self._decode_step(seqs, ahead=(prev_rows, prev.tokens))
+        return self._sample(self.forward_step(step), seqs, ahead=1)
+
+    def discard(self, launched: LaunchedStep) -> None:
+        """Drop a step launched ahead that turned out not to be the next step (its results are never
+        read); its sampling settings, advanced for it, are rebuilt by the next step."""
+        self._last_sampling = None
+        self._discarded = launched  # its copy to the host may be pending: keep the buffer alive
 
     def _store_routing(self, batch: ScheduledBatch) -> None:
         """Give each sequence the experts its step's input tokens were routed to (one copy to the host).
@@ -303,25 +385,40 @@ class ModelRunner:
         positions = torch.from_numpy(step.positions).to(self.device)
         return torch.from_numpy(step.input_ids).to(self.device), positions, meta, starts + lens_t - 1
 
-    def _decode_step(self, seqs: list[Sequence]) -> DecodeStep:
-        """Stage one decode step's inputs in the host buffer (graph-bucketed rows when graphs apply)."""
+    def _decode_step(
+        self, seqs: list[Sequence], ahead: tuple[list[int], torch.Tensor] | None = None
+    ) -> DecodeStep:
+        """Stage one decode step's inputs in a host buffer (graph-bucketed rows when graphs apply);
+        ``ahead``: a step launched ahead, (each sequence's row in, the sampled ids of) the step before."""
         n = len(seqs)
         width = max(len(seq.block_table) for seq in seqs)
         use_graph = self.graphs is not None and n <= self.graphs.max_batch
         rows = self.graphs.bucket(n) if use_graph else n
-        staged = fill_decode_inputs(seqs, rows, width, self._host_np)
-        return DecodeStep(staged, n, rows, width, use_graph)
+        buffer = self._next_host
+        self._next_host = (buffer + 1) % len(self._hosts)
+        if self._copied[buffer] is not None:
+            self._copied[buffer].synchronize()  # the step staged there last has copied its inputs
+        prev = None if ahead is None else (ahead[0], len(ahead[1]))
+        staged = fill_decode_inputs(seqs, rows, width, self._hosts_np[buffer], prev)
+        return DecodeStep(
+            staged, n, rows, width, use_graph, buffer=buffer, ahead=None if ahead is None else ahead[1]
+        )
 
     def _decode_staged(self, step: DecodeStep) -> torch.Tensor:
         """Logits [num_seqs, vocab] of one decode step (graph replay when possible)."""
-        rows, width = step.rows, step.width
-        if not np.may_share_memory(step.staged, self._host_np):  # a step received from rank 0
-            self._host_np[: step.staged.size] = step.staged
-        host = self._host[: step.staged.size]
+        rows, width, buffer = step.rows, step.width, step.buffer
+        if not np.may_share_memory(step.staged, self._hosts_np[buffer]):  # a step received from rank 0
+            buffer = 0
+            self._hosts_np[0][: step.staged.size] = step.staged
+        host = self._hosts[buffer][: step.staged.size]
+        copied = self._copied[buffer]
         if step.use_graph:
-            return self.graphs.run(host, step.num_seqs, rows, width)
+            return self.graphs.run(host, step.num_seqs, rows, width, step.ahead, copied)
         stage = host.to(self.device, non_blocking=True)
-        return self.decode_forward(stage[:rows], stage[rows : 2 * rows], stage[2 * rows :].view(rows, width))
+        if copied is not None:
+            copied.record()
+        ids = stage[:rows] if step.ahead is None else ahead_input_ids(step.ahead, stage[:rows])
+        return self.decode_forward(ids, stage[rows : 2 * rows], stage[2 * rows :].view(rows, width))
 
     def decode_forward(self, input_ids, context_lens, block_tables) -> torch.Tensor:
         """One decode step from device tensors only (so it can be captured in a CUDA graph).
@@ -344,7 +441,7 @@ class ModelRunner:
         )
         return self.model(input_ids, positions, meta)
 
-    def _run_context_prefill(self, batch: ScheduledBatch) -> StepResult:
+    def _run_context_prefill(self, batch: ScheduledBatch) -> LaunchedStep:
         """A prefill with context (prefix caching / chunked prefill): each group computes its tokens
         ``[start, end)`` against the K/V of ``[0, start)`` in the cache; only groups whose prompt ends
         here sample. Eager and single-process (the engine refuses these features with tensor parallelism
@@ -388,32 +485,37 @@ class ModelRunner:
             self.kv_cache[:, :, self._tensor(dst)] = self.kv_cache[:, :, self._tensor(src)]
         seqs = batch.seqs
         if not seqs:  # every group is between chunks: nothing to sample yet
-            return [], [], None
+            return LaunchedStep(None, None, None)
         sampled = [group for group, final in zip(batch.groups, batch.final, strict=True) if final]
         rows = self._tensor([i for i, group in enumerate(sampled) for _ in group])
         return self._sample(logits[rows], seqs)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepResult:
-        """Sample one token per row; the top log-prob alternatives only when some row asks for them."""
-        st = self._sampling_tensors(seqs)
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0) -> LaunchedStep:
+        """Sample one token per row (the top log-prob alternatives only when some row asks for them) and
+        start the one device-to-host copy of the results (float64 holds every token id exactly)."""
+        st = self._sampling_tensors(seqs, ahead)
         tokens, logprobs = self.sampler(logits, st)
+        columns = [tokens.to(torch.float64), logprobs.to(torch.float64)]
         k = st.num_top_logprobs
-        if not k:  # one device-to-host copy (float64 holds every token id exactly)
-            packed = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).cpu()
-            return packed[0].to(torch.int64).tolist(), packed[1].tolist(), None
-        ids, values = top_logprobs(logits, st, k, self.exact)
-        columns = (tokens[:, None], logprobs[:, None], ids, values)
-        packed = torch.cat([c.to(torch.float64) for c in columns], dim=1).cpu().numpy()
-        top_ids, top_values = packed[:, 2 : 2 + k].astype(np.int64).tolist(), packed[:, 2 + k :].tolist()
-        top = [
-            list(zip(row_ids, row_values, strict=True)) if seq.params.num_top_logprobs else None
-            for seq, row_ids, row_values in zip(seqs, top_ids, top_values, strict=True)
-        ]
-        return packed[:, 0].astype(np.int64).tolist(), packed[:, 1].tolist(), top
+        if k:
+            ids, values = top_logprobs(logits, st, k, self.exact)
+            columns = [c[:, None] for c in columns] + [ids.to(torch.float64), values.to(torch.float64)]
+            packed = torch.cat(columns, dim=1)
+        else:
+            packed = torch.stack(columns, dim=1)
+        top_rows = [seq.params.num_top_logprobs > 0 for seq in seqs] if k else None
+        if not packed.is_cuda:
+            return LaunchedStep(tokens, packed.cpu(), None, top_rows)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return LaunchedStep(tokens, host, ready, top_rows)
 
-    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+    def _sampling_tensors(self, seqs: list[Sequence], ahead: int = 0) -> SamplingTensors:
         """Per-row settings; a decode step over the same sequences as the previous one reuses its tensors
-        with every position advanced by one (on device), instead of rebuilding them from Python."""
+        with every position advanced by one (on device), instead of rebuilding them from Python.
+        ``ahead``: tokens each sequence has sampled beyond what the host holds (a step launched ahead)."""
         key = [seq.seq_id for seq in seqs]
         cached = self._last_sampling
         if (
@@ -421,23 +523,23 @@ class ModelRunner:
             and cached[0] == key  # each of these sequences got exactly one token since
             and cached[1].suppress_rows is None
             and cached[1].penalty_rows is None  # the seen tokens change every step
-            and not any(seq.num_output_tokens < seq.params.min_new_tokens for seq in seqs)
+            and not any(seq.num_output_tokens + ahead < seq.params.min_new_tokens for seq in seqs)
         ):
             st = cached[1]
             if st.positions is not None:
                 st.positions.add_(1)
             return st
-        st = self._build_sampling_tensors(seqs)
+        st = self._build_sampling_tensors(seqs, ahead)
         self._last_sampling = (key, st)
         return st
 
-    def _build_sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+    def _build_sampling_tensors(self, seqs: list[Sequence], ahead: int = 0) -> SamplingTensors:
         vocab = self.args.vocab_size
         params = [seq.params for seq in seqs]
         suppress = [
             (row, token)
             for row, seq in enumerate(seqs)
-            if seq.num_output_tokens < seq.params.min_new_tokens
+            if seq.num_output_tokens + ahead < seq.params.min_new_tokens
             for token in self._stop_ids(seq)
             if token < vocab
         ]
@@ -458,7 +560,7 @@ class ModelRunner:
             [
                 [p.top_k if p.top_k > 0 else vocab for p in params],
                 [seq.noise_seed for seq in seqs],
-                [seq.num_output_tokens for seq in seqs],
+                [seq.num_output_tokens + ahead for seq in seqs],
             ]
         )
         # One row per field, so each field is a contiguous [rows] view (the fused sampling kernel

@@ -19,6 +19,13 @@ tokens: a longer prompt is split over several steps (its group waits in ``prefil
 blocks from admission, so it never needs more), and only a group whose last chunk ran samples a token.
 While both are pending, prefill chunks and decode steps alternate (a step is one or the other, no mixed
 step), so a long prompt delays the running sequences by one chunk at a time instead of one whole prefill.
+
+*Look-ahead* (async scheduling, ``plan_ahead``): right after a decode step is launched, the next decode
+step is planned before its tokens are known, assuming that no sequence stops on the token being sampled
+(one reaching its length limit is left out), so that the engine can launch it while the device still
+runs the first. Its blocks are taken for the launch only and given back at once (``release_ahead``);
+when the engine schedules that step for real, ``Lookahead.matches`` tells whether it is the one that ran
+ahead (then its results are used) or not (a sequence stopped, a request came or went: it is discarded).
 """
 
 from __future__ import annotations
@@ -50,6 +57,26 @@ class ScheduledBatch:
         if self.final is not None:
             return [seq for group, last in zip(self.groups, self.final, strict=True) if last for seq in group]
         return [seq for group in self.groups for seq in group]
+
+
+@dataclass
+class Lookahead:
+    """A decode step planned ahead (``Scheduler.plan_ahead``): its sequences, each one's row in the step
+    before (whose sampled id is its input) and the blocks taken for it, in the order taken."""
+
+    seqs: list[Sequence]
+    rows: list[int]
+    blocks: list[tuple[Sequence, int]]
+
+    def matches(self, batch: ScheduledBatch) -> bool:
+        """Whether ``batch``, scheduled once the step before was post-processed, is this step: the same
+        sequences in the same order (each one token longer) with the same blocks, so the same inputs."""
+        return (
+            not batch.is_prefill
+            and len(batch.groups) == len(self.seqs)
+            and all(group[0] is seq for group, seq in zip(batch.groups, self.seqs, strict=True))
+            and all(seq.block_table[-1] == block for seq, block in self.blocks)
+        )
 
 
 class Scheduler:
@@ -225,6 +252,56 @@ class Scheduler:
                 self.prefilling.remove(group)
                 self.running.extend(group)
         return ScheduledBatch(True, groups, copies, chunks, final)
+
+    def plan_ahead(self, batch: ScheduledBatch) -> Lookahead | None:
+        """The decode step after ``batch`` as ``schedule`` will make it if no sequence of ``batch`` stops
+        on the token it samples, with a block taken for each new token that needs one; None where that
+        step cannot be known or taken now (the rule that keeps async scheduling synchronous):
+
+        - ``batch`` is a prefill (chunks, prompt sharing and the first decode step follow synchronously);
+        - a waiting group would be admitted (the next step is a prefill), or any context prefill is
+          pending (chunked prefill or prefix caching: groups between chunks, or any waiting group);
+        - a sequence has a repetition penalty (its next step needs the token sampled now on the host);
+        - a new token needs a block and none is free (``schedule`` would preempt, unless one stops);
+        - every sequence reaches its length limit now.
+        """
+        if batch.is_prefill or self.prefilling or self.block_manager.prefix_cache is not None:
+            return None
+        if self.waiting and (self.context_prefill or self._admits(self.waiting[0])):
+            return None
+        seqs, rows = [], []
+        for row, seq in enumerate(batch.seqs):
+            if seq.params.penalizes_repetition:
+                return None
+            if not self._reaches_length(seq):
+                seqs.append(seq)
+                rows.append(row)
+        plan = Lookahead(seqs, rows, [])
+        blocks = self.block_manager
+        for seq in seqs:
+            # The next step writes the KV of position num_tokens (the token being sampled now).
+            if len(seq.block_table) * blocks.block_size <= seq.num_tokens:
+                if not blocks.num_free_blocks:
+                    self.release_ahead(plan)
+                    return None
+                plan.blocks.append((seq, blocks.take_block(seq)))
+        return plan if seqs else None
+
+    def release_ahead(self, plan: Lookahead) -> None:
+        """Give back the blocks ``plan_ahead`` took (the step is launched: its inputs are staged), in
+        reverse order, so that ``schedule`` takes the same ones again if it schedules the same step."""
+        for seq, _ in reversed(plan.blocks):
+            self.block_manager.return_block(seq)
+
+    def _admits(self, group: list[Sequence]) -> bool:
+        """Whether ``_schedule_prefill`` admits ``group`` (first in line) now."""
+        return len(self.running) + len(group) <= self.max_num_seqs and self.block_manager.can_allocate(group)
+
+    def _reaches_length(self, seq: Sequence) -> bool:
+        """Whether the token ``seq`` samples next ends it by length (``_check_stop``), whatever it is."""
+        return (
+            seq.num_output_tokens + 1 >= seq.params.max_new_tokens or seq.num_tokens + 1 >= self.max_model_len
+        )
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -1,0 +1,189 @@
+"""Async scheduling (``EngineConfig.async_scheduling``): the same tokens, log-probs and finish reasons as the
+synchronous loop, bit for bit, through ``generate`` and the step-level API, with requests stopping at
+different steps, preemption, aborts and weight updates between steps; and the fallback rule."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.rollout.reference import PROMPTS, cpu_config
+from tidal.rollout import LLMEngine, SamplingParams
+from tidal.rollout.block_manager import BlockManager
+from tidal.rollout.engine import async_fallback
+from tidal.rollout.sequence import Sequence
+
+
+def _pair(path, **overrides) -> tuple[LLMEngine, LLMEngine]:
+    """A synchronous and an async engine, otherwise alike."""
+    config = {"max_model_len": 96, "block_size": 4, **overrides}
+    return LLMEngine(path, cpu_config(**config)), LLMEngine(path, cpu_config(async_scheduling=True, **config))
+
+
+def _fields(out) -> list:
+    """Everything a request output says, compared exactly (log-probs as floats, no tolerance)."""
+    return [
+        (s.index, s.token_ids, s.logprobs, s.finish_reason, s.stop_reason, s.text, s.top_logprobs)
+        for s in out.outputs
+    ] + [out.request_id, out.finished]
+
+
+def _assert_same(expected, got) -> None:
+    assert [_fields(o) for o in expected] == [_fields(o) for o in got]
+
+
+@pytest.fixture(scope="module")
+def eos_model(tiny_model, tmp_path_factory):
+    """The tiny llama with eos set to a token its greedy output produces early (so eos ends requests)."""
+    path = tiny_model("llama")
+    greedy = LLMEngine(path, cpu_config(max_model_len=96)).generate(
+        [PROMPTS[1]], SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    )
+    eos = greedy[0].outputs[0].token_ids[9]
+    copy = shutil.copytree(path, tmp_path_factory.mktemp("async") / "eos_model")
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((copy / name).read_text())
+        config["eos_token_id"] = eos
+        (copy / name).write_text(json.dumps(config))
+    return copy
+
+
+def _mixed_params(stop: str) -> list[SamplingParams]:
+    """Greedy and sampled requests ending at different steps: eos, stop ids, a stop string, max tokens,
+    max_model_len, n > 1, min_new_tokens and top log-probs."""
+    return [
+        SamplingParams(temperature=0.0, max_new_tokens=30),  # eos
+        SamplingParams(temperature=1.0, max_new_tokens=17, seed=1, stop_token_ids=[40, 41, 42, 43, 44]),
+        SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=25, seed=2, stop=[stop], n=3),
+        SamplingParams(temperature=1.0, max_new_tokens=6, seed=3, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=1.0, max_new_tokens=90, seed=4, min_new_tokens=5, ignore_eos=True),
+    ]
+
+
+def test_generate_matches_the_synchronous_loop(eos_model):
+    sync, lookahead = _pair(eos_model)
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[3], list(range(5, 65))]
+    params = _mixed_params(stop="e")
+    want = sync.generate(prompts, params)
+    got = lookahead.generate(prompts, params)
+    _assert_same(want, got)
+    reasons = {(s.finish_reason, type(s.stop_reason).__name__) for o in want for s in o.outputs}
+    assert {("stop", "int"), ("stop", "str"), ("length", "NoneType")} <= reasons
+    stats = lookahead.ahead_stats
+    assert 0 < stats.used < stats.launched, "steps ran ahead; those after a stop were discarded"
+    assert lookahead.block_manager.num_free_blocks == lookahead.num_kv_blocks
+    # The engine is reusable: a second call starts from a clean state.
+    _assert_same(sync.generate(prompts[:2], params[:2]), lookahead.generate(prompts[:2], params[:2]))
+
+
+def test_preemption_under_a_tiny_cache_matches(tiny_model, monkeypatch):
+    sync, lookahead = _pair(tiny_model("qwen2"), max_num_seqs=4, num_kv_blocks=12)
+    preempted = []
+    original = lookahead.scheduler._preempt
+    monkeypatch.setattr(
+        lookahead.scheduler, "_preempt", lambda seq: (preempted.append(seq.seq_id), original(seq))
+    )
+    prompts = [list(range(20 + i, 29 + 2 * i)) for i in range(5)]
+    params = [
+        SamplingParams(temperature=1.0, max_new_tokens=14 + 3 * i, seed=i, ignore_eos=True) for i in range(5)
+    ]
+    _assert_same(sync.generate(prompts, params), lookahead.generate(prompts, params))
+    assert preempted, "the test should exercise preemption"
+    assert lookahead.ahead_stats.used > 0
+    assert lookahead.block_manager.num_free_blocks == 12
+
+
+def _drive(engine, script) -> list[list]:
+    """Run the same calls on an engine: add requests, step, abort, update weights; every step's outputs."""
+    log, ids = [], []
+    for action, arg in script:
+        if action == "add":
+            ids.append(engine.add_request(*arg))
+        elif action == "abort":
+            log.append(engine.abort(ids[arg]))
+        elif action == "weights":
+            engine.update_weights(arg)
+        else:
+            for _ in range(arg):
+                log.append([_fields(o) for o in engine.step(snapshot=lambda rid: rid % 2 == 0)])
+    while engine.has_unfinished():
+        log.append([_fields(o) for o in engine.step()])
+    return log
+
+
+def test_step_api_with_arrivals_aborts_and_new_weights_matches(eos_model, tiny_model):
+    from safetensors.torch import load_file
+
+    other = load_file(str(tiny_model("llama", seed=1) / "model.safetensors"))
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=20, seed=5, n=2)
+    script = [
+        ("add", ([5, 6, 7, 8], SamplingParams(temperature=0.0, max_new_tokens=25))),
+        ("add", (PROMPTS[2], sampled)),
+        ("step", 3),
+        ("add", ("the carry", SamplingParams(temperature=0.0, max_new_tokens=12, stop=["e"]))),
+        ("step", 4),
+        ("abort", 1),  # a request whose samples are in the step launched ahead
+        ("step", 2),
+        ("weights", other),  # the step launched ahead ran with the old weights: it must not be used
+        ("step", 3),
+        ("add", (PROMPTS[0], SamplingParams(temperature=1.0, max_new_tokens=8, seed=9))),
+    ]
+    sync, lookahead = _pair(eos_model, max_num_seqs=8)
+    want = _drive(sync, script)
+    assert _drive(lookahead, script) == want
+    assert lookahead.ahead_stats.used > 0
+    assert lookahead.block_manager.num_free_blocks == lookahead.num_kv_blocks
+
+
+def test_synchronous_fallbacks(tiny_model):
+    path = tiny_model("qwen2")
+    config = cpu_config(max_model_len=96, block_size=4, async_scheduling=True)
+    for field in ("enable_prefix_caching", "record_routing", "exact_logprobs"):
+        assert async_fallback(cpu_config(async_scheduling=True, **{field: True})) == field
+    assert async_fallback(config) is None
+    cached = LLMEngine(path, cpu_config(max_model_len=96, block_size=4, async_scheduling=True,
+                                        enable_prefix_caching=True))  # fmt: skip
+    assert not cached.async_scheduling
+    # A repetition penalty needs each step's token on the host: those steps stay synchronous.
+    sync, lookahead = _pair(path)
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=0, repetition_penalty=1.3)
+    _assert_same(sync.generate(PROMPTS, params), lookahead.generate(PROMPTS, params))
+    assert lookahead.ahead_stats.launched == 0
+    assert config.async_scheduling and lookahead.async_scheduling
+
+
+def test_returned_blocks_restore_the_free_queue():
+    manager = BlockManager(num_blocks=8, block_size=4)
+    seqs = [Sequence(i, i, 0, [1, 2, 3, 4], SamplingParams(), 0) for i in range(2)]
+    manager.allocate(seqs[:1])
+    manager.allocate(seqs[1:])
+    before = list(manager.free_blocks)
+    taken = [manager.take_block(seq) for seq in seqs]
+    assert taken == before[:2] and seqs[1].block_table[-1] == taken[1]
+    for seq in reversed(seqs):
+        manager.return_block(seq)
+    assert list(manager.free_blocks) == before and all(len(seq.block_table) == 1 for seq in seqs)
+    assert [manager.ref_counts[b] for b in taken] == [0, 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_cuda_matches_the_synchronous_loop(eos_model, enforce_eager):
+    """On the GPU (CUDA graphs or eager): bit-identical tokens and log-probs, steps launched ahead used."""
+    config = dict(
+        device="cuda", dtype="bfloat16", max_model_len=96, block_size=4, enforce_eager=enforce_eager
+    )
+    from tidal.rollout import EngineConfig
+
+    sync = LLMEngine(eos_model, EngineConfig(**config))
+    lookahead = LLMEngine(eos_model, EngineConfig(async_scheduling=True, **config))
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[3], list(range(5, 65))] * 6
+    params = _mixed_params(stop="e") * 6
+    want = sync.generate(prompts, params)
+    got = lookahead.generate(prompts, params)
+    _assert_same(want, got)
+    assert 0 < lookahead.ahead_stats.used < lookahead.ahead_stats.launched
+    assert torch.cuda.is_available()
