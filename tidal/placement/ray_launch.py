@@ -104,8 +104,8 @@ def ray_layout_problem(run: PlacedRun, kind: str, per_node: list[float]) -> str 
 
 
 def close_actors(actors: list) -> None:
-    """Let each worker release what Ray does not own (a tensor-parallel engine's rank processes) before
-    the actors are killed; an actor already gone is skipped."""
+    """Let each worker release what Ray did not start (a tensor-parallel engine's rank processes) before
+    the actors are killed (which runs no exit hooks); an actor already gone is skipped."""
     import ray
 
     refs = [a.close.remote() for a in actors]

@@ -124,7 +124,7 @@ class WorkerActor(RankWorker):
 
     def close(self) -> None:
         """Before the driver kills this actor: the worker's own ``close`` if it has one (a tensor-parallel
-        engine stops its rank processes, which Ray did not start and would not end)."""
+        engine stops its rank processes on a command, not on a broken connection once the actor is gone)."""
         if (close := getattr(self.worker, "close", None)) is not None:
             close()
 
