@@ -338,6 +338,38 @@ def test_cuda_exact_forward_is_differentiable(tiny_model):
     assert hf.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
 
 
+# ------------------------------------------------------------------------------------ cpu bf16
+def test_cpu_bf16_engine_and_float32_master_trainer_under_autocast_are_bit_identical(tiny_model):
+    """The dtype path the CUDA mode relies on, on the CPU's torch ops: the engine holds bf16 weights; the
+    trainer holds float32 master weights and runs under bf16 autocast, and its exact forward computes what
+    the engine does (embedding output in bf16, each weight rounded once, autocast off inside)."""
+    from transformers import AutoModelForCausalLM
+
+    from tidal.models.precision import Precision
+    from tidal.rollout import EngineConfig, LLMEngine
+
+    path = tiny_model("qwen2", logit_scale=4.0)
+    prompts, params = _rollout(n=6, seed=2)
+    config = EngineConfig(
+        device="cpu", dtype="bfloat16", max_model_len=64, num_kv_blocks=32, exact_logprobs=True
+    )
+    outputs = LLMEngine(path, config).generate(prompts, params)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    bi.make_exact(hf, compute_dtype=torch.bfloat16)
+    precision = Precision.create("bf16", torch.device("cpu"))
+    assert _trainer_gaps(hf, prompts, outputs, torch.device("cpu"), precision) == 0.0
+
+
+def test_exact_mode_refuses_float16_in_one_line(tiny_model):
+    from tidal.rollout import EngineConfig, LLMEngine
+
+    config = EngineConfig(
+        device="cpu", dtype="float16", max_model_len=64, num_kv_blocks=8, exact_logprobs=True
+    )
+    with pytest.raises(ValueError, match="float32 or bfloat16 on the CPU or CUDA, not cpu torch.float16"):
+        LLMEngine(tiny_model("qwen2"), config)
+
+
 # ------------------------------------------------------------------------------------ interpreter
 @pytest.fixture(scope="module")
 def te():
@@ -351,6 +383,7 @@ def te():
 
         import tidal.rollout.triton_exact as module
 
+        _interpret_standard_library(interpreter)
         if not isinstance(module._matmul_kernel, interpreter.InterpretedFunction):
             module = importlib.reload(module)
         _index_scalars_of_one_element(interpreter)
@@ -362,6 +395,17 @@ def te():
             os.environ.pop("TRITON_INTERPRET")
         else:
             os.environ["TRITON_INTERPRET"] = previous
+
+
+def _interpret_standard_library(interpreter) -> None:
+    """``tl.sum``/``tl.max``/... are ``@triton.jit`` functions of ``triton.language.standard``, made when
+    triton is first imported: if that was before ``TRITON_INTERPRET=1`` (another test imported triton),
+    they are compiled-mode functions the interpreter cannot call. Re-make them interpreted."""
+    import triton.language as tl
+
+    if not isinstance(tl.standard.sum, interpreter.InterpretedFunction):
+        importlib.reload(tl.standard)
+        importlib.reload(tl)
 
 
 def _index_scalars_of_one_element(interpreter) -> None:

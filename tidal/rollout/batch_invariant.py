@@ -252,15 +252,15 @@ def exact_autocast_off(device: torch.device):
 
 
 def exact_device_problem(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why exact mode cannot run on ``device`` in ``dtype`` (None: it can): CPU float32, CUDA bfloat16 or
-    float32 with Triton installed."""
-    if device.type == "cpu" and dtype == torch.float32:
+    """Why exact mode cannot run on ``device`` in ``dtype`` (None: it can): CPU float32 or bfloat16 (the
+    torch ops above: bfloat16 measured invariant as float32 is), CUDA bfloat16 or float32 with Triton."""
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         return None
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float32):
         from tidal.accel import triton_available
 
         return None if triton_available() else "exact_logprobs on CUDA needs Triton installed"
-    return f"exact_logprobs runs on the CPU in float32 and on CUDA in bfloat16 or float32, not {device.type} {dtype}"
+    return f"exact_logprobs runs in float32 or bfloat16 on the CPU or CUDA, not {device.type} {dtype}"
 
 
 def engine_dtype(device: torch.device) -> torch.dtype:
