@@ -138,6 +138,9 @@ def assert_same_steps(one: list[dict], two: list[dict], keys, kind: str) -> None
     assert len(one) == len(two) >= 2
     for a, b in zip(one, two, strict=True):
         for key in keys:
+            assert (key in a) == (key in b), (kind, key, a["step"])
+            if key not in a:  # e.g. policy/loss while the policy is frozen
+                continue
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (kind, key, a["step"], a[key], b[key])
 
 
@@ -168,3 +171,53 @@ def test_rm_prm_kd_kto_ring_of_two_match_one_process(tiny_llama, tmp_path):
     saved = [json.loads((tmp_path / f"rm{n}" / "final" / "config.json").read_text()) for n in (1, 2)]
     for key in ("mean", "std"):
         assert saved[1][key] == pytest.approx(saved[0][key], rel=1e-5, abs=1e-5)
+
+
+REWARD = """
+import torch
+
+
+def reward_func(queries, prompts, labels, **kwargs):
+    values = [sum(ord(c) for c in q[len(p):]) % 7 / 7 for q, p in zip(queries, prompts)]
+    return {"rewards": torch.tensor(values)}
+"""
+# The first rollout trains only the critic (--freezing_actor_steps 1): its grad_norm is the critic's.
+PPO_KEYS = ("reward", "critic/loss", "grad_norm", "values/mean", "advantages/abs_mean", "returns/mean", "kl")
+
+
+def ppo_flags(model: Path, folder: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "--pretrain", str(model), "--prompt_data", str(folder / "prompts.jsonl"), "--input_key", "prompt",
+        "--label_key", "label", "--remote_rm_url", str(folder / "reward.py"), "--n_samples_per_prompt", "2",
+        "--rollout_batch_size", "4", "--train_batch_size", "8", "--micro_train_batch_size", "2",
+        "--micro_rollout_batch_size", "2", "--generate_max_len", "4", "--prompt_max_len", "8",
+        "--actor_learning_rate", "2e-3", "--critic_learning_rate", "2e-3", "--lr_warmup_ratio", "0",
+        "--zero_stage", "2", "--seed", "3", "--advantage_estimator", "gae", "--init_kl_coef", "0.05",
+        "--freezing_actor_steps", "1", "--packing_samples", "--max_samples", "8",
+        "--save_path", str(out / "final"), "--ckpt_path", str(out / "ckpt"), *extra,
+    ]  # fmt: skip
+
+
+def write_prompts(folder: Path) -> None:
+    with (folder / "prompts.jsonl").open("w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": f"{i % 10}+{i % 3}={'1' * (i % 4)}", "label": "x"}) + "\n")
+    (folder / "reward.py").write_text(REWARD)
+
+
+def test_ppo_gae_ring_of_two_matches_one_process(tiny_qwen2, tmp_path):
+    """GAE: the critic's values (make-experience) and its updates, then the policy's, under ring
+    attention over 2 processes match one process."""
+    from tidal.cli.train_ppo import parse_run
+    from tidal.trainers.ppo import run_ppo
+
+    write_prompts(tmp_path)
+    one = run_ppo(parse_run(ppo_flags(tiny_qwen2, tmp_path, tmp_path / "one")))
+    argv = ppo_flags(
+        tiny_qwen2, tmp_path, tmp_path / "two", "--ring_attn_size", "2", "--gradient_checkpointing"
+    )
+    run_ring(tmp_path, [{"kind": "ppo", "out": str(tmp_path / "two.json"), "argv": argv}])
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert two["ring_layers"] > 0
+    assert "policy/loss" not in one[0] and "policy/loss" in one[1]  # step 1 trained the critic alone
+    assert_same_steps(one, two["history"], (*PPO_KEYS, "policy/loss"), "ppo")
