@@ -6,8 +6,8 @@ must not move), so every rounding of the torch path is reproduced in the kernel:
 - ``silu_and_mul``: ``F.silu(gate) * up`` over the packed ``gate_up`` projection ([T, 2I] -> [T, I]).
   torch's CUDA SiLU computes ``x / (1 + exp(-x))`` in float32 and rounds once to the model dtype; the mul
   rounds the float32 product of the two model-dtype values once more. The kernel uses libdevice's
-  ``expf`` (what nvcc links for ``::exp``) and an IEEE division (``div_rn``), not Triton's approximate
-  defaults.
+  ``expf`` (what nvcc links for ``::exp``; without flush-to-zero, as torch is built) and an IEEE
+  division (``div_rn``), not Triton's approximate defaults; contraction as nvcc's (``SILU_CONTRACT``).
 - ``rope_store_kv``: RoPE on the q and k heads (rotate-half layout), optionally after Qwen3's per-head
   q/k RMSNorm, and the store of k/v into the paged KV cache at ``slot_mapping``. It replaces the two
   norms' copies, ``apply_rope``'s ~6 ops and ``store_kv``'s two ``index_copy_``. torch rounds each
@@ -30,6 +30,11 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+# Whether ptxas/LLVM may contract SiLU's ``1 + expf(-x)`` into a fused multiply-add (expf ends in a
+# multiply), as nvcc's default ``--fmad=true`` allows when it builds torch's kernel. The gpu tests check
+# both settings against torch, so a torch build that differs shows which one it needs.
+SILU_CONTRACT = True
 
 
 @triton.jit
@@ -68,7 +73,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, BLOCK: tl.constexpr):
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
     act = _silu(gate.to(tl.float32)).to(gate.dtype)  # F.silu's output, in the model dtype
-    out = _mul_rn(act.to(tl.float32), up.to(tl.float32)).to(gate.dtype)
+    out = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)  # nothing to contract it with
     tl.store(out_ptr + row * n_cols + cols, out, mask=mask)
 
 
@@ -84,7 +89,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(width))
     flat = gate_up.reshape(rows, gate_up.shape[-1])  # a view for the [T, 2I] projection output
     _silu_and_mul_kernel[(rows, triton.cdiv(width, block))](
-        flat, out, width, flat.stride(0), BLOCK=block, num_warps=4 if block >= 512 else 2
+        flat,
+        out,
+        width,
+        flat.stride(0),
+        BLOCK=block,
+        num_warps=4 if block >= 512 else 2,
+        enable_fp_fusion=SILU_CONTRACT,
+        enable_reflect_ftz=False,  # libdevice without flush-to-zero, as torch's kernels are built
     )
     return out
 
@@ -140,7 +152,8 @@ def _rope_store_kv_kernel(
             xp = (wp * (xp.to(tl.float32) * inv).to(x.dtype).to(tl.float32)).to(x.dtype)
         c = tl.load(cos_ptr + t * stride_cos + cols, mask=mask, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + t * stride_cos + cols, mask=mask, other=0.0).to(tl.float32)
-        rot = tl.where(cols < half, -xp.to(tl.float32), xp.to(tl.float32))
+        # torch negates (-0.0 for +0.0); Triton's unary minus is 0 - x, so multiply by -1 instead.
+        rot = tl.where(cols < half, xp.to(tl.float32) * -1.0, xp.to(tl.float32))
         # apply_rope: x * cos and rot * sin each rounded to the model dtype, then their rounded sum.
         a = _mul_rn(x.to(tl.float32), c).to(x.dtype).to(tl.float32)
         b = _mul_rn(rot, s).to(x.dtype).to(tl.float32)
@@ -219,5 +232,8 @@ def rope_store_kv(
         HAS_CACHE=has_cache,
         BLOCK=triton.next_power_of_2(head_dim),
         num_warps=4,  # triton_norm's layout for a head (its sum of squares must reduce in the same order)
+        # Without norms, mul_rn / add_rn keep denormals as torch's kernels do; with them, the flag stays
+        # at triton_norm's default so that its rsqrt is the same instruction (rsqrt.approx.ftz).
+        enable_reflect_ftz=norm_weights is not None,
     )
     return q_out, k_out
