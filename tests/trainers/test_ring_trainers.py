@@ -221,3 +221,19 @@ def test_ppo_gae_ring_of_two_matches_one_process(tiny_qwen2, tmp_path):
     assert two["ring_layers"] > 0
     assert "policy/loss" not in one[0] and "policy/loss" in one[1]  # step 1 trained the critic alone
     assert_same_steps(one, two["history"], (*PPO_KEYS, "policy/loss"), "ppo")
+
+
+@pytest.mark.slow  # torchrun with 2 trainers and 2 critic worker processes: over a minute on 2 cores
+def test_ppo_gae_ring_with_critic_workers_matches_one_process(tiny_qwen2, tmp_path):
+    """The critic on 2 worker processes of its own (``--critic_num_gpus_per_node 2``): the workers make
+    their own ring group and take the trainers' turns; the steps are the colocated single process's."""
+    from tidal.cli.train_ppo import parse_run
+    from tidal.trainers.ppo import run_ppo
+
+    write_prompts(tmp_path)
+    one = run_ppo(parse_run(ppo_flags(tiny_qwen2, tmp_path, tmp_path / "one")))
+    own = ("--actor_num_gpus_per_node", "2", "--critic_num_nodes", "1", "--critic_num_gpus_per_node", "2")
+    argv = ppo_flags(tiny_qwen2, tmp_path, tmp_path / "two", "--ring_attn_size", "2", *own)
+    run_ring(tmp_path, [{"kind": "ppo", "out": str(tmp_path / "two.json"), "argv": argv}])
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert_same_steps(one, two["history"], (*PPO_KEYS, "policy/loss"), "ppo")
