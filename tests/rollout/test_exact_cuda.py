@@ -111,6 +111,10 @@ def test_rms_norm_matches_float64_and_each_row_is_its_own(hidden):
         assert torch.equal(te.rms_norm(x[rows], w, 1e-6, False), full[rows])
     # through the op, with a float32 (master) weight: the weight is rounded to bf16 first, as the engine's
     assert torch.equal(bi.rms_norm(x, w.float(), 1e-6), full)
+    # rows at an odd address (a view) sum in the same order
+    odd = torch.empty(301 * hidden + 1, dtype=x.dtype, device="cuda")[1:].view(301, hidden)
+    odd.copy_(x)
+    assert torch.equal(te.rms_norm(odd, w, 1e-6, False), full)
 
 
 @pytest.mark.gpu
@@ -126,6 +130,9 @@ def test_token_logprobs_match_float64_over_a_152k_vocabulary_and_each_row_is_its
     assert (full.double() - ref).abs().max().item() < 1e-4
     for rows in (slice(0, 1), slice(299, 300), slice(10, 12), slice(1, 300)):
         assert torch.equal(te.token_logprobs(logits[rows], tokens[rows], temps[rows]), full[rows])
+    odd = torch.empty(8 * vocab + 1, dtype=logits.dtype, device="cuda")[1:].view(8, vocab)
+    odd.copy_(logits[:8])
+    assert torch.equal(te.token_logprobs(odd, tokens[:8], temps[:8]), full[:8])
     # through the op: [B, T, V] rows and a scalar temperature
     lp = bi.token_logprobs(logits.view(3, 100, vocab), tokens.view(3, 100), TEMPERATURE)
     alone = bi.token_logprobs(logits[150:151], tokens[150:151], TEMPERATURE)

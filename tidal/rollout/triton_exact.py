@@ -80,7 +80,10 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@triton.jit
+# Reductions over a loaded row (norm, log-softmax) sum in an order set by the load's register layout, which
+# Triton picks from the pointers' and strides' known alignment: not specialising on it keeps one order
+# whatever the caller's tensors (a view at an odd offset included).
+@triton.jit(do_not_specialize=["stride_x"], do_not_specialize_on_alignment=["x_ptr"])
 def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr, N: tl.constexpr, stride_x, stride_o, eps,
     BLOCK: tl.constexpr, SCALE_IN_FLOAT32: tl.constexpr,
@@ -121,7 +124,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale_in_float32
     return out.view(x.shape)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_l"], do_not_specialize_on_alignment=["logits_ptr"])
 def _token_logprobs_kernel(
     logits_ptr, tokens_ptr, temp_ptr, out_ptr, V: tl.constexpr, stride_l, BLOCK: tl.constexpr
 ):
