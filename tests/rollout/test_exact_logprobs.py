@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from tidal.models.forward import token_logprobs
 from tidal.rollout import EngineConfig, LLMEngine
@@ -74,7 +74,16 @@ def _max_gap(engine_outputs, trainer: list[torch.Tensor]) -> float:
 
 
 @pytest.mark.parametrize(
-    ("family", "overrides"), [("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 8})]
+    ("family", "overrides"),
+    [
+        ("llama", {}),
+        ("qwen3", {}),
+        ("mistral", {"sliding_window": 8}),
+        # MoE: routing, the experts' GEMMs and the slot-ordered sum of the k outputs (bi.moe_*)
+        ("qwen3_moe", {}),
+        ("mixtral", {}),
+        ("qwen2_moe", {}),  # + the gated shared expert (a one-column gate: bi.gate_column)
+    ],
 )
 def test_engine_and_trainer_logprobs_are_bit_identical(tiny_model, family, overrides):
     path = tiny_model(family, logit_scale=4.0, **overrides)
@@ -85,9 +94,10 @@ def test_engine_and_trainer_logprobs_are_bit_identical(tiny_model, family, overr
     assert _max_gap(outputs, _trainer_logprobs(hf, prompts, outputs, packed=False)) == 0.0
 
 
-def test_default_mode_is_not_exact(tiny_model):
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_default_mode_is_not_exact(tiny_model, family):
     """Without the mode the same comparison is off by float32 rounding (recorded in docs/algorithms.md)."""
-    path = tiny_model("llama", logit_scale=4.0)
+    path = tiny_model(family, logit_scale=4.0)
     prompts, params = _rollout()
     outputs = _engine(path, exact=False).generate(prompts, params)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
@@ -164,11 +174,31 @@ def test_attention_does_not_depend_on_other_queries_or_extra_keys():
     assert torch.equal(bi.attention(q, junk_k, v, pos, 0.35), full)
 
 
+def test_moe_ops_do_not_depend_on_the_batch():
+    """A token's routed-experts output (and the one-column shared-expert gate) alone equals its row in
+    a batch whose other tokens share its experts or not."""
+    torch.manual_seed(0)
+    x, router = torch.randn(37, 24), torch.randn(6, 24)
+    gate_up, down = torch.randn(6, 2 * 10, 24), torch.randn(6, 24, 10)
+    _, weights, ids = bi.moe_route(x, router, 2, True, None)
+    full = bi.moe_experts(x, gate_up, down, ids, weights, torch.nn.functional.silu)
+    gate = torch.randn(1, 24)
+    for start, stop in ((0, 1), (5, 6), (3, 20), (36, 37)):
+        _, w, i = bi.moe_route(x[start:stop], router, 2, True, None)
+        assert torch.equal(i, ids[start:stop]) and torch.equal(w, weights[start:stop])
+        alone = bi.moe_experts(x[start:stop], gate_up, down, i, w, torch.nn.functional.silu)
+        assert torch.equal(alone, full[start:stop])
+        assert torch.equal(bi.gate_column(x[start:stop], gate), bi.gate_column(x, gate)[start:stop])
+
+
 def test_exact_mode_refuses_what_it_does_not_cover(tiny_model):
     with pytest.raises(ValueError, match="tp_size 1"):
         EngineConfig(exact_logprobs=True, tp_size=2)
     with pytest.raises(ValueError, match="gemma2"):
         _engine(tiny_model("gemma2"))
+    # the engine's router has no noise; the trainer's (tidal ppo checks the HF config before loading)
+    jitter = AutoConfig.from_pretrained(tiny_model("mixtral", router_jitter_noise=0.1))
+    assert "router_jitter_noise" in bi.exact_problem(jitter)
 
 
 def test_grpo_step_skips_the_old_logprob_forward(tiny_qwen2, tmp_path, monkeypatch):

@@ -301,7 +301,7 @@ def segment_layout(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 # ---------------------------------------------------------------- a transformers model in exact mode
-EXACT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+EXACT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
 EXACT_ATTENTION = "tidal_exact"
 
 
@@ -311,6 +311,8 @@ def exact_problem(config, lora_dropout: float = 0.0, load_in_4bit: bool = False)
     model_type = getattr(config, "model_type", None)
     if model_type not in EXACT_MODEL_TYPES:
         return f"--exact_logprobs supports the {', '.join(EXACT_MODEL_TYPES)} families, not {model_type!r}"
+    if getattr(config, "router_jitter_noise", 0):  # Mixtral's training-time noise on the router's input
+        return "--exact_logprobs needs router_jitter_noise 0 (the engine's router has no noise)"
     if lora_dropout:
         return "--exact_logprobs runs LoRA adapters merged, which needs --lora_dropout 0"
     if load_in_4bit:  # the engine holds dequantized weights; the 4-bit matmul is not batch-invariant
@@ -349,6 +351,7 @@ def make_exact(model: torch.nn.Module, compute_dtype: torch.dtype | None = None)
     AttentionInterface.register(EXACT_ATTENTION, hf_exact_attention)
     windows = sliding_windows(config)
     act = ACTIVATIONS[config.hidden_act]
+    weights_dtype = torch.float32 if config.model_type == "mixtral" else None  # see moe_route
     for module in model.modules():
         name = type(module).__name__
         if isinstance(module, torch.nn.Linear):
@@ -362,6 +365,20 @@ def make_exact(model: torch.nn.Module, compute_dtype: torch.dtype | None = None)
                 ),
                 module,
             )
+        elif name.endswith("TopKRouter"):  # MoE: routing, experts and the shared expert (moe_route, ...)
+            module.forward = bound_forward(
+                lambda m, x: moe_route(
+                    x, m.weight, m.top_k, getattr(m, "norm_topk_prob", True), weights_dtype
+                ),
+                module,
+            )
+        elif name.endswith("Experts") and hasattr(module, "gate_up_proj"):
+            module.forward = bound_forward(
+                lambda m, x, ids, weights: moe_experts(x, m.gate_up_proj, m.down_proj, ids, weights, act),
+                module,
+            )
+        elif hasattr(module, "shared_expert_gate"):
+            module.forward = bound_forward(hf_exact_shared_moe, module)
         elif all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj")):
             module.forward = bound_forward(
                 lambda m, x: m.down_proj(pointwise(act, m.gate_proj(x)) * m.up_proj(x)), module
@@ -389,3 +406,71 @@ def bound_forward(fn, module):
         return fn(module, *args, **kwargs)
 
     return forward
+
+
+# ---------------------------------------------------------------- mixture of experts (both sides)
+def moe_route(
+    x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A top-k router over ``x [T, H]``: ``(logits, weights [T, k], expert ids [T, k])``. Softmax in float32
+    (row-invariant exp and sums), ``topk``, optional renormalisation over the k; the weights are rounded to
+    ``weights_dtype`` (None: the logits' dtype, as Qwen routers do; Mixtral's stay float32)."""
+    logits = linear(x.reshape(-1, x.shape[-1]), weight)
+    z = logits.float()
+    p = pointwise(torch.exp, z - z.amax(-1, keepdim=True))
+    weights, ids = torch.topk(p / p.sum(-1, keepdim=True), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return logits, weights.to(weights_dtype or logits.dtype), ids
+
+
+def moe_experts(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for ``x [T, H]`` (stacked experts: ``gate_up_proj``
+    [E, 2I, H], gate rows first; ``down_proj`` [E, H, I]). Each expert multiplies its (token, slot) pairs
+    in row-invariant GEMMs; the k weighted outputs are then added in slot order (slot 0 + slot 1 + ...),
+    so a token's sum never depends on which other tokens share its experts."""
+    t, k = ids.shape
+    flat, flat_weights = ids.reshape(-1), weights.reshape(-1)
+    pairs, outputs = [], []
+    for expert in torch.unique(flat).tolist():
+        rows = torch.nonzero(flat == expert).view(-1)
+        gate, up = linear(x[rows // k], gate_up_proj[expert]).chunk(2, dim=-1)
+        out = linear(pointwise(act, gate) * up, down_proj[expert])
+        pairs.append(rows)
+        outputs.append(out * flat_weights[rows, None])
+    values = torch.cat(outputs)
+    slots = values.new_zeros(t * k, x.shape[-1]).index_put((torch.cat(pairs),), values).view(t, k, -1)
+    total = slots[:, 0]
+    for slot in range(1, k):
+        total = total + slots[:, slot]
+    return total.to(x.dtype)
+
+
+def shared_expert_mix(routed: torch.Tensor, gate_logit: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """Qwen2-MoE's output: the routed experts' plus ``sigmoid(gate) * shared expert`` (row-invariant)."""
+    return routed + pointwise(torch.sigmoid, gate_logit) * shared
+
+
+def gate_column(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``linear`` with a one-output weight ``[1, H]`` (Qwen2-MoE's shared-expert gate): run as a
+    ``ROW_BLOCK``-column product (zero rows added), since torch's CPU GEMM takes a row-dependent path
+    (measured) when the product has a single output column."""
+    padded = torch.cat([weight, weight.new_zeros(ROW_BLOCK - 1, weight.shape[-1])])
+    return linear(x, padded)[..., :1]
+
+
+def hf_exact_shared_moe(block, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A transformers Qwen2-MoE block (router, experts, gated shared expert) through the exact ops."""
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, shape[-1])
+    _, weights, ids = block.gate(x)
+    routed = block.experts(x, ids, weights)
+    gate_logit = gate_column(x, block.shared_expert_gate.weight)
+    return shared_expert_mix(routed, gate_logit, block.shared_expert(x)).view(shape)

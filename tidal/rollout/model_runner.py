@@ -183,6 +183,8 @@ def make_exact(model: CausalLM) -> None:
                 ),
                 module,
             )
+        elif isinstance(module, SparseMoE):
+            module.forward = bi.bound_forward(_exact_moe, module)
 
 
 def _exact_packed_linear(module: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
@@ -202,6 +204,20 @@ def _exact_norm(module: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None 
         return bi.rms_norm(x, module.weight, module.eps, module.scale_in_float32)
     total = x + residual
     return bi.rms_norm(total, module.weight, module.eps, module.scale_in_float32), total
+
+
+def _exact_moe(module: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """``SparseMoE.forward`` through the ops the trainer's MoE blocks run in exact mode (``bi.moe_route``)."""
+    moe, experts = module.moe, module.experts
+    weights_dtype = None if moe.weights_in_model_dtype else torch.float32
+    _, weights, ids = bi.moe_route(x, module.gate.weight, moe.top_k, moe.renormalize, weights_dtype)
+    if module.recorded is not None:
+        module.recorded.append(ids)
+    out = bi.moe_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, experts.act)
+    if moe.shared_expert_intermediate_size:
+        gate_logit = bi.gate_column(x, module.shared_expert_gate.weight)
+        out = bi.shared_expert_mix(out, gate_logit, module.shared_expert(x))
+    return out
 
 
 class ModelRunner:
