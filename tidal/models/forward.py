@@ -15,6 +15,9 @@ Under ``--ring_attn_size N`` (``ring_attention.use_ring``) a packed row is split
 across the ring group and each rank runs the model on its chunk (``ring_token_logprobs``); the targets
 are the row's next tokens taken before the split, so a chunk's last token is scored against the next
 chunk's first, and the per-token log-probs are gathered back into the whole row on every rank.
+``ring_chunk`` gives the other ring forwards their chunk (``RingChunk``: the local inputs, a whole-row
+tensor's local slice, per-token values gathered back): the value head's values (RM, the PPO critic),
+PRM's step logits, KD's per-token loss.
 """
 
 from __future__ import annotations
