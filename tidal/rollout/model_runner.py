@@ -269,8 +269,10 @@ class ModelRunner:
         self._next_host = 0
         self._discarded: LaunchedStep | None = None  # kept until a later step's result was read
         self.graphs = None
-        # Recording runs decode eagerly (Python hooks); so does tensor parallelism (collectives).
-        if cuda and not enforce_eager and not self.routers and tp_size == 1:
+        # Recording runs decode eagerly (Python hooks); so does tensor parallelism (collectives), and so do
+        # exact MoE layers (``bi.moe_experts`` reads each expert's row count on the host).
+        exact_moe = exact and any(isinstance(m, SparseMoE) for m in model.modules())
+        if cuda and not enforce_eager and not self.routers and tp_size == 1 and not exact_moe:
             self.graphs = DecodeGraphs(self.decode_forward, self.device, max_num_seqs, max_blocks)
 
     @staticmethod
