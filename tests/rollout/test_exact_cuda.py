@@ -367,6 +367,24 @@ def test_cpu_bf16_engine_and_float32_master_trainer_under_autocast_are_bit_ident
     assert _trainer_gaps(hf, prompts, outputs, torch.device("cpu"), precision) == 0.0
 
 
+def test_trainer_takes_the_engines_rope_frequencies(tiny_model):
+    """A policy built on CUDA gets transformers' ``inv_freq`` from CUDA's ``pow``, which may round an ulp
+    away from the engine's (CPU) table: exact mode uses the engine's frequencies on both sides."""
+    from transformers import AutoModelForCausalLM
+
+    from tidal.rollout import EngineConfig, LLMEngine
+
+    path = tiny_model("llama", logit_scale=4.0, num_hidden_layers=2)
+    prompts, params = _rollout(n=4, seed=6)
+    config = EngineConfig(device="cpu", max_model_len=64, num_kv_blocks=32, exact_logprobs=True)
+    outputs = LLMEngine(path, config).generate(prompts, params)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    inv_freq = hf.model.rotary_emb.inv_freq
+    inv_freq.copy_(torch.nextafter(inv_freq, torch.ones_like(inv_freq)))  # one ulp up, as another pow may
+    bi.make_exact(hf)
+    assert _trainer_gaps(hf, prompts, outputs, torch.device("cpu")) == 0.0
+
+
 def test_exact_mode_refuses_float16_in_one_line(tiny_model):
     from tidal.rollout import EngineConfig, LLMEngine
 

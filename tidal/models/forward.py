@@ -143,7 +143,7 @@ def exact_token_logprobs(
     """``token_logprobs`` of a model switched by ``batch_invariant.make_exact``: full logits (its LM head
     is the batch-invariant linear), then the batch-invariant log-softmax the engine's sampler also runs.
     The attention reads samples from ``position_ids``, so padded and packed rows need no mask. The model
-    computes in the engine's dtype (``batch_invariant.use_compute_dtype``) with autocast off: autocast
+    computes in the engine's dtype (``batch_invariant.use_engine_numerics``) with autocast off: autocast
     would re-cast between the ops (e.g. run ``exp`` in float32 where the engine runs it in bf16)."""
     ids = batch["input_ids"]
     inputs = {"input_ids": ids, "position_ids": batch["position_ids"], "attention_mask": None}

@@ -268,11 +268,17 @@ def engine_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def use_compute_dtype(model: torch.nn.Module, dtype: torch.dtype | None = None) -> None:
-    """Make an exact-mode transformers model compute in ``dtype`` (default: ``engine_dtype`` of its
-    device) as the engine does: the embedding output is cast to it, so the residual stream is in it, and
-    the ops take the (e.g. float32 master) weights rounded to it. With autocast off around the forward
-    (``exact_autocast_off``) nothing re-casts in between."""
+def use_engine_numerics(model: torch.nn.Module, dtype: torch.dtype | None = None) -> None:
+    """Make an exact-mode transformers model compute what the engine computes:
+
+    - in ``dtype`` (default: ``engine_dtype`` of its device): the embedding output is cast to it, so the
+      residual stream is in it, and the ops take the (e.g. float32 master) weights rounded to it; with
+      autocast off around the forward (``exact_autocast_off``) nothing re-casts in between;
+    - with the engine's RoPE frequencies (``rope.inv_freq_and_scale`` on the CPU, as the engine builds
+      them): transformers computes its ``inv_freq`` with ``pow`` on the device the model is built on, and
+      CUDA's ``pow`` can round differently from the CPU's."""
+    from tidal.rollout.models.rope import inv_freq_and_scale
+
     if dtype is None:
         dtype = engine_dtype(next(model.parameters()).device)
     embed = model.get_input_embeddings()
@@ -280,6 +286,15 @@ def use_compute_dtype(model: torch.nn.Module, dtype: torch.dtype | None = None) 
         embed.tidal_compute_hook.remove()
     embed.tidal_compute_hook = embed.register_forward_hook(lambda module, args, out: out.to(dtype))
     model.tidal_compute_dtype = dtype
+    config = model.config
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "inv_freq"):
+            with torch.device("cpu"):
+                inv_freq, _ = inv_freq_and_scale(
+                    config, 2 * module.inv_freq.numel(), config.max_position_embeddings
+                )
+            with torch.no_grad():
+                module.inv_freq.copy_(inv_freq)
 
 
 def segment_layout(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
