@@ -354,7 +354,7 @@ def hf_exact_attention(module, query, key, value, attention_mask, scaling=None, 
 def make_exact(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Switch a transformers model of a supported family to the batch-invariant ops, in place: every
     ``nn.Linear`` (LM head included), RMSNorm, the MLP's activation, RoPE and attention, computing in
-    ``compute_dtype`` (``use_compute_dtype``). Returns it."""
+    ``compute_dtype`` (``use_engine_numerics``). Returns it."""
     from transformers import AttentionInterface
 
     from tidal.rollout.models.architecture import ACTIVATIONS, sliding_windows
@@ -404,7 +404,7 @@ def make_exact(model: torch.nn.Module, compute_dtype: torch.dtype | None = None)
         id(c): c for c in (config, getattr(getattr(model, "model", None), "config", config))
     }.values():
         cfg._attn_implementation = EXACT_ATTENTION
-    use_compute_dtype(model, compute_dtype)
+    use_engine_numerics(model, compute_dtype)
     model.tidal_exact = True
     return model
 
