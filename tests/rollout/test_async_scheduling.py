@@ -7,12 +7,16 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
+import torch
 
 from tests.rollout.reference import PROMPTS, cpu_config
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
 from tidal.rollout.block_manager import BlockManager
+from tidal.rollout.cuda_graph import ahead_input_ids
 from tidal.rollout.engine import AheadPolicy, async_fallback
+from tidal.rollout.model_runner import fill_decode_inputs
 from tidal.rollout.sequence import Sequence
 
 
@@ -178,6 +182,17 @@ def test_policy_stops_launching_ahead_while_sequences_keep_stopping(tiny_model):
     params = SamplingParams(temperature=1.0, max_new_tokens=40, seed=0, n=8, stop_token_ids=range(400, 500))
     _assert_same(sync.generate(PROMPTS, params), lookahead.generate(PROMPTS, params))
     assert 0 < lookahead.ahead_stats.launched < sum(decode_steps) - 1
+
+
+def test_inputs_of_a_step_launched_ahead():
+    seqs = [Sequence(i, i, 0, [7] * (3 + i), SamplingParams(), 0) for i in range(2)]
+    for seq, blocks in zip(seqs, ([4], [5, 6]), strict=True):
+        seq.block_table = blocks
+    out = np.full(64, -1, dtype=np.int32)
+    view = fill_decode_inputs(seqs, rows=4, width=2, out=out, ahead=([2, 0], 3))
+    # Rows of the previous step's ids (padding: one past its end), contexts one token longer, tables.
+    assert view.tolist() == [2, 0, 3, 3, 4, 5, 0, 0, 4, 0, 5, 6, 0, 0, 0, 0]
+    assert ahead_input_ids(torch.tensor([11, 12, 13]), torch.tensor(view[:4])).tolist() == [13, 11, 0, 0]
 
 
 def test_returned_blocks_restore_the_free_queue():

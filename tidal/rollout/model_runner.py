@@ -71,7 +71,7 @@ class DecodeStep:
     width: int
     use_graph: bool
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    buffer: int = 0  # the staging buffer it is in (a step received from rank 0 is in none of this rank's)
+    buffer: int = 0  # the staging buffer it is in
     # A step launched ahead (async scheduling): each row's input id is the previous step's sampled id at
     # the row staged in place of the token (``fill_decode_inputs``), read on the device.
     ahead: torch.Tensor | None = None
@@ -425,7 +425,8 @@ class ModelRunner:
     def _decode_staged(self, step: DecodeStep) -> torch.Tensor:
         """Logits [num_seqs, vocab] of one decode step (graph replay when possible)."""
         rows, width, buffer = step.rows, step.width, step.buffer
-        if not np.may_share_memory(step.staged, self._hosts_np[buffer]):  # a step received from rank 0
+        # A step received from rank 0 is in none of this rank's buffers.
+        if buffer >= len(self._hosts) or not np.may_share_memory(step.staged, self._hosts_np[buffer]):
             buffer = 0
             self._hosts_np[0][: step.staged.size] = step.staged
         host = self._hosts[buffer][: step.staged.size]
