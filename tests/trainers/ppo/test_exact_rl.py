@@ -27,15 +27,15 @@ def reward_func(queries, prompts, labels, **kwargs):
 '''
 
 
-def grpo_flags(policy, data: Path, out: Path, *extra: str) -> list[str]:
-    """3 GRPO steps of 2 prompts x 4 samples (one optimizer step each), packed, exact unless told."""
+def grpo_flags(policy, data: Path, out: Path, *extra: str, steps: int = 3) -> list[str]:
+    """``steps`` GRPO steps of 2 prompts x 4 samples (one optimizer step each), packed."""
     return [
         "--pretrain", str(policy), "--prompt_data", str(data / "prompts.jsonl"), "--input_key", "prompt",
         "--label_key", "label", "--remote_rm_url", str(data / "reward.py"), "--advantage_estimator", "group_norm",
         "--n_samples_per_prompt", "4", "--rollout_batch_size", "2", "--train_batch_size", "8",
         "--micro_train_batch_size", "4", "--micro_rollout_batch_size", "4", "--generate_max_len", "6",
         "--prompt_max_len", "8", "--actor_learning_rate", "5e-3", "--lr_warmup_ratio", "0", "--init_kl_coef", "0",
-        "--temperature", "0.9", "--seed", "3", "--max_samples", "6", "--packing_samples", "--zero_stage", "3",
+        "--temperature", "0.9", "--seed", "3", "--max_samples", str(2 * steps), "--packing_samples", "--zero_stage", "3",
         "--save_path", str(out / "final"), *extra,
     ]  # fmt: skip
 
@@ -118,7 +118,7 @@ def torchrun(specs: list[dict], folder: Path, nproc: int = 2) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-def assert_exact(report: dict, steps: int = 3) -> None:
+def assert_exact(report: dict, steps: int) -> None:
     assert len(report["history"]) == steps and len(report["gaps"]) == steps
     assert min(report["tokens"]) > 0 and report["gaps"] == [0.0] * steps, report["gaps"]
     assert all(h["rollout/logprob_mismatch"] == 0.0 for h in report["history"])
@@ -132,11 +132,56 @@ LORA = ["--lora_rank", "4", "--lora_alpha", "16", "--target_modules", "all-linea
 def test_lora_policy_gives_the_engine_logprobs_exactly_and_learns(tiny_qwen2, data, tmp_path):
     """The engine runs the merged weights; the policy's exact forward multiplies by the same tensor."""
     report = run_checked(grpo_flags(tiny_qwen2, data, tmp_path / "lora", "--exact_logprobs", *LORA))
-    assert_exact(report)
+    assert_exact(report, 3)
     assert report["lora_b"][0] == 0.0 and report["lora_b"][-1] > 0.0  # the adapters trained
     assert any(h["policy/loss"] != 0.0 for h in report["history"])
     plain = run_checked(grpo_flags(tiny_qwen2, data, tmp_path / "plain", *LORA))
     assert max(plain["gaps"]) > 0.0  # without the mode the same check sees the gap
+
+
+def test_exact_lora_merge_is_the_forward_weight_and_restores_the_base(tiny_qwen2):
+    """The sync's merge (``engine_weights``) hands the engine exactly the weight the exact forward
+    multiplies by, and puts the base weights back bit for bit (peft's ``W + d - d`` would not)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tidal.distributed.weight_sync import engine_weights, hf_name
+    from tidal.models.exact_lora import make_lora_exact, merged_weight
+    from tidal.rollout.batch_invariant import make_exact
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=16, target_modules="all-linear"))
+    with torch.no_grad():  # adapters the size of the weights: rounding in W + d shows
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.5)
+    make_lora_exact(make_exact(model))
+    layers = {n: m for n, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
+    expected = {
+        hf_name(f"{n}.base_layer.weight"): merged_weight(m).detach().clone() for n, m in layers.items()
+    }
+    base = {n: m.base_layer.weight.detach().clone() for n, m in layers.items()}
+    with engine_weights(model) as named:
+        sent = {n: t.detach().clone() for n, t in named if n in expected}
+    assert sent.keys() == expected.keys() and all(torch.equal(sent[n], expected[n]) for n in sent)
+    assert all(torch.equal(m.base_layer.weight, base[n]) for n, m in layers.items())
+    drift = [
+        n
+        for n, m in layers.items()
+        if not torch.equal(base[n] + (d := m.get_delta_weight("default")) - d, base[n])
+    ]
+    assert drift  # why the exact merge restores instead of subtracting
+
+
+def test_moe_policy_gives_the_engine_logprobs_exactly(data, tmp_path):
+    """Qwen3-MoE, with router replay (the engine records its experts through the exact block) and the
+    load-balancing loss (hooks on the exact routers): exact at every step."""
+    from tidal.testing import build_tiny_model
+
+    moe = build_tiny_model(tmp_path / "moe", "qwen3_moe", seed=0)
+    extra = ["--moe_router_replay", "--aux_loss_coef", "0.01"]
+    assert_exact(run_checked(grpo_flags(moe, data, tmp_path / "run", "--exact_logprobs", *extra, steps=2)), 2)
 
 
 def test_exact_over_two_processes_and_separate_engines(tiny_qwen2, data, tmp_path):
@@ -149,14 +194,14 @@ def test_exact_over_two_processes_and_separate_engines(tiny_qwen2, data, tmp_pat
         "plain": [],
     }
     specs = [
-        {"argv": grpo_flags(tiny_qwen2, data, tmp_path / name, *extra), "out": str(tmp_path / name)}
+        {"argv": grpo_flags(tiny_qwen2, data, tmp_path / name, *extra, steps=2), "out": str(tmp_path / name)}
         for name, extra in runs.items()
     ]
     torchrun(specs, tmp_path)
     for rank in (0, 1):
         reports = {name: json.loads((tmp_path / f"{name}{rank}.json").read_text()) for name in runs}
         for name in ("fsdp", "engines", "lora"):
-            assert_exact(reports[name])
+            assert_exact(reports[name], 2)
         assert reports["lora"]["lora_b"][-1] > 0.0
         assert max(reports["plain"]["gaps"]) > 0.0
 
