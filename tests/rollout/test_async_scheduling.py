@@ -144,6 +144,30 @@ def test_step_api_with_arrivals_aborts_and_new_weights_matches(eos_model, tiny_m
     assert lookahead.block_manager.num_free_blocks == lookahead.num_kv_blocks
 
 
+def test_serve_engine_loop_gets_the_synchronous_outputs(eos_model):
+    """``tidal serve``'s engine thread drives ``step()``: a streaming request alone in the engine gets the
+    same snapshots and final output as with the synchronous loop."""
+    import queue
+
+    from tidal.serve.engine_loop import EngineLoop
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, seed=3, n=2, stop=["e"])
+    results, engines = [], _pair(eos_model)
+    for engine in engines:
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        loop = EngineLoop(engine).start()
+        try:
+            loop.submit(PROMPTS[2], params, events.put, stream=True).result(timeout=60)
+            outputs = [events.get(timeout=60)]
+            while not outputs[-1].finished:
+                outputs.append(events.get(timeout=60))
+        finally:
+            loop.close()
+        results.append([_fields(o) for o in outputs])
+    assert results[0] == results[1] and len(results[0]) > 2
+    assert engines[1].ahead_stats.used > 0
+
+
 def test_synchronous_fallbacks(tiny_model):
     path = tiny_model("qwen2")
     config = cpu_config(max_model_len=96, block_size=4, async_scheduling=True)
