@@ -35,7 +35,10 @@ KEYS = {
     "prm": ("loss", "acc", "grad_norm"),
     "kd": ("loss", "teacher_kl", "grad_norm"),
     "kto": ("loss", "kl", "desirable_reward", "undesirable_reward", "grad_norm"),
-}
+    # GAE: the first rollout trains only the critic (--freezing_actor_steps 1), so its grad_norm is the critic's
+    "ppo": ("reward", "critic/loss", "grad_norm", "values/mean", "advantages/abs_mean", "returns/mean", "kl",
+            "policy/loss"),
+}  # fmt: skip
 # The pairwise loss ignores a shift of all rewards, so its gradient along that direction is rounding noise,
 # which Adam scales up to a full step: at 2e-3 the rewards' mean (chosen_reward, the saved mean) drifts
 # by ~2e-5 between any two exact runs; the RM trains slower.
@@ -144,35 +147,6 @@ def assert_same_steps(one: list[dict], two: list[dict], keys, kind: str) -> None
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (kind, key, a["step"], a[key], b[key])
 
 
-def test_rm_prm_kd_kto_ring_of_two_match_one_process(tiny_llama, tmp_path):
-    models = {
-        "policy": tiny_llama,
-        "other": perturbed(tiny_llama, tmp_path / "other", seed=0),
-        "prm": with_step_marker(tmp_path / "prm_model"),
-    }
-    data = datasets(tmp_path)
-    one = {
-        kind: run(cli.parse_run(flags(kind, models, data, tmp_path / f"{kind}1")))
-        for kind, (cli, run) in RUNS.items()
-    }
-    run_ring(
-        tmp_path,
-        [
-            {"kind": kind, "out": str(tmp_path / f"{kind}2.json"),
-             "argv": flags(kind, models, data, tmp_path / f"{kind}2", "--ring_attn_size", "2", *RING_EXTRA[kind])}
-            for kind in RUNS
-        ],
-    )  # fmt: skip
-    for kind, history in one.items():
-        two = json.loads((tmp_path / f"{kind}2.json").read_text())
-        assert two["ring_layers"] > 0  # the model's attention layers ran as ring attention
-        assert_same_steps(history, two["history"], KEYS[kind], kind)
-    # the reward statistics (--normalize_reward) are taken in ring turns too
-    saved = [json.loads((tmp_path / f"rm{n}" / "final" / "config.json").read_text()) for n in (1, 2)]
-    for key in ("mean", "std"):
-        assert saved[1][key] == pytest.approx(saved[0][key], rel=1e-5, abs=1e-5)
-
-
 REWARD = """
 import torch
 
@@ -181,8 +155,6 @@ def reward_func(queries, prompts, labels, **kwargs):
     values = [sum(ord(c) for c in q[len(p):]) % 7 / 7 for q, p in zip(queries, prompts)]
     return {"rewards": torch.tensor(values)}
 """
-# The first rollout trains only the critic (--freezing_actor_steps 1): its grad_norm is the critic's.
-PPO_KEYS = ("reward", "critic/loss", "grad_norm", "values/mean", "advantages/abs_mean", "returns/mean", "kl")
 
 
 def ppo_flags(model: Path, folder: Path, out: Path, *extra: str) -> list[str]:
@@ -205,22 +177,58 @@ def write_prompts(folder: Path) -> None:
     (folder / "reward.py").write_text(REWARD)
 
 
-def test_ppo_gae_ring_of_two_matches_one_process(tiny_qwen2, tmp_path):
-    """GAE: the critic's values (make-experience) and its updates, then the policy's, under ring
-    attention over 2 processes match one process."""
+@pytest.fixture(scope="module")
+def runs(tiny_llama, tiny_qwen2, tmp_path_factory) -> tuple[dict, Path]:
+    """Each trainer with one process, then all of them with ``--ring_attn_size 2`` over 2 processes (one
+    torchrun): ``({kind: (one's history, the ring run's ring_runner output)}, folder)``."""
     from tidal.cli.train_ppo import parse_run
     from tidal.trainers.ppo import run_ppo
 
-    write_prompts(tmp_path)
-    one = run_ppo(parse_run(ppo_flags(tiny_qwen2, tmp_path, tmp_path / "one")))
-    argv = ppo_flags(
-        tiny_qwen2, tmp_path, tmp_path / "two", "--ring_attn_size", "2", "--gradient_checkpointing"
+    folder = tmp_path_factory.mktemp("ring_trainers")
+    models = {
+        "policy": tiny_llama,
+        "other": perturbed(tiny_llama, folder / "other", seed=0),
+        "prm": with_step_marker(folder / "prm_model"),
+    }
+    data = datasets(folder)
+    write_prompts(folder)
+    one = {
+        kind: run(cli.parse_run(flags(kind, models, data, folder / f"{kind}1")))
+        for kind, (cli, run) in RUNS.items()
+    }
+    one["ppo"] = run_ppo(parse_run(ppo_flags(tiny_qwen2, folder, folder / "ppo1")))
+    argv = {
+        kind: flags(kind, models, data, folder / f"{kind}2", "--ring_attn_size", "2", *RING_EXTRA[kind])
+        for kind in RUNS
+    }
+    argv["ppo"] = ppo_flags(
+        tiny_qwen2, folder, folder / "ppo2", "--ring_attn_size", "2", "--gradient_checkpointing"
     )
-    run_ring(tmp_path, [{"kind": "ppo", "out": str(tmp_path / "two.json"), "argv": argv}])
-    two = json.loads((tmp_path / "two.json").read_text())
-    assert two["ring_layers"] > 0
-    assert "policy/loss" not in one[0] and "policy/loss" in one[1]  # step 1 trained the critic alone
-    assert_same_steps(one, two["history"], (*PPO_KEYS, "policy/loss"), "ppo")
+    run_ring(
+        folder, [{"kind": kind, "out": str(folder / f"{kind}2.json"), "argv": argv[kind]} for kind in one]
+    )
+    return {kind: (one[kind], json.loads((folder / f"{kind}2.json").read_text())) for kind in one}, folder  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", [*RUNS, "ppo"])
+def test_ring_of_two_matches_one_process(runs, kind):
+    one, two = runs[0][kind]
+    assert two["ring_layers"] > 0  # the models' attention layers ran as ring attention
+    assert_same_steps(one, two["history"], KEYS[kind], kind)
+
+
+def test_reward_statistics_take_ring_turns(runs):
+    """``--normalize_reward``'s mean and std of the trained reward model, scored under the ring."""
+    saved = [json.loads((runs[1] / f"rm{n}" / "final" / "config.json").read_text()) for n in (1, 2)]
+    for key in ("mean", "std"):
+        assert saved[1][key] == pytest.approx(saved[0][key], rel=1e-5, abs=1e-5)
+
+
+def test_gae_first_step_trains_the_critic_alone(runs):
+    """So that step's grad_norm compared above is the critic's (under ring: its values and update)."""
+    one, two = runs[0]["ppo"]
+    assert "policy/loss" not in one[0] and "policy/loss" in one[1]
+    assert "critic/loss" in two["history"][0]
 
 
 @pytest.mark.slow  # torchrun with 2 trainers and 2 critic worker processes: over a minute on 2 cores
@@ -236,4 +244,4 @@ def test_ppo_gae_ring_with_critic_workers_matches_one_process(tiny_qwen2, tmp_pa
     argv = ppo_flags(tiny_qwen2, tmp_path, tmp_path / "two", "--ring_attn_size", "2", *own)
     run_ring(tmp_path, [{"kind": "ppo", "out": str(tmp_path / "two.json"), "argv": argv}])
     two = json.loads((tmp_path / "two.json").read_text())
-    assert_same_steps(one, two["history"], (*PPO_KEYS, "policy/loss"), "ppo")
+    assert_same_steps(one, two["history"], KEYS["ppo"], "ppo")
