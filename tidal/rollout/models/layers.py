@@ -13,6 +13,10 @@ Layers are built from ``args.tp`` (``parallel.py``): with a tensor-parallel size
 its shard of the projections, embedding and LM head, and ``load_weights`` slices every full tensor to that
 shard as it copies it; size 1 is the plain single-device model. Model code has no sampling logic. Every forward is flat-token: ``input_ids`` and
 ``positions`` are [num_tokens], and attention reads/writes the paged KV cache through ``AttentionMetadata``.
+
+On CUDA with Triton, the element-wise work around the GEMMs runs as fused kernels, each bit-equal to the
+torch ops it replaces: residual add + RMSNorm (``triton_norm.py``), SwiGLU and RoPE (+ Qwen3's q/k norms)
++ KV store (``triton_fused.py``; ``FUSED_KERNELS`` turns the latter two off).
 """
 
 from __future__ import annotations
