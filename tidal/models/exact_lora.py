@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tidal.config import ConfigError
 from tidal.rollout import batch_invariant as bi
 
 
@@ -34,7 +35,7 @@ def lora_layer_problem(layer: nn.Module) -> str | None:
         if adapter in getattr(layer, "lora_variant", {}) or layer.lora_bias.get(adapter, False):
             return "only plain LoRA adapters (no DoRA or adapter biases) have an exact merged form"
     if getattr(layer, "fan_in_fan_out", False) or not isinstance(layer.get_base_layer(), nn.Linear):
-        return f"LoRA on a {type(layer.get_base_layer()).__name__} layer is not covered"
+        return f"LoRA on {type(layer.get_base_layer()).__name__} layers (--target_modules) is not covered"
     return None
 
 
@@ -112,8 +113,8 @@ def make_lora_exact(model: nn.Module) -> nn.Module:
         return model
     for layer in layers:
         problem = lora_layer_problem(layer)
-        if problem:
-            raise ValueError(f"--exact_logprobs: {problem}")
+        if problem:  # one line from the CLI, before the first step
+            raise ConfigError(f"--exact_logprobs: {problem}")
         layer.forward = bi.bound_forward(exact_lora_forward, layer)
     saved: list = []
 

@@ -174,6 +174,19 @@ def test_exact_lora_merge_is_the_forward_weight_and_restores_the_base(tiny_qwen2
     assert drift  # why the exact merge restores instead of subtracting
 
 
+def test_exact_lora_refuses_adapters_without_a_merged_linear_form(tiny_qwen2):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tidal.config import ConfigError
+    from tidal.models.exact_lora import make_lora_exact
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]))
+    with pytest.raises(ConfigError, match="LoRA on Embedding layers"):
+        make_lora_exact(model)
+
+
 def test_moe_policy_gives_the_engine_logprobs_exactly(data, tmp_path):
     """Qwen3-MoE, with router replay (the engine records its experts through the exact block) and the
     load-balancing loss (hooks on the exact routers): exact at every step."""
