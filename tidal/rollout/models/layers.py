@@ -235,7 +235,8 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         v = qkv[:, self.split[0] + self.split[1] :].view(-1, self.num_kv_heads, self.head_dim)
-        if fused_kernels_usable(qkv) and not meta.exact:
+        # The kernel rounds RoPE's products to the activations' dtype, as torch does when cos/sin share it.
+        if fused_kernels_usable(qkv) and not meta.exact and cos.dtype == qkv.dtype:
             q, k = self._fused_rope_store(qkv, v, cos, sin, meta)
             out = paged_attention(q, k, v, meta, self.layer_idx, self.window, self.scale, stored=True)
             return self.o_proj(out)
