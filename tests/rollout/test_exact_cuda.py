@@ -495,7 +495,7 @@ def test_interpreted_attention_matches_float64_and_a_query_alone_gives_the_same_
     assert torch.equal(te.attention(q[:, 33:], k, v, pos[:, 33:], 0.3, window), full[:, 33:])
 
 
-def test_ops_on_the_kernels_have_the_reference_gradients(on_kernels):
+def test_ops_on_the_kernels_have_the_reference_gradients(on_kernels, monkeypatch):
     """The kernels have no backward of their own: ``_invariant`` gives the torch formulation's."""
     g = torch.Generator().manual_seed(2)
     x = torch.randn(5, 7, 32, generator=g, requires_grad=True)
@@ -515,11 +515,17 @@ def test_ops_on_the_kernels_have_the_reference_gradients(on_kernels):
     ref_attention(ref_q, ref_kv, ref_kv, pos, 0.25).float().square().sum().backward()
     assert torch.allclose(q.grad, ref_q.grad, atol=1e-5) and torch.allclose(kv.grad, ref_kv.grad, atol=1e-5)
 
+    # the log-prob's gradient, computed in chunks of rows (2 here), per-row temperatures
+    monkeypatch.setattr(bi._TokenLogprobs, "CHUNK", 2)
     logits = torch.randn(3, 50, generator=g, requires_grad=True)
-    tokens = torch.tensor([1, 7, 49])
-    bi.token_logprobs(logits, tokens, 0.7).sum().backward()
-    expected = torch.nn.functional.one_hot(tokens, 50) - torch.softmax(logits.detach() / 0.7, -1)
-    assert torch.allclose(logits.grad, expected / 0.7, atol=1e-6)
+    tokens, temps, weights = (
+        torch.tensor([1, 7, 49]),
+        torch.tensor([0.7, 1.0, 1.3]),
+        torch.tensor([1.0, -2.0, 0.5]),
+    )
+    (bi.token_logprobs(logits, tokens, temps) * weights).sum().backward()
+    expected = torch.nn.functional.one_hot(tokens, 50) - torch.softmax(logits.detach() / temps[:, None], -1)
+    assert torch.allclose(logits.grad, expected * (weights / temps)[:, None], atol=1e-6)
 
 
 def test_interpreted_engine_and_trainer_logprobs_are_bit_identical(tiny_model, on_kernels):

@@ -164,11 +164,9 @@ def token_logprobs(
     ``temperature``: a number, or a tensor broadcasting against ``logits[..., :1]``."""
     if _on_triton(logits):
         temp = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
-        return _invariant(
-            lambda z: _triton().token_logprobs(z, tokens, temp),
-            lambda z: _torch_token_logprobs(z, tokens, temp),
-            logits,
-        )
+        if torch.is_grad_enabled() and logits.requires_grad:
+            return _TokenLogprobs.apply(logits, tokens, temp)
+        return _triton().token_logprobs(logits, tokens, temp)
     z = logits.float()
     temp = torch.as_tensor(temperature, dtype=torch.float32, device=z.device)
     z = z / (temp if temp.dim() == 0 else temp[..., None])
@@ -239,9 +237,32 @@ def _torch_attention(q, k, v, q_pos, scale: float, window: int | None) -> torch.
     return out.transpose(1, 2)
 
 
-def _torch_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
-    z = logits.float() / (temp if temp.dim() == 0 else temp[..., None])
-    return torch.log_softmax(z, -1).gather(-1, tokens[..., None]).squeeze(-1)
+class _TokenLogprobs(torch.autograd.Function):
+    """The log-prob kernel, with the gradient ``(onehot(token) - softmax(z)) / T`` computed over chunks of
+    rows: a trainer's micro-batch has ~20k rows of a 152k vocabulary, whose float32 softmax at once
+    would take ~12 GB per temporary."""
+
+    CHUNK = 2048  # rows per backward chunk
+
+    @staticmethod
+    def forward(ctx, logits, tokens, temp):
+        ctx.save_for_backward(logits, tokens, temp)
+        return _triton().token_logprobs(logits, tokens, temp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, tokens, temp = ctx.saved_tensors
+        lead, vocab = logits.shape[:-1], logits.shape[-1]
+        rows = logits.reshape(-1, vocab)
+        toks = tokens.expand(lead).reshape(-1, 1)
+        scale = (grad.float() / temp.expand(lead)).reshape(-1, 1)
+        out = torch.empty_like(rows)
+        for start in range(0, rows.shape[0], _TokenLogprobs.CHUNK):
+            part = slice(start, start + _TokenLogprobs.CHUNK)
+            temps = temp.expand(lead).reshape(-1, 1)[part]
+            d = torch.softmax(rows[part].float() / temps, -1).mul_(-scale[part])
+            out[part] = d.scatter_add_(1, toks[part], scale[part]).to(out.dtype)
+        return out.view(logits.shape), None, None
 
 
 def exact_autocast_off(device: torch.device):
