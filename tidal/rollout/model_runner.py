@@ -294,7 +294,11 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, device=self.device)
+        if self.device.type != "cuda":
+            return torch.tensor(data, dtype=dtype, device=self.device)
+        # From pinned memory without waiting: a copy from pageable memory waits for the device's queue,
+        # which would stall the host behind a step launched ahead (async scheduling).
+        return torch.tensor(data, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
     def run(self, batch: ScheduledBatch) -> StepResult:
         """Run one scheduled step: its sampled tokens, their log-probs and, for the rows whose request asks
