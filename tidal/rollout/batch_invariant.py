@@ -272,14 +272,24 @@ def exact_autocast_off(device: torch.device):
     return contextlib.nullcontext()
 
 
-def exact_device_problem(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why exact mode cannot run on ``device`` in ``dtype`` (None: it can): CPU float32 or bfloat16 (the
-    torch ops above: bfloat16 measured invariant as float32 is), CUDA bfloat16 or float32 with Triton."""
+# The families whose every reduction runs through the ops above on CUDA too (MoE routing still sums and
+# picks its top-k with torch's CUDA kernels, whose reduction order depends on the number of tokens).
+EXACT_CUDA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def exact_device_problem(
+    device: torch.device, dtype: torch.dtype, model_type: str | None = None
+) -> str | None:
+    """Why exact mode cannot run a ``model_type`` model on ``device`` in ``dtype`` (None: it can): CPU
+    float32 or bfloat16 (the torch ops above: bfloat16 measured invariant as float32 is), CUDA bfloat16 or
+    float32 with Triton, dense families only."""
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         return None
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float32):
         from tidal.accel import triton_available
 
+        if model_type is not None and model_type not in EXACT_CUDA_MODEL_TYPES:
+            return f"exact_logprobs on CUDA supports the {', '.join(EXACT_CUDA_MODEL_TYPES)} families, not {model_type!r}"
         return None if triton_available() else "exact_logprobs on CUDA needs Triton installed"
     return f"exact_logprobs runs in float32 or bfloat16 on the CPU or CUDA, not {device.type} {dtype}"
 

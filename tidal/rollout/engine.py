@@ -165,7 +165,9 @@ class LLMEngine:
         self.device = self.config.torch_device()
         self.dtype = self.config.torch_dtype(self.device)
         self.max_model_len = self.config.max_model_len or self.hf_config.max_position_embeddings
-        if self.config.exact_logprobs and (problem := exact_device_problem(self.device, self.dtype)):
+        model_type = getattr(self.hf_config, "model_type", None)
+        problem = self.config.exact_logprobs and exact_device_problem(self.device, self.dtype, model_type)
+        if problem:
             raise ValueError(f"EngineConfig: {problem}")
         if model is not None:
             weights = model.named_parameters()

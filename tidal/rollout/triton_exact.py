@@ -10,7 +10,7 @@ the batch. These kernels fix everything that decides a row's reduction order:
 - a row's (or a query's) result is computed by instructions that read only that row: the other rows of
   its tile go through the same tensor-core instructions in other lanes, and masked rows are zeros.
 
-``matmul``: ``x [M, K] @ w [N, K]^T`` in ``BLOCK_M x BLOCK_N`` tiles, K in ``BLOCK_K`` steps (bf16 or fp32;
+``matmul``: ``x [M, K] @ w [N, K]^T`` in ``MATMUL_BLOCK_M x MATMUL_BLOCK_N`` tiles, K in ``BLOCK_K`` steps (bf16 or fp32;
 fp32 uses IEEE products, not TF32), out in ``x``'s dtype. ``rms_norm``: one program per row. ``token_logprobs``:
 one program per row, the vocabulary in ``VOCAB_BLOCK`` chunks (max, then sum of exponentials). ``attention``:
 ``QUERY_BLOCK`` queries of one (row, head) per program over keys in ``KEY_BLOCK`` blocks at fixed absolute
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 # One configuration each (see the module doc): changing one changes results, never correctness.
-MATMUL_BLOCK_M, MATMUL_BLOCK_N, MATMUL_BLOCK_K = 64, 64, 64
+MATMUL_BLOCK_M, MATMUL_BLOCK_N, MATMUL_BLOCK_K = 64, 128, 64  # one Hopper warpgroup MMA (m64) per tile
 NORM_BLOCK = 1024
 VOCAB_BLOCK = 2048
 QUERY_BLOCK, KEY_BLOCK = 32, 64
