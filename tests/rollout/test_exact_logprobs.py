@@ -189,6 +189,9 @@ def test_moe_ops_do_not_depend_on_the_batch():
         alone = bi.moe_experts(x[start:stop], gate_up, down, i, w, torch.nn.functional.silu)
         assert torch.equal(alone, full[start:stop])
         assert torch.equal(bi.gate_column(x[start:stop], gate), bi.gate_column(x, gate)[start:stop])
+    # ties go to the lower expert id, whatever the batch (a stable sort)
+    _, weights, ids = bi.moe_route(x, torch.zeros(6, 24), 2, False, None)
+    assert torch.equal(ids, torch.tensor([[0, 1]]).expand(37, 2)) and torch.all(weights == 1 / 6)
 
 
 def test_exact_mode_refuses_what_it_does_not_cover(tiny_model):

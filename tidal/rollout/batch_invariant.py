@@ -458,16 +458,32 @@ def bound_forward(fn, module):
 def moe_route(
     x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A top-k router over ``x [T, H]``: ``(logits, weights [T, k], expert ids [T, k])``. Softmax in float32
-    (row-invariant exp and sums), ``topk``, optional renormalisation over the k; the weights are rounded to
-    ``weights_dtype`` (None: the logits' dtype, as Qwen routers do; Mixtral's stay float32)."""
+    """A top-k router over ``x [T, H]``: ``(logits, weights [T, k], expert ids [T, k])``. Softmax in float32,
+    the k most probable experts (ties to the lower id: a stable sort, not ``topk``, whose CUDA algorithm
+    depends on the shape), optional renormalisation over the k; sums by ``tree_sum`` (the same order on
+    every device and batch). The weights are rounded to ``weights_dtype`` (None: the logits' dtype, as Qwen
+    routers do; Mixtral's stay float32)."""
     logits = linear(x.reshape(-1, x.shape[-1]), weight)
     z = logits.float()
     p = pointwise(torch.exp, z - z.amax(-1, keepdim=True))
-    weights, ids = torch.topk(p / p.sum(-1, keepdim=True), top_k, dim=-1)
+    probs, order = torch.sort(p / tree_sum(p), dim=-1, descending=True, stable=True)
+    weights, ids = probs[:, :top_k], order[:, :top_k]
     if renormalize:
-        weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights / tree_sum(weights)
     return logits, weights.to(weights_dtype or logits.dtype), ids
+
+
+def tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension (kept, size 1) by halving: zero-padded to a power of two, then the two
+    halves added until one column is left. Only elementwise adds, in an order fixed by the length alone
+    (torch's CUDA reductions pick their order from the whole tensor's shape)."""
+    width = 1 << (x.shape[-1] - 1).bit_length()
+    if width != x.shape[-1]:
+        x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
 
 
 def moe_experts(
