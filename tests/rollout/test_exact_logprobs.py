@@ -174,6 +174,24 @@ def test_attention_does_not_depend_on_other_queries_or_extra_keys():
     assert torch.equal(bi.attention(q, junk_k, v, pos, 0.35), full)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_bf16_engine_and_float32_master_trainer_are_bit_identical(tiny_model, family):
+    """The CUDA dtype path on the CPU: a bf16 engine, a float32 master policy under bf16 autocast computing
+    in bf16; Qwen routers round the routing weights to bf16, Mixtral's stay float32 (both sides alike)."""
+    from tidal.models.precision import Precision
+
+    path = tiny_model(family, logit_scale=4.0)
+    prompts, params = _rollout(n=6, seed=2)
+    config = EngineConfig(
+        device="cpu", dtype="bfloat16", max_model_len=64, num_kv_blocks=32, exact_logprobs=True
+    )
+    outputs = LLMEngine(path, config).generate(prompts, params)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    bi.make_exact(hf, compute_dtype=torch.bfloat16)
+    with Precision.create("bf16", torch.device("cpu")).autocast():
+        assert _max_gap(outputs, _trainer_logprobs(hf, prompts, outputs, packed=True)) == 0.0
+
+
 def test_moe_ops_do_not_depend_on_the_batch():
     """A token's routed-experts output (and the one-column shared-expert gate) alone equals its row in
     a batch whose other tokens share its experts or not."""
