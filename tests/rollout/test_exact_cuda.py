@@ -167,6 +167,7 @@ def test_attention_query_alone_in_a_batch_as_decode_or_prefill_gives_the_same_bi
     te = _gpu()
     scale = 128**-0.5
     q, k, v = _attention_inputs(5, 700, 700)
+    g = torch.Generator(device="cuda").manual_seed(4)
     pos = torch.arange(700, device="cuda").expand(5, 700)
     prefill = te.attention(q, k, v, pos, scale, window)
     for b, p in ((0, 0), (1, 63), (2, 64), (3, 401), (4, 699)):
@@ -179,9 +180,9 @@ def test_attention_query_alone_in_a_batch_as_decode_or_prefill_gives_the_same_bi
         )
         assert torch.equal(decode, prefill[b : b + 1, p : p + 1])
         # the same query inside a batch of 300 decode rows of other sequences (a paged-cache width of 720)
-        rows = torch.randint(0, 5, (300,), device="cuda")
+        rows = torch.randint(0, 5, (300,), device="cuda", generator=g)
         rows[137] = b
-        qpos = torch.randint(0, 700, (300, 1), device="cuda")
+        qpos = torch.randint(0, 700, (300, 1), device="cuda", generator=g)
         qpos[137] = p
         kw = torch.nn.functional.pad(k[rows], (0, 0, 0, 0, 0, 20))
         vw = torch.nn.functional.pad(v[rows], (0, 0, 0, 0, 0, 20))
@@ -214,6 +215,7 @@ def test_exact_ops_capture_in_a_cuda_graph():
     eager = te.matmul(te.attention(q, k, v, pos, 0.1).view(4, -1), w)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         te.matmul(te.attention(q, k, v, pos, 0.1).view(4, -1), w)  # compile outside the capture
         with torch.cuda.graph(graph, stream=stream):
