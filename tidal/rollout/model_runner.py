@@ -173,9 +173,7 @@ def make_exact(model: CausalLM) -> None:
         elif isinstance(module, RMSNorm):
             module.forward = bi.bound_forward(_exact_norm, module)
         elif isinstance(module, Rotary):
-            module.forward = bi.bound_forward(
-                lambda m, positions, dtype: bi.rope_cos_sin(positions, m.inv_freq, m.scale, dtype), module
-            )
+            module.forward = bi.bound_forward(_exact_rope, module)
         elif isinstance(module, GatedMLP):
             module.forward = bi.bound_forward(
                 lambda m, x: m.down_proj(
@@ -185,6 +183,15 @@ def make_exact(model: CausalLM) -> None:
             )
         elif isinstance(module, SparseMoE):
             module.forward = bi.bound_forward(_exact_moe, module)
+
+
+def _exact_rope(module: Rotary, positions: torch.Tensor, dtype: torch.dtype):
+    """``rope_cos_sin`` from the RoPE frequencies (kept on the CPU by ``Rotary.build``) copied once to the
+    positions' device: a decode step captured in a CUDA graph cannot copy from the host."""
+    cached = getattr(module, "_exact_inv_freq", None)
+    if cached is None or cached[0] is not module.inv_freq or cached[1].device != positions.device:
+        cached = module._exact_inv_freq = (module.inv_freq, module.inv_freq.to(positions.device))
+    return bi.rope_cos_sin(positions, cached[1], module.scale, dtype)
 
 
 def _exact_packed_linear(module: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
