@@ -9,6 +9,9 @@ bit for bit, a LoRA layer must multiply by that same merged tensor, so in exact 
 - the sync's merge is this module's ``merge_weights``, the same arithmetic: ``B·A`` row by row through
   ``batch_invariant.linear`` (a row of the product depends on that row of B alone, so an FSDP2 shard's
   rows equal the unsharded forward's), then one elementwise add;
+- both compute in the exact forward's compute dtype (``make_exact``'s: float32 on the CPU, bf16 on
+  CUDA), from W, A and B rounded to it: FSDP2 with mixed precision all-gathers them so rounded for the
+  forward, and one process's float32 masters are rounded the same way, so every placement merges alike;
 - the unmerge restores the saved base weights instead of subtracting the delta (peft's ``W + d - d``
   can be an ulp off ``W``, and the next forward would then differ from what the engine holds).
 """
@@ -39,22 +42,23 @@ def lora_layer_problem(layer: nn.Module) -> str | None:
     return None
 
 
-def lora_delta(layer: nn.Module, adapter: str, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``scale·(B·A)`` of ``adapter`` (``b``: rows of B to use instead of the whole of it), each row of
-    the product in a batch-invariant GEMM."""
-    a = layer.lora_A[adapter].weight  # [r, in]
-    b = layer.lora_B[adapter].weight if b is None else b  # [out, r]
-    return bi.linear(b, a.t()) * layer.scaling[adapter]
+def lora_delta(b: torch.Tensor, a: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``scale·(B·A)`` in ``dtype`` (B ``[out, r]``, or some of its rows; A ``[r, in]``), each row of the
+    product in a batch-invariant GEMM."""
+    return bi.linear(b.to(dtype), a.to(dtype).t()) * scale
 
 
 def merged_weight(layer: nn.Module) -> torch.Tensor:
-    """The base weight plus every active adapter's delta, added in adapter order (as ``merge_weights``)."""
-    weight = layer.get_base_layer().weight
+    """The base weight plus every active adapter's delta, added in adapter order, in the layer's compute
+    dtype (as ``merge_weights``)."""
+    dtype = layer.tidal_compute_dtype
+    weight = layer.get_base_layer().weight.to(dtype)
     if layer.disable_adapters or layer.merged:  # the base weight alone, or already holding the deltas
         return weight
     for adapter in layer.active_adapters:
         if adapter in layer.lora_A:
-            weight = weight + lora_delta(layer, adapter)
+            a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+            weight = weight + lora_delta(b, a, layer.scaling[adapter], dtype)
     return weight
 
 
@@ -83,6 +87,7 @@ def merge_weights(layers: list[nn.Module]) -> list[tuple[torch.Tensor, torch.Ten
             continue
         weight = _local(layer.get_base_layer().weight.data)
         saved.append((weight, weight.clone()))
+        merged = weight.to(layer.tidal_compute_dtype)
         for adapter in layer.active_adapters:
             if adapter not in layer.lora_A:
                 continue
@@ -90,8 +95,9 @@ def merge_weights(layers: list[nn.Module]) -> list[tuple[torch.Tensor, torch.Ten
             if b.shape[0] != weight.shape[0]:  # FSDP2 shards W and B on their shared output dimension
                 raise RuntimeError(f"exact LoRA merge: B rows {b.shape[0]} vs W rows {weight.shape[0]}")
             a = _full(layer.lora_A[adapter].weight.data)
-            weight.add_(bi.linear(b, a.t()) * layer.scaling[adapter])
+            merged = merged + lora_delta(b, a, layer.scaling[adapter], layer.tidal_compute_dtype)
             layer.merged_adapters.append(adapter)
+        weight.copy_(merged)  # a compute-dtype value: exact in the (float32) parameter, and on the wire
     return saved
 
 
@@ -111,10 +117,12 @@ def make_lora_exact(model: nn.Module) -> nn.Module:
     layers = lora_layers(model)
     if not layers:
         return model
+    dtype = getattr(model, "tidal_compute_dtype", None) or torch.float32
     for layer in layers:
         problem = lora_layer_problem(layer)
         if problem:  # one line from the CLI, before the first step
             raise ConfigError(f"--exact_logprobs: {problem}")
+        layer.tidal_compute_dtype = dtype
         layer.forward = bi.bound_forward(exact_lora_forward, layer)
     saved: list = []
 

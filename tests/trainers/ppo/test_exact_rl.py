@@ -8,6 +8,7 @@ test_exact_rl.py RUNS.json`` runs each spec of RUNS.json and writes one JSON rep
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -139,9 +140,11 @@ def test_lora_policy_gives_the_engine_logprobs_exactly_and_learns(tiny_qwen2, da
     assert max(plain["gaps"]) > 0.0  # without the mode the same check sees the gap
 
 
-def test_exact_lora_merge_is_the_forward_weight_and_restores_the_base(tiny_qwen2):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_lora_merge_is_the_forward_weight_and_restores_the_base(tiny_qwen2, dtype):
     """The sync's merge (``engine_weights``) hands the engine exactly the weight the exact forward
-    multiplies by, and puts the base weights back bit for bit (peft's ``W + d - d`` would not)."""
+    multiplies by (computed in the compute dtype: bf16 as on CUDA), and puts the base weights back bit
+    for bit (peft's ``W + d - d`` would not)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -156,7 +159,7 @@ def test_exact_lora_merge_is_the_forward_weight_and_restores_the_base(tiny_qwen2
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.normal_(0.0, 0.5)
-    make_lora_exact(make_exact(model))
+    make_lora_exact(make_exact(model, compute_dtype=dtype))
     layers = {n: m for n, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
     expected = {
         hf_name(f"{n}.base_layer.weight"): merged_weight(m).detach().clone() for n, m in layers.items()
@@ -164,7 +167,14 @@ def test_exact_lora_merge_is_the_forward_weight_and_restores_the_base(tiny_qwen2
     base = {n: m.base_layer.weight.detach().clone() for n, m in layers.items()}
     with engine_weights(model) as named:
         sent = {n: t.detach().clone() for n, t in named if n in expected}
-    assert sent.keys() == expected.keys() and all(torch.equal(sent[n], expected[n]) for n in sent)
+    assert sent.keys() == expected.keys()
+    assert all(torch.equal(sent[n], expected[n].float()) for n in sent)  # float32 holds them exactly
+    # FSDP2 with mixed precision all-gathers W, A and B already rounded: the forward's merge is the same
+    gathered = {n: m for n, m in copy.deepcopy(model).to(dtype).named_modules() if n in layers}
+    assert all(
+        torch.equal(merged_weight(m), expected[hf_name(f"{n}.base_layer.weight")])
+        for n, m in gathered.items()
+    )
     assert all(torch.equal(m.base_layer.weight, base[n]) for n, m in layers.items())
     drift = [
         n
@@ -172,6 +182,50 @@ def test_exact_lora_merge_is_the_forward_weight_and_restores_the_base(tiny_qwen2
         if not torch.equal(base[n] + (d := m.get_delta_weight("default")) - d, base[n])
     ]
     assert drift  # why the exact merge restores instead of subtracting
+
+
+def test_lora_bf16_engine_synced_from_a_float32_master_policy_is_exact(tiny_qwen2):
+    """The CUDA dtype path on the CPU: trained (random) adapters on a float32 master policy computing in
+    bf16 under autocast; the weight sync into a bf16 engine; sampled log-probs == the policy's forward."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tidal.distributed.weight_sync import engine_weights
+    from tidal.models.exact_lora import make_lora_exact
+    from tidal.models.forward import token_logprobs
+    from tidal.models.precision import Precision
+    from tidal.rollout import EngineConfig, LLMEngine
+    from tidal.rollout.batch_invariant import make_exact
+    from tidal.rollout.sampling_params import SamplingParams
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=16, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.2)
+    make_lora_exact(make_exact(model, compute_dtype=torch.bfloat16))
+    config = EngineConfig(
+        device="cpu", dtype="bfloat16", max_model_len=64, num_kv_blocks=32, exact_logprobs=True
+    )
+    engine = LLMEngine(str(tiny_qwen2), config)
+    with engine_weights(model) as named:
+        engine.update_weights(named)
+    prompts = [[5 + i, 40 + 3 * i, 90, 7 * i + 11][: 2 + i % 3] for i in range(5)]
+    params = [SamplingParams(temperature=0.9, max_tokens=4 + i, seed=i, ignore_eos=True) for i in range(5)]
+    outputs = engine.generate(prompts, params)
+    rows = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs, strict=True)]
+    batch = {
+        "input_ids": torch.tensor([t for r in rows for t in r])[None],
+        "position_ids": torch.cat([torch.arange(len(r)) for r in rows])[None],
+    }
+    with torch.no_grad(), Precision.create("bf16", torch.device("cpu")).autocast():
+        lp = token_logprobs(model, batch, 0.9)[0][0]
+    offset = 0
+    for p, r, o in zip(prompts, rows, outputs, strict=True):
+        assert torch.equal(lp[offset + len(p) : offset + len(r)], torch.tensor(o.outputs[0].logprobs))
+        offset += len(r)
 
 
 def test_exact_lora_refuses_adapters_without_a_merged_linear_form(tiny_qwen2):
