@@ -192,6 +192,40 @@ def test_moe_bf16_engine_and_float32_master_trainer_are_bit_identical(tiny_model
         assert _max_gap(outputs, _trainer_logprobs(hf, prompts, outputs, packed=True)) == 0.0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_cuda_bf16_moe_engine_and_trainer_logprobs_are_bit_identical(tiny_model, family, monkeypatch):
+    """Whether exact MoE holds on CUDA (bf16 engine vs a float32 master policy under bf16 autocast): the
+    routing sums by halving and picks by a stable sort, the experts' GEMMs are the fixed-tile kernels.
+    MoE is refused on CUDA until this passes there, so the test lifts the refusal for its engine."""
+    from tidal.models.precision import Precision
+
+    monkeypatch.setattr(bi, "EXACT_CUDA_MODEL_TYPES", (*bi.EXACT_CUDA_MODEL_TYPES, family))
+    path = tiny_model(family, logit_scale=4.0)
+    prompts, params = _rollout()
+    config = EngineConfig(device="cuda", max_model_len=128, num_kv_blocks=64, exact_logprobs=True)
+    engine = LLMEngine(path, config)
+    outputs = engine.generate(prompts, params)
+    engine.close()
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).cuda().eval()
+    bi.make_exact(hf)  # computes in bf16, the engine's dtype on CUDA
+    rows = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs, strict=True)]
+    batch = {
+        "input_ids": torch.tensor([t for r in rows for t in r], device="cuda")[None],
+        "position_ids": torch.cat([torch.arange(len(r)) for r in rows])[None].cuda(),
+    }
+    with torch.no_grad(), Precision.create("bf16", torch.device("cuda")).autocast():
+        lp = token_logprobs(hf, batch, TEMPERATURE)[0][0].float().cpu()
+    gap, offset = 0.0, 0
+    for p, r, o in zip(prompts, rows, outputs, strict=True):
+        gap = max(
+            gap, (torch.tensor(o.outputs[0].logprobs) - lp[offset + len(p) : offset + len(r)]).abs().max()
+        )
+        offset += len(r)
+    print(f"{family} cuda bf16 exact max |engine - trainer|: {float(gap)}")
+    assert gap == 0.0
+
+
 def test_moe_ops_do_not_depend_on_the_batch():
     """A token's routed-experts output (and the one-column shared-expert gate) alone equals its row in
     a batch whose other tokens share its experts or not."""
