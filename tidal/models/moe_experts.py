@@ -10,7 +10,8 @@ CUDA) falls back to one ``mm`` per expert after copying the group offsets to the
 ``TRAINER_EXPERTS`` is the same forward with the expert weights cast to the autocast dtype first (the
 cast is differentiable, so gradients reach the float32 weights, as autocast does for ``nn.Linear``).
 Without autocast it calls transformers' ``grouped_mm`` forward unchanged, so float32 runs (the CPU's
-default) give bit-identical results.
+default) give bit-identical results. ``load_causal_lm`` (policy, reference) and ``load_value_model``
+(critic, reward model: ``AutoModelForSequenceClassification``) switch MoE models to it.
 """
 
 from __future__ import annotations

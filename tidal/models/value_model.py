@@ -43,6 +43,7 @@ from tidal.config.model import ModelConfig
 from tidal.logging import get_logger
 from tidal.models.forward import model_inputs, ring_chunk
 from tidal.models.loading import _quantization_config, apply_lora, available_attn_implementation
+from tidal.models.moe_experts import use_trainer_experts
 
 log = get_logger(__name__)
 
@@ -131,6 +132,7 @@ def load_value_model(
     ``trained_head``: the checkpoint must hold the head's weights (a reward model that scores);
     otherwise a missing head is initialised at random (a critic or a reward model to be trained)."""
     model = _from_pretrained(cfg, path or cfg.pretrain, value_head_prefix, trained_head)
+    use_trainer_experts(model)  # MoE experts' grouped GEMMs in the autocast dtype, as the policy's
     attach_value_head(model, value_head_prefix)
     if normalize_reward:
         _enable_normalization(model, path or cfg.pretrain)
