@@ -347,6 +347,51 @@ def test_cuda_exact_forward_is_differentiable(tiny_model):
     assert hf.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.gpu
+def test_cuda_grpo_step_takes_the_engines_logprobs_and_they_equal_the_skipped_forward(
+    tiny_qwen2, tmp_path, monkeypatch
+):
+    """``tidal ppo --exact_logprobs`` on CUDA (bf16 engine, float32 master policy under bf16 autocast): the
+    step skips the old-log-prob forward, and that forward, run here anyway, gives the engine's log-probs."""
+    import json
+    from pathlib import Path
+
+    from tidal.cli.train_ppo import parse_run
+    from tidal.experience.maker import forward_logprobs
+    from tidal.trainers.ppo import run_ppo
+    from tidal.trainers.ppo import trainer as trainer_module
+
+    with (tmp_path / "prompts.jsonl").open("w") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": f"{i % 10}>", "label": str(i % 10)}) + "\n")
+    checked = []
+    real = trainer_module.PPOTrainer.make_experience
+
+    def make_experience(self, exp):
+        out, stats = real(self, exp)
+        micro, packing, _ = self._scoring_shape()
+        actor = self.parts.actor
+        lp = forward_logprobs(actor.model, out, micro, packing, self.run.rollout.temperature, actor.precision)
+        mask = out.action_mask.bool()
+        assert lp.device.type == "cuda"
+        checked.append((lp[mask] - out.old_logprobs[mask]).abs().max().item())
+        return out, stats
+
+    monkeypatch.setattr(trainer_module.PPOTrainer, "make_experience", make_experience)
+    reward = Path(__file__).resolve().parents[2] / "examples" / "reward_func.py"
+    history = run_ppo(parse_run([
+        "--pretrain", str(tiny_qwen2), "--prompt_data", str(tmp_path / "prompts.jsonl"), "--input_key", "prompt",
+        "--label_key", "label", "--remote_rm_url", str(reward), "--advantage_estimator", "group_norm",
+        "--n_samples_per_prompt", "4", "--rollout_batch_size", "4", "--train_batch_size", "16",
+        "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "8", "--generate_max_len", "6",
+        "--prompt_max_len", "8", "--init_kl_coef", "0", "--save_path", str(tmp_path / "final"),
+        "--seed", "3", "--max_samples", "8", "--packing_samples", "--exact_logprobs", "--param_dtype", "bf16",
+    ]))  # fmt: skip
+    print(f"cuda GRPO exact: max |skipped forward - engine| per step {checked}")
+    assert len(history) == 2 and checked == [0.0, 0.0]
+    assert all(h["rollout/logprob_mismatch"] == 0.0 for h in history)
+
+
 # ------------------------------------------------------------------------------------ cpu bf16
 def test_cpu_bf16_engine_and_float32_master_trainer_under_autocast_are_bit_identical(tiny_model):
     """The dtype path the CUDA mode relies on, on the CPU's torch ops: the engine holds bf16 weights; the
