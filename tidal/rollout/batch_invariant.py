@@ -28,7 +28,9 @@ blocks from position 0); ``pointwise`` calls the op directly (a CUDA elementwise
 element with the same code, so the CPU padding is not needed). The ops are differentiable there (the
 trainer's policy loss runs them): the backward recomputes a plain torch formulation, which needs no
 invariance. Dtypes: both sides compute in the engine's dtype (``make_exact``'s ``compute_dtype``; bf16 on
-CUDA), the weights rounded once to it, and autocast must not re-cast inside the ops (``exact_autocast_off``).
+CUDA), the weights rounded once to it, with the engine's RoPE frequencies (``use_engine_numerics``), and
+autocast must not re-cast inside the ops (``exact_autocast_off``). The CPU ops are invariant in bf16 too
+(tested). Where exact mode runs: ``exact_device_problem`` (MoE routing is not covered on CUDA yet).
 """
 
 from __future__ import annotations
