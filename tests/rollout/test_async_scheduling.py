@@ -144,6 +144,17 @@ def test_step_api_with_arrivals_aborts_and_new_weights_matches(eos_model, tiny_m
     assert lookahead.block_manager.num_free_blocks == lookahead.num_kv_blocks
 
 
+def test_exact_logprobs_mode_matches(tiny_model):
+    """Exact log-probs (batch-invariant ops) with async scheduling: the synchronous loop's outputs."""
+    sync, lookahead = _pair(tiny_model("qwen3"), exact_logprobs=True)
+    params = [
+        SamplingParams(temperature=1.0, max_new_tokens=6 + 4 * i, seed=i, stop_token_ids=[40, 41, 42])
+        for i in range(len(PROMPTS))
+    ]
+    _assert_same(sync.generate(PROMPTS, params), lookahead.generate(PROMPTS, params))
+    assert lookahead.ahead_stats.used > 0
+
+
 def test_serve_engine_loop_gets_the_synchronous_outputs(eos_model):
     """``tidal serve``'s engine thread drives ``step()``: a streaming request alone in the engine gets the
     same snapshots and final output as with the synchronous loop."""
@@ -171,7 +182,7 @@ def test_serve_engine_loop_gets_the_synchronous_outputs(eos_model):
 def test_synchronous_fallbacks(tiny_model):
     path = tiny_model("qwen2")
     config = cpu_config(max_model_len=96, block_size=4, async_scheduling=True)
-    for field in ("enable_prefix_caching", "record_routing", "exact_logprobs"):
+    for field in ("enable_prefix_caching", "record_routing"):
         assert async_fallback(cpu_config(async_scheduling=True, **{field: True})) == field
     assert async_fallback(config) is None
     cached = LLMEngine(path, cpu_config(max_model_len=96, block_size=4, async_scheduling=True,

@@ -610,17 +610,15 @@ class LLMEngine:
 def async_fallback(config: EngineConfig, peers=None) -> str | None:
     """Why an engine with these settings runs every step synchronously (None: async scheduling applies):
     tensor parallelism (each step's inputs are sent to the other ranks from the host), router replay
-    (routing is read back after each step), prefix caching (taking a block evicts a cached one, which
-    cannot be undone when a step launched ahead is discarded) and exact log-probs (kept on the one path
-    it is tested on). Per step, ``Scheduler.plan_ahead`` names the steps that stay synchronous."""
+    (routing is read back after each step) and prefix caching (taking a block evicts a cached one, which
+    cannot be undone when a step launched ahead is discarded). Per step, ``Scheduler.plan_ahead`` names
+    the steps that stay synchronous."""
     if config.tp_size > 1 or peers is not None:
         return "tensor parallelism"
     if config.record_routing:
         return "record_routing"
     if config.enable_prefix_caching:
         return "enable_prefix_caching"
-    if config.exact_logprobs:
-        return "exact_logprobs"
     return None
 
 
