@@ -94,7 +94,7 @@ class EngineConfig:
     # Tensor parallelism: processes (devices) the engine spans; on CUDA the GPUs from ``device`` on.
     tp_size: int = 1
     # Sampled-token log-probs bit-identical to the trainer's exact-mode forward (tidal.rollout.batch_invariant);
-    # CPU float32 or CUDA bf16/fp32 (batch_invariant.exact_device_problem), dense Llama/Mistral/Qwen2/Qwen3.
+    # float32 or bf16, CPU or CUDA (batch_invariant.exact_device_problem; the families: exact_problem).
     exact_logprobs: bool = False
     # Launch decode step t+1 while the device runs step t (module docstring); exact, so only speed changes.
     # Some settings keep the synchronous loop (``async_fallback``).
