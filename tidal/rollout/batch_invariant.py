@@ -55,7 +55,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bias = None if bias is None else bias.to(x.dtype)
     if _on_triton(x):
         rows = x.reshape(-1, shape[-1])
-        out = _invariant(lambda a, w: _triton().matmul(a, w), F.linear, rows, weight)
+        grad = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
+        out = _Linear.apply(rows, weight) if grad else _triton().matmul(rows, weight)
         if bias is not None:
             out = out + bias
         return out.view(*shape[:-1], weight.shape[0])
@@ -237,6 +238,22 @@ def _torch_attention(q, k, v, q_pos, scale: float, window: int | None) -> torch.
         enable_gqa=True,
     )  # fmt: skip
     return out.transpose(1, 2)
+
+
+class _Linear(torch.autograd.Function):
+    """The GEMM kernel; its gradients ``grad @ w`` and ``grad^T @ x`` (torch's GEMMs: no forward to redo)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return _triton().matmul(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad.t() @ x if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
 
 
 class _TokenLogprobs(torch.autograd.Function):
