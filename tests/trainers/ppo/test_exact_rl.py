@@ -251,6 +251,7 @@ def test_moe_policy_gives_the_engine_logprobs_exactly(data, tmp_path):
     assert_exact(run_checked(grpo_flags(moe, data, tmp_path / "run", "--exact_logprobs", *extra, steps=2)), 2)
 
 
+@pytest.mark.slow  # torchrun with 4 runs of 2 processes: about 25 s on a loaded 2-core machine
 def test_exact_over_two_processes_and_separate_engines(tiny_qwen2, data, tmp_path):
     """FSDP2 over 2 gloo processes: each rank's own engine; one separate engine process per rank (weights
     by broadcast); LoRA on the sharded policy (each rank merges its rows). Every rank is exact."""
