@@ -98,8 +98,9 @@ class RolloutConfig(Checked):
         False,
         help="exact on-policy log-probs: the engine and the policy run batch-invariant ops "
         "(tidal.rollout.batch_invariant), so the rollout's log-probs equal the trainer's bit for bit and the "
-        "old-log-prob forward is skipped (CPU float32; Llama, Mistral, Qwen2, Qwen3; not with "
-        "--vllm_tensor_parallel_size > 1 or LoRA)",
+        "old-log-prob forward is skipped (Llama, Mistral, Qwen2, Qwen3; on the CPU also Qwen3-MoE, Mixtral, "
+        "Qwen2-MoE; LoRA with --lora_dropout 0; FSDP2 and separate engines; not with "
+        "--vllm_tensor_parallel_size > 1)",
     )
 
     def problems(self, flags=None) -> list[str]:
