@@ -233,10 +233,11 @@ def _torch_attention(q, k, v, q_pos, scale: float, window: int | None) -> torch.
     seen = j[None, None, :] <= q_pos[:, :, None]
     if window is not None:
         seen &= j[None, None, :] > q_pos[:, :, None] - window
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=seen[:, None], scale=scale,
-        enable_gqa=True,
-    )  # fmt: skip
+    # KV heads repeated rather than ``enable_gqa`` (which not every masked SDPA kernel takes), so a masked
+    # memory-efficient kernel can run: the math backend's [B, H, Lq, Lk] scores are large for long rows.
+    groups = q.shape[2] // k.shape[2]
+    k, v = (t.repeat_interleave(groups, dim=2).transpose(1, 2) for t in (k, v))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=seen[:, None], scale=scale)
     return out.transpose(1, 2)
 
 
