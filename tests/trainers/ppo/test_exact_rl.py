@@ -251,24 +251,29 @@ def test_moe_policy_gives_the_engine_logprobs_exactly(data, tmp_path):
     assert_exact(run_checked(grpo_flags(moe, data, tmp_path / "run", "--exact_logprobs", *extra, steps=2)), 2)
 
 
-@pytest.mark.slow  # torchrun with 4 runs of 2 processes: about 25 s on a loaded 2-core machine
+@pytest.mark.slow  # torchrun with 5 runs of 2 processes: about 30 s on a loaded 2-core machine
 def test_exact_over_two_processes_and_separate_engines(tiny_qwen2, data, tmp_path):
     """FSDP2 over 2 gloo processes: each rank's own engine; one separate engine process per rank (weights
-    by broadcast); LoRA on the sharded policy (each rank merges its rows). Every rank is exact."""
+    by broadcast); LoRA on the sharded policy (each rank merges its rows); Qwen3-MoE with router replay.
+    Every rank is exact."""
+    from tidal.testing import build_tiny_model
+
+    moe = build_tiny_model(tmp_path / "moe_model", "qwen3_moe", seed=0)
     runs = {
-        "fsdp": ["--exact_logprobs"],
-        "engines": ["--exact_logprobs", "--vllm_num_engines", "2"],
-        "lora": ["--exact_logprobs", *LORA],
-        "plain": [],
+        "fsdp": (tiny_qwen2, ["--exact_logprobs"]),
+        "engines": (tiny_qwen2, ["--exact_logprobs", "--vllm_num_engines", "2"]),
+        "lora": (tiny_qwen2, ["--exact_logprobs", *LORA]),
+        "moe": (moe, ["--exact_logprobs", "--moe_router_replay"]),
+        "plain": (tiny_qwen2, []),
     }
     specs = [
-        {"argv": grpo_flags(tiny_qwen2, data, tmp_path / name, *extra, steps=2), "out": str(tmp_path / name)}
-        for name, extra in runs.items()
+        {"argv": grpo_flags(policy, data, tmp_path / name, *extra, steps=2), "out": str(tmp_path / name)}
+        for name, (policy, extra) in runs.items()
     ]
     torchrun(specs, tmp_path)
     for rank in (0, 1):
         reports = {name: json.loads((tmp_path / f"{name}{rank}.json").read_text()) for name in runs}
-        for name in ("fsdp", "engines", "lora"):
+        for name in ("fsdp", "engines", "lora", "moe"):
             assert_exact(reports[name], 2)
         assert reports["lora"]["lora_b"][-1] > 0.0
         assert max(reports["plain"]["gaps"]) > 0.0
