@@ -1,8 +1,8 @@
 """Policy weights in the form a rollout engine loads: Hugging Face names, LoRA merged.
 
 ``engine_weights(policy)`` yields ``(name, tensor)`` pairs. A peft LoRA policy has its adapters
-merged into the base weights for the duration (and unmerged afterwards), and the peft prefixes
-(``base_model.model.``, ``.base_layer``) are stripped; adapter tensors are skipped. Sharded
+merged into the base weights for the duration (afterwards the saved base values are put back exactly),
+and the peft prefixes (``base_model.model.``, ``.base_layer``) are stripped; adapter tensors are skipped. Sharded
 (FSDP2) parameters stay DTensors: the engine gathers each with ``full_tensor()`` as it loads,
 so only one full tensor exists at a time.
 
@@ -41,6 +41,7 @@ def hf_name(name: str) -> str:
 def engine_weights(model: nn.Module) -> Iterator[Iterator]:
     """Context yielding an iterator of HF-named tensors of ``model`` (LoRA merged while open)."""
     peft = _is_peft(model)
+    saved = _base_weights(model) if peft else []
     if peft:
         model.merge_adapter()
     try:
@@ -53,6 +54,22 @@ def engine_weights(model: nn.Module) -> Iterator[Iterator]:
     finally:
         if peft:
             model.unmerge_adapter()
+            # peft unmerges by subtracting the delta it added: W + d - d can be an ulp off W, and
+            # the frozen base would drift a little at every sync. Put the exact saved values back.
+            with torch.no_grad():
+                for weight, copy in saved:
+                    weight.copy_(copy)
+
+
+def _base_weights(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(tensor, copy)`` of the base weight of each LoRA layer (this rank's shard of a DTensor)."""
+    saved = []
+    for module in model.modules():
+        if hasattr(module, "lora_A") and hasattr(module, "base_layer"):
+            weight = module.get_base_layer().weight.data
+            weight = weight.to_local() if hasattr(weight, "to_local") else weight
+            saved.append((weight, weight.clone()))
+    return saved
 
 
 # ---- separate engines: bucketed broadcast over a weight-sync process group --------------------------
