@@ -17,7 +17,8 @@ depend only on (batch, max_blocks), so a decode step can be captured in a CUDA g
 
 Decode has two backends (``AttentionMetadata.backend``): ``"torch"`` (above; runs anywhere, but reads
 every slot of the block-table width, padding included) and ``"triton"`` (``triton_attention.py``: a
-paged kernel that reads only each sequence's live context; GPU only).
+paged kernel that reads only each sequence's live context; GPU only). Prefill with context follows the
+same switch: ``"triton"`` runs ``triton_context.py``'s paged kernel (no gathered copy, no dense mask).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # [batch, max_blocks]
     context_lens: torch.Tensor | None = None  # [batch]; 0 marks a CUDA-graph padding row
     query_starts: torch.Tensor | None = None  # prefill with context: [batch] position of the first query
-    backend: str = "torch"  # decode attention: "torch" or "triton"
+    backend: str = "torch"  # decode and context-prefill attention: "torch" or "triton"
     exact: bool = False  # batch-invariant attention (``exact_attention``; EngineConfig.exact_logprobs)
     _masks: dict = field(default_factory=dict)
 
@@ -135,11 +136,40 @@ def torch_decode_attention(q, layer_cache: torch.Tensor, meta: AttentionMetadata
     return out.reshape(batch, -1)
 
 
+# False: prefill with context always takes the torch path (benchmarks compare the two; read at each call).
+CONTEXT_KERNEL = True
+
+
 def context_prefill_attention(
     q, layer_cache: torch.Tensor, meta: AttentionMetadata, window: int | None, scale
 ):
     """Prefill queries [tokens, heads, d] against their sequences' cached keys/values (the prefix and the
-    tokens just stored) -> [tokens, heads * d]; one masked SDPA call over the gathered blocks."""
+    tokens just stored) -> [tokens, heads * d].
+
+    With the Triton backend (CUDA) and a head dim it compiles for: ``triton_context.py``'s kernel reads
+    the pages in place. Otherwise one masked SDPA call over the gathered blocks."""
+    if meta.backend == "triton" and CONTEXT_KERNEL:
+        from tidal.rollout import triton_context
+
+        if triton_context.supports(q.shape[-1]):
+            return triton_context.paged_context_attention(
+                q,
+                layer_cache,
+                meta.block_tables,
+                meta.pad_index[:, 0],  # each sequence's first query row (lengths are >= 1)
+                meta.query_starts,
+                meta.context_lens,
+                meta.pad_index.shape[1],
+                window,
+                scale,
+            )
+    return torch_context_prefill_attention(q, layer_cache, meta, window, scale)
+
+
+def torch_context_prefill_attention(
+    q, layer_cache: torch.Tensor, meta: AttentionMetadata, window: int | None, scale
+):
+    """One masked SDPA call over each sequence's gathered blocks, queries padded to the longest."""
     qp = q[meta.pad_index].transpose(1, 2)  # [batch, heads, len, d]
     batch, num_kv, head_dim = qp.shape[0], layer_cache.shape[-2], layer_cache.shape[-1]
     blocks = layer_cache.flatten(2).index_select(1, meta.block_tables.view(-1))

@@ -1,0 +1,187 @@
+"""Prefill-with-context attention as a Triton kernel (GPU only; imported lazily by ``attention.py``).
+
+With prefix caching or chunked prefill, a prefill computes each sequence's new tokens ``[start, end)``
+against keys/values ``[0, end)`` that sit in the paged cache (the cached prefix plus the tokens just
+stored). The torch path gathers every sequence's blocks into a padded copy and builds a dense mask; this
+kernel reads the pages in place through the block table and keeps an online softmax over ``BLOCK_N``-key
+chunks, so neither the copy nor the mask exists and no sequence is padded to the longest.
+
+Work split: one program per (sequence, row tile, kv head). A sequence's query rows are its
+(token, head-of-the-group) pairs flattened, token-major: ``row = token * GROUP + g``. A tile of
+``BLOCK_M`` rows is one ``tl.dot`` operand, so every K/V byte a tile reads serves all query heads of the
+GQA group, and a group of 7 heads (Qwen2.5's 14/2) wastes nothing on padding to a power of two. Each
+program walks keys from 0 (or the first key its window allows) up to its last row's position: causal
+masking inside, and the launch grid is ``(batch, cdiv(max new tokens * GROUP, BLOCK_M), kv heads)``;
+tiles past a shorter sequence's rows exit at once. Everything the kernel reads (block tables, starts,
+ends) stays on the device: no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _context_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    bt_ptr,
+    q_first_ptr,
+    starts_ptr,
+    ends_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kblk,
+    stride_kslot,
+    stride_khead,
+    stride_btb,
+    stride_ot,
+    stride_oh,
+    qk_scale,
+    window,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    kvh = tl.program_id(2)
+    start = tl.load(starts_ptr + b)
+    end = tl.load(ends_ptr + b)
+    num_rows = (end - start) * GROUP
+    row0 = tile * BLOCK_M
+    if row0 < num_rows:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        live_row = rows < num_rows
+        # A row past the sequence's last one repeats it (never stored): every row has a key to attend.
+        token = tl.minimum(rows, num_rows - 1) // GROUP
+        head = kvh * GROUP + rows % GROUP
+        pos = start + token  # absolute position of each row's query
+        d = tl.arange(0, HEAD_DIM)
+        q_first = tl.load(q_first_ptr + b)
+        q_off = (q_first + token).to(tl.int64) * stride_qt + head * stride_qh
+        q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=live_row[:, None], other=0.0)
+
+        hi = start + (tl.minimum(row0 + BLOCK_M, num_rows) - 1) // GROUP + 1  # last row's position + 1
+        lo = 0
+        if HAS_WINDOW:  # the first row sees keys (pos - window, pos]: skip whole chunks before that
+            lo = tl.maximum(start + row0 // GROUP - window + 1, 0)
+            lo = (lo // BLOCK_N) * BLOCK_N
+
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        denom = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for t0 in range(lo, hi, BLOCK_N):
+            offs = t0 + tl.arange(0, BLOCK_N)
+            in_range = offs < hi
+            page = tl.load(bt_ptr + b * stride_btb + offs // BLOCK_SIZE, mask=in_range, other=0)
+            kv_off = page.to(tl.int64) * stride_kblk + (offs % BLOCK_SIZE) * stride_kslot + kvh * stride_khead
+            k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            visible = (offs[None, :] <= pos[:, None]) & in_range[None, :]
+            if HAS_WINDOW:
+                visible &= offs[None, :] > pos[:, None] - window
+            s = tl.where(visible, s * qk_scale, float("-inf"))  # base-2 logits
+            m_new = tl.maximum(m, tl.max(s, 1))
+            # A row whose window starts after this chunk has seen nothing yet (m_new = -inf): subtract 0
+            # instead, so its alpha and p are exp2(-inf) = 0 rather than NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m - m_safe)
+            p = tl.math.exp2(s - m_safe[:, None])
+            denom = denom * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+
+        out = acc / denom[:, None]  # every live row attends its own key: denom > 0
+        o_off = (q_first + token).to(tl.int64) * stride_ot + head * stride_oh
+        tl.store(out_ptr + o_off[:, None] + d[None, :], out, mask=live_row[:, None])
+
+
+def supports(head_dim: int) -> bool:
+    """Head dims the kernel compiles for (``tl.arange`` wants a power of two; 256 is the widest tile)."""
+    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+
+
+def tile_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): float32 tiles and wide heads hold twice the registers per element."""
+    if dtype == torch.float32 or head_dim > 128:
+        return 32, 32, 4
+    return 64, 64, 4
+
+
+def paged_context_attention(
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_first: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    max_new_tokens: int,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """q [tokens, heads, d] (sequences back to back); layer_cache [2, blocks, block_size, kv_heads, d]
+    -> out [tokens, heads * d].
+
+    Sequence ``b``'s queries are rows ``q_first[b] .. q_first[b] + ends[b] - starts[b] - 1`` of ``q``, at
+    positions ``starts[b] .. ends[b] - 1``; its keys/values ``[0, ends[b])`` are read from the cache
+    through ``block_tables[b]``. ``max_new_tokens`` (a host int, the longest ``ends - starts``) sizes the
+    grid. Index tensors are int32/int64 device tensors.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, cache_dim = layer_cache.shape
+    assert cache_dim == head_dim and q.stride(-1) == 1 and layer_cache.is_contiguous() and supports(head_dim)
+    group = num_heads // num_kv_heads
+    q_first, starts, ends = (x.contiguous() for x in (q_first, starts, ends))  # read as flat arrays
+    block_m, block_n, num_warps = tile_config(head_dim, q.dtype)
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    k, v = layer_cache[0], layer_cache[1]
+    grid = (block_tables.shape[0], triton.cdiv(max_new_tokens * group, block_m), num_kv_heads)
+    _context_kernel[grid](
+        q,
+        k,
+        v,
+        out,
+        block_tables,
+        q_first,
+        starts,
+        ends,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        scale * LOG2E,
+        window or 0,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        GROUP=group,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HAS_WINDOW=window is not None,
+        IEEE=q.dtype == torch.float32,
+        num_warps=num_warps,
+        num_stages=2,
+    )
+    return out.view(num_tokens, num_heads * head_dim)
