@@ -504,6 +504,7 @@ class ModelRunner:
             block_tables=self._tensor(padded),
             context_lens=self._tensor([end for _, end in batch.chunks]),
             query_starts=self._tensor([start for start, _ in batch.chunks]),
+            backend=self.backend,
             exact=self.exact,
         )
         # Between chunks nothing samples; one row's logits anyway keeps every kernel's shapes non-empty.
