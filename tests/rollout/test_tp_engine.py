@@ -81,7 +81,6 @@ def test_tp2_update_weights_and_sleep(tiny_model, tp_engine):
     [
         ("llama", {}, 4, "tensor-parallel size 4 does not divide num_attention_heads=6"),
         ("llama", {"num_key_value_heads": 3}, 2, "num_key_value_heads=3"),
-        ("qwen3_moe", {}, 2, "does not shard qwen3_moe models"),
     ],
 )
 def test_impossible_layout_refused_before_start(tiny_model, family, overrides, tp_size, message):

@@ -107,8 +107,6 @@ class EngineConfig:
             raise ValueError("EngineConfig: max_num_seqs, max_num_batched_tokens and block_size must be >= 1")
         if self.tp_size < 1:
             raise ValueError(f"EngineConfig: tp_size must be >= 1, got {self.tp_size}")
-        if self.tp_size > 1 and self.record_routing:
-            raise ValueError("EngineConfig: record_routing (MoE router replay) needs tp_size 1")
         if (self.enable_prefix_caching or self.enable_chunked_prefill) and (
             self.record_routing or self.tp_size > 1
         ):

@@ -1,7 +1,8 @@
 """Build the engine model of a HF config's family (``registry.py``) from checkpoint files or named tensors.
 
 With a tensor-parallel ``TPGroup`` the model is built as this rank's shard (``parallel.py``) and every
-full tensor read is sliced to that shard as it is copied, so no rank holds more than its share.
+full tensor read is sliced to that shard as it is copied, so no rank holds more than its share (MoE
+families: every expert's slice of the intermediate size, ``moe.Experts``).
 """
 
 from __future__ import annotations
@@ -49,14 +50,29 @@ def tp_layout_problem(hf_config, tp_size: int) -> str | None:
         return None
     cls = model_class(getattr(hf_config, "model_type", None))
     args = cls.args_from_hf_config(hf_config)
-    if not cls.supports_tp or getattr(args, "moe", None) is not None:
+    if not cls.supports_tp:
         return f"the rollout engine does not shard {args.model_type} models for tensor parallelism (use 1)"
     try:
         check_heads(args.num_heads, args.num_kv_heads, tp_size)
-        even_rows(args.intermediate_size, TPGroup(size=tp_size), "intermediate_size")
+        for field, size in split_sizes(args).items():
+            even_rows(size, TPGroup(size=tp_size), field)
     except TPLayoutError as err:
         return str(err)
     return None
+
+
+def split_sizes(args: DecoderArgs) -> dict[str, int]:
+    """The intermediate sizes a tensor-parallel engine splits, by config field: the dense MLP's (where a
+    layer has one), each MoE expert's and the shared expert's (MoE families)."""
+    moe = getattr(args, "moe", None)
+    sizes = {}
+    if moe is None or not all(moe.sparse_layers):
+        sizes["intermediate_size"] = args.intermediate_size
+    if moe is not None:
+        sizes[moe.intermediate_field] = moe.intermediate_size
+        if moe.shared_expert_intermediate_size:
+            sizes["shared_expert_intermediate_size"] = moe.shared_expert_intermediate_size
+    return sizes
 
 
 def context_prefill_problem(hf_config) -> str | None:

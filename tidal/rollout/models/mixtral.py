@@ -30,5 +30,6 @@ class MixtralForCausalLM(MoECausalLM):
             renormalize=True,
             weights_in_model_dtype=False,
             sparse_layers=(True,) * config.num_hidden_layers,
+            intermediate_field="intermediate_size",
         )
         return MoEDecoderArgs.from_hf_config(config, moe=moe)

@@ -19,6 +19,12 @@ before an engine captures its CUDA graphs).
 Router replay (``--moe_router_replay``): while ``SparseMoE.recorded`` is a list, each forward appends
 its selected expert ids; ``ModelRunner`` hands them to the sequences (see ``record_routing``).
 
+Tensor parallelism (``parallel.py``): each rank holds every expert's slice of the expert intermediate
+size (gate/up rows split as a column-parallel layer, down columns as a row-parallel one, as vLLM's
+default MoE split) and the replicated router, so every rank routes alike (rank 0's runner records) and
+the fused and unfused paths run unchanged on the slice; the routed experts' partial sum, plus the shared
+expert's (its down projection defers its reduction), is all-reduced once per block.
+
 Weights: checkpoint folders store one module per expert (``mlp.experts.{e}.gate_proj.weight``, or
 Mixtral's ``block_sparse_moe.experts.{e}.w1.weight``, renamed by the family); a trainer's
 ``named_parameters()`` under transformers >= 5 give the stacked ``mlp.experts.gate_up_proj`` directly.
@@ -39,6 +45,7 @@ from torch import nn
 
 from tidal.accel import triton_usable
 from tidal.rollout.models.layers import ACTIVATIONS, Attention, CausalLM, DecoderArgs, DecoderLayer, GatedMLP
+from tidal.rollout.models.parallel import SINGLE, TPGroup, check_full, even_rows
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,7 @@ class MoEArgs:
     ``weights_in_model_dtype``: Qwen-style routers round the top-k weights to the model dtype before
     they scale the expert outputs; Mixtral keeps them in float32 (the products are then float32 until the
     per-token sum is rounded). ``sparse_layers``: per layer, whether it has this block (else a dense MLP).
+    ``intermediate_field``: the config field of ``intermediate_size`` (named in tensor-parallel errors).
     """
 
     num_experts: int
@@ -57,6 +65,7 @@ class MoEArgs:
     weights_in_model_dtype: bool
     sparse_layers: tuple[bool, ...]
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    intermediate_field: str = "moe_intermediate_size"
 
 
 @dataclass
@@ -198,30 +207,62 @@ def unfused_expert_forward(
 
 
 class Experts(nn.Module):
-    """The stacked expert weights (names and shapes as transformers' ``*Experts`` modules)."""
+    """The stacked expert weights (names and shapes as transformers' ``*Experts`` modules).
 
-    def __init__(self, moe: MoEArgs, hidden_size: int, hidden_act: str):
+    With tensor parallelism each rank holds every expert's ``rows`` of the intermediate size: its gate
+    rows then its up rows in ``gate_up_proj`` [E, 2 * rows, H], its columns of ``down_proj`` [E, H, rows];
+    the forward then gives this rank's partial sum (``SparseMoE`` all-reduces it). ``take`` and
+    ``take_expert`` slice full checkpoint tensors (stacked, or one expert's) to that shard."""
+
+    def __init__(self, moe: MoEArgs, hidden_size: int, hidden_act: str, tp: TPGroup = SINGLE):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(moe.num_experts, hidden_size, moe.intermediate_size))
+        self.rows = even_rows(moe.intermediate_size, tp, moe.intermediate_field)
+        self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * self.rows.size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(moe.num_experts, hidden_size, self.rows.size))
         self.act = ACTIVATIONS[hidden_act]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return expert_forward(x, self.gate_up_proj, self.down_proj, weights, ids, self.act)
 
+    def take(self, param: torch.Tensor, kind: str, part: int | None, tensor: torch.Tensor, name: str):
+        """(``param``, the rank's shard of ``tensor``): a stacked full tensor (a trainer's weights)."""
+        full = self.rows.full
+        if kind == "gate_up_proj":
+            check_full(tensor, (param.shape[0], 2 * full, param.shape[2]), name)
+            gate, up = tensor.chunk(2, dim=1)
+            return param, torch.cat([self.rows.take(gate, 1), self.rows.take(up, 1)], dim=1)
+        check_full(tensor, (*param.shape[:2], full), name)
+        return param, self.rows.take(tensor, 2)
+
+    def take_expert(self, stacked: str, expert: int, shard: int | None, tensor: torch.Tensor, name: str):
+        """(destination view, the rank's shard of ``tensor``) for one expert's full gate (``shard`` 0),
+        up (1) or down (``None``) projection."""
+        dst = getattr(self, stacked).select(0, expert)
+        if shard is None:  # down [H, I]: the rank's input columns
+            check_full(tensor, (dst.shape[0], self.rows.full), name)
+            return dst, self.rows.take(tensor, 1)
+        dst = dst.chunk(2, dim=0)[shard]
+        check_full(tensor, (self.rows.full, dst.shape[1]), name)
+        return dst, self.rows.take(tensor, 0)
+
 
 class SparseMoE(nn.Module):
-    """Router + experts (+ the optional gated shared expert); x [T, H] -> [T, H]."""
+    """Router + experts (+ the optional gated shared expert); x [T, H] -> [T, H].
+
+    Tensor parallelism: the router (and the shared expert's gate) is replicated, so every rank routes
+    alike; the routed and shared experts each give this rank's partial sum, all-reduced once."""
 
     def __init__(self, args: MoEDecoderArgs):
         super().__init__()
         moe = args.moe
         self.moe = moe
+        self.tp = args.tp
         self.gate = nn.Linear(args.hidden_size, moe.num_experts, bias=False)
-        self.experts = Experts(moe, args.hidden_size, args.hidden_act)
+        self.experts = Experts(moe, args.hidden_size, args.hidden_act, args.tp)
         if moe.shared_expert_intermediate_size:
             shared = replace(args, intermediate_size=moe.shared_expert_intermediate_size, mlp_bias=False)
             self.shared_expert = GatedMLP(shared)
+            self.shared_expert.down_proj.defer_reduce()  # reduced with the routed experts' sum
             self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
         # Router replay: a list while the runner records routing (each forward appends its ids [T, k]).
         self.recorded: list[torch.Tensor] | None = None
@@ -235,7 +276,7 @@ class SparseMoE(nn.Module):
         out = self.experts(x, weights, ids)
         if self.moe.shared_expert_intermediate_size:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return self.tp.all_reduce(out)  # the identity without tensor parallelism
 
 
 class MoEDecoderLayer(DecoderLayer):
@@ -249,9 +290,6 @@ class MoEDecoderLayer(DecoderLayer):
 
 # A per-expert checkpoint weight, after the family's renames: "<block>.experts.<e>.<proj>.weight".
 _PER_EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
-# The shared expert's gate/up: their packed rows follow the shared size, not ``intermediate_size``.
-_SHARED_GATE_UP = re.compile(r"^(?P<mlp>.+\.shared_expert)\.(?P<proj>gate_proj|up_proj)\.weight$")
-_GATE_UP_SHARD = {"gate_proj": 0, "up_proj": 1}
 
 
 class MoECausalLM(CausalLM):
@@ -267,7 +305,9 @@ class MoECausalLM(CausalLM):
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """``CausalLM.load_weights``, plus per-expert and shared-expert tensors copied into their slices.
+        """``CausalLM.load_weights``, plus per-expert tensors copied into their expert's slice (this rank's
+        shard of it: ``Experts.take_expert``). Stacked expert tensors go through ``Experts.take`` and the
+        shared expert (a ``GatedMLP``, its own sizes) through its parallel layers, as dense MLPs do.
 
         A stacked parameter's key counts as loaded once every expert's slices have been given."""
         params = dict(self.named_parameters())
@@ -280,14 +320,11 @@ class MoECausalLM(CausalLM):
                 if (match := _PER_EXPERT.match(name)) and match["proj"] in self.expert_weights:
                     stacked, shard = self.expert_weights[match["proj"]]
                     target = f"{match['block']}.{stacked}"
-                    dst = self._param(params, target, raw_name).select(0, int(match["expert"]))
-                    _copy(_shard(dst, shard), tensor, raw_name)
+                    self._param(params, target, raw_name)  # an unknown block fails in one line
+                    experts = self.get_submodule(match["block"])
+                    dst, src = experts.take_expert(stacked, int(match["expert"]), shard, tensor, raw_name)
+                    dst.copy_(src)
                     pieces.setdefault(target, set()).add((int(match["expert"]), shard))
-                elif match := _SHARED_GATE_UP.match(name):
-                    target = f"{match['mlp']}.gate_up_proj.weight"
-                    shard = _GATE_UP_SHARD[match["proj"]]
-                    _copy(_shard(self._param(params, target, raw_name), shard), tensor, raw_name)
-                    loaded.add(f"{target}#{shard}")
                 else:
                     yield raw_name, tensor
 
@@ -303,14 +340,3 @@ class MoECausalLM(CausalLM):
         if target not in params:
             raise ValueError(f"unexpected weight {raw_name!r} for a {self.args.model_type} decoder")
         return params[target]
-
-
-def _shard(packed: torch.Tensor, shard: int | None) -> torch.Tensor:
-    """Half ``shard`` of a packed gate/up matrix (rows), or the whole tensor for ``None``."""
-    return packed if shard is None else packed.chunk(2, dim=0)[shard]
-
-
-def _copy(dst: torch.Tensor, tensor: torch.Tensor, raw_name: str) -> None:
-    if tuple(dst.shape) != tuple(tensor.shape):
-        raise ValueError(f"weight {raw_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-    dst.copy_(tensor)

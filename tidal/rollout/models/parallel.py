@@ -8,6 +8,10 @@ whole forward on its shard (``tidal.rollout.tp_worker`` starts and drives them):
   attention and the activation run on local heads / columns with no communication;
 - ``RowParallelLinear`` (``o_proj``, ``down_proj``): each rank multiplies its input columns, the partial
   sums are all-reduced, then the (replicated) bias is added once;
+- MoE experts (``moe.Experts``): every rank holds every expert's slice of the expert intermediate size
+  (gate/up rows as a column-parallel layer, down columns as a row-parallel one; vLLM's default MoE
+  split) and the replicated router picks the same experts on every rank; the block's partial output
+  (with a shared expert's, ``defer_reduce``) is all-reduced once;
 - ``VocabParallelEmbedding``: each rank holds a slice of the vocabulary rows; tokens outside it read
   zeros and an all-reduce sums the one non-zero row per token;
 - ``ParallelLMHead``: each rank computes its vocabulary slice of the logits; they are all-gathered so
@@ -143,7 +147,7 @@ def vocab_rows(vocab_size: int, tp: TPGroup) -> Rows:
     return Rows(vocab_size, start, min(per, vocab_size - start), per)
 
 
-def _check_full(tensor: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
+def check_full(tensor: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
     if tuple(tensor.shape) != shape:
         raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
 
@@ -161,10 +165,10 @@ class ColumnParallelLinear(nn.Linear):
         tail = tuple(param.shape[1:])
         if part is not None:
             rows = self.parts[part]
-            _check_full(tensor, (rows.full, *tail), name)
+            check_full(tensor, (rows.full, *tail), name)
             offset = sum(p.size for p in self.parts[:part])
             return param.narrow(0, offset, rows.length), rows.take(tensor, 0)
-        _check_full(tensor, (sum(p.full for p in self.parts), *tail), name)
+        check_full(tensor, (sum(p.full for p in self.parts), *tail), name)
         pieces, base = [], 0
         for rows in self.parts:
             pieces.append(tensor.narrow(0, base + rows.start, rows.length))
@@ -173,23 +177,35 @@ class ColumnParallelLinear(nn.Linear):
 
 
 class RowParallelLinear(nn.Linear):
-    """A linear layer over the rank's input columns; partial outputs are all-reduced, then biased."""
+    """A linear layer over the rank's input columns; partial outputs are all-reduced, then biased.
+
+    ``defer_reduce()``: the forward returns the rank's partial output and the caller all-reduces it
+    together with other partial sums (a MoE block's shared expert and routed experts: one reduction)."""
 
     def __init__(self, cols: Rows, out_features: int, bias: bool, tp: TPGroup):
         super().__init__(cols.size, out_features, bias=bias)
         self.cols, self.tp = cols, tp
+        self.reduce = True
+
+    def defer_reduce(self) -> None:
+        if self.bias is not None:  # a bias must be added once, after the reduction the caller owns
+            raise ValueError("RowParallelLinear.defer_reduce: the layer has a bias")
+        self.reduce = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = F.linear(x, self.weight)
+        if not self.reduce:
+            return out
+        out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
     def take(self, param: torch.Tensor, kind: str, part: int | None, tensor: torch.Tensor, name: str):
         if kind == "bias":  # added once, after the reduction: every rank holds all of it
-            _check_full(tensor, tuple(param.shape), name)
+            check_full(tensor, tuple(param.shape), name)
             return param, tensor
-        _check_full(tensor, (param.shape[0], self.cols.full), name)
+        check_full(tensor, (param.shape[0], self.cols.full), name)
         return param, self.cols.take(tensor, 1)
 
 
@@ -199,7 +215,7 @@ class _VocabSlice:
     rows: Rows
 
     def take(self, param: torch.Tensor, kind: str, part: int | None, tensor: torch.Tensor, name: str):
-        _check_full(tensor, (self.rows.full, *param.shape[1:]), name)
+        check_full(tensor, (self.rows.full, *param.shape[1:]), name)
         param.narrow(0, self.rows.length, self.rows.size - self.rows.length).zero_()  # padding rows
         return param.narrow(0, 0, self.rows.length), self.rows.take(tensor, 0)
 
