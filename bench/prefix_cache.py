@@ -14,13 +14,23 @@ Two runs, one JSON line each (both with the feature off and on, same engine sett
   prefilled and ``--warmup_steps`` decode steps later, a ``--long_prompt``-token prompt arrives. Reported per mode: the longest
   and the median time between two tokens of the decoding sequences while the long prompt is prefilled
   (``max_inter_token_ms``: without chunking, the whole prefill stalls them), and the long prompt's time
-  to first token. Chunked: ``enable_chunked_prefill`` with ``max_num_batched_tokens = --chunk``.
+  to first token, and the median time of the steps that advanced no decoder (``median_prefill_step_ms``:
+  the long prompt's prefill, or its chunks). Chunked: ``enable_chunked_prefill`` with
+  ``max_num_batched_tokens = --chunk``.
+
+``--context_kernel both`` adds, to each benchmark, a run with the feature on and the prefill-with-context
+attention forced onto the torch path (``on_torch_context``; ``attention.CONTEXT_KERNEL = False``), next
+to ``on`` (the Triton kernel of ``triton_context.py`` where the engine's attention backend is triton),
+and reports ``context_kernel_speedup`` (wall time, resp. the long prompt's time to first token, torch /
+kernel). ``off`` turns the kernel off for every run. Each run reports ``context_kernel``: whether its
+context prefills ran the kernel.
 
 The model is random-init with a real model's shapes (``--config``, as bench/rollout.py), or ``--model``.
 
     python bench/prefix_cache.py --tiny          # tiny qwen2 on CPU, < 1 minute
     python bench/prefix_cache.py --config qwen2.5-0.5b --device cuda
     python bench/prefix_cache.py --config qwen2.5-0.5b --device cuda --only chunked --chunk 1024
+    python bench/prefix_cache.py --config qwen2.5-0.5b --device cuda --context_kernel both
 """
 
 from __future__ import annotations
@@ -59,6 +69,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce_eager", action="store_true")
+    p.add_argument(
+        "--context_kernel",
+        choices=["on", "off", "both"],
+        default="on",
+        help="prefill-with-context attention: the Triton kernel where usable (on), the torch path (off), "
+        "or an extra torch-path run of the feature-on mode (both)",
+    )
     # agent
     p.add_argument("--episodes", type=int, default=32)
     p.add_argument("--turns", type=int, default=8)
@@ -100,6 +117,28 @@ def load(args, tmp: str):
 
     path = build_tiny_model(Path(tmp) / "tiny", "qwen2", seed=args.seed, max_position_embeddings=2048)
     return None, str(path), AutoConfig.from_pretrained(str(path)).vocab_size
+
+
+def modes(args, on_features: dict) -> list[tuple[str, dict, bool]]:
+    """(name, engine features, context kernel on) of each run: feature off, on, and with ``--context_kernel
+    both`` on again with the torch context path."""
+    kernel = args.context_kernel != "off"
+    runs = [("off", {}, kernel), ("on", on_features, kernel)]
+    if args.context_kernel == "both":
+        runs.append(("on_torch_context", on_features, False))
+    return runs
+
+
+def set_context_kernel(on: bool, engine) -> bool:
+    """Switch the prefill-with-context kernel; whether this engine's context prefills will run it."""
+    from tidal.rollout import attention
+
+    attention.CONTEXT_KERNEL = on
+    if not on or engine.runner.backend != "triton":  # the triton backend implies triton is importable
+        return False
+    from tidal.rollout import triton_context
+
+    return triton_context.supports(engine.runner.args.head_dim)
 
 
 def make_engine(args, model, path, **features):
@@ -172,14 +211,16 @@ def bench_agent(args, model, path, vocab: int) -> dict:
               "system_len": args.system_len, "tokens_per_turn": args.user_tokens + args.answer_tokens}  # fmt: skip
     max_len = args.system_len + args.turns * (args.user_tokens + args.answer_tokens)
     reference = None
-    for name, on in (("off", False), ("on", True)):
-        engine = make_engine(args, model, path, enable_prefix_caching=on)
+    for name, features, kernel in modes(args, {"enable_prefix_caching": True}):
+        engine = make_engine(args, model, path, **features)
         if engine.max_model_len < max_len:
             raise SystemExit(
                 f"the episodes need max_model_len >= {max_len}; the model has {engine.max_model_len}"
             )
+        used = set_context_kernel(kernel, engine)
         warm_up(engine, vocab)
         stats, answers = agent_run(args, engine, vocab)
+        stats["context_kernel"] = used and bool(features)
         reference = reference or answers
         pairs = [(a, b) for x, y in zip(reference, answers, strict=True) for a, b in zip(x, y, strict=True)]
         stats["same_tokens"] = round(sum(a == b for a, b in pairs) / len(pairs), 4)
@@ -189,6 +230,10 @@ def bench_agent(args, model, path, vocab: int) -> dict:
         result["on"]["prefill_tokens"] / result["off"]["prefill_tokens"], 4
     )
     result["speedup"] = round(result["off"]["wall_s"] / result["on"]["wall_s"], 3)
+    if "on_torch_context" in result:
+        result["context_kernel_speedup"] = round(
+            result["on_torch_context"]["wall_s"] / result["on"]["wall_s"], 3
+        )
     return result
 
 
@@ -224,6 +269,10 @@ def chunked_run(args, engine, vocab: int) -> dict:
             break  # the first decode step after the long prompt's first token closes the window
     for request in ids:  # leave the engine empty
         engine.abort(request)
+    # Steps that advanced no decoder after the arrival: the long prompt's prefill (or chunks of it).
+    prefill_steps = [
+        b[0] - a[0] for a, b in zip(steps, steps[1:], strict=False) if not b[1] and b[0] > arrival
+    ]
     decode_times = [t for t, decoded in steps if decoded]
     gaps = [b - a for a, b in zip(decode_times, decode_times[1:], strict=False) if b > arrival]
     return {
@@ -231,27 +280,33 @@ def chunked_run(args, engine, vocab: int) -> dict:
         "median_inter_token_ms": round(statistics.median(gaps) * 1e3, 2),
         "long_prompt_ttft_ms": round(ttft * 1e3, 2),
         "steps_in_window": sum(1 for t, _ in steps if t > arrival),
+        "median_prefill_step_ms": round(statistics.median(prefill_steps) * 1e3, 2) if prefill_steps else None,
     }
 
 
 def bench_chunked(args, model, path, vocab: int) -> dict:
     result = {"bench": "chunked_prefill", "decoders": args.decoders, "decode_prompt_len": args.decode_prompt_len,
               "long_prompt": args.long_prompt, "chunk": args.chunk}  # fmt: skip
-    for name, features in (
-        ("off", {}),
-        ("on", {"enable_chunked_prefill": True, "max_num_batched_tokens": args.chunk}),
+    for name, features, kernel in modes(
+        args, {"enable_chunked_prefill": True, "max_num_batched_tokens": args.chunk}
     ):
         engine = make_engine(args, model, path, **features)
+        used = set_context_kernel(kernel, engine)
         warm_up(engine, vocab)
         if args.device.startswith("cuda"):
             chunked_run(
                 args, engine, vocab
             )  # first-call costs (a 16k-token prefill's kernels) out of the timing
-        result[name] = chunked_run(args, engine, vocab)
+        result[name] = {**chunked_run(args, engine, vocab), "context_kernel": used and bool(features)}
         release(engine)
     result["max_inter_token_ratio"] = round(
         result["off"]["max_inter_token_ms"] / result["on"]["max_inter_token_ms"], 3
     )
+    if "on_torch_context" in result:
+        torch_run, kernel_run = result["on_torch_context"], result["on"]
+        result["context_kernel_speedup"] = round(
+            torch_run["long_prompt_ttft_ms"] / kernel_run["long_prompt_ttft_ms"], 3
+        )
     return result
 
 
@@ -263,11 +318,16 @@ def main(argv=None) -> list[dict]:
         model, path, vocab = load(args, tmp)
         env = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                "torch": torch.__version__, "model": args.model or args.config or "tiny-qwen2"}  # fmt: skip
-        for name, bench in (("agent", bench_agent), ("chunked", bench_chunked)):
-            if args.only in (None, name):
-                result = {**bench(args, model, path, vocab), **env}
-                print(json.dumps(result), flush=True)
-                results.append(result)
+        from tidal.rollout import attention
+
+        try:
+            for name, bench in (("agent", bench_agent), ("chunked", bench_chunked)):
+                if args.only in (None, name):
+                    result = {**bench(args, model, path, vocab), **env}
+                    print(json.dumps(result), flush=True)
+                    results.append(result)
+        finally:
+            attention.CONTEXT_KERNEL = True  # the engine's default, for a caller in the same process
     return results
 
 
