@@ -30,6 +30,7 @@ from tidal.rollout.models import layers
 from tidal.rollout.models.rope import apply_rope, rope_table
 
 SHAPES = {
+    "tiny": dict(heads=6, kv_heads=2, head_dim=32, inter=512),  # tidal.testing's tiny models
     "0.5b": dict(heads=14, kv_heads=2, head_dim=64, inter=4864),
     "7b": dict(heads=28, kv_heads=4, head_dim=128, inter=18944),
 }
@@ -76,15 +77,36 @@ def run_fused(tf, qkv, heads, kv_heads, head_dim, cos, sin, cache, slots, norms=
     return tf.rope_store_kv(qk, v, cos, sin, heads, cache, slots, weights, eps)
 
 
-def generate(path, dtype, device, fused: bool, monkeypatch, prompts=PROMPTS, new_tokens=12, sample=True):
-    """Greedy (and sampled) (token ids, log-probs) of an engine with the fused kernels on or off."""
+def make_engine(path, dtype, device, **overrides) -> LLMEngine:
+    config = EngineConfig(
+        device=device, dtype=dtype, max_model_len=96, block_size=4, max_num_seqs=8, **overrides
+    )
+    return LLMEngine(path, config)
+
+
+def generate(
+    path, dtype, device, fused: bool, monkeypatch, prompts=PROMPTS, new_tokens=12, sample=True, engine=None
+):
+    """Greedy (and sampled) (token ids, log-probs) of an engine (a new one unless ``engine``) with the fused
+    kernels on or off."""
     monkeypatch.setattr(layers, "FUSED_KERNELS", fused)
-    config = EngineConfig(device=device, dtype=dtype, max_model_len=96, block_size=4, max_num_seqs=8)
-    engine = LLMEngine(path, config)
+    engine = engine or make_engine(path, dtype, device)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, n=2, max_new_tokens=new_tokens, seed=3, ignore_eos=True)
     outputs = engine.generate(prompts, greedy) + (engine.generate(prompts[:1], sampled) if sample else [])
     return [(s.token_ids, s.logprobs) for o in outputs for s in o.outputs]
+
+
+def first_difference(ours, ref) -> str | None:
+    """Where two runs' (token ids, log-probs) first differ (every sample has the same length: ignore_eos)."""
+    for i, ((tokens, logprobs), (ref_tokens, ref_logprobs)) in enumerate(zip(ours, ref, strict=True)):
+        steps = list(zip(tokens, ref_tokens, logprobs, ref_logprobs, strict=True))
+        at = next((j for j, (a, b, la, lb) in enumerate(steps) if a != b or la != lb), None)
+        if at is not None:
+            return (
+                f"sample {i} token {at}: ids {steps[at][:2]}, log-probs {steps[at][2]!r} vs {steps[at][3]!r}"
+            )
+    return None
 
 
 # --------------------------------------------------------------------------------------------- GPU
@@ -202,9 +224,23 @@ def test_engine_with_fused_kernels_matches_unfused(family, dtype, tiny_model, mo
     calls.clear()
     unfused = generate(path, dtype, "cuda", False, monkeypatch)
     assert calls == []
-    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(fused, unfused, strict=True):
-        assert tokens == ref_tokens
-        assert logprobs == ref_logprobs
+    difference = first_difference(fused, unfused)
+    if difference is not None:  # tell a kernel difference from two unfused engines that already disagree
+        again = first_difference(generate(path, dtype, "cuda", False, monkeypatch), unfused)
+        pytest.fail(f"fused vs unfused: {difference}; unfused vs a second unfused engine: {again or 'equal'}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_one_eager_engine_gives_the_same_outputs_with_the_kernels_on_and_off(
+    family, dtype, tiny_model, monkeypatch
+):
+    """The same engine (no graphs: the switch is read at every forward) with the kernels on, off, on."""
+    engine = make_engine(tiny_model(family), dtype, "cuda", enforce_eager=True)
+    runs = [generate(None, dtype, "cuda", fused, monkeypatch, engine=engine) for fused in (True, False, True)]
+    assert first_difference(runs[2], runs[0]) is None  # the engine itself repeats its outputs
+    assert first_difference(runs[0], runs[1]) is None, first_difference(runs[0], runs[1])
 
 
 # ------------------------------------------------------------------------------------ interpreter
