@@ -25,12 +25,19 @@ and reports ``context_kernel_speedup`` (wall time, resp. the long prompt's time 
 kernel). ``off`` turns the kernel off for every run. Each run reports ``context_kernel``: whether its
 context prefills ran the kernel.
 
+``--only kernel`` (CUDA) times one layer's prefill-with-context attention alone, the torch path and the
+kernel, at the benchmarks' step shapes (the model's heads and head dim; a random paged cache): an
+agent turn (``--episodes`` sequences, the last turn's new message over its history) and chunks of the
+long prompt (one sequence, ``--chunk`` new tokens at half and at the full ``--long_prompt`` context).
+Reports milliseconds per call of each and their largest difference.
+
 The model is random-init with a real model's shapes (``--config``, as bench/rollout.py), or ``--model``.
 
     python bench/prefix_cache.py --tiny          # tiny qwen2 on CPU, < 1 minute
     python bench/prefix_cache.py --config qwen2.5-0.5b --device cuda
     python bench/prefix_cache.py --config qwen2.5-0.5b --device cuda --only chunked --chunk 1024
     python bench/prefix_cache.py --config qwen2.5-0.5b --device cuda --context_kernel both
+    python bench/prefix_cache.py --config qwen2.5-0.5b --device cuda --only kernel
 """
 
 from __future__ import annotations
@@ -64,7 +71,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     source.add_argument("--model", help="HF model folder")
     source.add_argument("--config", help="random-init model of this shape (bench/rollout.py's CONFIGS)")
     p.add_argument("--tiny", action="store_true", help="tiny qwen2 model and small sizes, CPU, < 1 minute")
-    p.add_argument("--only", choices=["agent", "chunked"], help="run one of the two benchmarks")
+    p.add_argument(
+        "--only",
+        choices=["agent", "chunked", "kernel"],
+        help="run one benchmark (kernel: the context attention alone, CUDA; run only when asked)",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=0)
@@ -310,6 +321,94 @@ def bench_chunked(args, model, path, vocab: int) -> dict:
     return result
 
 
+def attention_shape(args, model, path) -> tuple[int, int, int]:
+    """(heads, kv heads, head dim) of the benchmarked model."""
+    from transformers import AutoConfig
+
+    config = model.config if model is not None else AutoConfig.from_pretrained(path)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, config.num_key_value_heads, head_dim
+
+
+def context_step(chunks, heads, kv_heads, head_dim, block_size, dtype, device):
+    """q, a paged cache (each sequence's blocks in random order) and the metadata of one prefill with
+    context whose sequence b computes positions ``chunks[b] = (start, end)``."""
+    from tidal.rollout.attention import AttentionMetadata
+
+    widths = [-(-end // block_size) for _, end in chunks]
+    perm = torch.randperm(sum(widths), device=device)
+    tables = torch.zeros(len(chunks), max(widths), dtype=torch.int64, device=device)
+    used = 0
+    for row, width in enumerate(widths):
+        tables[row, :width] = perm[used : used + width]
+        used += width
+    cache = torch.randn(2, sum(widths), block_size, kv_heads, head_dim, device=device).to(dtype)
+    lens = torch.tensor([end - start for start, end in chunks], device=device)
+    q = torch.randn(int(lens.sum()), heads, head_dim, device=device).to(dtype)
+    firsts = torch.cumsum(lens, 0) - lens
+    cols = torch.arange(int(lens.max()), device=device)
+    valid = cols[None, :] < lens[:, None]
+    meta = AttentionMetadata(
+        is_prefill=True,
+        slot_mapping=torch.zeros(q.shape[0], dtype=torch.int64, device=device),
+        kv_cache=cache[None],
+        pad_index=torch.where(valid, firsts[:, None] + cols[None, :], 0),
+        pad_valid=valid,
+        block_tables=tables,
+        context_lens=torch.tensor([end for _, end in chunks], device=device),
+        query_starts=torch.tensor([start for start, _ in chunks], device=device),
+        backend="triton",
+    )
+    return q, cache, meta
+
+
+def time_call(fn, *inputs, repeats: int = 20) -> float:
+    """Milliseconds per ``fn(*inputs)`` (CUDA events, after three warm-up calls)."""
+    for _ in range(3):
+        fn(*inputs)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn(*inputs)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def bench_kernel(args, model, path, vocab: int) -> dict:
+    from tidal.rollout import attention
+
+    heads, kv_heads, head_dim = attention_shape(args, model, path)
+    dtype = next(model.parameters()).dtype if model is not None else torch.bfloat16
+    last = args.system_len + (args.turns - 1) * (args.user_tokens + args.answer_tokens)
+    shapes = {
+        "agent_last_turn": [(last, last + args.user_tokens)] * args.episodes,
+        "chunk_mid": [(args.long_prompt // 2 - args.chunk, args.long_prompt // 2)],
+        "chunk_last": [(args.long_prompt - args.chunk, args.long_prompt)],
+    }
+    result = {"bench": "context_attention_kernel", "heads": heads, "kv_heads": kv_heads,
+              "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
+    for name, chunks in shapes.items():
+        q, cache, meta = context_step(chunks, heads, kv_heads, head_dim, 16, dtype, args.device)
+        inputs = (q, cache, meta, None, head_dim**-0.5)
+        kernel = attention.context_prefill_attention(*inputs)
+        # The torch path's mask is built once per step (cached in the metadata for every layer), as here.
+        torch_out = attention.torch_context_prefill_attention(*inputs)
+        torch_ms = time_call(attention.torch_context_prefill_attention, *inputs)
+        kernel_ms = time_call(attention.context_prefill_attention, *inputs)
+        result[name] = {
+            "seqs": len(chunks),
+            "new_tokens": chunks[0][1] - chunks[0][0],
+            "context": chunks[0][1],
+            "torch_ms": round(torch_ms, 4),
+            "kernel_ms": round(kernel_ms, 4),
+            "speedup": round(torch_ms / kernel_ms, 2),
+            "max_abs_diff": (kernel.float() - torch_out.float()).abs().max().item(),
+        }
+    return result
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -321,8 +420,8 @@ def main(argv=None) -> list[dict]:
         from tidal.rollout import attention
 
         try:
-            for name, bench in (("agent", bench_agent), ("chunked", bench_chunked)):
-                if args.only in (None, name):
+            for name, bench in (("agent", bench_agent), ("chunked", bench_chunked), ("kernel", bench_kernel)):
+                if args.only == name or (args.only is None and name != "kernel"):
                     result = {**bench(args, model, path, vocab), **env}
                     print(json.dumps(result), flush=True)
                     results.append(result)
