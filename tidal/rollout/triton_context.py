@@ -35,6 +35,7 @@ def _context_kernel(
     q_first_ptr,
     starts_ptr,
     ends_ptr,
+    stride_first,
     stride_qt,
     stride_qh,
     stride_kblk,
@@ -56,8 +57,9 @@ def _context_kernel(
     b = tl.program_id(0)
     tile = tl.program_id(1)
     kvh = tl.program_id(2)
-    start = tl.load(starts_ptr + b)
-    end = tl.load(ends_ptr + b)
+    # int32 positions (index math per key stays 32-bit; positions are far below 2^31)
+    start = tl.load(starts_ptr + b).to(tl.int32)
+    end = tl.load(ends_ptr + b).to(tl.int32)
     num_rows = (end - start) * GROUP
     row0 = tile * BLOCK_M
     if row0 < num_rows:
@@ -68,7 +70,7 @@ def _context_kernel(
         head = kvh * GROUP + rows % GROUP
         pos = start + token  # absolute position of each row's query
         d = tl.arange(0, HEAD_DIM)
-        q_first = tl.load(q_first_ptr + b)
+        q_first = tl.load(q_first_ptr + b * stride_first)
         q_off = (q_first + token).to(tl.int64) * stride_qt + head * stride_qh
         q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=live_row[:, None], other=0.0)
 
@@ -93,7 +95,7 @@ def _context_kernel(
                 s = tl.dot(q, tl.trans(k))
             visible = (offs[None, :] <= pos[:, None]) & in_range[None, :]
             if HAS_WINDOW:
-                visible &= offs[None, :] > pos[:, None] - window
+                visible = visible & (offs[None, :] > pos[:, None] - window)
             s = tl.where(visible, s * qk_scale, float("-inf"))  # base-2 logits
             m_new = tl.maximum(m, tl.max(s, 1))
             # A row whose window starts after this chunk has seen nothing yet (m_new = -inf): subtract 0
@@ -141,7 +143,8 @@ def paged_context_attention(
     """q [tokens, heads, d] (sequences back to back); layer_cache [2, blocks, block_size, kv_heads, d]
     -> out [tokens, heads * d].
 
-    Sequence ``b``'s queries are rows ``q_first[b] .. q_first[b] + ends[b] - starts[b] - 1`` of ``q``, at
+    Sequence ``b``'s queries are rows ``q_first[b] .. q_first[b] + ends[b] - starts[b] - 1`` of ``q`` (``q_first``
+    may be strided: the first column of the step's ``pad_index``), at
     positions ``starts[b] .. ends[b] - 1``; its keys/values ``[0, ends[b])`` are read from the cache
     through ``block_tables[b]``. ``max_new_tokens`` (a host int, the longest ``ends - starts``) sizes the
     grid. Index tensors are int32/int64 device tensors.
@@ -150,7 +153,7 @@ def paged_context_attention(
     _, _, block_size, num_kv_heads, cache_dim = layer_cache.shape
     assert cache_dim == head_dim and q.stride(-1) == 1 and layer_cache.is_contiguous() and supports(head_dim)
     group = num_heads // num_kv_heads
-    q_first, starts, ends = (x.contiguous() for x in (q_first, starts, ends))  # read as flat arrays
+    starts, ends = starts.contiguous(), ends.contiguous()  # read as flat arrays
     block_m, block_n, num_warps = tile_config(head_dim, q.dtype)
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     k, v = layer_cache[0], layer_cache[1]
@@ -164,6 +167,7 @@ def paged_context_attention(
         q_first,
         starts,
         ends,
+        q_first.stride(0),
         q.stride(0),
         q.stride(1),
         k.stride(0),
