@@ -128,7 +128,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--async_scheduling",
         default="off",
         choices=["off", "on", "both"],
-        help="our engine's loop: synchronous, async scheduling, or both in one run",
+        help="our engine's loop: synchronous, async scheduling (the engine's default on CUDA), or both in one run",
     )
     p.add_argument(
         "--stop_fraction", type=float, default=0.0, help="the last fraction of the vocabulary stops a sample"

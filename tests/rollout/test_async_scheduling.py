@@ -194,6 +194,8 @@ def test_synchronous_fallbacks(tiny_model):
     _assert_same(sync.generate(PROMPTS, params), lookahead.generate(PROMPTS, params))
     assert lookahead.ahead_stats.launched == 0
     assert config.async_scheduling and lookahead.async_scheduling
+    # The default (None): on where the host's work can overlap the device's (CUDA), off on the CPU.
+    assert not LLMEngine(path, cpu_config(max_model_len=96, block_size=4)).async_scheduling
 
 
 def test_policy_stops_launching_ahead_while_sequences_keep_stopping(tiny_model):
