@@ -95,6 +95,29 @@ def test_moe_layout_refused_before_start(tiny_model, family, overrides, message)
         LLMEngine(tiny_model(family, **overrides), config(2))
 
 
+def test_cli_moe_layout_exits_2_naming_the_flag(tiny_model, tmp_path, capsys):
+    """``tidal generate --tp_size 2`` and ``tidal ppo --vllm_tensor_parallel_size 2`` on a Qwen3-MoE whose
+    expert size 2 does not divide: one line naming the flag and the numbers, before any model loads."""
+    from tests.rollout.test_tp_generate import generate
+    from tidal.cli.train_ppo import main as ppo_main
+    from tidal.testing import AdditionTask
+
+    model = tiny_model("qwen3_moe", moe_intermediate_size=63)
+    prompts = AdditionTask(seed=3).write_jsonl(tmp_path / "prompts.jsonl", 1)
+    expected = "tensor-parallel size 2 does not divide moe_intermediate_size=63"
+    with pytest.raises(SystemExit) as exc:
+        generate(model, prompts, tmp_path / "x.jsonl", "--tp_size", "2")
+    assert exc.value.code == 2
+    assert f"--tp_size 2: {expected}" in capsys.readouterr().err
+    ppo_flags = ["--pretrain", str(model), "--prompt_data", str(prompts), "--input_key", "prompt",
+                 "--vllm_tensor_parallel_size", "2", "--save_path", str(tmp_path / "final")]  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        ppo_main(ppo_flags)
+    assert exc.value.code == 2
+    assert f"--vllm_tensor_parallel_size 2: {expected}" in capsys.readouterr().err
+    assert not (tmp_path / "x.jsonl").exists() and not (tmp_path / "final").exists()
+
+
 # --------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp_size", [2, 4, 8])
