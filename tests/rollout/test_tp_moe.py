@@ -81,6 +81,39 @@ def test_rank_shards_are_slices_of_the_full_experts(tiny_model, family):
         assert torch.equal(mine.gate.weight, block.gate.weight)
 
 
+class CountingGroup:
+    """A stand-in process group: counts all-reduces (the sum of one rank is its own tensor)."""
+
+    def __init__(self):
+        self.all_reduces = 0
+
+    def allreduce(self, tensors):
+        self.all_reduces += 1
+        return self
+
+    def wait(self):
+        return None
+
+
+def test_qwen2_moe_block_reduces_once_with_its_shared_expert():
+    """Rank 0 of 2 of a Qwen2-MoE block: the routed experts' and the shared expert's partial sums go out
+    in one all-reduce (the shared expert's down projection defers its own)."""
+    from tidal.rollout.models.moe import SparseMoE
+    from tidal.rollout.models.qwen2_moe import Qwen2MoeForCausalLM
+
+    args = Qwen2MoeForCausalLM.args_from_hf_config(tiny_config("qwen2_moe"))
+    group = CountingGroup()
+    args.tp = TPGroup(0, 2, group)
+    torch.manual_seed(0)
+    block = SparseMoE(args)
+    for param in block.parameters():
+        torch.nn.init.normal_(param, std=0.1)
+    assert block.experts.down_proj.shape[-1] == args.moe.intermediate_size // 2
+    with torch.no_grad():
+        block(torch.randn(5, args.hidden_size))
+    assert group.all_reduces == 1
+
+
 @pytest.mark.parametrize(
     ("family", "overrides", "message"),
     [
