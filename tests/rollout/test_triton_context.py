@@ -5,7 +5,7 @@ Two groups:
 
 - ``gpu``: the compiled kernel at realistic shapes (contexts 1k-16k, 1-512 new tokens per sequence,
   mixed in one batch; heads 14/2 and 28/4; head dim 64 and 128; window on and off) in float32 (within
-  1e-5 of the torch path) and bfloat16, the dispatch in ``attention.context_prefill_attention``, and an
+  1e-5 of the torch path) and bfloat16, a long prompt's chunk with the keys split (split-K), the dispatch in ``attention.context_prefill_attention``, and an
   engine with prefix caching + chunked prefill on CUDA whose greedy tokens equal the torch path's;
 - interpreter: the same kernel run by Triton's interpreter on CPU (``TRITON_INTERPRET=1``) at tiny float32
   shapes, skipped where triton is not importable or CUDA is present.
@@ -134,6 +134,29 @@ def test_bfloat16_within_tolerance(heads, kv_heads, head_dim, window):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_prompt_chunk_splits_the_keys(dtype, window):
+    """One sequence's 512-token chunk at the end of a 16k prompt: too few tiles to fill the GPU, so the
+    key range is split (split-K) and merged; every split count agrees with the reference."""
+    from tidal.rollout import triton_context
+    from tidal.rollout.triton_attention import _num_sms, choose_num_splits
+
+    q, cache, meta = make_case([(16384 - 512, 16384)], 14, 2, 64, 16, dtype, "cuda", seed=5)
+    block_m = triton_context.tile_config(64, dtype)[0]
+    tiles = -(-512 * 7 // block_m)
+    assert choose_num_splits(tiles, 2, 16384, _num_sms(torch.cuda.current_device())) > 1
+    ref = reference(q, cache, meta, window, 0.125)
+    args = (meta.block_tables, meta.pad_index[:, 0], meta.query_starts, meta.context_lens, 512, window, 0.125)
+    for num_splits in (None, 1, 2, 16):
+        out = triton_context.paged_context_attention(q, cache, *args, num_splits).double()
+        if dtype == torch.float32:
+            assert (out - ref).abs().max().item() < 1e-5, num_splits
+        else:
+            assert ((out - ref).abs() <= 1e-2 + 1e-2 * ref.abs()).all(), num_splits
+
+
+@pytest.mark.gpu
 def test_block_size_and_int32_tables():
     """Another KV block size, int32 index tensors, one sequence only, a window smaller than a chunk."""
     q, cache, meta = make_case([(2000, 2100)], 14, 2, 64, 32, torch.float32, "cuda", seed=3)
@@ -217,11 +240,13 @@ def tc():
     try:
         import triton.runtime.interpreter as interpreter
 
+        import tidal.rollout.triton_attention as decode_module
         import tidal.rollout.triton_context as module
         from tests.rollout.test_exact_cuda import _index_scalars_of_one_element, _interpret_standard_library
 
         _interpret_standard_library(interpreter)
         if not isinstance(module._context_kernel, interpreter.InterpretedFunction):
+            importlib.reload(decode_module)  # its merge kernel (split-K), imported by the context module
             module = importlib.reload(module)
         _index_scalars_of_one_element(interpreter)  # the kernel's loop bounds are loaded scalars
         yield module
@@ -234,7 +259,7 @@ def tc():
             os.environ["TRITON_INTERPRET"] = previous
 
 
-def _interpret(tc, q, cache, meta, window, scale):
+def _interpret(tc, q, cache, meta, window, scale, num_splits=1):
     return tc.paged_context_attention(
         q,
         cache,
@@ -245,6 +270,7 @@ def _interpret(tc, q, cache, meta, window, scale):
         meta.pad_index.shape[1],
         window,
         scale,
+        num_splits,
     )
 
 
@@ -252,13 +278,15 @@ def _interpret(tc, q, cache, meta, window, scale):
 TINY_BATCH = [(0, 5), (70, 71), (9, 40), (33, 34)]
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("window", [None, 6, 40])
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4), (7, 1)])
-def test_interpreted_kernel_matches_reference(tc, heads, kv_heads, window):
+def test_interpreted_kernel_matches_reference(tc, heads, kv_heads, window, num_splits):
+    """Split-K 4: splits of one 32-key chunk, so many are empty or hold none of a row's keys."""
     q, cache, meta = make_case(
         TINY_BATCH, heads, kv_heads, 16, 4, torch.float32, "cpu", seed=heads + kv_heads
     )
-    out = _interpret(tc, q, cache, meta, window, 0.3)
+    out = _interpret(tc, q, cache, meta, window, 0.3, num_splits)
     ref = reference(q, cache, meta, window, 0.3)
     assert (out.double() - ref).abs().max().item() < 1e-5
     torch_out = attention.torch_context_prefill_attention(q, cache, meta, window, 0.3)

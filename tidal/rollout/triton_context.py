@@ -14,6 +14,11 @@ program walks keys from 0 (or the first key its window allows) up to its last ro
 masking inside, and the launch grid is ``(batch, cdiv(max new tokens * GROUP, BLOCK_M), kv heads)``;
 tiles past a shorter sequence's rows exit at once. Everything the kernel reads (block tables, starts,
 ends) stays on the device: no host sync.
+
+Split-K: when those programs are too few to fill the GPU (a long prompt's chunk: one sequence, a few
+hundred new tokens over a 16k context), each tile's key range is cut into ``num_splits`` pieces (the
+third grid axis is kv head x split) whose partial results (normalised output + log-sum-exp) the decode
+kernel's merge kernel (``triton_attention._merge_kernel``) combines.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from tidal.rollout.triton_attention import _merge_kernel, _num_sms, choose_num_splits
 
 LOG2E = 1.4426950408889634
 
@@ -31,6 +38,8 @@ def _context_kernel(
     k_ptr,
     v_ptr,
     out_ptr,
+    part_ptr,
+    lse_ptr,
     bt_ptr,
     q_first_ptr,
     starts_ptr,
@@ -51,12 +60,14 @@ def _context_kernel(
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     tile = tl.program_id(1)
-    kvh = tl.program_id(2)
+    kvh = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
     # int32 positions (index math per key stays 32-bit; positions are far below 2^31)
     start = tl.load(starts_ptr + b).to(tl.int32)
     end = tl.load(ends_ptr + b).to(tl.int32)
@@ -79,6 +90,10 @@ def _context_kernel(
         if HAS_WINDOW:  # the first row sees keys (pos - window, pos]: skip whole chunks before that
             lo = tl.maximum(start + row0 // GROUP - window + 1, 0)
             lo = (lo // BLOCK_N) * BLOCK_N
+        if NUM_SPLITS > 1:  # this program's share of the tile's keys, in whole chunks (may be empty)
+            span = tl.cdiv(hi - lo, NUM_SPLITS * BLOCK_N) * BLOCK_N
+            lo = lo + split * span
+            hi = tl.minimum(lo + span, hi)
 
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         denom = tl.zeros([BLOCK_M], tl.float32)
@@ -112,9 +127,21 @@ def _context_kernel(
             acc = acc * alpha[:, None] + pv
             m = m_new
 
-        out = acc / denom[:, None]  # every live row attends its own key: denom > 0
-        o_off = (q_first + token).to(tl.int64) * stride_ot + head * stride_oh
-        tl.store(out_ptr + o_off[:, None] + d[None, :], out, mask=live_row[:, None])
+        if NUM_SPLITS == 1:
+            out = acc / denom[:, None]  # every live row attends its own key: denom > 0
+            o_off = (q_first + token).to(tl.int64) * stride_ot + head * stride_oh
+            tl.store(out_ptr + o_off[:, None] + d[None, :], out, mask=live_row[:, None])
+        else:  # a split may hold none of a row's keys (denom 0): its weight in the merge is 0
+            nonempty = denom > 0
+            safe = tl.where(nonempty, denom, 1.0)
+            num_heads = tl.num_programs(2) // NUM_SPLITS * GROUP
+            part = ((q_first + token).to(tl.int64) * num_heads + head) * NUM_SPLITS + split
+            tl.store(
+                part_ptr + part[:, None] * HEAD_DIM + d[None, :], acc / safe[:, None], mask=live_row[:, None]
+            )
+            # natural log-sum-exp, as the merge kernel reads it (m and the logits are base 2)
+            lse = tl.where(nonempty, (m + tl.math.log2(safe)) * 0.6931471805599453, float("-inf"))
+            tl.store(lse_ptr + part, lse, mask=live_row)
 
 
 def supports(head_dim: int) -> bool:
@@ -139,6 +166,7 @@ def paged_context_attention(
     max_new_tokens: int,
     window: int | None,
     scale: float,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """q [tokens, heads, d] (sequences back to back); layer_cache [2, blocks, block_size, kv_heads, d]
     -> out [tokens, heads * d].
@@ -147,7 +175,8 @@ def paged_context_attention(
     may be strided: the first column of the step's ``pad_index``), at
     positions ``starts[b] .. ends[b] - 1``; its keys/values ``[0, ends[b])`` are read from the cache
     through ``block_tables[b]``. ``max_new_tokens`` (a host int, the longest ``ends - starts``) sizes the
-    grid. Index tensors are int32/int64 device tensors.
+    grid. Index tensors are int32/int64 device tensors. ``num_splits``: key-range splits per tile (None:
+    as many as the GPU needs to be filled, ``triton_attention.choose_num_splits``).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_dim = layer_cache.shape
@@ -155,14 +184,28 @@ def paged_context_attention(
     group = num_heads // num_kv_heads
     starts, ends = starts.contiguous(), ends.contiguous()  # read as flat arrays
     block_m, block_n, num_warps = tile_config(head_dim, q.dtype)
+    batch, tiles = block_tables.shape[0], triton.cdiv(max_new_tokens * group, block_m)
+    if num_splits is None:
+        device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        max_context = block_tables.shape[1] * block_size
+        num_splits = choose_num_splits(batch * tiles, num_kv_heads, max_context, _num_sms(device))
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_splits > 1:
+        part = torch.empty(
+            num_tokens * num_heads * num_splits, head_dim, dtype=torch.float32, device=q.device
+        )
+        lse = torch.empty(num_tokens * num_heads * num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part = lse = out  # unused
     k, v = layer_cache[0], layer_cache[1]
-    grid = (block_tables.shape[0], triton.cdiv(max_new_tokens * group, block_m), num_kv_heads)
+    grid = (batch, tiles, num_kv_heads * num_splits)
     _context_kernel[grid](
         q,
         k,
         v,
         out,
+        part,
+        lse,
         block_tables,
         q_first,
         starts,
@@ -183,9 +226,12 @@ def paged_context_attention(
         GROUP=group,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
         HAS_WINDOW=window is not None,
         IEEE=q.dtype == torch.float32,
         num_warps=num_warps,
         num_stages=2,
     )
+    if num_splits > 1:
+        _merge_kernel[(num_tokens * num_heads,)](part, lse, out, HEAD_DIM=head_dim, NUM_SPLITS=num_splits)
     return out.view(num_tokens, num_heads * head_dim)
