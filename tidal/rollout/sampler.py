@@ -109,13 +109,16 @@ class Sampler:
     copies; a batch with any of those takes the torch path (``reference``)."""
 
     def __init__(self, fused: bool = False, exact: bool = False):
-        self.fused = fused and triton_available() and not exact
+        self.fused = fused and triton_available()
         self.exact = exact
 
     def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, logprobs = self._sample(logits, st)
         if self.exact:  # the same tokens; their log-probs from the batch-invariant log-softmax
-            tokens, _ = self.reference(logits, st)
             return tokens, exact_logprobs(logits, tokens, st)
+        return tokens, logprobs
+
+    def _sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
         plain = not st.any_truncation and st.suppress_rows is None and st.penalty_rows is None
         if self.fused and logits.is_cuda and plain:
             from tidal.rollout.triton_sampling import fused_sample
