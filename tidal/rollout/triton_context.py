@@ -33,6 +33,65 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend_chunk(
+    q,
+    m,
+    denom,
+    acc,
+    t0,
+    hi,
+    pos,
+    window,
+    bt_row,
+    k_base,
+    v_base,
+    d,
+    stride_kblk,
+    stride_kslot,
+    qk_scale,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One online-softmax step over keys ``[t0, t0 + BLOCK_N)`` (those ``>= hi`` are never read):
+    returns the updated (running max, denominator, accumulator). ``MASKED``: apply the causal (and window)
+    mask; without it every key of the chunk must be visible to every row."""
+    offs = t0 + tl.arange(0, BLOCK_N)
+    in_range = offs < hi
+    page = tl.load(bt_row + offs // BLOCK_SIZE, mask=in_range, other=0)
+    kv_off = page.to(tl.int64) * stride_kblk + (offs % BLOCK_SIZE) * stride_kslot
+    k = tl.load(k_base + kv_off[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale  # base-2 logits
+    if MASKED:
+        visible = (offs[None, :] <= pos[:, None]) & in_range[None, :]
+        if HAS_WINDOW:
+            visible = visible & (offs[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # A row whose window starts after this chunk has seen nothing yet (m_new = -inf): subtract 0
+        # instead, so its alpha and p are exp2(-inf) = 0 rather than NaN.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_sub = m_new
+    alpha = tl.math.exp2(m - m_sub)
+    p = tl.math.exp2(s - m_sub[:, None])
+    denom = denom * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + kv_off[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, denom, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _context_kernel(
     q_ptr,
     k_ptr,
@@ -95,37 +154,25 @@ def _context_kernel(
             lo = lo + split * span
             hi = tl.minimum(lo + span, hi)
 
+        # Chunks wholly before the tile's first position are visible to every row: no mask there.
+        mid = lo
+        if not HAS_WINDOW:
+            mid = tl.minimum(tl.maximum((start + row0 // GROUP + 1) // BLOCK_N * BLOCK_N, lo), hi)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         denom = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for t0 in range(lo, hi, BLOCK_N):
-            offs = t0 + tl.arange(0, BLOCK_N)
-            in_range = offs < hi
-            page = tl.load(bt_ptr + b * stride_btb + offs // BLOCK_SIZE, mask=in_range, other=0)
-            kv_off = page.to(tl.int64) * stride_kblk + (offs % BLOCK_SIZE) * stride_kslot + kvh * stride_khead
-            k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            visible = (offs[None, :] <= pos[:, None]) & in_range[None, :]
-            if HAS_WINDOW:
-                visible = visible & (offs[None, :] > pos[:, None] - window)
-            s = tl.where(visible, s * qk_scale, float("-inf"))  # base-2 logits
-            m_new = tl.maximum(m, tl.max(s, 1))
-            # A row whose window starts after this chunk has seen nothing yet (m_new = -inf): subtract 0
-            # instead, so its alpha and p are exp2(-inf) = 0 rather than NaN.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m - m_safe)
-            p = tl.math.exp2(s - m_safe[:, None])
-            denom = denom * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m = m_new
+        k_base, v_base = k_ptr + kvh * stride_khead, v_ptr + kvh * stride_khead
+        bt_row = bt_ptr + b * stride_btb
+        for t0 in range(lo, mid, BLOCK_N):
+            m, denom, acc = _attend_chunk(
+                q, m, denom, acc, t0, hi, pos, window, bt_row, k_base, v_base, d,
+                stride_kblk, stride_kslot, qk_scale, BLOCK_SIZE, BLOCK_N, False, HAS_WINDOW, IEEE,
+            )  # fmt: skip
+        for t0 in range(mid, hi, BLOCK_N):
+            m, denom, acc = _attend_chunk(
+                q, m, denom, acc, t0, hi, pos, window, bt_row, k_base, v_base, d,
+                stride_kblk, stride_kslot, qk_scale, BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, IEEE,
+            )  # fmt: skip
 
         if NUM_SPLITS == 1:
             out = acc / denom[:, None]  # every live row attends its own key: denom > 0
