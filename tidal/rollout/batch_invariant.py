@@ -292,9 +292,9 @@ def exact_autocast_off(device: torch.device):
     return contextlib.nullcontext()
 
 
-# The families whose every reduction runs through the ops above on CUDA too (MoE routing still sums and
-# picks its top-k with torch's CUDA kernels, whose reduction order depends on the number of tokens).
-EXACT_CUDA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# The families measured exact on CUDA (an H200, bf16): the dense ones, and the MoE ones since their routing
+# sums by halving and picks by a stable sort (``moe_route``; tests/rollout/test_exact_logprobs.py, gpu).
+EXACT_CUDA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
 
 
 def exact_device_problem(
