@@ -379,6 +379,8 @@ def time_call(fn, *inputs, repeats: int = 20) -> float:
 def bench_kernel(args, model, path, vocab: int) -> dict:
     from tidal.rollout import attention
 
+    if not args.device.startswith("cuda"):
+        raise SystemExit("--only kernel times the Triton kernel: it needs --device cuda")
     heads, kv_heads, head_dim = attention_shape(args, model, path)
     dtype = next(model.parameters()).dtype if model is not None else torch.bfloat16
     last = args.system_len + (args.turns - 1) * (args.user_tokens + args.answer_tokens)
