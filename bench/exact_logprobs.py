@@ -12,12 +12,17 @@ so the exact step time leaves it out. Prints one JSON line:
 - ``old_logprob_forward_s``: the default mode's forward that exact mode skips; ``step_cost``: exact step
   time / default step time − 1.
 
+``--profile``: each mode also profiles one rollout (``torch.profiler``) and lists its 15 most expensive
+kernels (``top_kernels``: name, total ms, calls), to see where exact mode's decode time goes.
+
     python bench/exact_logprobs.py                                   # tiny model on CPU, < 1 minute
     python bench/exact_logprobs.py --device cuda --config qwen2.5-0.5b
+    python bench/exact_logprobs.py --device cuda --config qwen2.5-0.5b --profile --steps 1
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -68,6 +73,22 @@ def run_step(bench: GRPOStep, step: int) -> tuple[dict[str, float], dict[str, fl
     return seconds, stats
 
 
+def top_kernels(bench: GRPOStep, step: int, count: int = 15) -> list[dict]:
+    """The ``count`` kernels (CPU: ops) that took the most time in one rollout of ``bench``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = bench.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        bench.generate(step)
+        sync(bench.device)
+
+    def total_us(event) -> float:
+        return event.device_time_total if cuda else event.self_cpu_time_total
+
+    events = sorted(prof.key_averages(), key=total_us, reverse=True)[:count]
+    return [{"name": e.key[:100], "ms": round(total_us(e) / 1e3, 2), "calls": e.count} for e in events]
+
+
 def measure(bench: GRPOStep, exact: bool, first_step: int) -> dict:
     args = bench.args
     runs = [run_step(bench, first_step + i) for i in range(args.warmup + args.steps)][args.warmup :]
@@ -88,15 +109,22 @@ def measure(bench: GRPOStep, exact: bool, first_step: int) -> dict:
 def main(argv=None) -> dict:
     from tidal.rollout.batch_invariant import make_exact
 
-    args = parse_args(argv)
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--profile", action="store_true", help="list each mode's most expensive kernels")
+    mine, rest = extra.parse_known_args(argv)
+    args = parse_args(rest)
     stub_missing_datasets()
     device = torch.device(args.device)
     reset_memory(device)
     bench = GRPOStep(args, device)
     without = measure(bench, exact=False, first_step=0)
+    if mine.profile:
+        without["top_kernels"] = top_kernels(bench, 0)
     make_exact(bench.policy)  # computes in the engine's dtype (bf16 on CUDA)
     bench.engine = exact_engine(bench)
     with_mode = measure(bench, exact=True, first_step=args.warmup + args.steps)
+    if mine.profile:
+        with_mode["top_kernels"] = top_kernels(bench, 0)
     report = {
         "bench": "exact_logprobs", **versions(), "device": args.device, "config": args.config,
         "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
