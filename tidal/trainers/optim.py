@@ -54,15 +54,16 @@ class NonFiniteError(RuntimeError):
 VANISHED_LOSS = 1e-6
 
 
-def bad_step(loss: float, grad_norm: float, scaled: bool) -> str | None:
+def bad_step(loss: float, grad_norm: float, scaled: bool, flat: bool = False) -> str | None:
     """Why an optimizer step must not be applied (None when it may). With fp16 loss scaling
     (``scaled``) an overflowing gradient is the scaler's business: it skips the step and lowers the
-    scale, as it should in the first steps."""
+    scale, as it should in the first steps. ``flat``: the loss has no gradient with respect to any
+    model output it reads (PPO's clipping, every token clipped), so a zero gradient is expected there."""
     if not math.isfinite(loss):
         return f"a non-finite loss ({loss})"
     if not math.isfinite(grad_norm):
         return None if scaled else f"a non-finite gradient norm ({grad_norm})"
-    if grad_norm == 0.0 and abs(loss) > VANISHED_LOSS:
+    if grad_norm == 0.0 and abs(loss) > VANISHED_LOSS and not flat:
         return f"a zero gradient at loss {loss:.4g} (the model overflowed inside)"
     return None
 
@@ -79,10 +80,12 @@ class NonFiniteGuard:
     skipped: int = 0
     in_a_row: int = 0
     _loss: float = 0.0
+    _flat: bool = False
 
-    def observe_loss(self, loss: float) -> None:
-        """The loss of the step about to be taken (summed over micro-batches, reduced over ranks)."""
-        self._loss = loss
+    def observe_loss(self, loss: float, flat: bool = False) -> None:
+        """The loss of the step about to be taken (summed over micro-batches, reduced over ranks) and
+        whether it is flat in the model outputs it reads on every rank (``bad_step``)."""
+        self._loss, self._flat = loss, flat
 
     def take_loss(self) -> float:
         loss, self._loss = self._loss, 0.0
@@ -90,7 +93,8 @@ class NonFiniteGuard:
 
     def allow(self, loss: float, grad_norm: float, scaled: bool = False) -> bool:
         """True when the step may be applied; otherwise counts it (raising at the limit)."""
-        reason = bad_step(loss, grad_norm, scaled)
+        flat, self._flat = self._flat, False  # observed for this step only
+        reason = bad_step(loss, grad_norm, scaled, flat)
         if reason is None:
             self.in_a_row = 0
             return True

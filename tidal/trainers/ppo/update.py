@@ -7,13 +7,17 @@ Loss normalisers count the action tokens (and
 sequences) of the whole optimizer step across devices, so micro-batch size and device count never
 change the update. ``PolicyLoss`` and ``ValueLoss`` are the two objectives; their math lives in
 ``tidal.algorithms``. A step with a non-finite loss or gradient norm is skipped and counted by the
-part's ``NonFiniteGuard`` (``tidal.trainers.optim``).
+part's ``NonFiniteGuard`` (``tidal.trainers.optim``). A zero gradient is not taken for an overflow when
+the step's loss is flat in every model output it reads (``OutputGradients``: PPO's clipping can flatten
+every token of a minibatch, most often the critic's in later epochs); such a step is applied, as
+OpenRLHF applies every step (AdamW's momentum still moves the weights).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +57,59 @@ class Normaliser:
 
 
 @dataclass
+class OutputGradients:
+    """How much gradient one optimizer step's loss sends into the model outputs it reads (log-probs,
+    entropies, the router loss, values): tensor hooks add up ``|grad|`` during the backward passes, so
+    nothing is recomputed and the gradients pass unchanged.
+
+    PPO's clipped losses have no gradient on a clipped token; when every token of a step is clipped the
+    loss is flat and the parameters' gradient is exactly 0 by design, which the non-finite guard must
+    not take for an overflow inside the model. ``known`` is False when a loss term reads outputs that
+    are not watched (a custom loss, the ptx loss): then the guard's plain rule applies."""
+
+    watched: bool = False
+    unwatched: bool = False
+    total: Tensor | float = 0.0
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[OutputGradients]:
+        """Makes ``watch_outputs`` (called by the loss functions) register on this step."""
+        token = _RECORDING.set(self)
+        try:
+            yield self
+        finally:
+            _RECORDING.reset(token)
+
+    def watch(self, output: Tensor) -> None:
+        if output.requires_grad:
+            self.watched = True
+            output.register_hook(self._add)
+
+    def _add(self, grad: Tensor) -> None:
+        self.total = self.total + grad.detach().float().abs().sum()  # |g|: no underflow of tiny squares
+
+    @property
+    def known(self) -> bool:
+        return self.watched and not self.unwatched
+
+
+_RECORDING: ContextVar[OutputGradients | None] = ContextVar("tidal_output_gradients", default=None)
+
+
+def watch_outputs(*outputs: Tensor | None) -> None:
+    """Record the gradient the loss sends into ``outputs`` for the step being trained (if any)."""
+    recording = _RECORDING.get()
+    if recording is not None:
+        for output in outputs:
+            if output is not None:
+                recording.watch(output)
+
+
+# The step's summed |gradient| into the watched model outputs, reduced over ranks with the metrics.
+OUTPUT_GRADIENT = "_output_gradient"
+
+
+@dataclass
 class StepShape:
     """How a rollout is cut: samples per optimizer step (this device), per micro-batch, token budget."""
 
@@ -88,21 +145,26 @@ def train_on_experience(
             norm = Normaliser.of(step, world)
             sums: dict[str, float] = {STEP_LOSS: 0.0}
             groups = _micro_batches(step, shape, world)
-            for mine, mb in _turns(step, groups, world):
-                loss, metrics = loss_fn(opt.model, mb, norm)
-                backward(loss, opt.precision)
-                if not mine:  # a ring peer's micro-batch (ring attention): its owner counts it
-                    continue
-                sums[STEP_LOSS] += float(loss.detach())
-                if extra_loss is not None:
-                    extra, extra_metrics = extra_loss(opt.model, len(groups))
-                    backward(extra, opt.precision)
-                    sums[STEP_LOSS] += float(extra.detach())
-                    metrics = {**metrics, **extra_metrics}
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
+            outputs = OutputGradients(unwatched=extra_loss is not None)  # the ptx loss reads the logits
+            with outputs.recording():
+                for mine, mb in _turns(step, groups, world):
+                    loss, metrics = loss_fn(opt.model, mb, norm)
+                    backward(loss, opt.precision)
+                    if not mine:  # a ring peer's micro-batch (ring attention): its owner counts it
+                        continue
+                    sums[STEP_LOSS] += float(loss.detach())
+                    if extra_loss is not None:
+                        extra, extra_metrics = extra_loss(opt.model, len(groups))
+                        backward(extra, opt.precision)
+                        sums[STEP_LOSS] += float(extra.detach())
+                        metrics = {**metrics, **extra_metrics}
+                    for k, v in metrics.items():
+                        sums[k] = sums.get(k, 0.0) + float(v)
+            sums[OUTPUT_GRADIENT] = float(outputs.total)
             metrics = reduce_metrics(sums, world)  # every rank sees the same loss, so all skip together
-            opt.guard.observe_loss(metrics.pop(STEP_LOSS))
+            into_outputs = metrics.pop(OUTPUT_GRADIENT)
+            flat = outputs.known and into_outputs == 0.0  # no gradient into the outputs on any rank
+            opt.guard.observe_loss(metrics.pop(STEP_LOSS), flat=flat)
             metrics["grad_norm"] = optimizer_step(opt)
             if after_step is not None:
                 after_step()
@@ -173,6 +235,7 @@ class PolicyLoss:
                 with_entropy=cfg.entropy_loss_coef is not None,
             )
         logp = unflatten(logp, mb, self.packing)
+        watch_outputs(logp)
         low, high = cfg.clip_bounds
         correction = ("icepop" if cfg.use_icepop else "tis") if cfg.enable_vllm_is_correction else None
         per_token, stats = corrected_policy_loss(
@@ -186,6 +249,7 @@ class PolicyLoss:
             metrics["policy/kl_loss"] = _share(masked_mean(kl, mask), mask, norm)
         if cfg.entropy_loss_coef is not None:
             entropy = unflatten(out.entropy, mb, self.packing)  # of the sampling distribution
+            watch_outputs(entropy)
             per_token = per_token - cfg.entropy_loss_coef * entropy
             metrics["policy/entropy"] = _share(masked_mean(entropy, mask), mask, norm)
         loss = aggregate_loss(
@@ -196,6 +260,7 @@ class PolicyLoss:
             tokens = None if self.packing else mb.attention_mask
             aux = router_aux_loss(model, router_logits, tokens)
             aux = logp.new_zeros(()) if aux is None else aux  # dense: no router, no loss (OpenRLHF)
+            watch_outputs(aux)  # the router loss always has a gradient: never flat
             # The step's loss is a sum over micro-batches, so each adds its token share of the aux loss.
             share = mask.sum() / norm.tokens
             loss = loss + self.aux_loss_coef * aux * share
@@ -217,6 +282,7 @@ class ValueLoss:
         with self.precision.autocast():
             values = shift_values(critic.values(model_batch(mb, self.packing)))
         values = unflatten(values.float(), mb, self.packing)
+        watch_outputs(values)
         per_token, stats = value_loss(values, mb.values, mb.returns, mask, clip_eps=self.value_clip)
         loss = aggregate_loss(per_token, mask, "token", num_tokens=norm.tokens)
         metrics = {
