@@ -236,8 +236,9 @@ def test_engine_with_fused_kernels_matches_unfused(family, dtype, tiny_model, mo
 def test_one_eager_engine_gives_the_same_outputs_with_the_kernels_on_and_off(
     family, dtype, tiny_model, monkeypatch
 ):
-    """The same engine (no graphs: the switch is read at every forward) with the kernels on, off, on."""
-    engine = make_engine(tiny_model(family), dtype, "cuda", enforce_eager=True)
+    """The same engine (no graphs: the switch is read at every forward; steps run one after the other)
+    with the kernels on, off, on."""
+    engine = make_engine(tiny_model(family), dtype, "cuda", enforce_eager=True, async_scheduling=False)
     runs = [generate(None, dtype, "cuda", fused, monkeypatch, engine=engine) for fused in (True, False, True)]
     assert first_difference(runs[2], runs[0]) is None  # the engine itself repeats its outputs
     assert first_difference(runs[0], runs[1]) is None, first_difference(runs[0], runs[1])
