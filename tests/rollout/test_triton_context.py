@@ -114,9 +114,17 @@ def test_float32_matches_torch_path(heads, kv_heads, head_dim, window):
     scale = head_dim**-0.5
     out = _run_kernel(q, cache, meta, window, scale)
     assert out.dtype == torch.float32 and out.shape == (q.shape[0], heads * head_dim)
+    ref = reference(q, cache, meta, window, scale)
     torch_out = attention.torch_context_prefill_attention(q, cache, meta, window, scale)
-    assert (out - torch_out).abs().max().item() < 1e-5
-    assert (out.double() - reference(q, cache, meta, window, scale)).abs().max().item() < 1e-5
+    kernel_err = (out.double() - ref).abs().max().item()
+    torch_err = (torch_out.double() - ref).abs().max().item()
+    errors = f"max |x - float64|: kernel {kernel_err:.2e}, torch path {torch_err:.2e}"
+    print(f"fp32 {heads}/{kv_heads} heads, d {head_dim}, window {window}: {errors}")
+    assert kernel_err < 1e-5, errors
+    # Within 1e-5 of the torch path beyond that path's own error: on the H200 the two differed by 1.6e-5
+    # over 16k keys while the kernel itself is within 1e-5 of float64 (asserted above), so the excess is
+    # the torch path's (SDPA's float32 kernel).
+    assert (out - torch_out).abs().max().item() < 1e-5 + torch_err, errors
 
 
 @pytest.mark.gpu
