@@ -27,6 +27,7 @@ from tests.rollout.reference import PROMPTS
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
 from tidal.rollout.attention import store_kv
 from tidal.rollout.models import layers
+from tidal.rollout.models.layers import Attention
 from tidal.rollout.models.rope import apply_rope, rope_table
 
 SHAPES = {
@@ -97,6 +98,12 @@ def generate(
     return [(s.token_ids, s.logprobs) for o in outputs for s in o.outputs]
 
 
+def family_model(tiny_model, family: str):
+    """A tiny model; "qwen3-d64": Qwen3 with head_dim 64, where its q/k norms are fused (the tiny default,
+    32, keeps them unfused: ``layers.fusable_head_norm``)."""
+    return tiny_model("qwen3", head_dim=64) if family == "qwen3-d64" else tiny_model(family)
+
+
 def first_difference(ours, ref) -> str | None:
     """Where two runs' (token ids, log-probs) first differ (every sample has the same length: ignore_eos)."""
     for i, ((tokens, logprobs), (ref_tokens, ref_logprobs)) in enumerate(zip(ours, ref, strict=True)):
@@ -150,6 +157,10 @@ def test_rope_store_kv_is_bit_equal_to_torch(tokens, shape, dtype, qk_norm):
         tokens, s["heads"], s["kv_heads"], s["head_dim"], dtype, "cuda", gen
     )
     norms = head_norms(s["head_dim"], dtype, "cuda", gen) if qk_norm else None
+    if qk_norm and not layers.fusable_head_norm(s["head_dim"]):  # refused, not silently different
+        with pytest.raises(ValueError, match="head_dim > 32"):
+            run_fused(tf, qkv, s["heads"], s["kv_heads"], s["head_dim"], cos, sin, cache, slots, norms)
+        return
     ref_cache = cache.clone()
     ref_q, ref_k = torch_rope_store(
         qkv, s["heads"], s["kv_heads"], s["head_dim"], cos, sin, ref_cache, slots, norms
@@ -206,7 +217,7 @@ def test_fused_kernels_replay_in_a_cuda_graph(qk_norm):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3-d64"])
 def test_engine_with_fused_kernels_matches_unfused(family, dtype, tiny_model, monkeypatch):
     """The whole engine (prefill, CUDA-graph decode) gives the same tokens and log-probs either way, and
     the switch really selects the path."""
@@ -218,7 +229,7 @@ def test_engine_with_fused_kernels_matches_unfused(family, dtype, tiny_model, mo
         monkeypatch.setattr(
             tf, name, lambda *a, _k=kernel, _n=name, **kw: (calls.append(_n), _k(*a, **kw))[1]
         )
-    path = tiny_model(family)
+    path = family_model(tiny_model, family)
     fused = generate(path, dtype, "cuda", True, monkeypatch)
     assert {"rope_store_kv", "silu_and_mul"} <= set(calls)
     calls.clear()
@@ -232,13 +243,14 @@ def test_engine_with_fused_kernels_matches_unfused(family, dtype, tiny_model, mo
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3-d64"])
 def test_one_eager_engine_gives_the_same_outputs_with_the_kernels_on_and_off(
     family, dtype, tiny_model, monkeypatch
 ):
     """The same engine (no graphs: the switch is read at every forward; steps run one after the other)
     with the kernels on, off, on."""
-    engine = make_engine(tiny_model(family), dtype, "cuda", enforce_eager=True, async_scheduling=False)
+    path = family_model(tiny_model, family)
+    engine = make_engine(path, dtype, "cuda", enforce_eager=True, async_scheduling=False)
     runs = [generate(None, dtype, "cuda", fused, monkeypatch, engine=engine) for fused in (True, False, True)]
     assert first_difference(runs[2], runs[0]) is None  # the engine itself repeats its outputs
     assert first_difference(runs[0], runs[1]) is None, first_difference(runs[0], runs[1])
@@ -314,7 +326,7 @@ def test_rope_store_kv_interpreted_is_bit_equal(tf, dtype, heads, kv_heads, head
 def test_rope_store_kv_with_head_norms_interpreted(tf, dtype, monkeypatch):
     """Qwen3's per-head q/k RMSNorm before RoPE, as ``triton_norm`` computes it on the unfused path."""
     monkeypatch.setattr(layers, "triton_usable", lambda x: True)  # RMSNorm takes triton_norm (interpreted)
-    heads, kv_heads, head_dim, tokens = 3, 2, 16, 6
+    heads, kv_heads, head_dim, tokens = 3, 2, 64, 6
     gen = torch.Generator().manual_seed(11)
     qkv, cos, sin, cache, slots = rope_inputs(
         tokens, heads, kv_heads, head_dim, dtype, "cpu", gen, block_size=4
@@ -329,8 +341,8 @@ def test_rope_store_kv_with_head_norms_interpreted(tf, dtype, monkeypatch):
 
 
 def test_engine_takes_fused_kernels_where_usable_interpreted(tf, tiny_model, monkeypatch):
-    """With the kernels usable (patched to accept CPU tensors here) the engine's decoder (Qwen3: q/k
-    norms, SwiGLU) runs them and generates what the unfused path generates; ``FUSED_KERNELS = False``
+    """With the kernels usable (patched to accept CPU tensors here) the engine's decoder (Qwen3 with
+    head_dim 64: fused q/k norms, SwiGLU) runs them and generates what the unfused path generates; ``FUSED_KERNELS = False``
     keeps them out."""
     monkeypatch.setattr(layers, "fused_kernels_usable", lambda x: layers.FUSED_KERNELS)
     calls = []
@@ -339,7 +351,7 @@ def test_engine_takes_fused_kernels_where_usable_interpreted(tf, tiny_model, mon
         monkeypatch.setattr(
             tf, name, lambda *a, _k=kernel, _n=name, **kw: (calls.append(_n), _k(*a, **kw))[1]
         )
-    path = tiny_model("qwen3", num_hidden_layers=1)
+    path = tiny_model("qwen3", num_hidden_layers=1, head_dim=64)
     prompts = [PROMPTS[0], PROMPTS[3]]
     fused = generate(path, "float32", "cpu", True, monkeypatch, prompts, new_tokens=4, sample=False)
     assert {"rope_store_kv", "silu_and_mul"} <= set(calls)
@@ -349,3 +361,22 @@ def test_engine_takes_fused_kernels_where_usable_interpreted(tf, tiny_model, mon
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(fused, unfused, strict=True):
         assert tokens == ref_tokens  # exp and rsqrt are numpy's here: log-probs agree to float32 noise
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_qwen3_fuses_its_head_norms_only_where_bit_equal(head_dim):
+    """head_dim 32: the kernel gets the heads already normalised (unfused norms) and no norms to apply."""
+    from tidal.rollout.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
+    from tidal.testing.tiny import tiny_config
+
+    args = Qwen3ForCausalLM.args_from_hf_config(tiny_config("qwen3", head_dim=head_dim))
+    attention = Qwen3Attention(args, 0)
+    with torch.no_grad():
+        attention.q_norm.weight.uniform_(0.5, 1.5)
+    qkv = torch.randn(3, (args.num_heads + 2 * args.num_kv_heads) * head_dim)
+    heads, norms = attention.fused_qk_heads(qkv)
+    if head_dim == 32:
+        assert norms is None and torch.equal(heads, attention.qk_heads(qkv))
+    else:
+        assert norms == (attention.q_norm, attention.k_norm)
+        assert torch.equal(heads, Attention.qk_heads(attention, qkv))  # raw heads: the kernel normalises

@@ -64,6 +64,17 @@ def fused_kernels_usable(x: torch.Tensor) -> bool:
     return FUSED_KERNELS and triton_usable(x)
 
 
+def fusable_head_norm(head_dim: int) -> bool:
+    """Whether ``triton_fused.rope_store_kv`` applies per-head RMSNorms bit-equal to ``triton_norm``.
+
+    ``triton_norm`` sums a row's squares across 4 warps. When the row spans several warps (head_dim > 32)
+    every lane reads one total from shared memory; within a single warp the butterfly's first step is a
+    fused multiply-add that leaves lanes with totals differing in the last bit, and the fused kernel would
+    normalise each rotate-half partner with its own lane's total instead of the partner lane's (measured
+    on an H200: float32, head_dim 32 differs; 64 and 128 are bit-equal)."""
+    return head_dim > 32
+
+
 _NAME_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 

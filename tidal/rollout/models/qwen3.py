@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from tidal.rollout.models.layers import Attention, CausalLM, DecoderArgs, RMSNorm
+from tidal.rollout.models.layers import Attention, CausalLM, DecoderArgs, RMSNorm, fusable_head_norm
 
 
 class Qwen3Attention(Attention):
@@ -22,7 +22,10 @@ class Qwen3Attention(Attention):
         return torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
 
     def fused_qk_heads(self, qkv: torch.Tensor):
-        # The fused RoPE kernel applies the per-head norms itself (as triton_norm computes them).
+        # The fused RoPE kernel applies the per-head norms itself (as triton_norm computes them) where it
+        # can do so bit-equally; otherwise the norms run here, unfused.
+        if not fusable_head_norm(self.head_dim):
+            return self.qk_heads(qkv), None
         return super().qk_heads(qkv), (self.q_norm, self.k_norm)
 
 

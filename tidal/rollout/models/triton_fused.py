@@ -14,7 +14,7 @@ must not move), so every rounding of the torch path is reproduced in the kernel:
   product ``x * cos``, ``rot * sin`` and their sum to the model dtype; the kernel does the same, with
   ``mul_rn`` / ``add_rn`` so that float32 models do not get a fused multiply-add either. The norm is
   ``triton_norm``'s arithmetic (same expression, same 1-D layout: 4 warps over one head) because that
-  kernel is what the unfused path runs on CUDA.
+  kernel is what the unfused path runs on CUDA; only for head_dim > 32 (``layers.fusable_head_norm``).
 
 Triton's interpreter (CPU tests, ``TRITON_INTERPRET=1``) has no libdevice; there numpy's float32 ops
 are already exactly rounded and the plain operators are used instead.
@@ -190,6 +190,10 @@ def rope_store_kv(
     first), and k/v ([T, KV, D]) stored into ``layer_cache`` [2, blocks, block_size, KV, D] at
     ``slot_mapping`` -> (q [T, H, D], k [T, KV, D]), both contiguous. cos/sin: [T, D], model dtype."""
     tokens, heads, head_dim = qk.shape
+    if norm_weights is not None and head_dim <= 32:  # layers.fusable_head_norm says why
+        raise ValueError(
+            f"rope_store_kv: per-head norms need head_dim > 32 to match triton_norm, got {head_dim}"
+        )
     num_kv = heads - num_heads
     q_out = torch.empty(tokens, num_heads, head_dim, dtype=qk.dtype, device=qk.device)
     k_out = torch.empty(tokens, num_kv, head_dim, dtype=qk.dtype, device=qk.device)
