@@ -3,7 +3,9 @@
 Prompts are products like "37*58=" with labels "2146". The model may call ``multiply`` in the Hermes
 format (``<tool_call>{"name": "multiply", "arguments": {"a": 37, "b": 58}}</tool_call>``); the result
 comes back as a ``tool`` message rendered by the chat template, and the model's next message without
-a call is its answer. Reward: 1.0 when the answer's first integer is the product, else 0.0.
+a call is its answer. Score: 1.0 when the answer's first integer is the product, else 0.0; the reward
+adds ``TOOL_CALL_REWARD`` to an episode that answered after a call that ran (a format reward: it gets a
+small model to use the tool at all; set it to 0 to train on the score alone).
 
 ``write_data(folder)`` writes the task's files: ``prompts.jsonl`` for RL and ``sft.jsonl``, chat
 demonstrations in which HALF the answers use the tool (and are right) and half guess a number (and
@@ -25,6 +27,7 @@ from tidal.agents import ToolAgentExecutor
 # A real instruct model reads the tools from the prompt; the tiny test model learns the call format
 # from the SFT demonstrations instead, and a ~300-token tool list would only slow it down on CPU.
 TOOLS_IN_PROMPT = False
+TOOL_CALL_REWARD = 0.2
 
 
 def multiply(a: int, b: int) -> int:
@@ -51,6 +54,7 @@ class AgentExecutor(ToolAgentExecutor):
             parser="hermes",
             max_turns=2,
             tools_in_prompt=TOOLS_IN_PROMPT,
+            tool_call_reward=TOOL_CALL_REWARD,
         )
 
 

@@ -238,6 +238,25 @@ def test_a_tokenizer_without_chat_template_is_refused(qwen_tok):
         run(executor, plain, {"2*3=": ["6"]}, ["6"])
 
 
+def test_tool_call_reward_goes_to_answers_after_calls_that_ran(qwen_tok):
+    executor = ToolAgentExecutor(
+        [multiply, divide], exact, parser="hermes", max_turns=2, tools_in_prompt=False, tool_call_reward=0.25
+    )
+    scripts = {
+        "2*3=": [call("multiply", a=2, b=3), "6"],  # called, right
+        "4*5=": [call("multiply", a=4, b=5), "21"],  # called, wrong: the bonus alone
+        "6*7=": ["42"],  # right without the tool: no bonus
+        "1/0=": [call("divide", a=1, b=0)],  # the call raised: the episode failed, no bonus
+        "8*9=": [call("multiply", a=8, b=9), call("multiply", a=8, b=9)],  # no answer within max_turns
+    }
+    trajs, _ = run(executor, qwen_tok, scripts, ["6", "20", "42", "0", "72"])
+    assert [t.reward for t in trajs] == [1.25, 0.25, 1.0, 0.0, 0.0]
+    assert [t.score for t in trajs] == [1.0, 0.0, 1.0, 0.0, 0.0]  # the bonus is not in the score
+    assert trajs[3].error_kind == "tool_errors"
+    with pytest.raises(AgentError, match=r"tool_call_reward must be a finite number, got nan"):
+        ToolAgentExecutor([multiply], exact, parser="hermes", tool_call_reward=float("nan"))
+
+
 def test_max_turns_without_an_answer_scores_zero(qwen_tok):
     executor = ToolAgentExecutor([multiply], exact, parser="hermes", max_turns=2, tools_in_prompt=False)
     [traj], _ = run(executor, qwen_tok, {"2*3=": [call("multiply", a=2, b=3)] * 2}, ["6"])
@@ -332,7 +351,9 @@ def test_example_agent_file(qwen_tok, tmp_path):
         "20*30=": [call("multiply", a=20, b=30), "599"],
     }
     trajs, engine = run(executor, qwen_tok, scripts, ["2146", "132", "600"])
-    assert [t.reward for t in trajs] == [1.0, 1.0, 0.0]
+    assert [t.score for t in trajs] == [1.0, 1.0, 0.0]
+    bonus = executor.spec.tool_call_reward
+    assert bonus > 0 and [t.reward for t in trajs] == pytest.approx([1.0 + bonus, 1.0, bonus])
     assert [t.extra_logs["agent/tool_calls"] for t in trajs] == [1.0, 0.0, 1.0]
     assert any("<|im_start|>tool\n2146<|im_end|>\n<|im_start|>assistant\n" in text for text in engine.calls)
     # its data: SFT demonstrations in the chat format the executor renders, and RL prompts with labels

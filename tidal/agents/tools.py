@@ -26,7 +26,9 @@ nothing is re-tokenized):
    chat template — only the text the template adds after the assistant's message, so the tokens the
    model generated stay exactly as sampled — followed by the next assistant header;
 3. a message without tool calls is the final answer: ``reward_fn(answer, label)`` is the episode's
-   reward (and score). After ``max_turns`` messages that all called tools the episode ends with 0.
+   score, and its reward plus ``tool_call_reward`` when the episode's tool calls ran before it (a
+   format reward that gets a small model to use the tools; 0, the default, leaves the reward as
+   ``reward_fn``'s). After ``max_turns`` messages that all called tools the episode ends with 0.
 
 A call that does not parse (``agent/tool_parse_errors``), an unknown tool (``agent/unknown_tool_errors``),
 arguments that do not fit the function or a tool that raises (``agent/tool_errors``) end the episode
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -134,6 +137,7 @@ class ToolSpec:
     max_turns: int
     system_prompt: str | None
     tools_in_prompt: bool
+    tool_call_reward: float = 0.0
 
 
 class ToolEnv(AgentInstanceBase):
@@ -170,18 +174,26 @@ class ToolEnv(AgentInstanceBase):
                 f"turn {self.turn}: the model's tool call does not parse: {err}", "tool_parse_errors"
             ) from err
         if not parsed.tool_calls:
-            reward = self.spec.reward_fn(parsed.content, states["label"])
-            return self.answer(reward)
+            score = self.spec.reward_fn(parsed.content, states["label"])
+            # Every call of the episode ran (a failing one would have ended it): the tool-use bonus.
+            bonus = self.spec.tool_call_reward if self.calls else 0.0
+            return self.answer(score + bonus if bonus else score, score)
         if self.turn >= self.spec.max_turns:  # still calling tools with no turn left: no answer
-            return self.answer(0.0)
+            return self.answer(0.0, 0.0)
         results = [await self.call(c) for c in parsed.tool_calls]
         feedback = render_tool_turn(self.tokenizer, results, states.get("action_token_ids") or [])
         return {"rewards": 0.0, "environment_feedback": feedback, "done": False}
 
-    def answer(self, reward: float) -> dict:
+    def answer(self, reward, score) -> dict:
         """The episode's last step."""
         logs = {"agent/tool_calls": float(self.calls), "agent/turns": float(self.turn)}
-        return {"rewards": reward, "environment_feedback": "", "done": True, "extra_logs": logs}
+        return {
+            "rewards": reward,
+            "scores": score,
+            "environment_feedback": "",
+            "done": True,
+            "extra_logs": logs,
+        }
 
     async def call(self, tool_call: dict) -> dict:
         """Run one call; its result as a ``role: "tool"`` message."""
@@ -222,7 +234,10 @@ class ToolAgentExecutor(MultiTurnAgentExecutor):
 
     ``parser``: a name in ``TOOL_PARSERS`` or "auto" (read from the tokenizer's chat template).
     ``reward_fn(answer, label) -> float``: the reward of the final answer (the message without calls).
-    ``system_prompt``: extra system text; ``tools_in_prompt``: list the tools in the prompt."""
+    ``system_prompt``: extra system text; ``tools_in_prompt``: list the tools in the prompt.
+    ``tool_call_reward``: added to the reward (not the score) of an episode that answered after tool
+    calls that all ran; it rewards using the tools whether or not the answer is right, so keep it below
+    a right answer's reward."""
 
     def __init__(
         self,
@@ -232,6 +247,7 @@ class ToolAgentExecutor(MultiTurnAgentExecutor):
         max_turns: int = 4,
         system_prompt: str | None = None,
         tools_in_prompt: bool = True,
+        tool_call_reward: float = 0.0,
     ):
         if parser != "auto" and parser not in TOOL_PARSERS:
             raise AgentError(
@@ -246,8 +262,18 @@ class ToolAgentExecutor(MultiTurnAgentExecutor):
             )
         if not callable(reward_fn):
             raise AgentError(f"ToolAgentExecutor: reward_fn must be callable, got {reward_fn!r}")
+        if not isinstance(tool_call_reward, (int, float)) or not math.isfinite(tool_call_reward):
+            raise AgentError(
+                f"ToolAgentExecutor: tool_call_reward must be a finite number, got {tool_call_reward!r}"
+            )
         spec = ToolSpec(
-            named, [tool_schema(fn) for fn in tools], reward_fn, max_turns, system_prompt, tools_in_prompt
+            named,
+            [tool_schema(fn) for fn in tools],
+            reward_fn,
+            max_turns,
+            system_prompt,
+            tools_in_prompt,
+            float(tool_call_reward),
         )
         super().__init__(ToolEnv, {"spec": spec})
         self.spec, self.parser = spec, parser
