@@ -6,8 +6,9 @@ SFT on the example's demonstrations (half call ``multiply``, half guess), a samp
 call about half the time, often malformed. The example's reward adds ``TOOL_CALL_REWARD`` to an episode
 that answered after calls that ran (and 1.0 for the right product, which a guess almost never is), so
 the share of such episodes, ``(reward - score) / TOOL_CALL_REWARD``, must rise over 8 GRPO steps.
-A call that does not parse, names another tool or has bad arguments ends its episode with 0, so the
-bonus only exists when the call was executed.
+A call that does not parse, names another tool or has bad arguments ends its episode with 0; and every
+trained episode with a call is checked to hold, right after it, the tool message with the product of
+the call's own arguments: the calls were executed and their results are what the model read next.
 
 The tokenizer is tidal.testing's tiny one plus a few added tokens: ``<tool_call>`` and ``</tool_call>``
 (single tokens in Qwen2.5's vocabulary too) and the fixed parts of the compact call JSON, standing in
@@ -69,7 +70,37 @@ def tool_use_share(history: list[dict], bonus: float) -> list[float]:
     return [(h["reward"] - h["score"]) / bonus for h in history]
 
 
-def test_grpo_teaches_the_calculator_agent_to_use_its_tool(tmp_path):
+def executed_calls(trajectories, tokenizer) -> int:
+    """Episodes that called ``multiply`` and then answered; fails on a call not followed by the tool
+    message holding its result for the call's arguments."""
+    from tidal.agents import parse_tool_calls
+
+    count = 0
+    for traj in trajectories:
+        text = tokenizer.decode(traj.token_ids[traj.prompt_len :], skip_special_tokens=False)
+        if traj.error is not None or "<tool_call>" not in text:
+            continue
+        first_message = text.split("<|im_end|>")[0]
+        [(name, arguments)] = parse_tool_calls(first_message, "hermes").calls
+        result = f"<|im_end|>\n<|im_start|>tool\n{arguments['a'] * arguments['b']}<|im_end|>"
+        assert name == "multiply" and text.startswith(first_message + result), text
+        count += "<tool_call>" not in text[len(first_message + result) :]  # answered (a 2nd call did not)
+    return count
+
+
+def test_grpo_teaches_the_calculator_agent_to_use_its_tool(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from tidal.placement import rollout as rollout_module
+
+    rollouts = []  # each step's trajectories, as the trainer turns them into tensors
+    original = rollout_module.from_trajectories
+
+    def spy(trajectories, pad_id):
+        rollouts.append(list(trajectories))
+        return original(trajectories, pad_id)
+
+    monkeypatch.setattr(rollout_module, "from_trajectories", spy)
     example = load_example()
     assert example.TOOL_CALL_REWARD > 0
     data = example.write_data(tmp_path / "data", n_sft=512, n_prompts=64, operands=(10, 99))
@@ -96,3 +127,6 @@ def test_grpo_teaches_the_calculator_agent_to_use_its_tool(tmp_path):
     # Episodes that called the tool answered on the second turn, after the tool's message.
     assert history[-1]["agent/tool_calls"] > history[0]["agent/tool_calls"]
     assert all(h["agent/turns"] == pytest.approx(1 + h["agent/tool_calls"]) for h in history)
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    executed = [executed_calls(trajectories, tokenizer) / len(trajectories) for trajectories in rollouts]
+    assert executed == pytest.approx(share, abs=1e-6)
