@@ -120,10 +120,11 @@ def test_grpo_teaches_the_calculator_agent_to_use_its_tool(tmp_path, monkeypatch
         "--seed", "3", "--save_path", str(tmp_path / "rl"), "--ckpt_path", str(tmp_path / "ckpt"),
     ]))  # fmt: skip
     assert len(history) == 8
-    # Step 1's episodes are sampled before any update: the SFT policy. Seeds 0-6 of SFT and RL gave
-    # 0.16-0.52 there and 0.76-0.88 over the last three steps.
+    # Step 1's episodes are sampled before any update: the SFT policy. Over 7 (SFT, RL) seed pairs, these
+    # included (0.16 -> 0.76), the share went from 0.16-0.55 there to 0.76-0.91 over the last three steps
+    # (gains 0.22-0.60).
     share = tool_use_share(history, example.TOOL_CALL_REWARD)
-    assert sum(share[-3:]) / 3 > share[0] + 0.2, share
+    assert sum(share[-3:]) / 3 > share[0] + 0.15, share
     # Episodes that called the tool answered on the second turn, after the tool's message.
     assert history[-1]["agent/tool_calls"] > history[0]["agent/tool_calls"]
     assert all(h["agent/turns"] == pytest.approx(1 + h["agent/tool_calls"]) for h in history)
