@@ -2,8 +2,15 @@
 
 Pure functions over dicts (no HTTP here). A request is checked field by field; anything tidal cannot
 honour is a ``RequestError`` (HTTP 400) naming the field and what was expected, never silently
-ignored: e.g. ``presence_penalty`` other than 0, ``logit_bias``, ``tools``, ``echo``. Unknown fields are
-refused too.
+ignored: e.g. ``presence_penalty`` other than 0, ``logit_bias``, ``tool_choice: "required"``, ``echo``.
+Unknown fields are refused too.
+
+Tools follow OpenAI: chat ``tools`` reach the chat template (``apply_chat_template(..., tools=)``), and
+unless ``tool_choice`` is ``"none"`` each answer is parsed with the tool parser matching the template
+(``tidal.agents.tool_parsers.detect_tool_parser``, as the tool agent executor picks it): calls become
+``message.tool_calls`` (arguments as a JSON string) with ``finish_reason: "tool_calls"`` and the text
+outside them the ``content`` (null when empty); an answer whose calls do not parse stays plain content.
+Parsing only rewrites the answer: the sampled ids and log-probs (what an RL recorder keeps) are untouched.
 
 Log-probs follow OpenAI: chat ``logprobs: true`` with ``top_logprobs: k`` (0..20) gives each content token
 its k most likely alternatives (token, logprob, bytes); completions ``logprobs: k`` (0..5) gives each
@@ -19,11 +26,13 @@ server's ``--default_max_tokens``).
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from tidal.agents.tool_parsers import ToolParseError, detect_tool_parser, parse_tool_calls
 from tidal.rollout import RequestOutput, SamplingParams
 
 CHAT, COMPLETIONS = "chat.completions", "completions"
@@ -41,10 +50,9 @@ _NEUTRAL = {
     "logit_bias": (None, "logit_bias is not supported"),
     "echo": (False, "echo (prompt log-probs) is not supported"),
     "suffix": (None, "suffix (insertion) is not supported"),
-    "tools": (None, "tool calls are not supported yet"),
-    "tool_choice": (None, "tool calls are not supported yet"),
-    "parallel_tool_calls": (None, "tool calls are not supported yet"),
+    "parallel_tool_calls": (True, "false (at most one call per answer) is not supported"),
 }
+TOOL_CHOICES = ("none", "auto")
 
 
 class RequestError(Exception):
@@ -76,6 +84,7 @@ class ServeRequest:
     include_usage: bool = False  # streaming: a last chunk with the usage
     logprobs: bool = False
     episode_id: str | None = None
+    tool_parser: str | None = None  # chat: parse answers into tool_calls with this parser (None: do not)
     request_id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -226,11 +235,81 @@ def message_text(index: int, message: Any) -> dict:
         raise RequestError(
             f"messages[{index}].content must be a string or a list of text parts", param="messages"
         )
-    return {**message, "content": content or ""}
+    rendered = {**message, "content": content or ""}
+    if message.get("tool_calls") is not None:
+        rendered["tool_calls"] = _template_tool_calls(index, message["tool_calls"])
+    if message["role"] == "tool" and not isinstance(message.get("tool_call_id", ""), str):
+        raise RequestError(f"messages[{index}].tool_call_id must be a string", param="messages")
+    return rendered
 
 
-def chat_prompt_ids(tokenizer, messages: Any) -> list[int]:
-    """Render messages with the tokenizer's chat template (with the generation prompt) into ids."""
+def _template_tool_calls(index: int, calls: Any) -> list[dict]:
+    """An assistant message's OpenAI ``tool_calls`` as chat templates read them: the arguments decoded
+    into an object (Hermes/Qwen and Llama 3 templates write them with ``tojson``; as vLLM does)."""
+    where = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise RequestError(f"{where} must be a list", param="messages")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise RequestError(
+                f"{where}[{j}] must be {{'function': {{'name', 'arguments'}}}}", param="messages"
+            )
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except json.JSONDecodeError:
+                raise RequestError(
+                    f"{where}[{j}].function.arguments is not a JSON string: {arguments[:80]!r}",
+                    param="messages",
+                ) from None
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
+
+
+def _tools(body: dict) -> list[dict] | None:
+    """``tools``: a list of ``{"type": "function", "function": {"name", ...}}`` (None when absent/empty)."""
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("'tools' must be a list of {'type': 'function', 'function': {...}}", param="tools")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type") != "function" or not function.get("name"):
+            raise RequestError(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name', 'description', 'parameters'}}}}",
+                param="tools",
+            )
+    return tools
+
+
+def _tool_parser(body: dict, tokenizer, tools: list[dict] | None) -> str | None:
+    """The parser answers go through: none without tools or with ``tool_choice: "none"``."""
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in TOOL_CHOICES:
+        raise RequestError(
+            f"'tool_choice' must be one of {list(TOOL_CHOICES)} ('required' and a named function are not "
+            f"supported: the engine cannot force a call), got {choice!r}",
+            param="tool_choice",
+        )
+    if tools is None or choice == "none":
+        return None
+    parser = detect_tool_parser(getattr(tokenizer, "chat_template", None))
+    if parser is None:
+        raise RequestError(
+            "'tools': the served model's chat template shows no tool-call format (Hermes/Qwen <tool_call> "
+            "or Llama 3 JSON), so calls could not be parsed; use --tokenizer_chat_template",
+            param="tools",
+        )
+    return parser
+
+
+def chat_prompt_ids(tokenizer, messages: Any, tools: list[dict] | None = None) -> list[int]:
+    """Render messages (and ``tools``) with the tokenizer's chat template (with the generation prompt)
+    into ids."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", param="messages")
     if not getattr(tokenizer, "chat_template", None):
@@ -240,7 +319,8 @@ def chat_prompt_ids(tokenizer, messages: Any) -> list[int]:
         )
     rendered = [message_text(i, m) for i, m in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+        extra = {} if tools is None else {"tools": tools}  # as before when there are none
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False, **extra)
     except Exception as err:  # a template may raise on a message order it does not allow
         raise RequestError(f"the chat template rejected the messages: {err}", param="messages") from err
     # The template writes any bos itself; encoding must not add a second one.
@@ -289,7 +369,9 @@ def parse_chat(body: dict, tokenizer, limits: ModelLimits, episode_header: str |
     top = _number(body, "top_logprobs", 0, low=0, high=20, integer=True)
     if top and not logprobs:
         raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    ids = chat_prompt_ids(tokenizer, body.get("messages"))
+    tools = _tools(body)
+    tool_parser = _tool_parser(body, tokenizer, tools)
+    ids = chat_prompt_ids(tokenizer, body.get("messages"), tools)
     max_tokens = _max_tokens(body, len(ids), limits, ("max_completion_tokens", "max_tokens"))
     stream, include_usage = _stream_options(body)
     return ServeRequest(
@@ -300,6 +382,7 @@ def parse_chat(body: dict, tokenizer, limits: ModelLimits, episode_header: str |
         include_usage,
         logprobs,
         _episode(body, episode_header),
+        tool_parser,
     )
 
 
@@ -385,6 +468,24 @@ def completion_logprobs(
             "text_offset": offsets}  # fmt: skip
 
 
+def assistant_answer(
+    text: str, finish_reason: str | None, tool_parser: str | None
+) -> tuple[dict, str | None]:
+    """A chat answer's message fields (``content``, and ``tool_calls`` when it calls tools) and its
+    finish reason: ``"tool_calls"`` when the text parses as calls; a malformed call stays plain text."""
+    if tool_parser is None:
+        return {"content": text}, finish_reason
+    try:
+        parsed = parse_tool_calls(text, tool_parser)
+    except ToolParseError:
+        return {"content": text}, finish_reason
+    if not parsed.tool_calls:
+        return {"content": text}, finish_reason
+    # The parser numbers calls within one message; a conversation needs ids that differ across turns.
+    calls = [{**call, "id": f"call_{uuid.uuid4().hex[:24]}"} for call in parsed.tool_calls]
+    return {"content": parsed.content or None, "tool_calls": calls}, "tool_calls"
+
+
 def usage(outputs: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -401,7 +502,10 @@ def response_body(req: ServeRequest, model: str, outputs: list[RequestOutput], t
                 "finish_reason": sample.finish_reason,
             }
             if req.endpoint == CHAT:
-                choice["message"] = {"role": "assistant", "content": sample.text}
+                message, choice["finish_reason"] = assistant_answer(
+                    sample.text, sample.finish_reason, req.tool_parser
+                )
+                choice["message"] = {"role": "assistant", **message}
                 choice["logprobs"] = (
                     chat_logprobs(tokenizer, sample.token_ids, sample.logprobs, sample.top_logprobs)
                     if req.logprobs
@@ -450,9 +554,19 @@ def chunk_choice(
     tops: list[Alternatives] | None = None,
 ) -> dict:
     """One choice of a streamed chunk: the text and the tokens sampled since the previous chunk (with
-    their alternatives, ``tops``, when the request asks for them)."""
+    their alternatives, ``tops``, when the request asks for them). With a tool parser the text comes
+    whole in the last chunk (``text`` then holds all of it), with any ``tool_calls``."""
     choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason}
-    if req.endpoint == CHAT:
+    if req.endpoint == CHAT and req.tool_parser is not None:
+        choice["delta"] = {}
+        if finish_reason is not None:
+            message, choice["finish_reason"] = assistant_answer(text, finish_reason, req.tool_parser)
+            calls = [{"index": k, **call} for k, call in enumerate(message.get("tool_calls", []))]
+            choice["delta"] = {"content": message["content"], **({"tool_calls": calls} if calls else {})}
+        choice["logprobs"] = (
+            chat_logprobs(tokenizer, token_ids, logprobs, tops) if req.logprobs and token_ids else None
+        )
+    elif req.endpoint == CHAT:
         choice["delta"] = {"content": text} if text or finish_reason is None else {}
         choice["logprobs"] = (
             chat_logprobs(tokenizer, token_ids, logprobs, tops) if req.logprobs and token_ids else None

@@ -68,6 +68,8 @@ class _SampleStream:
         new_logprobs = sample.logprobs[self.tokens :]
         new_tops = None if sample.top_logprobs is None else sample.top_logprobs[self.tokens :]
         self.tokens = len(sample.token_ids)
+        if req.tool_parser is not None and not finished:
+            return "", new_ids, new_logprobs, new_tops  # tool calls: the text goes whole in the last chunk
         if finished:
             text = sample.text  # the engine's final text, cut at a stop string
         else:
