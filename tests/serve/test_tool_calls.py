@@ -191,3 +191,15 @@ def test_bad_tools_are_400(served):
     client, _, _ = served
     with pytest.raises(openai.BadRequestError, match=r"tools\[0\] must be"):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[{"type": "function"}])
+
+
+def test_tools_need_a_template_with_a_call_format():
+    from tidal.serve.protocol import ModelLimits, RequestError, parse_chat
+
+    tokenizer = build_tiny_tokenizer(None, add_bos=False)  # its template renders no tool calls
+    body = {"model": MODEL, "messages": MESSAGES, "tools": [WEATHER]}
+    with pytest.raises(RequestError, match="shows no tool-call format"):
+        parse_chat(body, tokenizer, ModelLimits(MODEL, 512))
+    assert parse_chat({**body, "tool_choice": "none"}, tokenizer, ModelLimits(MODEL, 512)).tool_parser is None
+    with pytest.raises(RequestError, match=r"tools\[0\] must be"):
+        parse_chat({**body, "tools": ["get_weather"]}, tokenizer, ModelLimits(MODEL, 512))
