@@ -84,7 +84,6 @@ def test_student_moves_towards_the_teacher(echo_models, tmp_path):
     ("extra", "message"),
     [
         (["--init_kl_coef", "0"], "--teacher_model distils through the KL penalty"),
-        (["--ref_num_nodes", "1", "--ref_num_gpus_per_node", "1"], "--teacher_model runs colocated"),
     ],
 )
 def test_bad_distillation_flags(echo_models, tmp_path, extra, message):

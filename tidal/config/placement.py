@@ -12,6 +12,9 @@ reward models each — unless they are given devices of their own, as in OpenRLH
 - ``--vllm_num_engines E`` without ``--colocate_all_models``: E engines (T divides E);
 - ``--ref_num_nodes/--ref_num_gpus_per_node`` set without ``--colocate_actor_ref`` or
   ``--colocate_all_models``: that many reference workers (T divides it);
+- ``--teacher_num_nodes/--teacher_num_gpus_per_node`` (a tidal addition; on-policy distillation): the
+  teacher takes the reference's place, so these size the "ref" role in its stead, with the same rules
+  (``--colocate_actor_ref`` / ``--colocate_all_models`` keep it with the policy);
 - ``--reward_num_nodes/--reward_num_gpus_per_node`` set without ``--colocate_critic_reward`` or
   ``--colocate_all_models``: that many reward-model workers (T divides it);
 - ``--critic_num_nodes/--critic_num_gpus_per_node`` set without ``--colocate_critic_reward`` or
@@ -43,6 +46,16 @@ class PlacementConfig(Checked):
     ref_num_gpus_per_node: int | None = arg(
         None, help="devices per node for the reference model (unset: with the policy workers)"
     )
+    # tidal addition (OpenRLHF has no on-policy distillation): the teacher in the reference's place
+    teacher_num_nodes: int | None = arg(
+        None,
+        help="nodes for the --teacher_model teacher (unset: with the policy workers, or --ref_num_nodes)",
+    )
+    teacher_num_gpus_per_node: int | None = arg(
+        None,
+        help="devices per node for the --teacher_model teacher (unset: with the policy workers, or "
+        "--ref_num_gpus_per_node)",
+    )
     critic_num_nodes: int | None = arg(
         None, help="nodes for the critic (unset: it trains on the policy workers)"
     )
@@ -69,7 +82,7 @@ class PlacementConfig(Checked):
     def problems(self, flags=None) -> list[str]:
         counts = [self.actor_num_nodes, self.actor_num_gpus_per_node, self.ref_num_nodes, self.ref_num_gpus_per_node,
                   self.critic_num_nodes, self.critic_num_gpus_per_node, self.reward_num_nodes,
-                  self.reward_num_gpus_per_node]  # fmt: skip
+                  self.reward_num_gpus_per_node, self.teacher_num_nodes, self.teacher_num_gpus_per_node]  # fmt: skip
         own = []
         if min(c for c in counts if c is not None) < 1:
             own.append("--*_num_nodes and --*_num_gpus_per_node must be >= 1")
@@ -79,15 +92,24 @@ class PlacementConfig(Checked):
     def actor_world_size(self) -> int:
         return self.actor_num_nodes * self.actor_num_gpus_per_node
 
+    def flag_prefix(self, role: str) -> str:
+        """The flags that size ``role``: the teacher's size the "ref" role when given (it takes the
+        reference's place; ``tidal.trainers.ppo.config`` refuses them without --teacher_model)."""
+        return "teacher" if role == "ref" and self._given("teacher") else role
+
+    def _given(self, prefix: str) -> bool:
+        return (
+            getattr(self, f"{prefix}_num_nodes") is not None
+            or getattr(self, f"{prefix}_num_gpus_per_node") is not None
+        )
+
     def role_size(self, role: str) -> tuple[int, int]:
         """(nodes, devices per node) of ``role`` (actor, ref, critic, reward); an unset count is 1."""
-        return getattr(self, f"{role}_num_nodes") or 1, getattr(self, f"{role}_num_gpus_per_node") or 1
+        prefix = self.flag_prefix(role)
+        return getattr(self, f"{prefix}_num_nodes") or 1, getattr(self, f"{prefix}_num_gpus_per_node") or 1
 
     def sized(self, role: str) -> bool:
-        return (
-            getattr(self, f"{role}_num_nodes") is not None
-            or getattr(self, f"{role}_num_gpus_per_node") is not None
-        )
+        return self._given(self.flag_prefix(role))
 
     def role_count(self, role: str) -> int:
         nodes, per_node = self.role_size(role)
@@ -148,16 +170,17 @@ def placement_problems(
                 f"one worker per policy worker (each trains on its worker's share of the batch), so it must be "
                 f"{w} (or leave them unset to train it on the policy workers)"
             )
-        elif separate[role] and count % w:
+        flag = p.flag_prefix(role)
+        if separate[role] and role != "critic" and count % w:
             problems.append(
-                f"--{role}_num_nodes x --{role}_num_gpus_per_node = {count}: each of the {w} policy workers "
+                f"--{flag}_num_nodes x --{flag}_num_gpus_per_node = {count}: each of the {w} policy workers "
                 f"drives the same number of {role} workers on devices of their own, so it must be a "
                 f"multiple of {w}"
             )
         if not separate[role] and p.role_size(role) not in ((1, 1), actor):
             where = "trains on" if role == "critic" else "is colocated with"
             problems.append(
-                f"--{role}_num_nodes/--{role}_num_gpus_per_node {p.role_size(role)}: the {role} model {where} "
+                f"--{flag}_num_nodes/--{flag}_num_gpus_per_node {p.role_size(role)}: the {flag} model {where} "
                 f"the policy workers, so its size must be 1x1 or the actor's {actor[0]}x{actor[1]}"
             )
     return problems

@@ -30,7 +30,7 @@ from tidal.models.precision import Precision
 from tidal.models.value_model import load_value_model
 from tidal.placement.critic import CriticSpec, CriticUpdate, CriticWorker, LocalCritic, RemoteCritic
 from tidal.placement.data_parallel import DataParallelRollout
-from tidal.placement.frozen_roles import LocalReference, RemoteReference, RemoteRewardModels
+from tidal.placement.frozen_roles import LocalReference, RemoteReference, RemoteRewardModels, reference_source
 from tidal.placement.protocols import CriticRole, PlacedRun, ReferenceRole, RewardRole, RolloutRole
 from tidal.placement.remote_rollout import RemoteRollout
 from tidal.placement.roles import start_workers, worker_counts
@@ -82,8 +82,7 @@ def build_reference(
     if workers:
         return RemoteReference(workers)
     # on-policy distillation: the teacher is the model the KL penalty pulls the policy towards
-    source = run.reward.teacher_model or run.actor.pretrain
-    model = load_causal_lm(frozen_copy_config(run.actor, source), device)
+    model = load_causal_lm(frozen_copy_config(run.actor, reference_source(run)), device)
     return LocalReference(FrozenModel(model, device, run.frozen.offload), precision)
 
 

@@ -1,6 +1,7 @@
 """The reference and reward models on devices of their own (separate workers), or with the policy.
 
-When ``--ref_num_*`` / ``--reward_num_*`` give them devices of their own (``tidal.config.placement``),
+When ``--ref_num_*`` (or, for on-policy distillation's teacher in the reference's place,
+``--teacher_num_*``) / ``--reward_num_*`` give them devices of their own (``tidal.config.placement``),
 each trainer drives its share of the workers: it splits its samples over them (contiguous rows) and
 collects log-probs or rewards. Both sides are the roles of ``tidal.placement.protocols``:
 
@@ -50,6 +51,12 @@ class FrozenSpec:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+
+def reference_source(run) -> str:
+    """The model in the reference's place: on-policy distillation's teacher (``--teacher_model``), else
+    the policy's initial weights; the same whether it runs here or on workers of its own."""
+    return run.reward.teacher_model or run.actor.pretrain
 
 
 def _setup(spec: FrozenSpec) -> torch.device:

@@ -14,7 +14,7 @@ from tidal.config import ConfigError
 from tidal.config.placement import separate_engines, separate_reference, separate_reward
 from tidal.models.frozen import frozen_copy_config
 from tidal.placement.engines import EngineWorker, engine_spec
-from tidal.placement.frozen_roles import FrozenSpec, ReferenceWorker, RewardWorker
+from tidal.placement.frozen_roles import FrozenSpec, ReferenceWorker, RewardWorker, reference_source
 from tidal.placement.protocols import PlacedRun
 from tidal.placement.workers import ROLES, ExtraDevices, RayWorker, start_process_workers
 
@@ -37,8 +37,12 @@ def worker_counts(run: PlacedRun, world_size: int) -> dict[str, int]:
     counts = {}
     for role, total in role_totals(run).items():
         if total % world_size:
+            prefix = run.placement.flag_prefix("ref")  # the teacher's flags size it in the reference's place
+            flag = (
+                f"--{prefix}_num_nodes x --{prefix}_num_gpus_per_node" if role == "reference" else FLAGS[role]
+            )
             raise ConfigError(
-                f"{FLAGS[role]} = {total}: each of the {world_size} policy workers drives the same number of "
+                f"{flag} = {total}: each of the {world_size} policy workers drives the same number of "
                 f"{role} workers, so it must be a multiple of {world_size}"
             )
         counts[role] = total // world_size
@@ -51,7 +55,7 @@ def role_spec(run: PlacedRun, role: str):
         return EngineWorker, engine_spec(run)
     threads, dtype = torch.get_num_threads(), run.actor.param_dtype
     if role == "reference":
-        return ReferenceWorker, FrozenSpec((frozen_copy_config(run.actor, run.actor.pretrain),), dtype,
+        return ReferenceWorker, FrozenSpec((frozen_copy_config(run.actor, reference_source(run)),), dtype,
                                            num_threads=threads)  # fmt: skip
     paths = run.reward.pretrain.split(",")
     spec = FrozenSpec(tuple(frozen_copy_config(run.actor, p) for p in paths), dtype, num_threads=threads,

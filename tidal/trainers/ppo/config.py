@@ -82,12 +82,7 @@ class PPORun(RunConfig):
             problems.append("--use_kl_loss needs --init_kl_coef > 0")
         if self.reward.teacher_model and a.init_kl_coef <= 0:
             problems.append("--teacher_model distils through the KL penalty: set --init_kl_coef > 0 (e.g. 1)")
-        if self.reward.teacher_model and separate_reference(p):
-            problems.append(
-                "--teacher_model runs colocated with the policy (in the reference's place); a reference on "
-                "devices of its own is not supported with it yet: drop --ref_num_nodes/--ref_num_gpus_per_node "
-                "or pass --colocate_actor_ref"
-            )
+        problems += teacher_placement_problems(self.reward.teacher_model, p)
         if p.async_train and (r.vllm_enable_sleep or p.deepspeed_enable_sleep):
             problems.append(
                 "--async_train generates while training, so the engine and trainer cannot sleep in turn: "
@@ -130,3 +125,18 @@ class PPORun(RunConfig):
         if self.reward.pretrain:
             return self.reward.pretrain.split(",")[0]
         return self.actor.pretrain
+
+
+def teacher_placement_problems(teacher_model: str | None, p: PlacementConfig) -> list[str]:
+    """The teacher takes the reference's place, so ``--teacher_num_*`` size it instead of ``--ref_num_*``:
+    they need a teacher, and one pair of sizes (``PlacementConfig.flag_prefix``)."""
+    teacher_sized = p.teacher_num_nodes is not None or p.teacher_num_gpus_per_node is not None
+    ref_sized = p.ref_num_nodes is not None or p.ref_num_gpus_per_node is not None
+    if teacher_sized and not teacher_model:
+        return ["--teacher_num_nodes/--teacher_num_gpus_per_node place the --teacher_model teacher: pass "
+                "--teacher_model, or size the reference with --ref_num_nodes/--ref_num_gpus_per_node"]  # fmt: skip
+    if teacher_sized and ref_sized:
+        return ["--teacher_num_nodes/--teacher_num_gpus_per_node with --ref_num_nodes/--ref_num_gpus_per_node: "
+                "the teacher takes the reference's place (there is no other reference), so size it with one "
+                "pair of flags"]  # fmt: skip
+    return []
