@@ -5,8 +5,9 @@ Two groups:
 
 - ``gpu``: the compiled kernel at realistic shapes (contexts 1k-16k, 1-512 new tokens per sequence,
   mixed in one batch; heads 14/2 and 28/4; head dim 64 and 128; window on and off) in float32 (within
-  1e-5 of the torch path) and bfloat16, a long prompt's chunk with the keys split (split-K), the dispatch in ``attention.context_prefill_attention``, and an
-  engine with prefix caching + chunked prefill on CUDA whose greedy tokens equal the torch path's;
+  2e-5 of float64 and of the torch path beyond its own error: ``FP32_TOL``) and bfloat16, a long
+  prompt's chunk with the keys split (split-K), the dispatch in ``attention.context_prefill_attention``,
+  and an engine with prefix caching + chunked prefill on CUDA whose greedy tokens equal the torch path's;
 - interpreter: the same kernel run by Triton's interpreter on CPU (``TRITON_INTERPRET=1``) at tiny float32
   shapes, skipped where triton is not importable or CUDA is present.
 
@@ -99,6 +100,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # (start, end) per sequence: contexts 1k-16k, 1 to 512 new tokens, mixed in one batch; one sequence
 # prefilled from 0 (a first chunk) and one ending mid-block.
 GPU_BATCH = [(1024, 1025), (3000, 3512), (16384 - 300, 16384), (0, 384), (7777, 7800), (12000, 12001)]
+# float32 bound against float64 on the GPU, over up to 16k keys: outputs are O(1) (convex combinations
+# of N(0, 1) values, up to ~4), and the compiled kernel rescales its float32 accumulator once per 32-key
+# chunk (512 times over 16k keys) with the GPU's approximate exp2 and division (a few ulps each). The
+# H200 measured 1.14e-5 at 14/2 heads, d 64, 16k keys (the torch path 6.6e-6): 2e-5 bounds that, and a
+# real bug (a key dropped or counted twice) moves an output by ~1e-3 or more.
+FP32_TOL = 2e-5
 
 
 def _run_kernel(q, layer_cache, meta, window, scale, backend="triton"):
@@ -120,11 +127,10 @@ def test_float32_matches_torch_path(heads, kv_heads, head_dim, window):
     torch_err = (torch_out.double() - ref).abs().max().item()
     errors = f"max |x - float64|: kernel {kernel_err:.2e}, torch path {torch_err:.2e}"
     print(f"fp32 {heads}/{kv_heads} heads, d {head_dim}, window {window}: {errors}")
-    assert kernel_err < 1e-5, errors
-    # Within 1e-5 of the torch path beyond that path's own error: on the H200 the two differed by 1.6e-5
-    # over 16k keys while the kernel itself is within 1e-5 of float64 (asserted above), so the excess is
-    # the torch path's (SDPA's float32 kernel).
-    assert (out - torch_out).abs().max().item() < 1e-5 + torch_err, errors
+    assert kernel_err < FP32_TOL, errors
+    # Both paths are within a few 1e-5 of float64 (their difference was 1.6e-5 on the H200): the kernel
+    # agrees with the torch path up to the two paths' own errors.
+    assert (out - torch_out).abs().max().item() < FP32_TOL + torch_err, errors
 
 
 @pytest.mark.gpu
@@ -159,7 +165,7 @@ def test_long_prompt_chunk_splits_the_keys(dtype, window):
     for num_splits in (None, 1, 2, 16):
         out = triton_context.paged_context_attention(q, cache, *args, num_splits).double()
         if dtype == torch.float32:
-            assert (out - ref).abs().max().item() < 1e-5, num_splits
+            assert (out - ref).abs().max().item() < FP32_TOL, num_splits
         else:
             assert ((out - ref).abs() <= 1e-2 + 1e-2 * ref.abs()).all(), num_splits
 
@@ -173,7 +179,7 @@ def test_block_size_and_int32_tables():
     )
     for window in (None, 5):
         out = _run_kernel(q, cache, meta, window, 0.125)
-        assert (out.double() - reference(q, cache, meta, window, 0.125)).abs().max().item() < 1e-5
+        assert (out.double() - reference(q, cache, meta, window, 0.125)).abs().max().item() < FP32_TOL
 
 
 @pytest.mark.gpu
