@@ -84,7 +84,7 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda if available
     seed: int = 0  # seeds for requests without SamplingParams.seed
     enforce_eager: bool = False  # CUDA: run decode op by op instead of replaying CUDA graphs
-    attention_backend: str = "auto"  # decode attention: auto (triton on CUDA), triton, torch
+    attention_backend: str = "auto"  # decode and context prefill: auto (triton on CUDA), triton, torch
     # Router replay: record each token's MoE experts into ``CompletionOutput.routed_experts`` (no CUDA graphs)
     record_routing: bool = False
     # Reuse the KV blocks of cached prompt prefixes (prefix_cache.py); vLLM's and OpenRLHF's name.
