@@ -531,13 +531,16 @@ def test_interpreted_matmul_rms_norm_and_logprobs_match_float64_and_are_row_inva
     assert torch.equal(te.token_logprobs(logits[4:5], tokens[4:5], temps[4:5]), lp[4:5])
 
 
-@pytest.mark.parametrize("window", [None, 10])
-def test_interpreted_attention_matches_float64_and_a_query_alone_gives_the_same_bits(te, window):
+@pytest.mark.parametrize(("window", "heads", "kv_heads"), [(None, 4, 2), (10, 4, 2), (None, 7, 1)])
+def test_interpreted_attention_matches_float64_and_a_query_alone_gives_the_same_bits(
+    te, window, heads, kv_heads
+):
+    """(GQA 7/1: a tile of 32 (query, head) rows ends inside a query's group of heads.)"""
     g = torch.Generator().manual_seed(1)
     q, k, v = (
-        torch.randn(2, 40, 4, 16, generator=g),
-        torch.randn(2, 40, 2, 16, generator=g),
-        torch.randn(2, 40, 2, 16, generator=g),
+        torch.randn(2, 40, heads, 16, generator=g),
+        torch.randn(2, 40, kv_heads, 16, generator=g),
+        torch.randn(2, 40, kv_heads, 16, generator=g),
     )
     pos = torch.arange(40).expand(2, 40)
     full = te.attention(q, k, v, pos, 0.3, window)

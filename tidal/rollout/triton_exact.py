@@ -10,11 +10,11 @@ the batch. These kernels fix everything that decides a row's reduction order:
 - a row's (or a query's) result is computed by instructions that read only that row: the other rows of
   its tile go through the same tensor-core instructions in other lanes, and masked rows are zeros.
 
-``matmul``: ``x [M, K] @ w [N, K]^T`` in ``MATMUL_BLOCK_M x MATMUL_BLOCK_N`` tiles, K in ``BLOCK_K`` steps (bf16 or fp32;
-fp32 uses IEEE products, not TF32), out in ``x``'s dtype. ``rms_norm``: one program per row. ``token_logprobs``:
+``matmul``: ``x [M, K] @ w [N, K]^T`` in ``MATMUL_BLOCK_M x MATMUL_BLOCK_N`` tiles, K in ``MATMUL_BLOCK_K``
+steps (bf16 or fp32; fp32 uses IEEE products, not TF32), out in ``x``'s dtype. ``rms_norm``: one program per row. ``token_logprobs``:
 one program per row, the vocabulary in ``VOCAB_BLOCK`` chunks (max, then sum of exponentials). ``attention``:
-``QUERY_BLOCK`` queries of one (row, head) per program over keys in ``KEY_BLOCK`` blocks at fixed absolute
-positions, online softmax in block order; a block a query sees none of leaves its state bit-unchanged
+``QUERY_BLOCK`` (query, head) rows of one KV head per program (a decode step's GQA group reads its keys
+once) over keys in ``KEY_BLOCK`` blocks at fixed absolute positions, online softmax in block order; a block a query sees none of leaves its state bit-unchanged
 (alpha is exactly 1, it adds exact zeros), so the keys beyond a query's position, the other queries of its
 tile and whether it is a prefill or a decode query change nothing.
 
@@ -168,27 +168,60 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torc
 
 @triton.jit(do_not_specialize=["Lq", "Lk"])
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, Lq, Lk, H, GROUPS, scale,
-    sqb, sql, sqh, sqd, skb, skl, skh, skd, svb, svl, svh, svd, spb, spl, sob, sol, soh, sod,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    WINDOW: tl.constexpr, IEEE: tl.constexpr,
-):  # WINDOW: the sliding window (0: none)  # fmt: skip
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
-    kvh = h // GROUPS
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    o_ptr,
+    Lq,
+    Lk,
+    KV,
+    scale,
+    sqb,
+    sql,
+    sqh,
+    sqd,
+    skb,
+    skl,
+    skh,
+    skd,
+    svb,
+    svl,
+    svh,
+    svd,
+    spb,
+    spl,
+    sob,
+    sol,
+    soh,
+    sod,
+    GROUPS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # WINDOW: the sliding window (0: none)
+    # A tile's rows are (query, head) pairs of one KV head: row r is query r // GROUPS, head
+    # kvh * GROUPS + r % GROUPS, so a decode step's GQA group shares one read of its keys.
+    bkv = tl.program_id(1).to(tl.int64)
+    b, kvh = bkv // KV, bkv % KV
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = rows // GROUPS
+    h = kvh * GROUPS + rows % GROUPS
     dims = tl.arange(0, BLOCK_D)
-    live = rows < Lq
+    live = qi < Lq
     dmask = dims < HEAD_DIM
-    # a padding query (row >= Lq) sits at position -1: it sees no key
-    pos = tl.load(pos_ptr + b * spb + rows * spl, mask=live, other=-1).to(tl.int32)
+    # a padding row (past the last query) sits at position -1: it sees no key
+    pos = tl.load(pos_ptr + b * spb + qi * spl, mask=live, other=-1).to(tl.int32)
     q = tl.load(
-        q_ptr + b * sqb + rows[:, None] * sql + h * sqh + dims[None, :] * sqd,
+        q_ptr + b * sqb + qi[:, None] * sql + h[:, None] * sqh + dims[None, :] * sqd,
         mask=live[:, None] & dmask[None, :],
         other=0.0,
     )
-    # Key blocks [lo, hi): every block any query of the tile sees. The blocks outside it are ones each of
-    # these queries sees nothing of, which would leave its state unchanged: skipping them is exact.
+    # Key blocks [lo, hi): every block any row of the tile sees. The blocks outside it are ones each of
+    # these rows sees nothing of, which would leave its state unchanged: skipping them is exact.
     # (Blocks past Lk, if a position were, are masked by ``kin``.)
     hi = tl.max(pos, axis=0) + 1
     lo = 0
@@ -217,7 +250,7 @@ def _attention_kernel(
         s = tl.where(seen, s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        # a query that sees nothing new keeps m: alpha exactly 1, and p is all exact zeros
+        # a row that sees nothing new keeps m: alpha exactly 1, and p is all exact zeros
         alpha = tl.where(m_new == m_i, 1.0, tl.exp(m_i - m_safe))
         p = tl.where(seen, tl.exp(s - m_safe[:, None]), 0.0)
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -233,7 +266,7 @@ def _attention_kernel(
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
-        o_ptr + b * sob + rows[:, None] * sol + h * soh + dims[None, :] * sod,
+        o_ptr + b * sob + qi[:, None] * sol + h[:, None] * soh + dims[None, :] * sod,
         out.to(o_ptr.dtype.element_ty),
         mask=live[:, None] & dmask[None, :],
     )
@@ -256,11 +289,12 @@ def attention(
     if b * lq * h == 0:
         return out
     pos = q_pos.expand(b, lq)
-    grid = (triton.cdiv(lq, QUERY_BLOCK), b * h)
+    groups = h // kv
+    grid = (triton.cdiv(lq * groups, QUERY_BLOCK), b * kv)
     _attention_kernel[grid](
-        q, k, v, pos, out, lq, lk, h, h // kv, float(scale),
+        q, k, v, pos, out, lq, lk, kv, float(scale),
         *q.stride(), *k.stride(), *v.stride(), *pos.stride(), *out.stride(),
-        HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=QUERY_BLOCK, BLOCK_N=KEY_BLOCK,
-        WINDOW=window or 0, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+        GROUPS=groups, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=QUERY_BLOCK,
+        BLOCK_N=KEY_BLOCK, WINDOW=window or 0, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
     )  # fmt: skip
     return out
