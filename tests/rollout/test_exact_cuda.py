@@ -25,12 +25,11 @@ is about 2x those.
 from __future__ import annotations
 
 import contextlib
-import importlib
-import os
 
 import pytest
 import torch
 
+from tests.rollout.triton_interpreter import interpreted
 from tidal.rollout import batch_invariant as bi
 
 TEMPERATURE = 0.8
@@ -454,53 +453,8 @@ def test_exact_mode_refuses_float16_in_one_line(tiny_model):
 @pytest.fixture(scope="module")
 def te():
     """``tidal.rollout.triton_exact`` with its kernels run by Triton's interpreter."""
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present: the gpu tests run the compiled kernels")
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the module's @triton.jit runs
-    try:
-        import triton.runtime.interpreter as interpreter
-
-        import tidal.rollout.triton_exact as module
-
-        _interpret_standard_library(interpreter)
-        if not isinstance(module._matmul_kernel, interpreter.InterpretedFunction):
-            module = importlib.reload(module)
-        _index_scalars_of_one_element(interpreter)
+    with interpreted({"tidal.rollout.triton_exact": "_matmul_kernel"}) as (module,):
         yield module
-    except ImportError:
-        pytest.skip("triton is not installed")
-    finally:
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-
-
-def _interpret_standard_library(interpreter) -> None:
-    """``tl.sum``/``tl.max``/... are ``@triton.jit`` functions of ``triton.language.standard``, made when
-    triton is first imported: if that was before ``TRITON_INTERPRET=1`` (another test imported triton),
-    they are compiled-mode functions the interpreter cannot call. Re-make them interpreted."""
-    import triton.language as tl
-
-    if not isinstance(tl.standard.sum, interpreter.InterpretedFunction):
-        importlib.reload(tl.standard)
-        importlib.reload(tl)
-
-
-def _index_scalars_of_one_element(interpreter) -> None:
-    """triton 3.6's interpreter holds a scalar as a 1-element array and makes ``range`` bounds of it with
-    ``int(array)``, which numpy >= 2.4 refuses for 1-d arrays; read its one element instead."""
-    if getattr(interpreter, "_tidal_patched", False):
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patch(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patch
-    interpreter._tidal_patched = True
 
 
 @pytest.fixture

@@ -20,12 +20,10 @@ error must also stay within 1.5x of the torch bf16 path's own (plus 1e-3).
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
+from tests.rollout.triton_interpreter import interpreted
 from tidal.rollout import attention
 from tidal.rollout.attention import AttentionMetadata
 
@@ -246,31 +244,14 @@ def test_engine_prefix_caching_same_tokens_as_torch_path(tiny_model, monkeypatch
 # ------------------------------------------------------------------------------------ interpreter
 @pytest.fixture(scope="module")
 def tc():
-    """``tidal.rollout.triton_context`` with its kernel run by Triton's interpreter."""
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present: the gpu tests run the compiled kernel")
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the module's @triton.jit runs
-    try:
-        import triton.runtime.interpreter as interpreter
-
-        import tidal.rollout.triton_attention as decode_module
-        import tidal.rollout.triton_context as module
-        from tests.rollout.test_exact_cuda import _index_scalars_of_one_element, _interpret_standard_library
-
-        _interpret_standard_library(interpreter)
-        if not isinstance(module._context_kernel, interpreter.InterpretedFunction):
-            importlib.reload(decode_module)  # its merge kernel (split-K), imported by the context module
-            module = importlib.reload(module)
-        _index_scalars_of_one_element(interpreter)  # the kernel's loop bounds are loaded scalars
+    """``tidal.rollout.triton_context`` with its kernel run by Triton's interpreter (and the decode module's
+    merge kernel, which it imports for split-K)."""
+    kernels = {
+        "tidal.rollout.triton_attention": "_merge_kernel",
+        "tidal.rollout.triton_context": "_context_kernel",
+    }
+    with interpreted(kernels) as (_, module):
         yield module
-    except ImportError:
-        pytest.skip("triton is not installed")
-    finally:
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
 
 
 def _interpret(tc, q, cache, meta, window, scale, num_splits=1):

@@ -21,13 +21,11 @@ routing weight on a single slot would exceed the tolerance.
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.rollout.triton_interpreter import interpreted
 from tidal.rollout.models import moe
 
 
@@ -171,25 +169,8 @@ def test_expert_forward_dispatch_follows_fused_moe_switch(monkeypatch):
 @pytest.fixture(scope="module")
 def tm():
     """``tidal.rollout.triton_moe`` with its kernels run by Triton's interpreter."""
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present: the gpu tests run the compiled kernels")
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the module's @triton.jit runs
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        import tidal.rollout.triton_moe as module
-
-        if not isinstance(module._moe_gemm, InterpretedFunction):
-            module = importlib.reload(module)
+    with interpreted({"tidal.rollout.triton_moe": "_moe_gemm"}) as (module,):
         yield module
-    except ImportError:
-        pytest.skip("triton is not installed")
-    finally:
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
 
 
 def test_align_pairs_sorts_and_pads_each_expert_to_whole_blocks(tm):
