@@ -29,6 +29,7 @@ import contextlib
 import pytest
 import torch
 
+from tests.rollout.test_exact_logprobs import _rollout
 from tests.rollout.triton_interpreter import interpreted
 from tidal.rollout import batch_invariant as bi
 
@@ -225,22 +226,6 @@ def test_exact_ops_capture_in_a_cuda_graph():
 
 
 # ------------------------------------------------------------------------------------ gpu: end to end
-def _rollout(vocab=512, n=8, seed=0):
-    """GRPO-like requests: prompts and response budgets of mixed lengths, each sample its own seed."""
-    from tidal.rollout.sampling_params import SamplingParams
-
-    g = torch.Generator().manual_seed(seed)
-    prompts = [
-        torch.randint(3, vocab, (int(k),), generator=g).tolist()
-        for k in torch.randint(2, 30, (n,), generator=g)
-    ]
-    params = [
-        SamplingParams(temperature=TEMPERATURE, max_tokens=int(m), seed=i, ignore_eos=True)
-        for i, m in enumerate(torch.randint(1, 20, (n,), generator=g))
-    ]  # fmt: skip
-    return prompts, params
-
-
 def _trainer_gaps(hf, prompts, outputs, device, precision=None) -> float:
     """max |engine - trainer| over the responses, the trainer scoring one packed row."""
     from tidal.models.forward import token_logprobs
