@@ -16,14 +16,12 @@ must not move), so the GPU tests assert ``torch.equal``:
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tests.rollout.reference import PROMPTS
+from tests.rollout.triton_interpreter import interpreted
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
 from tidal.rollout.attention import store_kv
 from tidal.rollout.models import layers
@@ -260,28 +258,12 @@ def test_one_eager_engine_gives_the_same_outputs_with_the_kernels_on_and_off(
 @pytest.fixture(scope="module")
 def tf():
     """``triton_fused`` (and ``triton_norm``, the unfused q/k-norm path) run by Triton's interpreter."""
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present: the gpu tests run the compiled kernels")
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the modules' @triton.jit run (and by triton_fused)
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        import tidal.rollout.models.triton_fused as fused
-        import tidal.rollout.models.triton_norm as norm
-
-        if not isinstance(fused._rope_store_kv_kernel, InterpretedFunction):
-            fused = importlib.reload(fused)
-        if not isinstance(norm._add_rms_norm_kernel, InterpretedFunction):
-            importlib.reload(norm)
+    kernels = {
+        "tidal.rollout.models.triton_fused": "_rope_store_kv_kernel",
+        "tidal.rollout.models.triton_norm": "_add_rms_norm_kernel",
+    }
+    with interpreted(kernels) as (fused, _):
         yield fused
-    except ImportError:
-        pytest.skip("triton is not installed")
-    finally:
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
 
 
 @pytest.mark.parametrize("rows, inter", [(1, 24), (5, 1100), (0, 8)])
