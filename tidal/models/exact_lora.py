@@ -12,8 +12,9 @@ bit for bit, a LoRA layer must multiply by that same merged tensor, so in exact 
 - both compute in the exact forward's compute dtype (``make_exact``'s: float32 on the CPU, bf16 on
   CUDA), from W, A and B rounded to it: FSDP2 with mixed precision all-gathers them so rounded for the
   forward, and one process's float32 masters are rounded the same way, so every placement merges alike;
-- the unmerge restores the saved base weights instead of subtracting the delta (peft's ``W + d - d``
-  can be an ulp off ``W``, and the next forward would then differ from what the engine holds).
+- the unmerge only marks the adapters unmerged: ``weight_sync.engine_weights`` saves every LoRA policy's
+  base weights before the merge and puts them back after it (peft's ``W + d - d`` can be an ulp off
+  ``W``, and the next forward would then differ from what the engine holds).
 """
 
 from __future__ import annotations
@@ -78,15 +79,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def merge_weights(layers: list[nn.Module]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Add each active adapter's delta to its base weight in place (this rank's rows of a sharded one);
-    returns ``(tensor, saved copy)`` pairs for ``restore_weights``."""
-    saved = []
+def merge_weights(layers: list[nn.Module]) -> None:
+    """Add each active adapter's delta to its base weight in place (this rank's rows of a sharded one)."""
     for layer in layers:
         if layer.disable_adapters or layer.merged:
             continue
         weight = _local(layer.get_base_layer().weight.data)
-        saved.append((weight, weight.clone()))
         merged = weight.to(layer.tidal_compute_dtype)
         for adapter in layer.active_adapters:
             if adapter not in layer.lora_A:
@@ -98,22 +96,12 @@ def merge_weights(layers: list[nn.Module]) -> list[tuple[torch.Tensor, torch.Ten
             merged = merged + lora_delta(b, a, layer.scaling[adapter], layer.tidal_compute_dtype)
             layer.merged_adapters.append(adapter)
         weight.copy_(merged)  # a compute-dtype value: exact in the (float32) parameter, and on the wire
-    return saved
-
-
-@torch.no_grad()
-def restore_weights(layers: list[nn.Module], saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Undo ``merge_weights`` exactly: the saved base weights back, the adapters marked unmerged."""
-    for weight, copy in saved:
-        weight.copy_(copy)
-    for layer in layers:
-        layer.merged_adapters.clear()
 
 
 def make_lora_exact(model: nn.Module) -> nn.Module:
     """Switch the LoRA layers of a peft ``model`` (already through ``batch_invariant.make_exact``) to their
     merged exact forward, and its ``merge_adapter``/``unmerge_adapter`` (the weight sync's) to the exact
-    merge and restore. A model without adapters is returned unchanged."""
+    merge (``engine_weights`` restores the base weights). A model without adapters is returned unchanged."""
     layers = lora_layers(model)
     if not layers:
         return model
@@ -124,14 +112,13 @@ def make_lora_exact(model: nn.Module) -> nn.Module:
             raise ConfigError(f"--exact_logprobs: {problem}")
         layer.tidal_compute_dtype = dtype
         layer.forward = bi.bound_forward(exact_lora_forward, layer)
-    saved: list = []
 
     def merge_adapter(*args, **kwargs) -> None:
-        saved.extend(merge_weights(layers))
+        merge_weights(layers)
 
-    def unmerge_adapter(*args, **kwargs) -> None:
-        restore_weights(layers, saved)
-        saved.clear()
+    def unmerge_adapter(*args, **kwargs) -> None:  # the values: engine_weights puts the saved bases back
+        for layer in layers:
+            layer.merged_adapters.clear()
 
     model.merge_adapter, model.unmerge_adapter = merge_adapter, unmerge_adapter
     return model

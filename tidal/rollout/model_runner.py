@@ -305,8 +305,12 @@ class ModelRunner:
             return torch.tensor(data, dtype=dtype, device=self.device)
         # From pinned memory without waiting: a copy from pageable memory waits for the device's queue,
         # which would stall the host behind a step launched ahead (async scheduling).
-        # (``torch.tensor(..., pin_memory=True)`` refuses a numpy array: build, then copy into pinned memory.)
-        return torch.as_tensor(data, dtype=dtype).pin_memory().to(self.device, non_blocking=True)
+        # ``torch.tensor(..., pin_memory=True)`` refuses a numpy array: that one is copied into pinned memory.
+        if isinstance(data, np.ndarray):
+            host = torch.from_numpy(data).to(dtype).pin_memory()
+        else:
+            host = torch.tensor(data, dtype=dtype, pin_memory=True)
+        return host.to(self.device, non_blocking=True)
 
     def run(self, batch: ScheduledBatch) -> StepResult:
         """Run one scheduled step: its sampled tokens, their log-probs and, for the rows whose request asks
