@@ -54,11 +54,17 @@ def category(name: str) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from bench.moe import MOE_CONFIGS
     from bench.rollout import CONFIGS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--config", choices=sorted(CONFIGS), help="random-init model of this shape (default: tiny)"
+        "--config",
+        choices=sorted([*CONFIGS, *MOE_CONFIGS]),
+        help="random-init model of this shape, dense (bench/rollout.py) or MoE (bench/moe.py); default: tiny",
+    )
+    p.add_argument(
+        "--layers", type=int, default=0, help="keep only this many decoder layers (0: the shape's own)"
     )
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt_len", type=int, default=32)
@@ -101,13 +107,33 @@ class PhaseClock:
         setattr(obj, method, timed)
 
 
+def load_model(args, dtype: torch.dtype, tmp: str):
+    """(HF model, its folder or None): a random-init dense or MoE shape, ``--layers`` of them if set."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bench.moe import MOE_CONFIGS, moe_config
+    from bench.rollout import CONFIGS, load_hf_model
+
+    if args.config in MOE_CONFIGS:
+        config = moe_config(args.config)
+    elif args.config:
+        fields = dict(CONFIGS[args.config])
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    else:
+        ns = argparse.Namespace(model=None, config=None, device=args.device, seed=args.seed)
+        return load_hf_model(ns, dtype, tmp)
+    if args.layers:
+        config.num_hidden_layers = args.layers
+    torch.manual_seed(args.seed)
+    with torch.device(args.device):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval(), None
+
+
 def build_engine(args, tmp: str):
-    from bench.rollout import load_hf_model
     from tidal.rollout import EngineConfig, LLMEngine
 
-    ns = argparse.Namespace(model=None, config=args.config, device=args.device, seed=args.seed)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    hf, path = load_hf_model(ns, dtype, tmp)
+    hf, path = load_model(args, dtype, tmp)
     config = EngineConfig(
         max_num_seqs=args.batch,
         max_model_len=args.prompt_len + 3 * args.steps + 8,
@@ -220,6 +246,7 @@ def measure(args, fused: bool) -> dict:
     result = {
         "bench": "profile_decode",
         "model": args.config or "tiny-qwen2",
+        "layers": args.layers or None,
         "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
         "batch": args.batch,

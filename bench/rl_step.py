@@ -34,6 +34,7 @@ and whether the engine ran the fused Triton experts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -75,6 +76,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more step under torch.profiler: GPU kernel time per phase by kind (JSON) and top kernels (stderr)",
+    )
+    p.add_argument("--top", type=int, default=12, help="with --profile: kernels listed per phase")
     args = p.parse_args(argv)
     if args.device == "cpu" and args.config in ("tiny", "tiny-moe") and args.new_tokens == 256:
         args.prompts, args.n, args.prompt_len, args.new_tokens, args.micro = 4, 4, 16, 16, 8
@@ -203,16 +210,18 @@ class GRPOStep:
         with engine_weights(self.policy) as named:
             return self.engine.update_weights(named)
 
-    def run(self, step: int) -> tuple[dict[str, float], dict]:
-        """One step; returns (seconds per phase, stats)."""
+    def run(self, step: int, around=None) -> tuple[dict[str, float], dict]:
+        """One step; returns (seconds per phase, stats). ``around(phase)``, if given, is a context
+        manager entered around each phase (``--profile``)."""
         seconds: dict[str, float] = {}
 
         def timed(phase, fn, *a):
             sync(self.device)
-            start = time.perf_counter()
-            out = fn(*a)
-            sync(self.device)
-            seconds[phase] = time.perf_counter() - start
+            with around(phase) if around else contextlib.nullcontext():
+                start = time.perf_counter()
+                out = fn(*a)
+                sync(self.device)
+                seconds[phase] = time.perf_counter() - start
             return out
 
         exp = timed("generate", self.generate, step)
@@ -226,6 +235,35 @@ class GRPOStep:
         stats["tokens"] = int(exp.attention_mask.sum())
         stats["response_tokens"] = int(mask.sum())
         return seconds, stats
+
+
+def kernel_profile(bench: GRPOStep, step: int, top: int) -> dict:
+    """One step with ``torch.profiler`` around each phase: per phase, GPU kernel milliseconds by kind
+    (bench/profile_decode.py's categories) and the sum (``busy``); the top kernels go to stderr."""
+    from profile_decode import category
+    from torch.profiler import ProfilerActivity, profile
+
+    report: dict[str, dict] = {}
+
+    @contextlib.contextmanager
+    def around(phase):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            yield
+        per_kernel: dict[str, float] = {}
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                per_kernel[event.name] = per_kernel.get(event.name, 0.0) + event.device_time / 1e3
+        by_kind: dict[str, float] = {}
+        for name, ms in per_kernel.items():
+            by_kind[category(name)] = by_kind.get(category(name), 0.0) + ms
+        report[phase] = {k: round(v, 2) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
+        report[phase]["busy"] = round(sum(per_kernel.values()), 2)
+        print(f"[{phase}] GPU busy {report[phase]['busy']:.1f} ms", file=sys.stderr)
+        for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]:
+            print(f"  {ms:9.2f} ms  {name[:100]}", file=sys.stderr)
+
+    seconds, _ = bench.run(step, around)
+    return {"kernel_ms": report, "profiled_phases_s": {p: round(s, 4) for p, s in seconds.items()}}
 
 
 def main(argv=None) -> dict:
@@ -253,6 +291,8 @@ def main(argv=None) -> dict:
         "attn_impl": bench.policy.config._attn_implementation,
         **moe_report(bench.policy, device, bench.opt.precision),
     }  # fmt: skip
+    if args.profile and device.type == "cuda":
+        report |= kernel_profile(bench, args.warmup + args.steps, args.top)
     print(json.dumps(report))
     return report
 
