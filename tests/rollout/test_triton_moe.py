@@ -6,6 +6,8 @@ Two groups:
   ``moe_intermediate_size`` 768) in bfloat16, 1 to 4096 tokens, uniform and skewed routing (most tokens
   on the same 8 experts, a quarter of the experts given no token), inside a CUDA graph, and the dispatch
   in ``moe.expert_forward`` (``FUSED_MOE``);
+- the alignment kernel (``align_pairs_triton``) bit-identical to the torch ops it replaces
+  (``align_pairs_torch``), compiled at decode sizes (gpu) and interpreted at small ones;
 - interpreter: the same kernels run by Triton's interpreter on CPU (``TRITON_INTERPRET=1``) at tiny
   shapes, float32 and float16 (the interpreter's bfloat16 dot is broken in triton 3.6: it returns
   garbage even for a single 16x16 tile), skipped where triton is not importable or CUDA is present
@@ -165,6 +167,64 @@ def test_expert_forward_dispatch_follows_fused_moe_switch(monkeypatch):
     )
 
 
+def _assert_same_alignment(ids, num_experts: int, block_m: int, tm) -> None:
+    """The kernel's alignment equals the torch ops' bit for bit (both buffers, every padding entry)."""
+    got = tm.align_pairs_triton(ids, num_experts, block_m)
+    want = tm.align_pairs_torch(ids, num_experts, block_m)
+    context = (tuple(ids.shape), num_experts, block_m)
+    assert torch.equal(got.sorted_pairs, want.sorted_pairs), context
+    assert torch.equal(got.block_expert, want.block_expert), context
+    assert got.num_pairs == want.num_pairs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "num_tokens, top_k, num_experts",
+    [(1, 8, 128), (64, 8, 128), (256, 8, 128), (512, 8, 128), (200, 8, 60), (2048, 2, 8)],
+)
+def test_align_kernel_matches_torch_alignment_at_decode_sizes(num_tokens, top_k, num_experts):
+    """Decode batches up to the kernel's limit (512 x top-8 = 4096 pairs), uniform and skewed routing,
+    all pairs on one expert or on the last one, each tile_config block size."""
+    from tidal.rollout import triton_moe
+
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    cases = [routing(num_tokens, num_experts, top_k, skewed, gen, "cuda")[1] for skewed in (False, True)]
+    cases += [torch.full((num_tokens, top_k), e, device="cuda") for e in (num_experts // 3, num_experts - 1)]
+    for ids in cases:
+        for block_m in (16, 32, 64):
+            _assert_same_alignment(ids, num_experts, block_m, triton_moe)
+
+
+@pytest.mark.gpu
+def test_fused_moe_output_unchanged_by_the_align_kernel(monkeypatch):
+    """``fused_expert_forward`` takes the kernel on CUDA at decode sizes and gives the same bits as with
+    the torch alignment."""
+    from tidal.rollout import triton_moe
+
+    s = GPU_SHAPE
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    gate_up, down = experts(s["num_experts"], s["hidden"], s["inter"], gen, "cuda", torch.bfloat16)
+    kernel, torch_ops = triton_moe.align_pairs_triton, triton_moe.align_pairs_torch
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return kernel(*args)
+
+    for num_tokens in (1, 64, 512):
+        x = torch.randn(num_tokens, s["hidden"], generator=gen, device="cuda").bfloat16()
+        weights, ids = routing(num_tokens, s["num_experts"], s["top_k"], False, gen, "cuda")
+        weights = weights.bfloat16()
+        monkeypatch.setattr(triton_moe, "align_pairs_triton", counted)
+        fast = triton_moe.fused_expert_forward(x, gate_up, down, weights, ids)
+        assert calls[-1] == ids.shape
+        monkeypatch.setattr(triton_moe, "align_pairs", torch_ops)
+        with_torch_alignment = triton_moe.fused_expert_forward(x, gate_up, down, weights, ids)
+        monkeypatch.undo()
+        assert torch.equal(fast, with_torch_alignment), num_tokens
+    assert len(calls) == 3
+
+
 # ------------------------------------------------------------------------------------ interpreter
 @pytest.fixture(scope="module")
 def tm():
@@ -254,3 +314,48 @@ def test_expert_forward_dispatches_to_fused_kernels_unless_switched_off(tm, monk
     monkeypatch.setattr(moe, "FUSED_MOE", False)
     torch.testing.assert_close(moe.expert_forward(x, gate_up, down, weights, ids, F.silu), ref)
     assert calls == [5]  # neither the GELU experts nor the switched-off path reached the kernels
+
+
+@pytest.mark.parametrize(
+    "num_tokens, top_k, num_experts, block_m, routed",
+    [
+        (1, 1, 8, 16, "uniform"),  # a single pair
+        (5, 2, 8, 16, "uniform"),
+        (16, 8, 128, 16, "uniform"),  # exactly the kernel's smallest pair tile (128)
+        (20, 2, 60, 64, "uniform"),  # experts not a power of two
+        (60, 2, 60, 16, "one"),  # one expert over several blocks
+        (33, 1, 60, 64, "last"),
+        (12, 8, 128, 64, "last"),
+        (17, 8, 128, 16, "uniform"),  # 136 pairs: the next pair tile
+        (150, 2, 8, 64, "uniform"),  # 300 pairs, several blocks per expert
+    ],
+)
+def test_align_kernel_interpreted_matches_torch_alignment(
+    tm, num_tokens, top_k, num_experts, block_m, routed
+):
+    gen = torch.Generator().manual_seed(num_tokens)
+    if routed == "uniform":
+        ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen)
+    else:
+        ids = torch.full((num_tokens, top_k), num_experts // 3 if routed == "one" else num_experts - 1)
+    _assert_same_alignment(ids, num_experts, block_m, tm)
+
+
+def test_align_pairs_takes_the_kernel_where_it_fits(tm, monkeypatch):
+    """Usable Triton (patched: CPU tensors count as usable here) and up to 4096 pairs and 1024 experts:
+    the kernel; else the torch ops."""
+    kernel = tm.align_pairs_triton
+    with pytest.raises(ValueError, match="4097 pairs over 8 experts"):
+        kernel(torch.zeros(4097, 1, dtype=torch.long), 8, 16)
+    monkeypatch.setattr(tm, "triton_usable", lambda t: True)
+    taken = []
+    monkeypatch.setattr(tm, "align_pairs_triton", lambda *a: taken.append("kernel"))
+    monkeypatch.setattr(tm, "align_pairs_torch", lambda *a: taken.append("torch"))
+    tm.align_pairs(torch.zeros(512, 8, dtype=torch.long), 128, 64)
+    tm.align_pairs(torch.zeros(513, 8, dtype=torch.long), 128, 64)
+    tm.align_pairs(torch.zeros(4, 2, dtype=torch.long), 2048, 16)
+    tm.align_pairs(torch.zeros(0, 2, dtype=torch.long), 8, 16)
+    assert taken == ["kernel", "torch", "torch", "torch"]
+    monkeypatch.setattr(tm, "triton_usable", lambda t: False)
+    tm.align_pairs(torch.zeros(4, 2, dtype=torch.long), 8, 16)
+    assert taken[-1] == "torch"

@@ -4,11 +4,13 @@ The unfused path (``models/moe.py``) gathers every token/expert pair's row into 
 grouped GEMMs with the ``[pairs, 2 * intermediate]`` gate/up result, the activation and the weighted
 down result each written and read back, then un-permutes. Here:
 
-1. ``align_pairs`` (torch, no host sync, so CUDA graphs can capture it) sorts the pairs by expert and
+1. ``align_pairs`` (no host sync, so CUDA graphs can capture it) sorts the pairs by expert and
    pads each expert's run to a multiple of ``BLOCK_M``: ``sorted_pairs[i]`` is a pair index
    ``token * top_k + slot`` (``num_pairs`` marks padding) and ``block_expert[b]`` the expert of block
    ``b`` (-1 past the last). The buffers have a static size, the most padding ``num_pairs`` pairs can
-   need, so the grid does not depend on the routing.
+   need, so the grid does not depend on the routing. Decode-sized inputs take one launch of
+   ``_align_kernel`` (the ~15 small torch kernels of ``align_pairs_torch`` cost about a fifth of the
+   experts' GEMM time per layer at decode); larger ones the torch ops, with bit-identical results.
 2. ``_moe_gemm`` with ``GATED``: per (block of one expert's pairs, tile of ``intermediate``) it gathers
    the tokens' rows of ``x`` straight from ``x`` and multiplies them by the expert's gate and up weight
    tiles (each read once per block), then ``silu(gate) * up`` in float32 in the epilogue, stored once
@@ -30,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from tidal.accel import triton_usable
 
 
 @dataclass(frozen=True)
@@ -72,9 +76,10 @@ def padded_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(rows, block_m) * block_m
 
 
-def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedPairs:
+def align_pairs_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedPairs:
     """Sort and pad the pairs of ``ids`` [tokens, k] (expert ids) by expert; torch ops without a host
-    sync (the counts stay on the device)."""
+    sync (the counts stay on the device). The reference of ``align_pairs_triton`` and the path for
+    inputs larger than its limits."""
     flat = ids.reshape(-1).long()
     num_pairs = flat.numel()
     device = flat.device
@@ -94,6 +99,124 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedPai
     block_expert = torch.searchsorted(padded_end, block_starts, right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
     return AlignedPairs(sorted_pairs, block_expert, num_pairs)
+
+
+# The single-program alignment kernel holds every pair in registers: decode sizes (B=512 at top-8) and
+# up to 1024 experts; larger inputs take the torch ops.
+ALIGN_KERNEL_MAX_PAIRS = 4096
+ALIGN_KERNEL_MAX_EXPERTS = 1024
+
+
+def align_kernel_fits(num_pairs: int, num_experts: int) -> bool:
+    """``_align_kernel`` handles this many pairs and experts (an empty routing needs no kernel)."""
+    return 0 < num_pairs <= ALIGN_KERNEL_MAX_PAIRS and num_experts <= ALIGN_KERNEL_MAX_EXPERTS
+
+
+def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedPairs:
+    """Sort and pad the pairs of ``ids`` [tokens, k] (expert ids) by expert, without a host sync: one
+    Triton launch where it fits, else torch ops (the same result, bit for bit)."""
+    if triton_usable(ids) and align_kernel_fits(ids.numel(), num_experts):
+        return align_pairs_triton(ids, num_experts, block_m)
+    return align_pairs_torch(ids, num_experts, block_m)
+
+
+def align_pairs_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedPairs:
+    """``align_pairs_torch`` in one launch of ``_align_kernel`` (one program: the inputs are decode-sized)."""
+    flat = ids.reshape(-1)
+    num_pairs = flat.numel()
+    if not align_kernel_fits(num_pairs, num_experts):
+        raise ValueError(
+            f"triton_moe.align_pairs_triton: {num_pairs} pairs over {num_experts} experts; the kernel takes "
+            f"1..{ALIGN_KERNEL_MAX_PAIRS} pairs and at most {ALIGN_KERNEL_MAX_EXPERTS} experts"
+        )
+    capacity = padded_capacity(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=flat.device)
+    # Powers of two for tl.arange; at least one element per thread (128 threads) for the pairs, whole
+    # warps of bins for tl.histogram's lowering. Few variants compile: 6 pair sizes per expert count.
+    pairs = max(128, triton.next_power_of_2(num_pairs))
+    experts = max(32, triton.next_power_of_2(num_experts))
+    # The [rows, experts] comparisons stay near 4096 elements (registers, no spills).
+    tile = max(1, 4096 // experts)
+    _align_kernel[(1,)](
+        flat,
+        sorted_pairs,
+        block_expert,
+        num_pairs,
+        capacity,
+        capacity // block_m,
+        NUM_EXPERTS=num_experts,
+        BLOCK_M=block_m,
+        PAIRS=pairs,
+        EXPERTS=experts,
+        BLOCKS=min(64, tile),
+        PAD_COLS=min(block_m, tile),
+        FILL=1024,
+        num_warps=4 if pairs <= 1024 else 8,
+    )
+    return AlignedPairs(sorted_pairs, block_expert, num_pairs)
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr,
+    sorted_pairs_ptr,
+    block_expert_ptr,
+    num_pairs,
+    capacity,
+    num_blocks,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PAIRS: tl.constexpr,
+    EXPERTS: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    PAD_COLS: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    """``align_pairs_torch`` in one program. Every row of ``sorted_pairs`` is written exactly once (a
+    pair's row, its expert's padding, or the tail past the last run), so no store can overwrite another
+    and no barrier is needed; nothing written is read back.
+
+    Pairs are sorted by the key ``expert * PAIRS + pair`` (unique keys: the order within an expert is
+    the pairs' order, as a stable sort gives); the i-th sorted pair goes to row i plus the padding of
+    the runs before its expert."""
+    pair = tl.arange(0, PAIRS)
+    expert_of_pair = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1).to(tl.int32)
+    # Lanes past num_pairs (and ids out of range, which the torch path would reject) take no row.
+    real = (expert_of_pair >= 0) & (expert_of_pair < NUM_EXPERTS)
+    counts = tl.histogram(expert_of_pair, EXPERTS, mask=real)  # bins past NUM_EXPERTS stay 0
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    run_end = tl.cumsum(padded, 0)
+    pad = padded - counts
+    pad_before = tl.cumsum(pad, 0) - pad
+
+    key = tl.sort(tl.where(real, expert_of_pair, NUM_EXPERTS) * PAIRS + pair)
+    sorted_expert = key // PAIRS
+    shift = tl.gather(pad_before, tl.minimum(sorted_expert, EXPERTS - 1), 0)
+    tl.store(sorted_pairs_ptr + pair + shift, key % PAIRS, mask=sorted_expert < NUM_EXPERTS)
+
+    # Each expert's padding: rows [end - pad, end), fewer than BLOCK_M.
+    pad_value = tl.zeros([EXPERTS, PAD_COLS], dtype=tl.int32) + num_pairs
+    for col0 in tl.static_range(0, BLOCK_M, PAD_COLS):
+        col = col0 + tl.arange(0, PAD_COLS)
+        rows = (run_end - pad)[:, None] + col[None, :]
+        tl.store(sorted_pairs_ptr + rows, pad_value, mask=col[None, :] < pad[:, None])
+    # The tail past the last run.
+    total = tl.sum(padded, 0)
+    tail_value = tl.zeros([FILL], dtype=tl.int32) + num_pairs
+    for row0 in range(0, capacity, FILL):
+        row = row0 + tl.arange(0, FILL)
+        tl.store(sorted_pairs_ptr + row, tail_value, mask=(row >= total) & (row < capacity))
+
+    # A block's expert: how many runs end at or before its first row (searchsorted right); all of them
+    # (NUM_EXPERTS) means past the last run: -1. The power-of-two padding experts never count.
+    expert = tl.arange(0, EXPERTS)
+    run_end = tl.where(expert < NUM_EXPERTS, run_end, 2147483647)
+    for block0 in range(0, num_blocks, BLOCKS):
+        block = block0 + tl.arange(0, BLOCKS)
+        before = (run_end[None, :] <= (block * BLOCK_M)[:, None]).to(tl.int32)
+        owner = tl.sum(before, 1)
+        tl.store(block_expert_ptr + block, tl.where(owner < NUM_EXPERTS, owner, -1), mask=block < num_blocks)
 
 
 @triton.jit
