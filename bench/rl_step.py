@@ -8,7 +8,9 @@ policy and rollout engine on the same device):
    each with ``ignore_eos`` (every sample has the same length; set only here, not a user flag), turned
    into an ``Experience`` by ``tidal.agents.Trajectory`` and ``tidal.experience.maker.from_trajectories``;
 2. ``reward``: a trivial rule (the fraction of even token ids in the response), then ``shape_rewards``;
-3. ``old_logprobs``: ``forward_logprobs`` (no grad, packed micro-batches);
+3. ``old_logprobs``: ``forward_logprobs`` (no grad, packed micro-batches) — skipped, as the trainer
+   skips it, when the update is one on-policy optimizer step (``old_logprobs_from_update``; always the
+   case here) unless ``--scoring_pass``;
 4. ``advantages``: ``add_advantages`` with ``group_norm`` (GRPO), no KL (``--init_kl_coef 0``);
 5. ``update``: ``train_on_experience`` with ``PolicyLoss`` (one optimizer step over the whole rollout,
    packed micro-batches, gradient checkpointing, bf16 autocast over float32 master weights);
@@ -55,6 +57,8 @@ from train_step import (  # noqa: E402
     versions,
 )
 
+from tidal.trainers.ppo.update import MISMATCH  # noqa: E402
+
 # bench/moe.py shapes small enough to train (fp32 master weights + Adam) on one GPU.
 MOE_POLICIES = ("qwen3-moe-2b", "tiny-moe")
 PHASES = ("generate", "reward", "old_logprobs", "advantages", "update", "sync_weights")
@@ -73,6 +77,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--no_gradient_checkpointing", action="store_true")
     p.add_argument("--compile", action="store_true", help="--torch_compile: compile the policy's blocks")
+    p.add_argument(
+        "--scoring_pass",
+        action="store_true",
+        help="compute the old log-probs in their own forward even when the update could (as before)",
+    )
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -185,8 +194,14 @@ class GRPOStep:
         return exp
 
     def old_logprobs(self, exp):
+        """The trainer's rule: one on-policy optimizer step takes them from its own forward (skipped
+        here, ``old_logprobs_from_update``) unless ``--scoring_pass``."""
         from tidal.experience.maker import forward_logprobs
+        from tidal.trainers.ppo.update import old_logprobs_from_update
 
+        if not self.args.scoring_pass and old_logprobs_from_update(1, len(exp), len(exp), False):
+            exp.old_logprobs = None
+            return exp
         p = self.opt.precision
         exp.old_logprobs = forward_logprobs(self.policy, exp, self.args.micro, True, 1.0, p)
         return exp
@@ -231,7 +246,11 @@ class GRPOStep:
         stats = timed("update", self.update, exp, step)
         timed("sync_weights", self.sync_weights)
         mask = exp.action_mask.bool()
-        stats["logprob_mismatch"] = float((exp.old_logprobs - exp.rollout_logprobs).abs()[mask].mean())
+        if exp.old_logprobs is None:  # the update measured it
+            stats["logprob_mismatch"] = stats[MISMATCH]
+        else:
+            stats["logprob_mismatch"] = float((exp.old_logprobs - exp.rollout_logprobs).abs()[mask].mean())
+        stats["scored"] = exp.old_logprobs is not None
         stats["tokens"] = int(exp.attention_mask.sum())
         stats["response_tokens"] = int(mask.sum())
         return seconds, stats
@@ -266,6 +285,11 @@ def kernel_profile(bench: GRPOStep, step: int, top: int) -> dict:
     return {"kernel_ms": report, "profiled_phases_s": {p: round(s, 4) for p, s in seconds.items()}}
 
 
+def exp_scored(runs) -> bool:
+    """Whether the timed steps ran the old-log-prob forward (``--scoring_pass`` or not on-policy)."""
+    return runs[-1][1]["scored"]
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     stub_missing_datasets()
@@ -281,6 +305,7 @@ def main(argv=None) -> dict:
         "bench": "rl_step", **versions(), "device": args.device, "config": args.config,
         "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "gradient_checkpointing": not args.no_gradient_checkpointing, "compile": args.compile, "micro": args.micro,
+        "scoring_pass": exp_scored(timed),
         "step_s": round(step_s, 4), "phases_s": phases,
         "first_step_s": round(sum(runs[0][0].values()), 3),
         "tokens_per_step": stats["tokens"], "tokens_per_s_per_gpu": round(stats["tokens"] / step_s),

@@ -201,11 +201,13 @@ def test_grpo_with_router_replay_routes_the_trainer_as_the_engine(tiny_moe, tmp_
     original = moe_routing.force_routing
     monkeypatch.setattr(moe_routing, "force_routing", _spy(original, forced["scoring"]))
     monkeypatch.setattr(update, "force_routing", _spy(original, forced["update"]))
+    # Two optimizer steps per rollout, so the old log-probs need their own pass (see
+    # ``old_logprobs_from_update``).
     flags = rl_flags(tiny_moe, data, tmp_path / "rl", "--advantage_estimator", "group_norm",
-                     "--moe_router_replay", "--max_samples", "32")  # fmt: skip
+                     "--moe_router_replay", "--max_samples", "32", "--train_batch_size", "64")  # fmt: skip
     history = run_ppo(parse_run(flags))
     assert len(history) == 2
-    # Two micro-batches of 64 samples per step, for the old log-probs and for the update.
+    # Two micro-batches of 64 samples per RL step, for the old log-probs and for the update.
     assert len(forced["scoring"]) == 4 and len(forced["update"]) == 4
     for experts in forced["scoring"] + forced["update"]:
         assert experts.dtype == torch.int16 and experts.shape[1:] == (3, 2) and (experts >= 0).any()

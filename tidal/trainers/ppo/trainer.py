@@ -43,7 +43,13 @@ from tidal.trainers.loop import Optimization
 from tidal.trainers.ppo.config import PPORun
 from tidal.trainers.ppo.ema import PolicyEMA
 from tidal.trainers.ppo.ptx import PtxLoss, PtxStream
-from tidal.trainers.ppo.update import PolicyLoss, StepShape, train_on_experience
+from tidal.trainers.ppo.update import (
+    MISMATCH,
+    PolicyLoss,
+    StepShape,
+    old_logprobs_from_update,
+    train_on_experience,
+)
 from tidal.trainers.sft import SFTObjective
 
 log = get_logger(__name__)
@@ -204,6 +210,8 @@ class PPOTrainer:
         temperature = run.rollout.temperature
         if self._engine_logprobs_exact:  # bit-identical to this forward's: skip it
             exp.old_logprobs = exp.rollout_logprobs.clone()
+        elif self._old_logprobs_from_update(len(exp)):
+            exp.old_logprobs = None  # the update's own forward gives them (``old_logprobs_from_update``)
         else:
             exp.old_logprobs = forward_logprobs(
                 actor.model, exp, micro, packing, temperature, actor.precision, max_tokens,
@@ -221,6 +229,14 @@ class PPOTrainer:
         exp = add_advantages(exp, self.run.algorithm, self.n, self.kl_ctl.value, self.reduction)
         # Ranks hold equal shares, so the mean of their means is the batch mean.
         return exp, mean_over_world(stats | experience_stats(exp), self.world)
+
+    def _old_logprobs_from_update(self, rows: int) -> bool:
+        """The update is one on-policy optimizer step that will compute the old log-probs itself (a
+        step within ``--freezing_actor_steps`` then logs no ``rollout/logprob_mismatch``)."""
+        run = self.run
+        step_size = run.train.train_batch_size // self.world.dp_size
+        has_reference = self.parts.reference is not None
+        return old_logprobs_from_update(run.train.max_epochs, rows, step_size, has_reference)
 
     def _dynamic_filter(self, exp, stats: dict):
         """DAPO dynamic sampling: drop groups whose mean score is outside the range; None if no rank
@@ -420,8 +436,9 @@ def experience_stats(exp: Experience) -> dict[str, float]:
         "advantages/mean": float(masked_mean(exp.advantages, mask)),
         "advantages/abs_mean": float(masked_mean(exp.advantages.abs(), mask)),
         "returns/mean": float(masked_mean(exp.returns, mask)),
-        "rollout/logprob_mismatch": float(masked_mean((exp.old_logprobs - exp.rollout_logprobs).abs(), mask)),
     }
+    if exp.old_logprobs is not None:  # else the update logs it (``old_logprobs_from_update``)
+        stats[MISMATCH] = float(masked_mean((exp.old_logprobs - exp.rollout_logprobs).abs(), mask))
     if exp.kl is not None:
         stats["kl"] = float(masked_mean(exp.kl, mask))
     if exp.values is not None:

@@ -109,6 +109,23 @@ def watch_outputs(*outputs: Tensor | None) -> None:
 OUTPUT_GRADIENT = "_output_gradient"
 
 
+# Engine vs trainer log-prob gap (mean |old - rollout| over action tokens), logged by the PPO trainer.
+MISMATCH = "rollout/logprob_mismatch"
+
+
+def old_logprobs_from_update(epochs: int, rollout_size: int, step_size: int, has_reference: bool) -> bool:
+    """Whether the update can take the old log-probs from its own forward instead of a scoring pass.
+
+    When the whole rollout is one optimizer step of one epoch (``rollout_size <= step_size``), every
+    micro-batch's forward runs on the weights a scoring pass would have used, since no optimizer step
+    has moved them yet. Its log-probs, detached, are then the old ones: the ratio is exactly 1 and its
+    gradient is the policy gradient (as TRL's GRPO does when on-policy). A
+    reference model needs the old log-probs before the update (the KL in the reward and its statistic),
+    so it keeps the scoring pass. OpenRLHF always runs the pass; this saves one forward over the rollout.
+    """
+    return epochs == 1 and rollout_size <= step_size and not has_reference
+
+
 @dataclass
 class StepShape:
     """How a rollout is cut: samples per optimizer step (this device), per micro-batch, token budget."""
@@ -238,11 +255,17 @@ class PolicyLoss:
         watch_outputs(logp)
         low, high = cfg.clip_bounds
         correction = ("icepop" if cfg.use_icepop else "tis") if cfg.enable_vllm_is_correction else None
+        old = mb.old_logprobs
+        if old is None:  # on-policy step (``old_logprobs_from_update``): the weights have not moved yet
+            old = logp.detach()
         per_token, stats = corrected_policy_loss(
-            cfg.policy_loss_type, logp, mb.old_logprobs, mb.advantages, mask, low, high, cfg.dual_clip,
+            cfg.policy_loss_type, logp, old, mb.advantages, mask, low, high, cfg.dual_clip,
             mb.rollout_logprobs, correction, cfg.is_bounds,
         )  # fmt: skip
         metrics = {f"policy/{k}": _share(v, mask, norm) for k, v in stats.items()}
+        if mb.old_logprobs is None:  # the statistic the skipped scoring pass would have given
+            mismatch = masked_mean((old - mb.rollout_logprobs).abs(), mask)
+            metrics[MISMATCH] = _share(mismatch, mask, norm)
         if cfg.use_kl_loss and mb.ref_logprobs is not None:
             kl = compute_kl(logp, mb.ref_logprobs, mask, cfg.kl_estimator)
             per_token = per_token + self.kl_coef * kl
