@@ -13,8 +13,10 @@ each program writes its chunk's max, sum of exponentials relative to that max, b
 index of it to small scratch buffers), then combines a row's chunks (``_combine_kernel``, grid rows):
 the max of the maxes, the sums rescaled to it, and the best score with ties going to the lowest index
 (chunks are in index order). The chunk count is a function of (rows, vocab, SM count) only, so the
-launch is static and CUDA graphs capture it. ``chunks=1`` runs the one-program-per-row kernel
-(``_sample_kernel``), the reference the split is tested against.
+launch is static and CUDA graphs capture it. The split programs also skip, by branches uniform over a
+program, the division when the divisor is 1 (T = 1 and greedy rows) and the noise of greedy rows: work
+whose result is known (``_scan``). ``chunks=1`` runs the one-program-per-row kernel (``_sample_kernel``,
+today's kernel unchanged), the reference the split is tested against.
 
 It computes exactly what ``Sampler`` does (same hash, same Gumbel noise, IEEE division and libdevice
 logarithms as torch uses on CUDA), so tokens agree with the torch path, and the split and one-program
@@ -62,7 +64,8 @@ def _mix32(x):
 
 @triton.jit
 def _row_settings(temps_ptr, seeds_ptr, positions_ptr, row, SAMPLE: tl.constexpr):
-    """(greedy, divisor, row hash) of ``row``; without ``SAMPLE`` every row is greedy (hash unused)."""
+    """(temperature, divisor, row hash) of ``row``; without ``SAMPLE`` every row is greedy (temperature 0,
+    divisor 1, hash unused)."""
     if SAMPLE:
         temp = tl.load(temps_ptr + row)
         seed = tl.load(seeds_ptr + row).to(tl.uint32)
@@ -71,14 +74,29 @@ def _row_settings(temps_ptr, seeds_ptr, positions_ptr, row, SAMPLE: tl.constexpr
     else:
         temp = 0.0
         row_hash = 0
-    greedy = temp == 0.0
-    return greedy, tl.where(greedy, 1.0, temp), row_hash
+    return temp, tl.where(temp == 0.0, 1.0, temp), row_hash
 
 
 @triton.jit
-def _scan(base, lo, hi, greedy, divisor, row_hash, SAMPLE: tl.constexpr, BLOCK: tl.constexpr):
+def _gumbel(idx, row_hash):
+    """``-log(-log(u))`` of ``sampler.uniform_noise`` at token ids ``idx`` of the row hashed to ``row_hash``."""
+    cols = _mix32((idx.to(tl.int64) * 0x85EBCA6B).to(tl.uint32))
+    bits = _mix32(row_hash ^ cols)
+    u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    u = tl.minimum(u, 1.0 - 1.0 / 16777216.0)  # never 1.0 (see ``sampler.uniform_noise``)
+    return -libdevice.log(-libdevice.log(u))
+
+
+@triton.jit
+def _scan(
+    base, lo, hi, temp, divisor, row_hash, SAMPLE: tl.constexpr, BLOCK: tl.constexpr, SHORTCUTS: tl.constexpr
+):  # fmt: skip
     """Lane-wise running (max, sum of exp relative to it, best score, first index of it) of the scaled
-    logits ``base[lo:hi]`` (``lo`` a multiple of ``BLOCK``)."""
+    logits ``base[lo:hi]`` (``lo`` a multiple of ``BLOCK``).
+
+    ``SHORTCUTS`` skips, by branches uniform over the program, work whose result is known: the division
+    when the divisor is 1 (T = 1 and greedy rows: ``div.rn`` by 1 returns its input, subnormals included)
+    and the noise of greedy rows (unused). The same floats come out either way."""
     offs = tl.arange(0, BLOCK)
     run_max = tl.full((BLOCK,), NO_MAX, tl.float32)
     run_sum = tl.zeros((BLOCK,), tl.float32)
@@ -88,18 +106,21 @@ def _scan(base, lo, hi, greedy, divisor, row_hash, SAMPLE: tl.constexpr, BLOCK: 
         idx = start + offs
         valid = idx < hi
         x = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32)
-        x = tl.math.div_rn(x, tl.full((BLOCK,), 1.0, tl.float32) * divisor)  # torch divides exactly
+        if SHORTCUTS:
+            if divisor != 1.0:
+                x = tl.math.div_rn(x, tl.full((BLOCK,), 1.0, tl.float32) * divisor)
+        else:
+            x = tl.math.div_rn(x, tl.full((BLOCK,), 1.0, tl.float32) * divisor)  # torch divides exactly
         new_max = tl.maximum(run_max, x)
         run_sum = run_sum * tl.exp(run_max - new_max) + tl.exp(x - new_max)
         run_max = new_max
         score = x
         if SAMPLE:
-            cols = _mix32((idx.to(tl.int64) * 0x85EBCA6B).to(tl.uint32))
-            bits = _mix32(row_hash ^ cols)
-            u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-            u = tl.minimum(u, 1.0 - 1.0 / 16777216.0)  # never 1.0 (see ``sampler.uniform_noise``)
-            gumbel = -libdevice.log(-libdevice.log(u))
-            score = tl.where(greedy, x, x + gumbel)
+            if SHORTCUTS:
+                if temp != 0.0:
+                    score = x + _gumbel(idx, row_hash)
+            else:
+                score = tl.where(temp == 0.0, x, x + _gumbel(idx, row_hash))
         score = tl.where(valid, score, float("-inf"))
         better = score > best  # strict: a lane keeps its first index on ties
         best = tl.where(better, score, best)
@@ -132,8 +153,8 @@ def _sample_kernel(
     """One program per row walks the whole vocabulary (``chunks=1``)."""
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride
-    greedy, divisor, row_hash = _row_settings(temps_ptr, seeds_ptr, positions_ptr, row, SAMPLE)
-    run_max, run_sum, best, best_idx = _scan(base, 0, vocab, greedy, divisor, row_hash, SAMPLE, BLOCK)
+    temp, divisor, row_hash = _row_settings(temps_ptr, seeds_ptr, positions_ptr, row, SAMPLE)
+    run_max, run_sum, best, best_idx = _scan(base, 0, vocab, temp, divisor, row_hash, SAMPLE, BLOCK, False)
     top, total, _, token = _reduce(run_max, run_sum, best, best_idx, vocab)
     _finish(base, row, token, divisor, top, total, tokens_ptr, logprobs_ptr)
 
@@ -149,10 +170,10 @@ def _partial_kernel(
     chunk = tl.program_id(1)
     chunks = tl.num_programs(1)
     base = logits_ptr + row.to(tl.int64) * stride
-    greedy, divisor, row_hash = _row_settings(temps_ptr, seeds_ptr, positions_ptr, row, SAMPLE)
+    temp, divisor, row_hash = _row_settings(temps_ptr, seeds_ptr, positions_ptr, row, SAMPLE)
     lo = chunk * chunk_size
     hi = tl.minimum(lo + chunk_size, vocab)
-    run_max, run_sum, best, best_idx = _scan(base, lo, hi, greedy, divisor, row_hash, SAMPLE, BLOCK)
+    run_max, run_sum, best, best_idx = _scan(base, lo, hi, temp, divisor, row_hash, SAMPLE, BLOCK, True)
     top, total, winner, token = _reduce(run_max, run_sum, best, best_idx, vocab)
     at = row * chunks + chunk
     plane = tl.num_programs(0) * chunks
