@@ -111,17 +111,47 @@ class StepPeers(Protocol):
     def send_step(self, step: PrefillStep | DecodeStep) -> None: ...
 
 
+class BlockTables:
+    """The block tables of the last decode step staged, one int32 row per batch row, kept between steps so
+    that a step rewrites only the rows whose table changed (a sequence got a block, or another sequence
+    is in that row now) instead of converting every table from Python at every step."""
+
+    def __init__(self, max_rows: int, max_blocks: int):
+        self.array = np.zeros((max_rows, max_blocks), dtype=np.int32)  # unused entries: block 0
+        self.held: list[list[int]] = [[] for _ in range(max_rows)]  # each row's table, as in ``array``
+        self.lengths = np.zeros(max_rows, dtype=np.int64)  # len(held[row])
+
+    def update(self, seqs: list[Sequence], rows: int) -> tuple[np.ndarray, int]:
+        """``[rows, max_blocks]``: the tables of ``seqs``, then empty padding rows; and the longest one."""
+        held = self.held
+        for row, seq in enumerate(seqs):
+            if held[row] != seq.block_table:  # list equality: C speed, no copy
+                self._write(row, seq.block_table)
+        for row in range(len(seqs), rows):
+            if held[row]:
+                self._write(row, [])
+        return self.array[:rows], int(self.lengths[:rows].max())
+
+    def _write(self, row: int, table: list[int]) -> None:
+        self.array[row, len(table) : len(self.held[row])] = 0
+        self.array[row, : len(table)] = table
+        self.held[row] = list(table)  # a copy: the sequence's list grows in place
+        self.lengths[row] = len(table)
+
+
 def fill_decode_inputs(
     seqs: list[Sequence],
     rows: int,
     width: int,
     out: np.ndarray,
     ahead: tuple[list[int], int] | None = None,
+    tables: np.ndarray | None = None,
 ) -> np.ndarray:
     """Write ``[last tokens][context lengths][block tables rows x width]`` (int32) into ``out``.
 
     Rows past ``len(seqs)`` are padding (token 0, context 0); unused table entries are block 0, which
-    the torch attention backend may gather but masks out.
+    the torch attention backend may gather but masks out. ``tables``: those rows x at least ``width``
+    already (``BlockTables.update``), copied instead of written from the sequences' lists.
 
     ``ahead = (prev_rows, prev_size)``: a step launched ahead (async scheduling), whose last tokens are
     not on the host yet: the token field holds each sequence's row in the previous step's sampled ids
@@ -132,16 +162,19 @@ def fill_decode_inputs(
     view = out[: rows * (2 + width)]
     view[: 2 * rows] = 0
     if ahead is None:
-        view[:n] = [seq.last_token for seq in seqs]
+        view[:n] = [seq.token_ids[-1] for seq in seqs]
         view[rows : rows + n] = [seq.num_tokens for seq in seqs]
     else:
         prev_rows, prev_size = ahead
         view[:rows] = prev_size
         view[:n] = prev_rows
         view[rows : rows + n] = [seq.num_tokens + 1 for seq in seqs]
-    tables = view[2 * rows :].reshape(rows, width)
-    tables.fill(0)
-    for row, seq in zip(tables, seqs, strict=False):
+    staged = view[2 * rows :].reshape(rows, width)
+    if tables is not None:
+        staged[:] = tables[:, :width]
+        return view
+    staged.fill(0)
+    for row, seq in zip(staged, seqs, strict=False):
         row[: len(seq.block_table)] = seq.block_table
     return view
 
@@ -261,7 +294,9 @@ class ModelRunner:
         self.dtype = model.model.embed_tokens.weight.dtype
         self.backend = resolve_attention_backend(attention_backend, self.device, self.args.head_dim)
         self.sampler = Sampler(fused=self.device.type == "cuda", exact=exact)
-        self._last_sampling: tuple[list[int], SamplingTensors] | None = None
+        # The last step's sequences, their sampling tensors, and whether any row was under its
+        # ``min_new_tokens`` then (``_sampling_tensors``).
+        self._last_sampling: tuple[list[Sequence], SamplingTensors, bool] | None = None
         self.kv_cache: torch.Tensor | None = None
         self.allocate_kv_cache()
         max_blocks = -(-max_model_len // block_size)
@@ -272,6 +307,7 @@ class ModelRunner:
         size = max_num_seqs * (2 + max_blocks)
         self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=cuda) for _ in range(1 + lookahead)]
         self._hosts_np = [host.numpy() for host in self._hosts]
+        self._tables = BlockTables(max_num_seqs, max_blocks)
         self._copied = [torch.cuda.Event() if cuda and lookahead else None for _ in self._hosts]
         self._next_host = 0
         self._discarded: LaunchedStep | None = None  # kept until a later step's result was read
@@ -425,15 +461,15 @@ class ModelRunner:
         """Stage one decode step's inputs in a host buffer (graph-bucketed rows when graphs apply);
         ``ahead``: a step launched ahead, (each sequence's row in, the sampled ids of) the step before."""
         n = len(seqs)
-        width = max(len(seq.block_table) for seq in seqs)
         use_graph = self.graphs is not None and n <= self.graphs.max_batch
         rows = self.graphs.bucket(n) if use_graph else n
+        tables, width = self._tables.update(seqs, rows)
         buffer = self._next_host
         self._next_host = (buffer + 1) % len(self._hosts)
         if self._copied[buffer] is not None:
             self._copied[buffer].synchronize()  # the step staged there last has copied its inputs
         prev = None if ahead is None else (ahead[0], len(ahead[1]))
-        staged = fill_decode_inputs(seqs, rows, width, self._hosts_np[buffer], prev)
+        staged = fill_decode_inputs(seqs, rows, width, self._hosts_np[buffer], prev, tables)
         return DecodeStep(
             staged, n, rows, width, use_graph, buffer=buffer, ahead=None if ahead is None else ahead[1]
         )
@@ -552,21 +588,25 @@ class ModelRunner:
         """Per-row settings; a decode step over the same sequences as the previous one reuses its tensors
         with every position advanced by one (on device), instead of rebuilding them from Python.
         ``ahead``: tokens each sequence has sampled beyond what the host holds (a step launched ahead)."""
-        key = [seq.seq_id for seq in seqs]
         cached = self._last_sampling
         if (
             cached is not None
-            and cached[0] == key  # each of these sequences got exactly one token since
+            and cached[0] == seqs  # each of these sequences got exactly one token since (identity compare)
             and cached[1].suppress_rows is None
             and cached[1].penalty_rows is None  # the seen tokens change every step
-            and not any(seq.num_output_tokens + ahead < seq.params.min_new_tokens for seq in seqs)
+            # A row's output count only grows while it stays in the batch: none that had reached its
+            # ``min_new_tokens`` when the tensors were built can be under it now.
+            and not (
+                cached[2] and any(seq.num_output_tokens + ahead < seq.params.min_new_tokens for seq in seqs)
+            )
         ):
             st = cached[1]
             if st.positions is not None:
                 st.positions.add_(1)
             return st
         st = self._build_sampling_tensors(seqs, ahead)
-        self._last_sampling = (key, st)
+        under_min = any(seq.num_output_tokens + ahead < seq.params.min_new_tokens for seq in seqs)
+        self._last_sampling = (list(seqs), st, under_min)
         return st
 
     def _build_sampling_tensors(self, seqs: list[Sequence], ahead: int = 0) -> SamplingTensors:

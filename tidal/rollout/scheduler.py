@@ -38,6 +38,7 @@ from tidal.rollout.block_manager import BlockManager
 from tidal.rollout.sequence import Sequence, SequenceStatus
 
 Detokenize = Callable[[list[int], bool], str]
+_NO_IDS: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -50,13 +51,23 @@ class ScheduledBatch:
     # Context prefill: each group's [start, end) token range; None: whole prompts from position 0.
     chunks: list[tuple[int, int]] | None = None
     final: list[bool] | None = None  # context prefill: whether the group's prompt ends with this chunk
+    # The sequences that sample a token in this step (default: from ``groups`` and ``final``). A field,
+    # not a property: the runner, the look-ahead and ``postprocess`` each read it at every step.
+    seqs: list[Sequence] = None  # type: ignore[assignment]
 
-    @property
-    def seqs(self) -> list[Sequence]:
-        """The sequences that sample a token in this step."""
+    def __post_init__(self) -> None:
+        if self.seqs is not None:
+            return
         if self.final is not None:
-            return [seq for group, last in zip(self.groups, self.final, strict=True) if last for seq in group]
-        return [seq for group in self.groups for seq in group]
+            groups = [group for group, last in zip(self.groups, self.final, strict=True) if last]
+        else:
+            groups = self.groups
+        self.seqs = [seq for group in groups for seq in group]
+
+    @classmethod
+    def decode(cls, seqs: list[Sequence]) -> ScheduledBatch:
+        """One decode token for each of ``seqs`` (a group each)."""
+        return cls(False, [[seq] for seq in seqs], seqs=seqs)
 
 
 @dataclass
@@ -73,8 +84,8 @@ class Lookahead:
         sequences in the same order (each one token longer) with the same blocks, so the same inputs."""
         return (
             not batch.is_prefill
-            and len(batch.groups) == len(self.seqs)
-            and all(group[0] is seq for group, seq in zip(batch.groups, self.seqs, strict=True))
+            and batch.seqs
+            == self.seqs  # a decode batch has one sequence per group; Sequence compares by identity
             and all(seq.block_table[-1] == block for seq, block in self.blocks)
         )
 
@@ -94,7 +105,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.eos_token_ids = set(eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
         self.waiting: deque[list[Sequence]] = deque()
         self.running: deque[Sequence] = deque()
@@ -107,7 +118,19 @@ class Scheduler:
         self._last_was_prefill = False
 
     def add(self, group: list[Sequence]) -> None:
+        for seq in group:
+            self._resolve_stop_rules(seq)
         self.waiting.append(group)
+
+    def _resolve_stop_rules(self, seq: Sequence) -> None:
+        """Give ``seq`` the length limit and stop ids ``_check_stop`` applies, so that the checks at every
+        step are one comparison each."""
+        params = seq.params
+        seq.max_num_tokens = min(seq.num_prompt_tokens + params.max_new_tokens, self.max_model_len)
+        seq.min_stop_tokens = seq.num_prompt_tokens + params.min_new_tokens
+        # Shared sets where no request adds stop ids (the common case: fewer distinct objects per step).
+        eos = _NO_IDS if params.ignore_eos else self.eos_token_ids
+        seq.stop_ids = eos.union(params.stop_token_ids) if params.stop_token_ids else eos
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.prefilling)
@@ -170,9 +193,12 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduledBatch | None:
         scheduled: list[Sequence] = []
         blocks = self.block_manager
+        block_size = blocks.block_size
         while self.running:
             seq = self.running.popleft()
-            if not blocks.needs_new_block(seq):  # the common case: room left in the last block
+            # The common case, room left in the last block (``needs_new_block``, inlined: once per sequence
+            # per step).
+            if len(seq.block_table) * block_size >= seq.num_tokens:
                 scheduled.append(seq)
                 continue
             while not blocks.can_append(seq):
@@ -187,7 +213,7 @@ class Scheduler:
         self.running.extend(scheduled)
         if not scheduled:
             return self._schedule_context_prefill() if self.context_prefill else self._schedule_prefill()
-        return ScheduledBatch(False, [[seq] for seq in scheduled])
+        return ScheduledBatch.decode(scheduled)
 
     def _schedule_context(self) -> ScheduledBatch | None:
         # Chunked prefill: after a prefill step, the running sequences get their decode step first.
@@ -269,23 +295,26 @@ class Scheduler:
             return None
         if self.waiting and (self.context_prefill or self._admits(self.waiting[0])):
             return None
-        seqs, rows = [], []
-        for row, seq in enumerate(batch.seqs):
-            if seq.params.penalizes_repetition:
-                return None
-            if not self._reaches_length(seq):
-                seqs.append(seq)
-                rows.append(row)
-        plan = Lookahead(seqs, rows, [])
+        plan = Lookahead([], [], [])
         blocks = self.block_manager
-        for seq in seqs:
+        block_size = blocks.block_size
+        for row, seq in enumerate(batch.seqs):  # one pass: it runs over every sequence at every step
+            if seq.params.penalizes_repetition:
+                return self._abandon(plan)
+            if seq.num_tokens + 1 >= seq.max_num_tokens:  # the token it samples now ends it by length
+                continue
+            plan.seqs.append(seq)
+            plan.rows.append(row)
             # The next step writes the KV of position num_tokens (the token being sampled now).
-            if len(seq.block_table) * blocks.block_size <= seq.num_tokens:
+            if len(seq.block_table) * block_size <= seq.num_tokens:
                 if not blocks.num_free_blocks:
-                    self.release_ahead(plan)
-                    return None
+                    return self._abandon(plan)
                 plan.blocks.append((seq, blocks.take_block(seq)))
-        return plan if seqs else None
+        return plan if plan.seqs else None
+
+    def _abandon(self, plan: Lookahead) -> None:
+        """No step ahead after all: give back the blocks taken for ``plan`` so far."""
+        self.release_ahead(plan)
 
     def release_ahead(self, plan: Lookahead) -> None:
         """Give back the blocks ``plan_ahead`` took (the step is launched: its inputs are staged), in
@@ -296,12 +325,6 @@ class Scheduler:
     def _admits(self, group: list[Sequence]) -> bool:
         """Whether ``_schedule_prefill`` admits ``group`` (first in line) now."""
         return len(self.running) + len(group) <= self.max_num_seqs and self.block_manager.can_allocate(group)
-
-    def _reaches_length(self, seq: Sequence) -> bool:
-        """Whether the token ``seq`` samples next ends it by length (``_check_stop``), whatever it is."""
-        return (
-            seq.num_output_tokens + 1 >= seq.params.max_new_tokens or seq.num_tokens + 1 >= self.max_model_len
-        )
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -324,8 +347,7 @@ class Scheduler:
         tops = top_logprobs if top_logprobs is not None else [None] * len(seqs)
         for seq, token, logprob, top in zip(seqs, token_ids, logprobs, tops, strict=True):
             seq.append(token, logprob, top)
-            self._check_stop(seq)
-            if seq.is_finished:
+            if self._check_stop(seq):
                 self.block_manager.free(seq)
                 finished.append(seq)
         if finished:
@@ -341,21 +363,25 @@ class Scheduler:
             if cache:  # at once, so that prompts admitted from the next step on share these blocks
                 self.block_manager.register(group[0], end)
 
-    def _check_stop(self, seq: Sequence) -> None:
-        params, token = seq.params, seq.token_ids[-1]
-        num_tokens = len(seq.token_ids)
-        num_output = num_tokens - seq.num_prompt_tokens  # called per sequence per step: no properties
-        if num_output >= params.min_new_tokens:
-            if token in self.eos_token_ids and not params.ignore_eos:
-                return seq.finish("stop", token)
-            if token in params.stop_token_ids:
-                return seq.finish("stop", token)
-            if params.stop:
+    def _check_stop(self, seq: Sequence) -> bool:
+        """Finish ``seq`` if its last token ends it; whether it did. The rules, resolved per sequence by
+        ``_resolve_stop_rules``: after ``min_new_tokens`` outputs an eos id (unless ``ignore_eos``), a stop
+        id or a stop string ends it; ``max_new_tokens`` or ``max_model_len`` does in any case."""
+        num_tokens = seq.num_tokens
+        if num_tokens >= seq.min_stop_tokens:
+            token = seq.token_ids[-1]
+            if token in seq.stop_ids:
+                seq.finish("stop", token)
+                return True
+            if seq.params.stop:
                 stop = self._find_stop_string(seq)
                 if stop is not None:
-                    return seq.finish("stop", stop)
-        if num_output >= params.max_new_tokens or num_tokens >= self.max_model_len:
+                    seq.finish("stop", stop)
+                    return True
+        if num_tokens >= seq.max_num_tokens:
             seq.finish("length")
+            return True
+        return False
 
     def _find_stop_string(self, seq: Sequence) -> str | None:
         # Decode only a tail window: a stop string made of k characters spans at most about k tokens,

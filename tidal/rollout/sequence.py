@@ -22,6 +22,33 @@ class Sequence:
     KV is already in the cache; the next prefill chunk starts there.
     """
 
+    # Slots: the engine reads a few of these for every sequence several times per step; stored in the
+    # object itself they take fewer memory reads (and no attribute outside this list can appear).
+    __slots__ = (
+        "seq_id",
+        "request_index",
+        "sample_index",
+        "params",
+        "noise_seed",
+        "token_ids",
+        "num_prompt_tokens",
+        "num_tokens",
+        "max_num_tokens",
+        "min_stop_tokens",
+        "stop_ids",
+        "output_logprobs",
+        "output_top_logprobs",
+        "block_table",
+        "status",
+        "finish_reason",
+        "stop_reason",
+        "routing",
+        "num_computed_tokens",
+        "block_hashes",
+        "pending_copies",
+        "cache_epoch",
+    )
+
     def __init__(
         self,
         seq_id: int,
@@ -38,6 +65,15 @@ class Sequence:
         self.noise_seed = noise_seed
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
+        # ``len(token_ids)``, kept by ``append``: read for every sequence at every step (a plain attribute
+        # costs a fraction of a property call there).
+        self.num_tokens = self.num_prompt_tokens
+        # The stop rules resolved once (``Scheduler.add`` sets them with the engine's eos ids and length
+        # limit): the length at which it ends, the length from which a stop token can end it, and the ids
+        # that do (eos unless ``ignore_eos``, and ``stop_token_ids``).
+        self.max_num_tokens = self.num_prompt_tokens + params.max_new_tokens
+        self.min_stop_tokens = self.num_prompt_tokens + params.min_new_tokens
+        self.stop_ids: frozenset[int] = frozenset(params.stop_token_ids)
         self.output_logprobs: list[float] = []
         # SamplingParams.logprobs = k > 0: each output token's k (token id, log-prob) alternatives.
         self.output_top_logprobs: list[list[tuple[int, float]]] | None = [] if params.logprobs else None
@@ -55,15 +91,11 @@ class Sequence:
         self.cache_epoch = 0  # the block manager's cache epoch when its blocks were allocated
 
     def __len__(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return self.num_tokens
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -79,6 +111,7 @@ class Sequence:
 
     def append(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None = None) -> None:
         self.token_ids.append(token_id)
+        self.num_tokens += 1
         self.output_logprobs.append(logprob)
         if self.output_top_logprobs is not None:
             self.output_top_logprobs.append(top[: self.params.logprobs])
