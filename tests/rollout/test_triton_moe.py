@@ -8,10 +8,17 @@ Two groups:
   in ``moe.expert_forward`` (``FUSED_MOE``);
 - the alignment kernel (``align_pairs_triton``) bit-identical to the torch ops it replaces
   (``align_pairs_torch``), compiled at decode sizes (gpu) and interpreted at small ones;
+- the routing kernel (``fused_route``) against ``moe.route_torch`` (softmax, ``torch.topk``,
+  renormalisation): the ids are the k largest logits with the lower id first among equal ones (a stable
+  sort's order), the experts are a top-k of torch's probabilities in torch's order (so the same ids on
+  rows without ties), the float32 weights within 1e-6 relative of torch's (only the softmax sum's order
+  differs) and the model-dtype weights are those rounded; compiled at decode sizes and in a CUDA graph
+  (gpu), interpreted at small ones with deliberate ties;
 - interpreter: the same kernels run by Triton's interpreter on CPU (``TRITON_INTERPRET=1``) at tiny
   shapes, float32 and float16 (the interpreter's bfloat16 dot is broken in triton 3.6: it returns
   garbage even for a single 16x16 tile), skipped where triton is not importable or CUDA is present
-  (there the compiled kernels are tested and the module must stay compiled).
+  (there the compiled kernels are tested and the module must stay compiled). The interpreter has no
+  libdevice: the routing kernel's ``exp`` is numpy's float32 exp there.
 
 bfloat16 tolerance: the reference upcasts the same bf16 weights and inputs and computes in float32, so
 the error is the kernel's roundings: the activation (one bf16 rounding, relative 2^-9 per element), the
@@ -63,6 +70,44 @@ def experts(num_experts, hidden, inter, gen, device, dtype):
     gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen, device=device) / hidden**0.5
     down = torch.randn(num_experts, hidden, inter, generator=gen, device=device) / inter**0.5
     return gate_up.to(dtype), down.to(dtype)
+
+
+def tie_free_rows(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Rows whose k + 1 largest torch probabilities all differ (there ``torch.topk``'s ids are defined)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top = probs.topk(min(top_k + 1, probs.shape[-1]), dim=-1).values
+    return (top[:, :-1] > top[:, 1:]).all(dim=-1)
+
+
+def assert_routes_like_torch(
+    fused_route, logits: torch.Tensor, top_k: int, renormalize: bool, rounds_to_nearest: bool = True
+) -> torch.Tensor:
+    """``fused_route`` against ``moe.route_torch`` on ``logits``; returns the rows where the ids must equal
+    torch's (no tie of probabilities among its k + 1 largest), after checking that they do.
+
+    ``rounds_to_nearest=False``: the interpreter, whose float32 -> bfloat16 cast truncates (compiled
+    Triton, like torch, rounds to nearest even): the model-dtype weights are then within one bf16 ulp."""
+    weights, ids = fused_route(logits, top_k, renormalize, False)
+    want_weights, want_ids = moe.route_torch(logits, top_k, renormalize, False)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32 and ids.shape == want_ids.shape
+    # The rule: the k largest logits, the lower expert id first among equal ones (a stable sort's order).
+    ranked = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices
+    assert torch.equal(ids, ranked[:, :top_k])
+    # A top-k of torch's own probabilities, in its order (ties in probability may pick either expert).
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    assert torch.equal(probs.gather(1, ids), probs.topk(top_k, dim=-1).values)
+    tie_free = tie_free_rows(logits, top_k)
+    assert torch.equal(ids[tie_free], want_ids[tie_free])
+    # Only the order of the softmax sum differs from torch: a few float32 ulps.
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=0)
+    if logits.dtype != torch.float32:  # Qwen routers: the same weights rounded to the logits' dtype
+        model_weights, model_ids = fused_route(logits, top_k, renormalize, True)
+        assert model_weights.dtype == logits.dtype and torch.equal(model_ids, ids)
+        if rounds_to_nearest:
+            assert torch.equal(model_weights, weights.to(logits.dtype))
+        else:
+            torch.testing.assert_close(model_weights.float(), weights, rtol=2**-7, atol=0)
+    return tie_free
 
 
 # --------------------------------------------------------------------------------------------- GPU
@@ -225,11 +270,83 @@ def test_fused_moe_output_unchanged_by_the_align_kernel(monkeypatch):
     assert len(calls) == 3
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_experts, top_k", [(128, 8), (60, 4), (8, 2)])
+@pytest.mark.parametrize("num_tokens", [1, 64, 256, 512, 4099])
+def test_fused_route_matches_torch_at_decode_sizes(num_tokens, num_experts, top_k):
+    """Decode batches (and a prefill-sized one not a multiple of the row block) of Qwen3-30B-A3B (128
+    experts, top-8), Qwen2-MoE-like (60, top-4) and Mixtral (8, top-2) routers; float32 logits (tie-free
+    but for rare collapsed probabilities) and bfloat16 ones (ties common among 128 experts)."""
+    from tidal.rollout.triton_moe import fused_route
+
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens * 1000 + num_experts)
+    logits = torch.randn(num_tokens, num_experts, generator=gen, device="cuda")
+    for renormalize in (True, False):
+        tie_free = assert_routes_like_torch(fused_route, logits, top_k, renormalize)
+        if num_tokens >= 64:  # the id comparison covered (nearly) every row
+            assert tie_free.float().mean().item() > 0.9
+        assert_routes_like_torch(fused_route, logits.bfloat16(), top_k, renormalize)
+
+
+@pytest.mark.gpu
+def test_route_takes_the_kernel_and_replays_in_a_cuda_graph_with_new_logits(monkeypatch):
+    """``moe.route`` on CUDA is ``fused_route`` (no host sync): captured once, a replay on other logits
+    gives those logits' routing."""
+    from tidal.rollout import triton_moe
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    logits = torch.randn(64, 128, generator=gen, device="cuda").bfloat16()
+    calls = []
+    kernel = triton_moe.fused_route
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return kernel(*args)
+
+    monkeypatch.setattr(triton_moe, "fused_route", counted)
+    moe.route(logits, 8, True, True)  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            weights, ids = moe.route(logits, 8, True, True)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert len(calls) == 2
+    logits.copy_(torch.randn(64, 128, generator=gen, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want_weights, want_ids = kernel(logits, 8, True, True)
+    assert torch.equal(weights, want_weights) and torch.equal(ids, want_ids)
+    ranked = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices
+    assert torch.equal(ids, ranked[:, :8])
+    # Above 1024 experts the torch ops route.
+    wide = torch.randn(3, 1025, generator=gen, device="cuda")
+    weights, ids = moe.route(wide, 2, False, False)
+    assert len(calls) == 2
+    assert torch.equal(ids, moe.route_torch(wide, 2, False, False)[1])
+
+
 # ------------------------------------------------------------------------------------ interpreter
+class _NumpyExp:
+    """Stands in for libdevice under the interpreter (which has none): ``tl.exp`` is looked up at each
+    call, when the interpreter has patched it to numpy's float32 exp."""
+
+    @staticmethod
+    def exp(x):
+        import triton.language as tl
+
+        return tl.exp(x)
+
+
 @pytest.fixture(scope="module")
 def tm():
     """``tidal.rollout.triton_moe`` with its kernels run by Triton's interpreter."""
-    with interpreted({"tidal.rollout.triton_moe": "_moe_gemm"}) as (module,):
+    with (
+        interpreted({"tidal.rollout.triton_moe": "_moe_gemm"}) as (module,),
+        pytest.MonkeyPatch.context() as patch,
+    ):
+        patch.setattr(module, "libdevice", _NumpyExp)
         yield module
 
 
@@ -359,3 +476,65 @@ def test_align_pairs_takes_the_kernel_where_it_fits(tm, monkeypatch):
     monkeypatch.setattr(tm, "triton_usable", lambda t: False)
     tm.align_pairs(torch.zeros(4, 2, dtype=torch.long), 8, 16)
     assert taken[-1] == "torch"
+
+
+@pytest.mark.parametrize(
+    "num_tokens, num_experts, top_k",
+    [(1, 8, 1), (40, 8, 2), (17, 60, 2), (23, 60, 8), (5, 128, 8), (40, 128, 1)],
+)
+def test_fused_route_interpreted_matches_torch(tm, num_tokens, num_experts, top_k):
+    """Random normal logits: float32 ones have no ties (the ids are torch's, every row), bfloat16 ones
+    do among 60 or 128 experts (the ids then follow the lower-id rule)."""
+    gen = torch.Generator().manual_seed(num_tokens * 1000 + num_experts)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    for renormalize in (True, False):
+        assert assert_routes_like_torch(tm.fused_route, logits, top_k, renormalize).all()
+        assert_routes_like_torch(
+            tm.fused_route, logits.bfloat16(), top_k, renormalize, rounds_to_nearest=False
+        )
+
+
+def test_fused_route_ties_go_to_the_lower_expert_id(tm):
+    """Repeated logits: equal weights, lower id first, each expert once (also a row's -inf experts, once
+    its finite ones are taken); a row of equal logits routes to experts 0..k-1 with weight 1/E."""
+    inf = float("inf")
+    logits = torch.tensor(
+        [
+            [1.0, 3.0, 3.0, 0.0, 3.0, 2.0, 2.0, -1.0],
+            [2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0],
+            [0.5, -inf, -inf, -inf, -inf, -inf, -inf, -inf],
+            [-inf, -inf, 0.0, -0.0, -inf, 0.0, -inf, -inf],
+        ]
+    )
+    weights, ids = tm.fused_route(logits, 5, False, False)
+    assert ids.tolist() == [[1, 2, 4, 5, 6], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [2, 3, 5, 0, 1]]
+    probs = torch.softmax(logits, dim=-1)
+    torch.testing.assert_close(weights, probs.gather(1, ids), rtol=1e-6, atol=0)
+    assert weights[1].tolist() == [0.125] * 5 and weights[2].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert weights[0, 0] == weights[0, 1] == weights[0, 2] and weights[0, 3] == weights[0, 4]
+    renormalized, same_ids = tm.fused_route(logits, 5, True, False)
+    assert torch.equal(same_ids, ids)
+    torch.testing.assert_close(renormalized, weights / weights.sum(-1, keepdim=True), rtol=1e-6, atol=0)
+    # torch's values agree wherever its order among ties does not matter.
+    torch.testing.assert_close(weights, moe.route_torch(logits, 5, False, False)[0], rtol=1e-6, atol=0)
+
+
+def test_fused_route_interpreted_no_tokens_and_bad_top_k(tm):
+    weights, ids = tm.fused_route(torch.zeros(0, 8, dtype=torch.bfloat16), 2, True, True)
+    assert weights.shape == ids.shape == (0, 2) and weights.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"shape \(3, 8\) with top_k=9"):
+        tm.fused_route(torch.zeros(3, 8), 9, True, False)
+
+
+def test_route_takes_the_kernel_where_it_fits(tm, monkeypatch):
+    """Usable Triton (patched: CPU tensors count as usable here) and up to 1024 experts: ``fused_route``;
+    more experts, or Triton not usable (the CPU path): the torch ops."""
+    taken = []
+    monkeypatch.setattr(tm, "fused_route", lambda *a: taken.append("kernel"))
+    monkeypatch.setattr(moe, "route_torch", lambda *a: taken.append("torch"))
+    monkeypatch.setattr(moe, "triton_usable", lambda t: True)
+    moe.route(torch.zeros(4, 1024), 2, True, False)
+    moe.route(torch.zeros(4, 1025), 2, True, False)
+    monkeypatch.setattr(moe, "triton_usable", lambda t: False)
+    moe.route(torch.zeros(4, 8), 2, True, False)
+    assert taken == ["kernel", "torch", "torch"]

@@ -19,6 +19,10 @@ down result each written and read back, then un-permutes. Here:
    the epilogue, stored at the pair's own row (token order, so no un-permute);
 4. the per-token sum of the k rows (a strided reduction in torch: deterministic, no atomics).
 
+Before them, ``fused_route`` (``moe.route`` on CUDA) computes the routing itself in one launch: softmax,
+top-k (lower expert id first among equal logits), renormalisation and the cast, in place of ~6 torch
+kernels (``torch.topk`` alone is two).
+
 Numerics: products accumulate in float32 (tensor cores for 16-bit inputs, IEEE for float32); the gated
 activation is rounded once instead of three times, otherwise the roundings are the unfused path's (the
 pair outputs are stored in ``promote(x, weights)``: the model dtype for Qwen routers, float32 for
@@ -34,6 +38,11 @@ import triton
 import triton.language as tl
 
 from tidal.accel import triton_usable
+
+try:  # accurate expf, as torch's CUDA softmax uses (triton >= 3.0 moved it)
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - older triton
+    from triton.language.extra.cuda import libdevice
 
 
 @dataclass(frozen=True)
@@ -342,3 +351,114 @@ def fused_expert_forward(
     out = x.new_empty(num_tokens * top_k, hidden, dtype=torch.promote_types(x.dtype, weights.dtype))
     _launch(inter, down_proj, out, route, aligned, top_k, False, cfg)
     return out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ routing
+# ``fused_route`` holds a block of rows times every expert (padded to a power of two) in registers.
+ROUTE_KERNEL_MAX_EXPERTS = 1024
+ROUTE_ELEMENTS = 512  # rows x padded experts per program: 4 per thread on 4 warps
+ROUTE_MAX_ROWS = 64
+
+
+def route_kernel_fits(router_logits: torch.Tensor) -> bool:
+    """``_route_kernel`` takes these logits: [tokens, experts] with at most 1024 experts."""
+    return router_logits.dim() == 2 and router_logits.shape[1] <= ROUTE_KERNEL_MAX_EXPERTS
+
+
+def fused_route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_in_model_dtype: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe.route`` in one launch of ``_route_kernel``: (weights [T, k], expert ids [T, k] int64).
+
+    The same arithmetic as the torch ops: a float32 softmax ``exp(z - max) / sum`` (libdevice ``expf`` and
+    IEEE division, as torch's CUDA softmax), the k largest in descending order, optionally divided by
+    their float32 sum, rounded to the logits' dtype when ``weights_in_model_dtype``. Only the order of
+    the softmax sum differs (weights agree to about 1e-7 relative). Ties: among equal logits the lower
+    expert id comes first (``torch.topk``'s order among equal values on CUDA is unspecified; exact mode's
+    stable sort also puts the lower id first). No host sync: CUDA graphs capture it."""
+    if not route_kernel_fits(router_logits) or not 1 <= top_k <= router_logits.shape[-1]:
+        raise ValueError(
+            f"triton_moe.fused_route: logits of shape {tuple(router_logits.shape)} with top_k={top_k}; the "
+            f"kernel takes [tokens, experts <= {ROUTE_KERNEL_MAX_EXPERTS}] and 1 <= top_k <= experts"
+        )
+    num_tokens, num_experts = router_logits.shape
+    device = router_logits.device
+    weights_dtype = router_logits.dtype if weights_in_model_dtype else torch.float32
+    weights = torch.empty(num_tokens, top_k, dtype=weights_dtype, device=device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=device)
+    if num_tokens == 0:
+        return weights, ids
+    experts = triton.next_power_of_2(num_experts)
+    rows = max(1, min(ROUTE_MAX_ROWS, ROUTE_ELEMENTS // experts))
+    _route_kernel[(triton.cdiv(num_tokens, rows),)](
+        router_logits,
+        weights,
+        ids,
+        num_tokens,
+        num_experts,
+        router_logits.stride(0),
+        router_logits.stride(1),
+        TOP_K=top_k,
+        SLOTS=triton.next_power_of_2(top_k),
+        RENORMALIZE=renormalize,
+        BLOCK_T=rows,
+        EXPERTS=experts,
+        num_warps=4,
+    )
+    return weights, ids
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_tokens,
+    num_experts,
+    stride_t,
+    stride_e,
+    TOP_K: tl.constexpr,
+    SLOTS: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    EXPERTS: tl.constexpr,
+):
+    """``BLOCK_T`` rows of logits: softmax, then ``TOP_K`` rounds of "the largest logit not taken yet,
+    the lowest column among equal ones".
+
+    The rounds compare the logits, not the probabilities: softmax is monotone, so the order is the
+    same wherever the probabilities differ, and no rounding of exp or of the division can swap or tie
+    two nearly equal ones (equal logits tie, lowest id first). A pick's weight is computed from its
+    logit by the formula of every element, ``exp(z - max) / sum``: the same float. Taken columns are
+    tracked apart from the values, so a row's -inf logits can still be picked, each once."""
+    row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = row < num_tokens
+    safe_row = tl.minimum(row, num_tokens - 1).to(tl.int64)  # rows past the end read the last row
+    col = tl.arange(0, EXPERTS)[None, :]
+    ptrs = logits_ptr + safe_row[:, None] * stride_t + col * stride_e
+    z = tl.load(ptrs, mask=col < num_experts, other=float("-inf")).to(tl.float32)
+    top = tl.max(z, 1)
+    total = tl.sum(libdevice.exp(z - top[:, None]), 1)  # padding columns add exp(-inf) = 0
+
+    slot = tl.arange(0, SLOTS)[None, :]
+    taken = tl.broadcast_to(col >= num_experts, [BLOCK_T, EXPERTS])  # padding is never picked
+    picked_w = tl.zeros([BLOCK_T, SLOTS], dtype=tl.float32)
+    picked_id = tl.zeros([BLOCK_T, SLOTS], dtype=tl.int32)
+    kept = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(tl.where(taken, float("-inf"), z), 1)
+        candidate = (z == best[:, None]) & ~taken
+        pick = tl.min(tl.where(candidate, col, EXPERTS), 1)
+        pick = tl.minimum(pick, num_experts - 1)  # no candidate only in a row of NaNs: keep ids in range
+        taken = taken | (col == pick[:, None])
+        w = tl.math.div_rn(libdevice.exp(best - top), total)
+        kept += w  # slot order: ((w0 + w1) + w2) + ...
+        picked_w = tl.where(slot == j, w[:, None], picked_w)
+        picked_id = tl.where(slot == j, pick[:, None], picked_id)
+    if RENORMALIZE:
+        picked_w = tl.math.div_rn(picked_w, kept[:, None])
+
+    out = row.to(tl.int64)[:, None] * TOP_K + slot
+    ok = row_ok[:, None] & (slot < TOP_K)
+    tl.store(weights_ptr + out, picked_w.to(weights_ptr.dtype.element_ty), mask=ok)
+    tl.store(ids_ptr + out, picked_id.to(tl.int64), mask=ok)

@@ -106,7 +106,23 @@ def route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_in_model_dtype: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [tokens, k], expert ids [tokens, k]) of the k most probable experts, as transformers'
-    top-k routers compute them: softmax in float32, ``topk``, optional renormalisation over the k."""
+    top-k routers compute them: softmax in float32, ``topk``, optional renormalisation over the k.
+
+    On CUDA with Triton (up to 1024 experts): ``triton_moe.fused_route``, one launch instead of ~6
+    kernels, the same weights up to the order of the softmax sum and the lower expert id first among
+    equal logits. Elsewhere ``route_torch``."""
+    if triton_usable(router_logits):
+        from tidal.rollout import triton_moe
+
+        if triton_moe.route_kernel_fits(router_logits):
+            return triton_moe.fused_route(router_logits, top_k, renormalize, weights_in_model_dtype)
+    return route_torch(router_logits, top_k, renormalize, weights_in_model_dtype)
+
+
+def route_torch(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_in_model_dtype: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route`` in torch ops, transformers' own (the CPU path, bit for bit, and the kernel's reference)."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
