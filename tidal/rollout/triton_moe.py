@@ -354,9 +354,12 @@ def fused_expert_forward(
 
 
 # ------------------------------------------------------------------------------------------------ routing
-# ``fused_route`` holds a block of rows times every expert (padded to a power of two) in registers.
+# ``fused_route``'s programs are one warp each, holding a block of rows times every expert (padded to a
+# power of two) in registers: 4 elements per thread (128 experts: one row per program), so every
+# reduction stays within the warp (shuffles, no shared memory or barrier); up to 32 per thread (1024
+# experts, 127 registers on sm_90 without spills).
 ROUTE_KERNEL_MAX_EXPERTS = 1024
-ROUTE_ELEMENTS = 512  # rows x padded experts per program: 4 per thread on 4 warps
+ROUTE_ELEMENTS = 128  # rows x padded experts per program
 ROUTE_MAX_ROWS = 64
 
 
@@ -403,7 +406,7 @@ def fused_route(
         RENORMALIZE=renormalize,
         BLOCK_T=rows,
         EXPERTS=experts,
-        num_warps=4,
+        num_warps=1,
     )
     return weights, ids
 
@@ -424,13 +427,14 @@ def _route_kernel(
     EXPERTS: tl.constexpr,
 ):
     """``BLOCK_T`` rows of logits: softmax, then ``TOP_K`` rounds of "the largest logit not taken yet,
-    the lowest column among equal ones".
+    the lowest column among equal ones", one (value, index) reduction each.
 
     The rounds compare the logits, not the probabilities: softmax is monotone, so the order is the
     same wherever the probabilities differ, and no rounding of exp or of the division can swap or tie
     two nearly equal ones (equal logits tie, lowest id first). A pick's weight is computed from its
-    logit by the formula of every element, ``exp(z - max) / sum``: the same float. Taken columns are
-    tracked apart from the values, so a row's -inf logits can still be picked, each once."""
+    logit by the formula of every element, ``exp(z - max) / sum``: the same float. Taken columns and
+    the padding read -inf; a row's own -inf logits read the lowest finite float instead, so they still
+    rank above those and are picked each once (their weight is exp(-huge) = 0, as exp(-inf))."""
     row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = row < num_tokens
     safe_row = tl.minimum(row, num_tokens - 1).to(tl.int64)  # rows past the end read the last row
@@ -441,20 +445,19 @@ def _route_kernel(
     total = tl.sum(libdevice.exp(z - top[:, None]), 1)  # padding columns add exp(-inf) = 0
 
     slot = tl.arange(0, SLOTS)[None, :]
-    taken = tl.broadcast_to(col >= num_experts, [BLOCK_T, EXPERTS])  # padding is never picked
+    key = tl.where(z == float("-inf"), -3.4028234663852886e38, z)
+    key = tl.where(col < num_experts, key, float("-inf"))
     picked_w = tl.zeros([BLOCK_T, SLOTS], dtype=tl.float32)
     picked_id = tl.zeros([BLOCK_T, SLOTS], dtype=tl.int32)
     kept = tl.zeros([BLOCK_T], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(tl.where(taken, float("-inf"), z), 1)
-        candidate = (z == best[:, None]) & ~taken
-        pick = tl.min(tl.where(candidate, col, EXPERTS), 1)
-        pick = tl.minimum(pick, num_experts - 1)  # no candidate only in a row of NaNs: keep ids in range
-        taken = taken | (col == pick[:, None])
+        best, pick = tl.max(key, 1, return_indices=True, return_indices_tie_break_left=True)
+        key = tl.where(col == pick[:, None], float("-inf"), key)
         w = tl.math.div_rn(libdevice.exp(best - top), total)
         kept += w  # slot order: ((w0 + w1) + w2) + ...
         picked_w = tl.where(slot == j, w[:, None], picked_w)
-        picked_id = tl.where(slot == j, pick[:, None], picked_id)
+        # Only a row of NaNs (no order) can pick the padding: keep the ids in range.
+        picked_id = tl.where(slot == j, tl.minimum(pick, num_experts - 1)[:, None], picked_id)
     if RENORMALIZE:
         picked_w = tl.math.div_rn(picked_w, kept[:, None])
 
