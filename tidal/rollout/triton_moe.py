@@ -376,7 +376,7 @@ def fused_route(
     The same arithmetic as the torch ops: a float32 softmax ``exp(z - max) / sum`` (libdevice ``expf`` and
     IEEE division, as torch's CUDA softmax), the k largest in descending order, optionally divided by
     their float32 sum, rounded to the logits' dtype when ``weights_in_model_dtype``. Only the order of
-    the softmax sum differs (weights agree to about 1e-7 relative). Ties: among equal logits the lower
+    the softmax sum differs (weights within 1e-6 relative, a few float32 ulps). Ties: among equal logits the lower
     expert id comes first (``torch.topk``'s order among equal values on CUDA is unspecified; exact mode's
     stable sort also puts the lower id first). No host sync: CUDA graphs capture it."""
     if not route_kernel_fits(router_logits) or not 1 <= top_k <= router_logits.shape[-1]:
