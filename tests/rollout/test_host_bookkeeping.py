@@ -19,7 +19,8 @@ from tidal.rollout.sequence import Sequence
 def test_block_tables_kept_between_steps_stage_what_the_lists_hold():
     """Tables that grow, shrink, are replaced by ones of the same length (a preempted sequence, a block
     given back and another taken), and sequences that leave or change rows: each step's staged inputs
-    equal those written from the lists alone."""
+    equal those written from the lists alone. As ``BlockManager`` does, a table grows in place and
+    changes otherwise by a new list."""
     rng = random.Random(0)
     seqs = [Sequence(i, i, 0, [7] * (1 + i), SamplingParams(), 0) for i in range(6)]
     for seq in seqs:
@@ -31,10 +32,12 @@ def test_block_tables_kept_between_steps_stage_what_the_lists_hold():
         if change == 0 and len(seq.block_table) < 6:
             seq.block_table.append(rng.randrange(50))
         elif change == 1 and len(seq.block_table) > 1:
-            seq.block_table.pop()
+            seq.block_table = seq.block_table[:-1]  # ``BlockManager.return_block``
             seq.block_table.append(rng.randrange(50))  # same length, another last block
         elif change == 2:
             seq.block_table = [rng.randrange(50) for _ in seq.block_table]  # same length, all new
+        elif len(seq.block_table) > 1:
+            seq.block_table = seq.block_table[:-1]  # shorter
         batch = rng.sample(seqs, rng.randrange(1, len(seqs) + 1))
         rows = rng.randrange(len(batch), 9)
         width = max(len(s.block_table) for s in batch)

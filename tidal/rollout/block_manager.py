@@ -137,7 +137,7 @@ class BlockManager:
         """Undo ``take_block``: the block goes back to the front of the free queue, so that returning the
         blocks taken in reverse order restores the queue exactly (the next takes hand out the same ids).
         Not with prefix caching, whose eviction on take cannot be undone."""
-        block = seq.block_table.pop()
+        *seq.block_table, block = seq.block_table  # a new list: tables only grow in place (``Sequence``)
         self.ref_counts[block] = 0
         self.free_blocks[block] = None
         self.free_blocks.move_to_end(block, last=False)

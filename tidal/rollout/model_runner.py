@@ -114,29 +114,39 @@ class StepPeers(Protocol):
 class BlockTables:
     """The block tables of the last decode step staged, one int32 row per batch row, kept between steps so
     that a step rewrites only the rows whose table changed (a sequence got a block, or another sequence
-    is in that row now) instead of converting every table from Python at every step."""
+    is in that row now) instead of converting every table from Python at every step.
+
+    A row holds a reference to the list it was written from and that list's length then: a
+    ``Sequence.block_table`` only grows in place (any other change assigns a new list, see ``Sequence``),
+    so the same list at the same length has the same blocks."""
 
     def __init__(self, max_rows: int, max_blocks: int):
         self.array = np.zeros((max_rows, max_blocks), dtype=np.int32)  # unused entries: block 0
-        self.held: list[list[int]] = [[] for _ in range(max_rows)]  # each row's table, as in ``array``
-        self.lengths = np.zeros(max_rows, dtype=np.int64)  # len(held[row])
+        self.held: list[list[int] | None] = [None] * max_rows  # the list each row was written from
+        self.held_len = [0] * max_rows  # its length then
+        self.lengths = np.zeros(max_rows, dtype=np.int64)  # held_len, to take the longest in one call
 
     def update(self, seqs: list[Sequence], rows: int) -> tuple[np.ndarray, int]:
         """``[rows, max_blocks]``: the tables of ``seqs``, then empty padding rows; and the longest one."""
-        held = self.held
+        held, held_len = self.held, self.held_len
         for row, seq in enumerate(seqs):
-            if held[row] != seq.block_table:  # list equality: C speed, no copy
-                self._write(row, seq.block_table)
+            table = seq.block_table
+            if held[row] is not table or held_len[row] != len(table):
+                self._write(row, table)
         for row in range(len(seqs), rows):
-            if held[row]:
+            if held_len[row]:
                 self._write(row, [])
         return self.array[:rows], int(self.lengths[:rows].max())
 
     def _write(self, row: int, table: list[int]) -> None:
-        self.array[row, len(table) : len(self.held[row])] = 0
-        self.array[row, : len(table)] = table
-        self.held[row] = list(table)  # a copy: the sequence's list grows in place
-        self.lengths[row] = len(table)
+        size, old = len(table), self.held_len[row]
+        if self.held[row] is table and size == old + 1:  # the common change: one block appended
+            self.array[row, old] = table[old]
+        else:
+            if size < old:
+                self.array[row, size:old] = 0
+            self.array[row, :size] = table
+        self.held[row], self.held_len[row], self.lengths[row] = table, size, size
 
 
 def fill_decode_inputs(

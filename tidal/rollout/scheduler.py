@@ -191,14 +191,25 @@ class Scheduler:
         return ScheduledBatch(True, groups, copies) if groups else None
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        scheduled: list[Sequence] = []
         blocks = self.block_manager
         block_size = blocks.block_size
+        # The common case: the sequences that need a new block (``needs_new_block``, inlined: this runs
+        # over every sequence at every step) all get one, nothing is preempted, all run in their order.
+        needing = [seq for seq in self.running if len(seq.block_table) * block_size < seq.num_tokens]
+        if len(needing) <= blocks.num_free_blocks and self.running:
+            for seq in needing:
+                blocks.append_slot(seq)
+            return ScheduledBatch.decode(list(self.running))
+        return self._schedule_decode_preempting()
+
+    def _schedule_decode_preempting(self) -> ScheduledBatch | None:
+        """``_schedule_decode`` when the free blocks run out: in order, each sequence that needs a block
+        gets one, the most recently admitted ones being preempted (recomputed later) to free them."""
+        scheduled: list[Sequence] = []
+        blocks = self.block_manager
         while self.running:
             seq = self.running.popleft()
-            # The common case, room left in the last block (``needs_new_block``, inlined: once per sequence
-            # per step).
-            if len(seq.block_table) * block_size >= seq.num_tokens:
+            if not blocks.needs_new_block(seq):
                 scheduled.append(seq)
                 continue
             while not blocks.can_append(seq):
@@ -295,31 +306,36 @@ class Scheduler:
             return None
         if self.waiting and (self.context_prefill or self._admits(self.waiting[0])):
             return None
-        plan = Lookahead([], [], [])
+        seqs = batch.seqs
         blocks = self.block_manager
         block_size = blocks.block_size
-        for row, seq in enumerate(batch.seqs):  # one pass: it runs over every sequence at every step
-            if seq.params.penalizes_repetition:
-                return self._abandon(plan)
+        taken: list[tuple[Sequence, int]] = []
+        ending, params = False, None
+        for seq in seqs:  # one pass: it runs over every sequence at every step
+            if seq.params is not params:  # shared by a request's samples (often by all): checked once a run
+                params = seq.params
+                if params.penalizes_repetition:
+                    return self._give_back(taken)
             if seq.num_tokens + 1 >= seq.max_num_tokens:  # the token it samples now ends it by length
+                ending = True
                 continue
-            plan.seqs.append(seq)
-            plan.rows.append(row)
             # The next step writes the KV of position num_tokens (the token being sampled now).
             if len(seq.block_table) * block_size <= seq.num_tokens:
                 if not blocks.num_free_blocks:
-                    return self._abandon(plan)
-                plan.blocks.append((seq, blocks.take_block(seq)))
-        return plan if plan.seqs else None
-
-    def _abandon(self, plan: Lookahead) -> None:
-        """No step ahead after all: give back the blocks taken for ``plan`` so far."""
-        self.release_ahead(plan)
+                    return self._give_back(taken)
+                taken.append((seq, blocks.take_block(seq)))
+        if not ending:  # the common case: every sequence goes on, in its row
+            return Lookahead(seqs, list(range(len(seqs))), taken)
+        rows = [row for row, seq in enumerate(seqs) if seq.num_tokens + 1 < seq.max_num_tokens]
+        return Lookahead([seqs[row] for row in rows], rows, taken) if rows else None
 
     def release_ahead(self, plan: Lookahead) -> None:
         """Give back the blocks ``plan_ahead`` took (the step is launched: its inputs are staged), in
         reverse order, so that ``schedule`` takes the same ones again if it schedules the same step."""
-        for seq, _ in reversed(plan.blocks):
+        self._give_back(plan.blocks)
+
+    def _give_back(self, taken: list[tuple[Sequence, int]]) -> None:
+        for seq, _ in reversed(taken):
             self.block_manager.return_block(seq)
 
     def _admits(self, group: list[Sequence]) -> bool:

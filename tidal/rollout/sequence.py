@@ -20,6 +20,9 @@ class Sequence:
     the next decode step's input (its KV is written during that step). While a prompt is prefilled in
     chunks (or starts from cached prefix blocks), ``num_computed_tokens`` counts the leading tokens whose
     KV is already in the cache; the next prefill chunk starts there.
+
+    ``block_table`` only grows in place (``append``); any other change assigns a new list, so that the
+    runner can tell a changed table from the same list at the same length (``model_runner.BlockTables``).
     """
 
     # Slots: the engine reads a few of these for every sequence several times per step; stored in the
