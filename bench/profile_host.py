@@ -12,8 +12,10 @@ wrapped in ``perf_counter`` clocks (``PhaseClock`` from ``bench/profile_decode.p
 - ``sampling_tensors``: the per-row sampling settings (``ModelRunner._sampling_tensors``);
 - ``result``: reading a step's sampled ids and log-probs into Python lists (``LaunchedStep.result``).
 
-Prints one JSON line: milliseconds per engine step for each phase and their sum (``host_total``), the best
-of ``--repeats`` runs (the machine is shared: the minimum is the least disturbed).
+Prints one JSON line: milliseconds per engine step (prefill included) for each phase and their sum
+(``host_total``), from the best of ``--repeats`` runs (the machine is shared: the least disturbed).
+One torch thread by default: on a small CPU, torch's worker threads keep spinning after the forward and
+compete with the host thread being measured.
 
     python bench/profile_host.py                       # 32 prompts x 8 samples, 128 new tokens
     python bench/profile_host.py --prompts 4 --n 4     # a small batch
@@ -43,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt_len", type=int, default=64)
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="timed runs (the best is reported)")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 

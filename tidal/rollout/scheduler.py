@@ -84,8 +84,8 @@ class Lookahead:
         sequences in the same order (each one token longer) with the same blocks, so the same inputs."""
         return (
             not batch.is_prefill
-            and batch.seqs
-            == self.seqs  # a decode batch has one sequence per group; Sequence compares by identity
+            # A decode batch has one sequence per group; lists of Sequences compare by identity.
+            and batch.seqs == self.seqs
             and all(seq.block_table[-1] == block for seq, block in self.blocks)
         )
 
@@ -315,14 +315,16 @@ class Scheduler:
             if seq.params is not params:  # shared by a request's samples (often by all): checked once a run
                 params = seq.params
                 if params.penalizes_repetition:
-                    return self._give_back(taken)
+                    self._give_back(taken)
+                    return None
             if seq.num_tokens + 1 >= seq.max_num_tokens:  # the token it samples now ends it by length
                 ending = True
                 continue
             # The next step writes the KV of position num_tokens (the token being sampled now).
             if len(seq.block_table) * block_size <= seq.num_tokens:
                 if not blocks.num_free_blocks:
-                    return self._give_back(taken)
+                    self._give_back(taken)
+                    return None
                 taken.append((seq, blocks.take_block(seq)))
         if not ending:  # the common case: every sequence goes on, in its row
             return Lookahead(seqs, list(range(len(seqs))), taken)
