@@ -13,14 +13,27 @@ Split-K ("flash-decoding"): when batch x kv heads is too small to fill the GPU, 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 64  # context tokens per inner step (any KV block size works: pages are looked up per token)
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in merging than it gains in parallelism
 MAX_SPLITS = 16
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch settings of the decode kernel: ``block_n`` context tokens per inner step (any KV block
+    size works: pages are looked up per token), warps and software-pipelining stages."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+TILES = Tiles()
 
 
 @triton.jit
@@ -147,12 +160,15 @@ def paged_decode_attention(
     window: int | None,
     scale: float,
     num_splits: int | None = None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """q [batch, heads, d]; layer_cache [2, blocks, block_size, kv_heads, d] -> out [batch, heads * d].
 
     ``block_tables`` [batch, width] and ``context_lens`` [batch] are int32/int64 device tensors; a row
-    with context length 0 (a CUDA-graph padding row) reads nothing and returns zeros.
+    with context length 0 (a CUDA-graph padding row) reads nothing and returns zeros. ``tiles``: launch
+    settings other than ``TILES`` (bench/decode_attention.py sweeps them).
     """
+    tiles = tiles or TILES
     batch, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_dim = layer_cache.shape
     assert cache_dim == head_dim and q.stride(-1) == 1 and layer_cache.is_contiguous()
@@ -163,7 +179,7 @@ def paged_decode_attention(
         max_tokens = block_tables.shape[1] * block_size
         num_splits = choose_num_splits(batch, num_kv_heads, max_tokens, _num_sms(device))
     max_tokens = block_tables.shape[1] * block_size
-    split_len = triton.cdiv(triton.cdiv(max_tokens, num_splits), BLOCK_N) * BLOCK_N
+    split_len = triton.cdiv(triton.cdiv(max_tokens, num_splits), tiles.block_n) * tiles.block_n
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_splits > 1:
         part = torch.empty(batch * num_heads * num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -193,12 +209,12 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=tiles.block_n,
         NUM_SPLITS=num_splits,
         HAS_WINDOW=window is not None,
         IEEE=q.dtype == torch.float32,
-        num_warps=4,
-        num_stages=2,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     if num_splits > 1:
         _merge_kernel[(batch * num_heads,)](part, lse, out, HEAD_DIM=head_dim, NUM_SPLITS=num_splits)

@@ -1,0 +1,116 @@
+"""Benchmark: the paged decode-attention kernel alone, default launch settings vs a sweep (GPU).
+
+For decode shapes of the engine benchmarks (bench/rollout.py: B=256 at the 0.5B and 7B shapes over a
+128-token prompt + 512 new tokens, i.e. ~384 tokens of context on average; and the long-generation batch,
+512 sequences of 512 + 4,096 tokens, ~2,560 on average) it times ``paged_decode_attention`` on random
+bf16 queries and a paged cache with shuffled pages, replayed from a CUDA graph (kernel time, no launch
+overhead), and reports the bytes it must read (every live key and value once) per second. With
+``--sweep`` it also times every ``Tiles`` setting × context split count of a small grid, checks each
+output against the default's, and reports the fastest.
+
+    python bench/decode_attention.py --sweep     # one JSON line
+
+Context lengths are uniform in [avg/2, 3*avg/2] so splits see ragged rows, as in a real batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# name: (batch, kv heads, query heads per kv head, head dim, average context)
+SHAPES = {
+    "0.5b_b256": (256, 2, 7, 64, 384),
+    "7b_b256": (256, 4, 7, 128, 384),
+    "0.5b_long_b512": (512, 2, 7, 64, 2560),
+}
+BLOCK_SIZE = 16
+
+
+def make_inputs(batch, kv_heads, group, dim, avg, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    lens = torch.randint(avg // 2, avg * 3 // 2 + 1, (batch,), generator=g, device="cuda")
+    width = int(lens.max()) // BLOCK_SIZE + 1
+    blocks = batch * width
+    perm = torch.randperm(blocks, generator=g, device="cuda")
+    tables = perm.view(batch, width).to(torch.int32)
+    cache = torch.randn(2, blocks, BLOCK_SIZE, kv_heads, dim, generator=g, device="cuda").bfloat16()
+    q = torch.randn(batch, kv_heads * group, dim, generator=g, device="cuda").bfloat16()
+    return q, cache, tables, lens.to(torch.int32)
+
+
+def kernel_ms(fn, calls: int = 20, replays: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (calls * replays)
+
+
+def measure(name: str, sweep: bool) -> dict:
+    from tidal.rollout import triton_attention as ta
+
+    batch, kv_heads, group, dim, avg = SHAPES[name]
+    q, cache, tables, lens = make_inputs(batch, kv_heads, group, dim, avg)
+    scale = dim**-0.5
+    gb = float(lens.sum()) * kv_heads * dim * 2 * 2 / 1e9  # keys and values, bf16
+
+    def run(tiles=None, splits=None):
+        return lambda: ta.paged_decode_attention(q, cache, tables, lens, None, scale, splits, tiles)
+
+    auto = ta.choose_num_splits(batch, kv_heads, tables.shape[1] * BLOCK_SIZE, ta._num_sms(0))
+    reference = run()()
+    base = kernel_ms(run())
+    result = {
+        "shape": name,
+        "gb": round(gb, 3),
+        "splits": auto,
+        "ms": round(base, 4),
+        "tb_s": round(gb / base, 2),
+    }
+    if not sweep:
+        return result
+    best = (base, ta.TILES, auto)
+    for block_n, warps, stages, factor in itertools.product((32, 64, 128), (4, 8), (2, 3), (1, 4)):
+        tiles, splits = ta.Tiles(block_n, warps, stages), min(auto * factor, ta.MAX_SPLITS)
+        out = run(tiles, splits)()
+        err = float((out.float() - reference.float()).abs().max())
+        if err > 3e-2:
+            raise SystemExit(f"{name}: {tiles} splits={splits} differs from the default by {err}")
+        ms = kernel_ms(run(tiles, splits))
+        if ms < best[0]:
+            best = (ms, tiles, splits)
+    ms, tiles, splits = best
+    result["best"] = {"ms": round(ms, 4), "tb_s": round(gb / ms, 2), "splits": splits, **tiles.__dict__}
+    return result
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--sweep", action="store_true")
+    args = p.parse_args(argv)
+    results = [measure(name, args.sweep) for name in args.shapes]
+    print(json.dumps({"bench": "decode_attention", "gpu": torch.cuda.get_device_name(), "runs": results}))
+    return results
+
+
+if __name__ == "__main__":
+    main()
