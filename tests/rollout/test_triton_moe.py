@@ -34,7 +34,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.rollout.triton_interpreter import interpreted
+from tests.rollout.triton_interpreter import NumpyLibdevice, interpreted
 from tidal.rollout.models import moe
 
 
@@ -328,15 +328,6 @@ def test_route_takes_the_kernel_and_replays_in_a_cuda_graph_with_new_logits(monk
 
 
 # ------------------------------------------------------------------------------------ interpreter
-class _NumpyExp:
-    """Stands in for libdevice under the interpreter (which has none): ``tl.exp`` is looked up at each
-    call, when the interpreter has patched it to numpy's float32 exp."""
-
-    @staticmethod
-    def exp(x):
-        import triton.language as tl
-
-        return tl.exp(x)
 
 
 @pytest.fixture(scope="module")
@@ -346,7 +337,7 @@ def tm():
         interpreted({"tidal.rollout.triton_moe": "_moe_gemm"}) as (module,),
         pytest.MonkeyPatch.context() as patch,
     ):
-        patch.setattr(module, "libdevice", _NumpyExp)
+        patch.setattr(module, "libdevice", NumpyLibdevice)
         yield module
 
 

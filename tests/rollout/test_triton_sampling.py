@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.rollout.triton_interpreter import interpreted
+from tests.rollout.triton_interpreter import NumpyLibdevice, interpreted
 from tidal.rollout.sampler import Sampler, SamplingTensors, sequence_seed
 from tidal.testing.stats import expected_distinct, goodness_of_fit, mean_z
 
@@ -50,15 +50,6 @@ def assert_same_draws(ts, logits, temps, seeds, positions, **split):
 
 
 # ------------------------------------------------------------------------------------ interpreter
-class _NumpyLog:
-    """Stands in for libdevice under the interpreter (which has none): ``tl.log`` is looked up at each
-    call, when the interpreter has patched it to numpy's float32 log."""
-
-    @staticmethod
-    def log(x):
-        import triton.language as tl
-
-        return tl.log(x)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +57,7 @@ def ts():
     """``triton_sampling`` run by Triton's interpreter."""
     kernels = {"tidal.rollout.triton_sampling": "_sample_kernel"}
     with interpreted(kernels) as (module,), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(module, "libdevice", _NumpyLog)
+        patch.setattr(module, "libdevice", NumpyLibdevice)
         yield module
 
 

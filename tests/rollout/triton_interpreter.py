@@ -14,6 +14,24 @@ import pytest
 import torch
 
 
+class NumpyLibdevice:
+    """Stands in for a kernel module's ``libdevice`` under the interpreter (which has none): ``tl.log`` and
+    ``tl.exp`` are looked up at each call, when the interpreter has patched them to numpy's float32
+    functions. Patch it in with ``monkeypatch.setattr(module, "libdevice", NumpyLibdevice)``."""
+
+    @staticmethod
+    def log(x):
+        import triton.language as tl
+
+        return tl.log(x)
+
+    @staticmethod
+    def exp(x):
+        import triton.language as tl
+
+        return tl.exp(x)
+
+
 @contextlib.contextmanager
 def interpreted(kernels: dict[str, str]) -> Iterator[list]:
     """The modules named by ``kernels`` (module name -> one of its ``@triton.jit`` kernels), in order, with
