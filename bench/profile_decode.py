@@ -6,7 +6,9 @@ then runs ``--steps`` decode steps through ``LLMEngine.step`` twice:
 1. timed with host clocks: the wall time of each step, and inside it the host-only phases — the
    scheduler (``schedule`` + ``postprocess``), the engine's bookkeeping (snapshots of the outputs), and
    ``ModelRunner.run`` (which builds the decode inputs, enqueues the forward and sampling, then blocks
-   on the one device-to-host copy of the sampled ids);
+   on the one device-to-host copy of the sampled ids); with async scheduling (the CUDA default,
+   ``--async_scheduling``) the phases of ``async_host_phases`` instead, as the engine then launches
+   each step ahead rather than through ``run``;
 2. under ``torch.profiler``: every GPU kernel's time, grouped by what it does (GEMMs, attention, norms,
    rotary, sampling and log-softmax, element-wise and copies), so that ``gpu_busy_ms`` — the sum of kernel
    time per step — can be set against the wall time: the difference is time the GPU waits for the host.
@@ -81,6 +83,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the decoder's fused Triton kernels (layers.FUSED_KERNELS; CUDA only): on, off, or each in turn",
     )
     p.add_argument(
+        "--async_scheduling",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the engine's async scheduling (auto: its default, on for CUDA); the host phases differ",
+    )
+    p.add_argument(
         "--final_only",
         action="store_true",
         help="step(snapshot=...) declines every unfinished request (a non-streaming server's engine loop)",
@@ -141,6 +149,7 @@ def build_engine(args, tmp: str):
         device=args.device,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
     )
     return LLMEngine(path, config, model=hf), hf.config.vocab_size
 
@@ -172,6 +181,8 @@ def step_kwargs(args) -> dict:
 
 
 def host_phases(engine, args) -> dict:
+    if engine.async_scheduling:
+        return async_host_phases(engine, args)
     clock = PhaseClock()
     clock.wrap(engine.scheduler, "schedule", "schedule")
     clock.wrap(engine.scheduler, "postprocess", "postprocess")
@@ -196,6 +207,35 @@ def host_phases(engine, args) -> dict:
     )
     enqueue = ms["runner_decode_inputs"] + ms["runner_forward_enqueue"] + ms["runner_sampler_enqueue"]
     ms["runner_wait_for_gpu"] = round(ms["runner_run"] - enqueue, 4)
+    return ms
+
+
+def async_host_phases(engine, args) -> dict:
+    """``host_phases`` of an engine that launches decode steps ahead (async scheduling, the CUDA
+    default): the host's phases of ``bench/profile_host.py`` plus the launches. ``launch_ahead`` (staging
+    step t+1's inputs, enqueueing its forward and sampling while the device runs step t) includes
+    ``decode_inputs`` and ``sampling_tensors``; ``result`` is the wait for a step's ids and reading them;
+    ``host_busy`` is the step's wall time less that wait: what the device's step time must cover."""
+    from bench.profile_host import wrap_phases
+    from tidal.rollout import model_runner, scheduler
+
+    originals = scheduler.Lookahead.matches, model_runner.LaunchedStep.result
+    clock = PhaseClock()
+    wrap_phases(engine, clock)
+    clock.wrap(engine.runner, "launch", "launch")
+    clock.wrap(engine.runner, "launch_ahead", "launch_ahead")
+    try:
+        sync(args.device)
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step(**step_kwargs(args))
+        sync(args.device)
+        wall = time.perf_counter() - start
+    finally:  # the class-level clocks
+        scheduler.Lookahead.matches, model_runner.LaunchedStep.result = originals
+    ms = {phase: round(total / args.steps * 1e3, 4) for phase, total in sorted(clock.total.items())}
+    ms["step_wall"] = round(wall / args.steps * 1e3, 4)
+    ms["host_busy"] = round(ms["step_wall"] - ms.get("result", 0.0), 4)
     return ms
 
 
@@ -240,6 +280,7 @@ def measure(args, fused: bool) -> dict:
             engine.step()
         phases = host_phases(engine, args)
         kernels, top, busy = kernel_profile(engine, args)
+        engine_async = engine.async_scheduling
     del engine
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()  # the next engine sizes its KV cache from the free memory
@@ -255,6 +296,7 @@ def measure(args, fused: bool) -> dict:
         "enforce_eager": args.enforce_eager,
         "final_only": args.final_only,
         "fused_kernels": fused,
+        "async_scheduling": engine_async,
         "host_ms": phases,
         "kernel_ms": kernels,
         "gpu_busy_ms": round(busy, 4),
