@@ -20,8 +20,9 @@ buffers, each rewritten only after the copy that last read it ran.
 A tensor-parallel engine (``tp_worker.py``) runs one runner per rank, each with its shard of the model
 and a KV cache of its KV heads only. Rank 0's runner turns each batch into a ``PrefillStep`` /
 ``DecodeStep`` (host arrays), sends it to the other ranks (``peers``), and all ranks run ``forward_step``
-on it; the logits are gathered in the LM head, and rank 0 alone samples. Decode steps run eagerly there
-(no CUDA graphs: they would capture the collectives).
+on it; the logits are gathered in the LM head, and rank 0 alone samples. On CUDA every rank replays its
+own decode graphs, which capture the NCCL collectives too: the ranks capture a bucket at the same step
+(the step says which bucket) and replay in the same order, as a collective needs.
 """
 
 from __future__ import annotations
@@ -292,7 +293,6 @@ class ModelRunner:
         if exact:
             make_exact(model)
         self.peers = peers
-        tp_size = model.args.tp.size
         # Router replay: the MoE blocks whose expert choices are recorded per token (none: dense model).
         self.routers = [m for m in model.modules() if isinstance(m, SparseMoE)] if record_routing else []
         self.args = model.args
@@ -322,10 +322,10 @@ class ModelRunner:
         self._next_host = 0
         self._discarded: LaunchedStep | None = None  # kept until a later step's result was read
         self.graphs = None
-        # Recording runs decode eagerly (Python hooks); so does tensor parallelism (collectives), and so do
-        # exact MoE layers (``bi.moe_experts`` reads each expert's row count on the host).
+        # Recording runs decode eagerly (Python hooks), and so do exact MoE layers (``bi.moe_experts`` reads
+        # each expert's row count on the host). Tensor-parallel ranks capture their collectives with the rest.
         exact_moe = exact and any(isinstance(m, SparseMoE) for m in model.modules())
-        if cuda and not enforce_eager and not self.routers and tp_size == 1 and not exact_moe:
+        if cuda and not enforce_eager and not self.routers and not exact_moe:
             self.graphs = DecodeGraphs(self.decode_forward, self.device, max_num_seqs, max_blocks)
 
     @staticmethod
