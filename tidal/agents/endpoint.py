@@ -18,6 +18,17 @@ several samples in one request, or sends a prompt that does not extend the episo
 (``endpoint_errors``: e.g. a chat template that re-renders earlier turns differently; send token-id
 prompts to ``/v1/completions`` to keep full control). Under router replay each request's recorded
 experts extend the trajectory's (``Trajectory.add_routing``), as for a ``step()`` agent.
+
+Seeds: when the rollout is seeded (tidal's trainers always seed it), a request that carries no ``seed``
+samples with ``sequence_seed(<episode seed>, k)``, k its number within the episode (0 for the first;
+every well-formed request counts, seeded or not, in the order the server receives the episode's),
+where the episode seed is the one ``AgentExecutorBase`` derives from the rollout seed and the sample's
+(prompt, sample) index: the same noise as turn k of a built-in multi-turn agent. So an episode samples
+the same tokens whatever order the concurrent episodes' requests reach the server in (an unseeded
+request would otherwise take the engine's next seed in arrival order). A request with its own ``seed``
+keeps it. An unseeded rollout leaves requests as they are. Episode ids stay random (uuid4): they only
+route and record requests (a client kept from an earlier episode cannot reach a new one), and no seed
+depends on them.
 """
 
 from __future__ import annotations
@@ -25,12 +36,15 @@ from __future__ import annotations
 import asyncio
 import inspect
 import re
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
 
-from tidal.agents.base import AgentError, AgentExecutorBase, EpisodeError, Trajectory, describe
+from tidal.agents.base import AgentError, AgentExecutorBase, EpisodeError, Trajectory, describe, with_params
 from tidal.rewards.function import load_python_file
+from tidal.rollout.sampler import sequence_seed
+from tidal.serve.server import OpenAIServer, OpenAIService
 
 EPISODE_PATH = re.compile(r"^/episodes/([A-Za-z0-9_.-]+)(/.*)$")
 
@@ -52,14 +66,56 @@ class EpisodeRoutes:
         await self.app(scope, receive, send)
 
 
-def episode_server(engine, recorder, default_max_tokens: int):
-    """An ``OpenAIServer`` on ``engine`` (127.0.0.1, a free port) whose routes take episode prefixes."""
+class EpisodeSeeds:
+    """Thread-safe seeds of the open seeded episodes (the executor opens and closes them on its event
+    loop; the server draws on its own): request k of an episode seeded s gets ``sequence_seed(s, k)``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._episodes: dict[str, list[int]] = {}  # episode id -> [episode seed, requests so far]
+
+    def open(self, episode: str, seed: int | None) -> None:
+        """Start counting ``episode``'s requests; an unseeded episode (``seed`` None) is not tracked."""
+        if seed is not None:
+            with self._lock:
+                self._episodes[episode] = [seed, 0]
+
+    def close(self, episode: str) -> None:
+        with self._lock:
+            self._episodes.pop(episode, None)
+
+    def next_seed(self, episode: str | None) -> int | None:
+        """The seed of ``episode``'s next request (counting it), or None for an untracked episode."""
+        with self._lock:
+            entry = self._episodes.get(episode) if episode is not None else None
+            if entry is None:
+                return None
+            seed, k = entry
+            entry[1] += 1
+        return sequence_seed(seed, k)
+
+
+class EpisodeService(OpenAIService):
+    """An ``OpenAIService`` that gives an open episode's requests without a ``seed`` the episode's."""
+
+    def __init__(self, engine, recorder, default_max_tokens: int, seeds: EpisodeSeeds):
+        super().__init__(engine, "policy", default_max_tokens, recorder)
+        self.seeds = seeds
+
+    async def _serve(self, req):
+        seed = self.seeds.next_seed(req.episode_id)  # every request of the episode counts, seeded or not
+        if seed is not None and req.params.seed is None:
+            req.params = with_params(req.params, seed=seed)
+        return await super()._serve(req)
+
+
+def episode_server(engine, recorder, default_max_tokens: int, seeds: EpisodeSeeds | None = None):
+    """An ``OpenAIServer`` on ``engine`` (127.0.0.1, a free port) whose routes take episode prefixes;
+    with ``seeds``, an open episode's requests without a ``seed`` get the episode's (module doc)."""
     import uvicorn
 
-    from tidal.serve.server import OpenAIServer, OpenAIService
-
     server = OpenAIServer.__new__(OpenAIServer)
-    server.service = OpenAIService(engine, "policy", default_max_tokens, recorder)
+    server.service = EpisodeService(engine, recorder, default_max_tokens, seeds or EpisodeSeeds())
     config = uvicorn.Config(
         EpisodeRoutes(server.service.app), host="127.0.0.1", port=0, log_level="warning", lifespan="on"
     )
@@ -118,6 +174,7 @@ class EndpointAgentExecutor(AgentExecutorBase):
         self.func, self.source = func, source
         self._url: str | None = None
         self._recorder = None
+        self._seeds = EpisodeSeeds()
 
     @classmethod
     def from_file(cls, path: str | Path) -> EndpointAgentExecutor:
@@ -127,7 +184,7 @@ class EndpointAgentExecutor(AgentExecutorBase):
         from tidal.serve.recorder import RequestRecorder
 
         self._recorder = RequestRecorder()
-        server = episode_server(llm_engine, self._recorder, sampling_params.max_new_tokens)
+        server = episode_server(llm_engine, self._recorder, sampling_params.max_new_tokens, self._seeds)
         with server:
             self._url = server.base_url.removesuffix("/v1")
             try:
@@ -141,7 +198,11 @@ class EndpointAgentExecutor(AgentExecutorBase):
         if self._url is None:
             raise AgentError(f"{describe(self)}: episodes run inside run(), which serves the engine")
         episode = uuid.uuid4().hex
-        reward = await self._call(f"{self._url}/episodes/{episode}/v1", prompt, label)
+        self._seeds.open(episode, sampling_params.seed)  # this sample's seed (AgentExecutorBase.arun)
+        try:
+            reward = await self._call(f"{self._url}/episodes/{episode}/v1", prompt, label)
+        finally:
+            self._seeds.close(episode)
         traj = trajectory_from_requests(prompt, label, self._recorder.pop(episode), tokenizer, max_length)
         if traj.error is None:
             traj.reward = traj.score = reward
