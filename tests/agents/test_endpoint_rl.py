@@ -64,18 +64,13 @@ import zlib
 
 import openai
 
-SAMPLES = {{}}
-
 async def agent(base_url, prompt, label):
     if label == "3":
         raise RuntimeError("no tools today")
-    # A seed per (prompt, sample), so the rewards do not depend on the order in which the concurrent
-    # episodes' requests reach the server (unseeded requests take the engine's next seed).
-    SAMPLES[prompt] = SAMPLES.get(prompt, -1) + 1
-    seed = zlib.crc32(prompt.encode()) * 16 + SAMPLES[prompt]
+    # No seed: the run's seed gives each episode its own (tidal.agents.endpoint), so the rewards do not
+    # depend on the order in which the concurrent episodes' requests reach the server.
     async with openai.AsyncOpenAI(base_url=base_url, api_key="-", max_retries=0) as client:
-        out = await client.completions.create(model="policy", prompt=prompt, max_tokens=4, logprobs=0,
-                                              seed=seed)
+        out = await client.completions.create(model="policy", prompt=prompt, max_tokens=4, logprobs=0)
     choice = out.choices[0]
     with open({log!r}, "a") as f:
         f.write(json.dumps({{"prompt": prompt, "tokens": choice.logprobs.tokens,
