@@ -445,7 +445,7 @@ def te():
 @pytest.fixture
 def on_kernels(te, monkeypatch):
     """Every batch-invariant op on CPU tensors through the (interpreted) kernels."""
-    monkeypatch.setattr(bi, "_on_triton", lambda x: True)
+    monkeypatch.setattr(bi.dispatch, "on_triton", lambda x: True)
     return te
 
 
@@ -513,7 +513,7 @@ def test_ops_on_the_kernels_have_the_reference_gradients(on_kernels, monkeypatch
     assert torch.allclose(q.grad, ref_q.grad, atol=1e-5) and torch.allclose(kv.grad, ref_kv.grad, atol=1e-5)
 
     # the log-prob's gradient, computed in chunks of rows (2 here), per-row temperatures
-    monkeypatch.setattr(bi._TokenLogprobs, "CHUNK", 2)
+    monkeypatch.setattr(bi.logprobs._TokenLogprobs, "CHUNK", 2)
     logits = torch.randn(3, 50, generator=g, requires_grad=True)
     tokens, temps, weights = (
         torch.tensor([1, 7, 49]),

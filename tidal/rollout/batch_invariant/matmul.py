@@ -1,0 +1,56 @@
+"""Batch-invariant ``linear``: torch's CPU GEMM gives a row a different result for 1 row (a GEMV path) than
+for 2+ rows, so ``linear`` pads the rows to a multiple of ``ROW_BLOCK`` and multiplies blocks of exactly
+that many rows (one batched call): every row goes through the same kernel shape. Measured: a row's result
+does not depend on its place in the block, the other rows, or on how many output columns share the call.
+On CUDA it runs the fixed-tile Triton GEMM (no split-K, K reduced in fixed blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tidal.rollout.batch_invariant import dispatch
+
+ROW_BLOCK = 16  # rows per GEMM call
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` over ``x [..., K]``, with every row computed in a ``ROW_BLOCK``-row GEMM
+    (on CUDA: the fixed-tile Triton GEMM). The weight and bias are used in ``x``'s dtype (the compute
+    dtype: a trainer's float32 master weights rounded once, as the engine's copy is)."""
+    shape = x.shape
+    weight = weight.to(x.dtype)
+    bias = None if bias is None else bias.to(x.dtype)
+    if dispatch.on_triton(x):
+        rows = x.reshape(-1, shape[-1])
+        grad = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
+        out = _Linear.apply(rows, weight) if grad else dispatch.kernels().matmul(rows, weight)
+        if bias is not None:
+            out = out + bias
+        return out.view(*shape[:-1], weight.shape[0])
+    rows = x.reshape(-1, shape[-1])
+    m = rows.shape[0]
+    padded = rows.new_zeros(-(-m // ROW_BLOCK) * ROW_BLOCK, shape[-1])
+    padded[:m] = rows
+    blocks = padded.view(-1, ROW_BLOCK, shape[-1])
+    out = torch.bmm(blocks, weight.t().expand(blocks.shape[0], *weight.t().shape)).view(-1, weight.shape[0])
+    out = out[:m]
+    if bias is not None:  # a separate add: addmm's fused bias could round differently
+        out = out + bias
+    return out.view(*shape[:-1], weight.shape[0])
+
+
+class _Linear(torch.autograd.Function):
+    """The GEMM kernel; its gradients ``grad @ w`` and ``grad^T @ x`` (torch's GEMMs: no forward to redo)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return dispatch.kernels().matmul(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad.t() @ x if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
