@@ -78,13 +78,13 @@ def make_agent(schedule: Schedule, texts: dict, recorded, own_seed: int | None =
     return agent
 
 
-def run_episodes(engine, tokenizer, order: list[tuple], seed: int | None = ROLLOUT_SEED, own_seed=None):
+def run_episodes(engine, tokenizer, order: list[tuple], own_seed: int | None = None):
     texts: dict = {}
     executor = EndpointAgentExecutor(None)
     executor.func = make_agent(
         Schedule(order), texts, lambda episode: executor._recorder.episode(episode), own_seed
     )
-    params = SamplingParams(n=N_SAMPLES, temperature=1.0, max_new_tokens=4, seed=seed)
+    params = SamplingParams(n=N_SAMPLES, temperature=1.0, max_new_tokens=4, seed=ROLLOUT_SEED)
     prompts = [f"{i} + {i} =" for i in range(N_PROMPTS)]
     trajectories = executor.run(engine, tokenizer, prompts, [str(i) for i in range(N_PROMPTS)], params, 64)
     return trajectories, texts
