@@ -85,6 +85,22 @@ def test_generate_matches_the_synchronous_loop(eos_model):
     _assert_same(sync.generate(prompts[:2], params[:2]), lookahead.generate(prompts[:2], params[:2]))
 
 
+def test_tensor_parallel_engine_launches_ahead(eos_model):
+    """TP=2 (two CPU processes over gloo): rank 0 sends the steps it launches ahead and the other rank takes
+    their input ids from rank 0's by a broadcast; the outputs equal the synchronous TP=2 engine's."""
+    sync, lookahead = _pair(eos_model, tp_size=2)
+    try:
+        assert lookahead.async_scheduling
+        prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[3], list(range(5, 65))]
+        params = _mixed_params(stop="e")
+        _assert_same(sync.generate(prompts, params), lookahead.generate(prompts, params))
+        stats = lookahead.ahead_stats
+        assert 0 < stats.used < stats.launched, "steps ran ahead; those after a stop were discarded"
+    finally:
+        sync.close()
+        lookahead.close()
+
+
 def test_preemption_under_a_tiny_cache_matches(tiny_model, monkeypatch):
     sync, lookahead = _pair(tiny_model("qwen2"), max_num_seqs=4, num_kv_blocks=12)
     preempted = []

@@ -188,7 +188,7 @@ class LLMEngine:
         wanted = self.config.async_scheduling
         if wanted is None:
             wanted = self.device.type == "cuda"
-        self.async_scheduling = wanted and async_fallback(self.config, self.peers) is None
+        self.async_scheduling = wanted and async_fallback(self.config) is None
         self._ahead: _Ahead | None = None  # the decode step launched ahead, not yet scheduled for real
         self.ahead_stats = AheadStats()
         self.ahead_policy = AheadPolicy()
@@ -608,14 +608,12 @@ class LLMEngine:
         return self.sleep_level > 0
 
 
-def async_fallback(config: EngineConfig, peers=None) -> str | None:
+def async_fallback(config: EngineConfig) -> str | None:
     """Why an engine with these settings runs every step synchronously (None: async scheduling applies):
-    tensor parallelism (each step's inputs are sent to the other ranks from the host), router replay
-    (routing is read back after each step) and prefix caching (taking a block evicts a cached one, which
-    cannot be undone when a step launched ahead is discarded). Per step, ``Scheduler.plan_ahead`` names
-    the steps that stay synchronous."""
-    if config.tp_size > 1 or peers is not None:
-        return "tensor parallelism"
+    router replay (routing is read back after each step) and prefix caching (taking a block evicts a
+    cached one, which cannot be undone when a step launched ahead is discarded). Per step,
+    ``Scheduler.plan_ahead`` names the steps that stay synchronous. Tensor-parallel engines launch ahead
+    too: the other ranks receive the step's input ids from the driver's device (``ModelRunner``)."""
     if config.record_routing:
         return "record_routing"
     if config.enable_prefix_caching:

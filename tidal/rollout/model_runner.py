@@ -22,12 +22,14 @@ and a KV cache of its KV heads only. Rank 0's runner turns each batch into a ``P
 ``DecodeStep`` (host arrays), sends it to the other ranks (``peers``), and all ranks run ``forward_step``
 on it; the logits are gathered in the LM head, and rank 0 alone samples. On CUDA every rank replays its
 own decode graphs, which capture the NCCL collectives too: the ranks capture a bucket at the same step
-(the step says which bucket) and replay in the same order, as a collective needs.
+(the step says which bucket) and replay in the same order, as a collective needs. A decode step launched
+ahead is sent without its input ids (they are on the driver's device only): every rank receives them by a
+broadcast on the tensor group, and a receiving rank stages steps in two buffers in turn, as the driver does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -76,6 +78,10 @@ class DecodeStep:
     # A step launched ahead (async scheduling): each row's input id is the previous step's sampled id at
     # the row staged in place of the token (``fill_decode_inputs``), read on the device.
     ahead: torch.Tensor | None = None
+    # Tensor parallelism: how many sampled ids ``ahead`` holds (0: not launched ahead) and the rank that
+    # sampled them (the driver); the other ranks receive the step without them and get them by broadcast.
+    ahead_rows: int = 0
+    root: int = 0
 
 
 @dataclass
@@ -386,6 +392,8 @@ class ModelRunner:
         of ``prev`` (on the device), its context and its sampling position one token further than the
         host knows. The inputs equal those ``launch`` builds once that token is appended."""
         step = self._decode_step(seqs, ahead=(prev_rows, prev.tokens))
+        if self.peers is not None:  # the ids stay on the device: the other ranks get them by broadcast
+            self.peers.send_step(replace(step, ahead=None))
         return self._sample(self.forward_step(step), seqs, ahead=1)
 
     def discard(self, launched: LaunchedStep) -> None:
@@ -478,28 +486,48 @@ class ModelRunner:
         self._next_host = (buffer + 1) % len(self._hosts)
         if self._copied[buffer] is not None:
             self._copied[buffer].synchronize()  # the step staged there last has copied its inputs
-        prev = None if ahead is None else (ahead[0], len(ahead[1]))
+        if ahead is None:
+            staged = fill_decode_inputs(seqs, rows, width, self._hosts_np[buffer], None, tables)
+            return DecodeStep(staged, n, rows, width, use_graph, buffer=buffer)
+        prev_rows, prev_tokens = ahead
+        prev = (prev_rows, len(prev_tokens))
         staged = fill_decode_inputs(seqs, rows, width, self._hosts_np[buffer], prev, tables)
         return DecodeStep(
-            staged, n, rows, width, use_graph, buffer=buffer, ahead=None if ahead is None else ahead[1]
-        )
+            staged, n, rows, width, use_graph, buffer=buffer, ahead=prev_tokens,
+            ahead_rows=len(prev_tokens), root=self.args.tp.rank,
+        )  # fmt: skip
 
     def _decode_staged(self, step: DecodeStep) -> torch.Tensor:
         """Logits [num_seqs, vocab] of one decode step (graph replay when possible)."""
         rows, width, buffer = step.rows, step.width, step.buffer
-        # A step received from rank 0 is in none of this rank's buffers.
+        # A step received from another rank is in none of this rank's buffers.
         if buffer >= len(self._hosts) or not np.may_share_memory(step.staged, self._hosts_np[buffer]):
-            buffer = 0
-            self._hosts_np[0][: step.staged.size] = step.staged
+            buffer = self._receive(step.staged)
         host = self._hosts[buffer][: step.staged.size]
         copied = self._copied[buffer]
+        ahead = step.ahead
+        if step.ahead_rows and self.args.tp.size > 1:
+            if ahead is None:  # another rank sampled them
+                ahead = torch.empty(step.ahead_rows, dtype=torch.int64, device=self.device)
+            ahead = self.args.tp.broadcast(ahead.to(torch.int64), root=step.root)
         if step.use_graph:
-            return self.graphs.run(host, step.num_seqs, rows, width, step.ahead, copied)
+            return self.graphs.run(host, step.num_seqs, rows, width, ahead, copied)
         stage = host.to(self.device, non_blocking=True)
         if copied is not None:
             copied.record()
-        ids = stage[:rows] if step.ahead is None else ahead_input_ids(step.ahead, stage[:rows])
+        ids = stage[:rows] if ahead is None else ahead_input_ids(ahead, stage[:rows])
         return self.decode_forward(ids, stage[rows : 2 * rows], stage[2 * rows :].view(rows, width))
+
+    def _receive(self, staged: np.ndarray) -> int:
+        """Copy a step received from another rank into the next staging buffer; its index. The driver may
+        send the next step before this rank's device has copied the last one in (a step launched ahead), so
+        buffers are used in turn and one is rewritten only after the copy that last read it ran."""
+        buffer = self._next_host
+        self._next_host = (buffer + 1) % len(self._hosts)
+        if self._copied[buffer] is not None:
+            self._copied[buffer].synchronize()
+        self._hosts_np[buffer][: staged.size] = staged
+        return buffer
 
     def decode_forward(self, input_ids, context_lens, block_tables) -> torch.Tensor:
         """One decode step from device tensors only (so it can be captured in a CUDA graph).

@@ -13,7 +13,9 @@ their ``WorkerSpec`` through the rendezvous store, and drives them with ``TPPeer
   keeps its shard (``CausalLM.load_weights`` slices it);
 - each step: rank 0's ``ModelRunner`` sends the step's host inputs (``PrefillStep`` / ``DecodeStep``,
   with the KV block copies), every rank runs the forward on its shard, the LM head gathers the logits
-  and rank 0 samples from them (same code and seeds as one process);
+  and rank 0 samples from them (same code and seeds as one process). With async scheduling rank 0 sends
+  decode step t+1 before step t's ids reach its host: the ranks take those ids from rank 0's device by a
+  broadcast on the tensor group;
 - ``sleep`` / ``wake_up`` / ``close`` are forwarded as commands.
 
 A worker (``worker_main``) builds its model shard and KV cache, then loops on commands until ``stop``.
@@ -313,6 +315,7 @@ def _serve(size: int, port: int, rank: int, device: torch.device) -> None:
         max_model_len=spec.max_model_len,
         enforce_eager=spec.enforce_eager,
         attention_backend=spec.attention_backend,
+        lookahead=True,  # two staging buffers: rank 0 may send a step launched ahead (async scheduling)
     )
     store.set(f"built{rank}", "1")
     asleep_level = 0

@@ -66,11 +66,11 @@ class TPGroup:
         self.group.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=-1)
 
-    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
-        """Rank 0's ``x`` on every rank, in place."""
+    def broadcast(self, x: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """Rank ``root``'s ``x`` on every rank, in place."""
         if self.size > 1:
             opts = dist.BroadcastOptions()
-            opts.rootRank, opts.rootTensor = 0, 0
+            opts.rootRank, opts.rootTensor = root, 0
             self.group.broadcast([x], opts).wait()
         return x
 
