@@ -52,6 +52,8 @@ CONFIGS = {
                          intermediate_size=4864, vocab_size=151936),
     "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                          intermediate_size=8960, vocab_size=151936),
+    "qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
 }  # fmt: skip
 COMMON = dict(model_type="qwen2", tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=32768,
               rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645)  # fmt: skip
@@ -89,21 +91,25 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ---- shared pieces (bench/rl_step.py imports them) -----------------------------------------------
-def model_config(name: str):
+def model_config(name: str, **overrides):
+    """The Hugging Face config of ``CONFIGS[name]`` (a config's own fields override ``COMMON``'s, e.g. the
+    untied embeddings of the 7B), with ``overrides`` on top."""
     from transformers import AutoConfig
 
-    fields = dict(COMMON, **CONFIGS[name])
+    fields = dict(COMMON, **CONFIGS[name], **overrides)
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
-def make_model(name: str, device: torch.device, gradient_checkpointing: bool = False, seed: int = 0):
+def make_model(
+    name: str, device: torch.device, gradient_checkpointing: bool = False, seed: int = 0, **overrides
+):
     """Random-init float32 (master-weight) causal LM with SDPA attention, built on ``device``."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     with device:
         model = AutoModelForCausalLM.from_config(
-            model_config(name), dtype=torch.float32, attn_implementation="sdpa"
+            model_config(name, **overrides), dtype=torch.float32, attn_implementation="sdpa"
         )
     model.config.use_cache = False
     if gradient_checkpointing:  # as tidal.models.load_causal_lm does for --gradient_checkpointing

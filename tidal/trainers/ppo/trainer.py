@@ -22,7 +22,7 @@ from tidal.algorithms import dynamic_filter_mask, make_kl_controller, masked_mea
 from tidal.algorithms.rewards import RunningMoments
 from tidal.checkpoint import Checkpointer, LoopState, StateFns, StopSignals, flat_settings
 from tidal.data import step_batches
-from tidal.distributed.collectives import mean_over_world, world_masked_mean
+from tidal.distributed.collectives import all_gather_objects, mean_over_world, world_masked_mean
 from tidal.distributed.offload import offload_to_cpu, reload_to_device
 from tidal.distributed.world import World, all_reduce_sum
 from tidal.experience.experience import Experience
@@ -105,6 +105,16 @@ class PhaseTimer:
         self.seconds[f"time/{phase}"] = time.perf_counter() - start
 
 
+def peak_memory(world: World) -> dict[str, float]:
+    """``memory/peak_gb_rank<i>``: each rank's peak CUDA memory (GiB) since the previous step's reading,
+    which spans this step's generation and update; nothing on the CPU."""
+    if world.device.type != "cuda":
+        return {}
+    peak = torch.cuda.max_memory_allocated(world.device) / 2**30
+    torch.cuda.reset_peak_memory_stats(world.device)
+    return {f"memory/peak_gb_rank{i}": round(gb, 2) for i, gb in enumerate(all_gather_objects(peak, world))}
+
+
 class PPOTrainer:
     """See the module docstring; ``train_step`` is the whole algorithm."""
 
@@ -171,7 +181,7 @@ class PPOTrainer:
             self._trainer_awake(False)
         stats |= mean_over_world(generated.reward_logs, self.world) | timer.seconds
         stats["time/generate"] = generated.seconds
-        return stats
+        return stats | peak_memory(self.world)
 
     def _jobs(self, episode: int, loop: LoopState) -> list[RolloutJob]:
         """This episode's remaining rollouts (deterministic prompts and seeds, also after a resume)."""
