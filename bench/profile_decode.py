@@ -6,9 +6,9 @@ then runs ``--steps`` decode steps through ``LLMEngine.step`` twice:
 1. timed with host clocks: the wall time of each step, and inside it the host-only phases — the
    scheduler (``schedule`` + ``postprocess``), the engine's bookkeeping (snapshots of the outputs), and
    ``ModelRunner.run`` (which builds the decode inputs, enqueues the forward and sampling, then blocks
-   on the one device-to-host copy of the sampled ids); with async scheduling (the CUDA default,
-   ``--async_scheduling``) the phases of ``async_host_phases`` instead, as the engine then launches
-   each step ahead rather than through ``run``;
+   on the one device-to-host copy of the sampled ids): ``SYNC_PHASES``; with async scheduling (the CUDA
+   default, ``--async_scheduling``) ``ASYNC_PHASES`` instead, as the engine then launches each step ahead
+   rather than through ``run``. Every phase of the table is printed (0 where a step did not call it);
 2. under ``torch.profiler``: every GPU kernel's time, grouped by what it does (GEMMs, attention, norms,
    rotary, sampling and log-softmax, element-wise and copies), so that ``gpu_busy_ms`` — the sum of kernel
    time per step — can be set against the wall time: the difference is time the GPU waits for the host.
@@ -26,12 +26,15 @@ JSON line for each (``"fused_kernels": true/false``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import re
 import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -115,6 +118,62 @@ class PhaseClock:
         setattr(obj, method, timed)
 
 
+# A host phase: ``(where, method, phase)``, the method ``method`` of the engine's ``scheduler`` or ``runner``
+# (or of a class named by its module path, clocked on the class since a step makes new instances), whose
+# time adds to ``phase``.
+SYNC_PHASES = (  # an engine that runs each step through ``ModelRunner.run``
+    ("scheduler", "schedule", "schedule"),
+    ("scheduler", "postprocess", "postprocess"),
+    ("runner", "run", "runner_run"),
+    ("runner", "_decode_step", "runner_decode_inputs"),
+    ("runner", "forward_step", "runner_forward_enqueue"),
+    ("runner", "sampler", "runner_sampler_enqueue"),
+)
+HOST_PHASES = (  # the host-only methods of an engine that launches steps ahead (bench/profile_host.py)
+    ("scheduler", "schedule", "schedule"),
+    ("scheduler", "plan_ahead", "plan_ahead"),
+    ("scheduler", "release_ahead", "plan_ahead"),
+    ("tidal.rollout.scheduler.Lookahead", "matches", "matches"),
+    ("scheduler", "postprocess", "postprocess"),
+    ("runner", "_decode_step", "decode_inputs"),
+    ("runner", "_sampling_tensors", "sampling_tensors"),
+    ("tidal.rollout.model_runner.LaunchedStep", "result", "result"),
+)
+ASYNC_PHASES = (*HOST_PHASES, ("runner", "launch", "launch"), ("runner", "launch_ahead", "launch_ahead"))
+
+
+def phase_owner(engine, where: str):
+    """The object whose method a phase clocks: the engine's scheduler or runner, or a class by its path."""
+    if where in ("scheduler", "runner"):
+        return getattr(engine, where)
+    module, _, name = where.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+@contextlib.contextmanager
+def clocked(engine, table) -> Iterator[PhaseClock]:
+    """A ``PhaseClock`` over the methods of ``table`` (host phases) for the block; they are put back after."""
+    clock, saved, unset = PhaseClock(), [], object()
+    for where, method, phase in table:
+        owner = phase_owner(engine, where)
+        saved.append((owner, method, vars(owner).get(method, unset)))
+        clock.wrap(owner, method, phase)
+    try:
+        yield clock
+    finally:
+        for owner, method, original in reversed(saved):
+            if original is unset:  # not its own attribute before: drop the copy (the inherited one shows)
+                delattr(owner, method)
+            else:
+                setattr(owner, method, original)
+
+
+def phase_ms(clock: PhaseClock, table, steps: int) -> dict:
+    """Milliseconds per step of each phase of ``table``, in its order (0 where no step called it)."""
+    phases = dict.fromkeys(phase for _, _, phase in table)
+    return {phase: round(clock.total.get(phase, 0.0) / steps * 1e3, 4) for phase in phases}
+
+
 def load_model(args, dtype: torch.dtype, tmp: str):
     """(HF model, its folder or None): a random-init dense or MoE shape, ``--layers`` of them if set."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -180,62 +239,36 @@ def step_kwargs(args) -> dict:
     return {"snapshot": lambda request_id: False} if args.final_only else {}
 
 
-def host_phases(engine, args) -> dict:
-    if engine.async_scheduling:
-        return async_host_phases(engine, args)
-    clock = PhaseClock()
-    clock.wrap(engine.scheduler, "schedule", "schedule")
-    clock.wrap(engine.scheduler, "postprocess", "postprocess")
-    clock.wrap(engine.runner, "run", "runner_run")
-    clock.wrap(engine.runner, "_decode_step", "runner_decode_inputs")
-    clock.wrap(engine.runner, "forward_step", "runner_forward_enqueue")
-    clock.wrap(engine.runner, "sampler", "runner_sampler_enqueue")
-    sync(args.device)
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step(**step_kwargs(args))
-    wall = time.perf_counter() - start
-    # A phase whose method a step did not call (e.g. an engine that launches steps ahead) counts 0.
-    phases = ("schedule", "postprocess", "runner_run", "runner_decode_inputs", "runner_forward_enqueue")
-    ms = {
-        phase: round(clock.total.get(phase, 0.0) / args.steps * 1e3, 4) for phase in (*phases, *clock.total)
-    }
-    ms.setdefault("runner_sampler_enqueue", 0.0)
-    ms["step_wall"] = round(wall / args.steps * 1e3, 4)
-    ms["engine_bookkeeping"] = round(
-        ms["step_wall"] - ms["schedule"] - ms["postprocess"] - ms["runner_run"], 4
-    )
-    enqueue = ms["runner_decode_inputs"] + ms["runner_forward_enqueue"] + ms["runner_sampler_enqueue"]
-    ms["runner_wait_for_gpu"] = round(ms["runner_run"] - enqueue, 4)
-    return ms
-
-
-def async_host_phases(engine, args) -> dict:
-    """``host_phases`` of an engine that launches decode steps ahead (async scheduling, the CUDA
-    default): the host's phases of ``bench/profile_host.py`` plus the launches. ``launch_ahead`` (staging
-    step t+1's inputs, enqueueing its forward and sampling while the device runs step t) includes
-    ``decode_inputs`` and ``sampling_tensors``; ``result`` is the wait for a step's ids and reading them;
-    ``host_busy`` is the step's wall time less that wait: what the device's step time must cover."""
-    from bench.profile_host import wrap_phases
-    from tidal.rollout import model_runner, scheduler
-
-    originals = scheduler.Lookahead.matches, model_runner.LaunchedStep.result
-    clock = PhaseClock()
-    wrap_phases(engine, clock)
-    clock.wrap(engine.runner, "launch", "launch")
-    clock.wrap(engine.runner, "launch_ahead", "launch_ahead")
-    try:
+def timed_steps(engine, args, table) -> dict:
+    """``--steps`` engine steps with the phases of ``table`` clocked: ms per step of each, and ``step_wall``."""
+    with clocked(engine, table) as clock:
         sync(args.device)
         start = time.perf_counter()
         for _ in range(args.steps):
             engine.step(**step_kwargs(args))
         sync(args.device)
         wall = time.perf_counter() - start
-    finally:  # the class-level clocks
-        scheduler.Lookahead.matches, model_runner.LaunchedStep.result = originals
-    ms = {phase: round(total / args.steps * 1e3, 4) for phase, total in sorted(clock.total.items())}
-    ms["step_wall"] = round(wall / args.steps * 1e3, 4)
-    ms["host_busy"] = round(ms["step_wall"] - ms.get("result", 0.0), 4)
+    return phase_ms(clock, table, args.steps) | {"step_wall": round(wall / args.steps * 1e3, 4)}
+
+
+def host_phases(engine, args) -> dict:
+    """The host phases of ``--steps`` decode steps (ms per step), with what they leave over.
+
+    Synchronous engine: ``engine_bookkeeping`` is the step's wall time outside the scheduler and
+    ``run``; ``runner_wait_for_gpu`` is ``run`` less its enqueueing. Async scheduling: ``launch_ahead``
+    (staging step t+1's inputs, enqueueing its forward and sampling while the device runs step t) includes
+    ``decode_inputs`` and ``sampling_tensors``; ``result`` is the wait for a step's ids and reading them;
+    ``host_busy`` is the step's wall time less that wait: what the device's step time must cover."""
+    if engine.async_scheduling:
+        ms = timed_steps(engine, args, ASYNC_PHASES)
+        ms["host_busy"] = round(ms["step_wall"] - ms["result"], 4)
+        return ms
+    ms = timed_steps(engine, args, SYNC_PHASES)
+    ms["engine_bookkeeping"] = round(
+        ms["step_wall"] - ms["schedule"] - ms["postprocess"] - ms["runner_run"], 4
+    )
+    enqueue = ms["runner_decode_inputs"] + ms["runner_forward_enqueue"] + ms["runner_sampler_enqueue"]
+    ms["runner_wait_for_gpu"] = round(ms["runner_run"] - enqueue, 4)
     return ms
 
 

@@ -4,7 +4,7 @@ With async scheduling the host prepares decode step t+1 while the device runs st
 the host's Python bookkeeping, not the device, bounds the step time. This measures that bookkeeping on
 the CPU with a tiny model (the device work does not matter here): ``LLMEngine.generate`` of ``--prompts``
 prompts x ``--n`` samples (B = prompts x n sequences decoding together), with the host-only methods
-wrapped in ``perf_counter`` clocks (``PhaseClock`` from ``bench/profile_decode.py``; nothing subtracted):
+wrapped in ``perf_counter`` clocks (``HOST_PHASES`` of ``bench/profile_decode.py``; nothing subtracted):
 
 - ``schedule``, ``plan_ahead`` + ``release_ahead`` (``plan_ahead``), ``postprocess``: the scheduler;
 - ``matches``: whether the step launched ahead is the one scheduled (``Lookahead.matches``);
@@ -33,9 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.profile_decode import PhaseClock  # noqa: E402
-
-PHASES = ("schedule", "plan_ahead", "matches", "postprocess", "decode_inputs", "sampling_tensors", "result")
+from bench.profile_decode import HOST_PHASES, clocked, phase_ms  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,20 +63,6 @@ def build_engine(args, tmp: str):
     return LLMEngine(str(path), config)
 
 
-def wrap_phases(engine, clock: PhaseClock) -> None:
-    """Clock the host-only methods (on the instances, or the class where a step makes new instances)."""
-    from tidal.rollout import model_runner, scheduler
-
-    clock.wrap(engine.scheduler, "schedule", "schedule")
-    clock.wrap(engine.scheduler, "plan_ahead", "plan_ahead")
-    clock.wrap(engine.scheduler, "release_ahead", "plan_ahead")
-    clock.wrap(engine.scheduler, "postprocess", "postprocess")
-    clock.wrap(engine.runner, "_decode_step", "decode_inputs")
-    clock.wrap(engine.runner, "_sampling_tensors", "sampling_tensors")
-    clock.wrap(scheduler.Lookahead, "matches", "matches")
-    clock.wrap(model_runner.LaunchedStep, "result", "result")
-
-
 def count_steps(scheduler) -> list:
     """A list that gets one item per engine step (one ``schedule`` call each)."""
     steps = []
@@ -101,33 +85,25 @@ def measure(engine, args) -> dict:
         n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, ignore_eos=True, seed=args.seed
     )
     engine.generate(prompts, params)  # warm-up
-    clock = PhaseClock()
-    wrap_phases(engine, clock)
-    steps = count_steps(engine.scheduler)
     best = None
-    for _ in range(args.repeats):
-        clock.total.clear()
-        steps.clear()
-        engine.generate(prompts, params)
-        ms = {phase: round(clock.total.get(phase, 0.0) / len(steps) * 1e3, 4) for phase in PHASES}
-        ms["host_total"] = round(sum(ms[p] for p in PHASES), 4)
-        if best is None or ms["host_total"] < best["host_total"]:
-            best = ms | {"steps": len(steps)}
+    with clocked(engine, HOST_PHASES) as clock:
+        steps = count_steps(engine.scheduler)
+        for _ in range(args.repeats):
+            clock.total.clear()
+            steps.clear()
+            engine.generate(prompts, params)
+            ms = phase_ms(clock, HOST_PHASES, len(steps))
+            ms["host_total"] = round(sum(ms.values()), 4)
+            if best is None or ms["host_total"] < best["host_total"]:
+                best = ms | {"steps": len(steps)}
     return best
 
 
 def main(argv=None) -> None:
-    from tidal.rollout import model_runner, scheduler
-
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    originals = scheduler.Lookahead.matches, model_runner.LaunchedStep.result
     with tempfile.TemporaryDirectory() as tmp:
-        engine = build_engine(args, tmp)
-        try:
-            ms = measure(engine, args)
-        finally:  # the class-level clocks
-            scheduler.Lookahead.matches, model_runner.LaunchedStep.result = originals
+        ms = measure(build_engine(args, tmp), args)
     batch = {"batch": args.prompts * args.n, "max_new_tokens": args.max_new_tokens}
     print(json.dumps(batch | ms))
 
