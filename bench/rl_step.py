@@ -285,11 +285,6 @@ def kernel_profile(bench: GRPOStep, step: int, top: int) -> dict:
     return {"kernel_ms": report, "profiled_phases_s": {p: round(s, 4) for p, s in seconds.items()}}
 
 
-def exp_scored(runs) -> bool:
-    """Whether the timed steps ran the old-log-prob forward (``--scoring_pass`` or not on-policy)."""
-    return runs[-1][1]["scored"]
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     stub_missing_datasets()
@@ -305,7 +300,7 @@ def main(argv=None) -> dict:
         "bench": "rl_step", **versions(), "device": args.device, "config": args.config,
         "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "gradient_checkpointing": not args.no_gradient_checkpointing, "compile": args.compile, "micro": args.micro,
-        "scoring_pass": exp_scored(timed),
+        "scoring_pass": stats["scored"],  # the timed steps ran the old-log-prob forward
         "step_s": round(step_s, 4), "phases_s": phases,
         "first_step_s": round(sum(runs[0][0].values()), 3),
         "tokens_per_step": stats["tokens"], "tokens_per_s_per_gpu": round(stats["tokens"] / step_s),
