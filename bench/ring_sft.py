@@ -8,7 +8,7 @@ float32 master weights on CUDA, float32 on the CPU), gradient checkpointing on, 
 ``use_ring(ring_group(...))`` as ``tidal sft --ring_attn_size N`` runs it. Each rank holds one sample of L
 random tokens per step (batch 1, one packed row); with ring size N the N ranks of the group take turns
 (``tidal.trainers.loop``): a step trains N sequences of L tokens, each split along the sequence over the N
-devices, so its peak memory is that of one sequence. The CLI is not run because it reports neither
+devices, so its peak memory is about that of one sequence. The CLI is not run because it reports neither
 per-step time nor peak memory, and every attempt would load and export a model folder.
 
 For each ring size r of ``--ring_sizes`` (r processes: one plain process for 1, ``torchrun`` for more;
@@ -23,20 +23,23 @@ gloo on the CPU, NCCL on CUDA):
   last stderr lines. ``--budget_s`` bounds the whole run: the searches share what the measurements leave;
   an attempt whose predicted time (its FLOPs scaled from the largest step that fitted, plus the start-up
   seen so far) does not fit in its share ends that search, which then reports ``stopped: "budget"``.
-  From the attempts' peaks the search also fits peak(L) = a + b·L (+ c·L² with three points or more) and
-  reports where it crosses the device's memory (``extrapolated_max_len``): an estimate, not a run.
+  From the attempts' peaks the search also fits peak(L) = a + b·L, and a + b·L + c·L² from three lengths
+  on, and reports where each crosses the device's memory (``extrapolated_max_len``): estimates, not runs
+  (memory is about linear in L with flash attention, quadratic under the ring's [chunk, chunk] masks).
 
-Prints progress to stderr and one JSON line to stdout (``longest_len`` per ring size and their ratio to
-the first ring size, tokens/s and peak GB at ``--measure_len``, versions).
+Prints progress to stderr and one JSON line to stdout (``search.<r>.longest_len`` and
+``longest_len_ratio_vs_ring1``, ``measure.<r>``: tokens/s and peak GB per rank at ``--measure_len``,
+versions).
 
     python bench/ring_sft.py                                     # tiny, 1 and 2 CPU processes, < 2 min
     python bench/ring_sft.py --device cuda --config qwen2.5-1.5b # 2 GPUs, <= --budget_s 480
 
-Qwen2.5-1.5B's steps grow with L² (attention): the ring-2 step runs tidal's plain-torch float32 block
-attention, so the two searches rarely both finish in one 10-minute call; give each ring size its own:
+Qwen2.5-1.5B's steps grow with L² (attention) and the ring-2 step runs tidal's plain-torch float32 block
+attention, so the two searches rarely both finish in one 10-minute call; with two calls give each ring
+size its own (ring 2 from 8192, cheap points for its quadratic memory fit):
 
     python bench/ring_sft.py --device cuda --config qwen2.5-1.5b --ring_sizes 1 --budget_s 480
-    python bench/ring_sft.py --device cuda --config qwen2.5-1.5b --ring_sizes 2 --budget_s 480
+    python bench/ring_sft.py --device cuda --config qwen2.5-1.5b --ring_sizes 2 --start_len 8192 --budget_s 480
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ from train_step import (  # noqa: E402
 # (start_len, max_len, resolution, measure_len) when not given
 DEFAULT_LENGTHS = {"cuda": (32768, 1 << 20, 4096, 32768), "cpu": (256, 512, 256, 256)}
 OOM_EXIT = 3  # a worker that ran out of memory exits with this code after saying so on stderr
-OOM_MARKERS = ("outofmemoryerror", "out of memory")
+OOM_MARKERS = ("outofmemoryerror", "out of memory", "cublas_status_alloc_failed")
 
 
 class BenchError(RuntimeError):
@@ -109,15 +112,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---- the search (pure) ----------------------------------------------------------------------------
 def next_length(known: dict[int, bool], start: int, resolution: int, max_len: int) -> int | None:
-    """The next length to try given ``known`` (length → fitted), or None when the search is done: double
-    from ``start`` while steps fit (up to ``max_len``), then bisect between the longest fit and the
-    shortest failure above it until they are within ``resolution`` (a multiple of it when rounding allows)."""
+    """The next length to try given ``known`` (length → fitted), or None when the search is done: the
+    first untried length of ``start``·2^k (the last capped at ``max_len``) while every length tried above
+    the longest fit fitted, then bisection between the longest fit and the shortest failure above it until
+    they are within ``resolution`` (a multiple of it when rounding allows)."""
     lo = max((n for n, ok in known.items() if ok), default=0)
     hi = min((n for n, ok in known.items() if not ok and n > lo), default=None)
     if hi is None:
-        if lo >= max_len:
-            return None
-        return min(start if lo == 0 else 2 * lo, max_len)
+        n = start
+        while n in known and n < max_len:
+            n *= 2
+        n = min(n, max_len)
+        return None if n in known else n
     if hi - lo <= resolution:
         return None
     mid = (lo + hi) // 2 // resolution * resolution
@@ -130,16 +136,15 @@ def longest(known: dict[int, bool]) -> int:
     return max((n for n, ok in known.items() if ok), default=0)
 
 
-def fit_capacity(points: list[tuple[int, float]], capacity_gb: float) -> int | None:
-    """Where peak(L) = a + b·L (+ c·L² from three points on) reaches ``capacity_gb``, or None (too few
-    points, or a fit that never gets there)."""
+def fit_capacity(points: list[tuple[int, float]], capacity_gb: float, degree: int) -> int | None:
+    """Where the least-squares polynomial of ``degree`` through ``points`` (length, peak GB) reaches
+    ``capacity_gb``, or None (fewer distinct lengths than the fit needs, or a fit that never gets there)."""
     import numpy as np
 
-    if len(points) < 2 or len({n for n, _ in points}) < 2:
+    if len({n for n, _ in points}) <= degree:
         return None
     x = np.array([n for n, _ in points], dtype=np.float64)
     y = np.array([gb for _, gb in points], dtype=np.float64)
-    degree = 2 if len(set(x)) >= 3 else 1
     coeffs = np.polyfit(x / x.max(), y, degree)  # scaled: a well-conditioned fit
     coeffs[-1] -= capacity_gb
     roots = [r.real * x.max() for r in np.roots(coeffs) if abs(r.imag) < 1e-9 and r.real > 0]
@@ -261,6 +266,16 @@ def launch(args, ring: int, length: int, warmup: int, steps: int, timeout: float
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1") if args.device == "cpu" else dict(os.environ)
     env["PYTORCH_CUDA_ALLOC_CONF"] = env.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    try:
+        return run_attempt(cmd, length, out, timeout, env)
+    except BenchError as err:
+        raise BenchError(f"ring {ring}, length {length}: {err}") from None
+
+
+def run_attempt(cmd: list[str], length: int, out: Path, timeout: float, env: dict | None = None) -> Attempt:
+    """Run ``cmd`` (which writes its JSON result to ``out``) in a process group of its own: the result, an
+    out-of-memory failure (``fits=False``), or None past ``timeout`` (the group is killed); any other
+    failure raises ``BenchError`` with its last stderr lines."""
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)  # fmt: skip
@@ -278,7 +293,7 @@ def launch(args, ring: int, length: int, warmup: int, steps: int, timeout: float
         return Attempt(length, True, wall, json.loads(out.read_text()))
     if stderr.oom:
         return Attempt(length, False, wall)
-    raise BenchError(f"ring {ring}, length {length}: exit {proc.returncode}\n{stderr.tail()}")
+    raise BenchError(f"exit {proc.returncode}\n{stderr.tail()}")
 
 
 def is_oom(line: str) -> bool:
@@ -378,8 +393,12 @@ def search(args, ring: int, deadline: float, seeded: list[Attempt], flops) -> di
         "peak_gb_by_len": {str(n): round(gb, 2) for n, gb in sorted(points)},
         "stopped": stopped or ("max_len" if longest(known) >= args.max_len else "resolution"),
     }
-    if capacity:
-        entry["extrapolated_max_len"] = fit_capacity(points, capacity)
+    if capacity:  # peak memory linear in L (flash attention) or quadratic (the ring's [chunk, chunk] masks)
+        entry["device_gb"] = round(capacity, 1)
+        entry["extrapolated_max_len"] = {
+            "linear": fit_capacity(points, capacity, 1),
+            "quadratic": fit_capacity(points, capacity, 2),
+        }
     return entry
 
 
