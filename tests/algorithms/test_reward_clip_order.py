@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
+from tests.trainers.experiences import reward_rows
 from tidal.algorithms import estimate_advantages
 from tidal.config.rl import AlgorithmConfig
 from tidal.distributed.world import World
@@ -19,25 +20,15 @@ RAW = torch.tensor([0.0, 0.0, 0.0, 20.0])
 EXPECTED = torch.tensor([-20 / 3, -20 / 3, -20 / 3, 10.0])
 
 
-def _experience(rewards: torch.Tensor, width: int = 3) -> Experience:
-    n = rewards.numel()
-    ones = torch.ones(n, width, dtype=torch.long)
-    mask = ones.clone()
-    mask[:, 0] = 0  # one prompt token
-    zeros = torch.zeros(n, width)
-    return Experience(ones, ones, mask, zeros, rewards=rewards.clone(), scores=rewards.clone(),
-                      old_logprobs=zeros.clone())  # fmt: skip
-
-
 def _trainer_advantages(rewards, cfg: AlgorithmConfig, n: int, world: World) -> Experience:
     """The trainer's steps: ``shape_rewards`` then ``add_advantages`` with the world's reduction."""
-    exp = _experience(rewards)
+    exp = reward_rows(rewards)
     exp.rewards = shape_rewards(exp, cfg, max_new_tokens=2, moments=None)
     return add_advantages(exp, cfg, n, kl_coef=0.0, reduction=BatchReduction.over(world))
 
 
 def test_estimate_advantages_clips_after_the_rloo_baseline():
-    exp = _experience(RAW)
+    exp = reward_rows(RAW)
     adv, _, token_rewards = estimate_advantages(
         "rloo", RAW, exp.action_mask, 4, reward_clip_range=(-10.0, 10.0)
     )

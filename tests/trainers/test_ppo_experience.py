@@ -7,22 +7,12 @@ from __future__ import annotations
 import torch
 from torch.testing import assert_close
 
+from tests.trainers.experiences import reward_rows
 from tidal.algorithms import masked_whiten
 from tidal.algorithms.rewards import RunningMoments
 from tidal.config.rl import AlgorithmConfig
 from tidal.distributed.world import World
-from tidal.experience.experience import Experience
 from tidal.experience.maker import LOCAL, BatchReduction, add_advantages, shape_rewards
-
-
-def _experience(rewards: torch.Tensor, width: int = 3) -> Experience:
-    n = rewards.numel()
-    ones = torch.ones(n, width, dtype=torch.long)
-    mask = ones.clone()
-    mask[:, 0] = 0
-    zeros = torch.zeros(n, width)
-    return Experience(ones, ones, mask, zeros, rewards=rewards.clone(), scores=rewards.clone(),
-                      old_logprobs=zeros.clone())  # fmt: skip
 
 
 def test_one_process_reduces_over_its_own_batch():
@@ -37,7 +27,7 @@ def test_reward_moments_fold_in_what_the_reduction_gathers():
     cfg = AlgorithmConfig(advantage_estimator="reinforce")
     mine = torch.tensor([0.0, 1.0])
     moments = RunningMoments()
-    shaped = shape_rewards(_experience(mine), cfg, max_new_tokens=2, moments=moments, reduction=world)
+    shaped = shape_rewards(reward_rows(mine), cfg, max_new_tokens=2, moments=moments, reduction=world)
     everything = torch.cat([mine, other_rank]).double()
     assert moments.count == 4 and abs(moments.mean - float(everything.mean())) < 1e-12
     assert_close(shaped, ((mine - 5.5) / (everything.var(unbiased=False).sqrt() + 1e-8)).float())
@@ -52,9 +42,9 @@ def test_advantages_are_whitened_by_the_reduction():
 
     cfg = AlgorithmConfig(advantage_estimator="reinforce")
     rewards = torch.tensor([0.0, 1.0, 3.0, -2.0])
-    local = add_advantages(_experience(rewards), cfg, 1, kl_coef=0.0)
+    local = add_advantages(reward_rows(rewards), cfg, 1, kl_coef=0.0)
     reduced = add_advantages(
-        _experience(rewards), cfg, 1, kl_coef=0.0, reduction=BatchReduction(whiten=whiten)
+        reward_rows(rewards), cfg, 1, kl_coef=0.0, reduction=BatchReduction(whiten=whiten)
     )
     assert calls == [torch.Size([4, 3])]
     assert_close(reduced.advantages, local.advantages * 2)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.trainers.experiences import policy_rows
 from tests.trainers.test_ppo import write_echo_data
 from tidal.config import ModelConfig
 from tidal.config.rl import AlgorithmConfig
@@ -27,19 +28,6 @@ def tiny_moe(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe", seed=0)
 
 
-def _experience(n: int = 4, width: int = 10) -> Experience:
-    g = torch.Generator().manual_seed(0)
-    attn = torch.ones(n, width, dtype=torch.long)
-    attn[1, 7:] = 0
-    attn[3, 5:] = 0
-    action = attn.clone()
-    action[:, :3] = 0
-    seq = torch.randint(5, 500, (n, width), generator=g) * attn
-    zeros = torch.zeros(n, width)
-    return Experience(seq, attn, action, zeros, rewards=torch.zeros(n), scores=torch.zeros(n),
-                      advantages=torch.randn(n, width, generator=g) * action)  # fmt: skip
-
-
 def _hand_aux_loss(router_logits: tuple[torch.Tensor, ...], top_k: int) -> torch.Tensor:
     """Switch-Transformer load balancing over every token of a packed row: E × Σ_e f_e · P_e, with
     f_e the fraction of (token, slot) picks of expert e and P_e its mean router probability."""
@@ -57,7 +45,7 @@ def _loss_and_metrics(model, exp, coef: float, packing: bool):
 @pytest.mark.parametrize("packing", [True, False])
 def test_aux_loss_coef_adds_router_load_balancing_loss(tiny_moe, packing):
     model = load_causal_lm(ModelConfig(pretrain=str(tiny_moe)), CPU)
-    exp = _experience()
+    exp = policy_rows(4, 10, seed=0, lengths=[10, 7, 10, 5])
     exp.old_logprobs = forward_logprobs(model, exp, 8, packing, 1.0, Precision.create("fp32", CPU)) - 0.05
     model.eval()  # no dropout: both forwards see the same function
     base, metrics0 = _loss_and_metrics(model, exp, 0.0, packing)
@@ -84,7 +72,7 @@ def test_aux_loss_coef_adds_router_load_balancing_loss(tiny_moe, packing):
 
 def test_aux_loss_coef_is_zero_on_a_dense_model(tiny_llama):
     model = load_causal_lm(ModelConfig(pretrain=str(tiny_llama)), CPU)
-    exp = _experience()
+    exp = policy_rows(4, 10, seed=0, lengths=[10, 7, 10, 5])
     exp.old_logprobs = forward_logprobs(model, exp, 8, False, 1.0, Precision.create("fp32", CPU))
     model.eval()
     base, _ = _loss_and_metrics(model, exp, 0.0, packing=False)
@@ -309,7 +297,7 @@ def test_replayed_update_gradients_survive_gradient_checkpointing(tiny_moe):
     did: the gradients equal those without checkpointing (and differ from unreplayed routing)."""
     from tidal.models.moe_routing import force_routing
 
-    exp = _experience()
+    exp = policy_rows(4, 10, seed=0, lengths=[10, 7, 10, 5])
     g = torch.Generator().manual_seed(3)
     exp.routed_experts = torch.randint(0, 8, (*exp.sequences.shape, 3, 2), generator=g).to(torch.int16)
     exp.routed_experts[..., 1] = (exp.routed_experts[..., 0] + 1) % 8  # two distinct experts per token

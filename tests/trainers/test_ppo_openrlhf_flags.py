@@ -14,6 +14,7 @@ import torch
 from torch.testing import assert_close
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.trainers.experiences import policy_rows, reward_rows
 from tidal.algorithms.advantages import masked_centre
 from tidal.algorithms.rewards import stop_properly_penalty
 from tidal.cli.train_ppo import parse_run
@@ -36,17 +37,6 @@ from tidal.trainers.sft import SFTObjective
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def _experience(rewards: torch.Tensor, width: int = 3, truncated=None) -> Experience:
-    """Rows of ``width`` tokens: one prompt token, then action tokens."""
-    n = rewards.numel()
-    ones = torch.ones(n, width, dtype=torch.long)
-    mask = ones.clone()
-    mask[:, 0] = 0
-    zeros = torch.zeros(n, width)
-    return Experience(ones, ones, mask, zeros, rewards=rewards.clone(), scores=rewards.clone(),
-                      old_logprobs=zeros.clone(), truncated=truncated)  # fmt: skip
-
-
 # ---- --no_advantage_std_norm ---------------------------------------------------------------------
 def test_masked_centre_subtracts_the_masked_mean_only():
     x = torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]])
@@ -60,10 +50,10 @@ def test_no_advantage_std_norm_centres_reinforce_advantages():
     action tokens is 0.5, so the advantages are R − 0.5 — not divided by the std (2.06)."""
     rewards = torch.tensor([0.0, 1.0, 3.0, -2.0])
     cfg = AlgorithmConfig(advantage_estimator="reinforce", no_advantage_std_norm=True)
-    exp = add_advantages(_experience(rewards), cfg, 1, kl_coef=0.0)
+    exp = add_advantages(reward_rows(rewards), cfg, 1, kl_coef=0.0)
     expected = torch.tensor([-0.5, 0.5, 2.5, -2.5])[:, None] * torch.tensor([[0.0, 1.0, 1.0]])
     assert_close(exp.advantages, expected)
-    whitened = add_advantages(_experience(rewards), AlgorithmConfig(advantage_estimator="reinforce"), 1, 0.0)
+    whitened = add_advantages(reward_rows(rewards), AlgorithmConfig(advantage_estimator="reinforce"), 1, 0.0)
     assert_close(whitened.advantages, expected / expected[:, 1:].std(unbiased=False), atol=1e-5, rtol=1e-5)
 
 
@@ -87,7 +77,7 @@ def test_stop_properly_penalty_comes_after_the_overlong_penalty():
     """v0.9.2's order: reward 3, overlong penalty −1 (2 action tokens of at most 2, buffer 1) → 2,
     then truncated × 0.5 → 1 (the other order would give 0.5). An untruncated sample keeps 3 − 1."""
     cfg = AlgorithmConfig(overlong_buffer_len=1, stop_properly_penalty_coef=0.5)
-    exp = _experience(torch.tensor([3.0, 3.0]), truncated=torch.tensor([True, False]))
+    exp = reward_rows(torch.tensor([3.0, 3.0]), truncated=torch.tensor([True, False]))
     assert_close(shape_rewards(exp, cfg, max_new_tokens=2, moments=None), torch.tensor([1.0, 2.0]))
     off = AlgorithmConfig(overlong_buffer_len=1)
     assert_close(shape_rewards(exp, off, max_new_tokens=2, moments=None), torch.tensor([2.0, 2.0]))
@@ -279,7 +269,7 @@ def test_policy_update_gradient_is_policy_loss_plus_coef_times_ptx_loss(tiny_lla
         SFTSample(torch.randint(5, 500, (n,), generator=g).tolist(), [0] + [1] * (n - 1))
         for n in (5, 7, 4, 6)
     ]
-    exp = _policy_experience()
+    exp = policy_rows(6, 10, seed=1)
     exp.old_logprobs = forward_logprobs(model, exp, 8, False, 1.0, precision) - 0.05
     policy = PolicyLoss(AlgorithmConfig(), precision, 1.0, False)
     norm, coef, halves = Normaliser.of(exp, World()), 0.3, ([0, 1, 2], [3, 4, 5])
@@ -304,17 +294,6 @@ def test_policy_update_gradient_is_policy_loss_plus_coef_times_ptx_loss(tiny_lla
     by_hand = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert metrics["policy/ptx_loss"] > 0
     assert_close(mixed, by_hand, atol=1e-6, rtol=1e-4)
-
-
-def _policy_experience(n=6, width=10) -> Experience:
-    g = torch.Generator().manual_seed(1)
-    attn = torch.ones(n, width, dtype=torch.long)
-    action = attn.clone()
-    action[:, :3] = 0
-    seq = torch.randint(5, 500, (n, width), generator=g)
-    zeros = torch.zeros(n, width)
-    return Experience(seq, attn, action, zeros, rewards=torch.zeros(n), scores=torch.zeros(n),
-                      advantages=torch.randn(n, width, generator=g) * action)  # fmt: skip
 
 
 def test_a_tiny_run_with_ptx_learns_the_pretrain_text(tiny_qwen2, rl_data, tmp_path):
