@@ -19,8 +19,8 @@ gloo on the CPU, NCCL on CUDA):
 - ``search``: the longest L for which one optimizer step succeeds, by doubling from ``--start_len`` and
   then bisecting down to ``--resolution``, capped at ``--max_len``. Every attempt is a fresh process (an
   out-of-memory error poisons the CUDA allocator); an attempt that runs out of memory (``OutOfMemoryError``
-  / "out of memory" in its stderr) does not fit, any other failure aborts the benchmark with the child's
-  last stderr lines. ``--budget_s`` bounds the whole run: the searches share what the measurements leave;
+  / "out of memory" in its stderr) does not fit; any other failure ends that ring size's part of the
+  benchmark (its entry's ``error`` holds the child's last stderr lines) and the other ring sizes go on. ``--budget_s`` bounds the whole run: the searches share what the measurements leave;
   an attempt whose predicted time (its FLOPs scaled from the largest step that fitted, plus the start-up
   seen so far) does not fit in its share ends that search, which then reports ``stopped: "budget"``.
   From the attempts' peaks the search also fits peak(L) = a + b·L, and a + b·L + c·L² from three lengths
@@ -337,7 +337,10 @@ def measure(args, ring: int, deadline: float) -> tuple[dict, Attempt | None]:
     length = args.measure_len
     if length <= 0 or length > args.max_len:
         return {"skipped": f"--measure_len {length}"}, None
-    attempt = launch(args, ring, length, args.warmup, args.steps, deadline - time.monotonic())
+    try:
+        attempt = launch(args, ring, length, args.warmup, args.steps, deadline - time.monotonic())
+    except BenchError as err:
+        return {"length": length, "error": str(err)}, None
     if attempt.fits is None:
         return {"length": length, "stopped": "budget"}, attempt
     if not attempt.fits:
@@ -360,7 +363,7 @@ def search(args, ring: int, deadline: float, seeded: list[Attempt], flops) -> di
     known = {a.length: a.fits for a in seeded if a.fits is not None}
     steps = {a.length: min(a.result["step_s"]) for a in seeded if a.fits}
     overheads = [a.wall_s - sum(a.result["step_s"]) for a in seeded if a.fits]
-    attempts, stopped = [], None
+    attempts, stopped, error = [], None, None
     while (length := next_length(known, args.start_len, args.resolution, args.max_len)) is not None:
         left = deadline - time.monotonic()
         step = predicted_seconds(length, steps, flops)
@@ -369,7 +372,11 @@ def search(args, ring: int, deadline: float, seeded: list[Attempt], flops) -> di
             stopped = f"budget: L={length} predicted {guess:.0f} s, {left:.0f} s left"
             break
         log(f"ring {ring}: trying L={length} (predicted {guess and round(guess)} s, {left:.0f} s left)")
-        attempt = launch(args, ring, length, 0, 1, left)
+        try:
+            attempt = launch(args, ring, length, 0, 1, left)
+        except BenchError as err:
+            stopped, error = "error", str(err)
+            break
         attempts.append(attempt)
         if attempt.fits is None:
             stopped = f"budget: L={length} cut off after {attempt.wall_s:.0f} s"
@@ -393,6 +400,8 @@ def search(args, ring: int, deadline: float, seeded: list[Attempt], flops) -> di
         "peak_gb_by_len": {str(n): round(gb, 2) for n, gb in sorted(points)},
         "stopped": stopped or ("max_len" if longest(known) >= args.max_len else "resolution"),
     }
+    if error:
+        entry["error"] = error
     if capacity:  # peak memory linear in L (flash attention) or quadratic (the ring's [chunk, chunk] masks)
         entry["device_gb"] = round(capacity, 1)
         entry["extrapolated_max_len"] = {
@@ -415,18 +424,15 @@ def main(argv=None) -> dict:
               "lengths": {"start": args.start_len, "max": args.max_len, "resolution": args.resolution,
                           "measure": args.measure_len}, "measure": {}, "search": {}}  # fmt: skip
     seeded: dict[int, list[Attempt]] = {}
-    try:
-        for ring in args.ring_sizes:  # the step rates first: they also seed the searches
-            report["measure"][str(ring)], attempt = measure(args, ring, deadline)
+    for ring in args.ring_sizes:  # the step rates first: they also seed the searches
+        report["measure"][str(ring)], attempt = measure(args, ring, deadline)
+        if "error" not in report["measure"][str(ring)]:  # a ring size that fails otherwise is not searched
             seeded[ring] = [attempt] if attempt else []
-            log(f"ring {ring} at {args.measure_len}: {report['measure'][str(ring)]}")
-        for i, ring in enumerate(args.ring_sizes):  # the searches share what is left equally
-            share = (deadline - time.monotonic()) / (len(args.ring_sizes) - i)
-            report["search"][str(ring)] = search(args, ring, time.monotonic() + share, seeded[ring], flops)
-            log(f"ring {ring} search: {report['search'][str(ring)]}")
-    except BenchError as err:
-        report["error"] = str(err)
-        log(f"aborted: {err}")
+        log(f"ring {ring} at {args.measure_len}: {report['measure'][str(ring)]}")
+    for i, ring in enumerate(seeded):  # the searches share what is left equally
+        share = (deadline - time.monotonic()) / (len(seeded) - i)
+        report["search"][str(ring)] = search(args, ring, time.monotonic() + share, seeded[ring], flops)
+        log(f"ring {ring} search: {report['search'][str(ring)]}")
     base = report["search"].get("1", {}).get("longest_len")  # vs one device, when it was searched
     report["longest_len_ratio_vs_ring1"] = {
         ring: round(entry["longest_len"] / base, 3) for ring, entry in report["search"].items() if base

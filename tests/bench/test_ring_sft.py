@@ -59,8 +59,10 @@ def fake_launch(fits_up_to: int, step_s):
     def launch(args, ring, length, warmup, steps, timeout):
         if length > fits_up_to:
             return ring_sft.Attempt(length, False, 1.0)
-        result = {"step_s": [step_s(length)], "peak_gb": [1.0 + length / 1000] * ring, "device_gb": 11.0}
-        return ring_sft.Attempt(length, True, 1.0 + step_s(length), result)
+        times = [step_s(length)] * (warmup + steps)
+        result = {"length": length, "ring": ring, "step_s": times, "losses": [6.9] * len(times),
+                  "peak_gb": [1.0 + length / 1000] * ring, "device_gb": 11.0, "tokens_per_step": ring * length}  # fmt: skip
+        return ring_sft.Attempt(length, True, 1.0 + sum(times), result)
 
     return launch
 
@@ -102,3 +104,21 @@ def test_one_ring_attempt_trains_a_step_over_two_cpu_processes(tmp_path):
     assert r["ring"] == 2 and r["length"] == 96 and r["tokens_per_step"] == 192
     assert len(r["step_s"]) == 1 and len(r["peak_gb"]) == 2  # one peak per rank (None on the CPU)
     assert 5.0 < r["losses"][0] < 9.0  # about ln(1024): a random-init model on random tokens
+
+
+def test_an_error_ends_only_that_ring_sizes_part(monkeypatch, capsys):
+    fits = fake_launch(300, lambda n: n / 1e6)
+
+    def launch(args, ring, length, warmup, steps, timeout):
+        if ring == 2 and length > 256:
+            raise ring_sft.BenchError(f"ring 2, length {length}: exit 1\nRuntimeError: NCCL error")
+        return fits(args, ring, length, warmup, steps, timeout)
+
+    monkeypatch.setattr(ring_sft, "launch", launch)
+    report = ring_sft.main(["--max_len", "1024", "--resolution", "32"])
+    assert report["measure"]["1"]["tokens_per_s"] > 0 and report["measure"]["2"]["tokens_per_s"] > 0
+    one, two = report["search"]["1"], report["search"]["2"]
+    assert one["longest_len"] == 288 and one["stopped"] == "resolution"
+    assert two["longest_len"] == 256 and two["stopped"] == "error" and "NCCL error" in two["error"]
+    assert report["longest_len_ratio_vs_ring1"] == {"1": 1.0, "2": round(256 / 288, 3)}
+    assert '"bench": "ring_sft"' in capsys.readouterr().out  # the one JSON line
