@@ -20,9 +20,12 @@ gloo on the CPU, NCCL on CUDA):
   then bisecting down to ``--resolution``, capped at ``--max_len``. Every attempt is a fresh process (an
   out-of-memory error poisons the CUDA allocator); an attempt that runs out of memory (``OutOfMemoryError``
   / "out of memory" in its stderr) does not fit; any other failure ends that ring size's part of the
-  benchmark (its entry's ``error`` holds the child's last stderr lines) and the other ring sizes go on. ``--budget_s`` bounds the whole run: the searches share what the measurements leave;
-  an attempt whose predicted time (its FLOPs scaled from the largest step that fitted, plus the start-up
-  seen so far) does not fit in its share ends that search, which then reports ``stopped: "budget"``.
+  benchmark (its entry's ``error`` holds the child's last stderr lines) and the other ring sizes go on.
+
+``--budget_s`` bounds the whole run: each ring size in turn gets an equal share of what is left for its
+measurement and search; an attempt whose predicted time (its FLOPs scaled from the longest step that fitted,
+plus the start-up seen so far) does not fit in the share ends the search (``stopped: "budget: ..."``), and
+an attempt still running at the end of the share is killed (the measurement then reports ``stopped``).
   From the attempts' peaks the search also fits peak(L) = a + b·L, and a + b·L + c·L² from three lengths
   on, and reports where each crosses the device's memory (``extrapolated_max_len``): estimates, not runs
   (memory is about linear in L with flash attention, quadratic under the ring's [chunk, chunk] masks).
@@ -423,15 +426,13 @@ def main(argv=None) -> dict:
               "ring_sizes": args.ring_sizes, "ring_head_stride": args.ring_head_stride, "budget_s": args.budget_s,
               "lengths": {"start": args.start_len, "max": args.max_len, "resolution": args.resolution,
                           "measure": args.measure_len}, "measure": {}, "search": {}}  # fmt: skip
-    seeded: dict[int, list[Attempt]] = {}
-    for ring in args.ring_sizes:  # the step rates first: they also seed the searches
-        report["measure"][str(ring)], attempt = measure(args, ring, deadline)
-        if "error" not in report["measure"][str(ring)]:  # a ring size that fails otherwise is not searched
-            seeded[ring] = [attempt] if attempt else []
+    for i, ring in enumerate(args.ring_sizes):  # each ring size: an equal share of what is left
+        share_end = time.monotonic() + (deadline - time.monotonic()) / (len(args.ring_sizes) - i)
+        report["measure"][str(ring)], attempt = measure(args, ring, share_end)
         log(f"ring {ring} at {args.measure_len}: {report['measure'][str(ring)]}")
-    for i, ring in enumerate(seeded):  # the searches share what is left equally
-        share = (deadline - time.monotonic()) / (len(seeded) - i)
-        report["search"][str(ring)] = search(args, ring, time.monotonic() + share, seeded[ring], flops)
+        if "error" in report["measure"][str(ring)]:  # a ring size failing other than by memory: done
+            continue
+        report["search"][str(ring)] = search(args, ring, share_end, [attempt] if attempt else [], flops)
         log(f"ring {ring} search: {report['search'][str(ring)]}")
     base = report["search"].get("1", {}).get("longest_len")  # vs one device, when it was searched
     report["longest_len_ratio_vs_ring1"] = {
