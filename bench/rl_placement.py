@@ -1,4 +1,4 @@
-"""Benchmark: GRPO with the real trainer (``tidal ppo``) under different placements, timed by phase.
+r"""Benchmark: GRPO with the real trainer (``tidal ppo``) under different placements, timed by phase.
 
 Builds a random-init model folder (``--config``: ``tiny`` on the CPU, ``qwen2.5-0.5b`` on GPUs, with
 ``tidal.testing``'s tokenizer), a prompt file of ``--prompts x --rollouts`` digit strings of
@@ -37,7 +37,10 @@ needed (``--trainer_sleep`` if it runs short). The model folder (bf16, 15 GB) is
 in a child process so that no CUDA context of this process stays behind:
 
     python bench/rl_placement.py --device cuda --config qwen2.5-7b --variants colocated_tp2 \
-        --prompts 32 --n 8 --prompt_len 256 --new_tokens 512 --micro 8 --rollouts 3
+        --prompts 32 --n 8 --prompt_len 256 --new_tokens 512 --micro 8 --rollouts 3 --timeout_s 450
+
+(``--timeout_s``: a run still going then, e.g. in the final export of the 30 GB float32 model, is killed and
+the steps it logged are reported, the first one left out as always.)
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import json
 import multiprocessing
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -93,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trainer_sleep", action="store_true",
                    help="pass --deepspeed_enable_sleep to the colocated variants (those with --colocate_all_models)")  # fmt: skip
     p.add_argument("--folder", default="/tmp/tidal_rl_placement")
+    p.add_argument("--timeout_s", type=float, default=0.0,
+                   help="stop a variant's run after this long and report the steps it logged (0: no limit)")  # fmt: skip
     args = p.parse_args(argv)
     if args.config == "tiny" and args.new_tokens == 256:
         args.prompts, args.n, args.prompt_len, args.new_tokens, args.micro = 4, 4, 16, 16, 8
@@ -181,12 +187,22 @@ def run_variant(args, name: str, model: Path, folder: Path) -> dict:
     cmd = launcher + ["-m", "tidal.cli.train_ppo"] + flags(args, model, folder, out) + extra
     env = dict(os.environ, OMP_NUM_THREADS="1")
     print(f"# {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode:
-        sys.stderr.write(proc.stderr[-6000:])
-        return {"error": f"exit {proc.returncode}"}
-    lines = (out / "final" / "run" / "metrics.jsonl").read_text().splitlines()
-    steps = [json.loads(line) for line in lines]
+    metrics = out / "final" / "run" / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)  # a file from an earlier run is not this run's
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    try:
+        _, err = proc.communicate(timeout=args.timeout_s or None)
+        timed_out = False
+    except subprocess.TimeoutExpired:  # keep the steps it logged (one line each, on disk as written)
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers: a process group of their own
+        _, err = proc.communicate()
+        timed_out = True
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    if (proc.returncode and not timed_out) or len(steps) < 2:
+        sys.stderr.write(err[-6000:])
+        why = f"timed out after {args.timeout_s} s" if timed_out else f"exit {proc.returncode}"
+        return {"error": why, "steps_logged": len(steps)}
     timed = steps[1:]  # the first step captures CUDA graphs
     phases = {p: round(statistics.median(s[f"train/time/{p}"] for s in timed), 3) for p in PHASES}
     step_s = statistics.median(s["train/time/step"] for s in timed)  # wall: async generation overlaps
@@ -194,7 +210,9 @@ def run_variant(args, name: str, model: Path, folder: Path) -> dict:
     tokens = args.prompts * args.n * (args.prompt_len + args.new_tokens)
     result = {"phases_s": phases, "step_s": round(step_s, 3), "devices": devices,
               "tokens_per_s_per_device": round(tokens / step_s / devices), "reward": timed[-1]["train/reward"],
-              "peak_gb_per_rank": peak_memory(steps)}  # fmt: skip
+              "peak_gb_per_rank": peak_memory(steps), "timed_steps": len(timed)}  # fmt: skip
+    if timed_out:
+        result["timed_out_after_s"] = args.timeout_s
     print(f"# {name}: {result}", file=sys.stderr, flush=True)
     return result
 
