@@ -37,12 +37,14 @@ versions).
     python bench/ring_sft.py                                     # tiny, 1 and 2 CPU processes, < 2 min
     python bench/ring_sft.py --device cuda --config qwen2.5-1.5b # 2 GPUs, <= --budget_s 480
 
-Qwen2.5-1.5B's steps grow with L² (attention) and the ring-2 step runs tidal's plain-torch float32 block
-attention, so the two searches rarely both finish in one 10-minute call; with two calls give each ring
-size its own (ring 2 from 8192, cheap points for its quadratic memory fit):
+On CUDA the lengths default to --start_len 8192 (short attempts are cheap and give the memory fits more
+points), --measure_len 32768, --resolution 4096, --max_len 1048576. Qwen2.5-1.5B's steps grow with L²
+(attention) and the ring-2 step runs tidal's plain-torch float32 block attention, so the two searches
+rarely both finish in one 10-minute call: the report says which stopped on the budget, and where the
+memory fits cross the device's capacity. With two calls give each ring size its own:
 
     python bench/ring_sft.py --device cuda --config qwen2.5-1.5b --ring_sizes 1 --budget_s 480
-    python bench/ring_sft.py --device cuda --config qwen2.5-1.5b --ring_sizes 2 --start_len 8192 --budget_s 480
+    python bench/ring_sft.py --device cuda --config qwen2.5-1.5b --ring_sizes 2 --budget_s 480
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -72,7 +75,8 @@ from train_step import (  # noqa: E402
 )
 
 # (start_len, max_len, resolution, measure_len) when not given
-DEFAULT_LENGTHS = {"cuda": (32768, 1 << 20, 4096, 32768), "cpu": (256, 512, 256, 256)}
+DEFAULT_LENGTHS = {"cuda": (8192, 1 << 20, 4096, 32768), "cpu": (256, 512, 256, 256)}
+STEP_LINE = re.compile(r"#   r=\d+ L=\d+ step \d+: ([0-9.]+) s$")  # a worker's progress line (``step_line``)
 OOM_EXIT = 3  # a worker that ran out of memory exits with this code after saying so on stderr
 OOM_MARKERS = ("outofmemoryerror", "out of memory", "cublas_status_alloc_failed")
 
@@ -229,11 +233,7 @@ def run_steps(args) -> dict | None:
             times.append(time.perf_counter() - start)
             losses.append(stats["loss"])
             if world.is_main:
-                print(
-                    f"#   r={ring_size} L={length} step {step}: {times[-1]:.2f} s",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                print(step_line(ring_size, length, step, times[-1]), file=sys.stderr, flush=True)
     cuda = world.device.type == "cuda"
     peak = torch.cuda.max_memory_allocated(world.device) / 2**30 if cuda else None
     peaks = all_gather_objects(peak, world)
@@ -244,6 +244,11 @@ def run_steps(args) -> dict | None:
     return result if world.is_main else None
 
 
+def step_line(ring: int, length: int, step: int, seconds: float) -> str:
+    """A worker's progress line; the parent also reads step times from it (``STEP_LINE``)."""
+    return f"#   r={ring} L={length} step {step}: {seconds:.3f} s"
+
+
 @dataclass
 class Attempt:
     """What one fresh-process attempt found: ``fits`` True/False, or None when it was cut off (budget)."""
@@ -252,6 +257,7 @@ class Attempt:
     fits: bool | None
     wall_s: float
     result: dict = field(default_factory=dict)
+    steps_seen: list[float] = field(default_factory=list)  # step times a cut-off attempt had reported
 
 
 def launch(args, ring: int, length: int, warmup: int, steps: int, timeout: float) -> Attempt:
@@ -285,13 +291,15 @@ def run_attempt(cmd: list[str], length: int, out: Path, timeout: float, env: dic
     stderr = StderrTail(proc.stderr)
     try:
         proc.wait(timeout=max(timeout, 1.0))
+        cut_off = False
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers: our own process group
         proc.wait()
-        return Attempt(length, None, time.monotonic() - start)
-    finally:
-        stderr.close()
+        cut_off = True
+    stderr.close()
     wall = time.monotonic() - start
+    if cut_off:
+        return Attempt(length, None, wall, steps_seen=stderr.step_times)
     if proc.returncode == 0 and out.exists():
         return Attempt(length, True, wall, json.loads(out.read_text()))
     if stderr.oom:
@@ -312,6 +320,7 @@ class StderrTail:
     def __init__(self, stream, keep: int = 25):
         self.lines: collections.deque[str] = collections.deque(maxlen=keep)
         self.oom = False
+        self.step_times: list[float] = []  # from the worker's progress lines (``step_line``)
         self.thread = threading.Thread(target=self._pump, args=(stream,), daemon=True)
         self.thread.start()
 
@@ -320,6 +329,8 @@ class StderrTail:
             self.lines.append(line.rstrip("\n"))
             self.oom = self.oom or is_oom(line)
             if line.startswith("#"):
+                if match := STEP_LINE.match(line):
+                    self.step_times.append(float(match[1]))
                 sys.stderr.write(line)
                 sys.stderr.flush()
 
@@ -344,8 +355,16 @@ def measure(args, ring: int, deadline: float) -> tuple[dict, Attempt | None]:
         attempt = launch(args, ring, length, args.warmup, args.steps, deadline - time.monotonic())
     except BenchError as err:
         return {"length": length, "error": str(err)}, None
-    if attempt.fits is None:
-        return {"length": length, "stopped": "budget"}, attempt
+    if attempt.fits is None:  # cut off: the steps it reported still give a rate
+        entry = {"length": length, "stopped": "budget", "wall_s": round(attempt.wall_s, 1)}
+        seen = attempt.steps_seen
+        if seen:
+            timed = seen[args.warmup :] or seen
+            step_s = statistics.median(timed)
+            entry.update(step_s=round(step_s, 3), tokens_per_s=round(ring * length / step_s),
+                         tokens_per_s_per_device=round(length / step_s), steps_timed=len(timed),
+                         warmup_included=not seen[args.warmup :])  # fmt: skip
+        return entry, attempt
     if not attempt.fits:
         return {"length": length, "out_of_memory": True}, attempt
     r = attempt.result

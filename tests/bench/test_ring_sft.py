@@ -4,6 +4,7 @@ attempt: a tiny SFT step with ring attention over 2 CPU processes (torchrun, glo
 
 from __future__ import annotations
 
+import io
 import sys
 import time
 from pathlib import Path
@@ -122,3 +123,23 @@ def test_an_error_ends_only_that_ring_sizes_part(monkeypatch, capsys):
     assert two["longest_len"] == 256 and two["stopped"] == "error" and "NCCL error" in two["error"]
     assert report["longest_len_ratio_vs_ring1"] == {"1": 1.0, "2": round(256 / 288, 3)}
     assert '"bench": "ring_sft"' in capsys.readouterr().out  # the one JSON line
+
+
+def test_stderr_is_scanned_for_step_times_and_out_of_memory(capsys):
+    text = ring_sft.step_line(2, 4096, 0, 1.5) + "\nnoise\n" + ring_sft.step_line(2, 4096, 1, 0.25) + "\n"
+    tail = ring_sft.StderrTail(io.StringIO(text + "torch.OutOfMemoryError: CUDA out of memory.\n"))
+    tail.close()
+    assert tail.step_times == [1.5, 0.25] and tail.oom
+    assert capsys.readouterr().err.count("step") == 2  # the progress lines are passed on, the rest kept
+    assert tail.tail().endswith("CUDA out of memory.")
+
+
+def test_a_cut_off_measurement_reports_the_steps_it_finished(monkeypatch):
+    def launch(args, ring, length, warmup, steps, timeout):
+        return ring_sft.Attempt(length, None, 99.0, steps_seen=[30.0, 20.0])  # warm-up + one timed step
+
+    monkeypatch.setattr(ring_sft, "launch", launch)
+    args = ring_sft.parse_args(["--measure_len", "256", "--steps", "2"])
+    entry, _ = ring_sft.measure(args, 2, deadline=time.monotonic() + 60)
+    assert entry["stopped"] == "budget" and entry["step_s"] == 20.0 and entry["steps_timed"] == 1
+    assert entry["tokens_per_s"] == round(2 * 256 / 20.0) and not entry["warmup_included"]
