@@ -82,7 +82,7 @@ OOM_MARKERS = ("outofmemoryerror", "out of memory", "cublas_status_alloc_failed"
 
 
 class BenchError(RuntimeError):
-    """An attempt failed for a reason other than memory: the benchmark stops."""
+    """An attempt failed for a reason other than memory: its ring size's part of the benchmark stops."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -390,8 +390,8 @@ def search(args, ring: int, deadline: float, seeded: list[Attempt], flops) -> di
         left = deadline - time.monotonic()
         step = predicted_seconds(length, steps, flops)
         guess = None if step is None else step + (max(overheads) if overheads else 0.0)
-        if guess is not None and guess > left:
-            stopped = f"budget: L={length} predicted {guess:.0f} s, {left:.0f} s left"
+        if left <= 0 or (guess is not None and guess > left):
+            stopped = f"budget: L={length} predicted {guess and round(guess)} s, {left:.0f} s left"
             break
         log(f"ring {ring}: trying L={length} (predicted {guess and round(guess)} s, {left:.0f} s left)")
         try:

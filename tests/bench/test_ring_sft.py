@@ -143,3 +143,10 @@ def test_a_cut_off_measurement_reports_the_steps_it_finished(monkeypatch):
     entry, _ = ring_sft.measure(args, 2, deadline=time.monotonic() + 60)
     assert entry["stopped"] == "budget" and entry["step_s"] == 20.0 and entry["steps_timed"] == 1
     assert entry["tokens_per_s"] == round(2 * 256 / 20.0) and not entry["warmup_included"]
+
+
+def test_no_attempt_once_the_share_is_spent(monkeypatch):
+    monkeypatch.setattr(ring_sft, "launch", lambda *a, **k: pytest.fail("launched past the deadline"))
+    args = ring_sft.parse_args([])
+    entry = ring_sft.search(args, 2, deadline=time.monotonic() - 1, seeded=[], flops=lambda n: n)
+    assert entry["longest_len"] == 0 and entry["stopped"].startswith("budget: L=256 predicted None s")
