@@ -97,7 +97,7 @@ def varlen_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    dtype = _compute_dtype(query)
+    dtype = attention_dtype(query)
     usable = (
         query.is_cuda
         and query.shape[0] == 1
@@ -113,7 +113,8 @@ def varlen_attention_forward(
     return out[None], None
 
 
-def _compute_dtype(query: torch.Tensor) -> torch.dtype:
+def attention_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype a custom attention kernel runs ``query`` in (autocast's, where it is on)."""
     # Under autocast RoPE leaves q/k in float32 (cos/sin are float32); SDPA would be cast by autocast,
     # a custom op is not, so cast to autocast's dtype ourselves.
     device = query.device.type

@@ -20,7 +20,10 @@ memory); it must divide the model's key/value heads.
 
 The per-block math (``attend_block``, ``merge_blocks``, ``block_grads``) is plain torch in float32,
 tiled over query rows to bound the ``[rows, keys]`` score matrix; it runs on the CPU (gloo) and CUDA
-(NCCL). The HF plug-in is an ``AttentionInterface`` implementation, ``tidal_ring``: a model's first
+(NCCL). On CUDA at bf16/fp16 (the training dtype under autocast) the blocks run on torch's
+flash-attention kernels instead (``ring_flash.py``): no mask, memory linear in the chunk.
+
+The HF plug-in is an ``AttentionInterface`` implementation, ``tidal_ring``: a model's first
 ring forward switches it to it (``switch_to_ring``) and leaving the ``use_ring`` scope switches it
 back, so checkpointed layers that recompute in backward take the ring path again.
 """
@@ -296,6 +299,14 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, scale: f
             f"--ring_head_stride {layout.ring.head_stride} must divide the model's {k.shape[0]} key/value heads"
         )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    from tidal.models.ring_flash import FlashRingAttention, flash_usable
+
+    if flash_usable(q, q.dtype, layout.window):  # CUDA at 16 bits: flash blocks ([L, H, D] layout)
+        with torch.autocast(q.device.type, enabled=False):
+            out = FlashRingAttention.apply(
+                *(t.transpose(0, 1).contiguous() for t in (q, k, v)), layout, scale
+            )
+        return out.transpose(0, 1)
     return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), layout, scale)
 
 
@@ -448,5 +459,12 @@ def ring_attention_forward(
         raise ValueError("ring attention does not support attention logit soft-capping")
     if sliding_window is not None:
         layout = RingLayout(layout.ring, layout.segment_ids, layout.chunk, sliding_window)
-    out = ring_attention(query[0], key[0], value[0], layout, scaling)
+    from tidal.models.packed_attention import attention_dtype
+    from tidal.models.ring_flash import flash_usable
+
+    q, k, v = query[0], key[0], value[0]
+    dtype = attention_dtype(query)  # under autocast RoPE leaves q/k in float32
+    if flash_usable(q, dtype, layout.window):
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    out = ring_attention(q, k, v, layout, scaling)
     return out.transpose(0, 1)[None], None

@@ -1,0 +1,237 @@
+"""Ring attention's blocks on CUDA through torch's flash-attention kernels (16-bit activations).
+
+The plain block math of ``ring_attention`` scores each block in float32 against a ``[queries, keys]``
+mask: memory that grows with the square of the chunk, and far from the GPU's attention speed. At bf16 or
+fp16 on CUDA each block instead runs torch's flash-attention varlen kernel, which returns the block's
+log-sum-exp, so the blocks merge by the same rule (``ring_attention.merge_blocks``). A block is a set of
+flash "sequences", because a packed row's segments are contiguous ranges of it (``block_spans``):
+
+- the local block (diagonal): each piece of a segment inside this rank's chunk attends itself causally;
+- an earlier rank's block: all its keys are in the past, and at most one segment reaches from that chunk
+  into this one (segments are contiguous). That segment's queries (a prefix of this chunk) attend its
+  keys (a suffix of that chunk) without a mask; no other query sees any key of the block.
+
+Backward runs flash's backward on each block with the merged output and log-sum-exp, which gives the
+block's share of dq, dk and dv (the kernel recomputes the block's probabilities from the final
+log-sum-exp); the key/value gradients travel with the blocks as in the plain path. Sliding-window layers,
+float32 and the CPU take the plain path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tidal.models import ring_attention as ra
+
+FLASH_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Span:
+    """What of one block attends: queries ``[0, q_end)`` of the local chunk and keys ``[k_start, chunk)``
+    of the block, as flash varlen sequences of ``q_lens`` / ``k_lens`` tokens (causal on the diagonal)."""
+
+    q_end: int
+    k_start: int
+    q_lens: tuple[int, ...]
+    k_lens: tuple[int, ...]
+    causal: bool
+
+
+def block_spans(starts: Sequence[int], chunk: int, rank: int) -> dict[int, Span]:
+    """The ``Span`` of every block rank ``rank`` attends to, by owner (ranks ``<= rank``; an owner with no
+    key any local query may see is left out). ``starts``: each segment's first index in the padded row
+    (ascending, from 0); ``chunk``: tokens per rank."""
+    lo, hi = rank * chunk, (rank + 1) * chunk
+    cuts = [lo, *(s for s in starts if lo < s < hi), hi]
+    pieces = tuple(b - a for a, b in zip(cuts, cuts[1:], strict=False))
+    spans = {rank: Span(chunk, 0, pieces, pieces, True)}
+    first = max(s for s in starts if s <= lo)  # the segment the chunk opens with
+    after = [s for s in starts if s > first]
+    end = min(after[0] if after else hi, hi)  # where it ends in this chunk
+    for owner in range(rank):
+        if first < (owner + 1) * chunk:  # it reaches back into the owner's chunk
+            k_start = max(first, owner * chunk) - owner * chunk
+            spans[owner] = Span(end - lo, k_start, (end - lo,), (chunk - k_start,), False)
+    return spans
+
+
+@dataclass(frozen=True)
+class FlashBlock:
+    """A ``Span`` with its cumulative lengths on the device, as the kernels take them."""
+
+    span: Span
+    cu_q: Tensor
+    cu_k: Tensor
+
+    @classmethod
+    def build(cls, span: Span, device: torch.device) -> FlashBlock:
+        def cu(lens):
+            return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+        return cls(span, cu(span.q_lens), cu(span.k_lens))
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:
+        """``(out [q_end, H, D], lse [q_end, H] float32, rng)`` of the span's queries over its keys."""
+        s = self.span
+        out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
+            q[: s.q_end], k[s.k_start :], v[s.k_start :], self.cu_q, self.cu_k,
+            max(s.q_lens), max(s.k_lens), 0.0, s.causal, False, scale=scale,
+        )  # fmt: skip
+        return out, self._rows(lse, q.shape[1]), (seed, offset)
+
+    def backward(
+        self, dout, q, k, v, out, lse_rows, rng: tuple, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """This block's ``(dq [q_end], dk, dv [chunk - k_start])`` given the merged ``out``/``lse_rows``."""
+        s = self.span
+        e = s.q_end
+        lse = self._kernel_lse(lse_rows[:e], q.shape[1])
+        return torch.ops.aten._flash_attention_backward(
+            dout[:e], q[:e], k[s.k_start :], v[s.k_start :], out[:e], lse, self.cu_q, self.cu_k,
+            max(s.q_lens), max(s.k_lens), 0.0, s.causal, rng[0], rng[1], scale=scale,
+        )  # fmt: skip
+
+    def _rows(self, lse: Tensor, heads: int) -> Tensor:
+        """The kernel's log-sum-exp as ``[q_end, H]``: flash returns ``[H, total_q]`` (unpadded) or, in
+        older builds, ``[sequences, H, max_q]`` (padded per sequence)."""
+        if lse.dim() == 2:
+            return lse.t()
+        lens = self.span.q_lens
+        return torch.cat([lse[i, :, :n].t() for i, n in enumerate(lens)])
+
+    def _kernel_lse(self, rows: Tensor, heads: int) -> Tensor:
+        """``[q_end, H]`` back in the layout the kernel returned (``_rows``' inverse)."""
+        if _LSE_PADDED is False:
+            return rows.t().contiguous()
+        lens = self.span.q_lens
+        padded = rows.new_zeros(len(lens), heads, max(lens))
+        start = 0
+        for i, n in enumerate(lens):
+            padded[i, :, :n] = rows[start : start + n].t()
+            start += n
+        return padded
+
+
+_LSE_PADDED: bool | None = None  # the installed kernel's log-sum-exp layout, read at the first forward
+
+
+def _note_layout(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Find whether this torch's flash kernel returns a padded log-sum-exp (one tiny call, once)."""
+    global _LSE_PADDED
+    if _LSE_PADDED is None:
+        cu = torch.tensor([0, 2, 3], dtype=torch.int32, device=q.device)
+        probe = q.new_zeros(3, q.shape[1], q.shape[2]), k.new_zeros(3, k.shape[1], k.shape[2])
+        lse = torch.ops.aten._flash_attention_forward(
+            probe[0], probe[1], probe[1], cu, cu, 2, 2, 0.0, True, False
+        )[1]
+        _LSE_PADDED = lse.dim() == 3
+
+
+def flash_usable(q: Tensor, dtype: torch.dtype, window: int | None) -> bool:
+    """Whether ring attention of ``q`` computed in ``dtype`` runs on the flash kernels (CUDA, 16-bit, no
+    sliding window, a head size flash takes)."""
+    d = q.shape[-1]
+    return q.is_cuda and dtype in FLASH_DTYPES and window is None and d % 8 == 0 and d <= 256
+
+
+def plan(layout: ra.RingLayout) -> dict[int, FlashBlock]:
+    """The blocks of this rank, built once per layout (one host read of the segment boundaries)."""
+    cached = getattr(layout, "_flash_plan", None)
+    if cached is None:
+        seg = layout.segment_ids
+        starts = [0, *((seg[1:] != seg[:-1]).nonzero().flatten() + 1).tolist()]
+        spans = block_spans(starts, layout.chunk, layout.ring.rank)
+        cached = {owner: FlashBlock.build(span, seg.device) for owner, span in spans.items()}
+        object.__setattr__(layout, "_flash_plan", cached)  # a frozen dataclass: cache beside its fields
+    return cached
+
+
+def flash_ring_forward(q: Tensor, k: Tensor, v: Tensor, layout: ra.RingLayout, scale: float):
+    """``(out [L, Hq, D] float32, lse [L, Hq] float32, rng)`` for local ``q`` ``[L, Hq, D]`` and
+    ``k``/``v`` ``[L, Hk, D]``: the ring pass of ``ring_attention._ring_forward`` with flash blocks."""
+    ring, blocks = layout.ring, plan(layout)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    block, rng = [k, v], None
+    for step in range(ring.size):
+        owner = (ring.rank - step) % ring.size
+        shift = ra._Shift(block, ring) if step < ring.size - 1 else None
+        if owner in blocks:  # a later rank's keys are all in the future of every local query
+            o, l_, rng = blocks[owner].forward(q, block[0], block[1], scale)
+            e = blocks[owner].span.q_end
+            out[:e], lse[:e] = ra.merge_blocks(out[:e], lse[:e], o.float(), l_)
+        if shift is not None:
+            block = shift.wait()
+    return out, lse, rng
+
+
+def flash_ring_backward(q, k, v, out, lse, dout, layout: ra.RingLayout, rng: tuple, scale: float):
+    """``(dq, dk, dv)`` float32 for ``flash_ring_forward``'s inputs, ``out`` in the inputs' dtype."""
+    ring, blocks = layout.ring, plan(layout)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    block = [k, v]
+    grads = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
+    for step in range(ring.size):
+        owner = (ring.rank - step) % ring.size
+        shift = ra._Shift(block, ring) if step < ring.size - 1 else None
+        if owner in blocks:
+            b = blocks[owner]
+            dq_b, dk_b, dv_b = b.backward(dout, q, block[0], block[1], out, lse, rng, scale)
+            dq[: b.span.q_end] += dq_b.float()
+            grads[0][b.span.k_start :] += dk_b.float()
+            grads[1][b.span.k_start :] += dv_b.float()
+        grads = ra._Shift(grads, ring).wait()
+        if shift is not None:
+            block = shift.wait()
+    return dq, grads[0], grads[1]
+
+
+class FlashRingAttention(torch.autograd.Function):
+    """Ring attention of one row on flash blocks: ``q`` ``[L, Hq, D]``, ``k``/``v`` ``[L, Hk, D]`` (16-bit)
+    → ``[L, Hq, D]``, ``--ring_head_stride`` key/value heads (with their query heads) per ring pass."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout: ra.RingLayout, scale: float):
+        _note_layout(q, k, v)
+        groups = q.shape[1] // k.shape[1]
+        outs, lses, rng = [], [], None
+        for heads in ra._head_slices(k.shape[1], layout.ring.head_stride):
+            q_heads = slice(heads.start * groups, heads.stop * groups)
+            o, l_, rng = flash_ring_forward(
+                q[:, q_heads].contiguous(), k[:, heads].contiguous(), v[:, heads].contiguous(), layout, scale
+            )
+            outs.append(o)
+            lses.append(l_)
+        out = torch.cat(outs, dim=1).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, torch.cat(lses, dim=1))
+        ctx.layout, ctx.scale, ctx.rng = layout, scale, rng
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        groups = q.shape[1] // k.shape[1]
+        grad = grad.contiguous()
+        dqs, dks, dvs = [], [], []
+        for heads in ra._head_slices(k.shape[1], ctx.layout.ring.head_stride):
+            q_heads = slice(heads.start * groups, heads.stop * groups)
+            dq, dk, dv = flash_ring_backward(
+                q[:, q_heads].contiguous(), k[:, heads].contiguous(), v[:, heads].contiguous(),
+                out[:, q_heads].contiguous(), lse[:, q_heads].contiguous(), grad[:, q_heads].contiguous(),
+                ctx.layout, ctx.rng, ctx.scale,
+            )  # fmt: skip
+            dqs.append(dq)
+            dks.append(dk)
+            dvs.append(dv)
+        return (
+            torch.cat(dqs, dim=1).to(q.dtype),
+            torch.cat(dks, dim=1).to(k.dtype),
+            torch.cat(dvs, dim=1).to(v.dtype),
+            None,
+            None,
+        )
