@@ -78,13 +78,12 @@ class _Mailboxes:
         self.lock = threading.Lock()
 
     def shift(self, tensors, ring):
-        with self.lock:
+        with self.lock:  # also around the lookups: two threads creating one missing queue would lose a put
             tag = self.counts[ring.rank]
             self.counts[ring.rank] += 1
-        box = self.boxes[(ring.next_rank, tag)]
+            box, mine = self.boxes[(ring.next_rank, tag)], self.boxes[(ring.rank, tag)]
         for t in tensors:
             box.put(t.clone())
-        mine = self.boxes[(ring.rank, tag)]
 
         class Pending:
             @staticmethod
