@@ -28,7 +28,8 @@ plus the start-up seen so far) does not fit in the share ends the search (``stop
 an attempt still running at the end of the share is killed (the measurement then reports ``stopped``).
   From the attempts' peaks the search also fits peak(L) = a + b·L, and a + b·L + c·L² from three lengths
   on, and reports where each crosses the device's memory (``extrapolated_max_len``): estimates, not runs
-  (memory is about linear in L with flash attention, quadratic under the ring's [chunk, chunk] masks).
+  (memory is about linear in L with flash attention; quadratic on the ring's plain path, float32 or CPU,
+whose blocks build [chunk, chunk] masks).
 
 Prints progress to stderr and one JSON line to stdout (``search.<r>.longest_len`` and
 ``longest_len_ratio_vs_ring1``, ``measure.<r>``: tokens/s and peak GB per rank at ``--measure_len``,
@@ -39,7 +40,7 @@ versions).
 
 On CUDA the lengths default to --start_len 8192 (short attempts are cheap and give the memory fits more
 points), --measure_len 32768, --resolution 4096, --max_len 1048576. Qwen2.5-1.5B's steps grow with L²
-(attention) and the ring-2 step runs tidal's plain-torch float32 block attention, so the two searches
+(attention; the ring's blocks run on flash kernels, ``tidal/models/ring_flash.py``), so the two searches
 rarely both finish in one 10-minute call: the report says which stopped on the budget, and where the
 memory fits cross the device's capacity. With two calls give each ring size its own:
 
