@@ -13,7 +13,9 @@ then runs ``--steps`` decode steps through ``LLMEngine.step`` twice:
    rotary, sampling and log-softmax, element-wise and copies), so that ``gpu_busy_ms`` — the sum of kernel
    time per step — can be set against the wall time: the difference is time the GPU waits for the host.
 
-Prints one JSON line (milliseconds per step) and, on stderr, the top kernels.
+Prints one JSON line (milliseconds per step) and, on stderr, the top kernels. ``--tp_size N``: a
+tensor-parallel engine; the profile is rank 0's (its NCCL kernels are ``collective``, and include the
+time they wait for the other ranks).
 
     python bench/profile_decode.py --config qwen2.5-0.5b --batch 256 --prompt_len 128 --steps 64
     python bench/profile_decode.py   # tiny model on the CPU (plumbing check; CPU "kernels" are ops)
@@ -43,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Kernel name → category, first match wins (names of cuBLAS/CUTLASS, Triton and ATen kernels).
 CATEGORIES = [
+    ("collective", r"nccl|allreduce|all_reduce|allgather|all_gather|broadcast"),  # tensor parallelism
     ("gemm", r"gemm|cutlass|nvjet|sm90_xmma|ampere_|cublas|splitk|matmul|^aten::(add)?mm$|bmm"),
     ("attention", r"attention|attn|paged|flash"),
     ("norm", r"norm"),
@@ -77,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--enforce_eager", action="store_true")
+    p.add_argument(
+        "--tp_size", type=int, default=1, help="tensor-parallel engine over this many GPUs (rank 0's kernels)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top", type=int, default=15, help="kernels listed on stderr")
     p.add_argument(
@@ -208,6 +214,7 @@ def build_engine(args, tmp: str):
         device=args.device,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        tp_size=args.tp_size,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
     )
     return LLMEngine(path, config, model=hf), hf.config.vocab_size
@@ -327,6 +334,7 @@ def measure(args, fused: bool) -> dict:
         "prompt_len": args.prompt_len,
         "temperature": args.temperature,
         "enforce_eager": args.enforce_eager,
+        "tp_size": args.tp_size,
         "final_only": args.final_only,
         "fused_kernels": fused,
         "async_scheduling": engine_async,
