@@ -388,25 +388,42 @@ def gather_rows(local: Tensor, counts: Sequence[int], ring: RingGroup) -> Tensor
     return _GatherRows.apply(local, tuple(int(n) for n in counts), ring)
 
 
-def turns(items: Sequence[Any], ring: RingGroup | None) -> Iterator[tuple[bool, Any]]:
-    """``(mine, item)`` for every item of every rank of the ring group, in the same order on all of them.
+class Turns:
+    """``(mine, item)`` for every item of every rank of the ring group, in the same order on all of them,
+    and ``total``: how many turns, the same on every rank of the group.
 
     Each rank keeps its own data; for ring attention the group takes turns, all of its ranks running
     the forward (and backward) of one rank's micro-batch together. Items are all-gathered as Python
     objects (move tensors to the CPU first); a rank holding fewer items than another sits out the
-    turns it has no item for (every rank still runs the others' turns)."""
-    if ring is None:
-        for item in items:
-            yield True, item
-        return
-    counts: list = [None] * ring.size
-    dist.all_gather_object(counts, len(items), group=ring.group)
-    for i in range(max(counts)):
-        gathered: list = [None] * ring.size
-        dist.all_gather_object(gathered, items[i] if i < len(items) else None, group=ring.group)
-        for owner, theirs in enumerate(gathered):
-            if i < counts[owner]:
-                yield owner == ring.rank, theirs
+    turns it has no item for (every rank still runs the others' turns). So the turns are the sum of
+    the ranks' counts, not this rank's count times the ring size: a caller acting on the final turn
+    (the gradient sync of an accumulation) compares its turn index with ``total - 1``. The counts are
+    gathered when the ``Turns`` is made, so ``total`` is known before the first turn."""
+
+    def __init__(self, items: Sequence[Any], ring: RingGroup | None):
+        self.items, self.ring = items, ring
+        counts: list = [len(items)] if ring is None else [None] * ring.size
+        if ring is not None:
+            dist.all_gather_object(counts, len(items), group=ring.group)
+        self.counts = tuple(counts)
+        self.total = sum(self.counts)
+
+    def __iter__(self) -> Iterator[tuple[bool, Any]]:
+        items, ring = self.items, self.ring
+        if ring is None:
+            yield from ((True, item) for item in items)
+            return
+        for i in range(max(self.counts)):
+            gathered: list = [None] * ring.size
+            dist.all_gather_object(gathered, items[i] if i < len(items) else None, group=ring.group)
+            for owner, theirs in enumerate(gathered):
+                if i < self.counts[owner]:
+                    yield owner == ring.rank, theirs
+
+
+def turns(items: Sequence[Any], ring: RingGroup | None) -> Turns:
+    """The ring group's ``Turns`` over ``items`` (this rank's); without a ring, each item in order."""
+    return Turns(items, ring)
 
 
 # ---- the Hugging Face plug-in ----------------------------------------------------------------------

@@ -80,6 +80,14 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
+def note_keys(sums: dict[str, float], metrics: dict) -> None:
+    """Give ``sums`` the keys of a micro-batch's ``metrics`` that another rank counts (a ring peer's):
+    ``reduce_metrics`` needs the same keys on every rank, and under ring attention a rank may own
+    none of the step's micro-batches."""
+    for k in metrics:
+        sums.setdefault(k, 0.0)
+
+
 def reduce_metrics(sums: dict[str, float], world: World) -> dict[str, float]:
     """Sum metric contributions over devices and divide by the device count (one collective)."""
     if not world.distributed:
@@ -169,15 +177,16 @@ class SupervisedTrainer:
         normaliser = self._normaliser(samples)
         ring = active_ring()
         micro = [self.objective.collate(mb) for mb in self._micro_batches(samples)]
-        last = len(micro) * (ring.size if ring else 1) - 1
+        schedule = turns(micro, ring)  # under a ring the ranks' counts may differ: sync on the ring's last
         sums: dict[str, float] = {STEP_LOSS: 0.0}
         tokens = 0
-        for i, (mine, collated) in enumerate(turns(micro, ring)):
+        for i, (mine, collated) in enumerate(schedule):
             batch = to_device(collated, self.world.device)
-            set_gradient_sync(model, i == last)
+            set_gradient_sync(model, i == schedule.total - 1)
             loss, metrics = self.objective.loss(model, batch, normaliser, precision)
             backward(loss, precision)
             if not mine:  # another rank's micro-batch: it counts the loss and metrics
+                note_keys(sums, metrics)
                 continue
             tokens += int(batch.get("num_tokens", batch["input_ids"].numel()))
             sums[STEP_LOSS] += float(loss.detach())
@@ -205,6 +214,7 @@ class SupervisedTrainer:
             batch = to_device(collated, self.world.device)
             _, metrics = self.objective.loss(model, batch, normaliser, self.opt.precision)
             if not mine:
+                note_keys(sums, metrics)
                 continue
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
