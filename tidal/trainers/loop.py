@@ -22,7 +22,9 @@ ring group take turns (``tidal.models.ring_attention.turns``): for every micro-b
 the group, all N ranks run its forward and backward together, each over its chunk of the sequence.
 Every rank of the group computes the same loss for that micro-batch and keeps the gradient of its
 chunk, so the ring's gradients sum to the micro-batch's, and only the owner counts the loss and
-metrics: normalisers, metrics and the update are those of plain data parallelism.
+metrics: normalisers, metrics and the update are those of plain data parallelism. The ranks may hold
+different numbers of micro-batches (even none): the gradients are synchronised on the ring's final
+turn (``Turns.total``, the sum of the ranks' counts), and every rank reduces the same metric keys.
 """
 
 from __future__ import annotations
