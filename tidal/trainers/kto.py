@@ -129,26 +129,41 @@ class KTOTrainer(SupervisedTrainer):
         return super().train_step(samples)
 
     def evaluate(self, samples: Sequence[UnpairedSample]) -> dict[str, float]:
-        self.prepare_step(samples[self.world.dp_rank :: self.world.dp_size])
+        # The eval set's pairs are those of one process over the whole set (an eval set of one sample
+        # pairs it with itself, as OpenRLHF's shift does in a batch of one); each device scores its
+        # share of them, so any eval set size on any number of devices gives one process's metrics.
+        self.estimate(self.eval_share(samples), self.eval_share(mismatched(samples)), samples[0])
         return super().evaluate(samples)
 
     def prepare_step(self, samples: Sequence[UnpairedSample]) -> None:
+        # Every device's share of a step has the same size (the batch splits evenly), so every rank
+        # decides this alike.
         if len(samples) < 2:
             raise ConfigError(
                 "KTO estimates its KL term from mismatched pairs within a batch: each device needs at "
                 f"least 2 samples per step (--train_batch_size / devices), got {len(samples)}"
             )
+        self.estimate(samples, mismatched(samples), samples[0])
+
+    def estimate(
+        self, samples: Sequence[UnpairedSample], pairs: Sequence[UnpairedSample], filler: UnpairedSample
+    ) -> None:
+        """Set the objective's KL reference point from this device's mismatched ``pairs`` and its class
+        counts from its ``samples``, both summed over devices (``filler`` pads the forwards: see
+        ``SupervisedTrainer.even_micro_batches``)."""
         obj = self.objective
-        sums = {"logratio": 0.0, "n": float(len(samples))}
-        micro = [obj.collate(mb) for mb in self._micro_batches(mismatched(samples))]
+        sums = {"logratio": 0.0, "n": float(len(pairs))}
         with torch.no_grad(), eval_mode(self.opt.model):
-            for mine, collated in turns(micro, active_ring()):  # a ring group runs each rank's pairs together
+            micro = self.even_micro_batches(pairs, filler)
+            for mine, (counted, collated) in turns(
+                micro, active_ring()
+            ):  # a ring group runs each rank's pairs
                 batch = to_device(collated, self.world.device)
                 logps, ref_logps, _ = obj.logratios(self.opt.model, batch, self.opt.precision)
-                if mine:
+                if mine and counted:
                     sums["logratio"] += float((logps - ref_logps).sum())
         sums["desirable"] = float(sum(s.desirable for s in samples))
-        sums["undesirable"] = sums["n"] - sums["desirable"]
+        sums["undesirable"] = len(samples) - sums["desirable"]
         total = reduce_metrics(sums, self.world)  # sums over devices / device count
         # kto_kl_estimate's mean, clamped at 0, taken over every device's mismatched pairs.
         obj.kl = max(total["logratio"] / total["n"], 0.0)

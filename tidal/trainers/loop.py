@@ -25,6 +25,13 @@ chunk, so the ring's gradients sum to the micro-batch's, and only the owner coun
 metrics: normalisers, metrics and the update are those of plain data parallelism. The ranks may hold
 different numbers of micro-batches (even none): the gradients are synchronised on the ring's final
 turn (``Turns.total``, the sum of the ranks' counts), and every rank reduces the same metric keys.
+
+Evaluation covers every eval sample exactly once on any number of devices, whatever the eval set's
+size (>= 1): device ``r`` takes samples ``r, r + D, ...``, so shares differ by one sample and a rank
+may hold none. Every rank still runs as many forwards as the rank with the most micro-batches
+(``even_micro_batches``: the shortfall is filled with uncounted forwards of the eval set's first
+sample), because each forward of an FSDP2 model all-gathers its parameters with every rank, and the
+metric keys are unioned over ranks before the reduction; the metrics are those of one process.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -42,6 +49,7 @@ from torch import nn
 from tidal.checkpoint import Checkpointer, LoopState, StopSignals, flat_settings
 from tidal.config import CheckpointConfig, TrainConfig
 from tidal.data import step_batches
+from tidal.distributed.collectives import all_gather_objects, max_over_world
 from tidal.distributed.fsdp import set_gradient_sync
 from tidal.distributed.tensor_parallel import clip_grad_norm
 from tidal.distributed.world import World
@@ -51,6 +59,8 @@ from tidal.models.ring_attention import active_ring, turns
 from tidal.trainers.optim import NonFiniteGuard
 
 log = get_logger(__name__)
+
+T = TypeVar("T")
 
 
 class Objective(Protocol):
@@ -98,6 +108,20 @@ def reduce_metrics(sums: dict[str, float], world: World) -> dict[str, float]:
     t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=world.device)
     dist.all_reduce(t)
     return {k: v / world.world_size for k, v in zip(keys, t.tolist(), strict=True)}
+
+
+def with_every_key(sums: dict[str, float], world: World) -> dict[str, float]:
+    """``sums`` with a 0 for each key another rank has and this one lacks (one gather of the key
+    names), so ``reduce_metrics`` lines up the same keys on every rank whatever each one saw."""
+    if not world.distributed:
+        return dict(sums)
+    keys = set().union(*all_gather_objects(sorted(sums), world))
+    return {k: sums.get(k, 0.0) for k in sorted(keys)}
+
+
+def pad_turns(items: Sequence[Any], count: int, filler: Any) -> list[tuple[bool, Any]]:
+    """``(counted, item)`` for each of ``items``, then ``(False, filler)`` up to ``count`` entries."""
+    return [(True, item) for item in items] + [(False, filler)] * (count - len(items))
 
 
 def optimizer_step(opt: Optimization) -> float:
@@ -203,24 +227,37 @@ class SupervisedTrainer:
         self.opt.scheduler.step()
         return stats
 
+    def eval_share(self, samples: Sequence[T]) -> Sequence[T]:
+        """This device's share of an eval set: every ``dp_size``-th sample from its ``dp_rank``."""
+        return samples[self.world.dp_rank :: self.world.dp_size]
+
+    def even_micro_batches(self, share: Sequence[Any], filler: Any) -> list[tuple[bool, dict]]:
+        """``(counted, collated)`` micro-batches of ``share``, padded with uncounted micro-batches of
+        ``filler`` (one sample) to the most any rank has: an FSDP2 forward all-gathers parameters with
+        every rank, so all ranks must run the same number of forwards."""
+        micro = self._micro_batches(share)
+        most = max_over_world(len(micro), self.world)
+        dummy = self.objective.collate([filler]) if len(micro) < most else None
+        return pad_turns([self.objective.collate(mb) for mb in micro], most, dummy)
+
     @torch.no_grad()
     def evaluate(self, samples: Sequence[Any]) -> dict[str, float]:
-        """Metrics over all of ``samples`` (this device's share), normalised like training."""
+        """Metrics over all of ``samples`` (this device's share), normalised like training; the same
+        as one process's for any eval set size (see the module docstring)."""
         model = self.opt.model
         model.eval()
-        share = samples[self.world.dp_rank :: self.world.dp_size]
+        share = self.eval_share(samples)
         normaliser = self._normaliser(share)
         sums: dict[str, float] = {}
-        micro = [self.objective.collate(mb) for mb in self._micro_batches(share)]
-        for mine, collated in turns(micro, active_ring()):
+        for mine, (counted, collated) in turns(self.even_micro_batches(share, samples[0]), active_ring()):
             batch = to_device(collated, self.world.device)
             _, metrics = self.objective.loss(model, batch, normaliser, self.opt.precision)
-            if not mine:
+            if not (mine and counted):  # a ring peer's micro-batch or padding: keys only
                 note_keys(sums, metrics)
                 continue
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
-        return reduce_metrics(sums, self.world)
+        return reduce_metrics(with_every_key(sums, self.world), self.world)
 
     # ---- the loop ----------------------------------------------------------------------------
     def fit(self, train: Sequence[Any], eval_samples: Sequence[Any] | None = None) -> list[dict]:

@@ -109,13 +109,12 @@ class RewardModelTrainer(SupervisedTrainer):
         was_training = model.training
         model.eval()
         sums = {"n": 0.0, "s": 0.0, "ss": 0.0}
-        micro = [
-            self.objective.collate(mb) for mb in self._micro_batches(samples[world.dp_rank :: world.dp_size])
-        ]
-        for mine, collated in turns(micro, active_ring()):  # a ring group scores each rank's pairs together
+        # Every rank runs as many forwards as the one with the most micro-batches (FSDP2 all-gathers).
+        micro = self.even_micro_batches(self.eval_share(samples), samples[0])
+        for mine, (counted, collated) in turns(micro, active_ring()):  # a ring group scores each rank's pairs
             with self.opt.precision.autocast():
                 r = model.scores(to_device(collated, world.device)).double()
-            if not mine:
+            if not (mine and counted):
                 continue
             sums["n"] += r.numel()
             sums["s"] += r.sum().item()

@@ -1,0 +1,71 @@
+"""Evaluation on 2 processes of eval sets with fewer samples than ranks, or shares of uneven micro-batch
+counts, gives one process's metrics instead of hanging (FSDP2 forwards and metric reductions must line
+up across ranks); KTO's KL reference point over a 1-sample eval set works on every rank. The checks run
+in ``eval_share_worker.py`` under torchrun; the pure helpers are checked here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from tidal.distributed import World
+from tidal.testing import AdditionTask
+from tidal.trainers.kto import mismatched
+from tidal.trainers.loop import pad_turns, with_every_key
+
+WORKER = Path(__file__).with_name("eval_share_worker.py")
+
+
+def test_pad_turns_fills_uncounted_up_to_the_count():
+    assert pad_turns(["a", "b"], 2, "x") == [(True, "a"), (True, "b")]
+    assert pad_turns(["a"], 3, "x") == [(True, "a"), (False, "x"), (False, "x")]
+    assert pad_turns([], 1, "x") == [(False, "x")]
+
+
+def test_with_every_key_is_the_identity_on_one_process():
+    assert with_every_key({"b": 1.0, "a": 2.0}, World()) == {"b": 1.0, "a": 2.0}
+
+
+def test_a_one_sample_set_pairs_with_itself():
+    class Sample:
+        def __init__(self, name):
+            self.name = name
+
+        def with_response(self, other):
+            return (self.name, other.name)
+
+    assert mismatched([Sample("a")]) == [("a", "a")]
+    assert mismatched([Sample(c) for c in "abc"]) == [("a", "b"), ("b", "a"), ("c", "b")]
+
+
+def write_data(folder: Path) -> None:
+    AdditionTask(digits=2, seed=4).write_jsonl(folder / "sft.jsonl", 6)
+    with (folder / "pairs.jsonl").open("w") as p, (folder / "unpaired.jsonl").open("w") as u:
+        for i, s in enumerate(AdditionTask(digits=2, seed=3).samples(6)):
+            wrong = str(int(s["answer"]) + 1 + i)
+            p.write(json.dumps({"prompt": s["prompt"], "chosen": s["answer"], "rejected": wrong}) + "\n")
+            good = i % 2 == 0
+            row = {"input": s["prompt"], "output": s["answer"] if good else wrong, "label": good}
+            u.write(json.dumps(row) + "\n")
+
+
+def test_small_and_uneven_eval_sets_on_two_processes_match_one(tiny_llama, tmp_path):
+    reference = tmp_path / "ref"
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(reference)
+    write_data(tmp_path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(WORKER), str(tiny_llama), str(reference), str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
