@@ -63,11 +63,28 @@ def test_tp2_matches_one_process(tiny_model, tp_engine, family, overrides):
     assert_same_outputs(single.generate(PROMPTS[:2], SAMPLED), tp.generate(PROMPTS[:2], SAMPLED))
 
 
-def test_tp2_update_weights_and_sleep(tiny_model, tp_engine):
-    """New weights reach both ranks (each keeps its shard): TP=2 then equals TP=1 built from them; a
-    level-2 sleep and wake-up keeps them."""
+def test_bucket_packing_round_trips_mixed_dtypes():
+    """Weights travel packed in buckets of bytes: every tensor comes back equal, whatever dtypes and odd
+    sizes precede it (each starts at an aligned offset its dtype can view)."""
+    tensors = [torch.arange(3, dtype=torch.bfloat16), torch.randn(2, 3), torch.tensor(7, dtype=torch.int64),
+               torch.ones(5, dtype=torch.float16), torch.randn(4, 1, dtype=torch.float64)]  # fmt: skip
+    meta = [(f"t{i}", tuple(t.shape), t.dtype) for i, t in enumerate(tensors)]
+    unpacked = list(tp_worker.unpack(tp_worker.pack(tensors, meta).clone(), meta))
+    assert [name for name, _ in unpacked] == [name for name, _, _ in meta]
+    for (_, got), want in zip(unpacked, tensors, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    chunks = list(
+        tp_worker.buckets([(m[0], t) for m, t in zip(meta, tensors, strict=True)], torch.device("cpu"), 30)
+    )
+    assert [len(b) for b in chunks] == [2, 3]  # 6 + 24 bytes reach 30; then 8 + 10 + 32
+
+
+def test_tp2_update_weights_and_sleep(tiny_model, tp_engine, monkeypatch):
+    """New weights reach both ranks (each keeps its shard), in several buckets of several tensors: TP=2
+    then equals TP=1 built from them; a level-2 sleep and wake-up keeps them."""
     old, new = tiny_model("llama", vocab_size=501), tiny_model("llama", seed=1, vocab_size=501)
     tp = tp_engine(old)
+    monkeypatch.setattr(tp_worker, "BUCKET_BYTES", 64 * 1024)  # rank 0 decides the buckets
     assert tp.update_weights(iter_checkpoint(new)) > 0
     reference = LLMEngine(new, config(1)).generate(PROMPTS, GREEDY)
     assert_same_outputs(reference, tp.generate(PROMPTS, GREEDY))

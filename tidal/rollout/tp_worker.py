@@ -9,8 +9,9 @@ their ``WorkerSpec`` through the rendezvous store, and drives them with ``TPPeer
 - two process groups of their own, built on a TCP store (so the engine needs no default process group
   and never touches a trainer's): the tensor group (NCCL on CUDA, gloo on CPU) for the model's
   collectives and weight broadcasts, and a gloo control group that carries rank 0's commands (pickled);
-- weights (at start-up and on ``update_weights``): rank 0 broadcasts each full tensor and every rank
-  keeps its shard (``CausalLM.load_weights`` slices it);
+- weights (at start-up and on ``update_weights``): rank 0 broadcasts the full tensors, packed in
+  buckets of ~256 MB (one command and one broadcast each), and every rank keeps its shard
+  (``CausalLM.load_weights`` slices it);
 - each step: rank 0's ``ModelRunner`` sends the step's host inputs (``PrefillStep`` / ``DecodeStep``,
   with the KV block copies), every rank runs the forward on its shard, the LM head gathers the logits
   and rank 0 samples from them (same code and seeds as one process). With async scheduling rank 0 sends
@@ -28,6 +29,7 @@ rank a whole engine front over its shard; the ranks take turns driving generatio
 from __future__ import annotations
 
 import contextlib
+import math
 import pickle
 import subprocess
 import sys
@@ -118,6 +120,65 @@ class Stopped(Exception):
     """Rank 0 closed the engine (also while a worker was still receiving weights)."""
 
 
+# Weights travel in buckets of about this many bytes: one command and one broadcast per bucket, not per
+# tensor (a 14B checkpoint has ~580 tensors; each command is a pickled message and a gloo round trip).
+BUCKET_BYTES = 256 * 2**20
+ALIGN = 16  # each tensor's offset in a bucket's bytes, so that any dtype can view its slice
+
+TensorMeta = tuple[str, tuple[int, ...], torch.dtype]
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def bucket_offsets(meta: list[TensorMeta]) -> tuple[list[int], int]:
+    """Each tensor's byte offset in its bucket (aligned), and the bucket's size."""
+    offsets, end = [], 0
+    for _, shape, dtype in meta:
+        start = -(-end // ALIGN) * ALIGN
+        offsets.append(start)
+        end = start + _nbytes(shape, dtype)
+    return offsets, end
+
+
+def pack(tensors: list[torch.Tensor], meta: list[TensorMeta]) -> torch.Tensor:
+    """The bucket's bytes (a uint8 view of the tensor itself when the bucket holds one)."""
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1).view(torch.uint8)
+    offsets, size = bucket_offsets(meta)
+    flat = torch.empty(size, dtype=torch.uint8, device=tensors[0].device)
+    for tensor, start in zip(tensors, offsets, strict=True):
+        raw = tensor.reshape(-1).view(torch.uint8)
+        flat[start : start + raw.numel()].copy_(raw)
+    return flat
+
+
+def unpack(flat: torch.Tensor, meta: list[TensorMeta]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``pack``'s inverse: (name, tensor) views of the bucket's bytes."""
+    offsets, _ = bucket_offsets(meta)
+    for (name, shape, dtype), start in zip(meta, offsets, strict=True):
+        yield name, flat[start : start + _nbytes(shape, dtype)].view(dtype).view(shape)
+
+
+def buckets(
+    named: Iterable[tuple[str, torch.Tensor]], device: torch.device, limit: int | None = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``named`` on ``device`` (contiguous) in consecutive groups of about ``limit`` bytes (default
+    ``BUCKET_BYTES``)."""
+    limit = BUCKET_BYTES if limit is None else limit
+    bucket, size = [], 0
+    for name, tensor in named:
+        full = tensor.to(device).contiguous()
+        bucket.append((name, full))
+        size += full.numel() * full.element_size()
+        if size >= limit:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
 def receive_tensors(
     channel: Channel, tp: TPGroup, device: torch.device
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -128,8 +189,9 @@ def receive_tensors(
             return
         if message[0] == "stop":  # rank 0 failed to build its shard and is closing the engine
             raise Stopped
-        _, name, shape, dtype = message
-        yield name, tp.broadcast(torch.empty(shape, dtype=dtype, device=device))
+        meta = message[1]
+        flat = torch.empty(bucket_offsets(meta)[1], dtype=torch.uint8, device=device)
+        yield from unpack(tp.broadcast(flat), meta)
 
 
 class TPPeers:
@@ -169,11 +231,12 @@ class TPPeers:
                 time.sleep(0.01)
 
     def broadcasting(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """``named`` as rank 0 loads it, each tensor broadcast to the other ranks on the way."""
-        for name, tensor in named:
-            full = tensor.to(self.device).contiguous()
-            self.channel.send(("tensor", name, tuple(full.shape), full.dtype))
-            yield name, self.tp.broadcast(full)
+        """``named`` as rank 0 loads it, broadcast to the other ranks on the way, a bucket at a time."""
+        for bucket in buckets(named, self.device):
+            meta = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
+            self.channel.send(("tensors", meta))
+            self.tp.broadcast(pack([t for _, t in bucket], meta))
+            yield from bucket
         self.channel.send(("end",))
 
     def send_step(self, step) -> None:
