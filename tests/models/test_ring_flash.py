@@ -3,7 +3,7 @@
 On the CPU: the spans of every block, rendered as masks, equal ``ring_attention.block_mask`` for random
 packings (segments inside a chunk, across one boundary, across several, the padding segment).
 
-On one GPU: N ranks emulated by threads (``ring_attention._Shift`` replaced by in-process mailboxes) run
+On one GPU: N ranks emulated by threads (``ring_core.Shift`` replaced by in-process mailboxes) run
 the real forward and backward passes on bf16 inputs of a realistic size (8k-token rows, grouped heads,
 head dim 128), against float32 plain attention of the whole row and against the one-rank flash result."""
 
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tidal.models import ring_attention as ra
+from tidal.models import ring_core
 from tidal.models import ring_flash as rf
 
 
@@ -69,7 +70,7 @@ def test_block_spans_are_the_block_masks(size, seed):
 
 
 class _Mailboxes:
-    """``ring_attention._Shift`` for ranks that are threads of one process: the i-th shift a rank makes
+    """``ring_core.Shift`` for ranks that are threads of one process: the i-th shift a rank makes
     sends to the i-th shift its next rank makes."""
 
     def __init__(self):
@@ -145,7 +146,7 @@ def test_flash_ring_matches_plain_attention(monkeypatch, size, stride):
     q, k, v, dout = (torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hk, hk, hq))
     scale = d**-0.5
     mailboxes = _Mailboxes()
-    monkeypatch.setattr(ra, "_Shift", mailboxes.shift)
+    monkeypatch.setattr(ring_core, "Shift", mailboxes.shift)
     ring = _emulated_ring(q, k, v, dout, seg, size, stride, scale)
     one = _emulated_ring(q, k, v, dout, seg, 1, stride, scale)  # the diagonal block only: plain varlen
     reference = _reference(q, k, v, dout, seg, scale)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -40,27 +39,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from tidal.models import ring_core
+from tidal.models.ring_core import (  # noqa: F401 (re-exported: the ring's names, one import for callers)
+    RingGroup,
+    RingLayout,
+    block_mask,
+    head_slices,
+    merge_blocks,
+    safe_lse,
+)
+
 RING = "tidal_ring"
 ROW_TILE = 2048  # query rows (× grouped heads) scored at a time: bounds the fp32 [rows, keys] scores
-
-
-@dataclass(frozen=True)
-class RingGroup:
-    """This rank's ring: the process group, its place in it and the global ranks in ring order."""
-
-    group: Any  # a torch.distributed ProcessGroup
-    rank: int
-    size: int
-    ranks: tuple[int, ...]
-    head_stride: int = 1
-
-    @property
-    def next_rank(self) -> int:
-        return self.ranks[(self.rank + 1) % self.size]
-
-    @property
-    def prev_rank(self) -> int:
-        return self.ranks[(self.rank - 1) % self.size]
 
 
 _ACTIVE: RingGroup | None = None
@@ -90,24 +80,6 @@ def use_ring(ring: RingGroup | None) -> Iterator[RingGroup | None]:
 
 
 # ---- the block math (pure functions) ---------------------------------------------------------------
-def block_mask(
-    q_idx: Tensor, q_seg: Tensor, k_idx: Tensor, k_seg: Tensor, window: int | None = None
-) -> Tensor:
-    """``[Lq, Lk]`` boolean: query i may attend key j (same segment, j not after i, within ``window``).
-
-    ``*_idx`` are token indices in the whole packed row, ``*_seg`` its segment ids."""
-    diff = q_idx[:, None] - k_idx[None, :]
-    allowed = (diff >= 0) & (q_seg[:, None] == k_seg[None, :])
-    if window is not None:
-        allowed &= diff < window
-    return allowed
-
-
-def _safe(lse: Tensor) -> Tensor:
-    """``lse`` with −inf (a row that sees no key) replaced by 0, so ``exp(s − lse)`` stays 0, not NaN."""
-    return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-
-
 def attend_block(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """Softmax attention of ``q`` ``[G, R, D]`` to one key block ``k``/``v`` ``[G, Lk, D]`` under
     ``allowed`` ``[Lq, Lk]`` (row r of ``q`` is query r mod Lq: grouped query heads stack their rows):
@@ -118,18 +90,10 @@ def attend_block(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float)
         s = (q[:, rows].float() @ k.float().transpose(-1, -2)) * scale
         s = s.masked_fill(~allowed[rows % allowed.shape[0]], float("-inf"))
         lse = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - _safe(lse)[..., None])
+        p = torch.exp(s - safe_lse(lse)[..., None])
         outs.append(p @ v.float())
         lses.append(lse)
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
-
-
-def merge_blocks(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
-    """Combine two normalised partial attentions over disjoint key sets (the log-sum-exp rule)."""
-    new = torch.logaddexp(lse, lse_b)
-    safe = _safe(new)
-    merged = out * torch.exp(lse - safe)[..., None] + out_b * torch.exp(lse_b - safe)[..., None]
-    return merged, new
 
 
 def block_grads(
@@ -145,7 +109,7 @@ def block_grads(
         qr = q[:, rows].float()
         s = (qr @ kf.transpose(-1, -2)) * scale
         s = s.masked_fill(~allowed[rows % allowed.shape[0]], float("-inf"))
-        p = torch.exp(s - _safe(lse[:, rows])[..., None])
+        p = torch.exp(s - safe_lse(lse[:, rows])[..., None])
         do = dout[:, rows].float()
         dv += p.transpose(-1, -2) @ do
         ds = p * (do @ vf.transpose(-1, -2) - delta[:, rows, None])
@@ -155,44 +119,6 @@ def block_grads(
 
 
 # ---- the ring --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RingLayout:
-    """Where the blocks of one packed row are: its chunk length and the whole row's segment ids."""
-
-    ring: RingGroup
-    segment_ids: Tensor  # [N·L] of the padded row (every rank has all of it)
-    chunk: int  # L: tokens per rank
-    window: int | None = None
-
-    def block(self, owner: int) -> tuple[Tensor, Tensor]:
-        """Token indices and segment ids of ``owner``'s chunk."""
-        start = owner * self.chunk
-        idx = torch.arange(start, start + self.chunk, device=self.segment_ids.device)
-        return idx, self.segment_ids[start : start + self.chunk]
-
-    def mask(self, owner: int) -> Tensor:
-        """``[L, L]``: local queries × ``owner``'s keys."""
-        q_idx, q_seg = self.block(self.ring.rank)
-        k_idx, k_seg = self.block(owner)
-        return block_mask(q_idx, q_seg, k_idx, k_seg, self.window)
-
-
-class _Shift:
-    """Send tensors to the next rank of the ring and receive the previous rank's (asynchronously)."""
-
-    def __init__(self, tensors: Sequence[Tensor], ring: RingGroup):
-        self.sent = [t.contiguous() for t in tensors]  # kept alive until the sends complete
-        self.received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t, ring.next_rank, ring.group) for t in self.sent]
-        ops += [dist.P2POp(dist.irecv, r, ring.prev_rank, ring.group) for r in self.received]
-        self.requests = dist.batch_isend_irecv(ops)
-
-    def wait(self) -> list[Tensor]:
-        for request in self.requests:
-            request.wait()
-        return self.received
-
-
 def _grouped(q: Tensor, groups: int) -> Tensor:
     """``[Hq, L, D]`` → ``[Hk, g·L, D]``: each key/value head with the rows of the query heads it serves
     (HF's ``repeat_kv`` order: query head h reads key/value head h // g)."""
@@ -208,7 +134,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, scale: fl
     block = [k, v]
     for step in range(ring.size):
         owner = (ring.rank - step) % ring.size
-        shift = _Shift(block, ring) if step < ring.size - 1 else None
+        shift = ring_core.Shift(block, ring) if step < ring.size - 1 else None
         if owner <= ring.rank:  # a later rank's keys are all in the future of every local query
             allowed = layout.mask(owner)
             o, l_ = attend_block(q, block[0], block[1], allowed, scale)
@@ -231,20 +157,16 @@ def _ring_backward(q, k, v, out, lse, dout, layout: RingLayout, scale: float):
     ]
     for step in range(ring.size):
         owner = (ring.rank - step) % ring.size
-        shift = _Shift(block, ring) if step < ring.size - 1 else None
+        shift = ring_core.Shift(block, ring) if step < ring.size - 1 else None
         if owner <= ring.rank:
             allowed = layout.mask(owner)
             dq_b, dk_b, dv_b = block_grads(q, block[0], block[1], allowed, scale, lse, dout, delta)
             dq += dq_b
             grads = [grads[0] + dk_b, grads[1] + dv_b]
-        grads = _Shift(grads, ring).wait()
+        grads = ring_core.Shift(grads, ring).wait()
         if shift is not None:
             block = shift.wait()
     return dq, grads[0], grads[1]
-
-
-def _head_slices(kv_heads: int, stride: int) -> list[slice]:
-    return [slice(h, h + stride) for h in range(0, kv_heads, stride)]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -260,7 +182,7 @@ class _RingAttention(torch.autograd.Function):
         gq = _grouped(q, groups)
         outs, lses = [], []
         with torch.autocast(q.device.type, enabled=False):
-            for heads in _head_slices(hk, layout.ring.head_stride):
+            for heads in head_slices(hk, layout.ring.head_stride):
                 o, l_ = _ring_forward(gq[heads], k[heads], v[heads], layout, scale)
                 outs.append(o)
                 lses.append(l_)
@@ -278,7 +200,7 @@ class _RingAttention(torch.autograd.Function):
         gq, gdout = _grouped(q, groups), _grouped(grad.contiguous(), groups)
         dqs, dks, dvs = [], [], []
         with torch.autocast(q.device.type, enabled=False):
-            for heads in _head_slices(hk, ctx.layout.ring.head_stride):
+            for heads in head_slices(hk, ctx.layout.ring.head_stride):
                 dq, dk, dv = _ring_backward(
                     gq[heads], k[heads], v[heads], out[heads], lse[heads], gdout[heads], ctx.layout, ctx.scale
                 )

@@ -3,7 +3,7 @@
 The plain block math of ``ring_attention`` scores each block in float32 against a ``[queries, keys]``
 mask: memory that grows with the square of the chunk, and far from the GPU's attention speed. At bf16 or
 fp16 on CUDA each block instead runs torch's flash-attention varlen kernel, which returns the block's
-log-sum-exp, so the blocks merge by the same rule (``ring_attention.merge_blocks``). A block is a set of
+log-sum-exp, so the blocks merge by the same rule (``ring_core.merge_blocks``). A block is a set of
 flash "sequences", because a packed row's segments are contiguous ranges of it (``block_spans``):
 
 - the local block (diagonal): each piece of a segment inside this rank's chunk attends itself causally;
@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tidal.models import ring_attention as ra
+from tidal.models import ring_core
+from tidal.models.ring_core import RingLayout, head_slices, merge_blocks
 
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -139,7 +140,7 @@ def flash_usable(q: Tensor, dtype: torch.dtype, window: int | None) -> bool:
     return q.is_cuda and dtype in FLASH_DTYPES and window is None and d % 8 == 0 and d <= 256
 
 
-def plan(layout: ra.RingLayout) -> dict[int, FlashBlock]:
+def plan(layout: RingLayout) -> dict[int, FlashBlock]:
     """The blocks of this rank, built once per layout (one host read of the segment boundaries)."""
     cached = getattr(layout, "_flash_plan", None)
     if cached is None:
@@ -151,7 +152,7 @@ def plan(layout: ra.RingLayout) -> dict[int, FlashBlock]:
     return cached
 
 
-def flash_ring_forward(q: Tensor, k: Tensor, v: Tensor, layout: ra.RingLayout, scale: float):
+def flash_ring_forward(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, scale: float):
     """``(out [L, Hq, D] float32, lse [L, Hq] float32, rng)`` for local ``q`` ``[L, Hq, D]`` and
     ``k``/``v`` ``[L, Hk, D]``: the ring pass of ``ring_attention._ring_forward`` with flash blocks."""
     ring, blocks = layout.ring, plan(layout)
@@ -160,17 +161,17 @@ def flash_ring_forward(q: Tensor, k: Tensor, v: Tensor, layout: ra.RingLayout, s
     block, rng = [k, v], None
     for step in range(ring.size):
         owner = (ring.rank - step) % ring.size
-        shift = ra._Shift(block, ring) if step < ring.size - 1 else None
+        shift = ring_core.Shift(block, ring) if step < ring.size - 1 else None
         if owner in blocks:  # a later rank's keys are all in the future of every local query
             o, l_, rng = blocks[owner].forward(q, block[0], block[1], scale)
             e = blocks[owner].span.q_end
-            out[:e], lse[:e] = ra.merge_blocks(out[:e], lse[:e], o.float(), l_)
+            out[:e], lse[:e] = merge_blocks(out[:e], lse[:e], o.float(), l_)
         if shift is not None:
             block = shift.wait()
     return out, lse, rng
 
 
-def flash_ring_backward(q, k, v, out, lse, dout, layout: ra.RingLayout, rng: tuple, scale: float):
+def flash_ring_backward(q, k, v, out, lse, dout, layout: RingLayout, rng: tuple, scale: float):
     """``(dq, dk, dv)`` float32 for ``flash_ring_forward``'s inputs, ``out`` in the inputs' dtype."""
     ring, blocks = layout.ring, plan(layout)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -178,14 +179,14 @@ def flash_ring_backward(q, k, v, out, lse, dout, layout: ra.RingLayout, rng: tup
     grads = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
     for step in range(ring.size):
         owner = (ring.rank - step) % ring.size
-        shift = ra._Shift(block, ring) if step < ring.size - 1 else None
+        shift = ring_core.Shift(block, ring) if step < ring.size - 1 else None
         if owner in blocks:
             b = blocks[owner]
             dq_b, dk_b, dv_b = b.backward(dout, q, block[0], block[1], out, lse, rng, scale)
             dq[: b.span.q_end] += dq_b.float()
             grads[0][b.span.k_start :] += dk_b.float()
             grads[1][b.span.k_start :] += dv_b.float()
-        grads = ra._Shift(grads, ring).wait()
+        grads = ring_core.Shift(grads, ring).wait()
         if shift is not None:
             block = shift.wait()
     return dq, grads[0], grads[1]
@@ -196,11 +197,11 @@ class FlashRingAttention(torch.autograd.Function):
     → ``[L, Hq, D]``, ``--ring_head_stride`` key/value heads (with their query heads) per ring pass."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout: ra.RingLayout, scale: float):
+    def forward(ctx, q, k, v, layout: RingLayout, scale: float):
         _note_layout(q, k, v)
         groups = q.shape[1] // k.shape[1]
         outs, lses, rng = [], [], None
-        for heads in ra._head_slices(k.shape[1], layout.ring.head_stride):
+        for heads in head_slices(k.shape[1], layout.ring.head_stride):
             q_heads = slice(heads.start * groups, heads.stop * groups)
             o, l_, rng = flash_ring_forward(
                 q[:, q_heads].contiguous(), k[:, heads].contiguous(), v[:, heads].contiguous(), layout, scale
@@ -218,7 +219,7 @@ class FlashRingAttention(torch.autograd.Function):
         groups = q.shape[1] // k.shape[1]
         grad = grad.contiguous()
         dqs, dks, dvs = [], [], []
-        for heads in ra._head_slices(k.shape[1], ctx.layout.ring.head_stride):
+        for heads in head_slices(k.shape[1], ctx.layout.ring.head_stride):
             q_heads = slice(heads.start * groups, heads.stop * groups)
             dq, dk, dv = flash_ring_backward(
                 q[:, q_heads].contiguous(), k[:, heads].contiguous(), v[:, heads].contiguous(),
