@@ -137,7 +137,9 @@ def flash_usable(q: Tensor, dtype: torch.dtype, window: int | None) -> bool:
     """Whether ring attention of ``q`` computed in ``dtype`` runs on the flash kernels (CUDA, 16-bit, no
     sliding window, a head size flash takes)."""
     d = q.shape[-1]
-    return q.is_cuda and dtype in FLASH_DTYPES and window is None and d % 8 == 0 and d <= 256
+    if not (q.is_cuda and dtype in FLASH_DTYPES and window is None and d % 8 == 0 and d <= 256):
+        return False
+    return torch.cuda.get_device_capability(q.device) >= (8, 0)  # flash attention 2 needs Ampere or later
 
 
 def plan(layout: RingLayout) -> dict[int, FlashBlock]:
