@@ -1,7 +1,9 @@
 """Ring attention on flash blocks (``tidal.models.ring_flash``).
 
 On the CPU: the spans of every block, rendered as masks, equal ``ring_attention.block_mask`` for random
-packings (segments inside a chunk, across one boundary, across several, the padding segment).
+packings (segments inside a chunk, across one boundary, across several, the padding segment); a block
+hands its backward kernel the log-sum-exp in the layout its forward kernel returned (both layouts torch's
+flash kernels have had, from stand-in kernels).
 
 On one GPU: N ranks emulated by threads (``ring_core.Shift`` replaced by in-process mailboxes) run
 the real forward and backward passes on bf16 inputs of a realistic size (8k-token rows, grouped heads,
@@ -155,3 +157,57 @@ def test_flash_ring_matches_plain_attention(monkeypatch, size, stride):
         # bf16 inputs and outputs: ~0.4% relative rounding; a wrong block or mask is O(1)
         assert _rel(got, want) < 1e-2, (name, _rel(got, want))
         assert _rel(got, single) < 1e-2, (name, _rel(got, single))
+
+
+class _FakeFlash:
+    """Stand-ins for torch's flash varlen kernels on the CPU: the forward returns a log-sum-exp (each query
+    row's sum, per head) in the layout asked for, with a sentinel in the padding; the backward records the
+    log-sum-exp it is given."""
+
+    def __init__(self, padded: bool):
+        self.padded, self.forward_lse, self.backward_lse = padded, None, None
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, scale=None):
+        rows = q.sum(-1)  # [total_q, H]
+        if not self.padded:
+            lse = rows.t().contiguous()
+        else:
+            cuts = cu_q.tolist()
+            lse = torch.full((len(cuts) - 1, q.shape[1], max_q), 1e9)
+            for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
+                lse[i, :, : b - a] = rows[a:b].t()
+        self.forward_lse = lse
+        return q.clone(), lse, torch.tensor(0), torch.tensor(0), torch.empty(0)
+
+    def backward(
+        self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout, causal, seed, offset, scale=None
+    ):
+        self.backward_lse = lse
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_flash_block_gives_backward_the_lse_layout_its_forward_returned(monkeypatch, padded):
+    """Both log-sum-exp layouts torch's flash varlen forward has had (``[H, total_q]``; older builds
+    ``[sequences, H, max_q]``): the block reads it as ``[q_end, H]`` rows and hands the backward kernel the
+    merged rows back in the layout its own forward returned."""
+    fake = _FakeFlash(padded)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", fake.forward)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", fake.backward)
+    span = rf.Span(q_end=5, k_start=0, q_lens=(2, 3), k_lens=(2, 3), causal=True)
+    block = rf.FlashBlock.build(span, torch.device("cpu"))
+    assert block.cu_q.dtype == torch.int32 and block.cu_q.tolist() == block.cu_k.tolist() == [0, 2, 5]
+    q, k, v = (torch.randn(6, 2, 4) for _ in range(3))  # a chunk of 6 tokens, 2 heads
+    with pytest.raises(RuntimeError, match="before its forward"):
+        block.backward(q, q, k, v, q, q[:, :, 0], (None, None), 1.0)
+    out, rows, rng = block.forward(q, k, v, 1.0)
+    assert torch.equal(rows, q[:5].sum(-1))
+    merged = torch.cat([rows, torch.zeros(1, 2)])  # the merged log-sum-exp of the whole chunk
+    block.backward(q, q, k, v, q, merged, rng, 1.0)
+    got, sent = fake.backward_lse, fake.forward_lse
+    assert got.shape == sent.shape
+    if padded:
+        for i, n in enumerate(span.q_lens):
+            assert torch.equal(got[i, :, :n], sent[i, :, :n])
+    else:
+        assert torch.equal(got, sent)

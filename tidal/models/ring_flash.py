@@ -20,7 +20,8 @@ float32 and the CPU take the plain path.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -61,18 +62,45 @@ def block_spans(starts: Sequence[int], chunk: int, rank: int) -> dict[int, Span]
     return spans
 
 
-@dataclass(frozen=True)
+def lse_padded(lse: Tensor) -> bool:
+    """Whether a flash varlen kernel's log-sum-exp is in the older, per-sequence padded layout."""
+    return lse.dim() == 3
+
+
+def rows_of_lse(lse: Tensor, q_lens: Sequence[int]) -> Tensor:
+    """A flash varlen kernel's log-sum-exp as ``[total_q, H]``: the kernel returns ``[H, total_q]``
+    (unpadded) or, in older torch builds, ``[sequences, H, max_q]`` (padded per sequence)."""
+    if not lse_padded(lse):
+        return lse.t()
+    return torch.cat([lse[i, :, :n].t() for i, n in enumerate(q_lens)])
+
+
+def lse_of_rows(rows: Tensor, q_lens: Sequence[int], padded: bool) -> Tensor:
+    """``[total_q, H]`` back in the kernel's layout (``rows_of_lse``' inverse)."""
+    if not padded:
+        return rows.t().contiguous()
+    out = rows.new_zeros(len(q_lens), rows.shape[1], max(q_lens))
+    start = 0
+    for i, n in enumerate(q_lens):
+        out[i, :, :n] = rows[start : start + n].t()
+        start += n
+    return out
+
+
+@dataclass
 class FlashBlock:
-    """A ``Span`` with its cumulative lengths on the device, as the kernels take them."""
+    """A ``Span`` with its cumulative lengths on the device, as the kernels take them, and the layout of
+    the log-sum-exp its forward returned (the layout the backward kernel takes back)."""
 
     span: Span
     cu_q: Tensor
     cu_k: Tensor
+    lse_padded: bool | None = field(default=None, init=False)  # set by ``forward``
 
     @classmethod
     def build(cls, span: Span, device: torch.device) -> FlashBlock:
         def cu(lens):
-            return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+            return torch.tensor(list(accumulate(lens, initial=0)), dtype=torch.int32, device=device)
 
         return cls(span, cu(span.q_lens), cu(span.k_lens))
 
@@ -83,7 +111,8 @@ class FlashBlock:
             q[: s.q_end], k[s.k_start :], v[s.k_start :], self.cu_q, self.cu_k,
             max(s.q_lens), max(s.k_lens), 0.0, s.causal, False, scale=scale,
         )  # fmt: skip
-        return out, self._rows(lse, q.shape[1]), (seed, offset)
+        self.lse_padded = lse_padded(lse)
+        return out, rows_of_lse(lse, s.q_lens), (seed, offset)
 
     def backward(
         self, dout, q, k, v, out, lse_rows, rng: tuple, scale: float
@@ -91,46 +120,13 @@ class FlashBlock:
         """This block's ``(dq [q_end], dk, dv [chunk - k_start])`` given the merged ``out``/``lse_rows``."""
         s = self.span
         e = s.q_end
-        lse = self._kernel_lse(lse_rows[:e], q.shape[1])
+        if self.lse_padded is None:
+            raise RuntimeError("ring_flash: a flash block's backward ran before its forward")
+        lse = lse_of_rows(lse_rows[:e], s.q_lens, self.lse_padded)
         return torch.ops.aten._flash_attention_backward(
             dout[:e], q[:e], k[s.k_start :], v[s.k_start :], out[:e], lse, self.cu_q, self.cu_k,
             max(s.q_lens), max(s.k_lens), 0.0, s.causal, rng[0], rng[1], scale=scale,
         )  # fmt: skip
-
-    def _rows(self, lse: Tensor, heads: int) -> Tensor:
-        """The kernel's log-sum-exp as ``[q_end, H]``: flash returns ``[H, total_q]`` (unpadded) or, in
-        older builds, ``[sequences, H, max_q]`` (padded per sequence)."""
-        if lse.dim() == 2:
-            return lse.t()
-        lens = self.span.q_lens
-        return torch.cat([lse[i, :, :n].t() for i, n in enumerate(lens)])
-
-    def _kernel_lse(self, rows: Tensor, heads: int) -> Tensor:
-        """``[q_end, H]`` back in the layout the kernel returned (``_rows``' inverse)."""
-        if _LSE_PADDED is False:
-            return rows.t().contiguous()
-        lens = self.span.q_lens
-        padded = rows.new_zeros(len(lens), heads, max(lens))
-        start = 0
-        for i, n in enumerate(lens):
-            padded[i, :, :n] = rows[start : start + n].t()
-            start += n
-        return padded
-
-
-_LSE_PADDED: bool | None = None  # the installed kernel's log-sum-exp layout, read at the first forward
-
-
-def _note_layout(q: Tensor, k: Tensor, v: Tensor) -> None:
-    """Find whether this torch's flash kernel returns a padded log-sum-exp (one tiny call, once)."""
-    global _LSE_PADDED
-    if _LSE_PADDED is None:
-        cu = torch.tensor([0, 2, 3], dtype=torch.int32, device=q.device)
-        probe = q.new_zeros(3, q.shape[1], q.shape[2]), k.new_zeros(3, k.shape[1], k.shape[2])
-        lse = torch.ops.aten._flash_attention_forward(
-            probe[0], probe[1], probe[1], cu, cu, 2, 2, 0.0, True, False
-        )[1]
-        _LSE_PADDED = lse.dim() == 3
 
 
 def flash_usable(q: Tensor, dtype: torch.dtype, window: int | None) -> bool:
@@ -200,7 +196,6 @@ class FlashRingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, layout: RingLayout, scale: float):
-        _note_layout(q, k, v)
         groups = q.shape[1] // k.shape[1]
         outs, lses, rng = [], [], None
         for heads in head_slices(k.shape[1], layout.ring.head_stride):
