@@ -5,6 +5,7 @@ different steps, preemption, aborts and weight updates between steps; and the fa
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 
 import numpy as np
@@ -16,7 +17,7 @@ from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
 from tidal.rollout.block_manager import BlockManager
 from tidal.rollout.cuda_graph import ahead_input_ids
 from tidal.rollout.engine import AheadPolicy, async_fallback
-from tidal.rollout.model_runner import fill_decode_inputs
+from tidal.rollout.model_runner import DecodeStep, fill_decode_inputs
 from tidal.rollout.sequence import Sequence
 
 
@@ -251,6 +252,18 @@ def test_inputs_of_a_step_launched_ahead():
     # Rows of the previous step's ids (padding: one past its end), contexts one token longer, tables.
     assert view.tolist() == [2, 0, 3, 3, 4, 5, 0, 0, 4, 0, 5, 6, 0, 0, 0, 0]
     assert ahead_input_ids(torch.tensor([11, 12, 13]), torch.tensor(view[:4])).tolist() == [13, 11, 0, 0]
+
+
+def test_step_launched_ahead_as_sent_to_the_other_tp_ranks():
+    """The copy of a decode step the driver sends (pickled) to the other ranks: without the sampled ids,
+    which are on its device only, but with their count and the driver's rank, which broadcasts them."""
+    staged = np.zeros(8, dtype=np.int32)
+    step = DecodeStep(staged, 2, 2, 2, False, buffer=1, ahead=torch.tensor([11, 12, 13]))
+    sent = pickle.loads(pickle.dumps(step.for_peers(rank=3)))
+    assert (sent.ahead, sent.ahead_rows, sent.root, sent.buffer) == (None, 3, 3, 1)
+    assert step.ahead is not None and step.ahead_rows == 0  # the driver's own step is left as it was
+    plain = DecodeStep(staged, 2, 2, 2, False)
+    assert plain.for_peers(rank=3) is plain  # not launched ahead: nothing to broadcast
 
 
 def test_returned_blocks_restore_the_free_queue():

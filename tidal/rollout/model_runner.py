@@ -78,10 +78,17 @@ class DecodeStep:
     # A step launched ahead (async scheduling): each row's input id is the previous step's sampled id at
     # the row staged in place of the token (``fill_decode_inputs``), read on the device.
     ahead: torch.Tensor | None = None
-    # Tensor parallelism: how many sampled ids ``ahead`` holds (0: not launched ahead) and the rank that
-    # sampled them (the driver); the other ranks receive the step without them and get them by broadcast.
+    # Tensor parallelism, set in the copy the other ranks receive (``for_peers``): how many sampled ids
+    # ``ahead`` held (0: not launched ahead) and the rank that sampled them, which broadcasts them.
     ahead_rows: int = 0
     root: int = 0
+
+    def for_peers(self, rank: int) -> DecodeStep:
+        """The step as rank ``rank`` (the driver) sends it to the other ranks of a tensor-parallel engine:
+        without ``ahead`` (the ids are on this rank's device only), with their count and this rank."""
+        if self.ahead is None:
+            return self
+        return replace(self, ahead=None, ahead_rows=len(self.ahead), root=rank)
 
 
 @dataclass
@@ -393,7 +400,7 @@ class ModelRunner:
         host knows. The inputs equal those ``launch`` builds once that token is appended."""
         step = self._decode_step(seqs, ahead=(prev_rows, prev.tokens))
         if self.peers is not None:  # the ids stay on the device: the other ranks get them by broadcast
-            self.peers.send_step(replace(step, ahead=None))
+            self.peers.send_step(step.for_peers(self.args.tp.rank))
         return self._sample(self.forward_step(step), seqs, ahead=1)
 
     def discard(self, launched: LaunchedStep) -> None:
@@ -492,10 +499,7 @@ class ModelRunner:
         prev_rows, prev_tokens = ahead
         prev = (prev_rows, len(prev_tokens))
         staged = fill_decode_inputs(seqs, rows, width, self._hosts_np[buffer], prev, tables)
-        return DecodeStep(
-            staged, n, rows, width, use_graph, buffer=buffer, ahead=prev_tokens,
-            ahead_rows=len(prev_tokens), root=self.args.tp.rank,
-        )  # fmt: skip
+        return DecodeStep(staged, n, rows, width, use_graph, buffer=buffer, ahead=prev_tokens)
 
     def _decode_staged(self, step: DecodeStep) -> torch.Tensor:
         """Logits [num_seqs, vocab] of one decode step (graph replay when possible)."""
@@ -505,11 +509,11 @@ class ModelRunner:
             buffer = self._receive(step.staged)
         host = self._hosts[buffer][: step.staged.size]
         copied = self._copied[buffer]
-        ahead = step.ahead
-        if step.ahead_rows and self.args.tp.size > 1:
-            if ahead is None:  # another rank sampled them
-                ahead = torch.empty(step.ahead_rows, dtype=torch.int64, device=self.device)
-            ahead = self.args.tp.broadcast(ahead.to(torch.int64), root=step.root)
+        ahead, root = step.ahead, self.args.tp.rank
+        if step.ahead_rows:  # another rank sampled them (``DecodeStep.for_peers``)
+            ahead, root = torch.empty(step.ahead_rows, dtype=torch.int64, device=self.device), step.root
+        if ahead is not None and self.args.tp.size > 1:
+            ahead = self.args.tp.broadcast(ahead.to(torch.int64), root=root)
         if step.use_graph:
             return self.graphs.run(host, step.num_seqs, rows, width, ahead, copied)
         stage = host.to(self.device, non_blocking=True)
