@@ -127,20 +127,22 @@ class PhaseClock:
 # A host phase: ``(where, method, phase)``, the method ``method`` of the engine's ``scheduler`` or ``runner``
 # (or of a class named by its module path, clocked on the class since a step makes new instances), whose
 # time adds to ``phase``.
-SYNC_PHASES = (  # an engine that runs each step through ``ModelRunner.run``
+SCHEDULER_PHASES = (  # clocked alike in both engines
     ("scheduler", "schedule", "schedule"),
     ("scheduler", "postprocess", "postprocess"),
+)
+SYNC_PHASES = (  # an engine that runs each step through ``ModelRunner.run``
+    *SCHEDULER_PHASES,
     ("runner", "run", "runner_run"),
     ("runner", "_decode_step", "runner_decode_inputs"),
     ("runner", "forward_step", "runner_forward_enqueue"),
     ("runner", "sampler", "runner_sampler_enqueue"),
 )
 HOST_PHASES = (  # the host-only methods of an engine that launches steps ahead (bench/profile_host.py)
-    ("scheduler", "schedule", "schedule"),
+    *SCHEDULER_PHASES,
     ("scheduler", "plan_ahead", "plan_ahead"),
     ("scheduler", "release_ahead", "plan_ahead"),
     ("tidal.rollout.scheduler.Lookahead", "matches", "matches"),
-    ("scheduler", "postprocess", "postprocess"),
     ("runner", "_decode_step", "decode_inputs"),
     ("runner", "_sampling_tensors", "sampling_tensors"),
     ("tidal.rollout.model_runner.LaunchedStep", "result", "result"),
