@@ -62,7 +62,7 @@ def block_spans(starts: Sequence[int], chunk: int, rank: int) -> dict[int, Span]
     return spans
 
 
-def lse_padded(lse: Tensor) -> bool:
+def padded_layout(lse: Tensor) -> bool:
     """Whether a flash varlen kernel's log-sum-exp is in the older, per-sequence padded layout."""
     return lse.dim() == 3
 
@@ -70,7 +70,7 @@ def lse_padded(lse: Tensor) -> bool:
 def rows_of_lse(lse: Tensor, q_lens: Sequence[int]) -> Tensor:
     """A flash varlen kernel's log-sum-exp as ``[total_q, H]``: the kernel returns ``[H, total_q]``
     (unpadded) or, in older torch builds, ``[sequences, H, max_q]`` (padded per sequence)."""
-    if not lse_padded(lse):
+    if not padded_layout(lse):
         return lse.t()
     return torch.cat([lse[i, :, :n].t() for i, n in enumerate(q_lens)])
 
@@ -111,7 +111,7 @@ class FlashBlock:
             q[: s.q_end], k[s.k_start :], v[s.k_start :], self.cu_q, self.cu_k,
             max(s.q_lens), max(s.k_lens), 0.0, s.causal, False, scale=scale,
         )  # fmt: skip
-        self.lse_padded = lse_padded(lse)
+        self.lse_padded = padded_layout(lse)
         return out, rows_of_lse(lse, s.q_lens), (seed, offset)
 
     def backward(
