@@ -37,9 +37,10 @@ def assert_steps_match(one: list[dict], two: list[dict], keys: tuple[str, ...], 
             assert b[key] == pytest.approx(a[key], rel=tol, abs=tol), (key, a["step"], a[key], b[key])
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def dist():
-    """The helpers above, for tests (test modules cannot import each other under importlib mode)."""
+    """The helpers above, for tests and module-scoped fixtures (test modules cannot import each other
+    under importlib mode)."""
     return type("Dist", (), {"torchrun": staticmethod(torchrun), "result": staticmethod(result),
                              "assert_steps_match": staticmethod(assert_steps_match)})  # fmt: skip
 

@@ -1,8 +1,8 @@
 """Tensor-parallel training (``--ds_tensor_parallel_size 2``, DTensor TP inside FSDP2, CPU gloo) matches
-one process step by step for SFT, GRPO, DPO, a reward model and PPO with a critic, also on a 2 x 2 mesh
-and for each plan style; its DCP checkpoints reshard (a TP=2 checkpoint resumes with TP=1, in 2
-data-parallel processes and in 1, and a 1-process checkpoint resumes with TP=2); the HF export holds
-the full weights; impossible layouts fail before any model loads."""
+one process step by step for SFT, DPO, KTO, KD, a reward model and PPO with a critic (its engine syncs
+checked), also on a 2 x 2 mesh and for each plan style; its DCP checkpoints reshard (a TP=2 checkpoint
+resumes with TP=1, in 2 data-parallel processes and in 1, and a 1-process checkpoint resumes with TP=2);
+the HF export holds the full weights; impossible layouts fail before any model loads."""
 
 from __future__ import annotations
 
@@ -76,58 +76,45 @@ def max_param_diff(a: Path, b: Path) -> float:
     return max(float((p - pb[n]).detach().abs().max()) for n, p in ma.named_parameters())
 
 
-def test_tp2_matches_one_process_and_checkpoints_reshard(tiny_qwen2, tmp_path, dist):
-    sft = AdditionTask(digits=2, seed=4).write_jsonl(tmp_path / "sft.jsonl", 40)
-    rl = write_rl_data(tmp_path)
-    one = run_sft(train_sft.parse_run(sft_flags(tiny_qwen2, sft, tmp_path / "one")))
-    one_rl = run_ppo(train_ppo.parse_run(grpo_flags(tiny_qwen2, rl, tmp_path / "rl1")))
-    tp2 = tmp_path / "tp2"
+def resume_flags(model: Path, sft: Path, ckpt_from: Path, out: Path, *extra) -> list[str]:
+    """SFT from the step-2 checkpoint under ``ckpt_from`` (its ``latest`` truncated to step 2)."""
+    return sft_flags(model, sft, out, "--load_checkpoint", "--ckpt_path", str(ckpt_from / "ckpt"),
+                     "--save_steps", "-1", *extra)  # fmt: skip
 
-    def resume(ckpt_from: Path, out: Path, *extra) -> list[str]:
-        return sft_flags(tiny_qwen2, sft, out, "--load_checkpoint", "--ckpt_path", str(ckpt_from / "ckpt"),
-                         "--save_steps", "-1", *extra)  # fmt: skip
 
+def reshard_case(model: Path, folder: Path) -> tuple[dict, list[dict]]:
+    """SFT under TP=2 (checkpoints every 2 steps) and its 1-process run; the TP=2 step-2 checkpoint
+    resumed with TP=1 in 2 data-parallel processes, and the 1-process one resumed with TP=2."""
+    sft = AdditionTask(digits=2, seed=4).write_jsonl(folder / "sft.jsonl", 40)
+    one = {"sft": run_sft(train_sft.parse_run(sft_flags(model, sft, folder / "one")))}
+    tp2 = folder / "tp2"
     specs = [
-        {"kind": "sft", "out": str(tmp_path / "tp2.json"), "argv": sft_flags(tiny_qwen2, sft, tp2, *TP2)},
-        {"kind": "ppo", "out": str(tmp_path / "rl2.json"), "check_sync": True,
-         "argv": grpo_flags(tiny_qwen2, rl, tmp_path / "rl2", *TP2)},
-        # the TP=2 checkpoint of step 2, resumed with TP=1 (2 data-parallel processes)
+        {"kind": "sft", "out": str(folder / "tp2.json"), "argv": sft_flags(model, sft, tp2, *TP2)},
         {"kind": "truncate", "ckpt": str(tp2 / "ckpt"), "step": 2},
-        {"kind": "sft", "out": str(tmp_path / "tp2_to_dp2.json"), "argv": resume(tp2, tmp_path / "dp2")},
-        # the 1-process (TP=1) checkpoint of step 2, resumed with TP=2
-        {"kind": "truncate", "ckpt": str(tmp_path / "one" / "ckpt"), "step": 2},
-        {"kind": "sft", "out": str(tmp_path / "one_to_tp2.json"),
-         "argv": resume(tmp_path / "one", tmp_path / "tp2b", *TP2)},
+        {"kind": "sft", "out": str(folder / "tp2_to_dp2.json"), "argv": resume_flags(model, sft, tp2, folder / "dp2")},
+        {"kind": "truncate", "ckpt": str(folder / "one" / "ckpt"), "step": 2},
+        {"kind": "sft", "out": str(folder / "one_to_tp2.json"),
+         "argv": resume_flags(model, sft, folder / "one", folder / "tp2b", *TP2)},
     ]  # fmt: skip
-    dist.torchrun(specs, tmp_path)
-
-    two = dist.result(tmp_path / "tp2.json")["history"]
-    assert len(two) == 4
-    dist.assert_steps_match(one, two, ("loss", "grad_norm", "tokens"))
-    # The export holds the full tensors (it loads), equal to the 1-process run's up to Adam's amplification
-    # of the float rounding differences of the sharded matmuls (4 steps at lr 2e-3).
-    assert max_param_diff(tmp_path / "one" / "final", tp2 / "final") < 1e-4
-
-    rl2 = dist.result(tmp_path / "rl2.json")
-    assert len(rl2["history"]) == 2 and any(h["policy/loss"] != 0.0 for h in one_rl)
-    dist.assert_steps_match(one_rl, rl2["history"], ("reward", "policy/loss", "response_length", "grad_norm"))
-    assert rl2["syncs"] == [[], []]  # every rank's engine holds the full (gathered) policy weights
-
-    for resumed in ("tp2_to_dp2", "one_to_tp2"):
-        history = dist.result(tmp_path / f"{resumed}.json")["history"]
-        assert [h["step"] for h in history] == [3, 4]
-        dist.assert_steps_match(one[2:], history, ("loss", "grad_norm", "lr"))
-
-    # The TP=2 checkpoint resumes in one process too (DCP reshards the 2-D DTensors on load).
-    (tp2 / "ckpt" / "latest").write_text("global_step_2")
-    resumed_1 = run_sft(train_sft.parse_run(resume(tp2, tmp_path / "tp2_to_one")))
-    dist.assert_steps_match(one[2:], resumed_1, ("loss", "grad_norm", "lr"))
+    return one, specs
 
 
-def test_tp2_other_trainers_match_one_process(tiny_llama, tmp_path, dist):
-    """DPO and KTO (their frozen reference split with the same plan), KD (a split teacher), a reward model
-    (a value head on the split body) and PPO with GAE (a split critic) under TP=2 match one process."""
-    pairs, unpaired = tmp_path / "pairs.jsonl", tmp_path / "unpaired.jsonl"
+# The 1-process counterpart of each trainer's TP=2 run, and the metrics compared per step.
+RUNS = {"dpo": (train_dpo, run_dpo), "rm": (train_rm, run_rm), "kto": (train_kto, run_kto),
+        "kd": (train_kd, run_kd), "ppo": (train_ppo, run_ppo)}  # fmt: skip
+KEYS = {
+    "dpo": ("loss", "reward_margin", "grad_norm"),
+    "rm": ("loss", "acc", "reward_gap", "grad_norm"),
+    "kto": ("loss", "kl", "grad_norm"),
+    "kd": ("loss", "grad_norm"),
+    "ppo": ("reward", "policy/loss", "critic/loss", "response_length", "grad_norm"),
+}
+
+
+def trainers_case(llama: Path, qwen2: Path, folder: Path) -> tuple[dict, list[dict]]:
+    """DPO, a reward model, KTO and KD on the Llama model; PPO with GAE on the Qwen2 model (tied
+    embeddings: the weight sync gathers the shared embedding/head), its syncs checked."""
+    pairs, unpaired = folder / "pairs.jsonl", folder / "unpaired.jsonl"
     with pairs.open("w") as p, unpaired.open("w") as u:
         for i, s in enumerate(AdditionTask(digits=2, seed=5).samples(16)):
             wrong = str(int(s["answer"]) + 1 + i % 5)
@@ -135,12 +122,12 @@ def test_tp2_other_trainers_match_one_process(tiny_llama, tmp_path, dist):
             good = i % 2 == 0
             row = {"input": s["prompt"], "output": s["answer"] if good else wrong, "label": good}
             u.write(json.dumps(row) + "\n")
-    sft = AdditionTask(digits=2, seed=4).write_jsonl(tmp_path / "sft.jsonl", 16)
-    rl = write_rl_data(tmp_path)
+    sft = AdditionTask(digits=2, seed=4).write_jsonl(folder / "sft.jsonl", 16)
+    rl = write_rl_data(folder)
 
     def common(out: Path) -> list[str]:
         return [
-            "--pretrain", str(tiny_llama), "--max_len", "64", "--train_batch_size", "8",
+            "--pretrain", str(llama), "--max_len", "64", "--train_batch_size", "8",
             "--micro_train_batch_size", "2", "--learning_rate", "2e-3", "--lr_warmup_ratio", "0",
             "--zero_stage", "2", "--seed", "5", "--max_epochs", "1",
             "--save_path", str(out / "final"), "--ckpt_path", str(out / "ckpt"),
@@ -151,38 +138,99 @@ def test_tp2_other_trainers_match_one_process(tiny_llama, tmp_path, dist):
         "rm": ["--dataset", str(pairs), "--prompt_key", "prompt"],
         "kto": ["--dataset", str(unpaired), "--input_template", "{}"],
         "kd": ["--dataset", str(sft), "--input_key", "prompt", "--output_key", "answer",
-               "--teacher_model", str(tiny_llama)],
+               "--teacher_model", str(llama)],
     }  # fmt: skip
     gae = ["--advantage_estimator", "gae", "--critic_learning_rate", "2e-3", "--n_samples_per_prompt", "2",
            "--train_batch_size", "8"]  # fmt: skip
-    argv = {kind: [*common(tmp_path / f"{kind}_N_"), *extra] for kind, extra in data.items()}  # _N_: 1 or 2
-    argv["ppo"] = grpo_flags(tiny_llama, rl, tmp_path / "gae_N_", *gae)
-    runs = {"dpo": (train_dpo, run_dpo), "rm": (train_rm, run_rm), "kto": (train_kto, run_kto),
-            "kd": (train_kd, run_kd), "ppo": (train_ppo, run_ppo)}  # fmt: skip
-    one = {k: run(cli.parse_run([a.replace("_N_", "1") for a in argv[k]])) for k, (cli, run) in runs.items()}
+    argv = {kind: [*common(folder / f"{kind}_N_"), *extra] for kind, extra in data.items()}  # _N_: 1 or 2
+    argv["ppo"] = grpo_flags(qwen2, rl, folder / "gae_N_", *gae)
+    one = {k: run(cli.parse_run([a.replace("_N_", "1") for a in argv[k]])) for k, (cli, run) in RUNS.items()}
     specs = [
-        {
-            "kind": k,
-            "out": str(tmp_path / f"{k}2.json"),
-            "argv": [*(a.replace("_N_", "2") for a in argv[k]), *TP2],
-        }
-        for k in runs
-    ]
-    dist.torchrun(specs, tmp_path)
-    keys = {
-        "dpo": ("loss", "reward_margin", "grad_norm"),
-        "rm": ("loss", "acc", "reward_gap", "grad_norm"),
-        "kto": ("loss", "kl", "grad_norm"),
-        "kd": ("loss", "grad_norm"),
-        "ppo": ("reward", "policy/loss", "critic/loss", "grad_norm"),
+        {"kind": k, "out": str(folder / f"{k}2.json"), "check_sync": k == "ppo",
+         "argv": [*(a.replace("_N_", "2") for a in argv[k]), *TP2]}
+        for k in RUNS
+    ]  # fmt: skip
+    return one, specs
+
+
+# The plan styles beyond plain column/row splits (llama, qwen2 above): per-head q/k norms (qwen3),
+# gathered q/k/v before a whole-width norm (olmo2), fused qkv and gate_up projections gathered whole (phi3).
+FAMILIES = ("qwen3", "olmo2", "phi3")
+
+
+def families_case(folder: Path) -> tuple[dict, list[dict]]:
+    sft = AdditionTask(digits=2, seed=4).write_jsonl(folder / "sft.jsonl", 16)
+    one, specs = {}, []
+    for family in FAMILIES:
+        model = build_tiny_model(folder / family, family, seed=0)
+        flags = sft_flags(model, sft, folder / f"{family}1", "--save_steps", "-1", "--max_epochs", "1")
+        one[family] = run_sft(train_sft.parse_run(flags))
+        argv = sft_flags(model, sft, folder / f"{family}2", "--save_steps", "-1", "--max_epochs", "1", *TP2)
+        specs.append({"kind": "sft", "out": str(folder / f"{family}2.json"), "argv": argv})
+    return one, specs
+
+
+@pytest.fixture(scope="module")
+def tp2_runs(tiny_qwen2, tiny_llama, tmp_path_factory, dist) -> dict[str, tuple[Path, dict]]:
+    """Every 2-process run of the tests below in one torchrun launch (the processes start once), each
+    case in a folder of its own, with the 1-process runs each case compares against."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("reshard", "trainers", "families")}
+    cases = {
+        "reshard": reshard_case(tiny_qwen2, folders["reshard"]),
+        "trainers": trainers_case(tiny_llama, tiny_qwen2, folders["trainers"]),
+        "families": families_case(folders["families"]),
     }
+    dist.torchrun([spec for _, specs in cases.values() for spec in specs], folders["reshard"], timeout=600)
+    return {name: (folders[name], one) for name, (one, _) in cases.items()}
+
+
+def test_tp2_matches_one_process_and_checkpoints_reshard(tiny_qwen2, tp2_runs, dist):
+    folder, one = tp2_runs["reshard"]
+    one = one["sft"]
+    tp2 = folder / "tp2"
+    two = dist.result(folder / "tp2.json")["history"]
+    assert len(two) == 4
+    dist.assert_steps_match(one, two, ("loss", "grad_norm", "tokens"))
+    # The export holds the full tensors (it loads), equal to the 1-process run's up to Adam's amplification
+    # of the float rounding differences of the sharded matmuls (4 steps at lr 2e-3).
+    assert max_param_diff(folder / "one" / "final", tp2 / "final") < 1e-4
+
+    for resumed in ("tp2_to_dp2", "one_to_tp2"):
+        history = dist.result(folder / f"{resumed}.json")["history"]
+        assert [h["step"] for h in history] == [3, 4]
+        dist.assert_steps_match(one[2:], history, ("loss", "grad_norm", "lr"))
+
+    # The TP=2 checkpoint resumes in one process too (DCP reshards the 2-D DTensors on load).
+    (tp2 / "ckpt" / "latest").write_text("global_step_2")
+    resumed_1 = run_sft(
+        train_sft.parse_run(resume_flags(tiny_qwen2, folder / "sft.jsonl", tp2, folder / "to_one"))
+    )
+    dist.assert_steps_match(one[2:], resumed_1, ("loss", "grad_norm", "lr"))
+
+
+def test_tp2_other_trainers_match_one_process(tp2_runs, dist):
+    """DPO and KTO (their frozen reference split with the same plan), KD (a split teacher), a reward model
+    (a value head on the split body) and PPO with GAE (a split critic; every rank's engine holds the
+    full gathered policy weights after each sync) under TP=2 match one process. (PPO's actor update is
+    the same with GRPO's advantages: one TP=2 PPO run covers both.)"""
+    folder, one = tp2_runs["trainers"]
+    assert any(h["policy/loss"] != 0.0 for h in one["ppo"])
     for kind, history in one.items():
-        two = dist.result(tmp_path / f"{kind}2.json")["history"]
-        assert len(two) == len(history) >= 2, kind
-        dist.assert_steps_match(history[:1], two[:1], keys[kind])
+        two = dist.result(folder / f"{kind}2.json")
+        assert len(two["history"]) == len(history) >= 2, kind
+        dist.assert_steps_match(history[:1], two["history"][:1], KEYS[kind])
         # After an Adam step the sharded matmuls' float rounding differences are amplified in the
         # parameters whose gradients are near zero (seen: 6e-5 relative on the reward model's grad norm).
-        dist.assert_steps_match(history[1:], two[1:], keys[kind], tol=1e-4)
+        dist.assert_steps_match(history[1:], two["history"][1:], KEYS[kind], tol=1e-4)
+    assert dist.result(folder / "ppo2.json")["syncs"] == [[], []]
+
+
+def test_tp2_plan_styles_of_each_family_match_one(tp2_runs, dist):
+    folder, one = tp2_runs["families"]
+    for family in FAMILIES:
+        two = dist.result(folder / f"{family}2.json")["history"]
+        assert len(two) == 2, family
+        dist.assert_steps_match(one[family], two, ("loss", "grad_norm"))
 
 
 def test_tp2_by_dp2_four_processes_match_one(tiny_qwen2, tmp_path, dist):
@@ -195,27 +243,6 @@ def test_tp2_by_dp2_four_processes_match_one(tiny_qwen2, tmp_path, dist):
     four = dist.result(tmp_path / "four.json")["history"]
     assert len(four) == len(one) == 2
     dist.assert_steps_match(one, four, ("loss", "grad_norm", "tokens"))
-
-
-# The plan styles beyond plain column/row splits (llama, qwen2 above): per-head q/k norms (qwen3),
-# gathered q/k/v before a whole-width norm (olmo2), fused qkv and gate_up projections gathered whole (phi3).
-FAMILIES = ("qwen3", "olmo2", "phi3")
-
-
-def test_tp2_plan_styles_of_each_family_match_one(tmp_path, dist):
-    sft = AdditionTask(digits=2, seed=4).write_jsonl(tmp_path / "sft.jsonl", 16)
-    one, specs = {}, []
-    for family in FAMILIES:
-        model = build_tiny_model(tmp_path / family, family, seed=0)
-        flags = sft_flags(model, sft, tmp_path / f"{family}1", "--save_steps", "-1", "--max_epochs", "1")
-        one[family] = run_sft(train_sft.parse_run(flags))
-        argv = sft_flags(model, sft, tmp_path / f"{family}2", "--save_steps", "-1", "--max_epochs", "1", *TP2)
-        specs.append({"kind": "sft", "out": str(tmp_path / f"{family}2.json"), "argv": argv})
-    dist.torchrun(specs, tmp_path)
-    for family in FAMILIES:
-        two = dist.result(tmp_path / f"{family}2.json")["history"]
-        assert len(two) == 2, family
-        dist.assert_steps_match(one[family], two, ("loss", "grad_norm"))
 
 
 def test_plan_covers_every_decoder_linear(tiny_llama):
