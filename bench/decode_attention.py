@@ -4,8 +4,8 @@ For decode shapes of the engine benchmarks (bench/rollout.py: B=256 at the 0.5B 
 128-token prompt + 512 new tokens, i.e. ~384 tokens of context on average; and the long-generation batch,
 512 sequences of 512 + 4,096 tokens, ~2,560 on average; and 8 sequences in a CUDA graph, whose block
 tables are as wide as the longest allowed sequence, where context splits matter) it times ``paged_decode_attention`` on random
-bf16 queries and a paged cache with shuffled pages, replayed from a CUDA graph (kernel time, no launch
-overhead), and reports the bytes it must read (every live key and value once) per second, and the time
+bf16 queries and paged caches with shuffled pages (several, read in turn, so that L2 holds none of
+them), replayed from a CUDA graph (kernel time, no launch overhead), and reports the bytes it must read (every live key and value once) per second, and the time
 with the context unsplit (``ms_one_split``). With
 ``--sweep`` it also times every ``Tiles`` setting × context split count of a small grid, checks each
 output against the default's, and reports the fastest.
@@ -39,6 +39,8 @@ SHAPES = {
     "7b_b8_graph": (8, 4, 7, 128, 2048, 32768),
 }
 BLOCK_SIZE = 16
+L2_BYTES = 50 * 2**20
+MAX_COPIES = 20  # = kernel_ms' calls per graph
 
 
 def make_inputs(batch, kv_heads, group, dim, avg, table_tokens=0, seed=0):
@@ -48,9 +50,14 @@ def make_inputs(batch, kv_heads, group, dim, avg, table_tokens=0, seed=0):
     blocks = batch * width
     perm = torch.randperm(blocks, generator=g, device="cuda")
     tables = perm.view(batch, width).to(torch.int32)
-    cache = torch.randn(2, blocks, BLOCK_SIZE, kv_heads, dim, generator=g, device="cuda").bfloat16()
+    shape = (2, blocks, BLOCK_SIZE, kv_heads, dim)
+    # Several caches, used in turn, ~4x the GPU's L2 cache in all: one cache read over and over would be
+    # served partly from L2 (H200: 50 MB, more than a 0.5B-shape layer's keys and values), which no
+    # engine layer enjoys (each reads its own cache once a step).
+    copies = max(1, min(MAX_COPIES, -(-L2_BYTES * 4 // (2 * torch.Size(shape).numel()))))
+    caches = [torch.randn(shape, generator=g, device="cuda").bfloat16() for _ in range(copies)]
     q = torch.randn(batch, kv_heads * group, dim, generator=g, device="cuda").bfloat16()
-    return q, cache, tables, lens.to(torch.int32)
+    return q, caches, tables, lens.to(torch.int32)
 
 
 def kernel_ms(fn, calls: int = 20, replays: int = 5) -> float:
@@ -75,12 +82,13 @@ def measure(name: str, sweep: bool) -> dict:
     from tidal.rollout import triton_attention as ta
 
     batch, kv_heads, group, dim, avg, *table_tokens = SHAPES[name]
-    q, cache, tables, lens = make_inputs(batch, kv_heads, group, dim, avg, *table_tokens)
+    q, caches, tables, lens = make_inputs(batch, kv_heads, group, dim, avg, *table_tokens)
     scale = dim**-0.5
     gb = float(lens.sum()) * kv_heads * dim * 2 * 2 / 1e9  # keys and values, bf16
 
     def run(tiles=None, splits=None):
-        return lambda: ta.paged_decode_attention(q, cache, tables, lens, None, scale, splits, tiles)
+        turn = itertools.cycle(caches)  # each call (each captured one too) reads the next cache
+        return lambda: ta.paged_decode_attention(q, next(turn), tables, lens, None, scale, splits, tiles)
 
     auto = ta.choose_num_splits(batch, kv_heads, tables.shape[1] * BLOCK_SIZE, ta._num_sms(0))
     reference = run()()
@@ -92,6 +100,7 @@ def measure(name: str, sweep: bool) -> dict:
         "ms": round(base, 4),
         "tb_s": round(gb / base, 2),
         "ms_one_split": round(kernel_ms(run(splits=1)), 4),
+        "caches": len(caches),
     }
     if not sweep:
         return result

@@ -32,13 +32,15 @@ class Tiles:
     num_warps: int = 4
     num_stages: int = 2
 
-    def chunk(self, head_dim: int, itemsize: int) -> int:
-        """128 tokens while the pipelined K and V tiles fit 128 KB of shared memory, else 64
-        (bench/decode_attention.py --sweep: 128 is 15-20% faster than 64 at the 0.5B shape, 2 KV heads
-        of 64; ~3% at 7B; even on the long batch)."""
+    def chunk(self, head_dim: int, itemsize: int, num_splits: int) -> int:
+        """128 tokens for heads of <= 64 dimensions read whole (no context splits) where the pipelined K
+        and V tiles fit 128 KB of shared memory, else 64. bench/decode_attention.py at B=256, 0.5B shape
+        (2 KV heads of 64): 11-14% faster at contexts of 384-608, 3% at 160, 2% slower at 2,560; even at
+        7B (heads of 128); 10% slower on split contexts (8 sequences, 16 splits)."""
         if self.block_n:
             return self.block_n
-        return 128 if 128 * head_dim * itemsize * 2 * self.num_stages <= 128 * 1024 else 64
+        fits = 128 * head_dim * itemsize * 2 * self.num_stages <= 128 * 1024
+        return 128 if head_dim <= 64 and num_splits == 1 and fits else 64
 
 
 TILES = Tiles()
@@ -218,7 +220,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=tiles.chunk(head_dim, layer_cache.element_size()),
+        BLOCK_N=tiles.chunk(head_dim, layer_cache.element_size(), num_splits),
         NUM_SPLITS=num_splits,
         HAS_WINDOW=window is not None,
         IEEE=q.dtype == torch.float32,
