@@ -180,7 +180,9 @@ def write_prompts(folder: Path) -> None:
 @pytest.fixture(scope="module")
 def runs(tiny_llama, tiny_qwen2, tmp_path_factory) -> tuple[dict, Path]:
     """Each trainer with one process, then all of them with ``--ring_attn_size 2`` over 2 processes (one
-    torchrun): ``({kind: (one's history, the ring run's ring_runner output)}, folder)``."""
+    torchrun, which also runs the GAE ring with the critic on worker processes of its own, ``ppo_workers``,
+    against the same one-process run): ``({kind: (one's history, the ring run's ring_runner output)},
+    folder)``."""
     from tidal.cli.train_ppo import parse_run
     from tidal.trainers.ppo import run_ppo
 
@@ -204,9 +206,15 @@ def runs(tiny_llama, tiny_qwen2, tmp_path_factory) -> tuple[dict, Path]:
     argv["ppo"] = ppo_flags(
         tiny_qwen2, folder, folder / "ppo2", "--ring_attn_size", "2", "--gradient_checkpointing"
     )
-    run_ring(
-        folder, [{"kind": kind, "out": str(folder / f"{kind}2.json"), "argv": argv[kind]} for kind in one]
-    )
+    # the critic on 2 worker processes of its own (see the last test); one["ppo"] is its one-process run too
+    own = ("--actor_num_gpus_per_node", "2", "--critic_num_nodes", "1", "--critic_num_gpus_per_node", "2")
+    argv["ppo_workers"] = ppo_flags(tiny_qwen2, folder, folder / "ppo_workers", "--ring_attn_size", "2", *own)
+    one["ppo_workers"] = one["ppo"]
+    specs = [
+        {"kind": kind.removesuffix("_workers"), "out": str(folder / f"{kind}2.json"), "argv": argv[kind]}
+        for kind in one
+    ]
+    run_ring(folder, specs)
     return {kind: (one[kind], json.loads((folder / f"{kind}2.json").read_text())) for kind in one}, folder  # fmt: skip
 
 
@@ -231,17 +239,8 @@ def test_gae_first_step_trains_the_critic_alone(runs):
     assert "critic/loss" in two["history"][0]
 
 
-@pytest.mark.slow  # torchrun with 2 trainers and 2 critic worker processes: over a minute on 2 cores
-def test_ppo_gae_ring_with_critic_workers_matches_one_process(tiny_qwen2, tmp_path):
+def test_ppo_gae_ring_with_critic_workers_matches_one_process(runs):
     """The critic on 2 worker processes of its own (``--critic_num_gpus_per_node 2``): the workers make
     their own ring group and take the trainers' turns; the steps are the colocated single process's."""
-    from tidal.cli.train_ppo import parse_run
-    from tidal.trainers.ppo import run_ppo
-
-    write_prompts(tmp_path)
-    one = run_ppo(parse_run(ppo_flags(tiny_qwen2, tmp_path, tmp_path / "one")))
-    own = ("--actor_num_gpus_per_node", "2", "--critic_num_nodes", "1", "--critic_num_gpus_per_node", "2")
-    argv = ppo_flags(tiny_qwen2, tmp_path, tmp_path / "two", "--ring_attn_size", "2", *own)
-    run_ring(tmp_path, [{"kind": "ppo", "out": str(tmp_path / "two.json"), "argv": argv}])
-    two = json.loads((tmp_path / "two.json").read_text())
+    one, two = runs[0]["ppo_workers"]
     assert_same_steps(one, two["history"], KEYS["ppo"], "ppo")
