@@ -19,7 +19,6 @@ import shutil
 from pathlib import Path
 
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from tidal.checkpoint.resumable import CheckpointError, agree_ok, first_nonfinite, write_error
 from tidal.distributed.world import World
@@ -80,6 +79,10 @@ def save_hf_model(
 
     Raises ``CheckpointError`` (one line, on every rank) for non-finite weights or a failed write.
     """
+    # here, not at the top: torch.distributed.checkpoint costs ~1 s of start-up, and the modules that
+    # import this one (the checkpointer, the critic) export only at the end of a run, if at all
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     path = Path(path)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state_dict = get_model_state_dict(model, options=options)  # the full dict on rank 0 only

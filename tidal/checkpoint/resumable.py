@@ -31,9 +31,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from tidal.distributed.world import World, all_reduce_sum
 from tidal.logging import get_logger
@@ -42,6 +39,10 @@ log = get_logger(__name__)
 
 PREFIX = "global_step_"
 META = "meta.json"
+
+# torch.distributed.checkpoint (~1 s of start-up) is imported by the functions that save, load or check
+# shards: every command imports this module for ``CheckpointError`` (``tidal.cli.common``), and most
+# processes (engines, ``tidal serve``, a run that never saves) never touch a shard.
 
 
 class CheckpointError(RuntimeError):
@@ -175,6 +176,8 @@ def damage(folder: Path) -> str | None:
     meta = read_meta(folder)
     if not meta:
         return f"{META} missing or unreadable"
+    import torch.distributed.checkpoint as dcp  # start-up cost: see the top
+
     dcp_dir = folder / "model_optim"
     try:
         metadata = dcp.FileSystemReader(str(dcp_dir)).read_metadata()
@@ -258,6 +261,8 @@ def remove_temporaries(ckpt_path: str | Path) -> None:
 # ---- save / load ----------------------------------------------------------------------------------
 def _dcp_state(parts: dict) -> dict:
     """``{"<name>_model": ..., "<name>_optim": ...}`` for every part (an object with model/optimizer)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict  # start-up cost: see the top
+
     state = {}
     for name, part in parts.items():
         state[f"{name}_model"], state[f"{name}_optim"] = get_state_dict(part.model, part.optimizer)
@@ -266,6 +271,9 @@ def _dcp_state(parts: dict) -> dict:
 
 def _write_shards(parts: dict, loop: LoopState, world: World, tmp: Path, extra) -> BaseException | None:
     """This rank's DCP shards and trainer state into ``tmp``; the error instead of raising it."""
+    import torch.distributed.checkpoint as dcp  # start-up cost: see the top
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         dcp.save(_dcp_state(parts), checkpoint_id=str(tmp / "model_optim"))
         state = {
@@ -336,6 +344,9 @@ def trainer_state_file(folder: Path, rank: int) -> Path:
 
 def load_checkpoint(folder, parts: dict, world: World) -> tuple[LoopState, dict]:
     """Restore every part, the schedulers and RNG from ``folder``; returns the loop state and extras."""
+    import torch.distributed.checkpoint as dcp  # start-up cost: see the top
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
     folder = Path(folder)
     state = _dcp_state(parts)
     dcp.load(state, checkpoint_id=str(folder / "model_optim"))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from tidal.data.loading import DataError
+from tidal.data.errors import DataError
 
 
 def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:

@@ -42,6 +42,7 @@ import numpy as np
 
 from tidal.data.errors import DataError
 from tidal.data.rows import RowOrigins, register_origins
+from tidal.data.rows import require_keys as require_keys  # defined with the other row checks
 
 logger = logging.getLogger(__name__)
 
@@ -138,14 +139,6 @@ def load_source(source: str, split: str = "train") -> datasets.Dataset:
     if len(ds) == 0:
         raise DataError(f"dataset {source} is empty (0 rows)")
     return ds
-
-
-def require_keys(dataset: datasets.Dataset, keys: Iterable[str | None], source: str = "dataset") -> None:
-    """Raise ``DataError`` unless every (non-None) key is a column of ``dataset``."""
-    columns = list(dataset.column_names)
-    for key in keys:
-        if key is not None and key not in columns:
-            raise DataError(f"key {key!r} not found in {source}; available columns: {columns}")
 
 
 def _cap(ds: datasets.Dataset, max_samples: int | None) -> datasets.Dataset:

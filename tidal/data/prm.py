@@ -20,17 +20,19 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import torch
 
 from tidal.config.sample_data import PRMDataConfig
 from tidal.data.collate import collate_packed, collate_padded
-from tidal.data.loading import DataError, require_keys
-from tidal.data.rows import check_text_columns, row_name
+from tidal.data.errors import DataError
+from tidal.data.rows import check_text_columns, require_keys, row_name
 from tidal.data.sft import SFTSample, SkipStats
 from tidal.data.templates import render_prompt, tokenize_texts
+
+if TYPE_CHECKING:  # annotations only: importing datasets (with pandas, pyarrow) costs a second per process
+    import datasets
 
 
 @dataclass

@@ -10,14 +10,15 @@ counted, never truncated: a truncated question is a different question.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
-
-from tidal.data.loading import DataError, require_keys
-from tidal.data.rows import check_text_columns, row_name
+from tidal.data.errors import DataError
+from tidal.data.rows import check_text_columns, require_keys, row_name
 from tidal.data.sft import SkipStats
 from tidal.data.templates import render_prompt, tokenize_texts
+
+if TYPE_CHECKING:  # annotations only: importing datasets (with pandas, pyarrow) costs a second per process
+    import datasets
 
 
 @dataclass

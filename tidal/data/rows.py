@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import bisect
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
 
 from tidal.data.errors import DataError
+
+if TYPE_CHECKING:  # annotations only: importing datasets (with pandas, pyarrow) costs a second per process
+    import datasets
 
 MAX_REPORTED_ROWS = 5
 
@@ -54,6 +56,14 @@ _ORIGINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def register_origins(dataset: datasets.Dataset, origins: RowOrigins) -> datasets.Dataset:
     _ORIGINS[dataset] = origins
     return dataset
+
+
+def require_keys(dataset: datasets.Dataset, keys: Iterable[str | None], source: str = "dataset") -> None:
+    """Raise ``DataError`` unless every (non-None) key is a column of ``dataset``."""
+    columns = list(dataset.column_names)
+    for key in keys:
+        if key is not None and key not in columns:
+            raise DataError(f"key {key!r} not found in {source}; available columns: {columns}")
 
 
 def row_name(dataset: datasets.Dataset | None, row: int, source: str = "dataset") -> str:

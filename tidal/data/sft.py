@@ -23,14 +23,15 @@ are skipped and counted in ``SkipStats`` (the caller logs them), never truncated
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
-
-import datasets
+from typing import TYPE_CHECKING, Any
 
 from tidal.config.sample_data import DEFAULT_OUTPUT_KEY, SFTDataConfig
-from tidal.data.loading import DataError, require_keys
-from tidal.data.rows import check_text_columns, row_name
+from tidal.data.errors import DataError
+from tidal.data.rows import check_text_columns, require_keys, row_name
 from tidal.data.templates import as_messages, chat_text, render_prompt, render_response, tokenize_texts
+
+if TYPE_CHECKING:  # annotations only: importing datasets (with pandas, pyarrow) costs a second per process
+    import datasets
 
 Span = tuple[int, int]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tidal.data.loading import DataError
+from tidal.data.errors import DataError
 
 Messages = list[dict[str, Any]]
 QUOTED_EMPTY = ('""', "''")  # an empty template as a word-split shell command string delivers it

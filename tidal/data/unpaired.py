@@ -14,15 +14,16 @@ Samples longer than ``max_len`` tokens are skipped and counted in ``SkipStats``,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import datasets
+from typing import TYPE_CHECKING, Any
 
 from tidal.config.sample_data import UnpairedDataConfig
-from tidal.data.loading import DataError, require_keys
-from tidal.data.rows import check_text_columns, row_name
+from tidal.data.errors import DataError
+from tidal.data.rows import check_text_columns, require_keys, row_name
 from tidal.data.sft import SFTSample, SkipStats
 from tidal.data.templates import render_prompt, render_response, tokenize_texts
+
+if TYPE_CHECKING:  # annotations only: importing datasets (with pandas, pyarrow) costs a second per process
+    import datasets
 
 
 @dataclass

@@ -15,9 +15,26 @@ Nothing here imports the trainer: the entry point (``tidal.trainers.ppo.entry.ru
 Ray-or-local choice once and hands the rank's function to ``run_on_ray``.
 """
 
-from tidal.placement.build import Roles, build_roles
-from tidal.placement.protocols import PlacedRun, ReferenceRole, RewardRole, RolloutRole
-from tidal.placement.ray_launch import run_on_ray, wants_ray
+from typing import TYPE_CHECKING
+
+from tidal.lazy import lazy_exports
+
+if TYPE_CHECKING:  # the same names for type checkers, and for tests/test_imports.py's import graph
+    from tidal.placement.build import Roles, build_roles
+    from tidal.placement.protocols import PlacedRun, ReferenceRole, RewardRole, RolloutRole
+    from tidal.placement.ray_launch import run_on_ray, wants_ray
+
+# name → the submodule that defines it, imported when the name is first used (see tidal.lazy)
+_EXPORTS = {
+    "PlacedRun": "tidal.placement.protocols",
+    "ReferenceRole": "tidal.placement.protocols",
+    "RewardRole": "tidal.placement.protocols",
+    "Roles": "tidal.placement.build",
+    "RolloutRole": "tidal.placement.protocols",
+    "build_roles": "tidal.placement.build",
+    "run_on_ray": "tidal.placement.ray_launch",
+    "wants_ray": "tidal.placement.ray_launch",
+}
 
 __all__ = [
     "PlacedRun",
@@ -29,3 +46,5 @@ __all__ = [
     "run_on_ray",
     "wants_ray",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -31,7 +31,6 @@ from tidal.config import (
 from tidal.config.supervised import SupervisedRun as SupervisedRun
 from tidal.config.supervised import ring_problems as ring_problems
 from tidal.config.supervised import trainer_kind
-from tidal.data import load_dataset_spec
 from tidal.distributed import World, init_world, parallelize
 from tidal.distributed.mesh import ring_group
 from tidal.distributed.tensor_parallel import with_tensor_parallel
@@ -54,6 +53,10 @@ def load_samples(
     builder: SampleBuilder, spec: str, probs, split: str, max_samples, tokenizer, cfg, seed: int
 ):
     """Load a ``--dataset``-style spec and build its samples; skipped rows are logged."""
+    # here, not at the top: ``datasets`` (with pandas, pyarrow) costs ~1 s of start-up, and processes
+    # that import this module only for ``build_optimization`` (a critic worker) load no data
+    from tidal.data import load_dataset_spec
+
     dataset = load_dataset_spec(spec, probs, split=split, max_samples=max_samples, seed=seed)
     samples, skipped = builder(dataset, tokenizer, cfg, source=spec)
     if skipped.count:
