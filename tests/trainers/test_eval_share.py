@@ -11,9 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM
-
 from tidal.distributed import World
 from tidal.testing import AdditionTask
 from tidal.trainers.kto import mismatched
@@ -55,14 +52,8 @@ def write_data(folder: Path) -> None:
             u.write(json.dumps(row) + "\n")
 
 
-def test_small_and_uneven_eval_sets_on_two_processes_match_one(tiny_llama, tmp_path):
-    reference = tmp_path / "ref"
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(reference)
+def test_small_and_uneven_eval_sets_on_two_processes_match_one(tiny_llama, perturbed_llama, tmp_path):
+    reference = perturbed_llama
     write_data(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(WORKER), str(tiny_llama), str(reference), str(tmp_path)]  # fmt: skip

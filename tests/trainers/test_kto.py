@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from tidal.cli.train_kto import main as kto_main
 from tidal.cli.train_kto import parse_run
@@ -24,19 +22,6 @@ def kto_file(tmp_path_factory):
             good = i % 2 == 0
             answer = s["answer"] if good else str(int(s["answer"]) + 1 + i % 5)
             f.write(json.dumps({"input": s["prompt"], "output": answer, "label": good}) + "\n")
-    return path
-
-
-@pytest.fixture(scope="module")
-def other_model(tiny_llama, tmp_path_factory):
-    """tiny_llama with perturbed weights: a reference that differs from the policy."""
-    path = tmp_path_factory.mktemp("kto_ref")
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(path)
     return path
 
 
@@ -67,8 +52,8 @@ def test_first_step_loss_with_reference_equal_to_policy(tiny_llama, kto_file, tm
     assert step["loss"] == pytest.approx((4 * 2.0 * 0.5 + 4 * 0.5 * 0.5) / 8, abs=1e-6)
 
 
-def test_kl_is_a_step_quantity_unchanged_by_micro_batching(tiny_llama, other_model, kto_file, tmp_path):
-    common = ("--max_samples", "8", "--ref_pretrain", str(other_model), "--beta", "0.1")
+def test_kl_is_a_step_quantity_unchanged_by_micro_batching(tiny_llama, perturbed_llama, kto_file, tmp_path):
+    common = ("--max_samples", "8", "--ref_pretrain", str(perturbed_llama), "--beta", "0.1")
     whole = run_kto(
         parse_run(flags(tiny_llama, kto_file, tmp_path / "a", *common, "--micro_train_batch_size", "8"))
     )

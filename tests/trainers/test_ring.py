@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from tidal.cli import train_dpo, train_sft
+from tidal.cli.train_ppo import parse_run as parse_ppo
 from tidal.config import ConfigError
 from tidal.testing import AdditionTask
 from tidal.trainers.dpo import run_dpo
+from tidal.trainers.ppo import run_ppo
 from tidal.trainers.sft import run_sft
 
 RUNNER = Path(__file__).with_name("ring_runner.py")
@@ -50,41 +50,52 @@ def flags(kind: str, model: Path, data: dict, out: Path, *extra: str, packing: b
     return [*common, "--dataset", str(data["sft"]), "--input_key", "prompt", "--output_key", "answer"]
 
 
-def perturbed(model_dir: Path, out: Path) -> Path:
-    """A DPO reference that differs from the policy, so the log-ratios are not all zero."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(out)
-    return out
-
-
-def test_ring_of_two_matches_one_process(tiny_llama, tmp_path):
-    sft, pairs = write_data(tmp_path)
-    data = {"sft": sft, "pairs": pairs, "reference": perturbed(tiny_llama, tmp_path / "ref")}
-    one = {
-        "sft": run_sft(train_sft.parse_run(flags("sft", tiny_llama, data, tmp_path / "sft1"))),
-        "dpo": run_dpo(train_dpo.parse_run(flags("dpo", tiny_llama, data, tmp_path / "dpo1"))),
-    }
-    specs = [
-        {"kind": kind, "out": str(tmp_path / f"{kind}2.json"),
-         "argv": flags(kind, tiny_llama, data, tmp_path / f"{kind}2", "--ring_attn_size", "2", *RING_EXTRA[kind])}
-        for kind in one
-    ]  # fmt: skip
-    (tmp_path / "runs.json").write_text(json.dumps(specs))
+def launch(specs: list[dict], folder: Path) -> None:
+    """One ``torchrun`` launch of ``ring_runner.py`` over 2 processes running ``specs`` in order."""
+    (folder / "runs.json").write_text(json.dumps(specs))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(RUNNER), str(tmp_path / "runs.json")]  # fmt: skip
+           str(RUNNER), str(folder / "runs.json")]  # fmt: skip
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    for kind, history in one.items():
-        two = json.loads((tmp_path / f"{kind}2.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def ring_runs(tiny_llama, tiny_qwen2, perturbed_llama, tmp_path_factory) -> tuple[Path, dict]:
+    """SFT, DPO and GRPO with ``--ring_attn_size 2`` in one 2-process launch (the processes start once),
+    and their 1-process runs with ``--ring_attn_size 1``."""
+    folder = tmp_path_factory.mktemp("ring")
+    sft, pairs = write_data(folder)
+    data = {"sft": sft, "pairs": pairs, "reference": perturbed_llama}
+    one = {
+        "sft": run_sft(train_sft.parse_run(flags("sft", tiny_llama, data, folder / "sft1"))),
+        "dpo": run_dpo(train_dpo.parse_run(flags("dpo", tiny_llama, data, folder / "dpo1"))),
+        "grpo": run_ppo(parse_ppo(grpo_flags(tiny_qwen2, folder, folder / "grpo1"))),
+    }
+    specs = [
+        {"kind": kind, "out": str(folder / f"{kind}2.json"),
+         "argv": flags(kind, tiny_llama, data, folder / f"{kind}2", "--ring_attn_size", "2", *RING_EXTRA[kind])}
+        for kind in ("sft", "dpo")
+    ]  # fmt: skip
+    specs.append(
+        {
+            "kind": "ppo",
+            "out": str(folder / "grpo2.json"),
+            "argv": grpo_flags(tiny_qwen2, folder, folder / "grpo2", "--ring_attn_size", "2"),
+        }
+    )
+    launch(specs, folder)
+    return folder, one
+
+
+def test_ring_of_two_matches_one_process(ring_runs):
+    folder, one = ring_runs
+    for kind in ("sft", "dpo"):
+        two = json.loads((folder / f"{kind}2.json").read_text())
         assert two["ring_forwards"] > 0  # the packed forwards did run as ring attention
-        assert len(history) == len(two["history"]) >= 2
-        for a, b in zip(history, two["history"], strict=True):
+        assert len(one[kind]) == len(two["history"]) >= 2
+        for a, b in zip(one[kind], two["history"], strict=True):
             for key in KEYS[kind]:
                 assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (kind, key, a["step"])
 
@@ -126,48 +137,32 @@ def reward_func(queries, prompts, labels, **kwargs):
 """
 
 
-def test_grpo_ring_of_two_matches_one_process(tiny_qwen2, tmp_path):
-    """GRPO with a reference (KL loss), an entropy bonus and packed micro-batches: scoring and updates
-    under ring attention over 2 processes match one process."""
-    from tidal.cli.train_ppo import parse_run
-    from tidal.trainers.ppo import run_ppo
-
-    with (tmp_path / "prompts.jsonl").open("w") as f:
+def grpo_flags(model: Path, folder: Path, out: Path, *extra: str) -> list[str]:
+    """GRPO with a reference (KL loss), an entropy bonus and packed micro-batches; prompts of uneven
+    lengths and ``reward.py`` are written under ``folder``."""
+    with (folder / "prompts.jsonl").open("w") as f:
         for i in range(8):
             f.write(json.dumps({"prompt": f"{i % 10}+{i % 3}={'1' * (i % 4)}", "label": "x"}) + "\n")
-    (tmp_path / "reward.py").write_text(REWARD)
+    (folder / "reward.py").write_text(REWARD)
+    return [
+        "--pretrain", str(model), "--prompt_data", str(folder / "prompts.jsonl"), "--input_key", "prompt",
+        "--label_key", "label", "--remote_rm_url", str(folder / "reward.py"), "--n_samples_per_prompt", "2",
+        "--rollout_batch_size", "4", "--train_batch_size", "8", "--micro_train_batch_size", "2",
+        "--micro_rollout_batch_size", "2", "--generate_max_len", "4", "--prompt_max_len", "8",
+        "--actor_learning_rate", "2e-3", "--lr_warmup_ratio", "0", "--zero_stage", "2", "--seed", "3",
+        "--advantage_estimator", "group_norm", "--init_kl_coef", "0.05", "--use_kl_loss",
+        "--colocate_actor_ref", "--entropy_loss_coef", "0.01", "--packing_samples", "--max_samples", "8",
+        "--save_path", str(out / "final"), "--ckpt_path", str(out / "ckpt"), *extra,
+    ]  # fmt: skip
 
-    def argv(out: Path, *extra: str) -> list[str]:
-        return [
-            "--pretrain", str(tiny_qwen2), "--prompt_data", str(tmp_path / "prompts.jsonl"), "--input_key", "prompt",
-            "--label_key", "label", "--remote_rm_url", str(tmp_path / "reward.py"), "--n_samples_per_prompt", "2",
-            "--rollout_batch_size", "4", "--train_batch_size", "8", "--micro_train_batch_size", "2",
-            "--micro_rollout_batch_size", "2", "--generate_max_len", "4", "--prompt_max_len", "8",
-            "--actor_learning_rate", "2e-3", "--lr_warmup_ratio", "0", "--zero_stage", "2", "--seed", "3",
-            "--advantage_estimator", "group_norm", "--init_kl_coef", "0.05", "--use_kl_loss",
-            "--colocate_actor_ref", "--entropy_loss_coef", "0.01", "--packing_samples", "--max_samples", "8",
-            "--save_path", str(out / "final"), "--ckpt_path", str(out / "ckpt"), *extra,
-        ]  # fmt: skip
 
-    one = run_ppo(parse_run(argv(tmp_path / "one")))
-    specs = [
-        {
-            "kind": "ppo",
-            "out": str(tmp_path / "two.json"),
-            "argv": argv(tmp_path / "two", "--ring_attn_size", "2"),
-        }
-    ]
-    (tmp_path / "runs.json").write_text(json.dumps(specs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(RUNNER), str(tmp_path / "runs.json")]  # fmt: skip
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    two = json.loads((tmp_path / "two.json").read_text())
+def test_grpo_ring_of_two_matches_one_process(ring_runs):
+    """GRPO's scoring and updates under ring attention over 2 processes match one process."""
+    folder, one = ring_runs
+    two = json.loads((folder / "grpo2.json").read_text())
     assert two["ring_forwards"] > 0
-    assert len(one) == len(two["history"]) >= 2
-    for a, b in zip(one, two["history"], strict=True):
+    assert len(one["grpo"]) == len(two["history"]) >= 2
+    for a, b in zip(one["grpo"], two["history"], strict=True):
         for key in ("reward", "policy/loss", "response_length", "grad_norm", "kl", "policy/kl_loss"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (key, a)
 
