@@ -25,10 +25,10 @@ KEYS = {
 
 
 def write_data(folder: Path) -> tuple[Path, Path]:
-    sft = AdditionTask(digits=2, seed=4).write_jsonl(folder / "sft.jsonl", 48)
+    sft = AdditionTask(digits=2, seed=4).write_jsonl(folder / "sft.jsonl", 32)
     pairs = folder / "pairs.jsonl"
     with pairs.open("w") as f:
-        for i, s in enumerate(AdditionTask(digits=2, seed=5).samples(32)):
+        for i, s in enumerate(AdditionTask(digits=2, seed=5).samples(16)):
             wrong = str(int(s["answer"]) + 1 + i % 5)
             f.write(json.dumps({"prompt": s["prompt"], "chosen": s["answer"], "rejected": wrong}) + "\n")
     return sft, pairs
@@ -52,17 +52,18 @@ def flags(kind: str, model: Path, data: dict, out: Path, zero: str, *extra) -> l
         "--save_path", str(out / "final"), "--ckpt_path", str(out / "ckpt"), *extra,
     ]  # fmt: skip
     if kind == "rm":
-        return [*common, "--dataset", str(data["pairs"]), "--prompt_key", "prompt", "--max_samples", "24"]
+        return [*common, "--dataset", str(data["pairs"]), "--prompt_key", "prompt"]
     task = ["--dataset", str(data["sft"]), "--input_key", "prompt", "--output_key", "answer"]
     if kind == "kd":
-        return [*common, *task, "--teacher_model", str(data["teacher"]), "--max_samples", "24"]
+        return [*common, *task, "--teacher_model", str(data["teacher"]), "--max_samples", "16"]
     return [*common, *task]
 
 
-# (name, kind, zero stage, extra flags); "sft3" also saves checkpoints for the resume checks.
+# (name, kind, zero stage, extra flags); "sft3" (4 steps) also saves checkpoints for the resume checks;
+# the others take 2 steps (the second one after a sharded optimizer update).
 CONFIGS = [
     ("sft3", "sft", "3", ["--save_steps", "2", "--max_ckpt_num", "5"]),
-    ("sft2", "sft", "2", ["--max_samples", "24"]),
+    ("sft2", "sft", "2", ["--max_samples", "16"]),
     ("rm3", "rm", "3", []),
     ("kd2", "kd", "2", []),
 ]
@@ -101,7 +102,7 @@ def test_two_processes_match_one_and_resume(tiny_llama, tmp_path, dist):
 
     for name, kind, _, _ in CONFIGS:
         two = dist.result(tmp_path / f"{name}_2.json")["history"]
-        assert len(two) >= 3
+        assert len(two) == len(one[name]) >= 2
         dist.assert_steps_match(one[name], two, KEYS[kind])
     # Rank 0's HF export loads and holds the same weights as the 1-process run's.
     assert max_param_diff(tmp_path / "sft3_1" / "final", two_dir / "final") < 1e-5
