@@ -116,14 +116,15 @@ def test_fully_clipped_critic_steps_are_applied_not_counted():
 
 
 def flags(policy, data: Path, out: Path) -> list[str]:
-    """2 rollouts of 4 prompts x 2 samples, each trained 5 epochs with the whole rollout per optimizer
-    step (the same minibatches for 1 and 2 processes). A fast critic and a small value clip: after a
-    rollout's first step every value is out of the clip range, so its later critic steps are flat."""
+    """2 rollouts of 2 prompts x 2 samples (one prompt per process), each trained 5 epochs with the whole
+    rollout per optimizer step (the same minibatches for 1 and 2 processes). A fast critic and a small
+    value clip: after a rollout's first step every value is out of the clip range, so its later critic
+    steps are flat."""
     return [
         "--pretrain", str(policy), "--prompt_data", str(data / "prompts.jsonl"), "--input_key", "prompt",
         "--label_key", "label", "--remote_rm_url", str(data / "reward.py"), "--advantage_estimator", "gae",
-        "--init_kl_coef", "0", "--n_samples_per_prompt", "2", "--rollout_batch_size", "4",
-        "--train_batch_size", "8", "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "4",
+        "--init_kl_coef", "0", "--n_samples_per_prompt", "2", "--rollout_batch_size", "2",
+        "--train_batch_size", "4", "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "2",
         "--max_epochs", "5", "--value_clip", "0.01", "--generate_max_len", "4", "--prompt_max_len", "8",
         "--actor_learning_rate", "2e-3", "--critic_learning_rate", "5e-3", "--lr_warmup_ratio", "0",
         "--zero_stage", "3", "--seed", "5", "--save_path", str(out / "final"), "--ckpt_path", str(out / "ckpt"),
@@ -139,7 +140,7 @@ def test_zero_reward_gae_one_and_two_processes_take_the_same_steps(tiny_qwen2, t
     data = tmp_path / "data"
     data.mkdir()
     with (data / "prompts.jsonl").open("w") as f:
-        for i in range(8):
+        for i in range(4):
             f.write(json.dumps({"prompt": f"{i}>", "label": str(i)}) + "\n")
     (data / "reward.py").write_text(ZERO_REWARD)
     one = run_ppo(parse_run(flags(tiny_qwen2, data, tmp_path / "one")))
