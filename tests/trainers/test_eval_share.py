@@ -1,14 +1,11 @@
 """Evaluation on 2 processes of eval sets with fewer samples than ranks, or shares of uneven micro-batch
 counts, gives one process's metrics instead of hanging (FSDP2 forwards and metric reductions must line
 up across ranks); KTO's KL reference point over a 1-sample eval set works on every rank. The checks run
-in ``eval_share_worker.py`` under torchrun; the pure helpers are checked here."""
+in ``eval_share_worker.py`` over 2 ranks; the pure helpers are checked here."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from tidal.distributed import World
@@ -52,11 +49,7 @@ def write_data(folder: Path) -> None:
             u.write(json.dumps(row) + "\n")
 
 
-def test_small_and_uneven_eval_sets_on_two_processes_match_one(tiny_llama, perturbed_llama, tmp_path):
+def test_small_and_uneven_eval_sets_on_two_processes_match_one(tiny_llama, perturbed_llama, tmp_path, ranks):
     reference = perturbed_llama
     write_data(tmp_path)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(WORKER), str(tiny_llama), str(reference), str(tmp_path)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks.launch(WORKER, tiny_llama, reference, tmp_path)

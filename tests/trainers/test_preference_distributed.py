@@ -4,9 +4,6 @@ sharded separate reference and KTO's KL reference point are all reduced over dev
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +29,7 @@ def write_data(folder: Path) -> tuple[Path, Path]:
     return pairs, unpaired
 
 
-def test_two_processes_match_one(tiny_llama, perturbed_llama, tmp_path):
+def test_two_processes_match_one(tiny_llama, perturbed_llama, tmp_path, ranks):
     reference = perturbed_llama
     pairs, unpaired = write_data(tmp_path)
 
@@ -57,12 +54,7 @@ def test_two_processes_match_one(tiny_llama, perturbed_llama, tmp_path):
         {"kind": k, "out": str(tmp_path / f"{k}2.json"), "argv": argv(k, tmp_path / f"{k}2")} for k in one
     ]
     (tmp_path / "runs.json").write_text(json.dumps(specs))
-    script = Path(__file__).with_name("dist_preference.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(script), str(tmp_path / "runs.json")]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks.launch(Path(__file__).with_name("dist_preference.py"), tmp_path / "runs.json")
     keys = {"dpo": ("loss", "reward_margin", "reward_accuracy"), "kto": ("loss", "kl", "desirable_reward")}
     for kind, history in one.items():
         two = json.loads((tmp_path / f"{kind}2.json").read_text())

@@ -5,10 +5,7 @@ fail with one line before any model loads."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -50,19 +47,8 @@ def flags(kind: str, model: Path, data: dict, out: Path, *extra: str, packing: b
     return [*common, "--dataset", str(data["sft"]), "--input_key", "prompt", "--output_key", "answer"]
 
 
-def launch(specs: list[dict], folder: Path) -> None:
-    """One ``torchrun`` launch of ``ring_runner.py`` over 2 processes running ``specs`` in order."""
-    (folder / "runs.json").write_text(json.dumps(specs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(RUNNER), str(folder / "runs.json")]  # fmt: skip
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-
-
 @pytest.fixture(scope="module")
-def ring_runs(tiny_llama, tiny_qwen2, perturbed_llama, tmp_path_factory) -> tuple[Path, dict]:
+def ring_runs(tiny_llama, tiny_qwen2, perturbed_llama, tmp_path_factory, ranks) -> tuple[Path, dict]:
     """SFT, DPO and GRPO with ``--ring_attn_size 2`` in one 2-process launch (the processes start once),
     and their 1-process runs with ``--ring_attn_size 1``."""
     folder = tmp_path_factory.mktemp("ring")
@@ -85,7 +71,8 @@ def ring_runs(tiny_llama, tiny_qwen2, perturbed_llama, tmp_path_factory) -> tupl
             "argv": grpo_flags(tiny_qwen2, folder, folder / "grpo2", "--ring_attn_size", "2"),
         }
     )
-    launch(specs, folder)
+    (folder / "runs.json").write_text(json.dumps(specs))
+    ranks.launch(RUNNER, folder / "runs.json")
     return folder, one
 
 

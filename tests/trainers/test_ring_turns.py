@@ -5,9 +5,6 @@ turn this rank's own count would make last. One SFT step over 2 gloo processes (
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from tidal.models.ring_attention import turns
@@ -22,11 +19,6 @@ def test_without_a_ring_every_item_is_a_turn_of_this_rank():
     assert list(schedule) == [(True, "a"), (True, "b"), (True, "c")]
 
 
-def test_uneven_ring_counts_update_like_one_process(tiny_llama, tmp_path):
+def test_uneven_ring_counts_update_like_one_process(tiny_llama, tmp_path, ranks):
     data = AdditionTask(digits=3, seed=4).write_jsonl(tmp_path / "sft.jsonl", 8)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(WORKER), str(tiny_llama), str(data), str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks.launch(WORKER, tiny_llama, data, tmp_path)
