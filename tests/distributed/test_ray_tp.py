@@ -1,9 +1,10 @@
 """Ray mode with tensor-parallel rollout engines (``--vllm_tensor_parallel_size 2``) on a one-node CPU
 Ray cluster (gloo, tiny fp32 Llama): two policy workers driving an engine each in a bundle of 2 CPUs
 (the engine actor starts its second rank), and two policy workers sharing one engine colocated over
-both, take the steps of one process with a one-process engine and with a local TP=2 engine (the same
-samples, rewards and losses within 1e-5); layouts the cluster can never hold fail in one line before
-anything is placed or loaded."""
+both, take the steps of one process with a one-process engine (the same samples, rewards and losses
+within 1e-5; that a local TP=2 engine takes those steps too is checked by
+``tests/rollout/test_tp_rl.py::test_tp2_engine_takes_the_steps_of_one_process``); layouts the cluster
+can never hold fail in one line before anything is placed or loaded."""
 
 from __future__ import annotations
 
@@ -62,12 +63,9 @@ def flags(model, prompts, out, *extra) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def local_runs(tiny_llama, prompts, tmp_path_factory):
-    """One process: a one-process engine, and a local TP=2 engine (two processes)."""
-    return [
-        run_ppo(parse_run(flags(tiny_llama, prompts, tmp_path_factory.mktemp(f"tp{tp}"), *extra)))
-        for tp, extra in ((1, ()), (2, ("--vllm_tensor_parallel_size", "2")))
-    ]
+def local_run(tiny_llama, prompts, tmp_path_factory):
+    """One process with a one-process engine."""
+    return run_ppo(parse_run(flags(tiny_llama, prompts, tmp_path_factory.mktemp("tp1"))))
 
 
 def wait_released() -> None:
@@ -86,17 +84,16 @@ def wait_released() -> None:
     ids=["separate-engines", "colocated-engine"],
 )
 def test_ray_tp2_engines_take_the_steps_of_one_process(
-    cluster, tiny_llama, prompts, local_runs, tmp_path, placement
+    cluster, tiny_llama, prompts, local_run, tmp_path, placement
 ):
     argv = flags(tiny_llama, prompts, tmp_path, "--actor_num_gpus_per_node", "2",
                  "--vllm_tensor_parallel_size", "2", *placement)  # fmt: skip
     history = ppo_main(argv)
-    assert len(history) == 2 and all(len(run) == 2 for run in local_runs)
+    assert len(history) == len(local_run) == 2
     assert any(h["policy/loss"] != 0.0 for h in history)
-    for local in local_runs:
-        for a, b in zip(local, history, strict=True):
-            for key in COMPARED:
-                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (key, a[key], b[key])
+    for a, b in zip(local_run, history, strict=True):
+        for key in COMPARED:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (key, a[key], b[key])
     wait_released()
 
 
