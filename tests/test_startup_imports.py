@@ -17,7 +17,8 @@ HEAVY = ("datasets", "torch.distributed.fsdp", "torch.distributed.checkpoint")
 
 # An engine process (spawned child or Ray actor: ``_serve`` / ``WorkerActor`` building an
 # ``EngineWorker``), a tensor-parallel worker (``python -m tidal.rollout.tp_worker``), the weight-sync
-# helpers torchrun's runner imports, and the error classes every command resolves when it runs.
+# helpers torchrun's runner imports, ``tidal chat``'s modules, and the error classes every command
+# resolves when it runs.
 PROBE = f"""
 import sys
 import tidal.placement.workers, tidal.placement.engines
@@ -25,6 +26,7 @@ import tidal.rollout.tp_worker, tidal.rollout.model_runner, tidal.rollout.models
 import tidal.distributed.weight_sync
 from tidal.distributed import barrier, init_world, shutdown
 import tidal.agents, tidal.rewards
+import tidal.inference.chat, tidal.inference.generate  # tidal chat
 import tidal.cli.common
 tidal.cli.common.error_kinds()
 print([m for m in {HEAVY!r} if m in sys.modules])

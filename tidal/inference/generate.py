@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from tidal.config.args import ConfigError
 from tidal.config.data import DatasetConfig
-from tidal.data import DataError, build_prompt_samples, load_dataset_spec, tokenize_texts
+from tidal.data import DataError, build_prompt_samples, tokenize_texts
 from tidal.inference.config import (
     CHUNK_SEQS_PER_SLOT,
     GeneratePromptConfig,
@@ -154,6 +154,10 @@ class Prompts:
 
 def load_prompts(run: GenerateRun, tokenizer, max_model_len: int) -> Prompts:
     """Rendered prompts and their token ids; over-long prompts are skipped and counted."""
+    # here, not at the top: ``datasets`` costs ~1 s of start-up, and ``tidal chat`` imports this module
+    # for ``load_engine`` only
+    from tidal.data import load_dataset_spec
+
     ds_cfg, cfg = run.datasets, run.prompts
     dataset = load_dataset_spec(
         ds_cfg.dataset, ds_cfg.dataset_probs, ds_cfg.dataset_split, ds_cfg.max_samples, run.sampling.seed
