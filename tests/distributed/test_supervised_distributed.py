@@ -98,7 +98,7 @@ def test_two_processes_match_one_and_resume(tiny_llama, tmp_path, dist):
         {"kind": "truncate", "ckpt": str(two_dir / "ckpt"), "step": 2},
         {"kind": "sft", "out": str(tmp_path / "resumed_2.json"), "argv": resume(tmp_path / "resumed_2")},
     ]
-    dist.torchrun(specs, tmp_path)
+    dist.torchrun(specs, tmp_path, fork=True)
 
     for name, kind, _, _ in CONFIGS:
         two = dist.result(tmp_path / f"{name}_2.json")["history"]

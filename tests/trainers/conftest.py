@@ -7,6 +7,7 @@ with the variables torchrun sets for them (``RANK``, ``WORLD_SIZE``, ``LOCAL_RAN
 ``MASTER_PORT``; Ray mode launches its ranks with the same ones). Each rank is a process of its own with
 its own gloo process group, as under torchrun, but the ~7 s CPU of imports is paid once, not per rank.
 The parent is single-threaded when it forks (OMP_NUM_THREADS=1, nothing run yet), so forking is safe.
+tests/distributed/conftest.py's ``torchrun(..., fork=True)`` launches ``dist_runner.py`` with it too.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from pathlib import Path
 import pytest
 
 # What the ranks of the trainer tests import anyway; imported before forking so that they share it.
-PRELOAD = ("torch", "transformers.optimization", "tidal.cli.train_sft", "tidal.cli.train_dpo",
-           "tidal.cli.train_kto", "tidal.cli.train_rm", "tidal.cli.train_ppo", "tidal.trainers.sft",
-           "tidal.trainers.dpo", "tidal.trainers.kto", "tidal.trainers.rm", "tidal.trainers.ppo")  # fmt: skip
+PRELOAD = ("torch", "transformers.optimization", "tidal.distributed.weight_sync", *(
+    f"tidal.{package}{kind}" for kind in ("sft", "dpo", "kto", "rm", "kd", "ppo")
+    for package in ("cli.train_", "trainers.")))  # fmt: skip
 
 
 def launch(script: Path, *args: str, nproc: int = 2, timeout: int = 600) -> None:
