@@ -180,7 +180,8 @@ def tp2_runs(tiny_qwen2, tiny_llama, tmp_path_factory, dist) -> dict[str, tuple[
         "trainers": trainers_case(tiny_llama, tiny_qwen2, folders["trainers"]),
         "families": families_case(folders["families"]),
     }
-    dist.torchrun([spec for _, specs in cases.values() for spec in specs], folders["reshard"], timeout=600)
+    specs = [spec for _, specs in cases.values() for spec in specs]
+    dist.torchrun(specs, folders["reshard"], timeout=600, fork=True)
     return {name: (folders[name], one) for name, (one, _) in cases.items()}
 
 
@@ -239,7 +240,9 @@ def test_tp2_by_dp2_four_processes_match_one(tiny_qwen2, tmp_path, dist):
     flags = sft_flags(tiny_qwen2, sft, tmp_path / "one", "--save_steps", "-1", "--max_epochs", "1")
     one = run_sft(train_sft.parse_run(flags))
     argv = sft_flags(tiny_qwen2, sft, tmp_path / "four", "--save_steps", "-1", "--max_epochs", "1", *TP2)
-    dist.torchrun([{"kind": "sft", "out": str(tmp_path / "four.json"), "argv": argv}], tmp_path, nproc=4)
+    dist.torchrun(
+        [{"kind": "sft", "out": str(tmp_path / "four.json"), "argv": argv}], tmp_path, nproc=4, fork=True
+    )
     four = dist.result(tmp_path / "four.json")["history"]
     assert len(four) == len(one) == 2
     dist.assert_steps_match(one, four, ("loss", "grad_norm", "tokens"))
