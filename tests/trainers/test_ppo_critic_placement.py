@@ -6,10 +6,7 @@ loads."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -151,10 +148,10 @@ def reward_func(queries, prompts, labels, **kwargs):
 """
 
 
-@pytest.mark.slow  # about a minute and a half on a loaded 2-core machine (torchrun, 2 critic processes)
-def test_two_critic_workers_under_torchrun_match_colocated(tiny_qwen2, prompts, tmp_path):
-    """torchrun with 2 processes: the critic on 2 worker processes of its own (their own FSDP2 group,
-    meeting at a free port, not torchrun's store) takes the colocated critic's steps."""
+@pytest.mark.slow  # about a minute on a loaded 2-core machine (2 ranks, 2 critic processes)
+def test_two_critic_workers_under_torchrun_match_colocated(tiny_qwen2, prompts, tmp_path, ranks):
+    """2 ranks (torchrun's variables): the critic on 2 worker processes of its own (their own FSDP2
+    group, meeting at a free port, not the ranks' store) takes the colocated critic's steps."""
     (tmp_path / "reward.py").write_text(REWARD)  # a dense reward: the critic has returns to fit
     base = (
         "--remote_rm_url",
@@ -169,12 +166,8 @@ def test_two_critic_workers_under_torchrun_match_colocated(tiny_qwen2, prompts, 
              for name, extra in (("here", ()), ("own", ("--critic_num_gpus_per_node", "2")))]  # fmt: skip
     (tmp_path / "runs.json").write_text(json.dumps(specs))
     runner = Path(__file__).resolve().parents[1] / "distributed" / "dist_runner.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(runner),
-           str(tmp_path / "runs.json")]  # fmt: skip
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # 2 ranks with the variables torchrun gives them, forked by tests/trainers/conftest.py's launcher
+    ranks.launch(runner, tmp_path / "runs.json")
     here, own = (json.loads((tmp_path / f"{n}.json").read_text())["history"] for n in ("here", "own"))
     assert len(here) == 2 and here[-1]["critic/loss"] != here[0]["critic/loss"]
     assert_same_steps(here, own)

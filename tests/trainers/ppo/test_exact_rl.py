@@ -3,15 +3,14 @@
 On every rank, at every step, the forward the trainer skipped is run anyway and must give the engine's
 log-probs bit for bit (without the mode it does not: checked too, so the check is not vacuous).
 
-This file is also the torchrun script: ``python -m torch.distributed.run --nproc_per_node 2
-test_exact_rl.py RUNS.json`` runs each spec of RUNS.json and writes one JSON report per rank."""
+This file is also the ranks' script (``python -m torch.distributed.run --nproc_per_node 2
+test_exact_rl.py RUNS.json``, or the fork launcher of tests/trainers/conftest.py): it runs each spec of
+RUNS.json and writes one JSON report per rank."""
 
 from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -114,17 +113,6 @@ def main() -> None:
         report = run_checked(spec["argv"])
         Path(f"{spec['out']}{world.rank}.json").write_text(json.dumps(report))
     shutdown(world)
-
-
-def torchrun(specs: list[dict], folder: Path, nproc: int = 2) -> None:
-    runs = folder / "runs.json"
-    runs.write_text(json.dumps(specs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           __file__, str(runs)]  # fmt: skip
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 def assert_exact(report: dict, steps: int) -> None:
@@ -256,8 +244,8 @@ def test_moe_policy_gives_the_engine_logprobs_exactly(moe, data, tmp_path):
     assert_exact(run_checked(grpo_flags(moe, data, tmp_path / "run", "--exact_logprobs", *extra)), 2)
 
 
-@pytest.mark.slow  # torchrun with 4 runs of 2 processes: about 25 s on a loaded 2-core machine
-def test_exact_over_two_processes_and_separate_engines(tiny_qwen2, moe, data, tmp_path):
+@pytest.mark.slow  # 4 runs of 2 ranks (one launch): about 25 s on a loaded 2-core machine
+def test_exact_over_two_processes_and_separate_engines(tiny_qwen2, moe, data, tmp_path, ranks):
     """FSDP2 over 2 gloo processes: one separate engine process per rank (weights by broadcast); LoRA on
     the sharded policy with each rank's own engine (each rank merges its rows); Qwen3-MoE with router
     replay. Every rank is exact. (A dense policy without LoRA on each rank's own engine needs no run of
@@ -273,7 +261,9 @@ def test_exact_over_two_processes_and_separate_engines(tiny_qwen2, moe, data, tm
         {"argv": grpo_flags(policy, data, tmp_path / name, *extra), "out": str(tmp_path / name)}
         for name, (policy, extra) in runs.items()
     ]
-    torchrun(specs, tmp_path)
+    (tmp_path / "runs.json").write_text(json.dumps(specs))
+    # this file's main() as 2 ranks, forked by tests/trainers/conftest.py's launcher
+    ranks.launch(Path(__file__), tmp_path / "runs.json")
     for rank in (0, 1):
         reports = {name: json.loads((tmp_path / f"{name}{rank}.json").read_text()) for name in runs}
         for name in ("engines", "lora", "moe"):

@@ -12,9 +12,6 @@ every model output they read (``tidal.trainers.ppo.update.OutputGradients``) and
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -135,8 +132,8 @@ KEYS = ("reward", "critic/loss", "critic/value_clip_ratio",
         "policy/loss", "grad_norm", "nonfinite_steps")  # fmt: skip
 
 
-@pytest.mark.slow  # about 40 s on a loaded 2-core machine (a torchrun launch of 2 processes)
-def test_zero_reward_gae_one_and_two_processes_take_the_same_steps(tiny_qwen2, tmp_path):
+@pytest.mark.slow  # about 30 s on a loaded 2-core machine (a launch of 2 ranks)
+def test_zero_reward_gae_one_and_two_processes_take_the_same_steps(tiny_qwen2, tmp_path, ranks):
     data = tmp_path / "data"
     data.mkdir()
     with (data / "prompts.jsonl").open("w") as f:
@@ -148,12 +145,7 @@ def test_zero_reward_gae_one_and_two_processes_take_the_same_steps(tiny_qwen2, t
         {"kind": "ppo", "out": str(tmp_path / "two.json"), "argv": flags(tiny_qwen2, data, tmp_path / "two")}
     ]
     (tmp_path / "runs.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(RUNNER),
-           str(tmp_path / "runs.json")]  # fmt: skip
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks.launch(RUNNER, tmp_path / "runs.json", timeout=300)  # 2 processes (tests/trainers/conftest.py)
     two = json.loads((tmp_path / "two.json").read_text())["history"]
     assert [h["step"] for h in one] == [h["step"] for h in two] == [1, 2]
     assert all(h["reward"] == 0.0 for h in one) and one[-1]["critic/value_clip_ratio"] > 0.5
