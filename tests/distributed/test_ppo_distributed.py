@@ -94,7 +94,7 @@ def test_two_processes_match_one(tiny_qwen2, rl_data, tmp_path, dist):
          "argv": rl_flags(tiny_qwen2, rl_data, tmp_path / f"{name}2", *extra)}
         for name, extra in configs.items()
     ]  # fmt: skip
-    dist.torchrun(specs, tmp_path)
+    dist.torchrun(specs, tmp_path, fork=True)
     for name in CONFIGS:
         two = dist.result(tmp_path / f"{name}2.json")
         assert len(two["history"]) == 2

@@ -6,9 +6,6 @@ reward model (last-token values), PRM (logits at the step tokens), KD (student a
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -126,17 +123,6 @@ def flags(kind: str, models: dict, data: dict, out: Path, *extra: str) -> list[s
     return [*common, *own[kind]]
 
 
-def run_ring(tmp_path: Path, specs: list[dict]) -> None:
-    """The runs of ``specs`` with 2 processes under torchrun (``ring_runner.py``)."""
-    (tmp_path / "runs.json").write_text(json.dumps(specs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(RUNNER), str(tmp_path / "runs.json")]  # fmt: skip
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-
-
 def assert_same_steps(one: list[dict], two: list[dict], keys, kind: str) -> None:
     assert len(one) == len(two) >= 2
     for a, b in zip(one, two, strict=True):
@@ -178,9 +164,9 @@ def write_prompts(folder: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_llama, tiny_qwen2, tmp_path_factory) -> tuple[dict, Path]:
+def runs(tiny_llama, tiny_qwen2, tmp_path_factory, ranks) -> tuple[dict, Path]:
     """Each trainer with one process, then all of them with ``--ring_attn_size 2`` over 2 processes (one
-    torchrun, which also runs the GAE ring with the critic on worker processes of its own, ``ppo_workers``,
+    launch, which also runs the GAE ring with the critic on worker processes of its own, ``ppo_workers``,
     against the same one-process run): ``({kind: (one's history, the ring run's ring_runner output)},
     folder)``."""
     from tidal.cli.train_ppo import parse_run
@@ -214,7 +200,8 @@ def runs(tiny_llama, tiny_qwen2, tmp_path_factory) -> tuple[dict, Path]:
         {"kind": kind.removesuffix("_workers"), "out": str(folder / f"{kind}2.json"), "argv": argv[kind]}
         for kind in one
     ]
-    run_ring(folder, specs)
+    (folder / "runs.json").write_text(json.dumps(specs))
+    ranks.launch(RUNNER, folder / "runs.json")  # 2 processes (tests/trainers/conftest.py)
     return {kind: (one[kind], json.loads((folder / f"{kind}2.json").read_text())) for kind in one}, folder  # fmt: skip
 
 
