@@ -32,7 +32,13 @@ tidal.cli.common.error_kinds()
 print([m for m in {HEAVY!r} if m in sys.modules])
 """
 
-LAZY_PACKAGES = ("tidal.data", "tidal.distributed", "tidal.placement", "tidal.checkpoint")
+LAZY_PACKAGES = (
+    "tidal.data",
+    "tidal.distributed",
+    "tidal.placement",
+    "tidal.checkpoint",
+    "tidal.trainers.ppo",
+)
 
 
 def test_engine_worker_and_cli_processes_import_no_heavy_library():

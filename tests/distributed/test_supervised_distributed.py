@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from tidal.cli import train_kd, train_rm, train_sft
-from tidal.testing import AdditionTask
+from tidal.testing import AdditionTask, perturbed_copy
 from tidal.trainers.kd import run_kd
 from tidal.trainers.rm import run_rm
 from tidal.trainers.sft import run_sft
@@ -32,17 +31,6 @@ def write_data(folder: Path) -> tuple[Path, Path]:
             wrong = str(int(s["answer"]) + 1 + i % 5)
             f.write(json.dumps({"prompt": s["prompt"], "chosen": s["answer"], "rejected": wrong}) + "\n")
     return sft, pairs
-
-
-def perturbed(model_dir: Path, out: Path) -> Path:
-    """A teacher for KD: the same architecture and tokenizer, different weights."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(out)
-    return out
 
 
 def flags(kind: str, model: Path, data: dict, out: Path, zero: str, *extra) -> list[str]:
@@ -77,7 +65,11 @@ def max_param_diff(a: Path, b: Path, cls=AutoModelForCausalLM) -> float:
 
 def test_two_processes_match_one_and_resume(tiny_llama, tmp_path, dist):
     sft, pairs = write_data(tmp_path)
-    data = {"sft": sft, "pairs": pairs, "teacher": perturbed(tiny_llama, tmp_path / "teacher")}
+    data = {
+        "sft": sft,
+        "pairs": pairs,
+        "teacher": perturbed_copy(tiny_llama, tmp_path / "teacher", 0.1, seed=1),
+    }
     one = {}
     for name, kind, zero, extra in CONFIGS:
         cli, run = RUN[kind]

@@ -9,11 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tidal.cli import train_kd, train_kto, train_prm, train_rm
-from tidal.testing import AdditionTask, build_tiny_model
+from tidal.testing import AdditionTask, build_tiny_model, perturbed_copy
 from tidal.trainers.kd import run_kd
 from tidal.trainers.kto import run_kto
 from tidal.trainers.prm import run_prm
@@ -49,18 +48,6 @@ RING_EXTRA = {
     "kd": ["--use_liger_kernel"],
     "kto": ["--ring_head_stride", "2"],
 }
-
-
-def perturbed(model_dir: Path, out: Path, seed: int) -> Path:
-    """``model_dir`` with perturbed weights (a KTO reference, a KD teacher that differ from the policy)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
-    return out
 
 
 def with_step_marker(folder: Path) -> Path:
@@ -175,7 +162,7 @@ def runs(tiny_llama, tiny_qwen2, tmp_path_factory, ranks) -> tuple[dict, Path]:
     folder = tmp_path_factory.mktemp("ring_trainers")
     models = {
         "policy": tiny_llama,
-        "other": perturbed(tiny_llama, folder / "other", seed=0),
+        "other": perturbed_copy(tiny_llama, folder / "other", 0.05, seed=0),
         "prm": with_step_marker(folder / "prm_model"),
     }
     data = datasets(folder)

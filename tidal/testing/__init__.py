@@ -4,6 +4,6 @@ Nothing here touches the network: every model and tokenizer is built in-process 
 """
 
 from tidal.testing.tasks import AdditionTask
-from tidal.testing.tiny import TINY_FAMILIES, build_tiny_model, build_tiny_tokenizer
+from tidal.testing.tiny import TINY_FAMILIES, build_tiny_model, build_tiny_tokenizer, perturbed_copy
 
-__all__ = ["AdditionTask", "TINY_FAMILIES", "build_tiny_model", "build_tiny_tokenizer"]
+__all__ = ["AdditionTask", "TINY_FAMILIES", "build_tiny_model", "build_tiny_tokenizer", "perturbed_copy"]

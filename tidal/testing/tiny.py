@@ -374,3 +374,18 @@ def build_tiny_model(
         model.model.norm.weight.mul_(logit_scale)
     model.save_pretrained(str(path))
     return path
+
+
+def perturbed_copy(model_dir: str | Path, out: str | Path, scale: float, seed: int) -> Path:
+    """``model_dir``'s model (and tokenizer) saved to ``out`` with ``scale`` x N(0, 1) (seeded) added to
+    every weight: a reference, teacher or policy that differs from the original one."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn_like(p))
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    return Path(out)

@@ -9,15 +9,16 @@ The names below are imported on first use, so that ``tidal ppo --help`` (which r
 imports no torch.
 """
 
-import importlib
 from typing import TYPE_CHECKING
+
+from tidal.lazy import lazy_exports
 
 if TYPE_CHECKING:  # the same names for type checkers, and for tests/test_imports.py's import graph
     from tidal.trainers.ppo.config import PPORun
     from tidal.trainers.ppo.entry import run_ppo
     from tidal.trainers.ppo.trainer import PPOParts, PPOTrainer
 
-# name → the submodule that defines it
+# name → the submodule that defines it, imported when the name is first used (see tidal.lazy)
 _EXPORTS = {
     "PPOParts": "tidal.trainers.ppo.trainer",
     "PPORun": "tidal.trainers.ppo.config",
@@ -25,10 +26,6 @@ _EXPORTS = {
     "run_ppo": "tidal.trainers.ppo.entry",
 }
 
-__all__ = ["PPOParts", "PPORun", "PPOTrainer", "run_ppo"]
+__all__ = ["PPOParts", "PPORun", "PPOTrainer", "run_ppo"]  # literal: ruff reads it as the re-exports
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
