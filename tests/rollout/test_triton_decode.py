@@ -36,3 +36,56 @@ def test_interpreted_kernel_matches_torch(heads, kv_heads, head_dim, window, spl
         live = ctx > 0
         torch.testing.assert_close(out[live], ref[live], atol=1e-5, rtol=1e-5)
         assert (out[~live] == 0).all()  # a padding row reads nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim, window, splits",
+    [(14, 2, 64, None, 1), (8, 4, 32, 7, 2), (6, 3, 16, None, 4), (4, 4, 16, 5, 8)],
+)
+def test_fused_rope_decode_is_bit_equal_to_rope_store_then_attention(
+    dtype, heads, kv_heads, head_dim, window, splits
+):
+    """``fused_rope_decode_attention`` = ``rope_store_kv`` + ``paged_decode_attention``: the same output and
+    cache bits, with the step's own key/value (the last context position) stored and read in one kernel
+    (whichever split holds it), a padding row storing into its slot, GQA groups and sliding windows."""
+    kernels = {
+        "tidal.rollout.models.triton_fused": "_rope_store_kv_kernel",
+        "tidal.rollout.triton_attention": "_decode_kernel",
+    }
+    with interpreted(kernels) as (tf, module):
+        gen = torch.Generator().manual_seed(heads + splits)
+        batch, blocks, block_size, width = 4, 64, 4, 16
+        cache = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+        tables = torch.stack([torch.randperm(blocks - 1, generator=gen)[:width] for _ in range(batch)])
+        ctx = torch.tensor([40, 1, 0, 13], dtype=torch.int32)
+        pad_slot = (blocks - 1) * block_size  # the last block is nobody's: the padding row's slot
+        pos = (ctx - 1).clamp(min=0).long()
+        slots = torch.where(
+            ctx > 0, tables[torch.arange(batch), pos // block_size] * block_size + pos % block_size, pad_slot
+        )
+        qkv = (torch.randn(batch, (heads + 2 * kv_heads) * head_dim, generator=gen) * 3).to(dtype)
+        angles = torch.rand(batch, head_dim // 2, generator=gen) * 100
+        cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+        tiles = module.Tiles(block_n=8, num_warps=1, num_stages=1)
+        scale = head_dim**-0.5
+
+        ref_cache = cache.clone()
+        qk = qkv[:, : (heads + kv_heads) * head_dim].view(batch, -1, head_dim)
+        v = qkv[:, (heads + kv_heads) * head_dim :].view(batch, kv_heads, head_dim)
+        q, _ = tf.rope_store_kv(qk, v, cos, sin, heads, ref_cache, slots)
+        ref = module.paged_decode_attention(q, ref_cache, tables.int(), ctx, window, scale, splits, tiles)
+
+        rope = module.RopeInputs(cos, sin, slots)
+        out = module.fused_rope_decode_attention(
+            qkv, heads, rope, cache, tables.int(), ctx, window, scale, splits, tiles
+        )
+        assert torch.equal(cache, ref_cache)  # k (rotated) and v stored once each, nothing else touched
+        assert torch.equal(out, ref)
+        # The kernel stores before it reads: a cache whose step slot was wiped still gives the same result.
+        stale = ref_cache.clone()
+        stale[:, slots[0] // block_size, slots[0] % block_size] = 0
+        missing = module.fused_rope_decode_attention(
+            qkv, heads, rope, stale, tables.int(), ctx, window, scale, splits, tiles
+        )
+        assert torch.equal(missing, ref) and torch.equal(stale, ref_cache)

@@ -254,6 +254,71 @@ def test_one_eager_engine_gives_the_same_outputs_with_the_kernels_on_and_off(
     assert first_difference(runs[0], runs[1]) is None, first_difference(runs[0], runs[1])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("batch, max_ctx", [(256, 640), (8, 20000)])
+def test_fused_rope_decode_attention_is_bit_equal(batch, max_ctx, shape, dtype):
+    """RoPE + KV store inside the decode attention kernel = ``rope_store_kv`` then
+    ``paged_decode_attention``: output and cache bit-equal, with tables as wide as a CUDA graph's (32k
+    tokens), a padding row, and (8 rows of long contexts) the context split over 16 programs, only one of
+    which holds and stores the step's own key and value."""
+    import tidal.rollout.models.triton_fused as tf
+    from tidal.rollout.triton_attention import RopeInputs, fused_rope_decode_attention, paged_decode_attention
+
+    s, block = SHAPES[shape], 16
+    heads, kv_heads, head_dim = s["heads"], s["kv_heads"], s["head_dim"]
+    gen = torch.Generator(device="cuda").manual_seed(batch + head_dim)
+    qkv, cos, sin, _, _ = rope_inputs(batch, heads, kv_heads, head_dim, dtype, "cuda", gen)
+    width = 32768 // block
+    blocks = batch * (max_ctx // block + 1) + 1
+    cache = torch.randn(2, blocks, block, kv_heads, head_dim, generator=gen, device="cuda").to(dtype)
+    tables = torch.zeros(batch, width, dtype=torch.int32, device="cuda")
+    used = torch.randperm(blocks - 1, generator=gen, device="cuda").int()  # the last block: padding's
+    per_row = max_ctx // block + 1
+    tables[:, :per_row] = used[: batch * per_row].view(batch, per_row)
+    ctx = torch.randint(1, max_ctx, (batch,), generator=gen, device="cuda", dtype=torch.int32)
+    ctx[batch // 2] = 0  # a CUDA-graph padding row
+    pos = (ctx - 1).clamp(min=0).long()
+    rows = torch.arange(batch, device="cuda")
+    slots = torch.where(
+        ctx > 0, tables[rows, pos // block].long() * block + pos % block, (blocks - 1) * block
+    )
+    scale = head_dim**-0.5
+
+    ref_cache = cache.clone()
+    q, _ = run_fused(tf, qkv, heads, kv_heads, head_dim, cos, sin, ref_cache, slots)
+    ref = paged_decode_attention(q, ref_cache, tables, ctx, None, scale)
+    out = fused_rope_decode_attention(
+        qkv, heads, RopeInputs(cos, sin, slots), cache, tables, ctx, None, scale
+    )
+    assert torch.equal(cache, ref_cache)
+    assert torch.equal(out, ref), (out.float() - ref.float()).abs().max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_engine_with_rope_in_decode_attention_matches_two_kernels(family, dtype, tiny_model, monkeypatch):
+    """Engines (CUDA graphs, async scheduling) with RoPE + KV store inside the decode attention kernel and
+    with them as two kernels give the same tokens and log-probs; the switch really selects the path."""
+    import tidal.rollout.triton_attention as ta
+
+    calls = []
+    kernel = ta.fused_rope_decode_attention
+    monkeypatch.setattr(
+        ta, "fused_rope_decode_attention", lambda *a, **kw: (calls.append(1), kernel(*a, **kw))[1]
+    )
+    path = tiny_model(family)
+    fused = generate(path, dtype, "cuda", True, monkeypatch)
+    assert calls
+    calls.clear()
+    monkeypatch.setattr(layers, "FUSED_DECODE_ATTENTION", False)
+    two_kernels = generate(path, dtype, "cuda", True, monkeypatch)
+    assert calls == []
+    assert first_difference(fused, two_kernels) is None, first_difference(fused, two_kernels)
+
+
 # ------------------------------------------------------------------------------------ interpreter
 @pytest.fixture(scope="module")
 def tf():

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tidal.rollout.models.triton_fused import rope_half
+
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in merging than it gains in parallelism
 MAX_SPLITS = 16
 
@@ -56,6 +58,10 @@ def _decode_kernel(
     out_ptr,
     part_ptr,
     lse_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    stride_cos,
     stride_qb,
     stride_qh,
     stride_kblk,
@@ -72,6 +78,7 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -93,9 +100,28 @@ def _decode_kernel(
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
     heads = kvh * GROUP + g
-    q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0
-    )
+    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    q = tl.load(q_rows + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
+    if ROPE:
+        # q_ptr is the packed qkv projection before RoPE (k heads after the q heads, then v): rotate q here,
+        # and the one program whose range holds the step's own position (ctx - 1) rotates its k and
+        # stores k and v into the cache, as ``rope_store_kv`` would, before the loop below reads them.
+        first = d < HEAD_DIM // 2
+        partner = tl.where(first, d + HEAD_DIM // 2, d - HEAD_DIM // 2)
+        c = tl.load(cos_ptr + b * stride_cos + d).to(tl.float32)
+        s_ = tl.load(sin_ptr + b * stride_cos + d).to(tl.float32)
+        q_partner = tl.load(q_rows + partner[None, :], mask=(g < GROUP)[:, None], other=0.0)
+        q = rope_half(q, q_partner, c[None, :], s_[None, :], first[None, :])
+        owner = tl.minimum((tl.maximum(ctx - 1, 0) - base) // tl.maximum(split_len, 1), NUM_SPLITS - 1)
+        if split == owner:  # a padding row (ctx 0) stores into its padding slot, as rope_store_kv does
+            k_row = q_ptr + b * stride_qb + (num_heads + kvh) * stride_qh
+            v_row = q_ptr + b * stride_qb + (num_heads + tl.num_programs(1) + kvh) * stride_qh
+            k_new = rope_half(tl.load(k_row + d), tl.load(k_row + partner), c, s_, first)
+            slot = tl.load(slot_ptr + b).to(tl.int64)
+            dst = (slot // BLOCK_SIZE) * stride_kblk + (slot % BLOCK_SIZE) * stride_kslot + kvh * stride_khead
+            tl.store(k_ptr + dst + d, k_new)
+            tl.store(v_ptr + dst + d, tl.load(v_row + d))
+        tl.debug_barrier()  # the loop's loads (other threads of this program) read what was just stored
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     denom = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -166,6 +192,16 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, num_sms: i
     return splits
 
 
+@dataclass(frozen=True)
+class RopeInputs:
+    """What the decode kernel needs to do ``rope_store_kv``'s work itself (``fused_rope_decode_attention``):
+    cos/sin [batch, head_dim] of each row's position (model dtype) and each row's KV cache slot."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     layer_cache: torch.Tensor,
@@ -182,8 +218,38 @@ def paged_decode_attention(
     with context length 0 (a CUDA-graph padding row) reads nothing and returns zeros. ``tiles``: launch
     settings other than ``TILES`` (bench/decode_attention.py sweeps them).
     """
+    return _launch(q, None, layer_cache, block_tables, context_lens, window, scale, num_splits, tiles)
+
+
+def fused_rope_decode_attention(
+    qkv: torch.Tensor,
+    num_heads: int,
+    rope: RopeInputs,
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    window: int | None,
+    scale: float,
+    num_splits: int | None = None,
+    tiles: Tiles | None = None,
+) -> torch.Tensor:
+    """``triton_fused.rope_store_kv`` then ``paged_decode_attention``, as one kernel and bit-equal to them:
+    qkv [batch, (heads + 2 kv_heads) * d] is the packed projection before RoPE (no q/k norms); each row's
+    k and v are rotated / stored into ``layer_cache`` at ``rope.slot_mapping`` -> out [batch, heads * d]."""
+    head_dim = layer_cache.shape[-1]
+    assert qkv.stride(-1) == 1 and rope.cos.shape == (qkv.shape[0], head_dim)
+    q = qkv.view(qkv.shape[0], -1, head_dim)  # every head, q then k then v: the kernel indexes past q
+    return _launch(
+        q, rope, layer_cache, block_tables, context_lens, window, scale, num_splits, tiles, num_heads
+    )
+
+
+def _launch(
+    q, rope, layer_cache, block_tables, context_lens, window, scale, num_splits, tiles, num_heads=None
+) -> torch.Tensor:
     tiles = tiles or TILES
-    batch, num_heads, head_dim = q.shape
+    batch, heads, head_dim = q.shape
+    num_heads = num_heads or heads
     _, _, block_size, num_kv_heads, cache_dim = layer_cache.shape
     assert cache_dim == head_dim and q.stride(-1) == 1 and layer_cache.is_contiguous()
     assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two for the Triton decode kernel"
@@ -198,6 +264,10 @@ def paged_decode_attention(
         lse = torch.empty(batch * num_heads * num_splits, dtype=torch.float32, device=q.device)
     else:
         part = lse = out  # unused
+    if rope is not None:
+        cos, sin, slots = rope.cos.contiguous(), rope.sin.contiguous(), rope.slot_mapping
+    else:
+        cos = sin = slots = out  # unused
     k, v = layer_cache[0], layer_cache[1]
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
@@ -208,6 +278,10 @@ def paged_decode_attention(
         out,
         part,
         lse,
+        cos,
+        sin,
+        slots,
+        cos.stride(0),
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -224,8 +298,12 @@ def paged_decode_attention(
         NUM_SPLITS=num_splits,
         HAS_WINDOW=window is not None,
         IEEE=q.dtype == torch.float32,
+        ROPE=rope is not None,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        # RoPE's mul_rn / add_rn keep denormals, as rope_store_kv (and torch) do; libdevice is used for
+        # nothing else here.
+        enable_reflect_ftz=rope is None,
     )
     if num_splits > 1:
         _merge_kernel[(batch * num_heads,)](part, lse, out, HEAD_DIM=head_dim, NUM_SPLITS=num_splits)

@@ -16,7 +16,8 @@ shard as it copies it; size 1 is the plain single-device model. Model code has n
 
 On CUDA with Triton, the element-wise work around the GEMMs runs as fused kernels, each bit-equal to the
 torch ops it replaces: residual add + RMSNorm (``triton_norm.py``), SwiGLU and RoPE (+ Qwen3's q/k norms)
-+ KV store (``triton_fused.py``; ``FUSED_KERNELS`` turns the latter two off).
++ KV store (``triton_fused.py``; ``FUSED_KERNELS`` turns the latter two off); at decode, RoPE + KV store
+run inside the decode attention kernel (``decode_fusable``).
 """
 
 from __future__ import annotations
@@ -57,11 +58,32 @@ from tidal.rollout.models.rope import apply_rope, inv_freq_and_scale, rope_table
 # ops instead (benchmarks compare the two; both give bit-equal results). Read at each forward, so set it
 # before an engine captures its CUDA graphs. TIDAL_FUSED_KERNELS=0 in the environment starts it off.
 FUSED_KERNELS = os.environ.get("TIDAL_FUSED_KERNELS", "1") != "0"
+# Within those, decode steps also fold RoPE + KV store into the decode attention kernel (``decode_fusable``);
+# False (TIDAL_FUSED_DECODE_ATTENTION=0) keeps them as two kernels, for benchmarks to compare.
+FUSED_DECODE_ATTENTION = os.environ.get("TIDAL_FUSED_DECODE_ATTENTION", "1") != "0"
 
 
 def fused_kernels_usable(x: torch.Tensor) -> bool:
     """``triton_fused``'s kernels run on ``x``: switched on, CUDA, Triton importable."""
     return FUSED_KERNELS and triton_usable(x)
+
+
+def decode_fusable(qk: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Whether a decode step's RoPE + KV store joins the Triton decode attention kernel (one launch, bit-equal
+    to the two): switched on, a decode step on the Triton backend with a cache, and q/k heads that are the
+    packed projection itself (no family transform such as Olmo2's or unfused Qwen3 norms produced them),
+    with a power-of-two head_dim (the decode kernel's)."""
+    head_dim = qk.shape[-1]
+    return (
+        FUSED_DECODE_ATTENTION
+        and not meta.is_prefill
+        and meta.backend == "triton"
+        and meta.kv_cache is not None
+        and head_dim & (head_dim - 1) == 0
+        and qk.data_ptr() == qkv.data_ptr()
+        and qk.stride() == (qkv.stride(0), head_dim, 1)
+        and qkv.stride(-1) == 1
+    )
 
 
 def fusable_head_norm(head_dim: int) -> bool:
@@ -248,7 +270,10 @@ class Attention(nn.Module):
         v = qkv[:, self.split[0] + self.split[1] :].view(-1, self.num_kv_heads, self.head_dim)
         # The kernel rounds RoPE's products to the activations' dtype, as torch does when cos/sin share it.
         if fused_kernels_usable(qkv) and not meta.exact and cos.dtype == qkv.dtype:
-            q, k = self._fused_rope_store(qkv, v, cos, sin, meta)
+            qk, norms = self.fused_qk_heads(qkv)
+            if norms is None and decode_fusable(qk, qkv, meta):
+                return self.o_proj(self._fused_decode(qkv, cos, sin, meta))
+            q, k = self._fused_rope_store(qk, norms, v, cos, sin, meta)
             out = paged_attention(q, k, v, meta, self.layer_idx, self.window, self.scale, stored=True)
             return self.o_proj(out)
         # Rotating q and k heads together halves the (launch-bound) RoPE ops.
@@ -256,14 +281,30 @@ class Attention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         return self.o_proj(paged_attention(q, k, v, meta, self.layer_idx, self.window, self.scale))
 
-    def _fused_rope_store(self, qkv, v, cos, sin, meta: AttentionMetadata):
+    def _fused_rope_store(self, qk, norms, v, cos, sin, meta: AttentionMetadata):
         """(q, k) after norms and RoPE, k/v already in the layer's cache: one kernel (``triton_fused``)."""
         from tidal.rollout.models.triton_fused import rope_store_kv
 
-        qk, norms = self.fused_qk_heads(qkv)
         layer_cache = None if meta.kv_cache is None else meta.kv_cache[self.layer_idx]
         weights, eps = (None, 0.0) if norms is None else ((norms[0].weight, norms[1].weight), norms[0].eps)
         return rope_store_kv(qk, v, cos, sin, self.num_heads, layer_cache, meta.slot_mapping, weights, eps)
+
+    def _fused_decode(self, qkv, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
+        """RoPE, the KV store and paged decode attention in one kernel (``triton_attention``)."""
+        from tidal.rollout.triton_attention import RopeInputs, fused_rope_decode_attention
+
+        rope = RopeInputs(cos, sin, meta.slot_mapping)
+        layer_cache = meta.kv_cache[self.layer_idx]
+        return fused_rope_decode_attention(
+            qkv,
+            self.num_heads,
+            rope,
+            layer_cache,
+            meta.block_tables,
+            meta.context_lens,
+            self.window,
+            self.scale,
+        )
 
 
 class GatedMLP(nn.Module):

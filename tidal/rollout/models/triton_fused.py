@@ -66,6 +66,20 @@ def _silu(x):
 
 
 @triton.jit
+def rope_half(x, xp, c, s, first_half):
+    """``apply_rope`` (rotate-half layout) of ``x`` in the model dtype, rounded as torch rounds it: ``xp``
+    holds each lane's rotate-half partner (lane d +/- head_dim / 2), ``c``/``s`` cos and sin in float32,
+    ``first_half`` the lanes below head_dim / 2. Shared by ``_rope_store_kv_kernel`` and the fused decode
+    attention (``triton_attention``), so both produce the same bits."""
+    # torch negates (-0.0 for +0.0); Triton's unary minus is 0 - x, so multiply by -1 instead.
+    rot = tl.where(first_half, xp.to(tl.float32) * -1.0, xp.to(tl.float32))
+    # apply_rope: x * cos and rot * sin each rounded to the model dtype, then their rounded sum.
+    a = _mul_rn(x.to(tl.float32), c).to(x.dtype).to(tl.float32)
+    b = _mul_rn(rot, s).to(x.dtype).to(tl.float32)
+    return _add_rn(a, b).to(x.dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -152,12 +166,7 @@ def _rope_store_kv_kernel(
             xp = (wp * (xp.to(tl.float32) * inv).to(x.dtype).to(tl.float32)).to(x.dtype)
         c = tl.load(cos_ptr + t * stride_cos + cols, mask=mask, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + t * stride_cos + cols, mask=mask, other=0.0).to(tl.float32)
-        # torch negates (-0.0 for +0.0); Triton's unary minus is 0 - x, so multiply by -1 instead.
-        rot = tl.where(cols < half, xp.to(tl.float32) * -1.0, xp.to(tl.float32))
-        # apply_rope: x * cos and rot * sin each rounded to the model dtype, then their rounded sum.
-        a = _mul_rn(x.to(tl.float32), c).to(x.dtype).to(tl.float32)
-        b = _mul_rn(rot, s).to(x.dtype).to(tl.float32)
-        out = _add_rn(a, b).to(x.dtype)
+        out = rope_half(x, xp, c, s, cols < half)
         if h < num_heads:
             tl.store(q_out_ptr + (t * num_heads + h) * head_dim + cols, out, mask=mask)
         else:
