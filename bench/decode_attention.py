@@ -41,6 +41,8 @@ SHAPES = {
 BLOCK_SIZE = 16
 L2_BYTES = 50 * 2**20
 MAX_COPIES = 20  # = kernel_ms' calls per graph
+# The sweep's grid (``--grid_*`` replace an axis): Tiles(block_n, num_warps, num_stages) x context splits.
+GRID = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3), "splits": (1, 2, 4, 8)}
 
 
 def make_inputs(batch, kv_heads, group, dim, avg, table_tokens=0, seed=0):
@@ -78,7 +80,7 @@ def kernel_ms(fn, calls: int = 20, replays: int = 5) -> float:
     return start.elapsed_time(end) / (calls * replays)
 
 
-def measure(name: str, sweep: bool) -> dict:
+def measure(name: str, sweep: bool, grid: dict | None = None) -> dict:
     from tidal.rollout import triton_attention as ta
 
     batch, kv_heads, group, dim, avg, *table_tokens = SHAPES[name]
@@ -106,7 +108,8 @@ def measure(name: str, sweep: bool) -> dict:
         return result
     best = (base, ta.TILES, auto)
     by_splits: dict[int, float] = {}  # the fastest tiles at each split count
-    for block_n, warps, stages, splits in itertools.product((32, 64, 128), (4, 8), (2, 3), (1, 2, 4, 8)):
+    grid = grid or GRID
+    for block_n, warps, stages, splits in itertools.product(*(grid[k] for k in GRID)):
         tiles = ta.Tiles(block_n, warps, stages)
         out = run(tiles, splits)()
         err = float((out.float() - reference.float()).abs().max())
@@ -126,8 +129,11 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--sweep", action="store_true")
+    for axis, values in GRID.items():
+        p.add_argument(f"--grid_{axis}", type=int, nargs="+", default=list(values), help="a sweep axis")
     args = p.parse_args(argv)
-    results = [measure(name, args.sweep) for name in args.shapes]
+    grid = {axis: tuple(getattr(args, f"grid_{axis}")) for axis in GRID}
+    results = [measure(name, args.sweep, grid) for name in args.shapes]
     print(json.dumps({"bench": "decode_attention", "gpu": torch.cuda.get_device_name(), "runs": results}))
     return results
 
