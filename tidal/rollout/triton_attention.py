@@ -132,9 +132,6 @@ def _decode_kernel(
         page = tl.load(bt_ptr + b * stride_btb + offs // BLOCK_SIZE, mask=offs < hi, other=0)
         kv_off = page.to(tl.int64) * stride_kblk + (offs % BLOCK_SIZE) * stride_kslot + kvh * stride_khead
         k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=live[:, None], other=0.0)
-        # Both loads issued before any math: without software pipelining (num_stages=1) they are in flight
-        # together, and the next program on the SM hides their latency.
-        v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=live[:, None], other=0.0)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -144,6 +141,7 @@ def _decode_kernel(
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         denom = denom * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=live[:, None], other=0.0)
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
