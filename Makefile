@@ -22,8 +22,10 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Two xdist workers: single-process tests use one core each; multi-process ones run one at a time, on
+# one worker (tests/conftest.py: ONE_AT_A_TIME).
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadscope
 
 format: install
 	$(BIN)/ruff check --fix .

@@ -21,6 +21,50 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
+# Tests that start several processes (torchrun or fork-launched ranks, Ray clusters, engine workers) or
+# time signals and kills: under ``make test`` (pytest-xdist, two workers, ``--dist loadscope``) they are one
+# scope, so one worker runs them one after another while the other takes the single-process tests (one
+# core each: ``pytest_configure``). Two multi-rank launches at once would oversubscribe two cores, and two
+# Ray clusters on one machine find each other; one launch beside a single-process test fills the cores.
+ONE_AT_A_TIME = (
+    "tests/distributed/",
+    "tests/reliability/",
+    "tests/bench/test_ring_sft.py",
+    "tests/bench/test_rl_placement.py",
+    "tests/checkpoint/test_export_distributed.py",
+    "tests/models/test_ring_attention.py",
+    "tests/agents/test_endpoint_rl.py",
+    "tests/logging/test_logging_wandb.py",
+    "tests/rollout/test_tp_",
+    "tests/rollout/test_async_scheduling.py",
+    "tests/trainers/ppo/test_exact_rl.py",
+    "tests/trainers/ppo/test_gae_1vN.py",
+    "tests/trainers/test_eval_share.py",
+    "tests/trainers/test_ppo_critic_placement.py",
+    "tests/trainers/test_ppo_engines.py",
+    "tests/trainers/test_ppo_roles.py",
+    "tests/trainers/test_preference_distributed.py",
+    "tests/trainers/test_ring",
+    "tests/trainers/test_teacher_placement.py",
+)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, when it is installed
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope`` with the ``ONE_AT_A_TIME`` tests as one scope (other tests: one per module).
+    (``--dist loadgroup`` with ``xdist_group`` marks would say the same, but pytest-xdist 3.8 under pytest
+    9 no longer groups them.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneAtATime(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "one-at-a-time" if nodeid.startswith(ONE_AT_A_TIME) else super()._split_scope(nodeid)
+
+    return OneAtATime(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip ``gpu``-marked tests on machines without CUDA."""
     import torch
