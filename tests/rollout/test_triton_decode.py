@@ -46,7 +46,7 @@ def test_interpreted_kernel_matches_torch(heads, kv_heads, head_dim, window, spl
 def test_fused_rope_decode_is_bit_equal_to_rope_store_then_attention(
     dtype, heads, kv_heads, head_dim, window, splits
 ):
-    """``fused_rope_decode_attention`` = ``rope_store_kv`` + ``paged_decode_attention``: the same output and
+    """``paged_decode_attention(rope=...)`` = ``rope_store_kv`` + ``paged_decode_attention``: the same output and
     cache bits, with the step's own key/value (the last context position) stored and read in one kernel
     (whichever split holds it), a padding row storing into its slot, GQA groups and sliding windows."""
     kernels = {
@@ -77,15 +77,16 @@ def test_fused_rope_decode_is_bit_equal_to_rope_store_then_attention(
         ref = module.paged_decode_attention(q, ref_cache, tables.int(), ctx, window, scale, splits, tiles)
 
         rope = module.RopeInputs(cos, sin, slots)
-        out = module.fused_rope_decode_attention(
-            qkv, heads, rope, cache, tables.int(), ctx, window, scale, splits, tiles
+        packed = qkv.view(batch, -1, head_dim)
+        out = module.paged_decode_attention(
+            packed, cache, tables.int(), ctx, window, scale, splits, tiles, rope
         )
         assert torch.equal(cache, ref_cache)  # k (rotated) and v stored once each, nothing else touched
         assert torch.equal(out, ref)
         # The kernel stores before it reads: a cache whose step slot was wiped still gives the same result.
         stale = ref_cache.clone()
         stale[:, slots[0] // block_size, slots[0] % block_size] = 0
-        missing = module.fused_rope_decode_attention(
-            qkv, heads, rope, stale, tables.int(), ctx, window, scale, splits, tiles
+        missing = module.paged_decode_attention(
+            packed, stale, tables.int(), ctx, window, scale, splits, tiles, rope
         )
         assert torch.equal(missing, ref) and torch.equal(stale, ref_cache)

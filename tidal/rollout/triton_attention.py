@@ -194,8 +194,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, num_sms: i
 
 @dataclass(frozen=True)
 class RopeInputs:
-    """What the decode kernel needs to do ``rope_store_kv``'s work itself (``fused_rope_decode_attention``):
-    cos/sin [batch, head_dim] of each row's position (model dtype) and each row's KV cache slot."""
+    """What the decode kernel needs to do ``rope_store_kv``'s work itself: cos/sin [batch, head_dim] of each
+    row's position (model dtype) and each row's KV cache slot."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -211,46 +211,23 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     tiles: Tiles | None = None,
+    rope: RopeInputs | None = None,
 ) -> torch.Tensor:
     """q [batch, heads, d]; layer_cache [2, blocks, block_size, kv_heads, d] -> out [batch, heads * d].
 
     ``block_tables`` [batch, width] and ``context_lens`` [batch] are int32/int64 device tensors; a row
     with context length 0 (a CUDA-graph padding row) reads nothing and returns zeros. ``tiles``: launch
     settings other than ``TILES`` (bench/decode_attention.py sweeps them).
+
+    With ``rope``, q is the packed projection before RoPE, [batch, heads + 2 kv_heads, d] (q heads, then k,
+    then v; no q/k norms): the kernel does ``triton_fused.rope_store_kv``'s work too (q and k rotated, k and
+    v stored at ``rope.slot_mapping``), bit-equal to running that kernel first.
     """
-    return _launch(q, None, layer_cache, block_tables, context_lens, window, scale, num_splits, tiles)
-
-
-def fused_rope_decode_attention(
-    qkv: torch.Tensor,
-    num_heads: int,
-    rope: RopeInputs,
-    layer_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    window: int | None,
-    scale: float,
-    num_splits: int | None = None,
-    tiles: Tiles | None = None,
-) -> torch.Tensor:
-    """``triton_fused.rope_store_kv`` then ``paged_decode_attention``, as one kernel and bit-equal to them:
-    qkv [batch, (heads + 2 kv_heads) * d] is the packed projection before RoPE (no q/k norms); each row's
-    k and v are rotated / stored into ``layer_cache`` at ``rope.slot_mapping`` -> out [batch, heads * d]."""
-    head_dim = layer_cache.shape[-1]
-    assert qkv.stride(-1) == 1 and rope.cos.shape == (qkv.shape[0], head_dim)
-    q = qkv.view(qkv.shape[0], -1, head_dim)  # every head, q then k then v: the kernel indexes past q
-    return _launch(
-        q, rope, layer_cache, block_tables, context_lens, window, scale, num_splits, tiles, num_heads
-    )
-
-
-def _launch(
-    q, rope, layer_cache, block_tables, context_lens, window, scale, num_splits, tiles, num_heads=None
-) -> torch.Tensor:
     tiles = tiles or TILES
-    batch, heads, head_dim = q.shape
-    num_heads = num_heads or heads
+    batch, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_dim = layer_cache.shape
+    if rope is not None:
+        num_heads -= 2 * num_kv_heads  # the k and v heads after the q heads
     assert cache_dim == head_dim and q.stride(-1) == 1 and layer_cache.is_contiguous()
     assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two for the Triton decode kernel"
     group = num_heads // num_kv_heads

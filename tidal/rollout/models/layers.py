@@ -71,18 +71,14 @@ def fused_kernels_usable(x: torch.Tensor) -> bool:
 def decode_fusable(qk: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> bool:
     """Whether a decode step's RoPE + KV store joins the Triton decode attention kernel (one launch, bit-equal
     to the two): switched on, a decode step on the Triton backend with a cache, and q/k heads that are the
-    packed projection itself (no family transform such as Olmo2's or unfused Qwen3 norms produced them),
-    with a power-of-two head_dim (the decode kernel's)."""
-    head_dim = qk.shape[-1]
+    packed projection itself (no family transform such as Olmo2's or unfused Qwen3 norms produced them)."""
     return (
         FUSED_DECODE_ATTENTION
         and not meta.is_prefill
         and meta.backend == "triton"
         and meta.kv_cache is not None
-        and head_dim & (head_dim - 1) == 0
         and qk.data_ptr() == qkv.data_ptr()
-        and qk.stride() == (qkv.stride(0), head_dim, 1)
-        and qkv.stride(-1) == 1
+        and qk.stride() == (qkv.stride(0), qk.shape[-1], 1)
     )
 
 
@@ -291,19 +287,13 @@ class Attention(nn.Module):
 
     def _fused_decode(self, qkv, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         """RoPE, the KV store and paged decode attention in one kernel (``triton_attention``)."""
-        from tidal.rollout.triton_attention import RopeInputs, fused_rope_decode_attention
+        from tidal.rollout.triton_attention import RopeInputs, paged_decode_attention
 
-        rope = RopeInputs(cos, sin, meta.slot_mapping)
+        heads = qkv.view(qkv.shape[0], -1, self.head_dim)  # q, then k, then v heads
         layer_cache = meta.kv_cache[self.layer_idx]
-        return fused_rope_decode_attention(
-            qkv,
-            self.num_heads,
-            rope,
-            layer_cache,
-            meta.block_tables,
-            meta.context_lens,
-            self.window,
-            self.scale,
+        rope = RopeInputs(cos, sin, meta.slot_mapping)
+        return paged_decode_attention(
+            heads, layer_cache, meta.block_tables, meta.context_lens, self.window, self.scale, rope=rope
         )
 
 
