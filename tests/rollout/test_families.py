@@ -95,3 +95,24 @@ def test_trainer_side_loads_each_family_and_takes_an_sft_step(family, tiny_model
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     assert losses[1] < losses[0]
+
+
+def test_a_family_refuses_the_features_its_record_names(tiny_model, monkeypatch):
+    """``Family.refuses``: a feature asked for is refused in one line naming it and the family; a refused
+    ``cuda_graphs`` / ``async_scheduling`` runs eager / synchronous instead."""
+    import dataclasses
+
+    reasons = {"prefix_caching": "no saved states", "cuda_graphs": "dynamic shapes"}
+    entry = dataclasses.replace(registry.FAMILIES["qwen2"], refuses=reasons)
+    monkeypatch.setitem(registry.FAMILIES, "qwen2", entry)
+    path = tiny_model("qwen2")
+    with pytest.raises(
+        ValueError, match="prefix_caching is not supported for the qwen2 family: no saved states"
+    ):
+        LLMEngine(path, cpu_config(enable_prefix_caching=True))
+    assert registry.feature_refusal("qwen2", "cuda_graphs").endswith("dynamic shapes")
+    assert registry.feature_refusal("qwen2", "tensor_parallel") is None
+    engine = LLMEngine(path, cpu_config(max_model_len=64))
+    assert engine.eager
+    with pytest.raises(ValueError, match="unknown engine feature 'paging'"):
+        registry.feature_refusal("qwen2", "paging")

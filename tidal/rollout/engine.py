@@ -60,6 +60,7 @@ from tidal.rollout.models.loader import (
     tp_layout_problem,
 )
 from tidal.rollout.models.parallel import SINGLE
+from tidal.rollout.models.registry import feature_refusal
 from tidal.rollout.outputs import CompletionOutput, RequestOutput
 from tidal.rollout.sampler import sequence_seed
 from tidal.rollout.sampling_params import SamplingParams
@@ -169,6 +170,11 @@ class LLMEngine:
         problem = self.config.exact_logprobs and exact_device_problem(self.device, self.dtype, model_type)
         if problem:
             raise ValueError(f"EngineConfig: {problem}")
+        problem = family_problem(self.config, model_type)
+        if problem:
+            raise ValueError(f"EngineConfig: {problem}")
+        # Features the family runs without (Family.refuses): eager decode steps, synchronous scheduling.
+        self.eager = self.config.enforce_eager or feature_refusal(model_type, "cuda_graphs") is not None
         if model is not None:
             weights = model.named_parameters()
         elif state_dict is not None:
@@ -188,7 +194,8 @@ class LLMEngine:
         wanted = self.config.async_scheduling
         if wanted is None:
             wanted = self.device.type == "cuda"
-        self.async_scheduling = wanted and async_fallback(self.config) is None
+        refused = feature_refusal(model_type, "async_scheduling") is not None
+        self.async_scheduling = wanted and not refused and async_fallback(self.config) is None
         self._ahead: _Ahead | None = None  # the decode step launched ahead, not yet scheduled for real
         self.ahead_stats = AheadStats()
         self.ahead_policy = AheadPolicy()
@@ -203,7 +210,7 @@ class LLMEngine:
             self.eos_token_ids,
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len,
-            enforce_eager=self.config.enforce_eager,
+            enforce_eager=self.eager,
             attention_backend=self.config.attention_backend,
             record_routing=self.config.record_routing,
             peers=self.peers,
@@ -250,7 +257,7 @@ class LLMEngine:
                 self.dtype,
                 self.config.block_size,
                 self.config.max_num_seqs,
-                self.config.enforce_eager,
+                self.eager,
                 self.config.attention_backend,
                 torch.get_num_threads(),
             )
@@ -606,6 +613,19 @@ class LLMEngine:
     @property
     def is_sleeping(self) -> bool:
         return self.sleep_level > 0
+
+
+def family_problem(config: EngineConfig, model_type: str | None) -> str | None:
+    """The refusal (``Family.refuses``) of the first feature ``config`` asks for that the family of
+    ``model_type`` does not support (None: it supports them all)."""
+    asked = {
+        "tensor_parallel": config.tp_size > 1,
+        "prefix_caching": config.enable_prefix_caching,
+        "chunked_prefill": config.enable_chunked_prefill,
+        "record_routing": config.record_routing,
+    }
+    refusals = (feature_refusal(model_type, feature) for feature, on in asked.items() if on)
+    return next((problem for problem in refusals if problem), None)
 
 
 def async_fallback(config: EngineConfig) -> str | None:

@@ -25,7 +25,8 @@ class Family:
     offline model (``tidal.testing.build_tiny_model``), on top of its shared tiny shapes. ``tiny_adds_bos``:
     the tiny tokenizer prepends a bos token, as the family's real tokenizers do. ``chunkable_head``: the HF
     forward applies nothing after ``lm_head`` (no soft-capping or logit scaling), so the trainer may
-    compute log-probs from the hidden states in chunks.
+    compute log-probs from the hidden states in chunks. ``refuses``: the engine features (``FEATURES``) this
+    family does not support, each with the one-line reason the engine gives when asked for it.
     """
 
     model_type: str
@@ -33,6 +34,7 @@ class Family:
     tiny: dict[str, Any] = field(default_factory=dict)
     tiny_adds_bos: bool = False
     chunkable_head: bool = True
+    refuses: dict[str, str] = field(default_factory=dict)
 
 
 # One line per family (the table reads better unwrapped).
@@ -52,6 +54,29 @@ _FAMILIES = (
 )
 # fmt: on
 FAMILIES: dict[str, Family] = {family.model_type: family for family in _FAMILIES}
+
+
+# The engine features a family may refuse (``Family.refuses``), by the name the refusal gives:
+# tensor_parallel (tp_size > 1), prefix_caching, chunked_prefill, record_routing (MoE router replay),
+# cuda_graphs and async_scheduling (refused ones fall back to eager / synchronous steps with a notice).
+FEATURES = (
+    "tensor_parallel",
+    "prefix_caching",
+    "chunked_prefill",
+    "record_routing",
+    "cuda_graphs",
+    "async_scheduling",
+)
+
+
+def feature_refusal(model_type: str | None, feature: str) -> str | None:
+    """Why the engine cannot run ``feature`` for ``model_type`` (None: it can, or the family is not in the
+    registry, whose own error comes first)."""
+    if feature not in FEATURES:
+        raise ValueError(f"unknown engine feature {feature!r}; expected one of {', '.join(FEATURES)}")
+    entry = FAMILIES.get(model_type)
+    reason = entry.refuses.get(feature) if entry is not None else None
+    return f"{feature} is not supported for the {model_type} family: {reason}" if reason else None
 
 
 class UnsupportedModelError(ValueError):
