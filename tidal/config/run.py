@@ -4,17 +4,25 @@ A run (``SFTRun``, ``PPORun``...) is a ``RunConfig`` whose fields are component 
 ``config_field``: the run owns their defaults (``config_field(lambda: TrainConfig(micro_train_batch_size=4))``),
 so a run built in Python is the run its command builds from the same required flags, and the command
 reads its flag defaults from the run (``tidal.cli.common.TrainerCommand``). ``problems`` lists every
-problem of every config plus the run's own checks across configs (``cross_problems``); ``check``
-raises them all in one ``ConfigError``, one line each.
+problem of every config plus the run's own checks across configs (``cross_problems``) and the one check
+every run shares (``overwrite_problems``: no output folder may be a model folder the run reads, so
+``tidal dpo --pretrain ./ckpt`` after ``tidal sft`` cannot overwrite the SFT model with its default
+``--save_path ./ckpt``); ``check`` raises them all in one ``ConfigError``, one line each.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from tidal.config.args import checks_deferred, config_problems, raise_problems
+from tidal.config.args import checks_deferred, config_problems, flag_name, raise_problems
+
+# Flags naming folders a run writes models or checkpoints into, and flags naming models it reads (a flag
+# named ``*pretrain``, e.g. ``--pretrain``, ``--ref_pretrain``, ``--reward_pretrain``, or ``--teacher_model``).
+OUTPUT_FLAGS = ("save_path", "ckpt_path")
+INPUT_SUFFIXES = ("pretrain", "teacher_model")
 
 
 def config_field(factory: Callable[[], Any] | None = None, *, flags: Mapping[str, str] | None = None) -> Any:
@@ -56,7 +64,7 @@ class RunConfig:
             cfg = getattr(self, field.name)
             if dataclasses.is_dataclass(cfg):
                 found += config_problems(cfg, run_flags(field))
-        return found + self.cross_problems(world)
+        return found + self.cross_problems(world) + overwrite_problems(self)
 
     def check(self, world: Any = None) -> None:
         """Raise every problem at once (one ``ConfigError``, one line per problem)."""
@@ -65,3 +73,31 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not checks_deferred():
             self.check()
+
+
+def _flag_values(run: Any) -> Iterator[tuple[str, Any]]:
+    """``(flag, value)`` of every field of the run's component configs, under the run's flag names."""
+    for field in dataclasses.fields(run):
+        cfg = getattr(run, field.name)
+        if dataclasses.is_dataclass(cfg):
+            for f in dataclasses.fields(cfg):
+                yield flag_name(f, run_flags(field)), getattr(cfg, f.name)
+
+
+def overwrite_problems(run: Any) -> list[str]:
+    """An output folder (``--save_path``, ``--ckpt_path``) that resolves to a local model folder the run
+    reads (``--pretrain``...): the run would write over the model it starts from."""
+    values = list(_flag_values(run))
+    inputs = [(flag, path) for flag, value in values if flag.endswith(INPUT_SUFFIXES) and isinstance(value, str)
+              for path in value.split(",") if path.strip() and os.path.isdir(path.strip())]  # fmt: skip
+    problems = []
+    for out_flag, out in values:
+        if out_flag not in OUTPUT_FLAGS or not isinstance(out, str) or not out:
+            continue
+        for in_flag, path in inputs:
+            if os.path.realpath(out) == os.path.realpath(path.strip()):
+                problems.append(
+                    f"--{out_flag} {out} is the --{in_flag} folder ({os.path.realpath(out)}): the run would "
+                    f"write over the model it reads; pass another --{out_flag}"
+                )
+    return problems
