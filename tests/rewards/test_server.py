@@ -322,6 +322,55 @@ def test_cli_rejects_bad_flags(rm_path, tmp_path, capsys):
         parse_config(["--reward_pretrain", str(rm_path), "--max_request_queries", "0"])
     cfg = parse_config(["--reward_pretrain", str(rm_path), "--max_request_bytes", "2048"])
     assert cfg.limits == RequestLimits(max_bytes=2048, max_queries=8192)
+    assert (
+        parse_config(["--reward_pretrain", str(rm_path), "--request_timeout", "5"]).limits.read_timeout == 5
+    )
+    with pytest.raises(ConfigError, match="--request_timeout"):
+        parse_config(["--reward_pretrain", str(rm_path), "--request_timeout", "0"])
     with pytest.raises(SystemExit) as exc:
         serve_main(["--reward_pretrain", str(tmp_path / "missing"), "--port", "0"])
     assert exc.value.code == 2 and "--reward_pretrain" in capsys.readouterr().err
+
+
+@pytest.fixture
+def quick_timeout_server():
+    """A model-free server whose clients may stay silent for 0.5 s only (``--request_timeout 0.5``)."""
+    limits = RequestLimits(max_bytes=1024, max_queries=5, read_timeout=0.5)
+    with RewardServer(echo_scores, "127.0.0.1", 0, batch_size=2, limits=limits).start() as srv:
+        yield srv
+
+
+def test_stalled_body_gets_408_and_serving_continues(quick_timeout_server):
+    host, port = quick_timeout_server.httpd.server_address[:2]
+    with socket.create_connection((host, port), timeout=10) as sock:  # announces 100 bytes, sends 10, waits
+        sock.sendall(b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b'{"query": ')
+        head, _, body = sock.makefile("rb").read().partition(b"\r\n\r\n")
+    assert head.split()[1] == b"408" and "--request_timeout" in json.loads(body)["error"]
+    assert post(quick_timeout_server.url + "/get_reward", {"query": ["q3"]})[1]["rewards"] == [3.0]
+
+
+def test_client_that_hangs_up_leaves_no_traceback(caplog, capfd):
+    """The client resets its connection while its request is scored: the answer cannot be written, which
+    is logged at debug level, not as a BrokenPipe/ConnectionReset traceback on stderr."""
+    scoring, release = threading.Event(), threading.Event()
+
+    def slow(items):
+        scoring.set()
+        release.wait(timeout=30)
+        return echo_scores(items)
+
+    caplog.set_level("DEBUG", logger="tidal.rewards.server")
+    with RewardServer(slow, "127.0.0.1", 0, batch_size=2).start() as srv:
+        host, port = srv.httpd.server_address[:2]
+        body = b'{"query": ["q1"]}'
+        sock = socket.create_connection((host, port), timeout=10)
+        sock.sendall(
+            b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        assert scoring.wait(timeout=30)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
+        sock.close()
+        release.set()
+        wait_until(lambda: "went away" in caplog.text, "the server to notice the client left")
+        assert post(srv.url + "/get_reward", {"query": ["q2"]})[1]["rewards"] == [2.0]
+    assert "Traceback" not in capfd.readouterr().err

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.config.args import AT_LEAST_ONE, ConfigError, arg
+from tidal.config.args import AT_LEAST_ONE, ConfigError, Range, arg
 
 
 @dataclass
@@ -29,6 +29,12 @@ class ServeRMConfig:
     )
     max_request_queries: int = arg(
         8192, help="most queries in one request; more get HTTP 413 (tidal-only flag)", check=AT_LEAST_ONE
+    )
+    request_timeout: float = arg(
+        60.0,
+        help="seconds a client may stay silent while sending a request: a stalled body gets HTTP 408, "
+        "stalled headers a closed connection (tidal-only flag)",
+        check=Range(0, low_open=True),
     )
     normalize_reward: bool = arg(False, help="return (reward - mean) / std with the stats stored by tidal rm")
     value_head_prefix: str = arg(
@@ -56,12 +62,14 @@ class ServeRMConfig:
 
     @property
     def limits(self) -> RequestLimits:
-        return RequestLimits(self.max_request_bytes, self.max_request_queries)
+        return RequestLimits(self.max_request_bytes, self.max_request_queries, self.request_timeout)
 
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """What one ``/get_reward`` request may hold (bigger ones are refused with 413)."""
+    """What one ``/get_reward`` request may hold (bigger ones are refused with 413), and how long its
+    client may stay silent while sending it (``read_timeout`` seconds; a stalled body gets 408)."""
 
     max_bytes: int = 16 * 1024 * 1024
     max_queries: int = 8192
+    read_timeout: float = 60.0

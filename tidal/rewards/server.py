@@ -17,7 +17,8 @@ of clients queue instead of being reset). A handler checks ``Content-Length`` ag
 ``--max_request_bytes`` *before* reading the body (413 otherwise), parses and validates the JSON (400
 for anything malformed: invalid or non-UTF-8 JSON, nesting too deep, wrong types, more queries than
 ``--max_request_queries``), tokenizes the queries and queues them. Every error is a one-line
-``{"error": ...}``.
+``{"error": ...}``. A client silent for ``--request_timeout`` seconds mid-body gets 408 (mid-headers:
+the connection is closed); a client that hangs up early is logged at debug level only.
 
 Batching: one worker thread scores micro-batches of at most ``--batch_size`` queries drawn from all
 waiting requests at once, round-robin (each request contributes an equal share; a request's queries
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import json
 import queue
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -53,7 +55,6 @@ from tidal.models.value_model import load_value_model
 log = get_logger(__name__)
 
 LISTEN_BACKLOG = 1024  # socketserver's default of 5 reset connections under a burst of 32 clients
-SOCKET_TIMEOUT_S = 60.0  # a client that stalls mid-request frees its thread after this
 DRAIN_LIMIT_BYTES = 256 * 1024 * 1024  # an oversized body up to this is read and dropped (see _refuse_body)
 
 
@@ -334,6 +335,15 @@ class _HTTPServer(ThreadingHTTPServer):
     request_queue_size = LISTEN_BACKLOG  # the kernel caps it at net.core.somaxconn
     daemon_threads = True
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hung up or stalled is the client's business (debug log, no traceback on
+        stderr as socketserver prints by default); anything else is logged with its traceback."""
+        err = sys.exc_info()[1]
+        if isinstance(err, (ConnectionError, TimeoutError)):
+            log.debug("client %s went away: %s", client_address, err)
+        else:
+            log.exception("request from %s failed", client_address)
+
 
 class RewardServer:
     """The HTTP server around a ``BatchingWorker``; ``start()`` serves from a background thread.
@@ -390,7 +400,7 @@ def _handler_for(
     worker: BatchingWorker, limits: RequestLimits, prepare: Callable[[str], Any]
 ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
-        timeout = SOCKET_TIMEOUT_S
+        timeout = limits.read_timeout  # per read: a client silent this long frees its thread
 
         def do_GET(self) -> None:
             if self.path.rstrip("/") == "/health":
@@ -409,7 +419,7 @@ def _handler_for(
                         HTTPStatus.NOT_FOUND, f"no such path {self.path}; use POST /get_reward"
                     )
                 length = body_length(self.headers.get("Content-Length"), limits)
-                body, self.unread = self.rfile.read(length), 0
+                body, self.unread = self._read_body(length), 0
                 if len(body) < length:
                     raise RequestError(
                         HTTPStatus.BAD_REQUEST, f"body ended after {len(body)} of {length} bytes"
@@ -418,11 +428,23 @@ def _handler_for(
                 rewards = worker.submit([prepare(q) for q in queries])
             except RequestError as err:
                 self._reply(err.status, {"error": str(err)})
-                self._drop_unread_body()
+                if err.status != HTTPStatus.REQUEST_TIMEOUT:  # a stalled client sends nothing more
+                    self._drop_unread_body()
             except Exception as err:  # a scoring failure is the server's, not the client's
                 self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(err).__name__}: {err}"})
             else:
                 self._reply(HTTPStatus.OK, {"rewards": rewards, "scores": rewards, "extra_logs": {}})
+
+        def _read_body(self, length: int) -> bytes:
+            try:
+                return self.rfile.read(length)
+            except TimeoutError as err:  # the socket's per-read timeout: the client stalled mid-body
+                self.close_connection = True
+                raise RequestError(
+                    HTTPStatus.REQUEST_TIMEOUT,
+                    f"the request body stalled: nothing arrived for {limits.read_timeout:g} s "
+                    "(--request_timeout)",
+                ) from err
 
         def _drop_unread_body(self) -> None:
             """After an answer sent without reading the body (413, 404), read and drop up to
@@ -447,11 +469,15 @@ def _handler_for(
             if "error" in payload:
                 payload = {"error": one_line(payload["error"])}
             body = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            except (ConnectionError, TimeoutError) as err:  # the client hung up before its answer
+                self.close_connection = True
+                log.debug("%s went away before its answer: %s", self.address_string(), err)
 
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("%s - %s", self.address_string(), format % args)
