@@ -36,6 +36,7 @@ from tidal.models.logprob_head import (
     chunkable_head,
     chunked_logprobs,
     head_logprobs,
+    head_values,
 )
 from tidal.models.packed_attention import enable_varlen_attention, varlen_kwargs
 from tidal.rollout import batch_invariant
@@ -271,8 +272,9 @@ def _ring_head(head: nn.Linear, targets, temperature, chunk_size, with_entropy):
         logp, ent = chunked_logprobs(
             hidden[0], head.weight, head.bias, targets, temperature, chunk_size, with_entropy
         )
+        out, logp, ent = head_values(logp, ent)  # the loss reads views of the output (FSDP2's hook)
         result[:] = [logp, ent]
-        return logp[None]
+        return out
 
     head.forward = forward  # an instance attribute shadows the class's forward for this module only
     try:

@@ -11,6 +11,11 @@ On CUDA the float32 passes over a chunk's logits run as Triton kernels (``triton
 own forward (and any FSDP2 / peft wrapping around it) runs unchanged and only the head's output
 changes: ``[B, T]`` log-probs instead of ``[B, T, V]`` logits.
 
+Everything the loss reads from a swapped head must be (a view of) the head's return value
+(``head_values``). FSDP2 frees the gathered weights after forward under ``--zero_stage 3`` and gathers
+them again for backward in a hook on the sharded module's *outputs*: a log-prob or entropy tensor
+handed to the loss on the side would reach the head's backward with its weight's storage freed.
+
 The token log-probs of SFT, DPO, KTO and PPO always take this path. Losses that need more of the
 vocabulary than the target token (KD's distributions, PRM's reward tokens at step markers) read full
 logits unless ``--use_liger_kernel`` (OpenRLHF's switch for its fused kernels) asks for their fused
@@ -99,6 +104,7 @@ class _ChunkLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         h, weight, bias, targets, lse = ctx.saved_tensors
+        _check_gathered(weight)
         device, dtype, enabled = ctx.autocast
         with torch.autocast(device_type=device, dtype=dtype, enabled=enabled):
             z = nn.functional.linear(h, weight, bias)
@@ -119,6 +125,16 @@ class _ChunkLogprobs(torch.autograd.Function):
             None if grad_b is None else grad_b.to(bias.dtype),
             None,
             None,
+        )
+
+
+def _check_gathered(weight: Tensor) -> None:
+    """One clear error for a head weight FSDP2 did not gather again before backward (its storage freed
+    after forward), instead of a failing matmul: the loss read the head's values around its output."""
+    if weight.numel() and weight.untyped_storage().nbytes() == 0:
+        raise RuntimeError(
+            "the LM head's weight was freed (FSDP2 resharded it after forward) and not gathered again for "
+            "backward: the loss must read the log-probs from the head's output (logprob_head.head_values)"
         )
 
 
@@ -167,6 +183,18 @@ def chunked_logprobs(
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
 
+def head_values(logprobs: Tensor, entropy: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(output, logprobs, entropy)``: what a swapped head returns — the log-probs, stacked with the
+    entropy when there is one — and the two as views of it, for the loss. Through the views every gradient
+    reaches the head's output, where FSDP2's pre-backward hook gathers the weights the head's backward
+    reads (see the module docstring); a sharded module's output must not itself be a view."""
+    if entropy is None:
+        out = logprobs if logprobs._base is None else logprobs.clone()
+        return out, out, None
+    out = torch.stack([logprobs, entropy])
+    return out, out[0], out[1]
+
+
 @dataclass
 class HeadResult:
     """What the swapped head computed during one forward, aligned with ``input_ids`` (``[B, T]``)."""
@@ -198,9 +226,10 @@ def head_logprobs(
             flat, head.weight, head.bias, targets, temperature, chunk_size, with_entropy
         )
         result.hidden = hidden
-        result.logprobs = _aligned(logp, b)
-        result.entropy = _aligned(ent, b) if ent is not None else None
-        return result.logprobs
+        out, result.logprobs, result.entropy = head_values(
+            _aligned(logp, b), _aligned(ent, b) if ent is not None else None
+        )
+        return out
 
     head.forward = forward  # an instance attribute shadows the class's forward for this module only
     try:
