@@ -54,16 +54,28 @@ class NonFiniteError(RuntimeError):
 VANISHED_LOSS = 1e-6
 
 
-def bad_step(loss: float, grad_norm: float, scaled: bool, flat: bool = False) -> str | None:
+def bad_step(
+    loss: float, grad_norm: float, scaled: bool, flat: bool = False, into_outputs: float | None = None
+) -> str | None:
     """Why an optimizer step must not be applied (None when it may). With fp16 loss scaling
     (``scaled``) an overflowing gradient is the scaler's business: it skips the step and lowers the
     scale, as it should in the first steps. ``flat``: the loss has no gradient with respect to any
-    model output it reads (PPO's clipping, every token clipped), so a zero gradient is expected there."""
+    model output it reads (PPO's clipping, every token clipped), so a zero gradient is expected there.
+    ``into_outputs``: the gradient the loss sends into those outputs, when the trainer measures it (PPO:
+    ``tidal.trainers.ppo.update.OutputGradients``); a zero parameter gradient despite it means the model
+    overflowed inside, whatever the loss (a PPO loss is near 0 by design: its advantages are centred)."""
     if not math.isfinite(loss):
         return f"a non-finite loss ({loss})"
     if not math.isfinite(grad_norm):
         return None if scaled else f"a non-finite gradient norm ({grad_norm})"
-    if grad_norm == 0.0 and abs(loss) > VANISHED_LOSS and not flat:
+    if grad_norm != 0.0 or flat:
+        return None
+    if into_outputs is not None and into_outputs > 0:
+        return (
+            f"a zero gradient although the loss sends gradient into the model outputs ({into_outputs:.3g}): "
+            "the model overflowed inside"
+        )
+    if abs(loss) > VANISHED_LOSS:
         return f"a zero gradient at loss {loss:.4g} (the model overflowed inside)"
     return None
 
@@ -81,11 +93,13 @@ class NonFiniteGuard:
     in_a_row: int = 0
     _loss: float = 0.0
     _flat: bool = False
+    _into_outputs: float | None = None
 
-    def observe_loss(self, loss: float, flat: bool = False) -> None:
-        """The loss of the step about to be taken (summed over micro-batches, reduced over ranks) and
-        whether it is flat in the model outputs it reads on every rank (``bad_step``)."""
-        self._loss, self._flat = loss, flat
+    def observe_loss(self, loss: float, flat: bool = False, into_outputs: float | None = None) -> None:
+        """The loss of the step about to be taken (summed over micro-batches, reduced over ranks),
+        whether it is flat in the model outputs it reads on every rank, and the gradient it sends into
+        them when measured (``bad_step``)."""
+        self._loss, self._flat, self._into_outputs = loss, flat, into_outputs
 
     def take_loss(self) -> float:
         loss, self._loss = self._loss, 0.0
@@ -94,9 +108,11 @@ class NonFiniteGuard:
     def allow(self, loss: float, grad_norm: float, scaled: bool = False) -> bool:
         """True when the step may be applied; otherwise counts it (raising at the limit)."""
         flat, self._flat = self._flat, False  # observed for this step only
-        reason = bad_step(loss, grad_norm, scaled, flat)
+        into_outputs, self._into_outputs = self._into_outputs, None
+        reason = bad_step(loss, grad_norm, scaled, flat, into_outputs)
         if reason is None:
-            self.in_a_row = 0
+            if not (flat and grad_norm == 0.0):  # a flat step says nothing about the model: keep the count
+                self.in_a_row = 0
             return True
         self.skipped += 1
         self.in_a_row += 1

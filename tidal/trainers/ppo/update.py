@@ -10,7 +10,9 @@ change the update. ``PolicyLoss`` and ``ValueLoss`` are the two objectives; thei
 part's ``NonFiniteGuard`` (``tidal.trainers.optim``). A zero gradient is not taken for an overflow when
 the step's loss is flat in every model output it reads (``OutputGradients``: PPO's clipping can flatten
 every token of a minibatch, most often the critic's in later epochs); such a step is applied, as
-OpenRLHF applies every step (AdamW's momentum still moves the weights).
+OpenRLHF applies every step (AdamW's momentum still moves the weights). Conversely a zero parameter
+gradient while the loss does send gradient into those outputs is an overflow inside the model (an absurd
+learning rate), skipped and counted whatever the loss (PPO's loss is near 0 by design).
 """
 
 from __future__ import annotations
@@ -181,7 +183,9 @@ def train_on_experience(
             metrics = reduce_metrics(sums, world)  # every rank sees the same loss, so all skip together
             into_outputs = metrics.pop(OUTPUT_GRADIENT)
             flat = outputs.known and into_outputs == 0.0  # no gradient into the outputs on any rank
-            opt.guard.observe_loss(metrics.pop(STEP_LOSS), flat=flat)
+            # a zero parameter gradient while the outputs get one: the model overflowed inside (huge lr)
+            measured = into_outputs if outputs.known else None
+            opt.guard.observe_loss(metrics.pop(STEP_LOSS), flat=flat, into_outputs=measured)
             metrics["grad_norm"] = optimizer_step(opt)
             if after_step is not None:
                 after_step()
