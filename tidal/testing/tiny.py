@@ -389,3 +389,43 @@ def perturbed_copy(model_dir: str | Path, out: str | Path, scale: float, seed: i
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
     return Path(out)
+
+
+# Families transformers has but tidal's engine does not implement (they run on the transformers fallback,
+# ``tidal.rollout.hf_engine``): their tiny HF config fields. bamba is a hybrid Mamba-2 / attention decoder
+# (attention in layers 1 and 3); gpt2 a learned-position, LayerNorm decoder.
+TINY_FALLBACK_FAMILIES = {
+    "bamba": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        attn_layer_indices=[1, 3], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_chunk_size=16,
+        rms_norm_eps=1e-6, max_position_embeddings=1024, tie_word_embeddings=False,
+    ),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=1024),
+}  # fmt: skip
+
+
+def build_tiny_fallback_model(
+    path: str | Path, family: str = "bamba", seed: int = 0, vocab_size: int = 512
+) -> Path:
+    """Like ``build_tiny_model``, for a family of ``TINY_FALLBACK_FAMILIES`` (not in the engine's registry)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if family not in TINY_FALLBACK_FAMILIES:
+        raise ValueError(
+            f"unknown tiny fallback family {family!r}; expected one of {sorted(TINY_FALLBACK_FAMILIES)}"
+        )
+    path = Path(path)
+    tokenizer = build_tiny_tokenizer(path, vocab_size=vocab_size, seed=seed, add_bos=False)
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = AutoConfig.for_model(
+        family,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        **ids,
+        **TINY_FALLBACK_FAMILIES[family],
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(str(path))
+    return path
