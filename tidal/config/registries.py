@@ -23,6 +23,7 @@ RM_LOSS_NAMES = ("sigmoid", "logexp")
 # tidal.rollout.models.registry.FAMILIES: the engine's model families (and tidal.testing's tiny builders)
 MODEL_FAMILY_NAMES = (
     "llama", "qwen2", "qwen3", "mistral", "olmo2", "gemma2", "gemma3_text", "phi3", "qwen3_moe", "qwen2_moe", "mixtral",
+    "deepseek_v3",
 )  # fmt: skip
 
 # --remote_rm_timeout / --remote_rm_retries defaults (tidal.rewards.remote.RemoteReward's).

@@ -1,6 +1,7 @@
 """``ModelRunner``: owns the decoder and the paged KV cache, turns a ``ScheduledBatch`` into tokens.
 
-The KV cache is one tensor ``[layers, 2 (k, v), num_blocks + 1, block_size, kv_heads, head_dim]`` so that
+The KV cache is one tensor ``[layers, 2 (k, v), num_blocks + 1, block_size, kv_heads, head_dim]`` (a family
+may declare another per-slot layout: ``kv_cache_layout``, e.g. MLA's one latent row) so that
 a whole block can be copied for every layer at once (prompt sharing) and freed/re-allocated in one go
 (``sleep``/``wake_up``). The extra last block is never handed out: CUDA-graph padding rows write there.
 
@@ -203,6 +204,14 @@ def fill_decode_inputs(
     return view
 
 
+def kv_cache_layout(args) -> tuple[int, int, int]:
+    """(tensors, heads, dim) the paged cache holds per layer and slot: k and v of each KV head this rank
+    computes, unless the family's ``DecoderArgs`` declare a ``kv_cache_layout`` of their own (multi-head
+    latent attention caches one latent row per token: ``models/mla.py``)."""
+    layout = getattr(args, "kv_cache_layout", None)
+    return layout if layout is not None else (2, args.local_kv_heads, args.head_dim)
+
+
 def resolve_attention_backend(backend: str, device: torch.device, head_dim: int) -> str:
     """``auto``: the Triton paged kernel on CUDA when Triton is importable, else plain torch."""
     if backend != "auto":
@@ -345,11 +354,13 @@ class ModelRunner:
     def bytes_per_block(args, block_size: int, dtype: torch.dtype) -> int:
         """KV bytes of one block on one rank (a tensor-parallel rank caches its KV heads only)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return args.num_layers * 2 * block_size * args.local_kv_heads * args.head_dim * elem
+        parts, heads, dim = kv_cache_layout(args)
+        return args.num_layers * parts * block_size * heads * dim * elem
 
     def allocate_kv_cache(self) -> None:
         a = self.args
-        shape = (a.num_layers, 2, self.num_blocks + 1, self.block_size, a.local_kv_heads, a.head_dim)
+        parts, heads, dim = kv_cache_layout(a)
+        shape = (a.num_layers, parts, self.num_blocks + 1, self.block_size, heads, dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def free_kv_cache(self) -> None:

@@ -132,6 +132,35 @@ def route_torch(
     return weights, ids
 
 
+def group_limited_route(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    top_groups: int,
+    renormalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [tokens, k] float32, expert ids [tokens, k]) of DeepSeek-V3's router (transformers'
+    ``DeepseekV3TopkRouter``): sigmoid scores; the choice alone adds ``correction_bias`` (auxiliary-loss-free
+    load balancing) and is limited to the ``top_groups`` of ``num_groups`` equal groups of experts whose two
+    best biased scores sum highest; the weights are the unbiased scores of the k chosen, renormalised over
+    them if asked, times ``scaling`` (``routed_scaling_factor``). ``router_logits`` are float32."""
+    scores = router_logits.sigmoid()
+    biased = scores + correction_bias
+    tokens, experts = biased.shape
+    grouped = biased.view(tokens, num_groups, experts // num_groups)
+    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+    best_groups = group_scores.topk(top_groups, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+    keep = keep[:, :, None].expand_as(grouped).reshape(tokens, experts)
+    ids = biased.masked_fill(~keep, float("-inf")).topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
 # False: ``expert_forward`` always takes the unfused path (benchmarks compare the two).
 FUSED_MOE = True
 

@@ -51,6 +51,7 @@ _FAMILIES = (
     Family("qwen3_moe", "qwen3_moe:Qwen3MoeForCausalLM", dict(tie_word_embeddings=False, rope_theta=1000000.0, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[2])),
     Family("qwen2_moe", "qwen2_moe:Qwen2MoeForCausalLM", dict(tie_word_embeddings=False, rope_theta=1000000.0, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=128, norm_topk_prob=False, decoder_sparse_step=2)),
     Family("mixtral", "mixtral:MixtralForCausalLM", dict(tie_word_embeddings=False, rope_theta=1000000.0, num_local_experts=4, num_experts_per_tok=2, intermediate_size=128, sliding_window=None), tiny_adds_bos=True),
+    Family("deepseek_v3", "deepseek_v3:DeepseekV3ForCausalLM", dict(tie_word_embeddings=False, rope_theta=10000.0, num_key_value_heads=6, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True), refuses=dict(tensor_parallel="multi-head latent attention's cache and projections are not sharded across ranks", record_routing="router replay forces softmax top-k weights, not DeepSeek-V3's group-limited sigmoid router")),
 )
 # fmt: on
 FAMILIES: dict[str, Family] = {family.model_type: family for family in _FAMILIES}
