@@ -17,6 +17,7 @@ ray = pytest.importorskip("ray")
 from tidal.cli.train_ppo import main as ppo_main  # noqa: E402
 from tidal.cli.train_ppo import parse_run  # noqa: E402
 from tidal.placement.ray_launch import ray_layout_problem  # noqa: E402
+from tidal.testing.tolerance import assert_same_steps, tiny_parameter_count  # noqa: E402
 from tidal.trainers.ppo import run_ppo  # noqa: E402
 
 CPUS = 6  # 2 policy workers + 2 engines x 2 ranks
@@ -91,9 +92,7 @@ def test_ray_tp2_engines_take_the_steps_of_one_process(
     history = ppo_main(argv)
     assert len(history) == len(local_run) == 2
     assert any(h["policy/loss"] != 0.0 for h in history)
-    for a, b in zip(local_run, history, strict=True):
-        for key in COMPARED:
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (key, a[key], b[key])
+    assert_same_steps(local_run, history, COMPARED, tiny_parameter_count("llama"))
     wait_released()
 
 

@@ -105,9 +105,9 @@ def test_two_processes_match_one_and_resume(tiny_llama, tmp_path, dist):
     full = one["sft3"]
     resumed_2 = dist.result(tmp_path / "resumed_2.json")["history"]
     assert [h["step"] for h in resumed_2] == [h["step"] for h in full[2:]]
-    dist.assert_steps_match(full[2:], resumed_2, ("loss", "lr"), tol=1e-6)
+    dist.assert_steps_match(full[2:], resumed_2, ("loss", "lr"))
 
     # The same 2-process checkpoint resumes in one process (DCP reshards on load).
     (two_dir / "ckpt" / "latest").write_text("global_step_2")
     resumed_1 = run_sft(train_sft.parse_run(resume(tmp_path / "resumed_1")))
-    dist.assert_steps_match(full[2:], resumed_1, ("loss", "lr"), tol=1e-5)
+    dist.assert_steps_match(full[2:], resumed_1, ("loss", "lr"))

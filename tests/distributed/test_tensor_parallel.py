@@ -219,10 +219,10 @@ def test_tp2_other_trainers_match_one_process(tp2_runs, dist):
     for kind, history in one.items():
         two = dist.result(folder / f"{kind}2.json")
         assert len(two["history"]) == len(history) >= 2, kind
-        dist.assert_steps_match(history[:1], two["history"][:1], KEYS[kind])
-        # After an Adam step the sharded matmuls' float rounding differences are amplified in the
-        # parameters whose gradients are near zero (seen: 6e-5 relative on the reward model's grad norm).
-        dist.assert_steps_match(history[1:], two["history"][1:], KEYS[kind], tol=1e-4)
+        # After an Adam step the sharded matmuls' rounding differences are amplified in the parameters
+        # whose gradients are near zero (seen: 6e-5 relative on the reward model's grad norm), within
+        # the reorder tolerance.
+        dist.assert_steps_match(history, two["history"], KEYS[kind])
     assert dist.result(folder / "ppo2.json")["syncs"] == [[], []]
 
 

@@ -12,6 +12,7 @@ from tidal.cli.train_ppo import parse_run
 from tidal.config import ConfigError
 from tidal.placement.roles import worker_counts
 from tidal.testing import build_tiny_model
+from tidal.testing.tolerance import assert_same_steps, tiny_parameter_count
 from tidal.trainers.ppo import run_ppo
 
 
@@ -44,9 +45,8 @@ def test_teacher_on_its_own_process_matches_the_colocated_teacher(setup, tmp_pat
     own = ["--teacher_num_nodes", "1", "--teacher_num_gpus_per_node", "1"]
     separate = run_ppo(parse_run(flags(setup, tmp_path / "separate", *own)))
     assert len(local) == len(separate) == 2
-    for a, b in zip(local, separate, strict=True):
-        for key in ("reward", "kl", "policy/loss", "grad_norm", "advantages/abs_mean"):
-            assert b[key] == pytest.approx(a[key], abs=1e-5), (key, a[key], b[key])
+    keys = ("reward", "kl", "policy/loss", "grad_norm", "advantages/abs_mean")
+    assert_same_steps(local, separate, keys, tiny_parameter_count("qwen2"))
     # the teacher (not a copy of the student, whose KL would start at 0) took part, and moved the policy
     assert separate[0]["kl"] > 0.01 and separate[0]["grad_norm"] > 0
 
