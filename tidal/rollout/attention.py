@@ -44,6 +44,10 @@ class AttentionMetadata:
     query_starts: torch.Tensor | None = None  # prefill with context: [batch] position of the first query
     backend: str = "torch"  # decode and context-prefill attention: "torch" or "triton"
     exact: bool = False  # batch-invariant attention (``exact_attention``; EngineConfig.exact_logprobs)
+    # Linear-attention families: the recurrent-state pool (``state_cache.StateCache``) and each
+    # sequence's slot in it ([batch]; prefill: one per group, decode: one per row).
+    states: object | None = None
+    state_slots: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor:

@@ -21,6 +21,7 @@ from collections import OrderedDict
 
 from tidal.rollout.prefix_cache import PrefixCache, extend_block_hashes
 from tidal.rollout.sequence import Sequence
+from tidal.rollout.state_cache import StateSlots
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -30,8 +31,16 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 class BlockManager:
     """Free list + reference counts over the block ids of the engine's KV cache."""
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        prefix_caching: bool = False,
+        state_slots: StateSlots | None = None,
+    ):
         self.num_blocks = num_blocks
+        # Linear-attention families: each sequence holding blocks also holds a recurrent-state slot.
+        self.state_slots = state_slots
         self.block_size = block_size
         # Free block ids, oldest first (an ordered dict: a cached block can leave from the middle).
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -56,6 +65,8 @@ class BlockManager:
             cached = self.cached_prefix(group[0])
             # Cached blocks cost nothing, unless they are free (then they leave the free queue).
             need -= sum(1 for block in cached if self.ref_counts[block] > 0)
+        if self.state_slots is not None and self.state_slots.num_free < len(group):
+            return False
         return need <= self.num_free_blocks
 
     def _take(self) -> int:
@@ -104,6 +115,8 @@ class BlockManager:
         parent.num_computed_tokens = len(cached) * self.block_size
         for seq in group:
             seq.cache_epoch = self.cache_epoch
+            if self.state_slots is not None:
+                seq.state_slot = self.state_slots.take()
         num_full = num_tokens // self.block_size
         copies = []
         for child in group[1:]:
@@ -155,3 +168,6 @@ class BlockManager:
                 self.free_blocks[block] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
+        if self.state_slots is not None and seq.state_slot >= 0:
+            self.state_slots.give_back(seq.state_slot)
+            seq.state_slot = -1

@@ -66,6 +66,7 @@ from tidal.rollout.sampler import sequence_seed
 from tidal.rollout.sampling_params import SamplingParams
 from tidal.rollout.scheduler import Lookahead, ScheduledBatch, Scheduler
 from tidal.rollout.sequence import Sequence
+from tidal.rollout.state_cache import StateCache, StateSlots
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -199,8 +200,13 @@ class LLMEngine:
         self._ahead: _Ahead | None = None  # the decode step launched ahead, not yet scheduled for real
         self.ahead_stats = AheadStats()
         self.ahead_policy = AheadPolicy()
+        # Linear-attention families: one recurrent-state slot per sequence slot (state_cache.py).
+        states = StateSlots(self.config.max_num_seqs) if self.model.state_spec() is not None else None
         self.block_manager = BlockManager(
-            self.num_kv_blocks, self.config.block_size, prefix_caching=self.config.enable_prefix_caching
+            self.num_kv_blocks,
+            self.config.block_size,
+            prefix_caching=self.config.enable_prefix_caching,
+            state_slots=states,
         )
         self._check_context_prefill()
         self.runner = ModelRunner(
@@ -305,6 +311,9 @@ class LLMEngine:
             budget = free * cfg.gpu_memory_utilization
         else:
             budget = cfg.cpu_kv_cache_gb * 2**30
+        spec = self.model.state_spec()
+        if spec is not None:  # the recurrent states of every sequence slot come out of the same budget
+            budget -= (cfg.max_num_seqs + 1) * StateCache.bytes_per_slot(spec, self.dtype)
         return max(1, min(enough, int(budget // per_block)))
 
     # ------------------------------------------------------------------ generation

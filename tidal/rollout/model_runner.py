@@ -47,6 +47,7 @@ from tidal.rollout.models.parallel import ColumnParallelLinear, ParallelLMHead, 
 from tidal.rollout.sampler import Sampler, SamplingTensors, top_logprobs
 from tidal.rollout.scheduler import ScheduledBatch
 from tidal.rollout.sequence import Sequence
+from tidal.rollout.state_cache import StateCache
 
 # What a step returns per sampled row: token ids, their log-probs and, when any row asks, each row's
 # (token id, log-prob) alternatives (None for a row that did not ask); see ``ModelRunner.run``.
@@ -63,6 +64,10 @@ class PrefillStep:
     lens: list[int]
     rows: list[int]  # the logits row of each sampled sequence
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Linear-attention families: each group's state slot (its first sequence's), and the (src, dst) slots
+    # the samples of a group copy their prompt's state between after the prefill.
+    state_slots: list[int] = field(default_factory=list)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -76,6 +81,7 @@ class DecodeStep:
     use_graph: bool
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     buffer: int = 0  # the staging buffer it is in
+    state_slots: np.ndarray | None = None  # linear-attention families: each row's state slot (eager)
     # A step launched ahead (async scheduling): each row's input id is the previous step's sampled id at
     # the row staged in place of the token (``fill_decode_inputs``), read on the device.
     ahead: torch.Tensor | None = None
@@ -212,6 +218,11 @@ def kv_cache_layout(args) -> tuple[int, int, int]:
     return layout if layout is not None else (2, args.local_kv_heads, args.head_dim)
 
 
+def _state_copies(groups: list[list[Sequence]]) -> list[tuple[int, int]]:
+    """(first sample's slot, other sample's slot) of every group with several samples."""
+    return [(group[0].state_slot, seq.state_slot) for group in groups for seq in group[1:]]
+
+
 def resolve_attention_backend(backend: str, device: torch.device, head_dim: int) -> str:
     """``auto``: the Triton paged kernel on CUDA when Triton is importable, else plain torch."""
     if backend != "auto":
@@ -330,6 +341,9 @@ class ModelRunner:
         # ``min_new_tokens`` then (``_sampling_tensors``).
         self._last_sampling: tuple[list[Sequence], SamplingTensors, bool] | None = None
         self.kv_cache: torch.Tensor | None = None
+        # Linear-attention families: the per-sequence recurrent states, allocated and freed with the cache.
+        spec = model.state_spec()
+        self.states = None if spec is None else StateCache(spec, max_num_seqs, self.dtype, self.device)
         self.allocate_kv_cache()
         max_blocks = -(-max_model_len // block_size)
         cuda = self.device.type == "cuda"
@@ -355,18 +369,22 @@ class ModelRunner:
         """KV bytes of one block on one rank (a tensor-parallel rank caches its KV heads only)."""
         elem = torch.empty((), dtype=dtype).element_size()
         parts, heads, dim = kv_cache_layout(args)
-        return args.num_layers * parts * block_size * heads * dim * elem
+        return args.kv_layers * parts * block_size * heads * dim * elem
 
     def allocate_kv_cache(self) -> None:
         a = self.args
         parts, heads, dim = kv_cache_layout(a)
-        shape = (a.num_layers, parts, self.num_blocks + 1, self.block_size, heads, dim)
+        shape = (a.kv_layers, parts, self.num_blocks + 1, self.block_size, heads, dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.states is not None and self.states.conv is None:
+            self.states.allocate()
 
     def free_kv_cache(self) -> None:
         if self.graphs is not None:  # they hold the cache's (and weights') addresses
             self.graphs.clear()
         self.kv_cache = None
+        if self.states is not None:
+            self.states.free()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -450,6 +468,7 @@ class ModelRunner:
             input_ids, positions, meta, logits_index = self._prefill_tensors(step)
             logits = self.model(input_ids, positions, meta, logits_index)
             logits = logits[self._tensor(step.rows)]  # one prefill row per group -> one row per sample
+            self._copy_states(step.state_copies)
         else:
             logits = self._decode_staged(step)
         if step.block_copies:
@@ -468,9 +487,19 @@ class ModelRunner:
             slots.append(np.asarray(seq.block_table)[pos // bs] * bs + pos % bs)
             lens.append(seq.num_tokens)
         rows = [i for i, group in enumerate(groups) for _ in group]
-        return PrefillStep(
+        step = PrefillStep(
             np.asarray(input_ids), np.concatenate(positions), np.concatenate(slots), lens, rows
         )
+        if self.states is not None:
+            step.state_slots = [group[0].state_slot for group in groups]
+            step.state_copies = _state_copies(groups)
+        return step
+
+    def _copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Give the samples of a prompt the state its prefill left in the first sample's slot."""
+        if copies:
+            src, dst = zip(*copies, strict=True)
+            self.states.copy(self._tensor(src), self._tensor(dst))
 
     def _prefill_tensors(self, step: PrefillStep):
         lens = step.lens
@@ -488,6 +517,8 @@ class ModelRunner:
             unpad_index=valid.view(-1).nonzero().view(-1),
             exact=self.exact,
         )
+        if self.states is not None:
+            meta.states, meta.state_slots = self.states, self._tensor(step.state_slots)
         positions = torch.from_numpy(step.positions).to(self.device)
         return torch.from_numpy(step.input_ids).to(self.device), positions, meta, starts + lens_t - 1
 
@@ -506,7 +537,10 @@ class ModelRunner:
             self._copied[buffer].synchronize()  # the step staged there last has copied its inputs
         if ahead is None:
             staged = fill_decode_inputs(seqs, rows, width, self._hosts_np[buffer], None, tables)
-            return DecodeStep(staged, n, rows, width, use_graph, buffer=buffer)
+            step = DecodeStep(staged, n, rows, width, use_graph, buffer=buffer)
+            if self.states is not None:  # eager steps only (the family refuses CUDA graphs)
+                step.state_slots = np.asarray([seq.state_slot for seq in seqs], dtype=np.int64)
+            return step
         prev_rows, prev_tokens = ahead
         prev = (prev_rows, len(prev_tokens))
         staged = fill_decode_inputs(seqs, rows, width, self._hosts_np[buffer], prev, tables)
@@ -531,7 +565,10 @@ class ModelRunner:
         if copied is not None:
             copied.record()
         ids = stage[:rows] if ahead is None else ahead_input_ids(ahead, stage[:rows])
-        return self.decode_forward(ids, stage[rows : 2 * rows], stage[2 * rows :].view(rows, width))
+        state_slots = None if step.state_slots is None else self._tensor(step.state_slots)
+        return self.decode_forward(
+            ids, stage[rows : 2 * rows], stage[2 * rows :].view(rows, width), state_slots
+        )
 
     def _receive(self, staged: np.ndarray) -> int:
         """Copy a step received from another rank into the next staging buffer; its index. The driver may
@@ -544,7 +581,7 @@ class ModelRunner:
         self._hosts_np[buffer][: staged.size] = staged
         return buffer
 
-    def decode_forward(self, input_ids, context_lens, block_tables) -> torch.Tensor:
+    def decode_forward(self, input_ids, context_lens, block_tables, state_slots=None) -> torch.Tensor:
         """One decode step from device tensors only (so it can be captured in a CUDA graph).
 
         Each row's query is its last token, at position ``context_len - 1``; a row with context length 0
@@ -563,6 +600,8 @@ class ModelRunner:
             backend=self.backend,
             exact=self.exact,
         )
+        if self.states is not None:
+            meta.states, meta.state_slots = self.states, state_slots
         return self.model(input_ids, positions, meta)
 
     def _run_context_prefill(self, batch: ScheduledBatch) -> LaunchedStep:
@@ -601,6 +640,8 @@ class ModelRunner:
             backend=self.backend,
             exact=self.exact,
         )
+        if self.states is not None:  # each group continues the state its earlier chunks left
+            meta.states, meta.state_slots = self.states, self._tensor([g[0].state_slot for g in batch.groups])
         # Between chunks nothing samples; one row's logits anyway keeps every kernel's shapes non-empty.
         last = [i for i, final in enumerate(batch.final) if final] or [0]
         logits_index = (starts + lens_t - 1)[self._tensor(last)]
@@ -608,6 +649,9 @@ class ModelRunner:
         if batch.block_copies:  # n > 1: the samples' copies of the prompt's last block, now complete
             src, dst = zip(*batch.block_copies, strict=True)
             self.kv_cache[:, :, self._tensor(dst)] = self.kv_cache[:, :, self._tensor(src)]
+        if self.states is not None:
+            done = [group for group, final in zip(batch.groups, batch.final, strict=True) if final]
+            self._copy_states(_state_copies(done))
         seqs = batch.seqs
         if not seqs:  # every group is between chunks: nothing to sample yet
             return LaunchedStep(None, None, None)

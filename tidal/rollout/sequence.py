@@ -50,6 +50,7 @@ class Sequence:
         "block_hashes",
         "pending_copies",
         "cache_epoch",
+        "state_slot",
     )
 
     def __init__(
@@ -92,6 +93,7 @@ class Sequence:
         self.block_hashes: list[int] = []  # content hash of each full block so far (prefix_cache.py)
         self.pending_copies: list[tuple[int, int]] = []  # n > 1: copy-on-write due after the last chunk
         self.cache_epoch = 0  # the block manager's cache epoch when its blocks were allocated
+        self.state_slot = -1  # linear-attention families: its recurrent-state slot (state_cache.py)
 
     def __len__(self) -> int:
         return self.num_tokens

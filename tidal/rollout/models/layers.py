@@ -124,6 +124,11 @@ class DecoderArgs:
         return kv_heads_per_rank(self.num_heads, self.num_kv_heads, self.tp.size)
 
     @property
+    def kv_layers(self) -> int:
+        """Layers with entries in the paged KV cache (a hybrid family's linear layers have none)."""
+        return self.num_layers
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -383,6 +388,11 @@ class CausalLM(nn.Module):
     @classmethod
     def args_from_hf_config(cls, config) -> DecoderArgs:
         return DecoderArgs.from_hf_config(config)
+
+    def state_spec(self):
+        """The per-sequence recurrent state of the family's linear-attention layers
+        (``state_cache.StateSpec``), None for attention-only families."""
+        return None
 
     def tie_weights(self) -> None:
         """Share the output projection with the input embedding; re-run after ``to_empty`` / ``to``."""

@@ -52,6 +52,7 @@ _FAMILIES = (
     Family("qwen2_moe", "qwen2_moe:Qwen2MoeForCausalLM", dict(tie_word_embeddings=False, rope_theta=1000000.0, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=128, norm_topk_prob=False, decoder_sparse_step=2)),
     Family("mixtral", "mixtral:MixtralForCausalLM", dict(tie_word_embeddings=False, rope_theta=1000000.0, num_local_experts=4, num_experts_per_tok=2, intermediate_size=128, sliding_window=None), tiny_adds_bos=True),
     Family("deepseek_v3", "deepseek_v3:DeepseekV3ForCausalLM", dict(tie_word_embeddings=False, rope_theta=10000.0, num_key_value_heads=6, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True), refuses=dict(tensor_parallel="multi-head latent attention's cache and projections are not sharded across ranks", record_routing="router replay forces softmax top-k weights, not DeepSeek-V3's group-limited sigmoid router")),
+    Family("qwen3_5_text", "qwen3_5:Qwen35ForCausalLM", dict(tie_word_embeddings=False, head_dim=32, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5), layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4), refuses=dict(tensor_parallel="the linear-attention layers and their recurrent states are not sharded across ranks", prefix_caching="the linear-attention layers' recurrent state is not saved at block boundaries, so a cached prefix cannot be resumed", cuda_graphs="decode steps read recurrent-state slots that the captured graphs' inputs do not carry", async_scheduling="a decode step launched ahead and then discarded would already have advanced the recurrent state in place", packing_samples="transformers' Gated DeltaNet layers keep packed samples apart only with the flash-linear-attention and causal-conv1d kernels, which tidal neither requires nor tests")),
 )
 # fmt: on
 FAMILIES: dict[str, Family] = {family.model_type: family for family in _FAMILIES}
@@ -59,7 +60,8 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in _FAMILIES
 
 # The engine features a family may refuse (``Family.refuses``), by the name the refusal gives:
 # tensor_parallel (tp_size > 1), prefix_caching, chunked_prefill, record_routing (MoE router replay),
-# cuda_graphs and async_scheduling (refused ones fall back to eager / synchronous steps with a notice).
+# cuda_graphs and async_scheduling (refused ones fall back to eager / synchronous steps with a notice);
+# and one of the trainer's, packing_samples (``tidal ppo --packing_samples``, refused before loading).
 FEATURES = (
     "tensor_parallel",
     "prefix_caching",
@@ -67,6 +69,7 @@ FEATURES = (
     "record_routing",
     "cuda_graphs",
     "async_scheduling",
+    "packing_samples",
 )
 
 

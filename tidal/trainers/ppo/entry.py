@@ -36,7 +36,7 @@ from tidal.placement.data_parallel import check_data_parallel
 from tidal.placement.ray_launch import run_on_ray, wants_ray
 from tidal.rollout.batch_invariant import exact_problem
 from tidal.rollout.models.loader import context_prefill_problem, tp_layout_problem
-from tidal.rollout.models.registry import FAMILIES, supported_model_types
+from tidal.rollout.models.registry import FAMILIES, feature_refusal, supported_model_types
 from tidal.trainers.common import build_optimization, seed_everything
 from tidal.trainers.loop import Optimization
 from tidal.trainers.ppo.config import PPORun
@@ -161,6 +161,8 @@ def check_models_before_loading(run: PPORun) -> None:
             f"--pretrain {run.actor.pretrain}: model_type {model_type!r} is not supported by the rollout engine "
             f"of tidal ppo; supported: {', '.join(supported_model_types())}"
         )
+    if run.train.packing_samples and (problem := feature_refusal(model_type, "packing_samples")):
+        raise ConfigError(f"--packing_samples: {problem} (--pretrain {run.actor.pretrain})")
     tp = run.rollout.vllm_tensor_parallel_size
     tp_problem = tp_layout_problem(config, tp)
     local_engine = run.placement.actor_world_size == 1 and not separate_engines(
