@@ -25,6 +25,7 @@ MODEL_FAMILY_NAMES = (
     "llama", "qwen2", "qwen3", "mistral", "olmo2", "gemma2", "gemma3_text", "phi3", "qwen3_moe", "qwen2_moe", "mixtral",
     "deepseek_v3",
     "qwen3_5_text",
+    "gpt_oss",
 )  # fmt: skip
 
 # --remote_rm_timeout / --remote_rm_retries defaults (tidal.rewards.remote.RemoteReward's).
