@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -115,7 +117,8 @@ def test_dead_port_names_url_after_retries():
         port = sock.getsockname()[1]
     url = f"http://127.0.0.1:{port}/get_reward"
     with pytest.raises(
-        RewardError, match=rf"reward server {url} failed after 3 attempts; last error: .*refused"
+        RewardError,
+        match=rf"reward server {url} failed after 3 attempts, \d+ s in all; last error: .*refused",
     ):
         RemoteReward([url], max_retries=2, backoff=0.01, timeout=2)(QUERIES, PROMPTS, LABELS)
 
@@ -125,3 +128,26 @@ def test_wrong_length_answer_is_explained():
         url = server.url
         with pytest.raises(RewardError, match=rf"reward server {url} returned rewards of length 4 for 5"):
             RemoteReward([url])(QUERIES, PROMPTS, LABELS)
+
+
+def test_a_server_that_never_answers_is_reported_while_waiting(caplog):
+    """A listening socket that is never read: connections complete (the kernel's backlog) and the request
+    is sent, but no answer comes. While it waits, a line names the URL, the attempt and the time so far;
+    each retried attempt says why; the end is one line."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/get_reward"
+        reward = RemoteReward([url], timeout=1.0, max_retries=1, backoff=0.01, heartbeat=0.05)
+        with caplog.at_level(logging.INFO, logger="tidal.rewards.remote"), pytest.raises(RewardError) as err:
+            reward(QUERIES, PROMPTS, LABELS)
+    message = str(err.value)
+    assert "\n" not in message
+    assert re.fullmatch(
+        rf"reward server {re.escape(url)} did not answer within 1 s \(2 attempts, \d+ s in all\); check the "
+        r"server or raise --remote_rm_timeout/--remote_rm_retries",
+        message,
+    ), message
+    assert f"waiting for reward server {url}: attempt 1/2, " in caplog.text
+    assert f"waiting for reward server {url}: attempt 2/2, " in caplog.text
+    assert re.search(rf"reward server {re.escape(url)}: attempt 1/2 failed \(\w+: timed out\)", caplog.text)

@@ -79,7 +79,9 @@ def test_rm_learns_and_exports_hf_loadable_model(tiny_llama, pair_files, tmp_pat
 
     # Plain HF loading scores the held-out pairs like tidal's wrapper, and ranks them correctly,
     # where the untrained model did not.
-    run = parse_run(flags(tiny_llama, test, tmp_path, "--pretrain", str(final)))
+    run = parse_run(
+        flags(tiny_llama, test, tmp_path, "--pretrain", str(final), "--save_path", str(tmp_path / "unused"))
+    )
     tokenizer = load_tokenizer(str(final))
     samples = load_pair_samples(str(test), None, "train", None, tokenizer, run.data, 0)
     batch = collate_pairs(samples, tokenizer.pad_token_id)

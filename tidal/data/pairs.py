@@ -189,6 +189,12 @@ def _prompt_tokens(offsets: list[tuple[int, int]], prompt_chars: int) -> int:
     return n
 
 
+def identical_pairs(samples: list[PairSample]) -> list[int]:
+    """Dataset rows of the pairs whose chosen and rejected sides are the same tokens: such a pair holds
+    no preference (DPO's loss sits at log 2 with a zero gradient, a reward model's at its margin)."""
+    return [s.row for s in samples if s.chosen_ids == s.rejected_ids]
+
+
 def pair_halves(samples: list[PairSample]) -> list[SFTSample]:
     """The chosen sequences then the rejected ones, as ``SFTSample``s whose loss mask marks response
     tokens (``t >= prompt_len``), so the SFT collators build the tensors."""

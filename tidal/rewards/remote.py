@@ -9,7 +9,9 @@ retried with exponential backoff; other 4xx answers fail at once (resending a ba
 ``--remote_rm_timeout`` (seconds a request may wait on the connection or for each read) and
 ``--remote_rm_retries`` bound how long a server that accepts and never answers can stall a run:
 OpenRLHF's fixed 180 s x 6 attempts stalled it ~18 min; the defaults here (60 s, 2 retries) fail it in
-about 3 min while still leaving a slow reward model a minute per batch.
+about 3 min while still leaving a slow reward model a minute per batch. While a request waits, a line every
+``heartbeat`` seconds (20 s) says on what (URL, attempt, seconds so far), and each failed attempt that
+will be retried says why, so a stalled server is visible long before the run ends in its one-line error.
 
 The client is the standard library's ``urllib``: no dependency, and one blocking request per thread
 is all this needs.
@@ -17,8 +19,10 @@ is all this needs.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,9 +32,13 @@ import torch
 
 from tidal.config.registries import DEFAULT_RETRIES, DEFAULT_TIMEOUT  # --remote_rm_timeout/_retries
 from tidal.data.batching import contiguous_splits
+from tidal.logging import get_logger
 from tidal.rewards.base import RewardError, RewardResult, to_reward_result
 
+log = get_logger(__name__)
+
 _RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
+HEARTBEAT = 20.0  # seconds between the "still waiting" lines of one request
 
 
 class RemoteReward:
@@ -42,13 +50,17 @@ class RemoteReward:
         timeout: float = DEFAULT_TIMEOUT,
         max_retries: int = DEFAULT_RETRIES,
         backoff: float = 1.0,
+        heartbeat: float = HEARTBEAT,
     ):
         urls = [u.strip() for u in urls.split(",")] if isinstance(urls, str) else [u.strip() for u in urls]
         if not urls or not all(urls):
             raise ValueError(f"RemoteReward needs at least one non-empty URL, got {urls!r}")
-        if max_retries < 0 or timeout <= 0 or backoff < 0:
-            raise ValueError("RemoteReward: need timeout > 0, max_retries >= 0 and backoff >= 0")
+        if max_retries < 0 or timeout <= 0 or backoff < 0 or heartbeat <= 0:
+            raise ValueError(
+                "RemoteReward: need timeout > 0, max_retries >= 0, backoff >= 0 and heartbeat > 0"
+            )
         self.urls, self.timeout, self.max_retries, self.backoff = urls, timeout, max_retries, backoff
+        self.heartbeat = heartbeat
 
     def __call__(self, queries: list[str], prompts: list[str], labels: list) -> RewardResult:
         n = len(queries)
@@ -76,12 +88,19 @@ class RemoteReward:
         return to_reward_result(answer, len(queries), f"reward server {url}")
 
     def _post_with_retries(self, url: str, body: bytes):
-        last, timed_out = None, False
-        for attempt in range(self.max_retries + 1):
+        last, timed_out, start = None, False, time.monotonic()
+        attempts = self.max_retries + 1
+        for attempt in range(attempts):
             if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
+                delay = self.backoff * 2 ** (attempt - 1)
+                log.warning(
+                    "reward server %s: attempt %d/%d failed (%s) after %.0f s in all; retrying in %g s",
+                    url, attempt, attempts, last, time.monotonic() - start, delay,
+                )  # fmt: skip
+                time.sleep(delay)
             try:
-                return self._post(url, body)
+                with self._waiting(url, attempt + 1, attempts, start):
+                    return self._post(url, body)
             except urllib.error.HTTPError as err:
                 last = f"HTTP {err.code}: {_body_text(err)}"
                 if err.code not in _RETRYABLE_STATUS:
@@ -94,13 +113,33 @@ class RemoteReward:
                 reason = getattr(err, "reason", err)
                 timed_out = isinstance(reason, TimeoutError)
                 last = f"{type(err).__name__}: {reason}"
-        attempts = f"{self.max_retries + 1} attempts"
+        tried = f"{attempts} attempts, {time.monotonic() - start:.0f} s in all"
         if timed_out:
             raise RewardError(
-                f"reward server {url} did not answer within {self.timeout:g} s ({attempts}); check the server "
+                f"reward server {url} did not answer within {self.timeout:g} s ({tried}); check the server "
                 "or raise --remote_rm_timeout/--remote_rm_retries"
             )
-        raise RewardError(f"reward server {url} failed after {attempts}; last error: {last}")
+        raise RewardError(f"reward server {url} failed after {tried}; last error: {last}")
+
+    @contextlib.contextmanager
+    def _waiting(self, url: str, attempt: int, attempts: int, start: float):
+        """Log a line every ``heartbeat`` seconds until the request in the ``with`` block returns."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(self.heartbeat):
+                log.info(
+                    "waiting for reward server %s: attempt %d/%d, %.0f s so far (--remote_rm_timeout %g s "
+                    "per attempt)", url, attempt, attempts, time.monotonic() - start, self.timeout,
+                )  # fmt: skip
+
+        thread = threading.Thread(target=beat, name="reward-wait", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
     def _post(self, url: str, body: bytes):
         request = urllib.request.Request(

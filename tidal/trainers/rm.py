@@ -38,7 +38,8 @@ from torch import nn
 from tidal.algorithms.preference import RM_LOSSES
 from tidal.config.supervised import RMConfig as RMConfig
 from tidal.config.supervised import RMRun as RMRun
-from tidal.data.pairs import PairDataConfig, PairSample, build_pair_samples, collate_pairs
+from tidal.data.errors import DataError
+from tidal.data.pairs import PairDataConfig, PairSample, build_pair_samples, collate_pairs, identical_pairs
 from tidal.distributed import World
 from tidal.logging import get_logger
 from tidal.models import Precision
@@ -127,14 +128,35 @@ class RewardModelTrainer(SupervisedTrainer):
 
 
 def load_pair_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: PairDataConfig, seed: int):
-    """Preference pairs of a ``--dataset``-style spec (skipped pairs are logged)."""
-    return load_samples(build_pair_samples, spec, probs, split, max_samples, tokenizer, cfg, seed)
+    """Preference pairs of a ``--dataset``-style spec (skipped pairs are logged, identical ones checked)."""
+    samples = load_samples(build_pair_samples, spec, probs, split, max_samples, tokenizer, cfg, seed)
+    return check_identical_pairs(samples, spec, cfg)
 
 
 def load_margin_pair_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg, seed: int):
     """Like ``load_pair_samples``, but every row must have a numeric ``margin`` (``--margin_loss``)."""
     builder = partial(build_pair_samples, require_margin=True)
-    return load_samples(builder, spec, probs, split, max_samples, tokenizer, cfg, seed)
+    samples = load_samples(builder, spec, probs, split, max_samples, tokenizer, cfg, seed)
+    return check_identical_pairs(samples, spec, cfg)
+
+
+def check_identical_pairs(samples: list[PairSample], spec: str, cfg: PairDataConfig) -> list[PairSample]:
+    """Refuse pairs that are all identical (chosen == rejected after rendering: nothing to learn, the
+    loss would sit still with a zero gradient); warn, naming how many and which rows, when some are."""
+    rows = identical_pairs(samples)
+    keys = f"--chosen_key {cfg.chosen_key} / --rejected_key {cfg.rejected_key}"
+    if rows and len(rows) == len(samples):
+        raise DataError(
+            f"{spec}: chosen and rejected are identical in all {len(rows)} pairs ({keys}): there is no "
+            "preference to learn; check the keys or the data"
+        )
+    if rows:
+        log.warning(
+            "%s: chosen and rejected are identical in %d of %d pairs (rows %s%s): they carry no preference "
+            "and only dilute the others", spec, len(rows), len(samples), ", ".join(map(str, rows[:10])),
+            ", ..." if len(rows) > 10 else "",
+        )  # fmt: skip
+    return samples
 
 
 def _warn_unused_margins(run: RMRun, train: Sequence[PairSample]) -> None:
