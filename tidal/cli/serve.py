@@ -43,12 +43,12 @@ def build_server(model: ModelConfig, serve: ServeConfig):
     except ImportError as err:
         raise ConfigError(f"tidal serve needs the 'serve' extra: pip install 'tidal[serve]' ({err})") from err
     from tidal.models import load_tokenizer
-    from tidal.rollout import LLMEngine
+    from tidal.rollout import make_engine
     from tidal.serve.server import OpenAIServer
 
     tokenizer = load_tokenizer(model.pretrain, model)
     try:
-        engine = LLMEngine(model.pretrain, serve.engine_config(model), tokenizer=tokenizer)
+        engine = make_engine(model.pretrain, serve.engine_config(model), tokenizer=tokenizer)
     except (OSError, ValueError, KeyError) as err:
         raise ConfigError(
             f"--pretrain {model.pretrain}: cannot load it into the rollout engine ({err})"
@@ -60,6 +60,7 @@ def build_server(model: ModelConfig, serve: ServeConfig):
         port=serve.port,
         default_max_tokens=serve.default_max_tokens,
         log_level="info",
+        limits=serve.limits,
     )
 
 

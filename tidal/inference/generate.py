@@ -43,7 +43,7 @@ from tidal.inference.processors import PromptGroup, make_post_processor, reward_
 from tidal.inference.scoring import SampleScorer
 from tidal.logging import get_logger
 from tidal.rewards import load_reward_source
-from tidal.rollout import LLMEngine
+from tidal.rollout import LLMEngine, make_engine
 
 log = get_logger(__name__)
 
@@ -127,7 +127,7 @@ def load_engine(policy: PolicyConfig, seed: int) -> LLMEngine:
         ),
     )
     try:
-        engine = LLMEngine(policy.pretrain, config, tokenizer=tokenizer)
+        engine = make_engine(policy.pretrain, config, tokenizer=tokenizer)
     except (OSError, ValueError, KeyError) as err:
         raise ConfigError(
             f"--pretrain {policy.pretrain}: cannot load it into the rollout engine ({err})"

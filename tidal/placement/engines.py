@@ -28,7 +28,7 @@ from tidal.models import load_tokenizer
 from tidal.placement.protocols import PlacedRun
 from tidal.placement.rollout import build_executor
 from tidal.placement.workers import ExtraDevices, ProcessWorker, start_process_workers
-from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
+from tidal.rollout import EngineConfig, SamplingParams, make_engine
 
 STARTUP_TIMEOUT_S = 600
 
@@ -62,7 +62,7 @@ class EngineWorker:
         device = spec.engine.torch_device()
         if device.type == "cuda":
             torch.cuda.set_device(device.index or 0)
-        self.engine = LLMEngine(spec.model_path, spec.engine)
+        self.engine = make_engine(spec.model_path, spec.engine)
         self.tokenizer = load_tokenizer(spec.model_path, spec.model)
         self.executor = build_executor(spec.agent, spec.apply_chat_template)
         self.group = None

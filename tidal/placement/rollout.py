@@ -27,7 +27,7 @@ from tidal.experience.experience import Experience
 from tidal.experience.maker import from_trajectories
 from tidal.placement.protocols import RewardRole
 from tidal.rewards import RewardResult, load_reward_source
-from tidal.rollout import LLMEngine, SamplingParams
+from tidal.rollout import SamplingParams, make_engine
 
 
 def build_executor(agent: AgentConfig, apply_chat_template: bool) -> AgentExecutorBase:
@@ -156,7 +156,7 @@ class LocalRollout(Rollout):
         check_sync_flags(cfg, device)
         super().__init__(tokenizer, cfg, reward, agent, pad_id, reward_models)
         config = rollout_engine_config(cfg, str(device), seed)
-        self.engine = LLMEngine(model_path, config, tp_group=colocated_tp_group(cfg, device))
+        self.engine = make_engine(model_path, config, tp_group=colocated_tp_group(cfg, device))
         self.executor = build_executor(agent, apply_chat_template)
 
     def trajectories(self, prompts: Sequence[PromptSample], params: SamplingParams, first_index: int):

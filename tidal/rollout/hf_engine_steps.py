@@ -96,7 +96,8 @@ def _penalty_tensors(seqs: list[Sequence], device: torch.device) -> dict[str, to
 
 @dataclass
 class Cohort:
-    """The live samples of one request, in the row order of their transformers cache."""
+    """The live samples of one request, in the row order of their transformers cache (all of one length:
+    the cache holds every token but the last, the next step's input)."""
 
     seqs: list[Sequence]
     cache: Any
@@ -122,6 +123,8 @@ class HFStepper:
         # transformers 5 names the cache argument ``cache``; earlier versions ``past_key_values``.
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self.keeps_last_logits = "logits_to_keep" in params
+        # Positions are always passed: some models (bamba) count them from 0 at every call without them.
+        self.takes_positions = "position_ids" in params
         self.sampler = Sampler()
 
     @property
@@ -133,9 +136,13 @@ class HFStepper:
 
         return DynamicCache(config=self.model.config)
 
-    def _last_logits(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
-        """Float32 logits at the last position of every row, the cache extended in place."""
+    def _last_logits(self, input_ids: torch.Tensor, cache, start: int) -> torch.Tensor:
+        """Float32 logits at the last position of every row (whose tokens sit at positions ``start`` on),
+        the cache extended in place."""
         kwargs = {self.cache_arg: cache, "use_cache": True}
+        if self.takes_positions:
+            positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+            kwargs["position_ids"] = positions.expand(input_ids.shape[0], -1)
         if self.keeps_last_logits:
             kwargs["logits_to_keep"] = 1
         out = self.model(input_ids=input_ids, **kwargs)
@@ -150,7 +157,7 @@ class HFStepper:
         for group in admitted:
             cache = self._new_cache()
             prompt = torch.tensor([group[0].token_ids], dtype=torch.int64, device=device)
-            row = self._last_logits(prompt, cache)
+            row = self._last_logits(prompt, cache, 0)
             if len(group) > 1:  # the samples share the prompt's prefill
                 cache.reorder_cache(torch.zeros(len(group), dtype=torch.int64))
             for seq in group:
@@ -161,7 +168,7 @@ class HFStepper:
         for cohort in cohorts:
             last = torch.tensor([[seq.last_token] for seq in cohort.seqs], dtype=torch.int64, device=device)
             seqs += cohort.seqs
-            logits.append(self._last_logits(last, cohort.cache))
+            logits.append(self._last_logits(last, cohort.cache, cohort.seqs[0].num_tokens - 1))
         return new, self._sample(seqs, torch.cat(logits))
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> StepResult:

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoConfig
 
 from tidal.config import ConfigError
+from tidal.config.engine import rollout_engine_config
 from tidal.config.placement import (
     local_engine_gpu_problem,
     local_engine_overlap_problem,
@@ -35,8 +36,9 @@ from tidal.placement.build import build_critic, build_roles, critic_ray_problem,
 from tidal.placement.data_parallel import check_data_parallel
 from tidal.placement.ray_launch import run_on_ray, wants_ray
 from tidal.rollout.batch_invariant import exact_problem
+from tidal.rollout.hf_engine import fallback_problem
 from tidal.rollout.models.loader import context_prefill_problem, tp_layout_problem
-from tidal.rollout.models.registry import FAMILIES, feature_refusal, supported_model_types
+from tidal.rollout.models.registry import FAMILIES, feature_refusal
 from tidal.trainers.common import build_optimization, seed_everything
 from tidal.trainers.loop import Optimization
 from tidal.trainers.ppo.config import PPORun
@@ -145,7 +147,8 @@ def ring_for(run: PPORun, world: World):
 
 def check_models_before_loading(run: PPORun) -> None:
     """Fail in one line, before anything loads, on a model folder the run cannot use: one without
-    ``config.json``, or a policy architecture the rollout engine does not implement."""
+    ``config.json``, or rollout-engine settings the policy's family cannot run (a family outside the
+    engine's registry generates on the transformers fallback, which refuses the features it lacks)."""
     folders = {"--pretrain": [run.actor.pretrain], "--critic_pretrain": [run.critic.pretrain]}
     folders["--reward_pretrain"] = (run.reward.pretrain or "").split(",")
     for flag, paths in folders.items():
@@ -156,11 +159,10 @@ def check_models_before_loading(run: PPORun) -> None:
         model_type = getattr(config, "model_type", None)
     except (OSError, ValueError, KeyError) as err:
         raise model_load_error(run.actor.pretrain, err) from err
-    if model_type not in FAMILIES:
-        raise ConfigError(
-            f"--pretrain {run.actor.pretrain}: model_type {model_type!r} is not supported by the rollout engine "
-            f"of tidal ppo; supported: {', '.join(supported_model_types())}"
-        )
+    if model_type not in FAMILIES:  # the transformers fallback generates; refuse what it lacks
+        engine = rollout_engine_config(run.rollout, "auto", run.train.seed)
+        if problem := fallback_problem(engine, model_type):
+            raise ConfigError(f"--pretrain {run.actor.pretrain}: {problem}")
     if run.train.packing_samples and (problem := feature_refusal(model_type, "packing_samples")):
         raise ConfigError(f"--packing_samples: {problem} (--pretrain {run.actor.pretrain})")
     tp = run.rollout.vllm_tensor_parallel_size
