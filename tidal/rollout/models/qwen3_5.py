@@ -127,7 +127,11 @@ class GatedAttention(nn.Module):
         k = partial_rope(self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim)), cos, sin)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, meta, self.kv_index, None, self.scale)
-        return self.o_proj(out * torch.sigmoid(gate))
+        return self.o_proj(out * self.output_gate(gate))
+
+    def output_gate(self, gate: torch.Tensor) -> torch.Tensor:
+        """The factor on each attention output channel: ``sigmoid`` of its gate."""
+        return torch.sigmoid(gate)
 
 
 class GatedRMSNorm(nn.Module):
