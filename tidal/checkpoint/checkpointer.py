@@ -14,7 +14,8 @@ trainer kind (``sft``, ``dpo``, ``ppo``...), the settings it records, and what i
 - ``hf_copy``: what ``--save_hf_ckpt`` writes next to each checkpoint (a function of the folder).
 
 Then the loop calls ``resume()`` once, ``maybe_save(loop)`` after every step, ``stopped(signum, loop)``
-when ``StopSignals`` asks it to stop, and ``export(...)`` for the final model(s). The files, their
+when ``StopSignals`` asks it to stop, and ``export(..., final=True)`` for the final model(s); ``check_space``
+before training refuses a ``--save_path`` without room for them. The files, their
 checks (temporary folders + rename, full disk, NaN weights, lineage rotation, foreign checkpoints)
 are ``tidal.checkpoint.resumable`` / ``manager`` / ``hf_export``.
 """
@@ -29,7 +30,9 @@ from typing import Any, Protocol
 from tidal.checkpoint.hf_export import save_hf_model
 from tidal.checkpoint.interrupt import StopSignals, TrainingInterrupted
 from tidal.checkpoint.manager import RunCheckpoints, RunIdentity, model_fingerprint
-from tidal.checkpoint.resumable import PREFIX, LoopState
+from tidal.checkpoint.resumable import PREFIX, LoopState, agree_ok
+from tidal.checkpoint.space import model_bytes, space_problem
+from tidal.config.args import ConfigError
 from tidal.config.checkpoint import CheckpointConfig
 from tidal.distributed.world import World
 from tidal.logging import get_logger
@@ -125,6 +128,18 @@ class Checkpointer:
             saved = str(self.folder(loop.global_step))
         return StopSignals.interrupted(signum, loop.global_step, saved)
 
-    def export(self, model, tokenizer, path: str | Path, extra_config: dict | None = None) -> Path:
-        """``model`` (and ``tokenizer``) as a Hugging Face folder at ``path`` (all ranks take part)."""
-        return save_hf_model(model, tokenizer, path, self.world, extra_config)
+    def check_space(self, models: list, path: str | Path) -> None:
+        """Refuse to train (``ConfigError``, every rank) when ``--save_path`` has no room for the final
+        ``models``: said now, the run can still be pointed elsewhere; after training it could not."""
+        problem = space_problem(path, sum(model_bytes(m) for m in models)) if self.world.is_main else None
+        if not agree_ok(problem is None, self.world):
+            raise ConfigError(
+                f"--save_path {problem or '(see rank 0)'}: free space there, or pass another --save_path"
+            )
+
+    def export(
+        self, model, tokenizer, path: str | Path, extra_config: dict | None = None, final: bool = False
+    ) -> Path:
+        """``model`` (and ``tokenizer``) as a Hugging Face folder at ``path`` (all ranks take part). The
+        ``final`` model goes to a rescue folder, named in the error, when ``path`` has no room for it."""
+        return save_hf_model(model, tokenizer, path, self.world, extra_config, rescue=final)

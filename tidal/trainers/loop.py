@@ -265,6 +265,7 @@ class SupervisedTrainer:
         cfg, world = self.cfg, self.world
         steps_per_epoch = len(train) // cfg.train_batch_size
         ckpt = self.checkpointer
+        ckpt.check_space([self.opt.model], self.ckpt_cfg.save_path)  # before training, not after
         loop = ckpt.resume() or LoopState()
         history: list[dict] = []
         resume_step = ckpt.resume_step(loop)
@@ -298,12 +299,13 @@ class SupervisedTrainer:
                     if signum:
                         raise ckpt.stopped(signum, loop)
                 loop = LoopState(loop.global_step, epoch + 1, 0)
-            self.export(self.ckpt_cfg.save_path)
+            self.export(self.ckpt_cfg.save_path, final=True)
         return history
 
-    def export(self, path: str | Path) -> Path:
-        """The trained model and tokenizer as a Hugging Face folder at ``path``."""
-        return self.checkpointer.export(self.opt.model, self.tokenizer, path, self.export_config())
+    def export(self, path: str | Path, final: bool = False) -> Path:
+        """The trained model and tokenizer as a Hugging Face folder at ``path`` (``final``: rescued
+        to a temporary folder, named in the error, when ``path`` has no room)."""
+        return self.checkpointer.export(self.opt.model, self.tokenizer, path, self.export_config(), final)
 
     def export_config(self) -> dict | None:
         """Extra fields written into the exported model's config (reward models add normalisation)."""

@@ -143,6 +143,7 @@ class PPOTrainer:
 
     def fit(self) -> list[dict]:
         run, world = self.run, self.world
+        self.checkpointer.check_space([self.parts.actor.model], run.ckpt.save_path)  # before training
         loop, history = self._resume(), []
         resume_step = self.checkpointer.resume_step(loop)
         logger = MetricsLogger(self.run_dir, run.logging, asdict(run), world.is_main, resume_step)
@@ -379,13 +380,14 @@ class PPOTrainer:
         to each checkpoint."""
         self._export_policy(folder)
 
-    def _export_policy(self, path) -> None:
-        """The policy as a Hugging Face folder; with ``--enable_ema`` the averaged weights, as OpenRLHF."""
+    def _export_policy(self, path, final: bool = False) -> None:
+        """The policy as a Hugging Face folder; with ``--enable_ema`` the averaged weights, as OpenRLHF.
+        ``final``: rescued to a temporary folder, named in the error, when ``path`` has no room."""
         if self.ema is None:
-            self.checkpointer.export(self.parts.actor.model, self.parts.tokenizer, path)
+            self.checkpointer.export(self.parts.actor.model, self.parts.tokenizer, path, final=final)
             return
         with self.ema.swapped_in():
-            self.checkpointer.export(self.parts.actor.model, self.parts.tokenizer, path)
+            self.checkpointer.export(self.parts.actor.model, self.parts.tokenizer, path, final=final)
 
     def _resume(self) -> LoopState:
         """Continue from ``--ckpt_path`` (``--load_checkpoint``); the engine gets the restored weights."""
@@ -396,7 +398,7 @@ class PPOTrainer:
         return loop
 
     def save_final(self) -> None:
-        self._export_policy(self.run.ckpt.save_path)
+        self._export_policy(self.run.ckpt.save_path, final=True)
         if self.parts.critic is not None and self.run.critic.save:
             critic_dir = Path(str(self.run.ckpt.save_path).rstrip("/") + "_critic")
             self.parts.critic.export(self.parts.tokenizer, critic_dir)
