@@ -10,7 +10,6 @@ import shutil
 import pytest
 
 from tidal.cli import train_ppo, train_sft
-from tidal.rollout.models.registry import supported_model_types
 from tidal.trainers.ppo import entry as ppo_setup
 
 
@@ -101,15 +100,17 @@ def test_tokenizer_without_pad_or_eos(capsys, model_copy, sft_data, tmp_path):
     )
 
 
-def test_unsupported_architecture_in_ppo(capsys, model_copy, tmp_path, no_model_loads):
+def test_fallback_family_refuses_engine_features_in_ppo(capsys, model_copy, tmp_path, no_model_loads):
+    # A family outside the engine's registry generates on the transformers fallback, which has no prefix cache.
     path = model_copy / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "model_type": "gpt_neox"}))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input": f"{i}+1="}) + "\n" for i in range(4)))
-    line = fails_with(capsys, train_ppo.main, ppo_argv(model_copy, prompts, tmp_path))
+    argv = [*ppo_argv(model_copy, prompts, tmp_path), "--enable_prefix_caching"]
+    line = fails_with(capsys, train_ppo.main, argv)
     assert line == (
-        f"tidal ppo: error: --pretrain {model_copy}: model_type 'gpt_neox' is not supported by the rollout "
-        f"engine of tidal ppo; supported: {', '.join(supported_model_types())}"
+        f"tidal ppo: error: --pretrain {model_copy}: prefix_caching is not supported for the gpt_neox family: "
+        "it is not native to tidal's engine and runs on the transformers fallback, which lacks it"
     )
 
 
