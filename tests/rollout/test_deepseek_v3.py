@@ -180,3 +180,19 @@ def test_group_limited_route_matches_transformers_router():
     torch.testing.assert_close(weights.gather(1, order), hf_weights.gather(1, hf_order))
     # Only experts of the top 2 groups are chosen (a token's groups: experts // 3).
     assert all(len(set((row // 3).tolist())) <= 2 for row in ids)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_and_async_steps_match_eager_decode_in_bfloat16(deepseek):
+    """On CUDA the latent attention runs in torch (the Triton paged kernels take per-head K/V pages); its
+    decode steps replay as CUDA graphs, with the fused Triton experts, as eager synchronous steps do.
+    (float32 parity with transformers on CUDA: tests/rollout/test_gpu.py, parametrised over families.)"""
+    from tidal.rollout import EngineConfig
+
+    path, _ = deepseek
+    params = SamplingParams(temperature=1.0, n=2, max_new_tokens=24, seed=3, ignore_eos=True)
+    base = dict(device="cuda", dtype="bfloat16", max_model_len=128, block_size=16, max_num_seqs=8)
+    graphs = LLMEngine(path, EngineConfig(**base, async_scheduling=True))
+    assert graphs.runner.graphs is not None and graphs.runner.kv_cache.shape[-2:] == (1, 40)
+    eager = LLMEngine(path, EngineConfig(**base, enforce_eager=True, async_scheduling=False))
+    assert_same_outputs(eager.generate(PROMPTS, params), graphs.generate(PROMPTS, params), tol=1e-2)
