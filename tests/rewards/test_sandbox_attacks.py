@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tidal.rewards.sandbox import SandboxLimits, TestCase, run_tests
+from tidal.rewards.sandbox import SandboxLimits, TestCase, run_tests, seccomp
 from tidal.rewards.sandbox.cgroup import pids_cgroup_parent
 from tidal.rewards.sandbox.isolation import HARNESS
 
@@ -209,6 +209,8 @@ def test_pids_cgroup_cannot_be_left_and_bounds_libc_forks():
     )
     result = run_contained(code, "assert ESCAPED == []\nassert FORKS < 4, FORKS")
     assert result.status == "passed", result
+    mine = f"tidal-sandbox-{os.getpid()}-"  # the sample's cgroup was emptied and removed
+    assert not [p for p in Path(pids_cgroup_parent()).iterdir() if p.name.startswith(mine)]
 
 
 def test_cannot_signal_host_processes():
@@ -280,3 +282,22 @@ def test_forged_reports_cannot_score_above_what_was_verified():
     )
     io = run_contained(hunt, [TestCase("", "8675309"), TestCase("", "8675309")])
     assert (io.passed, io.total, io.score) == (0, 2, 0.0), io
+
+
+@pytest.mark.skipif(seccomp.filter_program() is None, reason="needs libseccomp (apt-get install libseccomp2)")
+def test_seccomp_filter_and_no_new_namespaces():
+    code = (
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "STATUS = open('/proc/self/status').read()\n"
+        "SECCOMP = [line.split()[1] for line in STATUS.splitlines() if line.startswith('Seccomp:')]\n"
+        "CAPS = [line.split()[1] for line in STATUS.splitlines() if line.startswith('CapEff:')]\n"
+        "PTRACE = libc.ptrace(16, 1, 0, 0), ctypes.get_errno()\n"  # PTRACE_ATTACH to the reaper
+        "UNSHARE = libc.unshare(0x10000000), ctypes.get_errno()\n"  # CLONE_NEWUSER
+        "MOUNT = libc.mount(b'none', b'/sandbox', b'tmpfs', 0, None), ctypes.get_errno()\n"
+    )
+    tests = (
+        "assert SECCOMP == ['2']\nassert CAPS == ['0000000000000000']\n"
+        "assert PTRACE == (-1, 1)\nassert UNSHARE == (-1, 1)\nassert MOUNT == (-1, 1)"
+    )  # 1 == EPERM
+    result = run_contained(code, tests)
+    assert result.status == "passed", result
