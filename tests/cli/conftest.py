@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -17,4 +17,17 @@ def reward_model(tiny_llama, tmp_path_factory):
     path = tmp_path_factory.mktemp("rm")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def nan_model(tiny_llama, tmp_path_factory):
+    """The tiny model with every weight NaN (it samples token 0 with a NaN log-prob: empty text)."""
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    path = tmp_path_factory.mktemp("nan_model")
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(str(tiny_llama)).save_pretrained(path)
     return path

@@ -118,3 +118,14 @@ def test_load_in_4bit_refuses_engine_options(tiny_llama, capsys):
         chat_main(["--pretrain", str(tiny_llama), "--load_in_4bit", "--tp_size", "2"])
     assert exit_info.value.code == 2
     assert "--load_in_4bit chats through transformers" in capsys.readouterr().err
+
+
+def test_a_model_with_nan_weights_ends_the_chat(nan_model):
+    from tidal.checkpoint import CheckpointError
+
+    engine = LLMEngine(
+        nan_model, EngineConfig(device="cpu", dtype="float32", max_num_seqs=1, max_model_len=64)
+    )
+    session = ChatSession(engine, GREEDY, ChatConfig(), model=str(nan_model))
+    with pytest.raises(CheckpointError, match=rf"--pretrain {nan_model}: the model's logits are not finite"):
+        run_chat(session, io.StringIO("hi\n"), io.StringIO())

@@ -245,3 +245,13 @@ def test_eval_task_reports_pass_at_k_and_mean_reward(tiny_llama, prompts, tmp_pa
     )
     assert set(result.eval) == {"pass@1", "pass@4", "reward"}
     assert len(out.read_text().splitlines()) == N_PROMPTS * 4
+
+
+def test_a_model_with_nan_weights_stops_with_one_line(nan_model, prompts, tmp_path, capsys):
+    out = tmp_path / "o.jsonl"
+    with pytest.raises(SystemExit) as exc:
+        run(nan_model, prompts, out)
+    assert exc.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"tidal generate: error: --pretrain {nan_model}: the model's logits are not finite")
+    assert not out.exists() or out.read_text() == ""  # no empty answers written

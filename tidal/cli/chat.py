@@ -43,7 +43,7 @@ def run_from_args(ns: argparse.Namespace):
     params = sampling.sampling_params()
     policy = config_from_args(PolicyConfig, ns, max_num_seqs=1)
     engine = load_4bit(policy, sampling.seed) if chat.load_in_4bit else load_engine(policy, sampling.seed)
-    session = ChatSession(engine, params, chat)
+    session = ChatSession(engine, params, chat, model=policy.pretrain)
     return run_chat(session, sys.stdin, sys.stdout, interactive=sys.stdin.isatty())
 
 

@@ -101,8 +101,8 @@ class ChatConfig:
 class ChatSession:
     """One conversation with the engine's model: ``reply(text)`` runs a turn, ``reset()`` forgets."""
 
-    def __init__(self, engine: LLMEngine, params: SamplingParams, cfg: ChatConfig):
-        self.engine, self.params, self.cfg = engine, params, cfg
+    def __init__(self, engine: LLMEngine, params: SamplingParams, cfg: ChatConfig, model: str = "the model"):
+        self.engine, self.params, self.cfg, self.model = engine, params, cfg, model
         self.tokenizer = engine.tokenizer
         self.use_template = cfg.use_template(self.tokenizer)
         self.preamble = "" if self.use_template else cfg.preamble()
@@ -115,7 +115,11 @@ class ChatSession:
 
     def reply(self, text: str) -> str:
         ids = self._fit(text)
-        out = self.engine.generate([ids], self.params)[0].outputs[0]
+        from tidal.inference.generate import check_finite_samples  # here: --help imports this module
+
+        result = self.engine.generate([ids], self.params)
+        check_finite_samples(result, self.model)  # NaN weights: stop, rather than answer "" forever
+        out = result[0].outputs[0]
         answer = out.text.strip() if self.use_template else out.text
         self.turns.append((text, answer))
         return answer

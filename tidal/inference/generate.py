@@ -16,17 +16,24 @@ Prompts go through the engine in chunks of ``--rollout_batch_size`` prompts (uns
 the finished chunks), while a chunk is still large enough that continuous batching keeps the engine
 full until its tail drains. ``input`` in the output is the prompt exactly as the model saw it
 (rendered), so a training step on the file must not render it again.
+
+A model whose logits are not finite (NaN weights) samples token 0 with a NaN log-prob at every step and
+"answers" with empty text; ``check_finite_samples`` looks at the sampled log-probs the engine returns
+with each chunk (already on the host: no extra device work) and stops with one line naming the model,
+before that chunk is written.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
+from tidal.checkpoint.resumable import CheckpointError
 from tidal.config.args import ConfigError
 from tidal.config.data import DatasetConfig
 from tidal.data import DataError, build_prompt_samples, tokenize_texts
@@ -223,6 +230,7 @@ def write_samples(run: GenerateRun, engine: LLMEngine, scorer, prompts: Prompts,
         for first in range(0, len(prompts.texts), chunk):
             part = prompts.select(range(first, min(first + chunk, len(prompts.texts))))
             results = engine.generate(part.ids, params)
+            check_finite_samples(results, run.policy.pretrain)
             groups = _groups(part, results, scorer)
             if task is not None:
                 scores += _task_scores(task, part, results, groups)
@@ -279,3 +287,16 @@ def _task_scores(task, prompts: Prompts, results, groups: list[PromptGroup]) -> 
     for group in groups:
         group.rewards = [next(rewards) for _ in group.outputs]
     return result.scores.tolist()
+
+
+def check_finite_samples(results, model: str) -> None:
+    """Raise ``CheckpointError`` (an unusable model: exit status 1, one line) when a sampled token's
+    log-prob is NaN or +inf, i.e. the model's logits are not finite."""
+    for r in results:
+        for c in r.outputs:
+            bad = next((x for x in c.logprobs or () if math.isnan(x) or x == math.inf), None)
+            if bad is not None:
+                raise CheckpointError(
+                    f"--pretrain {model}: the model's logits are not finite (a sampled token has log-prob {bad}); "
+                    "its weights are likely NaN or inf: refusing to write its samples"
+                )
