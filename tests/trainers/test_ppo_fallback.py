@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from tidal.cli.train_ppo import parse_run
 from tidal.config import ConfigError
+from tidal.rollout import HFEngine
 from tidal.testing.tiny import build_tiny_fallback_model
 from tidal.trainers.ppo import run_ppo
 from tidal.trainers.ppo.entry import check_models_before_loading
@@ -46,9 +47,16 @@ def grpo_flags(model, tmp_path, *extra) -> list[str]:
     ]  # fmt: skip
 
 
-def test_one_grpo_step_on_a_fallback_family(bamba, tmp_path):
-    history = run_ppo(parse_run(grpo_flags(bamba, tmp_path)))
-    assert len(history) == 1 and history[0]["reward"] > 0
+def test_grpo_steps_on_a_fallback_family(bamba, tmp_path, monkeypatch):
+    # Two rollouts: the second generates after the trained weights were copied into the fallback engine.
+    synced = []
+    update = HFEngine.update_weights
+    monkeypatch.setattr(
+        HFEngine, "update_weights", lambda self, named: synced.append(update(self, named)) or synced[-1]
+    )
+    history = run_ppo(parse_run(grpo_flags(bamba, tmp_path, "--num_episodes", "2")))
+    assert len(history) == 2 and all(h["reward"] > 0 for h in history)
+    assert synced and all(count == len(load_file(bamba / "model.safetensors")) for count in synced)
     before, after = (
         load_file(bamba / "model.safetensors"),
         load_file(tmp_path / "final" / "model.safetensors"),
