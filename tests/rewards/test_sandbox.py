@@ -39,27 +39,37 @@ FINISHING = SandboxLimits(
 )
 
 
-def sandbox_processes() -> list[int]:
-    """Live processes started by the sandbox (bwrap, or a command line naming harness.py)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+def sandbox_processes() -> set[int]:
+    """Live processes of this test process's sandboxes: bwrap, the harness and whatever they forked
+    (the harness's command line, which a fork keeps, names harness.py), found by walking each one's
+    parents up to this process (another pytest worker's sandboxes are not ours)."""
+    parents, found = {}, set()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if state != "Z" and (b"harness.py" in cmdline or cmdline.startswith(b"bwrap\0")):
-            found.append(int(entry))
-    return found
+        parents[int(entry)] = int(fields[1])
+        if fields[0] != "Z" and (b"harness.py" in cmdline or cmdline.startswith(b"bwrap\0")):
+            found.add(int(entry))
+    return {pid for pid in found if _descends_from_us(pid, parents)}
+
+
+def _descends_from_us(pid: int, parents: dict[int, int]) -> bool:
+    for _ in range(64):
+        pid = parents.get(pid, 0)
+        if pid == os.getpid():
+            return True
+        if pid <= 1:
+            return False
+    return False
 
 
 @pytest.fixture(autouse=True)
 def nothing_left_behind():
-    before = set(sandbox_processes())  # another engineer's run on this machine is not ours
     yield
-    assert set(sandbox_processes()) - before == set()
+    assert sandbox_processes() == set()
 
 
 def test_correct_solution_scores_one():

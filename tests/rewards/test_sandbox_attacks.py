@@ -34,26 +34,37 @@ UNHOOK = (
 
 
 def sandbox_processes() -> set[int]:
-    """Live processes of a sandbox: bwrap, the harness and whatever they forked (the harness's command
-    line, which a fork keeps, names harness.py)."""
-    found = set()
+    """Live processes of this test process's sandboxes: bwrap, the harness and whatever they forked
+    (the harness's command line, which a fork keeps, names harness.py), found by walking each one's
+    parents up to this process (another pytest worker's sandboxes are not ours)."""
+    parents, found = {}, set()
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if state != "Z" and (b"harness.py" in cmdline or cmdline.startswith(b"bwrap\0")):
+        parents[int(entry)] = int(fields[1])
+        if fields[0] != "Z" and (b"harness.py" in cmdline or cmdline.startswith(b"bwrap\0")):
             found.add(int(entry))
-    return found
+    return {pid for pid in found if _descends_from_us(pid, parents)}
+
+
+def _descends_from_us(pid: int, parents: dict[int, int]) -> bool:
+    for _ in range(64):
+        pid = parents.get(pid, 0)
+        if pid == os.getpid():
+            return True
+        if pid <= 1:
+            return False
+    return False
 
 
 @pytest.fixture(autouse=True)
 def contained():
     """No sandbox process is left after the test."""
-    before = sandbox_processes()
     yield
-    assert sandbox_processes() - before == set()
+    assert sandbox_processes() == set()
 
 
 @pytest.fixture
@@ -236,13 +247,16 @@ def test_cannot_signal_host_processes():
 
 
 def test_background_process_dies_with_the_call(host_dir):
-    # double fork + setsid through libc; the grandchild would write a host file a moment later
+    # double fork + setsid through libc, the grandchild renamed so it can be found from here whoever its
+    # parent is by then; it would write a host file a moment later
     target = str(host_dir / "late")
+    name = f"orph{os.getpid()}"
     code = (
         "import ctypes, os, time\nlibc = ctypes.CDLL(None)\n"
         "if libc.fork() == 0:\n"
         "    libc.setsid()\n"
         "    if libc.fork() == 0:\n"
+        f"        libc.prctl(15, {name.encode()!r}, 0, 0, 0)\n"  # PR_SET_NAME
         "        time.sleep(0.5)\n"
         "        for _ in range(100):\n"
         "            try:\n"
@@ -255,7 +269,14 @@ def test_background_process_dies_with_the_call(host_dir):
     )
     result = run_contained(code)
     assert result.status == "passed", result
-    assert not Path(target).exists()  # and the fixture finds no process left
+    alive = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if Path(f"/proc/{entry}/comm").read_text().strip() == name:
+                alive.append(entry)
+        except OSError:
+            continue
+    assert alive == [] and not Path(target).exists()
 
 
 FORGE = (

@@ -25,6 +25,8 @@ from tidal.rewards.sandbox import cgroup, isolation, seccomp
 from tidal.rewards.sandbox.config import SandboxLimits, SandboxResult, TestCase
 from tidal.rewards.sandbox.verdict import Spec, build_spec, one_line, parse_events, verdict
 
+RESULTS_CAP_FACTOR = 4  # the harness's reports may hold this many times max_output_bytes
+
 
 def run_tests(
     code: str, tests: Sequence[TestCase] | str, limits: SandboxLimits | None = None, **overrides
@@ -128,6 +130,8 @@ def _collect(proc: subprocess.Popen, result_fd: int, limits: SandboxLimits) -> t
 
     Returns (output head, reports, how it ended: "exited" | "timeout" | "output_limit")."""
     deadline = time.monotonic() + limits.timeout_s
+    # the reports carry each stdin/stdout case's output (each up to max_output_bytes), JSON-escaped
+    results_cap = RESULTS_CAP_FACTOR * limits.max_output_bytes
     output, results = bytearray(), bytearray()
     ended = "exited"
     with selectors.DefaultSelector() as sel:
@@ -145,7 +149,7 @@ def _collect(proc: subprocess.Popen, result_fd: int, limits: SandboxLimits) -> t
                     continue
                 buffer = output if key.data == "output" else results
                 buffer += chunk
-                if len(buffer) > limits.max_output_bytes:
+                if len(buffer) > (limits.max_output_bytes if buffer is output else results_cap):
                     ended = "output_limit"
                     break
     if ended != "exited":
