@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from tests.rollout.reference import PROMPTS, cpu_config, hf_greedy, hf_logprobs, small_cache_config
-from tidal.rollout import LLMEngine, SamplingParams
+from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
 from tidal.rollout.models import gpt_oss
 from tidal.rollout.models.mxfp4 import dequantize_mxfp4, e2m1_values
 from tidal.rollout.sink_attention import sink_sdpa
@@ -151,6 +151,24 @@ def test_update_weights_from_trainer_parameters(strong, tiny_model, hf_model):
     assert _tokens(engine) == [hf_greedy(hf, p, 12) for p in LONG]
 
 
+def test_experts_are_transformers_experts(strong):
+    """One layer's experts on random tokens and routes: the sorted path and the every-expert path (CUDA
+    graphs in float32) both equal transformers' ``GptOssExperts`` (interleaved, input-major weights)."""
+    path, hf = strong
+    engine = LLMEngine(path, cpu_config(max_model_len=32))
+    ours, theirs = engine.model.model.layers[1].mlp.experts, hf.model.layers[1].mlp.experts
+    torch.manual_seed(0)
+    x = torch.randn(9, hf.config.hidden_size) * 50  # large enough for the SwiGLU clamp (7) to bite
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(9)])
+    weights = torch.rand(9, 2).softmax(-1)
+    with torch.no_grad():
+        want = theirs(x, ids, weights)
+        torch.testing.assert_close(ours(x, weights, ids), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours._every_expert(x, weights, ids), want, atol=1e-5, rtol=1e-5)
+        ours.limit = float("inf")
+        assert (ours(x, weights, ids) - want).abs().max() > 1e-2  # the clamp was in play
+
+
 def test_sink_sdpa_is_transformers_eager_attention():
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
@@ -225,3 +243,42 @@ def test_mxfp4_checkpoint_loads_as_its_dequantised_weights(strong, tmp_path):
     for a, b in zip(want, got, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+@pytest.mark.gpu
+def test_cuda_float32_with_graphs_matches_hf(strong):
+    """CUDA graphs capture decode (float32 experts: the every-expert path) and equal transformers."""
+    path, hf = strong
+    hf = hf.cuda()
+    try:
+        engine = LLMEngine(
+            path, EngineConfig(device="cuda", dtype="float32", max_model_len=128, block_size=16)
+        )
+        assert not engine.eager
+        for prompt, out in zip(LONG, engine.generate(LONG, GREEDY), strict=True):
+            with torch.inference_mode():
+                ref = hf.generate(torch.tensor([prompt], device="cuda"), do_sample=False, max_new_tokens=12)
+            assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
+    finally:
+        hf.cpu()
+
+
+@pytest.mark.gpu
+def test_cuda_bfloat16_graphs_prefix_cache_and_chunks_agree_with_eager(strong):
+    """bfloat16 (grouped GEMM experts): graphs vs eager, and prefix caching with chunked prefill."""
+    path, _ = strong
+    base = dict(device="cuda", dtype="bfloat16", max_model_len=128, block_size=16)
+    eager = LLMEngine(path, EngineConfig(enforce_eager=True, **base)).generate(LONG, GREEDY)
+    for extra in (
+        dict(),
+        dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=16),
+    ):
+        engine = LLMEngine(path, EngineConfig(**base, **extra))
+        for _ in range(2):
+            for a, b in zip(eager, engine.generate(LONG, GREEDY), strict=True):
+                assert a.outputs[0].token_ids[:4] == b.outputs[0].token_ids[:4]
+                diffs = [
+                    abs(p - q)
+                    for p, q in zip(a.outputs[0].logprobs[:4], b.outputs[0].logprobs[:4], strict=True)
+                ]
+                assert max(diffs) < 0.05

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from tidal.rollout.attention import AttentionMetadata
+from tidal.rollout.models import moe
 from tidal.rollout.models.layers import Attention, CausalLM, DecoderLayer, RMSNorm
 from tidal.rollout.models.moe import MoEArgs, MoEDecoderArgs, SparseMoE, grouped_linear
 from tidal.rollout.models.mxfp4 import dequantize_mxfp4
@@ -74,16 +75,18 @@ class GptOssExperts(nn.Module):
 
     def __init__(self, args: GptOssArgs):
         super().__init__()
-        moe, hidden = args.moe, args.hidden_size
-        self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, hidden))
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size))
-        self.down_proj = nn.Parameter(torch.empty(moe.num_experts, hidden, moe.intermediate_size))
-        self.down_proj_bias = nn.Parameter(torch.empty(moe.num_experts, hidden))
+        experts, inter, hidden = args.moe.num_experts, args.moe.intermediate_size, args.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * inter))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))
+        self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden))
         self.alpha, self.limit = args.swiglu_alpha, args.swiglu_limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]); x [T, H] -> [T, H]. Token/expert pairs are sorted
         by expert so each expert runs once on its rows (``moe.grouped_linear``), as ``moe`` does."""
+        if x.is_cuda and torch.cuda.is_current_stream_capturing() and not moe._grouped_mm_usable(x):
+            return self._every_expert(x, weights, ids)
         num_tokens, top_k = ids.shape
         sorted_ids, order = torch.sort(ids.reshape(-1))
         rows = x[order // top_k]
@@ -100,6 +103,17 @@ class GptOssExperts(nn.Module):
         unsorted = torch.empty_like(out)
         unsorted[order] = out
         return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+    def _every_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The same sum with every expert run on every token and weighted 0 where not chosen: no per-expert
+        row counts on the host, so a CUDA graph can capture it where torch's grouped GEMM does not apply
+        (float32 decode). E/k times the FLOPs, which decode's few tokens afford."""
+        gate_up = torch.einsum("th,eoh->eto", x, self.gate_up_proj) + self.gate_up_proj_bias[:, None]
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = clamped_swiglu(gate, up, self.alpha, self.limit)
+        out = torch.einsum("eti,ehi->eth", hidden, self.down_proj) + self.down_proj_bias[:, None]
+        dense = weights.new_zeros(x.shape[0], out.shape[0]).scatter_add_(1, ids, weights)  # [T, E]
+        return (out * dense.t()[..., None]).sum(dim=0).to(x.dtype)
 
 
 def route_top_logits(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,8 +192,9 @@ class GptOssForCausalLM(CausalLM):
         return GptOssArgs.from_hf_config(
             config,
             moe=moe,
-            swiglu_alpha=float(config.swiglu_alpha),
-            swiglu_limit=float(config.swiglu_limit),
+            # Config fields since transformers 5.2x; earlier versions hard-code these same values.
+            swiglu_alpha=float(getattr(config, "swiglu_alpha", 1.702)),
+            swiglu_limit=float(getattr(config, "swiglu_limit", 7.0)),
         )
 
     @torch.no_grad()
