@@ -41,23 +41,26 @@ def _flags(policy, tmp_path, *extra) -> list[str]:
     return flags
 
 
-def test_grpo_trains_qwen3_5_with_engine_logprobs_matching_the_trainer(tiny_model, tmp_path):
+@pytest.mark.parametrize(
+    ("family", "extra"), [("qwen3_5_text", []), ("qwen3_5_moe_text", ["--moe_router_replay"])]
+)
+def test_grpo_trains_qwen3_5_with_engine_logprobs_matching_the_trainer(family, extra, tiny_model, tmp_path):
+    """The MoE variant also replays the engine's expert choices in the trainer's forward."""
     from transformers import AutoModelForCausalLM
 
-    policy = tiny_model("qwen3_5_text")
-    with pytest.raises(
-        ConfigError, match="^--packing_samples: packing_samples is not supported for the qwen3_5"
-    ):
+    policy = tiny_model(family)
+    refusal = f"^--packing_samples: packing_samples is not supported for the {family} family"
+    with pytest.raises(ConfigError, match=refusal):
         check_models_before_loading(parse_run(_flags(policy, tmp_path, "--packing_samples")))
-    history = run_ppo(parse_run(_flags(policy, tmp_path)))
+    history = run_ppo(parse_run(_flags(policy, tmp_path, *extra)))
     assert len(history) == 2
     mismatch = [step["rollout/logprob_mismatch"] for step in history]
-    print(f"qwen3_5_text GRPO engine-vs-trainer |Δ log-prob| per step: {mismatch}")
+    print(f"{family} GRPO engine-vs-trainer |Δ log-prob| per step: {mismatch}")
     assert max(mismatch) < 1e-3
     final = tmp_path / "rl" / "final"
     before, after = load_file(policy / "model.safetensors"), load_file(final / "model.safetensors")
     name = "model.layers.0.linear_attn.in_proj_qkv.weight"
     assert not torch.equal(before[name], after[name])  # the update reached the linear-attention layers
     model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
-    assert type(model).__name__ == "Qwen3_5ForCausalLM"
+    assert type(model).__name__ in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
     torch.testing.assert_close(model.state_dict()[name], after[name])

@@ -25,6 +25,7 @@ MODEL_FAMILY_NAMES = (
     "llama", "qwen2", "qwen3", "mistral", "olmo2", "gemma2", "gemma3_text", "phi3", "qwen3_moe", "qwen2_moe", "mixtral",
     "deepseek_v3",
     "qwen3_5_text",
+    "qwen3_5_moe_text",
     "gpt_oss",
 )  # fmt: skip
 

@@ -72,8 +72,9 @@ class Qwen35Args(DecoderArgs):
         return sum(kind == FULL for kind in self.layer_types)
 
 
-def qwen35_args(config) -> Qwen35Args:
-    """Read a Qwen3.5 text config; refuse, in one line, what the engine does not implement."""
+def qwen35_args(config, **overrides) -> Qwen35Args:
+    """Read a Qwen3.5 text config (``overrides``: what a variant's config implies); refuse, in one line,
+    what the engine does not implement."""
     params = rope_parameters(config)
     if params.get("rope_type", "default") != "default":
         raise ValueError(
@@ -94,6 +95,7 @@ def qwen35_args(config) -> Qwen35Args:
         linear_k_dim=config.linear_key_head_dim,
         linear_v_dim=config.linear_value_head_dim,
         conv_width=config.linear_conv_kernel_dim,
+        **overrides,
     )
 
 
