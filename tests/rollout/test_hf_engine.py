@@ -158,3 +158,17 @@ def test_fallback_refuses_features_it_lacks(bamba, setting, feature):
         f"EngineConfig: {feature} is not supported for the bamba family: it is not native to tidal's engine "
         "and runs on the transformers fallback, which lacks it"
     )
+
+
+def test_a_model_type_that_is_no_causal_lm_is_one_line(tmp_path):
+    from transformers import ViTConfig
+
+    ViTConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=32
+    ).save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as err:
+        make_engine(tmp_path, cpu_config(max_model_len=64))
+    assert str(err.value) == (
+        "model_type 'vit' is neither a family of tidal's engine nor a causal LM transformers can load "
+        "(AutoModelForCausalLM)"
+    )

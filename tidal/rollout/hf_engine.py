@@ -84,6 +84,12 @@ class HFEngine:
 
     Built like ``LLMEngine``: a HF folder path, or ``model=`` (copied), or ``state_dict=`` with a path or
     ``hf_config``. ``tp_group`` (an engine spanning training processes) is refused: no tensor parallelism.
+    Of ``EngineConfig`` it reads the device, dtype, seed, ``max_num_seqs`` (rows decoded together) and
+    ``max_model_len``; the paged-cache sizes (``block_size``, ``num_kv_blocks``, memory budgets,
+    ``max_num_batched_tokens``) have nothing to size here (the transformers cache grows per request).
+
+    Request bookkeeping that does not depend on the model (``_params_per_prompt``, ``_encode``,
+    ``_snapshot``) is ``LLMEngine``'s own code, called on this engine, which has the attributes it reads.
     """
 
     def __init__(
@@ -115,7 +121,9 @@ class HFEngine:
             raise ValueError(f"{model_type}: the config names no max_position_embeddings; set max_model_len")
         log.warning(fallback_notice(model_type))
         self.model = self._load_model(model_path, model, state_dict)
-        self.model.args = _Args(self.model.get_output_embeddings().weight.shape[0], model_type)
+        head = self.model.get_output_embeddings()
+        vocab = head.weight.shape[0] if head is not None else self.hf_config.vocab_size
+        self.model.args = _Args(vocab, model_type)
         self.eos_token_ids = _eos_token_ids(self.hf_config, model_path, model, self.tokenizer)
         self.stepper = HFStepper(self.model)
         self.stop_rules = StopRules(self.max_model_len, self.eos_token_ids, self._detokenize)
@@ -139,7 +147,15 @@ class HFEngine:
             loaded = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype)
             self._copy_weights(loaded, state_dict.items())
         elif model_path is not None:
-            loaded = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=self.dtype)
+            try:
+                loaded = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=self.dtype)
+            except ValueError as err:
+                if "Unrecognized configuration class" not in str(err):
+                    raise
+                raise ValueError(
+                    f"model_type {self.hf_config.model_type!r} is neither a family of tidal's engine nor a "
+                    "causal LM transformers can load (AutoModelForCausalLM)"
+                ) from None
         else:
             raise ValueError("HFEngine needs a model folder path, a loaded model or a state_dict")
         loaded.requires_grad_(False)
@@ -188,7 +204,8 @@ class HFEngine:
         ones by one token, apply the stop rules. Returns the sequences that sampled a token."""
         running = sum(len(c.seqs) for c in self._cohorts)
         admitted = []
-        # A request larger than the free slots still runs alone rather than never (n <= max_num_seqs).
+        # Admission in arrival order while the rows fit; with nothing running the first group always fits
+        # (``_make_group`` checks n <= max_num_seqs).
         while self._waiting and (running + len(self._waiting[0]) <= self.config.max_num_seqs or not running):
             admitted.append(self._waiting.pop(0))
             running += len(admitted[-1])
