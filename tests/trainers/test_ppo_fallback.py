@@ -71,3 +71,9 @@ def test_fallback_family_refuses_prefix_caching(bamba, tmp_path):
         ConfigError, match=r"^--pretrain .*: prefix_caching is not supported for the bamba family"
     ):
         check_models_before_loading(run)
+
+
+def test_fallback_family_refuses_packing(bamba, tmp_path):
+    run = parse_run(grpo_flags(bamba, tmp_path, "--packing_samples"))
+    with pytest.raises(ConfigError, match=r"^--packing_samples: not supported for the bamba family outside"):
+        check_models_before_loading(run)

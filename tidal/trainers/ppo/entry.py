@@ -163,6 +163,11 @@ def check_models_before_loading(run: PPORun) -> None:
         engine = rollout_engine_config(run.rollout, "auto", run.train.seed)
         if problem := fallback_problem(engine, model_type):
             raise ConfigError(f"--pretrain {run.actor.pretrain}: {problem}")
+        if run.train.packing_samples:  # recurrent (Mamba-style) layers would carry state across samples
+            raise ConfigError(
+                f"--packing_samples: not supported for the {model_type} family outside tidal's engine, whose "
+                f"layers may not keep packed samples apart (--pretrain {run.actor.pretrain}); drop the flag"
+            )
     if run.train.packing_samples and (problem := feature_refusal(model_type, "packing_samples")):
         raise ConfigError(f"--packing_samples: {problem} (--pretrain {run.actor.pretrain})")
     tp = run.rollout.vllm_tensor_parallel_size
