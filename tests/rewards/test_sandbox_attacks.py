@@ -315,10 +315,12 @@ def test_seccomp_filter_and_no_new_namespaces():
         "PTRACE = libc.ptrace(16, 1, 0, 0), ctypes.get_errno()\n"  # PTRACE_ATTACH to the reaper
         "UNSHARE = libc.unshare(0x10000000), ctypes.get_errno()\n"  # CLONE_NEWUSER
         "MOUNT = libc.mount(b'none', b'/sandbox', b'tmpfs', 0, None), ctypes.get_errno()\n"
+        "CLONE = libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0), ctypes.get_errno()\n"  # clone(CLONE_NEWUSER)
+        "if CLONE[0] == 0:\n    os._exit(0)\n"
     )
     tests = (
         "assert SECCOMP == ['2']\nassert CAPS == ['0000000000000000']\n"
-        "assert PTRACE == (-1, 1)\nassert UNSHARE == (-1, 1)\nassert MOUNT == (-1, 1)"
+        "assert PTRACE == (-1, 1)\nassert UNSHARE == (-1, 1)\nassert MOUNT == (-1, 1)\nassert CLONE == (-1, 1)"
     )  # 1 == EPERM
     result = run_contained(code, tests)
     assert result.status == "passed", result

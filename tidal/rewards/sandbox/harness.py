@@ -30,23 +30,31 @@ class _OutputLimit(BaseException):
     in the code does not swallow it."""
 
 
+_BASES = (bool, int, float, str, bytes, complex, list, tuple, set, frozenset, dict)
+
+
 def encode(value, depth: int = 0):
-    """``value`` as tagged JSON-able plain data (exact builtin types only); TypeError for anything else."""
-    kind = type(value)
+    """``value`` as tagged JSON-able plain data; TypeError for anything else. A subclass of a builtin
+    (a namedtuple, an IntEnum, a Counter) is sent as its builtin base, which it compares equal to."""
     if depth > _DEPTH:
         raise TypeError("the value is nested too deeply")
-    if value is None or kind in (bool, int, float, str):
+    kind = next((base for base in _BASES if isinstance(value, base)), None)
+    if value is None:
+        return {"p": None}
+    if kind is None:
+        name = type(value).__name__
+        raise TypeError(f"the value is a {name}, not plain data (None, bool, int, float, str, list, ...)")
+    value = kind(value) if type(value) is not kind else value
+    if kind in (bool, int, float, str):
         return {"p": value}
     if kind is bytes:
         return {"b": value.hex()}
     if kind is complex:
         return {"c": [value.real, value.imag]}
-    tags = {list: "l", tuple: "t", set: "s", frozenset: "f"}
-    if kind in tags:
-        return {tags[kind]: [encode(item, depth + 1) for item in value]}
     if kind is dict:
         return {"d": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]}
-    raise TypeError(f"the value is a {kind.__name__}, not plain data (None, bool, int, float, str, ...)")
+    tag = {list: "l", tuple: "t", set: "s", frozenset: "f"}[kind]
+    return {tag: [encode(item, depth + 1) for item in value]}
 
 
 class Harness:

@@ -8,7 +8,8 @@ The bubblewrap sandbox of one sample:
   the sample's own PID namespace (read-only); a minimal ``/dev`` (null, zero, random, urandom, tty;
   read-only); and the scratch directory ``/sandbox``, a private tmpfs of ``scratch_mb`` (cwd, HOME,
   TMPDIR). No /etc, no /tmp, no /work, no host /proc or /sys, no host sockets.
-- new user (uid/gid 65534 inside, every capability dropped, no further user namespaces), PID (the
+- new user (uid/gid 65534 inside, every capability dropped, no further user namespaces: bwrap's
+  ``--disable-userns`` where it has it, and the seccomp filter), PID (the
   harness's processes only; all of them die with it), network (loopback only, down), IPC, UTS and
   cgroup namespaces; ``--new-session`` (no TIOCSTI into the trainer's terminal); ``--die-with-parent``.
 - the seccomp filter of ``seccomp.py`` where libseccomp is present; the rlimits the harness sets
@@ -72,7 +73,9 @@ def bwrap_command(limits: SandboxLimits, job_fd: int, out_fd: int, seccomp_fd: i
 
 
 def _namespace_args() -> list[str]:
-    args = ["--unshare-user", "--uid", _UID, "--gid", _UID, "--disable-userns"]
+    args = ["--unshare-user", "--uid", _UID, "--gid", _UID]
+    if "--disable-userns" in bwrap_options():  # bwrap >= 0.8; the seccomp filter refuses them too
+        args.append("--disable-userns")
     args += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     args += ["--hostname", "sandbox", "--die-with-parent", "--new-session"]
     if os.geteuid() == 0:  # bwrap keeps no capability for a non-root uid; as root say it explicitly
@@ -104,12 +107,27 @@ def _host_view_args() -> tuple[str, ...]:
 
 
 @functools.cache
+def bwrap_options() -> frozenset[str]:
+    """The options this bwrap knows (from ``bwrap --help``)."""
+    try:
+        done = subprocess.run(["bwrap", "--help"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return frozenset()
+    return frozenset(word for word in (done.stdout + done.stderr).split() if word.startswith("--"))
+
+
+@functools.cache
 def check_bwrap() -> None:
     """Raise ``SandboxUnavailable`` (one line) unless bwrap is installed and can build the sandbox here."""
     if shutil.which("bwrap") is None:
         raise SandboxUnavailable(
             f"the code sandbox needs bubblewrap, which is not installed: {INSTALL_HINT} "
             "(or SandboxLimits(isolation='none') to run model code without isolation, unsafe)"
+        )
+    if "--size" not in bwrap_options():
+        raise SandboxUnavailable(
+            "the code sandbox needs bubblewrap 0.7 or newer (for tmpfs --size); this one is older: "
+            "upgrade it (Debian 12, Ubuntu 24.04 and later ship a newer one)"
         )
     command = bwrap_command(SandboxLimits(), 0, 1, None)
     command[command.index("--") + 1 :] = [interpreter(), "-I", "-S", "-c", "pass"]

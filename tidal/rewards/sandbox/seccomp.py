@@ -4,8 +4,9 @@
 Everything is allowed except the system calls below, which fail with EPERM (``clone3`` with ENOSYS,
 so libc falls back to ``clone``); system calls of another architecture (32-bit ``int 0x80``) kill
 the process (libseccomp's default for a foreign architecture). The namespaces already hide the host;
-this removes kernel surface the code never needs: tracing other processes, mounting, new namespaces,
-keyrings, BPF, perf, io_uring, userfaultfd, modules, file handles that bypass paths.
+this removes kernel surface the code never needs: tracing other processes, mounting, new namespaces
+(``unshare``, ``setns``, and ``clone`` with ``CLONE_NEWUSER``), keyrings, BPF, perf, io_uring,
+userfaultfd, modules, file handles that bypass paths.
 
 libseccomp is ``libseccomp2`` on Debian (a dependency of apt and systemd, so nearly always present).
 Where it is missing the sandbox runs without the filter and says so once (``filter_program`` is None).
@@ -31,6 +32,8 @@ BLOCKED = (
 )  # fmt: skip
 _ACT_ALLOW = 0x7FFF0000
 _NR_ERROR = -1  # __NR_SCMP_ERROR: a name this architecture does not have
+_CMP_MASKED_EQ = 7  # SCMP_CMP_MASKED_EQ: (arg & datum_a) == datum_b
+_CLONE_NEWUSER = 0x10000000
 
 
 def _act_errno(code: int) -> int:
@@ -55,9 +58,12 @@ def filter_program() -> bytes | None:
             number = lib.seccomp_syscall_resolve_name(name.encode())
             if number == _NR_ERROR:
                 continue
-            status = lib.seccomp_rule_add_array(ctx, _act_errno(code), number, 0, None)
-            if status < 0:
-                raise OSError(-status, f"seccomp_rule_add({name}) failed")
+            _add_rule(lib, ctx, _act_errno(code), number, name)
+        # clone() that asks for a new user namespace: the other namespaces need capabilities it lacks
+        flag = _ArgCmp(0, _CMP_MASKED_EQ, _CLONE_NEWUSER, _CLONE_NEWUSER)
+        _add_rule(
+            lib, ctx, _act_errno(errno.EPERM), lib.seccomp_syscall_resolve_name(b"clone"), "clone", flag
+        )
         fd = os.memfd_create("tidal-seccomp")
         try:
             status = lib.seccomp_export_bpf(ctx, fd)
@@ -69,6 +75,24 @@ def filter_program() -> bytes | None:
             os.close(fd)
     finally:
         lib.seccomp_release(ctx)
+
+
+class _ArgCmp(ctypes.Structure):
+    """libseccomp's ``struct scmp_arg_cmp``: argument ``arg`` compared by ``op`` with the data."""
+
+    _fields_ = [
+        ("arg", ctypes.c_uint),
+        ("op", ctypes.c_int),
+        ("datum_a", ctypes.c_uint64),
+        ("datum_b", ctypes.c_uint64),
+    ]
+
+
+def _add_rule(lib, ctx, action: int, number: int, name: str, *conditions: _ArgCmp) -> None:
+    array = (_ArgCmp * len(conditions))(*conditions) if conditions else None
+    status = lib.seccomp_rule_add_array(ctx, action, number, len(conditions), array)
+    if status < 0:
+        raise OSError(-status, f"seccomp_rule_add({name}) failed")
 
 
 def _load_libseccomp():
