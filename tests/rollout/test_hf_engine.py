@@ -52,6 +52,12 @@ def test_fallback_samples_what_the_native_engine_samples(tiny_model, family):
         reasons |= {(name, o.finish_reason) for r in got for o in r.outputs}
     # The stop string ended some samples and max_tokens others: both rules were exercised.
     assert {("truncated_stop", "stop"), ("truncated_stop", "length")} <= reasons
+    # A stop token id: the 4th greedy token of the first prompt ends that request there.
+    token = native.generate(PROMPTS[:1], REQUESTS["greedy"])[0].outputs[0].token_ids[3]
+    params = SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[token])
+    expected, got = native.generate(PROMPTS, params), fallback.generate(PROMPTS, params)
+    assert_same_completions(expected, got)
+    assert (got[0].outputs[0].finish_reason, got[0].outputs[0].stop_reason) == ("stop", token)
     # n samples of a seeded request differ (each its own noise), and their prompt was prefilled once.
     seeded = fallback.generate(PROMPTS[:1], REQUESTS["seeded_n3_top"])[0].outputs
     assert len({tuple(o.token_ids) for o in seeded}) == 3
