@@ -178,3 +178,21 @@ def test_a_model_type_that_is_no_causal_lm_is_one_line(tmp_path):
         "model_type 'vit' is neither a family of tidal's engine nor a causal LM transformers can load "
         "(AutoModelForCausalLM)"
     )
+
+
+@pytest.mark.gpu
+def test_fallback_on_cuda_equals_transformers_generate(bamba):
+    """bfloat16 on the GPU (the engine's CUDA default): greedy ids equal transformers' on the same model."""
+    from transformers import AutoModelForCausalLM
+
+    engine = make_engine(bamba, EngineConfig(device="cuda", max_model_len=256))
+    assert isinstance(engine, HFEngine) and engine.dtype == torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(str(bamba), dtype=torch.bfloat16).to("cuda").eval()
+    out = engine.generate(PROMPTS, greedy(8))
+    for prompt, request in zip(PROMPTS, out, strict=True):
+        with torch.inference_mode():
+            ids = model.generate(torch.tensor([prompt], device="cuda"), do_sample=False, max_new_tokens=8)
+        assert request.outputs[0].token_ids == ids[0, len(prompt) :].tolist()
+    engine.sleep(2)
+    engine.wake_up()
+    assert engine.generate(PROMPTS[:1], greedy(8))[0].outputs[0].token_ids == out[0].outputs[0].token_ids

@@ -336,7 +336,8 @@ class HFEngine:
         self._requests.clear()
         if level == 2 and self.device.type != "cpu":
             self.model.to("cpu")
-            torch.cuda.empty_cache()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the dropped caches' memory goes back to the trainer
         self.sleep_level = level
 
     def wake_up(self) -> None:
