@@ -89,7 +89,7 @@ def test_step_level_requests_join_and_leave(tiny_model):
         assert_same_completions(alone, [done[request_id]])
 
 
-def test_weights_update_and_sleep(tiny_model, hf_model):
+def test_weights_update_and_sleep(tiny_model, hf_model, capfd):
     path, other = tiny_model("qwen2"), tiny_model("qwen2", seed=1)
     engine = HFEngine(path, cpu_config())
     loaded = engine.update_weights(hf_model(other).named_parameters())
@@ -99,7 +99,9 @@ def test_weights_update_and_sleep(tiny_model, hf_model):
     with pytest.raises(RuntimeError, match="asleep"):
         engine.generate(PROMPTS[:1], greedy(4))
     engine.wake_up()
-    out = engine.generate(PROMPTS[:2], greedy(8))
+    capfd.readouterr()
+    out = engine.generate(PROMPTS[:2], greedy(8), use_tqdm=True)
+    assert "rollout: 100%|██████████| 2/2" in capfd.readouterr().err  # the progress bar counts requests
     for prompt, request in zip(PROMPTS[:2], out, strict=True):
         ids = request.outputs[0].token_ids
         assert ids == hf_greedy(hf_model(other), prompt, 8)

@@ -63,8 +63,10 @@ def fallback_problem(config: EngineConfig, model_type: str | None) -> str | None
         "attention_backend triton": config.attention_backend == "triton",
     }
     feature = next((name for name, on in asked.items() if on), None)
-    if feature is None:
-        return None
+    return None if feature is None else _refusal(feature, model_type)
+
+
+def _refusal(feature: str, model_type: str | None) -> str:
     return (
         f"{feature} is not supported for the {model_type} family: it is not native to tidal's engine and "
         "runs on the transformers fallback, which lacks it"
@@ -107,8 +109,8 @@ class HFEngine:
         self.hf_config = hf_config or _load_hf_config(model_path, model)
         model_type = getattr(self.hf_config, "model_type", None)
         problem = fallback_problem(self.config, model_type)
-        if problem is None and tp_group is not None:
-            problem = fallback_problem(EngineConfig(tp_size=2), model_type)
+        if problem is None and tp_group is not None:  # an engine spanning training processes
+            problem = _refusal("tensor_parallel (tp_group)", model_type)
         if problem:
             raise ValueError(f"EngineConfig: {problem}")
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_path)
@@ -188,12 +190,22 @@ class HFEngine:
             self._make_group(i, ids, p) for i, (ids, p) in enumerate(zip(token_ids, params, strict=True))
         ]
         self._waiting.extend(groups)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(groups), desc="rollout", unit="req")
         try:
             while self._waiting or self._cohorts:
-                self._advance()
+                ended = {seq.request_index for seq in self._advance() if seq.is_finished}
+                if bar is not None:  # requests whose last sample ended in this step
+                    bar.update(sum(all(s.is_finished for s in groups[i]) for i in ended))
         except BaseException:
             self._abort_all()  # an interrupted call must not leak its sequences into the next one
             raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [
             RequestOutput(i, p if isinstance(p, str) else None, ids, [self._completion(s) for s in group])
             for i, (p, ids, group) in enumerate(zip(prompts, token_ids, groups, strict=True))
