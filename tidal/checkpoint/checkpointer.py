@@ -97,6 +97,11 @@ class Checkpointer:
         log.info("resumed at step %d (epoch %d)", loop.global_step, loop.epoch)
         return loop
 
+    def resumed_setting(self, key: str) -> Any:
+        """A setting (``"train.train_batch_size"``) as the resumed checkpoint recorded it; None when not
+        resumed or not recorded."""
+        return self.runs.resumed_settings.get(key)
+
     def resume_step(self, loop: LoopState) -> int | None:
         """The step the metrics continue after (drops later logged steps), None without ``--load_checkpoint``."""
         return loop.global_step if self.cfg.load_checkpoint else None

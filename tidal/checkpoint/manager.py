@@ -126,6 +126,7 @@ class RunCheckpoints:
         self.cfg, self.identity, self.world = cfg, identity, world
         self.lineage = uuid.uuid4().hex  # only the main process writes meta.json and rotates
         self.last_saved_step: int | None = None
+        self.resumed_settings: dict[str, Any] = {}  # the settings recorded by the checkpoint resumed
 
     @property
     def enabled(self) -> bool:
@@ -154,6 +155,7 @@ class RunCheckpoints:
                 "from here on", folder, "; ".join(changes), loop.global_step, loop.epoch,
             )  # fmt: skip
         self.lineage = meta.get("lineage", self.lineage)
+        self.resumed_settings = meta.get("settings", {})
         self.last_saved_step = loop.global_step
         return loop, extra
 

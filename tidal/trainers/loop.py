@@ -48,7 +48,6 @@ from torch import nn
 
 from tidal.checkpoint import Checkpointer, LoopState, StopSignals, flat_settings
 from tidal.config import CheckpointConfig, TrainConfig
-from tidal.data import step_batches
 from tidal.distributed.collectives import all_gather_objects, max_over_world
 from tidal.distributed.fsdp import set_gradient_sync
 from tidal.distributed.tensor_parallel import clip_grad_norm
@@ -56,6 +55,7 @@ from tidal.distributed.world import World
 from tidal.logging import LoggingConfig, MetricsLogger, ProgressBar, Throughput, get_logger
 from tidal.models.precision import Precision
 from tidal.models.ring_attention import active_ring, turns
+from tidal.trainers.data_position import DataPosition, epoch_batches, resume_offset
 from tidal.trainers.optim import NonFiniteGuard
 
 log = get_logger(__name__)
@@ -181,9 +181,10 @@ class SupervisedTrainer:
         self.cfg, self.ckpt_cfg, self.log_cfg = train_cfg, ckpt_cfg, log_cfg
         self.run_dir, self.run_config = Path(run_dir), run_config or {}
         self.micro_steps = train_cfg.micro_train_batch_size
+        self.position = DataPosition()  # dataset size and samples of the epoch trained, for resume
         self.checkpointer = Checkpointer(
             ckpt_cfg, world, kind, {"model": opt}, flat_settings(self.run_config, SETTINGS),
-            state={"nonfinite": opt.guard}, hf_copy=self.export,
+            state={"nonfinite": opt.guard, "data": self.position}, hf_copy=self.export,
         )  # fmt: skip
 
     # ---- one optimizer step ------------------------------------------------------------------
@@ -266,7 +267,13 @@ class SupervisedTrainer:
         steps_per_epoch = len(train) // cfg.train_batch_size
         ckpt = self.checkpointer
         ckpt.check_space([self.opt.model], self.ckpt_cfg.save_path)  # before training, not after
-        loop = ckpt.resume() or LoopState()
+        resumed = ckpt.resume()
+        loop = resumed or LoopState()
+        batch, n = cfg.train_batch_size, len(train)
+        # a changed batch size or dataset continues after the samples trained (tidal.trainers.data_position)
+        saved_batch = ckpt.resumed_setting("train.train_batch_size")
+        offset = resume_offset(self.position, loop, n, batch, saved_batch) if resumed else 0
+        first_epoch = loop.epoch
         history: list[dict] = []
         resume_step = ckpt.resume_step(loop)
         with (
@@ -281,14 +288,14 @@ class SupervisedTrainer:
         ):
             speed = Throughput()
             for epoch in range(loop.epoch, cfg.max_epochs):
-                batches = step_batches(
-                    len(train), cfg.train_batch_size, cfg.seed, epoch, world.dp_size, world.dp_rank
-                )
-                for index in range(loop.step_in_epoch, len(batches)):
+                skip = offset if epoch == first_epoch else 0
+                batches = epoch_batches(n, batch, cfg.seed, epoch, world.dp_size, world.dp_rank, skip)
+                for index in range(len(batches)):
                     stats = self.train_step([train[i] for i in batches[index]])
-                    loop = LoopState(loop.global_step + 1, epoch, index + 1)
+                    self.position.samples, self.position.offset = n, skip + (index + 1) * batch
+                    loop = LoopState(loop.global_step + 1, epoch, -(-self.position.offset // batch))
                     stats["tokens_per_s"] = speed.update(int(stats["tokens"]))
-                    stats["epoch"] = epoch + (index + 1) / len(batches)
+                    stats["epoch"] = epoch + loop.step_in_epoch / (-(-skip // batch) + len(batches))
                     history.append({"step": loop.global_step, **stats})
                     bar.update(1, loss=stats.get("loss"), lr=stats["lr"], tok_s=stats["tokens_per_s"])
                     if self.log_cfg.should_log(loop.global_step):
