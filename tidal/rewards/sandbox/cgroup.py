@@ -72,7 +72,7 @@ def join_then_exec(cgroup: str, command: list[str]) -> list[str]:
 
 def remove_cgroup(path: str, attempts: int = 250) -> None:
     """SIGKILL every process left in the sample's cgroup, then remove it (a cgroup must be empty)."""
-    for _ in range(attempts):
+    for attempt in range(attempts):
         try:
             with open(os.path.join(path, "cgroup.procs"), encoding="utf-8") as f:
                 pids = [int(line) for line in f if line.strip()]
@@ -85,4 +85,6 @@ def remove_cgroup(path: str, attempts: int = 250) -> None:
             os.rmdir(path)
             return
         except OSError:
-            time.sleep(0.02)  # killed processes leave the cgroup once reaped
+            # busy until the last exited process has been released (an RCU grace period after its
+            # reaping, usually a few ms): poll fast first, then every 20 ms
+            time.sleep(min(0.001 * 2**attempt, 0.02))
