@@ -77,3 +77,12 @@ def test_fallback_family_refuses_packing(bamba, tmp_path):
     run = parse_run(grpo_flags(bamba, tmp_path, "--packing_samples"))
     with pytest.raises(ConfigError, match=r"^--packing_samples: not supported for the bamba family outside"):
         check_models_before_loading(run)
+
+
+def test_trainer_takes_full_logits_for_a_fallback_family(bamba):
+    """The chunked log-prob head only takes registry families: bamba's log-probs come from its own forward."""
+    from transformers import AutoModelForCausalLM
+
+    from tidal.models.logprob_head import chunkable_head
+
+    assert chunkable_head(AutoModelForCausalLM.from_pretrained(str(bamba))) is None
