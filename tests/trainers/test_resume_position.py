@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +95,41 @@ def test_sft_resumed_with_half_the_batch_size_trains_each_sample_once(tiny_qwen2
     resumed = run_sft(parse_run(flags("4", "--load_checkpoint")))
     assert [h["step"] for h in resumed] == [3, 4, 5, 6]
     assert sorted(seen) == list(range(32))  # every sample of the epoch trained exactly once
+
+
+def test_ppo_resumed_with_half_the_rollout_batch_trains_each_prompt_once(tiny_qwen2, tmp_path, monkeypatch):
+    from tidal.cli.train_ppo import parse_run as parse_ppo
+    from tidal.trainers.ppo import run_ppo
+    from tidal.trainers.ppo.trainer import PPOTrainer
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}>", "label": str(i)}) + "\n" for i in range(16)))
+    reward = Path(__file__).resolve().parents[2] / "examples" / "reward_func.py"
+
+    def flags(batch, *extra):
+        return ["--pretrain", str(tiny_qwen2), "--prompt_data", str(data), "--input_key", "prompt", "--label_key",
+                "label", "--remote_rm_url", str(reward), "--advantage_estimator", "group_norm",
+                "--n_samples_per_prompt", "2", "--rollout_batch_size", batch, "--train_batch_size", "8",
+                "--micro_train_batch_size", "8", "--generate_max_len", "2", "--prompt_max_len", "8",
+                "--save_path", str(tmp_path / "final"), "--ckpt_path", str(tmp_path / "ckpt"), "--save_steps", "1",
+                "--seed", str(SEED), *extra]  # fmt: skip
+
+    seen: list[str] = []
+    crash = [True]
+    original = PPOTrainer.train_step
+
+    def recording_step(self, generated, step):
+        if (
+            crash[0] and len(seen) >= 8
+        ):  # a crash during rollout 2 (8 prompts): the checkpoint holds rollout 1
+            raise KeyboardInterrupt
+        seen.extend(p.label for p in generated.job.prompts)
+        return original(self, generated, step)
+
+    monkeypatch.setattr(PPOTrainer, "train_step", recording_step)
+    with pytest.raises(KeyboardInterrupt):
+        run_ppo(parse_ppo(flags("8")))
+    crash[0] = False
+    resumed = run_ppo(parse_ppo(flags("4", "--load_checkpoint")))
+    assert [h["step"] for h in resumed] == [2, 3]
+    assert sorted(seen, key=int) == [str(i) for i in range(16)]  # every prompt of the episode once

@@ -13,7 +13,8 @@ seed, epoch) (``tidal.data.batching``), so a resume continues after exactly thos
   missed) and, when fewer than one batch is left, ends there and the next epoch starts.
 
 Each case is said in one warning with the numbers. A checkpoint written before the position was recorded
-counts its steps in the epoch times the checkpoint's ``--train_batch_size``.
+counts its steps in the epoch times the checkpoint's ``--train_batch_size``. ``tidal ppo`` does the same with
+its prompts, episodes and ``--rollout_batch_size``.
 """
 
 from __future__ import annotations
@@ -54,9 +55,16 @@ def epoch_batches(
     return [order[s + rank * share : s + (rank + 1) * share] for s in starts]
 
 
-def resume_offset(saved: DataPosition, loop: LoopState, n: int, batch: int, saved_batch: int | None) -> int:
+def resume_offset(
+    saved: DataPosition,
+    loop: LoopState,
+    n: int,
+    batch: int,
+    saved_batch: int | None,
+    flag: str = "--train_batch_size",
+) -> int:
     """Samples of ``loop.epoch`` a resumed run skips (``n`` once the epoch is over); warns, with the
-    numbers, when the batch size or the dataset changed (see the module docstring)."""
+    numbers, when the batch size (``flag``) or the dataset changed (see the module docstring)."""
     if saved.resumed:
         offset, before = saved.offset, saved.samples
     else:  # an older checkpoint: its steps in the epoch were of its own batch size
@@ -66,17 +74,17 @@ def resume_offset(saved: DataPosition, loop: LoopState, n: int, batch: int, save
         if offset % batch or (saved_batch and saved_batch != batch):
             left = (n - offset) // batch
             log.warning(
-                "resuming epoch %d after its first %d of %d samples with --train_batch_size %d (the checkpoint's "
-                "was %s): the same sample order goes on from there, %d more step(s) this epoch",
-                epoch, offset, n, batch, saved_batch or "another", left,
+                "resuming epoch %d after its first %d of %d samples with %s %d (the checkpoint's was %s): "
+                "the same sample order goes on from there, %d more step(s) this epoch",
+                epoch, offset, n, flag, batch, saved_batch or "another", left,
             )  # fmt: skip
         return offset
     if offset + batch > n:
         log.warning(
             "the dataset has %d samples now, %d when the checkpoint was written, and epoch %d had already "
-            "trained %d: fewer than one --train_batch_size (%d) is left, so the rest of epoch %d is skipped "
+            "trained %d: fewer than one %s (%d) is left, so the rest of epoch %d is skipped "
             "and training goes on with epoch %d",
-            n, before, epoch, offset, batch, epoch, epoch + 1,
+            n, before, epoch, offset, flag, batch, epoch, epoch + 1,
         )  # fmt: skip
         return n
     log.warning(

@@ -21,7 +21,6 @@ import torch
 from tidal.algorithms import dynamic_filter_mask, make_kl_controller, masked_mean
 from tidal.algorithms.rewards import RunningMoments
 from tidal.checkpoint import Checkpointer, LoopState, StateFns, StopSignals, flat_settings
-from tidal.data import step_batches
 from tidal.distributed.collectives import all_gather_objects, mean_over_world, world_masked_mean
 from tidal.distributed.offload import offload_to_cpu, reload_to_device
 from tidal.distributed.world import World, all_reduce_sum
@@ -39,6 +38,7 @@ from tidal.models.moe_routing import force_routing
 from tidal.placement.protocols import CriticRole, ReferenceRole, RolloutRole
 from tidal.placement.stream import RolloutJob, RolloutResult, rollout_stream
 from tidal.rollout.batch_invariant import make_exact
+from tidal.trainers.data_position import DataPosition, epoch_batches, resume_offset
 from tidal.trainers.loop import Optimization
 from tidal.trainers.ppo.config import PPORun
 from tidal.trainers.ppo.ema import PolicyEMA
@@ -129,6 +129,8 @@ class PPOTrainer:
         self.moments = RunningMoments() if run.reward.normalize and not run.reward.pretrain else None
         self.reduction = BatchReduction.over(world)  # whitening and reward moments over every rank
         self.n = run.rollout.n_samples_per_prompt
+        # the prompts trained in the episode, for a resume with another batch size or prompt set
+        self.position, self._skip, self._first_episode = DataPosition(), 0, 0
         # --enable_ema: the average starts from the initial policy (a resume restores the saved one)
         self.ema = PolicyEMA(parts.actor.model, run.ema.beta) if run.ema.enable else None
         # --exact_logprobs: the policy runs the engine's batch-invariant ops, so (weights being the engine's:
@@ -145,6 +147,7 @@ class PPOTrainer:
         run, world = self.run, self.world
         self.checkpointer.check_space([self.parts.actor.model], run.ckpt.save_path)  # before training
         loop, history = self._resume(), []
+        self._first_episode = loop.epoch
         resume_step = self.checkpointer.resume_step(loop)
         logger = MetricsLogger(self.run_dir, run.logging, asdict(run), world.is_main, resume_step)
         bar = ProgressBar(self.total_rollouts, initial=loop.global_step, desc="rl", is_main=world.is_main)
@@ -155,6 +158,9 @@ class PPOTrainer:
                 for generated in rollout_stream(self.parts.rollout, self._jobs(episode, loop), self._ahead):
                     stats = self.train_step(generated, loop.global_step)
                     loop = LoopState(loop.global_step + 1, episode, generated.job.index + 1)
+                    skip, done = self._episode_start(episode)
+                    self.position.samples = len(self.prompts)
+                    self.position.offset = skip + (generated.job.index + 1 - done) * self._size
                     # wall time of the step: with --async_train generation overlaps the previous update
                     stats["time/step"], step_start = time.perf_counter() - step_start, time.perf_counter()
                     history.append({"step": loop.global_step, "kl_coef": self.kl_ctl.value, **stats})
@@ -184,20 +190,30 @@ class PPOTrainer:
         stats["time/generate"] = generated.seconds
         return stats | peak_memory(self.world)
 
+    @property
+    def _size(self) -> int:
+        return self.run.rollout.rollout_batch_size
+
+    def _episode_start(self, episode: int) -> tuple[int, int]:
+        """``(prompts skipped, index of the first rollout)`` of ``episode`` in this run: a resumed run
+        skips the prompts the checkpoint trained (``tidal.trainers.data_position``)."""
+        skip = self._skip if episode == self._first_episode else 0
+        return skip, -(-skip // self._size)
+
     def _jobs(self, episode: int, loop: LoopState) -> list[RolloutJob]:
         """This episode's remaining rollouts (deterministic prompts and seeds, also after a resume)."""
         run = self.run
-        batches = step_batches(len(self.prompts), run.rollout.rollout_batch_size, run.train.seed, episode)
-        start = loop.step_in_epoch if episode == loop.epoch else 0
+        skip, done = self._episode_start(episode)
+        batches = epoch_batches(len(self.prompts), self._size, run.train.seed, episode, 1, 0, skip)
         return [
             RolloutJob(
-                i,
-                [self.prompts[k] for k in batches[i]],
+                done + i,
+                [self.prompts[k] for k in batch],
                 self.n,
                 run.rollout.temperature,
-                self._rollout_seed(loop.global_step + i - start),
+                self._rollout_seed(loop.global_step + i),
             )  # fmt: skip
-            for i in range(start, len(batches))
+            for i, batch in enumerate(batches)
         ]
 
     @property
@@ -352,6 +368,7 @@ class PPOTrainer:
             "kl_coef": StateFns(lambda: self.kl_ctl.value, self._load_kl_coef),
             "moments": StateFns(lambda: asdict(self.moments) if self.moments else None, self._load_moments),
             "nonfinite": StateFns(self._guard_states, self._load_guard_states),
+            "data": self.position,
         }
         if self.ema is not None:
             state["ema"] = self.ema
@@ -394,6 +411,10 @@ class PPOTrainer:
         loop = self.checkpointer.resume()
         if loop is None:
             return LoopState()
+        saved = self.checkpointer.resumed_setting("rollout.rollout_batch_size")
+        self._skip = resume_offset(
+            self.position, loop, len(self.prompts), self._size, saved, "--rollout_batch_size"
+        )
         self.parts.rollout.sync_weights(self.parts.actor.model)
         return loop
 
