@@ -131,7 +131,8 @@ class _ChunkLogprobs(torch.autograd.Function):
 def _check_gathered(weight: Tensor) -> None:
     """One clear error for a head weight FSDP2 did not gather again before backward (its storage freed
     after forward), instead of a failing matmul: the loss read the head's values around its output."""
-    if weight.numel() and weight.untyped_storage().nbytes() == 0:
+    plain = type(weight) in (Tensor, nn.Parameter)  # a tensor subclass may have no storage of its own
+    if plain and weight.numel() and weight.untyped_storage().nbytes() == 0:
         raise RuntimeError(
             "the LM head's weight was freed (FSDP2 resharded it after forward) and not gathered again for "
             "backward: the loss must read the log-probs from the head's output (logprob_head.head_values)"
@@ -187,10 +188,10 @@ def head_values(logprobs: Tensor, entropy: Tensor | None) -> tuple[Tensor, Tenso
     """``(output, logprobs, entropy)``: what a swapped head returns — the log-probs, stacked with the
     entropy when there is one — and the two as views of it, for the loss. Through the views every gradient
     reaches the head's output, where FSDP2's pre-backward hook gathers the weights the head's backward
-    reads (see the module docstring); a sharded module's output must not itself be a view."""
+    reads (see the module docstring). ``logprobs`` is fresh (a ``cat``), not a view: FSDP2 mishandles
+    in-place ops on a view output."""
     if entropy is None:
-        out = logprobs if logprobs._base is None else logprobs.clone()
-        return out, out, None
+        return logprobs, logprobs, None
     out = torch.stack([logprobs, entropy])
     return out, out[0], out[1]
 
