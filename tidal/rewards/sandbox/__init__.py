@@ -2,7 +2,8 @@
 
     from tidal.rewards.sandbox import TestCase, run_tests, run_many
     run_tests("def add(a, b):\\n    return a + b", "assert add(1, 2) == 3\\nassert add(2, 2) == 5")
-    # SandboxResult(passed=1, total=2, status='failed', message='1/2 passed; test 2 (assert add(2, 2) == 5): ...')
+    # SandboxResult(passed=1, total=2, status='failed',
+    #               message='1/2 passed; test 2 (assert add(2, 2) == 5): AssertionError: got 4')
     run_tests("print(sum(map(int, input().split())))", [TestCase("1 2\\n", "3\\n")], timeout_s=2)
 
 Tests are either a string of ``assert`` statements (HumanEval/MBPP style: each top-level ``assert`` is
