@@ -132,13 +132,17 @@ def test_fork_exec_below_the_audit_hook_reaches_nothing(host_dir):
     before = snapshot(host_dir)
     target = str(host_dir / "pwned")
     write = f"open({target!r}, 'w')"
-    # _posixsubprocess.fork_exec starts a process without any audit event (CPython 3.11+ signature)
+    # _posixsubprocess.fork_exec starts a process without any audit event (signatures of 3.11+, 3.10)
     code = (
         "import _posixsubprocess, os, sys\n"
         "exe = sys.executable.encode()\n"
         "errpipe = os.pipe()\n"
-        f"PID = _posixsubprocess.fork_exec([exe, b'-c', {write.encode()!r}], [exe], True, (errpipe[1],), None,"
-        " None, -1, -1, -1, -1, -1, -1, *errpipe, False, False, -1, None, None, None, -1, None, False)\n"
+        f"head = ([exe, b'-c', {write.encode()!r}], [exe], True, (errpipe[1],), None, None, -1, -1, -1, -1, -1, -1,"
+        " *errpipe, False, False)\n"
+        "try:\n"
+        "    PID = _posixsubprocess.fork_exec(*head, -1, None, None, None, -1, None, False)\n"
+        "except TypeError:\n"
+        "    PID = _posixsubprocess.fork_exec(*head, None, None, None, -1, None)\n"
         "STATUS = os.waitpid(PID, 0)[1]\n"
     )
     result = run_contained(code, "assert PID > 0\nassert STATUS != 0")
