@@ -53,7 +53,7 @@ def test_remote_reward_gives_up_after_timeout_and_retries():
         assert len(server.accepted) == 2  # one attempt and one retry, each accepted and left unanswered
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith(f"reward server {server.url} did not answer within 0.2 s (2 attempts)")
+    assert message.startswith(f"reward server {server.url} did not answer within 0.2 s (2 attempts, ")
     assert "--remote_rm_timeout" in message
 
 
