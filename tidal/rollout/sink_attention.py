@@ -10,10 +10,10 @@ unchanged, and one fused SDPA call computes the sink softmax without a score ten
 The sink key is shared by the query heads of a KV group (the per-head part lives in the query), so GQA
 stays SDPA's ``enable_gqa``.
 
-The three paths are ``attention.py``'s torch ones, reading the same ``AttentionMetadata``: prefill
-(the batch's own keys, right-padded per sequence), decode and prefill with context (keys gathered from
-the paged cache through the block tables). The Triton kernels have no sink term, so families with
-sinks attend here on every backend.
+The three paths are ``attention.py``'s, reading the same ``AttentionMetadata``: prefill (the batch's own
+keys, right-padded per sequence), decode and prefill with context (keys gathered from the paged cache
+through the block tables; on the Triton backend the paged kernels, which scale their output by
+``sink_share`` of the keys' log-sum-exp, ``e^lse / (e^lse + e^sink)``, the same softmax).
 """
 
 from __future__ import annotations
@@ -48,20 +48,60 @@ def sink_sdpa(q, k, v, mask: torch.Tensor, scale: float, sinks: torch.Tensor) ->
 
 def sink_paged_attention(q, k, v, meta: AttentionMetadata, layer_idx: int, window, scale, sinks):
     """Store this step's k/v into the layer's paged cache, then attend with sinks. q [tokens, heads, d],
-    k/v [tokens, kv_heads, d] -> [tokens, heads * d] (decode: one token per sequence)."""
+    k/v [tokens, kv_heads, d] -> [tokens, heads * d] (decode: one token per sequence).
+
+    On the Triton backend, decode and prefill with context run the paged kernels with their ``sinks``
+    argument (``triton_attention`` / ``triton_context``); plain prefill is SDPA on every backend."""
     layer_cache = None if meta.kv_cache is None else meta.kv_cache[layer_idx]
     if layer_cache is not None:
         store_kv(layer_cache, k, v, meta.slot_mapping)
-    mask = meta.mask(window)
     if meta.is_prefill and meta.block_tables is None:  # the batch's own keys
         qp, kp, vp = (x[meta.pad_index].transpose(1, 2) for x in (q, k, v))  # [batch, heads, len, d]
-        out = sink_sdpa(qp, kp, vp, mask, scale, sinks)
+        out = sink_sdpa(qp, kp, vp, meta.mask(window), scale, sinks)
         return out.transpose(1, 2)[meta.pad_valid].reshape(q.shape[0], -1)
+    if meta.backend == "triton":
+        out = _triton_sink_attention(q, layer_cache, meta, window, scale, sinks)
+        if out is not None:
+            return out
+    return torch_sink_attention(q, layer_cache, meta, window, scale, sinks)
+
+
+def torch_sink_attention(q, layer_cache: torch.Tensor, meta: AttentionMetadata, window, scale, sinks):
+    """Decode or prefill with context over the gathered cache blocks: one ``sink_sdpa`` call."""
     batch, num_kv, head_dim = meta.block_tables.shape[0], layer_cache.shape[-2], layer_cache.shape[-1]
     blocks = layer_cache.flatten(2).index_select(1, meta.block_tables.view(-1))
     kv = blocks.view(2, batch, -1, num_kv, head_dim).transpose(2, 3)  # [2, batch, kv_heads, slots, d]
+    mask = meta.mask(window)
     if meta.is_prefill:  # prefill with context: queries [start, end) against the cached [0, end)
         out = sink_sdpa(q[meta.pad_index].transpose(1, 2), kv[0], kv[1], mask, scale, sinks)
         return out.transpose(1, 2)[meta.pad_valid].reshape(q.shape[0], -1)
     out = sink_sdpa(q[:, :, None, :], kv[0], kv[1], mask, scale, sinks)
     return out.reshape(batch, -1)
+
+
+def _triton_sink_attention(q, layer_cache, meta: AttentionMetadata, window, scale, sinks):
+    """The paged Triton kernels with sinks, or None where they do not apply (``attention.py``'s rules)."""
+    from tidal.rollout import attention
+
+    if not meta.is_prefill:
+        from tidal.rollout.triton_attention import paged_decode_attention
+
+        return paged_decode_attention(
+            q, layer_cache, meta.block_tables, meta.context_lens, window, scale, sinks=sinks
+        )
+    from tidal.rollout import triton_context
+
+    if not (attention.CONTEXT_KERNEL and triton_context.supports(q.shape[-1])):
+        return None
+    return triton_context.paged_context_attention(
+        q,
+        layer_cache,
+        meta.block_tables,
+        meta.pad_index[:, 0],
+        meta.query_starts,
+        meta.context_lens,
+        meta.pad_index.shape[1],
+        window,
+        scale,
+        sinks=sinks,
+    )

@@ -61,6 +61,7 @@ def _decode_kernel(
     cos_ptr,
     sin_ptr,
     slot_ptr,
+    sink_ptr,
     stride_cos,
     stride_qb,
     stride_qh,
@@ -79,6 +80,7 @@ def _decode_kernel(
     HAS_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
     ROPE: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -153,6 +155,9 @@ def _decode_kernel(
     out = acc / tl.where(nonempty, denom, 1.0)[:, None]
     row = b * num_heads + heads
     if NUM_SPLITS == 1:
+        if SINKS:
+            lse = m + tl.log(tl.where(nonempty, denom, 1.0))
+            out = out * sink_share(lse, tl.load(sink_ptr + heads, mask=g < GROUP, other=0.0))[:, None]
         tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=(g < GROUP)[:, None])
     else:
         part = row * NUM_SPLITS + split
@@ -162,8 +167,24 @@ def _decode_kernel(
 
 
 @triton.jit
-def _merge_kernel(part_ptr, lse_ptr, out_ptr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    row = tl.program_id(0)  # one (sequence, head)
+def sink_share(lse, sink):
+    """The share of a softmax that keys with log-sum-exp ``lse`` keep once a sink logit joins its
+    denominator (gpt-oss): ``e^lse / (e^lse + e^sink)``; 0 where ``lse`` is -inf (no key)."""
+    return 1.0 / (1.0 + tl.exp(sink.to(tl.float32) - lse))
+
+
+@triton.jit
+def _merge_kernel(
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    sink_ptr,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SINKS: tl.constexpr,
+):
+    row = tl.program_id(0)  # one (sequence or token, head): rows are head-minor
     s = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, HEAD_DIM)
     lse = tl.load(lse_ptr + row * NUM_SPLITS + s)
@@ -172,6 +193,10 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, HEAD_DIM: tl.constexpr, NUM_SPLITS
     total = tl.sum(w, 0)
     parts = tl.load(part_ptr + (row * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :])
     out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    if SINKS:
+        out = out * sink_share(
+            top + tl.log(tl.where(total > 0, total, 1.0)), tl.load(sink_ptr + row % num_heads)
+        )
     tl.store(out_ptr + row * HEAD_DIM + d, out)
 
 
@@ -212,6 +237,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     tiles: Tiles | None = None,
     rope: RopeInputs | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [batch, heads, d]; layer_cache [2, blocks, block_size, kv_heads, d] -> out [batch, heads * d].
 
@@ -222,6 +248,9 @@ def paged_decode_attention(
     With ``rope``, q is the packed projection before RoPE, [batch, heads + 2 kv_heads, d] (q heads, then k,
     then v; no q/k norms): the kernel does ``triton_fused.rope_store_kv``'s work too (q and k rotated, k and
     v stored at ``rope.slot_mapping``), bit-equal to running that kernel first.
+
+    ``sinks`` [heads] (gpt-oss): one more logit per head in the softmax denominator, with no value; the
+    output is scaled by ``sink_share`` of the keys' log-sum-exp (after the splits' merge, if split).
     """
     tiles = tiles or TILES
     batch, num_heads, head_dim = q.shape
@@ -245,6 +274,7 @@ def paged_decode_attention(
         cos, sin, slots = rope.cos.contiguous(), rope.sin.contiguous(), rope.slot_mapping
     else:
         cos = sin = slots = out  # unused
+    sink_arg = out if sinks is None else sinks  # unused without sinks
     k, v = layer_cache[0], layer_cache[1]
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
@@ -258,6 +288,7 @@ def paged_decode_attention(
         cos,
         sin,
         slots,
+        sink_arg,
         cos.stride(0),
         q.stride(0),
         q.stride(1),
@@ -276,6 +307,7 @@ def paged_decode_attention(
         HAS_WINDOW=window is not None,
         IEEE=q.dtype == torch.float32,
         ROPE=rope is not None,
+        SINKS=sinks is not None,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         # RoPE's mul_rn / add_rn keep denormals, as rope_store_kv (and torch) do; libdevice is used for
@@ -283,5 +315,14 @@ def paged_decode_attention(
         enable_reflect_ftz=rope is None,
     )
     if num_splits > 1:
-        _merge_kernel[(batch * num_heads,)](part, lse, out, HEAD_DIM=head_dim, NUM_SPLITS=num_splits)
+        _merge_kernel[(batch * num_heads,)](
+            part,
+            lse,
+            out,
+            sink_arg,
+            num_heads,
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            SINKS=sinks is not None,
+        )
     return out.view(batch, num_heads * head_dim)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal.rollout.triton_attention import _merge_kernel, _num_sms, choose_num_splits
+from tidal.rollout.triton_attention import _merge_kernel, _num_sms, choose_num_splits, sink_share
 
 LOG2E = 1.4426950408889634
 
@@ -99,6 +99,7 @@ def _context_kernel(
     out_ptr,
     part_ptr,
     lse_ptr,
+    sink_ptr,
     bt_ptr,
     q_first_ptr,
     starts_ptr,
@@ -122,6 +123,7 @@ def _context_kernel(
     NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     tile = tl.program_id(1)
@@ -176,6 +178,9 @@ def _context_kernel(
 
         if NUM_SPLITS == 1:
             out = acc / denom[:, None]  # every live row attends its own key: denom > 0
+            if SINKS:  # natural log-sum-exp (m and the logits are base 2)
+                lse = (m + tl.math.log2(denom)) * 0.6931471805599453
+                out = out * sink_share(lse, tl.load(sink_ptr + head))[:, None]
             o_off = (q_first + token).to(tl.int64) * stride_ot + head * stride_oh
             tl.store(out_ptr + o_off[:, None] + d[None, :], out, mask=live_row[:, None])
         else:  # a split may hold none of a row's keys (denom 0): its weight in the merge is 0
@@ -214,6 +219,7 @@ def paged_context_attention(
     window: int | None,
     scale: float,
     num_splits: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [tokens, heads, d] (sequences back to back); layer_cache [2, blocks, block_size, kv_heads, d]
     -> out [tokens, heads * d].
@@ -223,7 +229,8 @@ def paged_context_attention(
     positions ``starts[b] .. ends[b] - 1``; its keys/values ``[0, ends[b])`` are read from the cache
     through ``block_tables[b]``. ``max_new_tokens`` (a host int, the longest ``ends - starts``) sizes the
     grid. Index tensors are int32/int64 device tensors. ``num_splits``: key-range splits per tile (None:
-    as many as the GPU needs to be filled, ``triton_attention.choose_num_splits``).
+    as many as the GPU needs to be filled, ``triton_attention.choose_num_splits``). ``sinks`` [heads]:
+    gpt-oss's per-head sink logits (``triton_attention.paged_decode_attention`` says how they enter).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_dim = layer_cache.shape
@@ -244,6 +251,7 @@ def paged_context_attention(
         lse = torch.empty(num_tokens * num_heads * num_splits, dtype=torch.float32, device=q.device)
     else:
         part = lse = out  # unused
+    sink_arg = out if sinks is None else sinks  # unused without sinks
     k, v = layer_cache[0], layer_cache[1]
     grid = (batch, tiles, num_kv_heads * num_splits)
     _context_kernel[grid](
@@ -253,6 +261,7 @@ def paged_context_attention(
         out,
         part,
         lse,
+        sink_arg,
         block_tables,
         q_first,
         starts,
@@ -276,9 +285,19 @@ def paged_context_attention(
         NUM_SPLITS=num_splits,
         HAS_WINDOW=window is not None,
         IEEE=q.dtype == torch.float32,
+        SINKS=sinks is not None,
         num_warps=num_warps,
         num_stages=2,
     )
     if num_splits > 1:
-        _merge_kernel[(num_tokens * num_heads,)](part, lse, out, HEAD_DIM=head_dim, NUM_SPLITS=num_splits)
+        _merge_kernel[(num_tokens * num_heads,)](
+            part,
+            lse,
+            out,
+            sink_arg,
+            num_heads,
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            SINKS=sinks is not None,
+        )
     return out.view(num_tokens, num_heads * head_dim)

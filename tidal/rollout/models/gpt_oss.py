@@ -16,9 +16,9 @@ interleaved: gate 0, up 0, gate 1, ...), ``down_proj`` [E, I, H] and their biase
 so ``moe.grouped_linear`` runs them (grouped GEMM on CUDA). MXFP4 checkpoints (``<name>_blocks`` and
 ``<name>_scales``, already output-major) are dequantised on load (``mxfp4.py``).
 
-Not supported (``registry.py`` refuses them): tensor parallelism and exact mode. Every attention
-backend takes the torch sink path (the Triton kernels have no sink term), and the experts run the
-grouped-GEMM path rather than ``triton_moe``'s fused kernels (SiLU only, no biases).
+Not supported (``registry.py`` refuses them): tensor parallelism and exact mode. On the Triton backend
+decode and prefill with context run the paged kernels with their ``sinks`` argument; the experts run
+the grouped-GEMM path rather than ``triton_moe``'s fused kernels (SiLU only, no biases).
 """
 
 from __future__ import annotations
