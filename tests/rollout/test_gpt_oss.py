@@ -169,6 +169,33 @@ def test_experts_are_transformers_experts(strong):
         assert (ours(x, weights, ids) - want).abs().max() > 1e-2  # the clamp was in play
 
 
+def test_seeded_samples_logprobs_sleep_and_wake(strong):
+    """n samples sharing a prefill, seeded: log-probs are HF's tempered ones and survive sleep / wake-up."""
+    path, hf = strong
+    engine = LLMEngine(path, cpu_config(max_model_len=64, block_size=4))
+    params = SamplingParams(temperature=0.8, n=3, max_new_tokens=8, seed=5, ignore_eos=True)
+    first = engine.generate(LONG, params)
+    for prompt, out in zip(LONG, first, strict=True):
+        assert len({tuple(s.token_ids) for s in out.outputs}) > 1
+        for sample in out.outputs:
+            want = hf_logprobs(hf, prompt, sample.token_ids, temperature=0.8)
+            torch.testing.assert_close(torch.tensor(sample.logprobs), want, atol=1e-4, rtol=0)
+    engine.sleep(level=2)
+    engine.wake_up()
+    again = engine.generate(LONG, params)
+    assert [[s.token_ids for s in o.outputs] for o in again] == [
+        [s.token_ids for s in o.outputs] for o in first
+    ]
+
+
+def test_refused_features_are_named(strong):
+    path, _ = strong
+    with pytest.raises(ValueError, match="tensor_parallel is not supported for the gpt_oss family"):
+        LLMEngine(path, cpu_config(tp_size=2))
+    with pytest.raises(ValueError, match="exact_logprobs supports the .* not 'gpt_oss'"):
+        LLMEngine(path, cpu_config(exact_logprobs=True))
+
+
 def test_sink_sdpa_is_transformers_eager_attention():
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
