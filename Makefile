@@ -32,7 +32,7 @@ lock:
 # missing (elsewhere the sandbox tests that need it say how to install it).
 sandbox-tools:
 	@command -v bwrap >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
-		apt-get update -qq >/dev/null && apt-get install -y -qq bubblewrap >/dev/null; } || \
+		apt-get update -qq >/dev/null && apt-get install -y -qq bubblewrap libseccomp2 >/dev/null; } || \
 		echo "bubblewrap (bwrap) is missing: install it (apt-get install bubblewrap) to test the code sandbox"
 
 demo: install
