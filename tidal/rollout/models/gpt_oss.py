@@ -219,7 +219,10 @@ class GptOssForCausalLM(CausalLM):
                     if len(halves) < 2:
                         continue
                     del pending[target]
-                    rows = dequantize_mxfp4(halves["_blocks"], halves["_scales"], torch.float32)
+                    dst = params.get(target)  # dequantised on its device, in its dtype (exact in bf16)
+                    device, dtype = (dst.device, dst.dtype) if dst is not None else ("cpu", torch.float32)
+                    blocks, scales = (halves[k].to(device) for k in ("_blocks", "_scales"))
+                    rows = dequantize_mxfp4(blocks, scales, dtype)
                     kind = ""
                 else:
                     rows = tensor.transpose(1, 2) if kind == "" else tensor  # output-major, as ours
