@@ -199,3 +199,38 @@ def test_a_new_estimator_is_one_decorated_function(monkeypatch):
         advantages.advantage_estimator("max_baseline", advantages.discounted_returns, whiten=False)(
             max_baseline
         )
+
+
+def openrlhf_gae(rewards, values, mask, gamma, lambd):
+    """The reference: OpenRLHF's GAE, which zeroes rewards and values off the action mask and runs the
+    recursion over every position, so a multi-turn gap is a step of reward 0 and value 0."""
+    rewards, values = rewards * mask, values * mask
+    advantages, last = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else 0.0
+        last = rewards[:, t] + gamma * next_value - values[:, t] + gamma * lambd * last
+        advantages[:, t] = last
+    return advantages * mask
+
+
+def test_multi_turn_gaps_are_skipped_undiscounted_a_documented_difference():
+    """docs/algorithms.md: a gap in the action mask (an observation between turns) is transparent in
+    tidal; OpenRLHF runs the recursion through it. Equal at γ = λ = 1, different below."""
+    rewards, values = torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.5, 0.0, 0.7]])
+    mask = torch.tensor([[1, 0, 1]])
+    ours, _ = gae_advantages_and_returns(rewards, mask, values, gamma=0.9, lambd=0.8)
+    # tidal: δ0 = 0.9·0.7 − 0.5 = 0.13, A0 = 0.13 + 0.72·0.3 (the hole is skipped)
+    assert_close(ours[0, 0], torch.tensor(0.13 + 0.72 * 0.3))
+    # OpenRLHF: the hole is a step: A1 = 0.9·0.7 + 0.72·0.3 = 0.846, A0 = −0.5 + 0.72·0.846
+    reference = openrlhf_gae(rewards, values, mask, 0.9, 0.8)
+    assert_close(reference[0, 0], torch.tensor(-0.5 + 0.72 * (0.63 + 0.72 * 0.3)))
+    gen = torch.Generator().manual_seed(6)
+    rewards, values = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
+    mask = torch.tensor(
+        [[1, 1, 0, 0, 1, 1, 0, 1], [1] * 8, [1, 0, 1, 0, 1, 0, 1, 0], [1, 1, 1, 0, 0, 0, 0, 0]]
+    )
+    undiscounted, _ = gae_advantages_and_returns(rewards, mask, values, gamma=1.0, lambd=1.0)
+    assert_close(undiscounted, openrlhf_gae(rewards, values, mask, 1.0, 1.0))
+    discounted, _ = gae_advantages_and_returns(rewards, mask, values, gamma=0.9, lambd=0.95)
+    assert_close(discounted[1:2], openrlhf_gae(rewards, values, mask, 0.9, 0.95)[1:2])  # no gap: equal
+    assert (discounted - openrlhf_gae(rewards, values, mask, 0.9, 0.95)).abs().max() > 1e-2

@@ -1,13 +1,23 @@
-"""PPO and GSPO clipped surrogate losses."""
+"""PPO and GSPO clipped surrogate losses, and each loss's default aggregation."""
 
+import argparse
 import math
 
 import pytest
 import torch
 from torch.testing import assert_close
 
+from tidal.algorithms.correction import corrected_policy_loss
 from tidal.algorithms.masked import aggregate_loss
-from tidal.algorithms.policy_loss import POLICY_LOSSES, gspo_policy_loss, ppo_policy_loss
+from tidal.algorithms.policy_loss import (
+    DEFAULT_AGGREGATION,
+    POLICY_LOSSES,
+    gspo_policy_loss,
+    loss_aggregation,
+    ppo_policy_loss,
+)
+from tidal.config.args import add_config_group, config_from_args
+from tidal.config.rl import AlgorithmConfig
 
 RATIOS = [1.5, 0.5, 1.0]
 ADV = torch.tensor([[1.0, -1.0, 2.0]])
@@ -110,3 +120,85 @@ def test_gspo_token_gradient_equals_sequence_level_gspo():
     reference = -torch.min(s * a, s.clamp(1 - eps, 1 + eps) * a).mean()
     (ref_grad,) = torch.autograd.grad(reference, logp)
     assert_close(grad, ref_grad)
+
+
+# ---- GSPO's aggregation: the per-sequence mean by default, as OpenRLHF (issue #38) ----------------
+
+
+def openrlhf_gspo(logp, old, adv, mask, eps_low, eps_high):
+    """The reference: OpenRLHF's PolicyLoss for GSPO written out. One ratio per sequence, exp of the
+    masked mean log-ratio, on every token; −min of the two surrogates; then always the mean over the
+    non-empty sequences of their token means (it sets token_level_loss=False for GSPO)."""
+    m = mask.float()
+    lengths = m.sum(-1)
+    s = torch.exp(((logp - old) * m).sum(-1) / lengths.clamp(min=1)).unsqueeze(-1)
+    per_token = -torch.min(s * adv, s.clamp(1 - eps_low, 1 + eps_high) * adv)
+    per_sequence = (per_token * m).sum(-1) / lengths.clamp(min=1)
+    return per_sequence[lengths > 0].mean()
+
+
+def test_each_loss_declares_its_default_aggregation():
+    assert DEFAULT_AGGREGATION == {"ppo": "token", "gspo": "sequence"}
+    assert set(DEFAULT_AGGREGATION) == set(POLICY_LOSSES)
+    assert loss_aggregation("gspo") == "sequence" and loss_aggregation("ppo") == "token"
+    assert loss_aggregation("gspo", "token") == "token"  # an explicit --loss_agg_mode wins
+    assert AlgorithmConfig().loss_aggregation == "token"
+    assert AlgorithmConfig(policy_loss_type="gspo").loss_aggregation == "sequence"
+    tis = AlgorithmConfig(policy_loss_type="gspo", enable_vllm_is_correction=True)
+    assert tis.loss_aggregation == "sequence"
+    assert AlgorithmConfig(policy_loss_type="gspo", loss_agg_mode="token").loss_aggregation == "token"
+    assert AlgorithmConfig(loss_agg_mode="sequence").loss_aggregation == "sequence"
+
+
+def test_the_flag_unset_means_the_loss_default_and_given_means_that_mode():
+    parser = argparse.ArgumentParser()
+    add_config_group(parser, AlgorithmConfig, "algorithm")
+    gspo = config_from_args(AlgorithmConfig, parser.parse_args(["--policy_loss_type", "gspo"]))
+    assert gspo.loss_agg_mode is None and gspo.loss_aggregation == "sequence"
+    token = parser.parse_args(["--policy_loss_type", "gspo", "--loss_agg_mode", "token"])
+    assert config_from_args(AlgorithmConfig, token).loss_aggregation == "token"
+
+
+def test_gspo_default_aggregation_by_hand():
+    # the rows of test_gspo_sequence_ratio_by_hand: per-token loss [[-s0, -s0], [s1, (masked)]]
+    logp = torch.tensor([[0.2, -0.1], [0.3, 7.0]])
+    adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    per_token, _ = gspo_policy_loss(logp, torch.zeros(2, 2), adv, mask, clip_eps_low=0.2, clip_eps_high=0.2)
+    s0, s1 = math.exp(0.05), math.exp(0.3)
+    default = aggregate_loss(per_token, mask, loss_aggregation("gspo"))
+    assert_close(default, torch.tensor((-s0 + s1) / 2))  # each sequence weighs 1/2
+    token = aggregate_loss(per_token, mask, "token")
+    assert_close(token, torch.tensor((-2 * s0 + s1) / 3))  # the 2-token sequence weighs 2/3
+    reference = openrlhf_gspo(logp, torch.zeros(2, 2), adv, mask, 0.2, 0.2)
+    assert_close(default, reference)
+    assert abs(float(token - reference)) > 0.1
+
+
+def _gspo_inputs(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    logp = (torch.randn(6, 9, generator=gen) * 0.3).requires_grad_()
+    old = torch.randn(6, 9, generator=gen) * 0.3
+    rollout = old + torch.randn(6, 9, generator=gen) * 0.05
+    adv = torch.randn(6, 1, generator=gen).expand(6, 9)  # one advantage per sequence (GRPO)
+    lengths = torch.tensor([9, 2, 5, 7, 1, 4])
+    mask = torch.arange(9) < lengths[:, None]
+    return logp, old, rollout, adv, mask
+
+
+@pytest.mark.parametrize("correction", [None, "tis"])
+def test_gspo_default_equals_openrlhf_loss_and_gradient(correction):
+    """OpenRLHF's GSPO loss and gradient, plain and with the mismatch correction (its ratio then takes
+    the rollout engine's log-probs), on unequal lengths where token and sequence means differ."""
+    logp, old, rollout, adv, mask = _gspo_inputs(7)
+    eps = (0.2, 0.28)
+    per_token, _ = corrected_policy_loss("gspo", logp, old, adv, mask, *eps, None, rollout, correction)
+    loss = aggregate_loss(per_token, mask, loss_aggregation("gspo"))
+    (grad,) = torch.autograd.grad(loss, logp)
+    reference = openrlhf_gspo(logp, old if correction is None else rollout, adv, mask, *eps)
+    (ref_grad,) = torch.autograd.grad(reference, logp)
+    assert_close(loss, reference)
+    assert_close(grad, ref_grad)
+    # the token mean, the former default, is a different objective on these rows
+    token = aggregate_loss(per_token, mask, "token")
+    assert abs(float((token - reference).detach())) > 1e-2

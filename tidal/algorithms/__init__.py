@@ -42,12 +42,13 @@ from tidal.algorithms.logprobs import entropy_from_logits, gather_logprobs
 from tidal.algorithms.masked import (
     LOSS_AGGREGATIONS,
     aggregate_loss,
+    aggregate_policy_loss,
     masked_mean,
     masked_sum,
     masked_var,
     masked_whiten,
 )
-from tidal.algorithms.policy_loss import POLICY_LOSSES, gspo_policy_loss, ppo_policy_loss
+from tidal.algorithms.policy_loss import POLICY_LOSSES, gspo_policy_loss, loss_aggregation, ppo_policy_loss
 from tidal.algorithms.preference import (
     DPO_LOSSES,
     RM_LOSSES,
@@ -85,6 +86,7 @@ __all__ = [
     "FixedKLController",
     "RunningMoments",
     "aggregate_loss",
+    "aggregate_policy_loss",
     "compute_kl",
     "corrected_policy_loss",
     "discounted_returns",
@@ -107,6 +109,7 @@ __all__ = [
     "last_action_index",
     "leave_one_out_baseline",
     "logexp_pairwise_loss",
+    "loss_aggregation",
     "loss_mask_from_labels",
     "make_kl_controller",
     "masked_mean",

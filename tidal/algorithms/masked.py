@@ -8,6 +8,8 @@ Masked positions may hold garbage (``nan``/``inf`` from padding), so reductions 
 ``aggregate_loss`` turns a per-token loss into the scalar the optimizer sees. Its explicit
 normalisers (``num_tokens``/``num_sequences``: counts over the *whole optimizer step*) make gradient
 accumulation exact: the sum of the micro-batch losses equals the loss of one big batch.
+``aggregate_policy_loss`` adds per-token regularisers (KL loss, entropy bonus) as token means whatever
+the policy loss's mode, as OpenRLHF does.
 """
 
 from __future__ import annotations
@@ -55,14 +57,16 @@ def masked_var(x: Tensor, mask: Tensor, dim: int | None = None, unbiased: bool =
 
 
 def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """Global whitening over all masked entries: ``(x - mean) / sqrt(var + eps)``.
+    """Global whitening over all masked entries: ``(x - mean) / sqrt(max(var, eps))``.
 
     Uses the population variance over the masked entries of the whole tensor (the batch), as
     REINFORCE++ does; ``shift_mean=False`` adds the mean back (scale only). Masked entries become 0.
+    The variance is floored at ``eps``, not shifted by it, as OpenRLHF's advantage normalisation
+    (``var.clamp(min=1e-8).rsqrt()``): the two differ when the std is below ~1e-2.
     """
     mean = masked_mean(x, mask)
     var = masked_var(x, mask)
-    whitened = (x - mean) * torch.rsqrt(var + eps)
+    whitened = (x - mean) * torch.rsqrt(var.clamp_min(eps))
     if not shift_mean:
         whitened = whitened + mean
     return _masked_values(whitened, mask)
@@ -126,3 +130,28 @@ def aggregate_loss(
     if mode not in LOSS_AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {mode!r}; choose from {sorted(LOSS_AGGREGATIONS)}")
     return LOSS_AGGREGATIONS[mode](per_token_loss, mask, num_tokens, num_sequences)
+
+
+def aggregate_policy_loss(
+    per_token_loss: Tensor,
+    terms: list[Tensor],
+    mask: Tensor,
+    mode: str = "token",
+    num_tokens: float | None = None,
+    num_sequences: float | None = None,
+) -> Tensor:
+    """``aggregate_loss(per_token_loss, mode)`` plus the token mean of each per-token term in ``terms``
+    (the KL loss, the entropy bonus: already signed and weighted).
+
+    OpenRLHF averages those terms per token even when the policy loss is a per-sequence mean (GSPO);
+    so does this. In ``"token"`` mode it is one token sum of ``loss + terms``, which adds up in the
+    same float32 order as a trainer that sums the terms into the per-token loss first.
+    """
+    if mode == "token":
+        for term in terms:
+            per_token_loss = per_token_loss + term
+        return aggregate_loss(per_token_loss, mask, "token", num_tokens)
+    loss = aggregate_loss(per_token_loss, mask, mode, num_tokens, num_sequences)
+    if terms:
+        loss = loss + aggregate_loss(sum(terms), mask, "token", num_tokens)
+    return loss

@@ -16,6 +16,10 @@ when A < 0, i.e. ``loss = min(loss, −cA) = min(loss, c|A|)``, so a huge ρ on 
 blow up the loss. Asymmetric ε ("clip-higher") is DAPO's (arXiv 2503.14476).
 
 The log-ratio is clamped to ±20 before ``exp`` (ρ ≤ 4.9e8) so float32 never overflows.
+
+Each loss also declares its own aggregation (``DEFAULT_AGGREGATION``), used when ``--loss_agg_mode`` is
+not given (``loss_aggregation``): ``ppo`` the token mean, ``gspo`` the per-sequence mean, as OpenRLHF
+always aggregates them (its ``PolicyLoss`` sets ``token_level_loss=False`` for GSPO).
 """
 
 from __future__ import annotations
@@ -29,8 +33,27 @@ from tidal.algorithms.masked import masked_mean
 from tidal.algorithms.registry import register
 
 POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {}
+# loss name -> its ``masked.LOSS_AGGREGATIONS`` mode when ``--loss_agg_mode`` is not given
+DEFAULT_AGGREGATION: dict[str, str] = {}
 
 LOG_RATIO_CLAMP = 20.0
+
+
+def policy_loss(name: str, aggregation: str) -> Callable:
+    """Register the decorated loss as ``POLICY_LOSSES[name]`` with its default aggregation mode."""
+
+    def add(fn: Callable) -> Callable:
+        register(POLICY_LOSSES, name)(fn)
+        DEFAULT_AGGREGATION[name] = aggregation
+        return fn
+
+    return add
+
+
+def loss_aggregation(loss_type: str, requested: str | None = None) -> str:
+    """The aggregation mode of ``loss_type``: ``requested`` (an explicit ``--loss_agg_mode``) when given,
+    else the loss's own default (``DEFAULT_AGGREGATION``)."""
+    return DEFAULT_AGGREGATION[loss_type] if requested is None else requested
 
 
 def _clipped_surrogate(
@@ -66,7 +89,7 @@ def _clipped_surrogate(
     return loss, stats
 
 
-@register(POLICY_LOSSES, "ppo")
+@policy_loss("ppo", aggregation="token")
 def ppo_policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -88,7 +111,7 @@ def ppo_policy_loss(
     )
 
 
-@register(POLICY_LOSSES, "gspo")
+@policy_loss("gspo", aggregation="sequence")
 def gspo_policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -103,8 +126,10 @@ def gspo_policy_loss(
     Implemented as GSPO-token: log s_{i,t} = sg[log s_i] + log π_t − sg[log π_t], whose value is the
     sequence ratio on every token (so clipping is per sequence) and whose gradient is s_i·∇log π_t.
     With a per-sequence advantage this equals GSPO's gradient; it also accepts per-token
-    advantages. The paper's ε are tiny (3e-4 / 4e-4, the defaults here) and it aggregates with
-    ``"sequence"`` (mean over sequences of token means).
+    advantages. The paper's ε are tiny (3e-4 / 4e-4, the defaults here). Its default aggregation is
+    ``"sequence"`` (mean over sequences of token means), the paper's and OpenRLHF's: only then is the
+    GSPO-token gradient the sequence objective's. An explicit ``--loss_agg_mode token`` weighs every
+    token the same instead (long sequences count more), a different objective than OpenRLHF's.
     """
     mask = action_mask != 0
     zero = torch.zeros_like(logp, dtype=torch.float32)

@@ -142,8 +142,11 @@ class AlgorithmConfig(Checked):
     policy_loss_type: str = arg(
         "ppo", help="ppo: token ratio; gspo: sequence ratio", choices=POLICY_LOSS_NAMES
     )
-    loss_agg_mode: str = arg(
-        "token", help="loss mean over tokens or over sequences", choices=LOSS_AGGREGATION_NAMES
+    loss_agg_mode: str | None = arg(
+        None,
+        help="policy-loss mean over tokens or over sequences; unset: the loss's own, as in OpenRLHF (ppo "
+        "token, gspo sequence). The KL-loss and entropy terms are token means in every mode",
+        choices=LOSS_AGGREGATION_NAMES,
     )
     value_clip: float | None = arg(0.5, help="PPO value clip range", check=POSITIVE)
     entropy_loss_coef: float | None = arg(
@@ -220,6 +223,14 @@ class AlgorithmConfig(Checked):
         from tidal.algorithms import ADVANTAGE_ESTIMATORS  # imports torch: not at --help
 
         return ADVANTAGE_ESTIMATORS[self.advantage_estimator]
+
+    @property
+    def loss_aggregation(self) -> str:
+        """The policy loss's aggregation: ``--loss_agg_mode`` if given, else the loss's own default
+        (``tidal.algorithms.policy_loss.DEFAULT_AGGREGATION``: ppo token, gspo sequence)."""
+        from tidal.algorithms import loss_aggregation  # imports torch: not at --help
+
+        return loss_aggregation(self.policy_loss_type, self.loss_agg_mode)
 
     @property
     def clip_bounds(self) -> tuple[float, float]:

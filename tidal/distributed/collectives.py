@@ -56,10 +56,11 @@ def world_masked_mean(x: Tensor, mask: Tensor, world: World) -> float:
 
 
 def world_masked_whiten(x: Tensor, mask: Tensor, world: World, eps: float = 1e-8) -> Tensor:
-    """``tidal.algorithms.masked_whiten`` with mean and population variance over every process."""
+    """``tidal.algorithms.masked_whiten`` with mean and population variance over every process (the
+    variance floored at ``eps``, as there)."""
     mean = world_masked_mean(x, mask, world)
     var = world_masked_mean((x - mean).pow(2), mask, world)
-    whitened = (x - mean) * torch.rsqrt(torch.tensor(var + eps, dtype=x.dtype, device=x.device))
+    whitened = (x - mean) * torch.rsqrt(torch.tensor(max(var, eps), dtype=x.dtype, device=x.device))
     m = mask.to(x.dtype)
     return torch.where(m != 0, whitened * m, torch.zeros((), dtype=x.dtype, device=x.device))
 

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from tidal.algorithms import (
     aggregate_loss,
+    aggregate_policy_loss,
     compute_kl,
     corrected_policy_loss,
     masked_mean,
@@ -270,17 +271,18 @@ class PolicyLoss:
         if mb.old_logprobs is None:  # the statistic the skipped scoring pass would have given
             mismatch = masked_mean((old - mb.rollout_logprobs).abs(), mask)
             metrics[MISMATCH] = _share(mismatch, mask, norm)
+        terms = []  # per-token KL-loss and entropy terms: token means in every mode, as OpenRLHF
         if cfg.use_kl_loss and mb.ref_logprobs is not None:
             kl = compute_kl(logp, mb.ref_logprobs, mask, cfg.kl_estimator)
-            per_token = per_token + self.kl_coef * kl
+            terms.append(self.kl_coef * kl)
             metrics["policy/kl_loss"] = _share(masked_mean(kl, mask), mask, norm)
         if cfg.entropy_loss_coef is not None:
             entropy = unflatten(out.entropy, mb, self.packing)  # of the sampling distribution
             watch_outputs(entropy)
-            per_token = per_token - cfg.entropy_loss_coef * entropy
+            terms.append(-cfg.entropy_loss_coef * entropy)
             metrics["policy/entropy"] = _share(masked_mean(entropy, mask), mask, norm)
-        loss = aggregate_loss(
-            per_token, mask, cfg.loss_agg_mode, num_tokens=norm.tokens, num_sequences=norm.sequences
+        loss = aggregate_policy_loss(
+            per_token, terms, mask, cfg.loss_aggregation, num_tokens=norm.tokens, num_sequences=norm.sequences
         )
         if self.aux_loss_coef > 0:
             # Packed rows hold only real tokens; padded rows count only the attended ones.
