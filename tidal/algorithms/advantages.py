@@ -27,7 +27,8 @@ verl compute GRPO; it needs n ≥ 2):
 
 Masked positions inside a row (multi-turn observations) are transparent: they carry neither reward
 nor value, and the recursion skips them without discounting, so the next *action* token's value
-bootstraps the current one. V after the last action token is 0.
+bootstraps the current one. V after the last action token is 0. (OpenRLHF runs the recursion through
+them as steps of reward 0 and value 0; the two agree at γ = λ = 1: docs/algorithms.md's differences.)
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Mean of ``x`` over masked entries; 0 where the mask is empty (instead of nan)."""
+    """Mean of ``x`` over masked entries; 0 where the mask is empty (OpenRLHF's gives nan there)."""
     count = masked_sum(torch.ones_like(x), mask, dim)
     total = masked_sum(x, mask, dim)
     return torch.where(count > 0, total / count.clamp_min(torch.finfo(x.dtype).tiny), torch.zeros_like(total))
