@@ -46,14 +46,17 @@ def sink_sdpa(q, k, v, mask: torch.Tensor, scale: float, sinks: torch.Tensor) ->
     return out[..., :d]
 
 
-def sink_paged_attention(q, k, v, meta: AttentionMetadata, layer_idx: int, window, scale, sinks):
-    """Store this step's k/v into the layer's paged cache, then attend with sinks. q [tokens, heads, d],
-    k/v [tokens, kv_heads, d] -> [tokens, heads * d] (decode: one token per sequence).
+def sink_paged_attention(
+    q, k, v, meta: AttentionMetadata, layer_idx: int, window, scale, sinks, stored: bool = False
+):
+    """Store this step's k/v into the layer's paged cache (unless ``stored``: a fused kernel did), then
+    attend with sinks. q [tokens, heads, d], k/v [tokens, kv_heads, d] -> [tokens, heads * d] (decode:
+    one token per sequence).
 
     On the Triton backend, decode and prefill with context run the paged kernels with their ``sinks``
     argument (``triton_attention`` / ``triton_context``); plain prefill is SDPA on every backend."""
     layer_cache = None if meta.kv_cache is None else meta.kv_cache[layer_idx]
-    if layer_cache is not None:
+    if layer_cache is not None and not stored:
         store_kv(layer_cache, k, v, meta.slot_mapping)
     if meta.is_prefill and meta.block_tables is None:  # the batch's own keys
         qp, kp, vp = (x[meta.pad_index].transpose(1, 2) for x in (q, k, v))  # [batch, heads, len, d]

@@ -32,7 +32,7 @@ from torch import nn
 
 from tidal.rollout.attention import AttentionMetadata
 from tidal.rollout.models import moe
-from tidal.rollout.models.layers import Attention, CausalLM, DecoderLayer, RMSNorm
+from tidal.rollout.models.layers import Attention, CausalLM, DecoderLayer, RMSNorm, fused_kernels_usable
 from tidal.rollout.models.moe import MoEArgs, MoEDecoderArgs, SparseMoE, grouped_linear
 from tidal.rollout.models.mxfp4 import dequantize_mxfp4
 from tidal.rollout.models.rope import apply_rope
@@ -56,10 +56,17 @@ class GptOssAttention(Attention):
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        qk = apply_rope(self.qk_heads(qkv), cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.split[0] + self.split[1] :].view(-1, self.num_kv_heads, self.head_dim)
-        out = sink_paged_attention(q, k, v, meta, self.layer_idx, self.window, self.scale, self.sinks)
+        # On CUDA, RoPE + the KV store as one kernel (``triton_fused``, bit-equal to the torch ops below).
+        stored = fused_kernels_usable(qkv) and cos.dtype == qkv.dtype
+        if stored:
+            q, k = self._fused_rope_store(self.qk_heads(qkv), None, v, cos, sin, meta)
+        else:
+            qk = apply_rope(self.qk_heads(qkv), cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        out = sink_paged_attention(
+            q, k, v, meta, self.layer_idx, self.window, self.scale, self.sinks, stored=stored
+        )
         return self.o_proj(out)
 
 
