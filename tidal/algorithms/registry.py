@@ -8,7 +8,9 @@
 Adding a loss, KL estimator, aggregation or correction is one decorated function in one file; the
 trainers read the registries. A flag's ``choices`` are the registry's names kept in
 ``tidal.config.registries`` (``--help`` imports no torch): add the name there too, a test checks they
-match. (Advantage estimators carry facts besides the function: ``advantages.advantage_estimator``.)
+match. (Entries that carry facts besides the function have their own decorator: advantage estimators
+``advantages.advantage_estimator``, policy losses ``policy_loss.policy_loss`` with their default
+aggregation.)
 """
 
 from __future__ import annotations
