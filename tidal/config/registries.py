@@ -27,6 +27,7 @@ MODEL_FAMILY_NAMES = (
     "qwen3_5_text",
     "qwen3_5_moe_text",
     "gpt_oss",
+    "gemma4_text",
 )  # fmt: skip
 
 # --remote_rm_timeout / --remote_rm_retries defaults (tidal.rewards.remote.RemoteReward's).
