@@ -144,15 +144,24 @@ DOTTED: dict[str, str] = {
     "logger.tensorboard_dir": "use_tensorboard",
 }
 
-_VISION = "vision-language models (images in prompts) are not supported by tidal"
+_VISION = (
+    "images in RL prompts need the rollout engine's vision support (the vision tower in prefill, M-RoPE), "
+    "which tidal does not have yet; tidal sft, dpo and rm train vision-language models on images"
+)
 # Per-module dotted flags (where a name means different v0.9.2 flags in different modules).
+_ACTOR_VISION = {
+    "actor.freeze_visual_encoder": "freeze_visual_encoder"
+}  # train_ppo_ray's name, for SFT/DPO/RM
 DOTTED_BY_MODULE: dict[str, dict[str, str]] = {
+    "train_sft": dict(_ACTOR_VISION),
     "train_dpo": {
+        **_ACTOR_VISION,
         "ref.offload": "ref_offload",
         "ref.model_name_or_path": "ref_pretrain",
         "model.ipo_enable": "ipo",
     },
     "train_rm": {
+        **_ACTOR_VISION,
         "model.compute_fp32_loss_enable": "compute_fp32_loss",
         "model.margin_loss_enable": "margin_loss",
         "model.loss_type": "loss",
@@ -243,8 +252,8 @@ DOTTED_REFUSED_BY_MODULE: dict[str, dict[str, str]] = {
         ),
         "train.partial_rollout_enable": f"partial rollouts (resumed across steps) are {_NOT_YET}",
         "ckpt.best_metric_key": f"keeping the best checkpoint by an eval metric is {_NOT_YET}",
-        "data.image_key": _VISION,
-        "data.max_images_per_prompt": _VISION,
+        # OpenRLHF v0.10's flat names (--data.<name> is rewritten to them)
+        **{name: _VISION for name in ("image_key", "max_images_per_prompt", "freeze_visual_encoder")},
         "actor.freeze_visual_encoder": _VISION,
     },
 }

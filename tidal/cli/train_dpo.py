@@ -15,6 +15,7 @@ COMMAND = TrainerCommand(
         "ref": "reference model",
         "dpo": "DPO loss",
         "data": "preference pairs",
+        "vision": "images (vision-language models)",
     },  # fmt: skip
 )
 build_parser, parse_run, main = COMMAND.build_parser, COMMAND.parse_run, COMMAND.main

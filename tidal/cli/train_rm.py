@@ -8,7 +8,12 @@ COMMAND = TrainerCommand(
     "Train a reward model on pairwise preference data.",
     RMRun,
     "tidal.trainers.rm:run_rm",
-    {**COMMON_TITLES, "data": "preference data", "rm": "reward model"},
+    {
+        **COMMON_TITLES,
+        "data": "preference data",
+        "rm": "reward model",
+        "vision": "images (vision-language models)",
+    },
 )
 build_parser, parse_run, main = COMMAND.build_parser, COMMAND.parse_run, COMMAND.main
 

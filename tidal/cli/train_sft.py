@@ -8,7 +8,7 @@ COMMAND = TrainerCommand(
     "Supervised fine-tuning of a causal language model.",
     SFTRun,
     "tidal.trainers.sft:run_sft",
-    {**COMMON_TITLES, "data": "SFT data"},
+    {**COMMON_TITLES, "data": "SFT data", "vision": "images (vision-language models)"},
 )
 build_parser, parse_run, main = COMMAND.build_parser, COMMAND.parse_run, COMMAND.main
 

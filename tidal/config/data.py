@@ -58,3 +58,24 @@ class HeldOutDatasetConfig(DatasetConfig):
     matters only for folders and hub datasets."""
 
     eval_split: str = arg("test", help="split of the evaluation dataset")
+
+
+@dataclass
+class VisionConfig:
+    """Images in prompts, for vision-language models (OpenRLHF's --data.image_key,
+    --data.max_images_per_prompt and --actor.freeze_visual_encoder)."""
+
+    image_key: str = arg(
+        "images",
+        help="dataset key of each row's images: a list of file paths (relative ones are read beside the "
+        "data file), base64 strings or data URIs, or raw bytes",
+    )
+    max_images_per_prompt: int = arg(
+        0,
+        help="most images a row may have (a row with more is an error); 0: text only, rows with images "
+        "are refused",
+        check=Range(0),
+    )
+    freeze_visual_encoder: bool = arg(
+        False, help="train the language model only: the vision tower's weights stay as loaded"
+    )

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from tidal.config.args import Checked, arg
 from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
-from tidal.config.data import OPENRLHF_INPUT_TEMPLATE, DatasetConfig, HeldOutDatasetConfig
+from tidal.config.data import OPENRLHF_INPUT_TEMPLATE, DatasetConfig, HeldOutDatasetConfig, VisionConfig
 from tidal.config.distributed import DistributedConfig, ring_layout_problems
 from tidal.config.model import ModelConfig
 from tidal.config.registries import RM_LOSS_NAMES
@@ -109,6 +109,7 @@ class SFTRun(SupervisedRun):
     """Everything an SFT run is configured by: the common configs and its data."""
 
     data: SFTDataConfig = config_field(lambda: SFTDataConfig(input_template=OPENRLHF_INPUT_TEMPLATE))
+    vision: VisionConfig = config_field(VisionConfig)
     train: TrainConfig = config_field(lambda: TrainConfig(max_epochs=2))  # OpenRLHF's train_sft default
     ckpt: CheckpointConfig = config_field(trainer_checkpoints("sft"))
 
@@ -141,6 +142,7 @@ class RMRun(SupervisedRun):
     train: TrainConfig = config_field(lambda: TrainConfig(micro_train_batch_size=1))  # OpenRLHF's train_rm
     optim: OptimConfig = config_field(lambda: OptimConfig(learning_rate=9e-6))
     data: PairDataConfig = config_field(PairDataConfig)
+    vision: VisionConfig = config_field(VisionConfig)
     rm: RMConfig = config_field(RMConfig)
     ckpt: CheckpointConfig = config_field(trainer_checkpoints("rm"))
 
@@ -214,6 +216,7 @@ class DPORun(SupervisedRun):
     datasets: HeldOutDatasetConfig = config_field()
     optim: OptimConfig = config_field(lambda: OptimConfig(learning_rate=1e-5))  # OpenRLHF's train_dpo
     data: PairDataConfig = config_field(PairDataConfig)
+    vision: VisionConfig = config_field(VisionConfig)
     dpo: DPOConfig = config_field(DPOConfig)
     ref: ReferenceConfig = config_field(ReferenceConfig)
     ckpt: CheckpointConfig = config_field(trainer_checkpoints("dpo"))

@@ -19,6 +19,9 @@ i + 1.
 (int32 ``[B + 1]``, flash-attention varlen style). There is no ``attention_mask``: the model side
 must forbid attention across samples (block-diagonal causal mask from ``segment_ids``, or varlen
 kernels from ``cu_seqlens``).
+
+Samples with images (vision-language models) add ``pixel_values``, ``image_grid_thw`` and
+``image_counts`` to either kind (``tidal.data.vision.image_batch``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from tidal.data.sft import SFTSample
+from tidal.data.vision import image_batch
 
 IGNORE_INDEX = -100
 
@@ -46,7 +50,7 @@ def collate_padded(samples: list[SFTSample], pad_id: int) -> dict[str, torch.Ten
         batch["attention_mask"][row, :n] = 1
         batch["loss_mask"][row, 1:n] = torch.tensor(sample.loss_mask[1:])
         batch["position_ids"][row, :n] = torch.arange(n)
-    return batch
+    return {**batch, **image_batch(samples)}
 
 
 def collate_packed(samples: list[SFTSample], pad_id: int | None = None) -> dict[str, torch.Tensor]:
@@ -61,6 +65,7 @@ def collate_packed(samples: list[SFTSample], pad_id: int | None = None) -> dict[
         "segment_ids": torch.repeat_interleave(torch.arange(len(samples)), lens)[None],
         "seq_lens": lens,
         "cu_seqlens": torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32),
+        **image_batch(samples),
     }
 
 

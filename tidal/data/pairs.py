@@ -53,6 +53,7 @@ class PairSample:
     prompt_len: int  # leading tokens of both sides that are prompt only (never trained by DPO)
     margin: float = 0.0
     row: int = -1  # index of the dataset row it came from, for error messages
+    images: Any = None  # the prompt's images (tidal.data.vision.SampleImages), for vision-language models
 
 
 def build_pair_samples(
@@ -204,7 +205,7 @@ def pair_halves(samples: list[PairSample]) -> list[SFTSample]:
             ids = getattr(s, side)
             mask = [0] * s.prompt_len + [1] * (len(ids) - s.prompt_len)
             mask[0] = 0  # nothing predicts the first token (tidal.data.collate convention)
-            halves.append(SFTSample(ids, mask, row=s.row))
+            halves.append(SFTSample(ids, mask, row=s.row, images=s.images))
     return halves
 
 

@@ -75,6 +75,13 @@ def row_name(dataset: datasets.Dataset | None, row: int, source: str = "dataset"
     return f"row {line} of {file}"
 
 
+def row_source(dataset: datasets.Dataset | None, row: int) -> str | None:
+    """The source (file, folder or hub name as given) row ``row`` came from, if known; files a row
+    names (its images) are read relative to it."""
+    origins = _ORIGINS.get(dataset) if dataset is not None else None
+    return origins.locate(row)[0] if origins is not None else None
+
+
 def text_problem(value: Any, chat: bool, non_empty: bool) -> str | None:
     """Why ``value`` cannot be a prompt/response (``None`` if it can): text, or messages with ``chat``."""
     if value is None:

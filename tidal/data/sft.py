@@ -41,6 +41,7 @@ class SFTSample:
     input_ids: list[int]
     loss_mask: list[int]  # same length; 1 where the token is a training target
     row: int = -1  # index of the dataset row it came from, for debugging
+    images: Any = None  # its images (tidal.data.vision.SampleImages), for vision-language models
 
     def __len__(self) -> int:
         return len(self.input_ids)

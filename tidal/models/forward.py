@@ -18,6 +18,9 @@ chunk's first, and the per-token log-probs are gathered back into the whole row 
 ``ring_chunk`` gives the other ring forwards their chunk (``RingChunk``: the local inputs, a whole-row
 tensor's local slice, per-token values gathered back): the value head's values (RM, the PPO critic),
 PRM's step logits, KD's per-token loss.
+
+A batch with images (vision-language models) also passes ``pixel_values``, ``image_grid_thw`` and the
+model's multimodal rotary positions (``tidal.models.vision.vision_kwargs``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from tidal.models.logprob_head import (
     head_values,
 )
 from tidal.models.packed_attention import enable_varlen_attention, varlen_kwargs
+from tidal.models.vision import vision_kwargs
 from tidal.rollout import batch_invariant
 
 # "auto": varlen kernels for packed rows where possible; "mask": always the 4-D mask (benchmarks).
@@ -86,7 +90,7 @@ def model_inputs(model: nn.Module, batch: dict) -> dict:
     else:
         impl = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
         kwargs["attention_mask"] = _packed_masks(model, batch["segment_ids"], additive=impl == "eager")
-    return kwargs
+    return {**kwargs, **vision_kwargs(model, batch)}  # images: pixels, grids, multimodal positions
 
 
 def _packed_masks(model: nn.Module, segment_ids: torch.Tensor, additive: bool):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from tidal.config.args import ConfigError
 from tidal.config.model import ModelConfig
 from tidal.logging import get_logger
 from tidal.models.moe_experts import use_trainer_experts
+from tidal.models.vision import is_vision_language, language_lora_targets
 
 
 def load_tokenizer(path: str, cfg: ModelConfig | None = None):
@@ -95,7 +97,7 @@ def apply_lora(model: nn.Module, cfg: ModelConfig, task_type: str = "CAUSAL_LM")
 
     if cfg.load_in_4bit:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
-    targets = cfg.target_modules[0] if cfg.target_modules == ["all-linear"] else cfg.target_modules
+    targets = cfg.target_modules[0] if cfg.target_modules == ["all-linear"] else list(cfg.target_modules)
     lora = LoraConfig(
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
@@ -146,16 +148,21 @@ def _attn_implementation(source: str, cfg: ModelConfig) -> str:
 
 
 def load_causal_lm(cfg: ModelConfig, device: torch.device, path: str | None = None) -> nn.Module:
-    """Load a causal LM for training in float32 (master weights), with checkpointing and LoRA applied."""
-    from transformers import AutoModelForCausalLM
+    """Load a causal LM for training in float32 (master weights), with checkpointing and LoRA applied.
+
+    A vision-language folder (``tidal.models.vision.is_vision_language``) loads as
+    ``AutoModelForImageTextToText``, its LoRA adapters on the language model only."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     source = path or cfg.pretrain
     check_model_folder(source)
+    vision = is_vision_language(source)
     kwargs: dict = {"dtype": torch.float32, "attn_implementation": _attn_implementation(source, cfg)}
     if cfg.load_in_4bit:
         kwargs["quantization_config"] = _quantization_config()
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model = auto.from_pretrained(source, **kwargs)
     except (OSError, ValueError, KeyError, SafetensorError) as err:
         raise model_load_error(source, err) from err
     use_trainer_experts(model)  # MoE experts' grouped GEMMs in the autocast dtype (no-op for dense models)
@@ -167,7 +174,8 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device, path: str | None = No
         )
         model.config.use_cache = False
     if cfg.lora_rank > 0:
-        model = apply_lora(model, cfg)
+        targets = language_lora_targets(model, cfg.target_modules) if vision else cfg.target_modules
+        model = apply_lora(model, replace(cfg, target_modules=targets))
         if cfg.gradient_checkpointing:
             model.enable_input_require_grads()  # checkpointed blocks need a grad-requiring input
     if cfg.torch_compile:

@@ -38,6 +38,7 @@ from tidal.logging import get_logger
 from tidal.models import load_causal_lm, load_tokenizer
 from tidal.models.precision import Precision
 from tidal.models.ring_attention import head_stride_problem, use_ring
+from tidal.models.vision import freeze_vision
 from tidal.trainers.loop import Objective, Optimization, SupervisedTrainer
 from tidal.trainers.optim import NonFiniteGuard, build_optimizer, build_scheduler
 
@@ -50,13 +51,16 @@ SampleLoader = Callable[..., list]
 
 
 def load_samples(
-    builder: SampleBuilder, spec: str, probs, split: str, max_samples, tokenizer, cfg, seed: int
+    builder: SampleBuilder, spec: str, probs, split: str, max_samples, tokenizer, cfg, seed: int, images=None
 ):
-    """Load a ``--dataset``-style spec and build its samples; skipped rows are logged."""
+    """Load a ``--dataset``-style spec and build its samples; skipped rows are logged. ``images`` (a
+    ``tidal.data.vision.ImageSamples``) checks every row's images first and gives the samples theirs."""
     # here, not at the top: ``datasets`` (with pandas, pyarrow) costs ~1 s of start-up, and processes
     # that import this module only for ``build_optimization`` (a critic worker) load no data
     from tidal.data import load_dataset_spec
 
+    if images is not None:
+        builder = images.wrap(builder)
     dataset = load_dataset_spec(spec, probs, split=split, max_samples=max_samples, seed=seed)
     samples, skipped = builder(dataset, tokenizer, cfg, source=spec)
     if skipped.count:
@@ -64,13 +68,31 @@ def load_samples(
     return samples
 
 
-def train_and_eval_samples(load: Callable, ds: DatasetConfig, tokenizer, cfg, seed: int):
-    """``(train, eval or None)`` samples with ``load(spec, probs, split, max_samples, tokenizer, cfg, seed)``."""
-    train = load(ds.dataset, ds.dataset_probs, ds.dataset_split, ds.max_samples, tokenizer, cfg, seed)
+def train_and_eval_samples(load: Callable, ds: DatasetConfig, tokenizer, cfg, seed: int, **extra):
+    """``(train, eval or None)`` samples with ``load(spec, probs, split, max_samples, tokenizer, cfg, seed)``
+    (and the ``extra`` keyword arguments: a vision run's ``images``)."""
+    train = load(
+        ds.dataset, ds.dataset_probs, ds.dataset_split, ds.max_samples, tokenizer, cfg, seed, **extra
+    )
     evals = (
-        load(ds.eval_dataset, None, ds.eval_split, None, tokenizer, cfg, seed) if ds.eval_dataset else None
+        load(ds.eval_dataset, None, ds.eval_split, None, tokenizer, cfg, seed, **extra)
+        if ds.eval_dataset
+        else None
     )
     return train, evals
+
+
+def run_images(run: Any, tokenizer):
+    """A run's ``ImageSamples`` (runs with a ``vision`` config: SFT, DPO, RM), else None: the model's
+    image processor when it is a vision-language model, the image flags checked against it."""
+    cfg = getattr(run, "vision", None)
+    if cfg is None:
+        return None
+    from tidal.data.vision import ImageSamples, load_vision_processor
+
+    images = ImageSamples(cfg, load_vision_processor(run.model.pretrain, tokenizer))
+    images.check(run.model.pretrain, run.dist.ring_attn_size, run.dist.ds_tensor_parallel_size)
+    return images
 
 
 def training_steps(n_samples: int, train: TrainConfig, world: World, dataset: str) -> int:
@@ -166,18 +188,24 @@ class Recipe(ABC):
 def fit_recipe(recipe: Recipe, run: SupervisedRun, world: World | None = None) -> list[dict]:
     """Build and train ``run`` as ``recipe`` says; returns per-step metrics.
 
-    The order is fixed (it decides what the seeded RNG initialises): checks, seeding, tokenizer,
-    samples, step count, model, frozen models, optimizer stack, objective, training.
+    The order is fixed (it decides what the seeded RNG initialises): checks, seeding, tokenizer (and a
+    vision-language model's image processor), samples, step count, model, frozen models, optimizer
+    stack, objective, training.
     """
     world = with_tensor_parallel(world or init_world(), run.dist.ds_tensor_parallel_size)
     run.check(world)  # every problem of the run at once, before the tokenizer, data or models load
     ring = ring_group(world, run.dist.ring_attn_size, run.dist.ring_head_stride)
     seed_everything(run.train)
     tokenizer = load_tokenizer(run.model.pretrain, run.model)
-    ds = run.datasets
-    train, evals = train_and_eval_samples(recipe.load_samples, ds, tokenizer, run.data, run.train.seed)
+    images = run_images(run, tokenizer)
+    ds, extra = run.datasets, ({"images": images} if images is not None else {})
+    train, evals = train_and_eval_samples(
+        recipe.load_samples, ds, tokenizer, run.data, run.train.seed, **extra
+    )
     steps = training_steps(len(train), run.train, world, ds.dataset)
     model = recipe.load_model(run, world)
+    if images is not None and images.cfg.freeze_visual_encoder:
+        log.info("--freeze_visual_encoder: %d vision parameters frozen", freeze_vision(model))
     if ring is not None and (problem := head_stride_problem(model, ring.head_stride)):
         raise ConfigError(problem)
     frozen = recipe.load_frozen(run, model, world)
@@ -187,8 +215,9 @@ def fit_recipe(recipe: Recipe, run: SupervisedRun, world: World | None = None) -
         "%s%s: %d train samples, %d steps, device %s x%d",
         recipe.label, recipe.describe(run, frozen), len(train), steps, world.device, world.world_size,
     )  # fmt: skip
+    exported = images.processor if images is not None and images.processor else tokenizer  # + image processor
     trainer = recipe.trainer_cls(
-        objective, opt, tokenizer, world, run.train, run.ckpt, run.logging, run_folder(run.run_dir, run.ckpt),
+        objective, opt, exported, world, run.train, run.ckpt, run.logging, run_folder(run.run_dir, run.ckpt),
         run_config=flat_config(run), kind=trainer_kind(run), **recipe.trainer_kwargs(run, train, evals),
     )  # fmt: skip
     with use_ring(ring):  # packed forwards of this run split their rows over the ring group

@@ -127,16 +127,21 @@ class RewardModelTrainer(SupervisedTrainer):
         return mean, math.sqrt(var) if var > 0 else 1.0
 
 
-def load_pair_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: PairDataConfig, seed: int):
-    """Preference pairs of a ``--dataset``-style spec (skipped pairs are logged, identical ones checked)."""
-    samples = load_samples(build_pair_samples, spec, probs, split, max_samples, tokenizer, cfg, seed)
+def load_pair_samples(
+    spec: str, probs, split: str, max_samples, tokenizer, cfg: PairDataConfig, seed: int, images=None
+):
+    """Preference pairs of a ``--dataset``-style spec (skipped pairs are logged, identical ones checked;
+    ``images``: with their prompts' images)."""
+    samples = load_samples(build_pair_samples, spec, probs, split, max_samples, tokenizer, cfg, seed, images)
     return check_identical_pairs(samples, spec, cfg)
 
 
-def load_margin_pair_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg, seed: int):
+def load_margin_pair_samples(
+    spec: str, probs, split: str, max_samples, tokenizer, cfg, seed: int, images=None
+):
     """Like ``load_pair_samples``, but every row must have a numeric ``margin`` (``--margin_loss``)."""
     builder = partial(build_pair_samples, require_margin=True)
-    samples = load_samples(builder, spec, probs, split, max_samples, tokenizer, cfg, seed)
+    samples = load_samples(builder, spec, probs, split, max_samples, tokenizer, cfg, seed, images)
     return check_identical_pairs(samples, spec, cfg)
 
 

@@ -64,9 +64,11 @@ class SFTObjective(SFTBatching):
         return loss, metrics
 
 
-def load_sft_samples(spec: str, probs, split: str, max_samples, tokenizer, cfg: SFTDataConfig, seed: int):
-    """SFT samples of a ``--dataset``-style spec (skipped rows are logged)."""
-    return load_samples(build_sft_samples, spec, probs, split, max_samples, tokenizer, cfg, seed)
+def load_sft_samples(
+    spec: str, probs, split: str, max_samples, tokenizer, cfg: SFTDataConfig, seed: int, images=None
+):
+    """SFT samples of a ``--dataset``-style spec (skipped rows are logged; ``images``: with their images)."""
+    return load_samples(build_sft_samples, spec, probs, split, max_samples, tokenizer, cfg, seed, images)
 
 
 class SFTRecipe(Recipe):

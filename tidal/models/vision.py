@@ -1,0 +1,117 @@
+"""The training side of vision-language models (``AutoModelForImageTextToText``): which folders are one,
+their vision tower, LoRA on their language model only, and multimodal rotary positions.
+
+- ``is_vision_language(path)``: the config has a ``vision_config`` and an ``image_token_id``;
+  ``tidal.models.loading.load_causal_lm`` then loads ``AutoModelForImageTextToText``.
+- ``vision_modules(model)``: the vision tower and its projector (Qwen-VL: ``model.visual``, which holds
+  the patch merger; LLaVA/Gemma 3 style: ``vision_tower`` and ``multi_modal_projector``).
+  ``freeze_vision(model)`` stops their gradients (``--freeze_visual_encoder``): only the language model
+  trains, and the optimizer never sees the vision weights.
+- ``language_lora_targets(model, targets)``: the language model's linear layers that ``--target_modules``
+  names (``all-linear``: every one but the LM head), as full module names for peft, so LoRA adapts the
+  language model only (peft would otherwise also match the vision tower's ``gate_proj``...).
+- ``vision_kwargs(model, batch)``: the forward's image inputs: ``pixel_values``, ``image_grid_thw`` and
+  the model's own rotary positions (Qwen-VL's M-RoPE: ``get_rope_index``, three position rows for
+  temporal/height/width). A packed row gets each sample's positions computed alone and concatenated
+  (positions restart per sample, as for text), with the plain per-sample positions prepended as a
+  fourth row, which transformers' Qwen-VL reads as the packed text positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+VISION_MODULE_NAMES = ("visual", "vision_tower", "vision_model", "multi_modal_projector")
+
+
+def is_vision_language(path: str) -> bool:
+    """Whether the model folder or name is a vision-language model (by its config)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return False  # the loader reports an unreadable folder itself
+    return getattr(config, "vision_config", None) is not None and hasattr(config, "image_token_id")
+
+
+def vision_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` of the vision tower and projector of a (peft-wrapped) VLM."""
+    found = []
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if last in VISION_MODULE_NAMES and not any(name.startswith(f"{n}.") for n, _ in found):
+            found.append((name, module))
+    return found
+
+
+def freeze_vision(model: nn.Module) -> int:
+    """Freeze the vision tower's parameters; returns how many parameters were frozen."""
+    frozen = 0
+    for _, module in vision_modules(model):
+        for p in module.parameters():
+            p.requires_grad_(False)
+            frozen += p.numel()
+    if frozen == 0:
+        raise ValueError(f"{type(model).__name__}: no vision tower found (looked for {VISION_MODULE_NAMES})")
+    return frozen
+
+
+def language_lora_targets(model: nn.Module, targets: Sequence[str]) -> list[str]:
+    """Full names of the linear layers LoRA adapts in a VLM: outside the vision tower, not the LM head,
+    and (unless ``targets`` is ``["all-linear"]``) whose own name is one of ``targets``."""
+    vision = tuple(f"{name}." for name, _ in vision_modules(model))
+    head = model.get_output_embeddings()
+    every = list(targets) == ["all-linear"]
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+        and module is not head
+        and not name.startswith(vision)
+        and (every or name.rsplit(".", 1)[-1] in targets)
+    ]
+
+
+def _rope_owner(model: nn.Module) -> nn.Module | None:
+    """The submodule with the family's ``get_rope_index`` (Qwen-VL's inner model), if any."""
+    for module in model.modules():
+        if callable(getattr(module, "get_rope_index", None)):
+            return module
+    return None
+
+
+def vision_kwargs(model: nn.Module, batch: dict) -> dict:
+    """The forward keyword arguments of a batch's images (see the module doc); {} without images."""
+    if "image_grid_thw" not in batch:
+        return {}
+    kwargs = {"pixel_values": batch["pixel_values"], "image_grid_thw": batch["image_grid_thw"]}
+    owner = _rope_owner(model)
+    if owner is not None:
+        kwargs["position_ids"] = rope_positions(owner, batch)
+    return kwargs
+
+
+def rope_positions(owner: nn.Module, batch: dict) -> torch.Tensor:
+    """Multimodal rotary positions of a padded ``[3, B, T]`` or packed ``[4, 1, T]`` batch."""
+    ids, grids = batch["input_ids"], batch["image_grid_thw"]
+    image_token = owner.config.image_token_id
+    if "segment_ids" not in batch:
+        types = (ids == image_token).int()
+        positions, _ = owner.get_rope_index(
+            ids, types, image_grid_thw=grids, attention_mask=batch["attention_mask"]
+        )
+        return positions
+    parts, start, first_image = [], 0, 0
+    for n, count in zip(batch["seq_lens"].tolist(), batch["image_counts"].tolist(), strict=True):
+        sample = ids[:, start : start + n]
+        sample_grids = grids[first_image : first_image + count] if count else None
+        positions, _ = owner.get_rope_index(
+            sample, (sample == image_token).int(), image_grid_thw=sample_grids
+        )
+        parts.append(positions)
+        start, first_image = start + n, first_image + count
+    return torch.cat([batch["position_ids"][None], torch.cat(parts, dim=-1)], dim=0)
