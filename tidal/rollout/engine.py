@@ -177,7 +177,7 @@ class LLMEngine:
         # Features the family runs without (Family.refuses): eager decode steps, synchronous scheduling.
         self.eager = self.config.enforce_eager or feature_refusal(model_type, "cuda_graphs") is not None
         if model is not None:
-            weights = model.named_parameters()
+            weights = _model_weights(model, model_type)
         elif state_dict is not None:
             weights = state_dict.items()
         elif model_path is not None:
@@ -622,6 +622,18 @@ class LLMEngine:
     @property
     def is_sleeping(self) -> bool:
         return self.sleep_level > 0
+
+
+def _model_weights(model: torch.nn.Module, model_type: str | None):
+    """A loaded transformers model's parameters, and the buffers its family's checkpoints carry as weights
+    (``buffer_weights`` of the family class, e.g. Gemma 4's layer scalars)."""
+    from itertools import chain
+
+    from tidal.rollout.models.registry import FAMILIES, model_class
+
+    suffixes = getattr(model_class(model_type), "buffer_weights", ()) if model_type in FAMILIES else ()
+    buffers = ((name, b) for name, b in model.named_buffers() if suffixes and name.endswith(suffixes))
+    return chain(model.named_parameters(), buffers)
 
 
 def family_problem(config: EngineConfig, model_type: str | None) -> str | None:

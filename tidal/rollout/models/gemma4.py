@@ -274,7 +274,8 @@ class Gemma4Model(nn.Module):
 class Gemma4ForCausalLM(CausalLM):
     supports_tp = False
     packed_params = {}  # the layer kinds' q/k/v and MLP widths differ: every projection is its own
-    ignored_weights = ("rotary_emb.inv_freq", "original_inv_freq", "embed_scale")
+    # Checkpoint buffers that are weights to us: ``LLMEngine(model=...)`` passes them with the parameters.
+    buffer_weights = (".layer_scalar",)
 
     def __init__(self, args: Gemma4Args):
         nn.Module.__init__(self)
