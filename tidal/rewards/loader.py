@@ -1,7 +1,8 @@
 """``load_reward_source``: turn ``--remote_rm_url`` into a ``RewardSource``.
 
 ``path/to/reward_func.py`` -> ``RewardFunction``; ``http(s)://...`` (comma-separated for several
-servers) -> ``RemoteReward``.
+servers) -> ``RemoteReward``. A file written for OpenRLHF may import ``from openrlhf.utils import
+extract_boxed_answer, grade_answer``: while it loads, those names are tidal's (``openrlhf_compat``).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from tidal.config.args import ConfigError
 from tidal.rewards.base import RewardSource
 from tidal.rewards.function import RewardFunction
+from tidal.rewards.openrlhf_compat import openrlhf_imports
 from tidal.rewards.remote import RemoteReward
 
 
@@ -17,7 +19,8 @@ def load_reward_source(remote_rm_url: str, **remote_kwargs) -> RewardSource:
     ``RemoteReward``."""
     value = (remote_rm_url or "").strip()
     if value.endswith(".py"):
-        return RewardFunction(value)
+        with openrlhf_imports():
+            return RewardFunction(value)
     urls = [u.strip() for u in value.split(",")]
     if value and all(u.startswith(("http://", "https://")) for u in urls):
         return RemoteReward(urls, **remote_kwargs)
