@@ -45,6 +45,8 @@ from tidal.logging import get_logger
 from tidal.models import Precision
 from tidal.models.ring_attention import active_ring, turns
 from tidal.models.value_model import load_value_model, reward_config
+from tidal.models.vision import is_vision_language
+from tidal.models.vision_value import load_vision_value_model
 from tidal.trainers.common import Recipe, fit_recipe, load_samples
 from tidal.trainers.loop import SupervisedTrainer, reduce_metrics, to_device
 
@@ -178,6 +180,8 @@ class RMRecipe(Recipe):
         self.load_samples = load_margin_pair_samples if margin_loss else load_pair_samples
 
     def load_model(self, run: RMRun, world: World) -> nn.Module:
+        if is_vision_language(run.model.pretrain):  # transformers has no sequence-classification VLMs
+            return load_vision_value_model(run.model, world.device, run.rm.value_head_prefix)
         return load_value_model(run.model, world.device, run.rm.value_head_prefix)
 
     def objective(self, run: RMRun, tokenizer, train, frozen) -> RMObjective:

@@ -1,0 +1,80 @@
+"""Reward models on a vision-language model (``tidal rm`` with images).
+
+transformers has no ``*ForSequenceClassification`` for vision-language families (Qwen2.5-VL...), so
+``load_vision_value_model`` builds one: the ``AutoModelForImageTextToText`` model with its LM head
+replaced by a one-output linear head named ``--value_head_prefix`` (default ``score``) and
+``ValueHeadMixin``'s methods (``tidal.models.value_model``): its ``forward`` runs the inner multimodal
+model (vision tower, image features scattered into the embeddings, M-RoPE) and applies the head to
+every hidden state, so ``values``/``scores`` work on padded and packed batches with images as on text.
+
+The saved folder is the VLM's (its ``config.json`` names the conditional-generation class) with
+``<prefix>.weight`` in place of ``lm_head``; loading it again here reads that head back (a fresh
+head otherwise, as for a reward model about to be trained). LoRA and 4-bit loading are refused for
+these models (one line, ``--lora_rank`` / ``--load_in_4bit``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from tidal.config.args import ConfigError
+from tidal.config.model import ModelConfig
+from tidal.models.loading import available_attn_implementation, check_model_folder, model_load_error
+from tidal.models.value_model import HF_HEAD, attach_value_head
+
+
+def load_vision_value_model(
+    cfg: ModelConfig, device: torch.device, value_head_prefix: str = HF_HEAD, path: str | None = None
+) -> nn.Module:
+    """A VLM with a value head (see the module doc), float32, on ``device``."""
+    from transformers import AutoModelForImageTextToText
+
+    source = path or cfg.pretrain
+    check_model_folder(source)
+    for flag, value in (("--lora_rank", cfg.lora_rank > 0), ("--load_in_4bit", cfg.load_in_4bit)):
+        if value:
+            raise ConfigError(f"{flag} with a vision-language reward model is not supported yet; drop it")
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(
+            source,
+            dtype=torch.float32,
+            attn_implementation=available_attn_implementation(cfg.attn_implementation),
+        )
+    except (OSError, ValueError, KeyError) as err:
+        raise model_load_error(source, err) from err
+    hidden = model.config.get_text_config().hidden_size
+    head = nn.Linear(hidden, 1, bias=False)
+    nn.init.normal_(head.weight, std=1 / (hidden + 1))  # OpenRLHF's value-head init
+    saved = _saved_head(source, value_head_prefix)
+    if saved is not None:
+        head.weight.data.copy_(saved)
+    model.lm_head = nn.Identity()  # the value head replaces it; not trained, not saved
+    model.add_module(HF_HEAD, head)
+    model.config.use_cache = False
+    attach_value_head(model, value_head_prefix)
+    model.to(device)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": cfg.gradient_checkpointing_use_reentrant}
+        )
+    return model
+
+
+def _saved_head(source: str, prefix: str) -> torch.Tensor | None:
+    """``<prefix>.weight`` from a local folder's safetensors files, if it has one."""
+    folder = Path(source)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = [p.name for p in folder.glob("*.safetensors")]
+    for name in files:
+        with safe_open(str(folder / name), framework="pt") as f:
+            if f"{prefix}.weight" in f.keys():  # noqa: SIM118 (safe_open has keys(), no __contains__)
+                return f.get_tensor(f"{prefix}.weight")
+    return None
