@@ -7,7 +7,7 @@ Greedy tokens and log-probs equal transformers'; leaving out the per-layer embed
 or the layer scalars changes them, and so does computing the shared layers' own keys/values instead of
 reading their producers' (shown on transformers itself). The cache has slots for the two producing
 layers only. Also: ``attention_k_eq_v`` checkpoints, batching, n samples, prefix caching, chunked
-prefill, ``update_weights``, sleep/wake and the refusals.
+prefill, ``update_weights``, sleep/wake, the MoE checkpoints and the refusals.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from tests.rollout.reference import PROMPTS, cpu_config, hf_greedy, hf_logprobs, small_cache_config
 from tidal.rollout import LLMEngine, SamplingParams
-from tidal.rollout.models import gemma4
+from tidal.rollout.models import gemma4, gemma4_moe
 
 FAMILY = "gemma4_text"
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
@@ -178,7 +178,43 @@ def test_update_weights_sleep_and_refusals(setup, tiny_model, hf_model):
         LLMEngine(path, cpu_config(tp_size=2))
     with pytest.raises(ValueError, match=f"exact_logprobs supports the .* families, not '{FAMILY}'"):
         LLMEngine(path, cpu_config(exact_logprobs=True))
-    config = hf.config.to_dict()
-    config.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
-    with pytest.raises(ValueError, match=r"enable_moe_block=True .* not supported .*\(HFEngine\)"):
-        gemma4.gemma4_args(type(hf.config).from_dict(config))
+
+
+def test_moe_checkpoints_match_transformers(tiny_model, monkeypatch):
+    """``enable_moe_block`` (the 26B-A4B layout): routed experts beside every layer's MLP, with Gemma 4's
+    router (scaled input, per-expert scales). Leaving out the experts or the per-expert scales changes the
+    completions; router replay is refused."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model(
+        FAMILY,
+        logit_scale=4.0,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+    )
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # not the shared copy
+    with torch.no_grad():  # per-expert scales away from 1, as trained checkpoints have them
+        for layer in hf.model.layers:
+            layer.router.per_expert_scale.copy_(torch.tensor([0.3, 2.0, 1.2, 0.6]))
+    engine = LLMEngine(None, small_cache_config(), model=hf)
+    want = [hf_greedy(hf, prompt, 12) for prompt in PROMPTS]
+    for prompt, out, tokens in zip(PROMPTS, engine.generate(PROMPTS, GREEDY), want, strict=True):
+        assert out.outputs[0].token_ids == tokens
+        logprobs = hf_logprobs(hf, prompt, tokens)
+        torch.testing.assert_close(torch.tensor(out.outputs[0].logprobs), logprobs, atol=1e-4, rtol=0)
+    layers = engine.model.model.layers
+    with monkeypatch.context() as m:
+        m.setattr(
+            gemma4_moe.Gemma4Router,
+            "forward",
+            lambda self, h: (torch.zeros(h.shape[0], 2), torch.zeros(h.shape[0], 2, dtype=torch.long)),
+        )
+        assert _tokens(engine, PROMPTS) != want
+    with torch.no_grad():
+        for layer in layers:
+            layer.router.per_expert_scale.fill_(1.0)
+    assert _tokens(engine, PROMPTS) != want
+    with pytest.raises(ValueError, match=f"record_routing is not supported for the {FAMILY} family: "):
+        LLMEngine(path, cpu_config(record_routing=True))

@@ -25,8 +25,8 @@ The layer skeleton is Gemma's (``gemma2.py``): norms before and after attention 
   (``Gemma4Args.kv_layers``, ``gemma4_attention.py``). With ``use_double_wide_mlp`` their MLP is twice
   as wide.
 
-Refused in one line when a config asks for them: the MoE block (``enable_moe_block``, the 26B-A4B
-checkpoints: transformers' fallback engine runs those) and bidirectional attention. Parameters keep
+With ``enable_moe_block`` (the 26B-A4B checkpoints) each layer also has routed experts beside its MLP
+(``gemma4_moe.py``). Bidirectional attention is refused in one line. Parameters keep
 transformers' names (nothing is packed: the layer kinds' q/k/v sizes differ); tensor parallelism and
 exact mode are refused (``registry.py``, ``batch_invariant/support.py``).
 """
@@ -41,7 +41,9 @@ from torch import nn
 from tidal.rollout.attention import AttentionMetadata
 from tidal.rollout.models.gemma2 import ScaledEmbedding, SoftcappedHead
 from tidal.rollout.models.gemma4_attention import gemma4_attention
+from tidal.rollout.models.gemma4_moe import add_moe_block, feed_forward, gemma4_moe_args
 from tidal.rollout.models.layers import ACTIVATIONS, CausalLM, DecoderArgs, Rotary, sliding_windows
+from tidal.rollout.models.moe import MoEArgs
 from tidal.rollout.models.parallel import VocabParallelEmbedding
 from tidal.rollout.models.rope import apply_rope, rope_table
 
@@ -61,6 +63,7 @@ class Gemma4Args(DecoderArgs):
     ple_dim: int = 0  # hidden_size_per_layer_input (0: no per-layer embeddings)
     ple_vocab_size: int = 0
     final_logit_softcapping: float | None = None
+    moe: MoEArgs | None = None  # the routed experts beside each layer's MLP (``gemma4_moe.py``)
 
     @property
     def kv_layers(self) -> int:
@@ -98,11 +101,6 @@ def kv_sources(config) -> tuple[int, ...]:
 
 def gemma4_args(config) -> Gemma4Args:
     """Read a Gemma 4 text config; refuse, in one line, what the engine does not implement."""
-    if getattr(config, "enable_moe_block", False):
-        raise ValueError(
-            "gemma4_text with enable_moe_block=True (the MoE checkpoints) is not supported by the rollout "
-            "engine's gemma4 model; the transformers fallback engine (HFEngine) runs it"
-        )
     if getattr(config, "use_bidirectional_attention", None) == "all":
         raise ValueError("gemma4_text with use_bidirectional_attention='all' (an encoder) is not supported")
     unknown = sorted(set(config.layer_types) - {SLIDING, FULL})
@@ -141,6 +139,7 @@ def gemma4_args(config) -> Gemma4Args:
         ple_dim=config.hidden_size_per_layer_input or 0,
         ple_vocab_size=config.vocab_size_per_layer_input,
         final_logit_softcapping=config.final_logit_softcapping,
+        moe=gemma4_moe_args(config) if getattr(config, "enable_moe_block", False) else None,
     )
 
 
@@ -215,7 +214,7 @@ class Gemma4MLP(nn.Module):
 
 
 class Gemma4DecoderLayer(nn.Module):
-    """Sandwich-normed attention and MLP, then the per-layer input, then the layer scalar."""
+    """Sandwich-normed attention and MLP (+ experts), then the per-layer input, then the layer scalar."""
 
     def __init__(self, args: Gemma4Args, layer_idx: int):
         super().__init__()
@@ -226,6 +225,8 @@ class Gemma4DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = Gemma4RMSNorm(hidden, eps)
         self.mlp = Gemma4MLP(args, args.layer_intermediate[layer_idx])
         self.post_feedforward_layernorm = Gemma4RMSNorm(hidden, eps)
+        if args.moe is not None:
+            add_moe_block(self, hidden, args.hidden_act, args.moe, Gemma4RMSNorm, eps)
         self.act = ACTIVATIONS[args.hidden_act]
         if args.ple_dim:
             self.per_layer_input_gate = nn.Linear(hidden, args.ple_dim, bias=False)
@@ -236,7 +237,7 @@ class Gemma4DecoderLayer(nn.Module):
 
     def forward(self, h, ple, rope, meta: AttentionMetadata, shared: dict) -> torch.Tensor:
         h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rope, meta, shared))
-        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = h + self.post_feedforward_layernorm(feed_forward(self, h))
         if ple is not None:
             gated = self.act(self.per_layer_input_gate(h)) * ple
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
