@@ -11,6 +11,7 @@ import json
 import pytest
 from PIL import Image
 
+from tidal.config.args import ConfigError
 from tidal.config.data import VisionConfig
 from tidal.config.sample_data import SFTDataConfig
 from tidal.data import DataError, load_dataset_spec
@@ -170,3 +171,16 @@ def test_the_tiny_vlm_folder_loads_with_auto_processor(tiny_vlm):
         text=["<|image_pad|>"], images=[Image.open(io.BytesIO(png(size=56)))], return_tensors="pt"
     )
     assert out["input_ids"][0].tolist().count(processor.image_token_id) == 4
+
+
+def test_image_runs_refuse_layouts_and_models_they_cannot_use():
+    vision = ImageSamples(VisionConfig(max_images_per_prompt=1), processor=object())
+    with pytest.raises(ConfigError, match="--ring_attn_size 2 with images"):
+        vision.check("m", ring_attn_size=2)
+    with pytest.raises(ConfigError, match="--ds_tensor_parallel_size 2 with images"):
+        vision.check("m", tensor_parallel_size=2)
+    with pytest.raises(
+        ConfigError, match="--freeze_visual_encoder needs a vision-language model; --pretrain m"
+    ):
+        ImageSamples(VisionConfig(freeze_visual_encoder=True)).check("m")
+    ImageSamples(VisionConfig()).check("m", ring_attn_size=2)  # text only: nothing to refuse

@@ -22,7 +22,7 @@ from tidal.data.images import open_image
 from tidal.data.vision import ImageSamples, load_vision_processor
 from tidal.distributed.fsdp import transformer_blocks
 from tidal.models import load_causal_lm, load_tokenizer, token_logprobs
-from tidal.testing import ColourTask, build_tiny_vlm
+from tidal.testing import TINY_VLM_FAMILIES, ColourTask, build_tiny_vlm
 from tidal.testing.vision_tasks import COLOURS, greedy_answers
 from tidal.trainers.dpo import run_dpo
 from tidal.trainers.rm import run_rm
@@ -32,6 +32,14 @@ from tidal.trainers.sft import load_sft_samples, run_sft
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
     return build_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm"))
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_VLM_FAMILIES))
+def any_vlm(request, vlm, tmp_path_factory):
+    """Each tiny VLM family (Qwen2.5-VL is ``vlm``'s)."""
+    if request.param == "qwen2_5_vl":
+        return vlm
+    return build_tiny_vlm(tmp_path_factory.mktemp(request.param), request.param)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +65,8 @@ def sft_flags(model, data, out, *extra):
     ]  # fmt: skip
 
 
-def test_trainer_forward_equals_the_hf_loss_padded_and_packed(vlm, colours, tmp_path):
+def test_trainer_forward_equals_the_hf_loss_padded_and_packed(any_vlm, colours, tmp_path):
+    vlm = any_vlm
     tokenizer = load_tokenizer(str(vlm))
     processor = load_vision_processor(str(vlm), tokenizer)
     images = ImageSamples(VisionConfig(max_images_per_prompt=1), processor)
@@ -88,7 +97,8 @@ def _accuracy(model_dir, rows, folder) -> float:
     return sum(a == r["answer"] for a, r in zip(answers, rows, strict=True)) / len(rows)
 
 
-def test_sft_learns_the_colour_from_the_image_and_not_without_it(vlm, colours, tmp_path):
+def test_sft_learns_the_colour_from_the_image_and_not_without_it(any_vlm, colours, tmp_path):
+    vlm = any_vlm
     run_sft(parse_sft(sft_flags(vlm, colours["train"], tmp_path / "img", "--max_images_per_prompt", "1")))
     run_sft(parse_sft(sft_flags(vlm, colours["train_text"], tmp_path / "text")))
     with_images = _accuracy(tmp_path / "img" / "final", colours["eval"], colours["folder"])

@@ -5,13 +5,14 @@ Nothing here touches the network: every model and tokenizer is built in-process 
 
 from tidal.testing.tasks import AdditionTask
 from tidal.testing.tiny import TINY_FAMILIES, build_tiny_model, build_tiny_tokenizer, perturbed_copy
-from tidal.testing.tiny_vlm import build_tiny_vlm
+from tidal.testing.tiny_vlm import TINY_VLM_FAMILIES, build_tiny_vlm
 from tidal.testing.vision_tasks import ColourTask
 
 __all__ = [
     "AdditionTask",
     "ColourTask",
     "TINY_FAMILIES",
+    "TINY_VLM_FAMILIES",
     "build_tiny_model",
     "build_tiny_tokenizer",
     "build_tiny_vlm",

@@ -1,18 +1,19 @@
-"""Build a tiny random-init vision-language model folder offline: Qwen2.5-VL (``qwen2_5_vl``).
+"""Build tiny random-init vision-language model folders offline: Qwen2.5-VL (``qwen2_5_vl``, the
+default) and Qwen3-VL (``qwen3_vl``: interleaved M-RoPE, DeepStack features, 16-pixel patches).
 
-``build_tiny_vlm(path)`` writes a plain Hugging Face folder that ``AutoModelForImageTextToText`` loads
-(about 0.2M parameters: a 2-block vision tower of width 32 and a 2-layer language model of width 64),
-with its processor files:
+``build_tiny_vlm(path, family)`` writes a plain Hugging Face folder that ``AutoModelForImageTextToText``
+loads (about 0.25M parameters: a 2-block vision tower of width 32 and a 2-layer language model of width
+64), with its processor files:
 
 - the tiny byte-level BPE tokenizer of ``tidal.testing.tiny`` extended with Qwen's vision tokens
   (``<|vision_start|>``, ``<|image_pad|>``, ``<|vision_end|>``, ``<|video_pad|>``) and a ChatML template
   that renders a ``{"type": "image"}`` content part as ``<|vision_start|><|image_pad|><|vision_end|>``
   and a ``{"type": "text"}`` part as its text (assistant turns keep ``{% generation %}``);
 - the image processor (``preprocessor_config.json``), sized for small images: 28×28 pixels is one
-  image token (a 2×2 grid of 14-pixel patches merged 2×2), 56×56 is four; larger images are scaled
-  down to at most 56×56 pixels;
+  image token (a 2×2 grid of 14-pixel patches merged 2×2; Qwen3-VL: 32×32, 16-pixel patches), 56×56
+  (64×64) is four; larger images are scaled down to at most that;
 - ``processor_config.json`` and ``video_preprocessor_config.json``, so ``AutoProcessor.from_pretrained``
-  builds the full ``Qwen2_5_VLProcessor`` where torchvision is installed (transformers' video processor
+  builds the family's full processor where torchvision is installed (transformers' video processor
   needs it); ``tidal.data.vision.load_vision_processor`` reads the folder either way.
 
 Nothing touches the network. The same seed gives the same weights and tokenizer.
@@ -21,6 +22,7 @@ Nothing touches the network. The same seed gives the same weights and tokenizer.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -55,25 +57,70 @@ VLM_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-PATCH, MERGE, TEMPORAL = 14, 2, 2  # pixels per patch side, patches merged per side, frames per patch
-MIN_PIXELS, MAX_PIXELS = 28 * 28, 56 * 56  # one image token ... four image tokens
+MERGE, TEMPORAL = 2, 2  # patches merged per side into one token, frames per patch
 
 _TEXT = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    # head_dim 16: M-RoPE splits its 8 frequencies over (temporal, height, width)
-    rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+    max_position_embeddings=1024, rms_norm_eps=1e-6,
 )  # fmt: skip
 _VISION = dict(
-    depth=2, hidden_size=32, intermediate_size=64, num_heads=2, window_size=112, fullatt_block_indexes=[1],
-    patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL,
-)  # fmt: skip
-_IMAGE_PROCESSOR = dict(
-    size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
-    patch_size=PATCH,
-    merge_size=MERGE,
+    depth=2, hidden_size=32, intermediate_size=64, num_heads=2, spatial_merge_size=MERGE,
     temporal_patch_size=TEMPORAL,
-)
+)  # fmt: skip
+# head_dim 16: M-RoPE splits its 8 frequencies over (temporal, height, width)
+_MROPE = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+
+
+@dataclass(frozen=True)
+class TinyVLMFamily:
+    """What differs between the tiny families: the config, processor and patch size, and extra fields."""
+
+    config_class: str  # in transformers
+    processor_class: str
+    video_processor_class: str
+    patch: int  # pixels per patch side
+    text: dict = field(default_factory=dict)
+    vision: dict = field(default_factory=dict)
+    top: dict = field(default_factory=dict)  # fields of the composite config
+
+    @property
+    def pixels(self) -> tuple[int, int]:
+        """Smallest and largest image area: one image token, four image tokens."""
+        side = self.patch * MERGE
+        return side * side, 4 * side * side
+
+
+TINY_VLM_FAMILIES = {
+    "qwen2_5_vl": TinyVLMFamily(
+        "Qwen2_5_VLConfig", "Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor", patch=14,
+        text=dict(rope_parameters=_MROPE, tie_word_embeddings=False),
+        vision=dict(window_size=112, fullatt_block_indexes=[1]),
+    ),
+    "qwen3_vl": TinyVLMFamily(
+        "Qwen3VLConfig", "Qwen3VLProcessor", "Qwen3VLVideoProcessor", patch=16,
+        text=dict(head_dim=16, rope_parameters={**_MROPE, "mrope_interleaved": True}),
+        vision=dict(num_position_embeddings=16, deepstack_visual_indexes=[1]),
+        top=dict(tie_word_embeddings=False),
+    ),
+}  # fmt: skip
+
+
+def _family(name: str) -> TinyVLMFamily:
+    if name not in TINY_VLM_FAMILIES:
+        raise ValueError(f"unknown tiny VLM family {name!r}; expected one of {sorted(TINY_VLM_FAMILIES)}")
+    return TINY_VLM_FAMILIES[name]
+
+
+def image_processor_fields(family: str = "qwen2_5_vl") -> dict:
+    """The tiny family's image processor settings (see the module doc)."""
+    fam = _family(family)
+    low, high = fam.pixels
+    return dict(
+        size={"shortest_edge": low, "longest_edge": high},
+        patch_size=fam.patch,
+        merge_size=MERGE,
+        temporal_patch_size=TEMPORAL,
+    )
 
 
 def build_vlm_tokenizer(path: str | Path | None = None, seed: int = 0):
@@ -86,31 +133,35 @@ def build_vlm_tokenizer(path: str | Path | None = None, seed: int = 0):
     return tokenizer
 
 
-def _write_processor_files(path: Path) -> None:
+def _write_processor_files(path: Path, family: str) -> None:
     """The image processor's config, and the processor / video processor configs AutoProcessor reads."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    Qwen2VLImageProcessorPil(**_IMAGE_PROCESSOR).save_pretrained(str(path))
-    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}))
-    video = {"video_processor_type": "Qwen2VLVideoProcessor", "processor_class": "Qwen2_5_VLProcessor"}
-    (path / "video_preprocessor_config.json").write_text(json.dumps({**video, **_IMAGE_PROCESSOR}, indent=2))
+    fam, fields = _family(family), image_processor_fields(family)
+    Qwen2VLImageProcessorPil(**fields).save_pretrained(str(path))
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": fam.processor_class}))
+    video = {"video_processor_type": fam.video_processor_class, "processor_class": fam.processor_class}
+    (path / "video_preprocessor_config.json").write_text(json.dumps({**video, **fields}, indent=2))
 
 
-def tiny_vlm_config(tokenizer, **text_overrides):
-    """A ``Qwen2_5_VLConfig`` with tiny shapes whose special-token ids are ``tokenizer``'s."""
-    from transformers import Qwen2_5_VLConfig
+def tiny_vlm_config(tokenizer, family: str = "qwen2_5_vl", **text_overrides):
+    """The family's config with tiny shapes whose special-token ids are ``tokenizer``'s."""
+    import transformers
 
+    fam = _family(family)
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in _TOKEN_FIELDS.items()}
     text = dict(
         _TEXT,
+        **fam.text,
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **text_overrides,
     )
-    vision = dict(_VISION, out_hidden_size=text["hidden_size"])
-    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+    text.update(text_overrides)
+    vision = dict(_VISION, **fam.vision, patch_size=fam.patch, out_hidden_size=text["hidden_size"])
+    config_class = getattr(transformers, fam.config_class)
+    return config_class(text_config=text, vision_config=vision, **fam.top, **ids)
 
 
 _TOKEN_FIELDS = {
@@ -121,15 +172,16 @@ _TOKEN_FIELDS = {
 }
 
 
-def build_tiny_vlm(path: str | Path, seed: int = 0, **text_overrides) -> Path:
-    """Write a random-init tiny Qwen2.5-VL with its tokenizer and processor files to ``path``."""
+def build_tiny_vlm(path: str | Path, family: str = "qwen2_5_vl", seed: int = 0, **text_overrides) -> Path:
+    """Write a random-init tiny VLM of ``family`` with its tokenizer and processor files to ``path``."""
     from transformers import AutoModelForImageTextToText
 
     path = Path(path)
+    _family(family)  # before anything is written to ``path``
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_vlm_tokenizer(path, seed=seed)
-    _write_processor_files(path)
-    config = tiny_vlm_config(tokenizer, **text_overrides)
+    _write_processor_files(path, family)
+    config = tiny_vlm_config(tokenizer, family, **text_overrides)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
