@@ -15,7 +15,7 @@ from tidal.config.args import ConfigError
 from tidal.config.data import VisionConfig
 from tidal.config.sample_data import SFTDataConfig
 from tidal.data import DataError, load_dataset_spec
-from tidal.data.images import ImageError, check_image_rows, image_ref, open_image
+from tidal.data.images import ImageError, RowImages, check_image_rows, image_ref, open_image
 from tidal.data.vision import ImageSamples, expand_image_tokens, load_vision_processor
 from tidal.models import load_tokenizer
 from tidal.testing import build_tiny_vlm
@@ -111,7 +111,7 @@ def test_too_many_images_and_text_only_runs_name_the_flag(tmp_path):
 
 def test_a_dataset_without_the_image_column_is_text_only(tmp_path):
     path = write_rows(tmp_path / "train.jsonl", [{"prompt": "hi"}])
-    assert _check(path, max_images_per_prompt=0) == [([], [])]
+    assert _check(path, max_images_per_prompt=0) == [RowImages()]
 
 
 def test_expand_image_tokens_repeats_each_placeholder_by_its_count():

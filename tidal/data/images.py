@@ -26,6 +26,7 @@ import base64
 import binascii
 import io
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -125,36 +126,58 @@ def base_dir(dataset: datasets.Dataset, row: int) -> Path | None:
     return path if path.is_dir() else path.parent
 
 
+@dataclass(frozen=True)
+class RowImages:
+    """One row's images: where to read each, and (when measured) the tokens each becomes."""
+
+    refs: tuple[ImageRef, ...] = ()
+    token_counts: tuple[int, ...] = ()
+
+
 def check_image_rows(
-    dataset: datasets.Dataset, cfg: VisionConfig, source: str, decode: bool = True
-) -> list[tuple[list[ImageRef], list[Image.Image]]]:
-    """Each row's ``(refs, decoded images)``, checking every row first: one ``DataError`` names the
-    first bad rows (file, row, image) in one line. A dataset without the image column has no images.
-    ``decode=False`` skips decoding (the images list is empty then)."""
+    dataset: datasets.Dataset,
+    cfg: VisionConfig,
+    source: str,
+    measure: Callable[[list], list[int]] | None = None,
+) -> list[RowImages]:
+    """Each row's ``RowImages``, after checking every row: one ``DataError`` names the first bad rows
+    (file, row, image) in one line. Every image is decoded once here; ``measure`` (a processor's
+    ``token_counts``) turns a row's decoded images into their token counts, and may reject one with a
+    ``ValueError``. Decoded pixels are not kept. A dataset without the image column has no images."""
     if cfg.image_key not in dataset.column_names:
-        return [([], [])] * len(dataset)
+        return [RowImages()] * len(dataset)
     rows, problems = [], []
     for i, value in enumerate(dataset[cfg.image_key]):
         values = row_image_values(value)
-        problem = _count_problem(len(values), cfg)
-        refs, images = [], []
-        for j, item in enumerate(values if problem is None else []):
-            try:
-                refs.append(image_ref(item, base_dir(dataset, i)))
-                if decode:
-                    images.append(open_image(refs[-1]))
-            except ImageError as err:
-                problem = f"image {j + 1}: {err}"
-                break
+        row, problem = RowImages(), _count_problem(len(values), cfg)
+        if values and problem is None:
+            row, problem = _read_row(values, base_dir(dataset, i), measure)
         if problem:
             problems.append(f"{row_name(dataset, i, source)}: {problem}")
-        rows.append((refs, images))
+        rows.append(row)
     if problems:
         more = len(problems) - MAX_REPORTED_ROWS
         tail = f"; and {more} more" if more > 0 else ""
         shown = "; ".join(problems[:MAX_REPORTED_ROWS])
         raise DataError(f"{len(problems)} row(s) with bad images in {source}: {shown}{tail}")
     return rows
+
+
+def _read_row(values: list, folder: Path | None, measure) -> tuple[RowImages, str | None]:
+    """A row's images read and measured, or why one cannot be (naming the image)."""
+    refs, images = [], []
+    for j, item in enumerate(values):
+        try:
+            refs.append(image_ref(item, folder))
+            images.append(open_image(refs[-1]))
+        except ImageError as err:
+            return RowImages(), f"image {j + 1}: {err}"
+    if measure is None:
+        return RowImages(tuple(refs)), None
+    try:
+        return RowImages(tuple(refs), tuple(measure(images))), None
+    except ValueError as err:  # e.g. an aspect ratio the image processor cannot resize
+        return RowImages(), f"the image processor cannot take its images ({err})"
 
 
 def _count_problem(n: int, cfg: VisionConfig) -> str | None:

@@ -33,7 +33,7 @@ import torch
 from tidal.config.args import ConfigError
 from tidal.config.data import VisionConfig
 from tidal.data.errors import DataError
-from tidal.data.images import ImageRef, check_image_rows, open_image
+from tidal.data.images import ImageRef, RowImages, check_image_rows, open_image
 from tidal.data.rows import row_name
 
 # Processor files besides the image processor's: copied as they are into exported folders.
@@ -170,14 +170,16 @@ class ImageSamples:
         """``builder(dataset, tokenizer, cfg, source=...)`` whose samples carry their rows' images."""
 
         def build(dataset, tokenizer, cfg, source: str = "dataset", **kwargs):
-            rows = check_image_rows(dataset, self.cfg, source)  # every row, before any sample is built
+            # every row's images, before any sample is built
+            measure = self.processor.token_counts if self.processor is not None else None
+            rows = check_image_rows(dataset, self.cfg, source, measure)
             samples, stats = builder(dataset, tokenizer, cfg, source=source, **kwargs)
-            if not any(refs for refs, _ in rows):
+            if not any(row.refs for row in rows):
                 return samples, stats
             kept = []
             for sample in samples:
-                refs, images = rows[sample.row]
-                sample = self._attach(sample, refs, images, dataset, source) if refs else sample
+                row = rows[sample.row]
+                sample = self._attach(sample, row, dataset, source) if row.refs else sample
                 if _length(sample) > cfg.max_len:
                     stats.add("too_long", sample.row)
                 else:
@@ -190,14 +192,12 @@ class ImageSamples:
 
         return build
 
-    def _attach(self, sample, refs: list[ImageRef], images: list, dataset, source: str):
-        processor = self.processor
-        counts = processor.token_counts(images)
+    def _attach(self, sample, row: RowImages, dataset, source: str):
+        processor, counts = self.processor, list(row.token_counts)
+        images = SampleImages(row.refs, processor)
         try:
             if hasattr(sample, "chosen_ids"):
-                return _attach_pair(
-                    sample, counts, processor.image_token_id, SampleImages(tuple(refs), processor)
-                )
+                return _attach_pair(sample, counts, processor.image_token_id, images)
             ids, mask = expand_image_tokens(
                 sample.input_ids, sample.loss_mask, counts, processor.image_token_id
             )
@@ -206,7 +206,7 @@ class ImageSamples:
                 f"{row_name(dataset, sample.row, source)}: {err} (each image needs one {processor.image_token!r} "
                 "in the prompt: a {'type': 'image'} content part rendered by the chat template)"
             ) from err
-        return replace(sample, input_ids=ids, loss_mask=mask, images=SampleImages(tuple(refs), processor))
+        return replace(sample, input_ids=ids, loss_mask=mask, images=images)
 
 
 def _attach_pair(sample, counts: list[int], image_token_id: int, images: SampleImages):
