@@ -75,7 +75,8 @@ def test_trainer_forward_equals_the_hf_loss_padded_and_packed(any_vlm, colours, 
     model = load_causal_lm(run.model, torch.device("cpu")).eval()
     padded, packed = collate_padded(samples, tokenizer.pad_token_id), collate_packed(samples)
     with torch.no_grad():
-        lp_pad, _ = token_logprobs(model, padded)
+        lp_pad, outputs = token_logprobs(model, padded)
+        assert type(outputs).__name__ == "LogprobOutputs"  # the chunked LM head, not full logits
         lp_pack, _ = token_logprobs(model, packed)
         for row, sample in enumerate(samples):  # transformers' own loss, one sample at a time
             ids = torch.tensor([sample.input_ids])

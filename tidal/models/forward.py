@@ -42,7 +42,7 @@ from tidal.models.logprob_head import (
     head_values,
 )
 from tidal.models.packed_attention import enable_varlen_attention, varlen_kwargs
-from tidal.models.vision import vision_kwargs
+from tidal.models.vision import vision_kwargs, vision_lm_head
 from tidal.rollout import batch_invariant
 
 # "auto": varlen kernels for packed rows where possible; "mask": always the 4-D mask (benchmarks).
@@ -126,7 +126,7 @@ def token_logprobs(
         return ring_token_logprobs(
             model, batch, ring, temperature, chunk_size, with_entropy, **forward_kwargs
         )
-    head = chunkable_head(model) if chunk_size else None
+    head = (chunkable_head(model) or vision_lm_head(model)) if chunk_size else None
     inputs = model_inputs(model, batch)
     if head is None:
         outputs = model(**inputs, use_cache=False, **forward_kwargs)

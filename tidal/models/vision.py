@@ -10,6 +10,8 @@ their vision tower, LoRA on their language model only, and multimodal rotary pos
 - ``language_lora_targets(model, targets)``: the language model's linear layers that ``--target_modules``
   names (``all-linear``: every one but the LM head), as full module names for peft, so LoRA adapts the
   language model only (peft would otherwise also match the vision tower's ``gate_proj``...).
+- ``vision_lm_head(model)``: the LM head of Qwen-VL families, which apply it as is, so their token
+  log-probs run through the chunked head as text families' do (``tidal.models.forward``).
 - ``vision_kwargs(model, batch)``: the forward's image inputs: ``pixel_values``, ``image_grid_thw`` and
   the model's own rotary positions (Qwen-VL's M-RoPE: ``get_rope_index``, three position rows for
   temporal/height/width). A packed row gets each sample's positions computed alone and concatenated
@@ -25,6 +27,9 @@ import torch
 from torch import nn
 
 VISION_MODULE_NAMES = ("visual", "vision_tower", "vision_model", "multi_modal_projector")
+# VLM families whose LM head is applied as is (no soft-capping or scaling): their token log-probs take
+# tidal's chunked head (tidal.models.logprob_head) instead of full [B, T, vocab] logits.
+CHUNKABLE_VLM_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def is_vision_language(path: str) -> bool:
@@ -74,6 +79,16 @@ def language_lora_targets(model: nn.Module, targets: Sequence[str]) -> list[str]
         and not name.startswith(vision)
         and (every or name.rsplit(".", 1)[-1] in targets)
     ]
+
+
+def vision_lm_head(model: nn.Module) -> nn.Linear | None:
+    """The plain ``nn.Linear`` LM head of a VLM family in ``CHUNKABLE_VLM_TYPES``, or None."""
+    if getattr(getattr(model, "config", None), "model_type", None) not in CHUNKABLE_VLM_TYPES:
+        return None
+    head = model.get_output_embeddings()
+    # FSDP2 gives a separately sharded head a generated subclass named FSDPLinear; peft/LoRA heads differ
+    plain = type(head) is nn.Linear or (isinstance(head, nn.Linear) and type(head).__name__ == "FSDPLinear")
+    return head if plain else None
 
 
 def _rope_owner(model: nn.Module) -> nn.Module | None:
