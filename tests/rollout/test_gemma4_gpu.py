@@ -1,7 +1,7 @@
 """Gemma 4 text on CUDA (gpu): the Triton paged kernels read the full-attention layers' cache (their rows
 fill the cache's), the torch ops the sliding layers' strided views; CUDA graphs and async scheduling
 replay both. float32 greedy tokens equal transformers' on the GPU; bfloat16 graphs, async steps, prefix
-caching and chunked prefill agree with eager synchronous decode."""
+caching and chunked prefill agree with eager synchronous decode, also for the MoE layout."""
 
 from __future__ import annotations
 
@@ -42,9 +42,13 @@ def test_cuda_float32_matches_transformers(tiny_model, hf_model, eager):
         hf.cpu()
 
 
+MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+
+
 @pytest.mark.gpu
-def test_cuda_bfloat16_graphs_async_prefix_cache_and_chunks_agree_with_eager(tiny_model):
-    path = tiny_model(FAMILY, logit_scale=4.0)
+@pytest.mark.parametrize("variant", [{}, MOE], ids=["dense", "moe"])
+def test_cuda_bfloat16_graphs_async_prefix_cache_and_chunks_agree_with_eager(tiny_model, variant):
+    path = tiny_model(FAMILY, logit_scale=4.0, **variant)
     base = dict(device="cuda", dtype="bfloat16", max_model_len=128, block_size=16)
     prompts = [LONG[0] + [7, 8, 9], LONG[0] + [300, 301, 302, 303, 304, 305], LONG[1]]
     eager = LLMEngine(path, EngineConfig(enforce_eager=True, async_scheduling=False, **base))
