@@ -1,13 +1,12 @@
 """Qwen3.5 on CUDA (skipped without a GPU): flash-linear-attention's kernels against the torch gated delta
-rule, and the hybrid engine on the GPU (fla's kernels when installed, and the torch path) against
-transformers' log-probs on the CPU."""
+rule, and the hybrid engine on the GPU (fla's kernels when installed, and the torch path)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.rollout.reference import PROMPTS, cpu_config, hf_logprobs
+from tests.rollout.reference import PROMPTS, cpu_config
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
 from tidal.rollout.models import gated_delta
 
@@ -39,28 +38,44 @@ def test_fla_kernels_match_the_torch_rule(length):
         torch.testing.assert_close(final, want_state, atol=2e-3, rtol=0)
 
 
+@torch.inference_mode()
+def cuda_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """``reference.hf_logprobs`` on the GPU (with flash-linear-attention installed, transformers' Qwen3.5
+    runs its kernels for CPU tensors too, which fails)."""
+    logits = model(torch.tensor([prompt + output], device="cuda")).logits[0, len(prompt) - 1 : -1].float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(output, device="cuda")[:, None])[:, 0].cpu()
+
+
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
 @pytest.mark.parametrize("kernels", ["fla", "torch"])
-def test_cuda_engine_logprobs_match_transformers(family, kernels, tiny_model, hf_model, monkeypatch):
+def test_cuda_engine_matches_the_cpu_engine_and_transformers(family, kernels, tiny_model, monkeypatch):
+    """The torch path: the CPU engine's tokens and log-probs (the CPU tests pin those to transformers).
+    fla's kernels: transformers' own log-probs on the GPU (it runs the same kernels when installed)."""
+    from transformers import AutoModelForCausalLM
+
     if kernels == "torch":
         monkeypatch.setattr(gated_delta, "fla_usable", lambda x: False)
     elif not gated_delta.fla_usable(torch.empty(0, device="cuda")):
         pytest.skip("flash-linear-attention is not installed")
     path = tiny_model(family, logit_scale=4.0)
-    hf = hf_model(path)
     params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
     config = EngineConfig(device="cuda", dtype="float32", max_model_len=128, block_size=4)
     engine = LLMEngine(path, config)
     assert engine.eager  # CUDA graphs are refused for the family: eager decode
-    outputs = engine.generate(PROMPTS, params)
-    for prompt, out in zip(PROMPTS, outputs, strict=True):
-        sample = out.outputs[0]
-        expected = hf_logprobs(hf, prompt, sample.token_ids)
-        torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=2e-3, rtol=0)
-    if kernels == "torch":  # float32 torch ops on the GPU: the CPU engine's greedy tokens
+    outputs = [out.outputs[0] for out in engine.generate(PROMPTS, params)]
+    if kernels == "torch":
         cpu = LLMEngine(path, cpu_config(max_model_len=128, block_size=4))
-        want = [o.outputs[0].token_ids for o in cpu.generate(PROMPTS, params)]
-        assert [o.outputs[0].token_ids for o in outputs] == want
+        want = [out.outputs[0] for out in cpu.generate(PROMPTS, params)]
+        assert [o.token_ids for o in outputs] == [w.token_ids for w in want]
+        for got, ref in zip(outputs, want, strict=True):
+            torch.testing.assert_close(
+                torch.tensor(got.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=0
+            )
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).cuda().eval()
+        for prompt, sample in zip(PROMPTS, outputs, strict=True):
+            expected = cuda_logprobs(hf, prompt, sample.token_ids)
+            torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=2e-3, rtol=0)
     # bfloat16 (the dtype of real runs) with n samples, chunked prefill and sleep/wake runs.
     bf16 = LLMEngine(path, EngineConfig(device="cuda", max_model_len=128, enable_chunked_prefill=True,
                                         max_num_batched_tokens=16))  # fmt: skip

@@ -132,8 +132,9 @@ def fla_gated_delta_rule(q, k, v, g, beta, initial_state=None, recurrent: bool =
         q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
     kernel = fla_recurrent if recurrent else fla_chunk
     init = None if initial_state is None else initial_state.float().contiguous()
+    # Keywords: the recurrent kernel's fifth positional parameter is not beta.
     out, state = kernel(
-        q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(), beta.contiguous(),
+        q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.float().contiguous(), beta=beta.contiguous(),
         scale=k.shape[-1] ** -0.5, initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
     return out.to(v.dtype), state.float()
