@@ -6,7 +6,8 @@ so RoPE sees each sample as if it were alone). No token may attend across a samp
 
 - on CUDA, SDPA models switch to ``tidal_varlen`` (``packed_attention.py``): flash-attention varlen
   kernels over the samples' cumulative lengths, no mask and no padding;
-- elsewhere (the CPU, eager attention) we build a ``[B, 1, T, T]`` block-diagonal causal mask.
+- elsewhere (the CPU, eager attention, vision-language models) we build a ``[B, 1, T, T]``
+  block-diagonal causal mask.
 
 ``token_logprobs`` never materialises ``[B, T, V]`` logits for supported families: the LM head runs
 in checkpointed chunks (``logprob_head.py``); ``outputs.logits`` is still there, computed on demand.
@@ -72,6 +73,10 @@ def packed_attention_mask(
 def _packs_varlen(model: nn.Module, batch: dict) -> bool:
     """Whether this packed batch runs through varlen kernels (one row on CUDA, a varlen-capable model)."""
     if PACKED_ATTENTION != "auto" or batch["input_ids"].shape[0] != 1:
+        return False
+    if getattr(getattr(model, "config", None), "vision_config", None) is not None:
+        # a VLM's forward hands its keyword arguments to the vision tower too, whose attention has
+        # sample boundaries of its own: packed rows keep the block-diagonal mask
         return False
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if impl in _VARLEN_IMPLS:
