@@ -14,7 +14,7 @@ from PIL import Image
 from tidal.config.args import ConfigError
 from tidal.config.data import VisionConfig
 from tidal.config.sample_data import SFTDataConfig
-from tidal.data import DataError, load_dataset_spec
+from tidal.data import DataError, collate_padded, load_dataset_spec
 from tidal.data.images import ImageError, RowImages, check_image_rows, image_ref, open_image
 from tidal.data.vision import ImageSamples, expand_image_tokens, load_vision_processor
 from tidal.models import load_tokenizer
@@ -184,3 +184,32 @@ def test_image_runs_refuse_layouts_and_models_they_cannot_use():
     ):
         ImageSamples(VisionConfig(freeze_visual_encoder=True)).check("m")
     ImageSamples(VisionConfig()).check("m", ring_attn_size=2)  # text only: nothing to refuse
+
+
+def test_parquet_binary_images_are_read(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table(
+        {"prompt": ["a", "b"], "images": pa.array([[png()], [png((0, 0, 255))]], pa.list_(pa.binary()))}
+    )
+    pq.write_table(table, tmp_path / "train.parquet")
+    rows = _check(tmp_path / "train.parquet")
+    assert [open_image(r.refs[0]).getpixel((0, 0)) for r in rows] == [RED, (0, 0, 255)]
+
+
+def test_an_image_changed_after_the_check_is_named_when_collated(tiny_vlm, tmp_path):
+    (tmp_path / "a.png").write_bytes(png(size=28))
+    path = write_rows(tmp_path / "train.jsonl", [{"prompt": prompt(), "answer": "red", "images": ["a.png"]}])
+    tokenizer = load_tokenizer(str(tiny_vlm))
+    images = ImageSamples(
+        VisionConfig(max_images_per_prompt=1), load_vision_processor(str(tiny_vlm), tokenizer)
+    )
+    cfg = SFTDataConfig(input_key="prompt", output_key="answer", apply_chat_template=True)
+    samples = load_sft_samples(str(path), None, "train", None, tokenizer, cfg, 0, images)
+    assert collate_padded(samples, 0)["image_counts"].tolist() == [1]
+    (tmp_path / "a.png").write_bytes(png(size=56))  # now 4 image tokens
+    with pytest.raises(
+        DataError, match=r"dataset row 1: its 1 image\(s\) now make 4 image tokens, not the 1"
+    ):
+        collate_padded(samples, 0)

@@ -235,6 +235,24 @@ def image_batch(samples: Sequence) -> dict[str, torch.Tensor]:
     if not with_images:
         return {}
     images = [open_image(ref) for sample_images in with_images for ref in sample_images.refs]
-    batch = with_images[0].processor.pixel_inputs(images)
-    batch["image_counts"] = torch.tensor([len(getattr(s, "images", None) or ()) for s in samples])
+    processor = with_images[0].processor
+    batch = processor.pixel_inputs(images)
+    counts = [len(getattr(s, "images", None) or ()) for s in samples]
+    _check_token_counts(samples, counts, batch["image_grid_thw"], processor)
+    batch["image_counts"] = torch.tensor(counts)
     return batch
+
+
+def _check_token_counts(samples: Sequence, counts: list[int], grid: torch.Tensor, processor) -> None:
+    """Each sample's image tokens must be what the processor makes of its images now (they were
+    measured when the data was checked; a file changed since would otherwise fail inside the model)."""
+    tokens = (grid.prod(-1) // processor.image_processor.merge_size**2).tolist()
+    start = 0
+    for sample, n in zip(samples, counts, strict=True):
+        want, start = sum(tokens[start : start + n]), start + n
+        have = sum(1 for t in sample.input_ids if t == processor.image_token_id)
+        if have != want:
+            raise DataError(
+                f"dataset row {sample.row + 1}: its {n} image(s) now make {want} image tokens, not the {have} "
+                "counted when the data was checked (did an image file change during the run?)"
+            )
