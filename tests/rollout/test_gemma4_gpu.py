@@ -21,9 +21,14 @@ def _tokens(engine, prompts=LONG):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("eager", [True, False])
-def test_cuda_float32_matches_transformers(tiny_model, hf_model, eager):
-    path = tiny_model(FAMILY, logit_scale=4.0)
+@pytest.mark.parametrize(
+    ("eager", "variant"),
+    [(True, {}), (False, {}), (False, dict(global_head_dim=512))],
+    ids=["eager", "graphs", "graphs-global512"],
+)
+def test_cuda_float32_matches_transformers(tiny_model, hf_model, eager, variant):
+    """The third case has Gemma 4 E2B's 512-wide global heads (wider than the Triton kernels take)."""
+    path = tiny_model(FAMILY, logit_scale=4.0, **variant)
     engine = LLMEngine(
         path,
         EngineConfig(device="cuda", dtype="float32", max_model_len=128, block_size=16, enforce_eager=eager),

@@ -7,7 +7,7 @@ row of ``max(kv_heads * head_dim)`` elements (``kv_cache_layout``) and each laye
 ``kv_heads * head_dim`` of them as its own ``[kv_heads, head_dim]`` (``layer_view``). When a layer's
 row is shorter than the cache's, its view is strided (not contiguous): it is stored and read with
 the torch ops below, which gather only the step's blocks; a full-row view takes the engine's usual
-paths (``layers.paged_attention``: the Triton kernels on CUDA).
+paths (``layers.paged_attention``: the Triton kernels on CUDA, for heads up to 256 wide).
 
 KV sharing: the last ``num_kv_shared_layers`` layers compute no keys/values; each reads those of the last
 earlier layer of its attention type (``Gemma4Args.kv_sources``). They have no slot in the cache: at
@@ -23,6 +23,10 @@ import torch.nn.functional as F
 
 from tidal.rollout.attention import AttentionMetadata, prefill_attention
 from tidal.rollout.models.layers import paged_attention
+
+# The widest head the Triton paged kernels take (``triton_context.supports``); Gemma 4's 512-wide global
+# heads attend through the torch ops instead.
+TRITON_HEAD_DIM = 256
 
 
 def layer_view(kv_cache: torch.Tensor | None, kv_index: int, kv_heads: int, head_dim: int):
@@ -74,7 +78,8 @@ def gemma4_attention(
     if meta.kv_cache is None:
         return prefill_attention(q, k, v, meta, window, scale)
     heads, head_dim = k.shape[1:]
-    if heads * head_dim == meta.kv_cache.shape[-2] * meta.kv_cache.shape[-1]:
+    full_row = heads * head_dim == meta.kv_cache.shape[-2] * meta.kv_cache.shape[-1]
+    if full_row and (meta.backend != "triton" or head_dim <= TRITON_HEAD_DIM):
         # A full row: the whole cache reshaped to this layer's heads is a view, and the engine's usual
         # paths (Triton on CUDA) read it. The copy of ``meta`` shares the step's masks.
         full = copy.copy(meta)
