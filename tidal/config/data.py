@@ -62,8 +62,10 @@ class HeldOutDatasetConfig(DatasetConfig):
 
 @dataclass
 class VisionConfig:
-    """Images in prompts, for vision-language models (OpenRLHF's --data.image_key,
-    --data.max_images_per_prompt and --actor.freeze_visual_encoder)."""
+    """Images in prompts, for vision-language models (tidal sft, dpo, rm)."""
+
+    # OpenRLHF's spellings --data.image_key, --data.max_images_per_prompt and --actor.freeze_visual_encoder
+    # are rewritten to these (tidal.cli.openrlhf).
 
     image_key: str = arg(
         "images",
