@@ -93,6 +93,11 @@ def test_kv_shared_layers_have_no_cache_slot_and_sharing_matters(setup, tiny_mod
     assert tuple(engine.runner.kv_cache.shape) == (2, 2, engine.num_kv_blocks + 1, 4, 1, 128)
     assert [layer.self_attn.kv_index for layer in engine.model.model.layers] == [0, 1, 0, 1]
     assert not hasattr(engine.model.model.layers[2].self_attn, "k_proj")
+    # Checkpoints may still hold k/v projections and norms for the shared layers: ignored, as transformers does.
+    extra = {f"model.layers.2.self_attn.{part}": hf.state_dict()[f"model.layers.0.self_attn.{part}"] * 3
+             for part in ("k_proj.weight", "v_proj.weight", "k_norm.weight")}  # fmt: skip
+    with_extra = LLMEngine(path, small_cache_config(), state_dict={**hf.state_dict(), **extra})
+    assert _tokens(with_extra) == _tokens(engine)
 
     # Sharing shown on transformers itself, with a checkpoint of plain-width MLPs in the shared layers.
     narrow = tiny_model(FAMILY, logit_scale=4.0, use_double_wide_mlp=False)
