@@ -213,3 +213,16 @@ def test_an_image_changed_after_the_check_is_named_when_collated(tiny_vlm, tmp_p
         DataError, match=r"dataset row 1: its 1 image\(s\) now make 4 image tokens, not the 1"
     ):
         collate_padded(samples, 0)
+
+
+def test_a_placeholder_without_an_image_is_refused(tiny_vlm, tmp_path):
+    path = write_rows(tmp_path / "train.jsonl", [{"prompt": prompt(1), "answer": "red"}])  # no images key
+    tokenizer = load_tokenizer(str(tiny_vlm))
+    images = ImageSamples(
+        VisionConfig(max_images_per_prompt=1), load_vision_processor(str(tiny_vlm), tokenizer)
+    )
+    cfg = SFTDataConfig(input_key="prompt", output_key="answer", apply_chat_template=True)
+    with pytest.raises(
+        DataError, match=r"row 1 of .*: the rendered text has 1 image placeholder\(s\) but the row has 0"
+    ):
+        load_sft_samples(str(path), None, "train", None, tokenizer, cfg, 0, images)

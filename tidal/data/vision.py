@@ -174,12 +174,11 @@ class ImageSamples:
             measure = self.processor.token_counts if self.processor is not None else None
             rows = check_image_rows(dataset, self.cfg, source, measure)
             samples, stats = builder(dataset, tokenizer, cfg, source=source, **kwargs)
-            if not any(row.refs for row in rows):
+            if self.processor is None:  # a text model: the check refused every image
                 return samples, stats
             kept = []
-            for sample in samples:
-                row = rows[sample.row]
-                sample = self._attach(sample, row, dataset, source) if row.refs else sample
+            for sample in samples:  # a text-only row too: a placeholder without its image is an error
+                sample = self._attach(sample, rows[sample.row], dataset, source)
                 if _length(sample) > cfg.max_len:
                     stats.add("too_long", sample.row)
                 else:
@@ -194,7 +193,7 @@ class ImageSamples:
 
     def _attach(self, sample, row: RowImages, dataset, source: str):
         processor, counts = self.processor, list(row.token_counts)
-        images = SampleImages(row.refs, processor)
+        images = SampleImages(row.refs, processor) if row.refs else None
         try:
             if hasattr(sample, "chosen_ids"):
                 return _attach_pair(sample, counts, processor.image_token_id, images)
@@ -209,7 +208,7 @@ class ImageSamples:
         return replace(sample, input_ids=ids, loss_mask=mask, images=images)
 
 
-def _attach_pair(sample, counts: list[int], image_token_id: int, images: SampleImages):
+def _attach_pair(sample, counts: list[int], image_token_id: int, images: SampleImages | None):
     """Expand both sides of a pair; the images are in the shared prompt, which grows by the same count."""
     sides = {}
     for side in ("chosen_ids", "rejected_ids"):
