@@ -2,13 +2,14 @@
 deliberate differences in ``tidal.cli.openrlhf.DEFAULT_DIFFERENCES`` (each with OpenRLHF's default and
 the reason, shown in the flag's ``--help`` and listed in docs/openrlhf.md, "Defaults").
 
-The reference is ``tests/cli/openrlhf_v0_9_2_flags.json`` (OpenRLHF's own argparse defaults per CLI).
+The reference is v0.9.2 in ``tests/cli/openrlhf_flags.json`` (OpenRLHF's own argparse defaults per CLI).
 A flag tidal spells differently (an alias in ``tidal.cli.openrlhf.ALIASES``) is compared through the
 flag it is rewritten to.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 from pathlib import Path
@@ -16,9 +17,17 @@ from pathlib import Path
 import pytest
 
 from tidal.cli import main
-from tidal.cli.openrlhf import DEFAULT_DIFFERENCES, EVERY, OPENRLHF_MODULES, aliases, default_difference
+from tidal.cli.openrlhf import (
+    DEFAULT_DIFFERENCES,
+    EVERY,
+    LATER_DEFAULT_DIFFERENCES,
+    OPENRLHF_MODULES,
+    aliases,
+    default_difference,
+)
+from tidal.config.run import run_flags
 
-TABLE = json.loads((Path(__file__).parent / "openrlhf_v0_9_2_flags.json").read_text())
+TABLE = json.loads((Path(__file__).parent / "openrlhf_flags.json").read_text())["v0.9.2"]
 TRAINERS = ("train_sft", "train_rm", "train_prm", "train_dpo", "train_kto", "train_kd", "train_ppo_ray")
 INFERENCE = ("batch_inference", "interactive_chat", "serve_rm")
 CLIS = TRAINERS + INFERENCE
@@ -126,3 +135,64 @@ def test_help_states_the_deliberate_difference(cli, flag, capsys):
 def test_examples_of_openrlhf_defaults(cli, flag, value):
     """A few of the defaults the issue names, spelled out (the table test covers all of them)."""
     assert _parser(cli)._option_string_actions[f"--{flag}"].default == value
+
+
+LATER = json.loads((Path(__file__).parent / "openrlhf_flags.json").read_text())
+LATER_CLIS = [
+    (v, cli) for v in LATER if v not in ("_source", "v0.9.2") for cli in LATER[v] if not cli.startswith("_")
+]
+
+
+def _shared_default(cli: str, flag: str, actions) -> object:
+    """A per-role override flag (``--actor_adam_betas``, unset: the shared flag) has the shared flag's default."""
+    if cli == "train_ppo_ray":
+        from tidal.cli.train_ppo import COMMAND
+
+        for field in dataclasses.fields(COMMAND.run_cls):
+            for name, override in COMMAND.role_flags(field).items():
+                if override == flag:
+                    return actions[f"--{run_flags(field).get(name, name)}"].default
+    return actions[f"--{flag}"].default
+
+
+def later_differences(version: str, cli: str) -> dict[str, tuple]:
+    """tidal flag -> (tidal default, OpenRLHF default) where a later version's default differs."""
+    parser = _parser(cli)
+    actions = parser._option_string_actions
+    renames = parser.renames([o[2:] for o in actions if o.startswith("--")])
+    renamed = {name: argv[0][2:] for name, argv in aliases(cli).items() if len(argv) == 1}
+    out = {}
+    for entry in LATER[version][cli]:
+        name = entry["flags"][0][2:]
+        target = renames[name][0][2:] if name in renames else name
+        target = renamed.get(target, target)
+        if f"--{target}" not in actions or entry["action"] == "store_false":  # refused; --no-x switches
+            continue
+        reference = (
+            False if entry["action"] == "store_true" and entry["default"] is None else entry["default"]
+        )
+        tidal = _shared_default(cli, target, actions)
+        if not _same(tidal, reference):
+            out[target] = (tidal, reference)
+    return out
+
+
+@pytest.mark.parametrize(("version", "cli"), LATER_CLIS)
+def test_later_versions_defaults_equal_unless_deliberate(version, cli):
+    """OpenRLHF v0.10.1.post2, v0.11.0 and HEAD: every default (dotted names resolved) equals tidal's,
+    except a deliberate difference of v0.9.2's table or of ``LATER_DEFAULT_DIFFERENCES``."""
+    unexplained = {
+        flag: d
+        for flag, d in later_differences(version, cli).items()
+        if default_difference(cli, flag) is None and (cli, flag) not in LATER_DEFAULT_DIFFERENCES
+    }
+    assert unexplained == {}
+
+
+def test_every_later_difference_is_still_a_difference_and_documented():
+    found = {(cli, flag) for version, cli in LATER_CLIS for flag in later_differences(version, cli)}
+    assert set(LATER_DEFAULT_DIFFERENCES) <= found
+    docs = (Path(__file__).parents[2] / "docs" / "openrlhf.md").read_text()
+    section = docs.split("## Defaults of later versions", 1)[1].split("\n## ", 1)[0]
+    for (cli, name), diff in LATER_DEFAULT_DIFFERENCES.items():
+        assert f"| `--{name}` | {cli} | {diff.openrlhf} | {diff.reason} |" in section, name

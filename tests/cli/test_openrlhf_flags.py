@@ -1,9 +1,11 @@
-"""Every OpenRLHF v0.9.2 flag of a CLI tidal mirrors is honoured by the tidal command (defined, or
-aliased to the tidal flag that does the same) or refused by tidal's one-line error naming the flag
-and the reason, never argparse's bare "unrecognized arguments"; and OpenRLHF's module names run.
+"""Every OpenRLHF flag of a CLI tidal mirrors, in each of OpenRLHF v0.9.2, v0.10.1.post2, v0.11.0 and
+HEAD, is honoured by the tidal command (defined, or aliased to the tidal flag that does the same) or
+refused by tidal's one-line error naming the flag and the reason, never argparse's bare "unrecognized
+arguments"; and OpenRLHF's module names run.
 
-``openrlhf_v0_9_2_flags.json`` is OpenRLHF v0.9.2's flags (names, types, defaults, choices) per CLI;
-``openrlhf_head_flags.json`` OpenRLHF HEAD's (dotted names), each rewritten to a v0.9.2 name or refused.
+``openrlhf_flags.json`` holds each version's flags (names, types, defaults, choices) per CLI, read from
+OpenRLHF's argparse tables (flags defined in loops included); the later versions' dotted names
+(``--actor.adam.lr``) and v0.10's flat ones are rewritten to v0.9.2's or tidal's names first.
 """
 
 from __future__ import annotations
@@ -25,16 +27,23 @@ from tidal.cli.openrlhf import (
     refusals,
 )
 
-TABLE = json.loads((Path(__file__).parent / "openrlhf_v0_9_2_flags.json").read_text())
+TABLES = json.loads((Path(__file__).parent / "openrlhf_flags.json").read_text())
+VERSIONS = [k for k in TABLES if not k.startswith("_")]  # v0.9.2 (tidal's reference) ... HEAD
+TABLE = TABLES["v0.9.2"]
 CLIS = sorted(k for k in TABLE if not k.startswith("_"))
+VERSION_CLIS = [(v, cli) for v in VERSIONS for cli in TABLES[v] if not cli.startswith("_")]
 
 
 def _parser(cli: str):
     return importlib.import_module(main.COMMANDS[OPENRLHF_MODULES[cli]][0]).build_parser()
 
 
-def _flag_names(cli: str) -> list[str]:
-    return [entry["flags"][0][2:] for entry in TABLE[cli]]
+def _flag_names(cli: str, version: str = "v0.9.2") -> list[str]:
+    return [flag[2:] for entry in TABLES[version].get(cli, []) for flag in entry["flags"]]
+
+
+def _every_version_names(cli: str) -> set[str]:
+    return {name for version in VERSIONS for name in _flag_names(cli, version)}
 
 
 def test_the_table_covers_every_cli_tidal_mirrors():
@@ -60,9 +69,9 @@ def test_no_stale_table_entries(cli):
     """A flag the command now defines must leave the refusal/alias tables (its own flag wins anyway)."""
     known = _parser(cli)._option_string_actions
     assert [n for n in [*refusals(cli), *aliases(cli)] if f"--{n}" in known] == []
-    openrlhf = {name for other in CLIS for name in _flag_names(other)}  # shared trainer tables
+    openrlhf = {name for other in CLIS for name in _every_version_names(other)}  # shared trainer tables
     dotted = set(DOTTED_REFUSED) | set(DOTTED_REFUSED_BY_MODULE.get(cli, {}))
-    assert set(refusals(cli)) - dotted <= openrlhf and set(aliases(cli)) <= set(_flag_names(cli))
+    assert set(refusals(cli)) - dotted <= openrlhf and set(aliases(cli)) <= _every_version_names(cli)
     for replacement in aliases(cli).values():  # an alias rewrites to a flag the command defines
         assert replacement[0] in known
 
@@ -137,19 +146,14 @@ def test_docs_list_every_alias_and_refusal():
             assert f"`--{name}" in docs, name
 
 
-HEAD = json.loads((Path(__file__).parent / "openrlhf_head_flags.json").read_text())
-HEAD_CLIS = sorted(k for k in HEAD if not k.startswith("_"))
-
-
-@pytest.mark.parametrize("cli", HEAD_CLIS)
-def test_every_openrlhf_head_flag_is_renamed_honoured_or_refused(cli):
-    """OpenRLHF's current dotted style (``--actor.model_name_or_path``), every CLI it has."""
+@pytest.mark.parametrize(("version", "cli"), VERSION_CLIS)
+def test_every_flag_of_every_version_is_renamed_honoured_or_refused(version, cli):
+    """Each name of each flag, in OpenRLHF's style of that version (HEAD: ``--actor.model_name_or_path``)."""
     parser = _parser(cli)
     known = parser._option_string_actions
     renames = parser.renames([o[2:] for o in known if o.startswith("--")])
     unhandled = []
-    for entry in HEAD[cli]:
-        name = entry["flags"][0][2:]
+    for name in _flag_names(cli, version):
         target = renames[name][0][2:] if name in renames else name
         if f"--{target}" not in known and target not in aliases(cli) and target not in refusals(cli):
             unhandled.append(name)
@@ -175,8 +179,8 @@ def test_dotted_flags_parse_to_the_same_configs():
 
 def test_dotted_refusals_name_the_flag_as_typed(capsys):
     with pytest.raises(SystemExit):
-        _parser("train_sft").parse_args(["--ds.use_universal_ckpt", "--muon.lr", "0.1"])
+        _parser("train_sft").parse_args(["--ds.use_universal_ckpt", "--ds.experts_implementation", "x"])
     assert capsys.readouterr().err.splitlines() == [
         f"tidal sft: error: --ds.use_universal_ckpt (--use_ds_universal_ckpt) is not supported: {REFUSED['train_sft']['use_ds_universal_ckpt']}",
-        f"tidal sft: error: --muon.lr is not supported: {DOTTED_REFUSED['muon.lr']}",
+        f"tidal sft: error: --ds.experts_implementation is not supported: {DOTTED_REFUSED['ds.experts_implementation']}",
     ]

@@ -19,8 +19,12 @@ from tidal.config.args import (
     FlagParser,
     accept_negative_numbers,
     add_config_group,
+    add_override_group,
     config_from_args,
+    config_problems,
     deferred_checks,
+    flag_name,
+    override_flags,
     raise_problems,
 )
 from tidal.config.run import run_defaults, run_flags
@@ -63,7 +67,25 @@ def make_parser(
     accept_negative_numbers(parser)
     for cls, title, *rest in groups:
         add_config_group(parser, cls, title, exclude=set(rest[0]) if rest else frozenset())
+    add_launcher_flags(parser)
     return parser
+
+
+def add_launcher_flags(parser: argparse.ArgumentParser) -> None:
+    """``--local_rank``, which DeepSpeed's launcher (``deepspeed --module openrlhf.cli.X``) passes to every
+    command, where the command does not define it already (the trainers' distributed group does): it is
+    read and ignored, because each process takes its rank from the ``LOCAL_RANK`` environment variable,
+    which torchrun and deepspeed both set (``tidal.distributed.world``)."""
+    if "--local_rank" in parser._option_string_actions:
+        return
+    group = parser.add_argument_group("launcher", "set by launchers; read from the environment instead")
+    group.add_argument(
+        "--local_rank",
+        type=int,
+        default=-1,
+        help="set by deepspeed's launcher; ignored: tidal reads LOCAL_RANK from the environment "
+        "(torchrun and deepspeed set it)",
+    )
 
 
 def run_command(
@@ -120,6 +142,11 @@ class TrainerCommand:
     ``runner`` names the function that trains the run, ``"module:function"``, imported only when the
     command runs: the run classes are light (``tidal.config.supervised``, ``tidal.trainers.ppo.config``),
     so ``--help`` imports no torch, transformers or datasets.
+
+    ``roles`` maps a config field that shares its flags with another config of its class to a role
+    prefix (PPO: ``actor_optim`` → ``actor``): each shared flag ``--x`` then also has ``--<role>_x``, which
+    sets it for that config only (OpenRLHF HEAD's ``--actor.adam.betas`` beside v0.9.2's shared
+    ``--adam_betas``).
     """
 
     name: str
@@ -127,6 +154,27 @@ class TrainerCommand:
     run_cls: type
     runner: str
     titles: dict[str, str]
+    roles: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def role_flags(self, field: dataclasses.Field) -> dict[str, str]:
+        """Field name → its per-role override flag, for a config in ``roles`` (flags the run already
+        gives this config alone, such as ``--actor_learning_rate``, have none)."""
+        prefix = self.roles.get(field.name)
+        if prefix is None:
+            return {}
+        cls, renamed = self._class(field), run_flags(field)
+        return {
+            f.name: f"{prefix}_{flag_name(f)}"
+            for f in dataclasses.fields(cls)
+            if f.init and f.name not in renamed
+        }
+
+    def _class(self, field: dataclasses.Field) -> type:
+        return typing.get_type_hints(self.run_cls)[field.name]
+
+    def _flags(self, field: dataclasses.Field, ns: argparse.Namespace) -> dict[str, str]:
+        """The config's flag renames: the run's, plus the per-role overrides set in ``ns``."""
+        return {**run_flags(field), **override_flags(ns, self.role_flags(field))}
 
     def _fields(self) -> list[tuple[dataclasses.Field, type]]:
         """The run's config fields in ``--help`` order, with their config classes."""
@@ -140,6 +188,12 @@ class TrainerCommand:
         for field, cls in self._fields():
             add_config_group(parser, cls, self.titles[field.name], flags=run_flags(field),
                              defaults=defaults.get(field.name))  # fmt: skip
+        for field, cls in self._fields():
+            if field.name in self.roles:
+                role = self.roles[field.name]
+                add_override_group(parser, cls, f"{role}'s optimizer", f"each sets one shared optimizer flag "
+                                   f"for the {role} only (unset: the shared flag)", self.role_flags(field))  # fmt: skip
+        add_launcher_flags(parser)
         return parser
 
     def run_from_namespace(self, ns: argparse.Namespace):
@@ -149,9 +203,12 @@ class TrainerCommand:
         with deferred_checks():
             for field, cls in self._fields():
                 try:  # a config that is not ``Checked`` raises its own problems when built
-                    configs[field.name] = config_from_args(cls, ns, run_flags(field))
+                    configs[field.name] = config_from_args(cls, ns, self._flags(field, ns))
                 except ConfigError as err:
                     problems.extend(str(err).splitlines())
+                    continue
+                if override_flags(ns, self.role_flags(field)):  # name a per-role flag as typed, here
+                    problems.extend(config_problems(configs[field.name], self._flags(field, ns)))
             paths = output_path_problems(list(configs.values()))
             if problems:
                 raise_problems(problems + paths)

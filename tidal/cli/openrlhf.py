@@ -4,8 +4,10 @@ the tidal flag that does the same) or refused with its reason, one line, before 
 An OpenRLHF script therefore never meets argparse's bare "unrecognized arguments": a flag tidal can
 honour under another name is honoured, one it cannot is refused by name with why (a DeepSpeed-only
 knob with no FSDP2 meaning, a feature tidal does not have). The tables are per OpenRLHF module name
-(``train_sft``...); ``tests/cli/openrlhf_v0_9_2_flags.json`` holds OpenRLHF's flags and
-``tests/cli/test_openrlhf_flags.py`` checks that every one is accepted, aliased or refused here.
+(``train_sft``...); ``tests/cli/openrlhf_flags.json`` holds OpenRLHF's flags (v0.9.2, v0.10.1.post2,
+v0.11.0 and HEAD) and ``tests/cli/test_openrlhf_flags.py`` checks that every one is accepted, aliased
+or refused here; later versions' names (dotted ``--actor.adam.lr``, v0.10's flat ones) are rewritten
+to v0.9.2's or tidal's (``DOTTED*``) first.
 A flag a command defines itself always wins over these tables (an entry left behind is harmless,
 and the test reports it). Deliberate differences are listed in ``docs/openrlhf.md``.
 """
@@ -35,7 +37,9 @@ _DEEPSPEED_CKPT = (
 )
 
 # Refused by every trainer command.
+_NO_WORKERS = "tidal prepares batches in the training process (no DataLoader workers)"
 _TRAINER_REFUSED = {
+    "dataloader_num_workers": _NO_WORKERS,  # OpenRLHF v0.10's flat name (HEAD: --data.dataloader_num_workers)
     "max_ckpt_mem": f"{_DEEPSPEED_CKPT} and keeps the newest --max_ckpt_num of them, with no memory cap",
     "use_ds_universal_ckpt": _DEEPSPEED_CKPT,
     "use_ms": "ModelScope downloads are not supported: pass a local folder or a Hugging Face hub name",
@@ -87,7 +91,6 @@ REFUSED: dict[str, dict[str, str]] = {
             "only 0 (OpenRLHF's default: a whole model in each process) is accepted: tidal samples and "
             "scores with whole models, never ZeRO-sharded ones"
         ),
-        "local_rank": "DeepSpeed's launcher argument: tidal reads its rank from torchrun's environment",
         "full_determinism": f"{_NOT_YET} for sampling (--seed makes the same flags give the same samples)",
     },
     "interactive_chat": {
@@ -98,6 +101,7 @@ REFUSED: dict[str, dict[str, str]] = {
 # OpenRLHF flag → the tidal argv that does the same, per OpenRLHF module.
 ALIASES: dict[str, dict[str, tuple[str, ...]]] = {
     "train_sft": {"train_split": ("--dataset_split",)},
+    "train_ppo_ray": {"max_new_tokens": ("--generate_max_len",)},  # v0.10's flat name (HEAD: --rollout.*)
     "batch_inference": {"greedy_sampling": ("--temperature", "0"), "max_len": ("--max_model_len",)},
     "interactive_chat": {"greedy_sampling": ("--temperature", "0"), "max_len": ("--max_model_len",)},
 }
@@ -136,12 +140,27 @@ DOTTED: dict[str, str] = {
     "adam.lr": "learning_rate",
     "adam.betas": "adam_betas",
     "adam.weight_decay": "l2",
+    "adam.eps": "adam_eps",
+    **{f"muon.{name}": f"muon_{name}" for name in ("lr", "momentum", "ns_steps", "nesterov")},
+    "muon.no_nesterov": "no-muon_nesterov",
     "logger.wandb.key": "use_wandb",
     "logger.wandb.org": "wandb_org",
     "logger.wandb.group": "wandb_group",
     "logger.wandb.project": "wandb_project",
     "logger.wandb.run_name": "wandb_run_name",
     "logger.tensorboard_dir": "use_tensorboard",
+}
+
+# OpenRLHF HEAD's per-role optimizer flags (--actor.adam.lr...) → tidal's per-role flag suffix
+# (``--actor_learning_rate``, ``--actor_adam_betas``: tidal.cli.common.TrainerCommand.roles).
+_ROLE_OPTIM = {
+    "optim": "optim",
+    "adam.lr": "learning_rate",
+    "adam.betas": "adam_betas",
+    "adam.eps": "adam_eps",
+    "adam.weight_decay": "l2",
+    **{f"muon.{name}": f"muon_{name}" for name in ("lr", "momentum", "ns_steps", "nesterov")},
+    **{name: name for name in ("lr_scheduler", "lr_warmup_ratio", "min_lr_ratio", "max_norm")},
 }
 
 _VISION = (
@@ -239,6 +258,12 @@ DOTTED_BY_MODULE: dict[str, dict[str, str]] = {
         "data.prompt_probs": "prompt_data_probs",
         "eval.temperature": "eval_temperature",
         "eval.n_samples_per_prompt": "eval_n_samples_per_prompt",
+        **{
+            f"{role}.{dotted}": f"{role}_{name}"
+            for role in ("actor", "critic")
+            for dotted, name in _ROLE_OPTIM.items()
+        },
+        **{f"{role}.muon.no_nesterov": f"no-{role}_muon_nesterov" for role in ("actor", "critic")},
     },
 }
 _OFFLOAD_TOGETHER = "tidal offloads the reference and reward models together: use --ref_reward_offload"
@@ -247,25 +272,24 @@ DOTTED_REFUSED_BY_MODULE: dict[str, dict[str, str]] = {
     "train_ppo_ray": {
         "ref.offload": _OFFLOAD_TOGETHER,
         "reward.offload": _OFFLOAD_TOGETHER,
-        "algo.advantage.is_correction_type": (
-            "choose the correction with v0.9.2's flags: --enable_vllm_is_correction (TIS), --use_icepop"
-        ),
-        "train.partial_rollout_enable": f"partial rollouts (resumed across steps) are {_NOT_YET}",
-        "ckpt.best_metric_key": f"keeping the best checkpoint by an eval metric is {_NOT_YET}",
+        **{
+            name: "choose the correction with v0.9.2's flags: --enable_vllm_is_correction (TIS), --use_icepop"
+            for name in ("algo.advantage.is_correction_type", "vllm_is_correction_type")  # HEAD's, v0.10's
+        },
+        **{
+            name: f"partial rollouts (resumed across steps) are {_NOT_YET}"
+            for name in ("train.partial_rollout_enable", "partial_rollout")
+        },
+        "best_metric_key": f"keeping the best checkpoint by an eval metric is {_NOT_YET}",  # HEAD: ckpt.*
         # OpenRLHF v0.10's flat names (--data.<name> is rewritten to them)
         **{name: _VISION for name in ("image_key", "max_images_per_prompt", "freeze_visual_encoder")},
         "actor.freeze_visual_encoder": _VISION,
     },
 }
 
-_MUON = "the Muon optimizer is not supported: tidal trains with AdamW (OpenRLHF's --optim adam)"
 # Dotted flags with no v0.9.2 counterpart that tidal cannot honour (every trainer).
 DOTTED_REFUSED = {
-    "optim": "tidal always trains with AdamW (OpenRLHF's default --optim adam): drop the flag",
-    **{f"muon.{name}": _MUON for name in ("lr", "momentum", "ns_steps", "nesterov", "no_nesterov")},
-    "adam.eps": "tidal's AdamW uses eps 1e-8 (OpenRLHF's default); other values are not supported",
     "ds.experts_implementation": "choosing the MoE experts' kernel is not supported (transformers' default is used)",
-    "data.dataloader_num_workers": "tidal prepares batches in the training process (no DataLoader workers)",
 }
 
 
@@ -361,6 +385,17 @@ DEFAULT_DIFFERENCES: dict[tuple[str, str], DefaultDifference] = {
         "0.5 of the free memory: tidal's engine sizes its KV cache from what is free and by default "
         "shares the device with training (vLLM's 0.95 is of the total, on a dedicated GPU)",
     ),
+    **{
+        ("train_ppo_ray", flag): DefaultDifference(
+            "1024",
+            f"unset: 1024 as OpenRLHF v0.9.2, but with --max_len set (OpenRLHF >= v0.10, which has no "
+            f"{what}, bounds prompt + response by --max_len alone) {resolved}",
+        )
+        for flag, what, resolved in (
+            ("prompt_max_len", "prompt limit", "a prompt may take up to --max_len - 1 tokens"),
+            ("generate_max_len", "response limit", "a response gets what its prompt leaves of --max_len"),
+        )
+    },
     ("train_ppo_ray", "ckpt_path"): DefaultDifference(
         "./ckpt/checkpoints_ppo_ray",
         "./ckpt/checkpoints_ppo, named after tidal's command, so existing tidal PPO checkpoints still resume",
@@ -401,6 +436,27 @@ DEFAULT_DIFFERENCES: dict[tuple[str, str], DefaultDifference] = {
         "unset",
         "16: bounded memory per forward (tidal coalesces concurrent requests); OpenRLHF's unset is one "
         "forward per request, however large",
+    ),
+}
+
+
+_LATER = "from v0.10.1.post2"
+# (OpenRLHF module, tidal flag) → a default OpenRLHF changed after v0.9.2 that tidal keeps at v0.9.2's
+# (the reference), with why; docs/openrlhf.md ("Defaults of later versions") lists them, and
+# ``tests/cli/test_defaults.py`` checks every later version's other defaults equal tidal's.
+LATER_DEFAULT_DIFFERENCES: dict[tuple[str, str], DefaultDifference] = {
+    ("train_ppo_ray", "micro_rollout_batch_size"): DefaultDifference(
+        f"1 ({_LATER}; v0.9.2: 8)",
+        "8, v0.9.2's: samples per scoring forward (log-probs, values); larger is faster and changes no result",
+    ),
+    ("train_ppo_ray", "micro_train_batch_size"): DefaultDifference(
+        f"1 ({_LATER}; v0.9.2: 4)",
+        "4, v0.9.2's: the micro-batch only splits --train_batch_size, which sets the update",
+    ),
+    ("train_ppo_ray", "max_len"): DefaultDifference(
+        f"2048 ({_LATER}, which has no --prompt_max_len / --generate_max_len; v0.9.2: unset)",
+        "unset: v0.9.2's 1024-token prompt and 1024-token response limits, 2048 in total; set it "
+        "(--data.max_len) for the later versions' budget (a response gets what its prompt leaves)",
     ),
 }
 

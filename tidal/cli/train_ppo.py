@@ -20,11 +20,12 @@ COMMAND = TrainerCommand(
         "train": "training",
         "ema": "EMA of the policy (the saved model with --enable_ema)",
         "ptx": "PPO-ptx: pretraining loss in the policy update",
-        "actor_optim": "optimizer (shared by policy and critic; --actor_learning_rate for the policy)",
-        "critic_optim": "critic optimizer (--critic_learning_rate; the other optimizer flags are shared)",
+        "actor_optim": "optimizer (shared by policy and critic; --actor_learning_rate and --actor_* for the policy)",
+        "critic_optim": "critic optimizer (--critic_learning_rate and --critic_*; other flags are shared)",
         **{k: v for k, v in COMMON_TITLES.items() if k in ("ckpt", "logging", "dist")},
         "placement": "placement (Ray)",
     },
+    roles={"actor_optim": "actor", "critic_optim": "critic"},  # --actor_adam_betas... (OpenRLHF HEAD)
 )
 build_parser, parse_run, main = COMMAND.build_parser, COMMAND.parse_run, COMMAND.main
 

@@ -110,13 +110,21 @@ def flag_name(field: dataclasses.Field, flags: Mapping[str, str] | None = None) 
     return (flags or {}).get(field.name) or field.metadata.get("flag") or field.name
 
 
+def flag_default(config: object, name: str) -> Any:
+    """A config instance's value for field ``name`` as a flag default: the value as given where the
+    config's ``__post_init__`` filled in an unset field (it records those in ``flag_values``, e.g.
+    ``RolloutConfig.generate_max_len`` from ``--max_len``), else the field's value."""
+    given = getattr(config, "flag_values", {})
+    return given[name] if name in given else getattr(config, name)
+
+
 def _argparse_kwargs(field: dataclasses.Field, tp: Any, defaults: object | None = None) -> dict[str, Any]:
     meta = {k: v for k, v in field.metadata.items() if k not in NOT_ARGPARSE}
     default = field.default if field.default is not dataclasses.MISSING else None
     if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
         default = field.default_factory()  # type: ignore[misc]
     if defaults is not None:  # the run's default of this config
-        default = getattr(defaults, field.name)
+        default = flag_default(defaults, field.name)
     base, _ = _unwrap_optional(tp)
     kwargs: dict[str, Any] = {"default": default, **meta}
     if base is bool:
@@ -159,6 +167,31 @@ def add_config_group(
             continue
         kwargs = _argparse_kwargs(field, hints[field.name], defaults)
         group.add_argument(f"--{name}", *field.metadata.get("aliases", []), dest=name, **kwargs)
+
+
+def add_override_group(
+    parser: argparse.ArgumentParser, cls: type, title: str, description: str, flags: Mapping[str, str]
+) -> None:
+    """One ``--help`` group of flags that override fields of ``cls`` for one config only (``flags``: field
+    name → override flag, e.g. ``adam_betas`` → ``actor_adam_betas`` beside the shared ``--adam_betas``).
+    Each defaults to None: unset, the config reads its shared flag (``override_flags``)."""
+    group = parser.add_argument_group(title, description)
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        name = flags.get(field.name)
+        if name is None or f"--{name}" in parser._option_string_actions:
+            continue
+        kwargs = _argparse_kwargs(field, hints[field.name])
+        kwargs.update(default=None, required=False)
+        if kwargs.get("action") == "store_true":  # on or off per config: --x / --no-x
+            kwargs["action"] = argparse.BooleanOptionalAction
+        group.add_argument(f"--{name}", dest=name, **kwargs)
+
+
+def override_flags(ns: argparse.Namespace, flags: Mapping[str, str]) -> dict[str, str]:
+    """The overrides of ``flags`` (field → override flag) that were set in ``ns``: pass them as the
+    config's flag renames, so it reads (and its problems name) the override instead of the shared flag."""
+    return {field: name for field, name in flags.items() if getattr(ns, name, None) is not None}
 
 
 # argparse takes "-1e-3" for an option (its negative-number pattern has no exponent), so

@@ -117,8 +117,10 @@ class PlacementConfig(Checked):
 
 
 def separate_engines(p: PlacementConfig, vllm_num_engines: int | None) -> bool:
-    """Engines on devices of their own (``--vllm_num_engines`` without ``--colocate_all_models``)."""
-    return vllm_num_engines is not None and not p.colocate_all_models
+    """Engines on devices of their own (``--vllm_num_engines`` without ``--colocate_all_models``, or with
+    it and ``--async_train``: as in OpenRLHF, async training colocates only the trained models, since the
+    engines generate while they train)."""
+    return vllm_num_engines is not None and (not p.colocate_all_models or p.async_train)
 
 
 def separate_reference(p: PlacementConfig) -> bool:
@@ -241,7 +243,7 @@ def separate_engine_problems(p: PlacementConfig, engines: int, w: int) -> list[s
             f"--vllm_num_engines {engines}: without --colocate_all_models each of the {w} policy workers "
             f"drives the same number of engines on devices of their own, so it must be a multiple of {w}"
         )
-    if p.deepspeed_enable_sleep:
+    if p.deepspeed_enable_sleep and not (p.async_train and p.colocate_all_models):  # async: models take turns
         problems.append(
             "--deepspeed_enable_sleep frees the policy's device for a colocated engine, but "
             f"--vllm_num_engines {engines} without --colocate_all_models puts the engines on devices of "

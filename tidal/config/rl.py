@@ -22,6 +22,10 @@ from tidal.config.registries import (
 )
 from tidal.config.training import TrainConfig
 
+# OpenRLHF v0.9.2's prompt and response limits, used when neither they nor --max_len are set.
+DEFAULT_PROMPT_MAX_LEN = 1024
+DEFAULT_GENERATE_MAX_LEN = 1024
+
 
 @dataclass
 class RolloutConfig(Checked):
@@ -34,15 +38,22 @@ class RolloutConfig(Checked):
     micro_rollout_batch_size: int = arg(
         8, help="samples per forward when scoring a rollout (log-probs, values)", check=AT_LEAST_ONE
     )
-    prompt_max_len: int = arg(
-        1024, help="prompts longer than this many tokens are skipped", check=AT_LEAST_ONE
+    prompt_max_len: int | None = arg(
+        None,
+        help="prompts longer than this many tokens are skipped (unset: 1024, or --max_len - 1 when --max_len "
+        "is set: OpenRLHF >= v0.10 has no prompt limit of its own)",
+        check=AT_LEAST_ONE,
     )
-    generate_max_len: int = arg(
-        1024, help="max new tokens per response (per turn for agents)", check=AT_LEAST_ONE
+    generate_max_len: int | None = arg(
+        None,
+        help="max new tokens per response (per turn for agents; unset: 1024, or with --max_len whatever the "
+        "prompt leaves of it, OpenRLHF >= v0.10's budget)",
+        check=AT_LEAST_ONE,
     )
     max_len: int | None = arg(
         None,
-        help="max total tokens of a trajectory (default prompt_max_len + generate_max_len)",
+        help="max total tokens of a trajectory, prompt + response (unset: prompt_max_len + generate_max_len); "
+        "each response gets what its prompt leaves",
         check=Range(2),
     )
     temperature: float = arg(1.0, help="sampling temperature (0: greedy)", check=NON_NEGATIVE)
@@ -102,6 +113,19 @@ class RolloutConfig(Checked):
         "Qwen2-MoE; LoRA with --lora_dropout 0; FSDP2 and separate engines; not with "
         "--vllm_tensor_parallel_size > 1)",
     )
+
+    def __post_init__(self) -> None:
+        # Resolve the unset lengths: OpenRLHF v0.9.2 sets the prompt and response limits (1024 each);
+        # from v0.10 only --max_len (HEAD's --data.max_len) bounds prompt + response, and a response gets
+        # what its prompt leaves (the executors cap each request's new tokens at max_len - prompt length).
+        room = self.max_len - 1 if isinstance(self.max_len, int) and self.max_len >= 2 else None
+        # the flags as given (unset stays unset as a flag default: tidal.config.args.flag_default)
+        self.flag_values = {"prompt_max_len": self.prompt_max_len, "generate_max_len": self.generate_max_len}
+        if self.prompt_max_len is None:
+            self.prompt_max_len = room or DEFAULT_PROMPT_MAX_LEN
+        if self.generate_max_len is None:
+            self.generate_max_len = room or DEFAULT_GENERATE_MAX_LEN
+        super().__post_init__()
 
     def problems(self, flags=None) -> list[str]:
         own = []

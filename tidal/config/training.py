@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from tidal.config.args import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, UNIT, Checked, ConfigError, Range, arg
 
 LR_SCHEDULERS = ("cosine_with_min_lr", "cosine", "linear", "constant", "constant_with_warmup")
+OPTIMIZERS = ("adam", "muon")
 
 
 @dataclass
@@ -51,9 +52,15 @@ class TrainConfig(Checked):
 
 @dataclass
 class OptimConfig(Checked):
-    """Optimizer (AdamW) and learning-rate schedule."""
+    """Optimizer (AdamW, or Muon for hidden matrices) and learning-rate schedule."""
 
-    learning_rate: float = arg(5e-6, help="peak learning rate", check=POSITIVE)
+    optim: str = arg(
+        "adam",
+        help="adam: AdamW for every parameter; muon: torch.optim.Muon for the 2-D hidden weights (the "
+        "transformer's linear layers) and AdamW for embeddings, norms, biases and output heads",
+        choices=OPTIMIZERS,
+    )
+    learning_rate: float = arg(5e-6, help="peak learning rate (AdamW's)", check=POSITIVE)
     lr_warmup_ratio: float = arg(
         0.03, help="fraction of steps spent warming up linearly from 0", check=Range(0, 1, high_open=True)
     )
@@ -61,7 +68,9 @@ class OptimConfig(Checked):
         "cosine_with_min_lr", help="learning-rate schedule after warmup", choices=LR_SCHEDULERS
     )
     min_lr_ratio: float = arg(0.1, help="cosine_with_min_lr decays to learning_rate x this ratio", check=UNIT)
-    l2: float = arg(0.0, help="AdamW weight decay", check=NON_NEGATIVE)
+    l2: float = arg(
+        0.0, help="weight decay (AdamW's; with --optim muon, Muon's too, as OpenRLHF)", check=NON_NEGATIVE
+    )
     adam_betas: tuple[float, float] = arg(
         (0.9, 0.95),
         help="AdamW betas",
@@ -69,6 +78,13 @@ class OptimConfig(Checked):
         metavar=("BETA1", "BETA2"),
         check=Range(0, 1, high_open=True),
     )
+    adam_eps: float = arg(1e-8, help="AdamW epsilon", check=POSITIVE)
+    muon_lr: float = arg(0.02, help="--optim muon: Muon's peak learning rate", check=POSITIVE)
+    muon_momentum: float = arg(0.95, help="--optim muon: Muon's momentum", check=Range(0, 1, high_open=True))
+    muon_ns_steps: int = arg(
+        5, help="--optim muon: Newton-Schulz iterations orthogonalising each update", check=AT_LEAST_ONE
+    )
+    muon_nesterov: bool = arg(True, help="--optim muon: Nesterov momentum (--no-muon_nesterov: plain)")
     max_norm: float = arg(
         1.0, help="clip the gradient norm to this value (0 disables clipping)", check=NON_NEGATIVE
     )

@@ -83,16 +83,16 @@ class PPORun(RunConfig):
         if self.reward.teacher_model and a.init_kl_coef <= 0:
             problems.append("--teacher_model distils through the KL penalty: set --init_kl_coef > 0 (e.g. 1)")
         problems += teacher_placement_problems(self.reward.teacher_model, p)
-        if p.async_train and (r.vllm_enable_sleep or p.deepspeed_enable_sleep):
+        if p.async_train and r.vllm_enable_sleep:  # OpenRLHF asserts the same (not supported)
             problems.append(
-                "--async_train generates while training, so the engine and trainer cannot sleep in turn: "
-                "drop --vllm_enable_sleep/--deepspeed_enable_sleep"
+                "--async_train generates while training, so the engine never sleeps: drop --vllm_enable_sleep "
+                "(--deepspeed_enable_sleep still offloads the trained models between their updates)"
             )
         problems += placement_problems(
             p, r.vllm_num_engines, r.vllm_tensor_parallel_size,
             a.needs_reference, a.needs_critic, bool(self.reward.pretrain),
         )  # fmt: skip
-        if separate_engines(p, r.vllm_num_engines) and r.vllm_enable_sleep:
+        if separate_engines(p, r.vllm_num_engines) and r.vllm_enable_sleep and not p.async_train:
             problems.append(
                 "--vllm_enable_sleep frees a colocated engine's memory for the trainer, but --vllm_num_engines "
                 "without --colocate_all_models puts the engines on devices of their own: drop it, or pass "
