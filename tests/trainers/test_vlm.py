@@ -159,11 +159,17 @@ def test_rm_steps_on_image_pairs_and_its_head_is_saved(vlm, tmp_path):
     assert saved["score.weight"].shape[0] == 1 and not any(k.startswith("lm_head") for k in saved)
 
 
-def test_lora_adapts_the_language_model_only(vlm):
-    run = parse_sft(sft_flags(vlm, "unused.jsonl", vlm, "--lora_rank", "4"))
+def test_lora_adapts_the_language_model_only_and_trains_on_images(vlm, colours, tmp_path):
+    extra = ("--lora_rank", "4", "--max_images_per_prompt", "1", "--max_samples", "32", "--max_epochs", "1")
+    run = parse_sft(sft_flags(vlm, colours["train"], tmp_path, *extra))
     model = load_causal_lm(run.model, torch.device("cpu"))
     adapted = [n for n, p in model.named_parameters() if p.requires_grad]
     assert adapted and all("lora_" in n and "language_model" in n for n in adapted)
+    assert len(run_sft(run)) == 2
+    adapter = load_file(tmp_path / "final" / "adapter_model.safetensors")
+    lora_b = [w for k, w in adapter.items() if "lora_B" in k]  # zero at the start: trained if not
+    assert lora_b and any(w.abs().sum() > 0 for w in lora_b)
+    assert not any("visual" in k for k in adapter)
 
 
 def test_fsdp_wraps_decoder_layers_and_vision_blocks(vlm):
