@@ -1,14 +1,17 @@
-"""``tidal ppo`` (GRPO) on a tiny DeepSeek-V3: transformers' model trains with packed samples, the engine
-generates with multi-head latent attention, and their log-probs agree after the weight sync."""
+"""``tidal ppo`` (GRPO) on a tiny DeepSeek-V3: transformers' model trains, the engine generates with
+multi-head latent attention, and their log-probs agree after the weight sync; ``--packing_samples`` is
+refused in one line (tidal's CUDA varlen attention takes no value head dim other than the query's)."""
 
 from __future__ import annotations
 
 import textwrap
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.trainers.test_ppo import rl_flags, write_echo_data
+from tidal.config import ConfigError
 
 # Rewards that differ between a prompt's samples (the response's length), so every step updates the weights.
 REWARD = textwrap.dedent(
@@ -26,6 +29,7 @@ def test_grpo_trains_deepseek_v3_with_engine_logprobs_matching_the_trainer(tmp_p
     from tidal.cli.train_ppo import parse_run
     from tidal.testing import build_tiny_model
     from tidal.trainers.ppo import run_ppo
+    from tidal.trainers.ppo.entry import check_models_before_loading
 
     policy = build_tiny_model(tmp_path / "policy", "deepseek_v3")
     data = write_echo_data(tmp_path / "data")
@@ -33,9 +37,11 @@ def test_grpo_trains_deepseek_v3_with_engine_logprobs_matching_the_trainer(tmp_p
     reward.write_text(REWARD)
     flags = rl_flags(policy, data, tmp_path / "rl", "--advantage_estimator", "group_norm",
                      "--n_samples_per_prompt", "4", "--rollout_batch_size", "4", "--train_batch_size", "16",
-                     "--micro_train_batch_size", "16", "--micro_rollout_batch_size", "16", "--max_samples", "8",
-                     "--packing_samples")  # fmt: skip
+                     "--micro_train_batch_size", "16", "--micro_rollout_batch_size", "16", "--max_samples", "8")  # fmt: skip
     flags[flags.index("--remote_rm_url") + 1] = str(reward)
+    refusal = "^--packing_samples: packing_samples is not supported for the deepseek_v3 family: .*v_head_dim"
+    with pytest.raises(ConfigError, match=refusal):
+        check_models_before_loading(parse_run([*flags, "--packing_samples"]))
     history = run_ppo(parse_run(flags))
     assert len(history) == 2
     # fp32 on the CPU: the engine's latent attention and routing against transformers' forward, before
