@@ -196,3 +196,13 @@ def test_cuda_graphs_and_async_steps_match_eager_decode_in_bfloat16(deepseek):
     assert graphs.runner.graphs is not None and graphs.runner.kv_cache.shape[-2:] == (1, 40)
     eager = LLMEngine(path, EngineConfig(**base, enforce_eager=True, async_scheduling=False))
     assert_same_outputs(eager.generate(PROMPTS, params), graphs.generate(PROMPTS, params), tol=1e-2)
+
+
+def test_fp8_checkpoints_are_refused_in_one_line():
+    from tidal.rollout.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from tidal.testing.tiny import tiny_config
+
+    config = tiny_config("deepseek_v3")
+    config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with pytest.raises(ValueError, match="^deepseek_v3: fp8-quantized checkpoints are not supported"):
+        DeepseekV3ForCausalLM.args_from_hf_config(config)

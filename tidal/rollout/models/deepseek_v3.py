@@ -15,8 +15,9 @@ From transformers' ``modeling_deepseek_v3.py``:
   added unscaled.
 
 Checkpoints of the full model also hold multi-token-prediction layers past ``num_hidden_layers``
-(``model.layers.61.*``), which transformers ignores; so does the loader here. Single device only
-(``supports_tp = False``); no exact mode (``batch_invariant.support``).
+(``model.layers.61.*``), which transformers ignores; so does the loader here. The released FP8 weights
+(``quantization_config``) are refused: the engine loads bfloat16 / float32 checkpoints. Single device
+only (``supports_tp = False``); no exact mode (``batch_invariant.support``).
 """
 
 from __future__ import annotations
@@ -120,6 +121,14 @@ class DeepseekV3ForCausalLM(MoECausalLM):
 
     @classmethod
     def args_from_hf_config(cls, config) -> DeepseekV3Args:
+        quantization = getattr(config, "quantization_config", None) or {}
+        if not isinstance(quantization, dict):
+            quantization = quantization.to_dict()
+        if quantization.get("quant_method"):  # the released DeepSeek-V3 weights are block-scaled FP8
+            raise ValueError(
+                f"deepseek_v3: {quantization['quant_method']}-quantized checkpoints are not supported by the "
+                "rollout engine; use a bfloat16 (dequantized) checkpoint"
+            )
         dense = config.first_k_dense_replace or 0
         shared = (config.n_shared_experts or 0) * config.moe_intermediate_size
         moe = MoEArgs(
