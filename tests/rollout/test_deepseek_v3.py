@@ -147,7 +147,9 @@ def test_update_weights_and_sleep_wake(deepseek, tiny_model, hf_model):
     other = hf_model(other_path)
     engine = LLMEngine(path, cpu_config(max_model_len=64, block_size=8))
     buffers = {n: b for n, b in other.named_buffers() if n.endswith("e_score_correction_bias")}
-    engine.update_weights(list(other.named_parameters()) + list(buffers.items()))
+    # A full checkpoint's multi-token-prediction layer (past num_hidden_layers) is skipped, as transformers does.
+    mtp = [("model.layers.4.self_attn.kv_b_proj.weight", torch.zeros(6 * 40, 32))]
+    engine.update_weights(list(other.named_parameters()) + list(buffers.items()) + mtp)
     engine.sleep(level=2)
     engine.wake_up()
     prompts = PROMPTS[:2]

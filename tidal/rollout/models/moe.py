@@ -11,6 +11,9 @@ A sparse layer replaces the dense MLP of ``layers.DecoderLayer`` by:
 - optionally a shared expert (Qwen2-MoE): a dense gated MLP scaled by ``sigmoid(shared_expert_gate(x))``
   and added to the routed output.
 
+DeepSeek-V3's block (``deepseek_v3.py``) reuses ``Experts`` with its own router, ``group_limited_route``
+(sigmoid scores, a correction bias for the choice, groups of experts; the torch ops on every device).
+
 ``expert_forward`` dispatches to the fused Triton kernels (``tidal/rollout/triton_moe.py``) on CUDA when
 Triton is importable and the experts are SiLU-gated (every MoE family here); the path above is the
 reference and the fallback. ``FUSED_MOE = False`` forces it (benchmarks; read at each call, so set it
