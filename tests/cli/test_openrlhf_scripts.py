@@ -5,8 +5,8 @@ wrote them (``examples/scripts/train_rejection_sampling_llama.sh``, ``train_cond
 Each step's flags are the script's own, in its order; only ``openrlhf`` becomes ``tidal`` in the module
 paths, model and data paths point at tiny models and files, and size flags are small (``SIZES``). The
 launcher (``python -m``, ``deepspeed --module``) becomes one in-process call of the module's ``main``:
-one process, as ``deepspeed`` on one GPU. One iteration of each loop. The scripts build each command as
-a string that the shell word-splits, so rejection sampling's ``--input_template ""`` arrives as the two
+one process, as ``deepspeed`` on one GPU, with the ``--local_rank=0`` that deepspeed's launcher appends.
+One iteration of each loop. The scripts build each command as a string that the shell word-splits, so rejection sampling's ``--input_template ""`` arrives as the two
 quote characters, and is passed so here.
 """
 
@@ -35,9 +35,10 @@ SIZES = {
 QUESTIONS = ["1+1=", "2+3=", "4+4=", "5+1="]
 
 
-def step(module: str, argv: list[str]) -> None:
-    """``python -m <module> <argv>`` in this process, sizes made small (``openrlhf`` → ``tidal``)."""
-    argv = list(argv)
+def step(module: str, argv: list[str], launcher: str = "python") -> None:
+    """``python -m <module> <argv>`` in this process, sizes made small (``openrlhf`` → ``tidal``);
+    ``launcher="deepspeed"``: the scripts' ``deepspeed --module``, which appends ``--local_rank=0``."""
+    argv = list(argv) + (["--local_rank=0"] if launcher == "deepspeed" else [])
     for i, token in enumerate(argv[:-1]):
         if token in SIZES:
             argv[i + 1] = SIZES[token]
@@ -87,7 +88,7 @@ def test_rejection_sampling_llama(tiny_llama, reward_model, prompt_collection, t
         "--eval_task", "rm", "--pretrain", str(reward_model), "--param_dtype", "bf16", "--max_len", "4096",
         "--dataset", str(generate), "--dataset_probs", "1.0", "--zero_stage", "0", "--post_processor", "rs",
         "--micro_batch_size", "4", "--output_path", str(rm_out),
-    ])  # fmt: skip
+    ], "deepspeed")  # fmt: skip
     best = rows(rm_out)
     assert len(best) == 3 and all({"input", "output", "reward"} <= set(row) for row in best)
     for row in best:  # the kept sample is one of its prompt's samples
@@ -97,7 +98,7 @@ def test_rejection_sampling_llama(tiny_llama, reward_model, prompt_collection, t
         "--micro_train_batch_size", "2", "--pretrain", str(policy), "--save_path", str(model_out),
         "--input_template", '""', "--zero_stage", "2", "--max_epochs", "1", "--param_dtype", "bf16",
         "--learning_rate", "2e-6", "--gradient_checkpointing",
-    ])  # fmt: skip
+    ], "deepspeed")  # fmt: skip
     assert (model_out / "config.json").exists() and (model_out / "model.safetensors").exists()
 
 
@@ -108,7 +109,7 @@ def test_conditional_sft(tiny_llama, reward_model, preferences, tmp_path):
         "--dataset", str(preferences), "--input_key", "chosen", "--apply_chat_template",
         "--max_samples", "128000", "--zero_stage", "0", "--post_processor", "csft", "--normalize_reward",
         "--micro_batch_size", "4", "--output_path", str(rm_out),
-    ])  # fmt: skip
+    ], "deepspeed")  # fmt: skip
     scored = rows(rm_out)
     assert len(scored) == 3 and all({"input", "output", "reward"} <= set(row) for row in scored)
     for row in scored:  # the chosen chat's last turn is the response; its reward is in the prompt
@@ -118,7 +119,7 @@ def test_conditional_sft(tiny_llama, reward_model, preferences, tmp_path):
         "--micro_train_batch_size", "2", "--pretrain", str(tiny_llama), "--save_path", str(model_out),
         "--zero_stage", "2", "--max_epochs", "1", "--param_dtype", "bf16", "--learning_rate", "5e-6",
         "--gradient_checkpointing",
-    ])  # fmt: skip
+    ], "deepspeed")  # fmt: skip
     assert (model_out / "config.json").exists() and (model_out / "model.safetensors").exists()
 
 
@@ -137,7 +138,7 @@ def test_iterative_dpo(tiny_llama, reward_model, prompt_collection, tmp_path):
         "--eval_task", "rm", "--pretrain", str(reward_model), "--param_dtype", "bf16", "--max_len", "4096",
         "--dataset", str(generate), "--dataset_probs", "1.0", "--zero_stage", "0",
         "--post_processor", "iter_dpo", "--micro_batch_size", "4", "--output_path", str(rm_out),
-    ])  # fmt: skip
+    ], "deepspeed")  # fmt: skip
     pairs = rows(rm_out)
     assert len(pairs) == 3 and all({"prompt", "chosen", "rejected"} <= set(row) for row in pairs)
     assert all(row["chosen_reward"] >= row["rejected_reward"] for row in pairs)
@@ -146,5 +147,5 @@ def test_iterative_dpo(tiny_llama, reward_model, prompt_collection, tmp_path):
         "--train_batch_size", "128", "--micro_train_batch_size", "2", "--pretrain", str(policy),
         "--ref_pretrain", str(policy), "--save_path", str(model_out), "--zero_stage", "3",
         "--max_epochs", "1", "--param_dtype", "bf16", "--learning_rate", "5e-7", "--gradient_checkpointing",
-    ])  # fmt: skip
+    ], "deepspeed")  # fmt: skip
     assert (model_out / "config.json").exists() and (model_out / "model.safetensors").exists()

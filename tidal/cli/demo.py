@@ -9,8 +9,9 @@
    (accuracy on held-out pairs) and DPO from the SFT model;
 6. measures accuracy after every stage, greedy and sampled (temperature 1), with tidal's rollout
    engine on test prompts (with one-digit addends all 100 problems also occur in training: the
-   stages differ in how reliably the model answers, not in what it has seen), and writes the
-   loss and reward curves as a PNG plus a summary JSON into the run folder.
+   stages differ in how reliably the model answers, not in what it has seen), and writes a summary
+   JSON and ``curves.png`` (one panel per stage, its training curve with the held-out results marked)
+   into the run folder.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from tidal.cli.common import make_parser, run_command
 from tidal.config.args import arg, config_from_args
 from tidal.config.registries import MODEL_FAMILY_NAMES
-from tidal.logging import get_logger, plot_metrics
+from tidal.logging import get_logger
 
 log = get_logger(__name__)
 
@@ -203,26 +204,49 @@ def _run_stages(cfg: DemoConfig) -> dict:
         pairs, held_out = demo.preference_pairs(sft_model)
         summary["reward_model_pair_accuracy"] = demo.reward_model(sft_model, pairs, held_out)
         acc["sft+dpo"] = demo.accuracy(demo.dpo(sft_model, pairs))
-    summary["plot"] = str(plot_curves(demo.root))
+    summary["plot"] = str(plot_curves(demo.root, summary))
     summary["seconds"] = round(time.perf_counter() - start, 1)
     (demo.root / "summary.json").write_text(json.dumps(summary, indent=2))
     print_summary(summary)
     return summary
 
 
-def plot_curves(root: Path) -> Path:
-    """SFT loss and RL reward in one PNG (the RL metrics file is read when present)."""
-    import shutil
+def plot_curves(root: Path, summary: dict) -> Path:
+    """One titled panel per stage (SFT, RM, GRPO, DPO: its training curve) with the held-out results
+    measured after it marked, into ``curves.png``; a stage that did not run is left out."""
+    from tidal.logging.plots import plot_panels
 
-    merged = root / "curves.jsonl"
-    with merged.open("w") as f:
-        for name in ("sft_model", "rl_model"):
-            path = root / name / "run" / "metrics.jsonl"
-            if path.exists():
-                shutil.copyfileobj(path.open(), f)
-    return plot_metrics(
-        merged, root / "curves.png", ["train/loss", "train/reward", "train/score"], title="tidal demo"
+    return plot_panels(
+        demo_panels(root, summary),
+        root / "curves.png",
+        title="tidal demo: training curves, held-out results dashed",
     )
+
+
+def demo_panels(root: Path, summary: dict) -> list:
+    """The ``tidal.logging.plots.Panel`` of each stage, its results taken from the demo's summary."""
+    from tidal.logging.plots import Panel
+
+    acc = summary["accuracy"]
+
+    def after(stage: str) -> dict[str, float]:  # greedy and sampled accuracy, the SFT model's for comparison
+        return {
+            f"{kind} (SFT {100 * acc['sft'][kind]:.1f}%)": acc[stage][kind] for kind in ("greedy", "sampled")
+        }
+
+    metrics = {
+        name: root / f"{name}_model" / "run" / "metrics.jsonl" for name in ("sft", "rl", "reward", "dpo")
+    }
+    panels = [
+        Panel("SFT: loss on noisy answers", metrics["sft"], ["train/loss"],
+              {f"greedy (base {100 * acc['base']['greedy']:.1f}%)": acc["sft"]["greedy"],
+               "sampled": acc["sft"]["sampled"]}),
+        Panel("RM: pairwise loss", metrics["reward"], ["train/loss"],
+              {"held-out pair accuracy": summary.get("reward_model_pair_accuracy", 0.0)}),
+        Panel("GRPO: rollout reward", metrics["rl"], ["train/reward"], after("sft+grpo")),
+        Panel("DPO: preference loss", metrics["dpo"], ["train/loss"], after("sft+dpo") if "sft+dpo" in acc else {}),
+    ]  # fmt: skip
+    return panels
 
 
 def print_summary(summary: dict) -> None:
