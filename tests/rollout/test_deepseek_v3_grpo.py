@@ -57,3 +57,24 @@ def test_grpo_trains_deepseek_v3_with_engine_logprobs_matching_the_trainer(tmp_p
         before["model.layers.1.self_attn.kv_b_proj.weight"],
         after["model.layers.1.self_attn.kv_b_proj.weight"],
     )
+
+
+def test_trainer_side_chunked_head_equals_full_logits(tmp_path):
+    """``chunkable_head``: the trainer computes DeepSeek-V3's log-probs from hidden states in chunks (what
+    test_families checks with packing, which this family refuses)."""
+    from tests.rollout.test_families import SAMPLES
+    from tidal.config.model import ModelConfig
+    from tidal.data import collate_padded
+    from tidal.models import token_logprobs
+    from tidal.models.loading import load_causal_lm
+    from tidal.models.logprob_head import chunkable_head
+    from tidal.testing import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "policy", "deepseek_v3")
+    model = load_causal_lm(ModelConfig(pretrain=str(path)), torch.device("cpu"))
+    assert chunkable_head(model) is not None
+    padded = collate_padded(SAMPLES, 0)
+    with torch.no_grad():
+        full, _ = token_logprobs(model, padded, chunk_size=None)
+        chunked, _ = token_logprobs(model, padded, chunk_size=4)
+    torch.testing.assert_close(chunked, full, atol=1e-5, rtol=0)
