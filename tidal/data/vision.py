@@ -74,11 +74,16 @@ class VisionProcessor:
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
     def token_counts(self, images: Sequence) -> list[int]:
-        """Placeholder tokens each image becomes (its merged patch grid)."""
+        """Placeholder tokens each image becomes (its merged patch grid): from the image's size where
+        the image processor says (vLLM's hook, no pixels computed), else from its output."""
         if not images:
             return []
+        merged = self.image_processor.merge_size**2
+        patches = getattr(self.image_processor, "get_number_of_image_patches", None)
+        if patches is not None:
+            return [patches(image.height, image.width, {}) // merged for image in images]
         grid = self.pixel_inputs(images)["image_grid_thw"]
-        return (grid.prod(-1) // self.image_processor.merge_size**2).tolist()
+        return (grid.prod(-1) // merged).tolist()
 
 
 def load_vision_processor(path: str, tokenizer) -> VisionProcessor | None:
