@@ -17,11 +17,13 @@ from tidal.cli.train_rm import parse_run as parse_rm
 from tidal.cli.train_sft import parse_run as parse_sft
 from tidal.config.args import ConfigError
 from tidal.config.data import VisionConfig
+from tidal.config.model import ModelConfig
 from tidal.data import DataError, collate_packed, collate_padded
 from tidal.data.images import open_image
 from tidal.data.vision import ImageSamples, load_vision_processor
 from tidal.distributed.fsdp import transformer_blocks
 from tidal.models import load_causal_lm, load_tokenizer, token_logprobs
+from tidal.models.vision_value import load_vision_value_model
 from tidal.testing import TINY_VLM_FAMILIES, ColourTask, build_tiny_vlm
 from tidal.testing.vision_tasks import COLOURS, greedy_answers
 from tidal.trainers.dpo import run_dpo
@@ -157,6 +159,8 @@ def test_rm_steps_on_image_pairs_and_its_head_is_saved(vlm, tmp_path):
     assert len(metrics) == 2 and all(torch.isfinite(torch.tensor(m["loss"])) for m in metrics)
     saved = load_file(tmp_path / "final" / "model.safetensors")
     assert saved["score.weight"].shape[0] == 1 and not any(k.startswith("lm_head") for k in saved)
+    reloaded = load_vision_value_model(ModelConfig(pretrain=str(tmp_path / "final")), torch.device("cpu"))
+    assert torch.equal(reloaded.score.weight, saved["score.weight"])  # the trained head, not a fresh one
 
 
 def test_lora_adapts_the_language_model_only_and_trains_on_images(vlm, colours, tmp_path):
