@@ -172,3 +172,15 @@ def test_sft_trains_with_muon_and_resumes(tiny_llama, tmp_path, monkeypatch):
     assert [h["step"] for h in resumed] == list(range(7, 13))
     for a, b in zip(full[6:], resumed, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6), a["step"]
+
+
+def test_muon_refuses_matrices_sharded_over_ranks():
+    """FSDP2 shards a weight over its mesh; Muon orthogonalises whole matrices, so a mesh of 2 is refused."""
+    from types import SimpleNamespace
+
+    from tidal.config.args import ConfigError
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[0].weight.device_mesh = SimpleNamespace(size=lambda: 2)  # what a DTensor sharded on 2 ranks reports
+    with pytest.raises(ConfigError, match="tidal runs Muon on one rank"):
+        build_optimizer(model, OptimConfig(optim="muon"))
