@@ -96,3 +96,26 @@ def test_async_with_vllm_sleep_is_refused_as_openrlhf_does():
         "--async_train generates while training, so the engine never sleeps: drop --vllm_enable_sleep "
         "(--deepspeed_enable_sleep still offloads the trained models between their updates)"
     ]
+
+
+def test_the_async_agent_scripts_engine_flags_run(tiny_llama, tmp_path):
+    """v0.9.2's async agent script's engine flags, and HEAD's --data.max_len, on a tiny two-rollout run
+    (on the CPU the offload has nothing to move: this shows the combination trains end to end)."""
+    import json
+
+    from tidal.trainers.ppo import run_ppo
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"{a}+{a}=", "label": str(2 * a)}) + "\n" for a in range(8))
+    )
+    reward = tmp_path / "reward_func.py"
+    reward.write_text("from tidal.testing.tasks import addition_reward as reward_func\n")
+    history = run_ppo(train_ppo.parse_run([
+        "--pretrain", str(tiny_llama), "--prompt_data", str(prompts), "--input_key", "prompt", "--label_key",
+        "label", "--remote_rm_url", str(reward), "--advantage_estimator", "group_norm", "--n_samples_per_prompt",
+        "2", "--rollout_batch_size", "4", "--train_batch_size", "8", "--micro_train_batch_size", "8",
+        "--data.max_len", "16", "--rollout.max_new_tokens", "4", "--init_kl_coef", "0", "--save_path",
+        str(tmp_path / "out"), "--ckpt_path", str(tmp_path / "ckpt"), *ASYNC_SCRIPT, "--local_rank=0",
+    ]))  # fmt: skip
+    assert len(history) == 2 and all(h["response_length"] <= 4 for h in history)
