@@ -182,7 +182,7 @@ def test_image_runs_refuse_layouts_and_models_they_cannot_use():
     with pytest.raises(
         ConfigError, match="--freeze_visual_encoder needs a vision-language model; --pretrain m"
     ):
-        ImageSamples(VisionConfig(freeze_visual_encoder=True)).check("m")
+        ImageSamples(VisionConfig(freeze_visual_encoder=True)).check("m", vision_model=False)
     ImageSamples(VisionConfig()).check("m", ring_attn_size=2)  # text only: nothing to refuse
 
 

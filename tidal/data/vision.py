@@ -150,15 +150,18 @@ class ImageSamples:
     cfg: VisionConfig
     processor: VisionProcessor | None = None
 
-    def check(self, pretrain: str, ring_attn_size: int = 1, tensor_parallel_size: int = 1) -> None:
-        """One ``ConfigError`` line for image flags this model or layout cannot honour."""
+    def check(
+        self, pretrain: str, vision_model: bool = True, ring_attn_size: int = 1, tensor_parallel_size: int = 1
+    ) -> None:
+        """One ``ConfigError`` line for image flags this model (``vision_model``: it has a vision tower)
+        or layout cannot honour."""
         text_only = (
             f"--pretrain {pretrain} has no vision tower (its config has no vision_config/image_token_id)"
         )
         n = self.cfg.max_images_per_prompt
         if n > 0 and self.processor is None:
             raise ConfigError(f"--max_images_per_prompt {n} needs a vision-language model; {text_only}")
-        if self.cfg.freeze_visual_encoder and self.processor is None:
+        if self.cfg.freeze_visual_encoder and not vision_model:
             raise ConfigError(f"--freeze_visual_encoder needs a vision-language model; {text_only}")
         if n > 0 and ring_attn_size > 1:
             raise ConfigError(

@@ -38,7 +38,7 @@ from tidal.logging import get_logger
 from tidal.models import load_causal_lm, load_tokenizer
 from tidal.models.precision import Precision
 from tidal.models.ring_attention import head_stride_problem, use_ring
-from tidal.models.vision import freeze_vision
+from tidal.models.vision import freeze_vision, is_vision_language
 from tidal.trainers.loop import Objective, Optimization, SupervisedTrainer
 from tidal.trainers.optim import NonFiniteGuard, build_optimizer, build_scheduler
 
@@ -90,8 +90,15 @@ def run_images(run: Any, tokenizer):
         return None
     from tidal.data.vision import ImageSamples, load_vision_processor
 
-    images = ImageSamples(cfg, load_vision_processor(run.model.pretrain, tokenizer))
-    images.check(run.model.pretrain, run.dist.ring_attn_size, run.dist.ds_tensor_parallel_size)
+    try:
+        processor = load_vision_processor(run.model.pretrain, tokenizer)
+    except ConfigError:
+        if cfg.max_images_per_prompt > 0:
+            raise
+        processor = None  # a VLM whose processor tidal cannot use trains on text as before
+    images = ImageSamples(cfg, processor)
+    vision_model = processor is not None or is_vision_language(run.model.pretrain)
+    images.check(run.model.pretrain, vision_model, run.dist.ring_attn_size, run.dist.ds_tensor_parallel_size)
     return images
 
 
