@@ -19,9 +19,9 @@ from torch import nn
 from tidal.agents import AgentError, AgentExecutorBase, AgentInstanceBase, MultiTurnAgentExecutor, Trajectory
 from tidal.experience.experience import Experience
 from tidal.experience.maker import from_trajectories
+from tidal.experience.reward_models import RewardModels
 from tidal.models.precision import Precision
 from tidal.rewards import RemoteReward, RewardError, RewardFunction
-from tidal.rewards.models import RewardModels
 from tidal.rollout import SamplingParams
 from tidal.rollout.outputs import CompletionOutput, RequestOutput
 

@@ -6,7 +6,7 @@ from tidal.agents import SingleTurnAgentExecutor, load_agent_executor   # in the
 executor = load_agent_executor(path) if path else SingleTurnAgentExecutor()
 trajectories = executor.run(engine, tokenizer, prompts, labels, SamplingParams(n=4), max_length=1024)
 
-from tidal.agents import ToolAgentExecutor, parse_tool_calls   # tool-using agents (tools.py, tool_parsers.py)
+from tidal.agents import ToolAgentExecutor, parse_tool_calls   # tool-using agents (tools.py; parsers: tidal.data.tool_parsers)
 """
 
 from tidal.agents.base import (
@@ -21,14 +21,14 @@ from tidal.agents.client import LLMClient
 from tidal.agents.loader import load_agent_executor
 from tidal.agents.multi_turn import MultiTurnAgentExecutor
 from tidal.agents.single_turn import SingleTurnAgentExecutor
-from tidal.agents.tool_parsers import (
+from tidal.agents.tools import ToolAgentExecutor, tool_schema
+from tidal.data.tool_parsers import (
     TOOL_PARSERS,
     ParsedMessage,
     ToolParseError,
     detect_tool_parser,
     parse_tool_calls,
 )
-from tidal.agents.tools import ToolAgentExecutor, tool_schema
 
 __all__ = [
     "AgentError",

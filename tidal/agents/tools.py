@@ -21,7 +21,7 @@ nothing is re-tokenized):
    signatures and docstrings by ``transformers.utils.get_json_schema``). A template that does not
    render tools gets them in a system message in the parser's format (``tools_in_prompt=False``
    leaves them out). Prompts already rendered by ``--apply_chat_template`` are used as they are.
-2. the model's message is parsed (``tidal.agents.tool_parsers``); with tool calls, each function runs
+2. the model's message is parsed (``tidal.data.tool_parsers``); with tool calls, each function runs
    with the call's arguments and the results come back as ``role: "tool"`` messages rendered by the
    chat template — only the text the template adds after the assistant's message, so the tokens the
    model generated stay exactly as sampled — followed by the next assistant header;
@@ -47,7 +47,7 @@ from typing import Any
 
 from tidal.agents.base import AgentError, AgentInstanceBase, EpisodeError, describe
 from tidal.agents.multi_turn import MultiTurnAgentExecutor
-from tidal.agents.tool_parsers import (
+from tidal.data.tool_parsers import (
     TOOL_PARSERS,
     ToolParseError,
     detect_tool_parser,

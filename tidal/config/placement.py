@@ -19,7 +19,7 @@ reward models each — unless they are given devices of their own, as in OpenRLH
   ``--colocate_all_models``: that many reward-model workers (T divides it);
 - ``--critic_num_nodes/--critic_num_gpus_per_node`` set without ``--colocate_critic_reward`` or
   ``--colocate_all_models``: a critic on devices of its own, one worker per policy worker (the count
-  must equal T), trained while the policy updates (``tidal.placement.critic``); local mode and
+  must equal T), trained while the policy updates (``tidal.trainers.ppo.critic``); local mode and
   torchrun only. Otherwise the critic trains on the policy workers.
 
 Separate workers are child processes of their trainer (GPUs after the trainers', or CPU processes)

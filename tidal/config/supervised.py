@@ -15,12 +15,12 @@ from tidal.config.args import Checked, arg
 from tidal.config.checkpoint import CheckpointConfig, trainer_checkpoints
 from tidal.config.data import OPENRLHF_INPUT_TEMPLATE, DatasetConfig, HeldOutDatasetConfig, VisionConfig
 from tidal.config.distributed import DistributedConfig, ring_layout_problems
+from tidal.config.logging import LoggingConfig
 from tidal.config.model import ModelConfig
 from tidal.config.registries import RM_LOSS_NAMES
 from tidal.config.run import RunConfig, config_field
 from tidal.config.sample_data import PairDataConfig, PRMDataConfig, SFTDataConfig, UnpairedDataConfig
 from tidal.config.training import OptimConfig, TrainConfig
-from tidal.logging import LoggingConfig
 
 if TYPE_CHECKING:
     from tidal.distributed import World

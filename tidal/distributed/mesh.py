@@ -3,16 +3,37 @@
 ``--ring_attn_size N`` cuts the world into groups of N consecutive ranks (ranks 0..N-1, N..2N-1, ...);
 each group runs ring attention over a packed row that all of its ranks hold
 (``tidal.models.ring_attention``). ``ring_layout_problems`` is the check that runs before any model
-loads.
+loads. ``RingGroup`` (this rank's group) is the type ``tidal.models.ring_attention`` computes over.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
 from tidal.config.distributed import ring_layout_problems as ring_layout_problems
 from tidal.distributed.world import World
-from tidal.models.ring_attention import RingGroup
+
+
+@dataclass(frozen=True)
+class RingGroup:
+    """This rank's ring: the process group, its place in it and the global ranks in ring order."""
+
+    group: Any  # a torch.distributed ProcessGroup
+    rank: int
+    size: int
+    ranks: tuple[int, ...]
+    head_stride: int = 1
+
+    @property
+    def next_rank(self) -> int:
+        return self.ranks[(self.rank + 1) % self.size]
+
+    @property
+    def prev_rank(self) -> int:
+        return self.ranks[(self.rank - 1) % self.size]
 
 
 def ring_group(world: World, size: int, head_stride: int = 1) -> RingGroup | None:

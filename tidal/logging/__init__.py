@@ -3,7 +3,7 @@
 Inside this package ``import logging`` is the standard library (absolute imports), not this package.
 """
 
-from tidal.logging.config import LoggingConfig
+from tidal.config.logging import LoggingConfig
 from tidal.logging.console import get_logger
 from tidal.logging.metrics import MetricsLogger
 from tidal.logging.plots import plot_metrics, read_metrics

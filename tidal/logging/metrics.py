@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.config.args import ConfigError
-from tidal.logging.config import LoggingConfig, default_run_name
+from tidal.config.logging import LoggingConfig, default_run_name
 from tidal.logging.console import get_logger
 
 METRICS_FILE = "metrics.jsonl"

@@ -1,5 +1,5 @@
 """The pieces ring attention's two block paths share (``ring_attention``'s plain float32 math and
-``ring_flash``'s flash kernels): the ring group, where a packed row's blocks are (``RingLayout``), which
+``ring_flash``'s flash kernels): where a packed row's blocks are (``RingLayout``), which
 query may see which key (``block_mask``), the log-sum-exp merge of two partial attentions, and the
 asynchronous shift of tensors to the next rank of the ring."""
 
@@ -7,30 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-
-@dataclass(frozen=True)
-class RingGroup:
-    """This rank's ring: the process group, its place in it and the global ranks in ring order."""
-
-    group: Any  # a torch.distributed ProcessGroup
-    rank: int
-    size: int
-    ranks: tuple[int, ...]
-    head_stride: int = 1
-
-    @property
-    def next_rank(self) -> int:
-        return self.ranks[(self.rank + 1) % self.size]
-
-    @property
-    def prev_rank(self) -> int:
-        return self.ranks[(self.rank - 1) % self.size]
+from tidal.distributed.mesh import RingGroup as RingGroup  # the group type lives with its factory
 
 
 def block_mask(

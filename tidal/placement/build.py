@@ -3,41 +3,35 @@
 ``build_roles`` is the one place that turns a run's placement (``tidal.config.placement``) into
 objects: for each role, the local implementation on this process's device, or the remote one
 driving this rank's separate workers (child processes it starts, or the Ray actors the driver
-placed for it); with several data-parallel ranks the rollout is this rank's share. Reward models
-ride with the rollout, which scores what it generates. ``build_critic`` does the same for the critic
-the loop trains (``tidal.placement.critic``).
+placed for it); with several data-parallel ranks the rollout is this rank's share. The reward
+models are built here too (on this device or on workers of their own); the experience path
+(``tidal.experience.scoring``) scores with them. The critic the loop trains is built by the trainer
+(``tidal.trainers.ppo.critic.build_critic``), on workers this package starts.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import socket
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from tidal.config import ConfigError
 from tidal.config.placement import separate_critic
 from tidal.distributed.world import World
+from tidal.experience.reward_models import RewardModels
 from tidal.inference.scoring import check_same_tokenizer
 from tidal.logging import get_logger
 from tidal.models import load_causal_lm
 from tidal.models.frozen import FrozenModel, frozen_copy_config
 from tidal.models.precision import Precision
 from tidal.models.value_model import load_value_model
-from tidal.placement.critic import CriticSpec, CriticUpdate, CriticWorker, LocalCritic, RemoteCritic
 from tidal.placement.data_parallel import DataParallelRollout
 from tidal.placement.frozen_roles import LocalReference, RemoteReference, RemoteRewardModels, reference_source
-from tidal.placement.protocols import CriticRole, PlacedRun, ReferenceRole, RewardRole, RolloutRole
+from tidal.placement.protocols import PlacedRun, ReferenceRole, RewardRole, RolloutRole
 from tidal.placement.remote_rollout import RemoteRollout
 from tidal.placement.roles import start_workers, worker_counts
 from tidal.placement.rollout import LocalRollout
-from tidal.placement.workers import ExtraDevices, start_process_workers
-from tidal.rewards.models import RewardModels
-from tidal.trainers.common import build_optimization
 
 log = get_logger(__name__)
 
@@ -101,31 +95,6 @@ def build_rollout(run: PlacedRun, world: World, tokenizer, workers: dict[str, li
     return DataParallelRollout(rollout, world) if world.distributed else rollout
 
 
-def build_critic(run: PlacedRun, world: World, steps: int, update: CriticUpdate) -> CriticRole:
-    """The critic from ``--critic_pretrain`` (else the first reward model, else the policy): on this
-    rank's device (FSDP2-sharded over the policy workers), or on a worker process of its own when
-    ``--critic_num_*`` give it devices (``tidal.config.placement.separate_critic``). ``steps``: optimizer
-    steps of the run (the LR schedule); ``update``: its PPO epochs (the trainer's, run where it is)."""
-    cfg = dataclasses.replace(run.actor, pretrain=run.critic_source)
-    if not separate_critic(run.placement):
-        model = load_value_model(cfg, world.device, run.critic.value_head_prefix)
-        opt = build_optimization(model, cfg, run.critic_optim, run.dist, world, steps)
-        return LocalCritic(opt, update, world)
-    counts = worker_counts(run, world.world_size)  # the other roles' devices come first
-    extra = ExtraDevices({**counts, "engine": counts["engine"] * run.rollout.vllm_tensor_parallel_size})
-    devices = extra.after("critic", 1)
-    # the value head's random init starts where a colocated critic's would (after the policy's load)
-    spec = CriticSpec(cfg, run.critic_optim, run.dist, run.critic.value_head_prefix, update, steps, torch.get_rng_state(), world.rank, world.world_size, critic_rendezvous(world),
-                      devices[0], torch.get_num_threads())  # fmt: skip
-    [worker] = start_process_workers(CriticWorker, [spec], "critic", devices)
-    try:
-        torch.set_rng_state(worker.call("rng_state"))  # and this rank continues as after building it
-    except BaseException:
-        worker.close()
-        raise
-    return RemoteCritic(worker)
-
-
 def critic_workers(run: PlacedRun, world_size: int) -> int:
     """Critic workers per trainer: 1 for a critic on devices of its own, whose count must then be the
     number of processes (under torchrun the flags' sizes are not the launcher's), else 0."""
@@ -148,19 +117,6 @@ def critic_ray_problem(run: PlacedRun) -> str | None:
                 "mode or under torchrun (a critic process per trainer), not in Ray mode; leave them unset, "
                 "pass --colocate_critic_reward, or launch with torchrun")  # fmt: skip
     return None
-
-
-def critic_rendezvous(world: World) -> tuple[str, int]:
-    """Where the critic workers of a multi-process run meet: a free port on the first trainer's node."""
-    if not world.distributed:
-        return "127.0.0.1", 0
-    port = [0]
-    if world.is_main:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port[0] = s.getsockname()[1]
-    dist.broadcast_object_list(port, src=0)
-    return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(port[0])
 
 
 def build_reward_models(run: PlacedRun, device: torch.device) -> RewardRole | None:

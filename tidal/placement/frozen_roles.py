@@ -7,7 +7,7 @@ collects log-probs or rewards. Both sides are the roles of ``tidal.placement.pro
 
 - ``ReferenceRole``: ``LocalReference`` (the model on this device, optionally offloaded between
   uses) or ``RemoteReference`` (``ReferenceWorker`` processes / Ray actors);
-- ``RewardRole``: ``tidal.rewards.models.RewardModels`` here, or ``RemoteRewardModels``
+- ``RewardRole``: ``tidal.experience.reward_models.RewardModels`` here, or ``RemoteRewardModels``
   (``RewardWorker``).
 """
 
@@ -23,13 +23,13 @@ from torch import Tensor, nn
 from tidal.config import ModelConfig
 from tidal.experience.experience import Experience
 from tidal.experience.maker import forward_logprobs
+from tidal.experience.reward_models import RewardModels
 from tidal.models import load_causal_lm
 from tidal.models.frozen import FrozenModel
 from tidal.models.precision import Precision
 from tidal.models.value_model import load_value_model
 from tidal.placement.workers import scatter
 from tidal.rewards.base import RewardResult
-from tidal.rewards.models import RewardModels
 
 
 @dataclass

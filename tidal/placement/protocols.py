@@ -9,11 +9,11 @@ protocols:
   (engine processes / Ray actors), ``DataParallelRollout`` (this rank's share of either).
 - ``ReferenceRole``: per-token log-probs of the reference policy. ``LocalReference`` /
   ``RemoteReference`` (``tidal.placement.frozen_roles``).
-- ``RewardRole``: reward-model scores of an ``Experience``. ``tidal.rewards.models.RewardModels`` /
+- ``RewardRole``: reward-model scores of an ``Experience``. ``tidal.experience.reward_models.RewardModels`` /
   ``RemoteRewardModels``.
 - ``CriticRole``: the value model the loop trains with the policy (GAE). ``LocalCritic`` (on the
   policy workers) / ``RemoteCritic`` (a worker process of its own, trained while the policy updates;
-  ``tidal.placement.critic``).
+  ``tidal.trainers.ppo.critic``).
 
 ``PlacedRun`` is the part of an RL run's configuration placement reads (``PPORun`` has it), so this
 package never imports the trainer.

@@ -21,6 +21,9 @@ Checkpoints: the worker gathers its full state (weights, optimizer, schedule, no
 CPU and the trainer writes it with its own loop state (``checkpoint_state``); a resume sends it back.
 A checkpoint resumes with the critic placed as when it was written.
 
+``build_critic`` makes the one this rank's placement asks for. The critic is trained, so it is the trainer's
+(``tidal.placement`` only starts its worker process).
+
 Ring attention (``--ring_attn_size``): the local critic's forwards and updates run inside the trainer's
 ``use_ring`` scope, so its packed rows are split like the policy's (``ValueHeadMixin.values``); the
 critic workers make the same ring groups among themselves and enter them for each call.
@@ -30,10 +33,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -41,6 +46,7 @@ from tidal.checkpoint.hf_export import save_hf_model
 from tidal.checkpoint.resumable import CheckpointError
 from tidal.config import ModelConfig
 from tidal.config.distributed import DistributedConfig
+from tidal.config.placement import separate_critic
 from tidal.config.training import OptimConfig
 from tidal.distributed.mesh import ring_group
 from tidal.distributed.offload import offload_to_cpu, reload_to_device
@@ -49,6 +55,9 @@ from tidal.experience.experience import Experience
 from tidal.experience.maker import forward_values
 from tidal.models.ring_attention import use_ring
 from tidal.models.value_model import load_value_model
+from tidal.placement.protocols import CriticRole, PlacedRun
+from tidal.placement.roles import worker_counts
+from tidal.placement.workers import ExtraDevices, start_process_workers
 from tidal.trainers.common import build_optimization
 from tidal.trainers.loop import Optimization
 
@@ -229,3 +238,41 @@ class RemoteCritic:
 
     def close(self) -> None:
         self.worker.close()
+
+
+def build_critic(run: PlacedRun, world: World, steps: int, update: CriticUpdate) -> CriticRole:
+    """The critic from ``--critic_pretrain`` (else the first reward model, else the policy): on this
+    rank's device (FSDP2-sharded over the policy workers), or on a worker process of its own when
+    ``--critic_num_*`` give it devices (``tidal.config.placement.separate_critic``). ``steps``: optimizer
+    steps of the run (the LR schedule); ``update``: its PPO epochs (the trainer's, run where it is)."""
+    cfg = dataclasses.replace(run.actor, pretrain=run.critic_source)
+    if not separate_critic(run.placement):
+        model = load_value_model(cfg, world.device, run.critic.value_head_prefix)
+        opt = build_optimization(model, cfg, run.critic_optim, run.dist, world, steps)
+        return LocalCritic(opt, update, world)
+    counts = worker_counts(run, world.world_size)  # the other roles' devices come first
+    extra = ExtraDevices({**counts, "engine": counts["engine"] * run.rollout.vllm_tensor_parallel_size})
+    devices = extra.after("critic", 1)
+    # the value head's random init starts where a colocated critic's would (after the policy's load)
+    spec = CriticSpec(cfg, run.critic_optim, run.dist, run.critic.value_head_prefix, update, steps, torch.get_rng_state(), world.rank, world.world_size, critic_rendezvous(world),
+                      devices[0], torch.get_num_threads())  # fmt: skip
+    [worker] = start_process_workers(CriticWorker, [spec], "critic", devices)
+    try:
+        torch.set_rng_state(worker.call("rng_state"))  # and this rank continues as after building it
+    except BaseException:
+        worker.close()
+        raise
+    return RemoteCritic(worker)
+
+
+def critic_rendezvous(world: World) -> tuple[str, int]:
+    """Where the critic workers of a multi-process run meet: a free port on the first trainer's node."""
+    if not world.distributed:
+        return "127.0.0.1", 0
+    port = [0]
+    if world.is_main:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port[0] = s.getsockname()[1]
+    dist.broadcast_object_list(port, src=0)
+    return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(port[0])

@@ -32,7 +32,7 @@ from tidal.logging import get_logger
 from tidal.models import load_causal_lm, load_tokenizer
 from tidal.models.loading import check_model_folder, model_load_error
 from tidal.models.ring_attention import use_ring
-from tidal.placement.build import build_critic, build_roles, critic_ray_problem, log_placement
+from tidal.placement.build import build_roles, critic_ray_problem, log_placement
 from tidal.placement.data_parallel import check_data_parallel
 from tidal.placement.ray_launch import run_on_ray, wants_ray
 from tidal.rollout.batch_invariant import exact_problem
@@ -42,6 +42,7 @@ from tidal.rollout.models.registry import FAMILIES, feature_refusal
 from tidal.trainers.common import build_optimization, seed_everything
 from tidal.trainers.loop import Optimization
 from tidal.trainers.ppo.config import PPORun
+from tidal.trainers.ppo.critic import build_critic
 from tidal.trainers.ppo.ptx import PtxStream
 from tidal.trainers.ppo.trainer import PPOParts, PPOTrainer
 from tidal.trainers.ppo.update import StepShape, ValueLoss, train_on_experience
@@ -120,7 +121,7 @@ def check_tensor_parallel(run: PPORun, world: World) -> None:
 def ring_for(run: PPORun, world: World):
     """This rank's ring-attention group (``--ring_attn_size``), or None; impossible settings fail in one
     line first. The policy, reference and critic forwards run under the ring (a critic on devices of its
-    own makes the same ring groups among its workers, ``tidal.placement.critic``); reward models score
+    own makes the same ring groups among its workers, ``tidal.trainers.ppo.critic``); reward models score
     padded rows and are not split."""
     size = run.dist.ring_attn_size
     if size <= 1:
@@ -243,7 +244,7 @@ def build_parts(run: PPORun, world: World, tokenizer, steps: int, ray_actors: di
 
 @dataclass(frozen=True)
 class ValueUpdate:
-    """The critic's PPO epochs on an experience (``tidal.placement.critic.CriticUpdate``): picklable, so
+    """The critic's PPO epochs on an experience (``tidal.trainers.ppo.critic.CriticUpdate``): picklable, so
     a critic on devices of its own runs this same code in its worker."""
 
     value_clip: float | None
