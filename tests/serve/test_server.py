@@ -277,3 +277,39 @@ def test_client_leaving_a_stream_aborts_its_samples(tiny_llama):
             done.wait(0.01)
         assert recorder.episode("gone") == []
         assert engine.block_manager.num_free_blocks == engine.num_kv_blocks
+
+
+def test_openai_fidelity_models_ids_store_temperature(client):
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, store=True)
+    assert chat.id.startswith("chatcmpl-")
+    assert client.completions.create(model=MODEL, prompt="a", max_tokens=2).id.startswith("cmpl-")
+    for bad in (2.5, -0.1):
+        with pytest.raises(openai.BadRequestError, match=r"\[0, 2\]"):
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=bad)
+
+
+def test_stream_sends_no_empty_content_while_text_is_held_back(client):
+    """A 4-character stop string holds the last 3 characters of the text back each step: the chunks of
+    those steps are not sent as empty deltas; their tokens' log-probs come with the next text."""
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=24, seed=5, logprobs=True, stop=["zzzz"])
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    deltas = [c.choices[0] for c in chunks[1:]]
+    assert all(d.delta.content != "" for d in deltas)
+    assert all(d.delta.content or d.finish_reason for d in deltas)
+    assert "".join(d.delta.content or "" for d in deltas) == full.choices[0].message.content
+    streamed = [t.logprob for d in deltas if d.logprobs for t in d.logprobs.content]
+    assert streamed == [t.logprob for t in full.choices[0].logprobs.content]
+
+
+def test_logprob_bytes_of_partial_utf8_tokens(ref):
+    from tidal.serve.protocol import chat_logprobs
+
+    tok = ref.tokenizer
+    ids = tok.encode("héllo 世界", add_special_tokens=False)
+    entries = chat_logprobs(tok, ids, [-1.0] * len(ids))["content"]
+    assert any(e["token"] == "\ufffd" for e in entries)  # some tokens hold part of a character
+    assert b"".join(bytes(e["bytes"]) for e in entries) == "héllo 世界".encode()

@@ -13,6 +13,7 @@ pytest.importorskip("uvicorn")
 
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from tidal.serve import OpenAIServer  # noqa: E402
+from tidal.serve.protocol import token_bytes  # noqa: E402
 
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "What is 2+3?"}]
@@ -77,7 +78,9 @@ def test_chat_top_logprobs_match_hf(client, ref, hf):
         assert values == sorted(values, reverse=True)
         assert [alt.token for alt in entry.top_logprobs] == [tok.decode([t]) for t, _ in expected]
         assert values == pytest.approx([v for _, v in expected], abs=1e-5)
-        assert all(alt.bytes == list(alt.token.encode()) for alt in entry.top_logprobs)
+        for alt, (t, _) in zip(entry.top_logprobs, expected, strict=True):  # the token's own bytes
+            assert alt.bytes == list(token_bytes(tok, t))
+            assert "\ufffd" in alt.token or alt.bytes == list(alt.token.encode())
         ids = [t for t, _ in expected]
         if sampled in ids:  # the sampled token carries the same number in both places
             assert entry.logprob == values[ids.index(sampled)]

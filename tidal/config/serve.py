@@ -58,6 +58,19 @@ class ServeConfig:
         check=AT_LEAST_ONE,
     )
     seed: int = arg(0, help="seed of the samples of requests that give no 'seed'")
+    max_request_bytes: int = arg(
+        16 * 1024 * 1024,
+        help="largest request body in bytes; larger ones get HTTP 413 before they are read",
+        check=AT_LEAST_ONE,
+    )
+    max_request_samples: int = arg(
+        256, help="most samples (prompts × n) one request may ask for; more get HTTP 400", check=AT_LEAST_ONE
+    )
+    request_timeout: float = arg(
+        30.0,
+        help="seconds a client may take to send a request's headers, and again its body (HTTP 408)",
+        check=Range(0, low_open=True),
+    )
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -74,3 +87,17 @@ class ServeConfig:
 
     def model_name(self, model: ModelConfig) -> str:
         return self.served_model_name or model.pretrain
+
+    @property
+    def limits(self) -> ServeLimits:
+        return ServeLimits(self.max_request_bytes, self.max_request_samples, self.request_timeout)
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """What one request to ``tidal serve`` may be: its body size (413 beyond), its samples (prompts × n;
+    400 beyond), and the seconds its client may take to send its headers, and again its body (408)."""
+
+    max_request_bytes: int = 16 * 1024 * 1024
+    max_request_samples: int = 256
+    request_timeout: float = 30.0

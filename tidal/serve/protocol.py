@@ -1,588 +1,70 @@
-"""The OpenAI wire format: request validation into engine inputs, and response / chunk bodies.
+"""The OpenAI wire format of ``tidal serve``, one import for its three parts:
 
-Pure functions over dicts (no HTTP here). A request is checked field by field; anything tidal cannot
-honour is a ``RequestError`` (HTTP 400) naming the field and what was expected, never silently
-ignored: e.g. ``presence_penalty`` other than 0, ``logit_bias``, ``tool_choice: "required"``, ``echo``.
-Unknown fields are refused too.
+- ``tidal.serve.schema``: the shared types (``ServeRequest``, ``RequestError``, ``ModelLimits``) and the
+  decoding of a request body (``decode_body``: every malformed body is a 400, never a 500);
+- ``tidal.serve.validation``: a body → a ``ServeRequest`` (every field's type and range checked before
+  the engine sees it: ``parse_chat``, ``parse_completion``);
+- ``tidal.serve.responses``: engine outputs → response and stream-chunk bodies.
 
 Tools follow OpenAI: chat ``tools`` reach the chat template (``apply_chat_template(..., tools=)``), and
 unless ``tool_choice`` is ``"none"`` each answer is parsed with the tool parser matching the template
-(``tidal.agents.tool_parsers.detect_tool_parser``, as the tool agent executor picks it): calls become
+(``tidal.data.tool_parsers.detect_tool_parser``, as the tool agent executor picks it): calls become
 ``message.tool_calls`` (arguments as a JSON string) with ``finish_reason: "tool_calls"`` and the text
 outside them the ``content`` (null when empty); an answer whose calls do not parse stays plain content.
 Parsing only rewrites the answer: the sampled ids and log-probs (what an RL recorder keeps) are untouched.
-
-Log-probs follow OpenAI: chat ``logprobs: true`` with ``top_logprobs: k`` (0..20) gives each content token
-its k most likely alternatives (token, logprob, bytes); completions ``logprobs: k`` (0..5) gives each
-token a ``{token: logprob}`` dict of the k most likely and the sampled one. Every value is of the
-distribution the token was sampled from, ``log_softmax(logits / temperature)`` before top-k / top-p
-truncation (raw logits when greedy; see ``SamplingParams``), where vLLM by default reports the raw
-logits' log-softmax whatever the temperature.
-
-Lengths follow vLLM: a request whose prompt plus ``max_tokens`` exceeds the context length is refused
-with both numbers; without ``max_tokens`` the completion may use the rest of the context (or the
-server's ``--default_max_tokens``).
 """
 
-from __future__ import annotations
-
-import json
-import time
-import uuid
-from dataclasses import dataclass, field
-from typing import Any
-
-from tidal.agents.tool_parsers import ToolParseError, detect_tool_parser, parse_tool_calls
-from tidal.rollout import RequestOutput, SamplingParams
-
-CHAT, COMPLETIONS = "chat.completions", "completions"
-
-# Accepted fields; those marked in _NEUTRAL are accepted only at their no-op value.
-_SAMPLING_FIELDS = {"model", "n", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "stream"}
-_SAMPLING_FIELDS |= {"stream_options", "user", "presence_penalty", "frequency_penalty", "logit_bias"}
-_CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
-_CHAT_FIELDS |= {"tools", "tool_choice", "parallel_tool_calls", "response_format"}
-_COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
-# field → (accepted no-op value, why another value is refused)
-_NEUTRAL = {
-    "presence_penalty": (0, "penalties are not supported"),
-    "frequency_penalty": (0, "penalties are not supported"),
-    "logit_bias": (None, "logit_bias is not supported"),
-    "echo": (False, "echo (prompt log-probs) is not supported"),
-    "suffix": (None, "suffix (insertion) is not supported"),
-    "parallel_tool_calls": (True, "false (at most one call per answer) is not supported"),
-}
-TOOL_CHOICES = ("none", "auto")
-
-
-class RequestError(Exception):
-    """A request the server refuses; becomes ``{"error": {"message", "type", "code", "param"}}``."""
-
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        code: str | None = None,
-        param: str | None = None,
-        type: str = "invalid_request_error",
-    ):
-        super().__init__(message)
-        self.message, self.status, self.code, self.param, self.type = message, status, code, param, type
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
-
-
-@dataclass
-class ServeRequest:
-    """A validated request: what the engine runs and how the answer is written."""
-
-    endpoint: str  # CHAT or COMPLETIONS
-    prompts: list[list[int]]  # one engine request per prompt (a completions batch may hold several)
-    params: SamplingParams
-    stream: bool = False
-    include_usage: bool = False  # streaming: a last chunk with the usage
-    logprobs: bool = False
-    episode_id: str | None = None
-    tool_parser: str | None = None  # chat: parse answers into tool_calls with this parser (None: do not)
-    request_id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def n(self) -> int:
-        return self.params.n
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    """What the served model allows: its id, context length and the default completion length."""
-
-    name: str
-    max_model_len: int
-    default_max_tokens: int | None = None
-
-
-# ---------------------------------------------------------------------------- field checks
-def _number(body: dict, name: str, default, low=None, high=None, integer=False, low_open=False):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise RequestError(
-            f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", param=name
-        )
-    too_low = low is not None and (value <= low if low_open else value < low)
-    if too_low or (high is not None and value > high):
-        bounds = f"{'>' if low_open else '>='} {low}" if high is None else f"in [{low}, {high}]"
-        raise RequestError(f"'{name}' must be {bounds}, got {value}", param=name)
-    return value
-
-
-def _check_fields(body: dict, allowed: set[str]) -> None:
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise RequestError(f"unsupported field(s): {', '.join(unknown)}", param=unknown[0])
-    for name, (neutral, why) in _NEUTRAL.items():
-        value = body.get(name)
-        if name in allowed and value is not None and value != neutral and value != {} and value != []:
-            raise RequestError(f"'{name}': {why}", param=name)
-
-
-def _stop(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError("'stop' must be a non-empty string or a list of non-empty strings", param="stop")
-    return stops
-
-
-def _max_tokens(body: dict, prompt_len: int, limits: ModelLimits, names: tuple[str, ...]) -> int:
-    given = [(name, body[name]) for name in names if body.get(name) is not None]
-    name = given[0][0] if given else names[0]
-    room = limits.max_model_len - prompt_len
-    if room < 1:
-        raise RequestError(
-            f"This model's maximum context length is {limits.max_model_len} tokens. However, your "
-            f"prompt has {prompt_len} tokens, which leaves no room for a completion. Please shorten the prompt.",
-            code="context_length_exceeded",
-            param="messages" if "max_completion_tokens" in names else "prompt",
-        )
-    if not given:
-        return min(room, limits.default_max_tokens or room)
-    max_tokens = _number(body, name, None, low=1, integer=True)
-    if prompt_len + max_tokens > limits.max_model_len:
-        raise RequestError(
-            f"This model's maximum context length is {limits.max_model_len} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion). "
-            f"Please reduce the length of the prompt or '{name}'.",
-            code="context_length_exceeded",
-            param=name,
-        )
-    return max_tokens
-
-
-def _sampling(body: dict, max_tokens: int, top_logprobs: int = 0) -> SamplingParams:
-    seed = _number(body, "seed", None, integer=True)
-    try:
-        return _params(body, max_tokens, seed, top_logprobs)
-    except ValueError as err:  # anything the field checks above let through
-        raise RequestError(str(err).replace("SamplingParams: ", "")) from err
-
-
-def _params(body: dict, max_tokens: int, seed: int | None, top_logprobs: int) -> SamplingParams:
-    return SamplingParams(
-        n=_number(body, "n", 1, low=1, integer=True),
-        temperature=_number(body, "temperature", 1.0, low=0),
-        top_p=_number(body, "top_p", 1.0, low=0, high=1, low_open=True),
-        top_k=_number(body, "top_k", -1, low=-1, integer=True),
-        max_new_tokens=max_tokens,
-        stop=_stop(body),
-        seed=None if seed is None else seed % 2**64,
-        logprobs=top_logprobs or None,  # 0: the engine computes no alternatives
-    )
-
-
-def _stream_options(body: dict) -> tuple[bool, bool]:
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise RequestError("'stream' must be a boolean", param="stream")
-    options = body.get("stream_options")
-    if options is None:
-        return stream, False
-    if not stream:
-        raise RequestError("'stream_options' is only allowed with 'stream': true", param="stream_options")
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise RequestError("'stream_options' may only hold 'include_usage'", param="stream_options")
-    return stream, bool(options.get("include_usage", False))
-
-
-def _episode(body: dict, header: str | None) -> str | None:
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise RequestError("'user' must be a string", param="user")
-    return header or user
-
-
-def check_model(body: dict, limits: ModelLimits) -> None:
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise RequestError("'model' is required: the model id from /v1/models", param="model")
-    if model != limits.name:
-        raise RequestError(
-            f"The model '{model}' does not exist; this server serves '{limits.name}'",
-            status=404,
-            code="model_not_found",
-            param="model",
-        )
-
-
-# ---------------------------------------------------------------------------- requests
-def message_text(index: int, message: Any) -> dict:
-    """One chat message as the template sees it: role and plain-text content."""
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise RequestError(f"messages[{index}] must be an object with a 'role'", param="messages")
-    content = message.get("content")
-    if isinstance(content, list):  # content parts: only text ones
-        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            raise RequestError(
-                f"messages[{index}]: only 'text' content parts are supported", param="messages"
-            )
-        content = "".join(str(p.get("text", "")) for p in content)
-    if content is not None and not isinstance(content, str):
-        raise RequestError(
-            f"messages[{index}].content must be a string or a list of text parts", param="messages"
-        )
-    rendered = {**message, "content": content or ""}
-    if message.get("tool_calls") is not None:
-        rendered["tool_calls"] = _template_tool_calls(index, message["tool_calls"])
-    if message["role"] == "tool" and not isinstance(message.get("tool_call_id", ""), str):
-        raise RequestError(f"messages[{index}].tool_call_id must be a string", param="messages")
-    return rendered
-
-
-def _template_tool_calls(index: int, calls: Any) -> list[dict]:
-    """An assistant message's OpenAI ``tool_calls`` as chat templates read them: the arguments decoded
-    into an object (Hermes/Qwen and Llama 3 templates write them with ``tojson``; as vLLM does)."""
-    where = f"messages[{index}].tool_calls"
-    if not isinstance(calls, list):
-        raise RequestError(f"{where} must be a list", param="messages")
-    out = []
-    for j, call in enumerate(calls):
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise RequestError(
-                f"{where}[{j}] must be {{'function': {{'name', 'arguments'}}}}", param="messages"
-            )
-        arguments = function.get("arguments", "{}")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments or "{}")
-            except json.JSONDecodeError:
-                raise RequestError(
-                    f"{where}[{j}].function.arguments is not a JSON string: {arguments[:80]!r}",
-                    param="messages",
-                ) from None
-        out.append({**call, "function": {**function, "arguments": arguments}})
-    return out
-
-
-def _tools(body: dict) -> list[dict] | None:
-    """``tools``: a list of ``{"type": "function", "function": {"name", ...}}`` (None when absent/empty)."""
-    tools = body.get("tools")
-    if tools is None or tools == []:
-        return None
-    if not isinstance(tools, list):
-        raise RequestError("'tools' must be a list of {'type': 'function', 'function': {...}}", param="tools")
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or tool.get("type") != "function" or not function.get("name"):
-            raise RequestError(
-                f"tools[{i}] must be {{'type': 'function', 'function': {{'name', 'description', 'parameters'}}}}",
-                param="tools",
-            )
-    return tools
-
-
-def _tool_parser(body: dict, tokenizer, tools: list[dict] | None) -> str | None:
-    """The parser answers go through: none without tools or with ``tool_choice: "none"``."""
-    choice = body.get("tool_choice")
-    if choice is not None and choice not in TOOL_CHOICES:
-        raise RequestError(
-            f"'tool_choice' must be one of {list(TOOL_CHOICES)} ('required' and a named function are not "
-            f"supported: the engine cannot force a call), got {choice!r}",
-            param="tool_choice",
-        )
-    if tools is None or choice == "none":
-        return None
-    parser = detect_tool_parser(getattr(tokenizer, "chat_template", None))
-    if parser is None:
-        raise RequestError(
-            "'tools': the served model's chat template shows no tool-call format (Hermes/Qwen <tool_call> "
-            "or Llama 3 JSON), so calls could not be parsed; use --tokenizer_chat_template",
-            param="tools",
-        )
-    return parser
-
-
-def chat_prompt_ids(tokenizer, messages: Any, tools: list[dict] | None = None) -> list[int]:
-    """Render messages (and ``tools``) with the tokenizer's chat template (with the generation prompt)
-    into ids."""
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("'messages' must be a non-empty list", param="messages")
-    if not getattr(tokenizer, "chat_template", None):
-        raise RequestError(
-            "the served model's tokenizer has no chat template: use /v1/completions, or start the server "
-            "with --tokenizer_chat_template"
-        )
-    rendered = [message_text(i, m) for i, m in enumerate(messages)]
-    try:
-        extra = {} if tools is None else {"tools": tools}  # as before when there are none
-        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False, **extra)
-    except Exception as err:  # a template may raise on a message order it does not allow
-        raise RequestError(f"the chat template rejected the messages: {err}", param="messages") from err
-    # The template writes any bos itself; encoding must not add a second one.
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def completion_prompt_ids(tokenizer, prompt: Any, vocab_size: int) -> list[list[int]]:
-    """``prompt`` as a string, a list of strings, a list of token ids or a list of such lists."""
-    if (
-        isinstance(prompt, str)
-        or isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt:
-        raise RequestError(
-            "'prompt' must be a string, a list of strings or a list of token ids", param="prompt"
-        )
-    prompts = []
-    for i, p in enumerate(prompt):
-        if isinstance(p, str):
-            ids = tokenizer.encode(p)  # as the engine encodes text prompts (bos where the tokenizer adds one)
-        elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            ids = list(p)
-            if any(not 0 <= t < vocab_size for t in ids):
-                raise RequestError(f"prompt {i} has token ids outside [0, {vocab_size})", param="prompt")
-        else:
-            raise RequestError(f"prompt {i} must be a string or a list of token ids", param="prompt")
-        if not ids:
-            raise RequestError(f"prompt {i} is empty", param="prompt")
-        prompts.append(ids)
-    return prompts
-
-
-def parse_chat(body: dict, tokenizer, limits: ModelLimits, episode_header: str | None = None) -> ServeRequest:
-    """A ``/v1/chat/completions`` body → ``ServeRequest``."""
-    _check_fields(body, _CHAT_FIELDS)
-    check_model(body, limits)
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise RequestError("'response_format': only {'type': 'text'} is supported", param="response_format")
-    logprobs = body.get("logprobs") or False
-    if not isinstance(logprobs, bool):
-        raise RequestError("'logprobs' must be a boolean", param="logprobs")
-    top = _number(body, "top_logprobs", 0, low=0, high=20, integer=True)
-    if top and not logprobs:
-        raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    tools = _tools(body)
-    tool_parser = _tool_parser(body, tokenizer, tools)
-    ids = chat_prompt_ids(tokenizer, body.get("messages"), tools)
-    max_tokens = _max_tokens(body, len(ids), limits, ("max_completion_tokens", "max_tokens"))
-    stream, include_usage = _stream_options(body)
-    return ServeRequest(
-        CHAT,
-        [ids],
-        _sampling(body, max_tokens, top),
-        stream,
-        include_usage,
-        logprobs,
-        _episode(body, episode_header),
-        tool_parser,
-    )
-
-
-def parse_completion(
-    body: dict, tokenizer, limits: ModelLimits, vocab_size: int, episode_header: str | None = None
-) -> ServeRequest:
-    """A ``/v1/completions`` body → ``ServeRequest`` (one engine request per prompt)."""
-    _check_fields(body, _COMPLETION_FIELDS)
-    check_model(body, limits)
-    logprobs = body.get("logprobs")
-    top = _number(body, "logprobs", 0, low=0, high=5, integer=True)
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != body.get("n", 1):
-        raise RequestError("'best_of' other than 'n' is not supported", param="best_of")
-    prompts = completion_prompt_ids(tokenizer, body.get("prompt"), vocab_size)
-    # One SamplingParams for the batch: without max_tokens each prompt gets the room the longest leaves.
-    max_tokens = _max_tokens(body, max(len(p) for p in prompts), limits, ("max_tokens",))
-    stream, include_usage = _stream_options(body)
-    return ServeRequest(
-        COMPLETIONS,
-        prompts,
-        _sampling(body, max_tokens, top),
-        stream,
-        include_usage,
-        logprobs is not None,
-        _episode(body, episode_header),
-    )
-
-
-# ---------------------------------------------------------------------------- responses
-def token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-Alternatives = list[tuple[int, float]]  # one token's (token id, log-prob) alternatives, most likely first
-
-
-def _chat_token(tokenizer, token_id: int, logprob: float) -> dict:
-    text = token_text(tokenizer, token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-
-def chat_logprobs(
-    tokenizer, token_ids: list[int], logprobs: list[float], tops: list[Alternatives] | None = None
-) -> dict:
-    """``choice.logprobs`` of a chat answer; ``tops``: each token's alternatives (None: ``top_logprobs`` 0)."""
-    content = []
-    for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
-        entry = _chat_token(tokenizer, token_id, logprob)
-        entry["top_logprobs"] = [] if tops is None else [_chat_token(tokenizer, t, v) for t, v in tops[i]]
-        content.append(entry)
-    return {"content": content, "refusal": None}
-
-
-def _completion_top(tokenizer, token_id: int, logprob: float, top: Alternatives) -> dict[str, float]:
-    """OpenAI's legacy ``{token: logprob}``: the k most likely tokens, and the sampled one (so up to k + 1
-    entries); tokens that decode to the same text share one key, the most likely one's value."""
-    alternatives: dict[str, float] = {}
-    for t, value in [*top, (token_id, logprob)]:
-        alternatives.setdefault(token_text(tokenizer, t), value)
-    return alternatives
-
-
-def completion_logprobs(
-    tokenizer,
-    token_ids: list[int],
-    logprobs: list[float],
-    offset: int = 0,
-    tops: list[Alternatives] | None = None,
-) -> dict:
-    """``choice.logprobs`` of a completion; ``tops``: each token's alternatives (None: ``logprobs`` 0)."""
-    tokens = [token_text(tokenizer, t) for t in token_ids]
-    offsets = []
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
-    top_logprobs = None
-    if tops is not None:
-        top_logprobs = [
-            _completion_top(tokenizer, t, v, top) for t, v, top in zip(token_ids, logprobs, tops, strict=True)
-        ]
-    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top_logprobs,
-            "text_offset": offsets}  # fmt: skip
-
-
-def assistant_answer(
-    text: str, finish_reason: str | None, tool_parser: str | None
-) -> tuple[dict, str | None]:
-    """A chat answer's message fields (``content``, and ``tool_calls`` when it calls tools) and its
-    finish reason: ``"tool_calls"`` when the text parses as calls; a malformed call stays plain text."""
-    if tool_parser is None:
-        return {"content": text}, finish_reason
-    try:
-        parsed = parse_tool_calls(text, tool_parser)
-    except ToolParseError:
-        return {"content": text}, finish_reason
-    if not parsed.tool_calls:
-        return {"content": text}, finish_reason
-    # The parser numbers calls within one message; a conversation needs ids that differ across turns.
-    calls = [{**call, "id": f"call_{uuid.uuid4().hex[:24]}"} for call in parsed.tool_calls]
-    return {"content": parsed.content or None, "tool_calls": calls}, "tool_calls"
-
-
-def usage(outputs: list[RequestOutput]) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def response_body(req: ServeRequest, model: str, outputs: list[RequestOutput], tokenizer) -> dict:
-    """The non-streaming answer: one choice per (prompt, sample), index ``prompt * n + sample``."""
-    choices = []
-    for p, out in enumerate(outputs):
-        for sample in out.outputs:
-            choice: dict[str, Any] = {
-                "index": p * req.n + sample.index,
-                "finish_reason": sample.finish_reason,
-            }
-            if req.endpoint == CHAT:
-                message, choice["finish_reason"] = assistant_answer(
-                    sample.text, sample.finish_reason, req.tool_parser
-                )
-                choice["message"] = {"role": "assistant", **message}
-                choice["logprobs"] = (
-                    chat_logprobs(tokenizer, sample.token_ids, sample.logprobs, sample.top_logprobs)
-                    if req.logprobs
-                    else None
-                )
-            else:
-                choice["text"] = sample.text
-                choice["logprobs"] = (
-                    completion_logprobs(tokenizer, sample.token_ids, sample.logprobs, 0, sample.top_logprobs)
-                    if req.logprobs
-                    else None
-                )
-            choices.append(choice)
-    return {
-        "id": req.request_id,
-        "object": "chat.completion" if req.endpoint == CHAT else "text_completion",
-        "created": req.created,
-        "model": model,
-        "choices": choices,
-        "usage": usage(outputs),
-    }
-
-
-def chunk_body(req: ServeRequest, model: str, choices: list[dict], usage_: dict | None = None) -> dict:
-    body = {
-        "id": req.request_id,
-        "object": "chat.completion.chunk" if req.endpoint == CHAT else "text_completion",
-        "created": req.created,
-        "model": model,
-        "choices": choices,
-    }
-    if req.include_usage:
-        body["usage"] = usage_
-    return body
-
-
-def chunk_choice(
-    req: ServeRequest,
-    tokenizer,
-    index: int,
-    text: str,
-    token_ids: list[int],
-    logprobs: list[float],
-    finish_reason: str | None,
-    text_offset: int = 0,
-    tops: list[Alternatives] | None = None,
-) -> dict:
-    """One choice of a streamed chunk: the text and the tokens sampled since the previous chunk (with
-    their alternatives, ``tops``, when the request asks for them). With a tool parser the text comes
-    whole in the last chunk (``text`` then holds all of it), with any ``tool_calls``."""
-    choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason}
-    if req.endpoint == CHAT and req.tool_parser is not None:
-        choice["delta"] = {}
-        if finish_reason is not None:
-            message, choice["finish_reason"] = assistant_answer(text, finish_reason, req.tool_parser)
-            calls = [{"index": k, **call} for k, call in enumerate(message.get("tool_calls", []))]
-            choice["delta"] = {"content": message["content"], **({"tool_calls": calls} if calls else {})}
-        choice["logprobs"] = (
-            chat_logprobs(tokenizer, token_ids, logprobs, tops) if req.logprobs and token_ids else None
-        )
-    elif req.endpoint == CHAT:
-        choice["delta"] = {"content": text} if text or finish_reason is None else {}
-        choice["logprobs"] = (
-            chat_logprobs(tokenizer, token_ids, logprobs, tops) if req.logprobs and token_ids else None
-        )
-    else:
-        choice["text"] = text
-        choice["logprobs"] = (
-            completion_logprobs(tokenizer, token_ids, logprobs, text_offset, tops) if req.logprobs else None
-        )
-    return choice
-
-
-def streamable_text(text: str, stops: list[str]) -> str:
-    """The part of a growing completion that is safe to send: no half-decoded character at the end
-    (shown as U+FFFD), and not the last characters that could still begin a stop string (the text is
-    cut before a stop string, so those may never be sent)."""
-    text = text.rstrip("\ufffd")
-    hold = max((len(s) for s in stops), default=1) - 1
-    return text[: len(text) - hold] if hold else text
+from tidal.serve.responses import (
+    LOGPROB_FLOOR,
+    Alternatives,
+    assistant_answer,
+    chat_logprobs,
+    chunk_body,
+    chunk_choice,
+    completion_logprobs,
+    finite_logprob,
+    response_body,
+    streamable_text,
+    token_bytes,
+    token_text,
+    usage,
+)
+from tidal.serve.schema import CHAT, COMPLETIONS, ModelLimits, RequestError, ServeRequest, decode_body
+from tidal.serve.validation import (
+    TOOL_CHOICES,
+    chat_prompt_ids,
+    check_model,
+    completion_prompt_ids,
+    message_text,
+    parse_chat,
+    parse_completion,
+)
+
+__all__ = [
+    "CHAT",
+    "COMPLETIONS",
+    "LOGPROB_FLOOR",
+    "TOOL_CHOICES",
+    "Alternatives",
+    "ModelLimits",
+    "RequestError",
+    "ServeRequest",
+    "assistant_answer",
+    "chat_logprobs",
+    "chat_prompt_ids",
+    "check_model",
+    "chunk_body",
+    "chunk_choice",
+    "completion_logprobs",
+    "completion_prompt_ids",
+    "decode_body",
+    "finite_logprob",
+    "message_text",
+    "parse_chat",
+    "parse_completion",
+    "response_body",
+    "streamable_text",
+    "token_bytes",
+    "token_text",
+    "usage",
+]

@@ -1,12 +1,16 @@
 """The OpenAI-compatible HTTP server (``tidal serve``): Starlette routes over one ``EngineLoop``.
 
-Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming as
-server-sent events ``data: {...}`` ending with ``data: [DONE]``), and ``GET /health``. Handlers run on
-uvicorn's event loop; each validates its request (``protocol``), submits one engine request per prompt
-to the engine thread and awaits its events, so concurrent clients share the engine's continuous
-batching. A streaming client that disconnects has its requests aborted (their KV blocks freed).
+Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/chat/completions``, ``POST
+/v1/completions`` (streaming as server-sent events ``data: {...}`` ending with ``data: [DONE]``), and
+``GET /health``. Handlers run on uvicorn's event loop; each reads its body within the limits
+(``http.read_body``), validates it (``protocol``) on a worker thread (tokenizing a long prompt must not
+stall the event loop: ``/health`` and the streams keep answering), submits one engine request per
+prompt to the engine thread and awaits its events, so concurrent clients share the engine's continuous
+batching. A client that disconnects, streaming or not, has its requests aborted (their KV blocks freed).
 Every error is OpenAI's ``{"error": {"message", "type", "code", "param"}}``: 400 for a bad request
-(malformed JSON, a bad field, a prompt beyond the context length), 404 for an unknown model or route.
+(malformed JSON, a bad field, a prompt beyond the context length), 404 for an unknown model or route,
+408 for a client too slow to send its request, 413 for a body over ``--max_request_bytes``, 500 for a
+request the engine failed (the others keep running: ``engine_loop``).
 
 ``OpenAIServer(engine, ...).start()`` serves on a background thread (tests, an RL trainer);
 ``serve_forever()`` serves on the calling thread until Ctrl-C (the CLI).
@@ -16,14 +20,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
+from tidal.config.serve import ServeLimits
 from tidal.logging import get_logger
 from tidal.rollout import LLMEngine, RequestOutput
 from tidal.serve.engine_loop import EngineLoop, EngineStopped
+from tidal.serve.http import ClientGone, client_gone, header_timeout_protocol, read_body
 from tidal.serve.protocol import (
     CHAT,
     ModelLimits,
@@ -31,6 +39,7 @@ from tidal.serve.protocol import (
     ServeRequest,
     chunk_body,
     chunk_choice,
+    decode_body,
     parse_chat,
     parse_completion,
     response_body,
@@ -51,7 +60,11 @@ def _post(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, prompt_index: 
 
 
 def _sse(body: dict) -> str:
-    return f"data: {json.dumps(body)}\n\n"
+    return f"data: {json.dumps(body, allow_nan=False)}\n\n"  # log-probs are made finite before
+
+
+# The HTTP request being served, for ``_serve`` (whose signature subclasses override) to watch its client.
+_CLIENT: contextvars.ContextVar = contextvars.ContextVar("tidal_serve_client")
 
 
 class _SampleStream:
@@ -64,12 +77,13 @@ class _SampleStream:
     def delta(
         self, tokenizer, req: ServeRequest, sample, finished: bool
     ) -> tuple[str, list, list, list | None]:
-        new_ids = sample.token_ids[self.tokens :]
-        new_logprobs = sample.logprobs[self.tokens :]
-        new_tops = None if sample.top_logprobs is None else sample.top_logprobs[self.tokens :]
-        self.tokens = len(sample.token_ids)
+        """The text and tokens to send for this snapshot; nothing while the text is held back (its
+        tokens go with the chunk that sends their text) or while a re-run (``engine_loop``) has not yet
+        passed what was sent."""
+        if len(sample.token_ids) <= self.tokens and not finished:
+            return "", [], [], None
         if req.tool_parser is not None and not finished:
-            return "", new_ids, new_logprobs, new_tops  # tool calls: the text goes whole in the last chunk
+            return ("", *self._take(sample))  # tool calls: the text goes whole in the last chunk
         if finished:
             text = sample.text  # the engine's final text, cut at a stop string
         else:
@@ -78,8 +92,16 @@ class _SampleStream:
         # Sent text cannot be taken back: send only what extends it (decoding a longer output keeps the
         # shorter one's text as a prefix once half-decoded characters and stop-string heads are held back).
         delta = text[len(self.text) :] if text.startswith(self.text) else ""
+        if not delta and not finished:
+            return "", [], [], None
         self.text += delta
-        return delta, new_ids, new_logprobs, new_tops
+        return (delta, *self._take(sample))
+
+    def _take(self, sample) -> tuple[list, list, list | None]:
+        """The tokens (ids, log-probs, alternatives) not sent yet, now counted as sent."""
+        start, self.tokens = self.tokens, max(self.tokens, len(sample.token_ids))
+        tops = None if sample.top_logprobs is None else sample.top_logprobs[start:]
+        return sample.token_ids[start:], sample.logprobs[start:], tops
 
 
 class OpenAIService:
@@ -91,14 +113,25 @@ class OpenAIService:
         model_name: str,
         default_max_tokens: int | None = None,
         recorder: RequestRecorder | None = None,
+        limits: ServeLimits | None = None,
     ):
         if engine.tokenizer is None:
             raise ValueError("tidal serve needs a model folder with a tokenizer")
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.limits = ModelLimits(model_name, engine.max_model_len, default_max_tokens)
+        self.request_limits = limits or ServeLimits()
+        self.limits = ModelLimits(
+            model_name,
+            engine.max_model_len,
+            default_max_tokens,
+            vocab_size=engine.model.args.vocab_size,
+            max_samples=self.request_limits.max_request_samples,
+        )
         self.recorder = recorder
         self.loop = EngineLoop(engine)
+        # One thread parses requests and writes answers: tokenizing is CPU work that would stall the
+        # event loop, and one thread keeps the tokenizer out of concurrent use.
+        self._worker: ThreadPoolExecutor | None = None
         self.app = self._build_app()
 
     def _build_app(self):
@@ -114,6 +147,7 @@ class OpenAIService:
 
         routes = [
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
@@ -126,17 +160,24 @@ class OpenAIService:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="tidal-serve-parse")
         self.loop.start()
         try:
             yield
         finally:
             self.loop.close()
+            self._worker.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, fn, *args):
+        """``fn(*args)`` on the worker thread (the event loop keeps serving meanwhile)."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, partial(fn, *args))
 
     @staticmethod
     def _error(err: RequestError):
         from starlette.responses import JSONResponse
 
-        return JSONResponse(err.body(), status_code=err.status)
+        headers = {"connection": "close"} if err.status == 408 else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
     # ------------------------------------------------------------------ routes
     async def health(self, request):
@@ -144,12 +185,24 @@ class OpenAIService:
 
         return JSONResponse({"status": "ok"})
 
+    def _model_card(self) -> dict:
+        model = {"id": self.limits.name, "object": "model", "created": 0, "owned_by": "tidal"}
+        model["max_model_len"] = self.limits.max_model_len
+        return model
+
     async def models(self, request):
         from starlette.responses import JSONResponse
 
-        model = {"id": self.limits.name, "object": "model", "created": 0, "owned_by": "tidal"}
-        model["max_model_len"] = self.limits.max_model_len
-        return JSONResponse({"object": "list", "data": [model]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request):
+        from starlette.responses import JSONResponse
+
+        name = request.path_params["model"]
+        if name != self.limits.name:
+            err = RequestError(f"The model '{name}' does not exist", 404, "model_not_found", "model")
+            return self._error(err)
+        return JSONResponse(self._model_card())
 
     async def chat(self, request):
         return await self._handle(request, CHAT)
@@ -158,31 +211,27 @@ class OpenAIService:
         return await self._handle(request, "completions")
 
     async def _handle(self, request, endpoint: str):
+        limits = self.request_limits
         try:
-            body = await self._json(request)
-            episode = request.headers.get(EPISODE_HEADER)
-            if endpoint == CHAT:
-                req = parse_chat(body, self.tokenizer, self.limits, episode)
-            else:
-                vocab = self.engine.model.args.vocab_size
-                req = parse_completion(body, self.tokenizer, self.limits, vocab, episode)
+            raw = await read_body(request, limits.max_request_bytes, limits.request_timeout)
+            req = await self._off_loop(self._parse, raw, endpoint, request.headers.get(EPISODE_HEADER))
+            _CLIENT.set(request)
             return await self._serve(req)
         except RequestError as err:
             return self._error(err)
+        except ClientGone:  # nobody to answer; the engine has already dropped its requests
+            log.debug("%s: the client disconnected before its answer", request.url.path)
+            return self._error(RequestError("the client disconnected", 499))
         except Exception as err:  # a bug: still an OpenAI-style answer, and the server keeps serving
             log.exception("%s failed", request.url.path)
             return self._error(RequestError(f"internal error: {err}", 500, type="server_error"))
 
-    @staticmethod
-    async def _json(request) -> dict:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise RequestError(f"the request body is not valid JSON ({err})", code="invalid_json") from err
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
-        return body
+    def _parse(self, raw: bytes, endpoint: str, episode: str | None) -> ServeRequest:
+        body = decode_body(raw)
+        if endpoint == CHAT:
+            return parse_chat(body, self.tokenizer, self.limits, episode)
+        vocab = self.engine.model.args.vocab_size
+        return parse_completion(body, self.tokenizer, self.limits, vocab, episode)
 
     async def _serve(self, req: ServeRequest):
         from starlette.responses import JSONResponse, StreamingResponse
@@ -204,21 +253,40 @@ class OpenAIService:
             if isinstance(err, EngineStopped):
                 raise RequestError(str(err), 503, type="server_error") from err
             raise RequestError(str(err)) from err
+        except asyncio.CancelledError:
+            for future in accepted:
+                self._abort_when_accepted(future)
+            raise
         if req.stream:
             return StreamingResponse(self._stream(req, ids, events, orders), media_type="text/event-stream")
+        outputs = await self._collect(ids, events)
+        self._record(req, outputs, orders)
+        body = await self._off_loop(response_body, req, self.limits.name, outputs, self.tokenizer)
+        return JSONResponse(body)
+
+    async def _collect(self, ids: list[int], events: asyncio.Queue) -> list[RequestOutput]:
+        """The final outputs of a non-streaming request's engine requests; all of them are aborted if
+        the client disconnects first (``ClientGone``) or one fails."""
         outputs: list[RequestOutput | None] = [None] * len(ids)
+        request = _CLIENT.get(None)
+        gone = asyncio.ensure_future(client_gone(request)) if request is not None else asyncio.Future()
         try:
             while any(o is None for o in outputs):
-                i, event = await events.get()
-                if isinstance(event, BaseException):
-                    raise RequestError(f"generation failed: {event}", 500, type="server_error")
-                outputs[i] = event
+                event = asyncio.ensure_future(events.get())
+                await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not event.done():
+                    event.cancel()
+                    raise ClientGone()
+                i, result = event.result()
+                if isinstance(result, BaseException):
+                    raise RequestError(f"generation failed: {result}", 500, type="server_error")
+                outputs[i] = result
         finally:
+            gone.cancel()
             for i, out in enumerate(outputs):
                 if out is None:
                     self.loop.abort(ids[i])
-        self._record(req, outputs, orders)
-        return JSONResponse(response_body(req, self.limits.name, outputs, self.tokenizer))
+        return outputs
 
     def _abort_when_accepted(self, future) -> None:
         future.add_done_callback(lambda f: f.exception() is None and self.loop.abort(f.result()))
@@ -286,11 +354,20 @@ class OpenAIServer:
         default_max_tokens: int | None = None,
         recorder: RequestRecorder | None = None,
         log_level: str = "warning",
+        limits: ServeLimits | None = None,
     ):
         import uvicorn
 
-        self.service = OpenAIService(engine, model_name, default_max_tokens, recorder)
-        config = uvicorn.Config(self.service.app, host=host, port=port, log_level=log_level, lifespan="on")
+        limits = limits or ServeLimits()
+        self.service = OpenAIService(engine, model_name, default_max_tokens, recorder, limits)
+        config = uvicorn.Config(
+            self.service.app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            lifespan="on",
+            http=header_timeout_protocol(limits.request_timeout),
+        )
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
