@@ -21,30 +21,37 @@ untouched, which is how right-padded batches keep each sequence's final state.
 Both take q/k [batch, T, k_heads, k_dim], v [batch, T, v_heads, v_dim], g/beta [batch, T, v_heads]
 (each group of v_heads / k_heads value heads reads one q/k head, as transformers' reference does) and an
 optional float32 initial state [batch, v_heads, k_dim, v_dim]; they compute in float32 and return the
-output in v's dtype and the final float32 state. On CUDA the engine calls the flash-linear-attention
-kernels instead when that package is installed (``fla_usable``); these torch versions are the CPU path
-and the reference.
+output in v's dtype and the final float32 state. These torch versions are the engine's path on every
+device and the reference. flash-linear-attention's Triton kernels (``fla_gated_delta_rule``) are opt-in,
+``TIDAL_FLA=1`` with the ``fla`` package on CUDA (``fla_usable``): on an H200 (fla 0.6.0, float32) its
+recurrent kernel agreed with ``recurrent_gated_delta_rule`` to 1e-8 and its chunked kernel from a zero
+state to 3e-4 (TF32), but the chunked kernel started from a non-zero state (a chunked prefill's later
+chunks) differed by up to 0.28 in one run, not yet explained, so it is not the default.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from functools import cache
 
 import torch
 import torch.nn.functional as F
 
 CHUNK_SIZE = 64
+# Opt-in: the engine runs flash-linear-attention's kernels only with TIDAL_FLA=1 (see the docstring).
+USE_FLA = os.environ.get("TIDAL_FLA", "0") == "1"
 
 
 @cache
-def _fla_installed() -> bool:
+def fla_installed() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
 def fla_usable(x: torch.Tensor) -> bool:
-    """Whether flash-linear-attention's Triton kernels run on ``x`` (CUDA and the ``fla`` package)."""
-    return x.is_cuda and _fla_installed()
+    """Whether the engine runs flash-linear-attention's Triton kernels on ``x``: switched on
+    (``USE_FLA``), CUDA and the ``fla`` package installed."""
+    return USE_FLA and x.is_cuda and fla_installed()
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -141,8 +148,8 @@ def fla_gated_delta_rule(q, k, v, g, beta, initial_state=None, recurrent: bool =
 
 
 def gated_delta_rule(q, k, v, g, beta, initial_state=None, recurrent: bool = False):
-    """The rule by the fastest path available: fla's kernels on CUDA, else chunked (prefill) or token by
-    token (``recurrent``: one-token decode steps)."""
+    """The rule chunked (prefill) or token by token (``recurrent``: one-token decode steps); through fla's
+    kernels instead where ``fla_usable``."""
     if fla_usable(v):
         return fla_gated_delta_rule(q, k, v, g, beta, initial_state, recurrent)
     if recurrent:
