@@ -18,6 +18,13 @@ def test_flags_and_listing(tiny_llama):
     assert "serve" in usage()
     with pytest.raises(ConfigError, match="--port must be in"):
         serve_cli.parse_configs(["--pretrain", str(tiny_llama), "--port", "70000"])
+    limits = serve_cli.parse_configs(
+        ["--pretrain", str(tiny_llama), "--max_request_bytes", "1024", "--max_request_samples", "4",
+         "--request_timeout", "2.5"]
+    )[1].limits  # fmt: skip
+    assert (limits.max_request_bytes, limits.max_request_samples, limits.request_timeout) == (1024, 4, 2.5)
+    with pytest.raises(ConfigError, match="--request_timeout"):
+        serve_cli.parse_configs(["--pretrain", str(tiny_llama), "--request_timeout", "0"])
     with pytest.raises(SystemExit):  # a training flag is not a server flag
         serve_cli.parse_configs(["--pretrain", str(tiny_llama), "--lora_rank", "4"])
 
