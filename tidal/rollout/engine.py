@@ -61,6 +61,7 @@ from tidal.rollout.models.loader import (
 )
 from tidal.rollout.models.parallel import SINGLE
 from tidal.rollout.models.registry import feature_refusal
+from tidal.rollout.multimodal import MultiModalInput, PromptImages, VisionSpec, prepare_images
 from tidal.rollout.outputs import CompletionOutput, RequestOutput
 from tidal.rollout.sampler import sequence_seed
 from tidal.rollout.sampling_params import SamplingParams
@@ -160,13 +161,15 @@ class LLMEngine:
         hf_config=None,
         tokenizer=None,
         tp_group: tuple | None = None,
+        image_processor=None,
     ):
         self.config = config or EngineConfig()
         self.hf_config = hf_config or _load_hf_config(model_path, model)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_path)
         self.device = self.config.torch_device()
         self.dtype = self.config.torch_dtype(self.device)
-        self.max_model_len = self.config.max_model_len or self.hf_config.max_position_embeddings
+        text_config = self.hf_config.get_text_config()  # a vision-language config's language model
+        self.max_model_len = self.config.max_model_len or text_config.max_position_embeddings
         model_type = getattr(self.hf_config, "model_type", None)
         problem = self.config.exact_logprobs and exact_device_problem(self.device, self.dtype, model_type)
         if problem:
@@ -191,6 +194,12 @@ class LLMEngine:
             self.close()
             raise
         self.eos_token_ids = _eos_token_ids(self.hf_config, model_path, model, self.tokenizer)
+        # Vision families: the image placeholder and merge size, and the processor that makes pixels of
+        # PIL images (from the model folder unless given).
+        self.vision = VisionSpec.from_hf_config(self.hf_config) if hasattr(self.model, "visual") else None
+        self.image_processor = image_processor
+        if self.vision is not None and image_processor is None:
+            self.image_processor = _load_image_processor(model_path)
         # Whether decode steps are launched ahead (the setting, unless ``async_fallback`` names a reason).
         wanted = self.config.async_scheduling
         if wanted is None:
@@ -322,8 +331,10 @@ class LLMEngine:
         prompts: str | list[int] | list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        multi_modal: list[MultiModalInput | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+        """Run every prompt to completion; outputs come back in prompt order. ``multi_modal``: each
+        prompt's images (``multimodal.MultiModalInput``, None for a text prompt), vision families only."""
         if self.sleep_level:
             raise RuntimeError("LLMEngine is asleep: call wake_up() before generate()")
         if self._requests:
@@ -331,9 +342,16 @@ class LLMEngine:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._params_per_prompt(len(prompts), sampling_params)
-        token_ids = [self._encode(i, p) for i, p in enumerate(prompts)]
+        if multi_modal is not None and len(multi_modal) != len(prompts):
+            raise ValueError(f"got {len(multi_modal)} multi_modal inputs for {len(prompts)} prompts")
+        images = multi_modal or [None] * len(prompts)
+        encoded = [
+            self._encode_with_images(i, p, mm) for i, (p, mm) in enumerate(zip(prompts, images, strict=True))
+        ]
+        token_ids = [ids for ids, _ in encoded]
         groups = [
-            self._make_group(i, ids, p) for i, (ids, p) in enumerate(zip(token_ids, params, strict=True))
+            self._make_group(i, ids, p, mm)
+            for i, ((ids, mm), p) in enumerate(zip(encoded, params, strict=True))
         ]
         for group in groups:
             self.scheduler.add(group)
@@ -349,8 +367,14 @@ class LLMEngine:
         ]
 
     # ------------------------------------------------------------------ step-level API
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> int:
-        """Queue one prompt (text or token ids) for the next ``step``; return its request id.
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        multi_modal: MultiModalInput | None = None,
+    ) -> int:
+        """Queue one prompt (text or token ids, with its images for a vision family) for the next
+        ``step``; return its request id.
 
         Raises ``ValueError`` (and queues nothing) for a prompt that is empty, leaves no room for a new
         token, or needs more KV blocks than the cache has.
@@ -358,8 +382,8 @@ class LLMEngine:
         if self.sleep_level:
             raise RuntimeError("LLMEngine is asleep: call wake_up() before add_request()")
         request_id = self._next_request_id
-        ids = self._encode(request_id, prompt)
-        group = self._make_group(request_id, ids, sampling_params or SamplingParams())
+        ids, mm = self._encode_with_images(request_id, prompt, multi_modal)
+        group = self._make_group(request_id, ids, sampling_params or SamplingParams(), mm)
         self._next_request_id += 1
         self._requests[request_id] = group
         self.scheduler.add(group)
@@ -534,7 +558,26 @@ class LLMEngine:
             raise ValueError(f"prompt {index} has token ids outside [0, {vocab})")
         return ids
 
-    def _make_group(self, index: int, ids: list[int], params: SamplingParams) -> list[Sequence]:
+    def _encode_with_images(self, index: int, prompt, mm: MultiModalInput | None):
+        """The prompt's ids (image placeholders expanded) and its ``PromptImages`` (None: text only)."""
+        ids = self._encode(index, prompt)
+        if mm is None or mm.num_images == 0:
+            if self.vision is not None and self.vision.image_token_id in ids:
+                raise ValueError(f"request {index}: the prompt has image placeholder tokens but no images")
+            return ids, None
+        if self.vision is None:
+            raise ValueError(f"request {index} has images but the model has no vision tower")
+        ids, images = prepare_images(index, ids, mm, self.vision, self.image_processor)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt {index} has {len(ids)} tokens with its image tokens but max_model_len is "
+                f"{self.max_model_len} (the prompt must leave room for at least one new token)"
+            )
+        return ids, images
+
+    def _make_group(
+        self, index: int, ids: list[int], params: SamplingParams, mm: PromptImages | None = None
+    ) -> list[Sequence]:
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"request {index}: n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         if params.stop and self.tokenizer is None:
@@ -551,6 +594,7 @@ class LLMEngine:
         group = []
         for sample in range(params.n):
             group.append(Sequence(self._next_seq_id, index, sample, ids, params, sequence_seed(seed, sample)))
+            group[-1].mm = mm  # the n samples share the prompt's images (and its one prefill)
             self._next_seq_id += 1
         return group
 
@@ -729,6 +773,15 @@ def _load_tokenizer(model_path):
         return AutoTokenizer.from_pretrained(str(model_path))
     except (OSError, ValueError):  # a weights-only folder: the engine still works on token ids
         return None
+
+
+def _load_image_processor(model_path):
+    """A vision model folder's image processor (None without one: requests then pass pixel_values)."""
+    if model_path is None or not (Path(model_path) / "preprocessor_config.json").is_file():
+        return None
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(str(model_path))
 
 
 def _eos_token_ids(hf_config, model_path, model, tokenizer) -> set[int]:

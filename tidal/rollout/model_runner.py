@@ -68,6 +68,9 @@ class PrefillStep:
     # the samples of a group copy their prompt's state between after the prefill.
     state_slots: list[int] = field(default_factory=list)
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Vision families: the step's images and decode deltas (multimodal.PrefillImages); positions are then
+    # [3, tokens] M-RoPE triples.
+    images: object | None = None
 
 
 @dataclass
@@ -345,6 +348,8 @@ class ModelRunner:
         spec = model.state_spec()
         self.states = None if spec is None else StateCache(spec, max_num_seqs, self.dtype, self.device)
         self.allocate_kv_cache()
+        if hasattr(model, "reserve_block_state"):  # vision families: a decode delta per KV block
+            model.reserve_block_state(num_blocks + 1)
         max_blocks = -(-max_model_len // block_size)
         cuda = self.device.type == "cuda"
         # Staging buffers for a decode step's int32 inputs, pinned so the copy is asynchronous: one, or two
@@ -466,7 +471,8 @@ class ModelRunner:
         """The step's logits (one row per sampled sequence), then the KV block copies it asks for."""
         if isinstance(step, PrefillStep):
             input_ids, positions, meta, logits_index = self._prefill_tensors(step)
-            logits = self.model(input_ids, positions, meta, logits_index)
+            extra = {} if step.images is None else {"images": step.images}
+            logits = self.model(input_ids, positions, meta, logits_index, **extra)
             logits = logits[self._tensor(step.rows)]  # one prefill row per group -> one row per sample
             self._copy_states(step.state_copies)
         else:
@@ -493,6 +499,10 @@ class ModelRunner:
         if self.states is not None:
             step.state_slots = [group[0].state_slot for group in groups]
             step.state_copies = _state_copies(groups)
+        if hasattr(self.model, "reserve_block_state"):
+            from tidal.rollout.multimodal import prefill_images
+
+            step.positions, step.images = prefill_images(groups)
         return step
 
     def _copy_states(self, copies: list[tuple[int, int]]) -> None:

@@ -51,6 +51,7 @@ class Sequence:
         "pending_copies",
         "cache_epoch",
         "state_slot",
+        "mm",
     )
 
     def __init__(
@@ -94,6 +95,7 @@ class Sequence:
         self.pending_copies: list[tuple[int, int]] = []  # n > 1: copy-on-write due after the last chunk
         self.cache_epoch = 0  # the block manager's cache epoch when its blocks were allocated
         self.state_slot = -1  # linear-attention families: its recurrent-state slot (state_cache.py)
+        self.mm = None  # vision families: the prompt's images and M-RoPE positions (multimodal.PromptImages)
 
     def __len__(self) -> int:
         return self.num_tokens

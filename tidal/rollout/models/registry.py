@@ -57,8 +57,16 @@ _FAMILIES = (
     Family("gpt_oss", "gpt_oss:GptOssForCausalLM", dict(tie_word_embeddings=False, head_dim=32, num_local_experts=8, num_experts_per_tok=2, intermediate_size=64, sliding_window=8, rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, original_max_position_embeddings=256, beta_fast=32.0, beta_slow=1.0, truncate=False)), refuses=dict(tensor_parallel="the sinks, attention biases and interleaved, biased expert weights are not sharded across ranks")),
     Family("gemma4_text", "gemma4:Gemma4ForCausalLM", dict(tie_word_embeddings=True, head_dim=32, global_head_dim=64, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2, hidden_size_per_layer_input=16, vocab_size_per_layer_input=512, use_double_wide_mlp=True, final_logit_softcapping=30.0), tiny_adds_bos=True, chunkable_head=False, refuses=dict(tensor_parallel="the per-layer embeddings, the layer kinds' different head shapes and the KV-shared layers are not sharded across ranks", record_routing="router replay forces plain softmax top-k weights, not Gemma 4's router with per-expert scales")),
 )
+# Vision-language families: the same records, kept apart from the text families' table (whose tiny
+# models, parametrised engine tests and ``tidal.testing.TINY_FAMILIES`` are text-only); their tiny models
+# are ``tidal.testing.build_tiny_vlm``'s. ``family``/``model_class``/``feature_refusal`` read both.
+_VISION_FAMILIES = (
+    Family("qwen2_5_vl", "qwen2_5_vl:Qwen25VLForConditionalGeneration", refuses=dict(tensor_parallel="the vision tower is not sharded across ranks", prefix_caching="cached blocks are keyed by token ids, and every image's placeholder tokens have the same id (image content hashes are computed but do not key the cache yet)", chunked_prefill="a chunk boundary may fall inside an image's tokens, whose features the vision tower computes for the whole image")),
+)
 # fmt: on
 FAMILIES: dict[str, Family] = {family.model_type: family for family in _FAMILIES}
+VISION_FAMILIES: dict[str, Family] = {family.model_type: family for family in _VISION_FAMILIES}
+_ALL = {**FAMILIES, **VISION_FAMILIES}
 
 
 # The engine features a family may refuse (``Family.refuses``), by the name the refusal gives:
@@ -81,7 +89,7 @@ def feature_refusal(model_type: str | None, feature: str) -> str | None:
     registry, whose own error comes first)."""
     if feature not in FEATURES:
         raise ValueError(f"unknown engine feature {feature!r}; expected one of {', '.join(FEATURES)}")
-    entry = FAMILIES.get(model_type)
+    entry = _ALL.get(model_type)
     reason = entry.refuses.get(feature) if entry is not None else None
     return f"{feature} is not supported for the {model_type} family: {reason}" if reason else None
 
@@ -97,11 +105,12 @@ def supported_model_types() -> tuple[str, ...]:
 
 def family(model_type: str | None, what: str = "the rollout engine") -> Family:
     """The registry entry of ``model_type``; an unsupported one raises naming it and the supported ones."""
-    if model_type not in FAMILIES:
+    if model_type not in _ALL:
+        supported = ", ".join(supported_model_types() + tuple(sorted(VISION_FAMILIES)))
         raise UnsupportedModelError(
-            f"unsupported model_type {model_type!r} for {what}; supported: {', '.join(supported_model_types())}"
+            f"unsupported model_type {model_type!r} for {what}; supported: {supported}"
         )
-    return FAMILIES[model_type]
+    return _ALL[model_type]
 
 
 def model_class(model_type: str | None) -> type:

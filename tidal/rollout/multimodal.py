@@ -1,0 +1,198 @@
+"""Images in the rollout engine's requests: the typed input a caller passes, and what a sequence keeps.
+
+A request's images come as a ``MultiModalInput``: PIL images (the engine's image processor turns them
+into pixels), or the processor's own output (``pixel_values`` and ``image_grid_thw``, e.g. what a
+trainer already computed). ``LLMEngine.generate(prompts, multi_modal=[...])`` and
+``add_request(prompt, multi_modal=...)`` take one per prompt (None: text only).
+
+The prompt holds the model's image placeholder token (Qwen-VL: ``<|image_pad|>``) either once per image,
+as a chat template renders it, or already expanded to each image's token count (its merged patch grid:
+``t * h * w / merge_size²``); ``prepare_images`` expands the former and checks the latter.
+
+What a sequence keeps (``PromptImages``, in ``Sequence.mm``, shared by the n samples of a prompt): the
+pixels and grids, the multimodal rotary positions of the prompt (``mrope_positions``: Qwen's M-RoPE, a
+(temporal, height, width) triple per token, computed once at admission) and the delta that decode
+positions continue with (``max position + 1 - prompt length``), and one content hash per image.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class MultiModalInput:
+    """One request's images: ``images`` (PIL images, in placeholder order) or the image processor's
+    ``pixel_values`` ``[patches, C*T*P*P]`` with ``image_grid_thw`` ``[images, 3]``; not both."""
+
+    images: tuple = ()
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "images", tuple(self.images))
+        pixels = self.pixel_values is not None
+        if pixels != (self.image_grid_thw is not None):
+            raise ValueError("MultiModalInput: pixel_values and image_grid_thw come together")
+        if pixels and self.images:
+            raise ValueError("MultiModalInput: give images or pixel_values/image_grid_thw, not both")
+
+    @property
+    def num_images(self) -> int:
+        if self.has_pixels:
+            return int(self.image_grid_thw.shape[0])
+        return len(self.images)
+
+    @property
+    def has_pixels(self) -> bool:
+        return self.pixel_values is not None
+
+
+@dataclass
+class PromptImages:
+    """What a sequence with images keeps (see the module doc). ``positions``: ``[3, prompt_len]`` int64."""
+
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor  # [images, 3] int64
+    positions: np.ndarray
+    delta: int
+    hashes: tuple[str, ...] = field(default_factory=tuple)
+
+    def positions_for(self, num_tokens: int) -> np.ndarray:
+        """``[3, num_tokens]`` positions: the prompt's, then text positions shifted by ``delta`` (a
+        preempted sequence recomputes its outputs too)."""
+        prompt = self.positions.shape[1]
+        if num_tokens <= prompt:
+            return self.positions[:, :num_tokens]
+        tail = np.arange(prompt, num_tokens, dtype=np.int64) + self.delta
+        return np.concatenate([self.positions, np.broadcast_to(tail, (3, len(tail)))], axis=1)
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """What the engine needs to know of a vision-language config."""
+
+    image_token_id: int
+    merge_size: int
+
+    @classmethod
+    def from_hf_config(cls, hf_config) -> VisionSpec | None:
+        vision = getattr(hf_config, "vision_config", None)
+        token = getattr(hf_config, "image_token_id", None)
+        if vision is None or token is None:
+            return None
+        return cls(int(token), int(getattr(vision, "spatial_merge_size", 1)))
+
+
+def mrope_positions(ids: Seq[int], grids: torch.Tensor, spec: VisionSpec) -> tuple[np.ndarray, int]:
+    """Qwen-VL's multimodal rotary positions of one prompt: ``[3, len(ids)]`` and the decode delta.
+
+    Text tokens get the same position on all three axes, counting on from the last position; an image's
+    ``h × w`` merged tokens (row-major) get (start, start + row, start + column) and advance the count by
+    ``max(h, w)`` (a still image has one temporal step)."""
+    out = np.empty((3, len(ids)), dtype=np.int64)
+    current, i, image = 0, 0, 0
+    token = spec.image_token_id
+    while i < len(ids):
+        if ids[i] != token:
+            out[:, i] = current
+            current, i = current + 1, i + 1
+            continue
+        t, h, w = (int(v) for v in grids[image])
+        h, w = h // spec.merge_size, w // spec.merge_size
+        n = t * h * w
+        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+        out[:, i : i + n] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + current
+        current += max(h, w)
+        i, image = i + n, image + 1
+    return out, int(out.max()) + 1 - len(ids) if len(ids) else 0
+
+
+def image_hash(pixels: torch.Tensor, grid: torch.Tensor) -> str:
+    """A content hash of one image's pixels and grid (what a prefix cache would key its tokens by)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(np.ascontiguousarray(grid.cpu().numpy().astype(np.int64)).tobytes())
+    digest.update(np.ascontiguousarray(pixels.detach().float().cpu().numpy()).tobytes())
+    return digest.hexdigest()
+
+
+def prepare_images(
+    index: int, ids: list[int], mm: MultiModalInput, spec: VisionSpec, image_processor: Any
+) -> tuple[list[int], PromptImages]:
+    """The prompt's ids with each image's placeholder expanded (when given once per image) and its
+    ``PromptImages``; ``ValueError`` naming request ``index`` when placeholders and images disagree."""
+    if mm.has_pixels:
+        pixels, grid = mm.pixel_values, mm.image_grid_thw.long()
+    else:
+        if image_processor is None:
+            raise ValueError(
+                f"request {index}: images need the model's image processor (a model folder with "
+                "preprocessor_config.json, or LLMEngine(image_processor=...)); or pass pixel_values"
+            )
+        out = image_processor(images=list(mm.images), return_tensors="pt")
+        pixels, grid = out["pixel_values"], out["image_grid_thw"].long()
+    counts = (grid.prod(-1) // spec.merge_size**2).tolist()
+    found = sum(1 for t in ids if t == spec.image_token_id)
+    if found == len(counts) and sum(counts) != found:
+        ids = _expand(ids, counts, spec.image_token_id)
+    elif found != sum(counts):
+        raise ValueError(
+            f"request {index}: the prompt has {found} image placeholder token(s) but its {len(counts)} "
+            f"image(s) make {sum(counts)} image tokens (give one placeholder per image, or the expanded count)"
+        )
+    positions, delta = mrope_positions(ids, grid, spec)
+    patches = grid.prod(-1).tolist()
+    starts = np.cumsum([0, *patches])
+    hashes = tuple(image_hash(pixels[starts[k] : starts[k + 1]], grid[k]) for k in range(len(patches)))
+    return ids, PromptImages(pixels, grid, positions, delta, hashes)
+
+
+def _expand(ids: list[int], counts: list[int], token: int) -> list[int]:
+    out, k = [], 0
+    for t in ids:
+        if t == token:
+            out += [token] * counts[k]
+            k += 1
+        else:
+            out.append(t)
+    return out
+
+
+@dataclass
+class PrefillImages:
+    """A prefill step's image inputs (``ModelRunner`` passes them to a vision family's forward): the
+    step's images' pixels and grids (sequences in step order), and the decode delta of every sampled
+    sequence keyed by its first KV block (``first_blocks``), which decode steps look up."""
+
+    pixel_values: torch.Tensor | None
+    grid_thw: torch.Tensor | None
+    first_blocks: list[int]
+    deltas: list[int]
+
+
+def prefill_images(groups: list[list]) -> tuple[np.ndarray, PrefillImages]:
+    """The ``[3, tokens]`` positions of a prefill's groups (their first sequences' tokens, as the
+    runner lays them out) and its ``PrefillImages``."""
+    positions, pixels, grids, blocks, deltas = [], [], [], [], []
+    for group in groups:
+        seq = group[0]
+        mm: PromptImages | None = seq.mm
+        if mm is None:
+            positions.append(np.broadcast_to(np.arange(seq.num_tokens, dtype=np.int64), (3, seq.num_tokens)))
+        else:
+            positions.append(mm.positions_for(seq.num_tokens))
+            pixels.append(mm.pixel_values)
+            grids.append(mm.grid_thw)
+        for member in group:  # n samples may hold private copies of a short prompt's block
+            blocks.append(member.block_table[0])
+            deltas.append(0 if mm is None else mm.delta)
+    step = PrefillImages(
+        torch.cat(pixels) if pixels else None, torch.cat(grids) if grids else None, blocks, deltas
+    )
+    return np.concatenate(positions, axis=1), step
