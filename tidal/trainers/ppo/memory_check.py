@@ -1,0 +1,133 @@
+"""``tidal ppo``'s memory check before anything loads: the run's ``memory_plan`` on this rank's device.
+
+On CUDA the device's capacity is ``torch.cuda.get_device_properties(device).total_memory``; the
+environment variable ``TIDAL_DEVICE_MEMORY_GB`` (GiB) overrides it, on any device: to plan for a GPU
+that is shared with another job, and so that tests exercise the refusal on the CPU. Without either
+(training on the CPU) there is nothing to check. A run that cannot fit fails in one line naming the
+flag(s) that would make it fit; one that fits logs its peak phase.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tidal.config import ConfigError
+from tidal.config.engine import DEFAULT_MAX_NUM_SEQS
+from tidal.config.placement import separate_critic, separate_engines, separate_reference
+from tidal.logging import get_logger
+from tidal.trainers.ppo.config import PPORun
+from tidal.trainers.ppo.memory_plan import (
+    GIB,
+    MemoryPlan,
+    MemorySettings,
+    ModelShape,
+    fix_for,
+    gib,
+    plan_memory,
+)
+
+log = get_logger(__name__)
+
+CAPACITY_ENV = "TIDAL_DEVICE_MEMORY_GB"
+
+
+def model_shape(config) -> ModelShape:
+    """A decoder's ``ModelShape`` from its HF config; the parameter count from the model built on the meta
+    device (exact for any family, no memory used)."""
+    from transformers import AutoModelForCausalLM
+
+    from tidal.models.logprob_head import CHUNKABLE_MODEL_TYPES
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return ModelShape(
+        params=sum(p.numel() for p in model.parameters()),
+        layers=text.num_hidden_layers,
+        hidden=text.hidden_size,
+        vocab=text.vocab_size,
+        heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        intermediate=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
+        tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        chunkable_head=getattr(config, "model_type", None) in CHUNKABLE_MODEL_TYPES,
+    )
+
+
+def settings_of(run: PPORun, dp_size: int) -> MemorySettings:
+    """The flags of ``run`` that move memory on a policy rank's device."""
+    r, p, a = run.rollout, run.placement, run.algorithm
+    return MemorySettings(
+        micro_train_batch_size=run.train.micro_train_batch_size,
+        micro_rollout_batch_size=r.micro_rollout_batch_size,
+        total_len=r.total_len,
+        max_num_seqs=r.vllm_generate_batch_size or DEFAULT_MAX_NUM_SEQS,
+        gradient_checkpointing=run.actor.gradient_checkpointing,
+        adam_offload=run.dist.adam_offload,
+        lora_rank=run.actor.lora_rank,
+        load_in_4bit=run.actor.load_in_4bit,
+        compute_bytes=4 if run.actor.param_dtype == "fp32" else 2,
+        zero_stage=run.dist.zero_stage,
+        dp_size=dp_size,
+        engine_on_device=not separate_engines(p, r.vllm_num_engines),
+        vllm_enable_sleep=r.vllm_enable_sleep,
+        deepspeed_enable_sleep=p.deepspeed_enable_sleep,
+        vllm_gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+        reference=a.needs_reference and not separate_reference(p),
+        ref_offload=run.frozen.offload,
+        critic=a.needs_critic and not separate_critic(p),
+    )
+
+
+def device_capacity(device: torch.device) -> float | None:
+    """Bytes of memory on ``device`` (``TIDAL_DEVICE_MEMORY_GB`` first); None on the CPU without it."""
+    if value := os.environ.get(CAPACITY_ENV):
+        try:
+            gb = float(value)
+        except ValueError:
+            raise ConfigError(f"{CAPACITY_ENV}={value!r}: expected a number of GiB, e.g. 140") from None
+        if gb <= 0:
+            raise ConfigError(f"{CAPACITY_ENV}={value!r}: expected a positive number of GiB")
+        return gb * GIB
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return None
+
+
+def refusal(run: PPORun, plan: MemoryPlan, fix: list[str]) -> str:
+    """The one-line error of a run that does not fit."""
+    where = f"--pretrain {run.actor.pretrain}: the {plan.peak_phase} phase needs {plan.breakdown()}"
+    room = f"{gib(plan.usable):.1f} GiB usable of the device's {gib(plan.capacity):.1f} GiB"
+    if fix:
+        return f"{where}, more than the {room}; add {' '.join(fix)} (docs/distributed.md, memory plan)"
+    return (
+        f"{where}, more than the {room}, even with --adam_offload and LoRA: use more GPUs, a smaller model, or "
+        "smaller --micro_train_batch_size / --micro_rollout_batch_size"
+    )
+
+
+def check_memory(run: PPORun, config, device: torch.device, dp_size: int) -> MemoryPlan | None:
+    """Refuse, in one line naming the flag that would make it fit, a run whose policy device cannot hold
+    it (``memory_plan``); None where there is no capacity to check against (the CPU)."""
+    capacity = device_capacity(device)
+    if capacity is None:
+        return None
+    shape, settings = model_shape(config), settings_of(run, dp_size)
+    plan = plan_memory(shape, settings, capacity)
+    if not plan.fits:
+        raise ConfigError(refusal(run, plan, fix_for(shape, settings, capacity)))
+    log.info("memory plan: peak in the %s phase, %s of %.1f GiB usable", plan.peak_phase, plan.breakdown(),
+             gib(plan.usable))  # fmt: skip
+    if plan.kv_cache < plan.kv_needed:
+        log.info(
+            "memory plan: the engine's KV cache (%.1f GiB) holds fewer than --vllm_generate_batch_size "
+            "full-length sequences (%.1f GiB): generation runs fewer at once",
+            gib(plan.kv_cache),
+            gib(plan.kv_needed),
+        )
+    return plan
