@@ -41,8 +41,12 @@ def served(tiny_llama):
     advance = engine._advance
     engine.gate = threading.Event()  # cleared: the engine thread waits before its next step
     engine.gate.set()
+    engine.hold_when = None  # a test's predicate: true once, it clears the gate (the engine holds there)
 
     def poisoned_advance():  # a request the engine cannot run (as top_k = 2**63 once was)
+        if engine.hold_when is not None and engine.hold_when():
+            engine.hold_when = None
+            engine.gate.clear()
         assert engine.gate.wait(timeout=30)
         groups = [*engine.scheduler.waiting, engine.scheduler.running]
         if any(seq.params.top_k == POISON_TOP_K for group in groups for seq in group):
@@ -91,20 +95,31 @@ def test_huge_top_k_is_no_longer_an_engine_failure(served, ref):
     assert status == 400 and "'top_k' must be >= -1" in body["error"]["message"]
 
 
-def test_failing_step_fails_only_the_request_it_blames(served, client, ref):
+def test_failing_step_fails_only_the_request_it_blames(served, client, ref, caplog):
     """A good stream is in the engine when a request that breaks every step arrives: the step fails
     for both, the loop re-runs each alone, and only the bad one gets a 500; the good stream goes on
     and ends with exactly the tokens it would have had alone."""
+    engine, loop = served.service.engine, served.service.loop
     prompt, params = "the number", dict(max_tokens=40, seed=3)
-    stream = iter(client.completions.create(model=MODEL, prompt=prompt, stream=True, **params))
-    text = next(stream).choices[0].text
-    bad = _post(
-        served, "/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, "top_k": POISON_TOP_K}
-    )
-    text += "".join(chunk.choices[0].text for chunk in stream)
     want = ref.generate([ref.tokenizer.encode(prompt)], SamplingParams(max_new_tokens=40, seed=3))[0]
+    assert len(want.outputs[0].token_ids) == 40  # the good request is still running when the bad one comes
+    bad_payload = {"model": MODEL, "prompt": "x", "max_tokens": 4, "top_k": POISON_TOP_K}
+    # The engine holds once the good request has 3 of its 40 tokens, until the bad one is queued.
+    engine.hold_when = lambda: any(len(seq.output_token_ids) >= 3 for seq in engine.scheduler.running)
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            stream = client.completions.create(model=MODEL, prompt=prompt, stream=True, **params)
+            _poll(lambda: not engine.gate.is_set(), "the good request to be under way")
+            bad = pool.submit(_post, served, "/completions", bad_payload)
+            _poll(lambda: loop._commands.qsize() > 0, "the bad request to be queued")
+        finally:
+            engine.hold_when = None
+            engine.gate.set()
+        text = "".join(chunk.choices[0].text for chunk in stream)
+        status, body = bad.result(timeout=60)
     assert text == want.outputs[0].text
-    assert bad[0] == 500 and "generation failed" in bad[1]["error"]["message"]
+    assert status == 500 and "generation failed" in body["error"]["message"]
+    assert "re-running each alone" in caplog.text  # the step failed with both requests in it
     assert client.completions.create(model=MODEL, prompt=prompt, **params).choices[0].text == text
 
 
