@@ -29,7 +29,7 @@ def logp_for(ratios):
 
 
 def test_registry_keys():
-    assert set(POLICY_LOSSES) == {"ppo", "gspo"}
+    assert set(POLICY_LOSSES) == {"ppo", "gspo", "cispo", "sapo"}
 
 
 def test_ppo_by_hand_with_clip_stats_and_gradient():
@@ -82,7 +82,7 @@ def test_masked_garbage_gives_zero_loss_and_finite_gradient():
     old = torch.tensor([[-0.2, 0.0]])
     mask = torch.tensor([[1, 0]])
     for loss_fn in POLICY_LOSSES.values():
-        loss, _ = loss_fn(logp, old, torch.tensor([[1.0, 1.0]]), mask, clip_eps_low=0.2, clip_eps_high=0.2)
+        loss, _ = loss_fn(logp, old, torch.tensor([[1.0, 1.0]]), mask, 0.2, 0.2)  # ε, or SAPO's τ
         assert loss[0, 1].item() == 0.0
         (grad,) = torch.autograd.grad(loss.sum(), logp)
         assert torch.isfinite(grad).all() and grad[0, 1].item() == 0.0
@@ -138,7 +138,7 @@ def openrlhf_gspo(logp, old, adv, mask, eps_low, eps_high):
 
 
 def test_each_loss_declares_its_default_aggregation():
-    assert DEFAULT_AGGREGATION == {"ppo": "token", "gspo": "sequence"}
+    assert DEFAULT_AGGREGATION == {"ppo": "token", "gspo": "sequence", "cispo": "token", "sapo": "sequence"}
     assert set(DEFAULT_AGGREGATION) == set(POLICY_LOSSES)
     assert loss_aggregation("gspo") == "sequence" and loss_aggregation("ppo") == "token"
     assert loss_aggregation("gspo", "token") == "token"  # an explicit --loss_agg_mode wins

@@ -1,9 +1,13 @@
-"""Clipped policy-gradient losses: PPO and GSPO.
+"""Policy-gradient losses: PPO and GSPO (clipped surrogates), CISPO and SAPO (tidal additions).
 
 One signature for the family, chosen by name from ``POLICY_LOSSES``::
 
-    loss_fn(logp, old_logp, advantages, action_mask, clip_eps_low=0.2, clip_eps_high=None,
-            dual_clip=None) -> (per_token_loss [B, T], stats)
+    loss_fn(logp, old_logp, advantages, action_mask, low, high, dual_clip=None)
+        -> (per_token_loss [B, T], stats)
+
+``low, high`` are the loss's two trust-region parameters: the clip ε (``clip_eps_low``,
+``clip_eps_high``) of ppo, gspo and cispo, SAPO's gate temperatures (``tau_pos``, ``tau_neg``).
+``dual_clip`` belongs to the clipped surrogates (ppo, gspo); cispo and sapo refuse it.
 
 ``per_token_loss`` is 0 on masked positions; reduce it with ``masked.aggregate_loss``. ``stats`` are
 detached scalars over the action tokens: ``clip_ratio`` (tokens where the clipped branch is taken),
@@ -19,7 +23,8 @@ The log-ratio is clamped to ±20 before ``exp`` (ρ ≤ 4.9e8) so float32 never 
 
 Each loss also declares its own aggregation (``DEFAULT_AGGREGATION``), used when ``--loss_agg_mode`` is
 not given (``loss_aggregation``): ``ppo`` the token mean, ``gspo`` the per-sequence mean, as OpenRLHF
-always aggregates them (its ``PolicyLoss`` sets ``token_level_loss=False`` for GSPO).
+always aggregates them (its ``PolicyLoss`` sets ``token_level_loss=False`` for GSPO); ``cispo`` the
+token mean and ``sapo`` the per-sequence mean, as their papers write the objective.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {}
 DEFAULT_AGGREGATION: dict[str, str] = {}
 
 LOG_RATIO_CLAMP = 20.0
+# SAPO's gate temperatures (τ_pos, τ_neg) when --tau_pos/--tau_neg are not given: the paper's
+SAPO_TAUS = (1.0, 1.05)
 
 
 def policy_loss(name: str, aggregation: str) -> Callable:
@@ -140,3 +147,83 @@ def gspo_policy_loss(
     return _clipped_surrogate(
         log_ratio, token_log_ratio.detach(), advantages, mask, clip_eps_low, clip_eps_high, dual_clip
     )
+
+
+def _masked_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """log π − log π_old on action tokens, 0 on padding (exp of garbage would poison the gradient)."""
+    zero = torch.zeros_like(logp, dtype=torch.float32)
+    return torch.where(mask, logp.float() - old_logp.float(), zero)
+
+
+def _refuse_dual_clip(name: str, dual_clip: float | None) -> None:
+    if dual_clip is not None:
+        raise ValueError(f"dual_clip is a bound of the ppo/gspo clipped surrogate; {name} has none")
+
+
+@policy_loss("cispo", aggregation="token")
+def cispo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    action_mask: Tensor,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4-5): ``loss = −sg(r̂)·A·log π`` with the clipped
+    importance-sampling weight ``r̂ = clip(ρ, 1−ε_low, 1+ε_high)``, ρ = π/π_old.
+
+    The weight is clipped and detached, never the token: every token keeps the gradient r̂·A·∇log π,
+    where PPO's clipped branch gives it none. The loss *value* is the paper's (it contains log π, so it
+    is not comparable with ppo's); the gradient is what matters. ``clip_ratio``: the fraction of tokens
+    whose weight was clipped. The paper sets no lower bound (ε_low ≥ 1) and tunes ε_high only.
+    """
+    _refuse_dual_clip("cispo", dual_clip)
+    clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    mask = action_mask != 0
+    log_ratio = _masked_log_ratio(logp, old_logp, mask).detach()
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    weight = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    logp = torch.where(mask, logp.float(), torch.zeros_like(logp, dtype=torch.float32))
+    loss = torch.where(mask, -weight * advantages.float() * logp, torch.zeros_like(logp))
+    stats = {
+        "clip_ratio": masked_mean((weight != ratio).float(), mask),
+        "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
+    }
+    return loss, stats
+
+
+@policy_loss("sapo", aggregation="sequence")
+def sapo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    action_mask: Tensor,
+    tau_pos: float = SAPO_TAUS[0],
+    tau_neg: float = SAPO_TAUS[1],
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO (Qwen, "Soft Adaptive Policy Optimization", arXiv 2511.20347): ``loss = −f(ρ)·A`` with the
+    soft gate ``f(ρ) = σ(τ(ρ − 1))·4/τ`` in place of the hard clip, τ = ``tau_pos`` where A > 0, else
+    ``tau_neg`` (the paper's defaults 1.0 and 1.05: negative updates fade faster).
+
+    The gradient is ``w·ρ·A·∇log π`` with ``w = 4σ(1−σ)``: 1 on-policy (ρ = 1, where it equals PPO's),
+    decaying smoothly as ρ leaves 1; ``gate_weight`` is the mean w over the action tokens.
+    """
+    _refuse_dual_clip("sapo", dual_clip)
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"SAPO temperatures must be > 0, got tau_pos={tau_pos} tau_neg={tau_neg}")
+    mask = action_mask != 0
+    advantages = advantages.float()
+    log_ratio = _masked_log_ratio(logp, old_logp, mask)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    tau = torch.where(advantages > 0, tau_pos, tau_neg).to(ratio.dtype)
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    loss = torch.where(mask, -gate * (4.0 / tau) * advantages, torch.zeros_like(ratio))
+    with torch.no_grad():
+        token_log_ratio = log_ratio.detach()
+        stats = {
+            "gate_weight": masked_mean(4.0 * gate * (1.0 - gate), mask),
+            "approx_kl": masked_mean(torch.expm1(token_log_ratio) - token_log_ratio, mask),
+        }
+    return loss, stats

@@ -12,7 +12,7 @@ from __future__ import annotations
 # tidal.algorithms.ADVANTAGE_ESTIMATORS
 ADVANTAGE_ESTIMATOR_NAMES = ("gae", "reinforce", "reinforce_baseline", "dr_grpo", "rloo", "group_norm")
 # tidal.algorithms.POLICY_LOSSES
-POLICY_LOSS_NAMES = ("ppo", "gspo")
+POLICY_LOSS_NAMES = ("ppo", "gspo", "cispo", "sapo")
 # tidal.algorithms.KL_ESTIMATORS
 KL_ESTIMATOR_NAMES = ("k1", "k2", "k3")
 # tidal.algorithms.LOSS_AGGREGATIONS

@@ -158,13 +158,22 @@ class AlgorithmConfig(Checked):
     advantage_estimator: str = arg("gae", help="advantage estimator", choices=ADVANTAGE_ESTIMATOR_NAMES)
     gamma: float = arg(1.0, help="discount factor", check=UNIT)
     lambd: float = arg(1.0, help="GAE lambda", check=UNIT)
-    eps_clip: float = arg(0.2, help="PPO clip range", check=POSITIVE)
+    eps_clip: float = arg(0.2, help="PPO clip range (cispo: of its importance weight)", check=POSITIVE)
     eps_clip_low_high: tuple[float, float] | None = arg(
         None, help="separate PPO clip bounds (low high)", nargs=2, check=POSITIVE
     )
     dual_clip: float | None = arg(None, help="dual-clip constant c > 1 for negative advantages")
     policy_loss_type: str = arg(
-        "ppo", help="ppo: token ratio; gspo: sequence ratio", choices=POLICY_LOSS_NAMES
+        "ppo",
+        help="ppo: token ratio; gspo: sequence ratio; cispo: clipped, detached importance weight times log π "
+        "(MiniMax-M1); sapo: soft sigmoid gate instead of the clip (Qwen SAPO). docs/algorithms.md",
+        choices=POLICY_LOSS_NAMES,
+    )
+    tau_pos: float | None = arg(
+        None, help="SAPO gate temperature for positive advantages (unset: 1.0)", check=POSITIVE
+    )
+    tau_neg: float | None = arg(
+        None, help="SAPO gate temperature for negative advantages (unset: 1.05)", check=POSITIVE
     )
     loss_agg_mode: str | None = arg(
         None,
@@ -226,6 +235,7 @@ class AlgorithmConfig(Checked):
             own.append("--use_icepop needs --enable_vllm_is_correction")
         if self.use_icepop and self.policy_loss_type in ratio_against_rollout():  # docs/algorithms.md
             own.append("--use_icepop with --policy_loss_type gspo: GSPO corrects in its sequence ratio")
+        own += self._loss_flag_problems()
         if self.no_advantage_std_norm and not self.estimator.whiten:
             own.append(
                 f"--no_advantage_std_norm: --advantage_estimator {self.advantage_estimator} does not normalise "
@@ -240,6 +250,25 @@ class AlgorithmConfig(Checked):
             if len(low_high) == 2 and not low_high[0] < low_high[1]:
                 own.append(f"--{flag} needs LOW < HIGH, got {low_high[0]} {low_high[1]}")
         return super().problems(flags) + own
+
+    def _loss_flag_problems(self) -> list[str]:
+        """Flags that mean nothing to the chosen policy loss (docs/algorithms.md, "CISPO and SAPO")."""
+        loss, own = self.policy_loss_type, []
+        if self.dual_clip is not None and loss in ("cispo", "sapo"):
+            own.append(
+                f"--dual_clip with --policy_loss_type {loss}: it bounds the ppo/gspo clipped surrogate"
+            )
+        if loss != "sapo" and (self.tau_pos is not None or self.tau_neg is not None):
+            own.append(
+                f"--tau_pos/--tau_neg are SAPO's gate temperatures, not used by --policy_loss_type {loss}"
+            )
+        default_eps = type(self).__dataclass_fields__["eps_clip"].default
+        if loss == "sapo" and (self.eps_clip_low_high is not None or self.eps_clip != default_eps):
+            own.append(
+                "--eps_clip/--eps_clip_low_high with --policy_loss_type sapo: SAPO has no clip (its gate "
+                "is set by --tau_pos/--tau_neg)"
+            )
+        return own
 
     @property
     def estimator(self):
@@ -258,6 +287,12 @@ class AlgorithmConfig(Checked):
 
     @property
     def clip_bounds(self) -> tuple[float, float]:
+        """The policy loss's two trust-region parameters (``tidal.algorithms.policy_loss``): the clip
+        ε (low, high), or SAPO's gate temperatures (τ_pos, τ_neg)."""
+        if self.policy_loss_type == "sapo":
+            from tidal.algorithms.policy_loss import SAPO_TAUS  # imports torch: not at --help
+
+            return (self.tau_pos or SAPO_TAUS[0], self.tau_neg or SAPO_TAUS[1])
         return tuple(self.eps_clip_low_high) if self.eps_clip_low_high else (self.eps_clip, self.eps_clip)
 
     @property
