@@ -82,7 +82,7 @@ async def agent(base_url, prompt, label):
 @pytest.mark.parametrize("placement", [[], ["--vllm_num_engines", "1"]], ids=["local", "separate_engine"])
 def test_ppo_trains_on_the_endpoint_tokens(tiny_qwen2, tmp_path, monkeypatch, placement):
     from tidal.cli.train_ppo import parse_run
-    from tidal.placement import rollout as rollout_module
+    from tidal.experience import scoring as scoring_module
     from tidal.serve.protocol import token_text
     from tidal.trainers.ppo import run_ppo
 
@@ -92,13 +92,13 @@ def test_ppo_trains_on_the_endpoint_tokens(tiny_qwen2, tmp_path, monkeypatch, pl
         for i in range(8):
             f.write(json.dumps({"prompt": f"{i}>", "label": str(i)}) + "\n")
     seen = []
-    original = rollout_module.from_trajectories
+    original = scoring_module.from_trajectories
 
     def spy(trajectories, pad_id):
         seen.extend(trajectories)
         return original(trajectories, pad_id)
 
-    monkeypatch.setattr(rollout_module, "from_trajectories", spy)
+    monkeypatch.setattr(scoring_module, "from_trajectories", spy)
     out = tmp_path / "out"
     history = run_ppo(parse_run([
         "--pretrain", str(tiny_qwen2), "--prompt_data", str(tmp_path / "prompts.jsonl"), "--input_key", "prompt",

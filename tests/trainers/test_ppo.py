@@ -313,7 +313,7 @@ def test_vllm_flags_configure_the_engine(echo_policy, echo_data, tmp_path):
     from tidal.models import load_tokenizer
 
     tok = load_tokenizer(str(echo_policy))
-    rollout = LocalRollout(str(echo_policy), tok, run.rollout, run.reward, run.agent, torch.device("cpu"), tok.pad_token_id,
+    rollout = LocalRollout(str(echo_policy), tok, run.rollout, run.agent, torch.device("cpu"), tok.pad_token_id,
                            False, 0)  # fmt: skip
     cfg = rollout.engine.config
     assert cfg.enforce_eager and cfg.gpu_memory_utilization == 0.3 and cfg.max_num_seqs == 24

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from tidal.config import ModelConfig
 from tidal.config.engine import rollout_engine_config as engine_config
-from tidal.config.rl import AgentConfig, RewardConfig, RolloutConfig
+from tidal.config.rl import AgentConfig, RolloutConfig
 from tidal.distributed.weight_sync import plan_buckets
 from tidal.models import load_tokenizer
 from tidal.placement import remote_rollout
@@ -36,15 +36,12 @@ def test_plan_buckets_keeps_order_and_size():
 
 def _rollout(model_path, count: int) -> RemoteRollout:
     cfg = RolloutConfig(generate_max_len=4, prompt_max_len=8)
-    reward = RewardConfig(remote_url=str(REWARD))
     spec = EngineSpec(str(model_path), ModelConfig(pretrain=str(model_path)), engine_config(cfg, "cpu", 0),
                       AgentConfig(), False, 1)  # fmt: skip
     tokenizer = load_tokenizer(str(model_path))
     engines = start_process_engines(spec, count, devices=["cpu"] * count)  # CPU processes, also with GPUs
     try:
-        return RemoteRollout(
-            engines, tokenizer, cfg, reward, AgentConfig(), torch.device("cpu"), tokenizer.pad_token_id
-        )
+        return RemoteRollout(engines, tokenizer, cfg, torch.device("cpu"), tokenizer.pad_token_id)
     except BaseException:
         for e in engines:
             e.close()
@@ -117,14 +114,11 @@ def test_nccl_sync_from_gpu0_to_an_engine_on_gpu1(tiny_qwen2):
     """The policy on cuda:0 broadcasts (NCCL, bf16 buckets) to a bf16 engine process on cuda:1; the engine
     then holds exactly what a local bf16 engine loads from the same policy."""
     cfg = RolloutConfig(generate_max_len=4, prompt_max_len=8)
-    reward = RewardConfig(remote_url=str(REWARD))
     spec = EngineSpec(str(tiny_qwen2), ModelConfig(pretrain=str(tiny_qwen2)), engine_config(cfg, "auto", 0),
                       AgentConfig(), False, 1)  # fmt: skip
     tokenizer = load_tokenizer(str(tiny_qwen2))
     engines = start_process_engines(spec, 1)  # the GPU after this process's: cuda:1
-    rollout = RemoteRollout(
-        engines, tokenizer, cfg, reward, AgentConfig(), torch.device("cuda:0"), tokenizer.pad_token_id
-    )
+    rollout = RemoteRollout(engines, tokenizer, cfg, torch.device("cuda:0"), tokenizer.pad_token_id)
     try:
         policy = AutoModelForCausalLM.from_pretrained(tiny_qwen2).cuda()
         with torch.no_grad():

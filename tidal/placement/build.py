@@ -38,15 +38,18 @@ log = get_logger(__name__)
 
 @dataclass
 class Roles:
-    """This rank's frozen and generating roles (``reference`` is None when the run needs none)."""
+    """This rank's frozen and generating roles (``reference`` / ``reward_models`` are None when the run
+    needs none)."""
 
     reference: ReferenceRole | None
     rollout: RolloutRole
+    reward_models: RewardRole | None = None
 
     def close(self) -> None:
         self.rollout.close()
-        if self.reference is not None:
-            self.reference.close()
+        for role in (self.reference, self.reward_models):
+            if role is not None:
+                role.close()
 
 
 def build_roles(
@@ -60,7 +63,10 @@ def build_roles(
     workers = start_workers(run, world.world_size, ray_actors)
     try:
         reference = build_reference(run, world.device, precision, workers["reference"])
-        return Roles(reference, build_rollout(run, world, tokenizer, workers))
+        # the reward models load before the engine, as they always did (same RNG draws)
+        reward_models = RemoteRewardModels(workers["reward model"]) if workers["reward model"] else None
+        reward_models = reward_models or build_reward_models(run, world.device)
+        return Roles(reference, build_rollout(run, world, tokenizer, workers), reward_models)
     except BaseException:
         for handles in workers.values():
             for w in handles:
@@ -83,15 +89,11 @@ def build_reference(
 def build_rollout(run: PlacedRun, world: World, tokenizer, workers: dict[str, list]) -> RolloutRole:
     """The engine on this device (``LocalRollout``) or this rank's separate engines (``RemoteRollout``)."""
     device, pad_id = world.device, tokenizer.pad_token_id
-    reward_models = RemoteRewardModels(workers["reward model"]) if workers["reward model"] else None
-    reward_models = reward_models or build_reward_models(run, device)
     if workers["engine"]:
-        rollout = RemoteRollout(
-            workers["engine"], tokenizer, run.rollout, run.reward, run.agent, device, pad_id, reward_models
-        )
+        rollout = RemoteRollout(workers["engine"], tokenizer, run.rollout, device, pad_id)
     else:
-        rollout = LocalRollout(run.actor.pretrain, tokenizer, run.rollout, run.reward, run.agent, device, pad_id,
-                               run.data.apply_chat_template, run.train.seed, reward_models=reward_models)  # fmt: skip
+        rollout = LocalRollout(run.actor.pretrain, tokenizer, run.rollout, run.agent, device, pad_id,
+                               run.data.apply_chat_template, run.train.seed)  # fmt: skip
     return DataParallelRollout(rollout, world) if world.distributed else rollout
 
 

@@ -1,4 +1,5 @@
-"""Data-parallel RL: each process generates, scores and trains on its share of every rollout.
+"""Data-parallel RL: each process generates, scores and trains on its share of every rollout (the
+scoring and training are the trainer's; this module gives a rank its share of the generation).
 
 Rank r of W takes a contiguous slice of a rollout's prompts and runs its own rollout (an engine on
 its device, or its separate engines) on them. Per-sample seeds follow the *global* prompt index
@@ -21,7 +22,6 @@ from tidal.config.placement import colocated_engines, separate_engines
 from tidal.data.batching import contiguous_splits
 from tidal.data.prompts import PromptSample
 from tidal.distributed.world import World
-from tidal.experience.experience import Experience
 from tidal.placement.protocols import PlacedRun
 from tidal.placement.rollout import Rollout
 
@@ -41,7 +41,7 @@ class DataParallelRollout:
 
     def generate(
         self, prompts: Sequence[PromptSample], n: int, temperature: float, seed: int
-    ) -> tuple[list[Trajectory], Experience, dict[str, float]]:
+    ) -> list[Trajectory]:
         start, stop = shard_bounds(len(prompts), self.world)
         return self.local.generate(prompts[start:stop], n, temperature, seed, first_index=start)
 

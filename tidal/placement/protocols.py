@@ -4,7 +4,8 @@ The loop (``tidal.trainers.ppo.trainer``) trains the policy on its own device; t
 trains and three other roles may sit with it or on devices of their own, and the loop sees only these
 protocols:
 
-- ``RolloutRole``: prompts in, trajectories and an ``Experience`` with rewards out; takes the
+- ``RolloutRole``: prompts in, trajectories out (the trainer scores and packs them:
+  ``tidal.experience.scoring``); takes the
   policy's weights after each update. ``LocalRollout`` (an engine on this device), ``RemoteRollout``
   (engine processes / Ray actors), ``DataParallelRollout`` (this rank's share of either).
 - ``ReferenceRole``: per-token log-probs of the reference policy. ``LocalReference`` /
@@ -45,13 +46,13 @@ from tidal.rewards.base import RewardResult
 
 
 class RolloutRole(Protocol):
-    """Generation, agents and scoring for the RL loop; see the module docstring."""
+    """Generation and agents for the RL loop; see the module docstring."""
 
     def generate(
         self, prompts: Sequence[PromptSample], n: int, temperature: float, seed: int
-    ) -> tuple[list[Trajectory], Experience, dict[str, float]]:
-        """``n`` samples per prompt (prompt-major), their ``Experience`` with rewards and scores, and
-        the reward source's extra logs; sample seeds follow ``seed`` and the global prompt index."""
+    ) -> list[Trajectory]:
+        """``n`` trajectories per prompt (prompt-major); sample seeds follow ``seed`` and the global prompt
+        index."""
         ...
 
     def sync_weights(self, policy: nn.Module) -> int:
@@ -63,7 +64,7 @@ class RolloutRole(Protocol):
         ...
 
     def close(self) -> None:
-        """Stop what runs outside this process (engine and reward workers)."""
+        """Stop what runs outside this process (engine workers)."""
         ...
 
 

@@ -1,7 +1,8 @@
-"""The rollout role: the engine generates, agents act, rewards score, weights sync back.
+"""The rollout role: the engine generates, agents act, weights sync back.
 
-A ``Rollout`` turns a batch of prompts into an ``Experience`` with scalar rewards: an engine and
-the agent executor make trajectories, and rewards score them here, with the trainer. ``LocalRollout``
+A ``Rollout`` turns a batch of prompts into trajectories (token ids, the engine's log-probs, agents'
+rewards when they give them): an engine and the agent executor make them. Scoring and packing them
+into an ``Experience`` is the experience path's (``tidal.experience.scoring``). ``LocalRollout``
 owns tidal's ``LLMEngine`` on the trainer's device; ``RemoteRollout`` (``remote_rollout.py``) drives
 engines on devices of their own; ``DataParallelRollout`` (``data_parallel.py``) gives a data-parallel
 rank its share of either. All three are a ``tidal.placement.protocols.RolloutRole``.
@@ -16,17 +17,12 @@ import torch
 from torch import nn
 
 from tidal.agents import AgentExecutorBase, SingleTurnAgentExecutor, Trajectory, load_agent_executor
-from tidal.agents.base import rollout_logs
 from tidal.agents.endpoint import EndpointAgentExecutor
 from tidal.config.args import ConfigError
 from tidal.config.engine import rollout_engine_config
-from tidal.config.rl import AgentConfig, RewardConfig, RolloutConfig
+from tidal.config.rl import AgentConfig, RolloutConfig
 from tidal.data.prompts import PromptSample
 from tidal.distributed.weight_sync import engine_weights
-from tidal.experience.experience import Experience
-from tidal.experience.maker import from_trajectories
-from tidal.placement.protocols import RewardRole
-from tidal.rewards import RewardResult, load_reward_source
 from tidal.rollout import SamplingParams, make_engine
 
 
@@ -54,33 +50,12 @@ def check_sync_flags(cfg: RolloutConfig, device: torch.device) -> None:
 
 
 class Rollout:
-    """Prompts in, an ``Experience`` with rewards out. Subclasses say where trajectories come from
-    (``trajectories``) and how weights reach their engines (``sync_weights``)."""
+    """Prompts in, trajectories out. Subclasses say where trajectories come from (``trajectories``) and
+    how weights reach their engines (``sync_weights``)."""
 
-    def __init__(
-        self,
-        tokenizer,
-        cfg: RolloutConfig,
-        reward: RewardConfig,
-        agent: AgentConfig,
-        pad_id: int,
-        reward_models: RewardRole | None = None,
-    ):
+    def __init__(self, tokenizer, cfg: RolloutConfig, pad_id: int):
         self.lock = threading.Lock()  # generation (maybe on a background thread) and weight sync take turns
         self.cfg, self.tokenizer, self.pad_id = cfg, tokenizer, pad_id
-        self.reward_source = (
-            load_reward_source(reward.remote_url, timeout=reward.timeout, max_retries=reward.retries)
-            if reward.remote_url
-            else None
-        )
-        self.reward_models = reward_models
-        # on-policy distillation may run on the teacher's signal alone (scalar rewards 0)
-        self.distilling = bool(reward.teacher_model)
-        if not (agent.func_path or agent.endpoint or self.reward_source or reward_models or self.distilling):
-            raise ConfigError(
-                "RL needs rewards: pass --remote_rm_url, --reward_pretrain, --agent_func_path, --agent_endpoint "
-                "or --teacher_model"
-            )
 
     def sampling_params(self, n: int, temperature: float, seed: int) -> SamplingParams:
         c = self.cfg
@@ -89,39 +64,20 @@ class Rollout:
 
     def generate(
         self, prompts: Sequence[PromptSample], n: int, temperature: float, seed: int, first_index: int = 0
-    ) -> tuple[list[Trajectory], Experience, dict[str, float]]:
-        """Trajectories (prompt-major) and their Experience with rewards, scores and reward logs.
+    ) -> list[Trajectory]:
+        """``n`` trajectories per prompt (prompt-major).
 
         ``first_index``: where ``prompts`` start in the whole rollout (a data-parallel share); sample
         seeds follow the global index."""
         params = self.sampling_params(n, temperature, seed)
         with self.lock:
-            trajectories = self.trajectories(prompts, params, first_index)
-        exp = from_trajectories(trajectories, self.pad_id)
-        result = self.score(trajectories, exp, n, prompts)
-        exp.rewards, exp.scores = result.rewards.float(), result.scores.float()
-        # agents' own logs and failed-episode counts (agent/errors) join the reward's logs
-        return trajectories, exp, result.extra_logs | rollout_logs(trajectories)
+            return self.trajectories(prompts, params, first_index)
 
     def trajectories(self, prompts: Sequence[PromptSample], params: SamplingParams, first_index: int):
         raise NotImplementedError
 
-    def score(self, trajectories: list[Trajectory], exp: Experience, n: int, prompts) -> RewardResult:
-        if all(t.reward is not None for t in trajectories):  # agents already rewarded every sample
-            return RewardResult(rewards=exp.rewards, scores=exp.scores)
-        if self.reward_models is not None:
-            return self.reward_models(exp)
-        if self.distilling and self.reward_source is None:  # the KL to the teacher is the only signal
-            return RewardResult(rewards=torch.zeros(len(trajectories)))
-        queries = [t.prompt + t.response_text for t in trajectories]
-        labels = [p.label for p in prompts for _ in range(n)]
-        return self.reward_source(queries, [t.prompt for t in trajectories], labels)
-
     def close(self) -> None:
-        """Release workers outside this process: reward models on devices of their own (and, in
-        ``RemoteRollout``, the engines)."""
-        if self.reward_models is not None:
-            self.reward_models.close()
+        """Release workers outside this process (in ``RemoteRollout``, the engines)."""
 
 
 def colocated_tp_group(cfg: RolloutConfig, device: torch.device):
@@ -145,16 +101,14 @@ class LocalRollout(Rollout):
         model_path: str,
         tokenizer,
         cfg: RolloutConfig,
-        reward: RewardConfig,
         agent: AgentConfig,
         device: torch.device,
         pad_id: int,
         apply_chat_template: bool,
         seed: int,
-        reward_models: RewardRole | None = None,
     ):
         check_sync_flags(cfg, device)
-        super().__init__(tokenizer, cfg, reward, agent, pad_id, reward_models)
+        super().__init__(tokenizer, cfg, pad_id)
         config = rollout_engine_config(cfg, str(device), seed)
         self.engine = make_engine(model_path, config, tp_group=colocated_tp_group(cfg, device))
         self.executor = build_executor(agent, apply_chat_template)

@@ -14,12 +14,11 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from tidal.data.prompts import PromptSample
 from tidal.experience.experience import Experience
-from tidal.placement.protocols import RolloutRole
 
 
 @dataclass(frozen=True)
@@ -43,19 +42,24 @@ class RolloutResult:
     seconds: float
 
 
-def _generate(rollout: RolloutRole, job: RolloutJob) -> RolloutResult:
+# One rollout's experience: the trainer's ``RolloutRole.generate`` then ``RewardScorer.experience``.
+MakeExperience = Callable[[RolloutJob], tuple[Experience, dict]]
+
+
+def _generate(make: MakeExperience, job: RolloutJob) -> RolloutResult:
     start = time.perf_counter()
-    _, exp, logs = rollout.generate(job.prompts, job.n, job.temperature, seed=job.seed)
+    exp, logs = make(job)
     return RolloutResult(job, exp, logs, time.perf_counter() - start)
 
 
 def rollout_stream(
-    rollout: RolloutRole, jobs: Sequence[RolloutJob], ahead: int | None
+    make: MakeExperience, jobs: Sequence[RolloutJob], ahead: int | None
 ) -> Iterator[RolloutResult]:
-    """Results of ``jobs`` in order; ``ahead`` (async) lets a thread run up to that many rollouts early."""
+    """Results of ``jobs`` in order (``make`` runs each: generate, then score); ``ahead`` (async) lets a
+    thread run up to that many rollouts early."""
     if not ahead:
         for job in jobs:
-            yield _generate(rollout, job)
+            yield _generate(make, job)
         return
     results: queue.Queue = queue.Queue(maxsize=ahead)
     stop = threading.Event()
@@ -65,7 +69,7 @@ def rollout_stream(
             for job in jobs:
                 if stop.is_set():
                     return
-                results.put(_generate(rollout, job))
+                results.put(_generate(make, job))
         except BaseException as err:  # surface generation errors in the training thread
             results.put(err)
 

@@ -28,6 +28,7 @@ from tidal.data import SFTDataConfig, build_prompt_samples, load_dataset_spec
 from tidal.distributed import World, init_world
 from tidal.distributed.mesh import ring_group, ring_layout_problems
 from tidal.distributed.tensor_parallel import model_layout_problems, with_tensor_parallel
+from tidal.experience.scoring import RewardScorer
 from tidal.logging import get_logger
 from tidal.models import load_causal_lm, load_tokenizer
 from tidal.models.loading import check_model_folder, model_load_error
@@ -43,6 +44,7 @@ from tidal.trainers.common import build_optimization, seed_everything
 from tidal.trainers.loop import Optimization
 from tidal.trainers.ppo.config import PPORun
 from tidal.trainers.ppo.critic import build_critic
+from tidal.trainers.ppo.memory_check import check_memory
 from tidal.trainers.ppo.ptx import PtxStream
 from tidal.trainers.ppo.trainer import PPOParts, PPOTrainer
 from tidal.trainers.ppo.update import StepShape, ValueLoss, train_on_experience
@@ -73,6 +75,8 @@ def train(run: PPORun, world: World, ray_actors: dict | None = None) -> list[dic
     ring = ring_for(run, world)  # one-line errors before anything loads; this rank's ring group or None
     world = with_tensor_parallel(world, run.dist.ds_tensor_parallel_size)
     check_tensor_parallel(run, world)
+    # the device must hold the run (one line naming the flag that makes it fit, not an OOM minutes later)
+    check_memory(run, AutoConfig.from_pretrained(run.actor.pretrain), world.device, world.dp_size)
     seed_everything(run.train)
     tokenizer = load_tokenizer(run.actor.pretrain, run.actor)
     d = run.data
@@ -238,8 +242,11 @@ def build_parts(run: PPORun, world: World, tokenizer, steps: int, ray_actors: di
     actor = build_actor(run, world, steps)
     update = ValueUpdate(run.algorithm.value_clip)  # the critic's epochs, here or in its own worker
     critic = build_critic(run, world, steps, update) if run.algorithm.needs_critic else None
+    # the reward source loads (or the run is refused for having none) before any engine or worker starts
+    scorer = RewardScorer(run.reward, run.agent, tokenizer.pad_token_id)
     roles = build_roles(run, world, tokenizer, actor.precision, ray_actors)
-    return PPOParts(actor, critic, roles.reference, roles.rollout, tokenizer)
+    scorer.reward_models = roles.reward_models  # reward models where placement put them
+    return PPOParts(actor, critic, roles.reference, roles.rollout, scorer, tokenizer)
 
 
 @dataclass(frozen=True)

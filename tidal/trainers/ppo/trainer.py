@@ -31,6 +31,7 @@ from tidal.experience.maker import (
     forward_logprobs,
     shape_rewards,
 )
+from tidal.experience.scoring import RewardScorer
 from tidal.inference.evaluation import pass_at_k_stats
 from tidal.logging import MetricsLogger, ProgressBar, get_logger
 from tidal.models.exact_lora import make_lora_exact
@@ -74,18 +75,21 @@ SETTINGS = (
 @dataclass
 class PPOParts:
     """What the loop drives: the policy on this device, the critic, the frozen reference and the rollout
-    wherever ``tidal.placement`` put them, and this rank's pretraining micro-batches (``--pretrain_data``)."""
+    wherever ``tidal.placement`` put them, the scorer of their trajectories (with the reward models), and
+    this rank's pretraining micro-batches (``--pretrain_data``)."""
 
     actor: Optimization
     critic: CriticRole | None
     reference: ReferenceRole | None
     rollout: RolloutRole
+    scorer: RewardScorer
     tokenizer: object
     ptx: PtxStream | None = None
 
     def close(self) -> None:
         """Stop what runs outside this process (engines, critic, reference and reward workers)."""
         self.rollout.close()
+        self.scorer.close()
         if self.reference is not None:
             self.reference.close()
         if self.critic is not None:
@@ -155,7 +159,7 @@ class PPOTrainer:
             step_start = time.perf_counter()
             for episode in range(loop.epoch, run.train.num_episodes):
                 # generate: each rollout when the loop asks for it, or (--async_train) ahead on a thread
-                for generated in rollout_stream(self.parts.rollout, self._jobs(episode, loop), self._ahead):
+                for generated in rollout_stream(self._experience_of, self._jobs(episode, loop), self._ahead):
                     stats = self.train_step(generated, loop.global_step)
                     loop = LoopState(loop.global_step + 1, episode, generated.job.index + 1)
                     skip, done = self._episode_start(episode)
@@ -173,7 +177,7 @@ class PPOTrainer:
         return history
 
     def train_step(self, generated: RolloutResult, step: int) -> dict[str, float]:
-        """One RL step on a generated rollout (sampled, run by agents and scored by the rollout role)."""
+        """One RL step on a generated rollout (sampled and run by agents in the rollout role, then scored)."""
         timer = PhaseTimer()
         with timer("make_experience"):
             self._trainer_awake(True)
@@ -189,6 +193,11 @@ class PPOTrainer:
         stats |= mean_over_world(generated.reward_logs, self.world) | timer.seconds
         stats["time/generate"] = generated.seconds
         return stats | peak_memory(self.world)
+
+    def _experience_of(self, job: RolloutJob) -> tuple[Experience, dict]:
+        """Generate a rollout (the rollout role's trajectories), then score and pack it (experience path)."""
+        trajectories = self.parts.rollout.generate(job.prompts, job.n, job.temperature, seed=job.seed)
+        return self.parts.scorer.experience(trajectories)
 
     @property
     def _size(self) -> int:
@@ -338,8 +347,10 @@ class PPOTrainer:
         """Mean reward and score of fresh samples on the evaluation prompts, and pass@1 / pass@k
         (k = --eval_n_samples_per_prompt; a sample passes when its score is >= --eval_pass_threshold)."""
         r = self.run.rollout
-        _, exp, logs = self.parts.rollout.generate(self.eval_prompts, r.eval_n_samples_per_prompt, r.eval_temperature,
-                                                   seed=self.run.train.seed)  # fmt: skip
+        job = RolloutJob(
+            0, self.eval_prompts, r.eval_n_samples_per_prompt, r.eval_temperature, self.run.train.seed
+        )
+        exp, logs = self._experience_of(job)
         self._sleep_engine()
         stats = {"reward": float(exp.rewards.mean()), "score": float(exp.scores.mean()), **logs}
         # trajectories are prompt-major, so each prompt's samples are consecutive in exp.scores
