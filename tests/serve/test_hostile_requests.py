@@ -168,6 +168,9 @@ def test_oversized_bodies_get_413_before_they_are_read(served):
     chunks = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(5))
     answer = _raw(served, head + b"Transfer-Encoding: chunked\r\n\r\n" + chunks, close_write=True)
     assert answer.split()[1] == b"413"
+    # A client that sends its whole 200 kB body anyway still reads the 413 (the rest is dropped).
+    status, body = _post(served, "/completions", {"model": MODEL, "prompt": "x" * 200_000})
+    assert status == 413 and body["error"]["code"] == "request_too_large"
 
 
 def test_health_answers_while_a_request_is_parsed(served):
