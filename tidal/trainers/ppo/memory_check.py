@@ -24,8 +24,8 @@ from tidal.trainers.ppo.memory_plan import (
     MemorySettings,
     ModelShape,
     fix_for,
-    gib,
     plan_memory,
+    size,
 )
 
 log = get_logger(__name__)
@@ -102,7 +102,7 @@ def device_capacity(device: torch.device) -> float | None:
 def refusal(run: PPORun, plan: MemoryPlan, fix: list[str]) -> str:
     """The one-line error of a run that does not fit."""
     where = f"--pretrain {run.actor.pretrain}: the {plan.peak_phase} phase needs {plan.breakdown()}"
-    room = f"{gib(plan.usable):.1f} GiB usable of the device's {gib(plan.capacity):.1f} GiB"
+    room = f"{size(plan.usable)} usable of the device's {size(plan.capacity)}"
     if fix:
         return f"{where}, more than the {room}; add {' '.join(fix)} (docs/distributed.md, memory plan)"
     return (
@@ -121,13 +121,13 @@ def check_memory(run: PPORun, config, device: torch.device, dp_size: int) -> Mem
     plan = plan_memory(shape, settings, capacity)
     if not plan.fits:
         raise ConfigError(refusal(run, plan, fix_for(shape, settings, capacity)))
-    log.info("memory plan: peak in the %s phase, %s of %.1f GiB usable", plan.peak_phase, plan.breakdown(),
-             gib(plan.usable))  # fmt: skip
+    log.info("memory plan: peak in the %s phase, %s of %s usable", plan.peak_phase, plan.breakdown(),
+             size(plan.usable))  # fmt: skip
     if plan.kv_cache < plan.kv_needed:
         log.info(
-            "memory plan: the engine's KV cache (%.1f GiB) holds fewer than --vllm_generate_batch_size "
-            "full-length sequences (%.1f GiB): generation runs fewer at once",
-            gib(plan.kv_cache),
-            gib(plan.kv_needed),
+            "memory plan: the engine's KV cache (%s) holds fewer than --vllm_generate_batch_size full-length "
+            "sequences (%s): generation runs fewer at once",
+            size(plan.kv_cache),
+            size(plan.kv_needed),
         )
     return plan

@@ -127,14 +127,24 @@ class MemoryPlan:
         return self.peak <= self.usable
 
     def breakdown(self, phase: str | None = None) -> str:
-        """``"fp32 weights 28.4 + ... = 141.6 GiB"`` for ``phase`` (the peak one by default)."""
+        """``"fp32 weights 28.4 GiB + ... = 145.9 GiB"`` for ``phase`` (the peak one by default); parts
+        under 1% of the total are left out."""
         phase = phase or self.peak_phase
-        parts = [f"{name} {gib(b):.1f}" for name, b in self.phases[phase].items() if b >= 0.05 * GIB]
-        return f"{' + '.join(parts)} = {gib(self.total(phase)):.1f} GiB"
+        total = self.total(phase)
+        parts = [f"{name} {size(b)}" for name, b in self.phases[phase].items() if b >= 0.01 * total]
+        return f"{' + '.join(parts)} = {size(total)}"
 
 
 def gib(n: float) -> float:
     return n / GIB
+
+
+def size(n: float) -> str:
+    """``"28.4 GiB"``, ``"3.1 MiB"``: bytes in the largest binary unit they fill."""
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
 
 
 def _shard(nbytes: float, sharded: bool, dp_size: int) -> float:
