@@ -150,6 +150,17 @@ def test_preemption_sleep_and_slots(setup, monkeypatch):
     assert preempted, "the test should exercise preemption"
     slots = tiny.block_manager.state_slots
     assert slots.num_free == 4 and tiny.block_manager.num_free_blocks == 12  # every slot given back
+    # An aborted request gives its slots back too; the next request reuses one (its prefill starts from
+    # zeros, not from what the slot held).
+    aborted = tiny.add_request(prompts[0], SamplingParams(max_new_tokens=30, n=2, ignore_eos=True))
+    kept = tiny.add_request(prompts[1], greedy(14))
+    for _ in range(3):
+        tiny.step()
+    assert slots.num_free == 1 and tiny.abort(aborted) and slots.num_free == 3
+    while tiny.has_unfinished():
+        finished = tiny.step()
+    assert finished[0].request_id == kept and finished[0].outputs[0].token_ids == want[1]
+    assert slots.num_free == 4
     tiny.sleep()
     assert tiny.runner.states.conv is None
     tiny.wake_up()
