@@ -236,6 +236,7 @@ class Qwen35DecoderLayer(nn.Module):
     """Pre-norm layer: x + mixer(norm(x)), then + mlp(norm(.)); the mixer is linear or full attention."""
 
     def __init__(self, args: Qwen35Args, layer_idx: int, attention_cls=None):
+        # ``attention_cls``: what ``DecoderModel`` passes every layer class; the mixers here are fixed.
         super().__init__()
         self.input_layernorm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
         if args.layer_types[layer_idx] == LINEAR:
