@@ -66,7 +66,11 @@ _VISION_FAMILIES = (
 # fmt: on
 FAMILIES: dict[str, Family] = {family.model_type: family for family in _FAMILIES}
 VISION_FAMILIES: dict[str, Family] = {family.model_type: family for family in _VISION_FAMILIES}
-_ALL = {**FAMILIES, **VISION_FAMILIES}
+
+
+def _entry(model_type: str | None) -> Family | None:
+    """The text or vision-language family of ``model_type`` (looked up live, so tests may patch either)."""
+    return FAMILIES.get(model_type) or VISION_FAMILIES.get(model_type)
 
 
 # The engine features a family may refuse (``Family.refuses``), by the name the refusal gives:
@@ -89,7 +93,7 @@ def feature_refusal(model_type: str | None, feature: str) -> str | None:
     registry, whose own error comes first)."""
     if feature not in FEATURES:
         raise ValueError(f"unknown engine feature {feature!r}; expected one of {', '.join(FEATURES)}")
-    entry = _ALL.get(model_type)
+    entry = _entry(model_type)
     reason = entry.refuses.get(feature) if entry is not None else None
     return f"{feature} is not supported for the {model_type} family: {reason}" if reason else None
 
@@ -105,12 +109,12 @@ def supported_model_types() -> tuple[str, ...]:
 
 def family(model_type: str | None, what: str = "the rollout engine") -> Family:
     """The registry entry of ``model_type``; an unsupported one raises naming it and the supported ones."""
-    if model_type not in _ALL:
+    if _entry(model_type) is None:
         supported = ", ".join(supported_model_types() + tuple(sorted(VISION_FAMILIES)))
         raise UnsupportedModelError(
             f"unsupported model_type {model_type!r} for {what}; supported: {supported}"
         )
-    return _ALL[model_type]
+    return _entry(model_type)
 
 
 def model_class(model_type: str | None) -> type:
