@@ -24,7 +24,7 @@ print(",".join(m for m in {heavy!r} if m in sys.modules))
 
 
 # Every command whose parser builds from light config modules: the inference commands, and the trainers
-# (their runs live in tidal.config.supervised and tidal.trainers.ppo.config; the trainer is imported
+# (their runs live in tidal.config.supervised and tidal.config.ppo; the trainer is imported
 # when the command runs), under tidal's names and OpenRLHF's module names.
 LIGHT_COMMANDS = (
     *(

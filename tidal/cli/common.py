@@ -140,7 +140,7 @@ class TrainerCommand:
     these plus its ``python -m`` entry.
 
     ``runner`` names the function that trains the run, ``"module:function"``, imported only when the
-    command runs: the run classes are light (``tidal.config.supervised``, ``tidal.trainers.ppo.config``),
+    command runs: the run classes are light (``tidal.config.supervised``, ``tidal.config.ppo``),
     so ``--help`` imports no torch, transformers or datasets.
 
     ``roles`` maps a config field that shares its flags with another config of its class to a role

@@ -1,7 +1,7 @@
 """``tidal ppo`` / ``python -m tidal.cli.train_ppo`` (alias ``train_ppo_ray``): RL with the seed's flags."""
 
 from tidal.cli.common import COMMON_TITLES, TrainerCommand
-from tidal.trainers.ppo.config import PPORun
+from tidal.config.ppo import PPORun
 
 COMMAND = TrainerCommand(
     "ppo",

@@ -94,7 +94,7 @@ class PlacementConfig(Checked):
 
     def flag_prefix(self, role: str) -> str:
         """The flags that size ``role``: the teacher's size the "ref" role when given (it takes the
-        reference's place; ``tidal.trainers.ppo.config`` refuses them without --teacher_model)."""
+        reference's place; ``tidal.config.ppo`` refuses them without --teacher_model)."""
         return "teacher" if role == "ref" and self._given("teacher") else role
 
     def _given(self, prefix: str) -> bool:

@@ -13,6 +13,7 @@ from tidal.config import (
     OptimConfig,
     PromptDataConfig,
 )
+from tidal.config.logging import LoggingConfig
 from tidal.config.placement import (
     PlacementConfig,
     placement_problems,
@@ -32,7 +33,6 @@ from tidal.config.rl import (
     RolloutConfig,
 )
 from tidal.config.run import RunConfig, config_field
-from tidal.logging import LoggingConfig
 
 
 def ppo_train() -> RLTrainConfig:

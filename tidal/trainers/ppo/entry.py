@@ -24,6 +24,7 @@ from tidal.config.placement import (
     separate_critic,
     separate_engines,
 )
+from tidal.config.ppo import PPORun
 from tidal.data import SFTDataConfig, build_prompt_samples, load_dataset_spec
 from tidal.distributed import World, init_world
 from tidal.distributed.mesh import ring_group, ring_layout_problems
@@ -42,7 +43,6 @@ from tidal.rollout.models.loader import context_prefill_problem, tp_layout_probl
 from tidal.rollout.models.registry import FAMILIES, feature_refusal
 from tidal.trainers.common import build_optimization, seed_everything
 from tidal.trainers.loop import Optimization
-from tidal.trainers.ppo.config import PPORun
 from tidal.trainers.ppo.critic import build_critic
 from tidal.trainers.ppo.memory_check import check_memory
 from tidal.trainers.ppo.ptx import PtxStream

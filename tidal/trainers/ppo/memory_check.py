@@ -16,8 +16,8 @@ import torch
 from tidal.config import ConfigError
 from tidal.config.engine import DEFAULT_MAX_NUM_SEQS
 from tidal.config.placement import separate_critic, separate_engines, separate_reference
+from tidal.config.ppo import PPORun
 from tidal.logging import get_logger
-from tidal.trainers.ppo.config import PPORun
 from tidal.trainers.ppo.memory_plan import (
     GIB,
     MemoryPlan,

@@ -21,6 +21,7 @@ import torch
 from tidal.algorithms import dynamic_filter_mask, make_kl_controller, masked_mean
 from tidal.algorithms.rewards import RunningMoments
 from tidal.checkpoint import Checkpointer, LoopState, StateFns, StopSignals, flat_settings
+from tidal.config.ppo import PPORun
 from tidal.distributed.collectives import all_gather_objects, mean_over_world, world_masked_mean
 from tidal.distributed.offload import offload_to_cpu, reload_to_device
 from tidal.distributed.world import World, all_reduce_sum
@@ -41,7 +42,6 @@ from tidal.placement.stream import RolloutJob, RolloutResult, rollout_stream
 from tidal.rollout.batch_invariant import make_exact
 from tidal.trainers.data_position import DataPosition, epoch_batches, resume_offset
 from tidal.trainers.loop import Optimization
-from tidal.trainers.ppo.config import PPORun
 from tidal.trainers.ppo.ema import PolicyEMA
 from tidal.trainers.ppo.ptx import PtxLoss, PtxStream
 from tidal.trainers.ppo.update import (
