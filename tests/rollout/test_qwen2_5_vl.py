@@ -33,15 +33,21 @@ def _config(**overrides) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def vlm_dir(tmp_path_factory):
+    from tidal.testing import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "m")
+
+
+@pytest.fixture(scope="module")
+def setup(vlm_dir):
     """(HF model with peaked logits, processor, prompt ids with one placeholder, engine)."""
     from transformers import AutoModelForImageTextToText
 
     from tidal.data.vision import load_vision_processor
     from tidal.models import load_tokenizer
-    from tidal.testing import build_tiny_vlm
 
-    path = build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "m")
+    path = vlm_dir
     tokenizer = load_tokenizer(str(path))
     processor = load_vision_processor(str(path), tokenizer)
     hf = AutoModelForImageTextToText.from_pretrained(str(path)).eval()
@@ -203,3 +209,28 @@ def test_bad_requests_and_refusals(setup, tmp_path):
     text_engine = LLMEngine(text_model, _config())
     with pytest.raises(ValueError, match="has images but the model has no vision tower"):
         text_engine.generate([[5, 6, 7]], GREEDY, multi_modal=[MultiModalInput(images=[image])])
+
+
+def test_generate_and_batch_inference_with_images(vlm_dir, tmp_path, capsys):
+    """``tidal generate --image_key``: rows in OpenRLHF's format, greedy answers equal transformers'."""
+    import json
+
+    from tidal.cli.batch_inference import main as batch_main
+    from tidal.cli.generate import main as generate_main
+    from tidal.testing import ColourTask
+    from tidal.testing.vision_tasks import greedy_answers
+
+    data = ColourTask(seed=1).write_jsonl(tmp_path / "rows.jsonl", 6)
+    flags = ["--pretrain", str(vlm_dir), "--dataset", str(data), "--input_key", "prompt", "--apply_chat_template",
+             "--max_new_tokens", "4", "--temperature", "0", "--max_num_seqs", "8"]  # fmt: skip
+    generate_main([*flags, "--output_path", str(tmp_path / "out.jsonl"), "--image_key", "images",
+                   "--max_images_per_prompt", "1"])  # fmt: skip
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    assert [o["output"].strip() for o in out] == greedy_answers(vlm_dir, rows, tmp_path)
+    batch_main([*flags, "--eval_task", "generate", "--output_path", str(tmp_path / "b.jsonl"),
+                "--data.max_images_per_prompt", "1"])  # fmt: skip
+    assert (tmp_path / "b.jsonl").read_text() == (tmp_path / "out.jsonl").read_text()
+    with pytest.raises(SystemExit):  # one line naming the row and the flag
+        generate_main([*flags, "--output_path", str(tmp_path / "x.jsonl")])
+    assert "has 1 image(s) under 'images', but --max_images_per_prompt is 0" in capsys.readouterr().err

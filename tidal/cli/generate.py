@@ -11,6 +11,7 @@ import argparse
 from tidal.cli.common import make_parser, module_main, run_command
 from tidal.config import DatasetConfig
 from tidal.config.args import ConfigError, configs_from_args
+from tidal.config.data import VisionConfig
 from tidal.inference.config import GeneratePromptConfig, PolicyConfig, SamplingConfig, ScoringConfig
 
 GROUPS = [
@@ -19,6 +20,7 @@ GROUPS = [
     (GeneratePromptConfig, "prompts and output"),
     (SamplingConfig, "sampling"),
     (ScoringConfig, "reward model and post-processing"),
+    (VisionConfig, "images (vision-language models)"),
 ]
 
 
@@ -39,7 +41,7 @@ def run_from_namespace(ns: argparse.Namespace, validate: bool = True):
     from tidal.inference.generate import GenerateRun
 
     classes = {"policy": PolicyConfig, "sampling": SamplingConfig, "prompts": GeneratePromptConfig,
-               "scoring": ScoringConfig, "datasets": DatasetConfig}  # fmt: skip
+               "scoring": ScoringConfig, "datasets": DatasetConfig, "vision": VisionConfig}  # fmt: skip
     run = GenerateRun(**configs_from_args(classes, ns))  # every flag checked, all problems reported
     if validate:
         run.validate()

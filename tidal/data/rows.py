@@ -93,11 +93,23 @@ def text_problem(value: Any, chat: bool, non_empty: bool) -> str | None:
             return "is a list of messages: pass --apply_chat_template"
         if not all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
             return f"is not a list of {{'role', 'content'}} messages: {str(value)[:60]!r}"
-        if non_empty and not any(isinstance(m["content"], str) and m["content"].strip() for m in value):
+        if non_empty and not any(_has_content(m["content"]) for m in value):
             return "has no non-empty message"
         return None
     expected = "a string or a list of messages" if chat else "a string"
     return f"is a {type(value).__name__} ({str(value)[:40]!r}), expected {expected}"
+
+
+def _has_content(content: Any) -> bool:
+    """A message's content is text, or content parts (OpenRLHF's image rows) with an image or some text."""
+    if isinstance(content, str):
+        return bool(content.strip())
+    if isinstance(content, list):
+        return any(
+            isinstance(p, dict) and (p.get("type") == "image" or str(p.get("text") or "").strip())
+            for p in content
+        )
+    return False
 
 
 def check_text_columns(

@@ -11,6 +11,12 @@ with a post-processor (``processors``), and append the rows to ``--output_path``
 ``--enable_csft`` ends every prompt with ``--csft_prompt`` (conditional SFT; the reward model still
 scores the answer to the plain prompt).
 
+Images (``--image_key``, ``--max_images_per_prompt``; a vision-language ``--pretrain``): each row's images
+are read and checked up front as for training (``tidal.data.images.check_image_rows``), and go to the
+engine with their prompt (``tidal.rollout.multimodal.MultiModalInput``), which expands each image's
+placeholder token; the output rows are written as for text (the rendered prompt holds one placeholder
+per image).
+
 Prompts go through the engine in chunks of ``--rollout_batch_size`` prompts (unset: about
 ``CHUNK_SEQS_PER_SLOT × --max_num_seqs`` samples); the file grows and is flushed chunk by chunk (a long run can be watched, and an interrupted one keeps
 the finished chunks), while a chunk is still large enough that continuous batching keeps the engine
@@ -28,14 +34,14 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 from tidal.checkpoint.resumable import CheckpointError
 from tidal.config.args import ConfigError
-from tidal.config.data import DatasetConfig
+from tidal.config.data import DatasetConfig, VisionConfig
 from tidal.data import DataError, build_prompt_samples, tokenize_texts
 from tidal.inference.config import (
     CHUNK_SEQS_PER_SLOT,
@@ -64,6 +70,7 @@ class GenerateRun:
     prompts: GeneratePromptConfig
     scoring: ScoringConfig
     datasets: DatasetConfig
+    vision: VisionConfig = field(default_factory=VisionConfig)
 
     def validate(self) -> None:
         self.prompts.validate()
@@ -116,7 +123,7 @@ def run_generate(run: GenerateRun) -> GenerateResult:
             device=engine.device,
         )
     task = load_reward_source(run.scoring.eval_task) if run.scoring.eval_task else None
-    prompts = load_prompts(run, engine.tokenizer, engine.max_model_len)
+    prompts = load_prompts(run, engine.tokenizer, engine.max_model_len, vision_processor(run, engine))
     return write_samples(run, engine, scorer, prompts, task=task)
 
 
@@ -142,6 +149,25 @@ def load_engine(policy: PolicyConfig, seed: int) -> LLMEngine:
     return engine
 
 
+def vision_processor(run: GenerateRun, engine: LLMEngine):
+    """The model's ``VisionProcessor`` (None for a text model), after the image flags are checked
+    against the model (one line when they do not fit)."""
+    from tidal.data.vision import ImageSamples, load_vision_processor
+
+    if run.vision.freeze_visual_encoder:
+        raise ConfigError(
+            "--freeze_visual_encoder is a training flag; tidal generate trains nothing: drop it"
+        )
+    processor = load_vision_processor(run.policy.pretrain, engine.tokenizer)
+    ImageSamples(run.vision, processor).check(run.policy.pretrain, tensor_parallel_size=1)
+    if run.vision.max_images_per_prompt and getattr(engine, "vision", None) is None:
+        raise ConfigError(
+            f"--max_images_per_prompt {run.vision.max_images_per_prompt}: the rollout engine serving "
+            f"{run.policy.pretrain} does not take images (the native qwen2_5_vl family does)"
+        )
+    return processor
+
+
 @dataclass
 class Prompts:
     """Rendered prompts, the ids the policy is conditioned on, and the ids the reward model sees
@@ -153,13 +179,26 @@ class Prompts:
     ids: list[list[int]]
     scored_ids: list[list[int]]
     labels: list
+    images: list | None = None  # each prompt's ImageRefs (vision-language models), else None
 
     def select(self, rows) -> Prompts:
         fields = (self.texts, self.ids, self.scored_ids, self.labels)
-        return Prompts(*([field[i] for i in rows] for field in fields))
+        images = None if self.images is None else [self.images[i] for i in rows]
+        return Prompts(*([field[i] for i in rows] for field in fields), images=images)
+
+    def multi_modal(self) -> list | None:
+        """The engine's per-prompt images (``MultiModalInput``; None for a prompt without images)."""
+        if self.images is None:
+            return None
+        from tidal.data.images import open_image
+        from tidal.rollout.multimodal import MultiModalInput
+
+        return [
+            MultiModalInput(images=[open_image(r) for r in refs]) if refs else None for refs in self.images
+        ]
 
 
-def load_prompts(run: GenerateRun, tokenizer, max_model_len: int) -> Prompts:
+def load_prompts(run: GenerateRun, tokenizer, max_model_len: int, processor=None) -> Prompts:
     """Rendered prompts and their token ids; over-long prompts are skipped and counted."""
     # here, not at the top: ``datasets`` costs ~1 s of start-up, and ``tidal chat`` imports this module
     # for ``load_engine`` only
@@ -198,10 +237,20 @@ def load_prompts(run: GenerateRun, tokenizer, max_model_len: int) -> Prompts:
         if texts is plain
         else [list(x) for x in tokenize_texts(tokenizer, plain, cfg.apply_chat_template)["input_ids"]]
     )
+    images, lengths = None, [len(x) for x in ids]
+    if processor is not None:  # every row's images checked (and measured in tokens) before any sampling
+        from tidal.data.images import check_image_rows
+
+        rows_images = check_image_rows(dataset, run.vision, ds_cfg.dataset, processor.token_counts)
+        images = [row.refs for row in rows_images]
+        # each image's one placeholder becomes its token count in the engine
+        lengths = [
+            n + sum(row.token_counts) - len(row.refs) for n, row in zip(lengths, rows_images, strict=True)
+        ]
     # Skipped, never truncated (a truncated question is another question); the engine needs room for
     # at least one new token after the prompt.
     limit = min(cfg.prompt_max_len, max_model_len - 1)
-    skipped = [i for i, x in enumerate(ids) if len(x) > limit]
+    skipped = [i for i, n in enumerate(lengths) if n > limit]
     if len(skipped) == len(ids):
         raise DataError(f"every prompt of {ds_cfg.dataset} is longer than {limit} tokens (--prompt_max_len)")
     if skipped:
@@ -209,7 +258,8 @@ def load_prompts(run: GenerateRun, tokenizer, max_model_len: int) -> Prompts:
             "skipped %d prompt(s) longer than %d tokens; first rows: %s", len(skipped), limit, skipped[:10]
         )
     labels = [s.label for s in samples]
-    return Prompts(texts, ids, scored, labels).select([i for i, x in enumerate(ids) if len(x) <= limit])
+    kept = [i for i, n in enumerate(lengths) if n <= limit]
+    return Prompts(texts, ids, scored, labels, images).select(kept)
 
 
 def write_samples(run: GenerateRun, engine: LLMEngine, scorer, prompts: Prompts, task=None) -> GenerateResult:
@@ -229,7 +279,7 @@ def write_samples(run: GenerateRun, engine: LLMEngine, scorer, prompts: Prompts,
     ):
         for first in range(0, len(prompts.texts), chunk):
             part = prompts.select(range(first, min(first + chunk, len(prompts.texts))))
-            results = engine.generate(part.ids, params)
+            results = engine.generate(part.ids, params, **_images_kwargs(part))
             check_finite_samples(results, run.policy.pretrain)
             groups = _groups(part, results, scorer)
             if task is not None:
@@ -257,6 +307,12 @@ def write_samples(run: GenerateRun, engine: LLMEngine, scorer, prompts: Prompts,
             "eval (%s): %s", run.scoring.eval_task, ", ".join(f"{k} {v:.4f}" for k, v in evaluation.items())
         )
     return GenerateResult(path, len(prompts.texts), len(prompts.texts) * n, rows, mean, evaluation)
+
+
+def _images_kwargs(part: Prompts) -> dict:
+    """``generate``'s image argument for a chunk (none for text prompts: every engine takes those)."""
+    multi_modal = part.multi_modal()
+    return {} if multi_modal is None or not any(multi_modal) else {"multi_modal": multi_modal}
 
 
 def _groups(prompts: Prompts, results, scorer) -> list[PromptGroup]:

@@ -36,7 +36,7 @@ from tidal.rollout.engine import (
     _load_tokenizer,
 )
 from tidal.rollout.hf_engine_steps import Cohort, HFStepper, StopRules
-from tidal.rollout.models.registry import FAMILIES
+from tidal.rollout.models.registry import FAMILIES, VISION_FAMILIES
 from tidal.rollout.outputs import CompletionOutput, RequestOutput
 from tidal.rollout.sampler import sequence_seed
 from tidal.rollout.sampling_params import SamplingParams
@@ -371,6 +371,13 @@ def make_engine(model_path: str | Path | None = None, config: EngineConfig | Non
     """The rollout engine for a checkpoint: tidal's ``LLMEngine`` for a family of its registry, the
     transformers fallback ``HFEngine`` (same interface, slower) for any other causal LM. Arguments are
     ``LLMEngine``'s."""
-    model_type = model_type_of(model_path, kw.get("model"), kw.get("hf_config"))
-    engine = LLMEngine if model_type in FAMILIES else HFEngine
-    return engine(model_path, config, **kw)
+    hf_config = kw.get("hf_config") or _load_hf_config(model_path, kw.get("model"))
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in FAMILIES or model_type in VISION_FAMILIES:
+        return LLMEngine(model_path, config, **kw)
+    if getattr(hf_config, "vision_config", None) is not None:  # the fallback would drop the images
+        raise ValueError(
+            f"{model_type} is a vision-language model: the rollout engine serves images for "
+            f"{', '.join(sorted(VISION_FAMILIES))} only (the transformers fallback does not pass images)"
+        )
+    return HFEngine(model_path, config, **kw)
