@@ -36,3 +36,33 @@ def test_generate_maps_its_param_dtype_through_the_same_function(flag, dtype):
 def test_engine_rejections_are_one_line_config_errors():
     with pytest.raises(ConfigError, match="^gpu_memory_utilization"):
         engine_config(max_num_seqs=1, max_model_len=None, gpu_memory_utilization=1.5, seed=0)
+
+
+def test_an_engine_knob_declared_on_its_flag_reaches_the_engine():
+    """Each ``arg(..., engine=<field>)`` of RolloutConfig names an EngineConfig field and sets it, with no
+    other list to update (a knob flipped from its default shows up in the engine's config)."""
+    import dataclasses
+
+    from tidal.config.engine import engine_knobs
+    from tidal.rollout import EngineConfig
+
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    knobs = engine_knobs(RolloutConfig())
+    assert set(knobs) <= engine_fields
+    assert {"enforce_eager", "record_routing", "tp_size", "enable_prefix_caching", "exact_logprobs"} <= set(
+        knobs
+    )
+    flipped = RolloutConfig(enforce_eager=True, moe_router_replay=True, exact_logprobs=True)
+    engine = rollout_engine_config(flipped, "cpu", 0)
+    assert (engine.enforce_eager, engine.record_routing, engine.exact_logprobs) == (True, True, True)
+    assert rollout_engine_config(RolloutConfig(vllm_tensor_parallel_size=2), "cpu", 0).tp_size == 2
+
+
+def test_a_knob_is_not_an_argparse_keyword():
+    import argparse
+
+    from tidal.config.args import add_config_group
+
+    parser = argparse.ArgumentParser()
+    add_config_group(parser, RolloutConfig, "rollout")  # would raise on an unknown add_argument keyword
+    assert parser.parse_args(["--moe_router_replay"]).moe_router_replay

@@ -102,7 +102,7 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 
 
 # field metadata that is tidal's, not add_argument's
-NOT_ARGPARSE = ("aliases", "check", "flag", "cli")
+NOT_ARGPARSE = ("aliases", "check", "flag", "cli", "engine")  # engine: tidal.config.engine.engine_knobs
 
 
 def flag_name(field: dataclasses.Field, flags: Mapping[str, str] | None = None) -> str:

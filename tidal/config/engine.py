@@ -1,13 +1,19 @@
 """Flags → ``EngineConfig``: the one mapping from a command's settings to tidal's rollout engine.
 
-``tidal ppo`` (its local and separate engines), ``tidal generate`` and ``tidal chat`` all build
-their engine settings with ``engine_config``; each command only names which of its flags give the
-batch size, context length and memory share (``rollout_engine_config`` for RL).
+``tidal ppo`` (its local and separate engines), ``tidal generate``, ``tidal chat`` and ``tidal serve``
+all build their engine settings with ``engine_config``; each command only names which of its flags give
+the batch size, context length and memory share (``rollout_engine_config`` for RL).
+
+Every other engine knob is declared once, on the flag's field: ``arg(..., engine="<EngineConfig
+field>")`` (``RolloutConfig.enforce_eager``, ``moe_router_replay`` → ``record_routing``, ...).
+``engine_knobs`` reads those fields and ``engine_config`` passes them through to ``EngineConfig``
+unlisted, so a new knob is that one field (and the engine's own ``EngineConfig`` field).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 from tidal.config.args import ConfigError
 
@@ -34,13 +40,10 @@ def engine_config(
     seed: int,
     param_dtype: str = "auto",
     device: str = "auto",
-    enforce_eager: bool = False,
-    tp_size: int = 1,
-    record_routing: bool = False,
-    enable_prefix_caching: bool = False,
-    exact_logprobs: bool = False,
+    **knobs: Any,
 ) -> EngineConfig:
-    """The engine's settings; ``param_dtype`` is a ``--param_dtype`` value (``ENGINE_DTYPES``).
+    """The engine's settings; ``param_dtype`` is a ``--param_dtype`` value (``ENGINE_DTYPES``);
+    ``knobs``: other ``EngineConfig`` fields by name (``engine_knobs`` of a config, or a command's own).
 
     Engine-side rejections (``EngineConfig``'s ``ValueError``) become one-line ``ConfigError``s."""
     from tidal.rollout import EngineConfig  # torch: only when an engine is configured, not for --help
@@ -53,14 +56,17 @@ def engine_config(
             dtype=ENGINE_DTYPES[param_dtype],
             device=str(device),
             seed=seed,
-            enforce_eager=enforce_eager,
-            record_routing=record_routing,
-            tp_size=tp_size,
-            enable_prefix_caching=enable_prefix_caching,
-            exact_logprobs=exact_logprobs,
+            **knobs,
         )
     except ValueError as err:
         raise ConfigError(str(err).replace("EngineConfig: ", "")) from err
+
+
+def engine_knobs(cfg: Any) -> dict[str, Any]:
+    """``{EngineConfig field: value}`` of the config's fields declared with ``arg(..., engine=<field>)``."""
+    return {
+        f.metadata["engine"]: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if "engine" in f.metadata
+    }
 
 
 def rollout_engine_config(cfg: RolloutConfig, device: str, seed: int) -> EngineConfig:
@@ -79,9 +85,5 @@ def rollout_engine_config(cfg: RolloutConfig, device: str, seed: int) -> EngineC
         seed=seed,
         param_dtype=ROLLOUT_PARAM_DTYPE,
         device=device,
-        enforce_eager=cfg.enforce_eager,
-        record_routing=cfg.moe_router_replay,  # the experts the trainer replays
-        tp_size=cfg.vllm_tensor_parallel_size,
-        enable_prefix_caching=cfg.enable_prefix_caching,
-        exact_logprobs=cfg.exact_logprobs,  # the policy's forward runs the same ops (PPOTrainer)
+        **engine_knobs(cfg),  # --enforce_eager, --moe_router_replay, --exact_logprobs, ...
     )

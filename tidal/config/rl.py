@@ -75,6 +75,7 @@ class RolloutConfig(Checked):
         1,
         help="devices (processes) per engine: tensor parallelism; engines on devices of their own, or "
         "local mode's one engine",
+        engine="tp_size",
     )
     vllm_gpu_memory_utilization: float = arg(
         0.5,
@@ -94,16 +95,18 @@ class RolloutConfig(Checked):
         False, help="not supported: weights travel over torch process groups (NCCL/gloo), not Ray"
     )
     vllm_enable_sleep: bool = arg(False, help="free the engine's KV cache while training (colocated models)")
-    enforce_eager: bool = arg(False, help="run the engine without CUDA graphs")
+    enforce_eager: bool = arg(False, help="run the engine without CUDA graphs", engine="enforce_eager")
     enable_prefix_caching: bool = arg(
         False,
         help="reuse the engine's cached KV blocks of prompt prefixes already computed (shared system prompts, "
         "the history of multi-turn episodes); invalidated at each weight update",
+        engine="enable_prefix_caching",
     )
     moe_router_replay: bool = arg(
         False,
         help="MoE policies: the engine records each token's experts and the trainer's forwards reuse them "
         "(routing weights from the trainer's router); decode then runs without CUDA graphs",
+        engine="record_routing",  # the experts the trainer replays
     )
     exact_logprobs: bool = arg(
         False,
@@ -112,6 +115,7 @@ class RolloutConfig(Checked):
         "old-log-prob forward is skipped (Llama, Mistral, Qwen2, Qwen3; on the CPU also Qwen3-MoE, Mixtral, "
         "Qwen2-MoE; LoRA with --lora_dropout 0; FSDP2 and separate engines; not with "
         "--vllm_tensor_parallel_size > 1)",
+        engine="exact_logprobs",  # the policy's forward runs the same ops (PPOTrainer)
     )
 
     def __post_init__(self) -> None:
