@@ -8,7 +8,7 @@ Losses are minimised; per-token losses are reduced with ``aggregate_loss``. Outp
 Registries (a trainer looks a name up, it never branches on it):
 
 - ``ADVANTAGE_ESTIMATORS``: gae, reinforce, reinforce_baseline, rloo, group_norm, dr_grpo
-- ``POLICY_LOSSES``: ppo, gspo · ``MISMATCH_CORRECTIONS``: tis, icepop
+- ``POLICY_LOSSES``: ppo, gspo, cispo, sapo · ``MISMATCH_CORRECTIONS``: tis, icepop
 - ``KL_ESTIMATORS``: k1, k2, k3 · ``LOSS_AGGREGATIONS``: token, sequence, sequence_sum
 - ``RM_LOSSES``: sigmoid, logexp · ``DPO_LOSSES``: sigmoid, ipo
 """
@@ -48,7 +48,14 @@ from tidal.algorithms.masked import (
     masked_var,
     masked_whiten,
 )
-from tidal.algorithms.policy_loss import POLICY_LOSSES, gspo_policy_loss, loss_aggregation, ppo_policy_loss
+from tidal.algorithms.policy_loss import (
+    POLICY_LOSSES,
+    cispo_policy_loss,
+    gspo_policy_loss,
+    loss_aggregation,
+    ppo_policy_loss,
+    sapo_policy_loss,
+)
 from tidal.algorithms.preference import (
     DPO_LOSSES,
     RM_LOSSES,
@@ -100,6 +107,8 @@ __all__ = [
     "group_by_prompt",
     "group_normalized",
     "gspo_policy_loss",
+    "cispo_policy_loss",
+    "sapo_policy_loss",
     "icepop_weights",
     "ipo_loss",
     "kd_loss",
