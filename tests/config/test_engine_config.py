@@ -56,6 +56,9 @@ def test_an_engine_knob_declared_on_its_flag_reaches_the_engine():
     engine = rollout_engine_config(flipped, "cpu", 0)
     assert (engine.enforce_eager, engine.record_routing, engine.exact_logprobs) == (True, True, True)
     assert rollout_engine_config(RolloutConfig(vllm_tensor_parallel_size=2), "cpu", 0).tp_size == 2
+    # tidal generate/chat declare theirs the same way
+    assert PolicyConfig(pretrain="m", enable_prefix_caching=True).engine_config(seed=0).enable_prefix_caching
+    assert PolicyConfig(pretrain="m", tp_size=2).engine_config(seed=0).tp_size == 2
 
 
 def test_a_knob_is_not_an_argparse_keyword():

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tidal.config.args import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, ConfigError, Range, arg
-from tidal.config.engine import ENGINE_DTYPES, engine_config
+from tidal.config.engine import ENGINE_DTYPES, engine_config, engine_knobs
 from tidal.inference.processors import DEFAULT_REWARD_TEMPLATE, POST_PROCESSORS, check_reward_template
 
 if TYPE_CHECKING:  # tidal.rollout imports torch: these configs build --help, the engine loads on a run
@@ -54,11 +54,13 @@ class PolicyConfig:
         help="tensor-parallel size of the engine: processes it spans, on the CPU or on that many GPUs "
         "(OpenRLHF's default is every visible GPU; tidal's is 1)",
         check=AT_LEAST_ONE,
+        engine="tp_size",
     )
     enable_prefix_caching: bool = arg(
         False,
         help="reuse the engine's cached KV blocks of prompt prefixes already computed (e.g. a shared "
         "system prompt, or the n samples of earlier prompts)",
+        engine="enable_prefix_caching",
     )
 
     def engine_config(self, seed: int) -> EngineConfig:
@@ -72,8 +74,7 @@ class PolicyConfig:
             gpu_memory_utilization=self.gpu_memory_utilization,
             seed=seed,
             param_dtype=self.param_dtype,  # no trainer here: the flag sets the engine's dtype
-            tp_size=self.tp_size,
-            enable_prefix_caching=self.enable_prefix_caching,
+            **engine_knobs(self),  # --tp_size, --enable_prefix_caching
         )
 
 
