@@ -20,6 +20,7 @@ from tidal.distributed.offload import cpu_offload_policy, ensure_process_group
 from tidal.distributed.tensor_parallel import apply_tensor_parallel, training_mesh
 from tidal.distributed.world import World
 from tidal.logging import get_logger
+from tidal.logging.phases import phase
 
 log = get_logger(__name__)
 
@@ -63,9 +64,10 @@ def parallelize(
     if cfg.adam_offload and world.device.type == "cuda":
         kwargs["offload_policy"] = CPUOffloadPolicy()
     blocks = transformer_blocks(model)
-    for block in blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    with phase(f"FSDP2: sharding {len(blocks)} blocks over {world.world_size} ranks"):
+        for block in blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
     if cfg.overlap_comm:
         for prev, nxt in zip(blocks, blocks[1:], strict=False):
             prev.set_modules_to_forward_prefetch([nxt])
@@ -110,9 +112,14 @@ def shard_single_device(
     kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     if offload_policy is not None:
         kwargs["offload_policy"] = offload_policy
-    for block in transformer_blocks(model):
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    blocks = transformer_blocks(model)
+    where = "host memory" if offload_policy is not None else str(device)
+    with phase(
+        f"FSDP2: wrapping {len(blocks)} blocks on one device (weights and optimizer state in {where})"
+    ):
+        for block in blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
     return model
 
 

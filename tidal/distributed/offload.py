@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy
 
+from tidal.logging.phases import phase, size_text
+
 
 def ensure_process_group(device: torch.device) -> None:
     """A one-process default group for ``device`` unless one exists (destroyed at exit)."""
@@ -44,18 +46,32 @@ def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device
                 state[key] = value.to(device, non_blocking=True)
 
 
+def state_bytes(opt) -> int:
+    """Bytes of ``opt``'s weights, gradients and optimizer state: what a sleep moves."""
+    tensors = [*opt.model.parameters(), *(p.grad for p in opt.model.parameters() if p.grad is not None)]
+    tensors += [v for state in opt.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def offload_to_cpu(opt) -> None:
     """Move ``opt.model`` and ``opt.optimizer`` state to host memory (no-op on CPU devices)."""
     if opt.precision.device.type == "cpu":
         return
-    opt.model.to("cpu")
-    _move_optimizer_state(opt.optimizer, "cpu")
-    torch.cuda.empty_cache()
+    with phase(
+        f"--deepspeed_enable_sleep: moving {size_text(state_bytes(opt))} of trainer state to host memory"
+    ):
+        opt.model.to("cpu")
+        _move_optimizer_state(opt.optimizer, "cpu")
+        torch.cuda.empty_cache()
 
 
 def reload_to_device(opt) -> None:
     """Inverse of ``offload_to_cpu``."""
     if opt.precision.device.type == "cpu":
         return
-    opt.model.to(opt.precision.device)
-    _move_optimizer_state(opt.optimizer, opt.precision.device)
+    device = opt.precision.device
+    with phase(
+        f"--deepspeed_enable_sleep: moving {size_text(state_bytes(opt))} of trainer state to {device}"
+    ):
+        opt.model.to(device)
+        _move_optimizer_state(opt.optimizer, device)

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tidal.logging.phases import phase, size_text
+
 _PEFT_PREFIX = re.compile(r"^base_model\.model\.")
 
 
@@ -133,6 +135,14 @@ def send_weights(
     Every training rank calls this with the same ``named`` (the gathers are collective); ``group``
     is None on ranks that own no engines, which gather and send nothing."""
     tensors = dict(named)
+    itemsize = torch.empty((), dtype=plan.dtype).element_size()
+    total = size_text(sum(b.numel for b in plan.buckets) * itemsize)
+    what = f"weight sync: {sum(len(b.names) for b in plan.buckets)} tensors, {total} in {len(plan.buckets)} buckets"
+    with phase(what, quiet=None if group is not None else True):
+        _send_buckets(group, tensors, plan, device)
+
+
+def _send_buckets(group, tensors: dict, plan: SyncPlan, device: torch.device) -> None:
     for bucket in plan.buckets:
         parts = [_full(tensors[n]).reshape(-1).to(device=device, dtype=plan.dtype) for n in bucket.names]
         if group is not None:

@@ -32,6 +32,8 @@ from tidal.config.rl import AlgorithmConfig
 from tidal.distributed.collectives import gather_values, world_masked_mean, world_masked_whiten
 from tidal.distributed.world import World
 from tidal.experience.experience import Experience, forced_experts, micro_batches, model_batch, unflatten
+from tidal.experience.images import ExperienceImages
+from tidal.logging.phases import Progress
 from tidal.models.forward import token_logprobs
 from tidal.models.moe_routing import replayed_routing
 from tidal.models.precision import Precision
@@ -107,6 +109,7 @@ def from_trajectories(trajectories: Sequence, pad_id: int) -> Experience:
         scores=scores,
         routed_experts=_routed_experts(trajectories, width),
         truncated=torch.tensor([getattr(t, "finish_reason", None) == "length" for t in trajectories]),
+        images=ExperienceImages.from_trajectories(trajectories),
     )
 
 
@@ -135,6 +138,7 @@ def _per_token(
     max_tokens=None,
     model: nn.Module | None = None,
     replay: bool = False,
+    label: str = "forward",
 ) -> Tensor:
     """Run ``fn`` over micro-batches of ``exp`` and reassemble an ``[N, T]`` tensor; with ``replay``,
     ``model``'s routers take the experts the engine recorded (``--moe_router_replay``). Under ring
@@ -143,6 +147,13 @@ def _per_token(
     device = exp.sequences.device
     out = torch.zeros(exp.sequences.shape, dtype=torch.float32, device=device)
     groups = micro_batches(exp, micro, max_tokens)
+    with Progress(f"make experience: {label}", len(groups), "micro-batches") as progress:
+        return _run_micro_batches(fn, exp, groups, packing, out, progress, model, replay)
+
+
+def _run_micro_batches(fn, exp, groups, packing, out, progress, model, replay) -> Tensor:
+    """``_per_token``'s loop, each micro-batch counted by ``progress`` (under a ring: this rank's own)."""
+    device = out.device
     ring = active_ring()
     if ring is not None:
         batches = [{k: v.cpu() for k, v in model_batch(exp.select(rows), packing).items()} for rows in groups]
@@ -150,6 +161,7 @@ def _per_token(
         for mine, batch in turns(batches, ring):
             values = fn({k: v.to(device) for k, v in batch.items()})
             if mine:
+                progress.update(1)
                 rows = next(own)
                 values = unflatten(values.float(), exp.select(rows), packing)
                 out[rows, : values.shape[1]] = values
@@ -159,6 +171,7 @@ def _per_token(
         with replayed_routing(model, forced_experts(part, packing) if replay else None):
             values = unflatten(fn(model_batch(part, packing)).float(), part, packing)
         out[rows, : values.shape[1]] = values
+        progress.update(1)
     return out
 
 
@@ -180,7 +193,7 @@ def forward_logprobs(
         with precision.autocast():
             return token_logprobs(model, batch, temperature)[0]
 
-    return _per_token(fn, exp, micro, packing, max_tokens, model, replay)
+    return _per_token(fn, exp, micro, packing, max_tokens, model, replay, label="log-probs")
 
 
 def forward_values(
@@ -193,7 +206,7 @@ def forward_values(
         with precision.autocast():
             return shift_values(critic.values(batch))
 
-    return _per_token(fn, exp, micro, packing, max_tokens)
+    return _per_token(fn, exp, micro, packing, max_tokens, label="values")
 
 
 def shift_values(raw: Tensor) -> Tensor:

@@ -20,6 +20,7 @@ from torch import nn
 from tidal.config.args import ConfigError
 from tidal.config.model import ModelConfig
 from tidal.logging import get_logger
+from tidal.logging.phases import phase, size_text
 from tidal.models.moe_experts import use_trainer_experts
 from tidal.models.vision import is_vision_language, language_lora_targets
 
@@ -147,6 +148,19 @@ def _attn_implementation(source: str, cfg: ModelConfig) -> str:
     return "sdpa" if getattr(model_cls, "_supports_sdpa", True) else "eager"
 
 
+def checkpoint_summary(source: str) -> str:
+    """``"4 files, 14.2 GiB"``: the weight files of a local folder (what loading reads)."""
+    folder = Path(source)
+    files = (
+        [f for pattern in ("*.safetensors", "*.bin") for f in folder.glob(pattern)] if folder.is_dir() else []
+    )
+    if not files:
+        return "from the hub cache"
+    return (
+        f"{len(files)} file{'s' if len(files) > 1 else ''}, {size_text(sum(f.stat().st_size for f in files))}"
+    )
+
+
 def load_causal_lm(cfg: ModelConfig, device: torch.device, path: str | None = None) -> nn.Module:
     """Load a causal LM for training in float32 (master weights), with checkpointing and LoRA applied.
 
@@ -162,12 +176,14 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device, path: str | None = No
         kwargs["quantization_config"] = _quantization_config()
     try:
         auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-        model = auto.from_pretrained(source, **kwargs)
+        with phase(f"loading {source} ({checkpoint_summary(source)}) in float32"):
+            model = auto.from_pretrained(source, **kwargs)
     except (OSError, ValueError, KeyError, SafetensorError) as err:
         raise model_load_error(source, err) from err
     use_trainer_experts(model)  # MoE experts' grouped GEMMs in the autocast dtype (no-op for dense models)
     if not cfg.load_in_4bit:
-        model.to(device)
+        with phase(f"moving {source} to {device}", quiet=None if device.type != "cpu" else True):
+            model.to(device)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": cfg.gradient_checkpointing_use_reentrant}

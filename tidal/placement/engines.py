@@ -63,6 +63,7 @@ class EngineWorker:
         if device.type == "cuda":
             torch.cuda.set_device(device.index or 0)
         self.engine = make_engine(spec.model_path, spec.engine)
+        self.engine.progress_label = "generation"  # requests done and tokens/s, logged as they go
         self.tokenizer = load_tokenizer(spec.model_path, spec.model)
         self.executor = build_executor(spec.agent, spec.apply_chat_template)
         self.group = None

@@ -23,6 +23,8 @@ from tidal.config.engine import rollout_engine_config
 from tidal.config.rl import AgentConfig, RolloutConfig
 from tidal.data.prompts import PromptSample
 from tidal.distributed.weight_sync import engine_weights
+from tidal.experience.images import ImagePromptEngine, attach_trajectory_images, rollout_images
+from tidal.models.vision import language_weights
 from tidal.rollout import SamplingParams, make_engine
 
 
@@ -111,6 +113,7 @@ class LocalRollout(Rollout):
         super().__init__(tokenizer, cfg, pad_id)
         config = rollout_engine_config(cfg, str(device), seed)
         self.engine = make_engine(model_path, config, tp_group=colocated_tp_group(cfg, device))
+        self.engine.progress_label = "generation"  # requests done and tokens/s, logged as they go
         self.executor = build_executor(agent, apply_chat_template)
 
     def trajectories(self, prompts: Sequence[PromptSample], params: SamplingParams, first_index: int):
@@ -118,16 +121,22 @@ class LocalRollout(Rollout):
         offset = {"first_index": first_index} if first_index else {}
         if self.engine.is_sleeping:
             self.engine.wake_up()
+        # prompts with images: the engine gets each prompt's pixels with it (tidal.experience.images)
+        images = rollout_images(prompts, getattr(self.engine, "image_processor", None))
+        engine = self.engine if images is None else ImagePromptEngine(self.engine, images)
         # an engine spanning several training processes generates each one's share in turn
-        return self.engine.take_turns(lambda: self.executor.run(
-            self.engine, self.tokenizer, [p.prompt for p in prompts], [p.label for p in prompts], params,
+        trajectories = self.engine.take_turns(lambda: self.executor.run(
+            engine, self.tokenizer, [p.prompt for p in prompts], [p.label for p in prompts], params,
             self.cfg.total_len, **offset,
         ))  # fmt: skip
+        if images is not None:
+            attach_trajectory_images(trajectories, images, params.n)
+        return trajectories
 
     def sync_weights(self, policy: nn.Module) -> int:
         """Copy the policy's weights into the engine (in place, same device)."""
         with self.lock, engine_weights(policy) as named:
-            return self.engine.update_weights(named)
+            return self.engine.update_weights(language_weights(policy, named))
 
     def sleep(self) -> None:
         with self.lock:

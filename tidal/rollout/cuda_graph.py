@@ -25,10 +25,14 @@ benchmark prints the measured figure as ``graph_pool_mb``).
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable
 
 import torch
 
+from tidal.logging.console import get_logger
+
+log = get_logger(__name__)
 DecodeForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -97,6 +101,7 @@ class DecodeGraphs:
         return logits[:batch]
 
     def _capture(self, rows: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        start = time.perf_counter()
         inputs = (self.input_ids[:rows], self.context_lens[:rows], self.block_tables[:rows])
         # Context length 0 everywhere: the warm-up and capture runs write only the padding slot, never a
         # live sequence's KV.
@@ -110,4 +115,7 @@ class DecodeGraphs:
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[rows] = (graph, logits)
+        # captured lazily during generation: a line per batch size says where the first steps' time goes
+        log.info("engine: CUDA graph for decode batches of %d captured (%d of %d batch sizes, %.1f s)", rows,
+                 len(self.graphs), len(self.buckets), time.perf_counter() - start)  # fmt: skip
         return graph, logits

@@ -42,6 +42,7 @@ KV cache (``tp_worker.py``, ``models/parallel.py``); ``close()`` stops them.
 from __future__ import annotations
 
 import random
+import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tidal.logging.console import get_logger
+from tidal.logging.phases import Progress, on_main_process, phase, size_text
 from tidal.rollout.batch_invariant import exact_device_problem
 from tidal.rollout.block_manager import BlockManager, blocks_needed
 from tidal.rollout.model_runner import LaunchedStep, ModelRunner
@@ -69,6 +72,7 @@ from tidal.rollout.scheduler import Lookahead, ScheduledBatch, Scheduler
 from tidal.rollout.sequence import Sequence
 from tidal.rollout.state_cache import StateCache, StateSlots
 
+log = get_logger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -164,6 +168,7 @@ class LLMEngine:
         image_processor=None,
     ):
         self.config = config or EngineConfig()
+        self.progress_label: str | None = None  # set: ``generate`` logs its progress under this label
         self.hf_config = hf_config or _load_hf_config(model_path, model)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_path)
         self.device = self.config.torch_device()
@@ -279,8 +284,12 @@ class LLMEngine:
             self.peers = TPPeers(spec, tp_devices(self.device, size))
             self._finalizer = weakref.finalize(self, self.peers.close)
             tp, weights = self.peers.tp, self.peers.broadcasting(weights)
-        self.model = build_decoder(self.hf_config, weights, self.max_model_len, self.dtype, self.device, tp)
+        with phase(f"engine: loading weights ({self.dtype}) onto {self.device}"):
+            self.model = build_decoder(
+                self.hf_config, weights, self.max_model_len, self.dtype, self.device, tp
+            )
         self.num_kv_blocks = self._kv_blocks()
+        self._log_kv_cache()
         if tp_group is not None:
             self.num_kv_blocks = self.peers.agree_blocks(self.num_kv_blocks)
         elif self.peers is not None:
@@ -307,6 +316,13 @@ class LLMEngine:
         reason = context_prefill_problem(self.hf_config)
         if reason:
             raise ValueError(f"{wanted} is not supported with {reason}")
+
+    def _log_kv_cache(self) -> None:
+        per_block = ModelRunner.bytes_per_block(self.model.args, self.config.block_size, self.dtype)
+        tokens = self.num_kv_blocks * self.config.block_size
+        kv = size_text(self.num_kv_blocks * per_block)
+        if on_main_process():
+            log.info("engine: KV cache of %d blocks, %d tokens, %s", self.num_kv_blocks, tokens, kv)
 
     def _kv_blocks(self) -> int:
         cfg = self.config
@@ -469,6 +485,8 @@ class LLMEngine:
 
     def _run(self, groups: list[list[Sequence]], use_tqdm: bool) -> None:
         remaining = [len(g) for g in groups]
+        # a caller's label (``progress_label``, the RL rollout's) logs requests done and tokens/s as they go
+        progress = Progress(self.progress_label, len(groups), "requests") if self.progress_label else None
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -478,7 +496,10 @@ class LLMEngine:
             while self.scheduler.has_unfinished():
                 for seq in self._advance()[1]:
                     remaining[seq.request_index] -= 1
-                    if bar is not None and remaining[seq.request_index] == 0:
+                    done = remaining[seq.request_index] == 0
+                    if progress is not None:
+                        progress.update(int(done), tokens=seq.num_output_tokens)
+                    if bar is not None and done:
                         bar.update(1)
         except BaseException:
             # An interrupted call (error, Ctrl-C) must not leak its sequences into the next one.
@@ -488,6 +509,8 @@ class LLMEngine:
             self._drop_ahead()  # every sequence stopped at the last step: the one launched after is void
             if bar is not None:
                 bar.close()
+        if progress is not None:
+            progress.close()
 
     def _advance(self) -> tuple[ScheduledBatch, list[Sequence]]:
         """One step of the synchronous loop (schedule, run, postprocess); returns it and the sequences
@@ -628,15 +651,19 @@ class LLMEngine:
             named_tensors = named_tensors.items()
         self._drop_ahead()  # it ran with the old weights
         self.block_manager.invalidate_prefix_cache()  # cached K/V was computed with the old weights
-        count = 0
+        count, nbytes, start = 0, 0, time.perf_counter()
 
         def gathered():
-            nonlocal count
+            nonlocal count, nbytes
             for name, tensor in named_tensors:
                 count += 1
+                nbytes += tensor.numel() * tensor.element_size()
                 yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
 
         self.model.load_weights(gathered() if self.peers is None else self.peers.loading(gathered()))
+        if on_main_process():
+            log.info("engine: weights updated, %d tensors (%s as given) in %.1f s", count, size_text(nbytes),
+                     time.perf_counter() - start)  # fmt: skip
         return count
 
     def sleep(self, level: int = 1) -> None:
@@ -645,23 +672,34 @@ class LLMEngine:
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         self._drop_ahead()
         self.block_manager.invalidate_prefix_cache()  # the cache's contents are freed
-        if self.peers is not None:
-            self.peers.sleep(level)
-        self.runner.free_kv_cache()
-        if level == 2 and self.device.type != "cpu":
-            self.model.to("cpu")  # weights and the tables derived from them (RoPE buffers)
-            torch.cuda.empty_cache()
+        with phase(f"engine: sleeping (level {level}: frees the {self._sleep_text(level)})"):
+            if self.peers is not None:
+                self.peers.sleep(level)
+            self.runner.free_kv_cache()
+            if level == 2 and self.device.type != "cpu":
+                self.model.to("cpu")  # weights and the tables derived from them (RoPE buffers)
+                torch.cuda.empty_cache()
         self.sleep_level = level
 
     def wake_up(self) -> None:
         """Restore what ``sleep`` freed; the KV cache comes back empty (no request survives a sleep)."""
-        if self.peers is not None:
-            self.peers.wake()
-        if self.sleep_level == 2 and self.device.type != "cpu":
-            self.model.to(self.device)
-        if self.runner.kv_cache is None:
-            self.runner.allocate_kv_cache()
+        with phase(f"engine: waking up ({self._sleep_text(self.sleep_level)})"):
+            if self.peers is not None:
+                self.peers.wake()
+            if self.sleep_level == 2 and self.device.type != "cpu":
+                self.model.to(self.device)
+            if self.runner.kv_cache is None:
+                self.runner.allocate_kv_cache()
         self.sleep_level = 0
+
+    def _sleep_text(self, level: int) -> str:
+        """What a sleep of ``level`` frees: ``"KV cache, 4.4 GiB"`` (level 2 adds ``"; weights, 14.2 GiB"``)."""
+        per_block = ModelRunner.bytes_per_block(self.model.args, self.config.block_size, self.dtype)
+        text = f"KV cache, {size_text((self.num_kv_blocks + 1) * per_block)}"
+        if level == 2:
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            text += f"; weights, {size_text(weights)}"
+        return text
 
     @property
     def is_sleeping(self) -> bool:

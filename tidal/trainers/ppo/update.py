@@ -38,6 +38,7 @@ from tidal.distributed.collectives import max_over_world
 from tidal.distributed.world import World
 from tidal.experience.experience import Experience, forced_experts, micro_batches, model_batch, unflatten
 from tidal.experience.maker import shift_values
+from tidal.logging.phases import Progress
 from tidal.models.forward import token_logprobs
 from tidal.models.moe_routing import capture_router_logits, force_routing, router_aux_loss
 from tidal.models.precision import Precision
@@ -158,6 +159,7 @@ def train_on_experience(
     totals: dict[str, float] = {}
     steps = 0
     opt.model.train()
+    progress = training_progress(type(loss_fn).__name__, len(exp), shape, world)
     for _ in range(shape.epochs):
         order = torch.randperm(len(exp), generator=generator)
         for start in range(0, len(exp), shape.step_size):
@@ -170,6 +172,7 @@ def train_on_experience(
                 for mine, mb in _turns(step, groups, world):
                     loss, metrics = loss_fn(opt.model, mb, norm)
                     backward(loss, opt.precision)
+                    progress.update(1)
                     if not mine:  # a ring peer's micro-batch (ring attention): its owner counts it
                         continue
                     sums[STEP_LOSS] += float(loss.detach())
@@ -195,7 +198,19 @@ def train_on_experience(
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v
             steps += 1
+    progress.close()
     return {k: v / max(steps, 1) for k, v in totals.items()}
+
+
+def training_progress(what: str, rows: int, shape: StepShape, world: World) -> Progress:
+    """Micro-batches (forward + backward) of this update, logged as they go; the count is known up front
+    unless a token budget (``--use_dynamic_batch``) splits them."""
+    steps = shape.epochs * -(-rows // shape.step_size)
+    per_step = None if shape.max_tokens else -(-min(rows, shape.step_size) // shape.micro_size)
+    total = None if per_step is None else steps * per_step
+    return Progress(
+        f"training ({what}, {steps} optimizer steps)", total, "micro-batches", quiet=not world.is_main
+    )
 
 
 def _micro_batches(step: Experience, shape: StepShape, world: World) -> list[list[int]]:
