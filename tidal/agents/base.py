@@ -125,6 +125,8 @@ class Trajectory:
     error_kind: str | None = None  # the EpisodeError's kind, counted as ``agent/<kind>``
     # --moe_router_replay: the engine's experts per token, [rows <= tokens, MoE layers, k] (see module doc)
     routed_experts: Any = None
+    # RL with images: the prompt's (pixel_values, image_grid_thw) (tidal.experience.images), else None
+    images: Any = None
 
     @classmethod
     def start(cls, prompt: str, label: Any, prompt_ids: list[int]) -> Trajectory:

@@ -163,10 +163,6 @@ _ROLE_OPTIM = {
     **{name: name for name in ("lr_scheduler", "lr_warmup_ratio", "min_lr_ratio", "max_norm")},
 }
 
-_VISION = (
-    "images in RL prompts need the rollout engine's vision support (the vision tower in prefill, M-RoPE), "
-    "which tidal does not have yet; tidal sft, dpo and rm train vision-language models on images"
-)
 # Per-module dotted flags (where a name means different v0.9.2 flags in different modules).
 _ACTOR_VISION = {
     "actor.freeze_visual_encoder": "freeze_visual_encoder"
@@ -190,6 +186,7 @@ DOTTED_BY_MODULE: dict[str, dict[str, str]] = {
         "reward.normalize_enable": "normalize_reward",
     },
     "train_ppo_ray": {
+        **_ACTOR_VISION,
         **{
             f"{role}.{what}": f"{role}_{what}"
             for role in ("ref", "reward", "actor", "critic")
@@ -281,9 +278,6 @@ DOTTED_REFUSED_BY_MODULE: dict[str, dict[str, str]] = {
             for name in ("train.partial_rollout_enable", "partial_rollout")
         },
         "best_metric_key": f"keeping the best checkpoint by an eval metric is {_NOT_YET}",  # HEAD: ckpt.*
-        # OpenRLHF v0.10's flat names (--data.<name> is rewritten to them)
-        **{name: _VISION for name in ("image_key", "max_images_per_prompt", "freeze_visual_encoder")},
-        "actor.freeze_visual_encoder": _VISION,
     },
 }
 

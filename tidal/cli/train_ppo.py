@@ -24,6 +24,7 @@ COMMAND = TrainerCommand(
         "critic_optim": "critic optimizer (--critic_learning_rate and --critic_*; other flags are shared)",
         **{k: v for k, v in COMMON_TITLES.items() if k in ("ckpt", "logging", "dist")},
         "placement": "placement (Ray)",
+        "vision": "images (vision-language models)",
     },
     roles={"actor_optim": "actor", "critic_optim": "critic"},  # --actor_adam_betas... (OpenRLHF HEAD)
 )

@@ -13,6 +13,7 @@ from tidal.config import (
     OptimConfig,
     PromptDataConfig,
 )
+from tidal.config.data import VisionConfig
 from tidal.config.logging import LoggingConfig
 from tidal.config.placement import (
     PlacementConfig,
@@ -67,6 +68,7 @@ class PPORun(RunConfig):
     logging: LoggingConfig = config_field(LoggingConfig)
     dist: DistributedConfig = config_field(DistributedConfig)
     placement: PlacementConfig = config_field(PlacementConfig)
+    vision: VisionConfig = config_field(VisionConfig)
 
     def cross_problems(self, world: Any = None) -> list[str]:
         a, r, p, n = self.algorithm, self.rollout, self.placement, self.rollout.n_samples_per_prompt
@@ -109,12 +111,32 @@ class PPORun(RunConfig):
             )
         if self.ptx.data and self.ptx.coef <= 0:
             problems.append("--pretrain_data is only read for the ptx loss: set --ptx_coef > 0, or drop it")
+        problems += self.image_problems()
         samples = r.rollout_batch_size * n
         if self.train.train_batch_size > samples:
             problems.append(
                 f"--train_batch_size {self.train.train_batch_size} exceeds the samples of one rollout "
                 f"(--rollout_batch_size x --n_samples_per_prompt = {samples})"
             )
+        return problems
+
+    def image_problems(self) -> list[str]:
+        """What RL with images (``--max_images_per_prompt`` > 0) does not support yet, one line each."""
+        n = self.vision.max_images_per_prompt
+        if n == 0:
+            return []
+        flag, problems = f"--max_images_per_prompt {n}", []
+        if self.algorithm.needs_critic:
+            problems.append(f"{flag}: a critic on images is not supported yet; use a critic-free "
+                            "--advantage_estimator (group_norm, rloo, reinforce_baseline, dr_grpo)")  # fmt: skip
+        if separate_engines(self.placement, self.rollout.vllm_num_engines):
+            problems.append(f"{flag}: images reach the engines on the trainer's devices only; drop "
+                            "--vllm_num_engines or pass --colocate_all_models")  # fmt: skip
+        if self.agent.func_path or self.agent.endpoint:
+            problems.append(f"{flag}: agents with images are not supported yet (single-turn rollouts are)")
+        if self.reward.pretrain:
+            problems.append(f"{flag}: reward models score text; score image prompts with --remote_rm_url "
+                            "or a reward function")  # fmt: skip
         return problems
 
     @property

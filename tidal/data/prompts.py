@@ -26,6 +26,7 @@ class PromptSample:
     prompt: str
     label: Any | None = None
     extra: dict = field(default_factory=dict)
+    images: tuple = ()  # the row's ImageRefs (RL with images: tidal.experience.images)
 
 
 def build_prompt_samples(

@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
+from tidal.experience.images import ExperienceImages
+
 
 @dataclass
 class Experience:
@@ -36,12 +38,14 @@ class Experience:
     routed_experts: Tensor | None = None
     # [N] bool: the sample ended at the token limit (finish reason "length"); --stop_properly_penalty_coef
     truncated: Tensor | None = None
+    # RL with images: each row's pixels and grids (not a tensor: rows hold different image counts)
+    images: ExperienceImages | None = None
 
     def __len__(self) -> int:
         return self.sequences.shape[0]
 
     def tensors(self) -> dict[str, Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        return {f.name: v for f in fields(self) if isinstance(v := getattr(self, f.name), Tensor)}
 
     def select(self, rows: Sequence[int] | Tensor) -> Experience:
         """The given rows, trimmed to their longest real length."""
@@ -51,10 +55,12 @@ class Experience:
         for name, value in self.tensors().items():
             value = value[index]
             picked[name] = value[:, :width] if value.dim() >= 2 else value
-        return replace(self, **picked)
+        images = None if self.images is None else self.images.select(index)
+        return replace(self, **picked, images=images)
 
     def to(self, device: torch.device) -> Experience:
-        return replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
+        images = None if self.images is None else self.images.to(device)
+        return replace(self, **{k: v.to(device) for k, v in self.tensors().items()}, images=images)
 
     @staticmethod
     def concat(parts: Sequence[Experience]) -> Experience:
@@ -63,6 +69,9 @@ class Experience:
         out = {}
         for f in fields(Experience):
             values = [getattr(p, f.name) for p in parts]
+            if f.name == "images":
+                out["images"] = ExperienceImages.concat(values, [len(p) for p in parts])
+                continue
             if any(v is None for v in values):
                 continue
             if values[0].dim() >= 2:  # per-token: pad the token dimension (-1 for expert ids: unrecorded)
@@ -84,17 +93,20 @@ def model_batch(exp: Experience, packing: bool) -> dict[str, Tensor]:
     Per-token tensors of the experience are flattened the same way by ``flatten_like``.
     """
     lengths = exp.attention_mask.sum(-1)
+    images = {} if exp.images is None else exp.images.batch()  # pixels, grids, images per row
     if not packing:
         positions = (exp.attention_mask.cumsum(-1) - 1).clamp(min=0)
-        return {"input_ids": exp.sequences, "attention_mask": exp.attention_mask, "position_ids": positions}
+        batch = {"input_ids": exp.sequences, "attention_mask": exp.attention_mask, "position_ids": positions}
+        return {**batch, **images}
     keep = exp.attention_mask.bool()
-    return {
+    batch = {
         "input_ids": exp.sequences[keep][None],
         "position_ids": torch.cat([torch.arange(int(n), device=exp.sequences.device) for n in lengths])[None],
         "segment_ids": torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)[
             None
         ],
     }
+    return {**batch, **images, "seq_lens": lengths} if images else batch
 
 
 def flatten_like(x: Tensor, exp: Experience, packing: bool) -> Tensor:

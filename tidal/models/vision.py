@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 VISION_MODULE_NAMES = ("visual", "vision_tower", "vision_model", "multi_modal_projector")
+VISION_MODULE_NAMES_SET = frozenset(VISION_MODULE_NAMES)
 # VLM families whose LM head is applied as is (no soft-capping or scaling): their token log-probs take
 # tidal's chunked head (tidal.models.logprob_head) instead of full [B, T, vocab] logits.
 CHUNKABLE_VLM_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -130,3 +131,13 @@ def rope_positions(owner: nn.Module, batch: dict) -> torch.Tensor:
         parts.append(positions)
         start, first_image = start + n, first_image + count
     return torch.cat([batch["position_ids"][None], torch.cat(parts, dim=-1)], dim=0)
+
+
+def language_weights(model: nn.Module, named):
+    """``named`` (HF-named tensors of ``model``) without the vision tower's when it is frozen
+    (``--freeze_visual_encoder``: only the language model changes, so only it is synced to the engine)."""
+    towers = vision_modules(model)
+    frozen = towers and not any(p.requires_grad for _, m in towers for p in m.parameters())
+    if not frozen:
+        return named
+    return ((n, t) for n, t in named if not VISION_MODULE_NAMES_SET.intersection(n.split(".")))

@@ -29,18 +29,20 @@ from tidal.data import SFTDataConfig, build_prompt_samples, load_dataset_spec
 from tidal.distributed import World, init_world
 from tidal.distributed.mesh import ring_group, ring_layout_problems
 from tidal.distributed.tensor_parallel import model_layout_problems, with_tensor_parallel
+from tidal.experience.images import image_prompts
 from tidal.experience.scoring import RewardScorer
 from tidal.logging import get_logger
 from tidal.models import load_causal_lm, load_tokenizer
 from tidal.models.loading import check_model_folder, model_load_error
 from tidal.models.ring_attention import use_ring
+from tidal.models.vision import freeze_vision
 from tidal.placement.build import build_roles, critic_ray_problem, log_placement
 from tidal.placement.data_parallel import check_data_parallel
 from tidal.placement.ray_launch import run_on_ray, wants_ray
 from tidal.rollout.batch_invariant import exact_problem
 from tidal.rollout.hf_engine import fallback_problem
 from tidal.rollout.models.loader import context_prefill_problem, tp_layout_problem
-from tidal.rollout.models.registry import FAMILIES, feature_refusal
+from tidal.rollout.models.registry import FAMILIES, VISION_FAMILIES, feature_refusal
 from tidal.trainers.common import build_optimization, seed_everything
 from tidal.trainers.loop import Optimization
 from tidal.trainers.ppo.critic import build_critic
@@ -164,7 +166,15 @@ def check_models_before_loading(run: PPORun) -> None:
         model_type = getattr(config, "model_type", None)
     except (OSError, ValueError, KeyError) as err:
         raise model_load_error(run.actor.pretrain, err) from err
-    if model_type not in FAMILIES:  # the transformers fallback generates; refuse what it lacks
+    n_images = run.vision.max_images_per_prompt
+    for flag, asked in ((f"--max_images_per_prompt {n_images}", n_images > 0),
+                        ("--freeze_visual_encoder", run.vision.freeze_visual_encoder)):  # fmt: skip
+        if asked and getattr(config, "vision_config", None) is None:
+            raise ConfigError(
+                f"{flag} needs a vision-language model; --pretrain {run.actor.pretrain} has none"
+            )
+    # outside the engine's families the transformers fallback generates: refuse what it lacks
+    if model_type not in FAMILIES and model_type not in VISION_FAMILIES:
         engine = rollout_engine_config(run.rollout, "auto", run.train.seed)
         if problem := fallback_problem(engine, model_type):
             raise ConfigError(f"--pretrain {run.actor.pretrain}: {problem}")
@@ -211,8 +221,12 @@ def check_router_replay(run: PPORun, config) -> None:
 def load_prompts(run: PPORun, tokenizer, spec: str, probs, split: str, max_samples):
     d = run.data
     dataset = load_dataset_spec(spec, probs, split=split, max_samples=max_samples, seed=run.train.seed)
+    images = run.vision.max_images_per_prompt > 0  # prompts are measured with their image tokens
     prompts, skipped = build_prompt_samples(dataset, tokenizer, d.input_key, d.label_key, d.input_template,
-                                            d.apply_chat_template, run.rollout.prompt_max_len, source=spec)  # fmt: skip
+                                            d.apply_chat_template, None if images else run.rollout.prompt_max_len,
+                                            source=spec)  # fmt: skip
+    if images:
+        prompts, skipped = image_prompts(run, dataset, prompts, tokenizer, spec)
     if skipped.count:
         log.warning("%s: %s", spec, skipped.summary())
     return prompts
@@ -263,4 +277,6 @@ class ValueUpdate:
 
 def build_actor(run: PPORun, world: World, steps: int) -> Optimization:
     model = load_causal_lm(run.actor, world.device)
+    if run.vision.freeze_visual_encoder:  # the language model trains; only its weights reach the engine
+        log.info("--freeze_visual_encoder: %d vision parameters frozen", freeze_vision(model))
     return build_optimization(model, run.actor, run.actor_optim, run.dist, world, steps)
