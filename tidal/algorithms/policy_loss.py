@@ -63,6 +63,27 @@ def loss_aggregation(loss_type: str, requested: str | None = None) -> str:
     return DEFAULT_AGGREGATION[loss_type] if requested is None else requested
 
 
+def _masked_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """log π − log π_old on action tokens, 0 on padding (exp of garbage would poison the gradient)."""
+    zero = torch.zeros_like(logp, dtype=torch.float32)
+    return torch.where(mask, logp.float() - old_logp.float(), zero)
+
+
+def _ratio(log_ratio: Tensor) -> Tensor:
+    """ρ = exp(log-ratio), the log-ratio clamped to ±``LOG_RATIO_CLAMP`` so float32 never overflows."""
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def _approx_kl(token_log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """k3 estimate of KL(π_old || π) over the action tokens: mean of ρ − 1 − log ρ."""
+    return masked_mean(torch.expm1(token_log_ratio) - token_log_ratio, mask)
+
+
+def _refuse_dual_clip(name: str, dual_clip: float | None) -> None:
+    if dual_clip is not None:
+        raise ValueError(f"dual_clip is a bound of the ppo/gspo clipped surrogate; {name} has none")
+
+
 def _clipped_surrogate(
     log_ratio: Tensor,
     token_log_ratio: Tensor,
@@ -74,7 +95,7 @@ def _clipped_surrogate(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
     advantages = advantages.float()
-    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    ratio = _ratio(log_ratio)
     surr_unclipped = ratio * advantages
     surr_clipped = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high) * advantages
     loss = -torch.min(surr_unclipped, surr_clipped)
@@ -91,7 +112,7 @@ def _clipped_surrogate(
         stats = {
             "clip_ratio": masked_mean(clipped.float(), mask),
             "dual_clip_ratio": masked_mean(dual_clipped.float(), mask),
-            "approx_kl": masked_mean(torch.expm1(token_log_ratio) - token_log_ratio, mask),
+            "approx_kl": _approx_kl(token_log_ratio, mask),
         }
     return loss, stats
 
@@ -109,10 +130,7 @@ def ppo_policy_loss(
     """PPO clipped surrogate (Schulman et al., arXiv 1707.06347) with per-token ratio
     ρ_t = exp(log π_t − log π_old,t)."""
     mask = action_mask != 0
-    # zero the log-ratio on padding first: exp(garbage) would poison the gradient through where()
-    log_ratio = torch.where(
-        mask, logp.float() - old_logp.float(), torch.zeros_like(logp, dtype=torch.float32)
-    )
+    log_ratio = _masked_log_ratio(logp, old_logp, mask)
     return _clipped_surrogate(
         log_ratio, log_ratio.detach(), advantages, mask, clip_eps_low, clip_eps_high, dual_clip
     )
@@ -149,17 +167,6 @@ def gspo_policy_loss(
     )
 
 
-def _masked_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    """log π − log π_old on action tokens, 0 on padding (exp of garbage would poison the gradient)."""
-    zero = torch.zeros_like(logp, dtype=torch.float32)
-    return torch.where(mask, logp.float() - old_logp.float(), zero)
-
-
-def _refuse_dual_clip(name: str, dual_clip: float | None) -> None:
-    if dual_clip is not None:
-        raise ValueError(f"dual_clip is a bound of the ppo/gspo clipped surrogate; {name} has none")
-
-
 @policy_loss("cispo", aggregation="token")
 def cispo_policy_loss(
     logp: Tensor,
@@ -182,13 +189,13 @@ def cispo_policy_loss(
     clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
     mask = action_mask != 0
     log_ratio = _masked_log_ratio(logp, old_logp, mask).detach()
-    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    ratio = _ratio(log_ratio)
     weight = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
     logp = torch.where(mask, logp.float(), torch.zeros_like(logp, dtype=torch.float32))
     loss = torch.where(mask, -weight * advantages.float() * logp, torch.zeros_like(logp))
     stats = {
         "clip_ratio": masked_mean((weight != ratio).float(), mask),
-        "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
+        "approx_kl": _approx_kl(log_ratio, mask),
     }
     return loss, stats
 
@@ -216,14 +223,13 @@ def sapo_policy_loss(
     mask = action_mask != 0
     advantages = advantages.float()
     log_ratio = _masked_log_ratio(logp, old_logp, mask)
-    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    ratio = _ratio(log_ratio)
     tau = torch.where(advantages > 0, tau_pos, tau_neg).to(ratio.dtype)
     gate = torch.sigmoid(tau * (ratio - 1.0))
     loss = torch.where(mask, -gate * (4.0 / tau) * advantages, torch.zeros_like(ratio))
     with torch.no_grad():
-        token_log_ratio = log_ratio.detach()
         stats = {
             "gate_weight": masked_mean(4.0 * gate * (1.0 - gate), mask),
-            "approx_kl": masked_mean(torch.expm1(token_log_ratio) - token_log_ratio, mask),
+            "approx_kl": _approx_kl(log_ratio.detach(), mask),
         }
     return loss, stats
