@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from tidal.algorithms import aggregate_loss, ppo_policy_loss
+from tidal.algorithms import ClipParams, aggregate_loss, ppo_policy_loss
 from tidal.algorithms.correction import (
     MISMATCH_CORRECTIONS,
     corrected_policy_loss,
@@ -74,7 +74,14 @@ def test_gspo_correction_puts_the_rollout_ratio_inside_the_sequence_ratio():
     logp = LOGP.clone().requires_grad_()
     negative = torch.tensor([[-1.0, -1.0, 0.0]])
     loss, stats = corrected_policy_loss(
-        "gspo", logp, LOGP, negative, SEQ_MASK, 0.2, 0.2, rollout_logp=ROLLOUT_LOGP, correction="tis"
+        "gspo",
+        logp,
+        LOGP,
+        negative,
+        SEQ_MASK,
+        ClipParams(0.2, 0.2),
+        rollout_logp=ROLLOUT_LOGP,
+        correction="tis",
     )
     assert_close(loss, torch.tensor([[s, s, 0.0]]))  # −min(s·A, clip(s)·A) with A = −1: s unclipped
     assert_close(stats["mismatch_weight"], torch.tensor((math.exp(0.1) + math.exp(0.3)) / 2))
@@ -82,13 +89,20 @@ def test_gspo_correction_puts_the_rollout_ratio_inside_the_sequence_ratio():
     assert_close(grad, torch.tensor([[s, s, 0.0]]))  # GSPO-token: ∂/∂logπ_t of the per-token loss is s
     # A = +1: s = 1.2214 > 1 + ε, the clipped branch (1.2) wins and the sequence gets no gradient
     loss, stats = corrected_policy_loss(
-        "gspo", logp, LOGP, -negative, SEQ_MASK, 0.2, 0.2, rollout_logp=ROLLOUT_LOGP, correction="icepop"
+        "gspo",
+        logp,
+        LOGP,
+        -negative,
+        SEQ_MASK,
+        ClipParams(0.2, 0.2),
+        rollout_logp=ROLLOUT_LOGP,
+        correction="icepop",
     )
     assert_close(loss, torch.tensor([[-1.2, -1.2, 0.0]]))
     assert_close(stats["clip_ratio"], torch.tensor(1.0))
     # the tis/icepop bounds do not enter: the sequence ratio's clip bounds the correction
     narrow, _ = corrected_policy_loss(
-        "gspo", LOGP, LOGP, negative, SEQ_MASK, 0.2, 0.2, None, ROLLOUT_LOGP, "tis", (0.0, 1.0)
+        "gspo", LOGP, LOGP, negative, SEQ_MASK, ClipParams(0.2, 0.2), ROLLOUT_LOGP, "tis", (0.0, 1.0)
     )
     assert_close(narrow, torch.tensor([[s, s, 0.0]]))
 
@@ -102,7 +116,7 @@ def test_gspo_correction_matches_openrlhf_sequence_ratio():
     rollout = logp + torch.randn(4, 6, generator=g) * 0.01
     mask = (torch.arange(6)[None] < torch.tensor([[6], [4], [5], [2]])).long()
     adv = torch.randn(4, 1, generator=g).expand(4, 6) * mask
-    loss, _ = corrected_policy_loss("gspo", logp, old, adv, mask, 3e-4, 4e-4, None, rollout, "tis")
+    loss, _ = corrected_policy_loss("gspo", logp, old, adv, mask, ClipParams(3e-4, 4e-4), rollout, "tis")
     ratio = (((logp - rollout) * mask).sum(-1) / mask.sum(-1)).exp().unsqueeze(-1) * mask
     reference = -torch.min(ratio * adv, ratio.clamp(1 - 3e-4, 1 + 4e-4) * adv)
     assert_close(aggregate_loss(loss, mask, "sequence"), ((reference * mask).sum(-1) / mask.sum(-1)).mean())
@@ -115,16 +129,16 @@ def test_ppo_correction_multiplies_the_token_loss_by_the_weights():
     for name, bounds in (("tis", (0.0, 1.2)), ("icepop", (0.5, 1.2))):
         weights, _ = MISMATCH_CORRECTIONS[name](LOGP, ROLLOUT_LOGP, SEQ_MASK, *bounds)
         loss, stats = corrected_policy_loss(
-            "ppo", logp, LOGP, adv, SEQ_MASK, 0.2, 0.2, None, ROLLOUT_LOGP, name, bounds
+            "ppo", logp, LOGP, adv, SEQ_MASK, ClipParams(0.2, 0.2), ROLLOUT_LOGP, name, bounds
         )
         assert_close(loss, plain * weights)
         assert "mismatch_clip_ratio" in stats
     # e^0.3 = 1.35 is truncated to 1.2 (tis) or dropped (icepop)
     tis, _ = corrected_policy_loss(
-        "ppo", logp, LOGP, adv, SEQ_MASK, 0.2, 0.2, None, ROLLOUT_LOGP, "tis", (0, 1.2)
+        "ppo", logp, LOGP, adv, SEQ_MASK, ClipParams(0.2, 0.2), ROLLOUT_LOGP, "tis", (0, 1.2)
     )
     assert_close(tis, torch.tensor([[-math.exp(0.1), 1.2, 0.0]]))
-    off, _ = corrected_policy_loss("ppo", logp, LOGP, adv, SEQ_MASK, 0.2, 0.2)
+    off, _ = corrected_policy_loss("ppo", logp, LOGP, adv, SEQ_MASK, ClipParams(0.2, 0.2))
     assert_close(off, plain)
 
 

@@ -12,6 +12,7 @@ from tidal.algorithms.masked import aggregate_loss
 from tidal.algorithms.policy_loss import (
     DEFAULT_AGGREGATION,
     POLICY_LOSSES,
+    ClipParams,
     gspo_policy_loss,
     loss_aggregation,
     ppo_policy_loss,
@@ -192,7 +193,7 @@ def test_gspo_default_equals_openrlhf_loss_and_gradient(correction):
     the rollout engine's log-probs), on unequal lengths where token and sequence means differ."""
     logp, old, rollout, adv, mask = _gspo_inputs(7)
     eps = (0.2, 0.28)
-    per_token, _ = corrected_policy_loss("gspo", logp, old, adv, mask, *eps, None, rollout, correction)
+    per_token, _ = corrected_policy_loss("gspo", logp, old, adv, mask, ClipParams(*eps), rollout, correction)
     loss = aggregate_loss(per_token, mask, loss_aggregation("gspo"))
     (grad,) = torch.autograd.grad(loss, logp)
     reference = openrlhf_gspo(logp, old if correction is None else rollout, adv, mask, *eps)

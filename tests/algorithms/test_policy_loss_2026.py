@@ -13,6 +13,8 @@ from tidal.algorithms.masked import aggregate_loss
 from tidal.algorithms.policy_loss import (
     DEFAULT_AGGREGATION,
     POLICY_LOSSES,
+    ClipParams,
+    SapoParams,
     cispo_policy_loss,
     loss_aggregation,
     ppo_policy_loss,
@@ -180,9 +182,8 @@ def test_token_corrections_multiply_the_per_token_loss(loss_type, correction):
     adv = torch.randn(4, 6, generator=gen)
     mask = torch.rand(4, 6, generator=gen) > 0.2
     low, high = (0.2, 0.28) if loss_type == "cispo" else (1.0, 1.05)
-    corrected, stats = corrected_policy_loss(
-        loss_type, logp, old, adv, mask, low, high, None, rollout, correction
-    )
+    params = ClipParams(low, high) if loss_type == "cispo" else SapoParams(low, high)
+    corrected, stats = corrected_policy_loss(loss_type, logp, old, adv, mask, params, rollout, correction)
     plain, _ = POLICY_LOSSES[loss_type](logp, old, adv, mask, low, high)
     w = torch.exp(old - rollout)
     w = w.clamp(0.5, 5.0) if correction == "tis" else torch.where((w >= 0.5) & (w <= 5.0), w, 0.0)
@@ -203,11 +204,12 @@ def test_flag_round_trip_reaches_the_registered_loss():
     cispo = parse("--policy_loss_type", "cispo", "--eps_clip_low_high", "1.0", "0.28")
     assert POLICY_LOSSES[cispo.policy_loss_type] is cispo_policy_loss
     assert cispo.clip_bounds == (1.0, 0.28) and cispo.loss_aggregation == "token"
+    assert cispo.policy_loss_params() == ClipParams(1.0, 0.28)
     assert parse("--policy_loss_type", "cispo").clip_bounds == (0.2, 0.2)  # --eps_clip's default
     sapo = parse("--policy_loss_type", "sapo")
     assert POLICY_LOSSES[sapo.policy_loss_type] is sapo_policy_loss
-    assert sapo.clip_bounds == (1.0, 1.05) and sapo.loss_aggregation == "sequence"
-    assert parse("--policy_loss_type", "sapo", "--tau_neg", "2").clip_bounds == (1.0, 2.0)
+    assert sapo.policy_loss_params() == SapoParams(1.0, 1.05) and sapo.loss_aggregation == "sequence"
+    assert parse("--policy_loss_type", "sapo", "--tau_neg", "2").policy_loss_params() == SapoParams(1.0, 2.0)
     assert parse("--policy_loss_type", "sapo", "--loss_agg_mode", "token").loss_aggregation == "token"
 
 

@@ -50,6 +50,9 @@ from tidal.algorithms.masked import (
 )
 from tidal.algorithms.policy_loss import (
     POLICY_LOSSES,
+    ClipParams,
+    PolicyLossParams,
+    SapoParams,
     cispo_policy_loss,
     gspo_policy_loss,
     loss_aggregation,
@@ -90,8 +93,11 @@ __all__ = [
     "RM_LOSSES",
     "AdaptiveKLController",
     "AdvantageEstimator",
+    "ClipParams",
     "FixedKLController",
+    "PolicyLossParams",
     "RunningMoments",
+    "SapoParams",
     "aggregate_loss",
     "aggregate_policy_loss",
     "compute_kl",

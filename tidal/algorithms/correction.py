@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from tidal.algorithms.masked import masked_mean
-from tidal.algorithms.policy_loss import POLICY_LOSSES
+from tidal.algorithms.policy_loss import POLICY_LOSSES, PolicyLossParams
 from tidal.algorithms.registry import register
 
 LOG_WEIGHT_CLAMP = 20.0
@@ -96,26 +96,25 @@ def corrected_policy_loss(
     old_logp: Tensor,
     advantages: Tensor,
     action_mask: Tensor,
-    clip_eps_low: float,
-    clip_eps_high: float | None,
-    dual_clip: float | None = None,
+    params: PolicyLossParams,
     rollout_logp: Tensor | None = None,
     correction: str | None = None,
     bounds: tuple[float, float] = (0.5, 5.0),
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """``POLICY_LOSSES[loss_type]`` with the mismatch ``correction`` (``tis``/``icepop``, None: off)
-    applied as the module docstring says; ``(per_token_loss, stats)``."""
+    """``POLICY_LOSSES[loss_type]`` with its own ``params`` (``ClipParams``, ``SapoParams``) and the
+    mismatch ``correction`` (``tis``/``icepop``, None: off) applied as the module docstring says;
+    ``(per_token_loss, stats)``."""
     loss_fn = POLICY_LOSSES[loss_type]
-    clip = (clip_eps_low, clip_eps_high, dual_clip)
+    own = params.kwargs()
     if correction is None:
-        return loss_fn(logp, old_logp, advantages, action_mask, *clip)
+        return loss_fn(logp, old_logp, advantages, action_mask, **own)
     if rollout_logp is None:
         raise ValueError(f"the {correction} correction needs the rollout engine's log-probs")
     if loss_type in RATIO_AGAINST_ROLLOUT:
-        per_token, stats = loss_fn(logp, rollout_logp, advantages, action_mask, *clip)
+        per_token, stats = loss_fn(logp, rollout_logp, advantages, action_mask, **own)
         mask = action_mask != 0
         stats["mismatch_weight"] = masked_mean(_importance_weights(old_logp, rollout_logp, mask), mask)
         return per_token, stats
-    per_token, stats = loss_fn(logp, old_logp, advantages, action_mask, *clip)
+    per_token, stats = loss_fn(logp, old_logp, advantages, action_mask, **own)
     weights, wstats = MISMATCH_CORRECTIONS[correction](old_logp, rollout_logp, action_mask, *bounds)
     return per_token * weights, stats | wstats

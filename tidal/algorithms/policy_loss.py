@@ -2,12 +2,13 @@
 
 One signature for the family, chosen by name from ``POLICY_LOSSES``::
 
-    loss_fn(logp, old_logp, advantages, action_mask, low, high, dual_clip=None)
-        -> (per_token_loss [B, T], stats)
+    loss_fn(logp, old_logp, advantages, action_mask, **params) -> (per_token_loss [B, T], stats)
 
-``low, high`` are the loss's two trust-region parameters: the clip ε (``clip_eps_low``,
-``clip_eps_high``) of ppo, gspo and cispo, SAPO's gate temperatures (``tau_pos``, ``tau_neg``).
-``dual_clip`` belongs to the clipped surrogates (ppo, gspo); cispo and sapo refuse it.
+``params`` are the loss's own parameters, carried by a small typed object whose fields are the loss's
+keyword names (``kwargs()``): ``ClipParams`` for ppo, gspo and cispo (the clip ε ``clip_eps_low``,
+``clip_eps_high``, and ``dual_clip``, which only the clipped surrogates ppo and gspo accept),
+``SapoParams`` for sapo (its gate temperatures ``tau_pos``, ``tau_neg``). ``AlgorithmConfig.
+policy_loss_params`` builds the one the flags select.
 
 ``per_token_loss`` is 0 on masked positions; reduce it with ``masked.aggregate_loss``. ``stats`` are
 detached scalars over the action tokens: ``clip_ratio`` (tokens where the clipped branch is taken),
@@ -30,6 +31,7 @@ token mean and ``sapo`` the per-sequence mean, as their papers write the objecti
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor
@@ -44,6 +46,33 @@ DEFAULT_AGGREGATION: dict[str, str] = {}
 LOG_RATIO_CLAMP = 20.0
 # SAPO's gate temperatures (τ_pos, τ_neg) when --tau_pos/--tau_neg are not given: the paper's
 SAPO_TAUS = (1.0, 1.05)
+
+
+@dataclass(frozen=True)
+class ClipParams:
+    """The parameters of the clipped losses (ppo, gspo, cispo): the clip ε and, for ppo and gspo only,
+    the dual-clip constant c."""
+
+    clip_eps_low: float
+    clip_eps_high: float | None = None  # None: clip_eps_low (symmetric)
+    dual_clip: float | None = None
+
+    def kwargs(self) -> dict[str, float | None]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class SapoParams:
+    """SAPO's parameters: its gate temperatures for positive and negative advantages."""
+
+    tau_pos: float = SAPO_TAUS[0]
+    tau_neg: float = SAPO_TAUS[1]
+
+    def kwargs(self) -> dict[str, float]:
+        return asdict(self)
+
+
+PolicyLossParams = ClipParams | SapoParams
 
 
 def policy_loss(name: str, aggregation: str) -> Callable:

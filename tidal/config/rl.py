@@ -10,6 +10,7 @@ component keep OpenRLHF's flag (``RewardConfig.pretrain`` is ``--reward_pretrain
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tidal.config.args import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, UNIT, Checked, Range, arg
 from tidal.config.registries import (
@@ -21,6 +22,9 @@ from tidal.config.registries import (
     POLICY_LOSS_NAMES,
 )
 from tidal.config.training import TrainConfig
+
+if TYPE_CHECKING:
+    from tidal.algorithms.policy_loss import PolicyLossParams
 
 # OpenRLHF v0.9.2's prompt and response limits, used when neither they nor --max_len are set.
 DEFAULT_PROMPT_MAX_LEN = 1024
@@ -291,13 +295,19 @@ class AlgorithmConfig(Checked):
 
     @property
     def clip_bounds(self) -> tuple[float, float]:
-        """The policy loss's two trust-region parameters (``tidal.algorithms.policy_loss``): the clip
-        ε (low, high), or SAPO's gate temperatures (τ_pos, τ_neg)."""
-        if self.policy_loss_type == "sapo":
-            from tidal.algorithms.policy_loss import SAPO_TAUS  # imports torch: not at --help
-
-            return (self.tau_pos or SAPO_TAUS[0], self.tau_neg or SAPO_TAUS[1])
+        """The clip ε (low, high) of the clipped losses (ppo, gspo, cispo); sapo has none."""
         return tuple(self.eps_clip_low_high) if self.eps_clip_low_high else (self.eps_clip, self.eps_clip)
+
+    def policy_loss_params(self) -> PolicyLossParams:
+        """The chosen policy loss's own parameters (``tidal.algorithms.policy_loss``): ``SapoParams``
+        (the gate temperatures, the paper's where unset) for sapo, else ``ClipParams`` (the clip
+        bounds and the dual clip)."""
+        from tidal.algorithms.policy_loss import ClipParams, SapoParams  # imports torch: not at --help
+
+        if self.policy_loss_type == "sapo":
+            unset = SapoParams()
+            return SapoParams(self.tau_pos or unset.tau_pos, self.tau_neg or unset.tau_neg)
+        return ClipParams(*self.clip_bounds, dual_clip=self.dual_clip)
 
     @property
     def is_bounds(self) -> tuple[float, float]:

@@ -20,12 +20,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from tidal.algorithms import (
+    PolicyLossParams,
     aggregate_loss,
     aggregate_policy_loss,
     compute_kl,
@@ -258,6 +259,10 @@ class PolicyLoss:
     # --moe_router_replay: route as the engine did. The forced experts stay set after the forward, so a
     # checkpointing recompute in backward routes alike; the caller clears them (``force_routing(m, None)``).
     router_replay: bool = False
+    loss_params: PolicyLossParams = field(init=False)  # the chosen loss's own: clip ε or SAPO's τ
+
+    def __post_init__(self):
+        self.loss_params = self.cfg.policy_loss_params()
 
     def __call__(self, model: nn.Module, mb: Experience, norm: Normaliser):
         cfg, mask = self.cfg, mb.action_mask
@@ -273,13 +278,12 @@ class PolicyLoss:
             )
         logp = unflatten(logp, mb, self.packing)
         watch_outputs(logp)
-        low, high = cfg.clip_bounds
         correction = ("icepop" if cfg.use_icepop else "tis") if cfg.enable_vllm_is_correction else None
         old = mb.old_logprobs
         if old is None:  # on-policy step (``old_logprobs_from_update``): the weights have not moved yet
             old = logp.detach()
         per_token, stats = corrected_policy_loss(
-            cfg.policy_loss_type, logp, old, mb.advantages, mask, low, high, cfg.dual_clip,
+            cfg.policy_loss_type, logp, old, mb.advantages, mask, self.loss_params,
             mb.rollout_logprobs, correction, cfg.is_bounds,
         )  # fmt: skip
         metrics = {f"policy/{k}": _share(v, mask, norm) for k, v in stats.items()}
