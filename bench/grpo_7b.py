@@ -1,0 +1,262 @@
+"""Benchmark: GRPO on a 7B-shaped policy on one GPU through ``tidal ppo`` itself (issue #39).
+
+The workload is the issue's: a random-init Qwen2.5-7B-shaped checkpoint (28 layers, hidden 3584, vocab
+152064, 28 heads, 4 KV heads), 32 prompts x 8 samples a rollout, ~64-token prompts, 256 new tokens
+(a random-init model hardly ever samples its EOS, so responses run to the limit), and the issue's flags:
+``--colocate_all_models --vllm_enable_sleep --deepspeed_enable_sleep --gradient_checkpointing
+--param_dtype bf16 --micro_train_batch_size 8 --micro_rollout_batch_size 256``, GRPO (``group_norm``)
+without a reference (``--init_kl_coef 0``), one optimizer step per rollout. Full-parameter training adds
+``--adam_offload``, which tidal's memory plan (``tidal/trainers/ppo/memory_plan.py``) asks for on a
+141 GB H200; ``lora`` trains ``--lora_rank 64`` adapters instead.
+
+Each mode runs in a process of its own (the GPU starts empty) and runs ``--steps`` + 1 rollouts; the
+first is the warm-up (CUDA graphs captured, kernels compiled) and is reported apart. The JSON line has,
+per mode, the median step time split by phase (the trainer's ``time/*`` metrics: generate, make
+experience, advantages, train, sync weights), the start-up time (process start to the first step), and
+tokens per second: generated tokens / step time, trained tokens (prompt + response) / step time (the
+headline ``tokens_per_s``, docs/architecture.md section 6's definition; the issue's target is >= 3,000), and
+both added (``generated_plus_trained_tokens_per_s``).
+
+TRL's ``GRPOTrainer`` runs the same workload (same checkpoint, prompts, reward, batch, lengths, gradient
+checkpointing, bf16) in a process of its own when ``trl`` is installed; otherwise, or when it fails (out of
+memory included), the JSON says why it was skipped. TRL trains bf16 weights with bf16 AdamW moments and
+generates with ``transformers.generate`` (no vLLM on these machines); tidal keeps float32 master weights.
+
+    python bench/grpo_7b.py --device cuda                       # full and lora, then TRL
+    python bench/grpo_7b.py --device cuda --modes lora --steps 3
+    python bench/grpo_7b.py --config tiny --steps 1             # CPU smoke run (< 1 minute)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+from train_step import CONFIGS, model_config, versions  # noqa: E402
+
+PHASES = ("generate", "make_experience", "advantages", "train", "sync_weights")
+ISSUE_FLAGS = (
+    "--colocate_all_models", "--vllm_enable_sleep", "--deepspeed_enable_sleep", "--gradient_checkpointing",
+    "--param_dtype", "bf16", "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "256",
+)  # fmt: skip
+MODE_FLAGS = {"full": ("--adam_offload",), "lora": ("--lora_rank", "64", "--lora_alpha", "128")}
+BASE_VOCAB = 512  # the trained part of the tokenizer; the rest of the model's vocab are added tokens
+REWARD = '''def reward_func(queries, prompts, labels, **kwargs):
+    """A rule with spread: how many of the response's characters are digits, of every 10."""
+    import torch
+
+    responses = [q[len(p):] for q, p in zip(queries, prompts)]
+    return {"rewards": torch.tensor([sum(c.isdigit() for c in r) % 10 / 10 for r in responses])}
+'''
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="qwen2.5-7b", choices=sorted(CONFIGS))
+    p.add_argument("--device", default="cpu", help="cuda or cpu (where the run trains)")
+    p.add_argument("--modes", nargs="+", default=["full", "lora"], choices=sorted(MODE_FLAGS))
+    p.add_argument("--steps", type=int, default=2, help="timed RL steps after the warm-up one")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per rollout")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--prompt_len", type=int, default=64)
+    p.add_argument("--new_tokens", type=int, default=256)
+    p.add_argument("--workdir", default="/tmp/tidal_grpo_7b", help="checkpoint, data and outputs")
+    p.add_argument("--no_trl", action="store_true", help="skip TRL's GRPOTrainer")
+    p.add_argument("--child", choices=[*MODE_FLAGS, "trl"], help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.config == "tiny":  # a CPU smoke run: few short samples
+        args.prompts, args.n, args.prompt_len, args.new_tokens = 4, 2, 8, 8
+    return args
+
+
+# ---- the workload -------------------------------------------------------------------------------
+def build_checkpoint(folder: Path, config_name: str, device: str) -> Path:
+    """A random-init bf16 checkpoint of ``CONFIGS[config_name]`` with a tokenizer covering its whole
+    vocabulary (a tiny trained BPE plus added tokens), written once and reused."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tidal.testing.tiny import build_tiny_tokenizer
+
+    if (folder / "config.json").exists():
+        return folder
+    tokenizer = build_tiny_tokenizer(folder, vocab_size=BASE_VOCAB, seed=0)
+    vocab = CONFIGS[config_name]["vocab_size"]
+    tokenizer.add_tokens([f"<x{i}>" for i in range(vocab - len(tokenizer))])
+    tokenizer.save_pretrained(folder)
+    config = model_config(config_name)
+    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised on the GPU: seconds instead of minutes for 7.6B parameters
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size="5GB")
+    return folder
+
+
+def write_data(folder: Path, args: argparse.Namespace) -> tuple[Path, Path]:
+    """(prompts.jsonl: one rollout's prompts per RL step, warm-up included; the reward function file)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder / "model")
+    rng = random.Random(0)
+    rows = []
+    for _ in range(args.prompts * (args.steps + 1)):
+        ids = [rng.randrange(3, BASE_VOCAB) for _ in range(args.prompt_len)]
+        rows.append({"prompt": tokenizer.decode(ids), "label": ""})
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reward = folder / "reward.py"
+    reward.write_text(REWARD)
+    return prompts, reward
+
+
+def tidal_flags(args, folder: Path, mode: str) -> list[str]:
+    prompts, reward = folder / "prompts.jsonl", folder / "reward.py"
+    samples = args.prompts * args.n
+    return [
+        "--pretrain", str(folder / "model"), "--prompt_data", str(prompts), "--input_key", "prompt",
+        "--label_key", "label", "--remote_rm_url", str(reward), "--advantage_estimator", "group_norm",
+        "--init_kl_coef", "0", "--rollout_batch_size", str(args.prompts), "--n_samples_per_prompt", str(args.n),
+        "--train_batch_size", str(samples), "--prompt_max_len", str(2 * args.prompt_len),
+        "--generate_max_len", str(args.new_tokens), "--num_episodes", "1", "--actor_learning_rate", "1e-6",
+        "--save_path", str(folder / f"out_{mode}"), "--save_steps", "-1", *ISSUE_FLAGS, *MODE_FLAGS[mode],
+    ]  # fmt: skip
+
+
+# ---- one mode, in its own process ---------------------------------------------------------------------
+def run_tidal(args, folder: Path, mode: str) -> dict:
+    """``tidal ppo`` on the workload: the warm-up step apart, then the median of the timed steps."""
+    import torch
+
+    from tidal.cli.train_ppo import parse_run
+    from tidal.trainers.ppo import run_ppo
+
+    start = time.perf_counter()
+    history = run_ppo(parse_run(tidal_flags(args, folder, mode)))
+    total = time.perf_counter() - start
+    steps = [h for h in history if "time/step" in h]
+    warm, timed = steps[0], steps[1:] or steps[:1]
+    samples = args.prompts * args.n
+    step_s = statistics.median(h["time/step"] for h in timed)
+    generated = statistics.median(h["response_length"] for h in timed) * samples
+    trained = statistics.median(h["total_length"] for h in timed) * samples
+    result = {
+        "step_s": round(step_s, 3),
+        "phases_s": {p: round(statistics.median(h.get(f"time/{p}", 0.0) for h in timed), 3) for p in PHASES},
+        "warmup_step_s": round(warm["time/step"], 3),
+        "startup_s": round(total - sum(h["time/step"] for h in steps), 1),
+        "generated_tokens_per_step": round(generated),
+        "trained_tokens_per_step": round(trained),
+        "generated_tokens_per_s": round(generated / step_s),
+        "trained_tokens_per_s": round(trained / step_s),
+        "tokens_per_s": round(trained / step_s),  # docs/architecture.md section 6: prompt + response
+        "generated_plus_trained_tokens_per_s": round((generated + trained) / step_s),
+        "decode_tokens_per_s": round(
+            generated / max(statistics.median(h["time/generate"] for h in timed), 1e-9)
+        ),
+        "reward": round(statistics.mean(h["reward"] for h in timed), 4),
+    }
+    peaks = [v for h in timed for k, v in h.items() if k.startswith("memory/peak_gb")]
+    if peaks:
+        result["peak_mem_gb"] = max(peaks)
+    if torch.cuda.is_available():
+        result["gpu"] = torch.cuda.get_device_name()
+    return result
+
+
+def run_trl(args, folder: Path) -> dict:
+    """TRL's GRPOTrainer on the same workload; step times from a callback, the first step apart."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    rows = [json.loads(line) for line in (folder / "prompts.jsonl").read_text().splitlines()]
+    times: list[float] = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.start)
+
+    def reward(completions, **kwargs):
+        return [sum(c.isdigit() for c in text) % 10 / 10 for text in completions]
+
+    samples = args.prompts * args.n
+    micro = 8
+    config = GRPOConfig(
+        output_dir=str(folder / "out_trl"), per_device_train_batch_size=micro,
+        gradient_accumulation_steps=samples // micro, num_generations=args.n,
+        max_completion_length=args.new_tokens, gradient_checkpointing=True, bf16=torch.cuda.is_available(),
+        learning_rate=1e-6, beta=0.0, max_steps=args.steps + 1, logging_steps=1, save_strategy="no",
+        report_to=[], model_init_kwargs={"dtype": torch.bfloat16 if torch.cuda.is_available() else torch.float32},
+    )  # fmt: skip
+    trainer = GRPOTrainer(
+        model=str(folder / "model"), reward_funcs=reward, args=config, train_dataset=Dataset.from_list(rows),
+        callbacks=[StepTimes()],
+    )  # fmt: skip
+    trainer.train()
+    step_s = statistics.median(times[1:] or times)
+    tokens = samples * (args.prompt_len + args.new_tokens)  # at most: TRL stops samples at EOS, which is rare
+    return {
+        "step_s": round(step_s, 3),
+        "warmup_step_s": round(times[0], 3),
+        "tokens_per_s": round(tokens / step_s),
+    }
+
+
+def child(args) -> dict:
+    folder = Path(args.workdir)
+    if args.child == "trl":
+        return run_trl(args, folder)
+    return run_tidal(args, folder, args.child)
+
+
+def in_process(args, what: str) -> dict:
+    """One mode (or TRL) in a fresh process; its last stdout line is its JSON, else the reason it failed."""
+    cmd = [sys.executable, __file__, *sys.argv[1:], "--child", what]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    errors = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    return {"skipped": (errors[-1] if errors else f"exit status {proc.returncode}")[-500:]}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    folder = Path(args.workdir)
+    folder.mkdir(parents=True, exist_ok=True)
+    build_checkpoint(folder / "model", args.config, args.device)
+    write_data(folder, args)
+    out = {"bench": "grpo_7b", **versions(), "config": args.config, "prompts": args.prompts, "n": args.n,
+           "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "steps": args.steps,
+           "flags": " ".join(ISSUE_FLAGS)}  # fmt: skip
+    for mode in args.modes:
+        out[mode] = {"extra_flags": " ".join(MODE_FLAGS[mode]), **in_process(args, mode)}
+    if args.no_trl:
+        out["trl"] = {"skipped": "--no_trl"}
+    else:
+        import importlib.util
+
+        found = importlib.util.find_spec("trl") is not None
+        out["trl"] = in_process(args, "trl") if found else {"skipped": "trl is not installed"}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
