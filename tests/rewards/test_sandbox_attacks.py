@@ -19,9 +19,10 @@ from tidal.rewards.sandbox import SandboxLimits, TestCase, run_tests, seccomp
 from tidal.rewards.sandbox.cgroup import pids_cgroup_parent
 from tidal.rewards.sandbox.isolation import HARNESS
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("bwrap") is None, reason="needs bubblewrap (apt-get install bubblewrap)"
-)
+pytestmark = [
+    pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (apt-get install bubblewrap)"),
+    pytest.mark.usefixtures("no_sandbox_left"),  # conftest.py: no sandbox process outlives a test
+]
 LIMITS = SandboxLimits(
     timeout_s=20.0, memory_mb=256, max_output_bytes=1 << 16, max_processes=4, max_file_mb=1
 )
@@ -31,40 +32,6 @@ ADD_TESTS = "assert add(1, 2) == 3\nassert add(2, 2) == 4"
 UNHOOK = (
     "import gc\ntype(next(o for o in gc.get_objects() if type(o).__name__ == 'Harness'))._REFUSED.clear()\n"
 )
-
-
-def sandbox_processes() -> set[int]:
-    """Live processes of this test process's sandboxes: bwrap, the harness and whatever they forked
-    (the harness's command line, which a fork keeps, names harness.py), found by walking each one's
-    parents up to this process (another pytest worker's sandboxes are not ours)."""
-    parents, found = {}, set()
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        parents[int(entry)] = int(fields[1])
-        if fields[0] != "Z" and (b"harness.py" in cmdline or cmdline.startswith(b"bwrap\0")):
-            found.add(int(entry))
-    return {pid for pid in found if _descends_from_us(pid, parents)}
-
-
-def _descends_from_us(pid: int, parents: dict[int, int]) -> bool:
-    for _ in range(64):
-        pid = parents.get(pid, 0)
-        if pid == os.getpid():
-            return True
-        if pid <= 1:
-            return False
-    return False
-
-
-@pytest.fixture(autouse=True)
-def contained():
-    """No sandbox process is left after the test."""
-    yield
-    assert sandbox_processes() == set()
 
 
 @pytest.fixture
