@@ -340,6 +340,17 @@ def tiny_config(
     )
 
 
+def tokenizer_fields(tokenizer) -> dict[str, int]:
+    """The model-config fields a tiny model takes from its tokenizer: the vocabulary size and the
+    bos/eos/pad token ids."""
+    return {
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
 def build_tiny_model(
     path: str | Path,
     family: str = "llama",
@@ -359,14 +370,7 @@ def build_tiny_model(
     tokenizer = build_tiny_tokenizer(
         path, vocab_size=vocab_size, seed=seed, add_bos=FAMILIES[family].tiny_adds_bos
     )
-    config = tiny_config(
-        family,
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **config_overrides,
-    )
+    config = tiny_config(family, **tokenizer_fields(tokenizer), **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -416,14 +420,7 @@ def build_tiny_fallback_model(
         )
     path = Path(path)
     tokenizer = build_tiny_tokenizer(path, vocab_size=vocab_size, seed=seed, add_bos=False)
-    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    config = AutoConfig.for_model(
-        family,
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        **ids,
-        **TINY_FALLBACK_FAMILIES[family],
-    )
+    config = AutoConfig.for_model(family, **tokenizer_fields(tokenizer), **TINY_FALLBACK_FAMILIES[family])
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id

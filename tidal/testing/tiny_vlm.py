@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from tidal.testing.tiny import build_tiny_tokenizer
+from tidal.testing.tiny import build_tiny_tokenizer, tokenizer_fields
 
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
     "<|vision_start|>",
@@ -150,14 +150,7 @@ def tiny_vlm_config(tokenizer, family: str = "qwen2_5_vl", **text_overrides):
 
     fam = _family(family)
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in _TOKEN_FIELDS.items()}
-    text = dict(
-        _TEXT,
-        **fam.text,
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    text = dict(_TEXT, **fam.text, **tokenizer_fields(tokenizer))
     text.update(text_overrides)
     vision = dict(_VISION, **fam.vision, patch_size=fam.patch, out_hidden_size=text["hidden_size"])
     config_class = getattr(transformers, fam.config_class)
