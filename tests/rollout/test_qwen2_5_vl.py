@@ -234,3 +234,62 @@ def test_generate_and_batch_inference_with_images(vlm_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):  # one line naming the row and the flag
         generate_main([*flags, "--output_path", str(tmp_path / "x.jsonl")])
     assert "has 1 image(s) under 'images', but --max_images_per_prompt is 0" in capsys.readouterr().err
+
+
+def test_step_api_takes_images(setup):
+    """``add_request(..., multi_modal=)``: requests with and without images share the continuous batch."""
+    hf, processor, ids, engine = setup
+    image = _image(11, SIZES[0])
+    want = (
+        engine.generate([ids], GREEDY, multi_modal=[MultiModalInput(images=[image])])[0].outputs[0].token_ids
+    )
+    first = engine.add_request(ids, GREEDY, multi_modal=MultiModalInput(images=[image]))
+    engine.add_request([5, 6, 7], GREEDY)
+    done = {}
+    while engine.has_unfinished():
+        done.update({out.request_id: out for out in engine.step() if out.finished})
+    assert done[first].outputs[0].token_ids == want
+
+
+def test_other_vision_language_families_are_refused(tmp_path):
+    """The transformers fallback would drop the images: one line naming the family."""
+    from tidal.rollout import make_engine
+    from tidal.testing import build_tiny_vlm
+
+    path = build_tiny_vlm(tmp_path / "q3", "qwen3_vl")
+    with pytest.raises(
+        ValueError,
+        match="qwen3_vl is a vision-language model: the rollout engine serves images for qwen2_5_vl only",
+    ):
+        make_engine(path, _config())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_cuda_float32_matches_transformers_and_graphs_keep_the_decode_delta(vlm_dir, eager):
+    """On CUDA (float32, Triton attention): greedy on images equals transformers', eager and with CUDA
+    graphs / async scheduling (the decode delta is read inside the captured graph)."""
+    from transformers import AutoModelForImageTextToText
+
+    from tidal.data.vision import load_vision_processor
+    from tidal.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(vlm_dir))
+    processor = load_vision_processor(str(vlm_dir), tokenizer)
+    hf = AutoModelForImageTextToText.from_pretrained(str(vlm_dir)).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(4.0)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    config = EngineConfig(
+        device="cuda", dtype="float32", max_model_len=256, block_size=16, enforce_eager=eager
+    )
+    engine = LLMEngine(
+        model=hf, tokenizer=tokenizer, config=config, image_processor=processor.image_processor
+    )
+    images = [_image(20 + i, size) for i, size in enumerate(SIZES)]
+    for _ in range(2):  # the second run replays the captured graphs
+        outs = engine.generate([ids] * 3, GREEDY, multi_modal=[MultiModalInput(images=[im]) for im in images])
+        for image, out in zip(images, outs, strict=True):
+            assert out.outputs[0].token_ids == _hf_greedy(hf, processor, ids, image)
