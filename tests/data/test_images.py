@@ -121,6 +121,16 @@ def test_expand_image_tokens_repeats_each_placeholder_by_its_count():
         expand_image_tokens([5, 9], [0, 0], [1, 1], image_token_id=9)
 
 
+def sft_samples(tiny_vlm, path, max_images: int):
+    """``path``'s SFT samples (prompt -> answer, chat template) with the tiny VLM's tokenizer and image
+    processor, at most ``max_images`` images a row."""
+    tokenizer = load_tokenizer(str(tiny_vlm))
+    processor = load_vision_processor(str(tiny_vlm), tokenizer)
+    images = ImageSamples(VisionConfig(max_images_per_prompt=max_images), processor)
+    cfg = SFTDataConfig(input_key="prompt", output_key="answer", apply_chat_template=True)
+    return load_sft_samples(str(path), None, "train", None, tokenizer, cfg, 0, images)
+
+
 def test_sft_samples_carry_expanded_image_tokens_matching_the_processor(tiny_vlm, tmp_path):
     (tmp_path / "big.png").write_bytes(png(size=56))  # 4 image tokens
     (tmp_path / "small.png").write_bytes(png(size=28))  # 1 image token
@@ -150,15 +160,10 @@ def test_sft_samples_carry_expanded_image_tokens_matching_the_processor(tiny_vlm
 def test_placeholders_that_do_not_match_the_images_name_the_row(tiny_vlm, tmp_path):
     (tmp_path / "a.png").write_bytes(png())
     path = write_rows(tmp_path / "train.jsonl", [{"prompt": prompt(2), "answer": "red", "images": ["a.png"]}])
-    tokenizer = load_tokenizer(str(tiny_vlm))
-    images = ImageSamples(
-        VisionConfig(max_images_per_prompt=2), load_vision_processor(str(tiny_vlm), tokenizer)
-    )
-    cfg = SFTDataConfig(input_key="prompt", output_key="answer", apply_chat_template=True)
     with pytest.raises(
         DataError, match=rf"row 1 of {path}: the rendered text has 2 image placeholder\(s\) but"
     ):
-        load_sft_samples(str(path), None, "train", None, tokenizer, cfg, 0, images)
+        sft_samples(tiny_vlm, path, max_images=2)
 
 
 def test_the_tiny_vlm_folder_loads_with_auto_processor(tiny_vlm):
@@ -201,12 +206,7 @@ def test_parquet_binary_images_are_read(tmp_path):
 def test_an_image_changed_after_the_check_is_named_when_collated(tiny_vlm, tmp_path):
     (tmp_path / "a.png").write_bytes(png(size=28))
     path = write_rows(tmp_path / "train.jsonl", [{"prompt": prompt(), "answer": "red", "images": ["a.png"]}])
-    tokenizer = load_tokenizer(str(tiny_vlm))
-    images = ImageSamples(
-        VisionConfig(max_images_per_prompt=1), load_vision_processor(str(tiny_vlm), tokenizer)
-    )
-    cfg = SFTDataConfig(input_key="prompt", output_key="answer", apply_chat_template=True)
-    samples = load_sft_samples(str(path), None, "train", None, tokenizer, cfg, 0, images)
+    samples = sft_samples(tiny_vlm, path, max_images=1)
     assert collate_padded(samples, 0)["image_counts"].tolist() == [1]
     (tmp_path / "a.png").write_bytes(png(size=56))  # now 4 image tokens
     with pytest.raises(
@@ -217,12 +217,7 @@ def test_an_image_changed_after_the_check_is_named_when_collated(tiny_vlm, tmp_p
 
 def test_a_placeholder_without_an_image_is_refused(tiny_vlm, tmp_path):
     path = write_rows(tmp_path / "train.jsonl", [{"prompt": prompt(1), "answer": "red"}])  # no images key
-    tokenizer = load_tokenizer(str(tiny_vlm))
-    images = ImageSamples(
-        VisionConfig(max_images_per_prompt=1), load_vision_processor(str(tiny_vlm), tokenizer)
-    )
-    cfg = SFTDataConfig(input_key="prompt", output_key="answer", apply_chat_template=True)
     with pytest.raises(
         DataError, match=r"row 1 of .*: the rendered text has 1 image placeholder\(s\) but the row has 0"
     ):
-        load_sft_samples(str(path), None, "train", None, tokenizer, cfg, 0, images)
+        sft_samples(tiny_vlm, path, max_images=1)
