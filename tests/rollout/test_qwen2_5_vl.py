@@ -186,7 +186,11 @@ def test_preempted_image_sequences_are_recomputed(setup):
     images = [MultiModalInput(images=[_image(10 + i, SIZES[i % 3])]) for i in range(4)]
     params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
     want = engine.generate([ids] * 4, params, multi_modal=images)
+    preempted = []
+    preempt = small.scheduler._preempt
+    small.scheduler._preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))
     got = small.generate([ids] * 4, params, multi_modal=images)
+    assert preempted  # the small cache did preempt image sequences
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
