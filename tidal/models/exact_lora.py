@@ -4,8 +4,9 @@ The engine receives merged weights ``W + scale·B·A`` (``tidal.distributed.weig
 merges the adapters for the duration of a sync). For the policy's forward to give the engine's log-probs
 bit for bit, a LoRA layer must multiply by that same merged tensor, so in exact mode:
 
-- its forward builds ``W + scale·(B·A)`` (with autograd: gradients reach A and B) and runs
-  ``batch_invariant.linear`` over it, instead of peft's ``base(x) + B(A(x))·scale``;
+- its no-grad forward (the one whose values the trainer keeps: ``batch_invariant.exact_forward``) builds
+  ``W + scale·(B·A)`` and runs ``batch_invariant.linear`` over it, instead of peft's
+  ``base(x) + B(A(x))·scale``; with grad enabled (the gradient's forward) it is peft's own;
 - the sync's merge is this module's ``merge_weights``, the same arithmetic: ``B·A`` row by row through
   ``batch_invariant.linear`` (a row of the product depends on that row of B alone, so an FSDP2 shard's
   rows equal the unsharded forward's), then one elementwise add;
@@ -111,7 +112,7 @@ def make_lora_exact(model: nn.Module) -> nn.Module:
         if problem:  # one line from the CLI, before the first step
             raise ConfigError(f"--exact_logprobs: {problem}")
         layer.tidal_compute_dtype = dtype
-        layer.forward = bi.bound_forward(exact_lora_forward, layer)
+        layer.forward = bi.exact_forward(exact_lora_forward, layer)  # no grad: exact
 
     def merge_adapter(*args, **kwargs) -> None:
         merge_weights(layers)

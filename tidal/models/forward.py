@@ -131,6 +131,18 @@ def token_logprobs(
         return ring_token_logprobs(
             model, batch, ring, temperature, chunk_size, with_entropy, **forward_kwargs
         )
+    return _default_token_logprobs(model, batch, temperature, chunk_size, with_entropy, **forward_kwargs)
+
+
+def _default_token_logprobs(
+    model: nn.Module,
+    batch: dict,
+    temperature: float,
+    chunk_size: int | None,
+    with_entropy: bool,
+    **forward_kwargs,
+):
+    """``token_logprobs``' default path: the chunked LM head where it applies, else full logits."""
     head = (chunkable_head(model) or vision_lm_head(model)) if chunk_size else None
     inputs = model_inputs(model, batch)
     if head is None:
@@ -154,17 +166,62 @@ def exact_token_logprobs(
     is the batch-invariant linear), then the batch-invariant log-softmax the engine's sampler also runs.
     The attention reads samples from ``position_ids``, so padded and packed rows need no mask. The model
     computes in the engine's dtype (``batch_invariant.use_engine_numerics``) with autocast off: autocast
-    would re-cast between the ops (e.g. run ``exp`` in float32 where the engine runs it in bf16)."""
+    would re-cast between the ops (e.g. run ``exp`` in float32 where the engine runs it in bf16).
+
+    Where grad is enabled (the policy loss) that forward runs without it, for the values only, and a
+    second, default forward (``spliced_logprobs``) gives the gradient: the exact ops' own backward is
+    slow and nothing needs it (only the log-probs must equal the engine's)."""
     ids = batch["input_ids"]
     inputs = {"input_ids": ids, "position_ids": batch["position_ids"], "attention_mask": None}
-    with batch_invariant.exact_autocast_off(ids.device):
+    grad = torch.is_grad_enabled()
+    with torch.no_grad(), batch_invariant.exact_autocast_off(ids.device), _hooks_off(model, grad):
         outputs = model(**inputs, use_cache=False, **forward_kwargs)
         lp = batch_invariant.token_logprobs(outputs.logits[:, :-1], ids[:, 1:], temperature)
     lp = torch.cat([lp.new_zeros(ids.shape[0], 1), lp], dim=1)
+    if grad:
+        head = model.get_output_embeddings()
+        exact_head = head.__dict__.get("forward")  # the chunked head swaps it out and deletes it
+        try:
+            with batch_invariant.default_attention(model):
+                fast, outputs = _default_token_logprobs(
+                    model, batch, temperature, DEFAULT_CHUNK, with_entropy, **forward_kwargs
+                )
+        finally:
+            if exact_head is not None:
+                head.forward = exact_head
+        return spliced_logprobs(lp, fast), outputs
     if with_entropy:
         ent = entropy_from_logits(outputs.logits[:, :-1], temperature, chunk_size=1024)
         outputs.entropy = torch.cat([ent.new_zeros(ids.shape[0], 1), ent], dim=1)
     return lp, outputs
+
+
+def spliced_logprobs(exact: torch.Tensor, fast: torch.Tensor) -> torch.Tensor:
+    """``exact`` as the value, ``fast``'s gradient (straight through): ``exact + (fast - fast)``, where
+    ``fast - fast`` is exactly 0 for finite values, so the sum is ``exact`` bit for bit (a -0.0 becomes
+    +0.0, which compares equal) while autograd sees ``d fast``."""
+    return exact.detach() + (fast - fast.detach())
+
+
+@contextlib.contextmanager
+def _hooks_off(model: nn.Module, off: bool):
+    """Within (when ``off``): the MoE routers' forward hooks (the aux loss's router-logit capture) do not
+    fire, so only the differentiable forward's router logits are captured; router replay's hook stays (the
+    exact forward routes as the engine did too). Other modules keep theirs (FSDP2 gathers weights in hooks)."""
+    from tidal.models.moe_routing import router_modules
+
+    routers = router_modules(model) if off else []
+    saved = [dict(r._forward_hooks) for r in routers]
+    for r in routers:
+        replay = getattr(r, "_tidal_replay_hook", None)
+        for key in list(r._forward_hooks):
+            if replay is None or key != replay.id:
+                del r._forward_hooks[key]
+    try:
+        yield
+    finally:
+        for r, hooks in zip(routers, saved, strict=True):
+            r._forward_hooks.update(hooks)
 
 
 class RingOutputs:

@@ -15,7 +15,8 @@ every one):
 - ``moe``: mixture-of-experts routing, experts and shared expert (``moe_route``, ``moe_experts``, ...);
 - ``dispatch``: which tensors run the CUDA kernels, and their torch backward;
 - ``support``: where exact mode runs (``exact_problem``, ``exact_device_problem``);
-- ``hf_model``: ``make_exact``, the switch of a transformers model to these ops, and its dtypes.
+- ``hf_model``: ``make_exact``, the switch of a transformers model to these ops (where no gradient is
+  recorded: the trainer's differentiable forward runs the default ops, ``exact_forward``), and its dtypes.
 
 On CUDA (bf16 or fp32) cuBLAS and torch's reduction kernels choose their tiling from the batch's shape, so
 ``linear``, ``rms_norm``, ``attention`` and ``token_logprobs`` run Triton kernels with one fixed
@@ -36,8 +37,10 @@ from tidal.rollout.batch_invariant.elementwise import POINT_BLOCK, pointwise, rm
 from tidal.rollout.batch_invariant.hf_model import (
     EXACT_ATTENTION,
     bound_forward,
+    default_attention,
     engine_dtype,
     exact_autocast_off,
+    exact_forward,
     hf_exact_attention,
     hf_exact_shared_moe,
     is_exact,
@@ -64,9 +67,11 @@ __all__ = [
     "ROW_BLOCK",
     "attention",
     "bound_forward",
+    "default_attention",
     "engine_dtype",
     "exact_autocast_off",
     "exact_device_problem",
+    "exact_forward",
     "exact_problem",
     "gate_column",
     "hf_exact_attention",

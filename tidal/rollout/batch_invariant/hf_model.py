@@ -2,11 +2,19 @@
 (attention through ``hf_exact_attention``, per sample of a packed row) and makes it compute in the engine's
 dtype with the engine's RoPE frequencies (``use_engine_numerics``); autocast must not re-cast inside the
 ops (``exact_autocast_off``).
+
+The switched layers run the batch-invariant ops only where no gradient is recorded (``exact_forward``):
+with grad enabled they run their own (class) forward, the default fast path, and attention runs the
+model's default implementation (``default_attention``). The trainer takes the log-prob values from a
+no-grad exact forward and the gradient from a default one (``tidal.models.forward.exact_token_logprobs``):
+only the values must equal the engine's, and a gradient checkpoint's recompute (grad enabled) then
+recomputes the fast forward it checkpointed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 
@@ -45,7 +53,10 @@ def use_engine_numerics(model: torch.nn.Module, dtype: torch.dtype | None = None
     embed = model.get_input_embeddings()
     if getattr(embed, "tidal_compute_hook", None) is not None:
         embed.tidal_compute_hook.remove()
-    embed.tidal_compute_hook = embed.register_forward_hook(lambda module, args, out: out.to(dtype))
+    # the exact (no-grad) forward's residual stream is in ``dtype``; the fast one keeps the default's
+    embed.tidal_compute_hook = embed.register_forward_hook(
+        lambda module, args, out: out if torch.is_grad_enabled() else out.to(dtype)
+    )
     model.tidal_compute_dtype = dtype
     config = model.config
     for module in model.modules():
@@ -81,7 +92,11 @@ EXACT_ATTENTION = "tidal_exact"
 
 def hf_exact_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention (``query [B, H, T, D]``, ``key/value [B, KV, T, D]``) through ``attention``:
-    each sample of a row (found from ``position_ids``; the mask is not read) attends its own tokens."""
+    each sample of a row (found from ``position_ids``; the mask is not read) attends its own tokens. With
+    grad enabled (a checkpoint's recompute of the fast forward): the model's default attention instead."""
+    if torch.is_grad_enabled():
+        fn = _default_attention_fn(module)
+        return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     position_ids = kwargs.get("position_ids")
     b, h, t, d = query.shape
     if position_ids is None:
@@ -95,10 +110,44 @@ def hf_exact_attention(module, query, key, value, attention_mask, scaling=None, 
     return flat.view(b, t, h, d), None
 
 
+def _default_attention_fn(module):
+    """The attention function of the implementation ``module``'s model had before ``make_exact``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    impl = getattr(module.config, "tidal_default_attention", "sdpa")
+    if impl in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[impl]
+    return sys.modules[type(module).__module__].eager_attention_forward  # "eager": the family's own
+
+
+def _configs(model: torch.nn.Module) -> list:
+    """The model's config and its inner model's (one object or two), whose attention switch we set."""
+    config = model.config
+    inner = getattr(getattr(model, "model", None), "config", config)
+    return list({id(c): c for c in (config, inner)}.values())
+
+
+@contextlib.contextmanager
+def default_attention(model: torch.nn.Module):
+    """Within: the exact model's attention is its default implementation again (the fast forward's; the
+    packed-row masks or varlen arguments are built for it). An implementation chosen inside (e.g. the
+    varlen kernels on CUDA) is kept as the default for later recomputes."""
+    configs = _configs(model)
+    for cfg in configs:
+        cfg._attn_implementation = getattr(cfg, "tidal_default_attention", "sdpa")
+    try:
+        yield
+    finally:
+        for cfg in configs:
+            cfg.tidal_default_attention = cfg._attn_implementation
+            cfg._attn_implementation = EXACT_ATTENTION
+
+
 def make_exact(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Switch a transformers model of a supported family to the batch-invariant ops, in place: every
     ``nn.Linear`` (LM head included), RMSNorm, the MLP's activation, RoPE and attention, computing in
-    ``compute_dtype`` (``use_engine_numerics``). Returns it."""
+    ``compute_dtype`` (``use_engine_numerics``); where grad is enabled, the default ops (module doc).
+    Returns it."""
     from transformers import AttentionInterface
 
     from tidal.rollout.models.architecture import ACTIVATIONS, sliding_windows
@@ -114,39 +163,39 @@ def make_exact(model: torch.nn.Module, compute_dtype: torch.dtype | None = None)
     for module in model.modules():
         name = type(module).__name__
         if isinstance(module, torch.nn.Linear):
-            module.forward = bound_forward(lambda m, x: linear(x, m.weight, m.bias), module)
+            module.forward = exact_forward(lambda m, x: linear(x, m.weight, m.bias), module)
         elif name.endswith("RMSNorm"):
-            module.forward = bound_forward(lambda m, x: rms_norm(x, m.weight, m.variance_epsilon), module)
+            module.forward = exact_forward(lambda m, x: rms_norm(x, m.weight, m.variance_epsilon), module)
         elif name.endswith("RotaryEmbedding"):
-            module.forward = bound_forward(
+            module.forward = exact_forward(
                 lambda m, x, position_ids: rope_cos_sin(
                     position_ids, m.inv_freq, m.attention_scaling, x.dtype
                 ),
                 module,
             )
         elif name.endswith("TopKRouter"):  # MoE: routing, experts and the shared expert (moe_route, ...)
-            module.forward = bound_forward(
+            module.forward = exact_forward(
                 lambda m, x: moe_route(
                     x, m.weight, m.top_k, getattr(m, "norm_topk_prob", True), weights_dtype
                 ),
                 module,
             )
         elif name.endswith("Experts") and hasattr(module, "gate_up_proj"):
-            module.forward = bound_forward(
+            module.forward = exact_forward(
                 lambda m, x, ids, weights: moe_experts(x, m.gate_up_proj, m.down_proj, ids, weights, act),
                 module,
             )
         elif hasattr(module, "shared_expert_gate"):
-            module.forward = bound_forward(hf_exact_shared_moe, module)
+            module.forward = exact_forward(hf_exact_shared_moe, module)
         elif all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj")):
-            module.forward = bound_forward(
+            module.forward = exact_forward(
                 lambda m, x: m.down_proj(pointwise(act, m.gate_proj(x)) * m.up_proj(x)), module
             )
         elif hasattr(module, "layer_idx") and hasattr(module, "o_proj"):
             module.tidal_window = windows[module.layer_idx]
-    for cfg in {
-        id(c): c for c in (config, getattr(getattr(model, "model", None), "config", config))
-    }.values():
+    for cfg in _configs(model):
+        if cfg._attn_implementation != EXACT_ATTENTION:
+            cfg.tidal_default_attention = cfg._attn_implementation
         cfg._attn_implementation = EXACT_ATTENTION
     use_engine_numerics(model, compute_dtype)
     model.tidal_exact = True
@@ -156,6 +205,19 @@ def make_exact(model: torch.nn.Module, compute_dtype: torch.dtype | None = None)
 def is_exact(model: torch.nn.Module) -> bool:
     """Whether ``make_exact`` switched this model (or the model it wraps)."""
     return bool(getattr(model, "tidal_exact", False))
+
+
+def exact_forward(fn, module):
+    """An instance ``forward`` that runs ``fn(module, ...)`` (the exact ops) where no gradient is recorded,
+    and the module's class forward (the default, fast ops) where one is: see the module doc."""
+    default = type(module).forward
+
+    def forward(*args, **kwargs):
+        if torch.is_grad_enabled():
+            return default(module, *args, **kwargs)
+        return fn(module, *args, **kwargs)
+
+    return forward
 
 
 def bound_forward(fn, module):
