@@ -12,7 +12,13 @@ from transformers import AutoConfig
 
 from tidal.cli.train_ppo import main as ppo_main
 from tidal.cli.train_ppo import parse_run
-from tidal.trainers.ppo.memory_check import CAPACITY_ENV, device_capacity, model_shape, settings_of
+from tidal.trainers.ppo.memory_check import (
+    CAPACITY_ENV,
+    HOST_CAPACITY_ENV,
+    device_capacity,
+    model_shape,
+    settings_of,
+)
 from tidal.trainers.ppo.memory_plan import GIB, plan_memory
 
 
@@ -50,6 +56,7 @@ def test_a_run_that_does_not_fit_names_the_flag(flags, tiny_qwen2, monkeypatch, 
     # a device whose 95% holds the run with --adam_offload and not without it
     capacity = (without + offloaded) / 2 / 0.95
     monkeypatch.setenv(CAPACITY_ENV, str(capacity / GIB))
+    monkeypatch.setenv(HOST_CAPACITY_ENV, "1000")  # the host is not what this test is about
     with pytest.raises(SystemExit) as exc:
         ppo_main(flags)
     assert exc.value.code == 2
@@ -66,3 +73,24 @@ def test_the_capacity_variable_is_checked(monkeypatch):
         device_capacity(torch.device("cpu"))
     monkeypatch.delenv(CAPACITY_ENV)
     assert device_capacity(torch.device("cpu")) is None  # on the CPU there is nothing to check
+
+
+def test_a_short_host_is_named_in_the_refusal():
+    from types import SimpleNamespace
+
+    from tidal.trainers.ppo.memory_check import refusal
+    from tidal.trainers.ppo.memory_plan import MemorySettings, ModelShape, fix_for
+
+    # Qwen2.5-7B on an H200 with the flags and --adam_offload (tests/trainers/ppo/test_memory_plan.py)
+    QWEN_7B = ModelShape(7_615_616_512, 28, 3584, 152064, 28, 4, 128, 18944)
+    H200 = 143771 * 2**20
+    offloaded = MemorySettings(8, 256, 320, 256, gradient_checkpointing=True, adam_offload=True,
+                               vllm_enable_sleep=True, deepspeed_enable_sleep=True)  # fmt: skip
+    plan = plan_memory(QWEN_7B, offloaded, H200, 125 * GIB)
+    run = SimpleNamespace(actor=SimpleNamespace(pretrain="qwen7b"))
+    line = refusal(run, plan, fix_for(QWEN_7B, offloaded, H200, 125 * GIB))
+    assert line == (
+        "--pretrain qwen7b: host memory needs host fp32 weights 28.4 GiB + host fp32 grads 28.4 GiB + host AdamW "
+        "states 56.7 GiB = 113.5 GiB, more than the 90% of the 125.0 GiB the host has available; add "
+        "--lora_rank 64 (docs/distributed.md, memory plan)"
+    )

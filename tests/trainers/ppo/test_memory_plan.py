@@ -119,3 +119,19 @@ def test_zero_stages_shard_over_ranks():
     train = plan_memory(QWEN_7B, ranks, H200).phases["train"]
     assert train["fp32 weights"] == 4 * P / 8 and train["AdamW states"] == 8 * P / 8
     assert train["compute copy"] == 2 * 2 * (P - 152064 * 3584) / 28  # FSDP2 gathers a block at a time
+
+
+def test_host_memory_of_offload_and_sleep():
+    offloaded = dataclasses.replace(ISSUE, adam_offload=True)
+    host = plan_memory(QWEN_7B, offloaded, H200, 512 * GIB).host
+    assert host == {"host fp32 weights": 4 * P, "host fp32 grads": 4 * P, "host AdamW states": 8 * P}
+    asleep = plan_memory(QWEN_7B, ISSUE, H200, 512 * GIB).host  # --deepspeed_enable_sleep: no grads then
+    assert asleep == {"host fp32 weights (asleep)": 4 * P, "host AdamW states (asleep)": 8 * P}
+
+
+def test_a_128_gib_host_cannot_take_adam_offload_so_lora_is_named():
+    host = 125 * GIB  # what a 128 GiB machine has available
+    offloaded = plan_memory(QWEN_7B, dataclasses.replace(ISSUE, adam_offload=True), H200, host)
+    assert offloaded.fits_device and not offloaded.fits_host  # 16 P = 113.5 GiB > 90% of 125 GiB
+    assert fix_for(QWEN_7B, ISSUE, H200, host) == ["--lora_rank 64"]
+    assert fix_for(QWEN_7B, ISSUE, H200, 256 * GIB) == ["--adam_offload"]

@@ -2,7 +2,8 @@
 
 On CUDA the device's capacity is ``torch.cuda.get_device_properties(device).total_memory``; the
 environment variable ``TIDAL_DEVICE_MEMORY_GB`` (GiB) overrides it, on any device: to plan for a GPU
-that is shared with another job, and so that tests exercise the refusal on the CPU. Without either
+that is shared with another job, and so that tests exercise the refusal on the CPU. The host's is the
+memory available now (``MemAvailable``), or ``TIDAL_HOST_MEMORY_GB``. Without either
 (training on the CPU) there is nothing to check. A run that cannot fit fails in one line naming the
 flag(s) that would make it fit; one that fits logs its peak phase.
 """
@@ -10,6 +11,7 @@ flag(s) that would make it fit; one that fits logs its peak phase.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -20,6 +22,7 @@ from tidal.config.ppo import PPORun
 from tidal.logging import get_logger
 from tidal.trainers.ppo.memory_plan import (
     GIB,
+    HOST_FRACTION,
     MemoryPlan,
     MemorySettings,
     ModelShape,
@@ -31,6 +34,7 @@ from tidal.trainers.ppo.memory_plan import (
 log = get_logger(__name__)
 
 CAPACITY_ENV = "TIDAL_DEVICE_MEMORY_GB"
+HOST_CAPACITY_ENV = "TIDAL_HOST_MEMORY_GB"
 
 
 def model_shape(config) -> ModelShape:
@@ -81,19 +85,40 @@ def settings_of(run: PPORun, dp_size: int) -> MemorySettings:
         reference=a.needs_reference and not separate_reference(p),
         ref_offload=run.frozen.offload,
         critic=a.needs_critic and not separate_critic(p),
+        ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
     )
+
+
+def gib_from_env(name: str) -> float | None:
+    """The bytes of a ``<name>=<GiB>`` environment variable, None when unset; one line when malformed."""
+    if not (value := os.environ.get(name)):
+        return None
+    try:
+        gb = float(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r}: expected a number of GiB, e.g. 140") from None
+    if gb <= 0:
+        raise ConfigError(f"{name}={value!r}: expected a positive number of GiB")
+    return gb * GIB
+
+
+def host_capacity() -> float | None:
+    """Bytes of host memory available now (``TIDAL_HOST_MEMORY_GB`` first; Linux's ``MemAvailable``)."""
+    if (forced := gib_from_env(HOST_CAPACITY_ENV)) is not None:
+        return forced
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def device_capacity(device: torch.device) -> float | None:
     """Bytes of memory on ``device`` (``TIDAL_DEVICE_MEMORY_GB`` first); None on the CPU without it."""
-    if value := os.environ.get(CAPACITY_ENV):
-        try:
-            gb = float(value)
-        except ValueError:
-            raise ConfigError(f"{CAPACITY_ENV}={value!r}: expected a number of GiB, e.g. 140") from None
-        if gb <= 0:
-            raise ConfigError(f"{CAPACITY_ENV}={value!r}: expected a positive number of GiB")
-        return gb * GIB
+    if (forced := gib_from_env(CAPACITY_ENV)) is not None:
+        return forced
     if device.type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory)
     return None
@@ -103,6 +128,10 @@ def refusal(run: PPORun, plan: MemoryPlan, fix: list[str]) -> str:
     """The one-line error of a run that does not fit."""
     where = f"--pretrain {run.actor.pretrain}: the {plan.peak_phase} phase needs {plan.breakdown()}"
     room = f"{size(plan.usable)} usable of the device's {size(plan.capacity)}"
+    if plan.fits_device:  # the host is short
+        parts = " + ".join(f"{name} {size(b)}" for name, b in plan.host.items())
+        where = f"--pretrain {run.actor.pretrain}: host memory needs {parts} = {size(plan.host_total)}"
+        room = f"{HOST_FRACTION:.0%} of the {size(plan.host_capacity)} the host has available"
     if fix:
         return f"{where}, more than the {room}; add {' '.join(fix)} (docs/distributed.md, memory plan)"
     return (
@@ -117,10 +146,10 @@ def check_memory(run: PPORun, config, device: torch.device, dp_size: int) -> Mem
     capacity = device_capacity(device)
     if capacity is None:
         return None
-    shape, settings = model_shape(config), settings_of(run, dp_size)
-    plan = plan_memory(shape, settings, capacity)
+    shape, settings, host = model_shape(config), settings_of(run, dp_size), host_capacity()
+    plan = plan_memory(shape, settings, capacity, host)
     if not plan.fits:
-        raise ConfigError(refusal(run, plan, fix_for(shape, settings, capacity)))
+        raise ConfigError(refusal(run, plan, fix_for(shape, settings, capacity, host)))
     log.info("memory plan: peak in the %s phase, %s of %s usable", plan.peak_phase, plan.breakdown(),
              size(plan.usable))  # fmt: skip
     if plan.kv_cache < plan.kv_needed:

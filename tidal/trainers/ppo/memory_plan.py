@@ -21,6 +21,10 @@ component holds in each phase of an RL step, the way tidal's code holds them:
 - ``--deepspeed_enable_sleep`` moves the policy's (and critic's) weights and optimizer state to host
   memory while the engine generates.
 
+Host memory: with ``--adam_offload`` the training state lives there, with ``--deepspeed_enable_sleep`` the
+weights and moments while the engine generates, with ``--ref_reward_offload`` the reference; it must fit
+in ``HOST_FRACTION`` of the host memory available (for every training process on the host).
+
 The phases are generate, make experience (no-grad scoring) and train; a run fits when the largest phase
 fits in the device's memory less ``RESERVED`` (at most 5% of it: CUDA context, cuBLAS/NCCL workspaces, fragmentation).
 ``fix_for`` tries the flags that free memory, cheapest first, and names the first that makes the run
@@ -38,6 +42,7 @@ GIB = 2**30
 # device (a test's make-believe device of a few MiB keeps its proportions).
 RESERVED = 3 * GIB
 RESERVED_FRACTION = 0.05
+HOST_FRACTION = 0.9  # of the host's available memory: the process itself, the data, the page cache
 LM_HEAD_CHUNK = 2048  # tidal.models.logprob_head.DEFAULT_CHUNK (not imported: this module imports no torch)
 KV_BLOCK = 16  # the engine's default KV block size (tokens)
 LORA_RANK_ADVICE = 64
@@ -98,18 +103,21 @@ class MemorySettings:
     reference: bool = False  # --init_kl_coef > 0 with the reference on this device
     ref_offload: bool = False  # --ref_reward_offload
     critic: bool = False  # an estimator with a critic, on this device
+    ranks_per_host: int = 1  # training processes sharing this host's memory
 
 
 @dataclass
 class MemoryPlan:
-    """Bytes per component in each phase (``phases[name][component]``) against ``usable`` bytes."""
+    """Bytes per component in each phase (``phases[name][component]``) against ``usable`` bytes, and
+    what the run keeps in host memory (``host``) against ``host_capacity`` (None: not checked)."""
 
     phases: dict[str, dict[str, float]]
     capacity: float
     usable: float
     kv_cache: float
     kv_needed: float
-    fix: list[str] = field(default_factory=list)  # flags that would make it fit (``fix_for``)
+    host: dict[str, float] = field(default_factory=dict)
+    host_capacity: float | None = None
 
     def total(self, phase: str) -> float:
         return sum(self.phases[phase].values())
@@ -123,8 +131,20 @@ class MemoryPlan:
         return self.total(self.peak_phase)
 
     @property
-    def fits(self) -> bool:
+    def host_total(self) -> float:
+        return sum(self.host.values())
+
+    @property
+    def fits_device(self) -> bool:
         return self.peak <= self.usable
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_capacity is None or self.host_total <= HOST_FRACTION * self.host_capacity
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.fits_host
 
     def breakdown(self, phase: str | None = None) -> str:
         """``"fp32 weights 28.4 GiB + ... = 145.9 GiB"`` for ``phase`` (the peak one by default); parts
@@ -210,8 +230,28 @@ def kv_cache(shape: ModelShape, s: MemorySettings, free_at_start: float) -> tupl
     return min(needed, max(free_at_start, 0) * s.vllm_gpu_memory_utilization), needed
 
 
-def plan_memory(shape: ModelShape, s: MemorySettings, capacity: float) -> MemoryPlan:
-    """Bytes per component and phase on one device of ``capacity`` bytes (see the module docstring)."""
+def host_state(shape: ModelShape, s: MemorySettings) -> dict[str, float]:
+    """What the trained and frozen models of this host's ranks keep in host memory: the training state
+    with --adam_offload (pinned), the resting state (weights, moments) while the engine generates with
+    --deepspeed_enable_sleep, the reference with --ref_reward_offload."""
+    on_device = dataclasses.replace(s, adam_offload=False)
+    models = (1 + s.critic) * s.ranks_per_host
+    host = {}
+    if s.adam_offload:
+        host = {f"host {k}": v * models for k, v in trainer_state(shape, on_device).items()}
+    elif s.deepspeed_enable_sleep:
+        resting = {k: v for k, v in trainer_state(shape, on_device).items() if "grads" not in k}
+        host = {f"host {k} (asleep)": v * models for k, v in resting.items()}
+    if s.reference and s.ref_offload:
+        host["host reference"] = 4 * shape.params * s.ranks_per_host
+    return host
+
+
+def plan_memory(
+    shape: ModelShape, s: MemorySettings, capacity: float, host_capacity: float | None = None
+) -> MemoryPlan:
+    """Bytes per component and phase on one device of ``capacity`` bytes, and in a host of
+    ``host_capacity`` bytes (None: not checked; see the module docstring)."""
     usable = capacity - min(RESERVED, RESERVED_FRACTION * capacity)
     policy = trainer_state(shape, s)
     critic = {f"critic {k}": v for k, v in trainer_state(shape, s).items()} if s.critic else {}
@@ -241,7 +281,7 @@ def plan_memory(shape: ModelShape, s: MemorySettings, capacity: float) -> Memory
             "logits": logits(shape, train_tokens, grad=True),
         },
     }  # fmt: skip
-    return MemoryPlan(phases, capacity, usable, kv, kv_needed)
+    return MemoryPlan(phases, capacity, usable, kv, kv_needed, host_state(shape, s), host_capacity)
 
 
 # Flags that free memory at the peak, cheapest first: (the flag as the user types it, the settings it
@@ -265,10 +305,16 @@ def _applies(flag: str, s: MemorySettings) -> bool:
     return not (flag.startswith("--lora_rank") and s.lora_rank)
 
 
-def fix_for(shape: ModelShape, s: MemorySettings, capacity: float) -> list[str]:
-    """The fewest flags (cheapest first) that make the run fit: one flag if any single one does, else the
-    cheapest ones added in order until it fits; [] when it fits already or even all of them do not."""
-    if plan_memory(shape, s, capacity).fits:
+def fix_for(
+    shape: ModelShape, s: MemorySettings, capacity: float, host_capacity: float | None = None
+) -> list[str]:
+    """The fewest flags (cheapest first) that make the run fit device and host: one flag if any single one
+    does, else the cheapest ones added in order until it fits; [] when it fits already or nothing helps."""
+
+    def fits(settings: MemorySettings) -> bool:
+        return plan_memory(shape, settings, capacity, host_capacity).fits
+
+    if fits(s):
         return []
     candidates = [
         (flag, change)
@@ -276,12 +322,12 @@ def fix_for(shape: ModelShape, s: MemorySettings, capacity: float) -> list[str]:
         if _applies(flag, s) and any(getattr(s, k) != v for k, v in change.items())
     ]
     for flag, change in candidates:
-        if plan_memory(shape, dataclasses.replace(s, **change), capacity).fits:
+        if fits(dataclasses.replace(s, **change)):
             return [flag]
     chosen, current = [], s
     for flag, change in candidates:
         chosen.append(flag)
         current = dataclasses.replace(current, **change)
-        if plan_memory(shape, current, capacity).fits:
+        if fits(current):
             return chosen
     return []
