@@ -5,7 +5,7 @@ other roles only through the protocols of ``protocols``; this package builds the
 
 - ``rollout`` / ``remote_rollout`` / ``data_parallel``: the rollout role (an engine on this device,
   engines on devices of their own, a data-parallel rank's share of either); ``engines``: the engine
-  worker; ``stream``: rollouts generated in step with training or ahead of it on a thread;
+  worker;
 - ``frozen_roles``: the reference and reward-model roles, here or on workers of their own;
 - ``workers`` (child processes and Ray actors with one call interface, their devices), ``roles``
   (how many workers of each role a rank drives), ``build`` (a rank's roles from the run's placement)

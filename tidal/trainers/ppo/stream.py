@@ -1,5 +1,5 @@
-"""A stream of rollouts for the RL loop, generated in order, optionally ahead of training (placement in
-time: on this thread, or on a background thread while the trainer trains).
+"""A stream of rollouts for the RL loop, generated and scored in order, optionally ahead of training (on
+this thread, or on a background thread while the trainer trains).
 
 Synchronous (default): each rollout is generated when the loop asks for it, with the latest
 weights. ``--async_train``: a background thread generates up to ``--async_queue_size`` rollouts

@@ -38,12 +38,12 @@ from tidal.logging import MetricsLogger, ProgressBar, get_logger
 from tidal.models.exact_lora import make_lora_exact
 from tidal.models.moe_routing import force_routing
 from tidal.placement.protocols import CriticRole, ReferenceRole, RolloutRole
-from tidal.placement.stream import RolloutJob, RolloutResult, rollout_stream
 from tidal.rollout.batch_invariant import make_exact
 from tidal.trainers.data_position import DataPosition, epoch_batches, resume_offset
 from tidal.trainers.loop import Optimization
 from tidal.trainers.ppo.ema import PolicyEMA
 from tidal.trainers.ppo.ptx import PtxLoss, PtxStream
+from tidal.trainers.ppo.stream import RolloutJob, RolloutResult, rollout_stream
 from tidal.trainers.ppo.update import (
     MISMATCH,
     PolicyLoss,
