@@ -1,5 +1,5 @@
-"""Fixtures shared by the trainer tests: a reference model that differs from the tiny policy, and a launcher
-of N-process (gloo) runs.
+"""Fixtures shared by the trainer tests: a reference model that differs from the tiny policy, a crash after N
+steps (``crash_after``, for the resume tests), and a launcher of N-process (gloo) runs.
 
 The launcher is this file run as a script: ``python conftest.py NPROC SCRIPT ARGS...`` imports the heavy
 modules every rank needs (torch, transformers, the trainers) once, then forks NPROC ranks that run SCRIPT
@@ -46,6 +46,26 @@ def perturbed_llama(tiny_llama, tmp_path_factory):
     from tidal.testing import perturbed_copy
 
     return perturbed_copy(tiny_llama, tmp_path_factory.mktemp("perturbed_llama"), 0.05, seed=0)
+
+
+@pytest.fixture
+def crash_after(monkeypatch):
+    """``crash_after(cls, "method", n)``: from its call n + 1 on, ``cls.method`` raises KeyboardInterrupt, as
+    a crash right after n steps would. Returns a function that restores the method (for the resumed run)."""
+
+    def arm(cls: type, name: str, n: int):
+        original, calls = getattr(cls, name), {"n": 0}
+
+        def crashing(self, *args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] > n:
+                raise KeyboardInterrupt
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, crashing)
+        return lambda: monkeypatch.setattr(cls, name, original)
+
+    return arm
 
 
 def free_port() -> int:

@@ -137,7 +137,7 @@ def test_a_bad_per_role_value_names_the_flag(capsys):
         train_ppo.parse_run([*PPO, "--actor.adam.eps", "0"])
 
 
-def test_sft_trains_with_muon_and_resumes(tiny_llama, tmp_path, monkeypatch):
+def test_sft_trains_with_muon_and_resumes(tiny_llama, tmp_path, crash_after):
     """``tidal sft --optim muon`` end to end on the CPU (FSDP2 on one process): the loss falls, and a run
     stopped after step 5 and resumed from its step-4 checkpoint (the Muon momentum and AdamW moments in
     it) continues with the uninterrupted run's losses."""
@@ -156,18 +156,10 @@ def test_sft_trains_with_muon_and_resumes(tiny_llama, tmp_path, monkeypatch):
 
     full = run_sft(train_sft.parse_run(flags(tmp_path / "full")))
     assert len(full) == 8 and full[-1]["loss"] < 0.7 * full[0]["loss"]
-    original, calls = loop_module.SupervisedTrainer.train_step, {"n": 0}
-
-    def crashing_step(self, samples):
-        calls["n"] += 1
-        if calls["n"] > 5:
-            raise KeyboardInterrupt
-        return original(self, samples)
-
-    monkeypatch.setattr(loop_module.SupervisedTrainer, "train_step", crashing_step)
+    restore = crash_after(loop_module.SupervisedTrainer, "train_step", 5)
     with pytest.raises(KeyboardInterrupt):
         run_sft(train_sft.parse_run(flags(tmp_path / "cut")))
-    monkeypatch.setattr(loop_module.SupervisedTrainer, "train_step", original)
+    restore()
     resumed = run_sft(train_sft.parse_run(flags(tmp_path / "cut", "--load_checkpoint")))
     assert [h["step"] for h in resumed] == list(range(5, 9))
     for a, b in zip(full[4:], resumed, strict=True):

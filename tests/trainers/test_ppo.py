@@ -150,24 +150,15 @@ def test_policy_update_does_not_depend_on_micro_batching_or_packing(tiny_llama):
         torch.testing.assert_close(g, ref, atol=1e-6, rtol=1e-4, msg=str(key))
 
 
-def test_resume_continues_identically(echo_policy, echo_data, tmp_path, monkeypatch):
+def test_resume_continues_identically(echo_policy, echo_data, tmp_path, crash_after):
     common = ["--advantage_estimator", "group_norm", "--save_steps", "2", "--max_samples", "96"]
     full = run_ppo(parse_run(rl_flags(echo_policy, echo_data, tmp_path / "full", *common)))
     assert len(full) == 6
 
-    original = trainer_module.PPOTrainer.update
-    calls = {"n": 0}
-
-    def crash_after_three(self, exp, step):
-        calls["n"] += 1
-        if calls["n"] > 3:
-            raise KeyboardInterrupt
-        return original(self, exp, step)
-
-    monkeypatch.setattr(trainer_module.PPOTrainer, "update", crash_after_three)
+    restore = crash_after(trainer_module.PPOTrainer, "update", 3)
     with pytest.raises(KeyboardInterrupt):
         run_ppo(parse_run(rl_flags(echo_policy, echo_data, tmp_path / "cut", *common)))
-    monkeypatch.setattr(trainer_module.PPOTrainer, "update", original)
+    restore()
     resumed = run_ppo(
         parse_run(rl_flags(echo_policy, echo_data, tmp_path / "cut", *common, "--load_checkpoint"))
     )

@@ -209,25 +209,17 @@ def test_saved_model_is_the_ema_of_the_policy_after_each_step(tiny_qwen2, rl_dat
     assert any(not torch.equal(saved[k], seen[2][k]) for k in saved)  # not the last policy
 
 
-def test_resume_is_exact_with_ema_and_ptx(tiny_qwen2, rl_data, tmp_path, monkeypatch):
+def test_resume_is_exact_with_ema_and_ptx(tiny_qwen2, rl_data, tmp_path, crash_after):
     """The EMA weights and the ptx stream's position are in the checkpoint: a run cut during step 3
     and resumed from step 2 logs the same ptx loss and saves the same (EMA) model."""
     common = ["--max_samples", "48", "--save_steps", "2", "--enable_ema", "--ema_beta", "0.5",
               "--pretrain_data", str(rl_data / "pretrain.jsonl"), "--ptx_coef", "0.5"]  # fmt: skip
     full = run_ppo(parse_run(_rl_flags(tiny_qwen2, rl_data, tmp_path / "full", *common)))
     assert len(full) == 3
-    original, calls = trainer_module.PPOTrainer.update, {"n": 0}
-
-    def crash_after_two(self, exp, step):
-        calls["n"] += 1
-        if calls["n"] > 2:
-            raise KeyboardInterrupt
-        return original(self, exp, step)
-
-    monkeypatch.setattr(trainer_module.PPOTrainer, "update", crash_after_two)
+    restore = crash_after(trainer_module.PPOTrainer, "update", 2)
     with pytest.raises(KeyboardInterrupt):
         run_ppo(parse_run(_rl_flags(tiny_qwen2, rl_data, tmp_path / "cut", *common)))
-    monkeypatch.setattr(trainer_module.PPOTrainer, "update", original)
+    restore()
     resumed = run_ppo(
         parse_run(_rl_flags(tiny_qwen2, rl_data, tmp_path / "cut", *common, "--load_checkpoint"))
     )

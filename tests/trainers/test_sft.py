@@ -92,25 +92,16 @@ def test_gradient_accumulation_and_packing_match_one_big_batch(
         torch.testing.assert_close(packed[k], big[k], atol=1e-6, rtol=1e-4)
 
 
-def test_resume_continues_exactly(tiny_qwen2, addition_file, tmp_path, monkeypatch):
+def test_resume_continues_exactly(tiny_qwen2, addition_file, tmp_path, crash_after):
     common = ["--save_steps", "2", "--max_epochs", "2", "--logging_steps", "1"]
     full = run_sft(parse_run(flags(tiny_qwen2, addition_file, tmp_path / "full", *common)))
     assert len(full) == 16
 
     # Stop the second run right after step 5 (checkpoint at step 4), as a crash would.
-    original = loop_module.SupervisedTrainer.train_step
-    calls = {"n": 0}
-
-    def crashing_step(self, samples):
-        calls["n"] += 1
-        if calls["n"] > 5:
-            raise KeyboardInterrupt
-        return original(self, samples)
-
-    monkeypatch.setattr(loop_module.SupervisedTrainer, "train_step", crashing_step)
+    restore = crash_after(loop_module.SupervisedTrainer, "train_step", 5)
     with pytest.raises(KeyboardInterrupt):
         run_sft(parse_run(flags(tiny_qwen2, addition_file, tmp_path / "cut", *common)))
-    monkeypatch.setattr(loop_module.SupervisedTrainer, "train_step", original)
+    restore()
     assert (tmp_path / "cut" / "ckpt" / "latest").read_text() == "global_step_4"
 
     resumed = run_sft(
