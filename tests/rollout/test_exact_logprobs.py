@@ -279,7 +279,8 @@ def test_grpo_step_skips_the_old_logprob_forward(tiny_qwen2, tmp_path, monkeypat
         lp = forward_logprobs(actor.model, out, micro, packing, self.run.rollout.temperature, actor.precision)
         mask = out.action_mask.bool()
         checked.append(mask.sum().item())
-        assert torch.equal(lp[mask], out.old_logprobs[mask])
+        assert torch.equal(lp[mask], out.rollout_logprobs[mask])
+        assert out.old_logprobs is None  # one on-policy step: the update's forward gives them
         return out, stats
 
     monkeypatch.setattr(trainer_module, "forward_logprobs", no_forward)
@@ -293,7 +294,9 @@ def test_grpo_step_skips_the_old_logprob_forward(tiny_qwen2, tmp_path, monkeypat
         "--seed", "3", "--max_samples", "8", "--packing_samples", "--exact_logprobs",
     ]))  # fmt: skip
     assert len(history) == 2 and len(checked) == 2 and min(checked) > 0
+    # measured by the update's loss forward (grad enabled: the spliced log-probs), not old = rollout
     assert all(h["rollout/logprob_mismatch"] == 0.0 for h in history)
+    assert all(h["policy/approx_kl"] == 0.0 and h["policy/clip_ratio"] == 0.0 for h in history)
 
 
 def _reward_func():

@@ -244,10 +244,12 @@ class PPOTrainer:
         )
         micro, packing, max_tokens = self._scoring_shape()
         temperature = run.rollout.temperature
-        if self._engine_logprobs_exact:  # bit-identical to this forward's: skip it
+        if self._old_logprobs_from_update(len(exp)):
+            # the update's own forward gives them (``old_logprobs_from_update``) and logs their gap to the
+            # engine's (in exact mode its values are the exact forward's: a measured 0, not an assumed one)
+            exp.old_logprobs = None
+        elif self._engine_logprobs_exact:  # bit-identical to this forward's: skip it
             exp.old_logprobs = exp.rollout_logprobs.clone()
-        elif self._old_logprobs_from_update(len(exp)):
-            exp.old_logprobs = None  # the update's own forward gives them (``old_logprobs_from_update``)
         else:
             exp.old_logprobs = forward_logprobs(
                 actor.model, exp, micro, packing, temperature, actor.precision, max_tokens,
