@@ -200,8 +200,8 @@ def run_steps(args) -> dict | None:
     from tidal.distributed.mesh import ring_group
     from tidal.logging import LoggingConfig
     from tidal.models.ring_attention import use_ring
-    from tidal.trainers.common import build_optimization
     from tidal.trainers.loop import SupervisedTrainer
+    from tidal.trainers.optimization import build_optimization
     from tidal.trainers.sft import SFTObjective
 
     stub_missing_datasets()

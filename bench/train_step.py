@@ -210,8 +210,8 @@ def time_steps(step, device: torch.device, steps: int, warmup: int):
 def optimization(model, device: torch.device):
     from tidal.config import OptimConfig
     from tidal.models.precision import Precision
-    from tidal.trainers.loop import Optimization
     from tidal.trainers.optim import build_optimizer
+    from tidal.trainers.optimization import Optimization
 
     optimizer = build_optimizer(model, OptimConfig(learning_rate=1e-5))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)

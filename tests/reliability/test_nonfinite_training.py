@@ -17,8 +17,8 @@ from tidal.experience.experience import Experience
 from tidal.models.precision import Precision
 from tidal.testing import AdditionTask
 from tidal.trainers import sft as sft_module
-from tidal.trainers.loop import Optimization
 from tidal.trainers.optim import NonFiniteError, NonFiniteGuard
+from tidal.trainers.optimization import Optimization
 from tidal.trainers.ppo.update import StepShape, train_on_experience
 from tidal.trainers.sft import run_sft
 

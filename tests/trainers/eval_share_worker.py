@@ -23,8 +23,9 @@ from tidal.cli import train_kto, train_rm, train_sft
 from tidal.distributed import World, init_world, shutdown
 from tidal.models import load_tokenizer
 from tidal.testing.tolerance import reorder_rtol, same_up_to_reordering, tiny_parameter_count
-from tidal.trainers.common import Recipe, build_optimization, seed_everything, train_and_eval_samples
+from tidal.trainers.common import Recipe, seed_everything, train_and_eval_samples
 from tidal.trainers.kto import KTORecipe
+from tidal.trainers.optimization import build_optimization
 from tidal.trainers.rm import RMRecipe
 from tidal.trainers.sft import SFTRecipe
 

@@ -26,7 +26,8 @@ from tidal.distributed.mesh import ring_group
 from tidal.models import Precision, load_causal_lm, load_tokenizer
 from tidal.models.ring_attention import turns, use_ring
 from tidal.trainers.common import train_and_eval_samples
-from tidal.trainers.loop import Optimization, SupervisedTrainer
+from tidal.trainers.loop import SupervisedTrainer
+from tidal.trainers.optimization import Optimization
 from tidal.trainers.sft import SFTObjective, load_sft_samples
 
 # Sample indices each ring rank trains on in one step (micro-batches of 2): rank 0 has 2 micro-batches

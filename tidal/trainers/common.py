@@ -23,24 +23,20 @@ from tidal.config import (
     CheckpointConfig,
     ConfigError,
     DatasetConfig,
-    DistributedConfig,
-    ModelConfig,
-    OptimConfig,
     TrainConfig,
 )
 from tidal.config.supervised import SupervisedRun as SupervisedRun
 from tidal.config.supervised import ring_problems as ring_problems
 from tidal.config.supervised import trainer_kind
-from tidal.distributed import World, init_world, parallelize
+from tidal.distributed import World, init_world
 from tidal.distributed.mesh import ring_group
 from tidal.distributed.tensor_parallel import with_tensor_parallel
 from tidal.logging import get_logger
 from tidal.models import load_causal_lm, load_tokenizer
-from tidal.models.precision import Precision
 from tidal.models.ring_attention import head_stride_problem, use_ring
 from tidal.models.vision import freeze_vision, is_vision_language
-from tidal.trainers.loop import Objective, Optimization, SupervisedTrainer
-from tidal.trainers.optim import NonFiniteGuard, build_optimizer, build_scheduler
+from tidal.trainers.loop import Objective, SupervisedTrainer
+from tidal.trainers.optimization import build_optimization
 
 log = get_logger(__name__)
 
@@ -56,7 +52,7 @@ def load_samples(
     """Load a ``--dataset``-style spec and build its samples; skipped rows are logged. ``images`` (a
     ``tidal.data.vision.ImageSamples``) checks every row's images first and gives the samples theirs."""
     # here, not at the top: ``datasets`` (with pandas, pyarrow) costs ~1 s of start-up, and processes
-    # that import this module only for ``build_optimization`` (a critic worker) load no data
+    # that import this module without loading data (a trainer's worker processes) pay nothing for it
     from tidal.data import load_dataset_spec
 
     if images is not None:
@@ -112,23 +108,6 @@ def training_steps(n_samples: int, train: TrainConfig, world: World, dataset: st
             f"({train.train_batch_size})"
         )
     return steps
-
-
-def build_optimization(
-    model: nn.Module,
-    run_model: ModelConfig,
-    optim: OptimConfig,
-    dist_cfg: DistributedConfig,
-    world: World,
-    total_steps: int,
-) -> Optimization:
-    """Shard the model, then build AdamW, the schedule and the precision policy for it."""
-    precision = Precision.create(run_model.param_dtype, world.device)
-    model = parallelize(model, dist_cfg, world, precision.dtype)
-    optimizer = build_optimizer(model, optim)
-    scheduler = build_scheduler(optimizer, optim, total_steps)
-    guard = NonFiniteGuard(optim.max_nonfinite_steps)
-    return Optimization(model, optimizer, scheduler, precision, optim.max_norm, guard)
 
 
 def run_folder(run_dir: str | None, ckpt: CheckpointConfig) -> Path:

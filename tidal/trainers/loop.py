@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -56,7 +55,7 @@ from tidal.logging import LoggingConfig, MetricsLogger, ProgressBar, Throughput,
 from tidal.models.precision import Precision
 from tidal.models.ring_attention import active_ring, turns
 from tidal.trainers.data_position import DataPosition, epoch_batches, resume_offset
-from tidal.trainers.optim import NonFiniteGuard
+from tidal.trainers.optimization import Optimization
 
 log = get_logger(__name__)
 
@@ -74,18 +73,6 @@ class Objective(Protocol):
 
     def loss(self, model: nn.Module, batch: dict, normaliser: float, precision: Precision):
         """``(loss, metrics)`` with loss already divided by ``normaliser``."""
-
-
-@dataclass
-class Optimization:
-    """The model being trained and what updates it."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    precision: Precision
-    max_norm: float = 1.0
-    guard: NonFiniteGuard = field(default_factory=NonFiniteGuard)
 
 
 def to_device(batch: dict, device: torch.device) -> dict:

@@ -25,8 +25,8 @@ from tidal.experience.experience import Experience
 from tidal.experience.maker import shift_values
 from tidal.models.precision import Precision
 from tidal.testing.tolerance import assert_same_steps, tiny_parameter_count
-from tidal.trainers.loop import Optimization
 from tidal.trainers.optim import NonFiniteGuard, bad_step
+from tidal.trainers.optimization import Optimization
 from tidal.trainers.ppo import run_ppo
 from tidal.trainers.ppo.update import StepShape, ValueLoss, train_on_experience
 

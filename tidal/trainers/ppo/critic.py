@@ -58,8 +58,7 @@ from tidal.models.value_model import load_value_model
 from tidal.placement.protocols import CriticRole, PlacedRun
 from tidal.placement.roles import worker_counts
 from tidal.placement.workers import ExtraDevices, start_process_workers
-from tidal.trainers.common import build_optimization
-from tidal.trainers.loop import Optimization
+from tidal.trainers.optimization import Optimization, build_optimization
 
 # The critic's PPO epochs: ``update(opt, exp, shape, world, generator) -> stats``, given by the trainer
 # (``tidal.trainers.ppo.entry.ValueUpdate``; picklable, so a critic worker runs the same code).

@@ -43,8 +43,8 @@ from tidal.rollout.batch_invariant import exact_problem
 from tidal.rollout.hf_engine import fallback_problem
 from tidal.rollout.models.loader import context_prefill_problem, tp_layout_problem
 from tidal.rollout.models.registry import FAMILIES, VISION_FAMILIES, feature_refusal
-from tidal.trainers.common import build_optimization, seed_everything
-from tidal.trainers.loop import Optimization
+from tidal.trainers.common import seed_everything
+from tidal.trainers.optimization import Optimization, build_optimization
 from tidal.trainers.ppo.critic import build_critic
 from tidal.trainers.ppo.memory_check import check_memory
 from tidal.trainers.ppo.ptx import PtxStream

@@ -40,7 +40,7 @@ from tidal.models.moe_routing import force_routing
 from tidal.placement.protocols import CriticRole, ReferenceRole, RolloutRole
 from tidal.rollout.batch_invariant import make_exact
 from tidal.trainers.data_position import DataPosition, epoch_batches, resume_offset
-from tidal.trainers.loop import Optimization
+from tidal.trainers.optimization import Optimization
 from tidal.trainers.ppo.ema import PolicyEMA
 from tidal.trainers.ppo.ptx import PtxLoss, PtxStream
 from tidal.trainers.ppo.stream import RolloutJob, RolloutResult, rollout_stream

@@ -44,7 +44,8 @@ from tidal.models.forward import token_logprobs
 from tidal.models.moe_routing import capture_router_logits, force_routing, router_aux_loss
 from tidal.models.precision import Precision
 from tidal.models.ring_attention import active_ring, turns
-from tidal.trainers.loop import STEP_LOSS, Optimization, backward, optimizer_step, reduce_metrics
+from tidal.trainers.loop import STEP_LOSS, backward, optimizer_step, reduce_metrics
+from tidal.trainers.optimization import Optimization
 
 
 @dataclass(frozen=True)
