@@ -239,27 +239,34 @@ def load_prompts(run: GenerateRun, tokenizer, max_model_len: int, processor=None
     )
     images, lengths = None, [len(x) for x in ids]
     if processor is not None:  # every row's images checked (and measured in tokens) before any sampling
-        from tidal.data.images import check_image_rows
+        images, lengths = _image_rows(run, dataset, processor, lengths)
+    # the engine needs room for at least one new token after the prompt
+    kept = _prompts_that_fit(lengths, min(cfg.prompt_max_len, max_model_len - 1), ds_cfg.dataset)
+    labels = [s.label for s in samples]
+    return Prompts(texts, ids, scored, labels, images).select(kept)
 
-        rows_images = check_image_rows(dataset, run.vision, ds_cfg.dataset, processor.token_counts)
-        images = [row.refs for row in rows_images]
-        # each image's one placeholder becomes its token count in the engine
-        lengths = [
-            n + sum(row.token_counts) - len(row.refs) for n, row in zip(lengths, rows_images, strict=True)
-        ]
-    # Skipped, never truncated (a truncated question is another question); the engine needs room for
-    # at least one new token after the prompt.
-    limit = min(cfg.prompt_max_len, max_model_len - 1)
+
+def _image_rows(run: GenerateRun, dataset, processor, lengths: list[int]) -> tuple[list, list[int]]:
+    """Each row's checked image refs, and the prompt lengths once the engine has expanded each image's
+    one placeholder to its token count."""
+    from tidal.data.images import check_image_rows
+
+    rows_images = check_image_rows(dataset, run.vision, run.datasets.dataset, processor.token_counts)
+    lengths = [n + sum(row.token_counts) - len(row.refs) for n, row in zip(lengths, rows_images, strict=True)]
+    return [row.refs for row in rows_images], lengths
+
+
+def _prompts_that_fit(lengths: list[int], limit: int, dataset: str) -> list[int]:
+    """The indices of the prompts of at most ``limit`` tokens. Longer ones are skipped (logged), never
+    truncated: a truncated question is another question."""
     skipped = [i for i, n in enumerate(lengths) if n > limit]
-    if len(skipped) == len(ids):
-        raise DataError(f"every prompt of {ds_cfg.dataset} is longer than {limit} tokens (--prompt_max_len)")
+    if len(skipped) == len(lengths):
+        raise DataError(f"every prompt of {dataset} is longer than {limit} tokens (--prompt_max_len)")
     if skipped:
         log.warning(
             "skipped %d prompt(s) longer than %d tokens; first rows: %s", len(skipped), limit, skipped[:10]
         )
-    labels = [s.label for s in samples]
-    kept = [i for i, n in enumerate(lengths) if n <= limit]
-    return Prompts(texts, ids, scored, labels, images).select(kept)
+    return [i for i, n in enumerate(lengths) if n <= limit]
 
 
 def write_samples(run: GenerateRun, engine: LLMEngine, scorer, prompts: Prompts, task=None) -> GenerateResult:
