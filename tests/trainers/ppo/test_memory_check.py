@@ -94,3 +94,20 @@ def test_a_short_host_is_named_in_the_refusal():
         "states 56.7 GiB = 113.5 GiB, more than the 90% of the 125.0 GiB the host has available; add "
         "--lora_rank 64 (docs/distributed.md, memory plan)"
     )
+
+
+def test_a_model_the_plan_cannot_size_still_trains(flags, monkeypatch, caplog):
+    import logging
+
+    import torch
+
+    from tidal.trainers.ppo import memory_check
+
+    def unsized(config):
+        raise ValueError("unrecognized configuration class")
+
+    monkeypatch.setattr(memory_check, "model_shape", unsized)
+    monkeypatch.setenv(CAPACITY_ENV, "1")
+    caplog.set_level(logging.WARNING)
+    assert memory_check.check_memory(parse_run(flags), None, torch.device("cpu"), 1) is None
+    assert "memory plan skipped: " in caplog.text and "unrecognized configuration class" in caplog.text

@@ -135,3 +135,15 @@ def test_a_128_gib_host_cannot_take_adam_offload_so_lora_is_named():
     assert offloaded.fits_device and not offloaded.fits_host  # 16 P = 113.5 GiB > 90% of 125 GiB
     assert fix_for(QWEN_7B, ISSUE, H200, host) == ["--lora_rank 64"]
     assert fix_for(QWEN_7B, ISSUE, H200, 256 * GIB) == ["--adam_offload"]
+
+
+def test_tensor_parallel_ring_and_token_budgets_shrink_what_a_rank_holds():
+    base = plan_memory(QWEN_7B, ISSUE, H200).phases["train"]
+    tp = plan_memory(QWEN_7B, dataclasses.replace(ISSUE, tp_size=4), H200).phases["train"]
+    assert tp["fp32 weights"] == 4 * P / 4 and tp["AdamW states"] == 8 * P / 4
+    assert tp["compute copy"] == base["compute copy"] / 4
+    ring = plan_memory(QWEN_7B, dataclasses.replace(ISSUE, ring_size=2), H200).phases["train"]
+    tokens = 8 * 320 // 2  # each rank holds half of every packed row
+    assert ring["activations"] == tokens * 4 * 3584 * 28 + tokens * 248832
+    budget = plan_memory(QWEN_7B, dataclasses.replace(ISSUE, train_tokens=1024), H200).phases["train"]
+    assert budget["activations"] == 1024 * 4 * 3584 * 28 + 1024 * 248832  # --train_max_tokens_per_gpu

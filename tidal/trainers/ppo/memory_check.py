@@ -65,7 +65,7 @@ def model_shape(config) -> ModelShape:
 
 def settings_of(run: PPORun, dp_size: int) -> MemorySettings:
     """The flags of ``run`` that move memory on a policy rank's device."""
-    r, p, a = run.rollout, run.placement, run.algorithm
+    r, p, a, t = run.rollout, run.placement, run.algorithm, run.train
     return MemorySettings(
         micro_train_batch_size=run.train.micro_train_batch_size,
         micro_rollout_batch_size=r.micro_rollout_batch_size,
@@ -86,6 +86,12 @@ def settings_of(run: PPORun, dp_size: int) -> MemorySettings:
         ref_offload=run.frozen.offload,
         critic=a.needs_critic and not separate_critic(p),
         ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+        tp_size=run.dist.ds_tensor_parallel_size,
+        ring_size=run.dist.ring_attn_size,
+        train_tokens=t.train_max_tokens_per_gpu if t.use_dynamic_batch else None,
+        score_tokens=(t.rollout_max_tokens_per_gpu or t.train_max_tokens_per_gpu)
+        if t.use_dynamic_batch
+        else None,
     )
 
 
@@ -146,7 +152,14 @@ def check_memory(run: PPORun, config, device: torch.device, dp_size: int) -> Mem
     capacity = device_capacity(device)
     if capacity is None:
         return None
-    shape, settings, host = model_shape(config), settings_of(run, dp_size), host_capacity()
+    try:
+        shape = model_shape(config)
+    except Exception as err:  # noqa: BLE001 - the plan is advisory: a model it cannot size still trains
+        log.warning(
+            "memory plan skipped: %s cannot be sized on the meta device (%s)", run.actor.pretrain, err
+        )
+        return None
+    settings, host = settings_of(run, dp_size), host_capacity()
     plan = plan_memory(shape, settings, capacity, host)
     if not plan.fits:
         raise ConfigError(refusal(run, plan, fix_for(shape, settings, capacity, host)))

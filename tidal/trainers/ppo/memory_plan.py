@@ -104,6 +104,10 @@ class MemorySettings:
     ref_offload: bool = False  # --ref_reward_offload
     critic: bool = False  # an estimator with a critic, on this device
     ranks_per_host: int = 1  # training processes sharing this host's memory
+    tp_size: int = 1  # --ds_tensor_parallel_size: each rank holds 1/tp of every decoder matrix
+    ring_size: int = 1  # --ring_attn_size: each rank holds 1/ring of a packed row's tokens
+    train_tokens: int | None = None  # a training micro-batch's token budget (--use_dynamic_batch)
+    score_tokens: int | None = None  # a scoring micro-batch's token budget (--use_dynamic_batch)
 
 
 @dataclass
@@ -178,7 +182,8 @@ def trainer_state(shape: ModelShape, s: MemorySettings) -> dict[str, float]:
         return {}
     trained = shape.lora_params(s.lora_rank) if s.lora_rank else shape.params
     base = shape.params * (0.5 if s.load_in_4bit else 4)  # a LoRA base stays in its load dtype
-    weights = base if s.lora_rank else 4 * shape.params
+    weights = (base if s.lora_rank else 4 * shape.params) / s.tp_size
+    trained /= s.tp_size
     state = {
         "fp32 weights" if not s.lora_rank else "base weights": _shard(weights, s.zero_stage == 3, s.dp_size),
         "fp32 grads": _shard(4 * trained, s.zero_stage >= 2, s.dp_size),
@@ -195,6 +200,7 @@ def compute_copy(shape: ModelShape, s: MemorySettings) -> float:
     if s.compute_bytes >= 4 or s.load_in_4bit:
         return 0.0
     whole = s.compute_bytes * shape.compute_params
+    whole /= s.tp_size
     fsdp = s.dp_size > 1 or s.adam_offload
     if fsdp and s.zero_stage == 3:
         return 2 * whole / shape.layers  # this block's and the prefetched next one's
@@ -266,8 +272,8 @@ def plan_memory(
     kv_part = {"KV cache": kv}
     kv_awake = {} if s.vllm_enable_sleep else kv_part  # --vllm_enable_sleep frees it while training
     asleep = s.deepspeed_enable_sleep  # the trainer's weights and moments wait in host memory
-    score_tokens = s.micro_rollout_batch_size * s.total_len
-    train_tokens = s.micro_train_batch_size * s.total_len
+    score_tokens = (s.score_tokens or s.micro_rollout_batch_size * s.total_len) // s.ring_size
+    train_tokens = (s.train_tokens or s.micro_train_batch_size * s.total_len) // s.ring_size
     phases = {
         "generate": ({} if asleep else resting) | parked_ref | engine | kv_part,
         "make experience": resting | reference | engine | kv_awake | {
