@@ -1,137 +1,145 @@
-"""Benchmark: ``--exact_logprobs`` on the GRPO step of ``bench/rl_step.py`` (issue #18's workload), with and
-without the mode, in one run on one device.
+r"""Benchmark: what ``--exact_logprobs`` costs through the CLI (issue #34). Runs ``tidal ppo`` in this
+process twice with the same flags and seed, first as tidal runs by default, then with ``--exact_logprobs``,
+and reads the steps each run logs (``<save_path>/run/metrics.jsonl``).
 
-The same policy (a random-init model of ``--config``, float32 master weights, bf16 autocast on CUDA) runs
-``--steps`` timed GRPO steps (after ``--warmup``) first as tidal runs by default, then switched to exact mode
-(``batch_invariant.make_exact``; a new engine with ``exact_logprobs``). Every step, in both modes, also runs
-the trainer's old-log-prob forward so the gap can be measured; in exact mode the trainer skips that forward,
-so the exact step time leaves it out. Prints one JSON line:
+The workload is ``bench/rl_placement.py``'s local variant (its model folder, prompts, trivial reward and
+flags: GRPO, packed micro-batches, gradient checkpointing, ``--zero_stage 2``, one optimizer step a
+rollout): a random-init model of ``--config`` (``tiny`` on the CPU), ``--prompts`` x ``--n`` samples of
+``--prompt_len`` + up to ``--new_tokens`` tokens, ``--rollouts`` steps; the first step of each run (CUDA
+graph capture, first-call costs) is left out. Prints one JSON line:
 
-- ``without`` / ``with``: max and mean |engine − trainer| log-prob over the response tokens (exact: 0),
-  generated tokens/s of the rollout (``new tokens / generate time``), the median phase times and step time;
-- ``old_logprob_forward_s``: the default mode's forward that exact mode skips; ``step_cost``: exact step
-  time / default step time − 1.
+- ``default`` / ``exact``: the median step time and phase times (``time/*``), every timed step's time, and
+  ``rollout/logprob_mismatch`` per step (mean |engine − trainer| log-prob over the response tokens, measured
+  by the update's own forward: 0.0 in exact mode), ``max_mismatch``, and the rewards and policy losses per
+  step (learning: the runs sample differently, so these agree in distribution, not bit for bit);
+- ``ratio``: exact median step time / default median step time (issue #34's target: ≤ 1.5 on the CPU,
+  ≤ 1.25 on an H200).
 
-``--profile``: each mode also profiles one rollout (``torch.profiler``) and lists its 15 most expensive
-kernels (``top_kernels``: name, total ms, calls), to see where exact mode's decode time goes.
+``--profile`` also lists each run's 15 most expensive ops (CPU: self time; CUDA: device time) over the
+whole run (all steps), to see where exact mode's time goes.
 
-    python bench/exact_logprobs.py                                   # tiny model on CPU, < 1 minute
-    python bench/exact_logprobs.py --device cuda --config qwen2.5-0.5b
-    python bench/exact_logprobs.py --device cuda --config qwen2.5-0.5b --profile --steps 1
+    python bench/exact_logprobs.py                                   # tiny model on CPU, ~1 minute
+    python bench/exact_logprobs.py --prompts 8 --n 4 --prompt_len 32 --new_tokens 64 --micro 16
+    python bench/exact_logprobs.py --device cuda --config qwen2.5-0.5b          # issue #34's 0.5B shape
+    python bench/exact_logprobs.py --device cuda --config qwen2.5-0.5b --compile
+
+Why ``bench/rl_step.py``-based measurements (this script before issue #34) did not match the CLI: that
+step was built from the trainer's parts, not the trainer: no FSDP2 wrapping (``--zero_stage``), its own
+micro-batching, ``ignore_eos`` (every response at full length), the policy switched to exact mode after the
+default run in the same process; and its default step always ran the old-log-prob forward, which the CLI
+skips for an on-policy one-step update (so its default step was ~0.3 s slower than the CLI's and the
+ratio looked smaller). Running the CLI itself leaves nothing to match.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rl_step import PHASES, GRPOStep, parse_args  # noqa: E402
-from train_step import reset_memory, stub_missing_datasets, sync, versions  # noqa: E402
+import rl_placement  # noqa: E402
+from train_step import stub_missing_datasets, versions  # noqa: E402
+
+MODES = {"default": [], "exact": ["--exact_logprobs"]}
+PHASES = ("generate", "make_experience", "advantages", "train", "sync_weights")
 
 
-def exact_engine(bench: GRPOStep):
-    """The rollout engine of ``bench`` rebuilt with ``exact_logprobs`` (its policy already switched)."""
-    from tidal.rollout import EngineConfig, LLMEngine
-
-    a = bench.args
-    bench.engine.close()
-    config = EngineConfig(
-        max_num_seqs=a.prompts * a.n, max_model_len=a.prompt_len + a.new_tokens, gpu_memory_utilization=0.3,
-        device=str(bench.device), seed=a.seed, exact_logprobs=True,
-    )  # fmt: skip
-    return LLMEngine(config=config, model=bench.policy)
-
-
-def run_step(bench: GRPOStep, step: int) -> tuple[dict[str, float], dict[str, float]]:
-    """One GRPO step; (seconds per phase, log-prob gap and token counts)."""
-    seconds: dict[str, float] = {}
-
-    def timed(phase, fn, *a):
-        sync(bench.device)
-        start = time.perf_counter()
-        out = fn(*a)
-        sync(bench.device)
-        seconds[phase] = time.perf_counter() - start
-        return out
-
-    exp = timed("generate", bench.generate, step)
-    exp = timed("reward", bench.reward, exp)
-    exp = timed("old_logprobs", bench.old_logprobs, exp)
-    mask = exp.action_mask.bool()
-    gap = (exp.old_logprobs - exp.rollout_logprobs).abs()[mask]
-    exp = timed("advantages", bench.advantages, exp)
-    timed("update", bench.update, exp, step)
-    timed("sync_weights", bench.sync_weights)
-    stats = {"max": float(gap.max()), "mean": float(gap.mean()), "new_tokens": int(mask.sum())}
-    return seconds, stats
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="tiny", choices=sorted(rl_placement.CONFIGS))
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--prompts", type=int, default=32, help="prompts per rollout")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--prompt_len", type=int, default=64)
+    p.add_argument("--new_tokens", type=int, default=256)
+    p.add_argument("--micro", type=int, default=64, help="samples per micro-batch (update)")
+    p.add_argument("--rollouts", type=int, default=4, help="steps per run (the first is not timed)")
+    p.add_argument("--compile", action="store_true", help="pass --torch_compile to both runs")
+    p.add_argument("--profile", action="store_true", help="list each run's most expensive ops")
+    p.add_argument("--folder", default="/tmp/tidal_exact_logprobs")
+    args = p.parse_args(argv)
+    if args.config == "tiny" and args.new_tokens == 256:  # rl_placement's CPU shape
+        args.prompts, args.n, args.prompt_len, args.new_tokens, args.micro = 4, 4, 16, 16, 8
+    if args.rollouts < 2:
+        p.error("--rollouts must be at least 2 (the first step is not timed)")
+    return args
 
 
-def top_kernels(bench: GRPOStep, step: int, count: int = 15) -> list[dict]:
-    """The ``count`` kernels (CPU: ops) that took the most time in one rollout of ``bench``."""
+def run_cli(args, mode: str, model: Path, folder: Path) -> tuple[list[dict], list[dict] | None]:
+    """One ``tidal ppo`` run in this process; (its logged steps, its top ops or None)."""
+    from tidal.cli.train_ppo import main as ppo_main
+
+    out = folder / mode
+    metrics = out / "final" / "run" / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)  # a file from an earlier run is not this run's
+    argv = rl_placement.flags(args, model, folder, out) + ["--colocate_all_models", *MODES[mode]]
+    print(f"# {mode}: tidal ppo {' '.join(argv)}", file=sys.stderr, flush=True)
+    with profiled(args.profile, args.device) as prof:
+        ppo_main(argv)
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return steps, top_ops(prof, args.device) if prof is not None else None
+
+
+@contextlib.contextmanager
+def profiled(enabled: bool, device: str):
+    if not enabled:
+        yield None
+        return
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = bench.device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        bench.generate(step)
-        sync(bench.device)
+    activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        yield prof
 
+
+def top_ops(prof, device: str, count: int = 15) -> list[dict]:
     def total_us(event) -> float:
-        return event.device_time_total if cuda else event.self_cpu_time_total
+        return event.device_time_total if device == "cuda" else event.self_cpu_time_total
 
     events = sorted(prof.key_averages(), key=total_us, reverse=True)[:count]
     return [{"name": e.key[:100], "ms": round(total_us(e) / 1e3, 2), "calls": e.count} for e in events]
 
 
-def measure(bench: GRPOStep, exact: bool, first_step: int) -> dict:
-    args = bench.args
-    runs = [run_step(bench, first_step + i) for i in range(args.warmup + args.steps)][args.warmup :]
-    phases = {p: statistics.median(r[0][p] for r in runs) for p in PHASES}
-    skipped = ("old_logprobs",) if exact else ()  # the trainer uses the engine's log-probs instead
-    step_s = statistics.median(sum(v for p, v in r[0].items() if p not in skipped) for r in runs)
+def summary(steps: list[dict]) -> dict:
+    """Medians over the timed steps (all but the first), and the per-step values."""
+    timed = steps[1:]
+    mismatch = [s["train/rollout/logprob_mismatch"] for s in steps]
     return {
-        "max_abs_diff": max(r[1]["max"] for r in runs),
-        "mean_abs_diff": statistics.mean(r[1]["mean"] for r in runs),
-        "generate_tokens_per_s": round(
-            statistics.median(r[1]["new_tokens"] / r[0]["generate"] for r in runs)
-        ),
-        "phases_s": {p: round(v, 4) for p, v in phases.items()},
-        "step_s": round(step_s, 4),
+        "step_s": round(statistics.median(s["train/time/step"] for s in timed), 4),
+        "phases_s": {p: round(statistics.median(s[f"train/time/{p}"] for s in timed), 4) for p in PHASES},
+        "steps_s": [round(s["train/time/step"], 4) for s in timed],
+        "logprob_mismatch": mismatch,
+        "max_mismatch": max(mismatch),
+        "reward": [round(s["train/reward"], 4) for s in steps],
+        "policy_loss": [round(s["train/policy/loss"], 6) for s in steps],
     }
 
 
 def main(argv=None) -> dict:
-    from tidal.rollout.batch_invariant import make_exact
-
-    extra = argparse.ArgumentParser(add_help=False)
-    extra.add_argument("--profile", action="store_true", help="list each mode's most expensive kernels")
-    mine, rest = extra.parse_known_args(argv)
-    args = parse_args(rest)
+    args = parse_args(argv)
     stub_missing_datasets()
-    device = torch.device(args.device)
-    reset_memory(device)
-    bench = GRPOStep(args, device)
-    without = measure(bench, exact=False, first_step=0)
-    if mine.profile:
-        without["top_kernels"] = top_kernels(bench, 0)
-    make_exact(bench.policy)  # computes in the engine's dtype (bf16 on CUDA)
-    bench.engine = exact_engine(bench)
-    with_mode = measure(bench, exact=True, first_step=args.warmup + args.steps)
-    if mine.profile:
-        with_mode["top_kernels"] = top_kernels(bench, 0)
+    folder = Path(args.folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model = rl_placement.build_model_in_child(args.config, folder / f"model-{args.config}", args.device)
+    rl_placement.write_data(args, folder)
+    results = {}
+    for mode in MODES:
+        steps, ops = run_cli(args, mode, model, folder)
+        results[mode] = summary(steps)
+        if ops is not None:
+            results[mode]["top_ops"] = ops
     report = {
-        "bench": "exact_logprobs", **versions(), "device": args.device, "config": args.config,
-        "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-        "micro": args.micro, "without": without, "with": with_mode,
-        "old_logprob_forward_s": without["phases_s"]["old_logprobs"],
-        "step_cost": round(with_mode["step_s"] / without["step_s"] - 1, 4),
-        "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
+        "bench": "exact_logprobs", **versions(), "device": args.device, "threads": torch.get_num_threads(),
+        "config": args.config, "compile": args.compile, "prompts": args.prompts, "n": args.n,
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "micro": args.micro,
+        "timed_steps": args.rollouts - 1, **results,
+        "ratio": round(results["exact"]["step_s"] / results["default"]["step_s"], 3),
     }  # fmt: skip
     print(json.dumps(report))
     return report
