@@ -70,12 +70,16 @@ def _expanded(ids, processor, image):
 
 
 @torch.inference_mode()
-def _hf_greedy(hf, processor, ids, image, mrope: bool = True) -> list[int]:
+def _hf_greedy(
+    hf, processor, ids, image, mrope: bool = True, suppress_placeholders: bool = True
+) -> list[int]:
     expanded = _expanded(ids, processor, image)
     input_ids = torch.tensor([expanded])
     kwargs = processor.pixel_inputs([image])
     if mrope:  # without the token types transformers falls back to plain 1-D positions
         kwargs["mm_token_type_ids"] = (input_ids == processor.image_token_id).int()
+    if suppress_placeholders:  # the engine never samples image/video placeholders; nor does this
+        kwargs["suppress_tokens"] = [processor.image_token_id, hf.config.video_token_id]
     out = hf.generate(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
@@ -297,3 +301,32 @@ def test_cuda_float32_matches_transformers_and_graphs_keep_the_decode_delta(vlm_
         outs = engine.generate([ids] * 3, GREEDY, multi_modal=[MultiModalInput(images=[im]) for im in images])
         for image, out in zip(images, outs, strict=True):
             assert out.outputs[0].token_ids == _hf_greedy(hf, processor, ids, image)
+
+
+def test_image_placeholders_are_never_sampled_and_logprobs_stay_the_models(setup):
+    """A response with an image placeholder would be read as an image by the trainer's model: the engine
+    never samples one, and reports the model's own log-probs (the placeholder's mass included)."""
+    from transformers import AutoModelForImageTextToText
+
+    hf, processor, ids, engine = setup
+    image = _image(12, SIZES[0])
+    first = (
+        engine.generate([ids], GREEDY, multi_modal=[MultiModalInput(images=[image])])[0]
+        .outputs[0]
+        .token_ids[0]
+    )
+    tempted = AutoModelForImageTextToText.from_config(hf.config).eval()
+    tempted.load_state_dict(hf.state_dict())
+    with torch.no_grad():  # the placeholder's logit is twice the greedy token's: transformers picks it
+        tempted.lm_head.weight[processor.image_token_id] = 2 * tempted.lm_head.weight[first]
+    assert (
+        _hf_greedy(tempted, processor, ids, image, suppress_placeholders=False)[0] == processor.image_token_id
+    )
+    config = _config()
+    tempting = LLMEngine(
+        model=tempted, tokenizer=processor.tokenizer, config=config, image_processor=processor.image_processor
+    )
+    out = tempting.generate([ids], GREEDY, multi_modal=[MultiModalInput(images=[image])])[0].outputs[0]
+    assert processor.image_token_id not in out.token_ids
+    ref = _hf_logprobs(tempted, processor, ids, image, out.token_ids)
+    assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-4)

@@ -350,6 +350,9 @@ class ModelRunner:
         self.allocate_kv_cache()
         if hasattr(model, "reserve_block_state"):  # vision families: a decode delta per KV block
             model.reserve_block_state(num_blocks + 1)
+        # Tokens no row may sample (their log-probs stay the model's): a vision family's image placeholders,
+        # which the trainer's model would read as images in a response.
+        self.never_sample = tuple(getattr(model, "never_sample", ()))
         max_blocks = -(-max_model_len // block_size)
         cuda = self.device.type == "cuda"
         # Staging buffers for a decode step's int32 inputs, pinned so the copy is asynchronous: one, or two
@@ -726,6 +729,7 @@ class ModelRunner:
             for token in self._stop_ids(seq)
             if token < vocab
         ]
+        suppress += [(row, token) for row in range(len(seqs)) for token in self.never_sample]
         suppress_rows = self._tensor([r for r, _ in suppress]) if suppress else None
         suppress_tokens = self._tensor([t for _, t in suppress]) if suppress else None
         penalty = self._penalty_tensors(seqs)

@@ -46,6 +46,10 @@ class Qwen25VLForConditionalGeneration(CausalLM):
 
         hf = args.hf_config
         self.image_token_id = int(hf.image_token_id)
+        # never sampled (ModelRunner.never_sample): in a response the trainer's model would take them for
+        # images (and fail: more image tokens than images); the reported log-probs are unchanged
+        video = getattr(hf, "video_token_id", None)
+        self.never_sample = (self.image_token_id,) + (() if video is None else (int(video),))
         self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(hf.vision_config)
         # Buffers set after ``to_empty``: the rotary column -> position axis map (``init_rope``) and the
         # decode-delta table (``reserve_block_state``).
