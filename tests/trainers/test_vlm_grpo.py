@@ -73,8 +73,14 @@ def test_grpo_on_images_engine_logprobs_match_the_trainer(vlm, tmp_path, packing
     )
 
 
-def test_image_flag_refusals(vlm, tmp_path):
+def test_image_flags_openrlhf_spellings_and_refusals(vlm, tmp_path):
+    from tidal.config.data import VisionConfig
     from tidal.testing import build_tiny_model
+
+    flags = _flags(vlm, tmp_path)
+    flags[flags.index("--max_images_per_prompt")] = "--data.max_images_per_prompt"  # OpenRLHF HEAD's names
+    run = parse_run([*flags, "--data.image_key", "images", "--actor.freeze_visual_encoder"])
+    assert run.vision == VisionConfig(image_key="images", max_images_per_prompt=1, freeze_visual_encoder=True)
 
     with pytest.raises(ConfigError, match="a critic on images is not supported yet"):
         parse_run(_flags(vlm, tmp_path, "--advantage_estimator", "gae"))
