@@ -102,11 +102,11 @@ def test_without_gradient_checkpointing_a_long_batch_names_it():
 
 def test_a_kv_cache_kept_while_training_names_vllm_enable_sleep():
     awake = dataclasses.replace(
-        ISSUE, adam_offload=True, vllm_enable_sleep=False, total_len=8192, vllm_gpu_memory_utilization=0.9,
+        ISSUE, adam_offload=True, vllm_enable_sleep=False, total_len=16384, vllm_gpu_memory_utilization=0.9,
         micro_train_batch_size=1, micro_rollout_batch_size=4,
     )  # fmt: skip
     plan = plan_memory(QWEN_7B, awake, H200)
-    assert plan.kv_cache < plan.kv_needed  # 0.9 of the free memory, less than 256 sequences of 8192
+    assert plan.kv_cache < plan.kv_needed  # 0.9 of the free memory, less than 256 sequences of 16384
     assert not plan.fits and fix_for(QWEN_7B, awake, H200) == ["--vllm_enable_sleep"]
 
 

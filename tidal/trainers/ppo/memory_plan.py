@@ -266,9 +266,12 @@ def plan_memory(
     engine = {"engine bf16 weights": 2 * shape.params} if s.engine_on_device else {}
     reference = {"reference fp32 weights": 4 * shape.params} if s.reference else {}
     parked_ref = {} if s.ref_offload else reference
-    # the engine starts after the policy, critic and reference loaded (tidal.trainers.ppo.entry.build_parts)
-    at_start = sum(resting.values()) + sum(engine.values()) + sum(reference.values())
-    kv, kv_needed = kv_cache(shape, s, usable - at_start) if s.engine_on_device else (0.0, 0.0)
+    # The engine starts after the policy, critic and reference loaded (tidal.trainers.ppo.entry.build_parts)
+    # and before any optimizer step: their weights are on the device, no moments yet. What mem_get_info
+    # then reports free is the device less those (the reserve is not in use yet).
+    weights = sum(v for k, v in resident.items() if "weights" in k)
+    at_start = weights + sum(engine.values()) + sum(parked_ref.values())
+    kv, kv_needed = kv_cache(shape, s, capacity - at_start) if s.engine_on_device else (0.0, 0.0)
     kv_part = {"KV cache": kv}
     kv_awake = {} if s.vllm_enable_sleep else kv_part  # --vllm_enable_sleep frees it while training
     asleep = s.deepspeed_enable_sleep  # the trainer's weights and moments wait in host memory
