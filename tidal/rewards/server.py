@@ -396,93 +396,97 @@ def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+class RewardHandler(BaseHTTPRequestHandler):
+    """One HTTP request to the reward server: ``GET /health`` and ``POST /get_reward`` (the queries are
+    ``prepare``d and scored by ``worker``), every answer JSON. ``_handler_for`` makes the subclass that a
+    server uses, which sets the class attributes below."""
+
+    worker: BatchingWorker
+    limits: RequestLimits
+    prepare: Callable[[str], Any]
+
+    def do_GET(self) -> None:
+        if self.path.rstrip("/") == "/health":
+            self._reply(HTTPStatus.OK, {"status": "ok"})
+        else:
+            self._reply(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path}; use POST /get_reward"})
+
+    def do_POST(self) -> None:
+        announced = self.headers.get("Content-Length", "")
+        self.unread = int(announced) if announced.strip().isdigit() else 0
+        try:
+            if self.path.rstrip("/") != "/get_reward":
+                raise RequestError(HTTPStatus.NOT_FOUND, f"no such path {self.path}; use POST /get_reward")
+            length = body_length(self.headers.get("Content-Length"), self.limits)
+            body, self.unread = self._read_body(length), 0
+            if len(body) < length:
+                raise RequestError(HTTPStatus.BAD_REQUEST, f"body ended after {len(body)} of {length} bytes")
+            queries = parse_request(body, self.limits)
+            rewards = self.worker.submit([self.prepare(q) for q in queries])
+        except RequestError as err:
+            self._reply(err.status, {"error": str(err)})
+            if err.status != HTTPStatus.REQUEST_TIMEOUT:  # a stalled client sends nothing more
+                self._drop_unread_body()
+        except Exception as err:  # a scoring failure is the server's, not the client's
+            self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(err).__name__}: {err}"})
+        else:
+            self._reply(HTTPStatus.OK, {"rewards": rewards, "scores": rewards, "extra_logs": {}})
+
+    def _read_body(self, length: int) -> bytes:
+        try:
+            return self.rfile.read(length)
+        except TimeoutError as err:  # the socket's per-read timeout: the client stalled mid-body
+            self.close_connection = True
+            raise RequestError(
+                HTTPStatus.REQUEST_TIMEOUT,
+                f"the request body stalled: nothing arrived for {self.limits.read_timeout:g} s "
+                "(--request_timeout)",
+            ) from err
+
+    def _drop_unread_body(self) -> None:
+        """After an answer sent without reading the body (413, 404), read and drop up to
+        ``DRAIN_LIMIT_BYTES`` of it before closing: closing a socket that still holds unread data
+        resets the connection, and a client still sending would never see the answer."""
+        self.close_connection = True
+        try:
+            while 0 < self.unread <= DRAIN_LIMIT_BYTES:
+                chunk = self.rfile.read(min(self.unread, 1 << 16))
+                if not chunk:
+                    break
+                self.unread -= len(chunk)
+        except OSError:  # the client hung up or stalled: nothing left to protect
+            pass
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        # http.server's own errors (bad request line, unsupported method, headers too long) as JSON
+        self.close_connection = True
+        self._reply(HTTPStatus(code), {"error": message or HTTPStatus(code).phrase})
+
+    def _reply(self, status: HTTPStatus, payload: dict) -> None:
+        if "error" in payload:
+            payload = {"error": one_line(payload["error"])}
+        body = json.dumps(payload).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except (ConnectionError, TimeoutError) as err:  # the client hung up before its answer
+            self.close_connection = True
+            log.debug("%s went away before its answer: %s", self.address_string(), err)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s - %s", self.address_string(), format % args)
+
+
 def _handler_for(
     worker: BatchingWorker, limits: RequestLimits, prepare: Callable[[str], Any]
 ) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        timeout = limits.read_timeout  # per read: a client silent this long frees its thread
-
-        def do_GET(self) -> None:
-            if self.path.rstrip("/") == "/health":
-                self._reply(HTTPStatus.OK, {"status": "ok"})
-            else:
-                self._reply(
-                    HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path}; use POST /get_reward"}
-                )
-
-        def do_POST(self) -> None:
-            announced = self.headers.get("Content-Length", "")
-            self.unread = int(announced) if announced.strip().isdigit() else 0
-            try:
-                if self.path.rstrip("/") != "/get_reward":
-                    raise RequestError(
-                        HTTPStatus.NOT_FOUND, f"no such path {self.path}; use POST /get_reward"
-                    )
-                length = body_length(self.headers.get("Content-Length"), limits)
-                body, self.unread = self._read_body(length), 0
-                if len(body) < length:
-                    raise RequestError(
-                        HTTPStatus.BAD_REQUEST, f"body ended after {len(body)} of {length} bytes"
-                    )
-                queries = parse_request(body, limits)
-                rewards = worker.submit([prepare(q) for q in queries])
-            except RequestError as err:
-                self._reply(err.status, {"error": str(err)})
-                if err.status != HTTPStatus.REQUEST_TIMEOUT:  # a stalled client sends nothing more
-                    self._drop_unread_body()
-            except Exception as err:  # a scoring failure is the server's, not the client's
-                self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(err).__name__}: {err}"})
-            else:
-                self._reply(HTTPStatus.OK, {"rewards": rewards, "scores": rewards, "extra_logs": {}})
-
-        def _read_body(self, length: int) -> bytes:
-            try:
-                return self.rfile.read(length)
-            except TimeoutError as err:  # the socket's per-read timeout: the client stalled mid-body
-                self.close_connection = True
-                raise RequestError(
-                    HTTPStatus.REQUEST_TIMEOUT,
-                    f"the request body stalled: nothing arrived for {limits.read_timeout:g} s "
-                    "(--request_timeout)",
-                ) from err
-
-        def _drop_unread_body(self) -> None:
-            """After an answer sent without reading the body (413, 404), read and drop up to
-            ``DRAIN_LIMIT_BYTES`` of it before closing: closing a socket that still holds unread data
-            resets the connection, and a client still sending would never see the answer."""
-            self.close_connection = True
-            try:
-                while 0 < self.unread <= DRAIN_LIMIT_BYTES:
-                    chunk = self.rfile.read(min(self.unread, 1 << 16))
-                    if not chunk:
-                        break
-                    self.unread -= len(chunk)
-            except OSError:  # the client hung up or stalled: nothing left to protect
-                pass
-
-        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-            # http.server's own errors (bad request line, unsupported method, headers too long) as JSON
-            self.close_connection = True
-            self._reply(HTTPStatus(code), {"error": message or HTTPStatus(code).phrase})
-
-        def _reply(self, status: HTTPStatus, payload: dict) -> None:
-            if "error" in payload:
-                payload = {"error": one_line(payload["error"])}
-            body = json.dumps(payload).encode()
-            try:
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-            except (ConnectionError, TimeoutError) as err:  # the client hung up before its answer
-                self.close_connection = True
-                log.debug("%s went away before its answer: %s", self.address_string(), err)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            log.debug("%s - %s", self.address_string(), format % args)
-
-    return Handler
+    """A ``RewardHandler`` bound to this server's worker, limits and query preparation."""
+    timeout = limits.read_timeout  # per read: a client silent this long frees its thread
+    attrs = {"worker": worker, "limits": limits, "prepare": staticmethod(prepare), "timeout": timeout}
+    return type("Handler", (RewardHandler,), attrs)
 
 
 def serve(cfg: ServeRMConfig, device: torch.device | None = None) -> RewardServer:
