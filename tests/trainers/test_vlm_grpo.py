@@ -87,3 +87,30 @@ def test_image_flags_openrlhf_spellings_and_refusals(vlm, tmp_path):
     text_model = build_tiny_model(tmp_path / "text", "qwen2")
     with pytest.raises(ConfigError, match="needs a vision-language model"):
         run_ppo(parse_run(_flags(text_model, tmp_path)))
+
+
+def test_experience_rows_keep_their_images_through_select_concat_and_batches():
+    """``Experience.images``: rows select and concatenate with their pixels; a micro-batch's inputs hold
+    its rows' images in order (``image_counts`` per row; packed rows also get ``seq_lens``)."""
+    from tidal.experience.experience import Experience, model_batch
+    from tidal.experience.images import ExperienceImages
+
+    def image(value, n):  # n images of 4 patches each, every pixel = value
+        return torch.full((4 * n, 8), float(value)), torch.tensor([[1, 2, 2]] * n)
+
+    def exp(rows, images):
+        seq = torch.arange(rows * 5).view(rows, 5)
+        ones = torch.ones_like(seq)
+        return Experience(seq, ones, ones, ones.float(), torch.zeros(rows), torch.zeros(rows), images=images)
+
+    a = exp(3, ExperienceImages([image(1, 1), None, image(3, 2)]))
+    both = Experience.concat([a, exp(2, None)])
+    assert [r is None for r in both.images.rows] == [False, True, False, True, True]
+    picked = both.select([4, 2, 0])
+    batch = model_batch(picked, packing=False)
+    assert batch["image_counts"].tolist() == [0, 2, 1]
+    assert batch["pixel_values"][:, 0].tolist() == [3.0] * 8 + [1.0] * 4  # rows in order, images in order
+    assert batch["image_grid_thw"].shape == (3, 3)
+    packed = model_batch(picked, packing=True)
+    assert packed["seq_lens"].tolist() == [5, 5, 5] and packed["image_counts"].tolist() == [0, 2, 1]
+    assert "pixel_values" not in model_batch(both.select([1, 3]), packing=True)
