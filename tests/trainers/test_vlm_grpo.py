@@ -84,6 +84,9 @@ def test_image_flags_openrlhf_spellings_and_refusals(vlm, tmp_path):
 
     with pytest.raises(ConfigError, match="a critic on images is not supported yet"):
         parse_run(_flags(vlm, tmp_path, "--advantage_estimator", "gae"))
+    qwen3_vl = build_tiny_vlm(tmp_path / "q3", "qwen3_vl")
+    with pytest.raises(ConfigError, match="qwen3_vl is a vision-language model the rollout engine does not"):
+        run_ppo(parse_run(_flags(qwen3_vl, tmp_path)))
     text_model = build_tiny_model(tmp_path / "text", "qwen2")
     with pytest.raises(ConfigError, match="needs a vision-language model"):
         run_ppo(parse_run(_flags(text_model, tmp_path)))

@@ -173,6 +173,11 @@ def check_models_before_loading(run: PPORun) -> None:
             raise ConfigError(
                 f"{flag} needs a vision-language model; --pretrain {run.actor.pretrain} has none"
             )
+    if getattr(config, "vision_config", None) is not None and model_type not in VISION_FAMILIES:
+        raise ConfigError(
+            f"--pretrain {run.actor.pretrain}: {model_type} is a vision-language model the rollout engine does "
+            f"not implement (it generates with images for {', '.join(sorted(VISION_FAMILIES))})"
+        )
     # outside the engine's families the transformers fallback generates: refuse what it lacks
     if model_type not in FAMILIES and model_type not in VISION_FAMILIES:
         engine = rollout_engine_config(run.rollout, "auto", run.train.seed)
