@@ -22,6 +22,7 @@ from tidal.distributed.world import World
 from tidal.experience.reward_models import RewardModels
 from tidal.inference.scoring import check_same_tokenizer
 from tidal.logging import get_logger
+from tidal.logging.phases import phase
 from tidal.models import load_causal_lm
 from tidal.models.frozen import FrozenModel, frozen_copy_config
 from tidal.models.precision import Precision
@@ -82,8 +83,10 @@ def build_reference(
     if workers:
         return RemoteReference(workers)
     # on-policy distillation: the teacher is the model the KL penalty pulls the policy towards
-    model = load_causal_lm(frozen_copy_config(run.actor, reference_source(run)), device)
-    return LocalReference(FrozenModel(model, device, run.frozen.offload), precision)
+    with phase(f"reference model: {reference_source(run)}"):
+        model = load_causal_lm(frozen_copy_config(run.actor, reference_source(run)), device)
+        reference = LocalReference(FrozenModel(model, device, run.frozen.offload), precision)
+    return reference
 
 
 def build_rollout(run: PlacedRun, world: World, tokenizer, workers: dict[str, list]) -> RolloutRole:

@@ -1,5 +1,5 @@
 """A tiny ``tidal ppo`` run's log names every phase it goes through, start-up included: the memory plan,
-loading the policy, the engine's weights and KV cache, generation with its request count, the scoring
+loading the policy and the reference, the engine's weights and KV cache, generation with its request count, the scoring
 and training micro-batches, the engine's sleep and wake, and the weight sync (issue #39). No timings are
 asserted: only that each phase is named."""
 
@@ -24,13 +24,14 @@ def test_every_phase_is_named_in_the_log(tiny_qwen2, tmp_path, monkeypatch, capl
         "--pretrain", str(tiny_qwen2), "--prompt_data", str(prompts), "--input_key", "prompt",
         "--remote_rm_url", str(reward), "--n_samples_per_prompt", "2", "--rollout_batch_size", "4",
         "--train_batch_size", "4", "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "4",
-        "--generate_max_len", "4", "--prompt_max_len", "8", "--init_kl_coef", "0",
+        "--generate_max_len", "4", "--prompt_max_len", "8", "--init_kl_coef", "0.01",
         "--advantage_estimator", "group_norm", "--vllm_enable_sleep", "--save_path", str(tmp_path / "out"),
     ])  # fmt: skip
     log = "\n".join(r.getMessage() for r in caplog.records)
     for named in (
         "memory plan: peak in the",
         f"loading {tiny_qwen2} (1 file, ",
+        f"reference model: {tiny_qwen2} ...",
         "engine: loading weights (torch.float32) onto cpu ...",
         "engine: KV cache of ",
         "generation: 4/4 requests in ",  # two rollouts of 4 prompts

@@ -53,6 +53,7 @@ from tidal.distributed.offload import offload_to_cpu, reload_to_device
 from tidal.distributed.world import World, init_world
 from tidal.experience.experience import Experience
 from tidal.experience.maker import forward_values
+from tidal.logging.phases import phase
 from tidal.models.ring_attention import use_ring
 from tidal.models.value_model import load_value_model
 from tidal.placement.protocols import CriticRole, PlacedRun
@@ -246,8 +247,9 @@ def build_critic(run: PlacedRun, world: World, steps: int, update: CriticUpdate)
     steps of the run (the LR schedule); ``update``: its PPO epochs (the trainer's, run where it is)."""
     cfg = dataclasses.replace(run.actor, pretrain=run.critic_source)
     if not separate_critic(run.placement):
-        model = load_value_model(cfg, world.device, run.critic.value_head_prefix)
-        opt = build_optimization(model, cfg, run.critic_optim, run.dist, world, steps)
+        with phase(f"critic: {cfg.pretrain}"):
+            model = load_value_model(cfg, world.device, run.critic.value_head_prefix)
+            opt = build_optimization(model, cfg, run.critic_optim, run.dist, world, steps)
         return LocalCritic(opt, update, world)
     counts = worker_counts(run, world.world_size)  # the other roles' devices come first
     extra = ExtraDevices({**counts, "engine": counts["engine"] * run.rollout.vllm_tensor_parallel_size})
