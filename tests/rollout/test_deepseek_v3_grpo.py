@@ -4,55 +4,26 @@ refused in one line (tidal's CUDA varlen attention takes no value head dim other
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.trainers.test_ppo import rl_flags, write_echo_data
+from tests.rollout.grpo import grpo_flags, train_two_steps
 from tidal.config import ConfigError
-
-# Rewards that differ between a prompt's samples (the response's length), so every step updates the weights.
-REWARD = textwrap.dedent(
-    """
-    import torch
-
-    def reward_func(queries, prompts, labels, **kwargs):
-        lengths = torch.tensor([float(len(q) - len(p)) for q, p in zip(queries, prompts)])
-        return {"rewards": lengths / 10, "scores": lengths / 10}
-    """
-)
 
 
 def test_grpo_trains_deepseek_v3_with_engine_logprobs_matching_the_trainer(tmp_path):
     from tidal.cli.train_ppo import parse_run
     from tidal.testing import build_tiny_model
-    from tidal.trainers.ppo import run_ppo
     from tidal.trainers.ppo.entry import check_models_before_loading
 
     policy = build_tiny_model(tmp_path / "policy", "deepseek_v3")
-    data = write_echo_data(tmp_path / "data")
-    reward = tmp_path / "length_reward.py"
-    reward.write_text(REWARD)
-    flags = rl_flags(policy, data, tmp_path / "rl", "--advantage_estimator", "group_norm",
-                     "--n_samples_per_prompt", "4", "--rollout_batch_size", "4", "--train_batch_size", "16",
-                     "--micro_train_batch_size", "16", "--micro_rollout_batch_size", "16", "--max_samples", "8")  # fmt: skip
-    flags[flags.index("--remote_rm_url") + 1] = str(reward)
+    flags = grpo_flags(policy, tmp_path)
     refusal = "^--packing_samples: packing_samples is not supported for the deepseek_v3 family: .*v_head_dim"
     with pytest.raises(ConfigError, match=refusal):
         check_models_before_loading(parse_run([*flags, "--packing_samples"]))
-    history = run_ppo(parse_run(flags))
-    assert len(history) == 2
     # fp32 on the CPU: the engine's latent attention and routing against transformers' forward, before
     # and after the first update reached the engine (update_weights).
-    mismatch = [step["rollout/logprob_mismatch"] for step in history]
-    print(f"deepseek_v3 GRPO engine-vs-trainer |Δ log-prob| per step: {mismatch}")
-    assert max(mismatch) < 1e-3
-    before, after = (
-        load_file(policy / "model.safetensors"),
-        load_file(tmp_path / "rl" / "final" / "model.safetensors"),
-    )
+    before, after = train_two_steps(policy, tmp_path, flags, "deepseek_v3")
     assert not torch.equal(
         before["model.layers.1.self_attn.kv_b_proj.weight"],
         after["model.layers.1.self_attn.kv_b_proj.weight"],
