@@ -62,7 +62,7 @@ class HeldOutDatasetConfig(DatasetConfig):
 
 @dataclass
 class VisionConfig:
-    """Images in prompts, for vision-language models (tidal sft, dpo, rm)."""
+    """Images in prompts, for vision-language models (tidal sft, dpo, rm, ppo; generate: the first two)."""
 
     # OpenRLHF's spellings --data.image_key, --data.max_images_per_prompt and --actor.freeze_visual_encoder
     # are rewritten to these (tidal.cli.openrlhf).
