@@ -205,18 +205,16 @@ def spliced_logprobs(exact: torch.Tensor, fast: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _hooks_off(model: nn.Module, off: bool):
-    """Within (when ``off``): the MoE routers' forward hooks (the aux loss's router-logit capture) do not
-    fire, so only the differentiable forward's router logits are captured; router replay's hook stays (the
-    exact forward routes as the engine did too). Other modules keep theirs (FSDP2 gathers weights in hooks)."""
+    """Within (when ``off``): the MoE routers' forward hooks do not fire. The aux loss's router-logit
+    capture then sees only the differentiable forward's logits; router replay's hook, which recomputes the
+    routing weights with plain torch ops, would change the exact values, and the exact router picks the
+    engine's experts by construction. Other modules keep theirs (FSDP2 gathers weights in hooks)."""
     from tidal.models.moe_routing import router_modules
 
     routers = router_modules(model) if off else []
     saved = [dict(r._forward_hooks) for r in routers]
     for r in routers:
-        replay = getattr(r, "_tidal_replay_hook", None)
-        for key in list(r._forward_hooks):
-            if replay is None or key != replay.id:
-                del r._forward_hooks[key]
+        r._forward_hooks.clear()
     try:
         yield
     finally:
