@@ -7,8 +7,8 @@ One signature for the family, chosen by name from ``POLICY_LOSSES``::
 ``params`` are the loss's own parameters, carried by a small typed object whose fields are the loss's
 keyword names (``kwargs()``): ``ClipParams`` for ppo, gspo and cispo (the clip ε ``clip_eps_low``,
 ``clip_eps_high``, and ``dual_clip``, which only the clipped surrogates ppo and gspo accept),
-``SapoParams`` for sapo (its gate temperatures ``tau_pos``, ``tau_neg``). ``AlgorithmConfig.
-policy_loss_params`` builds the one the flags select.
+``SapoParams`` for sapo (its gate temperatures ``tau_pos``, ``tau_neg``).
+``AlgorithmConfig.policy_loss_params()`` builds the one the flags select.
 
 ``per_token_loss`` is 0 on masked positions; reduce it with ``masked.aggregate_loss``. ``stats`` are
 detached scalars over the action tokens: ``clip_ratio`` (tokens where the clipped branch is taken),
@@ -48,8 +48,15 @@ LOG_RATIO_CLAMP = 20.0
 SAPO_TAUS = (1.0, 1.05)
 
 
+class _LossParams:
+    """A loss's parameters as a frozen dataclass whose field names are the loss's keyword arguments."""
+
+    def kwargs(self) -> dict[str, float | None]:
+        return asdict(self)
+
+
 @dataclass(frozen=True)
-class ClipParams:
+class ClipParams(_LossParams):
     """The parameters of the clipped losses (ppo, gspo, cispo): the clip ε and, for ppo and gspo only,
     the dual-clip constant c."""
 
@@ -57,19 +64,13 @@ class ClipParams:
     clip_eps_high: float | None = None  # None: clip_eps_low (symmetric)
     dual_clip: float | None = None
 
-    def kwargs(self) -> dict[str, float | None]:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
-class SapoParams:
+class SapoParams(_LossParams):
     """SAPO's parameters: its gate temperatures for positive and negative advantages."""
 
     tau_pos: float = SAPO_TAUS[0]
     tau_neg: float = SAPO_TAUS[1]
-
-    def kwargs(self) -> dict[str, float]:
-        return asdict(self)
 
 
 PolicyLossParams = ClipParams | SapoParams
