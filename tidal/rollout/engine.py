@@ -153,6 +153,10 @@ class LLMEngine:
     ``LLMEngine(path)`` reads config, tokenizer and safetensors from a HF folder. Alternatively pass
     ``model=`` (a loaded transformers model: its config and parameters are copied) or ``state_dict=``
     (HF names) together with ``path`` or ``hf_config``.
+
+    A vision family (``registry.VISION_FAMILIES``: Qwen2.5-VL) takes each request's images as a
+    ``multimodal.MultiModalInput`` (``generate(..., multi_modal=)``, ``add_request(..., multi_modal=)``);
+    PIL images go through the folder's image processor, or ``image_processor=``.
     """
 
     def __init__(
