@@ -1,7 +1,7 @@
 """The trainer's exact-mode forward with grad enabled (the policy loss): its log-prob values are the engine's
 bit for bit (a no-grad forward through the batch-invariant ops) and its gradient is the default forward's
 (the straight-through splice of ``tidal.models.forward.exact_token_logprobs``), with gradient checkpointing
-(whose recompute runs with grad enabled) and packed rows."""
+(whose recompute runs with grad enabled) and packed rows; and the block-GEMM exact attention is attention."""
 
 from __future__ import annotations
 
@@ -76,3 +76,22 @@ def test_splice_value_is_exact_bitwise_and_gradient_is_the_fast_ones():
     assert torch.equal(out, exact)
     (out * torch.tensor([[1.0, 2.0, 3.0, 4.0]])).sum().backward()
     assert torch.equal(fast.grad, torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_exact_attention_is_causal_attention(window):
+    """The block-GEMM attention (every query block x key block product one same-shaped GEMM) computes
+    causal (sliding-window) GQA attention: close to SDPA's, for prefill-like and decode-like queries."""
+    from tidal.rollout.batch_invariant.causal_attention import _torch_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, h, 8, generator=g) for n, h in ((21, 4), (37, 2), (37, 2)))
+    pos = torch.tensor([list(range(16, 37)), list(range(21))])  # a continued row and a fresh one
+    torch.testing.assert_close(
+        bi.attention(q, k, v, pos, 0.35, window), _torch_attention(q, k, v, pos, 0.35, window)
+    )
+    last = pos[:, -1:]  # one decode query per row
+    torch.testing.assert_close(
+        bi.attention(q[:, -1:], k, v, last, 0.35, window),
+        _torch_attention(q[:, -1:], k, v, last, 0.35, window),
+    )

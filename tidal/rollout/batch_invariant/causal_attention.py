@@ -1,7 +1,11 @@
-"""Batch-invariant causal attention (GQA, optional sliding window). It reduces keys in blocks of
-``KEY_BLOCK`` at fixed absolute key positions (within a block, in an order that depends only on its
-length), then adds the block sums in block order, so extra (masked, exactly-zero) key blocks beyond a
-query's position change nothing: a decode query and the same query inside a prefill give the same bits.
+"""Batch-invariant causal attention (GQA, optional sliding window). Queries and keys are cut into blocks of
+``KEY_BLOCK`` at fixed positions (keys from absolute position 0) and every (query block, key block) product,
+``q_blk @ k_blk^T`` and then ``p_blk @ v_blk``, is one ``KEY_BLOCK``-square GEMM of a single ``bmm`` (the
+same shape for all, so a query's scores depend neither on how many queries nor on how many keys share the
+call, as ``matmul.linear``'s row blocks); the softmax sums reduce each key block in an order that depends
+only on its length, then add the block sums in block order, so extra (masked, exactly-zero) key blocks
+beyond a query's position change nothing: a decode query and the same query inside a prefill give the same
+bits. (Before issue #34 the products were broadcast multiplies and sums: 3-4x slower in the trainer.)
 On CUDA it runs the Triton kernel with fixed key blocks from position 0.
 """
 
@@ -37,30 +41,53 @@ def attention(
             v,
         )
     b, lq, h, d = q.shape
-    lk = -(-k.shape[1] // KEY_BLOCK) * KEY_BLOCK
+    lk, lqp = (-(-n // KEY_BLOCK) * KEY_BLOCK for n in (k.shape[1], lq))
     if lk != k.shape[1]:  # pad keys to whole blocks (masked below)
         pad = (0, 0, 0, 0, 0, lk - k.shape[1])
-        k, v = torch.nn.functional.pad(k, pad), torch.nn.functional.pad(v, pad)
+        k, v = F.pad(k, pad), F.pad(v, pad)
     groups = h // k.shape[2]
     k = k.float().repeat_interleave(groups, dim=2)  # [B, Lk, H, D]
     v = v.float().repeat_interleave(groups, dim=2)
-    scores = (q.float()[:, :, None] * k[:, None]).sum(-1) * scale  # [B, Lq, Lk, H]
+    qf = F.pad(q.float(), (0, 0, 0, 0, 0, lqp - lq))  # queries in whole blocks too (zero rows: dropped)
+    pos = F.pad(q_pos, (0, lqp - lq))
+    qb, kb = lqp // KEY_BLOCK, lk // KEY_BLOCK
+    scores = _block_gemm(qf, k, transpose=True).mul_(scale)  # [B, H, qb, kb, KEY_BLOCK, KEY_BLOCK]
+    scores = scores.permute(0, 1, 2, 4, 3, 5).reshape(b, h, lqp, lk)
     j = torch.arange(lk, device=q.device)
-    seen = j[None, None, :] <= q_pos[:, :, None]
+    seen = j[None, None, :] <= pos[:, :, None]  # [B, Lq, Lk]
     if window is not None:
-        seen &= j[None, None, :] > q_pos[:, :, None] - window
-    scores = scores.masked_fill(~seen[..., None], float("-inf"))
-    top = scores.amax(dim=2, keepdim=True)  # a max is exact in any order
-    p = pointwise(torch.exp, scores - top)  # [B, Lq, Lk, H]
-    nb = lk // KEY_BLOCK
-    p_blocks = p.view(b, lq, nb, KEY_BLOCK, h)
-    denom_blocks = p_blocks.sum(3)  # [B, Lq, nb, H]
-    out_blocks = (p_blocks[..., None] * v.view(b, 1, nb, KEY_BLOCK, h, d)).sum(3)  # [B, Lq, nb, H, D]
-    denom, out = denom_blocks[:, :, 0], out_blocks[:, :, 0]
-    for i in range(1, nb):  # block order: trailing all-masked blocks add exact zeros
-        denom = denom + denom_blocks[:, :, i]
-        out = out + out_blocks[:, :, i]
-    return (out / denom[..., None]).to(q.dtype)
+        seen &= j[None, None, :] > pos[:, :, None] - window
+    scores = scores.masked_fill(~seen[:, None], float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True)  # a max is exact in any order
+    p = pointwise(torch.exp, scores - top)  # [B, H, Lq, Lk]
+    denom_blocks = p.view(b, h, lqp, kb, KEY_BLOCK).sum(-1)  # [B, H, Lq, kb]
+    p_blocks = p.view(b, h, qb, KEY_BLOCK, kb, KEY_BLOCK).transpose(3, 4)
+    out_blocks = _block_gemm(p_blocks, v)  # [B, H, qb, kb, KEY_BLOCK, D]
+    denom, out = denom_blocks[..., 0], out_blocks[:, :, :, 0]
+    for i in range(1, kb):  # block order: trailing all-masked blocks add exact zeros
+        denom = denom + denom_blocks[..., i]
+        out = out + out_blocks[:, :, :, i]
+    out = out.reshape(b, h, lqp, d)[:, :, :lq] / denom[:, :, :lq, None]
+    return out.transpose(1, 2).to(q.dtype)
+
+
+def _block_gemm(a: torch.Tensor, kv: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """Every (query block, key block) product as one ``KEY_BLOCK``-square GEMM of a single ``bmm``: all
+    of them the same shape, so a query's result depends on neither the number of queries nor of keys.
+    ``transpose``: ``a`` is the queries ``[B, Lq, H, D]`` and the result ``q_blk @ k_blk^T`` (scores
+    ``[B, H, qb, kb, KB, KB]``); else ``a`` is the probabilities ``[B, H, qb, kb, KB, KB]`` and the result
+    ``p_blk @ v_blk`` (``[B, H, qb, kb, KB, D]``). ``kv``: keys or values ``[B, Lk, H, D]``."""
+    b, lk, h, d = kv.shape
+    kb = lk // KEY_BLOCK
+    blocks = kv.permute(0, 2, 1, 3).reshape(b, h, 1, kb, KEY_BLOCK, d)
+    if transpose:
+        qb = a.shape[1] // KEY_BLOCK
+        left = a.permute(0, 2, 1, 3).reshape(b, h, qb, 1, KEY_BLOCK, d).expand(b, h, qb, kb, KEY_BLOCK, d)
+        right = blocks.expand(b, h, qb, kb, KEY_BLOCK, d).reshape(-1, KEY_BLOCK, d).transpose(1, 2)
+        return torch.bmm(left.reshape(-1, KEY_BLOCK, d), right).view(b, h, qb, kb, KEY_BLOCK, KEY_BLOCK)
+    qb = a.shape[2]
+    right = blocks.expand(b, h, qb, kb, KEY_BLOCK, d).reshape(-1, KEY_BLOCK, d)
+    return torch.bmm(a.reshape(-1, KEY_BLOCK, KEY_BLOCK), right).view(b, h, qb, kb, KEY_BLOCK, d)
 
 
 def _torch_attention(q, k, v, q_pos, scale: float, window: int | None) -> torch.Tensor:
