@@ -110,6 +110,7 @@ def run_generate(run: GenerateRun) -> GenerateResult:
     n = run.prompts.n_samples_per_prompt
     if n > 1 and run.sampling.temperature == 0:
         log.warning("--temperature 0 is greedy: the %d samples of each prompt will be identical", n)
+    dataset = load_rows(run)  # before the engine: a bad --iter or dataset fails in seconds, not after a load
     engine = load_engine(run.policy, run.sampling.seed)
     scorer = None
     if run.scoring.reward_pretrain:
@@ -123,7 +124,9 @@ def run_generate(run: GenerateRun) -> GenerateResult:
             device=engine.device,
         )
     task = load_reward_source(run.scoring.eval_task) if run.scoring.eval_task else None
-    prompts = load_prompts(run, engine.tokenizer, engine.max_model_len, vision_processor(run, engine))
+    prompts = load_prompts(
+        run, dataset, engine.tokenizer, engine.max_model_len, vision_processor(run, engine)
+    )
     return write_samples(run, engine, scorer, prompts, task=task)
 
 
@@ -198,8 +201,8 @@ class Prompts:
         ]
 
 
-def load_prompts(run: GenerateRun, tokenizer, max_model_len: int, processor=None) -> Prompts:
-    """Rendered prompts and their token ids; over-long prompts are skipped and counted."""
+def load_rows(run: GenerateRun):
+    """The dataset rows this run generates for (``--iter`` selects a slice)."""
     # here, not at the top: ``datasets`` costs ~1 s of start-up, and ``tidal chat`` imports this module
     # for ``load_engine`` only
     from tidal.data import load_dataset_spec
@@ -209,13 +212,19 @@ def load_prompts(run: GenerateRun, tokenizer, max_model_len: int, processor=None
         ds_cfg.dataset, ds_cfg.dataset_probs, ds_cfg.dataset_split, ds_cfg.max_samples, run.sampling.seed
     )
     rows = cfg.iter_rows
-    if rows is not None:
-        if rows.start >= len(dataset):
-            raise DataError(
-                f"--iter {cfg.iter} selects rows {rows.start}..{rows.stop - 1} of {ds_cfg.dataset}, which "
-                f"has {len(dataset)} rows (--rollout_batch_size {rows.stop - rows.start} per iteration)"
-            )
-        dataset = dataset.select(range(rows.start, min(rows.stop, len(dataset))))
+    if rows is None:
+        return dataset
+    if rows.start >= len(dataset):
+        raise DataError(
+            f"--iter {cfg.iter} selects rows {rows.start}..{rows.stop - 1} of {ds_cfg.dataset}, which "
+            f"has {len(dataset)} rows (--rollout_batch_size {rows.stop - rows.start} per iteration)"
+        )
+    return dataset.select(range(rows.start, min(rows.stop, len(dataset))))
+
+
+def load_prompts(run: GenerateRun, dataset, tokenizer, max_model_len: int, processor=None) -> Prompts:
+    """Rendered prompts and their token ids; over-long prompts are skipped and counted."""
+    ds_cfg, cfg = run.datasets, run.prompts
     samples, _ = build_prompt_samples(
         dataset,
         tokenizer,
