@@ -63,9 +63,9 @@ CONFIGS = {
     "rpp_baseline": ["--advantage_estimator", "reinforce_baseline", "--init_kl_coef", "0.05", "--kl_target",
                      "0.01", "--normalize_reward", "--colocate_actor_ref"],
     # a sharded critic, dynamic micro-batches (equalised across ranks)
-    # DAPO dynamic sampling: 1 process drops the filtered groups, 2 processes mask them out
+    # DAPO dynamic sampling without refill: 1 process drops the filtered groups, 2 processes mask them out
     "grpo_filter": ["--advantage_estimator", "group_norm", "--init_kl_coef", "0", "--dynamic_filtering",
-                    "--dynamic_filtering_reward_range", "0.3", "0.6"],
+                    "--dynamic_filtering_reward_range", "0.3", "0.6", "--dynamic_filtering_no_refill"],
     # separate engines: 1 process drives 2 engine processes, 2 processes drive one each
     "grpo_engines": ["--advantage_estimator", "group_norm", "--init_kl_coef", "0", "--vllm_num_engines", "2"],
     "gae": ["--advantage_estimator", "gae", "--init_kl_coef", "0", "--critic_learning_rate", "2e-3",

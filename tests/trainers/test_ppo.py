@@ -300,7 +300,7 @@ def test_vllm_flags_configure_the_engine(echo_policy, echo_data, tmp_path):
 
     run = parse_run(rl_flags(echo_policy, echo_data, tmp_path, "--advantage_estimator", "group_norm",
                              "--enforce_eager", "--vllm_gpu_memory_utilization", "0.3",
-                             "--vllm_generate_batch_size", "24"))  # fmt: skip
+                             "--vllm_generate_batch_size", "24", "--async_train"))  # fmt: skip
     from tidal.models import load_tokenizer
 
     tok = load_tokenizer(str(echo_policy))

@@ -80,6 +80,11 @@ class PPORun(RunConfig):
             )
         if a.dynamic_filtering and n < 2:
             problems.append("--dynamic_filtering needs --n_samples_per_prompt >= 2")
+        if (r.vllm_generate_batch_size or 0) > r.rollout_batch_size and not p.async_train:  # as OpenRLHF
+            problems.append(
+                f"--vllm_generate_batch_size {r.vllm_generate_batch_size} > --rollout_batch_size "
+                f"{r.rollout_batch_size} over-samples (the extra groups train at later steps): add --async_train"
+            )
         if a.use_kl_loss and a.init_kl_coef <= 0:
             problems.append("--use_kl_loss needs --init_kl_coef > 0")
         if self.reward.teacher_model and a.init_kl_coef <= 0:

@@ -87,7 +87,11 @@ class RolloutConfig(Checked):
         check=Range(0, 1, low_open=True),
     )
     vllm_generate_batch_size: int | None = arg(
-        None, help="max sequences the engine decodes together", check=AT_LEAST_ONE
+        None,
+        help="prompts a generation call starts with (unset: --rollout_batch_size); more than "
+        "--rollout_batch_size over-samples, the extra groups feeding later steps (--async_train); also the "
+        "most sequences the engine decodes together",
+        check=AT_LEAST_ONE,
     )
     vllm_sync_backend: str = arg(
         "nccl",
@@ -211,10 +215,17 @@ class AlgorithmConfig(Checked):
     )
     use_icepop: bool = arg(False, help="ICEPOP: zero the loss of tokens whose weight is outside the bounds")
     dynamic_filtering: bool = arg(
-        False, help="DAPO dynamic sampling: drop prompt groups whose mean score is at a bound"
+        False,
+        help="DAPO dynamic sampling: drop prompt groups whose mean score is not strictly inside "
+        "--dynamic_filtering_reward_range and draw a new prompt for each until the batch is full",
     )
     dynamic_filtering_reward_range: tuple[float, float] = arg(
         (0.0, 1.0), help="keep groups with LOW < mean score < HIGH", nargs=2
+    )
+    dynamic_filtering_no_refill: bool = arg(
+        False,
+        help="--dynamic_filtering without refilling: train on the groups the filter left in the batch "
+        "(tidal's earlier behaviour; with several processes the filtered groups are masked out instead)",
     )
     overlong_buffer_len: int | None = arg(
         None, help="DAPO overlong penalty buffer (tokens)", check=AT_LEAST_ONE

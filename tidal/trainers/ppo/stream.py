@@ -13,9 +13,9 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from tidal.data.prompts import PromptSample
 from tidal.experience.experience import Experience
@@ -34,50 +34,47 @@ class RolloutJob:
 
 @dataclass
 class RolloutResult:
-    """A generated rollout: its job, ``Experience`` with rewards, the reward logs, generation seconds."""
+    """A generated rollout: its job, ``Experience`` with rewards, the reward logs, generation seconds; a
+    batch of ``trainers/ppo/sampling.py`` also names its prompts (indices into the run's), the episode's
+    position after it (a ``BatchPosition``) and its ``dynamic_filter/*`` metrics."""
 
     job: RolloutJob
     exp: Experience
     reward_logs: dict
     seconds: float
+    prompt_ids: list[int] = field(default_factory=list)
+    position: Any = None
+    stats: dict = field(default_factory=dict)
 
 
 # One rollout's experience: the trainer's ``RolloutRole.generate`` then ``RewardScorer.experience``.
 MakeExperience = Callable[[RolloutJob], tuple[Experience, dict]]
 
 
-def _generate(make: MakeExperience, job: RolloutJob) -> RolloutResult:
-    start = time.perf_counter()
-    exp, logs = make(job)
-    return RolloutResult(job, exp, logs, time.perf_counter() - start)
-
-
-def rollout_stream(
-    make: MakeExperience, jobs: Sequence[RolloutJob], ahead: int | None
-) -> Iterator[RolloutResult]:
-    """Results of ``jobs`` in order (``make`` runs each: generate, then score); ``ahead`` (async) lets a
-    thread run up to that many rollouts early."""
+def rollout_stream(results: Iterator[RolloutResult], ahead: int | None) -> Iterator[RolloutResult]:
+    """``results`` in order (each generated and scored when the iterator yields it); ``ahead`` (async)
+    lets a thread run up to that many rollouts early."""
     if not ahead:
-        for job in jobs:
-            yield _generate(make, job)
+        yield from results
         return
-    results: queue.Queue = queue.Queue(maxsize=ahead)
+    queued: queue.Queue = queue.Queue(maxsize=ahead)
     stop = threading.Event()
+    done = object()
 
     def produce() -> None:
         try:
-            for job in jobs:
+            for result in results:
                 if stop.is_set():
                     return
-                results.put(_generate(make, job))
+                queued.put(result)
+            queued.put(done)
         except BaseException as err:  # surface generation errors in the training thread
-            results.put(err)
+            queued.put(err)
 
     thread = threading.Thread(target=produce, name="tidal-rollout", daemon=True)
     thread.start()
     try:
-        for _ in jobs:
-            item = results.get()
+        while (item := queued.get()) is not done:
             if isinstance(item, BaseException):
                 raise item
             yield item
@@ -85,4 +82,4 @@ def rollout_stream(
         stop.set()
         while thread.is_alive():  # unblock a producer waiting on a full queue
             with contextlib.suppress(queue.Empty):
-                results.get(timeout=0.1)
+                queued.get(timeout=0.1)

@@ -22,6 +22,7 @@ from tidal.algorithms import dynamic_filter_mask, make_kl_controller, masked_mea
 from tidal.algorithms.rewards import RunningMoments
 from tidal.checkpoint import Checkpointer, LoopState, StateFns, StopSignals, flat_settings
 from tidal.config.ppo import PPORun
+from tidal.data import epoch_permutation
 from tidal.distributed.collectives import all_gather_objects, mean_over_world, world_masked_mean
 from tidal.distributed.offload import offload_to_cpu, reload_to_device
 from tidal.distributed.world import World, all_reduce_sum
@@ -39,10 +40,11 @@ from tidal.models.exact_lora import make_lora_exact
 from tidal.models.moe_routing import force_routing
 from tidal.placement.protocols import CriticRole, ReferenceRole, RolloutRole
 from tidal.rollout.batch_invariant import make_exact
-from tidal.trainers.data_position import DataPosition, epoch_batches, resume_offset
+from tidal.trainers.data_position import DataPosition, resume_offset
 from tidal.trainers.optimization import Optimization
 from tidal.trainers.ppo.ema import PolicyEMA
 from tidal.trainers.ppo.ptx import PtxLoss, PtxStream
+from tidal.trainers.ppo.sampling import RolloutBatcher, SamplingState, sampling_config
 from tidal.trainers.ppo.stream import RolloutJob, RolloutResult, rollout_stream
 from tidal.trainers.ppo.update import (
     MISMATCH,
@@ -135,6 +137,11 @@ class PPOTrainer:
         self.n = run.rollout.n_samples_per_prompt
         # the prompts trained in the episode, for a resume with another batch size or prompt set
         self.position, self._skip, self._first_episode = DataPosition(), 0, 0
+        # batches of filtered-and-refilled (--dynamic_filtering) or over-sampled groups, and their position
+        self.sampling = SamplingState()
+        self.batcher = RolloutBatcher(
+            sampling_config(run, world.distributed), prompts, self._experience_of, self._rollout_seed
+        )
         # --enable_ema: the average starts from the initial policy (a resume restores the saved one)
         self.ema = PolicyEMA(parts.actor.model, run.ema.beta) if run.ema.enable else None
         # --exact_logprobs: the policy runs the engine's batch-invariant ops, so (weights being the engine's:
@@ -159,12 +166,13 @@ class PPOTrainer:
             step_start = time.perf_counter()
             for episode in range(loop.epoch, run.train.num_episodes):
                 # generate: each rollout when the loop asks for it, or (--async_train) ahead on a thread
-                for generated in rollout_stream(self._experience_of, self._jobs(episode, loop), self._ahead):
+                for generated in rollout_stream(self._batches(episode, loop), self._ahead):
+                    log.debug("step %d trains prompts %s", loop.global_step + 1, generated.prompt_ids)
                     stats = self.train_step(generated, loop.global_step)
-                    loop = LoopState(loop.global_step + 1, episode, generated.job.index + 1)
-                    skip, done = self._episode_start(episode)
+                    loop = LoopState(loop.global_step + 1, episode, loop.step_in_epoch + 1)
+                    self.sampling.position = generated.position  # a checkpoint resumes after this batch
                     self.position.samples = len(self.prompts)
-                    self.position.offset = skip + (generated.job.index + 1 - done) * self._size
+                    self.position.offset = generated.position.drawn - len(generated.position.pending)
                     # wall time of the step: with --async_train generation overlaps the previous update
                     stats["time/step"], step_start = time.perf_counter() - step_start, time.perf_counter()
                     history.append({"step": loop.global_step, "kl_coef": self.kl_ctl.value, **stats})
@@ -190,7 +198,7 @@ class PPOTrainer:
         with timer("sync_weights"):
             self.sync_weights(step)
             self._trainer_awake(False)
-        stats |= mean_over_world(generated.reward_logs, self.world) | timer.seconds
+        stats |= mean_over_world(generated.reward_logs, self.world) | timer.seconds | generated.stats
         stats["time/generate"] = generated.seconds
         return stats | peak_memory(self.world)
 
@@ -203,27 +211,16 @@ class PPOTrainer:
     def _size(self) -> int:
         return self.run.rollout.rollout_batch_size
 
-    def _episode_start(self, episode: int) -> tuple[int, int]:
-        """``(prompts skipped, index of the first rollout)`` of ``episode`` in this run: a resumed run
-        skips the prompts the checkpoint trained (``tidal.trainers.data_position``)."""
+    def _batches(self, episode: int, loop: LoopState):
+        """This episode's remaining batches (``trainers/ppo/sampling.py``: deterministic prompts and seeds;
+        a resumed run goes on after the prompts its checkpoint trained, ``tidal.trainers.data_position``)."""
         skip = self._skip if episode == self._first_episode else 0
-        return skip, -(-skip // self._size)
-
-    def _jobs(self, episode: int, loop: LoopState) -> list[RolloutJob]:
-        """This episode's remaining rollouts (deterministic prompts and seeds, also after a resume)."""
-        run = self.run
-        skip, done = self._episode_start(episode)
-        batches = epoch_batches(len(self.prompts), self._size, run.train.seed, episode, 1, 0, skip)
-        return [
-            RolloutJob(
-                done + i,
-                [self.prompts[k] for k in batch],
-                self.n,
-                run.rollout.temperature,
-                self._rollout_seed(loop.global_step + i),
-            )  # fmt: skip
-            for i, batch in enumerate(batches)
-        ]
+        start = self.sampling.start(episode, skip)
+        order = epoch_permutation(len(self.prompts), self.run.train.seed, episode)
+        if self.batcher.cfg.reward_range is None:  # as always, the episode's last partial batch is left out
+            trained = start.drawn - len(start.pending)
+            order = order[: trained + (len(order) - trained) // self._size * self._size]
+        return self.batcher.batches(episode, order, start, loop.global_step)
 
     @property
     def _ahead(self) -> int | None:
@@ -235,7 +232,7 @@ class PPOTrainer:
         run, actor = self.run, self.parts.actor
         exp = exp.to(self.world.device)
         stats = rollout_stats(exp)
-        if run.algorithm.dynamic_filtering:
+        if run.algorithm.dynamic_filtering and self.batcher.cfg.reward_range is None:  # not refilled
             exp = self._dynamic_filter(exp, stats)
             if exp is None:
                 return None, stats
@@ -277,9 +274,10 @@ class PPOTrainer:
         return old_logprobs_from_update(run.train.max_epochs, rows, step_size, has_reference)
 
     def _dynamic_filter(self, exp, stats: dict):
-        """DAPO dynamic sampling: drop groups whose mean score is outside the range; None if no rank
-        kept any. With several processes every rank must run the same sharded forwards, so dropped
-        samples stay in the batch with no action tokens: they add no loss and are not counted."""
+        """Dynamic filtering without refilling (``--dynamic_filtering_no_refill``, or several processes;
+        else ``trainers/ppo/sampling.py`` refills): drop groups whose mean score is outside the range; None
+        if no rank kept any. With several processes every rank must run the same sharded forwards, so
+        dropped samples stay in the batch with no action tokens: they add no loss and are not counted."""
         keep = dynamic_filter_mask(exp.scores, self.n, *self.run.algorithm.dynamic_filtering_reward_range)
         stats["dynamic_filter/kept"] = float(keep.float().mean())
         if all_reduce_sum(int(keep.sum()), self.world) == 0:
@@ -382,6 +380,7 @@ class PPOTrainer:
             "moments": StateFns(lambda: asdict(self.moments) if self.moments else None, self._load_moments),
             "nonfinite": StateFns(self._guard_states, self._load_guard_states),
             "data": self.position,
+            "sampling": self.sampling,
         }
         if self.ema is not None:
             state["ema"] = self.ema
@@ -425,9 +424,12 @@ class PPOTrainer:
         if loop is None:
             return LoopState()
         saved = self.checkpointer.resumed_setting("rollout.rollout_batch_size")
-        self._skip = resume_offset(
-            self.position, loop, len(self.prompts), self._size, saved, "--rollout_batch_size"
-        )
+        if self.position.samples != len(self.prompts):  # another dataset: the saved prompt ids mean nothing
+            self.sampling.resumed = None
+        if self.sampling.resumed is None:  # a checkpoint without the batch position (or another dataset)
+            self._skip = resume_offset(
+                self.position, loop, len(self.prompts), self._size, saved, "--rollout_batch_size"
+            )
         self.parts.rollout.sync_weights(self.parts.actor.model)
         return loop
 
