@@ -91,16 +91,16 @@ def executed_calls(trajectories, tokenizer) -> int:
 def test_grpo_teaches_the_calculator_agent_to_use_its_tool(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    from tidal.placement import rollout as rollout_module
+    from tidal.experience import scoring as scoring_module
 
     rollouts = []  # each step's trajectories, as the trainer turns them into tensors
-    original = rollout_module.from_trajectories
+    original = scoring_module.from_trajectories
 
     def spy(trajectories, pad_id):
         rollouts.append(list(trajectories))
         return original(trajectories, pad_id)
 
-    monkeypatch.setattr(rollout_module, "from_trajectories", spy)
+    monkeypatch.setattr(scoring_module, "from_trajectories", spy)
     example = load_example()
     assert example.TOOL_CALL_REWARD > 0
     data = example.write_data(tmp_path / "data", n_sft=512, n_prompts=64, operands=(10, 99))
