@@ -3,8 +3,10 @@ over-sampling feeds later steps, and a batch's position lets a resume train ever
 
 from __future__ import annotations
 
+import pickle
 import threading
 
+import pytest
 import torch
 
 from tidal.data.prompts import PromptSample
@@ -35,7 +37,7 @@ class FakeRollout:
         scores = torch.tensor([1.0 if i in self.solved else float(k) for i in ids for k in range(N)])
         exp = Experience(
             sequences=seq, attention_mask=torch.ones(rows, 2, dtype=torch.long),
-            action_mask=torch.ones(rows, 2, dtype=torch.long), rollout_logprobs=torch.zeros(rows, 2),
+            action_mask=torch.ones(rows, 2, dtype=torch.long), rollout_logprobs=torch.full((rows, 2), job.seed * 1.0),
             rewards=scores.clone(), scores=scores,
         )  # fmt: skip
         return exp, {"reward_logs/x": float(len(ids))}
@@ -57,7 +59,11 @@ def test_without_filtering_batches_follow_the_order():
     results = list(batcher(rollout, 3, 3, 10).batches(0, list(range(9)), BatchPosition(0, 0), 5))
     assert [trained(r) for r in results] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     assert rollout.calls == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
-    assert [r.position for r in results] == [BatchPosition(0, 3), BatchPosition(0, 6), BatchPosition(0, 9)]
+    assert [r.position for r in results] == [
+        BatchPosition(0, 3, (), 6),
+        BatchPosition(0, 6, (), 7),
+        BatchPosition(0, 9, (), 8),
+    ]
     assert results[0].stats == {}
 
 
@@ -93,7 +99,7 @@ def test_over_sampling_feeds_the_next_steps_and_trains_each_prompt_once():
     assert rollout.calls == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]  # one call per three steps
     ids = [trained(r) for r in results]
     assert ids == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
-    assert results[0].position == BatchPosition(0, 6, (2, 3, 4, 5))
+    assert results[0].position == BatchPosition(0, 6, (2, 3, 4, 5), 1)
     assert sorted(sum(ids, [])) == list(range(12))
 
 
@@ -106,23 +112,34 @@ def test_over_sampling_with_filtering_fills_the_batch_from_the_extra_groups():
     assert [trained(r) for r in results] == [[1, 2], [3, 4], [5, 6], [8, 9], [10, 11]]
 
 
-def test_a_resume_from_any_batch_trains_the_same_prompts():
-    """The position of batch k (drawn count and buffered prompts) continues exactly where batch k ended."""
+@pytest.mark.parametrize("solved", [set(), {5, 9, 4}])
+def test_a_resume_from_any_batch_trains_the_same_samples(solved):
+    """The position of batch k (drawn count, buffered groups, next round) continues exactly where batch k
+    ended: the same prompts and the same samples (each sample's log-probs are its round's seed here)."""
     order = [5, 3, 11, 0, 9, 1, 7, 2, 10, 4, 8, 6]
-    whole = list(batcher(FakeRollout(), 2, 6, 12).batches(0, order, BatchPosition(0, 0), 0))
+    whole = list(
+        batcher(FakeRollout(solved), 2, 6, 12, bool(solved)).batches(0, order, BatchPosition(0, 0), 0)
+    )
+    assert len(whole) == (6 if not solved else 4)
     for k, result in enumerate(whole):
         state = SamplingState()
-        state.load_state_dict(result.position.state_dict())
-        rest = list(batcher(FakeRollout(), 2, 6, 12).batches(0, order, state.start(0, 0), 0))
+        state.load_state_dict(
+            pickle.loads(pickle.dumps(result.position.state_dict()))
+        )  # as torch.save keeps it
+        rollout = FakeRollout(solved)
+        rest = list(batcher(rollout, 2, 6, 12, bool(solved)).batches(0, order, state.start(0, 0), 77))
         assert [trained(r) for r in rest] == [trained(r) for r in whole[k + 1 :]]
+        for a, b in zip(rest, whole[k + 1 :], strict=True):
+            assert torch.equal(a.exp.rollout_logprobs, b.exp.rollout_logprobs)
+        assert sum(map(len, rollout.calls)) == 12 - result.position.drawn  # nothing generated twice
 
 
 def test_sampling_state_of_another_episode_or_an_older_checkpoint():
     state = SamplingState()
     state.load_state_dict({})  # a checkpoint written before the position was recorded
     assert state.start(2, 8) == BatchPosition(2, 8)
-    state.load_state_dict({"episode": 1, "drawn": 4, "pending": [7]})
-    assert state.start(1, 0) == BatchPosition(1, 4, (7,)) and state.start(2, 0) == BatchPosition(2, 0)
+    state.load_state_dict({"episode": 1, "drawn": 4, "pending": [], "rounds": 3, "groups": []})
+    assert state.start(1, 0) == BatchPosition(1, 4, (), 3) and state.start(2, 0) == BatchPosition(2, 0)
 
 
 def test_async_stream_runs_the_batches_on_a_thread_ahead():

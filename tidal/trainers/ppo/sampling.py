@@ -13,10 +13,11 @@ run out, the fewer than B groups left are not trained (logged), as tidal always 
 partial batch out.
 
 Every batch carries its ``BatchPosition``: how many prompts of the episode's order had been drawn when it
-was cut and which buffered prompts were still waiting. A checkpoint written after training that batch
-keeps this position, so a resume (also after ``kill -9`` in ``--async_train``, whose thread has generated
-further ahead) regenerates the waiting prompts first and goes on from the drawn count: no prompt is
-trained twice or skipped.
+was cut, the groups still buffered (generated and scored, untrained) and the next round's seed. A
+checkpoint written after training that batch keeps this position, buffered groups included, so a resume
+(also after ``kill -9`` in ``--async_train``, whose thread had generated further ahead: those rollouts
+were never part of a checkpoint and are generated again) trains the buffered groups first and goes on
+from the drawn count: no prompt is trained twice or skipped.
 """
 
 from __future__ import annotations
@@ -39,20 +40,30 @@ log = get_logger(__name__)
 
 @dataclass(frozen=True)
 class BatchPosition:
-    """Where the episode stood when a batch was cut: prompts drawn from its order, prompts still buffered."""
+    """Where the episode stood when a batch was cut: prompts drawn from its order, the prompts whose groups
+    were still buffered and those groups (generated and scored, not yet trained), and the next generation
+    round (its seed); ``rounds`` None: the episode's first."""
 
     episode: int
     drawn: int
     pending: tuple[int, ...] = ()
+    rounds: int | None = None
+    groups: tuple[Experience, ...] = field(default=(), compare=False, repr=False)
 
     def state_dict(self) -> dict:
-        return {"episode": self.episode, "drawn": self.drawn, "pending": list(self.pending)}
+        """What a checkpoint keeps (``torch.save``: the buffered groups' tensors on the CPU)."""
+        groups = [g.to(torch.device("cpu")) for g in self.groups]
+        return {"episode": self.episode, "drawn": self.drawn, "pending": list(self.pending),
+                "rounds": self.rounds, "groups": groups}  # fmt: skip
 
     @staticmethod
     def from_state(state: dict) -> BatchPosition:
-        return BatchPosition(
-            int(state["episode"]), int(state["drawn"]), tuple(int(i) for i in state["pending"])
-        )
+        pending, groups = tuple(int(i) for i in state["pending"]), tuple(state.get("groups", ()))
+        if len(groups) != len(pending):
+            raise ValueError(
+                f"checkpoint sampling state: {len(groups)} buffered groups, {len(pending)} prompts"
+            )
+        return BatchPosition(int(state["episode"]), int(state["drawn"]), pending, state.get("rounds"), groups)
 
 
 @dataclass(frozen=True)
@@ -99,13 +110,12 @@ class RolloutBatcher:
     def batches(
         self, episode: int, order: Sequence[int], start: BatchPosition, first_round: int
     ) -> Iterator[RolloutResult]:
-        """Batches of ``episode`` whose prompts come in ``order``, resuming at ``start``; the rounds' seeds
-        are ``seed_of(first_round)``, ``seed_of(first_round + 1)``, ..."""
-        buffer: list[_Group] = []
-        drawn, rounds, counts, step = start.drawn, first_round, _Counts(), 0
-        if start.pending:  # groups generated but untrained when the checkpoint was written
-            buffer += self._round(list(start.pending), rounds, counts)[0]
-            rounds += 1
+        """Batches of ``episode`` whose prompts come in ``order``, resuming at ``start`` (its buffered
+        groups first); the rounds' seeds are ``seed_of(first_round)``, ``seed_of(first_round + 1)``, ...
+        (a resumed position goes on with its own round)."""
+        buffer = [_Group(p, g) for p, g in zip(start.pending, start.groups, strict=True)]
+        rounds = first_round if start.rounds is None else start.rounds
+        drawn, counts, step = start.drawn, _Counts(), 0
         while True:
             t0 = time.perf_counter()
             while len(buffer) < self.cfg.batch and drawn < len(order):
@@ -117,7 +127,8 @@ class RolloutBatcher:
                              "--rollout_batch_size, are not trained", episode, len(buffer))  # fmt: skip
                 return
             batch, buffer = buffer[: self.cfg.batch], buffer[self.cfg.batch :]
-            position = BatchPosition(episode, drawn, tuple(g.prompt for g in buffer))
+            pending = tuple(g.prompt for g in buffer)
+            position = BatchPosition(episode, drawn, pending, rounds, tuple(g.exp for g in buffer))
             yield self._result(episode, step, batch, position, counts, time.perf_counter() - t0)
             step, counts = step + 1, _Counts()
 
