@@ -81,7 +81,7 @@ def kernel_ms(fn, calls: int = 20, replays: int = 5) -> float:
 
 
 def measure(name: str, sweep: bool, grid: dict | None = None) -> dict:
-    from tidal.rollout import triton_attention as ta
+    from tidal.rollout.kernels import triton_attention as ta
 
     batch, kv_heads, group, dim, avg, *table_tokens = SHAPES[name]
     q, caches, tables, lens = make_inputs(batch, kv_heads, group, dim, avg, *table_tokens)

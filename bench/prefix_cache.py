@@ -142,12 +142,12 @@ def modes(args, on_features: dict) -> list[tuple[str, dict, bool]]:
 
 def set_context_kernel(on: bool, engine) -> bool:
     """Switch the prefill-with-context kernel; whether this engine's context prefills will run it."""
-    from tidal.rollout import attention
+    from tidal.rollout.runner import attention
 
     attention.CONTEXT_KERNEL = on
     if not on or engine.runner.backend != "triton":  # the triton backend implies triton is importable
         return False
-    from tidal.rollout import triton_context
+    from tidal.rollout.kernels import triton_context
 
     return triton_context.supports(engine.runner.args.head_dim)
 
@@ -334,7 +334,7 @@ def attention_shape(args, model, path) -> tuple[int, int, int]:
 def context_step(chunks, heads, kv_heads, head_dim, block_size, dtype, device):
     """q, a paged cache (each sequence's blocks in random order) and the metadata of one prefill with
     context whose sequence b computes positions ``chunks[b] = (start, end)``."""
-    from tidal.rollout.attention import AttentionMetadata
+    from tidal.rollout.runner.attention import AttentionMetadata
 
     widths = [-(-end // block_size) for _, end in chunks]
     perm = torch.randperm(sum(widths), device=device)
@@ -377,7 +377,7 @@ def time_call(fn, *inputs, repeats: int = 20) -> float:
 
 
 def bench_kernel(args, model, path, vocab: int) -> dict:
-    from tidal.rollout import attention
+    from tidal.rollout.runner import attention
 
     if not args.device.startswith("cuda"):
         raise SystemExit("--only kernel times the Triton kernel: it needs --device cuda")
@@ -419,7 +419,7 @@ def main(argv=None) -> list[dict]:
         model, path, vocab = load(args, tmp)
         env = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                "torch": torch.__version__, "model": args.model or args.config or "tiny-qwen2"}  # fmt: skip
-        from tidal.rollout import attention
+        from tidal.rollout.runner import attention
 
         try:
             for name, bench in (("agent", bench_agent), ("chunked", bench_chunked), ("kernel", bench_kernel)):

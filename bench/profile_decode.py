@@ -142,10 +142,10 @@ HOST_PHASES = (  # the host-only methods of an engine that launches steps ahead 
     *SCHEDULER_PHASES,
     ("scheduler", "plan_ahead", "plan_ahead"),
     ("scheduler", "release_ahead", "plan_ahead"),
-    ("tidal.rollout.scheduler.Lookahead", "matches", "matches"),
+    ("tidal.rollout.scheduling.scheduler.Lookahead", "matches", "matches"),
     ("runner", "_decode_step", "decode_inputs"),
     ("runner", "_sampling_tensors", "sampling_tensors"),
-    ("tidal.rollout.model_runner.LaunchedStep", "result", "result"),
+    ("tidal.rollout.runner.model_runner.LaunchedStep", "result", "result"),
 )
 ASYNC_PHASES = (*HOST_PHASES, ("runner", "launch", "launch"), ("runner", "launch_ahead", "launch_ahead"))
 

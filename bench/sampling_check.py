@@ -24,7 +24,7 @@ import tempfile
 import torch
 
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
-from tidal.rollout.sampler import Sampler, SamplingTensors, sequence_seed
+from tidal.rollout.runner.sampler import Sampler, SamplingTensors, sequence_seed
 from tidal.testing import build_tiny_model
 from tidal.testing.sampling_check import check_engine_sampling
 from tidal.testing.stats import expected_distinct, goodness_of_fit, mean_z

@@ -1,4 +1,4 @@
-"""Benchmark: the fused sampling kernels (``tidal/rollout/triton_sampling.py``) on one CUDA device.
+"""Benchmark: the fused sampling kernels (``tidal/rollout/kernels/triton_sampling.py``) on one CUDA device.
 
 Times ``fused_sample`` at a 152k vocabulary (Qwen2.5's 151,936), bf16 logits, for each ``--rows`` and
 each ``--temperatures`` (every row at that temperature; 1.0 is the RL default, where the split programs
@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import triton  # noqa: E402
 
-from tidal.rollout import triton_sampling as ts  # noqa: E402
+from tidal.rollout.kernels import triton_sampling as ts  # noqa: E402
 
 SWEEP = [(512, 4, 8), (512, 4, 16), (1024, 4, 8), (1024, 8, 8), (1024, 8, 4), (2048, 8, 4), (256, 2, 16)]
 

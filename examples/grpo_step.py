@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tidal.algorithms import aggregate_loss, compute_kl, gather_logprobs, group_normalized, ppo_policy_loss
 from tidal.data import step_batches
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
-from tidal.rollout.sampler import sequence_seed
+from tidal.rollout.runner.sampler import sequence_seed
 from tidal.testing import AdditionTask, build_tiny_model
 from tidal.testing.tasks import digit_credit
 

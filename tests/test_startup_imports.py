@@ -16,13 +16,13 @@ import pytest
 HEAVY = ("datasets", "torch.distributed.fsdp", "torch.distributed.checkpoint")
 
 # An engine process (spawned child or Ray actor: ``_serve`` / ``WorkerActor`` building an
-# ``EngineWorker``), a tensor-parallel worker (``python -m tidal.rollout.tp_worker``), the weight-sync
+# ``EngineWorker``), a tensor-parallel worker (``python -m tidal.rollout.runner.tp_worker``), the weight-sync
 # helpers torchrun's runner imports, ``tidal chat``'s modules, and the error classes every command
 # resolves when it runs.
 PROBE = f"""
 import sys
 import tidal.placement.workers, tidal.placement.engines
-import tidal.rollout.tp_worker, tidal.rollout.model_runner, tidal.rollout.models.loader
+import tidal.rollout.runner.tp_worker, tidal.rollout.runner.model_runner, tidal.rollout.models.loader
 import tidal.distributed.weight_sync
 from tidal.distributed import barrier, init_world, shutdown
 import tidal.agents, tidal.rewards

@@ -12,7 +12,7 @@ import pytest
 
 from tidal.agents.endpoint import EndpointAgentExecutor, EpisodeSeeds
 from tidal.rollout import SamplingParams
-from tidal.rollout.sampler import sequence_seed
+from tidal.rollout.runner.sampler import sequence_seed
 
 N_PROMPTS, N_SAMPLES, TURNS, ROLLOUT_SEED = 3, 2, 2, 5
 SLOTS = [(i, j) for i in range(N_PROMPTS) for j in range(N_SAMPLES)]

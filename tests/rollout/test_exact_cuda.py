@@ -1,4 +1,4 @@
-"""``--exact_logprobs`` on CUDA: the batch-invariant Triton kernels (``tidal/rollout/triton_exact.py``) and the
+"""``--exact_logprobs`` on CUDA: the batch-invariant Triton kernels (``tidal/rollout/kernels/triton_exact.py``) and the
 engine-vs-trainer equality they give in bfloat16.
 
 Two groups:
@@ -67,7 +67,7 @@ def ref_token_logprobs(logits, tokens, temperature):
 
 # ------------------------------------------------------------------------------------ gpu: kernels
 def _gpu():
-    from tidal.rollout import triton_exact
+    from tidal.rollout.kernels import triton_exact
 
     return triton_exact
 
@@ -437,8 +437,8 @@ def test_exact_mode_refuses_float16_in_one_line(tiny_model):
 # ------------------------------------------------------------------------------------ interpreter
 @pytest.fixture(scope="module")
 def te():
-    """``tidal.rollout.triton_exact`` with its kernels run by Triton's interpreter."""
-    with interpreted({"tidal.rollout.triton_exact": "_matmul_kernel"}) as (module,):
+    """``tidal.rollout.kernels.triton_exact`` with its kernels run by Triton's interpreter."""
+    with interpreted({"tidal.rollout.kernels.triton_exact": "_matmul_kernel"}) as (module,):
         yield module
 
 

@@ -21,8 +21,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(14, 2, 64), (28, 4, 128), (40, 8, 128)])
 def test_paged_decode_attention_on_long_contexts(dtype, heads, kv_heads, head_dim):
     """Contexts up to 32k tokens in 16-token blocks scattered over the cache, a batch of mixed lengths."""
-    from tidal.rollout.attention import AttentionMetadata, torch_decode_attention
-    from tidal.rollout.triton_attention import paged_decode_attention
+    from tidal.rollout.kernels.triton_attention import paged_decode_attention
+    from tidal.rollout.runner.attention import AttentionMetadata, torch_decode_attention
 
     gen = torch.Generator(device="cuda").manual_seed(heads)
     block, lens = 16, [32768, 17, 4096, 1, 9000, 31000]

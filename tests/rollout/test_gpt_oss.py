@@ -26,9 +26,9 @@ from tests.rollout.reference import (
     small_cache_config,
 )
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
+from tidal.rollout.kernels.sink_attention import sink_sdpa
 from tidal.rollout.models import gpt_oss
 from tidal.rollout.models.mxfp4 import dequantize_mxfp4, e2m1_values
-from tidal.rollout.sink_attention import sink_sdpa
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 LONG = PROMPTS[1:3]  # 30 and 20 tokens: longer than the tiny sliding window (8)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.rollout.test_triton_context import make_case
-from tidal.rollout.attention import AttentionMetadata
-from tidal.rollout.sink_attention import torch_sink_attention
+from tidal.rollout.kernels.sink_attention import torch_sink_attention
+from tidal.rollout.runner.attention import AttentionMetadata
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +26,7 @@ def _close(out, ref, dtype, what):
     [(8, 2, 64, None, 1), (8, 2, 64, 7, 4), (4, 4, 32, None, 2), (16, 2, 64, 30, None)],
 )
 def test_decode_kernel_with_sinks_matches_torch(dtype, heads, kv_heads, head_dim, window, splits):
-    from tidal.rollout.triton_attention import paged_decode_attention
+    from tidal.rollout.kernels.triton_attention import paged_decode_attention
 
     gen = torch.Generator(device="cuda").manual_seed(heads + (splits or 0))
     batch, blocks, block_size, width = 6, 64, 16, 12
@@ -56,7 +56,7 @@ def test_decode_kernel_with_sinks_matches_torch(dtype, heads, kv_heads, head_dim
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window, splits", [(None, 1), (None, 2), (9, 1), (9, 4)])
 def test_context_kernel_with_sinks_matches_torch(dtype, window, splits):
-    from tidal.rollout import triton_context
+    from tidal.rollout.kernels import triton_context
 
     chunks = [(0, 37), (40, 41), (100, 164), (5, 12)]  # (start, end) of each sequence's queries
     q, layer_cache, meta = make_case(chunks, 8, 2, 64, 16, dtype, "cuda", seed=3)

@@ -56,8 +56,8 @@ MIXED = [(list(range(3 + i, 3 + i + 2 + 5 * i)), 5 + (7 * i) % 23) for i in rang
     [(16, 14, 2, 64, None, None), (16, 28, 4, 128, None, 4), (5, 8, 1, 32, 7, 2), (4, 4, 4, 64, 30, None)],
 )
 def test_triton_decode_kernel_matches_torch(dtype, block_size, heads, kv_heads, head_dim, window, splits):
-    from tidal.rollout.attention import AttentionMetadata, torch_decode_attention
-    from tidal.rollout.triton_attention import paged_decode_attention
+    from tidal.rollout.kernels.triton_attention import paged_decode_attention
+    from tidal.rollout.runner.attention import AttentionMetadata, torch_decode_attention
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     batch, blocks, width = 6, 64, 12
@@ -154,8 +154,8 @@ def test_fused_add_rms_norm_matches_torch(dtype):
 def test_fused_sampling_kernel_matches_the_torch_sampler(dtype):
     """The Triton kernel draws the same tokens as the torch Sampler (same hash noise) on a 152k vocabulary,
     greedy and sampled rows mixed; log-probs agree to float32 rounding."""
-    from tidal.rollout.sampler import Sampler, SamplingTensors
-    from tidal.rollout.triton_sampling import fused_sample
+    from tidal.rollout.kernels.triton_sampling import fused_sample
+    from tidal.rollout.runner.sampler import Sampler, SamplingTensors
 
     g = torch.Generator(device="cuda").manual_seed(0)
     rows, vocab = 96, 151936

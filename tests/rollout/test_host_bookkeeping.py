@@ -10,10 +10,10 @@ import numpy as np
 
 from tests.rollout.reference import PROMPTS, cpu_config
 from tidal.rollout import LLMEngine, SamplingParams
-from tidal.rollout.block_manager import BlockManager
-from tidal.rollout.model_runner import BlockTables, fill_decode_inputs
-from tidal.rollout.scheduler import ScheduledBatch, Scheduler
-from tidal.rollout.sequence import Sequence
+from tidal.rollout.runner.model_runner import BlockTables, fill_decode_inputs
+from tidal.rollout.scheduling.block_manager import BlockManager
+from tidal.rollout.scheduling.scheduler import ScheduledBatch, Scheduler
+from tidal.rollout.scheduling.sequence import Sequence
 
 
 def test_block_tables_kept_between_steps_stage_what_the_lists_hold():

@@ -1,4 +1,4 @@
-"""Qwen2.5-VL in the rollout engine (``tidal/rollout/models/qwen2_5_vl.py``, ``tidal/rollout/multimodal.py``)
+"""Qwen2.5-VL in the rollout engine (``tidal/rollout/models/qwen2_5_vl.py``, ``tidal/rollout/runner/multimodal.py``)
 against transformers' ``Qwen2_5_VLForConditionalGeneration`` on the tiny offline VLM (CPU, float32).
 
 Greedy completions on images equal ``transformers.generate`` (images of 1, 2 and 4 tokens, the 2×2 one
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
-from tidal.rollout.multimodal import MultiModalInput, VisionSpec, mrope_positions
+from tidal.rollout.runner.multimodal import MultiModalInput, VisionSpec, mrope_positions
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
 SIZES = [(56, 56), (28, 56), (28, 28)]  # 4, 2 and 1 image tokens

@@ -8,7 +8,7 @@ import torch
 
 from tests.rollout.reference import PROMPTS, cpu_config
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
-from tidal.rollout.sampler import Sampler, SamplingTensors, apply_repetition_penalty
+from tidal.rollout.runner.sampler import Sampler, SamplingTensors, apply_repetition_penalty
 
 
 def test_penalty_divides_positive_and_multiplies_negative_logits():

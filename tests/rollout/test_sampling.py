@@ -10,7 +10,7 @@ import torch
 
 from tests.rollout.reference import PROMPTS, cpu_config
 from tidal.rollout import LLMEngine, SamplingParams
-from tidal.rollout.sampler import Sampler, SamplingTensors, truncate_logits, uniform_noise
+from tidal.rollout.runner.sampler import Sampler, SamplingTensors, truncate_logits, uniform_noise
 
 
 def _tensors(rows: int, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, vocab=4) -> SamplingTensors:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
-from tidal.rollout.model_runner import ModelRunner
-from tidal.rollout.sampler import U_MAX, Sampler, SamplingTensors, sequence_seed, uniform_noise
+from tidal.rollout.runner.model_runner import ModelRunner
+from tidal.rollout.runner.sampler import U_MAX, Sampler, SamplingTensors, sequence_seed, uniform_noise
 from tidal.testing.sampling_check import check_engine_sampling
 from tidal.testing.stats import expected_distinct, goodness_of_fit, mean_z, truncated_probs
 
@@ -126,7 +126,7 @@ def test_runner_builds_dense_per_row_sampling_tensors(tiny_model):
     engine.generate(  # leaves the runner warm; then build tensors for three sequences by hand
         [[5, 6, 7]], SamplingParams(temperature=0.5, top_p=0.9, min_p=0.1, max_new_tokens=1, seed=0)
     )
-    from tidal.rollout.sequence import Sequence
+    from tidal.rollout.scheduling.sequence import Sequence
 
     params = [
         SamplingParams(temperature=t, top_p=p, min_p=m, seed=0)

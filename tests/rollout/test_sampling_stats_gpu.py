@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
-from tidal.rollout.sampler import Sampler, SamplingTensors, sequence_seed
+from tidal.rollout.runner.sampler import Sampler, SamplingTensors, sequence_seed
 from tidal.testing.sampling_check import check_engine_sampling
 from tidal.testing.stats import expected_distinct, goodness_of_fit, mean_z
 

@@ -9,7 +9,7 @@ import torch
 
 from tests.rollout.reference import PROMPTS, cpu_config
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
-from tidal.rollout.sampler import SamplingTensors, top_logprobs
+from tidal.rollout.runner.sampler import SamplingTensors, top_logprobs
 
 
 @torch.inference_mode()

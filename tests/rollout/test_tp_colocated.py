@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from tests.rollout.reference import PROMPTS, cpu_config
 from tidal.rollout import LLMEngine, SamplingParams
 from tidal.rollout.models.loader import iter_checkpoint
-from tidal.rollout.tp_worker import colocated_group
+from tidal.rollout.runner.tp_worker import colocated_group
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from tests.rollout.reference import PROMPTS, cpu_config
-from tidal.rollout import LLMEngine, SamplingParams, tp_worker
+from tidal.rollout import LLMEngine, SamplingParams
 from tidal.rollout.models.loader import iter_checkpoint
+from tidal.rollout.runner import tp_worker
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
 SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=7)

@@ -159,8 +159,8 @@ def test_fused_moe_on_shards_sums_to_the_experts_at_qwen3_30b_shapes(tp_size):
     experts, top-8, intermediate 768 / ``tp_size``: 96 at 8, not a multiple of the tiles); the bf16
     partial sums, added in bf16 as the all-reduce does, match the float32 experts as the whole does
     (bf16 tolerance of ``test_triton_moe``)."""
+    from tidal.rollout.kernels.triton_moe import fused_expert_forward
     from tidal.rollout.models import moe
-    from tidal.rollout.triton_moe import fused_expert_forward
 
     hidden, num_experts, top_k, inter, tokens = 2048, 128, 8, 768, 256
     gen = torch.Generator(device="cuda").manual_seed(tp_size)

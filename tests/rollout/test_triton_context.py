@@ -1,4 +1,4 @@
-"""The prefill-with-context kernel (``tidal/rollout/triton_context.py``) against the torch path
+"""The prefill-with-context kernel (``tidal/rollout/kernels/triton_context.py``) against the torch path
 (``attention.torch_context_prefill_attention``) and a float64 per-sequence reference.
 
 Two groups:
@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from tests.rollout.triton_interpreter import interpreted
-from tidal.rollout import attention
-from tidal.rollout.attention import AttentionMetadata
+from tidal.rollout.runner import attention
+from tidal.rollout.runner.attention import AttentionMetadata
 
 
 def make_case(chunks, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed):
@@ -151,8 +151,8 @@ def test_bfloat16_within_tolerance(heads, kv_heads, head_dim, window):
 def test_long_prompt_chunk_splits_the_keys(dtype, window):
     """One sequence's 512-token chunk at the end of a 16k prompt: too few tiles to fill the GPU, so the
     key range is split (split-K) and merged; every split count agrees with the reference."""
-    from tidal.rollout import triton_context
-    from tidal.rollout.triton_attention import _num_sms, choose_num_splits
+    from tidal.rollout.kernels import triton_context
+    from tidal.rollout.kernels.triton_attention import _num_sms, choose_num_splits
 
     q, cache, meta = make_case([(16384 - 512, 16384)], 14, 2, 64, 16, dtype, "cuda", seed=5)
     block_m = triton_context.tile_config(64, dtype)[0]
@@ -182,7 +182,7 @@ def test_block_size_and_int32_tables():
 
 @pytest.mark.gpu
 def test_dispatch_follows_backend_and_switch(monkeypatch):
-    from tidal.rollout import triton_context
+    from tidal.rollout.kernels import triton_context
 
     calls = []
     kernel = triton_context.paged_context_attention
@@ -203,7 +203,8 @@ def test_engine_prefix_caching_same_tokens_as_torch_path(tiny_model, monkeypatch
     """float32 engine on CUDA, prefix caching + chunked prefill: the kernel's greedy tokens and log-probs
     equal the torch context path's; a multi-turn history hits the cache."""
     from tests.rollout.reference import greedy
-    from tidal.rollout import EngineConfig, LLMEngine, triton_context
+    from tidal.rollout import EngineConfig, LLMEngine
+    from tidal.rollout.kernels import triton_context
 
     calls = []
     kernel = triton_context.paged_context_attention
@@ -244,11 +245,11 @@ def test_engine_prefix_caching_same_tokens_as_torch_path(tiny_model, monkeypatch
 # ------------------------------------------------------------------------------------ interpreter
 @pytest.fixture(scope="module")
 def tc():
-    """``tidal.rollout.triton_context`` with its kernel run by Triton's interpreter (and the decode module's
+    """``tidal.rollout.kernels.triton_context`` with its kernel run by Triton's interpreter (and the decode module's
     merge kernel, which it imports for split-K)."""
     kernels = {
-        "tidal.rollout.triton_attention": "_merge_kernel",
-        "tidal.rollout.triton_context": "_context_kernel",
+        "tidal.rollout.kernels.triton_attention": "_merge_kernel",
+        "tidal.rollout.kernels.triton_context": "_context_kernel",
     }
     with interpreted(kernels) as (_, module):
         yield module

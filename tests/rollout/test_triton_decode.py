@@ -1,4 +1,4 @@
-"""The paged decode-attention kernel (``tidal/rollout/triton_attention.py``) run by Triton's interpreter on
+"""The paged decode-attention kernel (``tidal/rollout/kernels/triton_attention.py``) run by Triton's interpreter on
 the CPU, against the torch decode path: context splits cut per sequence (also where the block table is far
 wider than the context, as in a CUDA graph), sliding windows, padding rows, strided queries. Skipped where
 triton is missing (CI) or CUDA is present (``tests/rollout/test_gpu.py`` runs the compiled kernel there).
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.rollout.triton_interpreter import interpreted
-from tidal.rollout.attention import AttentionMetadata, torch_decode_attention
+from tidal.rollout.runner.attention import AttentionMetadata, torch_decode_attention
 
 
 @pytest.mark.parametrize(
@@ -18,7 +18,7 @@ from tidal.rollout.attention import AttentionMetadata, torch_decode_attention
     [(14, 2, 64, None, 1), (8, 4, 32, 7, 2), (12, 4, 32, None, 4), (6, 3, 32, 9, 8)],
 )
 def test_interpreted_kernel_matches_torch(heads, kv_heads, head_dim, window, splits):
-    with interpreted({"tidal.rollout.triton_attention": "_decode_kernel"}) as (module,):
+    with interpreted({"tidal.rollout.kernels.triton_attention": "_decode_kernel"}) as (module,):
         gen = torch.Generator().manual_seed(0)
         batch, blocks, block_size, width = 4, 64, 4, 16  # tables 64 tokens wide, contexts up to 40
         cache = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=gen)
@@ -51,7 +51,7 @@ def test_fused_rope_decode_is_bit_equal_to_rope_store_then_attention(
     (whichever split holds it), a padding row storing into its slot, GQA groups and sliding windows."""
     kernels = {
         "tidal.rollout.models.triton_fused": "_rope_store_kv_kernel",
-        "tidal.rollout.triton_attention": "_decode_kernel",
+        "tidal.rollout.kernels.triton_attention": "_decode_kernel",
     }
     with interpreted(kernels) as (tf, module):
         gen = torch.Generator().manual_seed(heads + splits)

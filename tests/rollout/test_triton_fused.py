@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from tests.rollout.reference import PROMPTS
 from tests.rollout.triton_interpreter import interpreted
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
-from tidal.rollout.attention import store_kv
 from tidal.rollout.models import layers
 from tidal.rollout.models.layers import Attention
 from tidal.rollout.models.rope import apply_rope, rope_table
+from tidal.rollout.runner.attention import store_kv
 
 SHAPES = {
     "tiny": dict(heads=6, kv_heads=2, head_dim=32, inter=512),  # tidal.testing's tiny models
@@ -264,7 +264,7 @@ def test_decode_attention_with_rope_is_bit_equal(batch, max_ctx, shape, dtype):
     tokens), a padding row, and (8 rows of long contexts) the context split over 16 programs, only one of
     which holds and stores the step's own key and value."""
     import tidal.rollout.models.triton_fused as tf
-    from tidal.rollout.triton_attention import RopeInputs, paged_decode_attention
+    from tidal.rollout.kernels.triton_attention import RopeInputs, paged_decode_attention
 
     s, block = SHAPES[shape], 16
     heads, kv_heads, head_dim = s["heads"], s["kv_heads"], s["head_dim"]
@@ -301,7 +301,7 @@ def test_decode_attention_with_rope_is_bit_equal(batch, max_ctx, shape, dtype):
 def test_engine_with_rope_in_decode_attention_matches_two_kernels(family, dtype, tiny_model, monkeypatch):
     """Engines (CUDA graphs, async scheduling) with RoPE + KV store inside the decode attention kernel and
     with them as two kernels give the same tokens and log-probs; the switch really selects the path."""
-    import tidal.rollout.triton_attention as ta
+    import tidal.rollout.kernels.triton_attention as ta
 
     calls = []  # decode attention calls that rotate and store themselves
     kernel = ta.paged_decode_attention

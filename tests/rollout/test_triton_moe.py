@@ -1,4 +1,4 @@
-"""The fused MoE kernels (``tidal/rollout/triton_moe.py``) against a plain float32 per-expert reference.
+"""The fused MoE kernels (``tidal/rollout/kernels/triton_moe.py``) against a plain float32 per-expert reference.
 
 Two groups:
 
@@ -118,7 +118,7 @@ GPU_SHAPE = dict(hidden=2048, num_experts=128, top_k=8, inter=768)
 @pytest.mark.parametrize("skewed", [False, True])
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 256, 4096])
 def test_fused_moe_matches_float32_reference_at_qwen3_30b_shapes(num_tokens, skewed):
-    from tidal.rollout.triton_moe import fused_expert_forward
+    from tidal.rollout.kernels.triton_moe import fused_expert_forward
 
     s = GPU_SHAPE
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
@@ -149,7 +149,7 @@ def test_fused_moe_matches_float32_reference_at_qwen3_30b_shapes(num_tokens, ske
 def test_fused_moe_mixtral_float32_routing_weights_and_float32_model():
     """Mixtral keeps routing weights in float32 (pair outputs then float32); a float32 engine runs
     IEEE float32 dots (no TF32)."""
-    from tidal.rollout.triton_moe import fused_expert_forward
+    from tidal.rollout.kernels.triton_moe import fused_expert_forward
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-5)):
@@ -165,7 +165,7 @@ def test_fused_moe_mixtral_float32_routing_weights_and_float32_model():
 def test_fused_moe_replays_in_a_cuda_graph_with_new_routing():
     """Decode replays captured graphs: the alignment must not sync with the host, and a replay with
     other routing (same shapes) must give that routing's result."""
-    from tidal.rollout.triton_moe import fused_expert_forward
+    from tidal.rollout.kernels.triton_moe import fused_expert_forward
 
     s = GPU_SHAPE
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -192,7 +192,7 @@ def test_fused_moe_replays_in_a_cuda_graph_with_new_routing():
 
 @pytest.mark.gpu
 def test_expert_forward_dispatch_follows_fused_moe_switch(monkeypatch):
-    from tidal.rollout.triton_moe import fused_expert_forward
+    from tidal.rollout.kernels.triton_moe import fused_expert_forward
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     gate_up, down = experts(16, 256, 128, gen, "cuda", torch.bfloat16)
@@ -230,7 +230,7 @@ def _assert_same_alignment(ids, num_experts: int, block_m: int, tm) -> None:
 def test_align_kernel_matches_torch_alignment_at_decode_sizes(num_tokens, top_k, num_experts):
     """Decode batches up to the kernel's limit (512 x top-8 = 4096 pairs), uniform and skewed routing,
     all pairs on one expert or on the last one, each tile_config block size."""
-    from tidal.rollout import triton_moe
+    from tidal.rollout.kernels import triton_moe
 
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
     cases = [routing(num_tokens, num_experts, top_k, skewed, gen, "cuda")[1] for skewed in (False, True)]
@@ -244,7 +244,7 @@ def test_align_kernel_matches_torch_alignment_at_decode_sizes(num_tokens, top_k,
 def test_fused_moe_output_unchanged_by_the_align_kernel(monkeypatch):
     """``fused_expert_forward`` takes the kernel on CUDA at decode sizes and gives the same bits as with
     the torch alignment."""
-    from tidal.rollout import triton_moe
+    from tidal.rollout.kernels import triton_moe
 
     s = GPU_SHAPE
     gen = torch.Generator(device="cuda").manual_seed(4)
@@ -277,7 +277,7 @@ def test_fused_route_matches_torch_at_decode_sizes(num_tokens, num_experts, top_
     """Decode batches (and a prefill-sized one not a multiple of the row block) of Qwen3-30B-A3B (128
     experts, top-8), Qwen2-MoE-like (60, top-4) and Mixtral (8, top-2) routers; float32 logits (tie-free
     but for rare collapsed probabilities) and bfloat16 ones (ties common among 128 experts)."""
-    from tidal.rollout.triton_moe import fused_route
+    from tidal.rollout.kernels.triton_moe import fused_route
 
     gen = torch.Generator(device="cuda").manual_seed(num_tokens * 1000 + num_experts)
     logits = torch.randn(num_tokens, num_experts, generator=gen, device="cuda")
@@ -292,7 +292,7 @@ def test_fused_route_matches_torch_at_decode_sizes(num_tokens, num_experts, top_
 def test_route_takes_the_kernel_and_replays_in_a_cuda_graph_with_new_logits(monkeypatch):
     """``moe.route`` on CUDA is ``fused_route`` (no host sync): captured once, a replay on other logits
     gives those logits' routing."""
-    from tidal.rollout import triton_moe
+    from tidal.rollout.kernels import triton_moe
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     logits = torch.randn(64, 128, generator=gen, device="cuda").bfloat16()
@@ -332,9 +332,9 @@ def test_route_takes_the_kernel_and_replays_in_a_cuda_graph_with_new_logits(monk
 
 @pytest.fixture(scope="module")
 def tm():
-    """``tidal.rollout.triton_moe`` with its kernels run by Triton's interpreter."""
+    """``tidal.rollout.kernels.triton_moe`` with its kernels run by Triton's interpreter."""
     with (
-        interpreted({"tidal.rollout.triton_moe": "_moe_gemm"}) as (module,),
+        interpreted({"tidal.rollout.kernels.triton_moe": "_moe_gemm"}) as (module,),
         pytest.MonkeyPatch.context() as patch,
     ):
         patch.setattr(module, "libdevice", NumpyLibdevice)

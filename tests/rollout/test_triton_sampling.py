@@ -1,4 +1,4 @@
-"""The split-vocabulary sampling kernels (``tidal/rollout/triton_sampling.py``) against the one-program-per-row
+"""The split-vocabulary sampling kernels (``tidal/rollout/kernels/triton_sampling.py``) against the one-program-per-row
 kernel (``fused_sample(..., chunks=1)``) and the torch ``Sampler.reference``.
 
 The contract: the split kernels draw bit-identical tokens to the one-program kernel for every input (same
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.rollout.triton_interpreter import NumpyLibdevice, interpreted
-from tidal.rollout.sampler import Sampler, SamplingTensors, sequence_seed
+from tidal.rollout.runner.sampler import Sampler, SamplingTensors, sequence_seed
 from tidal.testing.stats import expected_distinct, goodness_of_fit, mean_z
 
 TEMPERATURES = [0.0, 0.7, 1.0, 1.3]
@@ -55,7 +55,7 @@ def assert_same_draws(ts, logits, temps, seeds, positions, **split):
 @pytest.fixture(scope="module")
 def ts():
     """``triton_sampling`` run by Triton's interpreter."""
-    kernels = {"tidal.rollout.triton_sampling": "_sample_kernel"}
+    kernels = {"tidal.rollout.kernels.triton_sampling": "_sample_kernel"}
     with interpreted(kernels) as (module,), pytest.MonkeyPatch.context() as patch:
         patch.setattr(module, "libdevice", NumpyLibdevice)
         yield module
@@ -130,7 +130,7 @@ def test_no_rows_interpreted(ts):
 def test_chunk_count_fills_the_gpu():
     """Powers of two up to PROGRAMS_PER_SM programs per SM, chunks of at least MIN_BLOCKS_PER_CHUNK
     blocks; one chunk (the one-program kernel) for small vocabularies and batches that fill the GPU."""
-    ts = pytest.importorskip("tidal.rollout.triton_sampling", exc_type=ImportError)
+    ts = pytest.importorskip("tidal.rollout.kernels.triton_sampling", exc_type=ImportError)
     vocab, sms, block = 151936, 132, 512
     assert ts.split_chunks(64, vocab, sms, block) == 32
     assert ts.split_chunks(256, vocab, sms, block) == 8
@@ -149,7 +149,7 @@ def test_chunk_count_fills_the_gpu():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [64, 256])
 def test_split_kernel_draws_the_one_program_tokens_at_152k(rows, dtype):
-    from tidal.rollout import triton_sampling as ts
+    from tidal.rollout.kernels import triton_sampling as ts
 
     vocab = 151936
     assert ts.split_chunks(rows, vocab, ts.sm_count(torch.device("cuda"))) > 1
@@ -168,7 +168,7 @@ def test_split_kernel_draws_the_one_program_tokens_at_152k(rows, dtype):
 def test_split_kernel_replays_in_a_cuda_graph():
     """Decode captures the sampler: a replay on new logits gives those logits' draws (scratch buffers
     allocated inside the capture come from the graph's pool)."""
-    from tidal.rollout import triton_sampling as ts
+    from tidal.rollout.kernels import triton_sampling as ts
 
     rows, vocab = 64, 151936
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -197,7 +197,7 @@ def test_split_kernel_samples_follow_the_exact_distribution_at_152k(temperature)
     """65,536 draws of one peaked 152k-vocabulary row through the split kernel (256 rows a call: 8
     chunks a row; 8 samples per seeded request, as the engine seeds them): chi-square against
     softmax(logits / T) and the diversity of each request's samples."""
-    from tidal.rollout import triton_sampling as ts
+    from tidal.rollout.kernels import triton_sampling as ts
 
     vocab, draws, rows, n = 151936, 65536, 256, 8
     assert ts.split_chunks(rows, vocab, ts.sm_count(torch.device("cuda"))) > 1

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tidal.rewards.base import RewardError, check_finite
-from tidal.rollout.sampler import sequence_seed
+from tidal.rollout.runner.sampler import sequence_seed
 from tidal.rollout.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -43,7 +43,7 @@ from typing import Any
 
 from tidal.agents.base import AgentError, AgentExecutorBase, EpisodeError, Trajectory, describe, with_params
 from tidal.rewards.function import load_python_file
-from tidal.rollout.sampler import sequence_seed
+from tidal.rollout.runner.sampler import sequence_seed
 from tidal.serve.server import OpenAIServer, OpenAIService
 
 EPISODE_PATH = re.compile(r"^/episodes/([A-Za-z0-9_.-]+)(/.*)$")

@@ -41,7 +41,7 @@ from tidal.agents.base import (
     with_params,
 )
 from tidal.rewards.base import RewardError, check_finite, to_scalar_logs
-from tidal.rollout.sampler import sequence_seed
+from tidal.rollout.runner.sampler import sequence_seed
 from tidal.rollout.sampling_params import SamplingParams
 
 _REQUIRED = ("rewards", "environment_feedback", "done")

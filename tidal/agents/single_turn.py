@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tidal.agents.base import AgentExecutorBase, Trajectory, with_params
 from tidal.rollout.outputs import CompletionOutput
-from tidal.rollout.sampler import sequence_seed
+from tidal.rollout.runner.sampler import sequence_seed
 from tidal.rollout.sampling_params import SamplingParams
 
 

@@ -90,7 +90,7 @@ def rollout_images(prompts: Sequence, image_processor) -> list | None:
     if not any(getattr(p, "images", ()) for p in prompts):
         return None
     from tidal.data.images import open_image
-    from tidal.rollout.multimodal import MultiModalInput
+    from tidal.rollout.runner.multimodal import MultiModalInput
 
     out = []
     for prompt in prompts:

@@ -13,7 +13,7 @@ scores the answer to the plain prompt).
 
 Images (``--image_key``, ``--max_images_per_prompt``; a vision-language ``--pretrain``): each row's images
 are read and checked up front as for training (``tidal.data.images.check_image_rows``), and go to the
-engine with their prompt (``tidal.rollout.multimodal.MultiModalInput``), which expands each image's
+engine with their prompt (``tidal.rollout.runner.multimodal.MultiModalInput``), which expands each image's
 placeholder token; the output rows are written as for text (the rendered prompt holds one placeholder
 per image).
 
@@ -194,7 +194,7 @@ class Prompts:
         if self.images is None:
             return None
         from tidal.data.images import open_image
-        from tidal.rollout.multimodal import MultiModalInput
+        from tidal.rollout.runner.multimodal import MultiModalInput
 
         return [
             MultiModalInput(images=[open_image(r) for r in refs]) if refs else None for refs in self.images

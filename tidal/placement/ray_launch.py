@@ -7,7 +7,7 @@ torchrun path share all training code. Roles on devices of their own (engines, r
 models) get actor groups of their own; each rank receives its share of their actors. A
 tensor-parallel engine (``--vllm_tensor_parallel_size N``) is one actor in a bundle of N devices: it
 is the engine's rank 0 and starts ranks 1..N-1 inside the bundle as local mode does
-(``tidal.rollout.tp_worker``), so weight sync and generation are those of a separate engine process.
+(``tidal.rollout.runner.tp_worker``), so weight sync and generation are those of a separate engine process.
 Engines colocated with the policy workers need no actors: they live in the workers (an engine spanning
 N of them through sub-groups of the training world). Rank 0's per-rollout metrics come back to the
 driver. See ``docs/distributed.md``.

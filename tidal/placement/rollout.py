@@ -89,7 +89,7 @@ def colocated_tp_group(cfg: RolloutConfig, device: torch.device):
 
     if cfg.vllm_tensor_parallel_size == 1 or not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    from tidal.rollout.tp_worker import colocated_group
+    from tidal.rollout.runner.tp_worker import colocated_group
 
     return colocated_group(cfg.vllm_tensor_parallel_size, device)
 

@@ -10,8 +10,8 @@ transformers fallback ``HFEngine`` (``hf_engine.py``: same interface, slower) fo
 See ``engine.py`` for the architecture and ``sampling_params.py`` for the log-prob semantics.
 """
 
-from tidal.rollout.engine import EngineConfig, LLMEngine
-from tidal.rollout.hf_engine import HFEngine, make_engine
+from tidal.rollout.engine.hf_engine import HFEngine, make_engine
+from tidal.rollout.engine.llm_engine import EngineConfig, LLMEngine
 from tidal.rollout.outputs import CompletionOutput, RequestOutput
 from tidal.rollout.sampling_params import SamplingParams
 

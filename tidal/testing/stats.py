@@ -10,7 +10,7 @@ the distribution they must follow:
 - ``expected_distinct``: how many distinct tokens n independent draws give on average, to check that
   the n samples of one request are as diverse as independent draws.
 - ``truncated_probs``: the exact distribution that temperature, top-k, top-p and min-p leave, written
-  independently of ``tidal.rollout.sampler.truncate_logits`` (sorted float64 arithmetic).
+  independently of ``tidal.rollout.runner.sampler.truncate_logits`` (sorted float64 arithmetic).
 """
 
 from __future__ import annotations

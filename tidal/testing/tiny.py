@@ -396,7 +396,7 @@ def perturbed_copy(model_dir: str | Path, out: str | Path, scale: float, seed: i
 
 
 # Families transformers has but tidal's engine does not implement (they run on the transformers fallback,
-# ``tidal.rollout.hf_engine``): their tiny HF config fields. bamba is a hybrid Mamba-2 / attention decoder
+# ``tidal.rollout.engine.hf_engine``): their tiny HF config fields. bamba is a hybrid Mamba-2 / attention decoder
 # (attention in layers 1 and 3); gpt2 a learned-position, LayerNorm decoder.
 TINY_FALLBACK_FAMILIES = {
     "bamba": dict(

@@ -20,7 +20,7 @@ every one):
 
 On CUDA (bf16 or fp32) cuBLAS and torch's reduction kernels choose their tiling from the batch's shape, so
 ``linear``, ``rms_norm``, ``attention`` and ``token_logprobs`` run Triton kernels with one fixed
-configuration each (``tidal.rollout.triton_exact``: no split-K, K reduced in fixed blocks, fixed key
+configuration each (``tidal.rollout.kernels.triton_exact``: no split-K, K reduced in fixed blocks, fixed key
 blocks from position 0); ``pointwise`` calls the op directly (a CUDA elementwise kernel computes every
 element with the same code, so the CPU padding is not needed). The ops are differentiable there (the
 trainer's policy loss runs them): the backward recomputes a plain torch formulation, which needs no

@@ -1,4 +1,4 @@
-"""On CUDA the batch-invariant ops run Triton kernels (``tidal.rollout.triton_exact``): this module picks
+"""On CUDA the batch-invariant ops run Triton kernels (``tidal.rollout.kernels.triton_exact``): this module picks
 them (``on_triton``) and makes a kernel differentiable by recomputing a plain torch formulation backward
 (``invariant``), which needs no invariance.
 """
@@ -16,8 +16,8 @@ def on_triton(x: torch.Tensor) -> bool:
 
 
 def kernels():
-    """``tidal.rollout.triton_exact``, imported only where a kernel runs (Triton is optional)."""
-    from tidal.rollout import triton_exact
+    """``tidal.rollout.kernels.triton_exact``, imported only where a kernel runs (Triton is optional)."""
+    from tidal.rollout.kernels import triton_exact
 
     return triton_exact
 

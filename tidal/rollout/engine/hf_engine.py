@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from tidal.logging import get_logger
-from tidal.rollout.engine import (
+from tidal.rollout.engine.hf_engine_steps import Cohort, HFStepper, StopRules
+from tidal.rollout.engine.llm_engine import (
     EngineConfig,
     LLMEngine,
     _copy,
@@ -35,12 +36,11 @@ from tidal.rollout.engine import (
     _load_hf_config,
     _load_tokenizer,
 )
-from tidal.rollout.hf_engine_steps import Cohort, HFStepper, StopRules
 from tidal.rollout.models.registry import FAMILIES, VISION_FAMILIES
 from tidal.rollout.outputs import CompletionOutput, RequestOutput
-from tidal.rollout.sampler import sequence_seed
+from tidal.rollout.runner.sampler import sequence_seed
 from tidal.rollout.sampling_params import SamplingParams
-from tidal.rollout.sequence import Sequence
+from tidal.rollout.scheduling.sequence import Sequence
 
 log = get_logger(__name__)
 

@@ -6,7 +6,7 @@ one cache of the transformers model, all at the same length. A step prefills the
 advances every earlier cohort by one token (one forward of its rows' last tokens). Cohorts are not padded
 into one batch: rows of one cohort share a length, so no attention mask or position shift is needed, and
 recurrent (Mamba-style) layers, whose state has no length to pad, work unchanged. The last-position
-logits of all rows are then sampled together by ``tidal.rollout.sampler`` with the same per-row tensors
+logits of all rows are then sampled together by ``tidal.rollout.runner.sampler`` with the same per-row tensors
 the native engine builds (``sampling_tensors``), so a seeded request samples the same tokens from the
 same logits. The stop rules are the scheduler's own (``StopRules``).
 """
@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from tidal.rollout.sampler import Sampler, SamplingTensors, top_logprobs
-from tidal.rollout.scheduler import Detokenize, Scheduler
-from tidal.rollout.sequence import Sequence, SequenceStatus
+from tidal.rollout.runner.sampler import Sampler, SamplingTensors, top_logprobs
+from tidal.rollout.scheduling.scheduler import Detokenize, Scheduler
+from tidal.rollout.scheduling.sequence import Sequence, SequenceStatus
 
 
 class StopRules(Scheduler):

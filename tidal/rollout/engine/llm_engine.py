@@ -54,8 +54,6 @@ import torch
 from tidal.logging.console import get_logger
 from tidal.logging.phases import Progress, on_main_process, phase, size_text
 from tidal.rollout.batch_invariant import exact_device_problem
-from tidal.rollout.block_manager import BlockManager, blocks_needed
-from tidal.rollout.model_runner import LaunchedStep, ModelRunner
 from tidal.rollout.models.loader import (
     build_decoder,
     context_prefill_problem,
@@ -64,13 +62,15 @@ from tidal.rollout.models.loader import (
 )
 from tidal.rollout.models.parallel import SINGLE
 from tidal.rollout.models.registry import feature_refusal
-from tidal.rollout.multimodal import MultiModalInput, PromptImages, VisionSpec, prepare_images
 from tidal.rollout.outputs import CompletionOutput, RequestOutput
-from tidal.rollout.sampler import sequence_seed
+from tidal.rollout.runner.model_runner import LaunchedStep, ModelRunner
+from tidal.rollout.runner.multimodal import MultiModalInput, PromptImages, VisionSpec, prepare_images
+from tidal.rollout.runner.sampler import sequence_seed
 from tidal.rollout.sampling_params import SamplingParams
-from tidal.rollout.scheduler import Lookahead, ScheduledBatch, Scheduler
-from tidal.rollout.sequence import Sequence
-from tidal.rollout.state_cache import StateCache, StateSlots
+from tidal.rollout.scheduling.block_manager import BlockManager, blocks_needed
+from tidal.rollout.scheduling.scheduler import Lookahead, ScheduledBatch, Scheduler
+from tidal.rollout.scheduling.sequence import Sequence
+from tidal.rollout.scheduling.state_cache import StateCache, StateSlots
 
 log = get_logger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -265,12 +265,12 @@ class LLMEngine:
         tp = SINGLE
         size = self.config.tp_size
         if tp_group is not None:
-            from tidal.rollout.tp_worker import GroupPeers
+            from tidal.rollout.runner.tp_worker import GroupPeers
 
             self.peers = GroupPeers(*tp_group)
             tp = self.peers.tp
         elif size > 1:
-            from tidal.rollout.tp_worker import TPPeers, WorkerSpec, tp_devices
+            from tidal.rollout.runner.tp_worker import TPPeers, WorkerSpec, tp_devices
 
             problem = tp_layout_problem(self.hf_config, size)  # before any process starts
             if problem:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tidal.rollout.attention import AttentionMetadata, store_kv
+from tidal.rollout.runner.attention import AttentionMetadata, store_kv
 
 _PAD = 8  # padded head-dim columns: keeps the head dim a multiple of 8 for SDPA's fused kernels
 
@@ -84,15 +84,15 @@ def torch_sink_attention(q, layer_cache: torch.Tensor, meta: AttentionMetadata, 
 
 def _triton_sink_attention(q, layer_cache, meta: AttentionMetadata, window, scale, sinks):
     """The paged Triton kernels with sinks, or None where they do not apply (``attention.py``'s rules)."""
-    from tidal.rollout import attention
+    from tidal.rollout.runner import attention
 
     if not meta.is_prefill:
-        from tidal.rollout.triton_attention import paged_decode_attention
+        from tidal.rollout.kernels.triton_attention import paged_decode_attention
 
         return paged_decode_attention(
             q, layer_cache, meta.block_tables, meta.context_lens, window, scale, sinks=sinks
         )
-    from tidal.rollout import triton_context
+    from tidal.rollout.kernels import triton_context
 
     if not (attention.CONTEXT_KERNEL and triton_context.supports(q.shape[-1])):
         return None

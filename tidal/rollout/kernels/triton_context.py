@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal.rollout.triton_attention import _merge_kernel, _num_sms, choose_num_splits, sink_share
+from tidal.rollout.kernels.triton_attention import _merge_kernel, _num_sms, choose_num_splits, sink_share
 
 LOG2E = 1.4426950408889634
 

@@ -55,7 +55,7 @@ NO_MAX = tl.constexpr(-3.0e38)  # the running max's start: finite, since exp(-in
 
 @triton.jit
 def _mix32(x):
-    """``tidal.rollout.sampler.mix32`` on uint32 (products wrap modulo 2**32, as the int64 masks do)."""
+    """``tidal.rollout.runner.sampler.mix32`` on uint32 (products wrap modulo 2**32, as the int64 masks do)."""
     x = x ^ (x >> 16)
     x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
     x = x ^ (x >> 15)

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tidal.rollout.attention import AttentionMetadata, store_kv
 from tidal.rollout.models.layers import Attention, CausalLM, DecoderArgs, GatedMLP, RMSNorm
 from tidal.rollout.models.parallel import ParallelLMHead, TPGroup, VocabParallelEmbedding
 from tidal.rollout.models.rope import apply_rope
+from tidal.rollout.runner.attention import AttentionMetadata, store_kv
 
 
 @dataclass

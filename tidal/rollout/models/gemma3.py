@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from tidal.rollout.attention import AttentionMetadata
 from tidal.rollout.models.gemma2 import GemmaArgs, GemmaAttention, GemmaCausalLM, GemmaRMSNorm, gemma_args
 from tidal.rollout.models.layers import Rotary
 from tidal.rollout.models.rope import SUPPORTED_ROPE_TYPES, rope_table
+from tidal.rollout.runner.attention import AttentionMetadata
 
 # Index of each layer kind's RoPE in the (cos, sin) tuples that ``Gemma3ForCausalLM.rope`` returns.
 ROPE_SLOTS = {"sliding_attention": 0, "full_attention": 1}

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tidal.rollout.attention import AttentionMetadata
 from tidal.rollout.models.gemma2 import ScaledEmbedding, SoftcappedHead
 from tidal.rollout.models.gemma4_attention import gemma4_attention
 from tidal.rollout.models.gemma4_moe import add_moe_block, feed_forward, gemma4_moe_args
@@ -46,6 +45,7 @@ from tidal.rollout.models.layers import ACTIVATIONS, CausalLM, DecoderArgs, Rota
 from tidal.rollout.models.moe import MoEArgs
 from tidal.rollout.models.parallel import VocabParallelEmbedding
 from tidal.rollout.models.rope import apply_rope, rope_table
+from tidal.rollout.runner.attention import AttentionMetadata
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 

@@ -21,8 +21,8 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from tidal.rollout.attention import AttentionMetadata, prefill_attention
 from tidal.rollout.models.layers import paged_attention
+from tidal.rollout.runner.attention import AttentionMetadata, prefill_attention
 
 # The widest head the Triton paged kernels take (``triton_context.supports``); Gemma 4's 512-wide global
 # heads attend through the torch ops instead.

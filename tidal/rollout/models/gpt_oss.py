@@ -30,13 +30,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tidal.rollout.attention import AttentionMetadata
+from tidal.rollout.kernels.sink_attention import sink_paged_attention
 from tidal.rollout.models import moe
 from tidal.rollout.models.layers import Attention, CausalLM, DecoderLayer, RMSNorm, fused_kernels_usable
 from tidal.rollout.models.moe import MoEArgs, MoEDecoderArgs, SparseMoE, grouped_linear
 from tidal.rollout.models.mxfp4 import dequantize_mxfp4
 from tidal.rollout.models.rope import apply_rope
-from tidal.rollout.sink_attention import sink_paged_attention
+from tidal.rollout.runner.attention import AttentionMetadata
 
 
 @dataclass

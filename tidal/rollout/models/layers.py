@@ -32,13 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.accel import triton_usable
-from tidal.rollout.attention import (
-    AttentionMetadata,
-    decode_attention,
-    exact_attention,
-    prefill_attention,
-    store_kv,
-)
 from tidal.rollout.models.architecture import ACTIVATIONS as ACTIVATIONS
 from tidal.rollout.models.architecture import sliding_windows as sliding_windows
 from tidal.rollout.models.parallel import (
@@ -53,6 +46,13 @@ from tidal.rollout.models.parallel import (
     kv_heads_per_rank,
 )
 from tidal.rollout.models.rope import apply_rope, inv_freq_and_scale, rope_table
+from tidal.rollout.runner.attention import (
+    AttentionMetadata,
+    decode_attention,
+    exact_attention,
+    prefill_attention,
+    store_kv,
+)
 
 # False: the decoder never runs ``triton_fused``'s kernels (SwiGLU; RoPE + KV store) and takes the torch
 # ops instead (benchmarks compare the two; both give bit-equal results). Read at each forward, so set it
@@ -292,7 +292,7 @@ class Attention(nn.Module):
 
     def _fused_decode(self, qkv, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         """RoPE, the KV store and paged decode attention in one kernel (``triton_attention``)."""
-        from tidal.rollout.triton_attention import RopeInputs, paged_decode_attention
+        from tidal.rollout.kernels.triton_attention import RopeInputs, paged_decode_attention
 
         heads = qkv.view(qkv.shape[0], -1, self.head_dim)  # q, then k, then v heads
         layer_cache = meta.kv_cache[self.layer_idx]

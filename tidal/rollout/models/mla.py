@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.rollout.attention import AttentionMetadata, prefill_attention
 from tidal.rollout.models.layers import RMSNorm
 from tidal.rollout.models.rope import apply_rope, rope_parameters
+from tidal.rollout.runner.attention import AttentionMetadata, prefill_attention
 
 # transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6

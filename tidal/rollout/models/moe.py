@@ -14,7 +14,7 @@ A sparse layer replaces the dense MLP of ``layers.DecoderLayer`` by:
 DeepSeek-V3's block (``deepseek_v3.py``) reuses ``Experts`` with its own router, ``group_limited_route``
 (sigmoid scores, a correction bias for the choice, groups of experts; the torch ops on every device).
 
-``expert_forward`` dispatches to the fused Triton kernels (``tidal/rollout/triton_moe.py``) on CUDA when
+``expert_forward`` dispatches to the fused Triton kernels (``tidal/rollout/kernels/triton_moe.py``) on CUDA when
 Triton is importable and the experts are SiLU-gated (every MoE family here); the path above is the
 reference and the fallback. ``FUSED_MOE = False`` forces it (benchmarks; read at each call, so set it
 before an engine captures its CUDA graphs).
@@ -115,7 +115,7 @@ def route(
     kernels, the same weights up to the order of the softmax sum and the lower expert id first among
     equal logits. Elsewhere ``route_torch``."""
     if triton_usable(router_logits):
-        from tidal.rollout import triton_moe
+        from tidal.rollout.kernels import triton_moe
 
         if triton_moe.route_kernel_fits(router_logits):
             return triton_moe.fused_route(router_logits, top_k, renormalize, weights_in_model_dtype)
@@ -222,7 +222,7 @@ def expert_forward(
     grouped path (its default): pairs sorted by expert, gated MLP per expert, scaled by the routing
     weight, back in token order, summed over k, rounded to ``x.dtype``."""
     if _fused_usable(x, gate_up_proj, act):
-        from tidal.rollout.triton_moe import fused_expert_forward
+        from tidal.rollout.kernels.triton_moe import fused_expert_forward
 
         return fused_expert_forward(x, gate_up_proj, down_proj, weights, ids)
     return unfused_expert_forward(x, gate_up_proj, down_proj, weights, ids, act)

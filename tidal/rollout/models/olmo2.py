@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tidal.rollout.attention import AttentionMetadata
 from tidal.rollout.models.layers import Attention, CausalLM, DecoderArgs, GatedMLP, RMSNorm
 from tidal.rollout.models.parallel import Rows, TPGroup, head_rows
+from tidal.rollout.runner.attention import AttentionMetadata
 
 
 class ShardedRMSNorm(RMSNorm):

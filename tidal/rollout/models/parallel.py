@@ -1,7 +1,7 @@
 """Tensor parallelism for the rollout engine's models: the TP group handle and the parallel layers.
 
 An engine with ``tp_size`` N runs N processes; each holds a shard of every large weight and runs the
-whole forward on its shard (``tidal.rollout.tp_worker`` starts and drives them):
+whole forward on its shard (``tidal.rollout.runner.tp_worker`` starts and drives them):
 
 - ``ColumnParallelLinear`` (packed ``qkv_proj``, ``gate_up_proj``): each rank keeps its rows of every
   packed part — its q heads and the KV heads they read, its slice of the intermediate size — so the

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from tidal.rollout.attention import AttentionMetadata
 from tidal.rollout.models.layers import CausalLM, DecoderArgs, Rotary
 from tidal.rollout.models.rope import rope_parameters, rope_table
+from tidal.rollout.runner.attention import AttentionMetadata
 
 
 def longrope_tables(hf_config, max_model_len: int):

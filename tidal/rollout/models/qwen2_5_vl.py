@@ -24,9 +24,9 @@ from typing import ClassVar
 
 import torch
 
-from tidal.rollout.attention import AttentionMetadata
 from tidal.rollout.models.layers import CausalLM, DecoderArgs
-from tidal.rollout.multimodal import PrefillImages
+from tidal.rollout.runner.attention import AttentionMetadata
+from tidal.rollout.runner.multimodal import PrefillImages
 
 VISION_PREFIX = "visual."
 

@@ -28,13 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.rollout.attention import AttentionMetadata
 from tidal.rollout.models.gated_delta import causal_conv, gated_delta_rule
 from tidal.rollout.models.gemma2 import GemmaRMSNorm
 from tidal.rollout.models.layers import CausalLM, DecoderArgs, GatedMLP, paged_attention
 from tidal.rollout.models.parallel import ColumnParallelLinear, RowParallelLinear, whole
 from tidal.rollout.models.rope import apply_rope, rope_parameters, rope_table
-from tidal.rollout.state_cache import StateSpec
+from tidal.rollout.runner.attention import AttentionMetadata
+from tidal.rollout.scheduling.state_cache import StateSpec
 
 LINEAR, FULL = "linear_attention", "full_attention"
 

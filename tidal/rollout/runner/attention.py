@@ -121,7 +121,7 @@ def prefill_attention(
 def decode_attention(q, layer_cache: torch.Tensor, meta: AttentionMetadata, window: int | None, scale: float):
     """q [batch, heads, d] against the paged cache -> [batch, heads * d]."""
     if meta.backend == "triton":
-        from tidal.rollout.triton_attention import paged_decode_attention
+        from tidal.rollout.kernels.triton_attention import paged_decode_attention
 
         return paged_decode_attention(q, layer_cache, meta.block_tables, meta.context_lens, window, scale)
     return torch_decode_attention(q, layer_cache, meta, window, scale)
@@ -153,7 +153,7 @@ def context_prefill_attention(
     With the Triton backend (CUDA) and a head dim it compiles for: ``triton_context.py``'s kernel reads
     the pages in place. Otherwise one masked SDPA call over the gathered blocks."""
     if meta.backend == "triton" and CONTEXT_KERNEL:
-        from tidal.rollout import triton_context
+        from tidal.rollout.kernels import triton_context
 
         if triton_context.supports(q.shape[-1]):
             return triton_context.paged_context_attention(

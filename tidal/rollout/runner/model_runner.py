@@ -38,16 +38,16 @@ import torch
 
 from tidal.accel import triton_available
 from tidal.rollout import batch_invariant as bi
-from tidal.rollout.attention import AttentionMetadata
-from tidal.rollout.cuda_graph import DecodeGraphs, ahead_input_ids
 from tidal.rollout.models.layers import ACTIVATIONS as ACTIVATIONS_BY_NAME
 from tidal.rollout.models.layers import CausalLM, GatedMLP, RMSNorm, Rotary
 from tidal.rollout.models.moe import SparseMoE
 from tidal.rollout.models.parallel import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
-from tidal.rollout.sampler import Sampler, SamplingTensors, top_logprobs
-from tidal.rollout.scheduler import ScheduledBatch
-from tidal.rollout.sequence import Sequence
-from tidal.rollout.state_cache import StateCache
+from tidal.rollout.runner.attention import AttentionMetadata
+from tidal.rollout.runner.cuda_graph import DecodeGraphs, ahead_input_ids
+from tidal.rollout.runner.sampler import Sampler, SamplingTensors, top_logprobs
+from tidal.rollout.scheduling.scheduler import ScheduledBatch
+from tidal.rollout.scheduling.sequence import Sequence
+from tidal.rollout.scheduling.state_cache import StateCache
 
 # What a step returns per sampled row: token ids, their log-probs and, when any row asks, each row's
 # (token id, log-prob) alternatives (None for a row that did not ask); see ``ModelRunner.run``.
@@ -503,7 +503,7 @@ class ModelRunner:
             step.state_slots = [group[0].state_slot for group in groups]
             step.state_copies = _state_copies(groups)
         if hasattr(self.model, "reserve_block_state"):
-            from tidal.rollout.multimodal import prefill_images
+            from tidal.rollout.runner.multimodal import prefill_images
 
             step.positions, step.images = prefill_images(groups)
         return step

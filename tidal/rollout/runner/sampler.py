@@ -121,7 +121,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
         plain = not st.any_truncation and st.suppress_rows is None and st.penalty_rows is None
         if self.fused and logits.is_cuda and plain:
-            from tidal.rollout.triton_sampling import fused_sample
+            from tidal.rollout.kernels.triton_sampling import fused_sample
 
             if st.all_greedy:
                 return fused_sample(logits, None, None, None)

@@ -2,7 +2,7 @@
 
 The process that builds ``LLMEngine`` is rank 0: it owns the scheduler, the sequences, the sampler and
 the engine's API. It starts ranks 1..N-1 itself, one per device (all on the CPU, or N GPUs), as fresh
-Python processes (``python -m tidal.rollout.tp_worker``; not ``multiprocessing``, whose daemonic
+Python processes (``python -m tidal.rollout.runner.tp_worker``; not ``multiprocessing``, whose daemonic
 processes — an engine process of ``tidal ppo``'s separate engines — may not have children), hands them
 their ``WorkerSpec`` through the rendezvous store, and drives them with ``TPPeers``:
 
@@ -203,7 +203,7 @@ class TPPeers:
         timeout = timedelta(seconds=TIMEOUT_S)
         store = dist.TCPStore(HOST, 0, size, True, timeout=timeout, wait_for_workers=False)
         store.set("spec", pickle.dumps(spec))
-        command = [sys.executable, "-m", "tidal.rollout.tp_worker", str(size), str(store.port)]
+        command = [sys.executable, "-m", "tidal.rollout.runner.tp_worker", str(size), str(store.port)]
         self.procs = [subprocess.Popen([*command, str(rank), str(devices[rank])]) for rank in range(1, size)]
         self._store = store  # the workers' rendezvous lives as long as the engine
         self.channel = None
@@ -355,8 +355,8 @@ def worker_main(size: int, port: int, rank: int, device: str) -> None:
 
 
 def _serve(size: int, port: int, rank: int, device: torch.device) -> None:
-    from tidal.rollout.model_runner import ModelRunner
     from tidal.rollout.models.loader import build_decoder
+    from tidal.rollout.runner.model_runner import ModelRunner
 
     store = dist.TCPStore(HOST, port, size, False, timeout=timedelta(seconds=TIMEOUT_S))
     spec: WorkerSpec = pickle.loads(store.get("spec"))

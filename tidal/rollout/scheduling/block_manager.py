@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from tidal.rollout.prefix_cache import PrefixCache, extend_block_hashes
-from tidal.rollout.sequence import Sequence
-from tidal.rollout.state_cache import StateSlots
+from tidal.rollout.scheduling.prefix_cache import PrefixCache, extend_block_hashes
+from tidal.rollout.scheduling.sequence import Sequence
+from tidal.rollout.scheduling.state_cache import StateSlots
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

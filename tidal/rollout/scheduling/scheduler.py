@@ -34,8 +34,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tidal.rollout.block_manager import BlockManager
-from tidal.rollout.sequence import Sequence, SequenceStatus
+from tidal.rollout.scheduling.block_manager import BlockManager
+from tidal.rollout.scheduling.sequence import Sequence, SequenceStatus
 
 Detokenize = Callable[[list[int], bool], str]
 _NO_IDS: frozenset[int] = frozenset()

@@ -40,7 +40,7 @@ from tidal.placement.build import build_roles, critic_ray_problem, log_placement
 from tidal.placement.data_parallel import check_data_parallel
 from tidal.placement.ray_launch import run_on_ray, wants_ray
 from tidal.rollout.batch_invariant import exact_problem
-from tidal.rollout.hf_engine import fallback_problem
+from tidal.rollout.engine.hf_engine import fallback_problem
 from tidal.rollout.models.loader import context_prefill_problem, tp_layout_problem
 from tidal.rollout.models.registry import FAMILIES, VISION_FAMILIES, feature_refusal
 from tidal.trainers.common import seed_everything
