@@ -6,12 +6,13 @@
     outputs[0].outputs[0].token_ids, outputs[0].outputs[0].logprobs
 
 ``make_engine`` gives tidal's ``LLMEngine`` for the families of ``models/registry.py`` and the
-transformers fallback ``HFEngine`` (``hf_engine.py``: same interface, slower) for any other causal LM.
-See ``engine.py`` for the architecture and ``sampling_params.py`` for the log-prob semantics.
+transformers fallback ``HFEngine`` (``engine/hf_engine.py``: same interface, slower) for any other causal LM.
+See ``engine/llm_engine.py`` for the architecture and ``sampling_params.py`` for the log-prob semantics.
 """
 
+from tidal.rollout.engine.config import EngineConfig
 from tidal.rollout.engine.hf_engine import HFEngine, make_engine
-from tidal.rollout.engine.llm_engine import EngineConfig, LLMEngine
+from tidal.rollout.engine.llm_engine import LLMEngine
 from tidal.rollout.outputs import CompletionOutput, RequestOutput
 from tidal.rollout.sampling_params import SamplingParams
 

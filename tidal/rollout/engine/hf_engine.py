@@ -26,16 +26,11 @@ from pathlib import Path
 import torch
 
 from tidal.logging import get_logger
+from tidal.rollout.engine.config import EngineConfig
 from tidal.rollout.engine.hf_engine_steps import Cohort, HFStepper, StopRules
-from tidal.rollout.engine.llm_engine import (
-    EngineConfig,
-    LLMEngine,
-    _copy,
-    _cut_at_stop,
-    _eos_token_ids,
-    _load_hf_config,
-    _load_tokenizer,
-)
+from tidal.rollout.engine.llm_engine import LLMEngine
+from tidal.rollout.engine.loading import eos_token_ids, load_hf_config, load_tokenizer, resolve_model
+from tidal.rollout.engine.requests import copy_list, cut_at_stop
 from tidal.rollout.models.registry import FAMILIES, VISION_FAMILIES
 from tidal.rollout.outputs import CompletionOutput, RequestOutput
 from tidal.rollout.runner.sampler import sequence_seed
@@ -105,17 +100,15 @@ class HFEngine:
         tokenizer=None,
         tp_group: tuple | None = None,
     ):
-        self.config = config or EngineConfig()
-        self.hf_config = hf_config or _load_hf_config(model_path, model)
-        model_type = getattr(self.hf_config, "model_type", None)
+        self.config, self.hf_config, model_type, self.device, self.dtype = resolve_model(
+            model_path, config, model, hf_config
+        )
         problem = fallback_problem(self.config, model_type)
         if problem is None and tp_group is not None:  # an engine spanning training processes
             problem = _refusal("tensor_parallel (tp_group)", model_type)
         if problem:
             raise ValueError(f"EngineConfig: {problem}")
-        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_path)
-        self.device = self.config.torch_device()
-        self.dtype = self.config.torch_dtype(self.device)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_path)
         self.max_model_len = self.config.max_model_len or getattr(
             self.hf_config, "max_position_embeddings", None
         )
@@ -126,7 +119,7 @@ class HFEngine:
         head = self.model.get_output_embeddings()
         vocab = head.weight.shape[0] if head is not None else self.hf_config.vocab_size
         self.model.args = _Args(vocab, model_type)
-        self.eos_token_ids = _eos_token_ids(self.hf_config, model_path, model, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.hf_config, model_path, model, self.tokenizer)
         self.stepper = HFStepper(self.model)
         self.stop_rules = StopRules(self.max_model_len, self.eos_token_ids, self._detokenize)
         self.peers = None
@@ -255,12 +248,12 @@ class HFEngine:
     def _completion(self, seq: Sequence) -> CompletionOutput:
         text = ""
         if self.tokenizer is not None:
-            text = _cut_at_stop(
+            text = cut_at_stop(
                 self._detokenize(seq.output_token_ids, seq.params.skip_special_tokens), seq.params
             )
         return CompletionOutput(
             seq.sample_index, text, seq.output_token_ids, list(seq.output_logprobs), seq.finish_reason,
-            seq.stop_reason, top_logprobs=_copy(seq.output_top_logprobs),
+            seq.stop_reason, top_logprobs=copy_list(seq.output_top_logprobs),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ step-level API
@@ -364,14 +357,14 @@ class HFEngine:
 
 def model_type_of(model_path=None, model=None, hf_config=None) -> str | None:
     """The ``model_type`` an engine would be built for, read from the config only."""
-    return getattr(hf_config or _load_hf_config(model_path, model), "model_type", None)
+    return getattr(hf_config or load_hf_config(model_path, model), "model_type", None)
 
 
 def make_engine(model_path: str | Path | None = None, config: EngineConfig | None = None, **kw):
     """The rollout engine for a checkpoint: tidal's ``LLMEngine`` for a family of its registry, the
     transformers fallback ``HFEngine`` (same interface, slower) for any other causal LM. Arguments are
     ``LLMEngine``'s."""
-    hf_config = kw.get("hf_config") or _load_hf_config(model_path, kw.get("model"))
+    hf_config = kw.get("hf_config") or load_hf_config(model_path, kw.get("model"))
     model_type = getattr(hf_config, "model_type", None)
     if model_type in FAMILIES or model_type in VISION_FAMILIES:
         return LLMEngine(model_path, config, **kw)

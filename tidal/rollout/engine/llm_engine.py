@@ -2,19 +2,19 @@
 
 Architecture (after nano-vllm, written for tidal):
 
-- ``Scheduler`` (scheduler.py) keeps waiting and running ``Sequence``s and picks each step's batch:
+- ``Scheduler`` (scheduling/scheduler.py) keeps waiting and running ``Sequence``s and picks each step's batch:
   a prefill of newly admitted prompts, or one decode token for every running sequence. Finished
   sequences leave and waiting ones join at every step; when KV blocks run out the youngest running
   sequence is preempted and later recomputed.
-- ``BlockManager`` (block_manager.py) owns the KV cache's block ids. The cache is paged: a pool of
+- ``BlockManager`` (scheduling/block_manager.py) owns the KV cache's block ids. The cache is paged: a pool of
   fixed-size blocks (``block_size`` token slots each, in one tensor
   ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``); each sequence has a block table.
   The ``n`` samples of a prompt are prefilled once and share the prompt's full blocks by reference count;
   each gets a private copy of the last partial block.
-- ``ModelRunner`` (model_runner.py) builds flat token batches and attention metadata, runs the decoder
+- ``ModelRunner`` (runner/model_runner.py) builds flat token batches and attention metadata, runs the decoder
   (models/: shared layers, one file per family, the supported families in models/registry.py) and the
-  on-device ``Sampler`` (sampler.py). On CUDA, decode steps replay CUDA graphs (cuda_graph.py) and
-  decode attention is a Triton paged kernel (triton_attention.py); ``EngineConfig.enforce_eager`` turns
+  on-device ``Sampler`` (runner/sampler.py). On CUDA, decode steps replay CUDA graphs (runner/cuda_graph.py) and
+  decode attention is a Triton paged kernel (kernels/triton_attention.py); ``EngineConfig.enforce_eager`` turns
   the graphs off.
 
 Two ways to drive it: ``generate`` runs a list of prompts to completion; the step-level API
@@ -32,28 +32,39 @@ synchronous loop computes: same tokens and log-probs for a fixed seed. Which set
 synchronous: ``async_fallback`` and ``Scheduler.plan_ahead``.
 
 The engine also swaps weights in place (``update_weights``) and frees / restores its KV cache
-(``sleep`` / ``wake_up``) so a trainer can share the device between rollout and training.
+(``sleep`` / ``wake_up``) so a trainer can share the device between rollout and training (``memory.py``).
+The rest of this folder: ``config.py`` (``EngineConfig``), ``loading.py`` (config, tokenizer and weights of a
+model folder), ``requests.py`` (prompts into sequences, sequences into outputs), ``ahead.py`` (async
+scheduling's policy), ``hf_engine.py`` (``make_engine`` and the transformers fallback).
 
 ``EngineConfig.tp_size`` N > 1 makes a tensor-parallel engine: this process is rank 0 (everything
 above, unchanged API) and starts N-1 worker processes that each hold a shard of the model and of the
-KV cache (``tp_worker.py``, ``models/parallel.py``); ``close()`` stops them.
+KV cache (``runner/tp_worker.py``, ``models/parallel.py``); ``close()`` stops them.
 """
 
 from __future__ import annotations
 
 import random
-import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from tidal.logging.console import get_logger
 from tidal.logging.phases import Progress, on_main_process, phase, size_text
 from tidal.rollout.batch_invariant import exact_device_problem
+from tidal.rollout.engine.ahead import Ahead, AheadPolicy, AheadStats, async_fallback
+from tidal.rollout.engine.config import EngineConfig, family_problem
+from tidal.rollout.engine.loading import (
+    eos_token_ids,
+    load_image_processor,
+    load_tokenizer,
+    model_weights,
+    resolve_model,
+)
+from tidal.rollout.engine.memory import WeightsAndMemory
+from tidal.rollout.engine.requests import RequestBuilding
 from tidal.rollout.models.loader import (
     build_decoder,
     context_prefill_problem,
@@ -62,92 +73,19 @@ from tidal.rollout.models.loader import (
 )
 from tidal.rollout.models.parallel import SINGLE
 from tidal.rollout.models.registry import feature_refusal
-from tidal.rollout.outputs import CompletionOutput, RequestOutput
+from tidal.rollout.outputs import RequestOutput
 from tidal.rollout.runner.model_runner import LaunchedStep, ModelRunner
-from tidal.rollout.runner.multimodal import MultiModalInput, PromptImages, VisionSpec, prepare_images
-from tidal.rollout.runner.sampler import sequence_seed
+from tidal.rollout.runner.multimodal import MultiModalInput, VisionSpec
 from tidal.rollout.sampling_params import SamplingParams
 from tidal.rollout.scheduling.block_manager import BlockManager, blocks_needed
-from tidal.rollout.scheduling.scheduler import Lookahead, ScheduledBatch, Scheduler
+from tidal.rollout.scheduling.scheduler import ScheduledBatch, Scheduler
 from tidal.rollout.scheduling.sequence import Sequence
 from tidal.rollout.scheduling.state_cache import StateCache, StateSlots
 
 log = get_logger(__name__)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass
-class EngineConfig:
-    """Engine capacity and placement. ``num_kv_blocks`` unset: sized from memory (see ``kv_blocks``)."""
-
-    max_num_seqs: int = 256  # sequences decoded together
-    max_num_batched_tokens: int = 16384  # prompt tokens per prefill step (a longer prompt runs alone)
-    max_model_len: int | None = None  # prompt + output; default: the model's max_position_embeddings
-    block_size: int = 16  # token slots per KV block
-    num_kv_blocks: int | None = None
-    gpu_memory_utilization: float = 0.5  # CUDA: fraction of the free memory (after weights) for KV
-    cpu_kv_cache_gb: float = 4.0  # CPU: KV cache budget
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # auto: cuda if available
-    seed: int = 0  # seeds for requests without SamplingParams.seed
-    enforce_eager: bool = False  # CUDA: run decode op by op instead of replaying CUDA graphs
-    attention_backend: str = "auto"  # decode and context prefill: auto (triton on CUDA), triton, torch
-    # Router replay: record each token's MoE experts into ``CompletionOutput.routed_experts`` (no CUDA graphs)
-    record_routing: bool = False
-    # Reuse the KV blocks of cached prompt prefixes (prefix_cache.py); vLLM's and OpenRLHF's name.
-    enable_prefix_caching: bool = False
-    # Prefill long prompts in chunks of at most max_num_batched_tokens, alternating with decode steps.
-    enable_chunked_prefill: bool = False
-    # Tensor parallelism: processes (devices) the engine spans; on CUDA the GPUs from ``device`` on.
-    tp_size: int = 1
-    # Sampled-token log-probs bit-identical to the trainer's exact-mode forward (tidal.rollout.batch_invariant);
-    # float32 or bf16, CPU or CUDA (batch_invariant.exact_device_problem; the families: exact_problem).
-    exact_logprobs: bool = False
-    # Launch decode step t+1 while the device runs step t (module docstring); exact, so only speed changes.
-    # Some settings keep the synchronous loop (``async_fallback``). None: on for CUDA, where the host's share
-    # of a step can overlap the device's (0.5B, B=256: decode step 2.73 -> 1.86 ms, docs/benchmarks.md);
-    # off on the CPU, where the host computes the step itself and there is nothing to overlap.
-    async_scheduling: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.exact_logprobs and self.tp_size > 1:
-            raise ValueError("EngineConfig: exact_logprobs needs tp_size 1")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
-            raise ValueError("EngineConfig: max_num_seqs, max_num_batched_tokens and block_size must be >= 1")
-        if self.tp_size < 1:
-            raise ValueError(f"EngineConfig: tp_size must be >= 1, got {self.tp_size}")
-        if (self.enable_prefix_caching or self.enable_chunked_prefill) and (
-            self.record_routing or self.tp_size > 1
-        ):
-            raise ValueError(
-                "EngineConfig: enable_prefix_caching and enable_chunked_prefill need tp_size 1 and "
-                "record_routing (MoE router replay) off"
-            )
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(
-                f"EngineConfig: dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
-            )
-        if self.attention_backend not in ("auto", "triton", "torch"):
-            raise ValueError(
-                f"EngineConfig: attention_backend must be auto, triton or torch, got {self.attention_backend!r}"
-            )
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"EngineConfig: gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-
-    def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
-
-    def torch_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
-
-
-class LLMEngine:
+class LLMEngine(RequestBuilding, WeightsAndMemory):
     """Generate from token ids (or strings) with a HF checkpoint of a supported decoder family.
 
     ``LLMEngine(path)`` reads config, tokenizer and safetensors from a HF folder. Alternatively pass
@@ -171,15 +109,13 @@ class LLMEngine:
         tp_group: tuple | None = None,
         image_processor=None,
     ):
-        self.config = config or EngineConfig()
+        self.config, self.hf_config, model_type, self.device, self.dtype = resolve_model(
+            model_path, config, model, hf_config
+        )
         self.progress_label: str | None = None  # set: ``generate`` logs its progress under this label
-        self.hf_config = hf_config or _load_hf_config(model_path, model)
-        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_path)
-        self.device = self.config.torch_device()
-        self.dtype = self.config.torch_dtype(self.device)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_path)
         text_config = self.hf_config.get_text_config()  # a vision-language config's language model
         self.max_model_len = self.config.max_model_len or text_config.max_position_embeddings
-        model_type = getattr(self.hf_config, "model_type", None)
         problem = self.config.exact_logprobs and exact_device_problem(self.device, self.dtype, model_type)
         if problem:
             raise ValueError(f"EngineConfig: {problem}")
@@ -189,7 +125,7 @@ class LLMEngine:
         # Features the family runs without (Family.refuses): eager decode steps, synchronous scheduling.
         self.eager = self.config.enforce_eager or feature_refusal(model_type, "cuda_graphs") is not None
         if model is not None:
-            weights = _model_weights(model, model_type)
+            weights = model_weights(model, model_type)
         elif state_dict is not None:
             weights = state_dict.items()
         elif model_path is not None:
@@ -202,20 +138,20 @@ class LLMEngine:
         except BaseException:
             self.close()
             raise
-        self.eos_token_ids = _eos_token_ids(self.hf_config, model_path, model, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.hf_config, model_path, model, self.tokenizer)
         # Vision families: the image placeholder and merge size, and the processor that makes pixels of
         # PIL images (from the model folder unless given).
         self.vision = VisionSpec.from_hf_config(self.hf_config) if hasattr(self.model, "visual") else None
         self.image_processor = image_processor
         if self.vision is not None and image_processor is None:
-            self.image_processor = _load_image_processor(model_path)
+            self.image_processor = load_image_processor(model_path)
         # Whether decode steps are launched ahead (the setting, unless ``async_fallback`` names a reason).
         wanted = self.config.async_scheduling
         if wanted is None:
             wanted = self.device.type == "cuda"
         refused = feature_refusal(model_type, "async_scheduling") is not None
         self.async_scheduling = wanted and not refused and async_fallback(self.config) is None
-        self._ahead: _Ahead | None = None  # the decode step launched ahead, not yet scheduled for real
+        self._ahead: Ahead | None = None  # the decode step launched ahead, not yet scheduled for real
         self.ahead_stats = AheadStats()
         self.ahead_policy = AheadPolicy()
         # Linear-attention families: one recurrent-state slot per sequence slot (state_cache.py).
@@ -467,26 +403,6 @@ class LLMEngine:
         scheduler.drop_prefilling(members)  # chunked prefill: a group between chunks holds blocks
         return True
 
-    def _snapshot(self, request_id: int) -> RequestOutput:
-        group = self._requests[request_id]
-        finished = all(seq.is_finished for seq in group)
-        outputs = [
-            self._completion(seq)
-            if finished
-            else CompletionOutput(
-                seq.sample_index,
-                "",
-                seq.output_token_ids,
-                list(seq.output_logprobs),
-                None,
-                top_logprobs=_copy(seq.output_top_logprobs),
-            )
-            for seq in group
-        ]
-        return RequestOutput(
-            request_id, None, group[0].token_ids[: group[0].num_prompt_tokens], outputs, finished
-        )
-
     def _run(self, groups: list[list[Sequence]], use_tqdm: bool) -> None:
         remaining = [len(g) for g in groups]
         # a caller's label (``progress_label``, the RL rollout's) logs requests done and tokens/s as they go
@@ -538,7 +454,7 @@ class LLMEngine:
             self.ahead_policy.update(any(seq.finish_reason == "stop" for seq in finished))
         return batch, finished
 
-    def _launch_ahead(self, batch: ScheduledBatch, launched: LaunchedStep) -> _Ahead | None:
+    def _launch_ahead(self, batch: ScheduledBatch, launched: LaunchedStep) -> Ahead | None:
         plan = self.scheduler.plan_ahead(batch)
         if plan is None:
             return None
@@ -547,303 +463,10 @@ class LLMEngine:
         finally:
             self.scheduler.release_ahead(plan)  # its inputs are staged; schedule() takes the blocks again
         self.ahead_stats.launched += 1
-        return _Ahead(plan, step)
+        return Ahead(plan, step)
 
     def _drop_ahead(self) -> None:
         """Forget the step launched ahead (no sequence is left to use it, or the weights or cache change)."""
         if self._ahead is not None:
             self.runner.discard(self._ahead.launched)
             self._ahead = None
-
-    def _params_per_prompt(self, num_prompts: int, sampling_params) -> list[SamplingParams]:
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * num_prompts
-        if len(sampling_params) != num_prompts:
-            raise ValueError(f"got {len(sampling_params)} SamplingParams for {num_prompts} prompts")
-        return list(sampling_params)
-
-    def _encode(self, index: int, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"prompt {index} is a string but the engine has no tokenizer; pass token ids"
-                )
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        vocab = self.model.args.vocab_size
-        if not ids:
-            raise ValueError(f"prompt {index} is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt {index} has {len(ids)} tokens but max_model_len is {self.max_model_len} "
-                "(the prompt must leave room for at least one new token)"
-            )
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt {index} has token ids outside [0, {vocab})")
-        return ids
-
-    def _encode_with_images(self, index: int, prompt, mm: MultiModalInput | None):
-        """The prompt's ids (image placeholders expanded) and its ``PromptImages`` (None: text only)."""
-        ids = self._encode(index, prompt)
-        if mm is None or mm.num_images == 0:
-            if self.vision is not None and self.vision.image_token_id in ids:
-                raise ValueError(f"request {index}: the prompt has image placeholder tokens but no images")
-            return ids, None
-        if self.vision is None:
-            raise ValueError(f"request {index} has images but the model has no vision tower")
-        ids, images = prepare_images(index, ids, mm, self.vision, self.image_processor)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt {index} has {len(ids)} tokens with its image tokens but max_model_len is "
-                f"{self.max_model_len} (the prompt must leave room for at least one new token)"
-            )
-        return ids, images
-
-    def _make_group(
-        self, index: int, ids: list[int], params: SamplingParams, mm: PromptImages | None = None
-    ) -> list[Sequence]:
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"request {index}: n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"request {index}: stop strings need a tokenizer")
-        bs = self.config.block_size
-        longest = min(len(ids) + params.max_new_tokens, self.max_model_len)
-        need = max(self.block_manager.group_blocks_needed(len(ids), params.n), blocks_needed(longest, bs))
-        if need > self.num_kv_blocks:
-            raise ValueError(
-                f"request {index} needs {need} KV blocks (prompt {len(ids)} tokens, n={params.n}, "
-                f"max_new_tokens={params.max_new_tokens}) but the cache has {self.num_kv_blocks}"
-            )
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
-        group = []
-        for sample in range(params.n):
-            group.append(Sequence(self._next_seq_id, index, sample, ids, params, sequence_seed(seed, sample)))
-            group[-1].mm = mm  # the n samples share the prompt's images (and its one prefill)
-            self._next_seq_id += 1
-        return group
-
-    def _detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def _completion(self, seq: Sequence) -> CompletionOutput:
-        text = ""
-        if self.tokenizer is not None:
-            text = self._detokenize(seq.output_token_ids, seq.params.skip_special_tokens)
-            text = _cut_at_stop(text, seq.params)
-        return CompletionOutput(
-            index=seq.sample_index,
-            text=text,
-            token_ids=seq.output_token_ids,
-            logprobs=list(seq.output_logprobs),
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            routed_experts=None if seq.routing is None else np.stack(seq.routing[: seq.num_tokens - 1]),
-            top_logprobs=_copy(seq.output_top_logprobs),
-        )
-
-    # ------------------------------------------------------------------ weights and memory
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping) -> int:
-        """Load HF-named tensors in place (e.g. ``policy.named_parameters()``); return how many were loaded.
-
-        Tied embeddings are handled (``lm_head.weight`` and ``model.embed_tokens.weight`` are one tensor);
-        sharded DTensors are gathered with ``full_tensor()``.
-        """
-        if isinstance(named_tensors, Mapping):
-            named_tensors = named_tensors.items()
-        self._drop_ahead()  # it ran with the old weights
-        self.block_manager.invalidate_prefix_cache()  # cached K/V was computed with the old weights
-        count, nbytes, start = 0, 0, time.perf_counter()
-
-        def gathered():
-            nonlocal count, nbytes
-            for name, tensor in named_tensors:
-                count += 1
-                nbytes += tensor.numel() * tensor.element_size()
-                yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
-
-        self.model.load_weights(gathered() if self.peers is None else self.peers.loading(gathered()))
-        if on_main_process():
-            log.info("engine: weights updated, %d tensors (%s as given) in %.1f s", count, size_text(nbytes),
-                     time.perf_counter() - start)  # fmt: skip
-        return count
-
-    def sleep(self, level: int = 1) -> None:
-        """Free the KV cache (level 1); level 2 also moves the weights to CPU."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level}")
-        self._drop_ahead()
-        self.block_manager.invalidate_prefix_cache()  # the cache's contents are freed
-        with phase(f"engine: sleeping (level {level}: frees the {self._sleep_text(level)})"):
-            if self.peers is not None:
-                self.peers.sleep(level)
-            self.runner.free_kv_cache()
-            if level == 2 and self.device.type != "cpu":
-                self.model.to("cpu")  # weights and the tables derived from them (RoPE buffers)
-                torch.cuda.empty_cache()
-        self.sleep_level = level
-
-    def wake_up(self) -> None:
-        """Restore what ``sleep`` freed; the KV cache comes back empty (no request survives a sleep)."""
-        with phase(f"engine: waking up ({self._sleep_text(self.sleep_level)})"):
-            if self.peers is not None:
-                self.peers.wake()
-            if self.sleep_level == 2 and self.device.type != "cpu":
-                self.model.to(self.device)
-            if self.runner.kv_cache is None:
-                self.runner.allocate_kv_cache()
-        self.sleep_level = 0
-
-    def _sleep_text(self, level: int) -> str:
-        """What a sleep of ``level`` frees: ``"KV cache, 4.4 GiB"`` (level 2 adds ``"; weights, 14.2 GiB"``)."""
-        per_block = ModelRunner.bytes_per_block(self.model.args, self.config.block_size, self.dtype)
-        text = f"KV cache, {size_text((self.num_kv_blocks + 1) * per_block)}"
-        if level == 2:
-            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            text += f"; weights, {size_text(weights)}"
-        return text
-
-    @property
-    def is_sleeping(self) -> bool:
-        return self.sleep_level > 0
-
-
-def _model_weights(model: torch.nn.Module, model_type: str | None):
-    """A loaded transformers model's parameters, and the buffers its family's checkpoints carry as weights
-    (``buffer_weights`` of the family class, e.g. Gemma 4's layer scalars)."""
-    from itertools import chain
-
-    from tidal.rollout.models.registry import FAMILIES, model_class
-
-    suffixes = getattr(model_class(model_type), "buffer_weights", ()) if model_type in FAMILIES else ()
-    buffers = ((name, b) for name, b in model.named_buffers() if suffixes and name.endswith(suffixes))
-    return chain(model.named_parameters(), buffers)
-
-
-def family_problem(config: EngineConfig, model_type: str | None) -> str | None:
-    """The refusal (``Family.refuses``) of the first feature ``config`` asks for that the family of
-    ``model_type`` does not support (None: it supports them all)."""
-    asked = {
-        "tensor_parallel": config.tp_size > 1,
-        "prefix_caching": config.enable_prefix_caching,
-        "chunked_prefill": config.enable_chunked_prefill,
-        "record_routing": config.record_routing,
-    }
-    refusals = (feature_refusal(model_type, feature) for feature, on in asked.items() if on)
-    return next((problem for problem in refusals if problem), None)
-
-
-def async_fallback(config: EngineConfig) -> str | None:
-    """Why an engine with these settings runs every step synchronously (None: async scheduling applies):
-    router replay (routing is read back after each step) and prefix caching (taking a block evicts a
-    cached one, which cannot be undone when a step launched ahead is discarded). Per step,
-    ``Scheduler.plan_ahead`` names the steps that stay synchronous. Tensor-parallel engines launch ahead
-    too: the other ranks receive the step's input ids from the driver's device (``ModelRunner``)."""
-    if config.record_routing:
-        return "record_routing"
-    if config.enable_prefix_caching:
-        return "enable_prefix_caching"
-    return None
-
-
-@dataclass
-class AheadPolicy:
-    """Whether to launch decode steps ahead. One that is used saves the host's share of a step (~1 ms);
-    one that is discarded costs a device step (2.2 ms at 0.5B, 8 ms at 7B on an H200, docs/benchmarks.md),
-    so launching pays while fewer than about host / device time of the steps are discarded (~0.5 at 0.5B,
-    ~0.2 at 7B). Discards come from sequences stopping on a sampled token (eos, stop ids or strings: in RL,
-    at many steps of a large batch), so their rate is tracked over recent decode steps, whether or not a
-    step was launched ahead, and steps are launched while it is at most ``max_miss_rate``."""
-
-    max_miss_rate: float = 0.2
-    decay: float = 1 / 16  # weight of the latest step in the running rate (about the last 16 steps)
-    miss_rate: float = 0.0
-
-    @property
-    def launch(self) -> bool:
-        return self.miss_rate <= self.max_miss_rate
-
-    def update(self, missed: bool) -> None:
-        self.miss_rate += self.decay * (float(missed) - self.miss_rate)
-
-
-@dataclass
-class AheadStats:
-    """Async scheduling's counts: decode steps launched ahead, and those used (the rest were discarded)."""
-
-    launched: int = 0
-    used: int = 0
-
-
-@dataclass
-class _Ahead:
-    plan: Lookahead
-    launched: LaunchedStep
-
-
-def _copy(items: list | None) -> list | None:
-    """A snapshot of a growing per-token list (None stays None)."""
-    return None if items is None else list(items)
-
-
-def _cut_at_stop(text: str, params: SamplingParams) -> str:
-    hits = [(text.find(s), s) for s in params.stop if s in text]
-    if not hits:
-        return text
-    index, stop = min(hits)
-    return text[: index + len(stop)] if params.include_stop_str_in_output else text[:index]
-
-
-def _load_hf_config(model_path, model):
-    if model is not None:
-        return model.config
-    if model_path is None:
-        raise ValueError("LLMEngine needs a model folder path, a loaded model or hf_config")
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(model_path))
-
-
-def _load_tokenizer(model_path):
-    if model_path is None:
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_path))
-    except (OSError, ValueError):  # a weights-only folder: the engine still works on token ids
-        return None
-
-
-def _load_image_processor(model_path):
-    """A vision model folder's image processor (None without one: requests then pass pixel_values)."""
-    if model_path is None or not (Path(model_path) / "preprocessor_config.json").is_file():
-        return None
-    from transformers import AutoImageProcessor
-
-    return AutoImageProcessor.from_pretrained(str(model_path))
-
-
-def _eos_token_ids(hf_config, model_path, model, tokenizer) -> set[int]:
-    """Union of the config's, the generation config's and the tokenizer's eos ids (as vLLM does)."""
-    ids: set[int] = set()
-    sources = [getattr(hf_config, "eos_token_id", None)]
-    gen_config = getattr(model, "generation_config", None)
-    if (
-        gen_config is None
-        and model_path is not None
-        and (Path(model_path) / "generation_config.json").exists()
-    ):
-        from transformers import GenerationConfig
-
-        gen_config = GenerationConfig.from_pretrained(str(model_path))
-    sources.append(getattr(gen_config, "eos_token_id", None))
-    sources.append(getattr(tokenizer, "eos_token_id", None))
-    for source in sources:
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(int(t) for t in source)
-    return ids
