@@ -71,6 +71,16 @@ class ServeConfig:
         help="seconds a client may take to send a request's headers, and again its body (HTTP 408)",
         check=Range(0, low_open=True),
     )
+    max_images_per_request: int = arg(
+        8,
+        help="vision models: most image_url parts one chat request may hold; more get HTTP 400",
+        check=AT_LEAST_ONE,
+    )
+    max_image_pixels: int = arg(
+        4096 * 4096,
+        help="vision models: most pixels (width × height, read before decoding) of one image; larger get HTTP 400",
+        check=AT_LEAST_ONE,
+    )
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -90,14 +100,23 @@ class ServeConfig:
 
     @property
     def limits(self) -> ServeLimits:
-        return ServeLimits(self.max_request_bytes, self.max_request_samples, self.request_timeout)
+        return ServeLimits(
+            self.max_request_bytes,
+            self.max_request_samples,
+            self.request_timeout,
+            self.max_images_per_request,
+            self.max_image_pixels,
+        )
 
 
 @dataclass(frozen=True)
 class ServeLimits:
     """What one request to ``tidal serve`` may be: its body size (413 beyond), its samples (prompts × n;
-    400 beyond), and the seconds its client may take to send its headers, and again its body (408)."""
+    400 beyond), the seconds its client may take to send its headers, and again its body (408), and
+    (vision models) its images and each image's pixels (400 beyond)."""
 
     max_request_bytes: int = 16 * 1024 * 1024
     max_request_samples: int = 256
     request_timeout: float = 30.0
+    max_images: int = 8
+    max_image_pixels: int = 4096 * 4096

@@ -40,8 +40,16 @@ class EngineStopped(RuntimeError):
 
 
 class _Submission:
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, listener: Listener, stream: bool):
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        listener: Listener,
+        stream: bool,
+        multi_modal=None,
+    ):
         self.prompt_ids, self.params, self.listener, self.stream = prompt_ids, params, listener, stream
+        self.multi_modal = multi_modal  # the prompt's images (a MultiModalInput), None: text only
         self.accepted: Future[int] = Future()  # the loop's id for the request, or the ValueError refusing it
         self.loop_id: int | None = None  # stable across re-runs (the engine's id changes)
         self.engine_id: int | None = None
@@ -71,11 +79,17 @@ class EngineLoop:
             self._thread.join()
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, listener: Listener, stream: bool
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        listener: Listener,
+        stream: bool,
+        multi_modal=None,
     ) -> Future:
-        """Queue a request; the returned future resolves to its id once the engine has accepted it
-        (or raises the engine's ``ValueError``, e.g. too few KV blocks for it)."""
-        submission = _Submission(prompt_ids, params, listener, stream)
+        """Queue a request (with its images, a ``MultiModalInput``, for a vision model); the returned
+        future resolves to its id once the engine has accepted it (or raises the engine's
+        ``ValueError``, e.g. too few KV blocks for it)."""
+        submission = _Submission(prompt_ids, params, listener, stream, multi_modal)
         if not self._thread.is_alive():
             submission.accepted.set_exception(EngineStopped("the server is shutting down"))
         else:
@@ -130,7 +144,8 @@ class EngineLoop:
         submission.accepted.set_result(submission.loop_id)
 
     def _enter(self, submission: _Submission) -> None:
-        submission.engine_id = self.engine.add_request(submission.prompt_ids, submission.params)
+        images = {} if submission.multi_modal is None else {"multi_modal": submission.multi_modal}
+        submission.engine_id = self.engine.add_request(submission.prompt_ids, submission.params, **images)
         self._active[submission.engine_id] = submission
 
     def _abort(self, loop_id: int) -> None:

@@ -51,6 +51,7 @@ class ServeRequest:
     logprobs: bool = False
     episode_id: str | None = None
     tool_parser: str | None = None  # chat: parse answers into tool_calls with this parser (None: do not)
+    multi_modal: list | None = None  # each prompt's images (a MultiModalInput or None); None: text only
     request_id: str = ""  # OpenAI's prefixes: chatcmpl-... for chat, cmpl-... for completions
     created: int = field(default_factory=lambda: int(time.time()))
 

@@ -2,7 +2,7 @@
 
 Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/chat/completions``, ``POST
 /v1/completions`` (streaming as server-sent events ``data: {...}`` ending with ``data: [DONE]``), and
-``GET /health``. Handlers run on uvicorn's event loop; each reads its body within the limits
+``GET /health``; chat messages may carry images on a vision-language model (``images.py``). Handlers run on uvicorn's event loop; each reads its body within the limits
 (``http.read_body``), validates it (``protocol``) on a worker thread (tokenizing a long prompt must not
 stall the event loop: ``/health`` and the streams keep answering), submits one engine request per
 prompt to the engine thread and awaits its events, so concurrent clients share the engine's continuous
@@ -32,6 +32,7 @@ from tidal.logging import get_logger
 from tidal.rollout import LLMEngine, RequestOutput
 from tidal.serve.engine_loop import EngineLoop, EngineStopped
 from tidal.serve.http import ClientGone, client_gone, header_timeout_protocol, read_body
+from tidal.serve.images import ChatImages, ImageLimits
 from tidal.serve.protocol import (
     CHAT,
     ModelLimits,
@@ -104,6 +105,15 @@ class _SampleStream:
         return sample.token_ids[start:], sample.logprobs[start:], tops
 
 
+def _chat_images(engine: LLMEngine, limits: ServeLimits) -> ChatImages | None:
+    """How chat requests' images are read: a vision family with an image processor (else None: a
+    request with images is refused naming the model)."""
+    vision, processor = getattr(engine, "vision", None), getattr(engine, "image_processor", None)
+    if vision is None or processor is None:
+        return None
+    return ChatImages(processor, vision.merge_size, ImageLimits(limits.max_images, limits.max_image_pixels))
+
+
 class OpenAIService:
     """The routes' logic over an ``EngineLoop``; ``app`` is the Starlette application."""
 
@@ -127,6 +137,7 @@ class OpenAIService:
             vocab_size=engine.model.args.vocab_size,
             max_samples=self.request_limits.max_request_samples,
         )
+        self.images = _chat_images(engine, self.request_limits)
         self.recorder = recorder
         self.loop = EngineLoop(engine)
         # One thread parses requests and writes answers: tokenizing is CPU work that would stall the
@@ -229,7 +240,7 @@ class OpenAIService:
     def _parse(self, raw: bytes, endpoint: str, episode: str | None) -> ServeRequest:
         body = decode_body(raw)
         if endpoint == CHAT:
-            return parse_chat(body, self.tokenizer, self.limits, episode)
+            return parse_chat(body, self.tokenizer, self.limits, episode, self.images)
         vocab = self.engine.model.args.vocab_size
         return parse_completion(body, self.tokenizer, self.limits, vocab, episode)
 
@@ -239,8 +250,9 @@ class OpenAIService:
         aio_loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         orders = [self.recorder.next_order() if self.recorder and req.episode_id else 0 for _ in req.prompts]
+        images = req.multi_modal or [None] * len(req.prompts)
         accepted = [
-            self.loop.submit(ids, req.params, partial(_post, aio_loop, events, i), req.stream)
+            self.loop.submit(ids, req.params, partial(_post, aio_loop, events, i), req.stream, images[i])
             for i, ids in enumerate(req.prompts)
         ]
         ids = []

@@ -15,7 +15,8 @@ the engine. A request asks for at most ``--max_request_samples`` samples (prompt
 
 Lengths follow vLLM: a request whose prompt plus ``max_tokens`` exceeds the context length is refused
 with both numbers; without ``max_tokens`` the completion may use the rest of the context (or the
-server's ``--default_max_tokens``). Tools: see ``tidal.serve.protocol``.
+server's ``--default_max_tokens``). Tools: see ``tidal.serve.protocol``; images (``image_url`` parts,
+vision-language models): ``tidal.serve.images``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 from tidal.data.tool_parsers import detect_tool_parser
 from tidal.rollout import SamplingParams
+from tidal.serve.images import ChatImages, image_part_url
 from tidal.serve.schema import CHAT, COMPLETIONS, ModelLimits, RequestError, ServeRequest
 
 # Accepted fields; those marked in _NEUTRAL are accepted only at their no-op value.
@@ -192,26 +194,46 @@ def check_model(body: dict, limits: ModelLimits) -> None:
 
 
 # ---------------------------------------------------------------------------- requests
-def message_text(index: int, message: Any) -> dict:
-    """One chat message as the template sees it: role and plain-text content."""
+def message_text(index: int, message: Any, images: list[tuple[str, dict]] | None = None) -> dict:
+    """One chat message as the template sees it: role and content, plain text, or (when it holds
+    ``image_url`` parts) a list of ``{"type": "text"}`` and ``{"type": "image"}`` parts. Each image
+    part is appended to ``images`` as ``(where, part)``; without that list image parts are refused."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise RequestError(f"messages[{index}] must be an object with a 'role'", param="messages")
     content = message.get("content")
-    if isinstance(content, list):  # content parts: only text ones
-        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            raise RequestError(
-                f"messages[{index}]: only 'text' content parts are supported", param="messages"
-            )
-        content = "".join(str(p.get("text", "")) for p in content)
-    if content is not None and not isinstance(content, str):
+    if isinstance(content, list):
+        content = _content_parts(index, content, images)
+    if content is not None and not isinstance(content, (str, list)):
         raise RequestError(
-            f"messages[{index}].content must be a string or a list of text parts", param="messages"
+            f"messages[{index}].content must be a string or a list of content parts", param="messages"
         )
     rendered = {**message, "content": content or ""}
     if message.get("tool_calls") is not None:
         rendered["tool_calls"] = _template_tool_calls(index, message["tool_calls"])
     if message["role"] == "tool" and not isinstance(message.get("tool_call_id", ""), str):
         raise RequestError(f"messages[{index}].tool_call_id must be a string", param="messages")
+    return rendered
+
+
+def _content_parts(index: int, parts: list, images: list[tuple[str, dict]] | None) -> str | list[dict]:
+    """Text parts joined into a string; with ``image_url`` parts, the template's list of parts."""
+    kinds = ("text", "image_url") if images is not None else ("text",)
+    rendered: list[dict] = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in kinds:
+            raise RequestError(
+                f"messages[{index}].content[{j}]: only {' and '.join(repr(k) for k in kinds)} content parts "
+                f"are supported, got {kind!r}",
+                param="messages",
+            )
+        if kind == "text":
+            rendered.append({"type": "text", "text": str(part.get("text", ""))})
+        else:
+            images.append((f"messages[{index}].content[{j}]", part))  # read once the model is known to see
+            rendered.append({"type": "image"})
+    if all(p["type"] == "text" for p in rendered):
+        return "".join(p["text"] for p in rendered)  # as before images: one string
     return rendered
 
 
@@ -279,17 +301,23 @@ def _tool_parser(body: dict, tokenizer, tools: list[dict] | None) -> str | None:
     return parser
 
 
-def chat_prompt_ids(tokenizer, messages: Any, tools: list[dict] | None = None) -> list[int]:
-    """Render messages (and ``tools``) with the tokenizer's chat template (with the generation prompt)
-    into ids."""
+def chat_messages(messages: Any, images: list[tuple[str, dict]] | None = None) -> list[dict]:
+    """The messages as the chat template reads them (``message_text``); ``images`` (a list) collects
+    the ``image_url`` parts."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", param="messages")
+    return [message_text(i, m, images) for i, m in enumerate(messages)]
+
+
+def chat_prompt_ids(tokenizer, messages: Any, tools: list[dict] | None = None) -> list[int]:
+    """Render messages (and ``tools``) with the tokenizer's chat template (with the generation prompt)
+    into ids (messages already rendered by ``chat_messages`` are taken as they are)."""
+    rendered = messages if _rendered(messages) else chat_messages(messages)
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError(
             "the served model's tokenizer has no chat template: use /v1/completions, or start the server "
             "with --tokenizer_chat_template"
         )
-    rendered = [message_text(i, m) for i, m in enumerate(messages)]
     try:
         extra = {} if tools is None else {"tools": tools}  # as before when there are none
         text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False, **extra)
@@ -333,8 +361,44 @@ def completion_prompt_ids(tokenizer, prompt: Any, vocab_size: int) -> list[list[
     return prompts
 
 
-def parse_chat(body: dict, tokenizer, limits: ModelLimits, episode_header: str | None = None) -> ServeRequest:
-    """A ``/v1/chat/completions`` body → ``ServeRequest``."""
+class _Rendered(list):
+    """Messages already rendered by ``chat_messages``."""
+
+
+def _rendered(messages: Any) -> bool:
+    return isinstance(messages, _Rendered)
+
+
+def _check_images(parts: list[tuple[str, dict]], images: ChatImages | None, limits: ModelLimits) -> None:
+    """A request's images must go to a vision model, and be few enough (checked before any decoding)."""
+    if parts and images is None:
+        raise RequestError(
+            f"the model '{limits.name}' takes no images (it is not a vision-language model); send text "
+            "content only",
+            param="messages",
+        )
+    if parts:
+        images.check_count(len(parts))
+
+
+def _chat_images(parts: list[tuple[str, dict]], images: ChatImages | None, length: int):
+    """The request's ``MultiModalInput`` (None without images) and the prompt's length once the engine
+    has expanded each image's placeholder to its token count."""
+    if not parts:
+        return None, length
+    multi_modal, counts = images.pixel_input([(where, image_part_url(where, p)) for where, p in parts])
+    return multi_modal, length + sum(counts) - len(counts)
+
+
+def parse_chat(
+    body: dict,
+    tokenizer,
+    limits: ModelLimits,
+    episode_header: str | None = None,
+    images: ChatImages | None = None,
+) -> ServeRequest:
+    """A ``/v1/chat/completions`` body → ``ServeRequest``; ``images`` reads ``image_url`` parts (a
+    vision-language model; None: a request with images is refused naming the model)."""
     _check_fields(body, _CHAT_FIELDS)
     check_model(body, limits)
     response_format = body.get("response_format")
@@ -351,8 +415,12 @@ def parse_chat(body: dict, tokenizer, limits: ModelLimits, episode_header: str |
     n = _samples(body, 1, limits)
     tools = _tools(body)
     tool_parser = _tool_parser(body, tokenizer, tools)
-    ids = chat_prompt_ids(tokenizer, body.get("messages"), tools)
-    max_tokens = _max_tokens(body, len(ids), limits, ("max_completion_tokens", "max_tokens"))
+    parts: list[tuple[str, dict]] = []
+    messages = _Rendered(chat_messages(body.get("messages"), parts))
+    _check_images(parts, images, limits)  # before the template: a text model's template may not take parts
+    ids = chat_prompt_ids(tokenizer, messages, tools)
+    multi_modal, prompt_len = _chat_images(parts, images, len(ids))
+    max_tokens = _max_tokens(body, prompt_len, limits, ("max_completion_tokens", "max_tokens"))
     stream, include_usage = _stream_options(body)
     return ServeRequest(
         CHAT,
@@ -363,6 +431,7 @@ def parse_chat(body: dict, tokenizer, limits: ModelLimits, episode_header: str |
         logprobs,
         _episode(body, episode_header),
         tool_parser,
+        multi_modal=None if multi_modal is None else [multi_modal],
     )
 
 
