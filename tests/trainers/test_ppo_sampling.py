@@ -85,10 +85,32 @@ def test_over_sampling_trains_every_prompt_once(tiny_qwen2, task, tmp_path, step
     assert sorted((p.label for s in steps for p in s.job.prompts), key=int) == [str(i) for i in range(12)]
     # two generation calls of six prompts: the buffered groups wait, so a batch's position says so
     assert [len(s.position.pending) for s in steps] == [4, 2, 0, 4, 2, 0]
+    # the first call's three batches were all generated with the initial weights
+    assert [h["async/staleness_max"] for h in history[:3]] == [0, 1, 2]
 
 
-def test_over_sampling_without_async_is_refused(tiny_qwen2, task, tmp_path):
+def test_max_staleness_bounds_the_over_sampled_groups(tiny_qwen2, task, tmp_path):
+    history = run_ppo(parse_run(flags(tiny_qwen2, task, tmp_path, "--vllm_generate_batch_size", "4",
+                                      "--async_train", "--async_queue_size", "3", "--max_staleness", "1")))  # fmt: skip
+    assert len(history) == 6 and max(h["async/staleness_max"] for h in history) <= 1
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--vllm_generate_batch_size", "6"],  # over-sampling needs --async_train, as in OpenRLHF
+        ["--max_staleness", "1"],  # without --async_train
+        [
+            "--async_train",
+            "--vllm_generate_batch_size",
+            "6",
+            "--max_staleness",
+            "1",
+        ],  # one call spans 3 steps
+    ],
+)
+def test_sampling_flags_refused(tiny_qwen2, task, tmp_path, extra):
     from tidal.config.args import ConfigError
 
     with pytest.raises((ConfigError, SystemExit)):
-        parse_run(flags(tiny_qwen2, task, tmp_path, "--vllm_generate_batch_size", "6"))
+        parse_run(flags(tiny_qwen2, task, tmp_path, *extra))

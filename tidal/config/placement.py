@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.config.args import AT_LEAST_ONE, Checked, arg
+from tidal.config.args import AT_LEAST_ONE, NON_NEGATIVE, Checked, arg
 
 
 @dataclass
@@ -77,6 +77,13 @@ class PlacementConfig(Checked):
     async_train: bool = arg(False, help="generate the next rollout while training on the current one")
     async_queue_size: int = arg(
         1, help="max rollouts generated ahead of training (staleness bound)", check=AT_LEAST_ONE
+    )
+    max_staleness: int | None = arg(
+        None,
+        help="--async_train: a generation round starts only when each of its groups will be trained at most "
+        "this many policy updates (steps) after the weights it is generated with; bounds the extra age of "
+        "over-sampled groups (unset: only --async_queue_size bounds it)",
+        check=NON_NEGATIVE,
     )
 
     def problems(self, flags=None) -> list[str]:

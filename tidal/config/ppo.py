@@ -80,6 +80,7 @@ class PPORun(RunConfig):
             )
         if a.dynamic_filtering and n < 2:
             problems.append("--dynamic_filtering needs --n_samples_per_prompt >= 2")
+        problems += staleness_problems(r.rollout_batch_size, r.vllm_generate_batch_size, p)
         if (r.vllm_generate_batch_size or 0) > r.rollout_batch_size and not p.async_train:  # as OpenRLHF
             problems.append(
                 f"--vllm_generate_batch_size {r.vllm_generate_batch_size} > --rollout_batch_size "
@@ -166,4 +167,21 @@ def teacher_placement_problems(teacher_model: str | None, p: PlacementConfig) ->
         return ["--teacher_num_nodes/--teacher_num_gpus_per_node with --ref_num_nodes/--ref_num_gpus_per_node: "
                 "the teacher takes the reference's place (there is no other reference), so size it with one "
                 "pair of flags"]  # fmt: skip
+    return []
+
+
+def staleness_problems(batch: int, generate: int | None, p: PlacementConfig) -> list[str]:
+    """``--max_staleness`` needs ``--async_train``, and room for one generation call's groups: a call of G
+    prompts fills batches up to ``spread`` steps after its first (trainers/ppo/sampling.py)."""
+    if p.max_staleness is None:
+        return []
+    if not p.async_train:
+        return ["--max_staleness bounds how far --async_train generates ahead: add --async_train"]
+    g = generate or batch
+    spread = (g - 1) // batch if g % batch == 0 else (g + batch - 2) // batch
+    if p.max_staleness < spread:
+        return [
+            f"--max_staleness {p.max_staleness}: one generation call of --vllm_generate_batch_size {g} prompts "
+            f"fills batches up to {spread} step(s) after its first; set --max_staleness >= {spread}"
+        ]
     return []

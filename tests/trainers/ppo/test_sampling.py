@@ -153,3 +153,38 @@ def test_async_stream_runs_the_batches_on_a_thread_ahead():
     got = [trained(r) for r in rollout_stream(results, ahead=2)]
     assert got == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert set(threads) == {"tidal-rollout"}
+
+
+def test_staleness_counts_the_steps_since_a_batchs_weights():
+    """Over-sampling G = 3B: the three batches of one call were generated before the first was trained."""
+    b = batcher(FakeRollout(), 2, 6, 12)
+    lags = []
+    for result in b.batches(0, list(range(12)), BatchPosition(0, 0), 0):
+        lags.append(b.staleness(result))
+        b.trained_one()
+    assert [x["async/staleness_max"] for x in lags] == [0, 1, 2, 0, 1, 2]
+    assert [x["async/stale_token_share"] for x in lags] == [0, 1, 1, 0, 1, 1]
+    plain = batcher(FakeRollout(), 2, 2, 6)
+    for result in plain.batches(0, list(range(6)), BatchPosition(0, 0), 0):
+        assert plain.staleness(result) == {
+            "async/staleness_mean": 0.0, "async/staleness_max": 0.0, "async/stale_token_share": 0.0
+        }  # fmt: skip
+        plain.trained_one()
+
+
+@pytest.mark.parametrize("bound", [0, 1])
+def test_max_staleness_holds_the_generation_thread(bound):
+    """With a queue of 3 rollouts ahead, a round starts only when its batch will train at most ``bound``
+    steps after the weights it is generated with (whatever the threads' timing)."""
+    cfg = SamplingConfig(2, 2, N, 1.0, max_staleness=bound)
+    started = []
+
+    def make(job):
+        started.append((job.index, b.trained))  # round i fills batch i (G = B)
+        return FakeRollout()(job)
+
+    b = RolloutBatcher(cfg, prompts(12), make, seed_of=lambda r: r)
+    for result in rollout_stream(b.batches(0, list(range(12)), BatchPosition(0, 0), 0), ahead=3):
+        assert b.staleness(result)["async/staleness_max"] <= bound
+        b.trained_one()
+    assert len(started) == 6 and all(index - trained <= bound for index, trained in started)

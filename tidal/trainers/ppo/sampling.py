@@ -22,6 +22,7 @@ from the drawn count: no prompt is trained twice or skipped.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -77,12 +78,14 @@ class SamplingConfig:
     reward_range: tuple[float, float] | None = None  # --dynamic_filtering (None: off)
     # several processes: each round is one batch, its experience this rank's share (not split into groups)
     whole_rounds: bool = False
+    max_staleness: int | None = None  # --max_staleness (with --async_train)
 
 
 @dataclass
 class _Group:
     prompt: int  # index into the run's prompts
     exp: Experience | None  # its n samples, scored (whole rounds: the round's share on its first group)
+    version: int = 0  # the policy it was generated with: steps trained (``RolloutBatcher.trained``) then
 
 
 @dataclass
@@ -106,6 +109,38 @@ class RolloutBatcher:
         seed_of: Callable[[int], int],
     ):
         self.cfg, self.prompts, self.make, self.seed_of = cfg, prompts, make, seed_of
+        # steps trained and batches handed out by this run (the trainer calls ``trained_one``): a group's
+        # version and the --max_staleness bound; the generation thread waits on ``_progress``
+        self.trained, self.handed_out = 0, 0
+        self._progress = threading.Condition()
+
+    def trained_one(self) -> None:
+        """The trainer finished a step (its update and weight sync)."""
+        with self._progress:
+            self.trained += 1
+            self._progress.notify_all()
+
+    def staleness(self, result: RolloutResult) -> dict[str, float]:
+        """``async/staleness_mean|max``: steps between the weights a batch's samples were generated with and
+        the step training them; ``async/stale_token_share``: the share of its action tokens an older policy
+        generated (async and over-sampling only: a synchronous batch is always 0)."""
+        lag = torch.tensor([self.trained - v for v in result.versions], dtype=torch.float)
+        if self.cfg.whole_rounds or not len(lag):
+            return {}
+        tokens = result.exp.action_mask.sum(-1).view(len(lag), -1).sum(-1).float().cpu()
+        stale = float((tokens * (lag > 0)).sum() / tokens.sum().clamp(min=1))
+        return {"async/staleness_mean": float(lag.mean()), "async/staleness_max": float(lag.max()),
+                "async/stale_token_share": stale}  # fmt: skip
+
+    def _wait_for_staleness(self, buffered: int) -> None:
+        """--max_staleness: hold the next round until its last group will train at most that many steps
+        after now, or until every batch handed out has been trained (then waiting cannot help)."""
+        bound = self.cfg.max_staleness
+        if bound is None:
+            return
+        last = self.handed_out + (buffered + self.cfg.generate - 1) // self.cfg.batch
+        with self._progress:
+            self._progress.wait_for(lambda: last - self.trained <= bound or self.trained >= self.handed_out)
 
     def batches(
         self, episode: int, order: Sequence[int], start: BatchPosition, first_round: int
@@ -119,6 +154,7 @@ class RolloutBatcher:
         while True:
             t0 = time.perf_counter()
             while len(buffer) < self.cfg.batch and drawn < len(order):
+                self._wait_for_staleness(len(buffer))
                 groups, drawn, rounds = self._call(order, drawn, rounds, counts)
                 buffer += groups
             if len(buffer) < self.cfg.batch:
@@ -129,6 +165,7 @@ class RolloutBatcher:
             batch, buffer = buffer[: self.cfg.batch], buffer[self.cfg.batch :]
             pending = tuple(g.prompt for g in buffer)
             position = BatchPosition(episode, drawn, pending, rounds, tuple(g.exp for g in buffer))
+            self.handed_out += 1
             yield self._result(episode, step, batch, position, counts, time.perf_counter() - t0)
             step, counts = step + 1, _Counts()
 
@@ -155,11 +192,14 @@ class RolloutBatcher:
         cfg = self.cfg
         job = RolloutJob(round_index, [self.prompts[i] for i in ids], cfg.n, cfg.temperature,
                          self.seed_of(round_index))  # fmt: skip
+        # the engine's weights: this step's, or a later one's when a sync runs before the round takes the
+        # rollout's lock (so a staleness is at most 1 above the truth, never below)
+        version = self.trained
         exp, logs = self.make(job)
         counts.drawn += len(ids)
         counts.logs.append((len(ids), logs))
         if cfg.whole_rounds:  # this rank's share of the batch, kept whole
-            return [_Group(ids[0], exp)] + [_Group(i, None) for i in ids[1:]], 0
+            return [_Group(ids[0], exp, version)] + [_Group(i, None, version) for i in ids[1:]], 0
         keep = torch.ones(len(ids), dtype=torch.bool)
         if cfg.reward_range is not None:
             keep = dynamic_filter_mask(exp.scores, cfg.n, *cfg.reward_range)[:: cfg.n].cpu()
@@ -170,7 +210,7 @@ class RolloutBatcher:
                      filtered, len(ids), lo, hi)  # fmt: skip
         counts.filtered += filtered
         groups = [
-            _Group(prompt, exp.select(range(k * cfg.n, (k + 1) * cfg.n)))
+            _Group(prompt, exp.select(range(k * cfg.n, (k + 1) * cfg.n)), version)
             for k, prompt in enumerate(ids)
             if keep[k]
         ]
@@ -190,7 +230,8 @@ class RolloutBatcher:
                 # OpenRLHF's dynamic_filtering_pass_rate: groups accepted per prompt drawn, in percent
                 "dynamic_filter/pass_rate": 100.0 * (counts.drawn - counts.filtered) / max(counts.drawn, 1),
             }
-        return RolloutResult(job, exp, _mean_logs(counts.logs), seconds, ids, position, stats)
+        versions = [g.version for g in batch]
+        return RolloutResult(job, exp, _mean_logs(counts.logs), seconds, ids, position, stats, versions)
 
 
 def _mean_logs(logs: list[tuple[int, dict]]) -> dict:
@@ -238,6 +279,7 @@ def sampling_config(run, distributed: bool) -> SamplingConfig:
             "over-sampling runs in one process (the ranks' shares of a batch must stay equal)"
         )
     return SamplingConfig(
+        max_staleness=run.placement.max_staleness,
         batch=r.rollout_batch_size,
         generate=generate,
         n=r.n_samples_per_prompt,

@@ -45,6 +45,7 @@ class RolloutResult:
     prompt_ids: list[int] = field(default_factory=list)
     position: Any = None
     stats: dict = field(default_factory=dict)
+    versions: list[int] = field(default_factory=list)  # per prompt: steps trained when it was generated
 
 
 # One rollout's experience: the trainer's ``RolloutRole.generate`` then ``RewardScorer.experience``.

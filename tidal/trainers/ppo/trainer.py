@@ -186,7 +186,7 @@ class PPOTrainer:
 
     def train_step(self, generated: RolloutResult, step: int) -> dict[str, float]:
         """One RL step on a generated rollout (sampled and run by agents in the rollout role, then scored)."""
-        timer = PhaseTimer()
+        timer, lag = PhaseTimer(), self.batcher.staleness(generated)  # steps since its weights
         with timer("make_experience"):
             self._trainer_awake(True)
             exp, stats = self.make_experience(generated.exp)
@@ -197,8 +197,9 @@ class PPOTrainer:
             stats |= self.update(exp, step) if exp is not None else {"skipped": 1.0}
         with timer("sync_weights"):
             self.sync_weights(step)
+            self.batcher.trained_one()  # the next rounds generate with these weights (--max_staleness)
             self._trainer_awake(False)
-        stats |= mean_over_world(generated.reward_logs, self.world) | timer.seconds | generated.stats
+        stats |= mean_over_world(generated.reward_logs, self.world) | timer.seconds | generated.stats | lag
         stats["time/generate"] = generated.seconds
         return stats | peak_memory(self.world)
 
