@@ -49,25 +49,26 @@ def attention(
     k = k.float().repeat_interleave(groups, dim=2)  # [B, Lk, H, D]
     v = v.float().repeat_interleave(groups, dim=2)
     qf = F.pad(q.float(), (0, 0, 0, 0, 0, lqp - lq))  # queries in whole blocks too (zero rows: dropped)
-    pos = F.pad(q_pos, (0, lqp - lq))
     qb, kb = lqp // KEY_BLOCK, lk // KEY_BLOCK
     scores = _block_gemm(qf, k, transpose=True).mul_(scale)  # [B, H, qb, kb, KEY_BLOCK, KEY_BLOCK]
-    scores = scores.permute(0, 1, 2, 4, 3, 5).reshape(b, h, lqp, lk)
+    # the real queries only (a decode step has 1 of its block's 16): the softmax's cost is per row
+    scores = scores.permute(0, 1, 2, 4, 3, 5).reshape(b, h, lqp, lk)[:, :, :lq]
     j = torch.arange(lk, device=q.device)
-    seen = j[None, None, :] <= pos[:, :, None]  # [B, Lq, Lk]
+    seen = j[None, None, :] <= q_pos[:, :, None]  # [B, Lq, Lk]
     if window is not None:
-        seen &= j[None, None, :] > pos[:, :, None] - window
+        seen &= j[None, None, :] > q_pos[:, :, None] - window
     scores = scores.masked_fill(~seen[:, None], float("-inf"))
     top = scores.amax(dim=-1, keepdim=True)  # a max is exact in any order
     p = pointwise(torch.exp, scores - top)  # [B, H, Lq, Lk]
-    denom_blocks = p.view(b, h, lqp, kb, KEY_BLOCK).sum(-1)  # [B, H, Lq, kb]
+    denom_blocks = p.view(b, h, lq, kb, KEY_BLOCK).sum(-1)  # [B, H, Lq, kb]
+    p = F.pad(p, (0, 0, 0, lqp - lq))  # back to whole query blocks (zero rows) for the GEMMs
     p_blocks = p.view(b, h, qb, KEY_BLOCK, kb, KEY_BLOCK).transpose(3, 4)
     out_blocks = _block_gemm(p_blocks, v)  # [B, H, qb, kb, KEY_BLOCK, D]
     denom, out = denom_blocks[..., 0], out_blocks[:, :, :, 0]
     for i in range(1, kb):  # block order: trailing all-masked blocks add exact zeros
         denom = denom + denom_blocks[..., i]
         out = out + out_blocks[:, :, :, i]
-    out = out.reshape(b, h, lqp, d)[:, :, :lq] / denom[:, :, :lq, None]
+    out = out.reshape(b, h, lqp, d)[:, :, :lq] / denom[..., None]
     return out.transpose(1, 2).to(q.dtype)
 
 

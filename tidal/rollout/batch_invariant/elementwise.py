@@ -26,10 +26,14 @@ def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
         return fn(x)
     flat = x.reshape(-1)
     n = flat.numel()
-    padded = flat.new_zeros(-(-n // POINT_BLOCK) * POINT_BLOCK)
-    padded[:n] = flat
-    out = torch.cat([fn(block) for block in padded.split(POINT_BLOCK)])
-    return out[:n].view(x.shape)
+    whole = n - n % POINT_BLOCK  # whole blocks run in place (views); only the last one is padded
+    parts = [fn(block) for block in flat[:whole].split(POINT_BLOCK)]
+    if whole < n:
+        last = flat.new_zeros(POINT_BLOCK)
+        last[: n - whole] = flat[whole:]
+        parts.append(fn(last)[: n - whole])
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.view(x.shape)
 
 
 def rms_norm(
