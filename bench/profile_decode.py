@@ -145,7 +145,7 @@ HOST_PHASES = (  # the host-only methods of an engine that launches steps ahead 
     ("tidal.rollout.scheduling.scheduler.Lookahead", "matches", "matches"),
     ("runner", "_decode_step", "decode_inputs"),
     ("runner", "_sampling_tensors", "sampling_tensors"),
-    ("tidal.rollout.runner.model_runner.LaunchedStep", "result", "result"),
+    ("tidal.rollout.runner.steps.LaunchedStep", "result", "result"),
 )
 ASYNC_PHASES = (*HOST_PHASES, ("runner", "launch", "launch"), ("runner", "launch_ahead", "launch_ahead"))
 

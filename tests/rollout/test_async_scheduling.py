@@ -16,7 +16,7 @@ from tests.rollout.reference import PROMPTS, cpu_config
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
 from tidal.rollout.engine.ahead import AheadPolicy, async_fallback
 from tidal.rollout.runner.cuda_graph import ahead_input_ids
-from tidal.rollout.runner.model_runner import DecodeStep, fill_decode_inputs
+from tidal.rollout.runner.steps import DecodeStep, fill_decode_inputs
 from tidal.rollout.scheduling.block_manager import BlockManager
 from tidal.rollout.scheduling.sequence import Sequence
 

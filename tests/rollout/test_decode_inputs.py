@@ -15,7 +15,7 @@ import torch
 from tests.rollout.reference import cpu_config
 from tidal.rollout import LLMEngine, SamplingParams
 from tidal.rollout.runner.cuda_graph import DecodeGraphs, batch_buckets
-from tidal.rollout.runner.model_runner import fill_decode_inputs
+from tidal.rollout.runner.steps import fill_decode_inputs
 from tidal.rollout.scheduling.sequence import Sequence
 
 REQUESTS = [(list(range(3 + i, 3 + i + 2 + 3 * i)), 3 + (5 * i) % 11) for i in range(7)]

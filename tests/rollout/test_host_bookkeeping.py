@@ -10,7 +10,7 @@ import numpy as np
 
 from tests.rollout.reference import PROMPTS, cpu_config
 from tidal.rollout import LLMEngine, SamplingParams
-from tidal.rollout.runner.model_runner import BlockTables, fill_decode_inputs
+from tidal.rollout.runner.steps import BlockTables, fill_decode_inputs
 from tidal.rollout.scheduling.block_manager import BlockManager
 from tidal.rollout.scheduling.scheduler import ScheduledBatch, Scheduler
 from tidal.rollout.scheduling.sequence import Sequence

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tidal.rollout.engine.config import EngineConfig
-from tidal.rollout.runner.model_runner import LaunchedStep
+from tidal.rollout.runner.steps import LaunchedStep
 from tidal.rollout.scheduling.scheduler import Lookahead
 
 

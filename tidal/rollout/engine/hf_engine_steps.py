@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tidal.rollout.runner.sampler import Sampler, SamplingTensors, top_logprobs
+from tidal.rollout.runner.sampler import Sampler, SamplingTensors, penalty_tensors, top_logprobs
 from tidal.rollout.scheduling.scheduler import Detokenize, Scheduler
 from tidal.rollout.scheduling.sequence import Sequence, SequenceStatus
 
@@ -59,7 +59,7 @@ def sampling_tensors(seqs: list[Sequence], vocab: int, device: torch.device) -> 
     if suppress:
         extra["suppress_rows"] = ints([r for r, _ in suppress])
         extra["suppress_tokens"] = ints([t for _, t in suppress])
-    extra.update(_penalty_tensors(seqs, device))
+    extra.update(penalty_tensors(seqs, lambda data, dtype: torch.tensor(data, dtype=dtype, device=device)))
     if all(p.greedy for p in params):
         return SamplingTensors(all_greedy=True, **extra)
     floats = lambda data: torch.tensor(data, dtype=torch.float32, device=device)  # noqa: E731
@@ -74,24 +74,6 @@ def sampling_tensors(seqs: list[Sequence], vocab: int, device: torch.device) -> 
         positions=ints([seq.num_output_tokens for seq in seqs]),
         **extra,
     )
-
-
-def _penalty_tensors(seqs: list[Sequence], device: torch.device) -> dict[str, torch.Tensor]:
-    """(row, token, penalty) triples for the rows whose ``repetition_penalty`` is not 1."""
-    rows, tokens, penalties = [], [], []
-    for row, seq in enumerate(seqs):
-        if seq.params.penalizes_repetition:
-            seen = sorted(set(seq.token_ids))
-            rows += [row] * len(seen)
-            tokens += seen
-            penalties += [seq.params.repetition_penalty] * len(seen)
-    if not rows:
-        return {}
-    return {
-        "penalty_rows": torch.tensor(rows, dtype=torch.int64, device=device),
-        "penalty_tokens": torch.tensor(tokens, dtype=torch.int64, device=device),
-        "penalties": torch.tensor(penalties, dtype=torch.float32, device=device),
-    }
 
 
 @dataclass

@@ -74,8 +74,9 @@ from tidal.rollout.models.loader import (
 from tidal.rollout.models.parallel import SINGLE
 from tidal.rollout.models.registry import feature_refusal
 from tidal.rollout.outputs import RequestOutput
-from tidal.rollout.runner.model_runner import LaunchedStep, ModelRunner
+from tidal.rollout.runner.model_runner import ModelRunner
 from tidal.rollout.runner.multimodal import MultiModalInput, VisionSpec
+from tidal.rollout.runner.steps import LaunchedStep
 from tidal.rollout.sampling_params import SamplingParams
 from tidal.rollout.scheduling.block_manager import BlockManager, blocks_needed
 from tidal.rollout.scheduling.scheduler import ScheduledBatch, Scheduler

@@ -26,204 +26,38 @@ own decode graphs, which capture the NCCL collectives too: the ranks capture a b
 (the step says which bucket) and replay in the same order, as a collective needs. A decode step launched
 ahead is sent without its input ids (they are on the driver's device only): every rank receives them by a
 broadcast on the tensor group, and a receiving rank stages steps in two buffers in turn, as the driver does.
+
+Beside it: ``steps.py`` (the step records and decode block tables), ``sampling_inputs.py`` (each step's
+``SamplingTensors``), ``exact_model.py`` (exact mode's batch-invariant decoder).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field, replace
-from typing import Protocol
 
 import numpy as np
 import torch
 
 from tidal.accel import triton_available
-from tidal.rollout import batch_invariant as bi
-from tidal.rollout.models.layers import ACTIVATIONS as ACTIVATIONS_BY_NAME
-from tidal.rollout.models.layers import CausalLM, GatedMLP, RMSNorm, Rotary
+from tidal.rollout.models.layers import CausalLM
 from tidal.rollout.models.moe import SparseMoE
-from tidal.rollout.models.parallel import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from tidal.rollout.runner.attention import AttentionMetadata
 from tidal.rollout.runner.cuda_graph import DecodeGraphs, ahead_input_ids
+from tidal.rollout.runner.exact_model import make_exact
 from tidal.rollout.runner.sampler import Sampler, SamplingTensors, top_logprobs
+from tidal.rollout.runner.sampling_inputs import SamplingInputs
+from tidal.rollout.runner.steps import (
+    BlockTables,
+    DecodeStep,
+    LaunchedStep,
+    PrefillStep,
+    StepPeers,
+    StepResult,
+    fill_decode_inputs,
+    kv_cache_layout,
+    state_copies,
+)
 from tidal.rollout.scheduling.scheduler import ScheduledBatch
 from tidal.rollout.scheduling.sequence import Sequence
 from tidal.rollout.scheduling.state_cache import StateCache
-
-# What a step returns per sampled row: token ids, their log-probs and, when any row asks, each row's
-# (token id, log-prob) alternatives (None for a row that did not ask); see ``ModelRunner.run``.
-StepResult = tuple[list[int], list[float], list[list[tuple[int, float]] | None] | None]
-
-
-@dataclass
-class PrefillStep:
-    """A prefill's model inputs as host arrays: one row per group (its first sequence's tokens)."""
-
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slots: np.ndarray
-    lens: list[int]
-    rows: list[int]  # the logits row of each sampled sequence
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    # Linear-attention families: each group's state slot (its first sequence's), and the (src, dst) slots
-    # the samples of a group copy their prompt's state between after the prefill.
-    state_slots: list[int] = field(default_factory=list)
-    state_copies: list[tuple[int, int]] = field(default_factory=list)
-    # Vision families: the step's images and decode deltas (multimodal.PrefillImages); positions are then
-    # [3, tokens] M-RoPE triples.
-    images: object | None = None
-
-
-@dataclass
-class DecodeStep:
-    """A decode step's staged int32 inputs (``fill_decode_inputs``) and its row counts."""
-
-    staged: np.ndarray
-    num_seqs: int
-    rows: int
-    width: int
-    use_graph: bool
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    buffer: int = 0  # the staging buffer it is in
-    state_slots: np.ndarray | None = None  # linear-attention families: each row's state slot (eager)
-    # A step launched ahead (async scheduling): each row's input id is the previous step's sampled id at
-    # the row staged in place of the token (``fill_decode_inputs``), read on the device.
-    ahead: torch.Tensor | None = None
-    # Tensor parallelism, set in the copy the other ranks receive (``for_peers``): how many sampled ids
-    # ``ahead`` held (0: not launched ahead) and the rank that sampled them, which broadcasts them.
-    ahead_rows: int = 0
-    root: int = 0
-
-    def for_peers(self, rank: int) -> DecodeStep:
-        """The step as rank ``rank`` (the driver) sends it to the other ranks of a tensor-parallel engine:
-        without ``ahead`` (the ids are on this rank's device only), with their count and this rank."""
-        if self.ahead is None:
-            return self
-        return replace(self, ahead=None, ahead_rows=len(self.ahead), root=rank)
-
-
-@dataclass
-class LaunchedStep:
-    """A step whose forward and sampling are enqueued and whose copy to the host has started."""
-
-    tokens: torch.Tensor | None  # [rows] sampled ids on the device (a step launched ahead reads them)
-    host: torch.Tensor | None  # [rows, 2 + 2k] float64: token, log-prob, k alternative ids, k log-probs
-    ready: torch.cuda.Event | None  # CUDA: recorded after the copy to the host
-    top_rows: list[bool] | None = None  # k > 0: which rows asked for alternatives
-
-    def result(self) -> StepResult:
-        """Wait for the copy to the host; the step's tokens, log-probs and top alternatives."""
-        if self.host is None:  # nothing sampled (every group of a chunked prefill is between chunks)
-            return [], [], None
-        if self.ready is not None:
-            self.ready.synchronize()
-        packed = self.host.numpy()
-        tokens, logprobs = packed[:, 0].astype(np.int64).tolist(), packed[:, 1].tolist()
-        if self.top_rows is None:
-            return tokens, logprobs, None
-        k = (packed.shape[1] - 2) // 2
-        top_ids, top_values = packed[:, 2 : 2 + k].astype(np.int64).tolist(), packed[:, 2 + k :].tolist()
-        top = [
-            list(zip(row_ids, row_values, strict=True)) if asked else None
-            for asked, row_ids, row_values in zip(self.top_rows, top_ids, top_values, strict=True)
-        ]
-        return tokens, logprobs, top
-
-
-class StepPeers(Protocol):
-    """The other ranks of a tensor-parallel engine, as rank 0's runner sees them."""
-
-    def send_step(self, step: PrefillStep | DecodeStep) -> None: ...
-
-
-class BlockTables:
-    """The block tables of the last decode step staged, one int32 row per batch row, kept between steps so
-    that a step rewrites only the rows whose table changed (a sequence got a block, or another sequence
-    is in that row now) instead of converting every table from Python at every step.
-
-    A row holds a reference to the list it was written from and that list's length then: a
-    ``Sequence.block_table`` only grows in place (any other change assigns a new list, see ``Sequence``),
-    so the same list at the same length has the same blocks."""
-
-    def __init__(self, max_rows: int, max_blocks: int):
-        self.array = np.zeros((max_rows, max_blocks), dtype=np.int32)  # unused entries: block 0
-        self.held: list[list[int] | None] = [None] * max_rows  # the list each row was written from
-        self.held_len = [0] * max_rows  # its length then
-        self.lengths = np.zeros(max_rows, dtype=np.int64)  # held_len, to take the longest in one call
-
-    def update(self, seqs: list[Sequence], rows: int) -> tuple[np.ndarray, int]:
-        """``[rows, max_blocks]``: the tables of ``seqs``, then empty padding rows; and the longest one."""
-        held, held_len = self.held, self.held_len
-        for row, seq in enumerate(seqs):
-            table = seq.block_table
-            if held[row] is not table or held_len[row] != len(table):
-                self._write(row, table)
-        for row in range(len(seqs), rows):
-            if held_len[row]:
-                self._write(row, [])
-        return self.array[:rows], int(self.lengths[:rows].max())
-
-    def _write(self, row: int, table: list[int]) -> None:
-        size, old = len(table), self.held_len[row]
-        if self.held[row] is table and size == old + 1:  # the common change: one block appended
-            self.array[row, old] = table[old]
-        else:
-            if size < old:
-                self.array[row, size:old] = 0
-            self.array[row, :size] = table
-        self.held[row], self.held_len[row], self.lengths[row] = table, size, size
-
-
-def fill_decode_inputs(
-    seqs: list[Sequence],
-    rows: int,
-    width: int,
-    out: np.ndarray,
-    ahead: tuple[list[int], int] | None = None,
-    tables: np.ndarray | None = None,
-) -> np.ndarray:
-    """Write ``[last tokens][context lengths][block tables rows x width]`` (int32) into ``out``.
-
-    Rows past ``len(seqs)`` are padding (token 0, context 0); unused table entries are block 0, which
-    the torch attention backend may gather but masks out. ``tables``: those rows x at least ``width``
-    already (``BlockTables.update``), copied instead of written from the sequences' lists.
-
-    ``ahead = (prev_rows, prev_size)``: a step launched ahead (async scheduling), whose last tokens are
-    not on the host yet: the token field holds each sequence's row in the previous step's sampled ids
-    (padding rows ``prev_size``, one past their end: token 0, see ``cuda_graph.ahead_input_ids``) and each
-    context counts that token too.
-    """
-    n = len(seqs)
-    view = out[: rows * (2 + width)]
-    view[: 2 * rows] = 0
-    if ahead is None:
-        view[:n] = [seq.token_ids[-1] for seq in seqs]
-        view[rows : rows + n] = [seq.num_tokens for seq in seqs]
-    else:
-        prev_rows, prev_size = ahead
-        view[:rows] = prev_size
-        view[:n] = prev_rows
-        view[rows : rows + n] = [seq.num_tokens + 1 for seq in seqs]
-    staged = view[2 * rows :].reshape(rows, width)
-    if tables is not None:
-        staged[:] = tables[:, :width]
-        return view
-    staged.fill(0)
-    for row, seq in zip(staged, seqs, strict=False):
-        row[: len(seq.block_table)] = seq.block_table
-    return view
-
-
-def kv_cache_layout(args) -> tuple[int, int, int]:
-    """(tensors, heads, dim) the paged cache holds per layer and slot: k and v of each KV head this rank
-    computes, unless the family's ``DecoderArgs`` declare a ``kv_cache_layout`` of their own (multi-head
-    latent attention caches one latent row per token: ``models/mla.py``)."""
-    layout = getattr(args, "kv_cache_layout", None)
-    return layout if layout is not None else (2, args.local_kv_heads, args.head_dim)
-
-
-def _state_copies(groups: list[list[Sequence]]) -> list[tuple[int, int]]:
-    """(first sample's slot, other sample's slot) of every group with several samples."""
-    return [(group[0].state_slot, seq.state_slot) for group in groups for seq in group[1:]]
 
 
 def resolve_attention_backend(backend: str, device: torch.device, head_dim: int) -> str:
@@ -237,77 +71,7 @@ def resolve_attention_backend(backend: str, device: torch.device, head_dim: int)
     return "triton"
 
 
-def make_exact(model: CausalLM) -> None:
-    """Switch the engine's decoder to the batch-invariant ops (``tidal.rollout.batch_invariant``), in place,
-    computing what ``batch_invariant.make_exact`` makes a transformers model compute: a packed projection
-    runs each of its parts (q, k, v; gate, up) as its own matmul, as the HF model's separate layers do."""
-    problem = bi.exact_problem(model.args)
-    if problem:
-        raise ValueError(problem)
-    act = ACTIVATIONS_BY_NAME[model.args.hidden_act]
-    for module in model.modules():
-        if isinstance(module, ColumnParallelLinear):
-            module.forward = bi.bound_forward(_exact_packed_linear, module)
-        elif isinstance(module, (RowParallelLinear, ParallelLMHead)):
-            module.forward = bi.bound_forward(lambda m, x: bi.linear(x, m.weight, m.bias), module)
-        elif isinstance(module, RMSNorm):
-            module.forward = bi.bound_forward(_exact_norm, module)
-        elif isinstance(module, Rotary):
-            module.forward = bi.bound_forward(_exact_rope, module)
-        elif isinstance(module, GatedMLP):
-            module.forward = bi.bound_forward(
-                lambda m, x: m.down_proj(
-                    bi.pointwise(act, _exact_part(m.gate_up_proj, x, 0)) * _exact_part(m.gate_up_proj, x, 1)
-                ),
-                module,
-            )
-        elif isinstance(module, SparseMoE):
-            module.forward = bi.bound_forward(_exact_moe, module)
-
-
-def _exact_rope(module: Rotary, positions: torch.Tensor, dtype: torch.dtype):
-    """``rope_cos_sin`` from the RoPE frequencies (kept on the CPU by ``Rotary.build``) copied once to the
-    positions' device: a decode step captured in a CUDA graph cannot copy from the host."""
-    cached = getattr(module, "_exact_inv_freq", None)
-    if cached is None or cached[0] is not module.inv_freq or cached[1].device != positions.device:
-        cached = module._exact_inv_freq = (module.inv_freq, module.inv_freq.to(positions.device))
-    return bi.rope_cos_sin(positions, cached[1], module.scale, dtype)
-
-
-def _exact_packed_linear(module: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([_exact_part(module, x, i) for i in range(len(module.parts))], dim=-1)
-
-
-def _exact_part(module: ColumnParallelLinear, x: torch.Tensor, part: int) -> torch.Tensor:
-    """Packed part ``part``'s output: its rows of the weight (and bias) in a matmul of their own."""
-    start = sum(p.size for p in module.parts[:part])
-    size = module.parts[part].size
-    bias = None if module.bias is None else module.bias[start : start + size]
-    return bi.linear(x, module.weight[start : start + size], bias)
-
-
-def _exact_norm(module: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None):
-    if residual is None:
-        return bi.rms_norm(x, module.weight, module.eps, module.scale_in_float32)
-    total = x + residual
-    return bi.rms_norm(total, module.weight, module.eps, module.scale_in_float32), total
-
-
-def _exact_moe(module: SparseMoE, x: torch.Tensor) -> torch.Tensor:
-    """``SparseMoE.forward`` through the ops the trainer's MoE blocks run in exact mode (``bi.moe_route``)."""
-    moe, experts = module.moe, module.experts
-    weights_dtype = None if moe.weights_in_model_dtype else torch.float32
-    _, weights, ids = bi.moe_route(x, module.gate.weight, moe.top_k, moe.renormalize, weights_dtype)
-    if module.recorded is not None:
-        module.recorded.append(ids)
-    out = bi.moe_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, experts.act)
-    if moe.shared_expert_intermediate_size:
-        gate_logit = bi.gate_column(x, module.shared_expert_gate.weight)
-        out = bi.shared_expert_mix(out, gate_logit, module.shared_expert(x))
-    return out
-
-
-class ModelRunner:
+class ModelRunner(SamplingInputs):
     def __init__(
         self,
         model: CausalLM,
@@ -501,7 +265,7 @@ class ModelRunner:
         )
         if self.states is not None:
             step.state_slots = [group[0].state_slot for group in groups]
-            step.state_copies = _state_copies(groups)
+            step.state_copies = state_copies(groups)
         if hasattr(self.model, "reserve_block_state"):
             from tidal.rollout.runner.multimodal import prefill_images
 
@@ -664,7 +428,7 @@ class ModelRunner:
             self.kv_cache[:, :, self._tensor(dst)] = self.kv_cache[:, :, self._tensor(src)]
         if self.states is not None:
             done = [group for group, final in zip(batch.groups, batch.final, strict=True) if final]
-            self._copy_states(_state_copies(done))
+            self._copy_states(state_copies(done))
         seqs = batch.seqs
         if not seqs:  # every group is between chunks: nothing to sample yet
             return LaunchedStep(None, None, None)
@@ -693,99 +457,3 @@ class ModelRunner:
         ready = torch.cuda.Event()
         ready.record()
         return LaunchedStep(tokens, host, ready, top_rows)
-
-    def _sampling_tensors(self, seqs: list[Sequence], ahead: int = 0) -> SamplingTensors:
-        """Per-row settings; a decode step over the same sequences as the previous one reuses its tensors
-        with every position advanced by one (on device), instead of rebuilding them from Python.
-        ``ahead``: tokens each sequence has sampled beyond what the host holds (a step launched ahead)."""
-        cached = self._last_sampling
-        if (
-            cached is not None
-            and cached[0] == seqs  # each of these sequences got exactly one token since (identity compare)
-            and cached[1].suppress_rows is None
-            and cached[1].penalty_rows is None  # the seen tokens change every step
-            # A row's output count only grows while it stays in the batch: none that had reached its
-            # ``min_new_tokens`` when the tensors were built can be under it now.
-            and not (
-                cached[2] and any(seq.num_output_tokens + ahead < seq.params.min_new_tokens for seq in seqs)
-            )
-        ):
-            st = cached[1]
-            if st.positions is not None:
-                st.positions.add_(1)
-            return st
-        st = self._build_sampling_tensors(seqs, ahead)
-        under_min = any(seq.num_output_tokens + ahead < seq.params.min_new_tokens for seq in seqs)
-        self._last_sampling = (list(seqs), st, under_min)
-        return st
-
-    def _build_sampling_tensors(self, seqs: list[Sequence], ahead: int = 0) -> SamplingTensors:
-        vocab = self.args.vocab_size
-        params = [seq.params for seq in seqs]
-        suppress = [
-            (row, token)
-            for row, seq in enumerate(seqs)
-            if seq.num_output_tokens + ahead < seq.params.min_new_tokens
-            for token in self._stop_ids(seq)
-            if token < vocab
-        ]
-        suppress += [(row, token) for row in range(len(seqs)) for token in self.never_sample]
-        suppress_rows = self._tensor([r for r, _ in suppress]) if suppress else None
-        suppress_tokens = self._tensor([t for _, t in suppress]) if suppress else None
-        penalty = self._penalty_tensors(seqs)
-        top = min(max(p.num_top_logprobs for p in params), vocab)
-        if all(p.greedy for p in params):
-            return SamplingTensors(
-                all_greedy=True,
-                suppress_rows=suppress_rows,
-                suppress_tokens=suppress_tokens,
-                num_top_logprobs=top,
-                **penalty,
-            )
-        # Two host-to-device copies for all per-row settings, not one per field.
-        ints = self._tensor(
-            [
-                [p.top_k if p.top_k > 0 else vocab for p in params],
-                [seq.noise_seed for seq in seqs],
-                [seq.num_output_tokens + ahead for seq in seqs],
-            ]
-        )
-        # One row per field, so each field is a contiguous [rows] view (the fused sampling kernel
-        # reads row i at offset i; a column view of a [rows, 3] tensor gave it other fields' values).
-        floats = self._tensor(
-            [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
-            torch.float32,
-        )
-        return SamplingTensors(
-            all_greedy=False,
-            any_truncation=any(p.needs_truncation and not p.greedy for p in params),
-            temperatures=floats[0],
-            top_k=ints[0],
-            top_p=floats[1],
-            min_p=floats[2],
-            seeds=ints[1],
-            positions=ints[2],
-            suppress_rows=suppress_rows,
-            suppress_tokens=suppress_tokens,
-            num_top_logprobs=top,
-            **penalty,
-        )
-
-    def _penalty_tensors(self, seqs: list[Sequence]) -> dict:
-        """``SamplingTensors``' repetition-penalty triples: each distinct token of the prompt and output
-        of every row whose ``repetition_penalty`` is not 1 (none: the sampler's default path)."""
-        rows, tokens, penalties = [], [], []
-        for row, seq in enumerate(seqs):
-            if seq.params.penalizes_repetition:
-                seen = sorted(set(seq.token_ids))
-                rows += [row] * len(seen)
-                tokens += seen
-                penalties += [seq.params.repetition_penalty] * len(seen)
-        if not rows:
-            return {}
-        return {"penalty_rows": self._tensor(rows), "penalty_tokens": self._tensor(tokens),
-                "penalties": self._tensor(penalties, torch.float32)}  # fmt: skip
-
-    def _stop_ids(self, seq: Sequence) -> list[int]:
-        eos = [] if seq.params.ignore_eos else self.eos_token_ids
-        return sorted(set(eos) | set(seq.params.stop_token_ids))

@@ -17,11 +17,16 @@ asks for alternatives (``SamplingParams.logprobs``); other steps never compute i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tidal.accel import triton_available
+
+if TYPE_CHECKING:
+    from tidal.rollout.scheduling.sequence import Sequence
 
 _MASK32 = 0xFFFFFFFF
 U_MAX = 1.0 - 2.0**-24  # the largest float32 below 1
@@ -74,6 +79,28 @@ class SamplingTensors:
     penalties: torch.Tensor | None = None  # float32
     # The most top log-prob alternatives any row asks for (SamplingParams.logprobs); 0: none computed.
     num_top_logprobs: int = 0
+
+
+def penalty_tensors(
+    seqs: list[Sequence], tensor: Callable[[list, torch.dtype], torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``SamplingTensors``' repetition-penalty triples: each distinct token of the prompt and output of every
+    row whose ``repetition_penalty`` is not 1 (none: the sampler's default path). ``tensor(data, dtype)``
+    puts a list on the device (the model runner's from pinned memory, without waiting)."""
+    rows, tokens, penalties = [], [], []
+    for row, seq in enumerate(seqs):
+        if seq.params.penalizes_repetition:
+            seen = sorted(set(seq.token_ids))
+            rows += [row] * len(seen)
+            tokens += seen
+            penalties += [seq.params.repetition_penalty] * len(seen)
+    if not rows:
+        return {}
+    return {
+        "penalty_rows": tensor(rows, torch.int64),
+        "penalty_tokens": tensor(tokens, torch.int64),
+        "penalties": tensor(penalties, torch.float32),
+    }
 
 
 def apply_repetition_penalty(

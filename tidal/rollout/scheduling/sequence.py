@@ -22,7 +22,7 @@ class Sequence:
     KV is already in the cache; the next prefill chunk starts there.
 
     ``block_table`` only grows in place (``append``); any other change assigns a new list, so that the
-    runner can tell a changed table from the same list at the same length (``model_runner.BlockTables``).
+    runner can tell a changed table from the same list at the same length (``runner/steps.py``: ``BlockTables``).
     """
 
     # Slots: the engine reads a few of these for every sequence several times per step; stored in the

@@ -1,0 +1,82 @@
+"""Exact log-probs in the engine (``EngineConfig.exact_logprobs``): ``make_exact`` switches the decoder's
+modules to the batch-invariant ops (``tidal.rollout.batch_invariant``) the trainer's exact forward runs."""
+
+from __future__ import annotations
+
+import torch
+
+from tidal.rollout import batch_invariant as bi
+from tidal.rollout.models.layers import ACTIVATIONS as ACTIVATIONS_BY_NAME
+from tidal.rollout.models.layers import CausalLM, GatedMLP, RMSNorm, Rotary
+from tidal.rollout.models.moe import SparseMoE
+from tidal.rollout.models.parallel import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+
+
+def make_exact(model: CausalLM) -> None:
+    """Switch the engine's decoder to the batch-invariant ops (``tidal.rollout.batch_invariant``), in place,
+    computing what ``batch_invariant.make_exact`` makes a transformers model compute: a packed projection
+    runs each of its parts (q, k, v; gate, up) as its own matmul, as the HF model's separate layers do."""
+    problem = bi.exact_problem(model.args)
+    if problem:
+        raise ValueError(problem)
+    act = ACTIVATIONS_BY_NAME[model.args.hidden_act]
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear):
+            module.forward = bi.bound_forward(_exact_packed_linear, module)
+        elif isinstance(module, (RowParallelLinear, ParallelLMHead)):
+            module.forward = bi.bound_forward(lambda m, x: bi.linear(x, m.weight, m.bias), module)
+        elif isinstance(module, RMSNorm):
+            module.forward = bi.bound_forward(_exact_norm, module)
+        elif isinstance(module, Rotary):
+            module.forward = bi.bound_forward(_exact_rope, module)
+        elif isinstance(module, GatedMLP):
+            module.forward = bi.bound_forward(
+                lambda m, x: m.down_proj(
+                    bi.pointwise(act, _exact_part(m.gate_up_proj, x, 0)) * _exact_part(m.gate_up_proj, x, 1)
+                ),
+                module,
+            )
+        elif isinstance(module, SparseMoE):
+            module.forward = bi.bound_forward(_exact_moe, module)
+
+
+def _exact_rope(module: Rotary, positions: torch.Tensor, dtype: torch.dtype):
+    """``rope_cos_sin`` from the RoPE frequencies (kept on the CPU by ``Rotary.build``) copied once to the
+    positions' device: a decode step captured in a CUDA graph cannot copy from the host."""
+    cached = getattr(module, "_exact_inv_freq", None)
+    if cached is None or cached[0] is not module.inv_freq or cached[1].device != positions.device:
+        cached = module._exact_inv_freq = (module.inv_freq, module.inv_freq.to(positions.device))
+    return bi.rope_cos_sin(positions, cached[1], module.scale, dtype)
+
+
+def _exact_packed_linear(module: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([_exact_part(module, x, i) for i in range(len(module.parts))], dim=-1)
+
+
+def _exact_part(module: ColumnParallelLinear, x: torch.Tensor, part: int) -> torch.Tensor:
+    """Packed part ``part``'s output: its rows of the weight (and bias) in a matmul of their own."""
+    start = sum(p.size for p in module.parts[:part])
+    size = module.parts[part].size
+    bias = None if module.bias is None else module.bias[start : start + size]
+    return bi.linear(x, module.weight[start : start + size], bias)
+
+
+def _exact_norm(module: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None):
+    if residual is None:
+        return bi.rms_norm(x, module.weight, module.eps, module.scale_in_float32)
+    total = x + residual
+    return bi.rms_norm(total, module.weight, module.eps, module.scale_in_float32), total
+
+
+def _exact_moe(module: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """``SparseMoE.forward`` through the ops the trainer's MoE blocks run in exact mode (``bi.moe_route``)."""
+    moe, experts = module.moe, module.experts
+    weights_dtype = None if moe.weights_in_model_dtype else torch.float32
+    _, weights, ids = bi.moe_route(x, module.gate.weight, moe.top_k, moe.renormalize, weights_dtype)
+    if module.recorded is not None:
+        module.recorded.append(ids)
+    out = bi.moe_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, experts.act)
+    if moe.shared_expert_intermediate_size:
+        gate_logit = bi.gate_column(x, module.shared_expert_gate.weight)
+        out = bi.shared_expert_mix(out, gate_logit, module.shared_expert(x))
+    return out
