@@ -1,7 +1,7 @@
 """Walk one PPO step through the code: the files and folders it passes and the calls that climb back up.
 
 Runs a tiny PPO-GAE run on the CPU (one process) with a profiler hook and records, from the first rollout's
-generation (``stream.py::_generate``, in ``tidal/trainers/ppo/``; before issue #33 in ``tidal/placement/``) to the end of the first ``train_step``, every call
+generation (``sampling.py::_round``, in ``tidal/trainers/ppo/``; before issue #35 ``stream.py::_generate``, before issue #33 in ``tidal/placement/``) to the end of the first ``train_step``, every call
 from one tidal folder into another (each distinct caller function → callee function once, in the order
 first seen). A call *climbs back up* when the callee's folder sits in a higher layer than the caller's
 (``LAYERS`` of tests/test_imports.py): code of a lower layer running code of a higher one it cannot
@@ -60,7 +60,7 @@ class Walk:
         if callee is None:
             return
         name = callee[1]
-        if event == "call" and not self.recording and name.endswith("stream.py::_generate"):
+        if event == "call" and not self.recording and name.endswith("sampling.py::_round"):
             self.recording = True
         if event == "return" and self.recording and name.endswith("trainer.py::train_step"):
             self.done = True
