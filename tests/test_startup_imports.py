@@ -38,6 +38,7 @@ LAZY_PACKAGES = (
     "tidal.placement",
     "tidal.checkpoint",
     "tidal.trainers.ppo",
+    "tidal.rollout",
 )
 
 
@@ -65,3 +66,10 @@ def test_a_lazy_package_imports_its_submodules_by_name_and_refuses_unknown_names
         tidal.data.no_such_name  # noqa: B018
     with pytest.raises(ImportError):
         from tidal.data import no_such_name  # noqa: F401
+
+
+def test_the_family_registry_imports_no_torch():
+    """``tidal demo --help`` reads its family choices from the registry: plain data, no engine, no torch."""
+    probe = "import sys, tidal.rollout.models.registry; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

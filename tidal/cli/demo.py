@@ -25,8 +25,8 @@ from pathlib import Path
 
 from tidal.cli.common import make_parser, run_command
 from tidal.config.args import arg, config_from_args
-from tidal.config.registries import MODEL_FAMILY_NAMES
 from tidal.logging import get_logger
+from tidal.rollout.models.registry import FAMILIES  # plain data: --help stays torch-free
 
 log = get_logger(__name__)
 
@@ -36,7 +36,7 @@ class DemoConfig:
     """Demo: the tiny model, the task and each stage's budget."""
 
     output_dir: str = arg("./runs/demo", help="run folder (models, data, plots, summary)")
-    family: str = arg("qwen2", help="tiny model family", choices=MODEL_FAMILY_NAMES)
+    family: str = arg("qwen2", help="tiny model family", choices=tuple(FAMILIES))
     digits: int = arg(1, help="digits per addend")
     train_samples: int = arg(4096, help="synthetic SFT samples")
     eval_samples: int = arg(200, help="test prompts for accuracy")

@@ -20,16 +20,6 @@ LOSS_AGGREGATION_NAMES = ("token", "sequence", "sequence_sum")
 # tidal.algorithms.RM_LOSSES
 RM_LOSS_NAMES = ("sigmoid", "logexp")
 
-# tidal.rollout.models.registry.FAMILIES: the engine's model families (and tidal.testing's tiny builders)
-MODEL_FAMILY_NAMES = (
-    "llama", "qwen2", "qwen3", "mistral", "olmo2", "gemma2", "gemma3_text", "phi3", "qwen3_moe", "qwen2_moe", "mixtral",
-    "deepseek_v3",
-    "qwen3_5_text",
-    "qwen3_5_moe_text",
-    "gpt_oss",
-    "gemma4_text",
-)  # fmt: skip
-
 # --remote_rm_timeout / --remote_rm_retries defaults (tidal.rewards.remote.RemoteReward's).
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_RETRIES = 2

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import torch
 
-EXACT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
+from tidal.rollout.models.registry import FAMILIES
+
+# The families exact mode runs, on any device, and those it runs on CUDA: derived from each family's
+# record (``registry.Family.exact``), so that a new family is one registry entry.
+EXACT_MODEL_TYPES = tuple(name for name, family in FAMILIES.items() if "cpu" in family.exact)
 
 
 def exact_problem(config, lora_dropout: float = 0.0, load_in_4bit: bool = False) -> str | None:
@@ -26,7 +30,7 @@ def exact_problem(config, lora_dropout: float = 0.0, load_in_4bit: bool = False)
 
 # The families measured exact on CUDA (an H200, bf16): the dense ones, and the MoE ones since their routing
 # sums by halving and picks by a stable sort (``moe_route``; tests/rollout/test_exact_logprobs.py, gpu).
-EXACT_CUDA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
+EXACT_CUDA_MODEL_TYPES = tuple(name for name, family in FAMILIES.items() if "cuda" in family.exact)
 
 
 def exact_device_problem(

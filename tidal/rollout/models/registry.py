@@ -26,7 +26,10 @@ class Family:
     the tiny tokenizer prepends a bos token, as the family's real tokenizers do. ``chunkable_head``: the HF
     forward applies nothing after ``lm_head`` (no soft-capping or logit scaling), so the trainer may
     compute log-probs from the hidden states in chunks. ``refuses``: the engine features (``FEATURES``) this
-    family does not support, each with the one-line reason the engine gives when asked for it.
+    family does not support, each with the one-line reason the engine gives when asked for it. ``exact``:
+    the devices (``"cpu"``, ``"cuda"``) exact mode runs the family on (``--exact_logprobs``: bit-identical
+    log-probs in engine and trainer; on CUDA, the families measured exact on an H200), read by
+    ``batch_invariant.support``; empty: exact mode refuses the family.
     """
 
     model_type: str
@@ -35,22 +38,23 @@ class Family:
     tiny_adds_bos: bool = False
     chunkable_head: bool = True
     refuses: dict[str, str] = field(default_factory=dict)
+    exact: tuple[str, ...] = ()
 
 
 # One line per family (the table reads better unwrapped).
 # fmt: off
 _FAMILIES = (
-    Family("llama", "llama:LlamaForCausalLM", dict(tie_word_embeddings=False, rope_theta=10000.0), tiny_adds_bos=True),
-    Family("qwen2", "qwen2:Qwen2ForCausalLM", dict(tie_word_embeddings=True, rope_theta=1000000.0)),
-    Family("qwen3", "qwen3:Qwen3ForCausalLM", dict(tie_word_embeddings=True, rope_theta=1000000.0, head_dim=32)),
-    Family("mistral", "llama:LlamaForCausalLM", dict(tie_word_embeddings=False, rope_theta=10000.0, sliding_window=None), tiny_adds_bos=True),
+    Family("llama", "llama:LlamaForCausalLM", dict(tie_word_embeddings=False, rope_theta=10000.0), tiny_adds_bos=True, exact=("cpu", "cuda")),
+    Family("qwen2", "qwen2:Qwen2ForCausalLM", dict(tie_word_embeddings=True, rope_theta=1000000.0), exact=("cpu", "cuda")),
+    Family("qwen3", "qwen3:Qwen3ForCausalLM", dict(tie_word_embeddings=True, rope_theta=1000000.0, head_dim=32), exact=("cpu", "cuda")),
+    Family("mistral", "llama:LlamaForCausalLM", dict(tie_word_embeddings=False, rope_theta=10000.0, sliding_window=None), tiny_adds_bos=True, exact=("cpu", "cuda")),
     Family("olmo2", "olmo2:Olmo2ForCausalLM", dict(tie_word_embeddings=False, rope_theta=500000.0)),
     Family("gemma2", "gemma2:Gemma2ForCausalLM", dict(tie_word_embeddings=True, head_dim=32, query_pre_attn_scalar=24, sliding_window=8), tiny_adds_bos=True, chunkable_head=False),
     Family("gemma3_text", "gemma3:Gemma3ForCausalLM", dict(tie_word_embeddings=True, head_dim=32, query_pre_attn_scalar=24, sliding_window=8, sliding_window_pattern=2), tiny_adds_bos=True, chunkable_head=False),
     Family("phi3", "phi3:Phi3ForCausalLM", dict(tie_word_embeddings=False, rope_theta=10000.0)),
-    Family("qwen3_moe", "qwen3_moe:Qwen3MoeForCausalLM", dict(tie_word_embeddings=False, rope_theta=1000000.0, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[2])),
-    Family("qwen2_moe", "qwen2_moe:Qwen2MoeForCausalLM", dict(tie_word_embeddings=False, rope_theta=1000000.0, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=128, norm_topk_prob=False, decoder_sparse_step=2)),
-    Family("mixtral", "mixtral:MixtralForCausalLM", dict(tie_word_embeddings=False, rope_theta=1000000.0, num_local_experts=4, num_experts_per_tok=2, intermediate_size=128, sliding_window=None), tiny_adds_bos=True),
+    Family("qwen3_moe", "qwen3_moe:Qwen3MoeForCausalLM", dict(tie_word_embeddings=False, rope_theta=1000000.0, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[2]), exact=("cpu", "cuda")),
+    Family("qwen2_moe", "qwen2_moe:Qwen2MoeForCausalLM", dict(tie_word_embeddings=False, rope_theta=1000000.0, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=128, norm_topk_prob=False, decoder_sparse_step=2), exact=("cpu", "cuda")),
+    Family("mixtral", "mixtral:MixtralForCausalLM", dict(tie_word_embeddings=False, rope_theta=1000000.0, num_local_experts=4, num_experts_per_tok=2, intermediate_size=128, sliding_window=None), tiny_adds_bos=True, exact=("cpu", "cuda")),
     Family("deepseek_v3", "deepseek_v3:DeepseekV3ForCausalLM", dict(tie_word_embeddings=False, rope_theta=10000.0, num_key_value_heads=6, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True), refuses=dict(tensor_parallel="multi-head latent attention's cache and projections are not sharded across ranks", record_routing="router replay forces softmax top-k weights, not DeepSeek-V3's group-limited sigmoid router", packing_samples="tidal's CUDA varlen attention for packed rows needs values of the query/key head dim, and DeepSeek's v_head_dim differs (128 vs 192)")),
     Family("qwen3_5_text", "qwen3_5:Qwen35ForCausalLM", dict(tie_word_embeddings=False, head_dim=32, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5), layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4), refuses=dict(tensor_parallel="the linear-attention layers and their recurrent states are not sharded across ranks", prefix_caching="the linear-attention layers' recurrent state is not saved at block boundaries, so a cached prefix cannot be resumed", cuda_graphs="decode steps read recurrent-state slots that the captured graphs' inputs do not carry", async_scheduling="a decode step launched ahead and then discarded would already have advanced the recurrent state in place", packing_samples="transformers' Gated DeltaNet layers keep packed samples apart only with the flash-linear-attention and causal-conv1d kernels, which tidal neither requires nor tests")),
     Family("qwen3_5_moe_text", "qwen3_5_moe:Qwen35MoeForCausalLM", dict(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96, head_dim=32, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5), layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4), refuses=dict(tensor_parallel="the linear-attention layers and their recurrent states are not sharded across ranks", prefix_caching="the linear-attention layers' recurrent state is not saved at block boundaries, so a cached prefix cannot be resumed", cuda_graphs="decode steps read recurrent-state slots that the captured graphs' inputs do not carry", async_scheduling="a decode step launched ahead and then discarded would already have advanced the recurrent state in place", packing_samples="transformers' Gated DeltaNet layers keep packed samples apart only with the flash-linear-attention and causal-conv1d kernels, which tidal neither requires nor tests")),

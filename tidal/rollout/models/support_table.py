@@ -1,14 +1,13 @@
 """The README's table of model families and the engine features each supports, derived from the registry.
 
-Every cell comes from the family's record (``registry.Family.refuses``) or from exact mode's family lists
-(``batch_invariant.support``), so the table cannot drift from what the engine does: ``tests/rollout/
-test_support_table.py`` checks that README.md holds exactly this table. After adding a family, print it
-with ``python -m tidal.rollout.models.support_table`` and paste it between the README's markers.
+Every cell comes from the family's record (``registry.Family.refuses`` and ``Family.exact``), so the table
+cannot drift from what the engine does: ``tests/rollout/test_support_table.py`` checks that README.md holds
+exactly this table. After adding a family, print it with ``python -m tidal.rollout.models.support_table``
+and paste it between the README's markers.
 """
 
 from __future__ import annotations
 
-from tidal.rollout.batch_invariant.support import EXACT_CUDA_MODEL_TYPES, EXACT_MODEL_TYPES
 from tidal.rollout.models.registry import FAMILIES, VISION_FAMILIES, Family
 
 BEGIN = "<!-- families: python -m tidal.rollout.models.support_table -->"
@@ -26,11 +25,7 @@ COLUMNS = (
 
 def _row(entry: Family, kind: str) -> str:
     cells = ["no" if feature in entry.refuses else "yes" for _, feature in COLUMNS]
-    exact = [
-        device
-        for device, families in (("CPU", EXACT_MODEL_TYPES), ("CUDA", EXACT_CUDA_MODEL_TYPES))
-        if entry.model_type in families
-    ]
+    exact = [name for device, name in (("cpu", "CPU"), ("cuda", "CUDA")) if device in entry.exact]
     cells.append(" + ".join(exact) if exact else "no")
     return f"| `{entry.model_type}` | {kind} | " + " | ".join(cells) + " |"
 
