@@ -26,7 +26,7 @@ class LLMClient:
             raise ValueError(f"settle_rounds must be >= 1, got {settle_rounds}")
         self.engine = engine
         self.settle_rounds = settle_rounds
-        self._queue: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
+        self._queue: list[tuple[list[int], SamplingParams, asyncio.Future, object]] = []
         self._dispatcher: asyncio.Task | None = None
         self.batch_sizes: list[int] = []  # requests per engine call, for logging and tests
 
@@ -34,14 +34,17 @@ class LLMClient:
     def tokenizer(self):
         return getattr(self.engine, "tokenizer", None)
 
-    async def generate(self, prompt_ids: list[int], sampling_params: SamplingParams) -> CompletionOutput:
-        """One sample for ``prompt_ids`` (``sampling_params.n`` must be 1)."""
+    async def generate(
+        self, prompt_ids: list[int], sampling_params: SamplingParams, multi_modal=None
+    ) -> CompletionOutput:
+        """One sample for ``prompt_ids`` (``sampling_params.n`` must be 1); ``multi_modal``: the prompt's
+        images (a ``MultiModalInput``, for a vision-language engine), None for text."""
         if sampling_params.n != 1:
             raise ValueError(
                 f"LLMClient.generate returns one sample; got SamplingParams(n={sampling_params.n})"
             )
         future = asyncio.get_running_loop().create_future()
-        self._queue.append(([int(t) for t in prompt_ids], sampling_params, future))
+        self._queue.append(([int(t) for t in prompt_ids], sampling_params, future, multi_modal))
         if self._dispatcher is None or self._dispatcher.done():
             self._dispatcher = asyncio.ensure_future(self._dispatch())
         return await future
@@ -62,16 +65,21 @@ class LLMClient:
             quiet = quiet + 1 if len(self._queue) == seen else 0
             seen = len(self._queue)
 
-    def _run_batch(self, batch: list[tuple[list[int], SamplingParams, asyncio.Future]]) -> None:
+    def _run_batch(self, batch: list[tuple[list[int], SamplingParams, asyncio.Future, object]]) -> None:
+        images = [mm for *_, mm in batch]
+        # text-only batches call generate as before (every engine takes those)
+        with_images = {"multi_modal": images} if any(mm is not None for mm in images) else {}
         try:
-            outputs = self.engine.generate([ids for ids, _, _ in batch], [params for _, params, _ in batch])
+            outputs = self.engine.generate(
+                [item[0] for item in batch], [item[1] for item in batch], **with_images
+            )
         except Exception as err:  # every waiting sample sees the engine's error
-            for _, _, future in batch:
+            for _, _, future, _ in batch:
                 if not future.done():
                     future.set_exception(err)
             return
         self.batch_sizes.append(len(batch))
-        for (_, _, future), output in zip(batch, outputs, strict=True):
+        for (_, _, future, _), output in zip(batch, outputs, strict=True):
             if not future.done():
                 future.set_result(output.outputs[0])
 

@@ -6,7 +6,9 @@ observation (the prompt rule of ``AgentExecutorBase.encode_prompt``), then loop:
 1. generate an action from the current token ids (``max_new_tokens`` capped by what is left of
    ``max_length``) and append its ids (action_mask 1, the engine's log-probs);
 2. ``step({"observation_text", "action_text", "action_token_ids", "label", "sampling_params"})``;
-3. append the tokenized ``environment_feedback`` (``add_special_tokens=False``; action_mask 0);
+3. append the tokenized ``environment_feedback`` (``add_special_tokens=False``; action_mask 0): a str,
+   or (tidal's addition, on a vision-language policy) a list of text and image content parts whose images
+   go with every later turn's request and stay in the trajectory (``tidal.agents.images``);
 4. stop when the step says ``done`` (finish_reason "done") or the context reaches ``max_length``
    (finish_reason "length"; the last feedback is truncated to fit). A returned ``sampling_params``
    applies from the next turn on.
@@ -40,6 +42,7 @@ from tidal.agents.base import (
     describe,
     with_params,
 )
+from tidal.agents.images import ObservationImages, encode_feedback, feedback_parts, has_images
 from tidal.rewards.base import RewardError, check_finite, to_scalar_logs
 from tidal.rollout.runner.sampler import sequence_seed
 from tidal.rollout.sampling_params import SamplingParams
@@ -53,7 +56,7 @@ class StepResult:
 
     reward: float
     score: float
-    feedback: str
+    feedback: list[tuple[str, Any]]  # ("text", str) / ("image", value) parts (tidal.agents.images)
     done: bool
     sampling_params: SamplingParams | None = None
     extra_logs: dict[str, float] = field(default_factory=dict)
@@ -83,9 +86,11 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                 f"for an action under max_length={max_length}"
             )
         text, params, steps = observation, sampling_params, []
+        images: ObservationImages | None = None  # the episode's images, once an observation holds one
         while len(traj.token_ids) < max_length and not (steps and steps[-1].done):
             turn_params = _turn_params(params, max_length - len(traj.token_ids), len(steps))
-            output = await llm.generate(traj.token_ids, turn_params)
+            with_images = {} if images is None else {"multi_modal": images.engine_input()}
+            output = await llm.generate(traj.token_ids, turn_params, **with_images)
             traj.add_action(output.token_ids, output.logprobs)
             traj.add_routing(output.routed_experts)  # router replay; None unless the engine records
             action_text = _action_text(output, llm, tokenizer, turn_params)
@@ -101,11 +106,18 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             except EpisodeError as err:  # the action stays in the trajectory, trained with reward 0
                 traj.fail(err)
                 break
-            traj.add_observation(tokenizer(result.feedback, add_special_tokens=False)["input_ids"])
-            text += action_text + result.feedback
+            where = f"{describe(agent)}.step (turn {len(steps) + 1})"
+            if images is None and has_images(result.feedback):
+                images = ObservationImages(getattr(llm, "engine", None), tokenizer, where)
+            ids, feedback = encode_feedback(result.feedback, tokenizer, images, len(traj.token_ids), where)
+            traj.add_observation(ids)
+            text += action_text + feedback
             params = result.sampling_params or params
             steps.append(result)
         traj.truncate(max_length)  # only the last feedback can overshoot: actions are capped to fit
+        if images is not None:  # an image cut in part by the limit is dropped whole, with its tokens
+            traj.truncate(images.fit(len(traj.token_ids)))
+            traj.images = images.tensors()
         traj.response_text = tokenizer.decode(
             traj.response_ids, skip_special_tokens=sampling_params.skip_special_tokens
         )
@@ -168,9 +180,7 @@ def _validate_step(answer: Any, params: SamplingParams, turn: int = 1) -> StepRe
     missing = [k for k in _REQUIRED if k not in answer]
     if missing:
         raise ValueError(f"missing keys {missing}")
-    feedback = answer["environment_feedback"]
-    if not isinstance(feedback, str):
-        raise TypeError(f"environment_feedback must be a str, got {type(feedback).__name__}")
+    feedback = feedback_parts(answer["environment_feedback"])
     # every turn's reward must be finite, not only the last one's (which the trajectory keeps)
     reward = _finite(_scalar(answer["rewards"], "rewards"), "reward", turn)
     score = (
