@@ -217,3 +217,29 @@ def test_client_passes_images_only_with_images():
 
     asyncio.run(both())
     assert spy.calls == [{"multi_modal": [None, "mm"]}, {}]
+
+
+def test_agent_endpoint_episodes_refuse_images(vlm):
+    import base64
+    import http.client
+    import io
+
+    from PIL import Image
+
+    pytest.importorskip("uvicorn")
+    from tidal.agents.endpoint import episode_server
+    from tidal.serve.recorder import RequestRecorder
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (28, 28), "red").save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "colour?"}]
+    body = {"model": "policy", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    recorder = RequestRecorder()
+    with episode_server(_engine(vlm), recorder, 4) as server:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        conn.request("POST", "/episodes/e1/v1/chat/completions", body=json.dumps(body).encode())
+        resp = conn.getresponse()
+        status, answer = resp.status, json.loads(resp.read())
+    assert status == 400 and "--agent_endpoint episodes take text only" in answer["error"]["message"]
+    assert recorder.episode_ids() == []

@@ -102,6 +102,18 @@ class EpisodeService(OpenAIService):
         super().__init__(engine, "policy", default_max_tokens, recorder)
         self.seeds = seeds
 
+    def _parse(self, raw: bytes, endpoint: str, episode: str | None):
+        req = super()._parse(raw, endpoint, episode)
+        if req.multi_modal is not None:  # the recorder keeps ids only: the trainer would miss the pixels
+            from tidal.serve.schema import RequestError
+
+            raise RequestError(
+                "--agent_endpoint episodes take text only: images in requests are not yet recorded for "
+                "training (an --agent_func_path agent may return images in its observations)",
+                param="messages",
+            )
+        return req
+
     async def _serve(self, req):
         seed = self.seeds.next_seed(req.episode_id)  # every request of the episode counts, seeded or not
         if seed is not None and req.params.seed is None:
