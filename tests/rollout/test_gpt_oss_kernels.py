@@ -63,18 +63,8 @@ def test_context_kernel_with_sinks_matches_torch(dtype, window, splits):
     sinks = (torch.randn(8, generator=torch.Generator().manual_seed(1)) * 3).to(dtype).cuda()
     meta.kv_cache = layer_cache[None].float()
     ref = torch_sink_attention(q.float(), layer_cache.float(), meta, window, 0.125, sinks.float())
-    out = triton_context.paged_context_attention(
-        q,
-        layer_cache,
-        meta.block_tables,
-        meta.pad_index[:, 0],
-        meta.query_starts,
-        meta.context_lens,
-        meta.pad_index.shape[1],
-        window,
-        0.125,
-        num_splits=splits,
-        sinks=sinks,
+    out = triton_context.context_attention(
+        q, layer_cache, meta, window, 0.125, num_splits=splits, sinks=sinks
     )
     _close(out, ref, dtype, "prefill with context and sinks")
 

@@ -159,9 +159,9 @@ def test_long_prompt_chunk_splits_the_keys(dtype, window):
     tiles = -(-512 * 7 // block_m)
     assert choose_num_splits(tiles, 2, 16384, _num_sms(torch.cuda.current_device())) > 1
     ref = reference(q, cache, meta, window, 0.125)
-    args = (meta.block_tables, meta.pad_index[:, 0], meta.query_starts, meta.context_lens, 512, window, 0.125)
+    assert meta.pad_index.shape[1] == 512  # the chunk's new tokens
     for num_splits in (None, 1, 2, 16):
-        out = triton_context.paged_context_attention(q, cache, *args, num_splits).double()
+        out = triton_context.context_attention(q, cache, meta, window, 0.125, num_splits).double()
         if dtype == torch.float32:
             assert (out - ref).abs().max().item() < FP32_TOL, num_splits
         else:
@@ -256,18 +256,7 @@ def tc():
 
 
 def _interpret(tc, q, cache, meta, window, scale, num_splits=1):
-    return tc.paged_context_attention(
-        q,
-        cache,
-        meta.block_tables,
-        meta.pad_index[:, 0],
-        meta.query_starts,
-        meta.context_lens,
-        meta.pad_index.shape[1],
-        window,
-        scale,
-        num_splits,
-    )
+    return tc.context_attention(q, cache, meta, window, scale, num_splits)
 
 
 # Mixed: a first chunk from 0, 1 new token after a long prefix, several tiles' worth of rows, mid-block ends.

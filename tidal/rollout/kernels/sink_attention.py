@@ -96,15 +96,4 @@ def _triton_sink_attention(q, layer_cache, meta: AttentionMetadata, window, scal
 
     if not (attention.CONTEXT_KERNEL and triton_context.supports(q.shape[-1])):
         return None
-    return triton_context.paged_context_attention(
-        q,
-        layer_cache,
-        meta.block_tables,
-        meta.pad_index[:, 0],
-        meta.query_starts,
-        meta.context_lens,
-        meta.pad_index.shape[1],
-        window,
-        scale,
-        sinks=sinks,
-    )
+    return triton_context.context_attention(q, layer_cache, meta, window, scale, sinks=sinks)

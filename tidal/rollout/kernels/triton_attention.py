@@ -200,6 +200,39 @@ def _merge_kernel(
     tl.store(out_ptr + row * HEAD_DIM + d, out)
 
 
+def split_buffers(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 partial outputs [rows * heads * splits, head_dim] and their log-sum-exps of a launch that
+    splits the keys of each (row, head) ``num_splits`` ways; ``out`` [rows, heads, head_dim] itself (never
+    read) when the keys are not split."""
+    if num_splits <= 1:
+        return out, out
+    rows, num_heads, head_dim = out.shape
+    part = torch.empty(rows * num_heads * num_splits, head_dim, dtype=torch.float32, device=out.device)
+    lse = torch.empty(rows * num_heads * num_splits, dtype=torch.float32, device=out.device)
+    return part, lse
+
+
+def merge_splits(
+    part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor | None, num_splits: int
+) -> None:
+    """Combine each (row, head)'s ``num_splits`` partial results (``split_buffers``) into ``out`` [rows, heads,
+    head_dim], weighted by their log-sum-exps (and scaled by the sink's share with ``sinks``); nothing to
+    do for one split, whose kernel wrote ``out`` itself."""
+    if num_splits <= 1:
+        return
+    rows, num_heads, head_dim = out.shape
+    _merge_kernel[(rows * num_heads,)](
+        part,
+        lse,
+        out,
+        out if sinks is None else sinks,  # unused without sinks
+        num_heads,
+        HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits,
+        SINKS=sinks is not None,
+    )
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -265,11 +298,7 @@ def paged_decode_attention(
         max_tokens = block_tables.shape[1] * block_size
         num_splits = choose_num_splits(batch, num_kv_heads, max_tokens, _num_sms(device))
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    if num_splits > 1:
-        part = torch.empty(batch * num_heads * num_splits, head_dim, dtype=torch.float32, device=q.device)
-        lse = torch.empty(batch * num_heads * num_splits, dtype=torch.float32, device=q.device)
-    else:
-        part = lse = out  # unused
+    part, lse = split_buffers(out, num_splits)
     if rope is not None:
         cos, sin, slots = rope.cos.contiguous(), rope.sin.contiguous(), rope.slot_mapping
     else:
@@ -314,15 +343,5 @@ def paged_decode_attention(
         # nothing else here.
         enable_reflect_ftz=rope is None,
     )
-    if num_splits > 1:
-        _merge_kernel[(batch * num_heads,)](
-            part,
-            lse,
-            out,
-            sink_arg,
-            num_heads,
-            HEAD_DIM=head_dim,
-            NUM_SPLITS=num_splits,
-            SINKS=sinks is not None,
-        )
+    merge_splits(part, lse, out, sinks, num_splits)
     return out.view(batch, num_heads * head_dim)

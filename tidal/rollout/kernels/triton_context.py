@@ -18,16 +18,27 @@ ends) stays on the device: no host sync.
 Split-K: when those programs are too few to fill the GPU (a long prompt's chunk: one sequence, a few
 hundred new tokens over a 16k context), each tile's key range is cut into ``num_splits`` pieces (the
 third grid axis is kv head x split) whose partial results (normalised output + log-sum-exp) the decode
-kernel's merge kernel (``triton_attention._merge_kernel``) combines.
+kernel's merge (``triton_attention.merge_splits``) combines.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from tidal.rollout.kernels.triton_attention import _merge_kernel, _num_sms, choose_num_splits, sink_share
+from tidal.rollout.kernels.triton_attention import (
+    _num_sms,
+    choose_num_splits,
+    merge_splits,
+    sink_share,
+    split_buffers,
+)
+
+if TYPE_CHECKING:
+    from tidal.rollout.runner.attention import AttentionMetadata
 
 LOG2E = 1.4426950408889634
 
@@ -208,6 +219,33 @@ def tile_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     return 64, 64, 4
 
 
+def context_attention(
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    window: int | None,
+    scale: float,
+    num_splits: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``paged_context_attention`` for a prefill step, its index arguments read from the step's attention
+    metadata: each sequence's first query row (``pad_index[:, 0]``: lengths are >= 1), query start and
+    end positions, and the longest run of new tokens (the width of ``pad_index``)."""
+    return paged_context_attention(
+        q,
+        layer_cache,
+        meta.block_tables,
+        meta.pad_index[:, 0],
+        meta.query_starts,
+        meta.context_lens,
+        meta.pad_index.shape[1],
+        window,
+        scale,
+        num_splits,
+        sinks,
+    )
+
+
 def paged_context_attention(
     q: torch.Tensor,
     layer_cache: torch.Tensor,
@@ -244,13 +282,7 @@ def paged_context_attention(
         max_context = block_tables.shape[1] * block_size
         num_splits = choose_num_splits(batch * tiles, num_kv_heads, max_context, _num_sms(device))
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    if num_splits > 1:
-        part = torch.empty(
-            num_tokens * num_heads * num_splits, head_dim, dtype=torch.float32, device=q.device
-        )
-        lse = torch.empty(num_tokens * num_heads * num_splits, dtype=torch.float32, device=q.device)
-    else:
-        part = lse = out  # unused
+    part, lse = split_buffers(out, num_splits)
     sink_arg = out if sinks is None else sinks  # unused without sinks
     k, v = layer_cache[0], layer_cache[1]
     grid = (batch, tiles, num_kv_heads * num_splits)
@@ -289,15 +321,5 @@ def paged_context_attention(
         num_warps=num_warps,
         num_stages=2,
     )
-    if num_splits > 1:
-        _merge_kernel[(num_tokens * num_heads,)](
-            part,
-            lse,
-            out,
-            sink_arg,
-            num_heads,
-            HEAD_DIM=head_dim,
-            NUM_SPLITS=num_splits,
-            SINKS=sinks is not None,
-        )
+    merge_splits(part, lse, out, sinks, num_splits)
     return out.view(num_tokens, num_heads * head_dim)

@@ -156,17 +156,7 @@ def context_prefill_attention(
         from tidal.rollout.kernels import triton_context
 
         if triton_context.supports(q.shape[-1]):
-            return triton_context.paged_context_attention(
-                q,
-                layer_cache,
-                meta.block_tables,
-                meta.pad_index[:, 0],  # each sequence's first query row (lengths are >= 1)
-                meta.query_starts,
-                meta.context_lens,
-                meta.pad_index.shape[1],
-                window,
-                scale,
-            )
+            return triton_context.context_attention(q, layer_cache, meta, window, scale)
     return torch_context_prefill_attention(q, layer_cache, meta, window, scale)
 
 
