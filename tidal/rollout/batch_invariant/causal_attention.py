@@ -45,14 +45,19 @@ def attention(
     if lk != k.shape[1]:  # pad keys to whole blocks (masked below)
         pad = (0, 0, 0, 0, 0, lk - k.shape[1])
         k, v = F.pad(k, pad), F.pad(v, pad)
-    groups = h // k.shape[2]
-    k = k.float().repeat_interleave(groups, dim=2)  # [B, Lk, H, D]
-    v = v.float().repeat_interleave(groups, dim=2)
-    qf = F.pad(q.float(), (0, 0, 0, 0, 0, lqp - lq))  # queries in whole blocks too (zero rows: dropped)
+    kv_heads = k.shape[2]
+    groups = h // kv_heads
     qb, kb = lqp // KEY_BLOCK, lk // KEY_BLOCK
-    scores = _block_gemm(qf, k, transpose=True).mul_(scale)  # [B, H, qb, kb, KEY_BLOCK, KEY_BLOCK]
-    # the real queries only (a decode step has 1 of its block's 16): the softmax's cost is per row
-    scores = scores.permute(0, 1, 2, 4, 3, 5).reshape(b, h, lqp, lk)[:, :, :lq]
+    qf = F.pad(q.float(), (0, 0, 0, 0, 0, lqp - lq))  # queries in whole blocks too (zero rows: dropped)
+    # [B, KV, groups, qb, kb, KEY_BLOCK, D] views; the reshapes below copy each operand once
+    q_blocks = qf.view(b, qb, KEY_BLOCK, kv_heads, groups, d).permute(0, 3, 4, 1, 2, 5)[:, :, :, :, None]
+    q_blocks = q_blocks.expand(b, kv_heads, groups, qb, kb, KEY_BLOCK, d)
+    k_blocks = _key_blocks(k, groups, qb)
+    scores = torch.bmm(_gemm_rows(q_blocks), _gemm_rows(k_blocks).transpose(1, 2)).mul_(scale)
+    # [B, H, Lq, Lk], the real queries only (a decode step has 1 of its block's 16): the softmax's cost
+    # is per row
+    scores = scores.view(b, h, qb, kb, KEY_BLOCK, KEY_BLOCK).permute(0, 1, 2, 4, 3, 5)
+    scores = scores.reshape(b, h, lqp, lk)[:, :, :lq]
     j = torch.arange(lk, device=q.device)
     seen = j[None, None, :] <= q_pos[:, :, None]  # [B, Lq, Lk]
     if window is not None:
@@ -63,7 +68,8 @@ def attention(
     denom_blocks = p.view(b, h, lq, kb, KEY_BLOCK).sum(-1)  # [B, H, Lq, kb]
     p = F.pad(p, (0, 0, 0, lqp - lq))  # back to whole query blocks (zero rows) for the GEMMs
     p_blocks = p.view(b, h, qb, KEY_BLOCK, kb, KEY_BLOCK).transpose(3, 4)
-    out_blocks = _block_gemm(p_blocks, v)  # [B, H, qb, kb, KEY_BLOCK, D]
+    out_blocks = torch.bmm(_gemm_rows(p_blocks), _gemm_rows(_key_blocks(v, groups, qb)))
+    out_blocks = out_blocks.view(b, h, qb, kb, KEY_BLOCK, d)
     denom, out = denom_blocks[..., 0], out_blocks[:, :, :, 0]
     for i in range(1, kb):  # block order: trailing all-masked blocks add exact zeros
         denom = denom + denom_blocks[..., i]
@@ -72,23 +78,19 @@ def attention(
     return out.transpose(1, 2).to(q.dtype)
 
 
-def _block_gemm(a: torch.Tensor, kv: torch.Tensor, transpose: bool = False) -> torch.Tensor:
-    """Every (query block, key block) product as one ``KEY_BLOCK``-square GEMM of a single ``bmm``: all
-    of them the same shape, so a query's result depends on neither the number of queries nor of keys.
-    ``transpose``: ``a`` is the queries ``[B, Lq, H, D]`` and the result ``q_blk @ k_blk^T`` (scores
-    ``[B, H, qb, kb, KB, KB]``); else ``a`` is the probabilities ``[B, H, qb, kb, KB, KB]`` and the result
-    ``p_blk @ v_blk`` (``[B, H, qb, kb, KB, D]``). ``kv``: keys or values ``[B, Lk, H, D]``."""
-    b, lk, h, d = kv.shape
-    kb = lk // KEY_BLOCK
-    blocks = kv.permute(0, 2, 1, 3).reshape(b, h, 1, kb, KEY_BLOCK, d)
-    if transpose:
-        qb = a.shape[1] // KEY_BLOCK
-        left = a.permute(0, 2, 1, 3).reshape(b, h, qb, 1, KEY_BLOCK, d).expand(b, h, qb, kb, KEY_BLOCK, d)
-        right = blocks.expand(b, h, qb, kb, KEY_BLOCK, d).reshape(-1, KEY_BLOCK, d).transpose(1, 2)
-        return torch.bmm(left.reshape(-1, KEY_BLOCK, d), right).view(b, h, qb, kb, KEY_BLOCK, KEY_BLOCK)
-    qb = a.shape[2]
-    right = blocks.expand(b, h, qb, kb, KEY_BLOCK, d).reshape(-1, KEY_BLOCK, d)
-    return torch.bmm(a.reshape(-1, KEY_BLOCK, KEY_BLOCK), right).view(b, h, qb, kb, KEY_BLOCK, d)
+def _key_blocks(x: torch.Tensor, groups: int, qb: int) -> torch.Tensor:
+    """Keys or values ``[B, Lk, KV, D]`` (``Lk`` whole blocks) as the float32 view ``[B, KV, groups, qb,
+    kb, KEY_BLOCK, D]``: each KV head repeated for its ``groups`` query heads and for every query block."""
+    b, lk, kv_heads, d = x.shape
+    blocks = x.float().view(b, lk // KEY_BLOCK, KEY_BLOCK, kv_heads, d).permute(0, 3, 1, 2, 4)
+    return blocks[:, :, None, None].expand(b, kv_heads, groups, qb, lk // KEY_BLOCK, KEY_BLOCK, d)
+
+
+def _gemm_rows(blocks: torch.Tensor) -> torch.Tensor:
+    """``[..., KEY_BLOCK, n]`` → ``[-1, KEY_BLOCK, n]``: every (query block, key block) product is one
+    ``KEY_BLOCK``-row GEMM of a single ``bmm``, all of the same shape, so a query's result depends on
+    neither the number of queries nor of keys."""
+    return blocks.reshape(-1, KEY_BLOCK, blocks.shape[-1])
 
 
 def _torch_attention(q, k, v, q_pos, scale: float, window: int | None) -> torch.Tensor:
