@@ -29,9 +29,16 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from tidal.rollout.models.layers import DecoderLayer, GatedMLP
+from tidal.rollout.models.layers import GatedMLP
 from tidal.rollout.models.mla import MLAShape, MLAttention
-from tidal.rollout.models.moe import Experts, MoEArgs, MoECausalLM, MoEDecoderArgs, group_limited_route
+from tidal.rollout.models.moe import (
+    Experts,
+    MoEArgs,
+    MoECausalLM,
+    MoEDecoderArgs,
+    MoEDecoderLayer,
+    group_limited_route,
+)
 
 
 @dataclass(frozen=True)
@@ -100,13 +107,13 @@ class DeepseekV3MoE(nn.Module):
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
-class DeepseekV3DecoderLayer(DecoderLayer):
+class DeepseekV3DecoderLayer(MoEDecoderLayer):
     """Llama's pre-norm layer with latent attention, and ``DeepseekV3MoE`` in the sparse layers."""
+
+    moe_cls = DeepseekV3MoE
 
     def __init__(self, args: DeepseekV3Args, layer_idx: int, attention_cls=MLAttention):
         super().__init__(args, layer_idx, attention_cls)
-        if args.is_sparse(layer_idx):
-            self.mlp = DeepseekV3MoE(args)
 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")

@@ -328,12 +328,15 @@ class SparseMoE(nn.Module):
 
 
 class MoEDecoderLayer(DecoderLayer):
-    """Llama's pre-norm layer with the MLP replaced by ``SparseMoE`` where the config says."""
+    """Llama's pre-norm layer with the MLP replaced by ``moe_cls`` (``SparseMoE`` unless a family's layer
+    names its own block) where the config says."""
+
+    moe_cls: ClassVar[type[nn.Module]] = SparseMoE
 
     def __init__(self, args: MoEDecoderArgs, layer_idx: int, attention_cls: type[Attention] = Attention):
         super().__init__(args, layer_idx, attention_cls)
         if args.is_sparse(layer_idx):
-            self.mlp = SparseMoE(args)
+            self.mlp = self.moe_cls(args)
 
 
 # A per-expert checkpoint weight, after the family's renames: "<block>.experts.<e>.<proj>.weight".
