@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from tidal.cli.train_ppo import parse_run
 from tidal.trainers.ppo import run_ppo
@@ -114,3 +115,23 @@ def test_sampling_flags_refused(tiny_qwen2, task, tmp_path, extra):
 
     with pytest.raises((ConfigError, SystemExit)):
         parse_run(flags(tiny_qwen2, task, tmp_path, *extra))
+
+
+def test_dynamic_filtering_resumes_exactly(tiny_qwen2, task, tmp_path, steps, crash_after):
+    """A resume goes on after the prompts the filter consumed, with the generation rounds' own seeds: the
+    same batches, samples and scores as the run that was not interrupted."""
+    common = ["--dynamic_filtering", "--save_steps", "1"]
+    whole = run_ppo(parse_run(flags(tiny_qwen2, task, tmp_path / "whole", *common)))
+    assert len(whole) >= 3 and whole[0]["dynamic_filter/filtered"] > 0  # rounds run ahead of steps
+    whole_steps = [(s.prompt_ids, s.exp.sequences) for s in steps]
+    restore = crash_after(PPOTrainer, "update", 1)
+    with pytest.raises(KeyboardInterrupt):
+        run_ppo(parse_run(flags(tiny_qwen2, task, tmp_path / "cut", *common)))
+    restore()
+    steps.clear()
+    resumed = run_ppo(parse_run(flags(tiny_qwen2, task, tmp_path / "cut", *common, "--load_checkpoint")))
+    assert [h["step"] for h in resumed] == [h["step"] for h in whole[1:]]
+    for (ids, sequences), s in zip(whole_steps[1:], steps, strict=True):
+        assert s.prompt_ids == ids and torch.equal(s.exp.sequences, sequences)
+    for a, b in zip(whole[1:], resumed, strict=True):
+        assert a["score"] == b["score"] and a["dynamic_filter/filtered"] == b["dynamic_filter/filtered"]
