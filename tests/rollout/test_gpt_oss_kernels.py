@@ -10,7 +10,7 @@ import torch
 
 from tests.rollout.test_triton_context import make_case
 from tidal.rollout.kernels.sink_attention import torch_sink_attention
-from tidal.rollout.runner.attention import AttentionMetadata
+from tidal.rollout.runner.attention import AttentionMetadata, context_kernel_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -56,16 +56,12 @@ def test_decode_kernel_with_sinks_matches_torch(dtype, heads, kv_heads, head_dim
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window, splits", [(None, 1), (None, 2), (9, 1), (9, 4)])
 def test_context_kernel_with_sinks_matches_torch(dtype, window, splits):
-    from tidal.rollout.kernels import triton_context
-
     chunks = [(0, 37), (40, 41), (100, 164), (5, 12)]  # (start, end) of each sequence's queries
     q, layer_cache, meta = make_case(chunks, 8, 2, 64, 16, dtype, "cuda", seed=3)
     sinks = (torch.randn(8, generator=torch.Generator().manual_seed(1)) * 3).to(dtype).cuda()
     meta.kv_cache = layer_cache[None].float()
     ref = torch_sink_attention(q.float(), layer_cache.float(), meta, window, 0.125, sinks.float())
-    out = triton_context.context_attention(
-        q, layer_cache, meta, window, 0.125, num_splits=splits, sinks=sinks
-    )
+    out = context_kernel_attention(q, layer_cache, meta, window, 0.125, num_splits=splits, sinks=sinks)
     _close(out, ref, dtype, "prefill with context and sinks")
 
 

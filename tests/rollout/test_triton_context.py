@@ -161,7 +161,7 @@ def test_long_prompt_chunk_splits_the_keys(dtype, window):
     ref = reference(q, cache, meta, window, 0.125)
     assert meta.pad_index.shape[1] == 512  # the chunk's new tokens
     for num_splits in (None, 1, 2, 16):
-        out = triton_context.context_attention(q, cache, meta, window, 0.125, num_splits).double()
+        out = attention.context_kernel_attention(q, cache, meta, window, 0.125, num_splits).double()
         if dtype == torch.float32:
             assert (out - ref).abs().max().item() < FP32_TOL, num_splits
         else:
@@ -256,7 +256,7 @@ def tc():
 
 
 def _interpret(tc, q, cache, meta, window, scale, num_splits=1):
-    return tc.context_attention(q, cache, meta, window, scale, num_splits)
+    return attention.context_kernel_attention(q, cache, meta, window, scale, num_splits)
 
 
 # Mixed: a first chunk from 0, 1 new token after a long prefix, several tiles' worth of rows, mid-block ends.

@@ -96,4 +96,4 @@ def _triton_sink_attention(q, layer_cache, meta: AttentionMetadata, window, scal
 
     if not (attention.CONTEXT_KERNEL and triton_context.supports(q.shape[-1])):
         return None
-    return triton_context.context_attention(q, layer_cache, meta, window, scale, sinks=sinks)
+    return attention.context_kernel_attention(q, layer_cache, meta, window, scale, sinks=sinks)

@@ -23,8 +23,6 @@ kernel's merge (``triton_attention.merge_splits``) combines.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
@@ -36,9 +34,6 @@ from tidal.rollout.kernels.triton_attention import (
     sink_share,
     split_buffers,
 )
-
-if TYPE_CHECKING:
-    from tidal.rollout.runner.attention import AttentionMetadata
 
 LOG2E = 1.4426950408889634
 
@@ -217,33 +212,6 @@ def tile_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     if dtype == torch.float32 or head_dim > 128:
         return 32, 32, 4
     return 64, 64, 4
-
-
-def context_attention(
-    q: torch.Tensor,
-    layer_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    window: int | None,
-    scale: float,
-    num_splits: int | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``paged_context_attention`` for a prefill step, its index arguments read from the step's attention
-    metadata: each sequence's first query row (``pad_index[:, 0]``: lengths are >= 1), query start and
-    end positions, and the longest run of new tokens (the width of ``pad_index``)."""
-    return paged_context_attention(
-        q,
-        layer_cache,
-        meta.block_tables,
-        meta.pad_index[:, 0],
-        meta.query_starts,
-        meta.context_lens,
-        meta.pad_index.shape[1],
-        window,
-        scale,
-        num_splits,
-        sinks,
-    )
 
 
 def paged_context_attention(

@@ -156,8 +156,37 @@ def context_prefill_attention(
         from tidal.rollout.kernels import triton_context
 
         if triton_context.supports(q.shape[-1]):
-            return triton_context.context_attention(q, layer_cache, meta, window, scale)
+            return context_kernel_attention(q, layer_cache, meta, window, scale)
     return torch_context_prefill_attention(q, layer_cache, meta, window, scale)
+
+
+def context_kernel_attention(
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    window: int | None,
+    scale: float,
+    num_splits: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``triton_context.paged_context_attention`` for a prefill step, its index arguments read from the
+    step's metadata: each sequence's first query row (``pad_index[:, 0]``: lengths are >= 1), query start
+    and end positions, and the longest run of new tokens (the width of ``pad_index``)."""
+    from tidal.rollout.kernels import triton_context
+
+    return triton_context.paged_context_attention(
+        q,
+        layer_cache,
+        meta.block_tables,
+        meta.pad_index[:, 0],
+        meta.query_starts,
+        meta.context_lens,
+        meta.pad_index.shape[1],
+        window,
+        scale,
+        num_splits,
+        sinks,
+    )
 
 
 def torch_context_prefill_attention(
