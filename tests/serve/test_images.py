@@ -48,7 +48,7 @@ def _messages(*urls: str) -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]}]
 
 
-def _bomb_png(width: int, height: int) -> bytes:
+def _bomb_png(width: int, height: int, rows: bytes | None = None) -> bytes:
     """A valid PNG header announcing ``width × height`` grey pixels: a few bytes that a decoder would
     expand to width × height bytes (only the header matters: the server must refuse before decoding)."""
 
@@ -56,7 +56,7 @@ def _bomb_png(width: int, height: int) -> bytes:
         return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
 
     header = width.to_bytes(4, "big") + height.to_bytes(4, "big") + bytes([8, 0, 0, 0, 0])
-    rows = zlib.compress(b"\0" * (width + 1) * 64)  # a few rows: the rest would be zeros too
+    rows = rows or zlib.compress(b"\0" * (width + 1) * 64)  # a few rows: the rest would be zeros too
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", rows) + chunk(b"IEND", b"")
 
 
@@ -209,6 +209,18 @@ def test_request_limits(served):
     big = {"model": MODEL, "messages": _messages("data:image/png;base64," + "A" * (1 << 20))}
     status, body = _post(served, big)
     assert status == 413  # the body limit that bounds every request
+
+
+def test_image_tokens_count_against_the_context_before_decoding(served):
+    # the image's 4 tokens count (19 prompt tokens, not the 16 of its text and one placeholder), from
+    # its header: the request is refused before its corrupt pixel data is read
+    corrupt = _bomb_png(56, 56, rows=b"not zlib data")
+    uri = "data:image/png;base64," + base64.b64encode(corrupt).decode()
+    status, body = _post(served, {"model": MODEL, "messages": _messages(uri), "max_tokens": 238})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    assert "(19 in the prompt, 238 in the completion)" in body["error"]["message"]
+    status, body = _post(served, {"model": MODEL, "messages": _messages(uri), "max_tokens": 237})
+    assert status == 400 and "not a readable" in body["error"]["message"]
 
 
 def test_a_text_model_given_an_image_names_the_model(tiny_llama):

@@ -76,9 +76,9 @@ def image_part_url(where: str, part: dict) -> str:
     return url
 
 
-def decode_image(where: str, url: str, max_pixels: int):
-    """The RGB PIL image of a data URI, its size checked from the header before any pixel is decoded."""
-    from PIL import Image, UnidentifiedImageError
+def open_image(where: str, url: str, max_pixels: int):
+    """The PIL image of a data URI, opened (its header read) but not decoded; its size checked."""
+    from PIL import Image
 
     try:
         data = base64.b64decode(url.partition(",")[2], validate=True)
@@ -88,30 +88,53 @@ def decode_image(where: str, url: str, max_pixels: int):
         with warnings.catch_warnings():  # opening reads the header only; the size is checked below
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data), formats=FORMATS)
-        with image:
-            width, height = image.size
-            if width * height > max_pixels:
-                raise RequestError(
-                    f"{where}: the image is {width}x{height} = {width * height} pixels, over the server's "
-                    f"--max_image_pixels {max_pixels}",
-                    param="messages",
-                )
-            return image.convert("RGB")  # decodes every pixel now: a truncated image fails here
     except Image.DecompressionBombError as err:  # PIL's own (larger) limit, checked as it opens
         raise RequestError(
             f"{where}: the image is over the server's --max_image_pixels {max_pixels} ({err})",
             param="messages",
         ) from None
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
+    except Exception as err:  # UnidentifiedImageError, OSError, ...: not an image PIL can read
+        raise _unreadable(where, err) from None
+    width, height = image.size
+    if width * height > max_pixels:
+        image.close()
         raise RequestError(
-            f"{where}: not a readable {'/'.join(FORMATS)} image ({type(err).__name__}: {str(err)[:120]})",
+            f"{where}: the image is {width}x{height} = {width * height} pixels, over the server's "
+            f"--max_image_pixels {max_pixels}",
             param="messages",
-        ) from None
+        )
+    return image
+
+
+def decode_image(where: str, image):
+    """The RGB pixels of an opened image (every pixel decoded now: a truncated image fails here)."""
+    try:
+        with image:
+            return image.convert("RGB")
+    except Exception as err:  # OSError, ValueError, SyntaxError, ...: a corrupt or truncated image
+        raise _unreadable(where, err) from None
+
+
+def _unreadable(where: str, err: Exception) -> RequestError:
+    return RequestError(
+        f"{where}: not a readable {'/'.join(FORMATS)} image ({type(err).__name__}: {str(err)[:120]})",
+        param="messages",
+    )
+
+
+@dataclass
+class OpenedImages:
+    """A request's images, opened but not decoded, and the tokens each will take (from its size)."""
+
+    wheres: list[str]
+    images: list
+    counts: list[int]
 
 
 class ChatImages:
     """A vision model's image reading for chat requests: the limits, and the image processor that turns
-    decoded images into the engine's pixel input."""
+    decoded images into the engine's pixel input. ``open`` reads headers only, so a request too long for
+    the context is refused before any pixel is decoded; ``pixel_input`` decodes and processes."""
 
     def __init__(self, image_processor: Any, merge_size: int, limits: ImageLimits):
         self.image_processor, self.merge_size, self.limits = image_processor, merge_size, limits
@@ -124,18 +147,33 @@ class ChatImages:
                 param="messages",
             )
 
-    def pixel_input(self, parts: list[tuple[str, str]]):
-        """``(where, url)`` per image, in placeholder order → the engine's ``MultiModalInput`` and each
-        image's token count (its placeholder's expanded length)."""
+    def open(self, parts: list[tuple[str, str]]) -> OpenedImages:
+        """``(where, url)`` per image, in placeholder order → the opened images and their token counts."""
+        self.check_count(len(parts))
+        images = [open_image(where, url, self.limits.max_pixels) for where, url in parts]
+        return OpenedImages([w for w, _ in parts], images, [self._tokens(im) for im in images])
+
+    def _tokens(self, image) -> int:
+        """The image's token count from its size (the processor's resize rule), without decoding it."""
+        width, height = image.size
+        try:
+            patches = self.image_processor.get_number_of_image_patches(height, width)
+        except Exception as err:  # e.g. an image smaller than a patch, or an extreme aspect ratio
+            raise RequestError(f"the image processor rejected a {width}x{height} image: {err}") from None
+        return int(patches) // self.merge_size**2
+
+    def pixel_input(self, opened: OpenedImages):
+        """The engine's ``MultiModalInput`` of the opened images (decoded and processed now)."""
         from tidal.rollout.runner.multimodal import (
             MultiModalInput,
         )  # not (yet) a public name of tidal.rollout
 
-        images = [decode_image(where, url, self.limits.max_pixels) for where, url in parts]
+        images = [decode_image(where, im) for where, im in zip(opened.wheres, opened.images, strict=True)]
         try:
             out = self.image_processor(images=images, return_tensors="pt")
         except Exception as err:  # e.g. an image smaller than a patch, or an extreme aspect ratio
             raise RequestError(f"the image processor rejected an image: {err}", param="messages") from None
         grid = out["image_grid_thw"].long()
-        counts = (grid.prod(-1) // self.merge_size**2).tolist()
-        return MultiModalInput(pixel_values=out["pixel_values"], image_grid_thw=grid), counts
+        if (grid.prod(-1) // self.merge_size**2).tolist() != opened.counts:  # the size rule disagreed
+            raise RequestError("the image processor's token counts differ from the images' sizes")
+        return MultiModalInput(pixel_values=out["pixel_values"], image_grid_thw=grid)

@@ -369,25 +369,18 @@ def _rendered(messages: Any) -> bool:
     return isinstance(messages, _Rendered)
 
 
-def _check_images(parts: list[tuple[str, dict]], images: ChatImages | None, limits: ModelLimits) -> None:
-    """A request's images must go to a vision model, and be few enough (checked before any decoding)."""
-    if parts and images is None:
+def _open_images(parts: list[tuple[str, dict]], images: ChatImages | None, limits: ModelLimits):
+    """A request's images opened (headers only; None without images): they must go to a vision model,
+    be few and small enough (checked before any pixel is decoded)."""
+    if not parts:
+        return None
+    if images is None:
         raise RequestError(
             f"the model '{limits.name}' takes no images (it is not a vision-language model); send text "
             "content only",
             param="messages",
         )
-    if parts:
-        images.check_count(len(parts))
-
-
-def _chat_images(parts: list[tuple[str, dict]], images: ChatImages | None, length: int):
-    """The request's ``MultiModalInput`` (None without images) and the prompt's length once the engine
-    has expanded each image's placeholder to its token count."""
-    if not parts:
-        return None, length
-    multi_modal, counts = images.pixel_input([(where, image_part_url(where, p)) for where, p in parts])
-    return multi_modal, length + sum(counts) - len(counts)
+    return images.open([(where, image_part_url(where, p)) for where, p in parts])
 
 
 def parse_chat(
@@ -417,10 +410,12 @@ def parse_chat(
     tool_parser = _tool_parser(body, tokenizer, tools)
     parts: list[tuple[str, dict]] = []
     messages = _Rendered(chat_messages(body.get("messages"), parts))
-    _check_images(parts, images, limits)  # before the template: a text model's template may not take parts
+    opened = _open_images(parts, images, limits)  # before the template: a text model's may not take parts
     ids = chat_prompt_ids(tokenizer, messages, tools)
-    multi_modal, prompt_len = _chat_images(parts, images, len(ids))
+    # each image's one placeholder becomes its token count: measured from its size, not yet decoded
+    prompt_len = len(ids) if opened is None else len(ids) + sum(opened.counts) - len(opened.counts)
     max_tokens = _max_tokens(body, prompt_len, limits, ("max_completion_tokens", "max_tokens"))
+    multi_modal = None if opened is None else images.pixel_input(opened)
     stream, include_usage = _stream_options(body)
     return ServeRequest(
         CHAT,
