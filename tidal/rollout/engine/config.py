@@ -30,7 +30,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # decode and context prefill: auto (triton on CUDA), triton, torch
     # Router replay: record each token's MoE experts into ``CompletionOutput.routed_experts`` (no CUDA graphs)
     record_routing: bool = False
-    # Reuse the KV blocks of cached prompt prefixes (prefix_cache.py); vLLM's and OpenRLHF's name.
+    # Reuse the KV blocks of cached prompt prefixes (scheduling/prefix_cache.py); vLLM's and OpenRLHF's name.
     enable_prefix_caching: bool = False
     # Prefill long prompts in chunks of at most max_num_batched_tokens, alternating with decode steps.
     enable_chunked_prefill: bool = False

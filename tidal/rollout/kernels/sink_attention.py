@@ -10,7 +10,7 @@ unchanged, and one fused SDPA call computes the sink softmax without a score ten
 The sink key is shared by the query heads of a KV group (the per-head part lives in the query), so GQA
 stays SDPA's ``enable_gqa``.
 
-The three paths are ``attention.py``'s, reading the same ``AttentionMetadata``: prefill (the batch's own
+The three paths are ``runner/attention.py``'s, reading the same ``AttentionMetadata``: prefill (the batch's own
 keys, right-padded per sequence), decode and prefill with context (keys gathered from the paged cache
 through the block tables; on the Triton backend the paged kernels, which scale their output by
 ``sink_share`` of the keys' log-sum-exp, ``e^lse / (e^lse + e^sink)``, the same softmax).
@@ -83,7 +83,7 @@ def torch_sink_attention(q, layer_cache: torch.Tensor, meta: AttentionMetadata, 
 
 
 def _triton_sink_attention(q, layer_cache, meta: AttentionMetadata, window, scale, sinks):
-    """The paged Triton kernels with sinks, or None where they do not apply (``attention.py``'s rules)."""
+    """The paged Triton kernels with sinks, or None where they do not apply (``runner/attention.py``'s rules)."""
     from tidal.rollout.runner import attention
 
     if not meta.is_prefill:

@@ -1,4 +1,4 @@
-"""Paged decode attention as a Triton kernel (GPU only; imported lazily by ``attention.py``).
+"""Paged decode attention as a Triton kernel (GPU only; imported lazily by ``runner/attention.py``).
 
 One query token per sequence attends to its keys/values straight from the paged cache: each program
 takes one (sequence, kv head, context split), walks the block table for the live context only (the loop

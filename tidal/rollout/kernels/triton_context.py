@@ -1,4 +1,4 @@
-"""Prefill-with-context attention as a Triton kernel (GPU only; imported lazily by ``attention.py``).
+"""Prefill-with-context attention as a Triton kernel (GPU only; imported lazily by ``runner/attention.py``).
 
 With prefix caching or chunked prefill, a prefill computes each sequence's new tokens ``[start, end)``
 against keys/values ``[0, end)`` that sit in the paged cache (the cached prefix plus the tokens just

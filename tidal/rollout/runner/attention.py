@@ -18,7 +18,7 @@ depend only on (batch, max_blocks), so a decode step can be captured in a CUDA g
 Decode has two backends (``AttentionMetadata.backend``): ``"torch"`` (above; runs anywhere, but reads
 every slot of the block-table width, padding included) and ``"triton"`` (``triton_attention.py``: a
 paged kernel that reads only each sequence's live context; GPU only). Prefill with context follows the
-same switch: ``"triton"`` runs ``triton_context.py``'s paged kernel (no gathered copy, no dense mask).
+same switch: ``"triton"`` runs ``kernels/triton_context.py``'s paged kernel (no gathered copy, no dense mask).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def context_prefill_attention(
     """Prefill queries [tokens, heads, d] against their sequences' cached keys/values (the prefix and the
     tokens just stored) -> [tokens, heads * d].
 
-    With the Triton backend (CUDA) and a head dim it compiles for: ``triton_context.py``'s kernel reads
+    With the Triton backend (CUDA) and a head dim it compiles for: ``kernels/triton_context.py``'s kernel reads
     the pages in place. Otherwise one masked SDPA call over the gathered blocks."""
     if meta.backend == "triton" and CONTEXT_KERNEL:
         from tidal.rollout.kernels import triton_context
