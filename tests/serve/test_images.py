@@ -191,6 +191,22 @@ def test_hostile_images_are_400_and_the_server_keeps_answering(name, vlm, served
     assert [t.token for t in tokens] == [tokenizer.decode([t]) for t in _hf_greedy(vlm, image, 3)]
 
 
+def test_hostile_images_beside_good_requests(vlm, served, client):
+    """Bad image requests sent at the same time as good ones: each bad one a 400, each good one exact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    images = [_image(10 + k, (28, 28)) for k in range(3)]
+    hostile = [make() for make, _ in HOSTILE.values()]
+    with ThreadPoolExecutor(8) as pool:
+        good = [pool.submit(_greedy_ids, client, _messages(_data_uri(im)), 3) for im in images]
+        bad = [pool.submit(_post, served, {"model": MODEL, "messages": _messages(u)}) for u in hostile]
+        assert all(f.result()[0] == 400 for f in bad)
+        tokenizer = vlm[2]
+        for future, image in zip(good, images, strict=True):
+            expected = [tokenizer.decode([t]) for t in _hf_greedy(vlm, image, 3)]
+            assert [t.token for t in future.result()[0]] == expected
+
+
 def test_request_limits(served):
     uri = _data_uri(_image(5, (28, 28)))
     status, body = _post(served, {"model": MODEL, "messages": _messages(uri, uri, uri), "max_tokens": 2})
