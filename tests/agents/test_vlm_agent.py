@@ -160,7 +160,8 @@ def test_bad_image_parts_are_one_line(vlm):
         _run(MultiTurnAgentExecutor(Corrupt), engine, 64)
 
 
-def test_one_grpo_step_through_tidal_ppo_matches_the_engine(vlm, agent_cls, tmp_path, monkeypatch):
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_one_grpo_step_through_tidal_ppo_matches_the_engine(vlm, agent_cls, tmp_path, monkeypatch, packing):
     from tidal.cli.train_ppo import parse_run
     from tidal.experience.images import ExperienceImages
     from tidal.trainers.ppo import run_ppo
@@ -185,6 +186,7 @@ def test_one_grpo_step_through_tidal_ppo_matches_the_engine(vlm, agent_cls, tmp_
         "--micro_train_batch_size", "4", "--micro_rollout_batch_size", "4", "--generate_max_len", "4",
         "--prompt_max_len", "32", "--actor_learning_rate", "1e-3", "--lr_warmup_ratio", "0", "--init_kl_coef", "0",
         "--save_path", str(tmp_path / "final"), "--ckpt_path", str(tmp_path / "ckpt"), "--seed", "1",
+        *(["--packing_samples"] if packing else []),
     ]))  # fmt: skip
     assert len(history) == 1 and "policy/loss" in history[0]
     rows = [row for images in made for row in images.rows]
