@@ -86,8 +86,8 @@ class PPORun(RunConfig):
                 f"--vllm_generate_batch_size {r.vllm_generate_batch_size} > --rollout_batch_size "
                 f"{r.rollout_batch_size} over-samples (the extra groups train at later steps): add --async_train"
             )
-        if a.use_kl_loss and a.init_kl_coef <= 0:
-            problems.append("--use_kl_loss needs --init_kl_coef > 0")
+        # --use_kl_loss with --init_kl_coef 0 is a KL loss of 0 and no reference model, as OpenRLHF
+        # (v0.11.0's VLM example passes --algo.kl.use_loss --algo.kl.init_coef 0)
         if self.reward.teacher_model and a.init_kl_coef <= 0:
             problems.append("--teacher_model distils through the KL penalty: set --init_kl_coef > 0 (e.g. 1)")
         problems += teacher_placement_problems(self.reward.teacher_model, p)
