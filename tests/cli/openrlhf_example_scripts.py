@@ -109,7 +109,7 @@ SCRIPTS = [
         --attn_implementation flash_attention_2 --gradient_checkpointing --use_wandb {wandb}"""),
     Script(V092, "train_prm_mistral.sh", "openrlhf.cli.train_prm", "deepspeed", """
         --save_path {out}/final --save_steps 500 --logging_steps 1 --eval_steps 100 --train_batch_size 256
-        --micro_train_batch_size 8 --pretrain {policy} --param_dtype bf16 --max_epochs 1 --max_len 8192
+        --micro_train_batch_size 8 --pretrain {prm_model} --param_dtype bf16 --max_epochs 1 --max_len 8192
         --zero_stage 3 --learning_rate 1e-6 --dataset {prm} --input_key input --label_key value
         --attn_implementation flash_attention_2 --load_checkpoint --gradient_checkpointing --packing_samples
         --wandb_group prm --placeholder_token ки --reward_tokens + -"""),
