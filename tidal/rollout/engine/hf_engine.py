@@ -30,9 +30,9 @@ from tidal.rollout.engine.config import EngineConfig
 from tidal.rollout.engine.hf_engine_steps import Cohort, HFStepper, StopRules
 from tidal.rollout.engine.llm_engine import LLMEngine
 from tidal.rollout.engine.loading import eos_token_ids, load_hf_config, load_tokenizer, resolve_model
-from tidal.rollout.engine.requests import copy_list, cut_at_stop
+from tidal.rollout.engine.requests import RequestBuilding
 from tidal.rollout.models.registry import FAMILIES, VISION_FAMILIES
-from tidal.rollout.outputs import CompletionOutput, RequestOutput
+from tidal.rollout.outputs import RequestOutput
 from tidal.rollout.runner.sampler import sequence_seed
 from tidal.rollout.sampling_params import SamplingParams
 from tidal.rollout.scheduling.sequence import Sequence
@@ -242,19 +242,9 @@ class HFEngine:
             self._next_seq_id += 1
         return group
 
-    def _detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def _completion(self, seq: Sequence) -> CompletionOutput:
-        text = ""
-        if self.tokenizer is not None:
-            text = cut_at_stop(
-                self._detokenize(seq.output_token_ids, seq.params.skip_special_tokens), seq.params
-            )
-        return CompletionOutput(
-            seq.sample_index, text, seq.output_token_ids, list(seq.output_logprobs), seq.finish_reason,
-            seq.stop_reason, top_logprobs=copy_list(seq.output_top_logprobs),
-        )  # fmt: skip
+    # The native engine's: text cut at stop strings, the sample's ids and log-probs (no routing recorded).
+    _detokenize = RequestBuilding._detokenize
+    _completion = RequestBuilding._completion
 
     # ------------------------------------------------------------------ step-level API
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> int:
