@@ -99,9 +99,18 @@ REFUSED: dict[str, dict[str, str]] = {
 }
 
 # OpenRLHF flag → the tidal argv that does the same, per OpenRLHF module.
-ALIASES: dict[str, dict[str, tuple[str, ...]]] = {
+ALIASES: dict[str, dict[str, tuple[str, ...] | dict[str, tuple[str, ...] | str]]] = {
     "train_sft": {"train_split": ("--dataset_split",)},
-    "train_ppo_ray": {"max_new_tokens": ("--generate_max_len",)},  # v0.10's flat name (HEAD: --rollout.*)
+    "train_ppo_ray": {
+        "max_new_tokens": ("--generate_max_len",),  # v0.10's flat name (HEAD: --rollout.*)
+        # v0.10's (HEAD: --algo.advantage.is_correction_type); applies with --enable_vllm_is_correction
+        "vllm_is_correction_type": {
+            "tis": (),  # what --enable_vllm_is_correction does
+            "icepop": ("--use_icepop",),
+            "seq-mask-tis": "a sequence-level (geometric-mean) importance-sampling mask is not implemented "
+            "in tidal yet (tis and icepop are)",
+        },
+    },
     "batch_inference": {"greedy_sampling": ("--temperature", "0"), "max_len": ("--max_model_len",)},
     "interactive_chat": {"greedy_sampling": ("--temperature", "0"), "max_len": ("--max_model_len",)},
 }
@@ -208,6 +217,7 @@ DOTTED_BY_MODULE: dict[str, dict[str, str]] = {
         "vllm.enforce_eager": "enforce_eager",
         "algo.advantage.is_correction_enable": "enable_vllm_is_correction",
         "algo.advantage.is_correction_threshold": "vllm_is_truncated_threshold",
+        "algo.advantage.is_correction_type": "vllm_is_correction_type",
         "train.async_enable": "async_train",
         "actor.gradient_checkpointing_enable": "gradient_checkpointing",
         "actor.gradient_checkpointing_reentrant": "gradient_checkpointing_use_reentrant",
@@ -269,10 +279,6 @@ DOTTED_REFUSED_BY_MODULE: dict[str, dict[str, str]] = {
     "train_ppo_ray": {
         "ref.offload": _OFFLOAD_TOGETHER,
         "reward.offload": _OFFLOAD_TOGETHER,
-        **{
-            name: "choose the correction with v0.9.2's flags: --enable_vllm_is_correction (TIS), --use_icepop"
-            for name in ("algo.advantage.is_correction_type", "vllm_is_correction_type")  # HEAD's, v0.10's
-        },
         **{
             name: f"partial rollouts (resumed across steps) are {_NOT_YET}"
             for name in ("train.partial_rollout_enable", "partial_rollout")

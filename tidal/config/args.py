@@ -211,22 +211,44 @@ def _flag_of(token: str) -> str | None:
     return token[2:].split("=", 1)[0]
 
 
-def rewrite_aliases(argv: Sequence[str], aliases: Mapping[str, Sequence[str]], known: Container) -> list[str]:
+def rewrite_aliases(argv: Sequence[str], aliases: Mapping[str, Any], known: Container) -> list[str]:
     """Replace each aliased flag the parser does not define by the argv that does the same
-    (``--train_split x`` → ``--dataset_split x``; ``--greedy_sampling`` → ``--temperature 0``)."""
+    (``--train_split x`` → ``--dataset_split x``; ``--greedy_sampling`` → ``--temperature 0``). An alias
+    that is a mapping is chosen by the flag's value (``--vllm_is_correction_type icepop`` → ``--use_icepop``);
+    a value mapped to a string is refused with that reason, and an unknown value is refused naming the
+    known ones (``ValueError``, one line)."""
     out: list[str] = []
-    for i, token in enumerate(argv):
+    tokens = list(argv)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
         if token == "--":
-            return out + list(argv[i:])
+            return out + tokens[i:]
         name = _flag_of(token)
         if name in aliases and f"--{name}" not in known:
+            if isinstance(aliases[name], Mapping):
+                inline = "=" in token
+                value = token.split("=", 1)[1] if inline else (tokens[i + 1] if i + 1 < len(tokens) else None)
+                out += _value_alias(name, value, aliases[name])
+                i += 1 if inline else 2
+                continue
             replacement = list(aliases[name])
             if "=" in token:  # --train_split=x → --dataset_split=x
                 replacement[-1] += token[token.index("=") :]
             out += replacement
         else:
             out.append(token)
+        i += 1
     return out
+
+
+def _value_alias(name: str, value: str | None, choices: Mapping[str, Sequence[str] | str]) -> list[str]:
+    """The argv that ``--name value`` stands for (``choices``: value → argv, or → a refusal's reason)."""
+    if value not in choices:
+        raise ValueError(f"--{name} takes one of {', '.join(choices)}, got {value!r}")
+    if isinstance(choices[value], str):
+        raise ValueError(f"--{name} {value} is not supported: {choices[value]}")
+    return list(choices[value])
 
 
 def refused_flags(
@@ -266,7 +288,7 @@ class FlagParser(argparse.ArgumentParser):
         self,
         *args: Any,
         refused: Mapping[str, str] | None = None,
-        aliases: Mapping[str, Sequence[str]] | None = None,
+        aliases: Mapping[str, Any] | None = None,
         renames: Callable[[list[str]], Mapping[str, Sequence[str]]] | None = None,
         notes: Mapping[str, str] | None = None,
         **kwargs: Any,
@@ -293,7 +315,11 @@ class FlagParser(argparse.ArgumentParser):
         lines = refused_flags(argv, self.refused, known, typed if len(argv) == len(typed) else None)
         if lines:
             self.exit(2, "".join(f"{self.prog}: error: {line}\n" for line in lines))
-        return super().parse_known_args(rewrite_aliases(argv, self.aliases, known), namespace)
+        try:
+            argv = rewrite_aliases(argv, self.aliases, known)
+        except ValueError as err:  # a value alias's refused or unknown value
+            self.exit(2, f"{self.prog}: error: {err}\n")
+        return super().parse_known_args(argv, namespace)
 
     def error(self, message: str) -> typing.NoReturn:
         prefix = "unrecognized arguments: "
