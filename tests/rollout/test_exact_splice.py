@@ -17,7 +17,7 @@ from tidal.rollout.sampling_params import SamplingParams
 TEMPERATURE = 0.8
 
 
-def _rollout(path):
+def _rollout(path, device: str = "cpu"):
     """Six exact-mode samples of mixed prompt and response lengths, and one packed row of them."""
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 500, (int(k),), generator=g).tolist() for k in (3, 17, 9, 25, 5, 12)]
@@ -25,8 +25,10 @@ def _rollout(path):
         SamplingParams(temperature=TEMPERATURE, max_tokens=m, seed=i, ignore_eos=True)
         for i, m in enumerate((7, 2, 15, 9, 1, 11))
     ]
-    config = EngineConfig(device="cpu", max_model_len=128, num_kv_blocks=64, exact_logprobs=True)
-    outputs = LLMEngine(path, config).generate(prompts, params)
+    config = EngineConfig(device=device, max_model_len=128, num_kv_blocks=64, exact_logprobs=True)
+    engine = LLMEngine(path, config)
+    outputs = engine.generate(prompts, params)
+    engine.close()
     rows = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs, strict=True)]
     lengths = [len(r) for r in rows]
     batch = {
@@ -34,19 +36,23 @@ def _rollout(path):
         "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
         "segment_ids": torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lengths))[None],
     }
-    return prompts, outputs, lengths, batch
+    return prompts, outputs, lengths, {k: t.to(device) for k, t in batch.items()}
 
 
-def _policy(path, exact: bool):
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+def _policy(path, exact: bool, device: str = "cpu"):
+    """A float32 master policy as ``tidal ppo`` trains it (exact mode computes in the engine's dtype)."""
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return bi.make_exact(model) if exact else model
 
 
-def _loss_and_grads(model, batch):
-    lp = token_logprobs(model, batch, TEMPERATURE)[0]
-    weights = torch.linspace(-1.0, 1.0, lp.shape[1])[None]
+def _loss_and_grads(model, batch, autocast: bool = False):
+    """The log-probs and the parameters' gradients of a fixed weighting of them (bf16 autocast on CUDA)."""
+    device = batch["input_ids"].device.type
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+        lp = token_logprobs(model, batch, TEMPERATURE)[0].float()
+    weights = torch.linspace(-1.0, 1.0, lp.shape[1], device=lp.device)[None]
     (lp * weights).sum().backward()
     return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -67,6 +73,24 @@ def test_exact_forward_with_grad_gives_the_engine_values_and_the_default_gradien
     assert 0.0 < default_gap < 1e-3  # the default forward is not exact: the check above is not vacuous
     for name, grad in default_grads.items():  # the default forward's gradient, up to float32 rounding
         torch.testing.assert_close(exact_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.gpu
+def test_cuda_spliced_forward_gives_the_bf16_engine_values_and_the_autocast_gradient(tiny_model):
+    """On CUDA: a bf16 engine, a float32 master policy under bf16 autocast (as ``tidal ppo`` runs it)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    path = tiny_model("qwen2", logit_scale=4.0)
+    prompts, outputs, lengths, batch = _rollout(path, "cuda")
+    exact_lp, exact_grads = _loss_and_grads(_policy(path, True, "cuda"), batch, autocast=True)
+    _, default_grads = _loss_and_grads(_policy(path, False, "cuda"), batch, autocast=True)
+    offset = 0
+    for p, o, n in zip(prompts, outputs, lengths, strict=True):
+        engine = torch.tensor(o.outputs[0].logprobs)
+        assert torch.equal(exact_lp[0, offset + len(p) : offset + n].cpu(), engine)
+        offset += n
+    for name, grad in default_grads.items():  # the same bf16 autocast forward: equal up to its rounding
+        torch.testing.assert_close(exact_grads[name], grad, rtol=2e-2, atol=1e-4, msg=name)
 
 
 def test_splice_value_is_exact_bitwise_and_gradient_is_the_fast_ones():
