@@ -90,6 +90,14 @@ def test_over_sampling_trains_every_prompt_once(tiny_qwen2, task, tmp_path, step
     assert [h["async/staleness_max"] for h in history[:3]] == [0, 1, 2]
 
 
+def test_partial_rollouts_train_with_async(tiny_qwen2, task, tmp_path, steps):
+    history = run_ppo(parse_run(flags(tiny_qwen2, task, tmp_path, "--async_train", "--partial_rollout",
+                                      "--async_queue_size", "2")))  # fmt: skip
+    assert len(history) == 6 and all(0 <= h["async/stale_token_share"] <= 1 for h in history)
+    assert sorted((p.label for s in steps for p in s.job.prompts), key=int) == [str(i) for i in range(12)]
+    assert all(s.exp.weight_updates is not None for s in steps)
+
+
 def test_max_staleness_bounds_the_over_sampled_groups(tiny_qwen2, task, tmp_path):
     history = run_ppo(parse_run(flags(tiny_qwen2, task, tmp_path, "--vllm_generate_batch_size", "4",
                                       "--async_train", "--async_queue_size", "3", "--max_staleness", "1")))  # fmt: skip
@@ -101,13 +109,14 @@ def test_max_staleness_bounds_the_over_sampled_groups(tiny_qwen2, task, tmp_path
     [
         ["--vllm_generate_batch_size", "6"],  # over-sampling needs --async_train, as in OpenRLHF
         ["--max_staleness", "1"],  # without --async_train
+        ["--async_train", "--vllm_generate_batch_size", "6", "--max_staleness", "1"],  # a call spans 3 steps
+        ["--partial_rollout_enable"],  # partial rollouts need --async_train
         [
             "--async_train",
-            "--vllm_generate_batch_size",
-            "6",
-            "--max_staleness",
+            "--train.partial_rollout_enable",
+            "--vllm_num_engines",
             "1",
-        ],  # one call spans 3 steps
+        ],  # and the local engine
     ],
 )
 def test_sampling_flags_refused(tiny_qwen2, task, tmp_path, extra):

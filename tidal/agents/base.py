@@ -127,6 +127,9 @@ class Trajectory:
     routed_experts: Any = None
     # RL with images: the prompt's (pixel_values, image_grid_thw) (tidal.experience.images), else None
     images: Any = None
+    # --partial_rollout_enable: per token, the weight updates that had reached the engine since the rollout
+    # started when it was sampled (tidal.placement.partial), else None
+    weight_updates: list[int] | None = None
 
     @classmethod
     def start(cls, prompt: str, label: Any, prompt_ids: list[int]) -> Trajectory:

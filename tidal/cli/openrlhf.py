@@ -219,6 +219,7 @@ DOTTED_BY_MODULE: dict[str, dict[str, str]] = {
         "algo.advantage.is_correction_threshold": "vllm_is_truncated_threshold",
         "algo.advantage.is_correction_type": "vllm_is_correction_type",
         "train.async_enable": "async_train",
+        "train.partial_rollout_enable": "partial_rollout_enable",
         "actor.gradient_checkpointing_enable": "gradient_checkpointing",
         "actor.gradient_checkpointing_reentrant": "gradient_checkpointing_use_reentrant",
         "ds.enable_sleep": "deepspeed_enable_sleep",
@@ -279,10 +280,6 @@ DOTTED_REFUSED_BY_MODULE: dict[str, dict[str, str]] = {
     "train_ppo_ray": {
         "ref.offload": _OFFLOAD_TOGETHER,
         "reward.offload": _OFFLOAD_TOGETHER,
-        **{
-            name: f"partial rollouts (resumed across steps) are {_NOT_YET}"
-            for name in ("train.partial_rollout_enable", "partial_rollout")
-        },
         "best_metric_key": f"keeping the best checkpoint by an eval metric is {_NOT_YET}",  # HEAD: ckpt.*
     },
 }

@@ -81,6 +81,7 @@ class PPORun(RunConfig):
         if a.dynamic_filtering and n < 2:
             problems.append("--dynamic_filtering needs --n_samples_per_prompt >= 2")
         problems += staleness_problems(r.rollout_batch_size, r.vllm_generate_batch_size, p)
+        problems += partial_rollout_problems(self)
         if (r.vllm_generate_batch_size or 0) > r.rollout_batch_size and not p.async_train:  # as OpenRLHF
             problems.append(
                 f"--vllm_generate_batch_size {r.vllm_generate_batch_size} > --rollout_batch_size "
@@ -185,3 +186,20 @@ def staleness_problems(batch: int, generate: int | None, p: PlacementConfig) -> 
             f"fills batches up to {spread} step(s) after its first; set --max_staleness >= {spread}"
         ]
     return []
+
+
+def partial_rollout_problems(run: PPORun) -> list[str]:
+    """What ``--partial_rollout_enable`` needs: ``--async_train`` and the local engine's single-turn text
+    rollout (tidal.placement.partial)."""
+    if not run.rollout.partial_rollout_enable:
+        return []
+    p, why = run.placement, []
+    if not p.async_train:
+        why.append("--async_train (updates interrupt the rollout generated on the background thread)")
+    if separate_engines(p, run.rollout.vllm_num_engines):
+        why.append("the engine on the trainer's device (not --vllm_num_engines engines of their own)")
+    if run.agent.func_path or run.agent.endpoint:
+        why.append("single-turn rollouts (not --agent_func_path / --agent_endpoint)")
+    if run.vision.max_images_per_prompt > 0:
+        why.append("text prompts (not --max_images_per_prompt)")
+    return [f"--partial_rollout_enable needs {w}" for w in why]

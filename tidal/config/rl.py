@@ -125,6 +125,11 @@ class RolloutConfig(Checked):
         "--vllm_tensor_parallel_size > 1)",
         engine="exact_logprobs",  # the policy's forward runs the same ops (PPOTrainer)
     )
+    partial_rollout_enable: bool = arg(
+        False, aliases=["--partial_rollout"],
+        help="with --async_train: a weight update lands between engine steps of the rollout in progress, its "
+        "sequences going on under the new weights (one process, the local engine, single-turn text)",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         # Resolve the unset lengths: OpenRLHF v0.9.2 sets the prompt and response limits (1024 each);
@@ -223,9 +228,7 @@ class AlgorithmConfig(Checked):
         (0.0, 1.0), help="keep groups with LOW < mean score < HIGH", nargs=2
     )
     dynamic_filtering_no_refill: bool = arg(
-        False,
-        help="--dynamic_filtering without refilling: train on the groups the filter left in the batch "
-        "(tidal's earlier behaviour; with several processes the filtered groups are masked out instead)",
+        False, help="--dynamic_filtering without refilling: train on the groups the filter left in the batch"
     )
     overlong_buffer_len: int | None = arg(
         None, help="DAPO overlong penalty buffer (tokens)", check=AT_LEAST_ONE

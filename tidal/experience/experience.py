@@ -40,6 +40,9 @@ class Experience:
     truncated: Tensor | None = None
     # RL with images: each row's pixels and grids (not a tensor: rows hold different image counts)
     images: ExperienceImages | None = None
+    # --partial_rollout_enable: [N, T] weight updates the engine received during the rollout before each
+    # token was sampled (0 on prompt and padding)
+    weight_updates: Tensor | None = None
 
     def __len__(self) -> int:
         return self.sequences.shape[0]

@@ -110,7 +110,18 @@ def from_trajectories(trajectories: Sequence, pad_id: int) -> Experience:
         routed_experts=_routed_experts(trajectories, width),
         truncated=torch.tensor([getattr(t, "finish_reason", None) == "length" for t in trajectories]),
         images=ExperienceImages.from_trajectories(trajectories),
+        weight_updates=_weight_updates(trajectories, width),
     )
+
+
+def _weight_updates(trajectories: Sequence, width: int) -> Tensor | None:
+    """Partial rollouts: each token's weight updates during its rollout ``[N, width]``; None without."""
+    if all(getattr(t, "weight_updates", None) is None for t in trajectories):
+        return None
+    out = torch.zeros((len(trajectories), width), dtype=torch.long)
+    for i, t in enumerate(trajectories):
+        out[i, : len(t.weight_updates)] = torch.tensor(t.weight_updates)
+    return out
 
 
 def _routed_experts(trajectories: Sequence, width: int) -> Tensor | None:

@@ -25,6 +25,7 @@ from tidal.data.prompts import PromptSample
 from tidal.distributed.weight_sync import engine_weights
 from tidal.experience.images import ImagePromptEngine, attach_trajectory_images, rollout_images
 from tidal.models.vision import language_weights
+from tidal.placement.partial import PartialUpdates, token_updates
 from tidal.rollout import SamplingParams, make_engine
 
 
@@ -115,6 +116,10 @@ class LocalRollout(Rollout):
         self.engine = make_engine(model_path, config, tp_group=colocated_tp_group(cfg, device))
         self.engine.progress_label = "generation"  # requests done and tokens/s, logged as they go
         self.executor = build_executor(agent, apply_chat_template)
+        # --partial_rollout_enable: weight updates land between the engine's steps (tidal.placement.partial)
+        self.partial = PartialUpdates(self.engine, self._load) if cfg.partial_rollout_enable else None
+        if self.partial is not None:
+            partial_engine_check(self.engine)
 
     def trajectories(self, prompts: Sequence[PromptSample], params: SamplingParams, first_index: int):
         # first_index is passed on only when set, for executors overriding ``run`` without it
@@ -124,20 +129,51 @@ class LocalRollout(Rollout):
         # prompts with images: the engine gets each prompt's pixels with it (tidal.experience.images)
         images = rollout_images(prompts, getattr(self.engine, "image_processor", None))
         engine = self.engine if images is None else ImagePromptEngine(self.engine, images)
+
         # an engine spanning several training processes generates each one's share in turn
-        trajectories = self.engine.take_turns(lambda: self.executor.run(
-            engine, self.tokenizer, [p.prompt for p in prompts], [p.label for p in prompts], params,
-            self.cfg.total_len, **offset,
-        ))  # fmt: skip
+        def run() -> list[Trajectory]:
+            return self.engine.take_turns(lambda: self.executor.run(
+                engine, self.tokenizer, [p.prompt for p in prompts], [p.label for p in prompts], params,
+                self.cfg.total_len, **offset,
+            ))  # fmt: skip
+
+        if self.partial is None:
+            trajectories = run()
+        else:  # one engine.generate, prompt-major: trajectory i is request i // n, sample i % n
+            trajectories, boundaries = self.partial.generate(run)
+            for i, t in enumerate(trajectories):
+                updates = token_updates(
+                    boundaries.get(divmod(i, params.n), []), len(t.token_ids) - t.prompt_len
+                )
+                t.weight_updates = [0] * t.prompt_len + updates
         if images is not None:
             attach_trajectory_images(trajectories, images, params.n)
         return trajectories
 
     def sync_weights(self, policy: nn.Module) -> int:
-        """Copy the policy's weights into the engine (in place, same device)."""
-        with self.lock, engine_weights(policy) as named:
+        """Copy the policy's weights into the engine (in place, same device); with partial rollouts between
+        two steps of the rollout being generated, if one is."""
+        if self.partial is not None:
+            return self.partial.sync(policy)
+        with self.lock:
+            return self._load(policy)
+
+    def _load(self, policy: nn.Module) -> int:
+        with engine_weights(policy) as named:
             return self.engine.update_weights(language_weights(policy, named))
 
     def sleep(self) -> None:
         with self.lock:
             self.engine.sleep()
+
+
+def partial_engine_check(engine) -> None:
+    """Partial rollouts need tidal's native engine in one process (the update is applied from the
+    generation thread; several processes would gather the policy's shards there)."""
+    import torch.distributed as dist
+
+    if not hasattr(engine, "between_steps"):
+        raise ConfigError("--partial_rollout_enable: the transformers fallback engine has no step hook; "
+                          "use a model family native to tidal's engine")  # fmt: skip
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise ConfigError("--partial_rollout_enable runs in one process (not under torchrun or Ray workers)")

@@ -114,6 +114,9 @@ class LLMEngine(RequestBuilding, WeightsAndMemory):
             model_path, config, model, hf_config
         )
         self.progress_label: str | None = None  # set: ``generate`` logs its progress under this label
+        # set: ``generate`` calls it with its sequence groups after every step (partial rollouts: a weight
+        # update lands there, the running sequences keeping their KV cache; tidal.placement.partial)
+        self.between_steps: Callable[[list[list[Sequence]]], None] | None = None
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_path)
         text_config = self.hf_config.get_text_config()  # a vision-language config's language model
         self.max_model_len = self.config.max_model_len or text_config.max_position_embeddings
@@ -422,6 +425,8 @@ class LLMEngine(RequestBuilding, WeightsAndMemory):
                         progress.update(int(done), tokens=seq.num_output_tokens)
                     if bar is not None and done:
                         bar.update(1)
+                if self.between_steps is not None:
+                    self.between_steps(groups)
         except BaseException:
             # An interrupted call (error, Ctrl-C) must not leak its sequences into the next one.
             self.scheduler.abort_all()

@@ -121,15 +121,20 @@ class RolloutBatcher:
             self._progress.notify_all()
 
     def staleness(self, result: RolloutResult) -> dict[str, float]:
-        """``async/staleness_mean|max``: steps between the weights a batch's samples were generated with and
-        the step training them; ``async/stale_token_share``: the share of its action tokens an older policy
-        generated (async and over-sampling only: a synchronous batch is always 0)."""
-        lag = torch.tensor([self.trained - v for v in result.versions], dtype=torch.float)
-        if self.cfg.whole_rounds or not len(lag):
+        """``async/staleness_mean|max``: steps between the weights a batch's groups started generating with
+        and the step training them; ``async/stale_token_share``: the share of its action tokens an older
+        policy generated (with partial rollouts a token sampled after an update counts that update). A
+        synchronous batch is always 0."""
+        if self.cfg.whole_rounds or not result.versions:
             return {}
-        tokens = result.exp.action_mask.sum(-1).view(len(lag), -1).sum(-1).float().cpu()
-        stale = float((tokens * (lag > 0)).sum() / tokens.sum().clamp(min=1))
-        return {"async/staleness_mean": float(lag.mean()), "async/staleness_max": float(lag.max()),
+        lag = torch.tensor([self.trained - v for v in result.versions], dtype=torch.long)
+        exp = result.exp
+        token_lag = lag.repeat_interleave(len(exp) // len(lag))[:, None].to(exp.action_mask.device)
+        if exp.weight_updates is not None:  # --partial_rollout_enable
+            token_lag = token_lag - exp.weight_updates
+        mask = exp.action_mask.bool()
+        stale = float(((token_lag > 0) & mask).sum() / mask.sum().clamp(min=1))
+        return {"async/staleness_mean": float(lag.float().mean()), "async/staleness_max": float(lag.max()),
                 "async/stale_token_share": stale}  # fmt: skip
 
     def _wait_for_staleness(self, buffered: int) -> None:
