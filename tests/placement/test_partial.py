@@ -21,7 +21,11 @@ PROMPTS = [PromptSample(prompt=f"{i} fox", label=str(i)) for i in range(3)]
 N, LENGTH = 2, 12
 
 
-def rollout(model, tmp_path, partial: bool) -> LocalRollout:
+# on CUDA the engine runs its defaults (CUDA graphs, async scheduling: an update drops the step launched ahead)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def rollout(model, tmp_path, partial: bool, device: str = "cpu") -> LocalRollout:
     flags = ["--pretrain", str(model), "--prompt_data", str(tmp_path / "unused.jsonl"), "--n_samples_per_prompt",
              str(N), "--generate_max_len", str(LENGTH), "--prompt_max_len", "8", "--rollout_batch_size", "3",
              "--train_batch_size", "6", "--save_path", str(tmp_path / "final"), "--ckpt_path", str(tmp_path / "ck"),
@@ -29,7 +33,7 @@ def rollout(model, tmp_path, partial: bool) -> LocalRollout:
     run = parse_run(flags)
     tok = load_tokenizer(str(model))
     return LocalRollout(
-        str(model), tok, run.rollout, run.agent, torch.device("cpu"), tok.pad_token_id, False, 0
+        str(model), tok, run.rollout, run.agent, torch.device(device), tok.pad_token_id, False, 0
     )
 
 
@@ -40,9 +44,10 @@ def test_token_updates_splits_the_tokens_at_each_update():
     assert token_updates([(6, 1)], 4) == [0, 0, 0, 0]  # the update came after its last token
 
 
-def test_without_an_update_partial_rollouts_equal_plain_generation(tiny_qwen2, tmp_path):
-    plain = rollout(tiny_qwen2, tmp_path, False).generate(PROMPTS, N, 1.0, seed=7)
-    partial = rollout(tiny_qwen2, tmp_path, True).generate(PROMPTS, N, 1.0, seed=7)
+@pytest.mark.parametrize("device", DEVICES)
+def test_without_an_update_partial_rollouts_equal_plain_generation(tiny_qwen2, tmp_path, device):
+    plain = rollout(tiny_qwen2, tmp_path, False, device).generate(PROMPTS, N, 1.0, seed=7)
+    partial = rollout(tiny_qwen2, tmp_path, True, device).generate(PROMPTS, N, 1.0, seed=7)
     for a, b in zip(plain, partial, strict=True):
         assert a.token_ids == b.token_ids and a.rollout_logprobs == b.rollout_logprobs
         assert a.weight_updates is None and b.weight_updates == [0] * len(b.token_ids)
@@ -57,9 +62,10 @@ def new_policy(tiny_qwen2):
     return model
 
 
-def test_an_update_lands_between_engine_steps(tiny_qwen2, tmp_path, new_policy):
-    plain = rollout(tiny_qwen2, tmp_path, False).generate(PROMPTS, N, 1.0, seed=7)
-    role = rollout(tiny_qwen2, tmp_path, True)
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_update_lands_between_engine_steps(tiny_qwen2, tmp_path, new_policy, device):
+    plain = rollout(tiny_qwen2, tmp_path, False, device).generate(PROMPTS, N, 1.0, seed=7)
+    role = rollout(tiny_qwen2, tmp_path, True, device)
     hook, calls, reached = role.partial._between_steps, [0], threading.Event()
 
     def held(groups):  # at the 4th step, wait until the trainer has posted its weights
