@@ -97,3 +97,23 @@ def test_an_update_lands_between_engine_steps(tiny_qwen2, tmp_path, new_policy, 
     assert after > 0
     # the update reached the engine: a fresh rollout now samples from the new weights
     assert role.generate(PROMPTS, N, 1.0, seed=7)[0].rollout_logprobs != plain[0].rollout_logprobs
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--async_train", "--partial_rollout_enable"], "--partial_rollout_enable runs in one process"),
+        (["--async_train", "--vllm_generate_batch_size", "6"], "over-sampling runs in one process"),
+    ],
+)
+def test_several_processes_refuse_partial_rollouts_and_over_sampling(tiny_qwen2, tmp_path, extra, message):
+    from tidal.config.args import ConfigError
+    from tidal.distributed.world import World
+    from tidal.placement.data_parallel import check_data_parallel
+
+    run = parse_run(["--pretrain", str(tiny_qwen2), "--prompt_data", str(tmp_path / "p.jsonl"),
+                     "--rollout_batch_size", "2", "--n_samples_per_prompt", "2", "--train_batch_size", "4",
+                     "--save_path", str(tmp_path / "f"), "--ckpt_path", str(tmp_path / "c"), *extra])  # fmt: skip
+    check_data_parallel(run, World(), None)  # one process: fine
+    with pytest.raises(ConfigError, match=message):
+        check_data_parallel(run, World(rank=0, world_size=2), None)

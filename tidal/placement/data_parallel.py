@@ -68,6 +68,12 @@ def check_data_parallel(run: PlacedRun, world: World, num_eval_prompts: int | No
         )
     if not world.distributed:
         return
+    generate = r.vllm_generate_batch_size or r.rollout_batch_size
+    if generate != r.rollout_batch_size:  # the ranks' shares of a batch must stay equal
+        raise ConfigError(f"--vllm_generate_batch_size {generate} differs from --rollout_batch_size "
+                          f"{r.rollout_batch_size}: over-sampling runs in one process")  # fmt: skip
+    if r.partial_rollout_enable:  # the update is applied from the generation thread (tidal.placement.partial)
+        raise ConfigError("--partial_rollout_enable runs in one process (not under torchrun or Ray workers)")
     if run.placement.actor_world_size not in (1, w):
         raise ConfigError(
             f"--actor_num_nodes x --actor_num_gpus_per_node = {run.placement.actor_world_size}, but the "

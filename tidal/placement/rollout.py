@@ -168,12 +168,7 @@ class LocalRollout(Rollout):
 
 
 def partial_engine_check(engine) -> None:
-    """Partial rollouts need tidal's native engine in one process (the update is applied from the
-    generation thread; several processes would gather the policy's shards there)."""
-    import torch.distributed as dist
-
+    """Partial rollouts need tidal's native engine (one process: ``check_data_parallel``)."""
     if not hasattr(engine, "between_steps"):
         raise ConfigError("--partial_rollout_enable: the transformers fallback engine has no step hook; "
                           "use a model family native to tidal's engine")  # fmt: skip
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        raise ConfigError("--partial_rollout_enable runs in one process (not under torchrun or Ray workers)")

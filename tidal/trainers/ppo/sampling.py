@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 import torch
 
 from tidal.algorithms import dynamic_filter_mask
-from tidal.config.args import ConfigError
 from tidal.data.prompts import PromptSample
 from tidal.experience.experience import Experience
 from tidal.logging import get_logger
@@ -274,19 +273,14 @@ class SamplingState:
 def sampling_config(run, distributed: bool) -> SamplingConfig:
     """The batches of ``run`` (a ``PPORun``). ``--dynamic_filtering`` refills in one process; with several
     (refilling would leave the ranks unequal shares) or ``--dynamic_filtering_no_refill`` the trainer
-    filters the batch instead (``PPOTrainer._dynamic_filter``)."""
+    filters the batch instead (``PPOTrainer._dynamic_filter``). Several processes over-sample nothing
+    (``placement.data_parallel.check_data_parallel`` refuses it)."""
     r, a = run.rollout, run.algorithm
     refill = a.dynamic_filtering and not distributed and not a.dynamic_filtering_no_refill
-    generate = r.vllm_generate_batch_size or r.rollout_batch_size
-    if distributed and generate != r.rollout_batch_size:
-        raise ConfigError(
-            f"--vllm_generate_batch_size {generate} differs from --rollout_batch_size {r.rollout_batch_size}: "
-            "over-sampling runs in one process (the ranks' shares of a batch must stay equal)"
-        )
     return SamplingConfig(
         max_staleness=run.placement.max_staleness,
         batch=r.rollout_batch_size,
-        generate=generate,
+        generate=r.vllm_generate_batch_size or r.rollout_batch_size,
         n=r.n_samples_per_prompt,
         temperature=r.temperature,
         reward_range=tuple(a.dynamic_filtering_reward_range) if refill else None,
