@@ -26,6 +26,9 @@ from tidal.config.training import TrainConfig
 if TYPE_CHECKING:
     from tidal.algorithms.policy_loss import PolicyLossParams
 
+# --rollout_quantization values (tidal.rollout.quant.QUANTIZATIONS, written here: --help imports no torch)
+ROLLOUT_QUANTIZATIONS = ("none", "fp8", "fp8_block")
+
 # OpenRLHF v0.9.2's prompt and response limits, used when neither they nor --max_len are set.
 DEFAULT_PROMPT_MAX_LEN = 1024
 DEFAULT_GENERATE_MAX_LEN = 1024
@@ -125,6 +128,16 @@ class RolloutConfig(Checked):
         "--vllm_tensor_parallel_size > 1)",
         engine="exact_logprobs",  # the policy's forward runs the same ops (PPOTrainer)
     )
+    rollout_quantization: str = arg(
+        "none",
+        help="FP8 rollouts (tidal): the engine quantizes its linear layers and MoE experts to FP8 e4m3 on "
+        "the device at load and at every weight sync, with per-output-channel scales (fp8) or 128x128 "
+        "block scales (fp8_block); embeddings, norms, routers, the LM head and the KV cache keep the model "
+        "dtype; the trainer is unchanged, its TIS/ICEPOP corrections and rollout/ mismatch metrics cover "
+        "the gap (not with --exact_logprobs or --vllm_tensor_parallel_size > 1)",
+        choices=ROLLOUT_QUANTIZATIONS,
+        engine="quantization",  # tidal.rollout.quant
+    )
     partial_rollout_enable: bool = arg(
         False, aliases=["--partial_rollout"],
         help="with --async_train: a weight update lands between engine steps of the rollout in progress, its "
@@ -148,6 +161,13 @@ class RolloutConfig(Checked):
         own = []
         if self.exact_logprobs and self.vllm_tensor_parallel_size > 1:
             own.append("--exact_logprobs needs --vllm_tensor_parallel_size 1")
+        if self.rollout_quantization != "none" and self.exact_logprobs:
+            own.append(
+                "--exact_logprobs cannot run with --rollout_quantization: the engine's log-probs are then the "
+                "FP8 policy's, never bit-equal to the trainer's"
+            )
+        if self.rollout_quantization != "none" and self.vllm_tensor_parallel_size > 1:
+            own.append("--rollout_quantization needs --vllm_tensor_parallel_size 1")
         if self.max_len is not None and self.max_len <= self.prompt_max_len:
             own.append(
                 f"--max_len {self.max_len} leaves no room for a response after --prompt_max_len {self.prompt_max_len}"

@@ -44,8 +44,12 @@ class EngineConfig:
     # of a step can overlap the device's (0.5B, B=256: decode step 2.73 -> 1.86 ms, docs/benchmarks.md);
     # off on the CPU, where the host computes the step itself and there is nothing to overlap.
     async_scheduling: bool | None = None
+    # FP8 rollouts (tidal.rollout.quant): "fp8" (per-output-channel scales) or "fp8_block" (128x128 block
+    # scales) quantizes the linear layers and MoE experts at load and at every weight sync; "none": off.
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
+        self._check_quantization()
         if self.exact_logprobs and self.tp_size > 1:
             raise ValueError("EngineConfig: exact_logprobs needs tp_size 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
@@ -71,6 +75,20 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig: gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+
+    def _check_quantization(self) -> None:
+        from tidal.rollout.quant.fp8 import quantization_problem
+
+        problem = quantization_problem(self.quantization)
+        if problem:
+            raise ValueError(f"EngineConfig: {problem}")
+        if self.quantization != "none" and self.exact_logprobs:
+            raise ValueError(
+                "EngineConfig: exact_logprobs cannot run with FP8 rollouts: the engine's log-probs are then "
+                "the FP8 policy's, never bit-equal to the trainer's"
+            )
+        if self.quantization != "none" and self.tp_size > 1:
+            raise ValueError("EngineConfig: FP8 rollouts (quantization) need tp_size 1")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

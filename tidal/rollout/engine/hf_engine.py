@@ -56,6 +56,7 @@ def fallback_problem(config: EngineConfig, model_type: str | None) -> str | None
         "record_routing (MoE router replay)": config.record_routing,
         "async_scheduling": config.async_scheduling is True,
         "attention_backend triton": config.attention_backend == "triton",
+        f"FP8 rollouts ({config.quantization})": config.quantization != "none",
     }
     feature = next((name for name, on in asked.items() if on), None)
     return None if feature is None else _refusal(feature, model_type)

@@ -232,6 +232,11 @@ class LLMEngine(RequestBuilding, WeightsAndMemory):
             self.model = build_decoder(
                 self.hf_config, weights, self.max_model_len, self.dtype, self.device, tp
             )
+        if self.config.quantization != "none":  # FP8 rollouts: re-quantized at every load (tidal.rollout.quant)
+            from tidal.rollout.quant import quantize_model
+
+            with phase(f"engine: quantizing the linear layers to FP8 ({self.config.quantization})"):
+                quantize_model(self.model, self.config.quantization)
         self.num_kv_blocks = self._kv_blocks()
         self._log_kv_cache()
         if tp_group is not None:

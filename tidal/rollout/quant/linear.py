@@ -1,0 +1,276 @@
+"""FP8 weights in the engine's model: ``quantize_model`` (at load) and the re-quantization at every weight
+sync, and the FP8 forward of the linear layers.
+
+What is quantized: every ``ColumnParallelLinear`` / ``RowParallelLinear`` (the attention and MLP
+projections of ``layers.py``, packed ``qkv_proj`` / ``gate_up_proj`` quantized part by part, so a packed
+part's scales are those of its HF projection alone) and the stacked experts of ``moe.Experts`` (per
+expert). Embeddings, norms, routers (plain ``nn.Linear``) and the LM head keep the model dtype, as does
+the KV cache.
+
+Each quantized weight keeps its model-dtype parameter: it is what ``load_weights`` writes into (packed
+slices, tensor-parallel shards), so loading is unchanged. After every ``load_weights`` call (the
+engine's load, each bucket of ``update_weights``) the parts it wrote — named by the HF names that went
+through it — are quantized again, on the weights' device. Two ways a module computes:
+
+- ``scaled_mm`` (CUDA, bf16/fp16 engine, an FP8-capable GPU, shapes the GEMM takes): the e4m3 weight and
+  its scales live in persistent buffers (``fp8_weight``, ``fp8_scale``) rewritten *in place* at each sync,
+  so captured CUDA graphs, which read those addresses, stay valid. The forward quantizes the activations
+  per token (dynamic scales; per token and 128 columns for ``fp8_block``) and runs ``torch._scaled_mm``
+  (row-wise scales; for blocks torch's 1x128 x 128x128 block-wise recipe, which a probe GEMM checks once
+  per process and granularity, falling back to the emulated path with a logged reason). The model-dtype
+  weight is kept as the load target: 1.5x the weight memory of the model dtype alone.
+- ``emulated`` (the CPU; CUDA where ``scaled_mm`` is not usable, and the MoE experts): the parameter
+  itself is overwritten with ``dequantize(quantize(w))`` and the module's forward is unchanged, so the
+  model computes with exactly the FP8-rounded weights (activations are not quantized). Only the parts a
+  load wrote are rounded again (rounding a rounded weight twice is not guaranteed to be a no-op).
+
+Quantization is per output channel (``fp8``) or per 128 x 128 tile (``fp8_block``): ``fp8.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tidal.logging.console import get_logger
+from tidal.rollout.models.layers import CausalLM
+from tidal.rollout.models.moe import _PER_EXPERT, Experts, MoECausalLM
+from tidal.rollout.models.parallel import ColumnParallelLinear, RowParallelLinear
+from tidal.rollout.quant.fp8 import BLOCK, GRANULARITIES, dequantize, quantize, quantize_rows
+
+log = get_logger(__name__)
+
+# The loaders whose HF names ``_touched`` maps onto modules; a family with its own loader is refused.
+_SHARED_LOADERS = (CausalLM.load_weights, MoECausalLM.load_weights)
+
+
+@dataclass
+class Target:
+    """One quantized module: its weight parameters (``weight``; an ``Experts``' two stacked ones), each
+    split into row parts quantized apart, and how it computes (``scaled_mm`` or ``emulated``)."""
+
+    module: nn.Module
+    parts: dict[str, tuple[int, ...]]  # parameter -> row counts of its packed parts, in order
+    mode: str = "emulated"
+
+
+@dataclass
+class Fp8State:
+    """What ``quantize_model`` attached to a model (``model.fp8``)."""
+
+    granularity: str
+    targets: dict[str, Target] = field(default_factory=dict)
+
+    def modes(self) -> dict[str, int]:
+        """How many modules compute each way, e.g. ``{"scaled_mm": 168}``."""
+        counts: dict[str, int] = {}
+        for target in self.targets.values():
+            counts[target.mode] = counts.get(target.mode, 0) + 1
+        return counts
+
+
+def family_problem(model: nn.Module) -> str | None:
+    """Why FP8 cannot quantize this engine model (None: it can)."""
+    if type(model).load_weights not in _SHARED_LOADERS:
+        return (
+            f"--rollout_quantization fp8 supports the families on the shared weight loader, not "
+            f"{model.args.model_type!r} (its own loader: weight syncs could not be traced to the FP8 weights)"
+        )
+    return None
+
+
+def quantize_model(model: CausalLM, quantization: str) -> Fp8State:
+    """Quantize ``model``'s linear layers and experts to FP8 in place (module docstring) and make every
+    later ``model.load_weights`` call re-quantize what it loads. ``quantization``: ``fp8`` or
+    ``fp8_block``."""
+    problem = family_problem(model)
+    if problem:
+        raise ValueError(problem)
+    state = Fp8State(GRANULARITIES[quantization])
+    for path, module in model.named_modules():
+        if isinstance(module, ColumnParallelLinear):
+            state.targets[path] = Target(module, {"weight": tuple(p.size for p in module.parts)})
+        elif isinstance(module, RowParallelLinear):
+            state.targets[path] = Target(module, {"weight": (module.out_features,)})
+        elif isinstance(module, Experts):
+            rows = module.rows.size
+            state.targets[path] = Target(
+                module, {"gate_up_proj": (rows, rows), "down_proj": (module.down_proj.shape[1],)}
+            )
+    for target in state.targets.values():
+        if not isinstance(target.module, Experts) and scaled_mm_problem(target, state.granularity) is None:
+            _use_scaled_mm(target, state.granularity)
+        for param in target.parts:
+            _requantize(target, state.granularity, param, None, None)
+    model.fp8 = state
+    _requantize_after_loads(model, state)
+    log.info("engine: FP8 (%s scales) weights: %s", state.granularity, state.modes())
+    return state
+
+
+# ------------------------------------------------------------------------------------------ re-quantizing
+def _requantize_after_loads(model: CausalLM, state: Fp8State) -> None:
+    """Wrap this model's ``load_weights``: after it returns, quantize again the parts its tensors wrote."""
+    load = model.load_weights
+
+    def load_and_quantize(named_tensors):
+        names: list[str] = []
+
+        def watched():
+            for name, tensor in named_tensors:
+                names.append(name)
+                yield name, tensor
+
+        loaded = load(watched())
+        for path, param, expert, part in _touched(model, state, names):
+            _requantize(state.targets[path], state.granularity, param, expert, part)
+        return loaded
+
+    model.load_weights = load_and_quantize
+
+
+def _touched(model: CausalLM, state: Fp8State, names: list[str]) -> set[tuple]:
+    """(target path, parameter, expert or None, part or None) written by the HF-named tensors ``names``,
+    read the way the shared loaders read them (renames, packing, per-expert tensors)."""
+    packing = model._packing()
+    expert_weights = getattr(model, "expert_weights", {})
+    touched = set()
+    for raw in names:
+        name = model._our_name(raw)
+        match = _PER_EXPERT.match(name)
+        if match and match["proj"] in expert_weights:
+            stacked, shard = expert_weights[match["proj"]]
+            touched.add((match["block"], stacked, int(match["expert"]), shard))
+            continue
+        module_name, _, kind = name.rpartition(".")
+        if module_name in state.targets and kind in state.targets[module_name].parts:  # stacked experts
+            touched.add((module_name, kind, None, None))
+            continue
+        parent, _, leaf = module_name.rpartition(".")
+        shard = packing.get(leaf)
+        path = f"{parent}.{shard[0]}" if shard and parent else module_name
+        if kind == "weight" and path in state.targets:
+            touched.add((path, "weight", None, shard[1] if shard else None))
+    return touched
+
+
+@torch.no_grad()
+def _requantize(target: Target, granularity: str, param: str, expert: int | None, part: int | None) -> None:
+    """Quantize one parameter's ``part`` (None: every part) of ``expert`` (None: all, or not experts)."""
+    weight = getattr(target.module, param)
+    sizes = target.parts[param]
+    for index, rows in enumerate(sizes):
+        if part is not None and index != part:
+            continue
+        start = sum(sizes[:index])
+        view = weight.narrow(-2, start, rows)
+        if expert is not None:
+            view = view[expert]
+        q, scales = quantize(view, granularity)
+        if target.mode == "emulated":
+            view.copy_(dequantize(q, scales, granularity, view.dtype))
+        else:
+            target.module.fp8_weight.narrow(0, start, rows).copy_(q)
+            first = start if granularity == "channel" else start // BLOCK
+            target.module.fp8_scale.narrow(0, first, scales.shape[0]).copy_(scales)
+
+
+# ------------------------------------------------------------------------------------------ the FP8 GEMM
+_PROBES: dict[tuple[str, torch.device], str | None] = {}
+
+
+def scaled_mm_problem(target: Target, granularity: str) -> str | None:
+    """Why this linear layer cannot run ``torch._scaled_mm`` (None: it can)."""
+    weight = target.module.weight
+    if weight.device.type != "cuda":
+        return "not on CUDA"
+    if weight.dtype not in (torch.bfloat16, torch.float16):
+        return f"{weight.dtype} engine (the FP8 GEMM writes bf16 or fp16)"
+    if torch.cuda.get_device_capability(weight.device) < (8, 9):
+        return "the GPU has no FP8 tensor cores (sm89+)"
+    out_features, in_features = weight.shape
+    multiple = 16 if granularity == "channel" else BLOCK
+    sizes = target.parts["weight"] if granularity == "block" else (out_features,)
+    if in_features % multiple or any(size % multiple for size in sizes):
+        return f"shapes not multiples of {multiple}"
+    key = (granularity, weight.device)
+    if key not in _PROBES:
+        _PROBES[key] = _probe(granularity, weight.device, weight.dtype)
+        if _PROBES[key]:
+            log.warning("engine: FP8 %s GEMM unusable here (%s): emulated instead", granularity, _PROBES[key])
+    return _PROBES[key]
+
+
+def _probe(granularity: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Run the FP8 GEMM once on a small case and compare it with the dequantized product."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(32, 256, generator=gen).to(device, dtype)
+    w = torch.randn(256, 256, generator=gen).to(device, dtype)
+    q, scales = quantize(w, granularity)
+    try:
+        got = fp8_linear(x, q, scales, granularity).float()
+    except RuntimeError as err:
+        return str(err).splitlines()[0]
+    want = x.float() @ dequantize(q, scales, granularity, torch.float32).t()
+    error = ((got - want).norm() / want.norm()).item()
+    return None if error < 0.1 else f"probe GEMM relative error {error:.3f}"
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, granularity: str) -> torch.Tensor:
+    """``x`` [..., K] times the FP8 weight ``q`` [N, K] (dequantization ``scales``) -> [..., N] in
+    ``x.dtype``: the activations quantized per token (and 128 columns for blocks), ``torch._scaled_mm``
+    applying both scales to the float32 accumulator."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 0:
+        return x.new_empty(*x.shape[:-1], q.shape[0])
+    if granularity == "channel":
+        xq, xs = quantize_rows(rows)
+        out = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scales.view(1, -1), out_dtype=x.dtype)
+    else:  # torch's block-wise recipe wants the 1x128 activation scales outer-dimension-major
+        xq, xs = quantize_rows(rows, BLOCK)
+        out = torch._scaled_mm(
+            xq, q.t(), scale_a=xs.t().contiguous().t(), scale_b=scales.t(), out_dtype=x.dtype
+        )
+    return out.view(*x.shape[:-1], q.shape[0])
+
+
+class Fp8Forward:
+    """Mixed into a quantized linear layer's class (``scaled_mm`` mode): the forward reads the FP8 buffers;
+    a row-parallel layer still all-reduces before its bias."""
+
+    fp8_granularity: str
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = fp8_linear(x, self.fp8_weight, self.fp8_scale, self.fp8_granularity)
+        if isinstance(self, RowParallelLinear) and self.tp.size > 1:
+            if not self.reduce:
+                return out
+            out = self.tp.all_reduce(out)
+        return out if self.bias is None else out + self.bias
+
+
+_FP8_CLASSES: dict[type, type] = {}
+
+
+def _use_scaled_mm(target: Target, granularity: str) -> None:
+    """Give the module its FP8 buffers and the FP8 forward (its class becomes a subclass of its own)."""
+    module = target.module
+    out_features, in_features = module.weight.shape
+    device = module.weight.device
+    if granularity == "channel":
+        scale_shape = (out_features, 1)
+    else:
+        scale_shape = (-(-out_features // BLOCK), -(-in_features // BLOCK))
+    qweight = torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
+    module.register_buffer("fp8_weight", qweight, persistent=False)  # not weights of a state dict
+    module.register_buffer(
+        "fp8_scale", torch.ones(scale_shape, dtype=torch.float32, device=device), persistent=False
+    )
+    module.fp8_granularity = granularity
+    cls = type(module)
+    if cls not in _FP8_CLASSES:
+        _FP8_CLASSES[cls] = type(f"Fp8{cls.__name__}", (Fp8Forward, cls), {})
+    module.__class__ = _FP8_CLASSES[cls]
+    target.mode = "scaled_mm"
