@@ -297,3 +297,130 @@ def test_cuda_matches_the_synchronous_loop(eos_model, enforce_eager):
     _assert_same(want, got)
     assert 0 < lookahead.ahead_stats.used < lookahead.ahead_stats.launched
     assert lookahead.runner.graphs is None if enforce_eager else lookahead.runner.graphs.graphs
+
+
+# --- Families with per-sequence recurrent states (Qwen3.5's Gated DeltaNet layers, state_cache.py) -----------
+
+HYBRID_FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text"]
+
+
+def _with_eos(path, directory, prompt, index: int = 9):
+    """A copy of a model folder whose eos is the token its greedy output for ``prompt`` has at ``index``."""
+    greedy = LLMEngine(path, cpu_config(max_model_len=96)).generate(
+        [prompt], SamplingParams(temperature=0.0, max_new_tokens=index + 1, ignore_eos=True)
+    )
+    eos = greedy[0].outputs[0].token_ids[index]
+    copy = shutil.copytree(path, directory / "eos_model")
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((copy / name).read_text())
+        config["eos_token_id"] = eos
+        (copy / name).write_text(json.dumps(config))
+    return copy
+
+
+def _live_discards(monkeypatch) -> list[int]:
+    """Spy on ``Lookahead.matches``: for each step launched ahead and then discarded, how many of its
+    sequences were still running (the steps whose recurrent states a discard must leave intact)."""
+    from tidal.rollout.scheduling.scheduler import Lookahead
+
+    counts, matches = [], Lookahead.matches
+
+    def spy(plan, batch):
+        kept = matches(plan, batch)
+        if not kept:
+            counts.append(sum(not seq.is_finished for seq in plan.seqs))
+        return kept
+
+    monkeypatch.setattr(Lookahead, "matches", spy)
+    return counts
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_recurrent_state_families_match_the_synchronous_loop(
+    family, tiny_model, tmp_path_factory, monkeypatch
+):
+    """Qwen3.5 (dense and MoE) launches decode steps ahead with its recurrent states double buffered: steps
+    launched ahead and discarded while their sequences go on (another stopped; a request came, was aborted;
+    new weights between steps, as partial rollouts load them; preemption) leave the states the synchronous
+    loop has, so tokens and log-probs are bit for bit the synchronous loop's. Updating the states in place
+    instead (the old behaviour) changes them."""
+    from safetensors.torch import load_file
+
+    path = _with_eos(tiny_model(family, logit_scale=4.0), tmp_path_factory.mktemp(family), PROMPTS[1])
+    sync, lookahead = _pair(path, max_num_seqs=8)
+    assert lookahead.async_scheduling and lookahead.runner.states.double
+    discards = _live_discards(monkeypatch)
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[3], list(range(5, 65))]
+    params = _mixed_params(stop="e")
+    want = sync.generate(prompts, params)
+    _assert_same(want, lookahead.generate(prompts, params))
+    assert any(discards), "a step launched ahead should be discarded while its sequences go on"
+    assert lookahead.block_manager.state_slots.num_free == 8  # every pair of slots given back
+
+    # The step-level API: arrivals, an abort of a request in the step launched ahead, new weights.
+    other = load_file(str(tiny_model(family, seed=1, logit_scale=4.0) / "model.safetensors"))
+    script = [
+        ("add", (PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=25))),
+        ("add", (PROMPTS[2], SamplingParams(temperature=1.0, max_new_tokens=20, seed=5, n=2))),
+        ("step", 3),
+        ("add", ([7, 8, 9], SamplingParams(temperature=0.0, max_new_tokens=12, stop=["e"]))),
+        ("step", 4),
+        ("abort", 1),
+        ("step", 2),
+        ("weights", other),
+        ("step", 3),
+        ("add", (PROMPTS[3], SamplingParams(temperature=1.0, max_new_tokens=8, seed=9))),
+    ]
+    sync_weights = {k: v.clone() for k, v in sync.model.state_dict().items()}
+    first = _drive(sync, script)
+    assert _drive(lookahead, script) == first
+    for engine in (sync, lookahead):  # back to the first weights for what follows
+        engine.model.load_state_dict(sync_weights)
+
+    # Partial rollouts: new weights loaded between two steps of ``generate`` (LLMEngine.between_steps).
+    def update_at(engine, step: int):
+        calls = []
+
+        def between(groups):
+            calls.append(1)
+            if len(calls) == step:
+                engine.update_weights(other)
+
+        return between
+
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=16, seed=7, n=2, ignore_eos=True)
+    results = []
+    for engine in (sync, lookahead):
+        engine.between_steps = update_at(engine, 4)
+        results.append(engine.generate(PROMPTS, sampled))
+        engine.between_steps = None
+        engine.model.load_state_dict(sync_weights)
+    _assert_same(*results)
+
+    # In place (one slot per sequence, as before double buffering): a discarded step corrupts the states.
+    states = lookahead.runner.states
+
+    def in_place(seqs, rows, ahead, out):
+        out[: 2 * rows] = states.pad_slot
+        out[: len(seqs)] = out[rows : rows + len(seqs)] = [seq.state_slot for seq in seqs]
+
+    monkeypatch.setattr(states, "decode_slots", in_place)
+    monkeypatch.setattr(lookahead.block_manager.state_slots, "flip", lambda seqs: None)
+    assert [_fields(o) for o in lookahead.generate(prompts, params)] != [_fields(o) for o in want]
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_recurrent_state_families_under_preemption_match(family, tiny_model):
+    """A tiny KV cache: sequences are preempted (their slot pairs freed, their states recomputed) while
+    steps run ahead; the synchronous loop's outputs."""
+    sync, lookahead = _pair(tiny_model(family, logit_scale=4.0), max_num_seqs=4, num_kv_blocks=12)
+    preempted = []
+    original = lookahead.scheduler._preempt
+    lookahead.scheduler._preempt = lambda seq: (preempted.append(seq.seq_id), original(seq))
+    prompts = [list(range(20 + i, 29 + 2 * i)) for i in range(5)]
+    params = [
+        SamplingParams(temperature=1.0, max_new_tokens=14 + 3 * i, seed=i, ignore_eos=True) for i in range(5)
+    ]
+    _assert_same(sync.generate(prompts, params), lookahead.generate(prompts, params))
+    assert preempted and lookahead.ahead_stats.used > 0
+    assert lookahead.block_manager.state_slots.num_free == 4

@@ -11,6 +11,7 @@ from tests.rollout.reference import PROMPTS, cpu_config, hf_greedy, hf_logprobs
 from tidal.rollout import LLMEngine, SamplingParams
 from tidal.rollout.models import qwen3_5
 from tidal.rollout.models.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from tidal.rollout.models.registry import feature_refusal
 
 FAMILY = "qwen3_5_text"
 
@@ -177,4 +178,7 @@ def test_refused_features_say_why(setup):
             LLMEngine(path, config)
     with pytest.raises(ValueError, match=f"exact_logprobs supports the .* families, not '{FAMILY}'"):
         LLMEngine(path, cpu_config(exact_logprobs=True))
-    assert setup[2].eager and not setup[2].async_scheduling
+    # CUDA graphs and async scheduling are supported (test_qwen3_5_graphs.py, test_async_scheduling.py).
+    assert (
+        feature_refusal(FAMILY, "cuda_graphs") is None and feature_refusal(FAMILY, "async_scheduling") is None
+    )

@@ -27,8 +27,8 @@ def test_each_cell_follows_the_record():
         "no",
         "no",
         "yes",
-        "no",
-        "no",
+        "yes",
+        "yes",
         "no",
         "no",
     ]  # TP, prefix, chunked, graphs, async, packing, exact

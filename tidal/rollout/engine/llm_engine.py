@@ -136,6 +136,13 @@ class LLMEngine(RequestBuilding, WeightsAndMemory):
             weights = iter_checkpoint(model_path)
         else:
             raise ValueError("LLMEngine needs a model folder path, a loaded model or a state_dict")
+        # Whether decode steps are launched ahead (the setting, unless ``async_fallback`` names a reason;
+        # known before the KV cache is sized: recurrent states are then double buffered, state_cache.py).
+        wanted = self.config.async_scheduling
+        if wanted is None:
+            wanted = self.device.type == "cuda"
+        refused = feature_refusal(model_type, "async_scheduling") is not None
+        self.async_scheduling = wanted and not refused and async_fallback(self.config) is None
         self.peers = None
         try:
             self._build(weights, tp_group)
@@ -149,17 +156,13 @@ class LLMEngine(RequestBuilding, WeightsAndMemory):
         self.image_processor = image_processor
         if self.vision is not None and image_processor is None:
             self.image_processor = load_image_processor(model_path)
-        # Whether decode steps are launched ahead (the setting, unless ``async_fallback`` names a reason).
-        wanted = self.config.async_scheduling
-        if wanted is None:
-            wanted = self.device.type == "cuda"
-        refused = feature_refusal(model_type, "async_scheduling") is not None
-        self.async_scheduling = wanted and not refused and async_fallback(self.config) is None
         self._ahead: Ahead | None = None  # the decode step launched ahead, not yet scheduled for real
         self.ahead_stats = AheadStats()
         self.ahead_policy = AheadPolicy()
         # Linear-attention families: one recurrent-state slot per sequence slot (state_cache.py).
-        states = StateSlots(self.config.max_num_seqs) if self.model.state_spec() is not None else None
+        states = None
+        if self.model.state_spec() is not None:
+            states = StateSlots(self.config.max_num_seqs, double=self.async_scheduling)
         self.block_manager = BlockManager(
             self.num_kv_blocks,
             self.config.block_size,
@@ -287,7 +290,8 @@ class LLMEngine(RequestBuilding, WeightsAndMemory):
             budget = cfg.cpu_kv_cache_gb * 2**30
         spec = self.model.state_spec()
         if spec is not None:  # the recurrent states of every sequence slot come out of the same budget
-            budget -= (cfg.max_num_seqs + 1) * StateCache.bytes_per_slot(spec, self.dtype)
+            slots = cfg.max_num_seqs * (2 if self.async_scheduling else 1) + 1  # pairs: double buffering
+            budget -= slots * StateCache.bytes_per_slot(spec, self.dtype)
         return max(1, min(enough, int(budget // per_block)))
 
     # ------------------------------------------------------------------ generation

@@ -62,12 +62,22 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def _prepare(q, k, v, g, beta):
     """float32 [batch, v_heads, T, d] tensors: q/k repeated per value head, l2-normalised, q scaled."""
     groups = v.shape[2] // k.shape[2]
-    if groups > 1:
-        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    q, k = repeat_heads(q, groups), repeat_heads(k, groups)
     q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))
     q, k = l2norm(q), l2norm(k)
     q = q * q.shape[-1] ** -0.5
     return q, k, v, g.transpose(1, 2).float(), beta.transpose(1, 2).float()
+
+
+def repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Each head of x [batch, T, heads, d] repeated ``groups`` times in place (``repeat_interleave`` on dim
+    2), by an expand: no output size for the device to compute, so CUDA graphs capture it."""
+    if groups == 1:
+        return x
+    batch, length, heads, dim = x.shape
+    return (
+        x[:, :, :, None].expand(batch, length, heads, groups, dim).reshape(batch, length, heads * groups, dim)
+    )
 
 
 def _initial(state, batch, heads, k_dim, v_dim, device) -> torch.Tensor:
@@ -136,7 +146,7 @@ def fla_gated_delta_rule(q, k, v, g, beta, initial_state=None, recurrent: bool =
 
     groups = v.shape[2] // k.shape[2]
     if groups > 1:
-        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+        q, k = repeat_heads(q, groups), repeat_heads(k, groups)
     kernel = fla_recurrent if recurrent else fla_chunk
     init = None if initial_state is None else initial_state.float().contiguous()
     # Keywords: the recurrent kernel's fifth positional parameter is not beta.

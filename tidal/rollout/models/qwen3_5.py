@@ -16,8 +16,10 @@ full attention (transformers' ``modeling_qwen3_5.py`` is the reference for every
   (``GatedRMSNorm``, plain weight), ``out_proj``.
 
 The full-attention layers use the paged KV cache (only they have entries in it: ``kv_layers``); the
-linear layers keep a per-sequence state (``state_cache.py``) read and written at the step's state slots
-(``AttentionMetadata.state_slots``). A prefill chunk continues the state its sequence's earlier chunks left.
+linear layers keep a per-sequence state (``state_cache.py``) read at the step's state slots
+(``AttentionMetadata.state_slots``) and written there or, for a decode step with double-buffered states
+(async scheduling), at ``state_write_slots``. A prefill chunk continues the state its sequence's earlier
+chunks left. Decode is a fixed sequence of index ops: it runs under the engine's CUDA graphs.
 """
 
 from __future__ import annotations
@@ -220,15 +222,19 @@ class GatedDeltaNet(nn.Module):
         return out[valid]
 
     def _decode(self, qkv, g, beta, meta: AttentionMetadata) -> torch.Tensor:
-        """One token per row, continuing each row's state (padding rows read/write the scratch slot)."""
+        """One token per row, continuing the state each row reads at ``state_slots`` and storing the new
+        one at ``state_write_slots`` (double buffering; in place when None). Fixed shapes and index ops
+        only, so a CUDA graph captures it; padding rows read and write the scratch slot."""
         states, slots = meta.states, meta.state_slots
-        window = torch.cat((states.conv[self.state_index].index_select(0, slots), qkv[:, :, None]), dim=-1)
+        writes = slots if meta.state_write_slots is None else meta.state_write_slots
+        conv, recurrent = states.conv[self.state_index], states.recurrent[self.state_index]
+        window = torch.cat((conv.index_select(0, slots), qkv[:, :, None]), dim=-1)
         conv_out = causal_conv(window[..., -1:], window[..., :-1], self.conv1d.weight)
-        states.conv[self.state_index].index_copy_(0, slots, window[..., 1:])
+        conv.index_copy_(0, writes, window[..., 1:])
         q, k, v = self._heads(conv_out.transpose(1, 2))
-        init = states.recurrent[self.state_index].index_select(0, slots)
+        init = recurrent.index_select(0, slots)
         out, final = gated_delta_rule(q, k, v, g[:, None], beta[:, None], init, recurrent=True)
-        states.recurrent[self.state_index].index_copy_(0, slots, final)
+        recurrent.index_copy_(0, writes, final)
         return out[:, 0]
 
 

@@ -48,6 +48,8 @@ class AttentionMetadata:
     # sequence's slot in it ([batch]; prefill: one per group, decode: one per row).
     states: object | None = None
     state_slots: torch.Tensor | None = None
+    # decode: the slot each row writes its new state to (double buffering); None: in place, ``state_slots``
+    state_write_slots: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor:

@@ -9,7 +9,10 @@ launch. Graphs need fixed shapes and fixed addresses, so:
 - inputs live in static device buffers (token ids, context lengths, block tables of the full
   ``max_model_len`` width); positions and KV slots are derived from them inside the graph;
 - the host stages a step's inputs in one pinned int32 buffer, copied with one host-to-device transfer,
-  then spread into the static buffers by three device copies before the replay. A step launched ahead
+  then spread into the static buffers by three device copies before the replay. A family with
+  per-sequence recurrent states (``state_cache.py``, Qwen3.5) stages each row's read and write state
+  slots after the block tables, into a fourth static buffer: padding rows (and the warm-up and capture
+  runs) read and write the state cache's scratch slot. A step launched ahead
   (async scheduling) takes its input ids from the previous step's sampled ids on the device instead
   (``ahead_input_ids``), so nothing waits for them to reach the host.
 
@@ -33,7 +36,7 @@ import torch
 from tidal.logging.console import get_logger
 
 log = get_logger(__name__)
-DecodeForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+DecodeForward = Callable[..., torch.Tensor]  # (input ids, context lens, block tables[, state slots])
 
 
 def ahead_input_ids(prev_tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -52,7 +55,16 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """Static input buffers plus one captured decode forward per bucket."""
 
-    def __init__(self, forward: DecodeForward, device: torch.device, max_num_seqs: int, max_blocks: int):
+    def __init__(
+        self,
+        forward: DecodeForward,
+        device: torch.device,
+        max_num_seqs: int,
+        max_blocks: int,
+        pad_state_slot: int | None = None,
+    ):
+        """``pad_state_slot``: the state cache's scratch slot, for families with recurrent states (their
+        rows' int32 [read, write] state slots are staged after the block tables); None: no states."""
         self.forward = forward
         self.buckets = batch_buckets(max_num_seqs)
         self.max_blocks = max_blocks
@@ -60,7 +72,12 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(rows, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(rows, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(rows, max_blocks, dtype=torch.int32, device=device)
-        self.stage = torch.zeros(rows * (2 + max_blocks), dtype=torch.int32, device=device)
+        self.pad_state_slot = pad_state_slot
+        self.state_slots = None  # [2 (read, write), rows] int32
+        if pad_state_slot is not None:
+            self.state_slots = torch.full((2, rows), pad_state_slot, dtype=torch.int32, device=device)
+        state_size = 0 if pad_state_slot is None else 2 * rows
+        self.stage = torch.zeros(rows * (2 + max_blocks) + state_size, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
@@ -85,7 +102,8 @@ class DecodeGraphs:
         ahead: torch.Tensor | None = None,
         copied: torch.cuda.Event | None = None,
     ) -> torch.Tensor:
-        """Replay the bucket's graph on inputs staged as ``[ids rows][ctx rows][tables rows x width]``.
+        """Replay the bucket's graph on inputs staged as ``[ids rows][ctx rows][tables rows x width]``
+        (then ``[read state slots rows][write state slots rows]`` for a family with recurrent states).
 
         ``ahead``: the previous step's sampled ids, which the staged ids index (``ahead_input_ids``);
         ``copied``: recorded once the host buffer is read (it may then be rewritten)."""
@@ -96,17 +114,27 @@ class DecodeGraphs:
             copied.record()
         self.input_ids[:rows].copy_(stage[:rows] if ahead is None else ahead_input_ids(ahead, stage[:rows]))
         self.context_lens[:rows].copy_(stage[rows : 2 * rows])
-        self.block_tables[:rows, :width].copy_(stage[2 * rows :].view(rows, width))
+        tables_end = 2 * rows + rows * width
+        self.block_tables[:rows, :width].copy_(stage[2 * rows : tables_end].view(rows, width))
+        if self.state_slots is not None:
+            self.state_slots[:, :rows].copy_(stage[tables_end:].view(2, rows))
         graph.replay()
         return logits[:batch]
 
+    def inputs(self, rows: int) -> tuple[torch.Tensor, ...]:
+        """The static input buffers of a bucket of ``rows``, as the forward takes them."""
+        inputs = (self.input_ids[:rows], self.context_lens[:rows], self.block_tables[:rows])
+        return inputs if self.state_slots is None else (*inputs, self.state_slots[:, :rows])
+
     def _capture(self, rows: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         start = time.perf_counter()
-        inputs = (self.input_ids[:rows], self.context_lens[:rows], self.block_tables[:rows])
+        inputs = self.inputs(rows)
         # Context length 0 everywhere: the warm-up and capture runs write only the padding slot, never a
-        # live sequence's KV.
+        # live sequence's KV (nor, reading and writing the scratch slot, its recurrent state).
         self.input_ids.zero_()
         self.context_lens.zero_()
+        if self.state_slots is not None:
+            self.state_slots.fill_(self.pad_state_slot)
         self.forward(*inputs)  # warm-up outside the capture: Triton compilation, cuBLAS handles
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

@@ -110,7 +110,10 @@ class ModelRunner(SamplingInputs):
         self.kv_cache: torch.Tensor | None = None
         # Linear-attention families: the per-sequence recurrent states, allocated and freed with the cache.
         spec = model.state_spec()
-        self.states = None if spec is None else StateCache(spec, max_num_seqs, self.dtype, self.device)
+        # With steps launched ahead, a pair of slots per sequence (double buffering, state_cache.py).
+        self.states = None
+        if spec is not None:
+            self.states = StateCache(spec, max_num_seqs, self.dtype, self.device, double=lookahead)
         self.allocate_kv_cache()
         if hasattr(model, "reserve_block_state"):  # vision families: a decode delta per KV block
             model.reserve_block_state(num_blocks + 1)
@@ -122,7 +125,7 @@ class ModelRunner(SamplingInputs):
         # Staging buffers for a decode step's int32 inputs, pinned so the copy is asynchronous: one, or two
         # used in turn when steps are launched ahead (``lookahead``), each with an event recorded after the
         # copy that reads it, so that it is rewritten only once that copy ran.
-        size = max_num_seqs * (2 + max_blocks)
+        size = max_num_seqs * (2 + max_blocks + (2 if self.states is not None else 0))  # + state slots
         self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=cuda) for _ in range(1 + lookahead)]
         self._hosts_np = [host.numpy() for host in self._hosts]
         self._tables = BlockTables(max_num_seqs, max_blocks)
@@ -134,7 +137,8 @@ class ModelRunner(SamplingInputs):
         # each expert's row count on the host). Tensor-parallel ranks capture their collectives with the rest.
         exact_moe = exact and any(isinstance(m, SparseMoE) for m in model.modules())
         if cuda and not enforce_eager and not self.routers and not exact_moe:
-            self.graphs = DecodeGraphs(self.decode_forward, self.device, max_num_seqs, max_blocks)
+            pad_state = None if self.states is None else self.states.pad_slot
+            self.graphs = DecodeGraphs(self.decode_forward, self.device, max_num_seqs, max_blocks, pad_state)
 
     @staticmethod
     def bytes_per_block(args, block_size: int, dtype: torch.dtype) -> int:
@@ -199,6 +203,8 @@ class ModelRunner(SamplingInputs):
         before ``prev``'s result is read: each sequence's input is the id sampled at row ``prev_rows[i]``
         of ``prev`` (on the device), its context and its sampling position one token further than the
         host knows. The inputs equal those ``launch`` builds once that token is appended."""
+        if self.states is not None and not self.states.double:  # built without ``lookahead``: a bug
+            raise RuntimeError("a step launched ahead needs double-buffered recurrent states (lookahead)")
         step = self._decode_step(seqs, ahead=(prev_rows, prev.tokens))
         if self.peers is not None:  # the ids stay on the device: the other ranks get them by broadcast
             self.peers.send_step(step.for_peers(self.args.tp.rank))
@@ -315,13 +321,16 @@ class ModelRunner(SamplingInputs):
         if ahead is None:
             staged = fill_decode_inputs(seqs, rows, width, self._hosts_np[buffer], None, tables)
             step = DecodeStep(staged, n, rows, width, use_graph, buffer=buffer)
-            if self.states is not None:  # eager steps only (the family refuses CUDA graphs)
-                step.state_slots = np.asarray([seq.state_slot for seq in seqs], dtype=np.int64)
-            return step
-        prev_rows, prev_tokens = ahead
-        prev = (prev_rows, len(prev_tokens))
-        staged = fill_decode_inputs(seqs, rows, width, self._hosts_np[buffer], prev, tables)
-        return DecodeStep(staged, n, rows, width, use_graph, buffer=buffer, ahead=prev_tokens)
+        else:
+            prev_rows, prev_tokens = ahead
+            prev = (prev_rows, len(prev_tokens))
+            staged = fill_decode_inputs(seqs, rows, width, self._hosts_np[buffer], prev, tables)
+            step = DecodeStep(staged, n, rows, width, use_graph, buffer=buffer, ahead=prev_tokens)
+        if self.states is not None:  # then each row's read and write state slots (state_cache.py)
+            size = staged.size
+            step.staged = self._hosts_np[buffer][: size + 2 * rows]
+            self.states.decode_slots(seqs, rows, ahead is not None, step.staged[size:])
+        return step
 
     def _decode_staged(self, step: DecodeStep) -> torch.Tensor:
         """Logits [num_seqs, vocab] of one decode step (graph replay when possible)."""
@@ -342,10 +351,10 @@ class ModelRunner(SamplingInputs):
         if copied is not None:
             copied.record()
         ids = stage[:rows] if ahead is None else ahead_input_ids(ahead, stage[:rows])
-        state_slots = None if step.state_slots is None else self._tensor(step.state_slots)
-        return self.decode_forward(
-            ids, stage[rows : 2 * rows], stage[2 * rows :].view(rows, width), state_slots
-        )
+        tables_end = 2 * rows + rows * width
+        tables = stage[2 * rows : tables_end].view(rows, width)
+        state_slots = None if self.states is None else stage[tables_end:].view(2, rows)
+        return self.decode_forward(ids, stage[rows : 2 * rows], tables, state_slots)
 
     def _receive(self, staged: np.ndarray) -> int:
         """Copy a step received from another rank into the next staging buffer; its index. The driver may
@@ -362,7 +371,9 @@ class ModelRunner(SamplingInputs):
         """One decode step from device tensors only (so it can be captured in a CUDA graph).
 
         Each row's query is its last token, at position ``context_len - 1``; a row with context length 0
-        is padding: it reads nothing and stores its KV into the reserved padding slot.
+        is padding: it reads nothing and stores its KV into the reserved padding slot. ``state_slots``
+        (families with recurrent states): [2, rows] int32, the slot each row reads its state from and the
+        one it writes it to (the scratch slot for padding rows).
         """
         bs = self.block_size
         positions = (context_lens - 1).clamp(min=0)
@@ -378,7 +389,8 @@ class ModelRunner(SamplingInputs):
             exact=self.exact,
         )
         if self.states is not None:
-            meta.states, meta.state_slots = self.states, state_slots
+            slots = state_slots.long()
+            meta.states, meta.state_slots, meta.state_write_slots = self.states, slots[0], slots[1]
         return self.model(input_ids, positions, meta)
 
     def _run_context_prefill(self, batch: ScheduledBatch) -> LaunchedStep:

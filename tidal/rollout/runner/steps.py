@@ -39,7 +39,8 @@ class PrefillStep:
 
 @dataclass
 class DecodeStep:
-    """A decode step's staged int32 inputs (``fill_decode_inputs``) and its row counts."""
+    """A decode step's staged int32 inputs (``fill_decode_inputs``, then each row's read and write state
+    slots for a family with recurrent states: ``StateCache.decode_slots``) and its row counts."""
 
     staged: np.ndarray
     num_seqs: int
@@ -48,7 +49,6 @@ class DecodeStep:
     use_graph: bool
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     buffer: int = 0  # the staging buffer it is in
-    state_slots: np.ndarray | None = None  # linear-attention families: each row's state slot (eager)
     # A step launched ahead (async scheduling): each row's input id is the previous step's sampled id at
     # the row staged in place of the token (``fill_decode_inputs``), read on the device.
     ahead: torch.Tensor | None = None

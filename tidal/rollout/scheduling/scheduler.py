@@ -368,6 +368,9 @@ class Scheduler:
             if self._check_stop(seq):
                 self.block_manager.free(seq)
                 finished.append(seq)
+        states = self.block_manager.state_slots
+        if states is not None and not batch.is_prefill:  # the step is kept: its written states are current
+            states.flip(seqs)
         if finished:
             self.running = deque(seq for seq in self.running if not seq.is_finished)
         return finished

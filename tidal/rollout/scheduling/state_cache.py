@@ -2,7 +2,7 @@
 
 A linear-attention layer carries, per sequence, a fixed-size state instead of one K/V entry per token: the
 last ``width - 1`` inputs of its causal convolution and its delta-rule matrix per value head. The engine
-keeps them in a pool of slots, like KV blocks but one slot per sequence:
+keeps them in a pool of slots, like KV blocks but one slot (or one pair of slots) per sequence:
 
 - ``StateSlots`` (host, owned by the ``BlockManager``) hands a slot to every sequence it allocates blocks
   for and takes it back when it frees them, so the slot lives exactly as long as the sequence's KV blocks:
@@ -10,9 +10,22 @@ keeps them in a pool of slots, like KV blocks but one slot per sequence:
   preempts by recomputation: the re-admitted sequence gets a fresh slot and recomputes its state in its
   new prefill, as it recomputes its K/V);
 - ``StateCache`` (device, owned by the ``ModelRunner``) holds the tensors, indexed by slot, so a step
-  reads and writes a batch's states by one index tensor (a CUDA graph could read slots by index too).
-  The ``n`` samples of a prompt each get a slot: the prompt is prefilled once into the first sample's
-  slot and copied into the others' after the prefill (``copy``), as its last KV block is.
+  reads and writes a batch's states by index tensors: a decode step's read and write slots are int32
+  inputs staged with its tokens and block tables, which a CUDA graph carries in static buffers
+  (``cuda_graph.py``). Padding rows of a graph's batch bucket read and write the extra scratch slot
+  (``pad_slot``), never a live sequence's. The ``n`` samples of a prompt each get a slot: the prompt is
+  prefilled once into the first sample's slot and copied into the others' after the prefill (``copy``),
+  as its last KV block is.
+
+Double buffering (``double``, with async scheduling): a decode step launched ahead may be discarded while
+its sequences go on (another sequence stopped, a request came or went, new weights between steps), so it
+must not have changed the state the replacement step starts from. Each sequence then holds a pair of
+slots ``(2i, 2i + 1)``: ``Sequence.state_slot`` is the one holding its state after its last kept step; a
+decode step reads it and writes the other (``decode_slots``), and only a kept step (``Scheduler.postprocess``)
+flips ``state_slot`` to the other (``flip``). A step launched ahead of step t, before t is kept, reads what
+t writes and writes what t read (t has read it by then: the device runs steps in order). Discarding it
+leaves t's output intact; the replacement step rewrites its write slot. Prefills (never launched ahead)
+read and write ``state_slot`` in place. Without async scheduling a step updates the state in place.
 
 A slot holds nothing that must survive a sleep: the engine frees the KV cache on ``sleep`` (no request
 survives it), and frees and reallocates these tensors with it. A prefill that starts a sequence reads
@@ -24,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -40,32 +54,46 @@ class StateSpec:
 
 
 class StateSlots:
-    """Which of ``num_slots`` state slots are free (host bookkeeping, lowest id first)."""
+    """Which of ``num_seqs`` sequences' state slots are free (host bookkeeping, lowest id first).
+    ``double``: each sequence takes a pair of slots, ``(2i, 2i + 1)``, and holds its first."""
 
-    def __init__(self, num_slots: int):
-        self.num_slots = num_slots
-        self.free = list(range(num_slots - 1, -1, -1))  # a stack: pop() gives the lowest id
+    def __init__(self, num_seqs: int, double: bool = False):
+        self.double = double
+        self.num_slots = num_seqs * (2 if double else 1)
+        self.free = list(range(num_seqs - 1, -1, -1))  # a stack: pop() gives the lowest id
 
     @property
     def num_free(self) -> int:
+        """Sequences that can still get their slot(s)."""
         return len(self.free)
 
     def take(self) -> int:
         if not self.free:  # the scheduler admits at most max_num_seqs sequences: a bug if reached
             raise RuntimeError("no free recurrent-state slot (more running sequences than max_num_seqs)")
-        return self.free.pop()
+        return self.free.pop() * (2 if self.double else 1)
 
     def give_back(self, slot: int) -> None:
-        self.free.append(slot)
+        """Return a sequence's slot (either of its pair: the pair goes back)."""
+        self.free.append(slot // 2 if self.double else slot)
+
+    def flip(self, seqs: list) -> None:
+        """After a kept decode step of ``seqs``: each one's state is now in the slot the step wrote."""
+        if self.double:
+            for seq in seqs:
+                seq.state_slot ^= 1
 
 
 class StateCache:
     """The slots' tensors: ``conv`` [layers, slots + 1, channels, history] in the model dtype and
     ``recurrent`` [layers, slots + 1, heads, k_dim, v_dim] in float32 (the rule accumulates in float32).
-    The extra last slot is scratch for padding rows, like the KV cache's extra block."""
+    The extra last slot is scratch for padding rows, like the KV cache's extra block. ``double``: a pair
+    of slots per sequence (``StateSlots``), for ``num_seqs`` sequences."""
 
-    def __init__(self, spec: StateSpec, num_slots: int, dtype: torch.dtype, device: torch.device):
-        self.spec, self.num_slots, self.dtype, self.device = spec, num_slots, dtype, device
+    def __init__(
+        self, spec: StateSpec, num_seqs: int, dtype: torch.dtype, device: torch.device, double: bool = False
+    ):
+        self.spec, self.dtype, self.device, self.double = spec, dtype, device, double
+        self.num_slots = num_seqs * (2 if double else 1)
         self.conv: torch.Tensor | None = None
         self.recurrent: torch.Tensor | None = None
         self.allocate()
@@ -83,6 +111,20 @@ class StateCache:
 
     def free(self) -> None:
         self.conv = self.recurrent = None
+
+    def decode_slots(self, seqs: list, rows: int, ahead: bool, out: np.ndarray) -> None:
+        """Write a decode step's int32 ``[read slots rows][write slots rows]`` into ``out``; padding rows
+        (past ``len(seqs)``) read and write ``pad_slot``. Double buffered, a step reads ``state_slot`` and
+        writes the other of its pair; ``ahead`` (launched before the step before it is kept): the reverse.
+        Otherwise both are ``state_slot`` (in place)."""
+        n = len(seqs)
+        out[: 2 * rows] = self.pad_slot
+        current = [seq.state_slot for seq in seqs]
+        if not self.double:
+            out[:n] = out[rows : rows + n] = current
+            return
+        other = [slot ^ 1 for slot in current]
+        out[:n], out[rows : rows + n] = (other, current) if ahead else (current, other)
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy slots ``src`` into slots ``dst`` (index tensors) in every layer (samples of one prompt)."""
