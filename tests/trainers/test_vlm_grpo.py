@@ -82,8 +82,9 @@ def test_image_flags_openrlhf_spellings_and_refusals(vlm, tmp_path):
     run = parse_run([*flags, "--data.image_key", "images", "--actor.freeze_visual_encoder"])
     assert run.vision == VisionConfig(image_key="images", max_images_per_prompt=1, freeze_visual_encoder=True)
 
-    with pytest.raises(ConfigError, match="a critic on images is not supported yet"):
-        parse_run(_flags(vlm, tmp_path, "--advantage_estimator", "gae"))
+    assert parse_run(
+        _flags(vlm, tmp_path, "--advantage_estimator", "gae")
+    ).algorithm.needs_critic  # test_vlm_critic
     qwen3_vl = build_tiny_vlm(tmp_path / "q3", "qwen3_vl")
     with pytest.raises(ConfigError, match="qwen3_vl is a vision-language model the rollout engine does not"):
         run_ppo(parse_run(_flags(qwen3_vl, tmp_path)))

@@ -13,6 +13,7 @@ from tidal.config import (
     OptimConfig,
     PromptDataConfig,
 )
+from tidal.config.checkpoint import BestCheckpointConfig, best_key_problems
 from tidal.config.data import VisionConfig
 from tidal.config.logging import LoggingConfig
 from tidal.config.placement import (
@@ -65,6 +66,7 @@ class PPORun(RunConfig):
         lambda: OptimConfig(learning_rate=9e-6), flags={"learning_rate": "critic_learning_rate"}
     )
     ckpt: CheckpointConfig = config_field(lambda: CheckpointConfig(ckpt_path="./ckpt/checkpoints_ppo"))
+    best: BestCheckpointConfig = config_field(BestCheckpointConfig)
     logging: LoggingConfig = config_field(LoggingConfig)
     dist: DistributedConfig = config_field(DistributedConfig)
     placement: PlacementConfig = config_field(PlacementConfig)
@@ -81,6 +83,9 @@ class PPORun(RunConfig):
         if a.dynamic_filtering and n < 2:
             problems.append("--dynamic_filtering needs --n_samples_per_prompt >= 2")
         problems += staleness_problems(r.rollout_batch_size, r.vllm_generate_batch_size, p)
+        evaluates = bool(self.data.eval_dataset) and self.train.eval_steps > 0
+        problems += best_key_problems(self.best.best_metric_key, evaluates, self.ckpt.disable_ds_ckpt,
+                                      self.ckpt.save_hf_ckpt)  # fmt: skip
         problems += partial_rollout_problems(self)
         if (r.vllm_generate_batch_size or 0) > r.rollout_batch_size and not p.async_train:  # as OpenRLHF
             problems.append(
@@ -128,14 +133,12 @@ class PPORun(RunConfig):
         return problems
 
     def image_problems(self) -> list[str]:
-        """What RL with images (``--max_images_per_prompt`` > 0) does not support yet, one line each."""
+        """What RL with images (``--max_images_per_prompt`` > 0) does not support yet, one line each. A GAE
+        critic is supported: a vision-language value model on the same image inputs (tidal.models.vision_value)."""
         n = self.vision.max_images_per_prompt
         if n == 0:
             return []
         flag, problems = f"--max_images_per_prompt {n}", []
-        if self.algorithm.needs_critic:
-            problems.append(f"{flag}: a critic on images is not supported yet; use a critic-free "
-                            "--advantage_estimator (group_norm, rloo, reinforce_baseline, dr_grpo)")  # fmt: skip
         if separate_engines(self.placement, self.rollout.vllm_num_engines):
             problems.append(f"{flag}: images reach the engines on the trainer's devices only; drop "
                             "--vllm_num_engines or pass --colocate_all_models")  # fmt: skip

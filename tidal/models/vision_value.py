@@ -1,4 +1,5 @@
-"""Reward models on a vision-language model (``tidal rm`` with images).
+"""Reward and value models on a vision-language model (``tidal rm`` with images, the PPO critic of a
+vision-language policy).
 
 transformers has no ``*ForSequenceClassification`` for vision-language families (Qwen2.5-VL...), so
 ``load_vision_value_model`` builds one: the ``AutoModelForImageTextToText`` model with its LM head
@@ -11,6 +12,12 @@ The saved folder is the VLM's (its ``config.json`` names the conditional-generat
 ``<prefix>.weight`` in place of ``lm_head``; loading it again here reads that head back (a fresh
 head otherwise, as for a reward model about to be trained). LoRA and 4-bit loading are refused for
 these models (one line, ``--lora_rank`` / ``--load_in_4bit``).
+
+``load_critic_model`` is the PPO critic's loader: a vision-language ``--critic_pretrain`` (by default the
+policy) loads here, with ``--freeze_visual_encoder`` freezing its vision tower as the policy's, so the critic
+values each state with the prompt's images (its forward takes the actor's image inputs: pixels, grids and
+M-RoPE positions, padded or packed, through ``tidal.models.forward.model_inputs``); a text one loads as
+``tidal.models.value_model.load_value_model``. A run whose prompts carry images refuses a text critic.
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ from torch import nn
 from tidal.config.args import ConfigError
 from tidal.config.model import ModelConfig
 from tidal.models.loading import available_attn_implementation, check_model_folder, model_load_error
-from tidal.models.value_model import HF_HEAD, attach_value_head
+from tidal.models.value_model import HF_HEAD, attach_value_head, load_value_model
+from tidal.models.vision import freeze_vision, is_vision_language
 
 
 def load_vision_value_model(
@@ -38,7 +46,9 @@ def load_vision_value_model(
     check_model_folder(source)
     for flag, value in (("--lora_rank", cfg.lora_rank > 0), ("--load_in_4bit", cfg.load_in_4bit)):
         if value:
-            raise ConfigError(f"{flag} with a vision-language reward model is not supported yet; drop it")
+            raise ConfigError(
+                f"{flag} with a vision-language value model (reward model or critic) is not supported yet; drop it"
+            )
     try:
         model = AutoModelForImageTextToText.from_pretrained(
             source,
@@ -62,6 +72,24 @@ def load_vision_value_model(
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": cfg.gradient_checkpointing_use_reentrant}
         )
+    return model
+
+
+def load_critic_model(
+    cfg: ModelConfig, device: torch.device, value_head_prefix: str, images: bool, freeze_visual_encoder: bool
+) -> nn.Module:
+    """The PPO critic from ``cfg.pretrain`` (see the module doc). ``images``: the prompts carry images
+    (``--max_images_per_prompt`` > 0); ``freeze_visual_encoder``: freeze a vision-language critic's tower."""
+    if not is_vision_language(cfg.pretrain):
+        if images:
+            raise ConfigError(
+                f"--critic_pretrain {cfg.pretrain} is not a vision-language model, but the critic reads the "
+                "prompts' images (--max_images_per_prompt): pass one, or leave it unset (the policy)"
+            )
+        return load_value_model(cfg, device, value_head_prefix)
+    model = load_vision_value_model(cfg, device, value_head_prefix)
+    if freeze_visual_encoder:  # as the policy's: the critic's language model and value head train
+        freeze_vision(model)
     return model
 
 

@@ -24,6 +24,10 @@ A checkpoint resumes with the critic placed as when it was written.
 ``build_critic`` makes the one this rank's placement asks for. The critic is trained, so it is the trainer's
 (``tidal.placement`` only starts its worker process).
 
+Vision-language policies (``--max_images_per_prompt``): the critic is the VLM with a value head
+(``tidal.models.vision_value.load_critic_model``), its vision tower frozen with ``--freeze_visual_encoder``
+as the policy's; the experience carries each row's pixels, so its values read the same images.
+
 Ring attention (``--ring_attn_size``): the local critic's forwards and updates run inside the trainer's
 ``use_ring`` scope, so its packed rows are split like the policy's (``ValueHeadMixin.values``); the
 critic workers make the same ring groups among themselves and enter them for each call.
@@ -55,7 +59,7 @@ from tidal.experience.experience import Experience
 from tidal.experience.maker import forward_values
 from tidal.logging.phases import phase
 from tidal.models.ring_attention import use_ring
-from tidal.models.value_model import load_value_model
+from tidal.models.vision_value import load_critic_model
 from tidal.placement.protocols import CriticRole, PlacedRun
 from tidal.placement.roles import worker_counts
 from tidal.placement.workers import ExtraDevices, start_process_workers
@@ -130,6 +134,8 @@ class CriticSpec:
     master: tuple[str, int] = ("127.0.0.1", 0)  # the critic workers' rendezvous when world_size > 1
     device: str = "cpu"
     num_threads: int = 1
+    images: bool = False  # the prompts carry images: a vision-language critic (tidal.models.vision_value)
+    freeze_visual_encoder: bool = False
 
     def on_device(self, device: str) -> CriticSpec:
         return dataclasses.replace(self, device=device)
@@ -153,7 +159,8 @@ class CriticWorker:
         # trainer i, so the ranks of a ring group take the same turns as their trainers
         self.ring = ring_group(self.world, spec.dist.ring_attn_size, spec.dist.ring_head_stride)
         torch.set_rng_state(spec.rng_state)
-        model = load_value_model(spec.model, self.world.device, spec.value_head_prefix)
+        model = load_critic_model(spec.model, self.world.device, spec.value_head_prefix, spec.images,
+                                  spec.freeze_visual_encoder)  # fmt: skip
         self.opt = build_optimization(model, spec.model, spec.optim, spec.dist, self.world, spec.total_steps)
 
     def rng_state(self) -> Tensor:
@@ -246,9 +253,11 @@ def build_critic(run: PlacedRun, world: World, steps: int, update: CriticUpdate)
     ``--critic_num_*`` give it devices (``tidal.config.placement.separate_critic``). ``steps``: optimizer
     steps of the run (the LR schedule); ``update``: its PPO epochs (the trainer's, run where it is)."""
     cfg = dataclasses.replace(run.actor, pretrain=run.critic_source)
+    # a vision-language critic reads the prompts' images; --freeze_visual_encoder freezes its tower too
+    images, freeze = run.vision.max_images_per_prompt > 0, run.vision.freeze_visual_encoder
     if not separate_critic(run.placement):
         with phase(f"critic: {cfg.pretrain}"):
-            model = load_value_model(cfg, world.device, run.critic.value_head_prefix)
+            model = load_critic_model(cfg, world.device, run.critic.value_head_prefix, images, freeze)
             opt = build_optimization(model, cfg, run.critic_optim, run.dist, world, steps)
         return LocalCritic(opt, update, world)
     counts = worker_counts(run, world.world_size)  # the other roles' devices come first
@@ -256,7 +265,7 @@ def build_critic(run: PlacedRun, world: World, steps: int, update: CriticUpdate)
     devices = extra.after("critic", 1)
     # the value head's random init starts where a colocated critic's would (after the policy's load)
     spec = CriticSpec(cfg, run.critic_optim, run.dist, run.critic.value_head_prefix, update, steps, torch.get_rng_state(), world.rank, world.world_size, critic_rendezvous(world),
-                      devices[0], torch.get_num_threads())  # fmt: skip
+                      devices[0], torch.get_num_threads(), images, freeze)  # fmt: skip
     [worker] = start_process_workers(CriticWorker, [spec], "critic", devices)
     try:
         torch.set_rng_state(worker.call("rng_state"))  # and this rank continues as after building it
