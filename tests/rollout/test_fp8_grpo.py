@@ -1,0 +1,46 @@
+"""``tidal ppo --rollout_quantization fp8``: two GRPO steps with FP8 rollouts (emulated on the CPU) and TIS;
+the engine's log-probs are the FP8 policy's and the trainer's float32, so ``rollout/logprob_mismatch``
+shows the gap (it stays below 1e-3 without FP8: tests/rollout/grpo.py), and the refusals come before
+anything loads."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.rollout.grpo import grpo_flags
+from tidal.cli.train_ppo import main, parse_run
+from tidal.trainers.ppo import run_ppo
+
+
+def test_grpo_with_fp8_rollouts_trains_and_logs_the_mismatch(tiny_model, tmp_path):
+    policy = tiny_model("qwen2")
+    flags = grpo_flags(policy, tmp_path, "--rollout_quantization", "fp8", "--enable_vllm_is_correction")
+    run = parse_run(flags)
+    assert run.rollout.rollout_quantization == "fp8"
+    history = run_ppo(run)
+    assert len(history) == 2
+    mismatch = [step["rollout/logprob_mismatch"] for step in history]
+    assert all(math.isfinite(m) and 1e-3 < m < 0.5 for m in mismatch), mismatch
+    assert all("policy/mismatch_clip_ratio" in step for step in history)  # TIS ran on the FP8 log-probs
+    assert (tmp_path / "rl" / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--rollout_quantization", "int8"], "invalid choice: 'int8' (choose from 'none', 'fp8', 'fp8_block')"),
+        (["--rollout_quantization", "fp8", "--exact_logprobs"], "--exact_logprobs cannot run with "
+         "--rollout_quantization: the engine's log-probs are then the FP8 policy's, never bit-equal to the "
+         "trainer's"),
+        (["--rollout_quantization", "fp8_block", "--vllm_tensor_parallel_size", "2"],
+         "--rollout_quantization needs --vllm_tensor_parallel_size 1"),
+    ],
+)  # fmt: skip
+def test_bad_settings_are_refused_in_one_line(extra, message, tmp_path, capsys):
+    flags = grpo_flags(tmp_path / "no_model", tmp_path, *extra)
+    with pytest.raises(SystemExit) as exc:
+        main(flags)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
