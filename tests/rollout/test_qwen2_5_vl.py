@@ -219,15 +219,18 @@ def test_bad_requests_and_refusals(setup, tmp_path):
         text_engine.generate([[5, 6, 7]], GREEDY, multi_modal=[MultiModalInput(images=[image])])
 
 
-def test_generate_and_batch_inference_with_images(vlm_dir, tmp_path, capsys):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_generate_and_batch_inference_with_images(vlm_dir, tmp_path, capsys, family):
     """``tidal generate --image_key``: rows in OpenRLHF's format, greedy answers equal transformers'."""
     import json
 
     from tidal.cli.batch_inference import main as batch_main
     from tidal.cli.generate import main as generate_main
-    from tidal.testing import ColourTask
+    from tidal.testing import ColourTask, build_tiny_vlm
     from tidal.testing.vision_tasks import greedy_answers
 
+    if family != "qwen2_5_vl":
+        vlm_dir = build_tiny_vlm(tmp_path / family, family)
     data = ColourTask(seed=1).write_jsonl(tmp_path / "rows.jsonl", 6)
     flags = ["--pretrain", str(vlm_dir), "--dataset", str(data), "--input_key", "prompt", "--apply_chat_template",
              "--max_new_tokens", "4", "--temperature", "0", "--max_num_seqs", "8"]  # fmt: skip
@@ -259,15 +262,19 @@ def test_step_api_takes_images(setup):
     assert done[first].outputs[0].token_ids == want
 
 
-def test_other_vision_language_families_are_refused(tmp_path):
-    """The transformers fallback would drop the images: one line naming the family."""
+def test_other_vision_language_families_are_refused(tmp_path, monkeypatch):
+    """The transformers fallback would drop the images: one line naming the family (a tiny Qwen3-VL with
+    its family taken out of the registry stands for a vision-language family the engine lacks)."""
     from tidal.rollout import make_engine
+    from tidal.rollout.models.registry import VISION_FAMILIES
     from tidal.testing import build_tiny_vlm
 
     path = build_tiny_vlm(tmp_path / "q3", "qwen3_vl")
+    monkeypatch.delitem(VISION_FAMILIES, "qwen3_vl")
+    served = ", ".join(sorted(VISION_FAMILIES))
     with pytest.raises(
         ValueError,
-        match="qwen3_vl is a vision-language model: the rollout engine serves images for qwen2_5_vl only",
+        match=f"qwen3_vl is a vision-language model: the rollout engine serves images for {served} only",
     ):
         make_engine(path, _config())
 

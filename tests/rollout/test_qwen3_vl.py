@@ -1,0 +1,259 @@
+"""Qwen3-VL in the rollout engine (``tidal/rollout/models/qwen3_vl.py``) against transformers'
+``Qwen3VLForConditionalGeneration`` on the tiny offline VLM (CPU, float32).
+
+Greedy completions on images equal ``transformers.generate`` (images of 1, 2 and 4 tokens, a prompt with
+two images), batched with a text-only prompt; the family's features each change the result when left out:
+zeroed DeepStack features change the greedy tokens (and the engine follows transformers there, after a
+weight update of the vision tower under HF names), contiguous instead of interleaved M-RoPE sections give
+other log-probs; n samples share one prefill and their log-probs equal an HF forward; weight updates of
+the language model only (``--freeze_visual_encoder``) then of the vision tower; refusals are one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
+from tidal.rollout.models.qwen3_vl import interleaved_rope_axis
+from tidal.rollout.runner.multimodal import MultiModalInput
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+SIZES = [(64, 64), (32, 64), (32, 32)]  # 4, 2 and 1 image tokens (16-pixel patches merged 2x2)
+ONE = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+TWO = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}]
+
+
+def _image(seed: int, size: tuple[int, int]):
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    return Image.fromarray((torch.rand(size[1], size[0], 3, generator=g) * 255).byte().numpy())
+
+
+def _config(**overrides) -> EngineConfig:
+    return EngineConfig(device="cpu", dtype="float32", max_model_len=256, block_size=4, **overrides)
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    from tidal.testing import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("qwen3_vl") / "m", "qwen3_vl")
+
+
+def _load(path):
+    """(HF model with peaked logits, processor, prompt ids of ONE, prompt ids of TWO)."""
+    from transformers import AutoModelForImageTextToText
+
+    from tidal.data.vision import load_vision_processor
+    from tidal.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(path))
+    processor = load_vision_processor(str(path), tokenizer)
+    hf = AutoModelForImageTextToText.from_pretrained(str(path)).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(4.0)  # peaked distributions, as a trained model's
+
+    def ids(messages):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    return hf, processor, ids(ONE), ids(TWO)
+
+
+@pytest.fixture(scope="module")
+def setup(vlm_dir):
+    hf, processor, one, two = _load(vlm_dir)
+    return hf, processor, one, two, _engine(hf, processor)
+
+
+def _engine(hf, processor, **overrides) -> LLMEngine:
+    return LLMEngine(
+        model=hf, tokenizer=processor.tokenizer, config=_config(**overrides),
+        image_processor=processor.image_processor,
+    )  # fmt: skip
+
+
+def _inputs(processor, ids, images, output=()):
+    """transformers' inputs for prompt ``ids`` (one placeholder per image) + ``output``."""
+    from tidal.data.vision import expand_image_tokens
+
+    counts = processor.token_counts(images)
+    expanded = expand_image_tokens(ids, [0] * len(ids), counts, processor.image_token_id)[0]
+    input_ids = torch.tensor([expanded + list(output)])
+    kwargs = processor.pixel_inputs(images)
+    kwargs["mm_token_type_ids"] = (input_ids == processor.image_token_id).int()  # M-RoPE positions
+    return len(expanded), input_ids, kwargs
+
+
+@torch.inference_mode()
+def _hf_greedy(hf, processor, ids, images) -> list[int]:
+    n, input_ids, kwargs = _inputs(processor, ids, images)
+    out = hf.generate(
+        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=10,
+        suppress_tokens=[processor.image_token_id, hf.config.video_token_id], **kwargs,
+    )  # fmt: skip
+    return out[0, n:].tolist()
+
+
+@torch.inference_mode()
+def _hf_logprobs(hf, processor, ids, images, output: list[int]) -> torch.Tensor:
+    """log_softmax of each output token from one transformers forward over prompt + output."""
+    n, input_ids, kwargs = _inputs(processor, ids, images, output)
+    logits = hf(input_ids=input_ids, **kwargs).logits[0, n - 1 : -1].float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(output)[:, None])[:, 0]
+
+
+def _greedy(engine, ids, images) -> list[int]:
+    return (
+        engine.generate([ids], GREEDY, multi_modal=[MultiModalInput(images=images)])[0].outputs[0].token_ids
+    )
+
+
+def test_greedy_equals_transformers_generate_batched_with_text(setup):
+    hf, processor, one, two, engine = setup
+    singles = [[_image(i, size)] for i, size in enumerate(SIZES)]
+    pair = [_image(5, SIZES[0]), _image(6, SIZES[1])]
+    text = one[:2] + [300, 301, 302]  # no placeholder: a text-only request in the same batch
+    prompts, images = [one] * 3 + [two, text], [*singles, pair, None]
+    outs = engine.generate(prompts, GREEDY, multi_modal=[im and MultiModalInput(images=im) for im in images])
+    for ids, ims, out in zip(prompts[:4], images[:4], outs, strict=False):
+        assert out.outputs[0].token_ids == _hf_greedy(hf, processor, ids, ims)
+    with torch.inference_mode():
+        ref = hf.generate(torch.tensor([text]), do_sample=False, max_new_tokens=10)[0, len(text) :].tolist()
+    assert outs[4].outputs[0].token_ids == ref
+    first = outs[0].outputs[0]
+    ref = _hf_logprobs(hf, processor, one, singles[0], first.token_ids)
+    assert torch.allclose(torch.tensor(first.logprobs), ref, atol=1e-4)
+
+
+def test_interleaved_rope_axis_by_hand():
+    # the tiny model: 8 frequencies, sections (2, 3, 3): t h w t h w t h
+    assert interleaved_rope_axis([2, 3, 3], 8).tolist() == [0, 1, 2, 0, 1, 2, 0, 1] * 2
+    # Qwen3-VL's (24, 20, 20) over 64 frequencies: h at 1, 4, ..., 58; w at 2, 5, ..., 59; t elsewhere
+    axis = interleaved_rope_axis([24, 20, 20], 64)[:64]
+    assert axis[1:60:3].eq(1).all() and axis[2:60:3].eq(2).all()
+    assert axis[0:60:3].eq(0).all() and axis[60:].eq(0).all()
+
+
+def test_interleaved_mrope_matters(setup):
+    """Contiguous M-RoPE sections (Qwen2.5-VL's layout) give log-probs other than transformers'; the
+    interleaved ones agree to float32 noise."""
+    hf, processor, one, _, _ = setup
+    engine = _engine(hf, processor)
+    images = [_image(1, SIZES[0])]
+    out = engine.generate([one], GREEDY, multi_modal=[MultiModalInput(images=images)])[0].outputs[0]
+    ref = _hf_logprobs(hf, processor, one, images, out.token_ids)
+    assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-5)
+    contiguous = torch.cat([torch.full((n,), i) for i, n in enumerate(engine.model.args.mrope_section)])
+    engine.model.rope_axis = torch.cat([contiguous, contiguous])
+    out = engine.generate([one], GREEDY, multi_modal=[MultiModalInput(images=images)])[0].outputs[0]
+    ref = _hf_logprobs(hf, processor, one, images, out.token_ids)
+    assert (torch.tensor(out.logprobs) - ref).abs().max() > 1e-3
+
+
+def test_zeroed_deepstack_changes_the_completion_and_vision_weights_update(setup):
+    """DeepStack matters: with its mergers' outputs zeroed (a weight update of the vision tower under HF
+    names) the greedy tokens change, and still equal transformers' for the zeroed model."""
+    from transformers import AutoModelForImageTextToText
+
+    hf, processor, one, _, _ = setup
+    engine = _engine(hf, processor)
+    images = [_image(0, SIZES[0])]
+    before = _greedy(engine, one, images)
+    flat = AutoModelForImageTextToText.from_config(hf.config).eval()
+    flat.load_state_dict(hf.state_dict())
+    update = []
+    with torch.no_grad():
+        for name, p in flat.named_parameters():
+            if "deepstack_merger_list" in name and "linear_fc2" in name:
+                p.zero_()
+                update.append((name, p))
+    assert update and all(name.startswith("model.visual.") for name, _ in update)
+    assert engine.update_weights(update) == len(update)
+    after = _greedy(engine, one, images)
+    assert after != before
+    assert after == _hf_greedy(flat, processor, one, images)
+
+
+@torch.inference_mode()
+def test_n_samples_share_the_prefill_and_logprobs_match_hf_forward(setup):
+    hf, processor, _, two, engine = setup
+    images = [_image(3, SIZES[0]), _image(4, SIZES[2])]
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, n=3, seed=5, ignore_eos=True)
+    out = engine.generate([two], params, multi_modal=[MultiModalInput(images=images)])[0]
+    for sample in out.outputs:
+        ref = _hf_logprobs(hf, processor, two, images, sample.token_ids)
+        assert torch.allclose(torch.tensor(sample.logprobs), ref, atol=1e-4)
+    assert len({tuple(s.token_ids) for s in out.outputs}) > 1  # the samples differ
+
+
+def test_update_weights_language_model_then_vision_tower(setup):
+    """A trainer's names: the language model alone (what ``--freeze_visual_encoder`` syncs) leaves the
+    tower as it was; the tower's names then update it too."""
+    from transformers import AutoModelForImageTextToText
+
+    hf, processor, one, _, _ = setup
+    engine = _engine(hf, processor)
+    changed = AutoModelForImageTextToText.from_config(hf.config).eval()
+    changed.load_state_dict(hf.state_dict())
+    with torch.no_grad():
+        for p in changed.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    named = list(changed.named_parameters())
+    language = [(n, p) for n, p in named if not n.startswith("model.visual.")]
+    vision = [(n, p) for n, p in named if n.startswith("model.visual.")]
+    assert engine.update_weights(language) == len(language)
+    half = AutoModelForImageTextToText.from_config(hf.config).eval()
+    half.load_state_dict({**hf.state_dict(), **dict(language)})
+    images = [_image(6, SIZES[0])]
+    assert _greedy(engine, one, images) == _hf_greedy(half, processor, one, images)
+    assert engine.update_weights(vision) == len(vision)
+    assert _greedy(engine, one, images) == _hf_greedy(changed, processor, one, images)
+    with pytest.raises(ValueError, match="unexpected weight 'model.visual.nope' for a qwen3_vl vision tower"):
+        engine.update_weights([("model.visual.nope", torch.zeros(1))])
+
+
+def test_refusals(setup):
+    hf, processor, _, _, _ = setup
+    for flag, feature in (
+        ("enable_prefix_caching", "prefix_caching"),
+        ("enable_chunked_prefill", "chunked_prefill"),
+    ):
+        with pytest.raises(ValueError, match=f"{feature} is not supported for the qwen3_vl family"):
+            LLMEngine(model=hf, tokenizer=processor.tokenizer, config=_config(**{flag: True}))
+
+
+def test_async_scheduling_samples_as_the_synchronous_loop(setup):
+    """Decode steps launched ahead read the same per-sequence M-RoPE deltas (seeded n samples agree)."""
+    hf, processor, one, _, _ = setup
+    images = [MultiModalInput(images=[_image(30 + i, SIZES[i % 3])]) for i in range(3)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, n=2, seed=1)
+    outs = []
+    for ahead in (False, True):
+        engine = _engine(hf, processor, async_scheduling=ahead)
+        assert engine.async_scheduling == ahead
+        result = engine.generate([one] * 3, params, multi_modal=images)
+        outs.append([[(c.token_ids, c.logprobs) for c in out.outputs] for out in result])
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_cuda_float32_matches_transformers_with_and_without_graphs(vlm_dir, eager):
+    """On CUDA (float32, Triton attention): greedy on images equals transformers', eager and with CUDA
+    graphs / async scheduling (the decode delta is read inside the captured graph)."""
+    hf, processor, one, two = _load(vlm_dir)
+    config = EngineConfig(
+        device="cuda", dtype="float32", max_model_len=256, block_size=16, enforce_eager=eager
+    )
+    engine = LLMEngine(
+        model=hf, tokenizer=processor.tokenizer, config=config, image_processor=processor.image_processor
+    )
+    images = [[_image(20 + i, size)] for i, size in enumerate(SIZES)] + [[_image(24, SIZES[0])] * 2]
+    prompts = [one] * 3 + [two]
+    for _ in range(2):  # the second run replays the captured graphs
+        outs = engine.generate(prompts, GREEDY, multi_modal=[MultiModalInput(images=im) for im in images])
+        for ids, ims, out in zip(prompts, images, outs, strict=True):
+            assert out.outputs[0].token_ids == _hf_greedy(hf, processor, ids, ims)  # transformers on the CPU
