@@ -107,10 +107,11 @@ class Checkpointer:
         return loop.global_step if self.cfg.load_checkpoint else None
 
     # ---- saving ------------------------------------------------------------------------------
-    def save(self, loop: LoopState) -> Path:
-        """Write the resumable checkpoint of ``loop`` now (rotating this run's older ones)."""
-        extra = {name: item.state_dict() for name, item in self.state.items()}
-        return self.runs.save(self.parts, loop, extra)
+    def save(self, loop: LoopState, name: str | None = None) -> Path:
+        """Write the resumable checkpoint of ``loop`` now (rotating this run's older ones); with ``name``, a
+        checkpoint kept beside the rolling ones instead (``tidal.checkpoint.best``)."""
+        extra = {key: item.state_dict() for key, item in self.state.items()}
+        return self.runs.save(self.parts, loop, extra, name)
 
     def maybe_save(self, loop: LoopState) -> None:
         """Every ``--save_steps`` steps: the resumable checkpoint (unless ``--disable_ds_ckpt``) and the

@@ -159,7 +159,8 @@ class RunCheckpoints:
         self.last_saved_step = loop.global_step
         return loop, extra
 
-    def save(self, parts: dict, loop: LoopState, extra: dict | None = None) -> Path:
+    def save(self, parts: dict, loop: LoopState, extra: dict | None = None, name: str | None = None) -> Path:
+        """A rolling checkpoint of ``loop`` (rotated), or with ``name`` one kept beside them (``save_checkpoint``)."""
         meta = {
             "trainer": self.identity.trainer,
             "models": self.identity.models,
@@ -167,8 +168,9 @@ class RunCheckpoints:
             "lineage": self.lineage,
         }
         folder = save_checkpoint(
-            self.cfg.ckpt_path, parts, loop, self.world, self.cfg.max_ckpt_num, extra, meta
+            self.cfg.ckpt_path, parts, loop, self.world, self.cfg.max_ckpt_num, extra, meta, name
         )
-        self.last_saved_step = loop.global_step
+        if name is None:  # a named checkpoint is not the one a stop or resume goes by
+            self.last_saved_step = loop.global_step
         log.info("saved checkpoint %s", folder)
         return folder

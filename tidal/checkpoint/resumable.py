@@ -253,8 +253,9 @@ def rotate(ckpt_path: Path, keep: int, written: Path) -> list[Path]:
 
 
 def remove_temporaries(ckpt_path: str | Path) -> None:
-    """Delete ``.tmp_*`` folders a killed save left behind (main process, between saves)."""
-    for tmp in Path(ckpt_path).glob(f".tmp_{PREFIX}*"):
+    """Delete ``.tmp_*`` folders a killed save left behind (main process, between saves): a rolling
+    checkpoint's (``.tmp_global_step_N``) or a named one's (``.tmp_best_global_step_N``)."""
+    for tmp in Path(ckpt_path).glob(f".tmp_*{PREFIX}*"):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -289,16 +290,26 @@ def _write_shards(parts: dict, loop: LoopState, world: World, tmp: Path, extra) 
 
 
 def save_checkpoint(
-    ckpt_path, parts: dict, loop: LoopState, world: World, keep: int = 3, extra=None, meta: dict | None = None
+    ckpt_path,
+    parts: dict,
+    loop: LoopState,
+    world: World,
+    keep: int = 3,
+    extra=None,
+    meta: dict | None = None,
+    name: str | None = None,
 ) -> Path:
     """Save every part (``model``, ``optimizer``, ``scheduler``), the loop state and RNG; returns the folder.
 
     ``parts`` maps a name (``model``, ``policy``, ``critic``) to an object with those three attributes;
     ``meta`` (trainer kind, fingerprints, ``lineage``) goes to ``meta.json``. Weights with NaN/inf are
     refused; a failed write (e.g. a full disk) removes the temporary folder and raises one line.
+    ``name``: a checkpoint kept beside the rolling ones (the best by an eval metric, ``best_global_step_N``):
+    same contents, but ``latest`` does not name it and rotation neither counts nor removes it.
     """
     ckpt_path = Path(ckpt_path)
-    name = f"{PREFIX}{loop.global_step}"
+    rolling = name is None
+    name = name or f"{PREFIX}{loop.global_step}"
     tmp, final = ckpt_path / f".tmp_{name}", ckpt_path / name
     ensure_finite({k: p.model for k, p in parts.items()}, world, final)
     err: BaseException | None = None
@@ -316,8 +327,9 @@ def save_checkpoint(
                 (tmp / META).write_text(json.dumps({**info, "written_ns": time.time_ns()}, indent=1))
                 shutil.rmtree(final, ignore_errors=True)
                 tmp.rename(final)
-                _write_pointer(ckpt_path, name)
-                rotate(ckpt_path, keep, final)
+                if rolling:
+                    _write_pointer(ckpt_path, name)
+                    rotate(ckpt_path, keep, final)
             except OSError as e:
                 err = e
     if not agree_ok(err is None, world):  # also the barrier: every rank returns after the rename

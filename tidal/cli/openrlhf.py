@@ -280,7 +280,6 @@ DOTTED_REFUSED_BY_MODULE: dict[str, dict[str, str]] = {
     "train_ppo_ray": {
         "ref.offload": _OFFLOAD_TOGETHER,
         "reward.offload": _OFFLOAD_TOGETHER,
-        "best_metric_key": f"keeping the best checkpoint by an eval metric is {_NOT_YET}",  # HEAD: ckpt.*
     },
 }
 

@@ -23,6 +23,7 @@ COMMAND = TrainerCommand(
         "actor_optim": "optimizer (shared by policy and critic; --actor_learning_rate and --actor_* for the policy)",
         "critic_optim": "critic optimizer (--critic_learning_rate and --critic_*; other flags are shared)",
         **{k: v for k, v in COMMON_TITLES.items() if k in ("ckpt", "logging", "dist")},
+        "best": "best checkpoint by an evaluation metric",
         "placement": "placement (Ray)",
         "vision": "images (vision-language models)",
     },

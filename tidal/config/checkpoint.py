@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,3 +41,43 @@ class CheckpointConfig(Checked):
 def trainer_checkpoints(kind: str) -> Callable[[], CheckpointConfig]:
     """A run's default ``CheckpointConfig``: ``--ckpt_path ./ckpt/checkpoints_<kind>`` (OpenRLHF's)."""
     return lambda: CheckpointConfig(ckpt_path=f"./ckpt/checkpoints_{kind}")
+
+
+@dataclass
+class BestCheckpointConfig(Checked):
+    """``tidal ppo``'s best checkpoint by an evaluation metric (``tidal.checkpoint.best``), OpenRLHF's
+    ``--best_metric_key`` (v0.10.1) / ``--ckpt.best_metric_key`` (v0.11)."""
+
+    best_metric_key: str = arg(
+        "",
+        help="after each evaluation, keep the checkpoint with the highest eval metric of this name (pass@1, "
+        "pass@k, score, reward, a reward-function log; OpenRLHF's eval_<source>_pass<k> means pass@<k>) as "
+        "<--ckpt_path>/best_global_step_N, beside the --max_ckpt_num rolling ones; empty: pass@1 "
+        "(OpenRLHF's auto-detection); none: keep no best checkpoint",
+    )
+
+
+def best_metric_name(key: str) -> str | None:
+    """The evaluation metric (without ``eval/``) a ``--best_metric_key`` value names; None: ``none``. Empty
+    is OpenRLHF's auto-detection of a pass@1 metric; its ``eval_<source>_pass<k>`` names mean pass@<k>."""
+    key = key.strip()
+    if key.lower() == "none":
+        return None
+    if not key:
+        return "pass@1"
+    key = key.removeprefix("eval/")
+    openrlhf = re.fullmatch(r"eval_.+_pass(\d+)", key)
+    return f"pass@{openrlhf.group(1)}" if openrlhf else key
+
+
+def best_key_problems(key: str, evaluates: bool, disable_ds_ckpt: bool, save_hf_ckpt: bool) -> list[str]:
+    """A ``--best_metric_key`` naming a metric needs an evaluation and something to save (the default and
+    ``none`` need nothing: OpenRLHF's auto-detection finds no metric without an evaluation)."""
+    if best_metric_name(key) is None or not key.strip():
+        return []
+    if not evaluates:
+        return [f"--best_metric_key {key} keeps the best checkpoint by an evaluation metric: add "
+                "--eval_dataset and --eval_steps > 0"]  # fmt: skip
+    if disable_ds_ckpt and not save_hf_ckpt:
+        return [f"--best_metric_key {key}: --disable_ds_ckpt without --save_hf_ckpt leaves nothing to keep"]
+    return []

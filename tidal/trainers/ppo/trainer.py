@@ -10,6 +10,7 @@ statistics, a ``BatchReduction`` over its world.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -34,7 +35,6 @@ from tidal.experience.maker import (
     shape_rewards,
 )
 from tidal.experience.scoring import RewardScorer
-from tidal.inference.evaluation import pass_at_k_stats
 from tidal.logging import MetricsLogger, ProgressBar, get_logger
 from tidal.models.exact_lora import make_lora_exact
 from tidal.models.moe_routing import force_routing
@@ -43,6 +43,7 @@ from tidal.rollout.batch_invariant import make_exact
 from tidal.trainers.data_position import DataPosition, resume_offset
 from tidal.trainers.optimization import Optimization
 from tidal.trainers.ppo.ema import PolicyEMA
+from tidal.trainers.ppo.evaluation import RLEvaluation
 from tidal.trainers.ppo.ptx import PtxLoss, PtxStream
 from tidal.trainers.ppo.sampling import RolloutBatcher, SamplingState, sampling_config
 from tidal.trainers.ppo.stream import RolloutJob, RolloutResult, rollout_stream
@@ -153,6 +154,11 @@ class PPOTrainer:
             run.ckpt, world, "ppo", self._trained_parts(), flat_settings(asdict(run), SETTINGS),
             state=self._loop_state(), hf_copy=self._hf_copy,
         )  # fmt: skip
+        # one rollout's generation and scoring at a time: an evaluation waits for the --async_train thread's
+        self._turn = threading.Lock()
+        self.evaluation = RLEvaluation(
+            run, world, eval_prompts, self._experience_of, self._sleep_engine, self.checkpointer
+        )
 
     def fit(self) -> list[dict]:
         run, world = self.run, self.world
@@ -205,8 +211,9 @@ class PPOTrainer:
 
     def _experience_of(self, job: RolloutJob) -> tuple[Experience, dict]:
         """Generate a rollout (the rollout role's trajectories), then score and pack it (experience path)."""
-        trajectories = self.parts.rollout.generate(job.prompts, job.n, job.temperature, seed=job.seed)
-        return self.parts.scorer.experience(trajectories)
+        with self._turn:
+            trajectories = self.parts.rollout.generate(job.prompts, job.n, job.temperature, seed=job.seed)
+            return self.parts.scorer.experience(trajectories)
 
     @property
     def _size(self) -> int:
@@ -339,24 +346,8 @@ class PPOTrainer:
         bar.update(1, reward=stats.get("reward"), loss=stats.get("policy/loss"), kl=stats.get("kl"))
         if self.run.logging.should_log(loop.global_step):
             logger.log(loop.global_step, stats)
-        every = self.run.train.eval_steps
-        if self.eval_prompts and every > 0 and loop.global_step % every == 0:
-            logger.log(loop.global_step, self.evaluate(), prefix="eval")
-        self.checkpointer.maybe_save(loop)
-
-    def evaluate(self) -> dict[str, float]:
-        """Mean reward and score of fresh samples on the evaluation prompts, and pass@1 / pass@k
-        (k = --eval_n_samples_per_prompt; a sample passes when its score is >= --eval_pass_threshold)."""
-        r = self.run.rollout
-        job = RolloutJob(
-            0, self.eval_prompts, r.eval_n_samples_per_prompt, r.eval_temperature, self.run.train.seed
-        )
-        exp, logs = self._experience_of(job)
-        self._sleep_engine()
-        stats = {"reward": float(exp.rewards.mean()), "score": float(exp.scores.mean()), **logs}
-        # trajectories are prompt-major, so each prompt's samples are consecutive in exp.scores
-        stats |= pass_at_k_stats(exp.scores.tolist(), r.eval_n_samples_per_prompt, r.eval_pass_threshold)
-        return mean_over_world(stats, self.world, weight=len(exp))
+        self.evaluation.after_step(loop, logger)  # eval/* at this step, then the best checkpoint
+        self.checkpointer.maybe_save(loop)  # after the evaluation: it records the best so far
 
     # ---- checkpoints -------------------------------------------------------------------------
     @property
