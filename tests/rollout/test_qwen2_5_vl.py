@@ -207,10 +207,8 @@ def test_bad_requests_and_refusals(setup, tmp_path):
         engine.generate([ids], GREEDY, multi_modal=[MultiModalInput(images=[image, image])])
     with pytest.raises(ValueError, match="multi_modal inputs for 2 prompts"):
         engine.generate([ids, ids], GREEDY, multi_modal=[None])
-    with pytest.raises(ValueError, match="prefix_caching is not supported for the qwen2_5_vl family"):
-        LLMEngine(model=hf, tokenizer=processor.tokenizer, config=_config(enable_prefix_caching=True))
-    with pytest.raises(ValueError, match="chunked_prefill is not supported for the qwen2_5_vl family"):
-        LLMEngine(model=hf, tokenizer=processor.tokenizer, config=_config(enable_chunked_prefill=True))
+    with pytest.raises(ValueError, match="tensor_parallel is not supported for the qwen2_5_vl family"):
+        LLMEngine(model=hf, tokenizer=processor.tokenizer, config=_config(tp_size=2))
     from tidal.testing import build_tiny_model
 
     text_model = build_tiny_model(tmp_path / "text", "qwen2")

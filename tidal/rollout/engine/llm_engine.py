@@ -168,6 +168,7 @@ class LLMEngine(RequestBuilding, WeightsAndMemory):
             self.config.block_size,
             prefix_caching=self.config.enable_prefix_caching,
             state_slots=states,
+            private_first_block=self.vision is not None,  # decode deltas are keyed by first block
         )
         self._check_context_prefill()
         self.runner = ModelRunner(

@@ -65,7 +65,7 @@ _FAMILIES = (
 # models, parametrised engine tests and ``tidal.testing.TINY_FAMILIES`` are text-only); their tiny models
 # are ``tidal.testing.build_tiny_vlm``'s. ``family``/``model_class``/``feature_refusal`` read both.
 _VISION_FAMILIES = (
-    Family("qwen2_5_vl", "qwen2_5_vl:Qwen25VLForConditionalGeneration", refuses=dict(tensor_parallel="the vision tower is not sharded across ranks", prefix_caching="cached blocks are keyed by token ids, and every image's placeholder tokens have the same id (image content hashes are computed but do not key the cache yet)", chunked_prefill="a chunk boundary may fall inside an image's tokens, whose features the vision tower computes for the whole image")),
+    Family("qwen2_5_vl", "qwen2_5_vl:Qwen25VLForConditionalGeneration", refuses=dict(tensor_parallel="the vision tower is not sharded across ranks")),
     Family("qwen3_vl", "qwen3_vl:Qwen3VLForConditionalGeneration", refuses=dict(tensor_parallel="the vision tower is not sharded across ranks", prefix_caching="cached blocks are keyed by token ids, and every image's placeholder tokens have the same id (image content hashes are computed but do not key the cache yet)", chunked_prefill="a chunk boundary may fall inside an image's tokens, whose vision features (and DeepStack features) the vision tower computes for the whole image")),
 )
 # fmt: on

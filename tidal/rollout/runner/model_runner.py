@@ -434,7 +434,15 @@ class ModelRunner(SamplingInputs):
         # Between chunks nothing samples; one row's logits anyway keeps every kernel's shapes non-empty.
         last = [i for i, final in enumerate(batch.final) if final] or [0]
         logits_index = (starts + lens_t - 1)[self._tensor(last)]
-        logits = self.model(self._tensor(ids), self._tensor(np.concatenate(positions)), meta, logits_index)
+        if batch.copies_before:  # vision families: cached first blocks copied into the groups' own
+            src, dst = zip(*batch.copies_before, strict=True)
+            self.kv_cache[:, :, self._tensor(dst)] = self.kv_cache[:, :, self._tensor(src)]
+        extra, positions = {}, np.concatenate(positions)
+        if hasattr(self.model, "reserve_block_state"):  # vision families: M-RoPE positions, whole images
+            from tidal.rollout.runner.multimodal import context_prefill_images
+
+            positions, extra["images"] = context_prefill_images(batch.groups, batch.chunks)
+        logits = self.model(self._tensor(ids), self._tensor(positions), meta, logits_index, **extra)
         if batch.block_copies:  # n > 1: the samples' copies of the prompt's last block, now complete
             src, dst = zip(*batch.block_copies, strict=True)
             self.kv_cache[:, :, self._tensor(dst)] = self.kv_cache[:, :, self._tensor(src)]

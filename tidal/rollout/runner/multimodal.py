@@ -12,7 +12,8 @@ as a chat template renders it, or already expanded to each image's token count (
 What a sequence keeps (``PromptImages``, in ``Sequence.mm``, shared by the n samples of a prompt): the
 pixels and grids, the multimodal rotary positions of the prompt (``mrope_positions``: Qwen's M-RoPE, a
 (temporal, height, width) triple per token, computed once at admission) and the delta that decode
-positions continue with (``max position + 1 - prompt length``), and one content hash per image.
+positions continue with (``max position + 1 - prompt length``), and one content hash per image with
+the span of its placeholder tokens (which key the prefix cache's blocks: ``PromptImages.block_key``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class PromptImages:
     positions: np.ndarray
     delta: int
     hashes: tuple[str, ...] = field(default_factory=tuple)
+    # (first token index, token count) of each image's placeholder tokens in the prompt, in image order
+    spans: tuple[tuple[int, int], ...] = field(default_factory=tuple)
 
     def positions_for(self, num_tokens: int) -> np.ndarray:
         """``[3, num_tokens]`` positions: the prompt's, then text positions shifted by ``delta`` (a
@@ -72,6 +75,41 @@ class PromptImages:
             return self.positions[:, :num_tokens]
         tail = np.arange(prompt, num_tokens, dtype=np.int64) + self.delta
         return np.concatenate([self.positions, np.broadcast_to(tail, (3, len(tail)))], axis=1)
+
+    # -------------------------------------------------- prefix caching and chunked prefill
+    def block_key(self, start: int, end: int) -> tuple:
+        """What the prefix-cache key of the tokens ``[start, end)`` adds to their ids: for each image whose
+        placeholder tokens it holds, (the image's content hash, the first and end offsets within its
+        tokens); empty for text only (prefix_cache.py)."""
+        return tuple(
+            (int(self.hashes[k], 16), max(start, s) - s, min(end, s + n) - s)
+            for k, (s, n) in enumerate(self.spans)
+            if s < end and start < s + n
+        )
+
+    def image_start(self, num_tokens: int) -> int:
+        """``num_tokens``, or the first token of the image whose placeholders it would cut (a cached prefix
+        or a chunk never ends inside an image, so each prefill computes whole images)."""
+        return next((s for s, n in self.spans if s < num_tokens < s + n), num_tokens)
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """Where a prefill chunk ``[start, end)`` ends so that it holds whole images: before an image it
+        would cut, or after it when the image starts the chunk (the chunk then exceeds its token budget
+        by at most that image)."""
+        cut = self.image_start(end)
+        if cut > start or cut == end:
+            return cut
+        return next(s + n for s, n in self.spans if s == cut)
+
+    def images_within(self, start: int, end: int) -> list[int]:
+        """The images whose placeholder tokens all lie in ``[start, end)``."""
+        return [k for k, (s, n) in enumerate(self.spans) if start <= s and s + n <= end]
+
+    def image_pixels(self, k: int) -> torch.Tensor:
+        """Image ``k``'s rows of ``pixel_values`` (its ``t * h * w`` patches)."""
+        patches = self.grid_thw.prod(-1).tolist()
+        first = sum(patches[:k])
+        return self.pixel_values[first : first + patches[k]]
 
 
 @dataclass(frozen=True)
@@ -115,7 +153,7 @@ def mrope_positions(ids: Seq[int], grids: torch.Tensor, spec: VisionSpec) -> tup
 
 
 def image_hash(pixels: torch.Tensor, grid: torch.Tensor) -> str:
-    """A content hash of one image's pixels and grid (what a prefix cache would key its tokens by)."""
+    """A content hash of one image's pixels and grid (what the prefix cache keys its tokens by)."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(np.ascontiguousarray(grid.cpu().numpy().astype(np.int64)).tobytes())
     digest.update(np.ascontiguousarray(pixels.detach().float().cpu().numpy()).tobytes())
@@ -150,7 +188,16 @@ def prepare_images(
     patches = grid.prod(-1).tolist()
     starts = np.cumsum([0, *patches])
     hashes = tuple(image_hash(pixels[starts[k] : starts[k + 1]], grid[k]) for k in range(len(patches)))
-    return ids, PromptImages(pixels, grid, positions, delta, hashes)
+    spans = image_spans(ids, counts, spec.image_token_id)
+    return ids, PromptImages(pixels, grid, positions, delta, hashes, spans)
+
+
+def image_spans(ids: Seq[int], counts: Seq[int], token: int) -> tuple[tuple[int, int], ...]:
+    """(first index, count) of each image's placeholder tokens: image k takes the next ``counts[k]``
+    placeholders, one run each (as ``mrope_positions`` reads them)."""
+    where = [i for i, t in enumerate(ids) if t == token]
+    firsts = np.cumsum([0, *counts[:-1]]).tolist() if counts else []
+    return tuple((where[first], int(n)) for first, n in zip(firsts, counts, strict=True))
 
 
 def _expand(ids: list[int], counts: list[int], token: int) -> list[int]:
@@ -190,6 +237,32 @@ def prefill_images(groups: list[list]) -> tuple[np.ndarray, PrefillImages]:
             pixels.append(mm.pixel_values)
             grids.append(mm.grid_thw)
         for member in group:  # n samples may hold private copies of a short prompt's block
+            blocks.append(member.block_table[0])
+            deltas.append(0 if mm is None else mm.delta)
+    step = PrefillImages(
+        torch.cat(pixels) if pixels else None, torch.cat(grids) if grids else None, blocks, deltas
+    )
+    return np.concatenate(positions, axis=1), step
+
+
+def context_prefill_images(
+    groups: list[list], chunks: list[tuple[int, int]]
+) -> tuple[np.ndarray, PrefillImages]:
+    """``prefill_images`` for a prefill with context (prefix caching, chunked prefill): each group computes
+    its tokens ``[start, end)`` only. The vision tower runs on the images whose tokens are all in that range;
+    those before it are cached (their features live on in the cached K/V), and none is cut by the range
+    (``PromptImages.image_start``, ``chunk_end``)."""
+    positions, pixels, grids, blocks, deltas = [], [], [], [], []
+    for group, (start, end) in zip(groups, chunks, strict=True):
+        mm: PromptImages | None = group[0].mm
+        if mm is None:
+            positions.append(np.broadcast_to(np.arange(start, end, dtype=np.int64), (3, end - start)))
+        else:
+            positions.append(mm.positions_for(end)[:, start:end])
+            for k in mm.images_within(start, end):
+                pixels.append(mm.image_pixels(k))
+                grids.append(mm.grid_thw[k : k + 1])
+        for member in group:  # its first block is its own (BlockManager's private_first_block)
             blocks.append(member.block_table[0])
             deltas.append(0 if mm is None else mm.delta)
     step = PrefillImages(

@@ -13,6 +13,14 @@ never touches a shared block.
 With prefix caching (``prefix_cache``, see prefix_cache.py) a sequence's leading full blocks may come
 from the cache instead (shared the same way); the free queue then doubles as the LRU of cached blocks
 that no sequence uses: a block freed first is evicted (reused for new tokens) first.
+
+Vision families (``private_first_block``) look up each sequence's decode rotary delta by its first block
+(``models/qwen2_5_vl.py``), and two prompts sharing a cached first block may have different deltas (other
+images later on): there a cache hit's first block is copied into a block of the group's own before the
+prefill (``copies_before``, run by the model runner ahead of the forward) instead of being shared. A
+cached prefix also never ends inside an image's placeholder tokens (``PromptImages.image_start``): it is
+cut back to the block holding the image's first token, so the prefill computes that image whole (the
+vision tower runs on whole images only, and skips those entirely cached).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ class BlockManager:
         block_size: int,
         prefix_caching: bool = False,
         state_slots: StateSlots | None = None,
+        private_first_block: bool = False,
     ):
         self.num_blocks = num_blocks
         # Linear-attention families: each sequence holding blocks also holds a recurrent-state slot.
@@ -46,6 +55,10 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.ref_counts = [0] * num_blocks
         self.prefix_cache = PrefixCache() if prefix_caching else None
+        # Vision families: a cache hit's first block is copied, not shared (module doc); the (cached, own)
+        # block pairs to copy before the next prefill's forward, taken by the scheduler.
+        self.private_first_block = private_first_block
+        self.copies_before: list[tuple[int, int]] = []
         # Bumped by each invalidation: a sequence allocated before it holds K/V of other weights (or of
         # an interrupted step), which must never enter the cache when it is freed.
         self.cache_epoch = 0
@@ -63,6 +76,8 @@ class BlockManager:
         need = self.group_blocks_needed(group[0].num_tokens, len(group))
         if self.prefix_cache is not None:
             cached = self.cached_prefix(group[0])
+            if self.private_first_block:  # the first one is copied into a new block
+                cached = cached[1:]
             # Cached blocks cost nothing, unless they are free (then they leave the free queue).
             need -= sum(1 for block in cached if self.ref_counts[block] > 0)
         if self.state_slots is not None and self.state_slots.num_free < len(group):
@@ -84,17 +99,21 @@ class BlockManager:
         return block
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks of the longest prefix of ``seq``, leaving at least its last token to compute."""
+        """Cached blocks of the longest prefix of ``seq``, leaving at least its last token to compute (and
+        ending before any image it would cut: module doc)."""
         usable = (seq.num_tokens - 1) // self.block_size
-        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, usable)
-        return self.prefix_cache.match(seq.block_hashes[:usable])
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, usable, seq.mm)
+        found = self.prefix_cache.match(seq.block_hashes[:usable])
+        if seq.mm is not None:
+            found = found[: seq.mm.image_start(len(found) * self.block_size) // self.block_size]
+        return found
 
     def register(self, seq: Sequence, num_computed: int) -> None:
         """Cache the full blocks among ``seq``'s first ``num_computed`` tokens (their K/V is written)."""
         if seq.cache_epoch != self.cache_epoch:
             return
         full = min(num_computed // self.block_size, len(seq.block_table))
-        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, full)
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, full, seq.mm)
         for block, key in zip(seq.block_table[:full], seq.block_hashes, strict=False):
             self.prefix_cache.register(block, key)
 
@@ -109,7 +128,7 @@ class BlockManager:
         parent = group[0]
         num_tokens = parent.num_tokens
         assert all(not s.block_table and s.num_tokens == num_tokens for s in group)
-        cached = [] if self.prefix_cache is None else [self._share(b) for b in self.cached_prefix(parent)]
+        cached = [] if self.prefix_cache is None else self._share_prefix(parent)
         fresh = blocks_needed(num_tokens, self.block_size) - len(cached)
         parent.block_table = cached + [self._take() for _ in range(fresh)]
         parent.num_computed_tokens = len(cached) * self.block_size
@@ -127,6 +146,24 @@ class BlockManager:
             if num_full < len(parent.block_table):
                 child.block_table.append(self._take())
                 copies.append((parent.block_table[-1], child.block_table[-1]))
+        return copies
+
+    def _share_prefix(self, seq: Sequence) -> list[int]:
+        """The leading blocks of ``seq``'s table from the cache: shared, but for a vision family the first
+        one copied into a block of its own (``copies_before``; the copy runs before any write, so the
+        cached block is intact then even if it was free and just handed out again)."""
+        cached = self.cached_prefix(seq)
+        if not (cached and self.private_first_block):
+            return [self._share(block) for block in cached]
+        shared = [self._share(block) for block in cached[1:]]
+        first = self._take()
+        if first != cached[0]:  # else the free cached block itself was taken: its K/V is in place
+            self.copies_before.append((cached[0], first))
+        return [first, *shared]
+
+    def take_copies_before(self) -> list[tuple[int, int]]:
+        """The block copies the next prefill must run before its forward (and forget them)."""
+        copies, self.copies_before = self.copies_before, []
         return copies
 
     def needs_new_block(self, seq: Sequence) -> bool:

@@ -3,7 +3,10 @@
 A *full* block (``block_size`` tokens) is keyed by a hash chained over the sequence so far:
 ``block_hash(parent, tokens)`` with ``parent`` the hash of the block before it (``None`` for the first),
 so a key names the block's tokens *and* every token before them, i.e. the exact K/V the block holds for
-given weights. ``PrefixCache`` maps keys to block ids. ``BlockManager`` (block_manager.py) owns the
+given weights. Image placeholder tokens (vision families) all have one id, so a block holding some also
+keys, per image, the image's content hash and the placeholders' offsets within it (``BlockKeys``:
+``multimodal.PromptImages.block_key``): the same text with the same image shares blocks, with another
+image only the blocks before its first placeholder. ``PrefixCache`` maps keys to block ids. ``BlockManager`` (block_manager.py) owns the
 policy around it:
 
 - a new sequence looks up the longest chain of its prompt's full blocks (leaving at least one token to
@@ -23,18 +26,31 @@ prefixes is possible in principle, as with vLLM's default hash, but negligible i
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import Protocol
 
 
-def block_hash(parent: int | None, tokens: Seq[int]) -> int:
-    """Key of a full block: its token ids, chained to the key of the block before it."""
-    return hash((parent, tuple(tokens)))
+class BlockKeys(Protocol):
+    """What a sequence's images add to the keys of its blocks (``multimodal.PromptImages``)."""
+
+    def block_key(self, start: int, end: int) -> tuple: ...
 
 
-def extend_block_hashes(hashes: list[int], token_ids: Seq[int], block_size: int, num_blocks: int) -> None:
-    """Grow ``hashes`` (a sequence's keys so far, in place) to its first ``num_blocks`` full blocks."""
+def block_hash(parent: int | None, tokens: Seq[int], images: tuple = ()) -> int:
+    """Key of a full block: its token ids (and what ``images`` says of its image tokens), chained to the
+    key of the block before it. A text block's key is the same with or without images in the engine."""
+    return hash((parent, tuple(tokens), images) if images else (parent, tuple(tokens)))
+
+
+def extend_block_hashes(
+    hashes: list[int], token_ids: Seq[int], block_size: int, num_blocks: int, images: BlockKeys | None = None
+) -> None:
+    """Grow ``hashes`` (a sequence's keys so far, in place) to its first ``num_blocks`` full blocks;
+    ``images``: the sequence's images, if any."""
     for index in range(len(hashes), num_blocks):
         parent = hashes[-1] if hashes else None
-        hashes.append(block_hash(parent, token_ids[index * block_size : (index + 1) * block_size]))
+        start, end = index * block_size, (index + 1) * block_size
+        extra = images.block_key(start, end) if images is not None else ()
+        hashes.append(block_hash(parent, token_ids[start:end], extra))
 
 
 class PrefixCache:

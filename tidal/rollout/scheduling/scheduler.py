@@ -51,6 +51,8 @@ class ScheduledBatch:
     # Context prefill: each group's [start, end) token range; None: whole prompts from position 0.
     chunks: list[tuple[int, int]] | None = None
     final: list[bool] | None = None  # context prefill: whether the group's prompt ends with this chunk
+    # Context prefill: KV block copies (src, dst) to run before the forward (``BlockManager.copies_before``).
+    copies_before: list[tuple[int, int]] = field(default_factory=list)
     # The sequences that sample a token in this step (default: from ``groups`` and ``final``). A field,
     # not a property: the runner, the look-ahead and ``postprocess`` each read it at every step.
     seqs: list[Sequence] = None  # type: ignore[assignment]
@@ -235,8 +237,11 @@ class Scheduler:
         self._last_was_prefill = batch is not None and batch.is_prefill
         return batch
 
-    def _chunk_end(self, start: int, num_tokens: int, budget: int) -> int:
-        return min(num_tokens, start + budget) if self.chunked_prefill else num_tokens
+    def _chunk_end(self, seq: Sequence, start: int, budget: int) -> int:
+        if not self.chunked_prefill:
+            return seq.num_tokens
+        end = min(seq.num_tokens, start + budget)
+        return end if seq.mm is None else seq.mm.chunk_end(start, end)  # whole images per chunk
 
     def _uncached_tokens(self, seq: Sequence) -> int:
         blocks = self.block_manager
@@ -251,7 +256,7 @@ class Scheduler:
             if budget <= 0:
                 break
             start = group[0].num_computed_tokens
-            end = self._chunk_end(start, group[0].num_tokens, budget)
+            end = self._chunk_end(group[0], start, budget)
             groups.append(group)
             chunks.append((start, end))
             budget -= end - start
@@ -269,7 +274,7 @@ class Scheduler:
             group[0].pending_copies = self.block_manager.allocate(group)
             self.num_cached_tokens += group[0].num_computed_tokens
             start = group[0].num_computed_tokens
-            end = self._chunk_end(start, group[0].num_tokens, budget)
+            end = self._chunk_end(group[0], start, budget)
             for seq in group:
                 seq.status = SequenceStatus.RUNNING
             self.prefilling.append(group)
@@ -288,7 +293,8 @@ class Scheduler:
                 group[0].pending_copies = []
                 self.prefilling.remove(group)
                 self.running.extend(group)
-        return ScheduledBatch(True, groups, copies, chunks, final)
+        before = self.block_manager.take_copies_before()
+        return ScheduledBatch(True, groups, copies, chunks, final, copies_before=before)
 
     def plan_ahead(self, batch: ScheduledBatch) -> Lookahead | None:
         """The decode step after ``batch`` as ``schedule`` will make it if no sequence of ``batch`` stops

@@ -1,0 +1,258 @@
+"""Prefix caching and chunked prefill with images (vision families: ``scheduling/prefix_cache.py``'s image
+keys, ``BlockManager.private_first_block``, ``multimodal.context_prefill_images``) on the tiny offline VLM.
+
+With prefix caching on, a request with images gives the plain engine's greedy tokens, and its log-probs
+within 1e-5 (bit-equal on a miss; a hit's prefill attends to cached K/V in another summation order: at
+most 5e-7 measured, as for text families); and ``transformers.generate``'s tokens. The number of cached
+tokens is computed by hand from the block layout (block size 2): a repeated image shares every block of
+the prompt but the last token's, another image with the same text only the blocks before its first
+placeholder, two images up to the first one that differs. The vision tower runs only for images not
+entirely cached; a cached prefix that would cut an image is cut back to the image's start. Two prompts
+sharing a cached first block but with images of different sizes (different decode rotary deltas) run
+in one batch; n samples share a prefill; chunked prefill never cuts an image.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.rollout.reference import assert_same_outputs
+from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
+from tidal.rollout.models.registry import VISION_FAMILIES, feature_refusal
+from tidal.rollout.runner.multimodal import MultiModalInput, PromptImages
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+# The vision families whose engine runs prefix caching (all, once each family's line allows it).
+CACHING = [f for f in VISION_FAMILIES if feature_refusal(f, "prefix_caching") is None]
+BS = 2  # KV block size: blocks of two tokens make every boundary case reachable with tiny prompts
+
+
+def _image(seed: int, tokens_per_side: int, family: str):
+    """A random image of ``tokens_per_side``² image tokens."""
+    from PIL import Image
+
+    from tidal.testing.tiny_vlm import MERGE, TINY_VLM_FAMILIES
+
+    side = TINY_VLM_FAMILIES[family].patch * MERGE * tokens_per_side
+    g = torch.Generator().manual_seed(seed)
+    return Image.fromarray((torch.rand(side, side, 3, generator=g) * 255).byte().numpy())
+
+
+@pytest.fixture(scope="module", params=CACHING)
+def vlm(request, tmp_path_factory):
+    """(family, HF model with peaked logits, processor, ids of the vision start/placeholder/end tokens)."""
+    from transformers import AutoModelForImageTextToText
+
+    from tidal.data.vision import load_vision_processor
+    from tidal.models import load_tokenizer
+    from tidal.testing import build_tiny_vlm
+
+    path = build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "m", request.param)
+    tokenizer = load_tokenizer(str(path))
+    processor = load_vision_processor(str(path), tokenizer)
+    hf = AutoModelForImageTextToText.from_pretrained(str(path)).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(4.0)  # peaked distributions, as a trained model's
+    marks = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
+    return request.param, hf, processor, marks
+
+
+def _engine(vlm, device: str = "cpu", **features) -> LLMEngine:
+    _, hf, processor, _ = vlm
+    config = EngineConfig(
+        device=device, dtype="float32", max_model_len=128, block_size=BS, num_kv_blocks=256, **features
+    )
+    return LLMEngine(
+        model=hf.to(device),
+        tokenizer=processor.tokenizer,
+        config=config,
+        image_processor=processor.image_processor,
+    )
+
+
+def _prompts(vlm) -> dict[str, list[int]]:
+    """Prompts with one placeholder per image (the engine expands it; A: 4 image tokens, B: 1)."""
+    start, pad, end = vlm[3]
+    image = [start, pad, end]
+    return {
+        # 4 text, start, image tokens at 5..8 (so block [4, 6) holds text and image), end, 3 text: 13
+        "one": [40, 41, 42, 43, *image, 50, 51, 52],
+        # 3 text, start, image at 4..7, end, 2 text, start, image at 12..15, end, 3 text: 20 tokens
+        "two": [40, 41, 42, *image, 45, 46, *image, 50, 51, 52],
+        # the prompt ends with its image: 4 text, start, image at 5..8: 9 tokens
+        "last": [40, 41, 42, 43, start, pad],
+    }
+
+
+def _mm(*images) -> MultiModalInput:
+    return MultiModalInput(images=list(images))
+
+
+def _count_vision_calls(engine: LLMEngine, monkeypatch) -> list[int]:
+    """The number of images each vision tower call computes."""
+    visual = engine.runner.model.visual
+    calls, forward = [], visual.forward
+    monkeypatch.setattr(
+        visual,
+        "forward",
+        lambda pixels, grid_thw, **kw: (
+            calls.append(len(grid_thw)),
+            forward(pixels, grid_thw=grid_thw, **kw),
+        )[1],
+    )
+    return calls
+
+
+def _run_and_count(engine: LLMEngine, prompts, params, images):
+    """Outputs and (cached tokens, computed prompt tokens) of one ``generate``."""
+    sched = engine.scheduler
+    cached, computed = sched.num_cached_tokens, sched.num_prefill_tokens
+    out = engine.generate(prompts, params, multi_modal=images)
+    return out, (sched.num_cached_tokens - cached, sched.num_prefill_tokens - computed)
+
+
+def test_block_keys_and_image_boundaries_by_hand():
+    """Image k's placeholders key a block by (content hash, offsets within the image); a cached prefix or
+    a chunk that would cut an image ends at its start (or, starting at it, after it)."""
+    images = PromptImages(
+        torch.zeros(0), torch.zeros(0), None, 0, hashes=("0a", "ff"), spans=((5, 4), (12, 4))
+    )
+    assert images.block_key(0, 4) == ()
+    assert images.block_key(4, 6) == ((10, 0, 1),)
+    assert images.block_key(8, 13) == ((10, 3, 4), (255, 0, 1))
+    assert [images.image_start(n) for n in (5, 6, 9, 10, 13)] == [5, 5, 9, 10, 12]
+    assert images.chunk_end(0, 7) == 5  # before image 0
+    assert images.chunk_end(5, 7) == 9  # image 0 starts the chunk: all of it
+    assert images.chunk_end(9, 14) == 12 and images.chunk_end(9, 12) == 12
+    assert images.images_within(4, 12) == [0] and images.images_within(6, 20) == [1]
+
+
+def test_hits_and_outputs_for_repeated_other_and_two_images(vlm, monkeypatch):
+    family = vlm[0]
+    plain, cached = _engine(vlm), _engine(vlm, enable_prefix_caching=True)
+    calls = _count_vision_calls(cached, monkeypatch)
+    prompts = _prompts(vlm)
+    a, b, c = (_image(seed, 2, family) for seed in (1, 2, 3))  # 4 image tokens each
+    cases = [  # (prompt, images, cached tokens, images through the vision tower)
+        ("one", [a], 0, 1),  # first sight
+        ("one", [a], 12, 0),  # every full block but the last token's: 12 // 2 blocks
+        ("one", [b], 4, 1),  # the blocks before the first image token (5): 2 blocks
+        ("two", [a, b], 2, 2),  # its first block (40, 41) is "one"'s
+        ("two", [a, b], 18, 0),  # 19 // 2 blocks
+        ("two", [a, c], 12, 1),  # up to image c's first token (12): 6 blocks
+        ("two", [c, b], 4, 2),  # up to image c's first token (4): 2 blocks
+    ]
+    for name, images, hits, vision in cases:
+        calls.clear()
+        expected = plain.generate([prompts[name]], GREEDY, multi_modal=[_mm(*images)])
+        got, (cached_tokens, computed) = _run_and_count(cached, [prompts[name]], GREEDY, [_mm(*images)])
+        assert_same_outputs(expected, got)
+        length = len(got[0].prompt_token_ids)
+        assert (cached_tokens, computed) == (hits, length - hits), (name, hits)
+        assert sum(calls) == vision, name
+        if hits == 0:  # nothing cached: the context prefill computes exactly the plain prefill's values
+            assert expected[0].outputs[0].logprobs == got[0].outputs[0].logprobs
+    assert cached.block_manager.num_free_blocks == cached.num_kv_blocks
+
+
+@torch.inference_mode()
+def test_cache_hits_equal_transformers_generate(vlm):
+    """Two images, the second run served from the cache: ``transformers.generate``'s greedy tokens."""
+    family, hf, processor, _ = vlm
+    cached = _engine(vlm, enable_prefix_caching=True)
+    prompt, images = _prompts(vlm)["two"], [_image(13, 2, family), _image(14, 1, family)]
+    for _ in range(2):
+        got, (hits, _) = _run_and_count(cached, [prompt], GREEDY, [_mm(*images)])
+    assert hits == 16  # 17 tokens (4 + 1 image tokens): 16 // 2 blocks
+    ids = torch.tensor([got[0].prompt_token_ids])
+    out = hf.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        mm_token_type_ids=(ids == processor.image_token_id).int(),  # M-RoPE positions, as the engine's
+        suppress_tokens=list(cached.runner.never_sample),  # the engine never samples placeholders
+        do_sample=False,
+        max_new_tokens=GREEDY.max_new_tokens,
+        **processor.pixel_inputs(images),
+    )
+    assert got[0].outputs[0].token_ids == out[0, ids.shape[1] :].tolist()
+
+
+def test_a_cached_prefix_never_cuts_an_image(vlm, monkeypatch):
+    """The prompt ends with its image (tokens 5..8 of 9): its 4 usable cached blocks end inside the
+    image, so the hit is cut back to the image's first token (2 blocks) and the image recomputed whole."""
+    family = vlm[0]
+    plain, cached = _engine(vlm), _engine(vlm, enable_prefix_caching=True)
+    calls = _count_vision_calls(cached, monkeypatch)
+    prompt, image = _prompts(vlm)["last"], _image(4, 2, family)
+    expected = plain.generate([prompt], GREEDY, multi_modal=[_mm(image)])
+    for hits in (0, 4):
+        calls.clear()
+        got, (cached_tokens, computed) = _run_and_count(cached, [prompt], GREEDY, [_mm(image)])
+        assert_same_outputs(expected, got)
+        assert (cached_tokens, computed, calls) == (hits, 9 - hits, [1])
+
+
+def test_shared_first_block_with_different_rotary_deltas(vlm):
+    """Prompts sharing their cached first blocks, with images of 4 and 1 tokens (decode deltas -2 and 0),
+    decode in one batch: each got a private copy of the cached first block, where its delta lives."""
+    family = vlm[0]
+    plain, cached = _engine(vlm), _engine(vlm, enable_prefix_caching=True)
+    prompt = _prompts(vlm)["one"]
+    images = [_mm(_image(5, 2, family)), _mm(_image(6, 1, family))]
+    assert [len(p.prompt_token_ids) for p in plain.generate([prompt] * 2, GREEDY, multi_modal=images)] == [
+        13,
+        10,
+    ]
+    copies = []
+    take = cached.block_manager.take_copies_before
+    cached.block_manager.take_copies_before = lambda: (copies.append(take()), copies[-1])[1]
+    cached.generate([prompt], GREEDY, multi_modal=images[:1])  # caches the first prompt's blocks
+    expected = plain.generate([prompt] * 2, GREEDY, multi_modal=images)
+    got, (hits, _) = _run_and_count(cached, [prompt] * 2, GREEDY, images)
+    assert_same_outputs(expected, got)
+    assert hits == 12 + 4  # all of the first prompt's usable blocks; the text before the other's image
+    assert sum(len(c) for c in copies) == 2  # one first block copied per group
+
+
+def test_n_samples_share_a_cached_prefill(vlm):
+    family = vlm[0]
+    plain, cached = _engine(vlm), _engine(vlm, enable_prefix_caching=True)
+    prompt, images = _prompts(vlm)["two"], [_mm(_image(7, 2, family), _image(8, 1, family))]
+    params = SamplingParams(temperature=1.0, n=3, seed=11, max_new_tokens=6, ignore_eos=True)
+    expected = plain.generate([prompt], params, multi_modal=images)
+    assert len({tuple(s.token_ids) for s in expected[0].outputs}) > 1  # the samples differ
+    for _ in range(2):  # the second run hits the cache
+        assert_same_outputs(expected, cached.generate([prompt], params, multi_modal=images))
+    assert cached.block_manager.num_free_blocks == cached.num_kv_blocks
+
+
+def test_chunked_prefill_keeps_images_whole(vlm, monkeypatch):
+    """A 3-token budget would cut every 4-token image: a chunk ends before an image, or holds all of it
+    when the image starts it (4 tokens, over the budget)."""
+    family = vlm[0]
+    plain = _engine(vlm)
+    chunked = _engine(vlm, enable_chunked_prefill=True, enable_prefix_caching=True, max_num_batched_tokens=3)
+    cuts, sizes = [], []
+    run = chunked.runner._run_context_prefill
+
+    def spy(batch):
+        for group, (start, end) in zip(batch.groups, batch.chunks, strict=True):
+            mm = group[0].mm
+            cuts.append(mm is not None and mm.image_start(end) != end)
+            sizes.append(end - start)
+        return run(batch)
+
+    monkeypatch.setattr(chunked.runner, "_run_context_prefill", spy)
+    prompts = _prompts(vlm)
+    batch = [prompts["one"], prompts["two"], prompts["last"]]
+    images = [
+        _mm(_image(9, 2, family)),
+        _mm(_image(10, 2, family), _image(11, 1, family)),
+        _mm(_image(12, 2, family)),
+    ]
+    expected = plain.generate(batch, GREEDY, multi_modal=images)
+    for _ in range(2):  # the second run also hits the cache
+        assert_same_outputs(expected, chunked.generate(batch, GREEDY, multi_modal=images))
+    assert not any(cuts) and max(sizes) == 4 and len(cuts) > 2 * len(batch)
+    assert chunked.scheduler.num_cached_tokens > 0
