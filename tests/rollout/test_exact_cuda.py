@@ -324,7 +324,8 @@ def test_cuda_exact_forward_is_differentiable(tiny_model):
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model("qwen2")), dtype=torch.float32).cuda()
     bi.make_exact(hf)
     ids = torch.randint(3, 500, (2, 24), device="cuda")
-    batch = {"input_ids": ids, "position_ids": torch.arange(24, device="cuda").expand(2, 24)}
+    positions = torch.arange(24, device="cuda").expand(2, 24)
+    batch = {"input_ids": ids, "position_ids": positions, "attention_mask": torch.ones_like(ids)}
     token_logprobs(hf, batch, 1.0)[0][:, 1:].sum().backward()
     grads = [p.grad for p in hf.parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)

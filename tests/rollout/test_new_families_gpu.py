@@ -9,6 +9,8 @@ decoding over long prompts in bf16 that follows transformers' float32 logits up 
   forward over the engine's own sequence must rank each engine token within bf16 noise of its best token
   (the engine may take the other side of a near-tie, never a clearly worse token): greedy equality with
   ``transformers.generate`` wherever float noise allows, without letting one near-tie end the comparison.
+  A larger gap passes only where transformers' own bf16 ``generate`` takes exactly the engine's tokens
+  (seen for DeepSeek-V3's latent attention at 2k: both take a token 1.8 below float32's best).
 """
 
 from __future__ import annotations
@@ -69,6 +71,12 @@ def test_bf16_greedy_over_long_prompts_follows_transformers(sharp_models, family
     best = logits.max(dim=-1).values
     chosen = logits.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
     gaps = (best - chosen).tolist()
-    assert max(gaps) < NEAR_TIE, (family, prompt_len, gaps)
+    if max(gaps) >= NEAR_TIE:
+        # A deeper bf16 flip (MLA's latent products round more): transformers' own bf16 greedy decoding
+        # must then take the very same tokens, i.e. the engine reproduces bf16 arithmetic, not a bug.
+        hf16 = _hf(path, torch.bfloat16)
+        ids = torch.tensor([prompt], device="cuda")
+        ref = hf16.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, prompt_len:]
+        assert tokens == ref.tolist(), (family, prompt_len, gaps)
     # Most steps agree exactly: a near-tie is the exception, not the rule.
     assert sum(g == 0.0 for g in gaps) >= 12, (family, prompt_len, gaps)

@@ -103,6 +103,11 @@ def check_engine_sampling(
     frequent = [
         int(t) for t in counts.argsort(descending=True)[:second_max_prefixes] if counts[t] >= second_min_count
     ]
+    if not frequent:
+        raise ValueError(
+            f"no first token was drawn {second_min_count} times in {first.numel()} samples: the distribution "
+            "is too flat to check the second token (a peaked model, e.g. build_tiny_model(logit_scale=8))"
+        )
     conditional = exact_next_token_probs(hf_model, [prompt + [t] for t in frequent], params)
     fits = [
         goodness_of_fit(torch.bincount(second[first == t], minlength=vocab), conditional[i])

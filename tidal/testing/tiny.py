@@ -362,7 +362,7 @@ def build_tiny_model(
     """Write a random-init tiny model and its tokenizer to ``path`` (a plain HF folder) and return it.
 
     A random-init model predicts an almost uniform next token; ``logit_scale`` multiplies the final
-    norm's weight (so every logit) to give peaked distributions like a trained model's."""
+    norm's effective weight (so every logit) to give peaked distributions like a trained model's."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
@@ -375,7 +375,10 @@ def build_tiny_model(
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     with torch.no_grad():
-        model.model.norm.weight.mul_(logit_scale)
+        norm = model.model.norm.weight
+        # Zero-centred norms (Gemma, Qwen3.5: ``x * (1 + w)``) start at w = 0: scale 1 + w, not w.
+        offset = 1.0 if bool((norm == 0).all()) else 0.0
+        norm.copy_((norm + offset) * logit_scale - offset)
     model.save_pretrained(str(path))
     return path
 
