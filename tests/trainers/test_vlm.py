@@ -111,6 +111,19 @@ def test_sft_learns_the_colour_from_the_image_and_not_without_it(any_vlm, colour
     assert without <= chance + 0.1, without  # the prompt text says nothing about the colour
 
 
+def test_sft_packed_on_images_steps_as_padded(any_vlm, colours, tmp_path):
+    """``--packing_samples`` with images (each sample's own M-RoPE positions, DeepStack for Qwen3-VL):
+    the same losses as padded rows, step after step."""
+    extra = ("--max_images_per_prompt", "1", "--max_samples", "32", "--max_epochs", "1")
+    padded = run_sft(parse_sft(sft_flags(any_vlm, colours["train"], tmp_path / "pad", *extra)))
+    packed = run_sft(
+        parse_sft(sft_flags(any_vlm, colours["train"], tmp_path / "pack", *extra, "--packing_samples"))
+    )
+    assert len(packed) == len(padded) == 2
+    for a, b in zip(padded, packed, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-4, (padded, packed)
+
+
 def test_freeze_visual_encoder_keeps_the_vision_tower_bit_identical(vlm, colours, tmp_path):
     extra = ("--data.max_images_per_prompt", "1", "--actor.freeze_visual_encoder", "--max_samples", "32")
     run = parse_sft(sft_flags(vlm, colours["train"], tmp_path, *extra, "--max_epochs", "1"))
