@@ -243,8 +243,11 @@ def _moe_gemm(
     stride_we,
     stride_wn,
     stride_om,
+    scale_ptr,
+    stride_se,
     TOP_K: tl.constexpr,
     GATED: tl.constexpr,
+    W_SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -254,7 +257,11 @@ def _moe_gemm(
 
     ``GATED``: rows of ``a`` are tokens (``pair // TOP_K``), the weight holds gate rows [0, N) then up
     rows [N, 2N), out[row] = silu(gate) * up at the padded row. Else: rows of ``a`` are padded rows,
-    out[pair] = routing weight * (a @ w.T). Weight and ``a`` rows are contiguous along K."""
+    out[pair] = routing weight * (a @ w.T). Weight and ``a`` rows are contiguous along K.
+
+    ``W_SCALED`` (FP8 rollouts, ``tidal.rollout.quant``): the weight is e4m3, widened to ``a``'s dtype
+    (exactly) tile by tile, and the float32 accumulator is multiplied by each output channel's scale
+    (``scale_ptr`` [E, rows of the weight], ``stride_se`` per expert) before the epilogue."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -280,12 +287,21 @@ def _moe_gemm(
         k_ok = ks < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if W_SCALED:
+            w = w.to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if GATED:
             w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if W_SCALED:
+                w_up = w_up.to(a.dtype)
             acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if W_SCALED:
+        scale_base = scale_ptr + expert.to(tl.int64) * stride_se
+        acc = acc * tl.load(scale_base + cols, mask=col_ok, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(scale_base + N + cols, mask=col_ok, other=0.0)[None, :]
     if GATED:
         # silu(g) = g / (1 + e^-g), written with builtins (the interpreter cannot call tl.sigmoid, a
         # jit function, once triton was imported without TRITON_INTERPRET).
@@ -299,7 +315,10 @@ def _moe_gemm(
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
 
-def _launch(a, w, out, route, aligned: AlignedPairs, top_k: int, gated: bool, cfg: TileConfig) -> None:
+def _launch(
+    a, w, out, route, aligned: AlignedPairs, top_k: int, gated: bool, cfg: TileConfig, scale=None
+) -> None:
+    """``scale``: an e4m3 ``w``'s per-output-channel scales [E, rows] (FP8 rollouts), None otherwise."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     grid = (aligned.block_expert.numel(), triton.cdiv(n, cfg.block_n))
     _moe_gemm[grid](
@@ -316,8 +335,11 @@ def _launch(a, w, out, route, aligned: AlignedPairs, top_k: int, gated: bool, cf
         w.stride(0),
         w.stride(1),
         out.stride(0),
+        route if scale is None else scale,  # an unused pointer when the weight is not scaled
+        0 if scale is None else scale.stride(0),
         TOP_K=top_k,
         GATED=gated,
+        W_SCALED=scale is not None,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -334,10 +356,13 @@ def fused_expert_forward(
     weights: torch.Tensor,
     ids: torch.Tensor,
     config: TileConfig | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) with e = ids[t, k]; x [T, H] -> [T, H].
 
-    ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I], as ``moe.Experts`` stores them."""
+    ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I], as ``moe.Experts`` stores them.
+    ``scales``: the two weights are e4m3 with these per-output-channel scales, [E, 2I] and [E, H] float32
+    (FP8 rollouts: ``tidal.rollout.quant``)."""
     num_tokens, top_k = ids.shape
     num_experts, double_inter, hidden = gate_up_proj.shape
     if num_tokens == 0:  # nothing to route (the allocations below would be empty)
@@ -347,9 +372,10 @@ def fused_expert_forward(
     aligned = align_pairs(ids, num_experts, cfg.block_m)
     route = weights.reshape(-1).contiguous()
     inter = x.new_empty(aligned.sorted_pairs.numel(), double_inter // 2)
-    _launch(x, gate_up_proj, inter, route, aligned, top_k, True, cfg)
+    gate_up_scale, down_scale = scales if scales is not None else (None, None)
+    _launch(x, gate_up_proj, inter, route, aligned, top_k, True, cfg, gate_up_scale)
     out = x.new_empty(num_tokens * top_k, hidden, dtype=torch.promote_types(x.dtype, weights.dtype))
-    _launch(inter, down_proj, out, route, aligned, top_k, False, cfg)
+    _launch(inter, down_proj, out, route, aligned, top_k, False, cfg, down_scale)
     return out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
 
 

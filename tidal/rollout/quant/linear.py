@@ -10,19 +10,26 @@ the KV cache.
 Each quantized weight keeps its model-dtype parameter: it is what ``load_weights`` writes into (packed
 slices, tensor-parallel shards), so loading is unchanged. After every ``load_weights`` call (the
 engine's load, each bucket of ``update_weights``) the parts it wrote — named by the HF names that went
-through it — are quantized again, on the weights' device. Two ways a module computes:
+through it — are quantized again, on the weights' device. Three ways a module computes:
 
-- ``scaled_mm`` (CUDA, bf16/fp16 engine, an FP8-capable GPU, shapes the GEMM takes): the e4m3 weight and
-  its scales live in persistent buffers (``fp8_weight``, ``fp8_scale``) rewritten *in place* at each sync,
-  so captured CUDA graphs, which read those addresses, stay valid. The forward quantizes the activations
-  per token (dynamic scales; per token and 128 columns for ``fp8_block``) and runs ``torch._scaled_mm``
-  (row-wise scales; for blocks torch's 1x128 x 128x128 block-wise recipe, which a probe GEMM checks once
-  per process and granularity, falling back to the emulated path with a logged reason). The model-dtype
-  weight is kept as the load target: 1.5x the weight memory of the model dtype alone.
-- ``emulated`` (the CPU; CUDA where ``scaled_mm`` is not usable, and the MoE experts): the parameter
-  itself is overwritten with ``dequantize(quantize(w))`` and the module's forward is unchanged, so the
-  model computes with exactly the FP8-rounded weights (activations are not quantized). Only the parts a
-  load wrote are rounded again (rounding a rounded weight twice is not guaranteed to be a no-op).
+- ``scaled_mm`` (linear layers; CUDA, bf16/fp16 engine, an FP8-capable GPU, shapes the GEMM takes): the
+  e4m3 weight and its scales live in persistent buffers (``fp8_weight``, ``fp8_weight_scale``) rewritten
+  *in place* at each sync, so captured CUDA graphs, which read those addresses, stay valid. The forward
+  quantizes the activations per token (dynamic scales; per token and 128 columns for ``fp8_block``) and
+  runs ``torch._scaled_mm`` (row-wise scales; for blocks torch's 1x128 x 128x128 block-wise recipe); a
+  probe GEMM checks it once per process and granularity, falling back to ``emulated`` with a logged
+  reason.
+- ``triton_fp8`` (MoE experts; the fused Triton MoE path on an FP8-capable GPU, per-channel scales): the
+  kernels of ``kernels/triton_moe.py`` read the e4m3 experts (``fp8_gate_up_proj``, ``fp8_down_proj``
+  and their ``_scale`` buffers, in place likewise), widen each tile to the model dtype and scale the
+  float32 accumulator per output channel; activations stay in the model dtype (weight-only FP8).
+- ``emulated`` (the CPU; CUDA where neither applies, e.g. block-scaled experts): the parameter itself is
+  overwritten with ``dequantize(quantize(w))`` and the module's forward is unchanged, so the model
+  computes with exactly the FP8-rounded weights (activations are not quantized). Only the parts a load
+  wrote are rounded again (rounding a rounded weight twice is not guaranteed to be a no-op).
+
+In the first two the model-dtype weight is kept as the load target: 1.5x the weight memory of the model
+dtype alone (quantizing each tensor as it arrives, without that copy, is left to do).
 
 Quantization is per output channel (``fp8``) or per 128 x 128 tile (``fp8_block``): ``fp8.py``.
 """
@@ -100,7 +107,10 @@ def quantize_model(model: CausalLM, quantization: str) -> Fp8State:
                 module, {"gate_up_proj": (rows, rows), "down_proj": (module.down_proj.shape[1],)}
             )
     for target in state.targets.values():
-        if not isinstance(target.module, Experts) and scaled_mm_problem(target, state.granularity) is None:
+        if isinstance(target.module, Experts):
+            if experts_kernel_problem(target, state.granularity) is None:
+                _use_experts_kernel(target, state.granularity)
+        elif scaled_mm_problem(target, state.granularity) is None:
             _use_scaled_mm(target, state.granularity)
         for param in target.parts:
             _requantize(target, state.granularity, param, None, None)
@@ -171,10 +181,15 @@ def _requantize(target: Target, granularity: str, param: str, expert: int | None
         q, scales = quantize(view, granularity)
         if target.mode == "emulated":
             view.copy_(dequantize(q, scales, granularity, view.dtype))
-        else:
-            target.module.fp8_weight.narrow(0, start, rows).copy_(q)
-            first = start if granularity == "channel" else start // BLOCK
-            target.module.fp8_scale.narrow(0, first, scales.shape[0]).copy_(scales)
+            continue
+        # the persistent buffers, in place (captured CUDA graphs read them)
+        first = start if granularity == "channel" else start // BLOCK
+        q_dst = getattr(target.module, f"fp8_{param}").narrow(-2, start, rows)
+        s_dst = getattr(target.module, f"fp8_{param}_scale").narrow(-2, first, scales.shape[-2])
+        if expert is not None:
+            q_dst, s_dst = q_dst[expert], s_dst[expert]
+        q_dst.copy_(q)
+        s_dst.copy_(scales)
 
 
 # ------------------------------------------------------------------------------------------ the FP8 GEMM
@@ -243,7 +258,7 @@ class Fp8Forward:
     fp8_granularity: str
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = fp8_linear(x, self.fp8_weight, self.fp8_scale, self.fp8_granularity)
+        out = fp8_linear(x, self.fp8_weight, self.fp8_weight_scale, self.fp8_granularity)
         if isinstance(self, RowParallelLinear) and self.tp.size > 1:
             if not self.reduce:
                 return out
@@ -251,26 +266,72 @@ class Fp8Forward:
         return out if self.bias is None else out + self.bias
 
 
-_FP8_CLASSES: dict[type, type] = {}
+_FP8_CLASSES: dict[tuple[type, type], type] = {}
 
 
 def _use_scaled_mm(target: Target, granularity: str) -> None:
     """Give the module its FP8 buffers and the FP8 forward (its class becomes a subclass of its own)."""
-    module = target.module
-    out_features, in_features = module.weight.shape
-    device = module.weight.device
-    if granularity == "channel":
-        scale_shape = (out_features, 1)
-    else:
-        scale_shape = (-(-out_features // BLOCK), -(-in_features // BLOCK))
-    qweight = torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
-    module.register_buffer("fp8_weight", qweight, persistent=False)  # not weights of a state dict
-    module.register_buffer(
-        "fp8_scale", torch.ones(scale_shape, dtype=torch.float32, device=device), persistent=False
-    )
-    module.fp8_granularity = granularity
-    cls = type(module)
-    if cls not in _FP8_CLASSES:
-        _FP8_CLASSES[cls] = type(f"Fp8{cls.__name__}", (Fp8Forward, cls), {})
-    module.__class__ = _FP8_CLASSES[cls]
+    _add_buffers(target, granularity)
+    target.module.fp8_granularity = granularity
+    _swap_class(target.module, Fp8Forward)
     target.mode = "scaled_mm"
+
+
+def _add_buffers(target: Target, granularity: str) -> None:
+    """``fp8_<param>`` (e4m3) and ``fp8_<param>_scale`` (float32) beside each quantized parameter: buffers,
+    so that they follow the model's ``.to`` (sleep level 2), kept out of state dicts."""
+    for param in target.parts:
+        weight = getattr(target.module, param)
+        *lead, rows, cols = weight.shape
+        scale_shape = (
+            (*lead, rows, 1) if granularity == "channel" else (*lead, -(-rows // BLOCK), -(-cols // BLOCK))
+        )
+        qweight = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device)
+        scales = torch.ones(scale_shape, dtype=torch.float32, device=weight.device)
+        target.module.register_buffer(f"fp8_{param}", qweight, persistent=False)
+        target.module.register_buffer(f"fp8_{param}_scale", scales, persistent=False)
+
+
+def _swap_class(module: nn.Module, mixin: type) -> None:
+    """Make ``module`` an instance of a subclass of its class with ``mixin``'s forward first."""
+    cls = type(module)
+    if (cls, mixin) not in _FP8_CLASSES:
+        _FP8_CLASSES[cls, mixin] = type(f"Fp8{cls.__name__}", (mixin, cls), {})
+    module.__class__ = _FP8_CLASSES[cls, mixin]
+
+
+# ------------------------------------------------------------------------------------------ MoE experts
+def experts_kernel_problem(target: Target, granularity: str) -> str | None:
+    """Why these experts cannot run the fused Triton MoE kernels on e4m3 weights (None: they can)."""
+    import torch.nn.functional as F
+
+    from tidal.accel import triton_usable
+    from tidal.rollout.models import moe
+
+    weight = target.module.gate_up_proj
+    if granularity != "channel":
+        return "block scales (the kernel applies per-channel scales)"
+    if not (weight.is_cuda and triton_usable(weight) and moe.FUSED_MOE and target.module.act is F.silu):
+        return "not the fused Triton MoE path"
+    if weight.dtype not in (torch.bfloat16, torch.float16):
+        return f"{weight.dtype} engine"
+    if torch.cuda.get_device_capability(weight.device) < (8, 9):
+        return "the GPU has no FP8 conversions (sm89+)"
+    return None
+
+
+class Fp8ExpertsForward:
+    """Mixed into ``moe.Experts`` (``triton_fp8`` mode): the fused MoE kernels read the e4m3 experts and
+    apply the per-channel scales to their float32 accumulators (activations stay in the model dtype)."""
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        from tidal.rollout.kernels.triton_moe import fused_expert_forward
+
+        scales = (self.fp8_gate_up_proj_scale[..., 0], self.fp8_down_proj_scale[..., 0])
+        return fused_expert_forward(x, self.fp8_gate_up_proj, self.fp8_down_proj, weights, ids, scales=scales)
+
+
+def _use_experts_kernel(target: Target, granularity: str) -> None:
+    _add_buffers(target, granularity)
+    _swap_class(target.module, Fp8ExpertsForward)
+    target.mode = "triton_fp8"
