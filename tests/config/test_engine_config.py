@@ -14,7 +14,8 @@ def test_rl_engine_runs_auto_dtype_and_reads_the_vllm_flags():
     cfg = RolloutConfig(prompt_max_len=8, generate_max_len=4, vllm_generate_batch_size=3,
                         vllm_gpu_memory_utilization=0.25, enforce_eager=True)  # fmt: skip
     engine = rollout_engine_config(cfg, "cpu", 7)
-    assert (engine.dtype, engine.max_num_seqs, engine.max_model_len) == ("auto", 3, 12)
+    # --vllm_generate_batch_size is the prompts of a generation call (OpenRLHF's meaning), not max_num_seqs
+    assert (engine.dtype, engine.max_num_seqs, engine.max_model_len) == ("auto", 256, 12)
     assert (engine.gpu_memory_utilization, engine.device, engine.seed, engine.enforce_eager) == (
         0.25,
         "cpu",
@@ -22,6 +23,9 @@ def test_rl_engine_runs_auto_dtype_and_reads_the_vllm_flags():
         True,
     )
     assert rollout_engine_config(RolloutConfig(), "auto", 0).max_num_seqs == 256
+    # a prompt's samples are scheduled together: more of them than 256 raise the cap
+    assert rollout_engine_config(RolloutConfig(n_samples_per_prompt=300), "cpu", 0).max_num_seqs == 300
+    assert rollout_engine_config(RolloutConfig(eval_n_samples_per_prompt=512), "cpu", 0).max_num_seqs == 512
 
 
 @pytest.mark.parametrize(("flag", "dtype"), [("auto", "auto"), ("bf16", "bfloat16"), ("fp32", "float32")])

@@ -307,4 +307,5 @@ def test_vllm_flags_configure_the_engine(echo_policy, echo_data, tmp_path):
     rollout = LocalRollout(str(echo_policy), tok, run.rollout, run.agent, torch.device("cpu"), tok.pad_token_id,
                            False, 0)  # fmt: skip
     cfg = rollout.engine.config
-    assert cfg.enforce_eager and cfg.gpu_memory_utilization == 0.3 and cfg.max_num_seqs == 24
+    # --vllm_generate_batch_size 24 is the prompts of a generation call, not the engine's max_num_seqs
+    assert cfg.enforce_eager and cfg.gpu_memory_utilization == 0.3 and cfg.max_num_seqs == 256

@@ -28,7 +28,9 @@ ENGINE_DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": 
 # RL's rollout engine runs "auto" whatever the trainer's --param_dtype (see ``rollout_engine_config``).
 ROLLOUT_PARAM_DTYPE = "auto"
 
-# OpenRLHF's vLLM default batch when --vllm_generate_batch_size is unset
+# The most sequences RL's engine decodes together. OpenRLHF passes no max_num_seqs to its vLLM engines (vLLM's
+# own default applies) and its --vllm_generate_batch_size is only the prompts of a generation call, so no
+# rollout flag sets this (before issue #35 --vllm_generate_batch_size did).
 DEFAULT_MAX_NUM_SEQS = 256
 
 
@@ -79,7 +81,7 @@ def rollout_engine_config(cfg: RolloutConfig, device: str, seed: int) -> EngineC
     have no trainer, so their ``--param_dtype`` sets the engine's dtype directly.
     """
     return engine_config(
-        max_num_seqs=cfg.vllm_generate_batch_size or DEFAULT_MAX_NUM_SEQS,
+        max_num_seqs=rollout_max_num_seqs(cfg),
         max_model_len=cfg.total_len,
         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
         seed=seed,
@@ -87,3 +89,9 @@ def rollout_engine_config(cfg: RolloutConfig, device: str, seed: int) -> EngineC
         device=device,
         **engine_knobs(cfg),  # --enforce_eager, --moe_router_replay, --exact_logprobs, ...
     )
+
+
+def rollout_max_num_seqs(cfg: RolloutConfig) -> int:
+    """The most sequences RL's engine decodes together: ``DEFAULT_MAX_NUM_SEQS``, or one prompt's samples
+    (training's or evaluation's) when more, since the engine schedules a prompt's samples together."""
+    return max(DEFAULT_MAX_NUM_SEQS, cfg.n_samples_per_prompt, cfg.eval_n_samples_per_prompt)

@@ -92,8 +92,8 @@ class RolloutConfig(Checked):
     vllm_generate_batch_size: int | None = arg(
         None,
         help="prompts a generation call starts with (unset: --rollout_batch_size); more than "
-        "--rollout_batch_size over-samples, the extra groups feeding later steps (--async_train); also the "
-        "most sequences the engine decodes together",
+        "--rollout_batch_size over-samples, the extra groups feeding later steps (--async_train); as in "
+        "OpenRLHF it does not size the engine's batch (at most 256 sequences decode together)",
         check=AT_LEAST_ONE,
     )
     vllm_sync_backend: str = arg(

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from tidal.config import ConfigError
-from tidal.config.engine import DEFAULT_MAX_NUM_SEQS
+from tidal.config.engine import rollout_max_num_seqs
 from tidal.config.placement import separate_critic, separate_engines, separate_reference
 from tidal.config.ppo import PPORun
 from tidal.logging import get_logger
@@ -70,7 +70,7 @@ def settings_of(run: PPORun, dp_size: int) -> MemorySettings:
         micro_train_batch_size=run.train.micro_train_batch_size,
         micro_rollout_batch_size=r.micro_rollout_batch_size,
         total_len=r.total_len,
-        max_num_seqs=r.vllm_generate_batch_size or DEFAULT_MAX_NUM_SEQS,
+        max_num_seqs=rollout_max_num_seqs(r),
         gradient_checkpointing=run.actor.gradient_checkpointing,
         adam_offload=run.dist.adam_offload,
         lora_rank=run.actor.lora_rank,
