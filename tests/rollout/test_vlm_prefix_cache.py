@@ -64,7 +64,7 @@ def _engine(vlm, device: str = "cpu", **features) -> LLMEngine:
         device=device, dtype="float32", max_model_len=128, block_size=BS, num_kv_blocks=256, **features
     )
     return LLMEngine(
-        model=hf.to(device),
+        model=hf,
         tokenizer=processor.tokenizer,
         config=config,
         image_processor=processor.image_processor,
@@ -256,3 +256,30 @@ def test_chunked_prefill_keeps_images_whole(vlm, monkeypatch):
         assert_same_outputs(expected, chunked.generate(batch, GREEDY, multi_modal=images))
     assert not any(cuts) and max(sizes) == 4 and len(cuts) > 2 * len(batch)
     assert chunked.scheduler.num_cached_tokens > 0
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_with_prefix_caching_and_chunked_prefill(vlm):
+    """On CUDA (float32, Triton context attention, decode under CUDA graphs reading the delta table):
+    prefix caching + chunked prefill with images give the plain CUDA engine's tokens, log-probs within
+    1e-4, twice (the second run hits the cache); the batch holds two prompts sharing their first blocks
+    with images of 4 and 1 tokens (different decode deltas) and a prompt ending with its image."""
+    family = vlm[0]
+    plain = _engine(vlm, "cuda")
+    both = _engine(
+        vlm, "cuda", enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=3
+    )
+    assert both.runner.graphs is not None
+    prompts = _prompts(vlm)
+    batch = [prompts["one"], prompts["one"], prompts["two"], prompts["last"]]
+    images = [
+        _mm(_image(30, 2, family)),
+        _mm(_image(31, 1, family)),
+        _mm(_image(30, 2, family), _image(32, 2, family)),
+        _mm(_image(33, 2, family)),
+    ]
+    expected = plain.generate(batch, GREEDY, multi_modal=images)
+    for _ in range(2):
+        got = both.generate(batch, GREEDY, multi_modal=images)
+        assert_same_outputs(expected, got, tol=1e-4)
+    assert both.scheduler.num_cached_tokens > 0
