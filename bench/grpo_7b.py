@@ -17,6 +17,15 @@ tokens per second: generated tokens / step time, trained tokens (prompt + respon
 headline ``tokens_per_s``, docs/architecture.md section 6's definition; the issue's target is >= 3,000), and
 both added (``generated_plus_trained_tokens_per_s``).
 
+``--config qwen3.5-0.8b`` (issue #31) runs the same workload on Qwen3.5's smallest released shape
+(``bench/family_shapes.py``; ``tiny-qwen3.5`` is its CPU smoke run), full parameters without
+``--adam_offload`` (the memory plan asks for it only at 7B). Hybrid models (Gated DeltaNet layers) run each
+side twice, ``--fla off on``: with flash-linear-attention unimportable in the process (transformers'
+Gated DeltaNet forward/backward then takes its torch fallback, as for a user without ``fla``) and with it
+(transformers' fast path; causal-conv1d has no pure-Python wheel, so the convolution stays torch's in
+both). The JSON records the path the trainer's model took (``hf_kernels``); tidal's engine runs its own
+torch kernels unless ``TIDAL_FLA=1`` is set in the environment (``engine_fla``).
+
 TRL's ``GRPOTrainer`` runs the same workload (same checkpoint, prompts, reward, batch, lengths, gradient
 checkpointing, bf16) in a process of its own when ``trl`` is installed; otherwise, or when it fails (out of
 memory included), the JSON says why it was skipped. TRL trains bf16 weights with bf16 AdamW moments and
@@ -25,11 +34,15 @@ generates with ``transformers.generate`` (no vLLM on these machines); tidal keep
     python bench/grpo_7b.py --device cuda                       # full and lora, then TRL
     python bench/grpo_7b.py --device cuda --modes lora --steps 3
     python bench/grpo_7b.py --config tiny --steps 1             # CPU smoke run (< 1 minute)
+    python bench/grpo_7b.py --device cuda --config qwen3.5-0.8b --modes full --steps 1
+    python bench/grpo_7b.py --config tiny-qwen3.5 --modes full --steps 1   # CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import random
 import statistics
@@ -40,6 +53,8 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
+from family_shapes import FAMILY_SHAPES, family_config  # noqa: E402
+from rollout import module_kernels  # noqa: E402
 from train_step import CONFIGS, model_config, versions  # noqa: E402
 
 PHASES = ("generate", "make_experience", "advantages", "train", "sync_weights")
@@ -48,6 +63,10 @@ ISSUE_FLAGS = (
     "--param_dtype", "bf16", "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "256",
 )  # fmt: skip
 MODE_FLAGS = {"full": ("--adam_offload",), "lora": ("--lora_rank", "64", "--lora_alpha", "128")}
+ADAM_OFFLOAD = {"qwen2.5-7b"}  # the configs whose full-parameter run needs --adam_offload on one H200
+# The workload's shapes: train_step's Qwen2.5 ones, Qwen3.5-0.8B's, and a tiny Qwen3.5 for CPU smoke runs.
+WORKLOADS = sorted([*CONFIGS, "qwen3.5-0.8b", "tiny-qwen3.5"])
+HYBRID = {"qwen3.5-0.8b", "tiny-qwen3.5"}  # Gated DeltaNet models: each side runs without and with fla
 BASE_VOCAB = 512  # the trained part of the tokenizer; the rest of the model's vocab are added tokens
 REWARD = '''def reward_func(queries, prompts, labels, **kwargs):
     """A rule with spread: how many of the response's characters are digits, of every 10."""
@@ -60,7 +79,7 @@ REWARD = '''def reward_func(queries, prompts, labels, **kwargs):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="qwen2.5-7b", choices=sorted(CONFIGS))
+    p.add_argument("--config", default="qwen2.5-7b", choices=WORKLOADS)
     p.add_argument("--device", default="cpu", help="cuda or cpu (where the run trains)")
     p.add_argument("--modes", nargs="+", default=["full", "lora"], choices=sorted(MODE_FLAGS))
     p.add_argument("--steps", type=int, default=2, help="timed RL steps after the warm-up one")
@@ -70,9 +89,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new_tokens", type=int, default=256)
     p.add_argument("--workdir", default="/tmp/tidal_grpo_7b", help="checkpoint, data and outputs")
     p.add_argument("--no_trl", action="store_true", help="skip TRL's GRPOTrainer")
+    p.add_argument(
+        "--fla", nargs="+", default=["off", "on"], choices=["off", "on"],
+        help="hybrid models: run each side with flash-linear-attention blocked (off) and/or importable (on)",
+    )  # fmt: skip
     p.add_argument("--child", choices=[*MODE_FLAGS, "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--child_fla", choices=["off", "on"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.config == "tiny":  # a CPU smoke run: few short samples
+    if args.config.startswith("tiny"):  # a CPU smoke run: few short samples
         args.prompts, args.n, args.prompt_len, args.new_tokens = 4, 2, 8, 8
     return args
 
@@ -89,10 +113,9 @@ def build_checkpoint(folder: Path, config_name: str, device: str) -> Path:
     if (folder / "config.json").exists():
         return folder
     tokenizer = build_tiny_tokenizer(folder, vocab_size=BASE_VOCAB, seed=0)
-    vocab = CONFIGS[config_name]["vocab_size"]
-    tokenizer.add_tokens([f"<x{i}>" for i in range(vocab - len(tokenizer))])
+    config = workload_config(config_name)
+    tokenizer.add_tokens([f"<x{i}>" for i in range(config.vocab_size - len(tokenizer))])
     tokenizer.save_pretrained(folder)
-    config = model_config(config_name)
     config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     torch.manual_seed(0)
@@ -100,6 +123,33 @@ def build_checkpoint(folder: Path, config_name: str, device: str) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="5GB")
     return folder
+
+
+def workload_config(name: str):
+    """The HF config of a ``WORKLOADS`` shape."""
+    if name in FAMILY_SHAPES:
+        return family_config(name)
+    if name == "tiny-qwen3.5":
+        from tidal.testing.tiny import tiny_config
+
+        return tiny_config("qwen3_5_text", vocab_size=1024)
+    return model_config(name)
+
+
+def block_fla() -> None:
+    """Make flash-linear-attention (and causal-conv1d) unimportable in this process, before transformers'
+    Qwen3.5 modeling resolves its kernels at import: its torch fallback, what a user without them gets."""
+    for name in ("fla", "causal_conv1d"):
+        sys.modules[name] = None  # ``import fla`` now raises ImportError; ``find_spec`` returns None
+
+
+def kernel_paths(config_name: str) -> dict | None:
+    """Hybrid workloads: the implementation transformers' Qwen3.5 Gated DeltaNet functions resolved to."""
+    if config_name not in HYBRID:
+        return None
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    return module_kernels(modeling_qwen3_5)
 
 
 def write_data(folder: Path, args: argparse.Namespace) -> tuple[Path, Path]:
@@ -128,8 +178,14 @@ def tidal_flags(args, folder: Path, mode: str) -> list[str]:
         "--init_kl_coef", "0", "--rollout_batch_size", str(args.prompts), "--n_samples_per_prompt", str(args.n),
         "--train_batch_size", str(samples), "--prompt_max_len", str(2 * args.prompt_len),
         "--generate_max_len", str(args.new_tokens), "--num_episodes", "1", "--actor_learning_rate", "1e-6",
-        "--save_path", str(folder / f"out_{mode}"), "--save_steps", "-1", *ISSUE_FLAGS, *MODE_FLAGS[mode],
+        "--save_path", str(folder / f"out_{mode}"), "--save_steps", "-1", *ISSUE_FLAGS, *mode_flags(args, mode),
     ]  # fmt: skip
+
+
+def mode_flags(args, mode: str) -> tuple[str, ...]:
+    if mode == "full" and args.config not in ADAM_OFFLOAD:
+        return ()
+    return MODE_FLAGS[mode]
 
 
 # ---- one mode, in its own process ---------------------------------------------------------------------
@@ -165,6 +221,11 @@ def run_tidal(args, folder: Path, mode: str) -> dict:
         ),
         "reward": round(statistics.mean(h["reward"] for h in timed), 4),
     }
+    result["hf_kernels"] = kernel_paths(args.config)
+    if args.config in HYBRID:
+        from tidal.rollout.models.gated_delta import USE_FLA, fla_installed
+
+        result["engine_fla"] = USE_FLA and torch.cuda.is_available() and fla_installed()
     peaks = [v for h in timed for k, v in h.items() if k.startswith("memory/peak_gb")]
     if peaks:
         result["peak_mem_gb"] = max(peaks)
@@ -213,19 +274,26 @@ def run_trl(args, folder: Path) -> dict:
         "step_s": round(step_s, 3),
         "warmup_step_s": round(times[0], 3),
         "tokens_per_s": round(tokens / step_s),
+        "hf_kernels": kernel_paths(args.config),
+        "trl": importlib.metadata.version("trl"),
+        "generation": "transformers.generate (use_vllm=False: no vLLM on the device)",
     }
 
 
 def child(args) -> dict:
+    if args.child_fla == "off":
+        block_fla()
     folder = Path(args.workdir)
     if args.child == "trl":
         return run_trl(args, folder)
     return run_tidal(args, folder, args.child)
 
 
-def in_process(args, what: str) -> dict:
+def in_process(args, what: str, fla: str | None = None) -> dict:
     """One mode (or TRL) in a fresh process; its last stdout line is its JSON, else the reason it failed."""
     cmd = [sys.executable, __file__, *sys.argv[1:], "--child", what]
+    if fla is not None:
+        cmd += ["--child_fla", fla]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode == 0 and lines:
@@ -243,19 +311,30 @@ def main(argv=None) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     build_checkpoint(folder / "model", args.config, args.device)
     write_data(folder, args)
-    out = {"bench": "grpo_7b", **versions(), "config": args.config, "prompts": args.prompts, "n": args.n,
-           "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "steps": args.steps,
-           "flags": " ".join(ISSUE_FLAGS)}  # fmt: skip
+    out = {"bench": "grpo_7b", **versions(), "config": args.config, "device": args.device,
+           "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+           "steps": args.steps, "flags": " ".join(ISSUE_FLAGS)}  # fmt: skip
     for mode in args.modes:
-        out[mode] = {"extra_flags": " ".join(MODE_FLAGS[mode]), **in_process(args, mode)}
+        out[mode] = {"extra_flags": " ".join(mode_flags(args, mode)), **variants(args, mode)}
     if args.no_trl:
         out["trl"] = {"skipped": "--no_trl"}
     else:
-        import importlib.util
-
         found = importlib.util.find_spec("trl") is not None
-        out["trl"] = in_process(args, "trl") if found else {"skipped": "trl is not installed"}
+        out["trl"] = variants(args, "trl") if found else {"skipped": "trl is not installed"}
     print(json.dumps(out))
+
+
+def variants(args, what: str) -> dict:
+    """``what`` in its own process; for hybrid models once per ``--fla`` setting (keys fla_off, fla_on)."""
+    if args.config not in HYBRID:
+        return in_process(args, what)
+    fla_found = importlib.util.find_spec("fla") is not None
+    return {
+        f"fla_{fla}": in_process(args, what, fla)
+        if fla == "off" or fla_found
+        else {"skipped": "fla (flash-linear-attention) is not installed"}
+        for fla in args.fla
+    }
 
 
 if __name__ == "__main__":

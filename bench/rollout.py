@@ -5,9 +5,13 @@ Greedy decoding (``--temperature`` > 0: sampling), every sample runs exactly ``-
 for our engine:
 
 - ``decode_step_ms``: (time of the full run - time of a prefill-only run) / (new_tokens - 1);
-- ``roofline_fraction``: bytes one decode step must read (every weight once, plus the KV cache of the
-  average context, prompt_len + new_tokens / 2) / decode step time, over ``--peak_tb_s`` (4.3 TB/s: the
+- ``roofline_fraction``: bytes one decode step must move (``bench/decode_roofline.py``: every weight
+  once, of an MoE's routed experts those the batch's tokens pick, the KV cache of each attention layer
+  over the context up to its sliding window, linear-attention layers' recurrent states read and written;
+  split by part in ``decode_gb``) / decode step time, over ``--peak_tb_s`` (4.3 TB/s: the
   device-to-device copy bandwidth measured on the H200);
+- ``cuda_graphs`` / ``engine_async``: whether the engine's decode steps ran in CUDA graphs and were
+  launched ahead (a family may refuse either: ``registry.Family.refuses``);
 - ``update_weights_ms``: ``engine.update_weights(hf_model.named_parameters())``, tensors on the device;
 - ``graph_pool_mb``: memory held by the CUDA graph of the benchmark's batch bucket.
 
@@ -23,10 +27,23 @@ on a random-init model: each sample stops with probability about ``F`` per token
 at different steps; steps launched ahead after a stop are discarded); ``tidal_tokens_per_s`` then counts
 the tokens generated (use with ``--skip_hf``).
 
+Random-init shapes (``--config``): Qwen2.5's here, and the issue #31 families' from
+``bench/family_shapes.py`` (``qwen3.5-0.8b``, ``qwen3.5-9b``, ``qwen3.5-35b-a3b``, ``gpt-oss-20b``, bf16 and
+not MXFP4), built directly on the device. No checkpoint is written: the engine copies the HF model's
+weights. When two copies would not fit the GPU (the 35B MoE), HF's runs come first, then the HF model
+moves to host memory before the engine is built (``hf_offloaded``; ``update_weights_ms`` is then not
+measured). For MoE models on CUDA, HF runs its experts with ``grouped_mm`` throughout
+(``bench/moe.py``'s ``keep_grouped_mm``: ``generate``'s default ``batched_mm`` copies each token's
+experts' weights and runs out of memory at batch 256). ``hf_kernels`` records the path HF's Gated
+DeltaNet layers took: flash-linear-attention's kernels when ``fla`` is importable, else transformers'
+torch fallback, which is what a user without ``fla`` gets; ``engine_fla`` whether the engine ran fla's
+(``TIDAL_FLA=1``).
+
 ``--hf_new_tokens`` caps HF's run (its tokens/s is then measured over that many new tokens, which flatters
 HF: its per-token cost grows with the context); ``--skip_hf`` leaves HF out.
 
     python bench/rollout.py                                    # tiny qwen2 model on CPU, < 1 minute
+    python bench/rollout.py --tiny qwen3_5_text                # any family's tiny model (CPU smoke run)
     python bench/rollout.py --batch 16 --prompt_len 32 --new_tokens 64 --threads 1 --repeats 3
     python bench/rollout.py --config qwen2.5-0.5b --device cuda --batch 256 --prompt_len 128 --new_tokens 512
     python bench/rollout.py --config qwen2.5-0.5b --device cuda --batch 256 --prompt_len 128 --new_tokens 512 \
@@ -36,11 +53,14 @@ HF: its per-token cost grows with the context); ``--skip_hf`` leaves HF out.
     python bench/rollout.py --model path/to/hf_folder --device cuda --dtype bfloat16
     python bench/rollout.py --config qwen2.5-14b --device cuda --batch 256 --prompt_len 128 --new_tokens 512 \
         --skip_hf --tp_size 2
+    python bench/rollout.py --config qwen3.5-0.8b --device cuda --batch 256 --prompt_len 128 --new_tokens 512 \
+        --hf_new_tokens 128
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import sys
@@ -49,6 +69,10 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_roofline import decode_bytes  # noqa: E402
+from family_shapes import FAMILY_SHAPES  # noqa: E402
 
 # Qwen2.5-0.5B's shapes, for a random-init model (no hub access needed).
 CONFIGS = {
@@ -99,6 +123,7 @@ CONFIGS = {
         bos_token_id=151643,
         eos_token_id=151645,
     ),
+    **FAMILY_SHAPES,
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -108,6 +133,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model", help="HF model folder")
     source.add_argument("--config", choices=sorted(CONFIGS), help="random-init model of this shape")
+    source.add_argument(
+        "--tiny", metavar="MODEL_TYPE", help="tidal.testing's tiny model of this family (the default: qwen2)"
+    )
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt_len", type=int, default=32)
     p.add_argument("--new_tokens", type=int, default=64)
@@ -153,7 +181,7 @@ def load_hf_model(args, dtype: torch.dtype, tmp: str):
         return model.eval(), None
     from tidal.testing import build_tiny_model
 
-    path = build_tiny_model(Path(tmp) / "tiny", "qwen2", seed=args.seed)
+    path = build_tiny_model(Path(tmp) / "tiny", args.tiny or "qwen2", seed=args.seed)
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(args.device).eval(), str(path)
 
 
@@ -167,15 +195,76 @@ def timed(fn, device: str) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
-def decode_bytes(engine, batch: int, avg_context: float) -> float:
-    """Bytes one decode step must read: every weight once (an untied input embedding only reads
-    ``batch`` rows) plus the KV cache of ``avg_context`` tokens per sequence."""
-    model = engine.model
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not model.args.tie_word_embeddings:
-        weights -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
-    kv_per_token = type(engine.runner).bytes_per_block(model.args, 1, engine.dtype)
-    return weights + batch * avg_context * kv_per_token
+def hf_kernel_origin(fn) -> str:
+    """Where transformers' kernel-or-fallback function ``fn`` resolved to at import: the package's kernel
+    (its module), or "torch fallback"."""
+    cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ()), strict=True))
+    if "implementation" not in cells:
+        return "unknown"
+    impl = cells["implementation"]
+    return f"{impl.__module__}.{impl.__name__}" if cells.get("is_new_implementation") else "torch fallback"
+
+
+def hf_kernels(hf) -> dict | None:
+    """For a model with Gated DeltaNet layers (Qwen3.5): the implementation each of transformers'
+    delta-rule and convolution functions took (flash-linear-attention's / causal-conv1d's or the torch
+    fallback); None for other models."""
+    layer = next((m for m in hf.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
+    return None if layer is None else module_kernels(sys.modules[type(layer).__module__])
+
+
+def module_kernels(module) -> dict:
+    """The implementation each Gated DeltaNet function of a transformers modeling ``module`` took."""
+    names = (
+        "chunk_gated_delta_rule",
+        "recurrent_gated_delta_rule",
+        "causal_conv1d_fn",
+        "causal_conv1d_update",
+    )
+    found = {name: getattr(module, f"torch_{name}", None) or getattr(module, name, None) for name in names}
+    return {name: hf_kernel_origin(fn) for name, fn in found.items() if fn is not None}
+
+
+def hf_experts(hf, device: str) -> str | None:
+    """MoE models on CUDA: keep transformers' grouped_mm experts throughout ``generate`` (its default swaps
+    in batched_mm, which copies every token's experts' weights: out of memory at batch 256); the
+    implementation used, or the reason it could not be set. None for dense models."""
+    if not any(type(m).__name__.endswith("Experts") for m in hf.modules()):
+        return None
+    if not device.startswith("cuda"):
+        return getattr(hf.config, "_experts_implementation", None)
+    from moe import HF_GROUPED_ALIAS, keep_grouped_mm
+
+    problem = keep_grouped_mm(hf)
+    return f"default ({problem})" if problem else HF_GROUPED_ALIAS
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def needs_offload(hf, device: str) -> bool:
+    """Whether the HF model and the engine's copy of it would not both fit the GPU with room for the KV
+    cache and HF's activations (then HF runs first and moves to host memory)."""
+    if not device.startswith("cuda"):
+        return False
+    return 2 * model_bytes(hf) > 0.7 * torch.cuda.get_device_properties(device).total_memory
+
+
+def offload(hf) -> None:
+    hf.to("cpu")
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def engine_fla(engine) -> bool | None:
+    """Linear-attention models: whether the engine ran flash-linear-attention's kernels (``TIDAL_FLA=1``,
+    CUDA, ``fla`` installed); None for other models."""
+    from tidal.rollout.models.gated_delta import USE_FLA, fla_installed
+
+    if engine.model.state_spec() is None:
+        return None
+    return USE_FLA and engine.device.type == "cuda" and fla_installed()
 
 
 def graph_pool_mb(engine, batch: int) -> float | None:
@@ -209,7 +298,7 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         hf, path = load_hf_model(args, dtype, tmp)
-        vocab = hf.config.vocab_size
+        vocab, model_type = hf.config.vocab_size, hf.config.model_type
         gen = torch.Generator().manual_seed(args.seed)
         prompts = torch.randint(5, min(vocab, 100_000), (args.batch, args.prompt_len), generator=gen)
         configs = {
@@ -226,10 +315,10 @@ def main(argv=None) -> dict:
             )
             for label in (["off", "on"] if args.async_scheduling == "both" else [args.async_scheduling])
         }
-        engines = {label: LLMEngine(path, config, model=hf) for label, config in configs.items()}
-        engine = next(iter(engines.values()))
+        hf_info = {"hf_experts": hf_experts(hf, args.device), "hf_kernels": hf_kernels(hf)}
+        hf_info["hf_attn_implementation"] = getattr(hf.config, "_attn_implementation", None)
+        n_params = sum(p.numel() for p in hf.parameters())
         ids = prompts.to(args.device)
-        stops = list(range(vocab - round(args.stop_fraction * vocab), vocab))
 
         def run_hf(n=hf_new):
             with torch.inference_mode():
@@ -244,20 +333,33 @@ def main(argv=None) -> dict:
                 )
             return out[:, args.prompt_len :].tolist()
 
+        # Too large for two copies on the GPU: HF's runs first, then the HF model goes to host memory.
+        offloaded = needs_offload(hf, args.device)
+        hf_runs = []
+        if offloaded:
+            if not args.skip_hf:
+                run_hf(4)
+                hf_runs = [timed(run_hf, args.device) for _ in range(args.repeats)]
+            offload(hf)
+        engines = {label: LLMEngine(path, config, model=hf) for label, config in configs.items()}
+        engine = next(iter(engines.values()))
+        stops = list(range(vocab - round(args.stop_fraction * vocab), vocab))
+
         def run_ours(n=args.new_tokens, engine=engine):
             params = SamplingParams(
                 temperature=args.temperature, max_new_tokens=n, ignore_eos=True, stop_token_ids=stops
             )
             return [o.outputs[0] for o in engine.generate(prompts.tolist(), params)]
 
-        if not args.skip_hf:
+        hf_interleaved = not (args.skip_hf or offloaded)
+        if hf_interleaved:
             run_hf(4)  # warm-up: first-call allocations and kernel selection stay out of the timings
         for each in engines.values():
             run_ours(4, each)
         # Interleave the timed runs so that load changes on a shared machine hit all engines alike.
-        hf_runs, runs = [], {label: ([], []) for label in engines}
+        runs = {label: ([], []) for label in engines}
         for _ in range(args.repeats):
-            if not args.skip_hf:
+            if hf_interleaved:
                 hf_runs.append(timed(run_hf, args.device))
             for label, each in engines.items():
                 runs[label][0].append(timed(lambda each=each: run_ours(engine=each), args.device))
@@ -269,10 +371,16 @@ def main(argv=None) -> dict:
         our_time, our_samples, prefill_time = next(iter(timings.values()))
         our_out = [s.token_ids for s in our_samples]
         generated = sum(len(s.token_ids) for s in our_samples)
-        update_ms = update_weights_ms(engine, hf, args.device)
+        update_ms = None if offloaded else update_weights_ms(engine, hf, args.device)
         pool_mb = graph_pool_mb(engine, args.batch) if args.device.startswith("cuda") else None
         step_s = (our_time - prefill_time) / max(1, args.new_tokens - 1)
-        step_bytes = decode_bytes(engine, args.batch, args.prompt_len + args.new_tokens / 2)
+        parts = decode_bytes(engine, args.batch, args.prompt_len, args.new_tokens)
+        step_bytes = parts["total"]
+        engine_info = {
+            "cuda_graphs": engine.runner.graphs is not None,
+            "engine_async": engine.async_scheduling,
+            "engine_fla": engine_fla(engine),
+        }
         if args.async_scheduling == "both":
             on_time, on_samples, on_prefill = timings["on"]
             on_step_s = (on_time - on_prefill) / max(1, args.new_tokens - 1)
@@ -297,7 +405,9 @@ def main(argv=None) -> dict:
             each.close()
     result = {
         "bench": "rollout",
-        "model": args.model or args.config or "tiny-qwen2",
+        "model": args.model or args.config or f"tiny-{args.tiny or 'qwen2'}",
+        "model_type": model_type,
+        "params_b": round(n_params / 1e9, 3),
         "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
         "dtype": str(dtype).removeprefix("torch."),
@@ -315,9 +425,13 @@ def main(argv=None) -> dict:
         "prefill_s": round(prefill_time, 4),
         "decode_step_ms": round(step_s * 1e3, 3),
         "decode_gb_per_step": round(step_bytes / 1e9, 3),
+        "decode_gb": {part: round(b / 1e9, 3) for part, b in parts.items() if part != "total"},
         "roofline_fraction": round(step_bytes / step_s / (args.peak_tb_s * 1e12), 3),
         "update_weights_ms": update_ms,
         "graph_pool_mb": pool_mb,
+        **engine_info,
+        "hf_offloaded": offloaded,
+        **hf_info,
     }
     if args.async_scheduling == "both":
         result["async_on"] = async_on

@@ -148,7 +148,8 @@ class DecoderArgs:
             model_type=config.model_type,
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
+            # A family may pass it (Qwen3.5-MoE configs have only ``moe_intermediate_size``).
+            intermediate_size=overrides.get("intermediate_size") or config.intermediate_size,
             num_layers=config.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
