@@ -1,0 +1,108 @@
+"""FP8 rollouts on CUDA (skipped without a GPU): ``torch._scaled_mm`` against the emulated product on
+model-sized shapes, the fused MoE kernels on e4m3 experts against the dequantized reference, and the
+engine with CUDA graphs and async scheduling across a weight sync.
+
+Tolerances: the CUDA GEMM also quantizes the activations per token (3 mantissa bits), which moves a
+product of random operands by ~2.6% of its norm (measured with the emulation on the CPU); the emulated
+reference rounds the weights only. A dropped or transposed scale would be off by far more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.rollout.reference import PROMPTS, greedy
+
+pytestmark = pytest.mark.gpu
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("granularity", ["channel", "block"])
+@pytest.mark.parametrize(("tokens", "out_features", "in_features"), [(1, 4096, 4096), (256, 11008, 4096),
+                                                                     (3000, 896, 4864)])  # fmt: skip
+def test_scaled_mm_matches_the_emulated_product(granularity, tokens, out_features, in_features):
+    from tidal.rollout.quant.fp8 import dequantize, quantize
+    from tidal.rollout.quant.linear import Target, fp8_linear, scaled_mm_problem
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, in_features, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(out_features, in_features, device="cuda", generator=gen) * 0.02).bfloat16()
+    module = torch.nn.Linear(in_features, out_features, bias=False, device="cuda", dtype=torch.bfloat16)
+    assert (
+        scaled_mm_problem(Target(module, {"weight": (out_features,)}), granularity) is None
+    )  # the probe ran
+    q, scales = quantize(w, granularity)
+    got = fp8_linear(x, q, scales, granularity)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, out_features)
+    emulated = F.linear(x.float(), dequantize(q, scales, granularity, torch.float32))
+    assert _rel(got, emulated) < 0.04
+    assert _rel(got, F.linear(x.float(), w.float())) < 0.05  # and the bf16 product itself
+    wrong = scales.flip(0)  # another row's scales: a bookkeeping bug
+    assert _rel(fp8_linear(x, q, wrong, granularity), emulated) > 0.2
+
+
+@pytest.mark.parametrize("tokens", [4, 300])
+def test_fused_moe_on_fp8_experts_matches_the_dequantized_reference(tokens):
+    from tidal.rollout.kernels.triton_moe import fused_expert_forward
+    from tidal.rollout.models.moe import route_torch, unfused_expert_forward
+    from tidal.rollout.quant.fp8 import dequantize, quantize
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    experts, hidden, inter, top_k = 64, 2048, 768, 8  # Qwen3-30B-A3B's expert shapes
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
+    gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) * 0.02).bfloat16()
+    down = (torch.randn(experts, hidden, inter, device="cuda", generator=gen) * 0.02).bfloat16()
+    weights, ids = route_torch(torch.randn(tokens, experts, device="cuda", generator=gen).bfloat16(), top_k,
+                               True, True)  # fmt: skip
+    q_gu, s_gu = quantize(gate_up, "channel")
+    q_d, s_d = quantize(down, "channel")
+    got = fused_expert_forward(x, q_gu, q_d, weights, ids, scales=(s_gu[..., 0], s_d[..., 0]))
+    ref = unfused_expert_forward(
+        x.float(), dequantize(q_gu, s_gu, "channel", torch.float32), dequantize(q_d, s_d, "channel", torch.float32),
+        weights.float(), ids, F.silu,
+    )  # fmt: skip
+    assert got.dtype == torch.bfloat16
+    assert _rel(got, ref) < 1e-2  # weight-only FP8: bf16 roundings only
+    swapped = fused_expert_forward(x, q_gu, q_d, weights, ids, scales=(s_gu.flip(1)[..., 0], s_d[..., 0]))
+    assert _rel(swapped, ref) > 0.1
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_cuda_graphs_and_async_scheduling_stay_valid_across_a_sync(family):
+    """bf16 engines with CUDA graphs and async scheduling: before and after a weight sync (the FP8 buffers
+    rewritten in place under the captured graphs) they generate what an eager engine does; the LM head
+    (a 152k vocabulary) and the embeddings stay bf16."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.rollout.reference import assert_same_start
+    from tidal.rollout import EngineConfig, LLMEngine
+    from tidal.testing.tiny import tiny_config
+
+    config = tiny_config(family, vocab_size=151936, hidden_size=256, intermediate_size=512,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+
+    def model(seed: int):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+
+    def engine(weights, **kw):
+        settings = EngineConfig(device="cuda", dtype="bfloat16", quantization="fp8", max_model_len=256, **kw)
+        return LLMEngine(config=settings, model=weights)
+
+    old, new = model(0), model(1)
+    graphs = engine(old)
+    modes = graphs.model.fp8.modes()
+    assert "emulated" not in modes and modes.get("scaled_mm", 0) > 0, modes
+    assert ("triton_fp8" in modes) == (family == "qwen3_moe")
+    assert graphs.model.lm_head.weight.dtype == torch.bfloat16 and "lm_head" not in graphs.model.fp8.targets
+    assert graphs.async_scheduling and not graphs.eager
+    assert_same_start(engine(old, enforce_eager=True).generate(PROMPTS, greedy(12)),
+                      graphs.generate(PROMPTS, greedy(12)))  # fmt: skip
+    graphs.update_weights(new.named_parameters())
+    assert_same_start(engine(new, enforce_eager=True).generate(PROMPTS, greedy(12)),
+                      graphs.generate(PROMPTS, greedy(12)))  # fmt: skip
