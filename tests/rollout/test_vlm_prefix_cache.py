@@ -9,7 +9,8 @@ the prompt but the last token's, another image with the same text only the block
 placeholder, two images up to the first one that differs. The vision tower runs only for images not
 entirely cached; a cached prefix that would cut an image is cut back to the image's start. Two prompts
 sharing a cached first block but with images of different sizes (different decode rotary deltas) run
-in one batch; n samples share a prefill; chunked prefill never cuts an image.
+in one batch; n samples share a prefill; a next turn reuses the image and the answer's blocks;
+preempted image sequences recompute; chunked prefill never cuts an image.
 """
 
 from __future__ import annotations
@@ -60,9 +61,8 @@ def vlm(request, tmp_path_factory):
 
 def _engine(vlm, device: str = "cpu", **features) -> LLMEngine:
     _, hf, processor, _ = vlm
-    config = EngineConfig(
-        device=device, dtype="float32", max_model_len=128, block_size=BS, num_kv_blocks=256, **features
-    )
+    features = {"num_kv_blocks": 256, **features}
+    config = EngineConfig(device=device, dtype="float32", max_model_len=128, block_size=BS, **features)
     return LLMEngine(
         model=hf,
         tokenizer=processor.tokenizer,
@@ -154,6 +154,41 @@ def test_hits_and_outputs_for_repeated_other_and_two_images(vlm, monkeypatch):
         if hits == 0:  # nothing cached: the context prefill computes exactly the plain prefill's values
             assert expected[0].outputs[0].logprobs == got[0].outputs[0].logprobs
     assert cached.block_manager.num_free_blocks == cached.num_kv_blocks
+
+
+def test_next_turn_reuses_the_image_and_the_answer(vlm):
+    """Turn 2 = turn 1's prompt (image tokens expanded) + its answer + new text, with the same image: the
+    blocks turn 1 filled while decoding are cached when it ends, so all but the new text is reused."""
+    family = vlm[0]
+    plain, cached = _engine(vlm), _engine(vlm, enable_prefix_caching=True)
+    image = [_mm(_image(15, 2, family))]
+    first = cached.generate([_prompts(vlm)["one"]], GREEDY, multi_modal=image)[0]
+    history = first.prompt_token_ids + first.outputs[0].token_ids + [60, 61, 62]  # 13 + 6 + 3 tokens
+    got, (hits, computed) = _run_and_count(cached, [history], GREEDY, image)
+    assert_same_outputs(plain.generate([history], GREEDY, multi_modal=image), got)
+    assert (hits, computed) == (18, 4)  # turn 1's 19 tokens but the last (never computed): 9 blocks
+
+
+def test_preempted_image_sequences_with_the_cache_on(vlm):
+    """A KV cache too small for the batch preempts image sequences; recomputed (their prompt and outputs,
+    through the cache where it holds their blocks), they give the plain engine's outputs."""
+    family = vlm[0]
+    prompts = _prompts(vlm)
+    batch = [prompts["one"], prompts["two"], prompts["one"], prompts["last"]]
+    images = [
+        _mm(_image(16, 2, family)),
+        _mm(_image(16, 2, family), _image(17, 1, family)),
+        _mm(_image(18, 1, family)),
+        _mm(_image(19, 2, family)),
+    ]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    expected = _engine(vlm).generate(batch, params, multi_modal=images)
+    small = _engine(vlm, enable_prefix_caching=True, num_kv_blocks=24)  # 48 token slots
+    preempted = []
+    preempt = small.scheduler._preempt
+    small.scheduler._preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))
+    assert_same_outputs(expected, small.generate(batch, params, multi_modal=images))
+    assert preempted and small.block_manager.num_free_blocks == 24
 
 
 @torch.inference_mode()
