@@ -6,8 +6,8 @@ so a key names the block's tokens *and* every token before them, i.e. the exact 
 given weights. Image placeholder tokens (vision families) all have one id, so a block holding some also
 keys, per image, the image's content hash and the placeholders' offsets within it (``BlockKeys``:
 ``multimodal.PromptImages.block_key``): the same text with the same image shares blocks, with another
-image only the blocks before its first placeholder. ``PrefixCache`` maps keys to block ids. ``BlockManager`` (block_manager.py) owns the
-policy around it:
+image only the blocks before its first placeholder. ``PrefixCache`` maps keys to block ids.
+``BlockManager`` (block_manager.py) owns the policy around it:
 
 - a new sequence looks up the longest chain of its prompt's full blocks (leaving at least one token to
   compute, whose logits sample the first new token) and shares those blocks by reference count; they
