@@ -1,5 +1,7 @@
 """Qwen3.5 on CUDA (skipped without a GPU): flash-linear-attention's kernels against the torch gated delta
-rule, and the hybrid engine on the GPU (fla's kernels when installed, and the torch path)."""
+rule, and the hybrid engine on the GPU (fla's kernels when installed, and the torch path): CUDA graphs and
+async scheduling against the eager synchronous engine and transformers, n samples, requests joining and
+finishing mid-decode."""
 
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ def test_cuda_engine_matches_the_cpu_engine_and_transformers(family, kernels, ti
     params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
     config = EngineConfig(device="cuda", dtype="float32", max_model_len=128, block_size=4)
     engine = LLMEngine(path, config)
-    assert engine.eager  # CUDA graphs are refused for the family: eager decode
+    assert not engine.eager and engine.async_scheduling  # CUDA graphs and steps launched ahead
     outputs = [out.outputs[0] for out in engine.generate(PROMPTS, params)]
     if kernels == "torch":
         cpu = LLMEngine(path, cpu_config(max_model_len=128, block_size=4))
@@ -99,3 +101,93 @@ def test_cuda_engine_matches_the_cpu_engine_and_transformers(family, kernels, ti
     assert [[s.token_ids for s in o.outputs] for o in first] == [
         [s.token_ids for s in o.outputs] for o in again
     ]
+
+
+def _fields(out) -> list:
+    return [(s.token_ids, s.logprobs, s.finish_reason, s.stop_reason) for s in out.outputs]
+
+
+def _drive(engine: LLMEngine) -> list:
+    """Requests joining while others decode and finishing at different steps (stop ids, lengths, an abort);
+    every step's finished outputs."""
+    log, ids = [], []
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=24, seed=5, n=3, stop_token_ids=range(300, 340))
+    ids.append(engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=30)))
+    ids.append(engine.add_request(PROMPTS[2], sampled))
+    for step in range(40):
+        if step == 3:
+            ids.append(
+                engine.add_request(PROMPTS[1], SamplingParams(temperature=0.7, max_new_tokens=9, seed=1))
+            )
+        if step == 6:
+            ids.append(
+                engine.add_request(
+                    PROMPTS[3], SamplingParams(temperature=1.0, max_new_tokens=20, seed=2, n=2)
+                )
+            )
+        if step == 9:
+            log.append(engine.abort(ids[0]))
+        log.append([_fields(o) for o in engine.step() if o.finished])
+    while engine.has_unfinished():
+        log.append([_fields(o) for o in engine.step() if o.finished])
+    return log
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("kernels", ["torch", "fla"])
+def test_cuda_graphs_and_async_scheduling_match_eager_and_transformers(
+    family, kernels, tiny_model, monkeypatch
+):
+    """float32 on CUDA: the engine with CUDA graphs and async scheduling (states double buffered) gives the
+    eager synchronous engine's greedy tokens and transformers' greedy completions; with n samples and
+    requests joining and finishing mid-decode, the graphs' synchronous loop's outputs bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    if kernels == "fla":
+        if not gated_delta.fla_installed():
+            pytest.skip("flash-linear-attention is not installed")
+        monkeypatch.setattr(gated_delta, "USE_FLA", True)
+    path = tiny_model(family, logit_scale=4.0)
+    base = dict(device="cuda", dtype="float32", max_model_len=128, block_size=4, max_num_seqs=16)
+    eager = LLMEngine(path, EngineConfig(enforce_eager=True, async_scheduling=False, **base))
+    graphs = LLMEngine(path, EngineConfig(async_scheduling=False, **base))
+    fast = LLMEngine(path, EngineConfig(async_scheduling=True, **base))
+    fast.ahead_policy.max_miss_rate = 1.0
+    assert eager.runner.graphs is None and graphs.runner.graphs is not None
+    assert fast.runner.graphs is not None and fast.async_scheduling and fast.runner.states.double
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    want = [o.outputs[0] for o in eager.generate(PROMPTS, greedy)]
+    for engine in (graphs, fast):
+        got = [o.outputs[0] for o in engine.generate(PROMPTS, greedy)]
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4, rtol=0)
+        assert engine.runner.graphs.graphs  # decode replayed captured graphs
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).cuda().eval()
+    for prompt, sample in zip(PROMPTS, want, strict=True):
+        ids = torch.tensor([prompt], device="cuda")
+        ref = hf.generate(ids, do_sample=False, max_new_tokens=16)[0, len(prompt) :].tolist()
+        if not gated_delta.fla_installed():  # transformers stops at eos: compare up to there
+            assert sample.token_ids[: len(ref)] == ref
+        else:  # transformers runs fla's kernels, whose float32 dots run in TF32: its log-probs, to that noise
+            expected = cuda_logprobs(hf, prompt, sample.token_ids)
+            torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=2e-3, rtol=0)
+
+    # n samples (a shared prefill, copied states), stops at different steps (steps launched ahead and
+    # discarded while the other samples go on), top log-probs: the eager engine's tokens, and the graphs'
+    # synchronous loop's outputs bit for bit.
+    params = [
+        SamplingParams(temperature=1.0, max_new_tokens=20, seed=1, n=4, stop_token_ids=range(300, 360)),
+        SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=13, seed=2, n=2, logprobs=2),
+        SamplingParams(temperature=0.0, max_new_tokens=25),
+        SamplingParams(temperature=1.0, max_new_tokens=6, seed=3, n=3),
+    ]
+    outs = [engine.generate(PROMPTS, params) for engine in (eager, graphs, fast)]
+    tokens = [[[s.token_ids for s in o.outputs] for o in out] for out in outs]
+    assert tokens[0] == tokens[1] == tokens[2]
+    assert [_fields(o) for o in outs[1]] == [_fields(o) for o in outs[2]]
+    assert 0 < fast.ahead_stats.used < fast.ahead_stats.launched
+    # Continuous batching through the step API.
+    assert _drive(fast) == _drive(graphs)
+    assert fast.block_manager.state_slots.num_free == 16 and not fast.has_unfinished()
