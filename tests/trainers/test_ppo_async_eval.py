@@ -68,12 +68,12 @@ def training(history: list[dict]) -> list[dict]:
 
 
 def test_async_evaluation_logs_at_its_steps_and_trains_bit_equal(tiny_qwen2, tmp_path, monkeypatch):
-    # Over-sampling (one generation call of 6 prompts feeds 3 steps) with --max_staleness 2: the second call
-    # starts once step 3 is synced, so each batch's weights are fixed and the run is deterministic, while its
-    # batches still train 0, 1 and 2 steps after their weights (real async). 12 prompts, 6 steps.
-    base = [f"--pretrain={tiny_qwen2}", *task(tmp_path, 12), "--rollout_batch_size", "2",
-            "--vllm_generate_batch_size", "6", "--async_train", "--async_queue_size", "2", "--max_staleness",
-            "2", "--train_batch_size", "4", "--micro_train_batch_size", "4"]  # fmt: skip
+    # Over-sampling (one generation call of 4 prompts feeds 2 steps) with --max_staleness 1: the second call
+    # starts once step 2 is synced, so each batch's weights are fixed and the run is deterministic, while its
+    # second batch still trains 1 step after its weights (real async). 8 prompts, 4 steps.
+    base = [f"--pretrain={tiny_qwen2}", *task(tmp_path, 8), "--rollout_batch_size", "2",
+            "--vllm_generate_batch_size", "4", "--async_train", "--async_queue_size", "2", "--max_staleness",
+            "1", "--train_batch_size", "4", "--micro_train_batch_size", "4"]  # fmt: skip
     plain = run_ppo(parse_run([*base, *out_flags(tmp_path / "plain")]))
 
     syncs, evals_at = [], []  # weight syncs so far when each evaluation generated
@@ -91,13 +91,13 @@ def test_async_evaluation_logs_at_its_steps_and_trains_bit_equal(tiny_qwen2, tmp
     monkeypatch.setattr(LocalRollout, "sync_weights", counting_sync)
     monkeypatch.setattr(LocalRollout, "trajectories", recording)
     out = tmp_path / "evaluated"
-    evaluated = run_ppo(parse_run([*base, *with_eval(tmp_path, 3), *out_flags(out)]))
+    evaluated = run_ppo(parse_run([*base, *with_eval(tmp_path, 2), *out_flags(out)]))
 
-    assert [h["async/staleness_max"] for h in plain] == [0, 1, 2, 0, 1, 2]
+    assert [h["async/staleness_max"] for h in plain] == [0, 1, 0, 1]
     assert training(evaluated) == training(plain)  # the same losses, rewards, KL..., bit for bit
-    assert sorted(eval_rows(out)) == [3, 6] and evals_at == [3, 6]  # after step N's sync, before N + 1's
-    # the default --best_metric_key (pass@1: 0.5 then 1.0) kept step 6's, beside no rolling checkpoint
-    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["best_global_step_6"]
+    assert sorted(eval_rows(out)) == [2, 4] and evals_at == [2, 4]  # after step N's sync, before N + 1's
+    # the default --best_metric_key (pass@1: 0.5 then 1.0) kept step 4's, beside no rolling checkpoint
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["best_global_step_4"]
 
 
 def test_best_checkpoint_survives_rotation_and_resume_keeps_its_value(tiny_qwen2, tmp_path, crash_after):
