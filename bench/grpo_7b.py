@@ -297,9 +297,12 @@ def in_process(args, what: str, fla: str | None = None) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode == 0 and lines:
+        print(f"[bench/grpo_7b] {what} (fla {fla}): {lines[-1]}", file=sys.stderr, flush=True)
         return json.loads(lines[-1])
     errors = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-    return {"skipped": (errors[-1] if errors else f"exit status {proc.returncode}")[-500:]}
+    result = {"skipped": (errors[-1] if errors else f"exit status {proc.returncode}")[-500:]}
+    print(f"[bench/grpo_7b] {what} (fla {fla}): {json.dumps(result)}", file=sys.stderr, flush=True)
+    return result
 
 
 def main(argv=None) -> None:
