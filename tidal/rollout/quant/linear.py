@@ -186,6 +186,7 @@ def _requantize(target: Target, granularity: str, param: str, expert: int | None
         first = start if granularity == "channel" else start // BLOCK
         q_dst = getattr(target.module, f"fp8_{param}").narrow(-2, start, rows)
         s_dst = getattr(target.module, f"fp8_{param}_scale").narrow(-2, first, scales.shape[-2])
+        s_dst = s_dst.narrow(-1, 0, scales.shape[-1])  # block scales: the padding columns stay 1
         if expert is not None:
             q_dst, s_dst = q_dst[expert], s_dst[expert]
         q_dst.copy_(q)
@@ -193,16 +194,17 @@ def _requantize(target: Target, granularity: str, param: str, expert: int | None
 
 
 # ------------------------------------------------------------------------------------------ the FP8 GEMM
-_PROBES: dict[tuple[str, torch.device], str | None] = {}
+_PROBES: dict[tuple, str | None] = {}
 
 
 def scaled_mm_problem(target: Target, granularity: str) -> str | None:
-    """Why this linear layer cannot run ``torch._scaled_mm`` (None: it can)."""
+    """Why this linear layer cannot run ``torch._scaled_mm`` (None: it can). The GEMM is probed once per
+    process, granularity and weight shape (``_probe``): a torch or GPU that refuses it falls back here."""
     weight = target.module.weight
     if weight.device.type != "cuda":
         return "not on CUDA"
-    if weight.dtype not in (torch.bfloat16, torch.float16):
-        return f"{weight.dtype} engine (the FP8 GEMM writes bf16 or fp16)"
+    if weight.dtype != torch.bfloat16:  # torch's row-wise and block-wise FP8 GEMMs write bf16
+        return f"{weight.dtype} engine (the FP8 GEMM writes bfloat16)"
     if torch.cuda.get_device_capability(weight.device) < (8, 9):
         return "the GPU has no FP8 tensor cores (sm89+)"
     out_features, in_features = weight.shape
@@ -210,19 +212,20 @@ def scaled_mm_problem(target: Target, granularity: str) -> str | None:
     sizes = target.parts["weight"] if granularity == "block" else (out_features,)
     if in_features % multiple or any(size % multiple for size in sizes):
         return f"shapes not multiples of {multiple}"
-    key = (granularity, weight.device)
+    key = (granularity, weight.device, out_features, in_features)
     if key not in _PROBES:
-        _PROBES[key] = _probe(granularity, weight.device, weight.dtype)
+        _PROBES[key] = _probe(granularity, weight.device, out_features, in_features)
         if _PROBES[key]:
-            log.warning("engine: FP8 %s GEMM unusable here (%s): emulated instead", granularity, _PROBES[key])
+            log.warning("engine: FP8 %s GEMM unusable for %s (%s): emulated instead", granularity,
+                        tuple(weight.shape), _PROBES[key])  # fmt: skip
     return _PROBES[key]
 
 
-def _probe(granularity: str, device: torch.device, dtype: torch.dtype) -> str | None:
-    """Run the FP8 GEMM once on a small case and compare it with the dequantized product."""
+def _probe(granularity: str, device: torch.device, out_features: int, in_features: int) -> str | None:
+    """Run the FP8 GEMM once at this weight shape and compare it with the dequantized product."""
     gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(32, 256, generator=gen).to(device, dtype)
-    w = torch.randn(256, 256, generator=gen).to(device, dtype)
+    x = torch.randn(32, in_features, generator=gen).to(device, torch.bfloat16)
+    w = torch.randn(out_features, in_features, generator=gen).to(device, torch.bfloat16)
     q, scales = quantize(w, granularity)
     try:
         got = fp8_linear(x, q, scales, granularity).float()
@@ -233,21 +236,34 @@ def _probe(granularity: str, device: torch.device, dtype: torch.dtype) -> str | 
     return None if error < 0.1 else f"probe GEMM relative error {error:.3f}"
 
 
+def padded_columns(blocks: int) -> int:
+    """Columns of a block-scale buffer over ``blocks`` K-blocks: rounded up to a multiple of 4, the leading
+    dimension torch's 128x128 block-wise GEMM reads its column-major ``scale_b`` with."""
+    return -(-blocks // 4) * 4
+
+
+def padded_block_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Block scales [N/128, K/128] with their columns padded (ones) to ``padded_columns``; already padded
+    scales come back as they are (the modules' buffers are allocated padded, so no copy runs per step)."""
+    pad = -scales.shape[-1] % 4
+    return scales if pad == 0 else torch.nn.functional.pad(scales, (0, pad), value=1.0)
+
+
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, granularity: str) -> torch.Tensor:
-    """``x`` [..., K] times the FP8 weight ``q`` [N, K] (dequantization ``scales``) -> [..., N] in
-    ``x.dtype``: the activations quantized per token (and 128 columns for blocks), ``torch._scaled_mm``
-    applying both scales to the float32 accumulator."""
+    """``x`` [..., K] (bf16) times the FP8 weight ``q`` [N, K] (dequantization ``scales``: [N, 1], or
+    [N/128, K/128] optionally padded as ``padded_block_scales``) -> [..., N] in ``x.dtype``: the activations
+    quantized per token (and 128 columns for blocks), ``torch._scaled_mm`` applying both scales to the
+    float32 accumulator."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], q.shape[0])
     if granularity == "channel":
         xq, xs = quantize_rows(rows)
         out = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scales.view(1, -1), out_dtype=x.dtype)
-    else:  # torch's block-wise recipe wants the 1x128 activation scales outer-dimension-major
+    else:  # 1x128 activation scales outer-dimension-major ([M, K/128], stride [1, M]), as torch wants them
         xq, xs = quantize_rows(rows, BLOCK)
-        out = torch._scaled_mm(
-            xq, q.t(), scale_a=xs.t().contiguous().t(), scale_b=scales.t(), out_dtype=x.dtype
-        )
+        scale_b = padded_block_scales(scales)[:, : x.shape[-1] // BLOCK].t()  # [K/128, N/128], stride [1, L4]
+        out = torch._scaled_mm(xq, q.t(), scale_a=xs.t().contiguous().t(), scale_b=scale_b, out_dtype=x.dtype)
     return out.view(*x.shape[:-1], q.shape[0])
 
 
@@ -283,9 +299,10 @@ def _add_buffers(target: Target, granularity: str) -> None:
     for param in target.parts:
         weight = getattr(target.module, param)
         *lead, rows, cols = weight.shape
-        scale_shape = (
-            (*lead, rows, 1) if granularity == "channel" else (*lead, -(-rows // BLOCK), -(-cols // BLOCK))
-        )
+        if granularity == "channel":
+            scale_shape = (*lead, rows, 1)
+        else:  # columns padded for torch's block-wise GEMM (``padded_columns``), the padding staying 1
+            scale_shape = (*lead, -(-rows // BLOCK), padded_columns(-(-cols // BLOCK)))
         qweight = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device)
         scales = torch.ones(scale_shape, dtype=torch.float32, device=weight.device)
         target.module.register_buffer(f"fp8_{param}", qweight, persistent=False)
