@@ -217,7 +217,7 @@ def test_bad_requests_and_refusals(setup, tmp_path):
         text_engine.generate([[5, 6, 7]], GREEDY, multi_modal=[MultiModalInput(images=[image])])
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_generate_and_batch_inference_with_images(vlm_dir, tmp_path, capsys, family):
     """``tidal generate --image_key``: rows in OpenRLHF's format, greedy answers equal transformers'."""
     import json

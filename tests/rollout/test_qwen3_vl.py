@@ -1,12 +1,15 @@
-"""Qwen3-VL in the rollout engine (``tidal/rollout/models/qwen3_vl.py``) against transformers'
-``Qwen3VLForConditionalGeneration`` on the tiny offline VLM (CPU, float32).
+"""Qwen3-VL (``tidal/rollout/models/qwen3_vl.py``) and Qwen3.5's vision-language model (``qwen3_5_vl.py``:
+the same tower without DeepStack, the hybrid Qwen3.5 decoder) in the rollout engine against transformers'
+``Qwen3VLForConditionalGeneration`` / ``Qwen3_5ForConditionalGeneration`` on the tiny offline VLMs (CPU,
+float32); every test runs for both families unless it names one.
 
 Greedy completions on images equal ``transformers.generate`` (images of 1, 2 and 4 tokens, a prompt with
 two images), batched with a text-only prompt; the family's features each change the result when left out:
 zeroed DeepStack features change the greedy tokens (and the engine follows transformers there, after a
 weight update of the vision tower under HF names), contiguous instead of interleaved M-RoPE sections give
 other log-probs; n samples share one prefill and their log-probs equal an HF forward; weight updates of
-the language model only (``--freeze_visual_encoder``) then of the vision tower; refusals are one line.
+the language model only (``--freeze_visual_encoder``) then of the vision tower; chunked prefill equals one
+prefill; refusals are one line. Prefix caching with images runs in test_vlm_prefix_cache.py.
 """
 
 from __future__ import annotations
@@ -35,11 +38,11 @@ def _config(**overrides) -> EngineConfig:
     return EngineConfig(device="cpu", dtype="float32", max_model_len=256, block_size=4, **overrides)
 
 
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_5"])
+def vlm_dir(request, tmp_path_factory):
     from tidal.testing import build_tiny_vlm
 
-    return build_tiny_vlm(tmp_path_factory.mktemp("qwen3_vl") / "m", "qwen3_vl")
+    return build_tiny_vlm(tmp_path_factory.mktemp(request.param) / "m", request.param)
 
 
 def _load(path):
@@ -66,6 +69,10 @@ def _load(path):
 def setup(vlm_dir):
     hf, processor, one, two = _load(vlm_dir)
     return hf, processor, one, two, _engine(hf, processor)
+
+
+def _family(hf) -> str:
+    return hf.config.model_type
 
 
 def _engine(hf, processor, **overrides) -> LLMEngine:
@@ -159,6 +166,8 @@ def test_zeroed_deepstack_changes_the_completion_and_vision_weights_update(setup
     from transformers import AutoModelForImageTextToText
 
     hf, processor, one, _, _ = setup
+    if _family(hf) != "qwen3_vl":
+        pytest.skip("Qwen3.5's vision tower has no DeepStack mergers")
     engine = _engine(hf, processor)
     images = [_image(0, SIZES[0])]
     before = _greedy(engine, one, images)
@@ -211,23 +220,47 @@ def test_update_weights_language_model_then_vision_tower(setup):
     assert _greedy(engine, one, images) == _hf_greedy(half, processor, one, images)
     assert engine.update_weights(vision) == len(vision)
     assert _greedy(engine, one, images) == _hf_greedy(changed, processor, one, images)
-    with pytest.raises(ValueError, match="unexpected weight 'model.visual.nope' for a qwen3_vl vision tower"):
+    with pytest.raises(ValueError, match=f"unexpected weight 'model.visual.nope' for a {_family(hf)} vision"):
         engine.update_weights([("model.visual.nope", torch.zeros(1))])
 
 
 def test_refusals(setup):
+    """Tensor parallelism (both), prefix caching (Qwen3.5: the recurrent state): one line each."""
+    from tidal.rollout.models.registry import feature_refusal
+
     hf, processor, _, _, _ = setup
-    for flag, feature in (
-        ("enable_prefix_caching", "prefix_caching"),
-        ("enable_chunked_prefill", "chunked_prefill"),
-    ):
-        with pytest.raises(ValueError, match=f"{feature} is not supported for the qwen3_vl family"):
-            LLMEngine(model=hf, tokenizer=processor.tokenizer, config=_config(**{flag: True}))
+    refused = [("tensor_parallel", {"tp_size": 2})]
+    if feature_refusal(_family(hf), "prefix_caching"):
+        refused.append(("prefix_caching", {"enable_prefix_caching": True}))
+    for feature, flags in refused:
+        with pytest.raises(ValueError, match=f"{feature} is not supported for the {_family(hf)} family"):
+            LLMEngine(model=hf, tokenizer=processor.tokenizer, config=_config(**flags))
+
+
+def test_chunked_prefill_equals_one_prefill(setup):
+    """A 3-token budget: chunks stop before an image or hold all of it, so the vision tower (and DeepStack)
+    sees whole images; the completions are those of one prefill."""
+    hf, processor, one, two, engine = setup
+    chunked = _engine(hf, processor, enable_chunked_prefill=True, max_num_batched_tokens=3)
+    prompts = [one, two, one]
+    images = [[_image(40, SIZES[0])], [_image(41, SIZES[1]), _image(42, SIZES[0])], [_image(43, SIZES[2])]]
+    mm = [MultiModalInput(images=im) for im in images]
+    want = engine.generate(prompts, GREEDY, multi_modal=mm)
+    got = chunked.generate(prompts, GREEDY, multi_modal=mm)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(
+            torch.tensor(a.outputs[0].logprobs), torch.tensor(b.outputs[0].logprobs), atol=1e-5
+        )
 
 
 def test_async_scheduling_samples_as_the_synchronous_loop(setup):
     """Decode steps launched ahead read the same per-sequence M-RoPE deltas (seeded n samples agree)."""
+    from tidal.rollout.models.registry import feature_refusal
+
     hf, processor, one, _, _ = setup
+    if feature_refusal(_family(hf), "async_scheduling"):
+        pytest.skip(feature_refusal(_family(hf), "async_scheduling"))
     images = [MultiModalInput(images=[_image(30 + i, SIZES[i % 3])]) for i in range(3)]
     params = SamplingParams(temperature=1.0, max_new_tokens=12, n=2, seed=1)
     outs = []

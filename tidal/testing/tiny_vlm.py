@@ -1,5 +1,6 @@
 """Build tiny random-init vision-language model folders offline: Qwen2.5-VL (``qwen2_5_vl``, the
-default) and Qwen3-VL (``qwen3_vl``: interleaved M-RoPE, DeepStack features, 16-pixel patches).
+default), Qwen3-VL (``qwen3_vl``: interleaved M-RoPE, DeepStack features, 16-pixel patches) and Qwen3.5
+(``qwen3_5``: Qwen3-VL's tower without DeepStack, the hybrid linear/full-attention Qwen3.5 decoder).
 
 ``build_tiny_vlm(path, family)`` writes a plain Hugging Face folder that ``AutoModelForImageTextToText``
 loads (about 0.25M parameters: a 2-block vision tower of width 32 and a 2-layer language model of width
@@ -100,6 +101,18 @@ TINY_VLM_FAMILIES = {
         "Qwen3VLConfig", "Qwen3VLProcessor", "Qwen3VLVideoProcessor", patch=16,
         text=dict(head_dim=16, rope_parameters={**_MROPE, "mrope_interleaved": True}),
         vision=dict(num_position_embeddings=16, deepstack_visual_indexes=[1]),
+        top=dict(tie_word_embeddings=False),
+    ),
+    # Qwen3.5: Qwen3-VL's tower without DeepStack before the hybrid Qwen3.5 decoder (Gated DeltaNet then
+    # gated full attention), partial RoPE: 16 of the 32 head channels, the 8 frequencies M-RoPE splits
+    "qwen3_5": TinyVLMFamily(
+        "Qwen3_5Config", "Qwen3VLProcessor", "Qwen3VLVideoProcessor", patch=16,
+        text=dict(
+            head_dim=32, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4,
+            rope_parameters={**_MROPE, "mrope_interleaved": True, "partial_rotary_factor": 0.5},
+        ),
+        vision=dict(num_position_embeddings=16),
         top=dict(tie_word_embeddings=False),
     ),
 }  # fmt: skip

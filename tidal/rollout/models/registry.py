@@ -66,7 +66,8 @@ _FAMILIES = (
 # are ``tidal.testing.build_tiny_vlm``'s. ``family``/``model_class``/``feature_refusal`` read both.
 _VISION_FAMILIES = (
     Family("qwen2_5_vl", "qwen2_5_vl:Qwen25VLForConditionalGeneration", refuses=dict(tensor_parallel="the vision tower is not sharded across ranks")),
-    Family("qwen3_vl", "qwen3_vl:Qwen3VLForConditionalGeneration", refuses=dict(tensor_parallel="the vision tower is not sharded across ranks", prefix_caching="cached blocks are keyed by token ids, and every image's placeholder tokens have the same id (image content hashes are computed but do not key the cache yet)", chunked_prefill="a chunk boundary may fall inside an image's tokens, whose vision features (and DeepStack features) the vision tower computes for the whole image")),
+    Family("qwen3_vl", "qwen3_vl:Qwen3VLForConditionalGeneration", refuses=dict(tensor_parallel="the vision tower is not sharded across ranks")),
+    Family("qwen3_5", "qwen3_5_vl:Qwen35VLForConditionalGeneration", refuses=dict(tensor_parallel="the vision tower, the linear-attention layers and their recurrent states are not sharded across ranks", prefix_caching="the linear-attention layers' recurrent state is not saved at block boundaries, so a cached prefix cannot be resumed", packing_samples="transformers' Gated DeltaNet layers keep packed samples apart only with the flash-linear-attention and causal-conv1d kernels, which tidal neither requires nor tests")),
 )
 # fmt: on
 FAMILIES: dict[str, Family] = {family.model_type: family for family in _FAMILIES}
