@@ -46,6 +46,7 @@ ONE_AT_A_TIME = (
     "tests/trainers/test_preference_distributed.py",
     "tests/trainers/test_ring",
     "tests/trainers/test_teacher_placement.py",
+    "tests/trainers/test_vlm_engines.py",
 )
 
 

@@ -4,13 +4,15 @@ The critic is the VLM with a value head (``tidal.models.vision_value.load_critic
 the actor's image inputs (pixels, grids, M-RoPE positions), padded or packed, so the same text with another
 image gets other values, and it learns a return that only the image tells. Through the CLI a run trains
 policy and critic for two steps, freezes the critic's vision tower with ``--freeze_visual_encoder`` and
-resumes from a checkpoint exactly. What RL with images still refuses is one line each.
+resumes from a checkpoint exactly (``test_vlm_engines``: with an engine process of its own). What RL with
+images still refuses is one line each.
 """
 
 from __future__ import annotations
 
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +34,7 @@ from tidal.testing.tiny_vlm import IMAGE_PAD, VISION_END, VISION_START
 from tidal.trainers.ppo import run_ppo
 from tidal.trainers.ppo.update import Normaliser, ValueLoss
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CPU = torch.device("cpu")
 FP32 = Precision(torch.float32, CPU)
 
@@ -149,11 +152,11 @@ def test_gae_on_images_trains_two_steps_and_resumes_exactly(vlm, tmp_path):
 
 
 def test_what_rl_with_images_still_refuses_is_one_line(vlm, tmp_path):
-    engines = _flags(vlm, tmp_path, "--vllm_num_engines", "1")
+    agent = _flags(vlm, tmp_path, "--agent_func_path", str(EXAMPLES / "agent_func.py"))
     scored = _flags(vlm, tmp_path, "--reward_pretrain", str(vlm))
     del scored[scored.index("--remote_rm_url") : scored.index("--remote_rm_url") + 2]  # one reward source
     for flags, message in [
-        (engines, "images reach the engines on the trainer's devices only"),
+        (agent, "agent episodes do not take prompt images yet"),
         (scored, "reward models score text"),
     ]:
         with pytest.raises(ConfigError, match=message) as err:

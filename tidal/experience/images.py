@@ -7,10 +7,12 @@ The path of a prompt's images, from the dataset row to the trainer's forward:
    on the ``PromptSample``, and each image's one placeholder in the rendered prompt text is repeated to
    the image's token count, so that the ids the agent executor encodes, the engine generates from and the
    trainer scores are the same (the engine takes pre-expanded placeholders as they are).
-2. ``rollout_images`` (at each rollout): the batch's images are decoded and turned into pixels once by
-   the engine's image processor; ``ImagePromptEngine`` hands them to ``LLMEngine.generate`` with their
-   prompts (the executor calls ``generate`` as for text); ``attach_trajectory_images`` gives each of a
-   prompt's n trajectories its prompt's pixels.
+2. ``run_with_images`` (at each rollout, where the engine is: on the trainer's device, or in an engine
+   process of its own, to which the prompts' ``ImageRef``s travel with their texts): the batch's images are
+   decoded and turned into pixels once by the engine's image processor (``rollout_images``);
+   ``ImagePromptEngine`` hands them to ``LLMEngine.generate`` with their prompts (the executor calls
+   ``generate`` as for text); ``attach_trajectory_images`` gives each of a prompt's n trajectories its
+   prompt's pixels (which travel back with the trajectories).
 3. ``ExperienceImages`` (in ``Experience.images``): each row's ``(pixel_values, image_grid_thw)`` (None for
    a text row), selected and concatenated with the rows; ``batch`` gives a micro-batch's
    ``pixel_values``/``image_grid_thw``/``image_counts``, which ``tidal.models.vision.vision_kwargs`` turns
@@ -85,19 +87,20 @@ def _expand_text(text: str, token: str, counts: Sequence[int]) -> str:
     return out
 
 
-def rollout_images(prompts: Sequence, image_processor) -> list | None:
-    """Each prompt's ``MultiModalInput`` (pixels computed once), or None when no prompt has images."""
-    if not any(getattr(p, "images", ()) for p in prompts):
+def rollout_images(image_refs: Sequence, image_processor) -> list | None:
+    """Each prompt's ``MultiModalInput`` (pixels computed once; ``image_refs``: each prompt's ``ImageRef``s),
+    or None when no prompt has images."""
+    if not any(image_refs):
         return None
     from tidal.data.images import open_image
     from tidal.rollout.runner.multimodal import MultiModalInput
 
     out = []
-    for prompt in prompts:
-        if not prompt.images:
+    for refs in image_refs:
+        if not refs:
             out.append(None)
             continue
-        pixels = image_processor(images=[open_image(r) for r in prompt.images], return_tensors="pt")
+        pixels = image_processor(images=[open_image(r) for r in refs], return_tensors="pt")
         out.append(
             MultiModalInput(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
         )
@@ -118,6 +121,18 @@ class ImagePromptEngine:
         if len(prompts) != len(self._images):
             raise ValueError(f"{len(prompts)} prompts for the rollout's {len(self._images)} image inputs")
         return self._engine.generate(prompts, sampling_params, use_tqdm, multi_modal=self._images)
+
+
+def run_with_images(engine, image_refs: Sequence, n: int, run) -> list:
+    """``run(engine)`` (the agent executor over a rollout's prompts, ``n`` samples each), with each prompt's
+    images (``image_refs``: its ``ImageRef``s, in the prompts' order) going to the engine with it and
+    staying with its trajectories; ``run(engine)`` as is when no prompt has images. The same on the
+    trainer's engine and in an engine process of its own (``tidal.placement.engines``)."""
+    images = rollout_images(image_refs, getattr(engine, "image_processor", None))
+    trajectories = run(engine if images is None else ImagePromptEngine(engine, images))
+    if images is not None:
+        attach_trajectory_images(trajectories, images, n)
+    return trajectories
 
 
 def attach_trajectory_images(trajectories: list, images: list, n: int) -> None:

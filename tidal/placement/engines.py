@@ -2,8 +2,9 @@
 
 ``--vllm_num_engines E`` without ``--colocate_all_models`` gives every policy worker ``E / T`` engines
 (T: the number of policy workers) on separate devices. An ``EngineWorker`` holds one engine and the
-agent executor, and returns trajectories; scoring stays with the trainer. The trainer drives it
-through a ``tidal.placement.workers`` handle: a child process it starts itself (local mode and
+agent executor, and returns trajectories; scoring stays with the trainer. Prompts with images arrive
+with their ``ImageRef``s, which the engine process turns into pixels (``run_with_images``). The trainer
+drives it through a ``tidal.placement.workers`` handle: a child process it starts itself (local mode and
 torchrun; on CUDA the GPUs after the trainers', see ``ExtraDevices``) or a Ray actor the driver
 placed (Ray mode).
 
@@ -24,6 +25,7 @@ from tidal.config import ModelConfig
 from tidal.config.engine import rollout_engine_config
 from tidal.config.rl import AgentConfig
 from tidal.distributed.weight_sync import SyncPlan, open_sync_group, receive_weights
+from tidal.experience.images import run_with_images
 from tidal.models import load_tokenizer
 from tidal.placement.protocols import PlacedRun
 from tidal.placement.rollout import build_executor
@@ -73,12 +75,18 @@ class EngineWorker:
         return str(self.engine.device), str(self.engine.dtype)
 
     def trajectories(
-        self, prompts: list, labels: list, params: SamplingParams, total_len: int, first_index: int
-    ):
+        self, prompts: list, labels: list, params: SamplingParams, total_len: int, first_index: int,
+        images: list | None = None,
+    ):  # fmt: skip
+        """The executor's trajectories of ``prompts``; ``images``: each prompt's ``ImageRef``s, if any has one."""
         if self.engine.is_sleeping:
             self.engine.wake_up()
         offset = {"first_index": first_index} if first_index else {}
-        return self.executor.run(self.engine, self.tokenizer, prompts, labels, params, total_len, **offset)
+
+        def run(engine):
+            return self.executor.run(engine, self.tokenizer, prompts, labels, params, total_len, **offset)
+
+        return run_with_images(self.engine, images or [], params.n, run)
 
     def open_sync_group(self, host: str, port: int, rank: int, size: int, backend: str) -> None:
         store = dist.TCPStore(host, port, size, False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))

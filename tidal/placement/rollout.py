@@ -127,7 +127,7 @@ class LocalRollout(Rollout):
         if self.engine.is_sleeping:
             self.engine.wake_up()
         # prompts with images: the engine gets each prompt's pixels with it (tidal.experience.images)
-        images = rollout_images(prompts, getattr(self.engine, "image_processor", None))
+        images = rollout_images([p.images for p in prompts], getattr(self.engine, "image_processor", None))
         engine = self.engine if images is None else ImagePromptEngine(self.engine, images)
 
         # an engine spanning several training processes generates each one's share in turn
