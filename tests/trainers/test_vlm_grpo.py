@@ -92,6 +92,11 @@ def test_image_flags_openrlhf_spellings_and_refusals(vlm, tmp_path, monkeypatch)
     assert parse_run(
         _flags(vlm, tmp_path, "--advantage_estimator", "gae")
     ).algorithm.needs_critic  # test_vlm_critic
+    qwen3_5 = build_tiny_vlm(tmp_path / "q35", "qwen3_5")  # Gated DeltaNet: packing refused before loading
+    with pytest.raises(
+        ConfigError, match="--packing_samples: packing_samples is not supported for the qwen3_5 "
+    ):
+        run_ppo(parse_run(_flags(qwen3_5, tmp_path, "--packing_samples")))
     qwen3_vl = build_tiny_vlm(tmp_path / "q3", "qwen3_vl")
     # a vision-language family the engine lacks: Qwen3-VL with its family taken out of the registry
     monkeypatch.delitem(VISION_FAMILIES, "qwen3_vl")
