@@ -6,7 +6,8 @@ a whole block can be copied for every layer at once (prompt sharing) and freed/r
 (``sleep``/``wake_up``). The extra last block is never handed out: CUDA-graph padding rows write there.
 
 Decode, the hot path, keeps host work per step small and free of per-token Python: the inputs are three
-int32 arrays (last token, context length, block table per sequence) written into one (pinned) staging
+int32 arrays (last token, context length, block table per sequence; a family with recurrent states adds
+the state slots each row reads and writes, ``StateCache.decode_slots``) written into one (pinned) staging
 buffer and moved with one host-to-device copy; positions and KV slots are derived on device; on CUDA the
 forward is a CUDA-graph replay (``cuda_graph.py``) unless ``enforce_eager``; the sampled tokens and
 their log-probs come back with one device-to-host copy.
