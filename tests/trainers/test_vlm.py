@@ -218,3 +218,22 @@ def test_flat_and_dotted_image_flags_parse_alike(vlm):
     for parse in (parse_sft, parse_dpo, parse_rm):
         base = ["--pretrain", str(vlm), "--dataset", "d.jsonl"]
         assert parse(base + flat).vision == parse(base + dotted).vision == VisionConfig("pics", 2, True)
+
+
+def test_qwen3_5_token_logprobs_take_the_chunked_head(tmp_path):
+    """Qwen3.5's VLM applies its LM head as is: token log-probs run through the chunked head (no full
+    [B, T, vocab] logits) and equal transformers' log-softmax (its packing is refused, so padded rows)."""
+    path = build_tiny_vlm(tmp_path / "q35", "qwen3_5")
+    model = load_causal_lm(ModelConfig(pretrain=str(path)), torch.device("cpu")).eval()
+    ids = torch.randint(0, 400, (2, 12), generator=torch.Generator().manual_seed(0))
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "position_ids": torch.arange(12).expand(2, 12),
+    }
+    with torch.no_grad():
+        logprobs, outputs = token_logprobs(model, batch)
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[:, :-1]
+    assert type(outputs).__name__ == "LogprobOutputs"
+    want = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    torch.testing.assert_close(logprobs[:, 1:], want, atol=1e-5, rtol=0)

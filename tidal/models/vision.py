@@ -30,7 +30,7 @@ VISION_MODULE_NAMES = ("visual", "vision_tower", "vision_model", "multi_modal_pr
 VISION_MODULE_NAMES_SET = frozenset(VISION_MODULE_NAMES)
 # VLM families whose LM head is applied as is (no soft-capping or scaling): their token log-probs take
 # tidal's chunked head (tidal.models.logprob_head) instead of full [B, T, vocab] logits.
-CHUNKABLE_VLM_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+CHUNKABLE_VLM_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 
 
 def is_vision_language(path: str) -> bool:
