@@ -72,9 +72,9 @@ def coloured_rows(vlm, colours: list[str], extra: list[int]) -> Experience:
     return exp
 
 
-def critic(vlm, freeze: bool = False):
-    return load_critic_model(ModelConfig(pretrain=str(vlm)), CPU, "value_head", images=True,
-                             freeze_visual_encoder=freeze)  # fmt: skip
+def critic(vlm, freeze: bool = False, lora_rank: int = 0):
+    cfg = ModelConfig(pretrain=str(vlm), lora_rank=lora_rank, lora_alpha=16, target_modules=["all-linear"])
+    return load_critic_model(cfg, CPU, "value_head", images=True, freeze_visual_encoder=freeze)
 
 
 def test_critic_values_read_the_image_padded_and_packed(vlm):
@@ -97,10 +97,18 @@ def test_critic_values_read_the_image_padded_and_packed(vlm):
     torch.testing.assert_close(padded[2, :n], red[:n])  # the same image and text, a longer response
 
 
-def test_critic_learns_a_return_only_the_image_tells(vlm):
-    """Same text, red → return 1, blue → return −1: the clipped value loss falls and the values part."""
+@pytest.mark.parametrize("lora_rank", [0, 8], ids=["full", "lora"])
+def test_critic_learns_a_return_only_the_image_tells(vlm, lora_rank):
+    """Same text, red → return 1, blue → return −1: the value loss falls and the values part. With
+    ``--lora_rank`` the adapters sit on the language model only and the value head trains whole."""
     torch.manual_seed(0)
-    model = critic(vlm)
+    model = critic(vlm, lora_rank=lora_rank)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("value_head" in n for n in trained)
+    if lora_rank:  # nothing of the vision tower: it has no adapters and stays frozen
+        assert all("lora_" in n or "value_head" in n for n in trained) and not any(
+            ".visual." in n for n in trained
+        )
     exp = coloured_rows(vlm, ["red", "blue", "red", "blue"], [0, 0, 1, 1])
     exp.returns = exp.action_mask * torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None]
     tokens = float(exp.action_mask.sum())

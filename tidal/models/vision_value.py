@@ -16,12 +16,14 @@ these models (one line, ``--lora_rank`` / ``--load_in_4bit``).
 ``load_critic_model`` is the PPO critic's loader: a vision-language ``--critic_pretrain`` (by default the
 policy) loads here, with ``--freeze_visual_encoder`` freezing its vision tower as the policy's, so the critic
 values each state with the prompt's images (its forward takes the actor's image inputs: pixels, grids and
-M-RoPE positions, padded or packed, through ``tidal.models.forward.model_inputs``); a text one loads as
+M-RoPE positions, padded or packed, through ``tidal.models.forward.model_inputs``), and ``--lora_rank`` puts
+adapters on its language model only, as on the policy's; a text one loads as
 ``tidal.models.value_model.load_value_model``. A run whose prompts carry images refuses a text critic.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -33,7 +35,8 @@ from tidal.config.args import ConfigError
 from tidal.config.model import ModelConfig
 from tidal.models.loading import available_attn_implementation, check_model_folder, model_load_error
 from tidal.models.value_model import HF_HEAD, attach_value_head, load_value_model
-from tidal.models.vision import freeze_vision, is_vision_language
+from tidal.models.value_model import _lora as lora_value_model
+from tidal.models.vision import freeze_vision, is_vision_language, language_lora_targets
 
 
 def load_vision_value_model(
@@ -87,9 +90,14 @@ def load_critic_model(
                 "prompts' images (--max_images_per_prompt): pass one, or leave it unset (the policy)"
             )
         return load_value_model(cfg, device, value_head_prefix)
-    model = load_vision_value_model(cfg, device, value_head_prefix)
+    model = load_vision_value_model(dataclasses.replace(cfg, lora_rank=0), device, value_head_prefix)
     if freeze_visual_encoder:  # as the policy's: the critic's language model and value head train
         freeze_vision(model)
+    if (
+        cfg.lora_rank > 0
+    ):  # adapters on the language model only (as the policy's), the value head trained whole
+        targets = [t for t in language_lora_targets(model, cfg.target_modules) if t != value_head_prefix]
+        model = lora_value_model(model, dataclasses.replace(cfg, target_modules=targets), value_head_prefix)
     return model
 
 
