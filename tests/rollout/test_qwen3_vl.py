@@ -224,6 +224,18 @@ def test_update_weights_language_model_then_vision_tower(setup):
         engine.update_weights([("model.visual.nope", torch.zeros(1))])
 
 
+def test_sleep_and_wake_up_keep_the_completions(setup):
+    hf, processor, one, two, _ = setup
+    engine = _engine(hf, processor)
+    images = [[_image(50, SIZES[0])], [_image(51, SIZES[2]), _image(52, SIZES[1])]]
+    mm = [MultiModalInput(images=im) for im in images]
+    before = engine.generate([one, two], GREEDY, multi_modal=mm)
+    engine.sleep()
+    engine.wake_up()
+    after = engine.generate([one, two], GREEDY, multi_modal=mm)
+    assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
+
+
 def test_refusals(setup):
     """Tensor parallelism (both), prefix caching (Qwen3.5: the recurrent state): one line each."""
     from tidal.rollout.models.registry import feature_refusal
