@@ -154,7 +154,7 @@ class PPOTrainer:
             run.ckpt, world, "ppo", self._trained_parts(), flat_settings(asdict(run), SETTINGS),
             state=self._loop_state(), hf_copy=self._hf_copy,
         )  # fmt: skip
-        # one rollout's generation and scoring at a time: an evaluation waits for the --async_train thread's
+        # one rollout's generation and scoring at a time: an evaluation waits for the async thread's round
         self._turn = threading.Lock()
         self.evaluation = RLEvaluation(
             run, world, eval_prompts, self._experience_of, self._sleep_engine, self.checkpointer
