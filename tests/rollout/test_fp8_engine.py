@@ -122,6 +122,12 @@ def test_settings_fp8_cannot_run_with_are_refused(tiny_model):
         EngineConfig(quantization="fp8", exact_logprobs=True)
     with pytest.raises(ValueError, match="need tp_size 1"):
         EngineConfig(quantization="fp8", tp_size=2)
+    from tidal.rollout.engine.hf_engine import fallback_problem
+
+    assert fallback_problem(EngineConfig(quantization="fp8_block"), "bamba") == (
+        "FP8 rollouts (fp8_block) is not supported for the bamba family: it is not native to tidal's engine "
+        "and runs on the transformers fallback, which lacks it"
+    )
 
 
 def test_families_with_their_own_loader_are_refused():
