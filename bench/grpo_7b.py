@@ -87,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
     p.add_argument("--prompt_len", type=int, default=64)
     p.add_argument("--new_tokens", type=int, default=256)
-    p.add_argument("--workdir", default="/tmp/tidal_grpo_7b", help="checkpoint, data and outputs")
+    p.add_argument("--workdir", help="checkpoint, data and outputs (default: /tmp/tidal_grpo_<config>)")
     p.add_argument("--no_trl", action="store_true", help="skip TRL's GRPOTrainer")
     p.add_argument(
         "--fla", nargs="+", default=["off", "on"], choices=["off", "on"],
@@ -96,6 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--child", choices=[*MODE_FLAGS, "trl"], help=argparse.SUPPRESS)
     p.add_argument("--child_fla", choices=["off", "on"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.workdir = args.workdir or f"/tmp/tidal_grpo_{args.config}"  # a checkpoint per shape, reused
     if args.config.startswith("tiny"):  # a CPU smoke run: few short samples
         args.prompts, args.n, args.prompt_len, args.new_tokens = 4, 2, 8, 8
     return args
