@@ -176,3 +176,29 @@ def test_what_rl_with_images_still_refuses_is_one_line(vlm, tmp_path):
             parse_run(_flags(vlm, tmp_path, "--advantage_estimator", "gae", "--critic_pretrain", str(text)))
         )
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.gpu
+def test_gae_on_images_on_cuda(vlm, tmp_path):
+    """On CUDA (bf16 autocast; packed rows through the varlen attention where torch has it): the critic's
+    values still read the image and agree padded vs packed, and a GAE run trains both models two steps."""
+    cuda = torch.device("cuda", 0)
+    model = critic(vlm, freeze=True).to(cuda)
+    exp = coloured_rows(vlm, ["red", "blue", "red"], [0, 0, 2]).to(cuda)
+    bf16 = Precision(torch.bfloat16, cuda)
+    padded = forward_values(model, exp, micro=3, packing=False, precision=bf16)
+    packed = forward_values(model, exp, micro=3, packing=True, precision=bf16)
+    mask = exp.attention_mask.bool()
+    mask[:, 0] = False
+    torch.testing.assert_close(packed[mask], padded[mask], atol=3e-2, rtol=3e-2)
+    n = int(exp.attention_mask[0].sum())
+    assert (padded[0, n - 3 : n] - padded[1, n - 3 : n]).abs().max() > 1e-3  # red vs blue, same text
+
+    flags = ["--advantage_estimator", "gae", "--n_samples_per_prompt", "2", "--train_batch_size", "8",
+             "--freeze_visual_encoder", "--packing_samples", "--critic_learning_rate", "1e-3"]  # fmt: skip
+    history = run_ppo(parse_run(_flags(vlm, tmp_path, *flags)))
+    print(
+        f"VLM GAE on CUDA: {[{k: h[k] for k in ('critic/loss', 'rollout/logprob_mismatch')} for h in history]}"
+    )
+    assert len(history) == 2 and all(torch.isfinite(torch.tensor(h["critic/loss"])) for h in history)
+    assert history[0]["critic/loss"] != history[1]["critic/loss"]
