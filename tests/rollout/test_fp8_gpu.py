@@ -31,7 +31,11 @@ def test_scaled_mm_matches_the_emulated_product(granularity, tokens, out_feature
 
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, in_features, device="cuda", generator=gen).bfloat16()
-    w = (torch.randn(out_features, in_features, device="cuda", generator=gen) * 0.02).bfloat16()
+    # groups of 128 rows of very different sizes (log-uniform in [1/4, 4]): other rows' or tiles' scales
+    # are far off
+    groups = 4 ** (2 * torch.rand(out_features // 128, 1, device="cuda", generator=gen) - 1)
+    rows = groups.repeat_interleave(128, dim=0)
+    w = (torch.randn(out_features, in_features, device="cuda", generator=gen) * 0.02 * rows).bfloat16()
     module = torch.nn.Linear(in_features, out_features, bias=False, device="cuda", dtype=torch.bfloat16)
     assert (
         scaled_mm_problem(Target(module, {"weight": (out_features,)}), granularity) is None
@@ -55,7 +59,8 @@ def test_fused_moe_on_fp8_experts_matches_the_dequantized_reference(tokens):
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     experts, hidden, inter, top_k = 64, 2048, 768, 8  # Qwen3-30B-A3B's expert shapes
     x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
-    gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) * 0.02).bfloat16()
+    rows = 4 ** (2 * torch.rand(experts, 2 * inter, 1, device="cuda", generator=gen) - 1)  # row sizes 1/4..4
+    gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) * 0.02 * rows).bfloat16()
     down = (torch.randn(experts, hidden, inter, device="cuda", generator=gen) * 0.02).bfloat16()
     weights, ids = route_torch(torch.randn(tokens, experts, device="cuda", generator=gen).bfloat16(), top_k,
                                True, True)  # fmt: skip
