@@ -368,15 +368,15 @@ class Scheduler:
             self._record_chunks(batch)
         finished = []
         seqs = batch.seqs
+        states = self.block_manager.state_slots
+        if states is not None and not batch.is_prefill:  # the step is kept: its written states are current
+            states.flip(seqs)
         tops = top_logprobs if top_logprobs is not None else [None] * len(seqs)
         for seq, token, logprob, top in zip(seqs, token_ids, logprobs, tops, strict=True):
             seq.append(token, logprob, top)
             if self._check_stop(seq):
                 self.block_manager.free(seq)
                 finished.append(seq)
-        states = self.block_manager.state_slots
-        if states is not None and not batch.is_prefill:  # the step is kept: its written states are current
-            states.flip(seqs)
         if finished:
             self.running = deque(seq for seq in self.running if not seq.is_finished)
         return finished
