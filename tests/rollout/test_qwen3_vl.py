@@ -1,7 +1,8 @@
-"""Qwen3-VL (``tidal/rollout/models/qwen3_vl.py``) and Qwen3.5's vision-language model (``qwen3_5_vl.py``:
-the same tower without DeepStack, the hybrid Qwen3.5 decoder) in the rollout engine against transformers'
-``Qwen3VLForConditionalGeneration`` / ``Qwen3_5ForConditionalGeneration`` on the tiny offline VLMs (CPU,
-float32); every test runs for both families unless it names one.
+"""Qwen3-VL (``tidal/rollout/models/qwen3_vl.py``) and Qwen3.5's vision-language models (``qwen3_5_vl.py``:
+the same tower without DeepStack, the hybrid Qwen3.5 decoder, dense or MoE) in the rollout engine against
+transformers' ``Qwen3VLForConditionalGeneration`` / ``Qwen3_5ForConditionalGeneration`` /
+``Qwen3_5MoeForConditionalGeneration`` on the tiny offline VLMs (CPU, float32); every test runs for each
+family unless it names one.
 
 Greedy completions on images equal ``transformers.generate`` (images of 1, 2 and 4 tokens, a prompt with
 two images), batched with a text-only prompt; the family's features each change the result when left out:
@@ -9,7 +10,8 @@ zeroed DeepStack features change the greedy tokens (and the engine follows trans
 weight update of the vision tower under HF names), contiguous instead of interleaved M-RoPE sections give
 other log-probs; n samples share one prefill and their log-probs equal an HF forward; weight updates of
 the language model only (``--freeze_visual_encoder``) then of the vision tower; chunked prefill equals one
-prefill; refusals are one line. Prefix caching with images runs in test_vlm_prefix_cache.py.
+prefill; the MoE family's recorded experts are transformers' router choices; refusals are one line. Prefix
+caching with images runs in test_vlm_prefix_cache.py.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def _config(**overrides) -> EngineConfig:
     return EngineConfig(device="cpu", dtype="float32", max_model_len=256, block_size=4, **overrides)
 
 
-@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_5"])
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_5", "qwen3_5_moe"])
 def vlm_dir(request, tmp_path_factory):
     from tidal.testing import build_tiny_vlm
 
@@ -234,6 +236,24 @@ def test_sleep_and_wake_up_keep_the_completions(setup):
     engine.wake_up()
     after = engine.generate([one, two], GREEDY, multi_modal=mm)
     assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
+
+
+def test_moe_routing_records_transformers_router_choices(setup):
+    """Router replay's input: the experts the engine records for every token (image tokens included) are
+    the top-k of transformers' router logits over the same prompt and output."""
+    hf, processor, one, _, _ = setup
+    if _family(hf) != "qwen3_5_moe":
+        pytest.skip("not a MoE family")
+    engine = _engine(hf, processor, record_routing=True)
+    images = [_image(1, SIZES[0])]
+    out = engine.generate([one], GREEDY, multi_modal=[MultiModalInput(images=images)])[0].outputs[0]
+    _, input_ids, kwargs = _inputs(processor, one, images, out.token_ids)
+    with torch.no_grad():
+        router_logits = hf(input_ids=input_ids, output_router_logits=True, **kwargs).router_logits
+    k = hf.config.text_config.num_experts_per_tok
+    want = torch.stack([logits.topk(k, -1).indices for logits in router_logits], 1)[:-1]
+    got = torch.as_tensor(out.routed_experts)
+    assert got.shape == want.shape and torch.equal(got.sort(-1).values, want.sort(-1).values)
 
 
 def test_refusals(setup):

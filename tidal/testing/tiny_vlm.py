@@ -1,6 +1,7 @@
 """Build tiny random-init vision-language model folders offline: Qwen2.5-VL (``qwen2_5_vl``, the
-default), Qwen3-VL (``qwen3_vl``: interleaved M-RoPE, DeepStack features, 16-pixel patches) and Qwen3.5
-(``qwen3_5``: Qwen3-VL's tower without DeepStack, the hybrid linear/full-attention Qwen3.5 decoder).
+default), Qwen3-VL (``qwen3_vl``: interleaved M-RoPE, DeepStack features, 16-pixel patches), Qwen3.5
+(``qwen3_5``: Qwen3-VL's tower without DeepStack, the hybrid linear/full-attention Qwen3.5 decoder) and
+Qwen3.5-MoE (``qwen3_5_moe``: the same with a sparse MoE block in every layer).
 
 ``build_tiny_vlm(path, family)`` writes a plain Hugging Face folder that ``AutoModelForImageTextToText``
 loads (about 0.25M parameters: a 2-block vision tower of width 32 and a 2-layer language model of width
@@ -116,6 +117,16 @@ TINY_VLM_FAMILIES = {
         top=dict(tie_word_embeddings=False),
     ),
 }  # fmt: skip
+# Qwen3.5-MoE: Qwen3.5's with a sparse MoE block (8 experts, top 2, a shared expert) in every layer
+TINY_VLM_FAMILIES["qwen3_5_moe"] = TinyVLMFamily(
+    "Qwen3_5MoeConfig", "Qwen3VLProcessor", "Qwen3VLVideoProcessor", patch=16,
+    text=dict(
+        TINY_VLM_FAMILIES["qwen3_5"].text, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=96,
+    ),
+    vision=dict(num_position_embeddings=16),
+    top=dict(tie_word_embeddings=False),
+)  # fmt: skip
 
 
 def _family(name: str) -> TinyVLMFamily:

@@ -68,6 +68,7 @@ _VISION_FAMILIES = (
     Family("qwen2_5_vl", "qwen2_5_vl:Qwen25VLForConditionalGeneration", refuses=dict(tensor_parallel="the vision tower is not sharded across ranks")),
     Family("qwen3_vl", "qwen3_vl:Qwen3VLForConditionalGeneration", refuses=dict(tensor_parallel="the vision tower is not sharded across ranks")),
     Family("qwen3_5", "qwen3_5_vl:Qwen35VLForConditionalGeneration", refuses=dict(tensor_parallel="the vision tower, the linear-attention layers and their recurrent states are not sharded across ranks", prefix_caching="the linear-attention layers' recurrent state is not saved at block boundaries, so a cached prefix cannot be resumed", packing_samples="transformers' Gated DeltaNet layers keep packed samples apart only with the flash-linear-attention and causal-conv1d kernels, which tidal neither requires nor tests")),
+    Family("qwen3_5_moe", "qwen3_5_vl:Qwen35MoeVLForConditionalGeneration", refuses=dict(tensor_parallel="the vision tower, the linear-attention layers and their recurrent states are not sharded across ranks", prefix_caching="the linear-attention layers' recurrent state is not saved at block boundaries, so a cached prefix cannot be resumed", packing_samples="transformers' Gated DeltaNet layers keep packed samples apart only with the flash-linear-attention and causal-conv1d kernels, which tidal neither requires nor tests")),
 )
 # fmt: on
 FAMILIES: dict[str, Family] = {family.model_type: family for family in _FAMILIES}
