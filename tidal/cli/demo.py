@@ -97,7 +97,8 @@ class Demo:
         ]))  # fmt: skip
         return out
 
-    def rl(self, sft_model: Path) -> Path:
+    def rl(self, sft_model: Path, *extra: str) -> Path:
+        """GRPO from ``sft_model``; ``extra``: more ``tidal ppo`` flags (benchmarks: e.g. FP8 rollouts)."""
         from tidal.cli.train_ppo import parse_run
         from tidal.trainers.ppo import run_ppo
 
@@ -112,6 +113,7 @@ class Demo:
             "--micro_train_batch_size", "128", "--micro_rollout_batch_size", "128", "--generate_max_len",
             str(c.digits + 3), "--prompt_max_len", "16", "--init_kl_coef", "0", "--actor_learning_rate",
             str(c.rl_learning_rate), "--lr_warmup_ratio", "0", "--seed", str(c.seed), "--save_path", str(out),
+            *extra,
         ]))  # fmt: skip
         return out
 
