@@ -160,11 +160,11 @@ def test_gae_on_images_trains_two_steps_and_resumes_exactly(vlm, tmp_path):
 
 
 def test_what_rl_with_images_still_refuses_is_one_line(vlm, tmp_path):
-    agent = _flags(vlm, tmp_path, "--agent_func_path", str(EXAMPLES / "agent_func.py"))
+    agent = _flags(vlm, tmp_path, "--agent_endpoint", str(EXAMPLES / "agent_func.py"))
     scored = _flags(vlm, tmp_path, "--reward_pretrain", str(vlm))
     del scored[scored.index("--remote_rm_url") : scored.index("--remote_rm_url") + 2]  # one reward source
     for flags, message in [
-        (agent, "agent episodes do not take prompt images yet"),
+        (agent, "--agent_endpoint episodes take text only"),  # --agent_func_path: test_vlm_agent_rl
         (scored, "reward models score text"),
     ]:
         with pytest.raises(ConfigError, match=message) as err:

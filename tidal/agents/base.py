@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextvars
 import dataclasses
 import inspect
 import logging
@@ -233,6 +234,12 @@ def sample_params(params: SamplingParams, index: int) -> SamplingParams:
     return with_params(params, n=1, seed=seed)
 
 
+# The images of the prompt whose episode runs in this task (its ``MultiModalInput``), None for a text
+# prompt: an engine that carries prompt images (``tidal.experience.images.ImagePromptEngine``) gives each
+# episode its prompt's, which ``MultiTurnAgentExecutor`` sends with every turn (``tidal.agents.images``).
+PROMPT_IMAGES: contextvars.ContextVar[Any] = contextvars.ContextVar("PROMPT_IMAGES", default=None)
+
+
 class AgentExecutorBase(abc.ABC):
     """Turns prompts into ``Trajectory``s. Override ``execute`` (one sample); call ``run`` (a batch)."""
 
@@ -278,6 +285,7 @@ class AgentExecutorBase(abc.ABC):
             raise ValueError(f"got {len(prompts)} prompts and {len(labels)} labels")
         client = LLMClient(llm_engine)
         n = sampling_params.n
+        images = getattr(llm_engine, "prompt_images", None) or [None] * len(prompts)
         jobs = [
             self._execute_checked(
                 prompt,
@@ -287,6 +295,7 @@ class AgentExecutorBase(abc.ABC):
                 tokenizer,
                 max_length,
                 SampleIndex(i, j, n),
+                images[i - first_index],
             )  # fmt: skip
             for i, (prompt, label) in enumerate(zip(prompts, labels, strict=True), start=first_index)
             for j in range(n)
@@ -298,8 +307,10 @@ class AgentExecutorBase(abc.ABC):
         return trajectories
 
     async def _execute_checked(
-        self, prompt, label, params, client, tokenizer, max_length, index: SampleIndex | None = None
-    ) -> Trajectory:
+        self, prompt, label, params, client, tokenizer, max_length, index: SampleIndex | None = None,
+        prompt_images=None,
+    ) -> Trajectory:  # fmt: skip
+        PROMPT_IMAGES.set(prompt_images)  # this episode's task only (asyncio gives each its own context)
         where = f" ({index})" if index is not None else ""
         try:
             trajectory = await self.execute(prompt, label, params, client, tokenizer, max_length)

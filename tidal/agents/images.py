@@ -11,8 +11,9 @@ parts, in the shape of a chat message's content::
 
 Each image becomes what the chat template writes for ``{"type": "image"}`` (Qwen-VL:
 ``<|vision_start|><|image_pad|><|vision_end|>``), its placeholder already repeated to the image's token
-count, so the ids the engine generates from and the trainer scores are the same. The executor keeps the
-episode's images (``ObservationImages``): every later turn's request carries all of them
+count, so the ids the engine generates from and the trainer scores are the same. A prompt's own images
+(``tidal ppo --max_images_per_prompt``: ``tidal.agents.base.PROMPT_IMAGES`` while its episodes run) are
+the episode's first images. The executor keeps the episode's images (``ObservationImages``): every later turn's request carries all of them
 (``MultiModalInput`` of their pixels, computed once by the engine's image processor), and the finished
 trajectory keeps them (``Trajectory.images``) for the trainer's forward (``tidal.experience.images``).
 """
@@ -100,6 +101,28 @@ class ObservationImages:
         ids = [self.start_id, *[self.image_token_id] * count, self.end_id]
         self.spans.append((position, position + len(ids)))
         return ids, VISION_START + self.image_token * count + VISION_END
+
+    def add_prompt_images(self, prompt, token_ids: list[int], where: str) -> None:
+        """The prompt's images (``prompt``: its ``MultiModalInput``, as the rollout made it) at their
+        placeholders in the episode's first token ids (each a run of image tokens of the image's count)."""
+        runs, start = [], None
+        for i, token in enumerate([*token_ids, -1]):
+            if token == self.image_token_id and start is None:
+                start = i
+            elif token != self.image_token_id and start is not None:
+                runs.append((start, i))
+                start = None
+        grids = prompt.image_grid_thw.long()
+        counts = [int(g.prod()) // self.merge_size**2 for g in grids]
+        if [end - begin for begin, end in runs] != counts:
+            raise AgentError(
+                f"{where}: the observation from reset holds {len(runs)} image placeholder run(s) of "
+                f"{[e - b for b, e in runs]} tokens, but the prompt's {len(counts)} image(s) take {counts}: "
+                "reset must keep the prompt's image placeholders as they are"
+            )
+        self.pixels.append(prompt.pixel_values)
+        self.grids.append(grids)
+        self.spans += [(begin - 1, end + 1) for begin, end in runs]  # with the start and end markers
 
     def fit(self, length: int) -> int:
         """The length to cut a trajectory of ``length`` tokens (already cut at the length limit) to, so

@@ -1,7 +1,9 @@
 """``MultiTurnAgentExecutor``: run an ``AgentInstanceBase`` environment for several turns per sample.
 
 Per sample: create the instance, ``reset({"observation": prompt, "label": label})``, tokenize the
-observation (the prompt rule of ``AgentExecutorBase.encode_prompt``), then loop:
+observation (the prompt rule of ``AgentExecutorBase.encode_prompt``; a prompt with images, RL with
+``--max_images_per_prompt``, keeps its images at their placeholders, which the reset observation must
+keep: they go with every request), then loop:
 
 1. generate an action from the current token ids (``max_new_tokens`` capped by what is left of
    ``max_length``) and append its ids (action_mask 1, the engine's log-probs);
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 
 from tidal.agents.base import (
+    PROMPT_IMAGES,
     AgentError,
     AgentExecutorBase,
     EpisodeError,
@@ -62,6 +65,17 @@ class StepResult:
     extra_logs: dict[str, float] = field(default_factory=dict)
 
 
+def _prompt_images(llm, tokenizer, token_ids: list[int], where: str) -> ObservationImages | None:
+    """The episode's images so far: its prompt's (``PROMPT_IMAGES``, at their placeholders in the reset
+    observation's ids), or None for a text prompt (images may come with observations later)."""
+    prompt = PROMPT_IMAGES.get()
+    if prompt is None:
+        return None
+    images = ObservationImages(getattr(llm, "engine", None), tokenizer, f"{where} (the prompt's images)")
+    images.add_prompt_images(prompt, token_ids, f"{where}.reset")
+    return images
+
+
 class MultiTurnAgentExecutor(AgentExecutorBase):
     """Executes ``agent_instance_cls`` episodes; the seed's ``AgentExecutor`` subclasses this."""
 
@@ -86,7 +100,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                 f"for an action under max_length={max_length}"
             )
         text, params, steps = observation, sampling_params, []
-        images: ObservationImages | None = None  # the episode's images, once an observation holds one
+        images = _prompt_images(llm, tokenizer, traj.token_ids, describe(agent))  # then observations' too
         while len(traj.token_ids) < max_length and not (steps and steps[-1].done):
             turn_params = _turn_params(params, max_length - len(traj.token_ids), len(steps))
             with_images = {} if images is None else {"multi_modal": images.engine_input()}

@@ -134,16 +134,16 @@ class PPORun(RunConfig):
 
     def image_problems(self) -> list[str]:
         """What RL with images (``--max_images_per_prompt`` > 0) does not support yet, one line each. A GAE
-        critic (a vision-language value model on the same image inputs, tidal.models.vision_value) and engines
-        on devices of their own (images sent with the prompts, tidal.experience.images) are supported."""
+        critic (a vision-language value model on the same image inputs, tidal.models.vision_value), engines
+        on devices of their own (images sent with the prompts, tidal.experience.images) and --agent_func_path
+        agents (episodes start from their prompt's images, tidal.agents.images) are supported."""
         n = self.vision.max_images_per_prompt
         if n == 0:
             return []
         flag, problems = f"--max_images_per_prompt {n}", []
-        if self.agent.func_path or self.agent.endpoint:  # tidal.agents.images: observations may hold images
-            problems.append(f"{flag}: agent episodes do not take prompt images yet (single-turn rollouts do); "
-                            "an --agent_func_path environment may return images in its observations on "
-                            "text prompts (drop --max_images_per_prompt)")  # fmt: skip
+        if self.agent.endpoint:  # --agent_func_path episodes start from their prompts' images (tidal.agents)
+            problems.append(f"{flag}: --agent_endpoint episodes take text only (their requests are rebuilt "
+                            "from recorded ids, without pixels); use --agent_func_path")  # fmt: skip
         if self.reward.pretrain:
             problems.append(f"{flag}: reward models score text; score image prompts with --remote_rm_url "
                             "or a reward function")  # fmt: skip

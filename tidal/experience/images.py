@@ -108,19 +108,25 @@ def rollout_images(image_refs: Sequence, image_processor) -> list | None:
 
 
 class ImagePromptEngine:
-    """An engine whose ``generate`` passes each prompt's images along (the agent executor calls it with
-    the prompts in the rollout's order); everything else is the wrapped engine's."""
+    """An engine whose ``generate`` passes each prompt's images along (the single-turn executor calls it
+    with the prompts in the rollout's order); a multi-turn executor reads ``prompt_images`` (each prompt's
+    ``MultiModalInput``, ``tidal.agents.base.PROMPT_IMAGES``) and its requests bring their own images.
+    Everything else is the wrapped engine's."""
 
     def __init__(self, engine, images: list):
-        self._engine, self._images = engine, images
+        self._engine, self.prompt_images = engine, images
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False):
-        if len(prompts) != len(self._images):
-            raise ValueError(f"{len(prompts)} prompts for the rollout's {len(self._images)} image inputs")
-        return self._engine.generate(prompts, sampling_params, use_tqdm, multi_modal=self._images)
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False, multi_modal=None):
+        if multi_modal is not None:  # an agent's requests: each already carries its episode's images
+            return self._engine.generate(prompts, sampling_params, use_tqdm, multi_modal=multi_modal)
+        if len(prompts) != len(self.prompt_images):
+            raise ValueError(
+                f"{len(prompts)} prompts for the rollout's {len(self.prompt_images)} image inputs"
+            )
+        return self._engine.generate(prompts, sampling_params, use_tqdm, multi_modal=self.prompt_images)
 
 
 def run_with_images(engine, image_refs: Sequence, n: int, run) -> list:
@@ -136,12 +142,14 @@ def run_with_images(engine, image_refs: Sequence, n: int, run) -> list:
 
 
 def attach_trajectory_images(trajectories: list, images: list, n: int) -> None:
-    """Give each trajectory (prompt-major, ``n`` per prompt) its prompt's pixels and grids."""
+    """Give each trajectory (prompt-major, ``n`` per prompt) its prompt's pixels and grids; one that has
+    images of its own (a multi-turn episode's: its prompt's, then its observations') keeps them."""
     if len(trajectories) != len(images) * n:
         raise ValueError(f"{len(trajectories)} trajectories for {len(images)} prompts x {n} samples")
     for i, traj in enumerate(trajectories):
         mm = images[i // n]
-        traj.images = None if mm is None else (mm.pixel_values, mm.image_grid_thw)
+        if getattr(traj, "images", None) is None and mm is not None:
+            traj.images = (mm.pixel_values, mm.image_grid_thw)
 
 
 @dataclass
