@@ -35,6 +35,7 @@ from tidal.config.data import VisionConfig
 from tidal.data.errors import DataError
 from tidal.data.images import ImageRef, RowImages, check_image_rows, open_image
 from tidal.data.rows import row_name
+from tidal.rollout.runner.multimodal import fixed_size_processor
 
 # Processor files besides the image processor's: copied as they are into exported folders.
 PROCESSOR_FILES = ("processor_config.json", "video_preprocessor_config.json", "chat_template.json")
@@ -101,10 +102,11 @@ def load_vision_processor(path: str, tokenizer) -> VisionProcessor | None:
         image_processor = AutoImageProcessor.from_pretrained(path)
     except (OSError, ValueError) as err:
         raise ConfigError(f"--pretrain {path}: cannot load its image processor ({err})") from err
+    image_processor = fixed_size_processor(image_processor, config)  # Gemma 3's, as patch rows
     if not hasattr(image_processor, "merge_size"):
         raise ConfigError(
             f"--pretrain {path}: {type(image_processor).__name__} is not supported for training on images; "
-            "tidal trains Qwen-VL-style models (image_grid_thw patch grids: Qwen2-VL, Qwen2.5-VL, Qwen3-VL)"
+            "tidal trains Qwen-VL-style models (image_grid_thw patch grids: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) and Gemma 3"
         )
     return VisionProcessor(tokenizer, image_processor, int(token_id), path if Path(path).is_dir() else None)
 

@@ -16,7 +16,9 @@ their vision tower, LoRA on their language model only, and multimodal rotary pos
   the model's own rotary positions (Qwen-VL's M-RoPE: ``get_rope_index``, three position rows for
   temporal/height/width). A packed row gets each sample's positions computed alone and concatenated
   (positions restart per sample, as for text), with the plain per-sample positions prepended as a
-  fourth row, which transformers' Qwen-VL reads as the packed text positions.
+  fourth row, which transformers' Qwen-VL reads as the packed text positions. Gemma 3 (fixed-size images,
+  ``fixed_size_kwargs``): its ``[N, 3, S, S]`` pixels and ``token_type_ids`` (its bidirectional image
+  attention), plain positions; packed rows are refused (``--packing_samples``, the registry).
 """
 
 from __future__ import annotations
@@ -104,11 +106,29 @@ def vision_kwargs(model: nn.Module, batch: dict) -> dict:
     """The forward keyword arguments of a batch's images (see the module doc); {} without images."""
     if "image_grid_thw" not in batch:
         return {}
+    fixed = fixed_size_kwargs(
+        model.config, batch["input_ids"], batch["pixel_values"], batch["image_grid_thw"]
+    )
+    if fixed is not None:
+        return fixed
     kwargs = {"pixel_values": batch["pixel_values"], "image_grid_thw": batch["image_grid_thw"]}
     owner = _rope_owner(model)
     if owner is not None:
         kwargs["position_ids"] = rope_positions(owner, batch)
     return kwargs
+
+
+def fixed_size_kwargs(config, input_ids: torch.Tensor, pixel_values, image_grid_thw) -> dict | None:
+    """Gemma 3's forward arguments (None for other families): its ``[N, 3, S, S]`` pixels back from the
+    patch rows tidal carries (``multimodal.FixedSizeImageProcessor``) and the ``token_type_ids`` (1 at
+    image tokens) that make each image's tokens attend to each other in both directions."""
+    from tidal.rollout.runner.multimodal import fixed_size_grid, patch_rows_to_images
+
+    fixed = fixed_size_grid(config)
+    if fixed is None:
+        return None
+    pixels = patch_rows_to_images(pixel_values, image_grid_thw, fixed[0])
+    return {"pixel_values": pixels, "token_type_ids": (input_ids == config.image_token_id).long()}
 
 
 def rope_positions(owner: nn.Module, batch: dict) -> torch.Tensor:

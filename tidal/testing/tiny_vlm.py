@@ -18,6 +18,12 @@ loads (about 0.25M parameters: a 2-block vision tower of width 32 and a 2-layer 
   builds the family's full processor where torchvision is installed (transformers' video processor
   needs it); ``tidal.data.vision.load_vision_processor`` reads the folder either way.
 
+Gemma 3 (``gemma3``, ``build_tiny_vlm(path, "gemma3")``: ``build_tiny_gemma3``) differs: a 2-layer
+SigLIP tower (32×32 images of 8-pixel patches, pooled 2×2 into 4 image tokens), the tiny Gemma 3 text
+model (a sliding-window layer then a global one), the tokens ``<start_of_image>``, ``<image_soft_token>``
+(the placeholder), ``<end_of_image>`` (the template renders an image part as the three) and
+transformers' own Gemma 3 image processor (its PIL path: no torchvision needed).
+
 Nothing touches the network. The same seed gives the same weights and tokenizer.
 """
 
@@ -131,7 +137,8 @@ TINY_VLM_FAMILIES["qwen3_5_moe"] = TinyVLMFamily(
 
 def _family(name: str) -> TinyVLMFamily:
     if name not in TINY_VLM_FAMILIES:
-        raise ValueError(f"unknown tiny VLM family {name!r}; expected one of {sorted(TINY_VLM_FAMILIES)}")
+        known = sorted([*TINY_VLM_FAMILIES, *GEMMA_VLM_FAMILIES])
+        raise ValueError(f"unknown tiny VLM family {name!r}; expected one of {known}")
     return TINY_VLM_FAMILIES[name]
 
 
@@ -193,6 +200,8 @@ def build_tiny_vlm(path: str | Path, family: str = "qwen2_5_vl", seed: int = 0, 
     """Write a random-init tiny VLM of ``family`` with its tokenizer and processor files to ``path``."""
     from transformers import AutoModelForImageTextToText
 
+    if family in GEMMA_VLM_FAMILIES:
+        return build_tiny_gemma3(path, seed, **text_overrides)
     path = Path(path)
     _family(family)  # before anything is written to ``path``
     path.mkdir(parents=True, exist_ok=True)
@@ -201,6 +210,71 @@ def build_tiny_vlm(path: str | Path, family: str = "qwen2_5_vl", seed: int = 0, 
     config = tiny_vlm_config(tokenizer, family, **text_overrides)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(str(path))
+    return path
+
+
+# ------------------------------------------------------------------ Gemma 3
+# Fixed-size images (every image is resized to IMAGE_SIDE²), so no patch grid per image: kept apart from
+# TINY_VLM_FAMILIES, whose entries are Qwen-VL-shaped.
+GEMMA_VLM_FAMILIES = ("gemma3",)
+BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+GEMMA_IMAGE_SIDE, GEMMA_PATCH, GEMMA_IMAGE_TOKENS = 32, 8, 4
+GEMMA_LOGIT_SCALE = 8.0
+GEMMA3_CHAT_TEMPLATE = VLM_CHAT_TEMPLATE.replace(
+    "<|vision_start|><|image_pad|><|vision_end|>", BOI + SOFT + EOI
+)
+# the registry's tiny gemma3_text shapes: a sliding-window (8) layer, then a global one
+_GEMMA3_TEXT = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=8, sliding_window_pattern=2)
+_SIGLIP = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+    image_size=GEMMA_IMAGE_SIDE, patch_size=GEMMA_PATCH,
+)  # fmt: skip
+
+
+def build_gemma3_tokenizer(path: str | Path | None = None, seed: int = 0):
+    """The tiny tokenizer with Gemma 3's image tokens and the content-part chat template."""
+    tokenizer = build_tiny_tokenizer(None, seed=seed, add_bos=False)
+    tokenizer.add_special_tokens({"additional_special_tokens": [BOI, EOI, SOFT]})
+    tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    if path is not None:
+        tokenizer.save_pretrained(str(path))
+    return tokenizer
+
+
+def gemma3_config(tokenizer, **text_overrides):
+    """A tiny ``Gemma3Config`` whose image token ids are ``tokenizer``'s."""
+    from transformers import Gemma3Config
+
+    text = dict(_TEXT, **_GEMMA3_TEXT, **tokenizer_fields(tokenizer))
+    text.update(text_overrides)
+    ids = dict(zip(("boi_token_index", "eoi_token_index", "image_token_index"),
+                   tokenizer.convert_tokens_to_ids([BOI, EOI, SOFT]), strict=True))  # fmt: skip
+    return Gemma3Config(
+        text_config=text, vision_config=_SIGLIP, mm_tokens_per_image=GEMMA_IMAGE_TOKENS, **ids
+    )
+
+
+def build_tiny_gemma3(path: str | Path, seed: int = 0, **text_overrides) -> Path:
+    """Write a random-init tiny Gemma 3 VLM with its tokenizer and image processor to ``path``."""
+    from transformers import AutoModelForImageTextToText
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_gemma3_tokenizer(path, seed=seed)
+    Gemma3ImageProcessorPil(size={"height": GEMMA_IMAGE_SIDE, "width": GEMMA_IMAGE_SIDE}).save_pretrained(
+        str(path)
+    )
+    config = gemma3_config(tokenizer, **text_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # transformers initialises the projection to zeros: images would change nothing
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.5)
+        # peaked next-token distributions, as a trained model's: the final norm's 1 + w scales every logit
+        model.model.language_model.norm.weight.fill_(GEMMA_LOGIT_SCALE - 1.0)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(str(path))

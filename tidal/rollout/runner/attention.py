@@ -50,6 +50,9 @@ class AttentionMetadata:
     state_slots: torch.Tensor | None = None
     # decode: the slot each row writes its new state to (double buffering); None: in place, ``state_slots``
     state_write_slots: torch.Tensor | None = None
+    # prefill: ``[batch, max_len]`` start and end (key positions) of the image each padded query belongs
+    # to (start == end: none); those keys are attended bidirectionally (Gemma 3, ``image_spans``)
+    image_spans: tuple[torch.Tensor, torch.Tensor] | None = None
     _masks: dict = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor:
@@ -70,7 +73,7 @@ class AttentionMetadata:
         # A padding query row repeats the sequence's last query (a row with nothing to attend is NaN).
         q = self.query_starts[:, None] + torch.minimum(cols[None, :], last)  # [batch, q] positions
         k = torch.arange(self.block_tables.shape[1] * self.kv_cache.shape[3], device=device)
-        mask = k[None, None, :] <= q[:, :, None]
+        mask = self._or_image_spans(k[None, None, :] <= q[:, :, None], k)
         if window is not None:
             mask &= k[None, None, :] > q[:, :, None] - window
         return mask[:, None]  # [batch, 1, q, k]
@@ -78,10 +81,18 @@ class AttentionMetadata:
     def _prefill_mask(self, window: int | None) -> torch.Tensor:
         length = self.pad_index.shape[1]
         q = torch.arange(length, device=self.pad_index.device)
-        mask = (q[None, :] <= q[:, None])[None] & self.pad_valid[:, None, :]
+        mask = self._or_image_spans((q[None, :] <= q[:, None])[None], q) & self.pad_valid[:, None, :]
         if window is not None:
             mask &= (q[None, :] > q[:, None] - window)[None]
         return mask[:, None]  # [batch, 1, q, k]
+
+    def _or_image_spans(self, mask: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """``mask`` ([batch or 1, q, k], True = attend) also attending, from each query inside an image, to
+        every key of that image (before the sliding window applies, as transformers' Gemma 3)."""
+        if self.image_spans is None:
+            return mask
+        start, end = self.image_spans
+        return mask | ((k[None, None, :] >= start[:, :, None]) & (k[None, None, :] < end[:, :, None]))
 
     def _decode_mask(self, window: int | None) -> torch.Tensor:
         num_slots = self.block_tables.shape[1] * self.kv_cache.shape[3]
@@ -154,7 +165,7 @@ def context_prefill_attention(
 
     With the Triton backend (CUDA) and a head dim it compiles for: ``kernels/triton_context.py``'s kernel reads
     the pages in place. Otherwise one masked SDPA call over the gathered blocks."""
-    if meta.backend == "triton" and CONTEXT_KERNEL:
+    if meta.backend == "triton" and CONTEXT_KERNEL and meta.image_spans is None:  # the kernel is causal
         from tidal.rollout.kernels import triton_context
 
         if triton_context.supports(q.shape[-1]):
@@ -226,3 +237,22 @@ def exact_attention(q, k, v, meta: AttentionMetadata, layer_cache: torch.Tensor,
         return out[meta.pad_valid].reshape(q.shape[0], -1)
     q_pos = (meta.context_lens.long() - 1).clamp(min=0)[:, None]  # a padding row reads slot 0
     return attention(q[:, None], kv[0], kv[1], q_pos, scale, window).reshape(batch, -1)
+
+
+def image_spans(
+    is_image: torch.Tensor, query_starts: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``AttentionMetadata.image_spans`` from ``is_image`` ``[batch, max_len]`` (padded queries that are
+    image tokens; each run of them is one image, as transformers' Gemma 3 groups them), in key positions:
+    offset by ``query_starts`` for a prefill with context."""
+    cols = torch.arange(is_image.shape[1], device=is_image.device).expand_as(is_image)
+    before = torch.nn.functional.pad(is_image, (1, 0))[:, :-1]
+    after = torch.nn.functional.pad(is_image, (0, 1))[:, 1:]
+    big = is_image.shape[1]
+    # each image token's run: the last run start at or before it, the first run end at or after it
+    start = torch.where(is_image & ~before, cols, 0).cummax(1).values
+    end = torch.where(is_image & ~after, cols + 1, big).flip(1).cummin(1).values.flip(1)
+    start, end = torch.where(is_image, start, 0), torch.where(is_image, end, 0)
+    if query_starts is not None:
+        start, end = start + query_starts[:, None], end + query_starts[:, None]
+    return start, end

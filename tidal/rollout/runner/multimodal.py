@@ -118,6 +118,8 @@ class VisionSpec:
 
     image_token_id: int
     merge_size: int
+    # False: plain 1-D positions (Gemma 3: an image's tokens count on like text, see ``fixed_size_grid``)
+    mrope: bool = True
 
     @classmethod
     def from_hf_config(cls, hf_config) -> VisionSpec | None:
@@ -125,6 +127,9 @@ class VisionSpec:
         token = getattr(hf_config, "image_token_id", None)
         if vision is None or token is None:
             return None
+        fixed = fixed_size_grid(hf_config)
+        if fixed is not None:
+            return cls(int(token), fixed[1], mrope=False)
         return cls(int(token), int(getattr(vision, "spatial_merge_size", 1)))
 
 
@@ -184,7 +189,10 @@ def prepare_images(
             f"request {index}: the prompt has {found} image placeholder token(s) but its {len(counts)} "
             f"image(s) make {sum(counts)} image tokens (give one placeholder per image, or the expanded count)"
         )
-    positions, delta = mrope_positions(ids, grid, spec)
+    if spec.mrope:
+        positions, delta = mrope_positions(ids, grid, spec)
+    else:  # every token, image or text, one position on
+        positions, delta = np.broadcast_to(np.arange(len(ids), dtype=np.int64), (3, len(ids))).copy(), 0
     patches = grid.prod(-1).tolist()
     starts = np.cumsum([0, *patches])
     hashes = tuple(image_hash(pixels[starts[k] : starts[k + 1]], grid[k]) for k in range(len(patches)))
@@ -269,3 +277,79 @@ def context_prefill_images(
         torch.cat(pixels) if pixels else None, torch.cat(grids) if grids else None, blocks, deltas
     )
     return np.concatenate(positions, axis=1), step
+
+
+# ------------------------------------------------------------- fixed-size images (Gemma 3)
+# Gemma 3's image processor resizes every image to one square size and gives ``[images, 3, S, S]``
+# pixels, and its projector average-pools the ``S/P × S/P`` patch features into ``mm_tokens_per_image``
+# tokens. The engine and the trainers carry images as Qwen-VL's patch rows with a grid per image, so
+# such a processor is wrapped (``FixedSizeImageProcessor``): each image becomes its ``(S/P)²`` patches,
+# rows of ``3 * P * P`` values (row-major over the patch grid), with the grid ``(1, S/P, S/P)``, and the
+# pooling kernel ``S/P / sqrt(mm_tokens_per_image)`` plays the merge size, so that grid / merge² is the
+# image's token count. ``patch_rows_to_images`` undoes it exactly (a permutation of the same values).
+
+
+def fixed_size_grid(hf_config) -> tuple[int, int] | None:
+    """(patch size, pooling kernel) of a fixed-size-image config (one with ``mm_tokens_per_image``:
+    Gemma 3), or None (Qwen-VL's patch grids)."""
+    tokens = getattr(hf_config, "mm_tokens_per_image", None)
+    vision = getattr(hf_config, "vision_config", None)
+    if tokens is None or vision is None:
+        return None
+    patches = int(vision.image_size) // int(vision.patch_size)
+    side = round(int(tokens) ** 0.5)
+    if side * side != int(tokens) or patches % side:
+        raise ValueError(
+            f"mm_tokens_per_image={tokens} must be a square whose side divides the {patches} patches per side"
+        )
+    return int(vision.patch_size), patches // side
+
+
+def images_to_patch_rows(pixels: torch.Tensor, patch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, C, S, S]`` pixels -> ``[N * (S/P)², C * P * P]`` patch rows and the ``[N, 3]`` grids."""
+    n, c, height, width = pixels.shape
+    gh, gw = height // patch, width // patch
+    rows = pixels.reshape(n, c, gh, patch, gw, patch).permute(0, 2, 4, 1, 3, 5).reshape(n * gh * gw, -1)
+    return rows, torch.tensor([[1, gh, gw]] * n, dtype=torch.int64)
+
+
+def patch_rows_to_images(rows: torch.Tensor, grid: torch.Tensor, patch: int) -> torch.Tensor:
+    """The inverse of ``images_to_patch_rows``: ``[N, C, S, S]`` pixels (every grid the same)."""
+    n, gh, gw = grid.shape[0], int(grid[0, 1]), int(grid[0, 2])
+    c = rows.shape[-1] // (patch * patch)
+    images = rows.reshape(n, gh, gw, c, patch, patch).permute(0, 3, 1, 4, 2, 5)
+    return images.reshape(n, c, gh * patch, gw * patch)
+
+
+class FixedSizeImageProcessor:
+    """A fixed-size image processor (Gemma 3's) giving patch rows and grids (see above); everything else
+    (``save_pretrained``, its settings) is the wrapped processor's."""
+
+    def __init__(self, processor: Any, patch: int, kernel: int):
+        if getattr(processor, "do_pan_and_scan", False):
+            raise ValueError("do_pan_and_scan (extra image crops) is not supported: set it to false")
+        self.processor, self.patch_size, self.merge_size = processor, patch, kernel
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "processor":
+            raise AttributeError(name)
+        return getattr(self.processor, name)
+
+    def __call__(self, images, return_tensors: str = "pt", **kwargs) -> dict[str, torch.Tensor]:
+        out = self.processor(images=images, return_tensors="pt", **kwargs)
+        rows, grid = images_to_patch_rows(out["pixel_values"], self.patch_size)
+        return {"pixel_values": rows, "image_grid_thw": grid}
+
+    def get_number_of_image_patches(self, height: int, width: int, kwargs: dict) -> int:
+        """Patches of any image (every image is resized to the same square)."""
+        size = self.processor.size
+        return (size["height"] // self.patch_size) * (size["width"] // self.patch_size)
+
+
+def fixed_size_processor(processor: Any, hf_config) -> Any:
+    """``processor`` wrapped as a ``FixedSizeImageProcessor`` for a fixed-size-image config (once), else
+    as it is."""
+    fixed = fixed_size_grid(hf_config)
+    if processor is None or fixed is None or isinstance(processor, FixedSizeImageProcessor):
+        return processor
+    return FixedSizeImageProcessor(processor, *fixed)

@@ -1,0 +1,324 @@
+"""Gemma 3 with images (``tidal/rollout/models/gemma3_vl.py``) in the rollout engine against transformers'
+``Gemma3ForConditionalGeneration`` on the tiny offline Gemma 3 VLM (CPU, float32).
+
+Greedy completions equal ``transformers.generate`` (one image, two images, batched with a text-only
+prompt, n greedy samples); the bidirectional attention among an image's tokens changes the tokens when
+left out (the engine with causal image tokens follows transformers without ``token_type_ids``); n sampled
+completions' log-probs equal an HF forward; weight updates under HF names (language model, then the
+tower); prefix caching and chunked prefill with images equal the plain engine (whole images per chunk,
+so the bidirectional block is whole); the patch-row round trip and image spans by hand; refusals;
+``tidal generate --image_key``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
+from tidal.rollout.runner.multimodal import MultiModalInput
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+ONE = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+TWO = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}]
+
+
+def _image(seed: int, size: tuple[int, int] = (40, 30)):
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    return Image.fromarray((torch.rand(size[1], size[0], 3, generator=g) * 255).byte().numpy())
+
+
+def _config(**overrides) -> EngineConfig:
+    return EngineConfig(device="cpu", dtype="float32", max_model_len=128, block_size=4, **overrides)
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    from tidal.testing import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("gemma3") / "m", "gemma3")
+
+
+@pytest.fixture(scope="module")
+def setup(vlm_dir):
+    """(HF model, processor, prompt ids of ONE, of TWO, engine)."""
+    from transformers import AutoModelForImageTextToText
+
+    from tidal.data.vision import load_vision_processor
+    from tidal.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(vlm_dir))
+    processor = load_vision_processor(str(vlm_dir), tokenizer)
+    hf = AutoModelForImageTextToText.from_pretrained(str(vlm_dir)).eval()
+
+    def ids(messages):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    return hf, processor, ids(ONE), ids(TWO), _engine(hf, processor)
+
+
+def _engine(hf, processor, **overrides) -> LLMEngine:
+    return LLMEngine(
+        model=hf, tokenizer=processor.tokenizer, config=_config(**overrides),
+        image_processor=processor.image_processor,
+    )  # fmt: skip
+
+
+def _inputs(hf, processor, ids, images, output=(), bidirectional=True):
+    """transformers' inputs for prompt ``ids`` (one placeholder per image) + ``output``."""
+    from tidal.data.vision import expand_image_tokens
+    from tidal.models.vision import fixed_size_kwargs
+
+    counts = processor.token_counts(images)
+    expanded = expand_image_tokens(ids, [0] * len(ids), counts, processor.image_token_id)[0]
+    input_ids = torch.tensor([expanded + list(output)])
+    pixels = processor.pixel_inputs(images)
+    kwargs = fixed_size_kwargs(hf.config, input_ids, pixels["pixel_values"], pixels["image_grid_thw"])
+    if not bidirectional:
+        del kwargs["token_type_ids"]  # transformers' Gemma 3 then attends causally among image tokens too
+    return len(expanded), input_ids, kwargs
+
+
+@torch.inference_mode()
+def _hf_greedy(hf, processor, ids, images, bidirectional=True) -> list[int]:
+    n, input_ids, kwargs = _inputs(hf, processor, ids, images, bidirectional=bidirectional)
+    out = hf.generate(
+        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=8,
+        suppress_tokens=[processor.image_token_id], **kwargs,
+    )  # fmt: skip
+    return out[0, n:].tolist()
+
+
+@torch.inference_mode()
+def _hf_logprobs(hf, processor, ids, images, output: list[int]) -> torch.Tensor:
+    """log_softmax of each output token from one transformers forward over prompt + output."""
+    n, input_ids, kwargs = _inputs(hf, processor, ids, images, output)
+    logits = hf(input_ids=input_ids, **kwargs).logits[0, n - 1 : -1].float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(output)[:, None])[:, 0]
+
+
+def _greedy(engine, ids, images) -> list[int]:
+    return (
+        engine.generate([ids], GREEDY, multi_modal=[MultiModalInput(images=images)])[0].outputs[0].token_ids
+    )
+
+
+def test_greedy_equals_transformers_generate_batched_with_text(setup):
+    hf, processor, one, two, engine = setup
+    singles = [[_image(i)] for i in range(3)]
+    pair = [_image(5), _image(6, (20, 60))]
+    text = one[:2] + [300, 301, 302]  # no placeholder: a text-only request in the same batch
+    prompts, images = [one] * 3 + [two, text], [*singles, pair, None]
+    outs = engine.generate(prompts, GREEDY, multi_modal=[im and MultiModalInput(images=im) for im in images])
+    for ids, ims, out in zip(prompts[:4], images[:4], outs, strict=False):
+        assert out.outputs[0].token_ids == _hf_greedy(hf, processor, ids, ims)
+    with torch.inference_mode():
+        ref = hf.generate(torch.tensor([text]), do_sample=False, max_new_tokens=8)[0, len(text) :].tolist()
+    assert outs[4].outputs[0].token_ids == ref
+    assert len({tuple(o.outputs[0].token_ids) for o in outs[:3]}) == 3  # the image decides the answer
+    n2 = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True, n=2)
+    out = engine.generate([two], n2, multi_modal=[MultiModalInput(images=pair)])[0]
+    assert [s.token_ids for s in out.outputs] == [outs[3].outputs[0].token_ids] * 2
+
+
+def test_bidirectional_image_attention_matters(setup, monkeypatch):
+    """Image tokens attending causally (the prefill masks' image spans off) give transformers' tokens
+    without ``token_type_ids``, which differ from the model's."""
+    from tidal.rollout.runner.attention import AttentionMetadata
+
+    hf, processor, one, two, engine = setup
+    images = [[_image(13)], [_image(13), _image(63)]]  # images for which the two differ (most do)
+    prompts = [one, two]
+    want = [_hf_greedy(hf, processor, p, im) for p, im in zip(prompts, images, strict=True)]
+    causal = [
+        _hf_greedy(hf, processor, p, im, bidirectional=False) for p, im in zip(prompts, images, strict=True)
+    ]
+    assert want[0] != causal[0] and want[1] != causal[1]
+    assert [_greedy(engine, p, im) for p, im in zip(prompts, images, strict=True)] == want
+    monkeypatch.setattr(AttentionMetadata, "_or_image_spans", lambda self, mask, k: mask)
+    assert [_greedy(engine, p, im) for p, im in zip(prompts, images, strict=True)] == causal
+
+
+@torch.inference_mode()
+def test_n_samples_share_the_prefill_and_logprobs_match_hf_forward(setup):
+    hf, processor, _, two, engine = setup
+    images = [_image(3), _image(4)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, n=3, seed=5, ignore_eos=True)
+    out = engine.generate([two], params, multi_modal=[MultiModalInput(images=images)])[0]
+    for sample in out.outputs:
+        ref = _hf_logprobs(hf, processor, two, images, sample.token_ids)
+        assert torch.allclose(torch.tensor(sample.logprobs), ref, atol=1e-4)
+    assert len({tuple(s.token_ids) for s in out.outputs}) > 1  # the samples differ
+
+
+def test_update_weights_language_model_then_vision_tower(setup):
+    """A trainer's names: the language model alone (what ``--freeze_visual_encoder`` syncs) leaves the
+    tower and projector as they were; their names then update them too."""
+    from transformers import AutoModelForImageTextToText
+
+    hf, processor, one, _, _ = setup
+    engine = _engine(hf, processor)
+    changed = AutoModelForImageTextToText.from_config(hf.config).eval()
+    changed.load_state_dict(hf.state_dict())
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in changed.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    named = list(changed.named_parameters())
+    towers = ("model.vision_tower.", "model.multi_modal_projector.")
+    vision = [(n, p) for n, p in named if n.startswith(towers)]
+    language = [(n, p) for n, p in named if not n.startswith(towers)]
+    assert engine.update_weights(language) == len(language)
+    half = AutoModelForImageTextToText.from_config(hf.config).eval()
+    state = {**hf.state_dict(), **dict(language)}
+    state.pop("lm_head.weight")  # tied to the embeddings: the updated ones must win
+    half.load_state_dict(state, strict=False)
+    images = [_image(6)]
+    assert _greedy(engine, one, images) == _hf_greedy(half, processor, one, images)
+    assert engine.update_weights(vision) == len(vision)
+    assert _greedy(engine, one, images) == _hf_greedy(changed, processor, one, images)
+    with pytest.raises(ValueError, match="unexpected weight 'model.vision_tower.nope' for a gemma3 vision"):
+        engine.update_weights([("model.vision_tower.nope", torch.zeros(1))])
+
+
+@pytest.fixture
+def caching(monkeypatch):
+    """The registry's gemma3 line without its prefix-caching refusal (see the registry's reason)."""
+    from dataclasses import replace
+
+    from tidal.rollout.models import registry
+
+    entry = registry.VISION_FAMILIES["gemma3"]
+    refuses = {k: v for k, v in entry.refuses.items() if k != "prefix_caching"}
+    monkeypatch.setitem(registry.VISION_FAMILIES, "gemma3", replace(entry, refuses=refuses))
+
+
+def test_prefix_caching_and_chunked_prefill_keep_images_whole(setup, caching):
+    """With the cache on, a repeated image hits the blocks before its last token and a chunk budget of 3
+    tokens never cuts an image (each prefill attends bidirectionally over whole images): the plain
+    engine's tokens and log-probs."""
+    hf, processor, one, two, engine = setup
+    prompts = [one, two, one]
+    mm = [MultiModalInput(images=im) for im in ([_image(40)], [_image(41), _image(42)], [_image(40)])]
+    want = engine.generate(prompts, GREEDY, multi_modal=mm)
+    for flags in (
+        {"enable_prefix_caching": True},
+        {"enable_chunked_prefill": True, "max_num_batched_tokens": 3},
+    ):
+        other = _engine(hf, processor, **flags)
+        for _ in range(2):  # the second round hits the cache
+            got = other.generate(prompts, GREEDY, multi_modal=mm)
+            for a, b in zip(got, want, strict=True):
+                assert a.outputs[0].token_ids == b.outputs[0].token_ids
+                assert torch.allclose(
+                    torch.tensor(a.outputs[0].logprobs), torch.tensor(b.outputs[0].logprobs), atol=1e-5
+                )
+        if "enable_prefix_caching" in flags:  # round 2 found every prompt's blocks but its last token's
+            assert other.scheduler.num_cached_tokens > 0
+
+
+def test_patch_rows_and_image_spans_by_hand():
+    from tidal.rollout.runner.attention import image_spans
+    from tidal.rollout.runner.multimodal import images_to_patch_rows, patch_rows_to_images
+
+    pixels = torch.arange(2 * 3 * 4 * 4, dtype=torch.float32).view(2, 3, 4, 4)
+    rows, grid = images_to_patch_rows(pixels, 2)
+    assert rows.shape == (8, 12) and grid.tolist() == [[1, 2, 2]] * 2
+    assert rows[1].tolist() == [
+        2,
+        3,
+        6,
+        7,
+        18,
+        19,
+        22,
+        23,
+        34,
+        35,
+        38,
+        39,
+    ]  # image 0, patch (0, 1), 3 channels
+    assert torch.equal(patch_rows_to_images(rows, grid, 2), pixels)
+    is_image = torch.tensor([[0, 1, 1, 0, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    start, end = image_spans(is_image, None)
+    assert start.tolist() == [[0, 1, 1, 0, 4, 4, 4, 0], [0, 0, 0, 0, 0, 0, 0, 0]]
+    assert end.tolist() == [[0, 3, 3, 0, 7, 7, 7, 0], [2, 2, 0, 0, 0, 0, 0, 0]]
+    start, end = image_spans(is_image, torch.tensor([0, 10]))  # a chunk from position 10
+    assert start[1].tolist()[:3] == [10, 10, 10] and end[1].tolist()[:3] == [12, 12, 10]
+
+
+def test_refusals(setup):
+    from tidal.rollout.models.registry import feature_refusal
+
+    hf, processor, _, _, _ = setup
+    for feature, flags in (
+        ("tensor_parallel", {"tp_size": 2}),
+        ("prefix_caching", {"enable_prefix_caching": True}),
+    ):
+        with pytest.raises(ValueError, match=f"{feature} is not supported for the gemma3 family"):
+            LLMEngine(model=hf, tokenizer=processor.tokenizer, config=_config(**flags))
+    assert "token_type_ids" in feature_refusal("gemma3", "packing_samples")
+
+
+def test_generate_with_images(vlm_dir, setup, tmp_path):
+    """``tidal generate --image_key``: rows in OpenRLHF's format, greedy answers equal transformers'."""
+    import json
+
+    from tidal.cli.generate import main as generate_main
+    from tidal.data.images import image_ref, open_image
+    from tidal.testing import ColourTask
+
+    hf, processor, _, _, _ = setup
+    data = ColourTask(seed=1).write_jsonl(tmp_path / "rows.jsonl", 4)
+    generate_main(["--pretrain", str(vlm_dir), "--dataset", str(data), "--input_key", "prompt",
+                   "--apply_chat_template", "--max_new_tokens", "4", "--temperature", "0", "--max_num_seqs", "8",
+                   "--output_path", str(tmp_path / "out.jsonl"), "--image_key", "images",
+                   "--max_images_per_prompt", "1"])  # fmt: skip
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    tokenizer = processor.tokenizer
+    for row, got in zip(rows, out, strict=True):
+        text = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        images = [open_image(image_ref(v, tmp_path)) for v in row["images"]]
+        with torch.inference_mode():
+            n, input_ids, kwargs = _inputs(hf, processor, ids, images)
+            ref = hf.generate(input_ids=input_ids, do_sample=False, max_new_tokens=4, **kwargs)[0, n:]
+        assert got["output"].strip() == tokenizer.decode(ref, skip_special_tokens=True).strip()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_cuda_float32_matches_transformers_with_and_without_graphs(vlm_dir, eager, caching):
+    """On CUDA (float32; Triton decode attention, torch prefill masks with the image spans): greedy on
+    images equals transformers', eager and with CUDA graphs / async scheduling; prefix caching and chunked
+    prefill (whose context kernel is causal, so image chunks take the masked path) too."""
+    from transformers import AutoModelForImageTextToText
+
+    from tidal.data.vision import load_vision_processor
+    from tidal.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(vlm_dir))
+    processor = load_vision_processor(str(vlm_dir), tokenizer)
+    hf = AutoModelForImageTextToText.from_pretrained(str(vlm_dir)).eval()
+    ids = tokenizer(tokenizer.apply_chat_template(TWO, tokenize=False, add_generation_prompt=True),
+                    add_special_tokens=False)["input_ids"]  # fmt: skip
+    images = [[_image(20 + i), _image(30 + i)] for i in range(4)]
+    want = [_hf_greedy(hf, processor, ids, im) for im in images]
+    mm = [MultiModalInput(images=im) for im in images]
+    for flags in (
+        {},
+        {"enable_prefix_caching": True},
+        {"enable_chunked_prefill": True, "max_num_batched_tokens": 8},
+    ):
+        config = EngineConfig(device="cuda", dtype="float32", max_model_len=256, block_size=16,
+                              enforce_eager=eager, **flags)  # fmt: skip
+        engine = LLMEngine(
+            model=hf, tokenizer=tokenizer, config=config, image_processor=processor.image_processor
+        )
+        for _ in range(2):
+            got = engine.generate([ids] * 4, GREEDY, multi_modal=mm)
+            assert [o.outputs[0].token_ids for o in got] == want
