@@ -57,6 +57,7 @@ from tidal.inference.scoring import SampleScorer
 from tidal.logging import get_logger
 from tidal.rewards import load_reward_source
 from tidal.rollout import LLMEngine, make_engine
+from tidal.rollout.models.registry import VISION_FAMILIES
 
 log = get_logger(__name__)
 
@@ -166,7 +167,8 @@ def vision_processor(run: GenerateRun, engine: LLMEngine):
     if run.vision.max_images_per_prompt and getattr(engine, "vision", None) is None:
         raise ConfigError(
             f"--max_images_per_prompt {run.vision.max_images_per_prompt}: the rollout engine serving "
-            f"{run.policy.pretrain} does not take images (the native qwen2_5_vl family does)"
+            f"{run.policy.pretrain} does not take images (the engine's vision families do: "
+            f"{', '.join(sorted(VISION_FAMILIES))})"
         )
     return processor
 
