@@ -131,14 +131,20 @@ def test_settings_fp8_cannot_run_with_are_refused(tiny_model):
 
 
 def test_families_with_their_own_loader_are_refused():
+    """Before anything loads: the engine's config check, and ``family_problem`` of a built model."""
+    from tidal.rollout.engine.config import family_problem as engine_problem
     from tidal.rollout.models.loader import model_args
     from tidal.rollout.quant.linear import family_problem
     from tidal.testing.tiny import tiny_config
 
-    cls, args = model_args(tiny_config("deepseek_v3"))
-    with torch.device("meta"):
-        model = cls(args)
-    assert family_problem(model) == (
+    refusal = (
         "--rollout_quantization fp8 supports the families on the shared weight loader, not 'deepseek_v3' "
         "(its own loader: weight syncs could not be traced to the FP8 weights)"
     )
+    assert engine_problem(EngineConfig(quantization="fp8"), "deepseek_v3") == refusal
+    assert engine_problem(EngineConfig(quantization="fp8"), "qwen3_moe") is None
+    assert engine_problem(EngineConfig(), "deepseek_v3") is None
+    cls, args = model_args(tiny_config("deepseek_v3"))
+    with torch.device("meta"):
+        model = cls(args)
+    assert family_problem(model) == refusal

@@ -44,3 +44,14 @@ def test_bad_settings_are_refused_in_one_line(extra, message, tmp_path, capsys):
         main(flags)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_family_fp8_cannot_quantize_is_refused_before_loading(tiny_model, tmp_path):
+    from tidal.config import ConfigError
+    from tidal.trainers.ppo.entry import check_models_before_loading
+
+    policy = tiny_model("deepseek_v3")
+    run = parse_run(grpo_flags(policy, tmp_path, "--rollout_quantization", "fp8"))
+    with pytest.raises(ConfigError, match=r"^--rollout_quantization fp8 supports the families on the shared "
+                       r"weight loader, not 'deepseek_v3' .* \(--pretrain "):  # fmt: skip
+        check_models_before_loading(run)

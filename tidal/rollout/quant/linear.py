@@ -80,10 +80,21 @@ class Fp8State:
 
 def family_problem(model: nn.Module) -> str | None:
     """Why FP8 cannot quantize this engine model (None: it can)."""
-    if type(model).load_weights not in _SHARED_LOADERS:
+    return loader_problem(type(model), model.args.model_type)
+
+
+def registry_family_problem(model_type: str) -> str | None:
+    """``family_problem`` from a registry family's name, before anything is built."""
+    from tidal.rollout.models.registry import model_class
+
+    return loader_problem(model_class(model_type), model_type)
+
+
+def loader_problem(cls: type, model_type: str) -> str | None:
+    if cls.load_weights not in _SHARED_LOADERS:
         return (
             f"--rollout_quantization fp8 supports the families on the shared weight loader, not "
-            f"{model.args.model_type!r} (its own loader: weight syncs could not be traced to the FP8 weights)"
+            f"{model_type!r} (its own loader: weight syncs could not be traced to the FP8 weights)"
         )
     return None
 

@@ -43,6 +43,7 @@ from tidal.rollout.batch_invariant import exact_problem
 from tidal.rollout.engine.hf_engine import fallback_problem
 from tidal.rollout.models.loader import context_prefill_problem, tp_layout_problem
 from tidal.rollout.models.registry import FAMILIES, VISION_FAMILIES, feature_refusal
+from tidal.rollout.quant.linear import registry_family_problem
 from tidal.trainers.common import seed_everything
 from tidal.trainers.optimization import Optimization, build_optimization
 from tidal.trainers.ppo.critic import build_critic
@@ -208,6 +209,9 @@ def check_models_before_loading(run: PPORun) -> None:
     if run.rollout.exact_logprobs and (
         problem := exact_problem(config, lora_dropout, run.actor.load_in_4bit)
     ):
+        raise ConfigError(f"{problem} (--pretrain {run.actor.pretrain})")
+    fp8 = run.rollout.rollout_quantization != "none" and model_type in FAMILIES  # tidal.rollout.quant
+    if fp8 and (problem := registry_family_problem(model_type)):
         raise ConfigError(f"{problem} (--pretrain {run.actor.pretrain})")
     if run.rollout.moe_router_replay:
         check_router_replay(run, config)
