@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from tidal.agents import Trajectory
 from tidal.config import ModelConfig, PromptDataConfig, TrainConfig
+from tidal.config.data import VisionConfig
 from tidal.config.distributed import DistributedConfig
 from tidal.config.placement import PlacementConfig
 from tidal.config.rl import (
@@ -145,6 +146,7 @@ class PlacedRun(Protocol):
     placement: PlacementConfig
     critic_optim: OptimConfig
     dist: DistributedConfig
+    vision: VisionConfig  # images in prompts: the critic (tidal.trainers.ppo.critic) reads them too
 
     @property
     def critic_source(self) -> str: ...
