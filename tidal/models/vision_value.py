@@ -84,11 +84,8 @@ def load_critic_model(
     """The PPO critic from ``cfg.pretrain`` (see the module doc). ``images``: the prompts carry images
     (``--max_images_per_prompt`` > 0); ``freeze_visual_encoder``: freeze a vision-language critic's tower."""
     if not is_vision_language(cfg.pretrain):
-        if images:
-            raise ConfigError(
-                f"--critic_pretrain {cfg.pretrain} is not a vision-language model, but the critic reads the "
-                "prompts' images (--max_images_per_prompt): pass one, or leave it unset (the policy)"
-            )
+        if problem := critic_image_problem(cfg.pretrain, images):
+            raise ConfigError(problem)
         return load_value_model(cfg, device, value_head_prefix)
     model = load_vision_value_model(dataclasses.replace(cfg, lora_rank=0), device, value_head_prefix)
     if freeze_visual_encoder:  # as the policy's: the critic's language model and value head train
@@ -99,6 +96,16 @@ def load_critic_model(
         targets = [t for t in language_lora_targets(model, cfg.target_modules) if t != value_head_prefix]
         model = lora_value_model(model, dataclasses.replace(cfg, target_modules=targets), value_head_prefix)
     return model
+
+
+def critic_image_problem(source: str, images: bool) -> str | None:
+    """Why ``source`` cannot be the critic of a run whose prompts carry images (a text model), or None."""
+    if not images or is_vision_language(source):
+        return None
+    return (
+        f"--critic_pretrain {source} is not a vision-language model, but the critic reads the prompts' "
+        "images (--max_images_per_prompt): pass one, or leave it unset (the policy)"
+    )
 
 
 def _saved_head(source: str, prefix: str) -> torch.Tensor | None:

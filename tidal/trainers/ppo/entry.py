@@ -36,6 +36,7 @@ from tidal.models import load_causal_lm, load_tokenizer
 from tidal.models.loading import check_model_folder, model_load_error
 from tidal.models.ring_attention import use_ring
 from tidal.models.vision import freeze_vision
+from tidal.models.vision_value import critic_image_problem
 from tidal.placement.build import build_roles, critic_ray_problem, log_placement
 from tidal.placement.data_parallel import check_data_parallel
 from tidal.placement.ray_launch import run_on_ray, wants_ray
@@ -174,6 +175,8 @@ def check_models_before_loading(run: PPORun) -> None:
             raise ConfigError(
                 f"{flag} needs a vision-language model; --pretrain {run.actor.pretrain} has none"
             )
+    if run.algorithm.needs_critic and (problem := critic_image_problem(run.critic_source, n_images > 0)):
+        raise ConfigError(problem)  # the critic reads the images too (tidal.models.vision_value)
     if getattr(config, "vision_config", None) is not None and model_type not in VISION_FAMILIES:
         raise ConfigError(
             f"--pretrain {run.actor.pretrain}: {model_type} is a vision-language model the rollout engine does "
