@@ -260,7 +260,7 @@ def test_refusals(setup):
     ):
         with pytest.raises(ValueError, match=f"{feature} is not supported for the gemma3 family"):
             LLMEngine(model=hf, tokenizer=processor.tokenizer, config=_config(**flags))
-    assert "token_type_ids" in feature_refusal("gemma3", "packing_samples")
+    assert "bidirectional image attention" in feature_refusal("gemma3", "packing_samples")
 
 
 def test_generate_with_images(vlm_dir, setup, tmp_path):

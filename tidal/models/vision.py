@@ -109,6 +109,11 @@ def vision_kwargs(model: nn.Module, batch: dict) -> dict:
     fixed = fixed_size_kwargs(
         model.config, batch["input_ids"], batch["pixel_values"], batch["image_grid_thw"]
     )
+    if fixed is not None and "segment_ids" in batch:
+        raise ValueError(
+            f"--packing_samples with images is not supported for {model.config.model_type}: packed rows "
+            "take tidal's per-sample causal masks, which would drop its bidirectional image attention"
+        )
     if fixed is not None:
         return fixed
     kwargs = {"pixel_values": batch["pixel_values"], "image_grid_thw": batch["image_grid_thw"]}
