@@ -50,6 +50,23 @@ def test_scaled_mm_matches_the_emulated_product(granularity, tokens, out_feature
     assert _rel(fp8_linear(x, q, wrong, granularity), emulated) > 0.2
 
 
+@pytest.mark.parametrize("group", [None, 128])
+@pytest.mark.parametrize(("tokens", "width"), [(1, 896), (37, 4864), (256, 18944)])
+def test_triton_activation_quantization_is_the_torch_one_bit_for_bit(group, tokens, width):
+    from tidal.rollout.quant.fp8 import quantize_rows
+    from tidal.rollout.quant.triton_fp8 import quantize_rows_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = (torch.randn(tokens, width, device="cuda", generator=gen) * 3).bfloat16()
+    x[0, :256] = 0  # an all-zero group (scale 1)
+    q, scales = quantize_rows_triton(x, group)
+    want_q, want_scales = quantize_rows(x, group)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+    if group is not None:  # the layout torch's block-wise GEMM reads
+        assert scales.stride() == (1, tokens) or tokens == 1
+
+
 @pytest.mark.parametrize("tokens", [4, 300])
 def test_fused_moe_on_fp8_experts_matches_the_dequantized_reference(tokens):
     from tidal.rollout.kernels.triton_moe import fused_expert_forward

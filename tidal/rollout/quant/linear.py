@@ -15,7 +15,8 @@ through it — are quantized again, on the weights' device. Three ways a module 
 - ``scaled_mm`` (linear layers; CUDA, bf16/fp16 engine, an FP8-capable GPU, shapes the GEMM takes): the
   e4m3 weight and its scales live in persistent buffers (``fp8_weight``, ``fp8_weight_scale``) rewritten
   *in place* at each sync, so captured CUDA graphs, which read those addresses, stay valid. The forward
-  quantizes the activations per token (dynamic scales; per token and 128 columns for ``fp8_block``) and
+  quantizes the activations per token (dynamic scales; per token and 128 columns for ``fp8_block``; one
+  Triton launch, ``triton_fp8.py``) and
   runs ``torch._scaled_mm`` (row-wise scales; for blocks torch's 1x128 x 128x128 block-wise recipe); a
   probe GEMM checks it once per process and granularity, falling back to ``emulated`` with a logged
   reason.
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tidal.accel import triton_usable
 from tidal.logging.console import get_logger
 from tidal.rollout.models.layers import CausalLM
 from tidal.rollout.models.moe import _PER_EXPERT, Experts, MoECausalLM
@@ -269,13 +271,22 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, granulari
     if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], q.shape[0])
     if granularity == "channel":
-        xq, xs = quantize_rows(rows)
+        xq, xs = _quantize_activations(rows, None)
         out = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scales.view(1, -1), out_dtype=x.dtype)
     else:  # 1x128 activation scales outer-dimension-major ([M, K/128], stride [1, M]), as torch wants them
-        xq, xs = quantize_rows(rows, BLOCK)
+        xq, xs = _quantize_activations(rows, BLOCK)
         scale_b = padded_block_scales(scales)[:, : x.shape[-1] // BLOCK].t()  # [K/128, N/128], stride [1, L4]
         out = torch._scaled_mm(xq, q.t(), scale_a=xs.t().contiguous().t(), scale_b=scale_b, out_dtype=x.dtype)
     return out.view(*x.shape[:-1], q.shape[0])
+
+
+def _quantize_activations(rows: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows``: one Triton launch on CUDA (``triton_fp8.py``, bit-equal), else the torch ops."""
+    if triton_usable(rows):
+        from tidal.rollout.quant.triton_fp8 import quantize_rows_triton
+
+        return quantize_rows_triton(rows, group)
+    return quantize_rows(rows, group)
 
 
 class Fp8Forward:

@@ -1,0 +1,73 @@
+"""Dynamic FP8 activation quantization in one Triton launch (CUDA): ``fp8.quantize_rows`` for the
+``torch._scaled_mm`` path of ``linear.py``.
+
+In torch, quantizing a token's activations per row is about eight kernels (abs, amax, the scale, the
+division, the clamp, the cast...) before every FP8 GEMM; at decode, where a step is hundreds of small
+kernels, that would eat much of what reading half the weight bytes saves. Here one program per (row,
+group of columns) reads its values twice (the maximum, then the quantization) and writes the e4m3 values
+and the scale. Same arithmetic as ``quantize_rows``: ``scale = amax / 448`` (1 for an all-zero group),
+``q = clamp(x / scale, -448, 448)`` rounded to nearest even, IEEE divisions (``div_rn``), so the results
+are bit-equal (tests/rollout/test_fp8_gpu.py). With ``group`` the scales come out outer-dimension-major
+([M, K/group] with strides (1, M)), the layout torch's block-wise GEMM reads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    K,
+    stride_x,
+    stride_q,
+    stride_s_row,
+    stride_s_group,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    group = tl.program_id(1)
+    start = group * GROUP
+    cols = tl.arange(0, BLOCK)
+    x_row = x_ptr + row.to(tl.int64) * stride_x + start
+    q_row = q_ptr + row.to(tl.int64) * stride_q + start
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, GROUP, BLOCK):
+        mask = (k0 + cols < GROUP) & (start + k0 + cols < K)
+        x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    top = tl.max(amax, axis=0)
+    scale = tl.where(top > 0, tl.math.div_rn(top, 448.0), 1.0)
+    tl.store(s_ptr + row.to(tl.int64) * stride_s_row + group * stride_s_group, scale)
+    for k0 in range(0, GROUP, BLOCK):
+        mask = (k0 + cols < GROUP) & (start + k0 + cols < K)
+        x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+        tl.store(q_row + k0 + cols, q.to(tl.float8e4nv), mask=mask)
+
+
+def quantize_rows_triton(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8.quantize_rows`` of ``x`` [M, K] (CUDA): (e4m3 [M, K], float32 scales [M, 1] or, with
+    ``group``, [M, K/group] outer-dimension-major)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    width = k if group is None else group
+    groups = 1 if group is None else k // group
+    if group is None:
+        scales = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    else:  # [M, groups] with strides (1, M)
+        scales = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
+    block = min(1024, triton.next_power_of_2(width))
+    _quantize_rows_kernel[(m, groups)](
+        x, q, scales, k, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
+        GROUP=width, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return q, scales
