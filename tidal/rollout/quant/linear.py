@@ -12,14 +12,13 @@ slices, tensor-parallel shards), so loading is unchanged. After every ``load_wei
 engine's load, each bucket of ``update_weights``) the parts it wrote — named by the HF names that went
 through it — are quantized again, on the weights' device. Three ways a module computes:
 
-- ``scaled_mm`` (linear layers; CUDA, bf16/fp16 engine, an FP8-capable GPU, shapes the GEMM takes): the
-  e4m3 weight and its scales live in persistent buffers (``fp8_weight``, ``fp8_weight_scale``) rewritten
-  *in place* at each sync, so captured CUDA graphs, which read those addresses, stay valid. The forward
+- ``scaled_mm`` (linear layers; CUDA, bf16 engine, an FP8-capable GPU, shapes the GEMM takes): the e4m3
+  weight and its scales live in persistent buffers (``fp8_weight``, ``fp8_weight_scale``) rewritten *in
+  place* at each sync, so captured CUDA graphs, which read those addresses, stay valid. The forward
   quantizes the activations per token (dynamic scales; per token and 128 columns for ``fp8_block``; one
-  Triton launch, ``triton_fp8.py``) and
-  runs ``torch._scaled_mm`` (row-wise scales; for blocks torch's 1x128 x 128x128 block-wise recipe); a
-  probe GEMM checks it once per process and granularity, falling back to ``emulated`` with a logged
-  reason.
+  Triton launch, ``triton_fp8.py``) and runs ``torch._scaled_mm`` (row-wise scales; for blocks torch's
+  1x128 x 128x128 block-wise recipe); a probe GEMM checks it once per process, granularity and weight
+  shape, falling back to ``emulated`` with a logged reason.
 - ``triton_fp8`` (MoE experts; the fused Triton MoE path on an FP8-capable GPU, per-channel scales): the
   kernels of ``kernels/triton_moe.py`` read the e4m3 experts (``fp8_gate_up_proj``, ``fp8_down_proj``
   and their ``_scale`` buffers, in place likewise), widen each tile to the model dtype and scale the
