@@ -157,7 +157,7 @@ def paths(tiny_llama, reward_model, tmp_path_factory) -> dict[str, str]:
         "policy": str(tiny_llama), "teacher": str(tiny_llama), "reward": str(reward_model),
         "prm_model": _prm_model(tiny_llama, root / "prm_model"),
         "moe": str(build_tiny_model(root / "mixtral", "mixtral", seed=0)),
-        "vlm": str(build_tiny_vlm(root / "vlm")),
+        "vlm": str(build_tiny_vlm(root / "vlm", "qwen3_5")),  # the v0.11.0 VLM script's family (Qwen3.5-2B)
         "sft": _jsonl(root / "orca.jsonl", [{"question": q, "response": str(eval(q[:-1]))} for q in QUESTIONS]),
         "prefs": _jsonl(root / "prefs.jsonl", [{"chosen": _chat(q, "2"), "rejected": _chat(q, "7")} for q in QUESTIONS]),
         "kto": _jsonl(root / "kto.jsonl", [{"instruction": q, "response": r, "score": r == "2"}
