@@ -43,12 +43,13 @@ def _quantize_rows_kernel(
         x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
     top = tl.max(amax, axis=0)
-    scale = tl.where(top > 0, tl.math.div_rn(top, 448.0), 1.0)
+    largest = tl.zeros_like(top) + 448.0  # tensors on both sides of the IEEE division
+    scale = tl.where(top > 0, tl.math.div_rn(top, largest), 1.0)
     tl.store(s_ptr + row.to(tl.int64) * stride_s_row + group * stride_s_group, scale)
     for k0 in range(0, GROUP, BLOCK):
         mask = (k0 + cols < GROUP) & (start + k0 + cols < K)
         x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.zeros_like(x) + scale), -448.0), 448.0)
         tl.store(q_row + k0 + cols, q.to(tl.float8e4nv), mask=mask)
 
 
