@@ -290,6 +290,20 @@ def test_generate_with_images(vlm_dir, setup, tmp_path):
         assert got["output"].strip() == tokenizer.decode(ref, skip_special_tokens=True).strip()
 
 
+def test_async_scheduling_samples_as_the_synchronous_loop(setup):
+    """Decode steps launched ahead give the synchronous loop's seeded samples."""
+    hf, processor, one, _, _ = setup
+    images = [MultiModalInput(images=[_image(30 + i)]) for i in range(3)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, n=2, seed=1)
+    outs = []
+    for ahead in (False, True):
+        engine = _engine(hf, processor, async_scheduling=ahead)
+        assert engine.async_scheduling == ahead
+        result = engine.generate([one] * 3, params, multi_modal=images)
+        outs.append([[(c.token_ids, c.logprobs) for c in out.outputs] for out in result])
+    assert outs[0] == outs[1]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 def test_cuda_float32_matches_transformers_with_and_without_graphs(vlm_dir, eager, caching):

@@ -63,3 +63,59 @@ def test_packing_with_images_is_refused(gemma3, tmp_path):
     del batch["segment_ids"]
     kwargs = vision_kwargs(model, batch)
     assert kwargs["pixel_values"].shape == (1, 3, 32, 32) and kwargs["token_type_ids"].sum() == 0
+
+
+def test_vision_modules_freeze_and_lora_targets(gemma3):
+    """The tower and the projector are the vision modules (frozen together); LoRA adapts the language
+    model's linear layers only."""
+    from transformers import AutoModelForImageTextToText
+
+    from tidal.models.vision import freeze_vision, language_lora_targets, vision_modules
+
+    model = AutoModelForImageTextToText.from_pretrained(str(gemma3))
+    assert [name for name, _ in vision_modules(model)] == [
+        "model.vision_tower",
+        "model.multi_modal_projector",
+    ]
+    tower = sum(p.numel() for _, m in vision_modules(model) for p in m.parameters())
+    assert freeze_vision(model) == tower
+    targets = language_lora_targets(model, ["all-linear"])
+    assert targets and all(t.startswith("model.language_model.layers.") for t in targets)
+    assert len(language_lora_targets(model, ["q_proj"])) == model.config.text_config.num_hidden_layers
+
+
+def test_sft_forward_equals_the_hf_loss_and_packing_is_refused(gemma3, tmp_path):
+    """``tidal sft``'s samples and forward on images: each padded row's loss is transformers' own (with
+    ``token_type_ids``); packed image rows stop with the one-line refusal."""
+    from tidal.cli.train_sft import parse_run as parse_sft
+    from tidal.config.data import VisionConfig
+    from tidal.data import collate_packed, collate_padded
+    from tidal.data.images import open_image
+    from tidal.data.vision import ImageSamples, load_vision_processor
+    from tidal.models import load_causal_lm, load_tokenizer, token_logprobs
+    from tidal.models.vision import fixed_size_kwargs
+    from tidal.testing import ColourTask
+    from tidal.trainers.sft import load_sft_samples
+
+    data = ColourTask(seed=0).write_jsonl(tmp_path / "train.jsonl", 8)
+    tokenizer = load_tokenizer(str(gemma3))
+    processor = load_vision_processor(str(gemma3), tokenizer)
+    images = ImageSamples(VisionConfig(max_images_per_prompt=1), processor)
+    run = parse_sft(["--pretrain", str(gemma3), "--dataset", str(data), "--input_key", "prompt", "--output_key",
+                     "answer", "--apply_chat_template", "--max_len", "64", "--max_images_per_prompt", "1",
+                     "--save_path", str(tmp_path / "final")])  # fmt: skip
+    samples = load_sft_samples(str(data), None, "train", 4, tokenizer, run.data, 0, images)
+    model = load_causal_lm(run.model, torch.device("cpu")).eval()
+    padded = collate_padded(samples, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(model, padded)
+        for row, sample in enumerate(samples):
+            ids = torch.tensor([sample.input_ids])
+            labels = torch.where(torch.tensor([sample.loss_mask]).bool(), ids, -100)
+            pixels = processor.pixel_inputs([open_image(r) for r in sample.images.refs])
+            kwargs = fixed_size_kwargs(model.config, ids, pixels["pixel_values"], pixels["image_grid_thw"])
+            hf = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, **kwargs).loss
+            mask = padded["loss_mask"][row].bool()
+            torch.testing.assert_close(-logprobs[row][mask].mean(), hf, atol=1e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match="--packing_samples with images is not supported for gemma3"):
+            token_logprobs(model, collate_packed(samples))
