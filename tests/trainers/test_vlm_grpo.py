@@ -16,6 +16,7 @@ from tidal.cli.train_ppo import parse_run
 from tidal.config import ConfigError
 from tidal.rollout.models.registry import VISION_FAMILIES
 from tidal.testing import ColourTask, build_tiny_vlm
+from tidal.trainers.ppo import entry as ppo_entry
 from tidal.trainers.ppo import run_ppo
 
 # Dense and image-dependent: the share of the response's letters that are letters of the colour's name.
@@ -98,8 +99,10 @@ def test_image_flags_openrlhf_spellings_and_refusals(vlm, tmp_path, monkeypatch)
     ):
         run_ppo(parse_run(_flags(qwen3_5, tmp_path, "--packing_samples")))
     qwen3_vl = build_tiny_vlm(tmp_path / "q3", "qwen3_vl")
-    # a vision-language family the engine lacks: Qwen3-VL with its family taken out of the registry
-    monkeypatch.delitem(VISION_FAMILIES, "qwen3_vl")
+    # a vision-language family the engine lacks: Qwen3-VL taken out of tidal ppo's view of the registry
+    monkeypatch.setattr(
+        ppo_entry, "VISION_FAMILIES", {k: f for k, f in VISION_FAMILIES.items() if k != "qwen3_vl"}
+    )
     with pytest.raises(ConfigError, match="qwen3_vl is a vision-language model the rollout engine does not"):
         run_ppo(parse_run(_flags(qwen3_vl, tmp_path)))
     text_model = build_tiny_model(tmp_path / "text", "qwen2")
