@@ -196,3 +196,22 @@ def test_full_determinism_turns_on_deterministic_kernels(tiny_llama, addition_fi
         assert torch.are_deterministic_algorithms_enabled()
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "bamba"])
+def test_packing_refused_for_recurrent_layers(family, addition_file, tmp_path, capsys):
+    """Packed rows would carry a Gated DeltaNet's (registry: Qwen3.5) or a Mamba layer's (a family outside the
+    registry, read from its layer_types) state from one sample into the next: one line, before any data
+    or weights load; an attention-only family outside the registry still packs."""
+    from tidal.testing.tiny import build_tiny_fallback_model, build_tiny_model
+    from tidal.trainers.common import packing_problem
+
+    build = build_tiny_fallback_model if family == "bamba" else build_tiny_model
+    model = build(tmp_path / family, family)
+    with pytest.raises(SystemExit) as exc:
+        sft_main(flags(model, addition_file, tmp_path, "--packing_samples"))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"error: --packing_samples: packing_samples is not supported for the {family} family" in err[-1]
+    assert "Traceback" not in "\n".join(err)
+    assert packing_problem(str(build_tiny_model(tmp_path / "qwen2", "qwen2"))) is None

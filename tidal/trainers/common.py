@@ -35,6 +35,7 @@ from tidal.logging import get_logger
 from tidal.models import load_causal_lm, load_tokenizer
 from tidal.models.ring_attention import head_stride_problem, use_ring
 from tidal.models.vision import freeze_vision, is_vision_language
+from tidal.rollout.models.registry import FAMILIES, VISION_FAMILIES, feature_refusal
 from tidal.trainers.loop import Objective, SupervisedTrainer
 from tidal.trainers.optimization import build_optimization
 
@@ -96,6 +97,38 @@ def run_images(run: Any, tokenizer):
     vision_model = processor is not None or is_vision_language(run.model.pretrain)
     images.check(run.model.pretrain, vision_model, run.dist.ring_attn_size, run.dist.ds_tensor_parallel_size)
     return images
+
+
+# Layer kinds (``config.layer_types``) whose state runs along the whole row rather than attending within
+# each packed sample's own segment.
+RECURRENT_LAYER_WORDS = ("linear", "mamba", "conv", "ssm", "recurrent")
+
+
+def packing_problem(pretrain: str) -> str | None:
+    """Why packed rows cannot train ``pretrain``'s family (None: they can). Packing keeps samples apart by
+    masking attention; a recurrent layer (Gated DeltaNet, Mamba) would carry one sample's state into the
+    next. The engine's registry says so for its families (``packing_samples`` refusals); a family outside
+    it is refused when its config declares such layers."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(pretrain)
+    except Exception:  # not a readable folder: loading the model reports it, in its own words
+        return None
+    model_type = getattr(config, "model_type", None)
+    if problem := feature_refusal(model_type, "packing_samples"):
+        return problem
+    if model_type in FAMILIES or model_type in VISION_FAMILIES:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kinds = {str(kind) for kind in getattr(text, "layer_types", None) or ()}
+    recurrent = sorted(k for k in kinds if any(word in k for word in RECURRENT_LAYER_WORDS))
+    if recurrent:
+        return (
+            f"packing_samples is not supported for the {model_type} family: its {', '.join(recurrent)} layers "
+            "would carry one packed sample's state into the next"
+        )
+    return None
 
 
 def training_steps(n_samples: int, train: TrainConfig, world: World, dataset: str) -> int:
@@ -180,6 +213,8 @@ def fit_recipe(recipe: Recipe, run: SupervisedRun, world: World | None = None) -
     """
     world = with_tensor_parallel(world or init_world(), run.dist.ds_tensor_parallel_size)
     run.check(world)  # every problem of the run at once, before the tokenizer, data or models load
+    if run.train.packing_samples and (problem := packing_problem(run.model.pretrain)):
+        raise ConfigError(f"--packing_samples: {problem} (--pretrain {run.model.pretrain}); drop the flag")
     ring = ring_group(world, run.dist.ring_attn_size, run.dist.ring_head_stride)
     seed_everything(run.train)
     tokenizer = load_tokenizer(run.model.pretrain, run.model)
