@@ -170,10 +170,9 @@ def test_preemption_sleep_and_slots(setup, monkeypatch):
 
 def test_refused_features_say_why(setup):
     path = setup[0]
-    for config, feature in (
-        (cpu_config(enable_prefix_caching=True), "prefix_caching"),
-        (cpu_config(tp_size=2), "tensor_parallel"),
-    ):
+    # Prefix caching is supported (saved states at block boundaries: test_hybrid_prefix_cache.py).
+    assert feature_refusal(FAMILY, "prefix_caching") is None
+    for config, feature in ((cpu_config(tp_size=2), "tensor_parallel"),):
         with pytest.raises(ValueError, match=f"{feature} is not supported for the {FAMILY} family: "):
             LLMEngine(path, config)
     with pytest.raises(ValueError, match=f"exact_logprobs supports the .* families, not '{FAMILY}'"):

@@ -25,7 +25,7 @@ def test_each_cell_follows_the_record():
     cells = [c.strip() for c in rows["qwen3_5_text"].split("|")[3:-1]]
     assert cells == [
         "no",
-        "no",
+        "yes",
         "yes",
         "yes",
         "yes",

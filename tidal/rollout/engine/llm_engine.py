@@ -81,7 +81,7 @@ from tidal.rollout.sampling_params import SamplingParams
 from tidal.rollout.scheduling.block_manager import BlockManager, blocks_needed
 from tidal.rollout.scheduling.scheduler import ScheduledBatch, Scheduler
 from tidal.rollout.scheduling.sequence import Sequence
-from tidal.rollout.scheduling.state_cache import StateCache, StateSlots
+from tidal.rollout.scheduling.state_cache import StateCache, StateSlots, saved_state_rows
 
 log = get_logger(__name__)
 
@@ -170,6 +170,7 @@ class LLMEngine(RequestBuilding, WeightsAndMemory):
             prefix_caching=self.config.enable_prefix_caching,
             state_slots=states,
             private_first_block=self.vision is not None,  # decode deltas are keyed by first block
+            saved_states=self._saved_states(),
         )
         self._check_context_prefill()
         self.runner = ModelRunner(
@@ -185,6 +186,7 @@ class LLMEngine(RequestBuilding, WeightsAndMemory):
             peers=self.peers,
             exact=self.config.exact_logprobs,
             lookahead=self.async_scheduling,
+            saved_states=self._saved_states(),
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -278,6 +280,12 @@ class LLMEngine(RequestBuilding, WeightsAndMemory):
         if on_main_process():
             log.info("engine: KV cache of %d blocks, %d tokens, %s", self.num_kv_blocks, tokens, kv)
 
+    def _saved_states(self) -> int:
+        """Rows of recurrent states saved at cached blocks' ends (linear-attention families, state_cache.py)."""
+        if self.model.state_spec() is None:
+            return 0
+        return saved_state_rows(self.config.max_num_seqs, self.config.enable_prefix_caching)
+
     def _kv_blocks(self) -> int:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
@@ -293,6 +301,7 @@ class LLMEngine(RequestBuilding, WeightsAndMemory):
         spec = self.model.state_spec()
         if spec is not None:  # the recurrent states of every sequence slot come out of the same budget
             slots = cfg.max_num_seqs * (2 if self.async_scheduling else 1) + 1  # pairs: double buffering
+            slots += self._saved_states()  # prefix caching: states saved at cached blocks' ends
             budget -= slots * StateCache.bytes_per_slot(spec, self.dtype)
         return max(1, min(enough, int(budget // per_block)))
 

@@ -87,7 +87,9 @@ class ModelRunner(SamplingInputs):
         peers: StepPeers | None = None,
         exact: bool = False,
         lookahead: bool = False,
+        saved_states: int = 0,
     ):
+        """``saved_states``: rows of recurrent states saved for prefix caching (state_cache.py)."""
         self.model = model
         # Exact log-probs (EngineConfig.exact_logprobs): the batch-invariant ops the trainer also runs.
         self.exact = exact
@@ -114,7 +116,7 @@ class ModelRunner(SamplingInputs):
         # With steps launched ahead, a pair of slots per sequence (double buffering, state_cache.py).
         self.states = None
         if spec is not None:
-            self.states = StateCache(spec, max_num_seqs, self.dtype, self.device, double=lookahead)
+            self.states = StateCache(spec, max_num_seqs, self.dtype, self.device, lookahead, saved_states)
         self.allocate_kv_cache()
         if hasattr(model, "reserve_block_state"):  # vision families: a decode delta per KV block
             model.reserve_block_state(num_blocks + 1)
@@ -432,6 +434,7 @@ class ModelRunner(SamplingInputs):
         )
         if self.states is not None:  # each group continues the state its earlier chunks left
             meta.states, meta.state_slots = self.states, self._tensor([g[0].state_slot for g in batch.groups])
+            self._copy_states(batch.state_loads)  # prefix caching: the saved state a cached prefix ends with
         # Between chunks nothing samples; one row's logits anyway keeps every kernel's shapes non-empty.
         last = [i for i, final in enumerate(batch.final) if final] or [0]
         logits_index = (starts + lens_t - 1)[self._tensor(last)]
@@ -448,6 +451,7 @@ class ModelRunner(SamplingInputs):
             src, dst = zip(*batch.block_copies, strict=True)
             self.kv_cache[:, :, self._tensor(dst)] = self.kv_cache[:, :, self._tensor(src)]
         if self.states is not None:
+            self._copy_states(batch.state_saves)  # prefix caching: states at chunks ending on a block's end
             done = [group for group, final in zip(batch.groups, batch.final, strict=True) if final]
             self._copy_states(state_copies(done))
         seqs = batch.seqs

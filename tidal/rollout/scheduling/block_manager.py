@@ -21,6 +21,12 @@ prefill (``copies_before``, run by the model runner ahead of the forward) instea
 cached prefix also never ends inside an image's placeholder tokens (``PromptImages.image_start``): it is
 cut back to the block holding the image's first token, so the prefill computes that image whole (the
 vision tower runs on whole images only, and skips those entirely cached).
+
+Linear-attention families with prefix caching (``saved_states``, state_cache.py): a cached prefix is also
+cut back to the longest one whose recurrent state was saved at its end; allocating a group then queues
+the copy of that state into the group's slot (``state_loads``, run before its first chunk), and a chunk
+ending on a block boundary saves the state there (``plan_state_save``). Evicting a block's key drops
+the state saved under it.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from collections import OrderedDict
 
 from tidal.rollout.scheduling.prefix_cache import PrefixCache, extend_block_hashes
 from tidal.rollout.scheduling.sequence import Sequence
-from tidal.rollout.scheduling.state_cache import StateSlots
+from tidal.rollout.scheduling.state_cache import SavedStates, StateSlots
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -46,6 +52,7 @@ class BlockManager:
         prefix_caching: bool = False,
         state_slots: StateSlots | None = None,
         private_first_block: bool = False,
+        saved_states: int = 0,
     ):
         self.num_blocks = num_blocks
         # Linear-attention families: each sequence holding blocks also holds a recurrent-state slot.
@@ -62,6 +69,13 @@ class BlockManager:
         # Bumped by each invalidation: a sequence allocated before it holds K/V of other weights (or of
         # an interrupted step), which must never enter the cache when it is freed.
         self.cache_epoch = 0
+        # Linear-attention families with prefix caching: states saved at cached blocks' ends (module doc),
+        # in the rows after the slots and the scratch slot; (saved row, slot) copies due before the next
+        # prefill's forward.
+        self.saved_states = None
+        if prefix_caching and state_slots is not None and saved_states:
+            self.saved_states = SavedStates(saved_states, first_row=state_slots.num_slots + 1)
+        self.state_loads: list[tuple[int, int]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -87,7 +101,9 @@ class BlockManager:
     def _take(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)
         if self.prefix_cache is not None:
-            self.prefix_cache.evict(block)
+            key = self.prefix_cache.evict(block)
+            if key is not None and self.saved_states is not None:
+                self.saved_states.drop(key)
         self.ref_counts[block] = 1
         return block
 
@@ -98,7 +114,7 @@ class BlockManager:
         self.ref_counts[block] += 1
         return block
 
-    def cached_prefix(self, seq: Sequence) -> list[int]:
+    def _kv_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks of the longest prefix of ``seq``, leaving at least its last token to compute (and
         ending before any image it would cut: module doc)."""
         usable = (seq.num_tokens - 1) // self.block_size
@@ -106,6 +122,20 @@ class BlockManager:
         found = self.prefix_cache.match(seq.block_hashes[:usable])
         if seq.mm is not None:
             found = found[: seq.mm.image_start(len(found) * self.block_size) // self.block_size]
+        return found
+
+    def matched_tokens(self, seq: Sequence) -> int:
+        """Tokens of ``seq``'s longest cached KV prefix, whether or not a state was saved at its end."""
+        return len(self._kv_prefix(seq)) * self.block_size
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks ``seq`` starts from: its longest cached KV prefix (``_kv_prefix``), for a
+        linear-attention family cut back to the longest one whose state was saved."""
+        found = self._kv_prefix(seq)
+        if self.saved_states is not None:  # a linear-attention family resumes only at a saved state
+            saved = self.saved_states
+            while found and seq.block_hashes[len(found) - 1] not in saved:
+                found = found[:-1]
         return found
 
     def register(self, seq: Sequence, num_computed: int) -> None:
@@ -122,6 +152,8 @@ class BlockManager:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
             self.cache_epoch += 1
+        if self.saved_states is not None:
+            self.saved_states.clear()
 
     def allocate(self, group: list[Sequence]) -> list[tuple[int, int]]:
         """Give every sequence of a group (same tokens) its blocks; return (src, dst) blocks to copy."""
@@ -136,6 +168,9 @@ class BlockManager:
             seq.cache_epoch = self.cache_epoch
             if self.state_slots is not None:
                 seq.state_slot = self.state_slots.take()
+        if cached and self.saved_states is not None:  # the prefix's state, into the slot it goes on from
+            row = self.saved_states.use(parent.block_hashes[len(cached) - 1])
+            self.state_loads.append((row, parent.state_slot))
         num_full = num_tokens // self.block_size
         copies = []
         for child in group[1:]:
@@ -160,6 +195,26 @@ class BlockManager:
         if first != cached[0]:  # else the free cached block itself was taken: its K/V is in place
             self.copies_before.append((cached[0], first))
         return [first, *shared]
+
+    def plan_state_save(self, seq: Sequence, end: int) -> tuple[int, int] | None:
+        """The (slot, saved row) copy that saves ``seq``'s state after a prefill chunk ending at ``end``,
+        if that is the end of a full block whose state is not saved yet (None otherwise). The row is
+        reserved now; the block's key is cached when the chunk is recorded (``register``)."""
+        if (
+            self.saved_states is None
+            or end % self.block_size
+            or not end
+            or seq.cache_epoch != self.cache_epoch
+        ):
+            return None
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, end // self.block_size, seq.mm)
+        row = self.saved_states.reserve(seq.block_hashes[end // self.block_size - 1])
+        return None if row is None else (seq.state_slot, row)
+
+    def take_state_loads(self) -> list[tuple[int, int]]:
+        """The saved-state copies (row, slot) the next prefill must run before its forward (and forget them)."""
+        loads, self.state_loads = self.state_loads, []
+        return loads
 
     def take_copies_before(self) -> list[tuple[int, int]]:
         """The block copies the next prefill must run before its forward (and forget them)."""

@@ -17,7 +17,10 @@ image only the blocks before its first placeholder. ``PrefixCache`` maps keys to
 - a freed block keeps its key while its reference count is 0: it sits in the free queue (least recently
   freed first) until the allocator takes it for new tokens, which evicts the key;
 - ``update_weights`` and ``sleep`` clear the whole index (cached K/V was computed with other weights, or
-  is gone).
+  is gone);
+- linear-attention families (Qwen3.5) also need the recurrent state at the end of a cached prefix: a
+  match is cut back to the longest prefix whose state was saved (``state_cache.SavedStates``), and a
+  saved state goes when its block's key is evicted.
 
 Hashes are Python's (deterministic for ints and tuples, 64-bit): a collision between two different
 prefixes is possible in principle, as with vLLM's default hash, but negligible in practice.
@@ -79,11 +82,13 @@ class PrefixCache:
             self.blocks[key] = block
             self.keys[block] = key
 
-    def evict(self, block: int) -> None:
-        """Forget ``block``'s key (the allocator is about to write other tokens into it)."""
+    def evict(self, block: int) -> int | None:
+        """Forget ``block``'s key (the allocator is about to write other tokens into it); return the key
+        (None: it had none), so that a state saved at the block's end goes with it (``state_cache.py``)."""
         key = self.keys.pop(block, None)
         if key is not None:
             del self.blocks[key]
+        return key
 
     def clear(self) -> None:
         self.blocks.clear()

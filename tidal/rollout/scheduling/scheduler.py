@@ -19,6 +19,10 @@ tokens: a longer prompt is split over several steps (its group waits in ``prefil
 blocks from admission, so it never needs more), and only a group whose last chunk ran samples a token.
 While both are pending, prefill chunks and decode steps alternate (a step is one or the other, no mixed
 step), so a long prompt delays the running sequences by one chunk at a time instead of one whole prefill.
+Linear-attention families with prefix caching (``BlockManager.saved_states``): a prompt's last chunk is
+cut at its last block boundary before its last token, so that the recurrent state there is saved for
+later prompts sharing that prefix (``state_cache.py``); the rest (at most one block) is prefilled in the
+next prefill step. Each step carries the saved-state copies to run before and after its forward.
 
 *Look-ahead* (async scheduling, ``plan_ahead``): right after a decode step is launched, the next decode
 step is planned before its tokens are known, assuming that no sequence stops on the token being sampled
@@ -53,6 +57,10 @@ class ScheduledBatch:
     final: list[bool] | None = None  # context prefill: whether the group's prompt ends with this chunk
     # Context prefill: KV block copies (src, dst) to run before the forward (``BlockManager.copies_before``).
     copies_before: list[tuple[int, int]] = field(default_factory=list)
+    # Linear-attention families with prefix caching: saved states to copy into slots (row, slot) before
+    # the forward, and slots to save into rows (slot, row) after it (``state_cache.py``).
+    state_loads: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
     # The sequences that sample a token in this step (default: from ``groups`` and ``final``). A field,
     # not a property: the runner, the look-ahead and ``postprocess`` each read it at every step.
     seqs: list[Sequence] = None  # type: ignore[assignment]
@@ -237,11 +245,29 @@ class Scheduler:
         self._last_was_prefill = batch is not None and batch.is_prefill
         return batch
 
-    def _chunk_end(self, seq: Sequence, start: int, budget: int) -> int:
-        if not self.chunked_prefill:
-            return seq.num_tokens
-        end = min(seq.num_tokens, start + budget)
+    def _chunk_end(self, seq: Sequence, start: int, budget: int, first: bool = False) -> int:
+        end = min(seq.num_tokens, start + budget) if self.chunked_prefill else seq.num_tokens
+        if self.block_manager.saved_states is not None:
+            end = self._state_boundary(seq, start, end, first)
         return end if seq.mm is None else seq.mm.chunk_end(start, end)  # whole images per chunk
+
+    def _state_boundary(self, seq: Sequence, start: int, end: int, first: bool) -> int:
+        """Where a linear-attention family's chunk ``[start, end)`` stops to save its state (module doc):
+        a ``first`` chunk at the end of its cached KV prefix when no state was saved there (a prefix now
+        shared by two prompts, e.g. a system prompt: the next prompt resumes there), a last chunk at the
+        prompt's last block boundary before its last token (and before any image it would cut)."""
+        if first:
+            matched = self.block_manager.matched_tokens(seq)
+            if start < matched < end:
+                return matched
+        if end == seq.num_tokens:
+            size = self.block_manager.block_size
+            boundary = (seq.num_tokens - 1) // size * size
+            if seq.mm is not None:  # not inside an image: at the last boundary before it
+                boundary = seq.mm.image_start(boundary) // size * size
+            if boundary > start:
+                return boundary
+        return end
 
     def _uncached_tokens(self, seq: Sequence) -> int:
         blocks = self.block_manager
@@ -274,7 +300,7 @@ class Scheduler:
             group[0].pending_copies = self.block_manager.allocate(group)
             self.num_cached_tokens += group[0].num_computed_tokens
             start = group[0].num_computed_tokens
-            end = self._chunk_end(group[0], start, budget)
+            end = self._chunk_end(group[0], start, budget, first=True)
             for seq in group:
                 seq.status = SequenceStatus.RUNNING
             self.prefilling.append(group)
@@ -284,7 +310,13 @@ class Scheduler:
             num_seqs += len(group)
         if not groups:
             return None
+        # Saved states are reserved after every admission of this step looked its prefix up, so that none
+        # resumes from a state this step has yet to save. By row: the last save into a row wins.
+        saves: dict[int, int] = {}
         for group, (start, end) in zip(groups, chunks, strict=True):
+            save = self.block_manager.plan_state_save(group[0], end)
+            if save is not None:
+                saves[save[1]] = save[0]
             self.num_prefill_tokens += end - start
             last = end == group[0].num_tokens
             final.append(last)
@@ -294,7 +326,10 @@ class Scheduler:
                 self.prefilling.remove(group)
                 self.running.extend(group)
         before = self.block_manager.take_copies_before()
-        return ScheduledBatch(True, groups, copies, chunks, final, copies_before=before)
+        batch = ScheduledBatch(True, groups, copies, chunks, final, copies_before=before)
+        batch.state_loads = self.block_manager.take_state_loads()
+        batch.state_saves = [(slot, row) for row, slot in saves.items()]
+        return batch
 
     def plan_ahead(self, batch: ScheduledBatch) -> Lookahead | None:
         """The decode step after ``batch`` as ``schedule`` will make it if no sequence of ``batch`` stops

@@ -31,10 +31,25 @@ A slot holds nothing that must survive a sleep: the engine frees the KV cache on
 survives it), and frees and reallocates these tensors with it. A prefill that starts a sequence reads
 zeros, not the slot (a slot is not cleared when it is returned); a later chunk of a chunked prefill
 continues from the state its earlier chunks left in the slot.
+
+Saved states (prefix caching): a cached KV prefix is of no use to a linear-attention layer without its
+state after that prefix, so the pool has ``saved`` more rows after the scratch slot, each holding the
+state of a sequence at the end of one cached full block, keyed by that block's key (``prefix_cache.py``;
+the key names every token up to the block's end, hence the state too). ``SavedStates`` (host, owned by
+the ``BlockManager``) maps keys to rows, least recently used first. A prefill chunk that ends on a block
+boundary saves its state there (the scheduler cuts a prompt's prefill at its last boundary before its
+last token for that: ``Scheduler._chunk_end``); a cache hit is cut back to the longest matched prefix
+whose state was saved, which is copied into the sequence's slot before its first chunk. A saved state is
+dropped with its block's key (evicted by the allocator, or ``update_weights``/``sleep`` clearing the
+cache) or, the pool being full, when a newer one needs its row (least recently used first). Decode
+steps save nothing: a state every block of every sequence would cost one row copy per block, and most
+would never be read; a next turn (prompt + answer + more) resumes at its previous prompt's saved state
+and recomputes the answer's tokens.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,17 +98,71 @@ class StateSlots:
                 seq.state_slot ^= 1
 
 
+class SavedStates:
+    """Which rows of the state pool hold a saved state, by block key, least recently used first (module
+    doc). ``first_row``: the pool's first saved row (after the slots and the scratch slot)."""
+
+    def __init__(self, capacity: int, first_row: int):
+        self.rows: OrderedDict[int, int] = OrderedDict()
+        self.free = list(range(first_row + capacity - 1, first_row - 1, -1))  # pop() gives the lowest
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.rows
+
+    def use(self, key: int) -> int:
+        """The row of ``key``'s saved state (which must be saved), now the most recently used."""
+        self.rows.move_to_end(key)
+        return self.rows[key]
+
+    def reserve(self, key: int) -> int | None:
+        """A row to save ``key``'s state into (the least recently used one's when none is free); None when
+        it is saved already (the same tokens give the same state)."""
+        if key in self.rows:
+            return None
+        row = self.free.pop() if self.free else self.rows.popitem(last=False)[1]
+        self.rows[key] = row
+        return row
+
+    def drop(self, key: int) -> None:
+        """Forget ``key``'s saved state, if any (its block's key left the prefix cache)."""
+        row = self.rows.pop(key, None)
+        if row is not None:
+            self.free.append(row)
+
+    def clear(self) -> None:
+        self.free.extend(self.rows.values())
+        self.rows.clear()
+
+
+def saved_state_rows(max_num_seqs: int, prefix_caching: bool) -> int:
+    """Rows of saved states for prefix caching: one per sequence slot (a prefill step saves at most one
+    state per group, so a step never takes back a row it saves into; at Qwen3.5-0.8B's shape a state is
+    ~19 MB, so the pool costs as much memory as the sequences' own slots)."""
+    return max_num_seqs if prefix_caching else 0
+
+
 class StateCache:
-    """The slots' tensors: ``conv`` [layers, slots + 1, channels, history] in the model dtype and
-    ``recurrent`` [layers, slots + 1, heads, k_dim, v_dim] in float32 (the rule accumulates in float32).
-    The extra last slot is scratch for padding rows, like the KV cache's extra block. ``double``: a pair
-    of slots per sequence (``StateSlots``), for ``num_seqs`` sequences."""
+    """The slots' tensors: ``conv`` [layers, slots + 1 + saved, channels, history] in the model dtype and
+    ``recurrent`` [layers, slots + 1 + saved, heads, k_dim, v_dim] in float32 (the rule accumulates in
+    float32). Slot ``slots`` is scratch for padding rows, like the KV cache's extra block; the ``saved``
+    rows after it hold prefix caching's saved states (``SavedStates``). ``double``: a pair of slots per
+    sequence (``StateSlots``), for ``num_seqs`` sequences."""
 
     def __init__(
-        self, spec: StateSpec, num_seqs: int, dtype: torch.dtype, device: torch.device, double: bool = False
+        self,
+        spec: StateSpec,
+        num_seqs: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        double: bool = False,
+        saved: int = 0,
     ):
         self.spec, self.dtype, self.device, self.double = spec, dtype, device, double
         self.num_slots = num_seqs * (2 if double else 1)
+        self.saved = saved
         self.conv: torch.Tensor | None = None
         self.recurrent: torch.Tensor | None = None
         self.allocate()
@@ -103,7 +172,7 @@ class StateCache:
         return self.num_slots
 
     def allocate(self) -> None:
-        s, rows = self.spec, self.num_slots + 1
+        s, rows = self.spec, self.num_slots + 1 + self.saved
         conv = (s.num_layers, rows, s.conv_channels, s.conv_history)
         self.conv = torch.zeros(conv, dtype=self.dtype, device=self.device)
         recurrent = (s.num_layers, rows, s.num_heads, s.k_dim, s.v_dim)
@@ -127,7 +196,8 @@ class StateCache:
         out[:n], out[rows : rows + n] = (other, current) if ahead else (current, other)
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy slots ``src`` into slots ``dst`` (index tensors) in every layer (samples of one prompt)."""
+        """Copy slots ``src`` into slots ``dst`` (index tensors) in every layer (samples of one prompt; a
+        saved state into a sequence's slot, or a sequence's state into a saved row)."""
         self.conv[:, dst] = self.conv[:, src]
         self.recurrent[:, dst] = self.recurrent[:, src]
 
