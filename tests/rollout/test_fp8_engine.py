@@ -11,7 +11,9 @@ from transformers import AutoModelForCausalLM
 
 from tests.rollout.reference import PROMPTS, cpu_config, greedy, hf_greedy, hf_logprobs
 from tidal.rollout import EngineConfig, LLMEngine
+from tidal.rollout.models.registry import FAMILIES, VISION_FAMILIES
 from tidal.rollout.quant.fp8 import quantize_dequantize
+from tidal.rollout.quant.linear import registry_family_problem
 
 
 @torch.no_grad()
@@ -148,3 +150,23 @@ def test_families_with_their_own_loader_are_refused():
     with torch.device("meta"):
         model = cls(args)
     assert family_problem(model) == refusal
+
+
+FP8_FAMILIES = [
+    name for name in FAMILIES if name not in VISION_FAMILIES and registry_family_problem(name) is None
+]
+
+
+@pytest.mark.parametrize("family", FP8_FAMILIES)
+def test_every_family_s_sync_rounds_the_weights_a_fresh_load_does(family, tiny_model):
+    """Each family's names (renames, packing, per-expert or stacked experts, shared experts, fused
+    checkpoint projections) reach the FP8 weights: after a sync, every parameter is bit for bit a fresh FP8
+    engine's."""
+    old, new = tiny_model(family, seed=0), tiny_model(family, seed=1)
+    engine = _fp8_engine(old)
+    engine.update_weights(
+        AutoModelForCausalLM.from_pretrained(str(new), dtype=torch.float32).named_parameters()
+    )
+    fresh = dict(_fp8_engine(new).model.named_parameters())
+    for name, param in engine.model.named_parameters():
+        assert torch.equal(param, fresh[name]), name
