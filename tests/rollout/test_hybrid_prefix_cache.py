@@ -1,7 +1,8 @@
 """Prefix caching on a hybrid model (Qwen3.5: Gated DeltaNet layers beside full attention): recurrent states
 saved at block boundaries (``state_cache.SavedStates``). Same tokens as without the cache and as
 transformers, hand-computed hits (a repeated prompt, a shared prefix, a match ending mid-block, a second
-turn), a state dropped with its evicted block never used, n samples, async scheduling asked for."""
+turn), a state dropped with its evicted block never used, n samples, chunked prefill, preemption, async
+scheduling asked for (and, on CUDA, decode under CUDA graphs)."""
 
 from __future__ import annotations
 
@@ -101,6 +102,25 @@ def test_batch_n_samples_and_async_equal_no_cache(path, plain):
         assert engine.scheduler.num_cached_tokens - before == 12 + 16 + 20
         assert_same_outputs(sampled, engine.generate(PROMPTS, params), TOL)
         assert engine.block_manager.num_free_blocks == engine.num_kv_blocks
+
+
+def test_chunked_prefill_and_preemption_with_the_cache_on(path, plain):
+    """Chunks of at most 7 tokens (a state saved wherever one ends on a block boundary), n = 2, then a
+    KV cache of 16 blocks that preempts sequences (recomputed through the cache): the plain tokens."""
+    two = SamplingParams(temperature=0.0, n=2, max_new_tokens=8, ignore_eos=True)
+    expected = plain.generate(PROMPTS, two)
+    chunked = cached_engine(path, enable_chunked_prefill=True, max_num_batched_tokens=7)
+    for _ in range(2):  # the second run resumes at saved states
+        assert_same_outputs(expected, chunked.generate(PROMPTS, two), TOL)
+    assert chunked.scheduler.num_cached_tokens > 0
+    prompts = [SYSTEM + [60 + i, 70 + i, 80 + i] for i in range(4)]  # 15 tokens + 14: 8 blocks each
+    want = plain.generate(prompts, greedy(14))
+    small = cached_engine(path, num_kv_blocks=16, max_model_len=64)
+    preempted = []
+    preempt = small.scheduler._preempt
+    small.scheduler._preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))
+    assert_same_outputs(want, small.generate(prompts, greedy(14)), TOL)
+    assert preempted and small.block_manager.num_free_blocks == 16
 
 
 def test_a_state_dropped_with_its_evicted_block_is_never_used(path, plain, monkeypatch):

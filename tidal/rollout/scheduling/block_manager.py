@@ -160,17 +160,14 @@ class BlockManager:
         parent = group[0]
         num_tokens = parent.num_tokens
         assert all(not s.block_table and s.num_tokens == num_tokens for s in group)
-        cached = [] if self.prefix_cache is None else self._share_prefix(parent)
-        fresh = blocks_needed(num_tokens, self.block_size) - len(cached)
-        parent.block_table = cached + [self._take() for _ in range(fresh)]
-        parent.num_computed_tokens = len(cached) * self.block_size
         for seq in group:
             seq.cache_epoch = self.cache_epoch
             if self.state_slots is not None:
                 seq.state_slot = self.state_slots.take()
-        if cached and self.saved_states is not None:  # the prefix's state, into the slot it goes on from
-            row = self.saved_states.use(parent.block_hashes[len(cached) - 1])
-            self.state_loads.append((row, parent.state_slot))
+        cached = [] if self.prefix_cache is None else self._share_prefix(parent)
+        fresh = blocks_needed(num_tokens, self.block_size) - len(cached)
+        parent.block_table = cached + [self._take() for _ in range(fresh)]
+        parent.num_computed_tokens = len(cached) * self.block_size
         num_full = num_tokens // self.block_size
         copies = []
         for child in group[1:]:
@@ -188,6 +185,11 @@ class BlockManager:
         one copied into a block of its own (``copies_before``; the copy runs before any write, so the
         cached block is intact then even if it was free and just handed out again)."""
         cached = self.cached_prefix(seq)
+        if cached and self.saved_states is not None:
+            # The prefix's saved state, into the slot the prefill goes on from; its row is read now, as a
+            # take below may evict the block's key and its state (the copy runs before any save reuses it).
+            row = self.saved_states.use(seq.block_hashes[len(cached) - 1])
+            self.state_loads.append((row, seq.state_slot))
         if not (cached and self.private_first_block):
             return [self._share(block) for block in cached]
         shared = [self._share(block) for block in cached[1:]]
