@@ -257,7 +257,7 @@ def test_moe_routing_records_transformers_router_choices(setup):
 
 
 def test_refusals(setup):
-    """Tensor parallelism (both), prefix caching (Qwen3.5: the recurrent state): one line each."""
+    """Tensor parallelism (both), prefix caching where the registry refuses it (none now): one line each."""
     from tidal.rollout.models.registry import feature_refusal
 
     hf, processor, _, _, _ = setup

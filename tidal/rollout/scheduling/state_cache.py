@@ -138,9 +138,11 @@ class SavedStates:
 
 
 def saved_state_rows(max_num_seqs: int, prefix_caching: bool) -> int:
-    """Rows of saved states for prefix caching: one per sequence slot (a prefill step saves at most one
-    state per group, so a step never takes back a row it saves into; at Qwen3.5-0.8B's shape a state is
-    ~19 MB, so the pool costs as much memory as the sequences' own slots)."""
+    """Rows of saved states for prefix caching: one per sequence slot, as many as the sequences' own slots
+    (without double buffering) and out of the same KV-cache budget. At transformers' default Qwen3.5
+    shape (24 linear layers, 32 value heads of 128 x 128) a state is ~49 MiB: 256 rows take ~12.6 GiB.
+    Any size is correct: within one step, loads run before the forward and saves after it, and two saves
+    into one row keep the later (``Scheduler._schedule_context_prefill``)."""
     return max_num_seqs if prefix_caching else 0
 
 
