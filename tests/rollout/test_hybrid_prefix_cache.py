@@ -86,6 +86,13 @@ def test_a_prefix_shared_by_two_prompts_saves_its_state_for_the_third(path, plai
     assert hits == [0, 0, 12]
     expected = plain.generate(prompts, greedy(8))
     assert_same_outputs(expected, engine.generate(prompts, greedy(8)), TOL)
+    # Sleep frees the states with the KV cache and forgets every saved one: the next run starts afresh.
+    engine.sleep()
+    engine.wake_up()
+    assert len(engine.block_manager.saved_states) == 0
+    out, hit = run_one(engine, prompts[0])
+    assert hit == 0
+    assert_same_outputs(expected[:1], out, TOL)
 
 
 def test_batch_n_samples_and_async_equal_no_cache(path, plain):
