@@ -1,6 +1,6 @@
 """The CUDA modes' bookkeeping of FP8 rollouts, on the CPU: the linear layers' ``scaled_mm`` mode and the
-experts' ``triton_fp8`` mode hold e4m3 buffers and scales that every weight sync rewrites in place (the
-addresses captured CUDA graphs read). Here their GEMMs are stood in for by the dequantized products, so the
+experts' ``triton_fp8`` mode hold e4m3 buffers and scales (their model-dtype weights freed) that every
+weight sync quantizes its tensors into, in place (the addresses captured CUDA graphs read). Here their GEMMs are stood in for by the dequantized products, so the
 engine must generate exactly what the emulated engine does, before and after a sync.
 """
 
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from tests.rollout.reference import PROMPTS, cpu_config, greedy
+from tests.rollout.test_fp8_engine import FP8_FAMILIES
 from tidal.rollout import LLMEngine
 from tidal.rollout.models import moe
 from tidal.rollout.quant import linear
@@ -68,7 +69,7 @@ BLOCK_SHAPES = {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_hea
 
 @pytest.mark.parametrize(
     ("family", "quantization", "overrides"),
-    [("llama", "fp8_block", BLOCK_SHAPES), ("llama", "fp8", {}), ("qwen3_moe", "fp8", {})],
+    [("llama", "fp8_block", BLOCK_SHAPES), ("qwen3_moe", "fp8", {})],
 )
 def test_buffers_are_rewritten_in_place_and_generate_as_the_emulated_engine(
     family, quantization, overrides, tiny_model, monkeypatch
@@ -83,6 +84,8 @@ def test_buffers_are_rewritten_in_place_and_generate_as_the_emulated_engine(
     assert _outputs(engine) == emulated_old
     addresses = _buffers(engine)
     assert addresses
+    for target in engine.model.fp8.targets.values():  # the model-dtype weights are freed
+        assert all(getattr(target.module, param).numel() == 0 for param in target.parts)
     # a sync in two buckets that cut the packed projections (and, for the MoE, the experts) apart
     weights = _per_expert(AutoModelForCausalLM.from_pretrained(str(new), dtype=torch.float32).state_dict())
     first = {n for n, _ in weights if "q_proj" in n or "gate_proj" in n or ".experts.0." in n}
@@ -90,3 +93,28 @@ def test_buffers_are_rewritten_in_place_and_generate_as_the_emulated_engine(
     engine.update_weights([(n, t) for n, t in weights if n not in first])
     assert _buffers(engine) == addresses
     assert _outputs(engine) == emulated_new
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor
+
+
+@pytest.mark.parametrize("family", FP8_FAMILIES)
+def test_every_family_s_sync_quantizes_into_the_buffers_a_fresh_load_fills(family, tiny_model, monkeypatch):
+    """Each family's HF names (renames, packing, fused checkpoint projections, per-expert or stacked
+    experts, shared experts) reach the buffers: after a sync they hold, bit for bit, a fresh FP8 engine's."""
+    _take_cuda_modes(monkeypatch)
+    old, new = tiny_model(family, seed=0), tiny_model(family, seed=1)
+    engine = LLMEngine(old, cpu_config(quantization="fp8"))
+    engine.update_weights(
+        AutoModelForCausalLM.from_pretrained(str(new), dtype=torch.float32).named_parameters()
+    )
+    fresh = LLMEngine(new, cpu_config(quantization="fp8"))
+    assert "emulated" not in engine.model.fp8.modes()
+    want = dict(fresh.model.named_buffers())
+    for name, buffer in engine.model.named_buffers():
+        if ".fp8_" in name:
+            assert torch.equal(_raw(buffer), _raw(want[name])), name
+    want = dict(fresh.model.named_parameters())
+    for name, param in engine.model.named_parameters():
+        assert torch.equal(param, want[name]), name

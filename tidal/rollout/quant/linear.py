@@ -7,10 +7,10 @@ part's scales are those of its HF projection alone) and the stacked experts of `
 expert). Embeddings, norms, routers (plain ``nn.Linear``) and the LM head keep the model dtype, as does
 the KV cache.
 
-Each quantized weight keeps its model-dtype parameter: it is what ``load_weights`` writes into (packed
-slices, tensor-parallel shards), so loading is unchanged. After every ``load_weights`` call (the
-engine's load, each bucket of ``update_weights``) the parts it wrote — named by the HF names that went
-through it — are quantized again, on the weights' device. Three ways a module computes:
+Loading is the shared loaders' (packed slices, renames, per-expert tensors), watched by a wrapper of the
+model's ``load_weights`` that maps each HF name onto the part it writes (``_target_of``); quantization
+runs on the weights' device at the engine's load and at every ``load_weights`` call (each bucket of
+``update_weights``). Three ways a module computes:
 
 - ``scaled_mm`` (linear layers; CUDA, bf16 engine, an FP8-capable GPU, shapes the GEMM takes): the e4m3
   weight and its scales live in persistent buffers (``fp8_weight``, ``fp8_weight_scale``) rewritten *in
@@ -28,8 +28,9 @@ through it — are quantized again, on the weights' device. Three ways a module 
   computes with exactly the FP8-rounded weights (activations are not quantized). Only the parts a load
   wrote are rounded again (rounding a rounded weight twice is not guaranteed to be a no-op).
 
-In the first two the model-dtype weight is kept as the load target: 1.5x the weight memory of the model
-dtype alone (quantizing each tensor as it arrives, without that copy, is left to do).
+In the two CUDA modes the model-dtype weights are freed once quantized (an empty parameter stays) and a
+sync's tensors are quantized straight into the buffers, so the weights take half the model dtype's memory
+(plus the float32 scales).
 
 Quantization is per output channel (``fp8``) or per 128 x 128 tile (``fp8_block``): ``fp8.py``.
 """
@@ -126,6 +127,8 @@ def quantize_model(model: CausalLM, quantization: str) -> Fp8State:
             _use_scaled_mm(target, state.granularity)
         for param in target.parts:
             _requantize(target, state.granularity, param, None, None)
+        if target.mode != "emulated":
+            _release_model_dtype_weights(target)
     model.fp8 = state
     _requantize_after_loads(model, state)
     log.info("engine: FP8 (%s scales) weights: %s", state.granularity, state.modes())
@@ -134,48 +137,71 @@ def quantize_model(model: CausalLM, quantization: str) -> Fp8State:
 
 # ------------------------------------------------------------------------------------------ re-quantizing
 def _requantize_after_loads(model: CausalLM, state: Fp8State) -> None:
-    """Wrap this model's ``load_weights``: after it returns, quantize again the parts its tensors wrote."""
+    """Wrap this model's ``load_weights``. A tensor of a module in a CUDA mode (no model-dtype weight
+    kept) is quantized straight into its buffers and not passed on; after the rest has loaded, the
+    emulated parts the tensors wrote are rounded again."""
     load = model.load_weights
 
     def load_and_quantize(named_tensors):
-        names: list[str] = []
+        touched: set[tuple] = set()
 
         def watched():
             for name, tensor in named_tensors:
-                names.append(name)
+                hit = _target_of(model, state, name)
+                if hit is not None and state.targets[hit[0]].mode != "emulated":
+                    _load_quantized(state, hit, tensor, name)
+                    continue
+                if hit is not None:
+                    touched.add(hit)
                 yield name, tensor
 
         loaded = load(watched())
-        for path, param, expert, part in _touched(model, state, names):
+        for path, param, expert, part in touched:
             _requantize(state.targets[path], state.granularity, param, expert, part)
         return loaded
 
     model.load_weights = load_and_quantize
 
 
-def _touched(model: CausalLM, state: Fp8State, names: list[str]) -> set[tuple]:
-    """(target path, parameter, expert or None, part or None) written by the HF-named tensors ``names``,
-    read the way the shared loaders read them (renames, packing, per-expert tensors)."""
-    packing = model._packing()
+def _target_of(model: CausalLM, state: Fp8State, raw: str) -> tuple | None:
+    """(target path, parameter, expert or None, part or None) the HF-named tensor ``raw`` writes, read the
+    way the shared loaders read names (renames, packing, per-expert tensors); None: not a quantized one."""
+    name = model._our_name(raw)
+    match = _PER_EXPERT.match(name)
     expert_weights = getattr(model, "expert_weights", {})
-    touched = set()
-    for raw in names:
-        name = model._our_name(raw)
-        match = _PER_EXPERT.match(name)
-        if match and match["proj"] in expert_weights:
-            stacked, shard = expert_weights[match["proj"]]
-            touched.add((match["block"], stacked, int(match["expert"]), shard))
-            continue
-        module_name, _, kind = name.rpartition(".")
-        if module_name in state.targets and kind in state.targets[module_name].parts:  # stacked experts
-            touched.add((module_name, kind, None, None))
-            continue
-        parent, _, leaf = module_name.rpartition(".")
-        shard = packing.get(leaf)
-        path = f"{parent}.{shard[0]}" if shard and parent else module_name
-        if kind == "weight" and path in state.targets:
-            touched.add((path, "weight", None, shard[1] if shard else None))
-    return touched
+    if match and match["proj"] in expert_weights and match["block"] in state.targets:
+        stacked, shard = expert_weights[match["proj"]]
+        return match["block"], stacked, int(match["expert"]), shard
+    module_name, _, kind = name.rpartition(".")
+    if module_name in state.targets and kind in state.targets[module_name].parts:  # stacked experts
+        return module_name, kind, None, None
+    parent, _, leaf = module_name.rpartition(".")
+    shard = model._packing().get(leaf)
+    path = f"{parent}.{shard[0]}" if shard and parent else module_name
+    if kind == "weight" and path in state.targets:
+        return path, "weight", None, shard[1] if shard else None
+    return None
+
+
+@torch.no_grad()
+def _load_quantized(state: Fp8State, hit: tuple, tensor: torch.Tensor, name: str) -> None:
+    """Quantize a full HF tensor into its target's buffers: one packed part, one expert's part, or every
+    part (a stacked or fused tensor, split by rows)."""
+    path, param, expert, part = hit
+    target = state.targets[path]
+    buffer = getattr(target.module, f"fp8_{param}")
+    sizes = target.parts[param]
+    indices = range(len(sizes)) if part is None else [part]
+    lead = () if expert is not None else tuple(buffer.shape[:-2])
+    expected = (*lead, sum(sizes[i] for i in indices), buffer.shape[-1])
+    if tuple(tensor.shape) != expected:
+        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+    tensor = tensor.detach().to(buffer.device)
+    start = 0
+    for index in indices:
+        rows = sizes[index]
+        _write(target, state.granularity, param, expert, index, tensor.narrow(-2, start, rows))
+        start += rows
 
 
 @torch.no_grad()
@@ -186,15 +212,22 @@ def _requantize(target: Target, granularity: str, param: str, expert: int | None
     for index, rows in enumerate(sizes):
         if part is not None and index != part:
             continue
-        start = sum(sizes[:index])
-        view = weight.narrow(-2, start, rows)
-        if expert is not None:
-            view = view[expert]
-        q, scales = quantize(view, granularity)
-        if target.mode == "emulated":
-            view.copy_(dequantize(q, scales, granularity, view.dtype))
-            continue
-        # the persistent buffers, in place (captured CUDA graphs read them)
+        view = weight.narrow(-2, sum(sizes[:index]), rows)
+        _write(target, granularity, param, expert, index, view if expert is None else view[expert])
+
+
+def _write(target: Target, granularity: str, param: str, expert: int | None, index: int, weights) -> None:
+    """Quantize ``weights`` (part ``index`` of ``param``, of one expert or all) where the module computes
+    from: the model-dtype parameter rounded in place (emulated), or the FP8 buffers, in place (captured
+    CUDA graphs read them)."""
+    sizes = target.parts[param]
+    start, rows = sum(sizes[:index]), sizes[index]
+    q, scales = quantize(weights, granularity)
+    if target.mode == "emulated":
+        view = getattr(target.module, param).narrow(-2, start, rows)
+        view = view if expert is None else view[expert]
+        view.copy_(dequantize(q, scales, granularity, view.dtype))
+    else:
         first = start if granularity == "channel" else start // BLOCK
         q_dst = getattr(target.module, f"fp8_{param}").narrow(-2, start, rows)
         s_dst = getattr(target.module, f"fp8_{param}_scale").narrow(-2, first, scales.shape[-2])
@@ -328,6 +361,14 @@ def _add_buffers(target: Target, granularity: str) -> None:
         scales = torch.ones(scale_shape, dtype=torch.float32, device=weight.device)
         target.module.register_buffer(f"fp8_{param}", qweight, persistent=False)
         target.module.register_buffer(f"fp8_{param}_scale", scales, persistent=False)
+
+
+def _release_model_dtype_weights(target: Target) -> None:
+    """A module in a CUDA mode computes from its FP8 buffers and loads straight into them: free its
+    model-dtype weights (an empty parameter of their dtype and device stays in their place)."""
+    for param in target.parts:
+        old = getattr(target.module, param)
+        setattr(target.module, param, nn.Parameter(old.new_empty(0), requires_grad=False))
 
 
 def _swap_class(module: nn.Module, mixin: type) -> None:
