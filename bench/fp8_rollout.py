@@ -9,8 +9,8 @@ the model dtype (bf16 on CUDA) and FP8 (``--quantization fp8``: per-output-chann
 - ``sync_ms``: ``update_weights(hf.named_parameters())`` (best of 3), which for FP8 includes quantizing
   every linear layer and expert on the device (``sync_from_host``: the HF model was moved to host memory
   first because two copies would not fit the GPU, so the sync also copies host to device);
-- ``weights_gb``: the engine's parameters and FP8 buffers (FP8 keeps the model-dtype weights as the load
-  target: 1.5x), and for FP8 ``modes``: how many modules run ``torch._scaled_mm`` / the FP8 Triton MoE
+- ``weights_gb``: the engine's parameters and FP8 buffers (on CUDA the FP8 engine frees the model-dtype
+  copies of the weights it quantizes; on the CPU it keeps the rounded weights in the model dtype), and for FP8 ``modes``: how many modules run ``torch._scaled_mm`` / the FP8 Triton MoE
   kernels / the emulation;
 
 and ``fp8_speedup`` (FP8 tokens/s over the model dtype's), ``greedy_match`` (fraction of samples whose
@@ -154,7 +154,8 @@ def main(argv=None) -> dict:
         vocab = hf.config.get_text_config().vocab_size
         gen = torch.Generator().manual_seed(args.seed)
         prompts = torch.randint(5, min(vocab, 100_000), (args.batch, args.prompt_len), generator=gen).tolist()
-        # The FP8 engine holds 1.5x the weights: keep the HF copy on the host when both would not fit.
+        # The FP8 engine loads the model-dtype weights before it quantizes them (1.5x at the peak): keep the
+        # HF copy on the host when both would not fit.
         from_host = needs_offload(hf, args.device) or (
             args.device.startswith("cuda")
             and 2.5 * sum(p.numel() * p.element_size() for p in hf.parameters())
