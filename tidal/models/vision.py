@@ -4,7 +4,8 @@ their vision tower, LoRA on their language model only, and multimodal rotary pos
 - ``is_vision_language(path)``: the config has a ``vision_config`` and an ``image_token_id``;
   ``tidal.models.loading.load_causal_lm`` then loads ``AutoModelForImageTextToText``.
 - ``vision_modules(model)``: the vision tower and its projector (Qwen-VL: ``model.visual``, which holds
-  the patch merger; LLaVA/Gemma 3 style: ``vision_tower`` and ``multi_modal_projector``).
+  the patch merger; LLaVA/Gemma 3 style: ``vision_tower`` and ``multi_modal_projector``; Gemma 4:
+  ``vision_tower`` and ``embed_vision``).
   ``freeze_vision(model)`` stops their gradients (``--freeze_visual_encoder``): only the language model
   trains, and the optimizer never sees the vision weights.
 - ``language_lora_targets(model, targets)``: the language model's linear layers that ``--target_modules``
@@ -18,7 +19,8 @@ their vision tower, LoRA on their language model only, and multimodal rotary pos
   (positions restart per sample, as for text), with the plain per-sample positions prepended as a
   fourth row, which transformers' Qwen-VL reads as the packed text positions. Gemma 3 (fixed-size images,
   ``fixed_size_kwargs``): its ``[N, 3, S, S]`` pixels and ``token_type_ids`` (its bidirectional image
-  attention), plain positions; packed rows are refused (``--packing_samples``, the registry).
+  attention), plain positions; Gemma 4 likewise with padded patches, ``image_position_ids`` and
+  ``mm_token_type_ids``; packed rows are refused (``--packing_samples``, the registry).
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-VISION_MODULE_NAMES = ("visual", "vision_tower", "vision_model", "multi_modal_projector")
+# Gemma 4: its tower and ``embed_vision`` (and the audio tower and embedder, which tidal never feeds)
+VISION_MODULE_NAMES = (
+    "visual", "vision_tower", "vision_model", "multi_modal_projector", "embed_vision", "audio_tower", "embed_audio",
+)  # fmt: skip
 VISION_MODULE_NAMES_SET = frozenset(VISION_MODULE_NAMES)
 # VLM families whose LM head is applied as is (no soft-capping or scaling): their token log-probs take
 # tidal's chunked head (tidal.models.logprob_head) instead of full [B, T, vocab] logits.
@@ -124,16 +129,27 @@ def vision_kwargs(model: nn.Module, batch: dict) -> dict:
 
 
 def fixed_size_kwargs(config, input_ids: torch.Tensor, pixel_values, image_grid_thw) -> dict | None:
-    """Gemma 3's forward arguments (None for other families): its ``[N, 3, S, S]`` pixels back from the
-    patch rows tidal carries (``multimodal.FixedSizeImageProcessor``) and the ``token_type_ids`` (1 at
-    image tokens) that make each image's tokens attend to each other in both directions."""
-    from tidal.rollout.runner.multimodal import fixed_size_grid, patch_rows_to_images
+    """Gemma 3's and Gemma 4's forward arguments (None for other families): Gemma 3's ``[N, 3, S, S]``
+    pixels back from the patch rows tidal carries (``multimodal.FixedSizeImageProcessor``), Gemma 4's
+    padded patches and positions (``VariableSizeImageProcessor``), and the token types (1 at image tokens)
+    that make each image's tokens attend to each other in both directions."""
+    from tidal.rollout.runner.multimodal import (
+        fixed_size_grid,
+        patch_rows_to_images,
+        patch_rows_to_padded,
+        variable_size_kernel,
+    )
 
+    types = (input_ids == config.image_token_id).long()
+    kernel = variable_size_kernel(config)
+    if kernel is not None:  # Gemma 4: the padded patches with their (x, y) positions
+        pixels, positions = patch_rows_to_padded(pixel_values, image_grid_thw, kernel * kernel)
+        return {"pixel_values": pixels, "image_position_ids": positions, "mm_token_type_ids": types}
     fixed = fixed_size_grid(config)
     if fixed is None:
         return None
     pixels = patch_rows_to_images(pixel_values, image_grid_thw, fixed[0])
-    return {"pixel_values": pixels, "token_type_ids": (input_ids == config.image_token_id).long()}
+    return {"pixel_values": pixels, "token_type_ids": types}
 
 
 def rope_positions(owner: nn.Module, batch: dict) -> torch.Tensor:

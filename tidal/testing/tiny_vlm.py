@@ -137,7 +137,7 @@ TINY_VLM_FAMILIES["qwen3_5_moe"] = TinyVLMFamily(
 
 def _family(name: str) -> TinyVLMFamily:
     if name not in TINY_VLM_FAMILIES:
-        known = sorted([*TINY_VLM_FAMILIES, *GEMMA_VLM_FAMILIES])
+        known = sorted([*TINY_VLM_FAMILIES, *GEMMA_VLM_FAMILIES, *GEMMA4_VLM_FAMILIES])
         raise ValueError(f"unknown tiny VLM family {name!r}; expected one of {known}")
     return TINY_VLM_FAMILIES[name]
 
@@ -202,6 +202,8 @@ def build_tiny_vlm(path: str | Path, family: str = "qwen2_5_vl", seed: int = 0, 
 
     if family in GEMMA_VLM_FAMILIES:
         return build_tiny_gemma3(path, seed, **text_overrides)
+    if family in GEMMA4_VLM_FAMILIES:
+        return build_tiny_gemma4(path, seed, **text_overrides)
     path = Path(path)
     _family(family)  # before anything is written to ``path``
     path.mkdir(parents=True, exist_ok=True)
@@ -275,6 +277,66 @@ def build_tiny_gemma3(path: str | Path, seed: int = 0, **text_overrides) -> Path
         model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.5)
         # peaked next-token distributions, as a trained model's: the final norm's 1 + w scales every logit
         model.model.language_model.norm.weight.fill_(GEMMA_LOGIT_SCALE - 1.0)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(str(path))
+    return path
+
+
+# ------------------------------------------------------------------ Gemma 4
+# Variable-size images (aspect ratio kept, 8-pixel patches pooled 2×2, at most 70 tokens per image), the
+# registry's tiny Gemma 4 text model (sliding and full layers, KV-shared layers, per-layer embeddings),
+# bidirectional image attention in the sliding-window layers; no audio tower.
+GEMMA4_VLM_FAMILIES = ("gemma4",)
+GEMMA4_MAX_SOFT_TOKENS = 70  # the smallest budget transformers' Gemma 4 processor takes
+_GEMMA4_VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+    head_dim=16, patch_size=8, pooling_kernel_size=2, position_embedding_size=64,
+)  # fmt: skip
+_GEMMA4_OTHER_TOKENS = ("<video_soft_token>", "<audio_soft_token>", "<start_of_audio>", "<end_of_audio>")
+
+
+def gemma4_config(tokenizer, **text_overrides):
+    """A tiny ``Gemma4Config`` (no audio) whose special-token ids are ``tokenizer``'s."""
+    from transformers import Gemma4Config
+
+    from tidal.rollout.models.registry import FAMILIES
+
+    text = dict(_TEXT, **FAMILIES["gemma4_text"].tiny, **tokenizer_fields(tokenizer))
+    text.update(vocab_size_per_layer_input=len(tokenizer), use_bidirectional_attention="vision")
+    text["num_hidden_layers"] = len(text["layer_types"])
+    text.update(text_overrides)
+    names = ("boi_token_id", "eoi_token_id", "image_token_id", "video_token_id", "audio_token_id",
+             "boa_token_id", "eoa_token_index")  # fmt: skip
+    ids = dict(
+        zip(names, tokenizer.convert_tokens_to_ids([BOI, EOI, SOFT, *_GEMMA4_OTHER_TOKENS]), strict=True)
+    )
+    return Gemma4Config(text_config=text, vision_config=_GEMMA4_VISION, audio_config=None, **ids)
+
+
+def build_tiny_gemma4(path: str | Path, seed: int = 0, **text_overrides) -> Path:
+    """Write a random-init tiny Gemma 4 VLM with its tokenizer and image processor to ``path``."""
+    from transformers import AutoModelForImageTextToText
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_gemma3_tokenizer(None, seed=seed)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(_GEMMA4_OTHER_TOKENS)})
+    tokenizer.save_pretrained(str(path))
+    processor = Gemma4ImageProcessorPil(
+        patch_size=_GEMMA4_VISION["patch_size"], pooling_kernel_size=_GEMMA4_VISION["pooling_kernel_size"],
+        max_soft_tokens=GEMMA4_MAX_SOFT_TOKENS,
+    )  # fmt: skip
+    processor.save_pretrained(str(path))
+    config = gemma4_config(tokenizer, **text_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        # image features as large as the text embeddings' scale, so that the image decides the answer
+        model.model.embed_vision.embedding_projection.weight.normal_(0.0, 0.5)
+        # peaked next-token distributions, as a trained model's (Gemma 4's norm scales by w)
+        model.model.language_model.norm.weight.mul_(GEMMA_LOGIT_SCALE)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(str(path))

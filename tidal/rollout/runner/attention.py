@@ -53,6 +53,7 @@ class AttentionMetadata:
     # prefill: ``[batch, max_len]`` start and end (key positions) of the image each padded query belongs
     # to (start == end: none); those keys are attended bidirectionally (Gemma 3, ``image_spans``)
     image_spans: tuple[torch.Tensor, torch.Tensor] | None = None
+    image_spans_sliding_only: bool = False  # Gemma 4: bidirectional in sliding-window layers only
     _masks: dict = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor:
@@ -73,7 +74,7 @@ class AttentionMetadata:
         # A padding query row repeats the sequence's last query (a row with nothing to attend is NaN).
         q = self.query_starts[:, None] + torch.minimum(cols[None, :], last)  # [batch, q] positions
         k = torch.arange(self.block_tables.shape[1] * self.kv_cache.shape[3], device=device)
-        mask = self._or_image_spans(k[None, None, :] <= q[:, :, None], k)
+        mask = self._or_image_spans(k[None, None, :] <= q[:, :, None], k, window)
         if window is not None:
             mask &= k[None, None, :] > q[:, :, None] - window
         return mask[:, None]  # [batch, 1, q, k]
@@ -81,15 +82,16 @@ class AttentionMetadata:
     def _prefill_mask(self, window: int | None) -> torch.Tensor:
         length = self.pad_index.shape[1]
         q = torch.arange(length, device=self.pad_index.device)
-        mask = self._or_image_spans((q[None, :] <= q[:, None])[None], q) & self.pad_valid[:, None, :]
+        mask = self._or_image_spans((q[None, :] <= q[:, None])[None], q, window) & self.pad_valid[:, None, :]
         if window is not None:
             mask &= (q[None, :] > q[:, None] - window)[None]
         return mask[:, None]  # [batch, 1, q, k]
 
-    def _or_image_spans(self, mask: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    def _or_image_spans(self, mask: torch.Tensor, k: torch.Tensor, window: int | None) -> torch.Tensor:
         """``mask`` ([batch or 1, q, k], True = attend) also attending, from each query inside an image, to
-        every key of that image (before the sliding window applies, as transformers' Gemma 3)."""
-        if self.image_spans is None:
+        every key of that image (before the sliding window applies, as transformers' Gemma 3; Gemma 4:
+        in sliding-window layers only)."""
+        if self.image_spans is None or (self.image_spans_sliding_only and window is None):
             return mask
         start, end = self.image_spans
         return mask | ((k[None, None, :] >= start[:, :, None]) & (k[None, None, :] < end[:, :, None]))

@@ -130,6 +130,8 @@ class VisionSpec:
         fixed = fixed_size_grid(hf_config)
         if fixed is not None:
             return cls(int(token), fixed[1], mrope=False)
+        if variable_size_kernel(hf_config) is not None:
+            return cls(int(token), variable_size_kernel(hf_config), mrope=False)
         return cls(int(token), int(getattr(vision, "spatial_merge_size", 1)))
 
 
@@ -347,9 +349,77 @@ class FixedSizeImageProcessor:
 
 
 def fixed_size_processor(processor: Any, hf_config) -> Any:
-    """``processor`` wrapped as a ``FixedSizeImageProcessor`` for a fixed-size-image config (once), else
-    as it is."""
-    fixed = fixed_size_grid(hf_config)
-    if processor is None or fixed is None or isinstance(processor, FixedSizeImageProcessor):
+    """``processor`` wrapped as a ``FixedSizeImageProcessor`` for a fixed-size-image config, or as a
+    ``VariableSizeImageProcessor`` for Gemma 4's (once), else as it is."""
+    if processor is None or isinstance(processor, (FixedSizeImageProcessor, VariableSizeImageProcessor)):
         return processor
-    return FixedSizeImageProcessor(processor, *fixed)
+    fixed = fixed_size_grid(hf_config)
+    if fixed is not None:
+        return FixedSizeImageProcessor(processor, *fixed)
+    if variable_size_kernel(hf_config) is not None:
+        return VariableSizeImageProcessor(processor)
+    return processor
+
+
+# ------------------------------------------------------------- variable-size images (Gemma 4)
+# Gemma 4's processor resizes each image (aspect ratio kept) to a patch grid whose sides are multiples of
+# the pooling kernel k and gives ``[N, max_patches, P*P*3]`` patches (row-major, then zero padding) with
+# their ``(x, y)`` positions (-1 for padding); the tower pools each k×k block into one token. Wrapped
+# (``VariableSizeImageProcessor``), an image is its real patches as rows with the grid ``(1, rows, cols)``
+# and k as the merge size; ``patch_rows_to_padded`` rebuilds the padded batch and positions for the tower.
+
+
+def variable_size_kernel(hf_config) -> int | None:
+    """The pooling kernel of a Gemma 4 vision config (variable-size images), or None."""
+    vision = getattr(hf_config, "vision_config", None)
+    if getattr(hf_config, "model_type", None) != "gemma4" or vision is None:
+        return None
+    return int(vision.pooling_kernel_size)
+
+
+class VariableSizeImageProcessor:
+    """Gemma 4's image processor giving patch rows and grids (see above); the rest is the wrapped one's."""
+
+    def __init__(self, processor: Any):
+        self.processor, self.merge_size = processor, int(processor.pooling_kernel_size)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "processor":
+            raise AttributeError(name)
+        return getattr(self.processor, name)
+
+    def __call__(self, images, return_tensors: str = "pt", **kwargs) -> dict[str, torch.Tensor]:
+        out = self.processor(images=images, return_tensors="pt", **kwargs)
+        rows, grids = [], []
+        for patches, positions in zip(out["pixel_values"], out["image_position_ids"], strict=True):
+            real = (positions != -1).all(-1)
+            rows.append(patches[real])
+            cols, height = (int(v) + 1 for v in positions[real].max(0).values)
+            grids.append([1, height, cols])
+        return {"pixel_values": torch.cat(rows), "image_grid_thw": torch.tensor(grids, dtype=torch.int64)}
+
+    def get_number_of_image_patches(self, height: int, width: int, kwargs: dict) -> int:
+        """Patches of an image of that size after the processor's aspect-ratio-preserving resize."""
+        from transformers.models.gemma4.image_processing_pil_gemma4 import get_aspect_ratio_preserving_size
+
+        p, k = self.processor.patch_size, self.merge_size
+        h, w = get_aspect_ratio_preserving_size(height, width, p, self.processor.max_soft_tokens * k * k, k)
+        return (h // p) * (w // p)
+
+
+def patch_rows_to_padded(
+    rows: torch.Tensor, grid: torch.Tensor, multiple: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``VariableSizeImageProcessor``: ``[N, L, D]`` patches padded with zeros to the
+    longest image (rounded up to ``multiple``) and their ``[N, L, 2]`` ``(x, y)`` positions (-1: padding)."""
+    counts = grid.prod(-1).tolist()
+    length = -(-max(counts) // multiple) * multiple
+    pixels = rows.new_zeros(len(counts), length, rows.shape[-1])
+    positions = torch.full((len(counts), length, 2), -1, dtype=torch.int64, device=rows.device)
+    first = 0
+    for i, (n, (_, height, cols)) in enumerate(zip(counts, grid.tolist(), strict=True)):
+        pixels[i, :n] = rows[first : first + n]
+        y, x = torch.meshgrid(torch.arange(height), torch.arange(cols), indexing="ij")
+        positions[i, :n] = torch.stack([x.reshape(-1), y.reshape(-1)], -1).to(rows.device)
+        first += n
+    return pixels, positions
