@@ -321,6 +321,24 @@ def test_async_scheduling_samples_as_the_synchronous_loop(setup):
     assert outs[0] == outs[1]
 
 
+def test_gemma4_with_an_audio_tower_serves_images(setup):
+    """A Gemma 4 checkpoint with an audio tower (E2B/E4B): the engine skips the audio weights and answers
+    image prompts as transformers does."""
+    from transformers import AutoModelForImageTextToText, Gemma4Config
+
+    hf, processor, one, _, _ = setup
+    if _family(hf) != "gemma4":
+        pytest.skip("Gemma 4 only")
+    fields = {k: v for k, v in hf.config.to_dict().items() if k not in ("model_type", "architectures")}
+    fields["audio_config"] = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  subsampling_conv_channels=[8, 4], output_proj_dims=32)  # fmt: skip
+    audio = AutoModelForImageTextToText.from_config(Gemma4Config(**fields)).eval()
+    missing = audio.load_state_dict(hf.state_dict(), strict=False).missing_keys
+    assert missing and all(".audio_tower." in k or ".embed_audio." in k for k in missing)
+    images = [_image(7)]
+    assert _greedy(_engine(audio, processor), one, images) == _hf_greedy(audio, processor, one, images)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 def test_cuda_float32_matches_transformers_with_and_without_graphs(vlm_dir, eager, caching):

@@ -17,7 +17,8 @@ What the vision-language checkpoint adds to the text model (transformers' ``mode
 
 Images travel as patch rows (``multimodal.VariableSizeImageProcessor``: each image's real patches, grid
 ``(1, rows, cols)``, k as the merge size); ``patch_rows_to_padded`` rebuilds the tower's padded batch.
-Audio and video inputs are not supported (their towers are not built). Weight names:
+Audio and video inputs are not supported: the audio tower and its embedder are not built and their
+weights are skipped (the E2B/E4B checkpoints hold them). Weight names:
 ``model.language_model.*`` / ``model.vision_tower.*`` / ``model.embed_vision.*`` (transformers 5).
 """
 
@@ -39,6 +40,7 @@ PREFIXES = (
     ("model.vision_tower.", "visual.vision_tower."),
     ("model.embed_vision.", "visual.embed_vision."),
 )
+AUDIO_PREFIXES = ("model.audio_tower.", "model.embed_audio.")  # weights of a tower the engine does not build
 
 
 class Gemma4Vision(nn.Module):
@@ -74,10 +76,6 @@ class Gemma4VLForConditionalGeneration(Gemma4ForCausalLM):
 
     @classmethod
     def args_from_hf_config(cls, config) -> Gemma4Args:
-        if getattr(config, "audio_config", None) is not None:
-            raise ValueError(
-                "gemma4 with an audio tower is not supported by the rollout engine (images only)"
-            )
         args = super().args_from_hf_config(config.get_text_config())
         args.hf_config = config  # the vision tower's config (read once, when the model is built)
         args.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", args.tie_word_embeddings))
@@ -147,6 +145,8 @@ class Gemma4VLForConditionalGeneration(Gemma4ForCausalLM):
         def language():
             for raw_name, tensor in named_tensors:
                 name = self._our_name(raw_name)
+                if name.startswith(AUDIO_PREFIXES):
+                    continue
                 if not name.startswith(VISION_PREFIX):
                     yield raw_name, tensor
                     continue
