@@ -321,9 +321,9 @@ def test_async_scheduling_samples_as_the_synchronous_loop(setup):
     assert outs[0] == outs[1]
 
 
-def test_gemma4_with_an_audio_tower_serves_images(setup):
+def test_gemma4_with_an_audio_tower_or_without_a_vision_tower(setup):
     """A Gemma 4 checkpoint with an audio tower (E2B/E4B): the engine skips the audio weights and answers
-    image prompts as transformers does."""
+    image prompts as transformers does; one without a vision tower serves text."""
     from transformers import AutoModelForImageTextToText, Gemma4Config
 
     hf, processor, one, _, _ = setup
@@ -337,6 +337,16 @@ def test_gemma4_with_an_audio_tower_serves_images(setup):
     assert missing and all(".audio_tower." in k or ".embed_audio." in k for k in missing)
     images = [_image(7)]
     assert _greedy(_engine(audio, processor), one, images) == _hf_greedy(audio, processor, one, images)
+    # no vision tower at all: text prompts as transformers, images refused in one line
+    fields.update(audio_config=None, vision_config=None)
+    text = AutoModelForImageTextToText.from_config(Gemma4Config(**fields)).eval()
+    text.load_state_dict(hf.state_dict(), strict=False)
+    engine, ids = _engine(text, processor), one[:2] + [300, 301, 302]
+    with torch.inference_mode():
+        ref = text.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8)[0, len(ids) :].tolist()
+    assert engine.generate([ids], GREEDY)[0].outputs[0].token_ids == ref
+    with pytest.raises(ValueError, match="has images but the model has no vision tower"):
+        _greedy(engine, one, images)
 
 
 @pytest.mark.gpu

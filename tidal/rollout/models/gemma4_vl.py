@@ -72,7 +72,8 @@ class Gemma4VLForConditionalGeneration(Gemma4ForCausalLM):
         self.never_sample = (self.image_token_id, *(int(t) for t in others if t is not None))
         self.pad_token_id = int(hf.get_text_config().pad_token_id)
         self.bidirectional = getattr(hf.get_text_config(), "use_bidirectional_attention", None) == "vision"
-        self.visual = Gemma4Vision(hf)
+        if hf.vision_config is not None:  # a checkpoint without one serves text (its requests take no images)
+            self.visual = Gemma4Vision(hf)
 
     @classmethod
     def args_from_hf_config(cls, config) -> Gemma4Args:
@@ -83,6 +84,8 @@ class Gemma4VLForConditionalGeneration(Gemma4ForCausalLM):
 
     def init_rope(self, hf_config, max_model_len: int) -> None:
         super().init_rope(hf_config.get_text_config(), max_model_len)
+        if not hasattr(self, "visual"):
+            return
         # the tower's 2-D RoPE frequencies: buffers that ``to_empty`` left uninitialised
         encoder = self.visual.vision_tower.encoder
         device = self.model.embed_tokens.weight.device
@@ -139,7 +142,7 @@ class Gemma4VLForConditionalGeneration(Gemma4ForCausalLM):
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The language model's weights through the decoder's loader; the vision tower's as they are."""
-        vision = dict(self.visual.named_parameters())
+        vision = dict(self.visual.named_parameters()) if hasattr(self, "visual") else {}
         loaded: set[str] = set()
 
         def language():
