@@ -267,6 +267,18 @@ def test_patch_rows_and_image_spans_by_hand():
     assert start[1].tolist()[:3] == [10, 10, 10] and end[1].tolist()[:3] == [12, 12, 10]
 
 
+def test_token_counts_from_the_image_size_agree_with_the_pixels(setup):
+    """The size rule (``tidal serve`` and the data checks count tokens without decoding) gives the token
+    count of the processor's output, for images of several shapes."""
+    _, processor, _, _, _ = setup
+    wrapped = processor.image_processor
+    for size in ((40, 30), (20, 60), (64, 64), (9, 50)):
+        grid = wrapped(images=[_image(0, size)])["image_grid_thw"]
+        patches = int(grid.prod())
+        assert wrapped.get_number_of_image_patches(size[1], size[0]) == patches
+        assert processor.token_counts([_image(0, size)]) == [patches // wrapped.merge_size**2]
+
+
 def test_refusals(setup):
     from tidal.rollout.models.registry import feature_refusal
 

@@ -342,7 +342,7 @@ class FixedSizeImageProcessor:
         rows, grid = images_to_patch_rows(out["pixel_values"], self.patch_size)
         return {"pixel_values": rows, "image_grid_thw": grid}
 
-    def get_number_of_image_patches(self, height: int, width: int, kwargs: dict) -> int:
+    def get_number_of_image_patches(self, height: int, width: int, kwargs: dict | None = None) -> int:
         """Patches of any image (every image is resized to the same square)."""
         size = self.processor.size
         return (size["height"] // self.patch_size) * (size["width"] // self.patch_size)
@@ -398,7 +398,7 @@ class VariableSizeImageProcessor:
             grids.append([1, height, cols])
         return {"pixel_values": torch.cat(rows), "image_grid_thw": torch.tensor(grids, dtype=torch.int64)}
 
-    def get_number_of_image_patches(self, height: int, width: int, kwargs: dict) -> int:
+    def get_number_of_image_patches(self, height: int, width: int, kwargs: dict | None = None) -> int:
         """Patches of an image of that size after the processor's aspect-ratio-preserving resize."""
         from transformers.models.gemma4.image_processing_pil_gemma4 import get_aspect_ratio_preserving_size
 
