@@ -359,7 +359,9 @@ def test_cuda_grpo_step_takes_the_engines_logprobs_and_they_equal_the_skipped_fo
         lp = forward_logprobs(actor.model, out, micro, packing, self.run.rollout.temperature, actor.precision)
         mask = out.action_mask.bool()
         assert lp.device.type == "cuda"
-        checked.append((lp[mask] - out.old_logprobs[mask]).abs().max().item())
+        # on-policy (one update per rollout): no old-log-prob pass at all; the engine's log-probs stand in
+        assert out.old_logprobs is None
+        checked.append((lp[mask] - out.rollout_logprobs[mask]).abs().max().item())
         return out, stats
 
     monkeypatch.setattr(trainer_module.PPOTrainer, "make_experience", make_experience)

@@ -99,6 +99,9 @@ def _inputs(processor, ids, images, output=()):
 @torch.inference_mode()
 def _hf_greedy(hf, processor, ids, images) -> list[int]:
     n, input_ids, kwargs = _inputs(processor, ids, images)
+    device = next(hf.parameters()).device
+    input_ids = input_ids.to(device)
+    kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
     out = hf.generate(
         input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=10,
         suppress_tokens=[processor.image_token_id, hf.config.video_token_id], **kwargs,
@@ -318,6 +321,12 @@ def test_cuda_float32_matches_transformers_with_and_without_graphs(vlm_dir, eage
     )
     images = [[_image(20 + i, size)] for i, size in enumerate(SIZES)] + [[_image(24, SIZES[0])] * 2]
     prompts = [one] * 3 + [two]
+    from tidal.rollout.models import gated_delta
+
+    if _family(hf).startswith("qwen3_5") and gated_delta.fla_installed():
+        # transformers takes fla's kernels whenever fla is importable, and they run on CUDA only: the
+        # reference is a second copy of the model (peaked as the engine's) on the GPU
+        hf = _load(vlm_dir)[0].cuda()
     for _ in range(2):  # the second run replays the captured graphs
         outs = engine.generate(prompts, GREEDY, multi_modal=[MultiModalInput(images=im) for im in images])
         for ids, ims, out in zip(prompts, images, outs, strict=True):
