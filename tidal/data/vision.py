@@ -33,9 +33,9 @@ import torch
 from tidal.config.args import ConfigError
 from tidal.config.data import VisionConfig
 from tidal.data.errors import DataError
+from tidal.data.image_processors import fixed_size_processor
 from tidal.data.images import ImageRef, RowImages, check_image_rows, open_image
 from tidal.data.rows import row_name
-from tidal.rollout.runner.multimodal import fixed_size_processor
 
 # Processor files besides the image processor's: copied as they are into exported folders.
 PROCESSOR_FILES = ("processor_config.json", "video_preprocessor_config.json", "chat_template.json")
