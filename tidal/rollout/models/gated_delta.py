@@ -27,6 +27,10 @@ device and the reference. flash-linear-attention's Triton kernels (``fla_gated_d
 recurrent kernel agreed with ``recurrent_gated_delta_rule`` to 1e-8 and its chunked kernel from a zero
 state to 3e-4 (TF32), but the chunked kernel started from a non-zero state (a chunked prefill's later
 chunks) differed by up to 0.28 in one run, not yet explained, so it is not the default.
+
+The engine's decode steps on CUDA (with Triton, without ``TIDAL_FLA=1``) run tidal's own fused kernel
+instead, ``kernels/gated_delta_decode.py``: one launch per layer that reads each state once at its slot
+and writes it once (``decode_path``; ``TIDAL_GDN_KERNEL=0`` keeps the torch rule there, to compare).
 """
 
 from __future__ import annotations
@@ -38,9 +42,13 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from tidal.accel import triton_usable
+
 CHUNK_SIZE = 64
 # Opt-in: the engine runs flash-linear-attention's kernels only with TIDAL_FLA=1 (see the docstring).
 USE_FLA = os.environ.get("TIDAL_FLA", "0") == "1"
+# The fused decode kernel on CUDA is the default; TIDAL_GDN_KERNEL=0 runs the torch rule instead.
+USE_DECODE_KERNEL = os.environ.get("TIDAL_GDN_KERNEL", "1") != "0"
 
 
 @cache
@@ -52,6 +60,14 @@ def fla_usable(x: torch.Tensor) -> bool:
     """Whether the engine runs flash-linear-attention's Triton kernels on ``x``: switched on
     (``USE_FLA``), CUDA and the ``fla`` package installed."""
     return USE_FLA and x.is_cuda and fla_installed()
+
+
+def decode_path(x: torch.Tensor) -> str:
+    """Which implementation runs a decode step on ``x``'s device: ``"fla"`` (``fla_usable``),
+    ``"triton"`` (tidal's fused kernel: CUDA with Triton, the default there) or ``"torch"``."""
+    if fla_usable(x):
+        return "fla"
+    return "triton" if USE_DECODE_KERNEL and triton_usable(x) else "torch"
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -19,7 +19,9 @@ The full-attention layers use the paged KV cache (only they have entries in it: 
 linear layers keep a per-sequence state (``state_cache.py``) read at the step's state slots
 (``AttentionMetadata.state_slots``) and written there or, for a decode step with double-buffered states
 (async scheduling), at ``state_write_slots``. A prefill chunk continues the state its sequence's earlier
-chunks left. Decode is a fixed sequence of index ops: it runs under the engine's CUDA graphs.
+chunks left. Decode is a fixed sequence of index ops: it runs under the engine's CUDA graphs; on CUDA its
+delta rule is one fused Triton launch per layer that indexes the state slots itself
+(``kernels/gated_delta_decode.py``, ``gated_delta.decode_path``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.rollout.models.gated_delta import causal_conv, gated_delta_rule
+from tidal.rollout.models.gated_delta import causal_conv, decode_path, gated_delta_rule
 from tidal.rollout.models.gemma2 import GemmaRMSNorm
 from tidal.rollout.models.layers import CausalLM, DecoderArgs, GatedMLP, paged_attention
 from tidal.rollout.models.parallel import ColumnParallelLinear, RowParallelLinear, whole
@@ -231,6 +233,10 @@ class GatedDeltaNet(nn.Module):
         window = torch.cat((conv.index_select(0, slots), qkv[:, :, None]), dim=-1)
         conv_out = causal_conv(window[..., -1:], window[..., :-1], self.conv1d.weight)
         conv.index_copy_(0, writes, window[..., 1:])
+        if decode_path(qkv) == "triton":  # one fused launch: each state read and written once
+            from tidal.rollout.kernels.gated_delta_decode import gated_delta_decode
+
+            return gated_delta_decode(conv_out[..., 0], g, beta, recurrent, slots, writes, self.k_heads)
         q, k, v = self._heads(conv_out.transpose(1, 2))
         init = recurrent.index_select(0, slots)
         out, final = gated_delta_rule(q, k, v, g[:, None], beta[:, None], init, recurrent=True)
