@@ -1,7 +1,9 @@
 """Qwen3.5 on CUDA (skipped without a GPU): flash-linear-attention's kernels against the torch gated delta
 rule, and the hybrid engine on the GPU (fla's kernels when installed, and the torch path): CUDA graphs and
 async scheduling against the eager synchronous engine and transformers, n samples, requests joining and
-finishing mid-decode."""
+finishing mid-decode. The "torch" cases decode through tidal's fused Triton kernel (the CUDA default,
+``gated_delta.decode_path``); the last tests check that kernel at real shapes and the engine on it against
+the torch rule."""
 
 from __future__ import annotations
 
@@ -201,3 +203,69 @@ def test_cuda_graphs_and_async_scheduling_match_eager_and_transformers(
     # Continuous batching through the step API.
     assert _drive(fast) == _drive(graphs)
     assert fast.block_manager.state_slots.num_free == 16 and not fast.has_unfinished()
+
+
+@pytest.mark.parametrize("mode", ["in_place", "double"])
+@pytest.mark.parametrize("k_heads, v_heads", [(16, 16), (16, 32)])  # Qwen3.5-0.8B's and -9B's heads
+def test_fused_decode_kernel_matches_the_torch_rule_at_real_shapes(k_heads, v_heads, mode):
+    """tidal's gated-delta decode kernel (``kernels/gated_delta_decode.py``, the engine's CUDA default) at
+    batch 256, bfloat16 inputs and float32 states, against the torch decode path over chained steps; 6
+    padding rows on the scratch slot; the slots only read stay bit for bit."""
+    from tests.rollout.test_gated_delta_decode import step_inputs, torch_step
+    from tidal.rollout.kernels.gated_delta_decode import gated_delta_decode
+
+    gen = torch.Generator().manual_seed(v_heads)
+    rows, seqs, dim = 256, 250, 128
+    per_seq = 2 if mode == "double" else 1
+    scratch = seqs * per_seq
+    state = (torch.randn(scratch + 2, v_heads, dim, dim, generator=gen) * 0.3).cuda()  # and a spare
+    want = state.clone()
+    current = torch.arange(seqs, device="cuda") * per_seq
+    pad = torch.full((rows - seqs,), scratch, device="cuda")
+    for _ in range(3):
+        other = current ^ 1 if mode == "double" else current
+        reads, writes = torch.cat((current, pad)), torch.cat((other, pad))
+        mixed, g, beta = (x.cuda() for x in step_inputs(rows, k_heads, v_heads, dim, dim, gen))
+        mixed, beta = mixed.bfloat16(), beta.bfloat16()
+        before = state.clone()
+        out = gated_delta_decode(mixed, g, beta, state, reads.int(), writes.int(), k_heads)
+        want_out, want = torch_step(mixed, g, beta, want, reads, writes, k_heads, dim, dim)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out[:seqs].float(), want_out[:seqs].float(), atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(state[other], want[other], atol=1e-4, rtol=1e-4)
+        untouched = torch.ones(state.shape[0], dtype=torch.bool, device="cuda")
+        untouched[other], untouched[scratch] = False, False
+        assert torch.equal(state[untouched], before[untouched])
+        want[scratch] = state[scratch]  # padding rows race on the scratch slot
+        current = other
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_engine_on_the_fused_decode_kernel_matches_the_eager_torch_engine(family, tiny_model, monkeypatch):
+    """float32: the engine with CUDA graphs and async scheduling (states double buffered), decoding through
+    the fused kernel, gives the eager synchronous engine's greedy tokens and log-probs with the torch rule
+    (``TIDAL_GDN_KERNEL=0``'s path), n samples included."""
+    monkeypatch.setattr(gated_delta, "USE_FLA", False)
+    path = tiny_model(family, logit_scale=4.0)
+    base = dict(device="cuda", dtype="float32", max_model_len=128, block_size=4, max_num_seqs=16)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=16, seed=3, n=3, ignore_eos=True)
+    monkeypatch.setattr(gated_delta, "USE_DECODE_KERNEL", False)
+    assert gated_delta.decode_path(torch.empty(0, device="cuda")) == "torch"
+    eager = LLMEngine(path, EngineConfig(enforce_eager=True, async_scheduling=False, **base))
+    want = [eager.generate(PROMPTS, params) for params in (greedy, sampled)]
+    monkeypatch.setattr(gated_delta, "USE_DECODE_KERNEL", True)
+    assert gated_delta.decode_path(torch.empty(0, device="cuda")) == "triton"
+    fast = LLMEngine(path, EngineConfig(async_scheduling=True, **base))  # graphs captured on the kernel
+    assert fast.runner.graphs is not None and fast.async_scheduling and fast.runner.states.double
+    got = [fast.generate(PROMPTS, params) for params in (greedy, sampled)]
+    assert fast.runner.graphs.graphs
+    for outs, refs in zip(got, want, strict=True):
+        assert [[s.token_ids for s in o.outputs] for o in outs] == [
+            [s.token_ids for s in o.outputs] for o in refs
+        ]
+        for o, r in zip(outs, refs, strict=True):
+            for s, w in zip(o.outputs, r.outputs, strict=True):
+                torch.testing.assert_close(
+                    torch.tensor(s.logprobs), torch.tensor(w.logprobs), atol=1e-4, rtol=0
+                )
