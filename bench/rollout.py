@@ -37,7 +37,8 @@ measured). For MoE models on CUDA, HF runs its experts with ``grouped_mm`` throu
 experts' weights and runs out of memory at batch 256). ``hf_kernels`` records the path HF's Gated
 DeltaNet layers took: flash-linear-attention's kernels when ``fla`` is importable, else transformers'
 torch fallback, which is what a user without ``fla`` gets; ``engine_fla`` whether the engine ran fla's
-(``TIDAL_FLA=1``).
+(``TIDAL_FLA=1``), ``engine_gdn_decode`` which path ran the engine's decode steps (``triton``: its fused
+kernel, the CUDA default; ``TIDAL_GDN_KERNEL=0``: ``torch``).
 
 ``--hf_new_tokens`` caps HF's run (its tokens/s is then measured over that many new tokens, which flatters
 HF: its per-token cost grows with the context); ``--skip_hf`` leaves HF out.
@@ -267,6 +268,16 @@ def engine_fla(engine) -> bool | None:
     return USE_FLA and engine.device.type == "cuda" and fla_installed()
 
 
+def engine_gdn_decode(engine) -> str | None:
+    """Linear-attention models: which path ran the Gated DeltaNet decode steps ("triton": tidal's fused
+    kernel, "fla", "torch"; ``gated_delta.decode_path``); None for other models."""
+    from tidal.rollout.models.gated_delta import decode_path
+
+    if engine.model.state_spec() is None:
+        return None
+    return decode_path(torch.empty(0, device=engine.device))
+
+
 def graph_pool_mb(engine, batch: int) -> float | None:
     """Memory the CUDA graph of ``batch``'s bucket holds (captured afresh between two empty_cache)."""
     graphs = engine.runner.graphs
@@ -380,6 +391,7 @@ def main(argv=None) -> dict:
             "cuda_graphs": engine.runner.graphs is not None,
             "engine_async": engine.async_scheduling,
             "engine_fla": engine_fla(engine),
+            "engine_gdn_decode": engine_gdn_decode(engine),
         }
         if args.async_scheduling == "both":
             on_time, on_samples, on_prefill = timings["on"]
