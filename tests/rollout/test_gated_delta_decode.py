@@ -2,7 +2,8 @@
 interpreter on the CPU, against ``gated_delta.recurrent_gated_delta_rule`` between an ``index_select`` of the
 read slots and an ``index_copy_`` to the write slots (the torch decode path): outputs and states to float32
 rounding over chained steps, at Qwen3.5's head shapes (grouped and not) and the tiny test model's, in place
-and double buffered, with a padding row on the scratch slot that leaves every other slot bit for bit.
+and double buffered, with a padding row on the scratch slot that leaves every other slot bit for bit; the
+conv-update kernel against the torch conv step; ``GatedDeltaNet._decode`` through both kernels.
 Skipped where triton is missing (CI) or CUDA is present (``tests/rollout/test_qwen3_5_gpu.py`` runs the
 compiled kernel there).
 """
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from tests.rollout.triton_interpreter import interpreted
-from tidal.rollout.models.gated_delta import recurrent_gated_delta_rule
+from tidal.rollout.models.gated_delta import causal_conv, recurrent_gated_delta_rule
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +101,32 @@ def test_qwen3_5_decode_step_runs_the_kernel_as_the_torch_path(kernel, monkeypat
     for got, want in zip(results["triton"], results["torch"], strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert not torch.equal(results["triton"][2][0, 1], recurrent[0, 1])  # the write slot was written
+
+
+@pytest.mark.parametrize("mode", ["in_place", "double"])
+def test_conv_kernel_matches_the_torch_conv_update(kernel, mode):
+    """``causal_conv_decode`` = the torch path's gather, ``causal_conv`` and scatter: outputs and histories
+    (at Qwen3.5-0.8B's 6144 channels, width 4, in blocks of 4096: the second one masked), padding row on
+    the scratch slot, the slots only read unchanged."""
+    gen = torch.Generator().manual_seed(1)
+    channels, width, seqs = 6144, 4, 3
+    per_seq = 2 if mode == "double" else 1
+    scratch = seqs * per_seq
+    conv = torch.randn(scratch + 2, channels, width - 1, generator=gen)
+    weight = torch.randn(channels, 1, width, generator=gen)
+    current = torch.arange(seqs) * per_seq
+    for _ in range(2):
+        other = current ^ 1 if mode == "double" else current
+        reads, writes = (
+            torch.cat((current, torch.tensor([scratch]))),
+            torch.cat((other, torch.tensor([scratch]))),
+        )
+        x = torch.randn(seqs + 1, channels + 5, generator=gen)[:, :channels]  # strided rows, as in_proj's
+        want_conv = conv.clone()
+        window = torch.cat((want_conv.index_select(0, reads), x[:, :, None]), dim=-1)
+        want = causal_conv(window[..., -1:], window[..., :-1], weight)[..., 0]
+        want_conv.index_copy_(0, writes, window[..., 1:])
+        out = kernel.causal_conv_decode(x, conv, weight, reads, writes, block_c=4096)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(conv, want_conv, atol=0, rtol=0)  # histories are copied, not computed
+        current = other

@@ -1,5 +1,6 @@
 """One decode step of the gated delta rule (Qwen3.5's Gated DeltaNet layers) as one Triton launch per layer,
-reading and writing the recurrent states in place at the step's state slots.
+reading and writing the recurrent states at the step's state slots (and the causal conv before it, as one
+more launch).
 
 Why a kernel of tidal's own. At batch 256 a decode step's cost is the float32 recurrent states: 1 MiB per
 sequence per linear layer for Qwen3.5-0.8B (16 value heads of 128 x 128), ~10 GB read and written per
@@ -27,6 +28,11 @@ for in-place steps) and the grid depends only on the row count, so CUDA graphs c
 program reads its tile before writing it and no two programs share a tile, so in-place steps are safe;
 padding rows all read and write the scratch slot, whose contents are never used. The results equal the
 torch rule's up to float32 summation order (~1e-6).
+
+Before it, ``causal_conv_decode`` (grid rows x channel blocks) runs the step's short depthwise causal conv
+and SiLU (``gated_delta.causal_conv``) from the conv history at the read slot and stores the shifted
+history at the write slot: one launch instead of the torch path's gather, concatenation, conv1d, SiLU and
+scatter. The conv output is rounded to the model dtype before the SiLU, as conv1d's is.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import triton.language as tl
 BLOCK_V = 32
 NUM_WARPS = 4
 L2_EPS = 1e-6  # gated_delta.l2norm's
+BLOCK_C = 256  # channels per program of the conv update
 
 
 @triton.jit
@@ -95,6 +102,70 @@ def _decode_kernel(
     write = tl.load(write_ptr + row).to(tl.int64)
     tl.store(state_ptr + write * slot_stride + tile, state, mask=mask)
     tl.store(out_ptr + (row * H + h) * V + offs_v, out.to(out_ptr.dtype.element_ty), mask=mask_v)
+
+
+@triton.jit
+def _conv_kernel(
+    x_ptr,  # [rows, C] the step's q | k | v inputs
+    x_row_stride,
+    conv_ptr,  # [slots, C, WIDTH - 1] the inputs before, oldest first
+    slot_stride,
+    channel_stride,
+    weight_ptr,  # [C, 1, WIDTH] contiguous
+    read_ptr,
+    write_ptr,
+    out_ptr,  # [rows, C] contiguous
+    C,
+    WIDTH: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = offs_c < C
+    read = tl.load(read_ptr + row).to(tl.int64)
+    write = tl.load(write_ptr + row).to(tl.int64)
+    past = conv_ptr + read * slot_stride + offs_c * channel_stride
+    new = conv_ptr + write * slot_stride + offs_c * channel_stride
+    x = tl.load(x_ptr + row * x_row_stride + offs_c, mask=mask, other=0.0)
+    acc = x.to(tl.float32) * tl.load(weight_ptr + offs_c * WIDTH + WIDTH - 1, mask=mask).to(tl.float32)
+    # Channel by channel (one layout for every load and store, so each thread rewrites only entries it has
+    # already read: in place is safe): input j of the window, then stored one place earlier.
+    for j in tl.static_range(WIDTH - 1):
+        value = tl.load(past + j, mask=mask, other=0.0)
+        acc += value.to(tl.float32) * tl.load(weight_ptr + offs_c * WIDTH + j, mask=mask).to(tl.float32)
+        if j > 0:
+            tl.store(new + j - 1, value, mask=mask)
+    tl.store(new + WIDTH - 2, x, mask=mask)
+    conv = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # conv1d's output, in the model dtype
+    out = conv / (1.0 + tl.exp(-conv))  # SiLU
+    tl.store(out_ptr + row * C + offs_c, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def causal_conv_decode(
+    x: torch.Tensor,
+    conv: torch.Tensor,
+    weight: torch.Tensor,
+    read_slots: torch.Tensor,
+    write_slots: torch.Tensor,
+    block_c: int = BLOCK_C,
+) -> torch.Tensor:
+    """One token per row through the depthwise causal conv and SiLU (``gated_delta.causal_conv`` after the
+    history at ``read_slots``), the new history stored at ``write_slots``: x [rows, C] (its dtype is the
+    output's and, as in the engine, the weight's), conv [slots, C, width - 1], weight [C, 1, width].
+    Returns [rows, C]."""
+    rows, channels = x.shape
+    width = weight.shape[-1]
+    if width < 2 or conv.stride(-1) != 1 or x.stride(-1) != 1:
+        raise ValueError(
+            "causal_conv_decode needs a width >= 2 and x and the conv states contiguous in their last dimension"
+        )
+    out = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
+    grid = (rows, triton.cdiv(channels, block_c))
+    _conv_kernel[grid](
+        x, x.stride(0), conv, conv.stride(0), conv.stride(1), weight.contiguous(), read_slots, write_slots,
+        out, channels, WIDTH=width, BLOCK_C=block_c, num_warps=4,
+    )  # fmt: skip
+    return out
 
 
 def gated_delta_decode(

@@ -30,7 +30,7 @@ chunks) differed by up to 0.28 in one run, not yet explained, so it is not the d
 
 The engine's decode steps on CUDA (with Triton, without ``TIDAL_FLA=1``) run tidal's own fused kernel
 instead, ``kernels/gated_delta_decode.py``: one launch per layer that reads each state once at its slot
-and writes it once (``decode_path``; ``TIDAL_GDN_KERNEL=0`` keeps the torch rule there, to compare).
+and writes it once (and one for the conv update) (``decode_path``; ``TIDAL_GDN_KERNEL=0`` keeps the torch rule there, to compare).
 """
 
 from __future__ import annotations

@@ -230,13 +230,14 @@ class GatedDeltaNet(nn.Module):
         states, slots = meta.states, meta.state_slots
         writes = slots if meta.state_write_slots is None else meta.state_write_slots
         conv, recurrent = states.conv[self.state_index], states.recurrent[self.state_index]
+        if decode_path(qkv) == "triton":  # two fused launches: each state read and written once
+            from tidal.rollout.kernels.gated_delta_decode import causal_conv_decode, gated_delta_decode
+
+            mixed = causal_conv_decode(qkv, conv, self.conv1d.weight, slots, writes)
+            return gated_delta_decode(mixed, g, beta, recurrent, slots, writes, self.k_heads)
         window = torch.cat((conv.index_select(0, slots), qkv[:, :, None]), dim=-1)
         conv_out = causal_conv(window[..., -1:], window[..., :-1], self.conv1d.weight)
         conv.index_copy_(0, writes, window[..., 1:])
-        if decode_path(qkv) == "triton":  # one fused launch: each state read and written once
-            from tidal.rollout.kernels.gated_delta_decode import gated_delta_decode
-
-            return gated_delta_decode(conv_out[..., 0], g, beta, recurrent, slots, writes, self.k_heads)
         q, k, v = self._heads(conv_out.transpose(1, 2))
         init = recurrent.index_select(0, slots)
         out, final = gated_delta_rule(q, k, v, g[:, None], beta[:, None], init, recurrent=True)
