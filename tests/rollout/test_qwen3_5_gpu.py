@@ -240,6 +240,32 @@ def test_fused_decode_kernel_matches_the_torch_rule_at_real_shapes(k_heads, v_he
         current = other
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_conv_update_matches_the_torch_conv_step(dtype):
+    """``causal_conv_decode`` at Qwen3.5-9B's 8192 channels, batch 256 double buffered with padding rows:
+    the torch path's conv outputs (conv1d's rounding; a bf16 ulp apart at most) and the histories bit for bit
+    (the read slots' too)."""
+    from tidal.rollout.kernels.gated_delta_decode import causal_conv_decode
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, seqs, channels, width = 256, 250, 8192, 4
+    conv = torch.randn(2 * seqs + 1, channels, width - 1, generator=gen, device="cuda").to(dtype)
+    weight = torch.randn(channels, 1, width, generator=gen, device="cuda").to(dtype)
+    pad = torch.full((rows - seqs,), 2 * seqs, device="cuda")
+    reads = torch.cat((torch.arange(seqs, device="cuda") * 2, pad))
+    writes = torch.cat((torch.arange(seqs, device="cuda") * 2 + 1, pad))
+    x = torch.randn(rows, channels + 64, generator=gen, device="cuda").to(dtype)[:, :channels]
+    want_conv = conv.clone()
+    window = torch.cat((want_conv.index_select(0, reads), x[:, :, None]), dim=-1)
+    want = gated_delta.causal_conv(window[..., -1:], window[..., :-1], weight)[..., 0]
+    want_conv.index_copy_(0, writes, window[..., 1:])
+    out = causal_conv_decode(x, conv, weight, reads, writes)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[:seqs].float(), want[:seqs].float(), atol=tol, rtol=tol)
+    # every slot but the scratch one, which the padding rows race on
+    torch.testing.assert_close(conv[: 2 * seqs], want_conv[: 2 * seqs], atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
 def test_engine_on_the_fused_decode_kernel_matches_the_eager_torch_engine(family, tiny_model, monkeypatch):
     """float32: the engine with CUDA graphs and async scheduling (states double buffered), decoding through
