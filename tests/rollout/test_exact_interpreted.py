@@ -1,0 +1,139 @@
+"""``--exact_logprobs``'s batch-invariant Triton kernels (``tidal/rollout/kernels/triton_exact.py``) run by
+Triton's interpreter on the CPU (``TRITON_INTERPRET=1``) at small float32 shapes: against float64
+references (those of ``test_exact_cuda.py``), row invariance, the batch-invariant ops dispatched to them
+(their gradients included), and the engine against the trainer with every exact op on the kernels;
+skipped where triton is not importable or CUDA is present. Split from ``test_exact_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.rollout.test_exact_cuda import (
+    TEMPERATURE,
+    _trainer_gaps,
+    ref_attention,
+    ref_matmul,
+    ref_rms_norm,
+    ref_token_logprobs,
+)
+from tests.rollout.triton_interpreter import interpreted
+from tidal.rollout import batch_invariant as bi
+
+
+@pytest.fixture(scope="module")
+def te():
+    """``tidal.rollout.kernels.triton_exact`` with its kernels run by Triton's interpreter."""
+    with interpreted({"tidal.rollout.kernels.triton_exact": "_matmul_kernel"}) as (module,):
+        yield module
+
+
+@pytest.fixture
+def on_kernels(te, monkeypatch):
+    """Every batch-invariant op on CPU tensors through the (interpreted) kernels."""
+    monkeypatch.setattr(bi.dispatch, "on_triton", lambda x: True)
+    return te
+
+
+def test_interpreted_matmul_rms_norm_and_logprobs_match_float64_and_are_row_invariant(te):
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(70, 100, generator=g), torch.randn(130, 100, generator=g)
+    full = te.matmul(x, w)
+    assert ((full.double() - ref_matmul(x, w)).abs() <= 1e-5 * (x.abs() @ w.abs().T)).all()
+    for rows in (slice(0, 1), slice(64, 65), slice(3, 40), slice(60, 70)):
+        assert torch.equal(te.matmul(x[rows], w), full[rows])
+    assert torch.equal(te.matmul(x[:5], w[64:100]), full[:5, 64:100])
+
+    x3, wn = torch.randn(4, 3, 1100, generator=g), torch.randn(1100, generator=g)
+    norm = te.rms_norm(x3, wn, 1e-6, False)
+    assert (norm.double() - ref_rms_norm(x3, wn, 1e-6)).abs().max().item() < 1e-5
+    assert torch.equal(te.rms_norm(x3[2, 1:2], wn, 1e-6, False), norm[2, 1:2])
+
+    logits, tokens = torch.randn(6, 5000, generator=g) * 4, torch.randint(0, 5000, (6,), generator=g)
+    temps = torch.rand(6, generator=g) + 0.3
+    lp = te.token_logprobs(logits, tokens, temps)
+    assert (lp.double() - ref_token_logprobs(logits, tokens, temps)).abs().max().item() < 1e-5
+    assert torch.equal(te.token_logprobs(logits[4:5], tokens[4:5], temps[4:5]), lp[4:5])
+
+
+@pytest.mark.parametrize(("window", "heads", "kv_heads"), [(None, 4, 2), (10, 4, 2), (None, 7, 1)])
+def test_interpreted_attention_matches_float64_and_a_query_alone_gives_the_same_bits(
+    te, window, heads, kv_heads
+):
+    """(GQA 7/1: a tile of 32 (query, head) rows ends inside a query's group of heads.)"""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (
+        torch.randn(2, 40, heads, 16, generator=g),
+        torch.randn(2, 40, kv_heads, 16, generator=g),
+        torch.randn(2, 40, kv_heads, 16, generator=g),
+    )
+    pos = torch.arange(40).expand(2, 40)
+    full = te.attention(q, k, v, pos, 0.3, window)
+    assert (full.double() - ref_attention(q, k, v, pos, 0.3, window)).abs().max().item() < 1e-5
+    for b, p in ((0, 0), (1, 13), (0, 31), (1, 32), (1, 39)):
+        junk_k, junk_v = k[b : b + 1].clone(), v[b : b + 1].clone()
+        junk_k[:, p + 1 :], junk_v[:, p + 1 :] = 50.0, -9.0
+        alone = te.attention(q[b : b + 1, p : p + 1], junk_k, junk_v, pos[b : b + 1, p : p + 1], 0.3, window)
+        assert torch.equal(alone, full[b : b + 1, p : p + 1])
+    assert torch.equal(te.attention(q[:, 33:], k, v, pos[:, 33:], 0.3, window), full[:, 33:])
+
+
+def test_ops_on_the_kernels_have_the_reference_gradients(on_kernels, monkeypatch):
+    """The kernels have no backward of their own: ``_invariant`` gives the torch formulation's."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 7, 32, generator=g, requires_grad=True)
+    w = torch.randn(48, 32, generator=g, requires_grad=True)
+    out = bi.linear(x, w)
+    assert torch.equal(out.detach(), on_kernels.matmul(x.detach().view(-1, 32), w.detach()).view(5, 7, 48))
+    (out * torch.linspace(-1, 1, 48)).sum().backward()
+    ref_x, ref_w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    (torch.nn.functional.linear(ref_x, ref_w) * torch.linspace(-1, 1, 48)).sum().backward()
+    assert torch.allclose(x.grad, ref_x.grad) and torch.allclose(w.grad, ref_w.grad)
+
+    q = torch.randn(2, 9, 4, 16, generator=g, requires_grad=True)
+    kv = torch.randn(2, 9, 2, 16, generator=g, requires_grad=True)
+    pos = torch.arange(9).expand(2, 9)
+    bi.attention(q, kv, kv, pos, 0.25).square().sum().backward()
+    ref_q, ref_kv = q.detach().requires_grad_(), kv.detach().requires_grad_()
+    ref_attention(ref_q, ref_kv, ref_kv, pos, 0.25).float().square().sum().backward()
+    assert torch.allclose(q.grad, ref_q.grad, atol=1e-5) and torch.allclose(kv.grad, ref_kv.grad, atol=1e-5)
+
+    # the log-prob's gradient, computed in chunks of rows (2 here), per-row temperatures
+    monkeypatch.setattr(bi.logprobs._TokenLogprobs, "CHUNK", 2)
+    logits = torch.randn(3, 50, generator=g, requires_grad=True)
+    tokens, temps, weights = (
+        torch.tensor([1, 7, 49]),
+        torch.tensor([0.7, 1.0, 1.3]),
+        torch.tensor([1.0, -2.0, 0.5]),
+    )
+    (bi.token_logprobs(logits, tokens, temps) * weights).sum().backward()
+    expected = torch.nn.functional.one_hot(tokens, 50) - torch.softmax(logits.detach() / temps[:, None], -1)
+    assert torch.allclose(logits.grad, expected * (weights / temps)[:, None], atol=1e-6)
+
+
+def test_interpreted_engine_and_trainer_logprobs_are_bit_identical(tiny_model, on_kernels):
+    """The CUDA dispatch end to end on CPU: the engine (prefill and decode) and the trainer's exact forward,
+    both on the kernels, give the same log-probs (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    from tidal.rollout import EngineConfig, LLMEngine
+    from tidal.rollout.sampling_params import SamplingParams
+
+    path = tiny_model(
+        "qwen2",
+        logit_scale=4.0,
+        num_hidden_layers=1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+    )
+    prompts = [list(range(5, 17)), list(range(40, 43)), list(range(7, 30))]
+    params = [
+        SamplingParams(temperature=TEMPERATURE, max_tokens=m, seed=i, ignore_eos=True)
+        for i, m in enumerate((4, 2, 3))
+    ]
+    config = EngineConfig(device="cpu", max_model_len=64, num_kv_blocks=16, exact_logprobs=True)
+    outputs = LLMEngine(path, config).generate(prompts, params)
+    hf = bi.make_exact(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval())
+    assert _trainer_gaps(hf, prompts, outputs, torch.device("cpu")) == 0.0
