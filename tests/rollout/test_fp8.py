@@ -133,6 +133,16 @@ def test_activation_rows_are_quantized_per_token_and_group():
     assert ((back - x).abs() <= 2**-4 * x.abs() + 2**-10 * scales.repeat_interleave(128, 1)).all()
 
 
+def test_scales_are_amax_times_the_float32_reciprocal_of_448_bit_for_bit():
+    """What torch computes for ``amax / 448`` on CUDA (a product with the rounded reciprocal), written so on
+    every device: with a division instead, 3 of these 5 scales would be an ulp away."""
+    x = torch.randn(5, 384, generator=torch.Generator().manual_seed(0)) * 3
+    _, scales = quantize_rows(x)
+    inverse = torch.tensor(1.0) / torch.tensor(448.0)  # float32 IEEE division
+    assert torch.equal(scales[:, 0], x.abs().amax(-1) * inverse)
+    assert not torch.equal(scales[:, 0], x.abs().amax(-1) / torch.tensor(448.0))
+
+
 def test_quantization_values_are_checked():
     assert QUANTIZATIONS == ("none", "fp8", "fp8_block")
     assert all(quantization_problem(v) is None for v in QUANTIZATIONS)

@@ -4,7 +4,8 @@ runs the compiled kernels: tests/rollout/test_fp8_gpu.py covers them there).
 - the fused MoE GEMMs on e4m3 experts (``triton_moe._moe_gemm`` with ``W_SCALED``), in float32
   activations: the dequantized reference up to float32 rounding, and far from it with another row's
   scales;
-- the activation quantization (``quant/triton_fp8.py``): its scales and their layout. The interpreter's
+- the activation quantization (``quant/triton_fp8.py``): its scales (bit-equal; on this input the
+  reciprocal product and a division differ in 3 of 5 per-token scales) and their layout. The interpreter's
   own float32 -> e4m3 cast mis-rounds values whose rounding carries into the exponent (1.95 -> 1.0), so
   the e4m3 values themselves are compared on a GPU only.
 """

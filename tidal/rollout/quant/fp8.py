@@ -10,8 +10,9 @@ A weight is stored as ``q`` (``torch.float8_e4m3fn``) and float32 *dequantizatio
 
 Rounding: e4m3 has 3 mantissa bits, so a value ``w / s`` in the normal range (``>= 2**-6``) is rounded
 with a relative error of at most ``2**-4`` (half a unit in the last place); below it (subnormals, spacing
-``2**-9``) the absolute error is at most ``2**-10 * s``. ``w / s`` never exceeds 448 (the largest e4m3
-value): the row or tile's largest element maps to 448 itself. An all-zero row or tile gets scale 1 (its
+``2**-9``) the absolute error is at most ``2**-10 * s``. ``w / s`` is clamped to 448 (the largest e4m3
+value; ``s`` is ``amax`` times a rounded 1/448, so the quotient can exceed 448 by an ulp): the row or
+tile's largest element maps to 448 itself. An all-zero row or tile gets scale 1 (its
 values stay zero). Activations are quantized dynamically per token (``quantize_rows``; per token and
 group of 128 columns for the block recipe), as the GEMM of ``linear.py`` reads them.
 """
@@ -22,6 +23,10 @@ import torch
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+# Scales are ``amax * (1/448)`` with the reciprocal rounded to float32 once, not ``amax / 448``: on CUDA
+# torch turns a division by a Python number into that very product (a CPU-scalar fast path), on the CPU
+# it divides; one formula keeps both devices and the Triton kernel (``triton_fp8.py``) bit-equal.
+INV_E4M3_MAX = 1.0 / E4M3_MAX
 BLOCK = 128  # the side of a ``fp8_block`` tile
 
 # --rollout_quantization values -> scale granularity ("none": the engine keeps the model dtype)
@@ -37,9 +42,10 @@ def quantization_problem(value: str) -> str | None:
 
 
 def _scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """Dequantization scales ``amax / 448`` (float32), 1 where ``amax`` is 0 (the values are all zero)."""
+    """Dequantization scales ``amax * fl32(1/448)`` (float32; ``INV_E4M3_MAX``), 1 where ``amax`` is 0 (the
+    values are all zero)."""
     amax = amax.float()
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return torch.where(amax > 0, amax * INV_E4M3_MAX, torch.ones_like(amax))
 
 
 def _to_e4m3(scaled: torch.Tensor) -> torch.Tensor:

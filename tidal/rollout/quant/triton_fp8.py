@@ -5,9 +5,17 @@ In torch, quantizing a token's activations per row is about eight kernels (abs, 
 division, the clamp, the cast...) before every FP8 GEMM; at decode, where a step is hundreds of small
 kernels, that would eat much of what reading half the weight bytes saves. Here one program per (row,
 group of columns) reads its values twice (the maximum, then the quantization) and writes the e4m3 values
-and the scale. Same arithmetic as ``quantize_rows``: ``scale = amax / 448`` (1 for an all-zero group),
-``q = clamp(x / scale, -448, 448)`` rounded to nearest even, IEEE divisions (``div_rn``), so the results
-are bit-equal (tests/rollout/test_fp8_gpu.py). With ``group`` the scales come out outer-dimension-major
+and the scale. Same arithmetic as ``quantize_rows`` on CUDA, operation for operation, so the results are
+bit-equal (tests/rollout/test_fp8_gpu.py):
+
+- ``scale = amax * fl32(1/448)`` (1 for an all-zero group): torch on CUDA computes ``amax / 448`` as a
+  product with the float32 reciprocal (its CPU-scalar fast path), not as a division, so ``fp8.py``
+  writes that product on every device and so does this kernel (the reciprocal an IEEE ``div_rn``);
+- ``x / scale`` an IEEE division (``div_rn``; Triton's ``/`` on float32 is the approximate one) as
+  torch's tensor division is;
+- clamped to +-448, then cast to e4m3 rounding to nearest even (``fp_downcast_rounding="rtne"``, as
+  torch's cast rounds).
+ With ``group`` the scales come out outer-dimension-major
 ([M, K/group] with strides (1, M)), the layout torch's block-wise GEMM reads.
 """
 
@@ -43,14 +51,15 @@ def _quantize_rows_kernel(
         x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
     top = tl.max(amax, axis=0)
-    largest = tl.zeros_like(top) + 448.0  # tensors on both sides of the IEEE division
-    scale = tl.where(top > 0, tl.math.div_rn(top, largest), 1.0)
+    one = tl.zeros_like(top) + 1.0  # tensors on both sides of the IEEE division
+    inverse = tl.math.div_rn(one, one * 448.0)  # fl32(1/448), as torch's CPU-scalar division uses
+    scale = tl.where(top > 0, top * inverse, 1.0)
     tl.store(s_ptr + row.to(tl.int64) * stride_s_row + group * stride_s_group, scale)
     for k0 in range(0, GROUP, BLOCK):
         mask = (k0 + cols < GROUP) & (start + k0 + cols < K)
         x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
         q = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.zeros_like(x) + scale), -448.0), 448.0)
-        tl.store(q_row + k0 + cols, q.to(tl.float8e4nv), mask=mask)
+        tl.store(q_row + k0 + cols, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
 
 
 def quantize_rows_triton(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
