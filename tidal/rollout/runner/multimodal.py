@@ -104,6 +104,15 @@ class PromptImages:
         or a chunk never ends inside an image, so each prefill computes whole images)."""
         return next((s for s, n in self.spans if s < num_tokens < s + n), num_tokens)
 
+    def block_start(self, num_tokens: int, block_size: int) -> int:
+        """The last block boundary at or before ``num_tokens`` that cuts no image (where a cached prefix may
+        end). Moving back before an image can land inside an earlier one (two images less than a block
+        apart), so it moves back until no image is cut."""
+        boundary = num_tokens // block_size * block_size
+        while (first := self.image_start(boundary)) != boundary:
+            boundary = first // block_size * block_size
+        return boundary
+
     def chunk_end(self, start: int, end: int) -> int:
         """Where a prefill chunk ``[start, end)`` ends so that it holds whole images: before an image it
         would cut, or after it when the image starts the chunk (the chunk then exceeds its token budget

@@ -18,9 +18,10 @@ Vision families (``private_first_block``) look up each sequence's decode rotary 
 (``models/qwen2_5_vl.py``), and two prompts sharing a cached first block may have different deltas (other
 images later on): there a cache hit's first block is copied into a block of the group's own before the
 prefill (``copies_before``, run by the model runner ahead of the forward) instead of being shared. A
-cached prefix also never ends inside an image's placeholder tokens (``PromptImages.image_start``): it is
-cut back to the block holding the image's first token, so the prefill computes that image whole (the
-vision tower runs on whole images only, and skips those entirely cached).
+cached prefix also never ends inside an image's placeholder tokens (``PromptImages.block_start``): it is
+cut back to the block holding the image's first token (further back while that block ends inside an
+earlier image), so the prefill computes that image whole (the vision tower runs on whole images only,
+and skips those entirely cached).
 
 Linear-attention families with prefix caching (``saved_states``, state_cache.py): a cached prefix is also
 cut back to the longest one whose recurrent state was saved at its end; allocating a group then queues
@@ -121,7 +122,8 @@ class BlockManager:
         extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, usable, seq.mm)
         found = self.prefix_cache.match(seq.block_hashes[:usable])
         if seq.mm is not None:
-            found = found[: seq.mm.image_start(len(found) * self.block_size) // self.block_size]
+            size = self.block_size
+            found = found[: seq.mm.block_start(len(found) * size, size) // size]
         return found
 
     def matched_tokens(self, seq: Sequence) -> int:

@@ -264,7 +264,7 @@ class Scheduler:
             size = self.block_manager.block_size
             boundary = (seq.num_tokens - 1) // size * size
             if seq.mm is not None:  # not inside an image: at the last boundary before it
-                boundary = seq.mm.image_start(boundary) // size * size
+                boundary = seq.mm.block_start(boundary, size)
             if boundary > start:
                 return boundary
         return end
