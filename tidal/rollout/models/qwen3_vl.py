@@ -33,10 +33,9 @@ import torch
 
 from tidal.rollout.models.layers import CausalLM, DecoderArgs
 from tidal.rollout.models.qwen3 import Qwen3Attention
+from tidal.rollout.models.vision_weights import VISION_PREFIX, language_weights
 from tidal.rollout.runner.attention import AttentionMetadata
 from tidal.rollout.runner.multimodal import PrefillImages
-
-VISION_PREFIX = "visual."
 
 
 def interleaved_rope_axis(mrope_section: list[int], half: int) -> torch.Tensor:
@@ -149,26 +148,9 @@ class QwenVisionMixin:
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The language model's weights through the decoder's loader; the vision tower's as they are."""
-        vision = dict(self.visual.named_parameters())
         loaded: set[str] = set()
-
-        def language():
-            for raw_name, tensor in named_tensors:
-                name = self._our_name(raw_name)
-                if not name.startswith(VISION_PREFIX):
-                    yield raw_name, tensor
-                    continue
-                param = vision.get(name[len(VISION_PREFIX) :])
-                if param is None:
-                    raise ValueError(f"unexpected weight {raw_name!r} for a {self.family_name} vision tower")
-                if tuple(param.shape) != tuple(tensor.shape):
-                    raise ValueError(
-                        f"weight {raw_name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-                    )
-                param.copy_(tensor)
-                loaded.add(name)
-
-        loaded |= super().load_weights(language())
+        language = language_weights(named_tensors, self._our_name, self.visual, self.family_name, loaded)
+        loaded |= super().load_weights(language)
         return loaded
 
 
