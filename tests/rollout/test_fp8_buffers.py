@@ -16,7 +16,7 @@ from tests.rollout.test_fp8_engine import FP8_FAMILIES
 from tidal.rollout import LLMEngine
 from tidal.rollout.models import moe
 from tidal.rollout.quant import linear
-from tidal.rollout.quant.fp8 import dequantize
+from tidal.rollout.quant.fp8 import dequantize, quantize
 
 
 def _cpu_gemm(x, q, scales, granularity):
@@ -118,3 +118,48 @@ def test_every_family_s_sync_quantizes_into_the_buffers_a_fresh_load_fills(famil
     want = dict(fresh.model.named_parameters())
     for name, param in engine.model.named_parameters():
         assert torch.equal(param, want[name]), name
+
+
+@pytest.mark.parametrize("granularity", ["channel", "block"])
+def test_fp8_linear_hands_torch_the_weight_buffers_themselves(monkeypatch, granularity):
+    """``fp8_linear`` with ``torch._scaled_mm`` stood in for: the weight operand is the e4m3 buffer itself,
+    column-major (``q.t()``: a view, no per-call copy), the scales are views of their buffer, the
+    activation scales in the layout torch reads, and the product is the two-sided dequantized one."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 256, generator=gen)
+    q, scales = quantize(torch.randn(384, 256, generator=gen) * 0.1, granularity)
+    if granularity == "block":
+        scales = linear.padded_block_scales(scales).contiguous()  # as the module's buffer is allocated
+    seen = {}
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        seen.update(b=b, scale_b=scale_b, scale_a=scale_a, out_dtype=out_dtype)
+        if granularity == "block":  # [M, K/128] and [K/128, N/128 (+ padding)] -> per element
+            scale_a = scale_a.repeat_interleave(128, 1)
+            scale_b = scale_b.repeat_interleave(128, 0).repeat_interleave(128, 1)[:, : b.shape[1]]
+        return (a.float() * scale_a) @ (b.float() * scale_b)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    out = linear.fp8_linear(x, q, scales, granularity)
+    assert seen["b"].data_ptr() == q.data_ptr() and seen["b"].stride() == (1, 256)  # column-major view
+    assert seen["scale_b"].data_ptr() == scales.data_ptr() and seen["out_dtype"] == x.dtype
+    if granularity == "block":
+        assert seen["scale_a"].shape == (6, 2) and seen["scale_a"].stride() == (1, 6)
+    want = F.linear(
+        x, dequantize(q, scales[:, :2] if granularity == "block" else scales, granularity, x.dtype)
+    )
+    assert out.shape == (2, 3, 384)
+    assert ((out - want).norm() / want.norm()).item() < 0.04  # the activations' own e4m3 rounding
+
+
+def test_a_gpu_without_the_fp8_gemm_is_named_in_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H200")
+    reason = "CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmulAlgoGetHeuristic"
+    notice = linear.fallback_notice("fp8_block", {reason: 112}, 112, torch.device("cuda", 0))
+    assert notice == (
+        "engine: --rollout_quantization fp8_block: 112 of 112 linear layers cannot run torch._scaled_mm on "
+        f"NVIDIA H200 ({reason} (112 layers)), so they compute emulated (FP8-rounded weights in the model "
+        "dtype: no speed-up, no memory saved); --rollout_quantization fp8 (per-channel scales) is the fast "
+        "FP8 mode on this GPU"
+    )
+    assert "\n" not in notice and "per-channel" not in linear.fallback_notice("fp8", {reason: 3}, 112, None)

@@ -119,12 +119,17 @@ def quantize_model(model: CausalLM, quantization: str) -> Fp8State:
             state.targets[path] = Target(
                 module, {"gate_up_proj": (rows, rows), "down_proj": (module.down_proj.shape[1],)}
             )
+    refused: dict[str, int] = {}  # why torch._scaled_mm is unusable on this GPU -> linear layers
+    device = None
     for target in state.targets.values():
         if isinstance(target.module, Experts):
             if experts_kernel_problem(target, state.granularity) is None:
                 _use_experts_kernel(target, state.granularity)
-        elif scaled_mm_problem(target, state.granularity) is None:
+        elif (problem := scaled_mm_problem(target, state.granularity)) is None:
             _use_scaled_mm(target, state.granularity)
+        elif target.module.weight.is_cuda:
+            refused[problem] = refused.get(problem, 0) + 1
+            device = target.module.weight.device
         for param in target.parts:
             _requantize(target, state.granularity, param, None, None)
         if target.mode != "emulated":
@@ -132,7 +137,25 @@ def quantize_model(model: CausalLM, quantization: str) -> Fp8State:
     model.fp8 = state
     _requantize_after_loads(model, state)
     log.info("engine: FP8 (%s scales) weights: %s", state.granularity, state.modes())
+    if refused:
+        layers = sum(not isinstance(target.module, Experts) for target in state.targets.values())
+        log.warning(fallback_notice(quantization, refused, layers, device))
     return state
+
+
+def fallback_notice(quantization: str, refused: dict[str, int], layers: int, device: torch.device) -> str:
+    """One line at engine start: how many of the ``layers`` linear layers run emulated on this CUDA GPU and
+    why (``refused``: reason -> count). For ``fp8_block`` (torch's 1x128 x 128x128 GEMM is cuBLAS's, which
+    Hopper refuses) it names the fast mode instead."""
+    why = "; ".join(f"{reason} ({count} layers)" for reason, count in refused.items())
+    notice = (
+        f"engine: --rollout_quantization {quantization}: {sum(refused.values())} of {layers} linear layers "
+        f"cannot run torch._scaled_mm on {torch.cuda.get_device_name(device)} ({why}), so they compute "
+        f"emulated (FP8-rounded weights in the model dtype: no speed-up, no memory saved)"
+    )
+    if quantization == "fp8_block":
+        notice += "; --rollout_quantization fp8 (per-channel scales) is the fast FP8 mode on this GPU"
+    return notice
 
 
 # ------------------------------------------------------------------------------------------ re-quantizing
@@ -258,11 +281,8 @@ def scaled_mm_problem(target: Target, granularity: str) -> str | None:
     if in_features % multiple or any(size % multiple for size in sizes):
         return f"shapes not multiples of {multiple}"
     key = (granularity, weight.device, out_features, in_features)
-    if key not in _PROBES:
+    if key not in _PROBES:  # a refusal is reported once per engine start (``fallback_notice``)
         _PROBES[key] = _probe(granularity, weight.device, out_features, in_features)
-        if _PROBES[key]:
-            log.warning("engine: FP8 %s GEMM unusable for %s (%s): emulated instead", granularity,
-                        tuple(weight.shape), _PROBES[key])  # fmt: skip
     return _PROBES[key]
 
 
