@@ -30,10 +30,10 @@ import torch
 from torch import nn
 
 from tidal.rollout.models.gemma4 import Gemma4Args, Gemma4ForCausalLM
+from tidal.rollout.models.vision_weights import language_weights
 from tidal.rollout.runner.attention import AttentionMetadata, image_spans
 from tidal.rollout.runner.multimodal import PrefillImages, patch_rows_to_padded
 
-VISION_PREFIX = "visual."
 # (checkpoint prefix, ours): the first that starts a name applies
 PREFIXES = (
     ("model.language_model.", "model."),
@@ -142,26 +142,10 @@ class Gemma4VLForConditionalGeneration(Gemma4ForCausalLM):
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The language model's weights through the decoder's loader; the vision tower's as they are."""
-        vision = dict(self.visual.named_parameters()) if hasattr(self, "visual") else {}
         loaded: set[str] = set()
-
-        def language():
-            for raw_name, tensor in named_tensors:
-                name = self._our_name(raw_name)
-                if name.startswith(AUDIO_PREFIXES):
-                    continue
-                if not name.startswith(VISION_PREFIX):
-                    yield raw_name, tensor
-                    continue
-                param = vision.get(name[len(VISION_PREFIX) :])
-                if param is None:
-                    raise ValueError(f"unexpected weight {raw_name!r} for a gemma4 vision tower")
-                if tuple(param.shape) != tuple(tensor.shape):
-                    raise ValueError(
-                        f"weight {raw_name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-                    )
-                param.copy_(tensor)
-                loaded.add(name)
-
-        loaded |= super().load_weights(language())
+        vision = getattr(self, "visual", None)
+        language = language_weights(
+            named_tensors, self._our_name, vision, "gemma4", loaded, skip=AUDIO_PREFIXES
+        )
+        loaded |= super().load_weights(language)
         return loaded
