@@ -239,7 +239,8 @@ class LLMEngine(RequestBuilding, WeightsAndMemory):
             self.model = build_decoder(
                 self.hf_config, weights, self.max_model_len, self.dtype, self.device, tp
             )
-        if self.config.quantization != "none":  # FP8 rollouts: re-quantized at every load (tidal.rollout.quant)
+        # FP8 rollouts: re-quantized at every load (tidal.rollout.quant)
+        if self.config.quantization != "none":
             from tidal.rollout.quant import quantize_model
 
             with phase(f"engine: quantizing the linear layers to FP8 ({self.config.quantization})"):
