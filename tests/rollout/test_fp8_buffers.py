@@ -19,8 +19,8 @@ from tidal.rollout.quant import linear
 from tidal.rollout.quant.fp8 import dequantize, quantize
 
 
-def _cpu_gemm(x, q, scales, granularity):
-    return F.linear(x, dequantize(q, scales, granularity, x.dtype))
+def _cpu_gemm(x, q, scales, granularity, bias=None):
+    return F.linear(x, dequantize(q, scales, granularity, x.dtype), bias)
 
 
 def _cpu_experts(self, x, weights, ids):
@@ -33,6 +33,8 @@ def _take_cuda_modes(monkeypatch) -> None:
     """Every module takes its CUDA mode, with the stand-in GEMMs."""
     monkeypatch.setattr(linear, "scaled_mm_problem", lambda target, granularity: None)
     monkeypatch.setattr(linear, "experts_kernel_problem", lambda target, granularity: None)
+    fuses = lambda target, granularity: granularity == "channel" and target.module.bias is not None  # noqa: E731
+    monkeypatch.setattr(linear, "fuses_bias", fuses)
     monkeypatch.setattr(linear, "fp8_linear", _cpu_gemm)
     monkeypatch.setattr(linear.Fp8ExpertsForward, "forward", _cpu_experts)
 
@@ -62,6 +64,21 @@ def _buffers(engine) -> dict[str, int]:
     return {n: b.data_ptr() for n, b in engine.model.named_buffers() if ".fp8_" in n}
 
 
+def _with_random_biases(path, out):
+    """A copy of the tiny HF folder ``path`` whose biases are random (transformers initializes them to 0)."""
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    gen = torch.Generator().manual_seed(len(str(out)))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("proj.bias"):
+                param.copy_(torch.randn(param.shape, generator=gen))
+    model.save_pretrained(str(out))
+    for extra in path.iterdir():  # the tokenizer's files
+        if not (out / extra.name).exists():
+            (out / extra.name).write_bytes(extra.read_bytes())
+    return out
+
+
 # 128-row blocks need packed parts of multiples of 128 rows (``scaled_mm_problem``): heads of 128
 BLOCK_SHAPES = {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128,
                 "intermediate_size": 384}  # fmt: skip
@@ -69,18 +86,23 @@ BLOCK_SHAPES = {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_hea
 
 @pytest.mark.parametrize(
     ("family", "quantization", "overrides"),
-    [("llama", "fp8_block", BLOCK_SHAPES), ("qwen3_moe", "fp8", {})],
+    [("llama", "fp8_block", BLOCK_SHAPES), ("qwen3_moe", "fp8", {}), ("qwen2", "fp8", {})],
 )
 def test_buffers_are_rewritten_in_place_and_generate_as_the_emulated_engine(
-    family, quantization, overrides, tiny_model, monkeypatch
+    family, quantization, overrides, tiny_model, monkeypatch, tmp_path
 ):
     old, new = tiny_model(family, seed=0, **overrides), tiny_model(family, seed=1, **overrides)
+    if family == "qwen2":  # its q/k/v biases, nonzero
+        old, new = _with_random_biases(old, tmp_path / "old"), _with_random_biases(new, tmp_path / "new")
     emulated_old = _outputs(LLMEngine(old, cpu_config(quantization=quantization)))
     emulated_new = _outputs(LLMEngine(new, cpu_config(quantization=quantization)))
     _take_cuda_modes(monkeypatch)
     engine = LLMEngine(old, cpu_config(quantization=quantization))
     modes = engine.model.fp8.modes()
     assert set(modes) == ({"scaled_mm", "triton_fp8"} if family == "qwen3_moe" else {"scaled_mm"})
+    # qwen2's q/k/v biases: the GEMM adds them (the stand-in as F.linear does), the forward not again
+    fused = {path for path, t in engine.model.fp8.targets.items() if getattr(t.module, "fp8_fused_bias", 0)}
+    assert bool(fused) == (family == "qwen2") and all(p.endswith("qkv_proj") for p in fused)
     assert _outputs(engine) == emulated_old
     addresses = _buffers(engine)
     assert addresses
@@ -132,22 +154,25 @@ def test_fp8_linear_hands_torch_the_weight_buffers_themselves(monkeypatch, granu
         scales = linear.padded_block_scales(scales).contiguous()  # as the module's buffer is allocated
     seen = {}
 
-    def scaled_mm(a, b, scale_a, scale_b, out_dtype):
-        seen.update(b=b, scale_b=scale_b, scale_a=scale_a, out_dtype=out_dtype)
+    bias = torch.randn(384, generator=gen) if granularity == "channel" else None  # fused: channel only
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None):
+        seen.update(b=b, scale_b=scale_b, scale_a=scale_a, out_dtype=out_dtype, bias=bias)
         if granularity == "block":  # [M, K/128] and [K/128, N/128 (+ padding)] -> per element
             scale_a = scale_a.repeat_interleave(128, 1)
             scale_b = scale_b.repeat_interleave(128, 0).repeat_interleave(128, 1)[:, : b.shape[1]]
-        return (a.float() * scale_a) @ (b.float() * scale_b)
+        out = (a.float() * scale_a) @ (b.float() * scale_b)
+        return out if bias is None else out + bias
 
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
-    out = linear.fp8_linear(x, q, scales, granularity)
+    out = linear.fp8_linear(x, q, scales, granularity, bias)
     assert seen["b"].data_ptr() == q.data_ptr() and seen["b"].stride() == (1, 256)  # column-major view
     assert seen["scale_b"].data_ptr() == scales.data_ptr() and seen["out_dtype"] == x.dtype
+    assert seen["bias"] is bias
     if granularity == "block":
         assert seen["scale_a"].shape == (6, 2) and seen["scale_a"].stride() == (1, 6)
-    want = F.linear(
-        x, dequantize(q, scales[:, :2] if granularity == "block" else scales, granularity, x.dtype)
-    )
+    weight = dequantize(q, scales[:, :2] if granularity == "block" else scales, granularity, x.dtype)
+    want = F.linear(x, weight, bias)
     assert out.shape == (2, 3, 384)
     assert ((out - want).norm() / want.norm()).item() < 0.04  # the activations' own e4m3 rounding
 

@@ -286,17 +286,36 @@ def scaled_mm_problem(target: Target, granularity: str) -> str | None:
     return _PROBES[key]
 
 
-def _probe(granularity: str, device: torch.device, out_features: int, in_features: int) -> str | None:
-    """Run the FP8 GEMM once at this weight shape and compare it with the dequantized product."""
+def fuses_bias(target: Target, granularity: str) -> bool:
+    """Whether ``torch._scaled_mm`` adds this layer's bias in its epilogue (the row-wise GEMM's epilogue
+    adds a bf16 bias to the scaled float32 accumulator, saving a separate add over the output per step):
+    per-channel scales, a bias, no tensor-parallel all-reduce before it, and a probe that agrees."""
+    module = target.module
+    if granularity != "channel" or module.bias is None or not module.weight.is_cuda:
+        return False
+    if isinstance(module, RowParallelLinear) and module.tp.size > 1:
+        return False
+    out_features, in_features = module.weight.shape
+    key = ("channel+bias", module.weight.device, out_features, in_features)
+    if key not in _PROBES:  # refused: the bias is added after the GEMM instead
+        _PROBES[key] = _probe("channel", module.weight.device, out_features, in_features, bias=True)
+    return _PROBES[key] is None
+
+
+def _probe(granularity: str, device: torch.device, out_features: int, in_features: int, bias: bool = False):
+    """Run the FP8 GEMM once at this weight shape (with a bias: fused) and compare it with the dequantized
+    product; the reason it is unusable, or None."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(32, in_features, generator=gen).to(device, torch.bfloat16)
     w = torch.randn(out_features, in_features, generator=gen).to(device, torch.bfloat16)
+    b = torch.randn(out_features, generator=gen).to(device, torch.bfloat16) if bias else None
     q, scales = quantize(w, granularity)
     try:
-        got = fp8_linear(x, q, scales, granularity).float()
+        got = fp8_linear(x, q, scales, granularity, b).float()
     except RuntimeError as err:
         return str(err).splitlines()[0]
     want = x.float() @ dequantize(q, scales, granularity, torch.float32).t()
+    want = want if b is None else want + b.float()
     error = ((got - want).norm() / want.norm()).item()
     return None if error < 0.1 else f"probe GEMM relative error {error:.3f}"
 
@@ -314,18 +333,27 @@ def padded_block_scales(scales: torch.Tensor) -> torch.Tensor:
     return scales if pad == 0 else torch.nn.functional.pad(scales, (0, pad), value=1.0)
 
 
-def fp8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, granularity: str) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, granularity: str, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x`` [..., K] (bf16) times the FP8 weight ``q`` [N, K] (dequantization ``scales``: [N, 1], or
     [N/128, K/128] optionally padded as ``padded_block_scales``) -> [..., N] in ``x.dtype``: the activations
-    quantized per token (and 128 columns for blocks), ``torch._scaled_mm`` applying both scales to the
-    float32 accumulator."""
+    quantized per token (and 128 columns for blocks), ``torch._scaled_mm`` applying both scales (and
+    ``bias``, per-channel only: ``fuses_bias``) to the float32 accumulator. ``q.t()`` is a view: the
+    buffer, row-major [N, K], is the column-major [K, N] operand the GEMM reads, so nothing is copied."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], q.shape[0])
     if granularity == "channel":
         xq, xs = _quantize_activations(rows, None)
-        out = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scales.view(1, -1), out_dtype=x.dtype)
-    else:  # 1x128 activation scales outer-dimension-major ([M, K/128], stride [1, M]), as torch wants them
+        out = torch._scaled_mm(
+            xq, q.t(), scale_a=xs, scale_b=scales.view(1, -1), bias=bias, out_dtype=x.dtype
+        )
+    else:
+        if bias is not None:
+            raise ValueError(
+                "fp8_linear: a fused bias needs per-channel scales"
+            )  # 1x128 activation scales outer-dimension-major ([M, K/128], stride [1, M]), as torch wants them
         xq, xs = _quantize_activations(rows, BLOCK)
         scale_b = padded_block_scales(scales)[:, : x.shape[-1] // BLOCK].t()  # [K/128, N/128], stride [1, L4]
         out = torch._scaled_mm(xq, q.t(), scale_a=xs.t().contiguous().t(), scale_b=scale_b, out_dtype=x.dtype)
@@ -346,14 +374,16 @@ class Fp8Forward:
     a row-parallel layer still all-reduces before its bias."""
 
     fp8_granularity: str
+    fp8_fused_bias: bool  # ``fuses_bias``: the GEMM adds the bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = fp8_linear(x, self.fp8_weight, self.fp8_weight_scale, self.fp8_granularity)
+        fused = self.bias if self.fp8_fused_bias else None
+        out = fp8_linear(x, self.fp8_weight, self.fp8_weight_scale, self.fp8_granularity, fused)
         if isinstance(self, RowParallelLinear) and self.tp.size > 1:
             if not self.reduce:
                 return out
             out = self.tp.all_reduce(out)
-        return out if self.bias is None else out + self.bias
+        return out if self.bias is None or fused is not None else out + self.bias
 
 
 _FP8_CLASSES: dict[tuple[type, type], type] = {}
@@ -363,6 +393,7 @@ def _use_scaled_mm(target: Target, granularity: str) -> None:
     """Give the module its FP8 buffers and the FP8 forward (its class becomes a subclass of its own)."""
     _add_buffers(target, granularity)
     target.module.fp8_granularity = granularity
+    target.module.fp8_fused_bias = fuses_bias(target, granularity)
     _swap_class(target.module, Fp8Forward)
     target.mode = "scaled_mm"
 
