@@ -47,6 +47,9 @@ def test_scaled_mm_matches_the_emulated_product(granularity, tokens, out_feature
     emulated = F.linear(x.float(), dequantize(q, scales, granularity, torch.float32))
     assert _rel(got, emulated) < 0.04
     assert _rel(got, F.linear(x.float(), w.float())) < 0.05  # and the bf16 product itself
+    if granularity == "channel":  # a bias added in the row-wise GEMM's epilogue (``fuses_bias``)
+        bias = torch.randn(out_features, device="cuda", generator=gen).bfloat16()
+        assert _rel(fp8_linear(x, q, scales, granularity, bias), got.float() + bias.float()) < 1e-2
     wrong = scales.flip(0)  # another row's scales: a bookkeeping bug
     assert _rel(fp8_linear(x, q, wrong, granularity), emulated) > 0.2
 
