@@ -36,6 +36,18 @@ generates with ``transformers.generate`` (no vLLM on these machines); tidal keep
     python bench/grpo_7b.py --config tiny --steps 1             # CPU smoke run (< 1 minute)
     python bench/grpo_7b.py --device cuda --config qwen3.5-0.8b --modes full --steps 1
     python bench/grpo_7b.py --config tiny-qwen3.5 --modes full --steps 1   # CPU smoke run
+    python bench/grpo_7b.py --device cuda --config qwen2.5-vl-3b --modes full --steps 2
+    python bench/grpo_7b.py --config tiny-qwen2.5-vl --modes full --steps 1  # CPU smoke run (tidal's side)
+
+Vision-language workloads (issue #32; ``bench/vlm_shapes.py``: ``qwen2.5-vl-3b``, ``qwen2.5-vl-7b``,
+``qwen3-vl-8b``, and ``tiny-qwen2.5-vl`` for CPU smoke runs): a random-init bf16 checkpoint of the released
+shape with its image processor files, 8 prompts x 8 samples a rollout (64 samples, as
+``bench/vlm_rollout.py``'s batch), each prompt a chat turn of one seeded synthetic 448x448 image (256 image
+tokens for Qwen2.5-VL, 196 for Qwen3-VL) then ~64 text tokens. tidal reads the JSONL's image paths
+(``--apply_chat_template --max_images_per_prompt 1``); TRL's GRPOTrainer gets the same conversational
+prompts with the PIL images in an ``images`` column (its processor comes from ``AutoProcessor``, which
+needs torchvision). Both train the whole model, vision tower included. ``image_tokens`` in the JSON; TRL's
+tokens/s counts them in the prompt.
 """
 
 from __future__ import annotations
@@ -56,6 +68,7 @@ sys.path.insert(0, str(BENCH))
 from family_shapes import FAMILY_SHAPES, family_config  # noqa: E402
 from rollout import module_kernels  # noqa: E402
 from train_step import CONFIGS, model_config, versions  # noqa: E402
+from vlm_shapes import TINY_GRPO, VLM_SHAPES, build_vlm_checkpoint, image_tokens, vlm_prompt_rows  # noqa: E402
 
 PHASES = ("generate", "make_experience", "advantages", "train", "sync_weights")
 ISSUE_FLAGS = (
@@ -63,9 +76,15 @@ ISSUE_FLAGS = (
     "--param_dtype", "bf16", "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "256",
 )  # fmt: skip
 MODE_FLAGS = {"full": ("--adam_offload",), "lora": ("--lora_rank", "64", "--lora_alpha", "128")}
-ADAM_OFFLOAD = {"qwen2.5-7b"}  # the configs whose full-parameter run needs --adam_offload on one H200
+ADAM_OFFLOAD = {
+    "qwen2.5-7b",
+    "qwen2.5-vl-7b",
+    "qwen3-vl-8b",
+}  # the configs whose full-parameter run needs --adam_offload on one H200
 # The workload's shapes: train_step's Qwen2.5 ones, Qwen3.5-0.8B's, and a tiny Qwen3.5 for CPU smoke runs.
-WORKLOADS = sorted([*CONFIGS, "qwen3.5-0.8b", "tiny-qwen3.5"])
+WORKLOADS = sorted([*CONFIGS, "qwen3.5-0.8b", "tiny-qwen3.5", *VLM_SHAPES, *TINY_GRPO])
+VLM = {*VLM_SHAPES, *TINY_GRPO}  # vision-language workloads: one image a prompt
+VLM_FLAGS = ("--apply_chat_template", "--max_images_per_prompt", "1", "--image_key", "images")
 HYBRID = {"qwen3.5-0.8b", "tiny-qwen3.5"}  # Gated DeltaNet models: each side runs without and with fla
 BASE_VOCAB = 512  # the trained part of the tokenizer; the rest of the model's vocab are added tokens
 REWARD = '''def reward_func(queries, prompts, labels, **kwargs):
@@ -97,6 +116,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--child_fla", choices=["off", "on"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.workdir = args.workdir or f"/tmp/tidal_grpo_{args.config}"  # a checkpoint per shape, reused
+    if args.config in VLM_SHAPES and "--prompts" not in (argv or sys.argv):
+        args.prompts = 8  # 8 x 8 = 64 samples a rollout, bench/vlm_rollout.py's batch
     if args.config.startswith("tiny"):  # a CPU smoke run: few short samples
         args.prompts, args.n, args.prompt_len, args.new_tokens = 4, 2, 8, 8
     return args
@@ -111,6 +132,8 @@ def build_checkpoint(folder: Path, config_name: str, device: str) -> Path:
 
     from tidal.testing.tiny import build_tiny_tokenizer
 
+    if config_name in VLM:
+        return build_vlm_checkpoint(folder, config_name, device)
     if (folder / "config.json").exists():
         return folder
     tokenizer = build_tiny_tokenizer(folder, vocab_size=BASE_VOCAB, seed=0)
@@ -159,10 +182,11 @@ def write_data(folder: Path, args: argparse.Namespace) -> tuple[Path, Path]:
 
     tokenizer = AutoTokenizer.from_pretrained(folder / "model")
     rng = random.Random(0)
-    rows = []
-    for _ in range(args.prompts * (args.steps + 1)):
-        ids = [rng.randrange(3, BASE_VOCAB) for _ in range(args.prompt_len)]
-        rows.append({"prompt": tokenizer.decode(ids), "label": ""})
+    texts = [
+        tokenizer.decode([rng.randrange(3, BASE_VOCAB) for _ in range(args.prompt_len)])
+        for _ in range(args.prompts * (args.steps + 1))
+    ]
+    rows = vlm_prompt_rows(folder, texts) if is_vlm(args) else [{"prompt": t, "label": ""} for t in texts]
     prompts = folder / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     reward = folder / "reward.py"
@@ -177,10 +201,29 @@ def tidal_flags(args, folder: Path, mode: str) -> list[str]:
         "--pretrain", str(folder / "model"), "--prompt_data", str(prompts), "--input_key", "prompt",
         "--label_key", "label", "--remote_rm_url", str(reward), "--advantage_estimator", "group_norm",
         "--init_kl_coef", "0", "--rollout_batch_size", str(args.prompts), "--n_samples_per_prompt", str(args.n),
-        "--train_batch_size", str(samples), "--prompt_max_len", str(2 * args.prompt_len),
+        "--train_batch_size", str(samples), "--prompt_max_len", str(2 * args.prompt_len + vlm_prompt_extra(args)),
         "--generate_max_len", str(args.new_tokens), "--num_episodes", "1", "--actor_learning_rate", "1e-6",
         "--save_path", str(folder / f"out_{mode}"), "--save_steps", "-1", *ISSUE_FLAGS, *mode_flags(args, mode),
+        *(VLM_FLAGS if is_vlm(args) else ()),
     ]  # fmt: skip
+
+
+def is_vlm(args) -> bool:
+    """Whether the workload is a vision-language one (a namespace without ``config`` is the 7B text one)."""
+    return getattr(args, "config", "qwen2.5-7b") in VLM
+
+
+def vlm_prompt_extra(args) -> int:
+    """Room a VLM prompt needs beyond its text: the image's tokens and the chat template's turn markers."""
+    return vlm_image_tokens(args) + 32 if is_vlm(args) else 0
+
+
+def vlm_image_tokens(args) -> int:
+    """Tokens of each prompt's image in the language model (0: a text workload; tiny VLMs: at most 4)."""
+    name = getattr(args, "config", "qwen2.5-7b")
+    if name in TINY_GRPO:
+        return 4
+    return image_tokens(name, 448) if name in VLM_SHAPES else 0
 
 
 def mode_flags(args, mode: str) -> tuple[str, ...]:
@@ -245,6 +288,10 @@ def run_trl(args, folder: Path) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     rows = [json.loads(line) for line in (folder / "prompts.jsonl").read_text().splitlines()]
+    if args.config in VLM:  # conversational prompts with PIL images: TRL's vision-language input
+        from PIL import Image
+
+        rows = [dict(r, images=[Image.open(folder / p).convert("RGB") for p in r["images"]]) for r in rows]
     times: list[float] = []
 
     class StepTimes(TrainerCallback):
@@ -255,7 +302,10 @@ def run_trl(args, folder: Path) -> dict:
             times.append(time.perf_counter() - self.start)
 
     def reward(completions, **kwargs):
-        return [sum(c.isdigit() for c in text) % 10 / 10 for text in completions]
+        texts = [
+            c if isinstance(c, str) else c[-1]["content"] for c in completions
+        ]  # conversational: messages
+        return [sum(c.isdigit() for c in text) % 10 / 10 for text in texts]
 
     samples = args.prompts * args.n
     micro = 8
@@ -272,7 +322,9 @@ def run_trl(args, folder: Path) -> dict:
     )  # fmt: skip
     trainer.train()
     step_s = statistics.median(times[1:] or times)
-    tokens = samples * (args.prompt_len + args.new_tokens)  # at most: TRL stops samples at EOS, which is rare
+    tokens = samples * (
+        args.prompt_len + vlm_image_tokens(args) + args.new_tokens
+    )  # at most: TRL stops samples at EOS, which is rare
     return {
         "step_s": round(step_s, 3),
         "warmup_step_s": round(times[0], 3),
@@ -303,7 +355,10 @@ def in_process(args, what: str, fla: str | None = None) -> dict:
         print(f"[bench/grpo_7b] {what} (fla {fla}): {lines[-1]}", file=sys.stderr, flush=True)
         return json.loads(lines[-1])
     errors = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-    result = {"skipped": (errors[-1] if errors else f"exit status {proc.returncode}")[-500:]}
+    # from the last exception line on (an ImportError's message comes on the lines after it)
+    named = [i for i, line in enumerate(errors) if "Error" in line.split(":")[0]]
+    reason = " ".join(errors[named[-1] if named else -1 :]) if errors else f"exit status {proc.returncode}"
+    result = {"skipped": reason[:500]}
     print(f"[bench/grpo_7b] {what} (fla {fla}): {json.dumps(result)}", file=sys.stderr, flush=True)
     return result
 
@@ -320,6 +375,8 @@ def main(argv=None) -> None:
     out = {"bench": "grpo_7b", **versions(), "config": args.config, "device": args.device,
            "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
            "steps": args.steps, "flags": " ".join(ISSUE_FLAGS)}  # fmt: skip
+    if args.config in VLM:
+        out.update(image_side=448, image_tokens=vlm_image_tokens(args), vlm_flags=" ".join(VLM_FLAGS))
     for mode in args.modes:
         out[mode] = {"extra_flags": " ".join(mode_flags(args, mode)), **variants(args, mode)}
     if args.no_trl:

@@ -17,6 +17,10 @@ Image token counts: Qwen2.5-VL merges 2×2 patches of 14 pixels (one token per 2
 image is 32×32 patches, 256 tokens; Qwen3-VL's patches are 16 pixels: 28×28 patches, 196 tokens.
 The processors' pixel bounds are the released ones (Qwen2.5-VL 3136..12845056, Qwen3-VL 65536..16777216),
 so a 448×448 image keeps its size.
+
+For ``bench/grpo_7b.py``'s VLM workloads: ``build_vlm_checkpoint`` writes a random-init checkpoint of a shape
+with its processor files and a tokenizer covering the vocabulary (tidal's tiny BPE with Qwen's vision
+tokens, whose ids the config takes), ``vlm_prompt_rows`` the image rows and their PNG files.
 """
 
 from __future__ import annotations
@@ -70,15 +74,16 @@ _PROCESSOR_CLASS = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLPro
 _VIDEO_PROCESSOR_CLASS = {"qwen2_5_vl": "Qwen2VLVideoProcessor", "qwen3_vl": "Qwen3VLVideoProcessor"}
 
 
-def vlm_config(name: str, **top_overrides):
-    """The transformers config of ``VLM_SHAPES[name]`` (``top_overrides``: fields of the composite config,
-    e.g. other token ids)."""
+def vlm_config(name: str, text_overrides: dict | None = None, **top_overrides):
+    """The transformers config of ``VLM_SHAPES[name]`` (``text_overrides``: language-model fields;
+    ``top_overrides``: fields of the composite config, e.g. other token ids)."""
     import transformers
 
     shape = VLM_SHAPES[name]
     config_class = getattr(transformers, _CONFIG_CLASS[shape["model_type"]])
     top = dict(shape["ids"], **shape["top"], **top_overrides)
-    return config_class(text_config=dict(shape["text"]), vision_config=dict(shape["vision"]), **top)
+    text = dict(shape["text"], **(text_overrides or {}))
+    return config_class(text_config=text, vision_config=dict(shape["vision"]), **top)
 
 
 def vlm_image_processor(name: str):
@@ -120,3 +125,57 @@ def synthetic_images(count: int, side: int = 448, seed: int = 0) -> list:
         noise = rng.integers(-40, 41, size=(side, side, 3))
         images.append(Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8), "RGB"))
     return images
+
+
+# ---- GRPO workloads (bench/grpo_7b.py) ----------------------------------------------------------------
+TINY_GRPO = {"tiny-qwen2.5-vl": "qwen2_5_vl"}  # CPU smoke workloads: tidal.testing's tiny VLM family
+
+
+def build_vlm_checkpoint(folder: Path, name: str, device: str) -> Path:
+    """A random-init bf16 checkpoint of ``VLM_SHAPES[name]`` (or a tiny VLM of ``TINY_GRPO``) with its
+    processor files and a tokenizer covering the whole vocabulary (tidal's tiny BPE with Qwen's vision
+    tokens and chat template, plus added tokens), written once and reused."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from tidal.testing import build_tiny_vlm
+    from tidal.testing.tiny_vlm import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, build_vlm_tokenizer
+
+    if (folder / "config.json").exists():
+        return folder
+    if name in TINY_GRPO:
+        return build_tiny_vlm(folder, TINY_GRPO[name], seed=0)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_vlm_tokenizer(None, seed=0)
+    vocab = VLM_SHAPES[name]["text"]["vocab_size"]
+    tokenizer.add_tokens([f"<x{i}>" for i in range(vocab - len(tokenizer))])
+    tokenizer.save_pretrained(str(folder))
+    tokens = dict(image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START,
+                  vision_end_token_id=VISION_END)  # fmt: skip
+    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                   pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    ids = {field: tokenizer.convert_tokens_to_ids(tok) for field, tok in tokens.items()}
+    config = vlm_config(name, text_overrides=special, **ids)
+    write_processor_files(folder, name)
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised on the GPU: seconds instead of minutes
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(str(folder), max_shard_size="5GB")
+    return folder
+
+
+def vlm_prompt_rows(folder: Path, texts: list[str], side: int = 448) -> list[dict]:
+    """One row per text as tidal's image rows are (docs/recipes.md): a chat prompt whose user turn is an
+    image part then the text, the image's path (relative to ``folder``, where the data file goes) under
+    ``images``; the seeded synthetic images are written to ``folder/images``."""
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, (text, image) in enumerate(zip(texts, synthetic_images(len(texts), side), strict=True)):
+        image.save(folder / "images" / f"{i}.png")
+        content = [{"type": "image"}, {"type": "text", "text": text}]
+        rows.append(
+            {"prompt": [{"role": "user", "content": content}], "images": [f"images/{i}.png"], "label": ""}
+        )
+    return rows
