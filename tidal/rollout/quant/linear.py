@@ -17,8 +17,10 @@ runs on the weights' device at the engine's load and at every ``load_weights`` c
   place* at each sync, so captured CUDA graphs, which read those addresses, stay valid. The forward
   quantizes the activations per token (dynamic scales; per token and 128 columns for ``fp8_block``; one
   Triton launch, ``triton_fp8.py``) and runs ``torch._scaled_mm`` (row-wise scales; for blocks torch's
-  1x128 x 128x128 block-wise recipe); a probe GEMM checks it once per process, granularity and weight
-  shape, falling back to ``emulated`` with a logged reason.
+  1x128 x 128x128 block-wise recipe; a per-channel layer's bias added in the GEMM's epilogue,
+  ``fuses_bias``); a probe GEMM checks it once per process, granularity and weight shape, falling back
+  to ``emulated``, reported in one warning per engine start that names the GPU (``fallback_notice``:
+  cuBLAS's block recipe is refused on Hopper, where ``fp8`` is the fast mode).
 - ``triton_fp8`` (MoE experts; the fused Triton MoE path on an FP8-capable GPU, per-channel scales): the
   kernels of ``kernels/triton_moe.py`` read the e4m3 experts (``fp8_gate_up_proj``, ``fp8_down_proj``
   and their ``_scale`` buffers, in place likewise), widen each tile to the model dtype and scale the
