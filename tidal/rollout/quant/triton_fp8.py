@@ -14,7 +14,7 @@ bit-equal (tests/rollout/test_fp8_gpu.py):
 - ``x / scale`` an IEEE division (``div_rn``; Triton's ``/`` on float32 is the approximate one) as
   torch's tensor division is;
 - clamped to +-448, then cast to e4m3 rounding to nearest even (``fp_downcast_rounding="rtne"``, as
-  torch's cast rounds; on sm89+ Triton converts float32 to e4m3 directly, no float16 step).
+  torch's cast rounds; on sm90 Triton converts float32 to e4m3 directly, no float16 step).
 
 (Triton's libdevice flushes float32 subnormals in ``div_rn``; activations below 1.2e-38 would quantize to
 0 either way.)
