@@ -9,8 +9,10 @@ both timings include the image processor, the vision tower and the prompt's pref
 - ours: ``LLMEngine.generate(prompts, params, multi_modal=[MultiModalInput(images=[img])])``, CUDA graphs
   on (the engine expands the single placeholder to the image's token count);
 - HF: ``AutoModelForImageTextToText.generate`` on the image processor's ``pixel_values`` /
-  ``image_grid_thw``, the expanded prompts and ``mm_token_type_ids`` (1 on image tokens: what its
-  processor returns, without which generate's M-RoPE positions are a text prompt's), one batch (all prompts have the same length, so the left
+  ``image_grid_thw``, the expanded prompts and, where the model takes them, ``mm_token_type_ids`` (1 on
+  image tokens: what its processor returns; transformers 5.24's Qwen3-VL ``generate`` without them gives
+  a text prompt's M-RoPE positions) and the image / video placeholders suppressed (our engine never samples
+  them), one batch (all prompts have the same length, so the left
   padding a batch would need is absent).
 
 The JSON line has tokens/s of both and the ratio (ours / HF), and per side ``prefill_s`` (a run of one new
@@ -32,6 +34,7 @@ model of that family (its processor scales images down to at most 4 image tokens
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import platform
 import sys
@@ -110,18 +113,25 @@ def expand(prompts: list[list[int]], image_token: int, counts: list[int]) -> tor
 def hf_runner(hf, processor, images, prompts, device: str):
     """A function ``n -> token lists`` that runs HF's processor and ``generate`` for ``n`` new tokens."""
     merge = processor.merge_size
+    # our engine never samples the image and video placeholders (a response holding them would be taken
+    # for images by the trainer's model): HF suppresses them too, so the greedy samples can match
+    never = [hf.config.image_token_id, hf.config.video_token_id]
+    takes_types = "mm_token_type_ids" in inspect.signature(hf.forward).parameters  # newer transformers
 
     def run(n: int) -> list[list[int]]:
         pixels = processor(images=images, return_tensors="pt")
         grid = pixels["image_grid_thw"]
         counts = (grid.prod(-1) // merge**2).tolist()
         ids = expand(prompts, hf.config.image_token_id, counts).to(device)
-        types = (ids == hf.config.image_token_id).int()  # HF's M-RoPE positions need them (its processor's)
+        extra = {}
+        if takes_types:  # transformers' M-RoPE positions need them (its processor returns them)
+            extra["mm_token_type_ids"] = (ids == hf.config.image_token_id).int()
         with torch.inference_mode():
             out = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types,
+                ids, attention_mask=torch.ones_like(ids), **extra,
                 pixel_values=pixels["pixel_values"].to(device, hf.dtype), image_grid_thw=grid.to(device),
                 do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=n, min_new_tokens=n,
+                suppress_tokens=never,
             )  # fmt: skip
         return out[:, ids.shape[1] :].tolist()
 
