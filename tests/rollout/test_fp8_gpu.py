@@ -67,8 +67,13 @@ def test_triton_activation_quantization_is_the_torch_one_bit_for_bit(group, toke
     want_q, want_scales = quantize_rows(x, group)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(scales, want_scales)
-    if group is not None:  # the layout torch's block-wise GEMM reads
+    if group is not None:  # the layout torch's block-wise GEMM reads, and its rows padded to 128
         assert scales.stride() == (1, tokens) or tokens == 1
+        padded = -(-tokens // 128) * 128
+        q_pad, scales_pad = quantize_rows_triton(x, group, padded)
+        assert torch.equal(q_pad[:tokens].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(scales_pad[:tokens], scales) and scales_pad.stride() == (1, padded)
+        assert (q_pad[tokens:].float() == 0).all() and (scales_pad[tokens:] == 1).all()
 
 
 @pytest.mark.parametrize("tokens", [4, 300])

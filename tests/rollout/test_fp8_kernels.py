@@ -72,3 +72,20 @@ def test_activation_quantization_scales_and_layout(kernels, group):
     assert scales.stride() == ((1, 1) if group is None else (1, 5))  # [M, K/128] outer-dimension-major
     if group is not None:
         assert scales[0, 0].item() == 1.0
+
+
+def test_activation_quantization_pads_rows_with_zeros(kernels, monkeypatch):
+    """``padded``: the block GEMM's extra rows, written by the same launch as zeros with scale 1 (the
+    outputs start filled with 3s, so nothing passes unwritten)."""
+    _, fp8_kernels = kernels
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *args, **kw: empty(*args, **kw).fill_(3))
+    q, scales = fp8_kernels.quantize_rows_triton(x, 128, padded=8)
+    monkeypatch.undo()
+    want_q, want_scales = fp8_kernels.quantize_rows_triton(x, 128)
+    assert q.shape == (8, 256) and scales.shape == (8, 2) and scales.stride() == (1, 8)
+    assert torch.equal(scales[:5], want_scales) and torch.equal(
+        q[:5].view(torch.uint8), want_q.view(torch.uint8)
+    )
+    assert (q[5:].float() == 0).all() and (scales[5:] == 1).all()

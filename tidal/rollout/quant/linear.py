@@ -308,18 +308,22 @@ def _probe(granularity: str, device: torch.device, out_features: int, in_feature
     """Run the FP8 GEMM once at this weight shape (with a bias: fused) and compare it with the dequantized
     product; the reason it is unusable, or None."""
     gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(32, in_features, generator=gen).to(device, torch.bfloat16)
     w = torch.randn(out_features, in_features, generator=gen).to(device, torch.bfloat16)
     b = torch.randn(out_features, generator=gen).to(device, torch.bfloat16) if bias else None
     q, scales = quantize(w, granularity)
-    try:
-        got = fp8_linear(x, q, scales, granularity, b).float()
-    except RuntimeError as err:
-        return str(err).splitlines()[0]
-    want = x.float() @ dequantize(q, scales, granularity, torch.float32).t()
-    want = want if b is None else want + b.float()
-    error = ((got - want).norm() / want.norm()).item()
-    return None if error < 0.1 else f"probe GEMM relative error {error:.3f}"
+    # several token counts: on the H200 cuBLAS's block-wise GEMM took 32 and 256 tokens, refused 1 and 3000
+    for tokens in (32,) if granularity == "channel" else (1, 32, 300):
+        x = torch.randn(tokens, in_features, generator=gen).to(device, torch.bfloat16)
+        try:
+            got = fp8_linear(x, q, scales, granularity, b).float()
+        except RuntimeError as err:
+            return str(err).splitlines()[0]
+        want = x.float() @ dequantize(q, scales, granularity, torch.float32).t()
+        want = want if b is None else want + b.float()
+        error = ((got - want).norm() / want.norm()).item()
+        if error >= 0.1:
+            return f"probe GEMM relative error {error:.3f} at {tokens} tokens"
+    return None
 
 
 def padded_columns(blocks: int) -> int:
@@ -353,22 +357,30 @@ def fp8_linear(
         )
     else:
         if bias is not None:
-            raise ValueError(
-                "fp8_linear: a fused bias needs per-channel scales"
-            )  # 1x128 activation scales outer-dimension-major ([M, K/128], stride [1, M]), as torch wants them
-        xq, xs = _quantize_activations(rows, BLOCK)
+            raise ValueError("fp8_linear: a fused bias needs per-channel scales")
+        # Token count padded to a multiple of 128 (zero rows, scale 1; their outputs dropped): cuBLAS's
+        # block-wise GEMM on the H200 refused 1 and 3000 tokens and took 32 and 256.
+        tokens = rows.shape[0]
+        xq, xs = _quantize_activations(rows, BLOCK, -(-tokens // BLOCK) * BLOCK)
         scale_b = padded_block_scales(scales)[:, : x.shape[-1] // BLOCK].t()  # [K/128, N/128], stride [1, L4]
-        out = torch._scaled_mm(xq, q.t(), scale_a=xs.t().contiguous().t(), scale_b=scale_b, out_dtype=x.dtype)
+        out = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale_b, out_dtype=x.dtype)[:tokens]
     return out.view(*x.shape[:-1], q.shape[0])
 
 
-def _quantize_activations(rows: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_rows``: one Triton launch on CUDA (``triton_fp8.py``, bit-equal), else the torch ops."""
+def _quantize_activations(
+    rows: torch.Tensor, group: int | None, padded: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows``: one Triton launch on CUDA (``triton_fp8.py``, bit-equal), else the torch ops.
+    With ``group`` the scales are outer-dimension-major ([M, K/group], strides (1, M)), as torch's
+    block-wise GEMM reads them; ``padded``: that many rows, the extra ones zero (scale 1)."""
     if triton_usable(rows):
         from tidal.rollout.quant.triton_fp8 import quantize_rows_triton
 
-        return quantize_rows_triton(rows, group)
-    return quantize_rows(rows, group)
+        return quantize_rows_triton(rows, group, padded)
+    if padded is not None and padded > rows.shape[0]:
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, padded - rows.shape[0]))
+    q, scales = quantize_rows(rows, group)
+    return q, scales if group is None else scales.t().contiguous().t()
 
 
 class Fp8Forward:

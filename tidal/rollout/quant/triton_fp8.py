@@ -34,6 +34,7 @@ def _quantize_rows_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
+    M,
     K,
     stride_x,
     stride_q,
@@ -48,9 +49,10 @@ def _quantize_rows_kernel(
     cols = tl.arange(0, BLOCK)
     x_row = x_ptr + row.to(tl.int64) * stride_x + start
     q_row = q_ptr + row.to(tl.int64) * stride_q + start
+    width = tl.where(row < M, K, 0)  # rows past M: padding, nothing loaded (zeros, scale 1)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for k0 in range(0, GROUP, BLOCK):
-        mask = (k0 + cols < GROUP) & (start + k0 + cols < K)
+        mask = (k0 + cols < GROUP) & (start + k0 + cols < width)
         x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
     top = tl.max(amax, axis=0)
@@ -59,18 +61,22 @@ def _quantize_rows_kernel(
     scale = tl.where(top > 0, top * inverse, 1.0)
     tl.store(s_ptr + row.to(tl.int64) * stride_s_row + group * stride_s_group, scale)
     for k0 in range(0, GROUP, BLOCK):
-        mask = (k0 + cols < GROUP) & (start + k0 + cols < K)
-        x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
+        inside = (k0 + cols < GROUP) & (start + k0 + cols < K)  # every row is stored, padding included
+        x = tl.load(x_row + k0 + cols, mask=inside & (start + k0 + cols < width), other=0.0).to(tl.float32)
         q = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.zeros_like(x) + scale), -448.0), 448.0)
-        tl.store(q_row + k0 + cols, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(q_row + k0 + cols, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=inside)
 
 
-def quantize_rows_triton(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_triton(
+    x: torch.Tensor, group: int | None = None, padded: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``fp8.quantize_rows`` of ``x`` [M, K] (CUDA): (e4m3 [M, K], float32 scales [M, 1] or, with
-    ``group``, [M, K/group] outer-dimension-major)."""
+    ``group``, [M, K/group] outer-dimension-major); ``padded`` (>= M): that many rows, the extra ones
+    zero with scale 1, written by the same launch (no copy)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    m, k = x.shape
+    real, k = x.shape
+    m = max(real, padded or 0)
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     width = k if group is None else group
     groups = 1 if group is None else k // group
@@ -80,7 +86,7 @@ def quantize_rows_triton(x: torch.Tensor, group: int | None = None) -> tuple[tor
         scales = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
     block = min(1024, triton.next_power_of_2(width))
     _quantize_rows_kernel[(m, groups)](
-        x, q, scales, k, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
+        x, q, scales, real, k, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
         GROUP=width, BLOCK=block, num_warps=4,
     )  # fmt: skip
     return q, scales
