@@ -38,7 +38,7 @@ def test_scaled_mm_matches_the_emulated_product(granularity, tokens, out_feature
     w = (torch.randn(out_features, in_features, device="cuda", generator=gen) * 0.02 * rows).bfloat16()
     module = torch.nn.Linear(in_features, out_features, bias=False, device="cuda", dtype=torch.bfloat16)
     problem = scaled_mm_problem(Target(module, {"weight": (out_features,)}), granularity)  # the probe ran
-    if problem and granularity == "block":  # cuBLAS's block-wise FP8 GEMM: refused on Hopper (H100/H200)
+    if problem and granularity == "block":  # cuBLAS's block-wise FP8 GEMM, shape-dependent on Hopper
         pytest.skip(f"torch's 1x128 x 128x128 FP8 GEMM refused on {torch.cuda.get_device_name()}: {problem}")
     assert problem is None
     q, scales = quantize(w, granularity)

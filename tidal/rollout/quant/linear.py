@@ -20,7 +20,7 @@ runs on the weights' device at the engine's load and at every ``load_weights`` c
   1x128 x 128x128 block-wise recipe; a per-channel layer's bias added in the GEMM's epilogue,
   ``fuses_bias``); a probe GEMM checks it once per process, granularity and weight shape, falling back
   to ``emulated``, reported in one warning per engine start that names the GPU (``fallback_notice``:
-  cuBLAS's block recipe is refused on Hopper, where ``fp8`` is the fast mode).
+  for blocks it names ``fp8``, per-channel, as the mode that runs fast there).
 - ``triton_fp8`` (MoE experts; the fused Triton MoE path on an FP8-capable GPU, per-channel scales): the
   kernels of ``kernels/triton_moe.py`` read the e4m3 experts (``fp8_gate_up_proj``, ``fp8_down_proj``
   and their ``_scale`` buffers, in place likewise), widen each tile to the model dtype and scale the
@@ -147,8 +147,8 @@ def quantize_model(model: CausalLM, quantization: str) -> Fp8State:
 
 def fallback_notice(quantization: str, refused: dict[str, int], layers: int, device: torch.device) -> str:
     """One line at engine start: how many of the ``layers`` linear layers run emulated on this CUDA GPU and
-    why (``refused``: reason -> count). For ``fp8_block`` (torch's 1x128 x 128x128 GEMM is cuBLAS's, which
-    Hopper refuses) it names the fast mode instead."""
+    why (``refused``: reason -> count). For ``fp8_block`` (torch's 1x128 x 128x128 GEMM is cuBLAS's, whose
+    support on Hopper depends on the shapes) it names the per-channel mode as the fast one."""
     why = "; ".join(f"{reason} ({count} layers)" for reason, count in refused.items())
     notice = (
         f"engine: --rollout_quantization {quantization}: {sum(refused.values())} of {layers} linear layers "
