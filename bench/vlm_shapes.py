@@ -89,9 +89,12 @@ def vlm_config(name: str, text_overrides: dict | None = None, **top_overrides):
 def vlm_image_processor(name: str):
     """The released image processor's settings, as transformers' PIL Qwen2-VL image processor (no
     torchvision needed)."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as cls
+    except ImportError:  # transformers releases before the PIL backends: the slow processor is the PIL one
+        from transformers import Qwen2VLImageProcessor as cls
 
-    return Qwen2VLImageProcessorPil(**VLM_SHAPES[name]["processor"])
+    return cls(**VLM_SHAPES[name]["processor"])
 
 
 def write_processor_files(folder: Path, name: str) -> None:
