@@ -47,7 +47,9 @@ tokens for Qwen2.5-VL, 196 for Qwen3-VL) then ~64 text tokens. tidal reads the J
 (``--apply_chat_template --max_images_per_prompt 1``); TRL's GRPOTrainer gets the same conversational
 prompts with the PIL images in an ``images`` column (its processor comes from ``AutoProcessor``, which
 needs torchvision). Both train the whole model, vision tower included. ``image_tokens`` in the JSON; TRL's
-tokens/s counts them in the prompt.
+``tokens_per_s`` counts them in the prompt (not the chat template's turn markers); ``logged_tokens_per_s``
+is from TRL's own ``num_tokens`` log (every prompt and completion token: the figure to hold against
+tidal's ``tokens_per_s``, for text workloads too).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import random
 import statistics
@@ -293,6 +296,7 @@ def run_trl(args, folder: Path) -> dict:
 
         rows = [dict(r, images=[Image.open(folder / p).convert("RGB") for p in r["images"]]) for r in rows]
     times: list[float] = []
+    counted: list[float] = []
 
     class StepTimes(TrainerCallback):
         def on_step_begin(self, *a, **k):
@@ -300,6 +304,10 @@ def run_trl(args, folder: Path) -> dict:
 
         def on_step_end(self, *a, **k):
             times.append(time.perf_counter() - self.start)
+
+        def on_log(self, *a, logs=None, **k):
+            if logs and "num_tokens" in logs:  # TRL's running count of prompt + completion tokens
+                counted.append(float(logs["num_tokens"]))
 
     def reward(completions, **kwargs):
         texts = [
@@ -329,10 +337,18 @@ def run_trl(args, folder: Path) -> dict:
         "step_s": round(step_s, 3),
         "warmup_step_s": round(times[0], 3),
         "tokens_per_s": round(tokens / step_s),
+        # from TRL's own count (image and chat-template tokens included): median tokens of a timed step
+        "logged_tokens_per_s": logged_rate(counted, step_s),
         "hf_kernels": kernel_paths(args.config),
         "trl": importlib.metadata.version("trl"),
         "generation": "transformers.generate (use_vllm=False: no vLLM on the device)",
     }
+
+
+def logged_rate(counted: list[float], step_s: float) -> int | None:
+    """Tokens a step by TRL's cumulative ``num_tokens`` log (the warm-up step's left out) / step time."""
+    steps = [b - a for a, b in itertools.pairwise(counted)]  # the first step's count is the warm-up's
+    return round(statistics.median(steps) / step_s) if steps else None
 
 
 def child(args) -> dict:
