@@ -202,21 +202,8 @@ def test_update_weights_language_model_then_vision_tower(setup):
         engine.update_weights([("model.vision_tower.nope", torch.zeros(1))])
 
 
-@pytest.fixture
-def caching(monkeypatch):
-    """The registry's Gemma lines without their prefix-caching refusal (see the registry's reason)."""
-    from dataclasses import replace
-
-    from tidal.rollout.models import registry
-
-    for family in TOWERS:
-        entry = registry.VISION_FAMILIES[family]
-        refuses = {k: v for k, v in entry.refuses.items() if k != "prefix_caching"}
-        monkeypatch.setitem(registry.VISION_FAMILIES, family, replace(entry, refuses=refuses))
-
-
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_prefix_caching_and_chunked_prefill_keep_images_whole(setup, caching, block_size):
+def test_prefix_caching_and_chunked_prefill_keep_images_whole(setup, block_size):
     """With the cache on, a repeated image hits the blocks before its last token and a chunk budget of 3
     tokens never cuts an image (each prefill attends bidirectionally over whole images): the plain
     engine's tokens and log-probs. Blocks of 16 (the GPU test's): Gemma 4's two images of 63 tokens sit
@@ -296,12 +283,9 @@ def test_refusals(setup):
     from tidal.rollout.models.registry import feature_refusal
 
     hf, processor, _, _, _ = setup
-    for feature, flags in (
-        ("tensor_parallel", {"tp_size": 2}),
-        ("prefix_caching", {"enable_prefix_caching": True}),
-    ):
-        with pytest.raises(ValueError, match=f"{feature} is not supported for the {_family(hf)} family"):
-            LLMEngine(model=hf, tokenizer=processor.tokenizer, config=_config(**flags))
+    with pytest.raises(ValueError, match=f"tensor_parallel is not supported for the {_family(hf)} family"):
+        LLMEngine(model=hf, tokenizer=processor.tokenizer, config=_config(tp_size=2))
+    assert feature_refusal(_family(hf), "prefix_caching") is None  # tests/rollout/test_vlm_prefix_cache.py
     assert "bidirectional image attention" in feature_refusal(_family(hf), "packing_samples")
 
 
@@ -376,7 +360,7 @@ def test_gemma4_with_an_audio_tower_or_without_a_vision_tower(setup):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
-def test_cuda_float32_matches_transformers_with_and_without_graphs(vlm_dir, eager, caching):
+def test_cuda_float32_matches_transformers_with_and_without_graphs(vlm_dir, eager):
     """On CUDA (float32; Triton decode attention, torch prefill masks with the image spans): greedy on
     images equals transformers', eager and with CUDA graphs / async scheduling; prefix caching and chunked
     prefill (whose context kernel is causal, so image chunks take the masked path) too."""

@@ -11,6 +11,11 @@ entirely cached; a cached prefix that would cut an image is cut back to the imag
 sharing a cached first block but with images of different sizes (different decode rotary deltas) run
 in one batch; n samples share a prefill; a next turn reuses the image and the answer's blocks;
 preempted image sequences recompute; chunked prefill never cuts an image.
+
+Those tests size Qwen-VL's images by their token grids and count M-RoPE deltas, so they run for the Qwen
+families; Gemma 3 and Gemma 4 (fixed-size or budget-sized images, one rotary position per token) take
+their own hand counts, written in their image token count n (4 and 64 here): a repeated image, another
+image, two images, a prompt ending with its image, and ``transformers.generate`` on a hit.
 """
 
 from __future__ import annotations
@@ -24,8 +29,14 @@ from tidal.rollout.models.registry import VISION_FAMILIES, feature_refusal
 from tidal.rollout.runner.multimodal import MultiModalInput, PromptImages
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
-# The vision families whose engine runs prefix caching (all, once each family's line allows it).
+# The vision families whose engine runs prefix caching: the Qwen-VL ones (variable image grids, M-RoPE)
+# and Gemma's (each image n tokens, ``GEMMA_IMAGE_TOKENS``), which take their own hand counts below.
 CACHING = [f for f in VISION_FAMILIES if feature_refusal(f, "prefix_caching") is None]
+GEMMA = [f for f in CACHING if f.startswith("gemma")]
+QWEN = [f for f in CACHING if f not in GEMMA]
+# Image tokens of a square image, by hand: Gemma 3 pools its 32×32 input (8-pixel patches) 2×2 into 4;
+# Gemma 4's processor scales an image up to its 70-token budget: 8×8 pooled 16-pixel cells, 64 ≤ 70 < 81.
+GEMMA_IMAGE_TOKENS = {"gemma3": 4, "gemma4": 64}
 # Families with linear-attention layers: a hit resumes only where a recurrent state was saved (at the
 # block boundaries where a prefill chunk ended: ``state_cache.py``, test_hybrid_prefix_cache.py), so some
 # hand counts below differ for them.
@@ -44,29 +55,42 @@ def _image(seed: int, tokens_per_side: int, family: str):
     return Image.fromarray((torch.rand(side, side, 3, generator=g) * 255).byte().numpy())
 
 
-@pytest.fixture(scope="module", params=CACHING)
-def vlm(request, tmp_path_factory):
-    """(family, HF model with peaked logits, processor, ids of the vision start/placeholder/end tokens)."""
+def _load(family: str, tmp_path_factory, marks: list[str]):
+    """(family, HF model, processor, ids of ``marks``: the image start/placeholder/end tokens)."""
     from transformers import AutoModelForImageTextToText
 
     from tidal.data.vision import load_vision_processor
     from tidal.models import load_tokenizer
     from tidal.testing import build_tiny_vlm
 
-    path = build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "m", request.param)
+    path = build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "m", family)
     tokenizer = load_tokenizer(str(path))
     processor = load_vision_processor(str(path), tokenizer)
     hf = AutoModelForImageTextToText.from_pretrained(str(path)).eval()
+    return family, hf, processor, tokenizer.convert_tokens_to_ids(marks)
+
+
+@pytest.fixture(scope="module", params=QWEN)
+def vlm(request, tmp_path_factory):
+    """A Qwen-VL family's (family, HF model with peaked logits, processor, vision start/pad/end ids)."""
+    vlm = _load(request.param, tmp_path_factory, ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
     with torch.no_grad():
-        hf.lm_head.weight.mul_(4.0)  # peaked distributions, as a trained model's
-    marks = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
-    return request.param, hf, processor, marks
+        vlm[1].lm_head.weight.mul_(4.0)  # peaked distributions, as a trained model's
+    return vlm
+
+
+@pytest.fixture(scope="module", params=GEMMA)
+def gemma(request, tmp_path_factory):
+    """The same for a Gemma family (its tiny model's logits are peaked already)."""
+    return _load(
+        request.param, tmp_path_factory, ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+    )
 
 
 def _engine(vlm, device: str = "cpu", **features) -> LLMEngine:
     _, hf, processor, _ = vlm
-    features = {"num_kv_blocks": 256, **features}
-    config = EngineConfig(device=device, dtype="float32", max_model_len=128, block_size=BS, **features)
+    features = {"num_kv_blocks": 256, "max_model_len": 128, **features}
+    config = EngineConfig(device=device, dtype="float32", block_size=BS, **features)
     return LLMEngine(
         model=hf,
         tokenizer=processor.tokenizer,
@@ -97,14 +121,12 @@ def _count_vision_calls(engine: LLMEngine, monkeypatch) -> list[int]:
     """The number of images each vision tower call computes."""
     visual = engine.runner.model.visual
     calls, forward = [], visual.forward
-    monkeypatch.setattr(
-        visual,
-        "forward",
-        lambda pixels, grid_thw, **kw: (
-            calls.append(len(grid_thw)),
-            forward(pixels, grid_thw=grid_thw, **kw),
-        )[1],
-    )
+
+    def spy(*args, **kw):  # Qwen: (pixels, grid_thw=...); Gemma 3: (pixels [N, ...]); Gemma 4: (rows, grid)
+        calls.append(len(kw["grid_thw"] if "grid_thw" in kw else args[-1]))
+        return forward(*args, **kw)
+
+    monkeypatch.setattr(visual, "forward", spy)
     return calls
 
 
@@ -311,6 +333,78 @@ def test_chunked_prefill_keeps_images_whole(vlm, monkeypatch):
         assert_same_outputs(expected, chunked.generate(batch, GREEDY, multi_modal=images))
     assert not any(cuts) and max(sizes) == 4 and len(cuts) > 2 * len(batch)
     assert chunked.scheduler.num_cached_tokens > 0
+
+
+def _square(seed: int):
+    """A random 32×32 image: ``GEMMA_IMAGE_TOKENS[family]`` image tokens for a Gemma family."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    return Image.fromarray((torch.rand(32, 32, 3, generator=g) * 255).byte().numpy())
+
+
+def test_gemma_hits_and_outputs_by_image_token_count(gemma, monkeypatch):
+    """``_prompts``' layouts with n tokens per image: "one" is 9 + n tokens, its image at 5 .. 4 + n; "two"
+    is 12 + 2n, its images at 4 .. 3 + n and 8 + n .. 7 + 2n; "last" is 5 + n, ending with its image. The
+    same counts as the Qwen families' at n = 4; n is even, so the boundaries below fall on blocks of 2."""
+    family, _, processor, _ = gemma
+    n = GEMMA_IMAGE_TOKENS[family]
+    plain, cached = (
+        _engine(gemma, max_model_len=256),
+        _engine(gemma, max_model_len=256, enable_prefix_caching=True),
+    )
+    calls = _count_vision_calls(cached, monkeypatch)
+    prompts = _prompts(gemma)
+    a, b, c = (_square(seed) for seed in (1, 2, 3))
+    assert processor.token_counts([a, b, c]) == [n] * 3
+    cases = [  # (prompt, images, cached tokens, images through the vision tower)
+        ("one", [a], 0, 1),  # first sight
+        ("one", [a], 8 + n, 0),  # every block but the last token's
+        ("one", [b], 4, 1),  # the blocks before the image's first token (5)
+        ("two", [a, b], 2, 2),  # its first block (40, 41) is "one"'s
+        ("two", [a, b], 10 + 2 * n, 0),  # every block but the last token's
+        ("two", [a, c], 8 + n, 1),  # up to image c's first token
+        ("two", [c, b], 4, 2),  # up to image c's first token
+        # "one"'s blocks hold its text and image a, but the usable ones (the 4 + n tokens before the last)
+        # end inside the image (5 .. 4 + n): cut back to the image's start, the image recomputed whole
+        ("last", [a], 4, 1),
+        ("last", [a], 4, 1),  # the same from its own blocks
+    ]
+    for name, images, hits, vision in cases:
+        calls.clear()
+        expected = plain.generate([prompts[name]], GREEDY, multi_modal=[_mm(*images)])
+        got, counts = _run_and_count(cached, [prompts[name]], GREEDY, [_mm(*images)])
+        assert_same_outputs(expected, got)
+        assert counts == (hits, len(got[0].prompt_token_ids) - hits), (name, hits)
+        assert sum(calls) == vision, name
+        if hits == 0:  # nothing cached: the plain prefill's values exactly
+            assert expected[0].outputs[0].logprobs == got[0].outputs[0].logprobs
+    assert cached.block_manager.num_free_blocks == cached.num_kv_blocks
+
+
+@torch.inference_mode()
+def test_gemma_cache_hits_equal_transformers_generate(gemma):
+    """Two images, the second run served from the cache: ``transformers.generate``'s greedy tokens (with
+    the token types that make each image attend to itself both ways)."""
+    from tidal.models.vision import fixed_size_kwargs
+
+    family, hf, processor, _ = gemma
+    cached = _engine(gemma, max_model_len=256, enable_prefix_caching=True)
+    prompt, images = _prompts(gemma)["two"], [_square(13), _square(14)]
+    for _ in range(2):
+        got, (hits, _) = _run_and_count(cached, [prompt], GREEDY, [_mm(*images)])
+    assert hits == 10 + 2 * GEMMA_IMAGE_TOKENS[family]  # every block but the last token's
+    ids = torch.tensor([got[0].prompt_token_ids])
+    pixels = processor.pixel_inputs(images)
+    out = hf.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        suppress_tokens=list(cached.runner.never_sample),  # the engine never samples placeholders
+        do_sample=False,
+        max_new_tokens=GREEDY.max_new_tokens,
+        **fixed_size_kwargs(hf.config, ids, pixels["pixel_values"], pixels["image_grid_thw"]),
+    )
+    assert got[0].outputs[0].token_ids == out[0, ids.shape[1] :].tolist()
 
 
 @pytest.mark.gpu
