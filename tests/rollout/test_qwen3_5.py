@@ -172,9 +172,8 @@ def test_refused_features_say_why(setup):
     path = setup[0]
     # Prefix caching is supported (saved states at block boundaries: test_hybrid_prefix_cache.py).
     assert feature_refusal(FAMILY, "prefix_caching") is None
-    for config, feature in ((cpu_config(tp_size=2), "tensor_parallel"),):
-        with pytest.raises(ValueError, match=f"{feature} is not supported for the {FAMILY} family: "):
-            LLMEngine(path, config)
+    # Tensor parallelism is supported (the linear-attention heads split by rank: test_tp_qwen3_5.py).
+    assert feature_refusal(FAMILY, "tensor_parallel") is None
     with pytest.raises(ValueError, match=f"exact_logprobs supports the .* families, not '{FAMILY}'"):
         LLMEngine(path, cpu_config(exact_logprobs=True))
     # CUDA graphs and async scheduling are supported (test_qwen3_5_graphs.py, test_async_scheduling.py).

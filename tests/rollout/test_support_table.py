@@ -24,7 +24,7 @@ def test_each_cell_follows_the_record():
     assert set(rows) == set(registry.FAMILIES) | set(registry.VISION_FAMILIES)
     cells = [c.strip() for c in rows["qwen3_5_text"].split("|")[3:-1]]
     assert cells == [
-        "no",
+        "yes",
         "yes",
         "yes",
         "yes",

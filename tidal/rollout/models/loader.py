@@ -63,7 +63,8 @@ def tp_layout_problem(hf_config, tp_size: int) -> str | None:
 
 def split_sizes(args: DecoderArgs) -> dict[str, int]:
     """The intermediate sizes a tensor-parallel engine splits, by config field: the dense MLP's (where a
-    layer has one), each MoE expert's and the shared expert's (MoE families)."""
+    layer has one), each MoE expert's and the shared expert's (MoE families), and the head counts a family
+    names beyond the attention heads (``head_split_sizes``: Qwen3.5's linear-attention heads)."""
     moe = getattr(args, "moe", None)
     sizes = {}
     if moe is None or not all(moe.sparse_layers):
@@ -72,6 +73,7 @@ def split_sizes(args: DecoderArgs) -> dict[str, int]:
         sizes[moe.intermediate_field] = moe.intermediate_size
         if moe.shared_expert_intermediate_size:
             sizes["shared_expert_intermediate_size"] = moe.shared_expert_intermediate_size
+    sizes.update(getattr(args, "head_split_sizes", {}))  # a family's other heads (Qwen3.5's linear ones)
     return sizes
 
 

@@ -17,6 +17,9 @@ whole forward on its shard (``tidal.rollout.runner.tp_worker`` starts and drives
 - ``ParallelLMHead``: each rank computes its vocabulary slice of the logits; they are all-gathered so
   that sampling sees the full row and runs unchanged (same code, same seeds) on rank 0.
 
+Linear attention (Qwen3.5's Gated DeltaNet, ``qwen3_5.py``): each rank keeps 1/N of the key heads and
+the value heads grouped with them; its rows of the q | k | v channels are one ``JoinedRows``.
+
 KV heads: with N <= ``num_key_value_heads`` each rank keeps ``num_key_value_heads / N`` of them; with
 more ranks than KV heads each rank keeps (a replica of) the one KV head its q heads attend with, so the
 per-rank KV cache holds only the heads that rank reads.
@@ -98,6 +101,38 @@ class Rows:
 
 def whole(full: int) -> Rows:
     return Rows(full, 0, full, full)
+
+
+@dataclass(frozen=True)
+class JoinedRows(Rows):
+    """A rank's rows of a dimension made of consecutive segments (``pieces``, each a ``Rows`` of its own
+    segment), e.g. Gated DeltaNet's q | k | v channels, each split by heads: the rank holds its rows of
+    every segment, in order. ``start`` is unused (the rows are not one range): read them with ``take``."""
+
+    pieces: tuple[Rows, ...] = ()
+
+    def take(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        out, base = [], 0
+        for piece in self.pieces:
+            out.append(tensor.narrow(dim, base + piece.start, piece.length))
+            base += piece.full
+        return torch.cat(out, dim)
+
+
+def joined_rows(*pieces: Rows) -> Rows:
+    """The rows of ``pieces`` (consecutive segments of one dimension) held together, in order: ``whole``
+    rows when every piece is whole (no tensor parallelism)."""
+    if all(p.length == p.full == p.size for p in pieces):
+        return whole(sum(p.full for p in pieces))
+    length = sum(p.length for p in pieces)
+    return JoinedRows(sum(p.full for p in pieces), -1, length, sum(p.size for p in pieces), tuple(pieces))
+
+
+def take_rows(rows: Rows, param: torch.Tensor, tensor: torch.Tensor, name: str):
+    """(``param``, the rank's ``rows`` of ``tensor`` along its first dimension): the ``take`` of a plain
+    parameter sharded by rows (a depthwise convolution's channels, per-head vectors)."""
+    check_full(tensor, (rows.full, *param.shape[1:]), name)
+    return param, rows.take(tensor, 0)
 
 
 def even_rows(full: int, tp: TPGroup, what: str) -> Rows:

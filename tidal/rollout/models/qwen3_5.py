@@ -22,6 +22,13 @@ linear layers keep a per-sequence state (``state_cache.py``) read at the step's 
 chunks left. Decode is a fixed sequence of index ops: it runs under the engine's CUDA graphs; on CUDA its
 delta rule is one fused Triton launch per layer that indexes the state slots itself
 (``kernels/gated_delta_decode.py``, ``gated_delta.decode_path``).
+
+Tensor parallelism (``parallel.py``): the full-attention layers split their q heads (each with its gate)
+and KV heads as Qwen3's do. A linear layer's rank keeps ``1 / tp`` of the key heads and the value heads
+grouped with them (``LinearRows``: its rows of ``in_proj_qkv``'s q, k and v channels, of ``in_proj_z``,
+``in_proj_b``, ``in_proj_a`` and of the convolution, its heads' ``A_log`` / ``dt_bias``), runs the rule
+and the per-head gated norm on them with no communication, and ``out_proj`` (row-parallel) all-reduces;
+its state cache holds only its heads (``state_spec``). The slots travel with the step records from rank 0.
 """
 
 from __future__ import annotations
@@ -35,7 +42,16 @@ from torch import nn
 from tidal.rollout.models.gated_delta import causal_conv, decode_path, gated_delta_rule
 from tidal.rollout.models.gemma2 import GemmaRMSNorm
 from tidal.rollout.models.layers import CausalLM, DecoderArgs, GatedMLP, paged_attention
-from tidal.rollout.models.parallel import ColumnParallelLinear, RowParallelLinear, whole
+from tidal.rollout.models.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    Rows,
+    TPGroup,
+    even_rows,
+    head_rows,
+    joined_rows,
+    take_rows,
+)
 from tidal.rollout.models.rope import apply_rope, rope_parameters, rope_table
 from tidal.rollout.runner.attention import AttentionMetadata
 from tidal.rollout.scheduling.state_cache import StateSpec
@@ -74,6 +90,44 @@ class Qwen35Args(DecoderArgs):
     @property
     def kv_layers(self) -> int:
         return sum(kind == FULL for kind in self.layer_types)
+
+    @property
+    def head_split_sizes(self) -> dict[str, int]:
+        """The linear-attention head counts a tensor-parallel engine splits, by config field (each rank
+        keeps ``1 / tp`` of the key heads and the value heads grouped with them)."""
+        return {
+            "linear_num_key_heads": self.linear_num_k_heads,
+            "linear_num_value_heads": self.linear_num_v_heads,
+        }
+
+    def linear_rows(self) -> LinearRows:
+        """This rank's rows of the linear-attention layers' projections (``LinearRows``)."""
+        return LinearRows.of(self, self.tp)
+
+
+@dataclass(frozen=True)
+class LinearRows:
+    """A rank's share of a Gated DeltaNet layer under tensor parallelism: ``key`` / ``value`` rows of the
+    q or k channels and of the v channels (its key heads and the value heads grouped with them, so the
+    grouping stays within the rank), ``qkv`` the three joined (``in_proj_qkv``, the conv channels) and
+    ``heads`` its value heads (``in_proj_b`` / ``in_proj_a``, ``A_log``, ``dt_bias``)."""
+
+    key: Rows
+    value: Rows
+    qkv: Rows
+    heads: Rows
+
+    @classmethod
+    def of(cls, args: Qwen35Args, tp: TPGroup) -> LinearRows:
+        k_heads = even_rows(args.linear_num_k_heads, tp, "linear_num_key_heads")
+        v_heads = even_rows(args.linear_num_v_heads, tp, "linear_num_value_heads")
+        key, value = _scaled(k_heads, args.linear_k_dim), _scaled(v_heads, args.linear_v_dim)
+        return cls(key, value, joined_rows(key, key, value), v_heads)
+
+
+def _scaled(heads: Rows, dim: int) -> Rows:
+    """The channel rows of ``heads`` of ``dim`` channels each."""
+    return Rows(heads.full * dim, heads.start * dim, heads.length * dim, heads.size * dim)
 
 
 def qwen35_args(config, **overrides) -> Qwen35Args:
@@ -115,12 +169,17 @@ class GatedAttention(nn.Module):
     def __init__(self, args: Qwen35Args, layer_idx: int):
         super().__init__()
         self.kv_index = args.layer_types[:layer_idx].count(FULL)  # its layer in the KV cache
-        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        # Tensor parallelism: the rank's q heads (each with its gate: q_proj's rows are per head query then
+        # gate, so a head's rows are 2 * head_dim consecutive ones) and the KV heads they read, as Qwen3's.
+        q_rows, kv_rows = head_rows(args.num_heads, args.num_kv_heads, args.head_dim, args.tp)
+        q_gate_rows = Rows(2 * q_rows.full, 2 * q_rows.start, 2 * q_rows.length, 2 * q_rows.size)
+        self.head_dim = args.head_dim
+        self.num_heads, self.num_kv_heads = q_rows.size // args.head_dim, kv_rows.size // args.head_dim
         self.scale = args.head_dim**-0.5
-        parts = (whole(args.q_gate_size), whole(args.kv_size), whole(args.kv_size))
+        parts = (q_gate_rows, kv_rows, kv_rows)
         self.split = [part.size for part in parts]
         self.qkv_proj = ColumnParallelLinear(args.hidden_size, parts, bias=args.qkv_bias)
-        self.o_proj = RowParallelLinear(whole(args.q_size), args.hidden_size, bias=args.o_bias, tp=args.tp)
+        self.o_proj = RowParallelLinear(q_rows, args.hidden_size, bias=args.o_bias, tp=args.tp)
         self.q_norm = GemmaRMSNorm(args.head_dim, args.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(args.head_dim, args.rms_norm_eps)
 
@@ -154,25 +213,44 @@ class GatedRMSNorm(nn.Module):
         return (self.weight * normed * F.silu(z.float())).to(x.dtype)
 
 
+class ShardedConv1d(nn.Conv1d):
+    """The depthwise causal convolution over the rank's channels (``rows``; all of them without TP)."""
+
+    def __init__(self, rows: Rows, width: int):
+        super().__init__(rows.size, rows.size, width, groups=rows.size, bias=False)
+        self.rows = rows
+
+    def take(self, param: torch.Tensor, kind: str, part: int | None, tensor: torch.Tensor, name: str):
+        return take_rows(self.rows, param, tensor, name)
+
+
 class GatedDeltaNet(nn.Module):
-    """Linear attention by the gated delta rule, with its per-sequence conv and recurrent state."""
+    """Linear attention by the gated delta rule, with its per-sequence conv and recurrent state.
+
+    Under tensor parallelism (``LinearRows``) each rank runs its key heads and their value heads: its rows
+    of ``in_proj`` (q, k, v channels, z, b, a) and of the convolution, its heads' ``A_log`` / ``dt_bias``
+    and states, the per-head norm unchanged (no reduction); ``out_proj`` sums the ranks' partial outputs."""
 
     def __init__(self, args: Qwen35Args, layer_idx: int):
         super().__init__()
         self.state_index = args.layer_types[:layer_idx].count(LINEAR)  # its layer in the state cache
-        self.k_heads, self.v_heads = args.linear_num_k_heads, args.linear_num_v_heads
+        rows = args.linear_rows()
+        self.heads = rows.heads
+        self.k_heads = rows.key.size // args.linear_k_dim  # this rank's
+        self.v_heads = rows.heads.size
         self.k_dim, self.v_dim = args.linear_k_dim, args.linear_v_dim
-        channels = args.conv_channels
-        sizes = (channels, args.linear_value_size, self.v_heads, self.v_heads)  # qkv, z, b, a
-        self.split = list(sizes)
-        self.in_proj = ColumnParallelLinear(args.hidden_size, [whole(s) for s in sizes], bias=False)
-        self.conv1d = nn.Conv1d(channels, channels, args.conv_width, groups=channels, bias=False)
+        parts = (rows.qkv, rows.value, rows.heads, rows.heads)  # qkv, z, b, a
+        self.split = [part.size for part in parts]
+        self.in_proj = ColumnParallelLinear(args.hidden_size, parts, bias=False)
+        self.conv1d = ShardedConv1d(rows.qkv, args.conv_width)
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.v_heads))
         self.norm = GatedRMSNorm(self.v_dim, args.rms_norm_eps)
-        self.out_proj = RowParallelLinear(
-            whole(args.linear_value_size), args.hidden_size, bias=False, tp=args.tp
-        )
+        self.out_proj = RowParallelLinear(rows.value, args.hidden_size, bias=False, tp=args.tp)
+
+    def take(self, param: torch.Tensor, kind: str, part: int | None, tensor: torch.Tensor, name: str):
+        """The rank's value heads of ``A_log`` / ``dt_bias`` (the loader's hook for sharded weights)."""
+        return take_rows(self.heads, param, tensor, name)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         qkv, z, b, a = self.in_proj(x).split(self.split, dim=-1)
@@ -184,7 +262,8 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(x.shape[0], -1))
 
     def _heads(self, conv_out: torch.Tensor):
-        """q, k [batch, T, k_heads, k_dim] and v [batch, T, v_heads, v_dim] of conv outputs [batch, T, C]."""
+        """q, k [batch, T, k_heads, k_dim] and v [batch, T, v_heads, v_dim] of conv outputs [batch, T, C]
+        (the rank's heads)."""
         key = self.k_heads * self.k_dim
         q, k, v = conv_out.split([key, key, self.v_heads * self.v_dim], dim=-1)
         batch, length = conv_out.shape[:2]
@@ -282,7 +361,6 @@ class Qwen35ForCausalLM(CausalLM):
             ("in_proj_a", "linear_num_v_heads"),
         ),
     }
-    supports_tp = False
     ignored_weights = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
 
     def __init__(self, args: Qwen35Args):
@@ -303,12 +381,13 @@ class Qwen35ForCausalLM(CausalLM):
         self.rotary.cos, self.rotary.sin = cos.to(device), sin.to(device)
 
     def state_spec(self) -> StateSpec:
-        a = self.args
+        """The state of this rank's heads (all of them without tensor parallelism)."""
+        a, rows = self.args, self.args.linear_rows()
         return StateSpec(
             num_layers=a.layer_types.count(LINEAR),
-            conv_channels=a.conv_channels,
+            conv_channels=rows.qkv.size,
             conv_history=a.conv_width - 1,
-            num_heads=a.linear_num_v_heads,
+            num_heads=rows.heads.size,
             k_dim=a.linear_k_dim,
             v_dim=a.linear_v_dim,
         )

@@ -51,7 +51,6 @@ class Qwen35MoeForCausalLM(MoECausalLM, Qwen35ForCausalLM):
 
     layer_cls = Qwen35MoeDecoderLayer
     packed_params: ClassVar = Qwen35ForCausalLM.packed_params
-    supports_tp = False
 
     @classmethod
     def args_from_hf_config(cls, config) -> Qwen35MoeArgs:
