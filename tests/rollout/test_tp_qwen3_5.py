@@ -1,7 +1,8 @@
 """Tensor-parallel Qwen3.5 engines (``EngineConfig.tp_size`` 2: two CPU processes over gloo) against one
 process, for ``qwen3_5_text`` and ``qwen3_5_moe_text``: each rank runs half of the Gated DeltaNet key and
 value heads (and keeps only their conv and recurrent states) and half of the gated full-attention heads.
-Same greedy tokens and log-probs within 1e-5 on a mixed-length batch, the same seeded n=2 samples, and
+Same greedy tokens and log-probs within 1e-5 on a mixed-length batch (decode steps launched ahead, async
+scheduling, some discarded), the same seeded n=2 samples, and
 after ``update_weights`` with HF names (a checkpoint's, a trainer's stacked experts) the same as one
 process loaded from the new weights, also after a sleep and wake-up; a size that does not divide the
 linear-attention heads is refused in one line before any process starts."""
@@ -22,21 +23,31 @@ SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=4, n=2, seed=7)
 SHORT = SamplingParams(temperature=0.0, max_new_tokens=4)  # after a weight sync (each TP step is slow on CPU)
 
 
-def config(tp_size: int):
-    return cpu_config(max_model_len=96, block_size=4, tp_size=tp_size)
+def config(tp_size: int, **overrides):
+    return cpu_config(max_model_len=96, block_size=4, tp_size=tp_size, **overrides)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
 def test_tp2_qwen3_5_matches_one_process_and_syncs_weights(tiny_model, family):
     old, new = tiny_model(family, vocab_size=501), tiny_model(family, seed=1, vocab_size=501)
-    tp = LLMEngine(old, config(2))
+    tp = LLMEngine(old, config(2, async_scheduling=True))
+    tp.ahead_policy.max_miss_rate = 1.0  # keep launching ahead despite the discards
     try:
         single = LLMEngine(old, config(1))
         # Each rank holds the states of its 2 of the 4 value heads and its half of the conv channels.
         for name in ("recurrent", "conv"):
             local, full = getattr(tp.runner.states, name), getattr(single.runner.states, name)
             assert local.shape[2] * 2 == full.shape[2]
-        assert_same_outputs(single.generate(PROMPTS, GREEDY), tp.generate(PROMPTS, GREEDY))
+        greedy = single.generate(PROMPTS, GREEDY)
+        assert_same_outputs(greedy, tp.generate(PROMPTS, GREEDY))
+        # Requests stopping at different steps on a token the scheduler cannot foresee: a decode step
+        # launched ahead past a stop is discarded while the others go on (their double-buffered states
+        # must stay as the kept step wrote them, on every rank).
+        stops = [out.outputs[0].token_ids[k] for out, k in zip(greedy, (1, 4, 2, 6), strict=True)]
+        staggered = [SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=[t]) for t in stops]
+        assert_same_outputs(single.generate(PROMPTS, staggered), tp.generate(PROMPTS, staggered))
+        stats = tp.ahead_stats
+        assert tp.async_scheduling and 0 < stats.used < stats.launched  # steps ran ahead, some discarded
         assert_same_outputs(single.generate(PROMPTS[:2], SAMPLED), tp.generate(PROMPTS[:2], SAMPLED))
         if family == "qwen3_5_moe_text":  # a trainer's weights: transformers' stacked expert tensors
             named = AutoModelForCausalLM.from_pretrained(new, dtype=torch.float32).named_parameters()
