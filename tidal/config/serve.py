@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tidal.config.args import AT_LEAST_ONE, ConfigError, Range, arg
-from tidal.config.engine import engine_config
+from tidal.config.engine import engine_config, engine_knobs
 from tidal.config.model import ModelConfig
+from tidal.config.rollout import ROLLOUT_QUANTIZATIONS
 
 if TYPE_CHECKING:
     from tidal.rollout import EngineConfig
@@ -28,6 +29,23 @@ UNUSED_MODEL_FLAGS = (
     "target_modules",
     "load_in_4bit",
 )
+
+
+def quantization_arg() -> str:
+    """``--rollout_quantization`` (alias ``--quantization``, vLLM's name) of the commands that only sample:
+    ``tidal serve``, ``tidal generate`` and ``tidal chat``. The values and the engine field are ``tidal ppo``'s
+    (``RolloutConfig.rollout_quantization``); the engine refuses what it cannot quantize (exact mode, tensor
+    parallelism, the families of ``tidal.rollout.quant`` that it lacks, the transformers fallback)."""
+    return arg(
+        "none",
+        help="FP8 engine (tidal; vLLM's --quantization): the linear layers and MoE experts are quantized to "
+        "FP8 e4m3 at load, with per-output-channel scales (fp8) or 128x128 block scales (fp8_block); "
+        "embeddings, norms, routers, the LM head and the KV cache keep the model dtype (families native to "
+        "tidal's engine; not with tensor parallelism)",
+        choices=ROLLOUT_QUANTIZATIONS,
+        aliases=["--quantization"],
+        engine="quantization",  # tidal.rollout.quant
+    )
 
 
 @dataclass
@@ -81,6 +99,7 @@ class ServeConfig:
         help="vision models: most pixels (width × height, read before decoding) of one image; larger get HTTP 400",
         check=AT_LEAST_ONE,
     )
+    rollout_quantization: str = quantization_arg()  # --quantization too
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -93,6 +112,7 @@ class ServeConfig:
             gpu_memory_utilization=self.gpu_memory_utilization,
             seed=self.seed,
             param_dtype=model.param_dtype,
+            **engine_knobs(self),  # --rollout_quantization
         )
 
     def model_name(self, model: ModelConfig) -> str:

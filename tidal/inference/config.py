@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from tidal.config.args import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, ConfigError, Range, arg
 from tidal.config.engine import ENGINE_DTYPES, engine_config, engine_knobs
+from tidal.config.serve import quantization_arg
 from tidal.inference.processors import DEFAULT_REWARD_TEMPLATE, POST_PROCESSORS, check_reward_template
 
 if TYPE_CHECKING:  # tidal.rollout imports torch: these configs build --help, the engine loads on a run
@@ -62,6 +63,7 @@ class PolicyConfig:
         "system prompt, or the n samples of earlier prompts)",
         engine="enable_prefix_caching",
     )
+    rollout_quantization: str = quantization_arg()  # --quantization too
 
     def engine_config(self, seed: int) -> EngineConfig:
         if self.max_num_seqs < 1:
@@ -74,7 +76,7 @@ class PolicyConfig:
             gpu_memory_utilization=self.gpu_memory_utilization,
             seed=seed,
             param_dtype=self.param_dtype,  # no trainer here: the flag sets the engine's dtype
-            **engine_knobs(self),  # --tp_size, --enable_prefix_caching
+            **engine_knobs(self),  # --tp_size, --enable_prefix_caching, --rollout_quantization
         )
 
 

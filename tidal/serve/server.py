@@ -199,6 +199,11 @@ class OpenAIService:
     def _model_card(self) -> dict:
         model = {"id": self.limits.name, "object": "model", "created": 0, "owned_by": "tidal"}
         model["max_model_len"] = self.limits.max_model_len
+        quantization = (
+            self.engine.config.quantization
+        )  # --rollout_quantization (tidal's, beside vLLM's fields)
+        if quantization != "none":
+            model["quantization"] = quantization
         return model
 
     async def models(self, request):
