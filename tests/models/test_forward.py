@@ -12,13 +12,28 @@ from tidal.data.sft import SFTSample
 from tidal.models import forward as forward_module
 from tidal.models import token_logprobs
 from tidal.models.logprob_head import chunked_logprobs
-from tidal.models.packed_attention import VARLEN, enable_varlen_attention
+from tidal.models.packed_attention import (
+    VARLEN,
+    enable_varlen_attention,
+    varlen_attention_forward,
+    varlen_kwargs,
+    with_equal_head_dims,
+)
 
 SAMPLES = [
     SFTSample([1, 40, 41, 42, 43, 44, 3], [0, 1, 1, 1, 1, 1, 1]),
     SFTSample([1, 50, 3], [0, 1, 1]),
     SFTSample([1, 60, 61, 62, 63, 64, 65, 66, 67, 3], [0, 1, 1, 1, 1, 1, 1, 1, 1, 1]),
 ]
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek_v3(tmp_path_factory):
+    """A tiny DeepSeek-V3 whose value head dim (16) differs from the query/key one (16 + 8), as the real
+    model's (128 vs 192); the registry's tiny config has them equal."""
+    from tidal.testing import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_deepseek_v3"), "deepseek_v3", v_head_dim=16)
 
 
 def _model(path, attn="sdpa", device="cpu"):
@@ -121,7 +136,7 @@ def test_lazy_logits_and_aux_outputs_match_the_plain_forward(tiny_llama):
     assert lazy.past_key_values is None  # other attributes come from the model's own outputs
 
 
-@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2", "tiny_deepseek_v3"])
 def test_varlen_implementation_matches_padded_on_cpu_fallback(family, request):
     """``tidal_varlen`` on the CPU takes its mask fallback: this checks the plumbing (kwargs reach the
     attention layers, padded batches keep SDPA's mask) that the CUDA kernel path shares."""
@@ -141,6 +156,85 @@ def test_varlen_implementation_matches_padded_on_cpu_fallback(family, request):
     torch.testing.assert_close(got_pack_seg, got_pack)
 
 
+def test_deepseek_v3_packed_mask_path_losses_and_grads_equal_padded(tiny_deepseek_v3):
+    """Packed rows through SDPA's 4-D mask (the CPU path; v_head_dim 16 vs q/k 24 is fine for SDPA): the
+    same log-probs and the same gradients of the summed token loss as the padded batch."""
+    model = _model(tiny_deepseek_v3)
+    assert model.config.v_head_dim != model.config.qk_nope_head_dim + model.config.qk_rope_head_dim
+    padded, packed = collate_padded(SAMPLES, 0), collate_packed(SAMPLES)
+    results = {}
+    for name, batch in (("padded", padded), ("packed", packed)):
+        lp, _ = token_logprobs(model, batch)
+        (lp * batch["loss_mask"]).sum().backward()
+        results[name] = (lp.detach()[batch["loss_mask"].bool()], _grads(model))
+    torch.testing.assert_close(results["packed"][0], results["padded"][0], atol=1e-5, rtol=0)
+    assert results["packed"][1].keys() == results["padded"][1].keys()
+    for name, grad in results["padded"][1].items():
+        torch.testing.assert_close(results["packed"][1][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _causal_sdpa(q, k, v, scale):
+    """The stand-in kernel: causal SDPA on ``[T, H, D]`` tensors (one sample)."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(0, 1) for t in (q, k, v)), is_causal=True, scale=scale
+    )
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("qk_dim, v_dim", [(24, 16), (16, 24), (8, 8)])
+def test_equal_head_dims_padding_is_exact(qk_dim, v_dim):
+    """Zero-padding the narrower of q/k and v for a kernel that needs one head dim, then cutting the
+    output back to v's width, equals attention on the unpadded tensors (values and gradients)."""
+    torch.manual_seed(0)
+    q, k = (torch.randn(7, 3, qk_dim, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    v = torch.randn(7, 3, v_dim, dtype=torch.float64, requires_grad=True)
+    widths = []
+
+    def kernel(q, k, v):
+        widths.append({q.shape[-1], k.shape[-1], v.shape[-1]})
+        return _causal_sdpa(q, k, v, qk_dim**-0.5)
+
+    got = with_equal_head_dims(kernel, q, k, v)
+    assert widths == [{max(qk_dim, v_dim)}] and got.shape == (7, 3, v_dim)
+    want = _causal_sdpa(q, k, v, qk_dim**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    cotangent = torch.randn_like(want)
+    grads = torch.autograd.grad(got, (q, k, v), cotangent)
+    want_grads = torch.autograd.grad(want, (q, k, v), cotangent)
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=0)
+
+
+@pytest.mark.gpu
+def test_cuda_varlen_with_deepseek_head_dims_matches_padded_sdpa():
+    """The flash varlen path with DeepSeek-V3's head dims (q/k 192, v 128, 128 heads' worth cut to 4) in
+    bf16: per-sample causal attention, as SDPA on each sample's unpadded tensors computes it."""
+    torch.manual_seed(0)
+    lengths, heads = [5, 17, 9], 4
+    total = sum(lengths)
+    query, key = (torch.randn(1, heads, total, 192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    value = torch.randn(1, heads, total, 128, device="cuda", dtype=torch.bfloat16)
+    for t in (query, key, value):
+        t.requires_grad_(True)
+    segment_ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None].cuda()
+    kwargs = varlen_kwargs({"input_ids": segment_ids, "segment_ids": segment_ids})
+    scale = 192**-0.5
+    got, _ = varlen_attention_forward(torch.nn.Module(), query, key, value, None, scaling=scale, **kwargs)
+    parts, start = [], 0
+    for n in lengths:
+        q, k, v = (t[0, :, start : start + n].transpose(0, 1).float() for t in (query, key, value))
+        parts.append(_causal_sdpa(q, k, v, scale))
+        start += n
+    want = torch.cat(parts)[None]
+    assert got.shape == want.shape == (1, total, heads, 128)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    cotangent = torch.randn_like(want)
+    grads = torch.autograd.grad(got.float(), (query, key, value), cotangent)
+    want_grads = torch.autograd.grad(want, (query, key, value), cotangent)
+    for g, w in zip(grads, want_grads, strict=True):
+        assert (g.float() - w.float()).norm() <= 5e-2 * w.float().norm(), g.shape
+
+
 def test_eager_models_keep_the_additive_mask(tiny_llama):
     model = _model(tiny_llama, attn="eager")
     assert not enable_varlen_attention(model, force=True)
@@ -149,7 +243,7 @@ def test_eager_models_keep_the_additive_mask(tiny_llama):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2", "tiny_deepseek_v3"])
 def test_cuda_varlen_packed_matches_mask_path_in_bf16(family, request, monkeypatch):
     """On CUDA, packed rows run the flash varlen kernel; log-probs and gradients agree with the 4-D
     mask path (both bf16 autocast, so within bf16 tolerance)."""

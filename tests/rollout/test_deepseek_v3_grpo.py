@@ -1,14 +1,12 @@
 """``tidal ppo`` (GRPO) on a tiny DeepSeek-V3: transformers' model trains, the engine generates with
-multi-head latent attention, and their log-probs agree after the weight sync; ``--packing_samples`` is
-refused in one line (tidal's CUDA varlen attention takes no value head dim other than the query's)."""
+multi-head latent attention, and their log-probs agree after the weight sync; the trainer scores packed rows
+(``--packing_samples``) with a value head dim (16) other than the query/key one (24), as the real model's."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tests.rollout.grpo import grpo_flags, train_two_steps
-from tidal.config import ConfigError
 
 
 def test_grpo_trains_deepseek_v3_with_engine_logprobs_matching_the_trainer(tmp_path):
@@ -16,11 +14,9 @@ def test_grpo_trains_deepseek_v3_with_engine_logprobs_matching_the_trainer(tmp_p
     from tidal.testing import build_tiny_model
     from tidal.trainers.ppo.entry import check_models_before_loading
 
-    policy = build_tiny_model(tmp_path / "policy", "deepseek_v3")
-    flags = grpo_flags(policy, tmp_path)
-    refusal = "^--packing_samples: packing_samples is not supported for the deepseek_v3 family: .*v_head_dim"
-    with pytest.raises(ConfigError, match=refusal):
-        check_models_before_loading(parse_run([*flags, "--packing_samples"]))
+    policy = build_tiny_model(tmp_path / "policy", "deepseek_v3", v_head_dim=16)
+    flags = grpo_flags(policy, tmp_path, "--packing_samples")
+    check_models_before_loading(parse_run(flags))  # packing is no longer refused for the family
     # fp32 on the CPU: the engine's latent attention and routing against transformers' forward, before
     # and after the first update reached the engine (update_weights).
     before, after = train_two_steps(policy, tmp_path, flags, "deepseek_v3")
@@ -32,7 +28,7 @@ def test_grpo_trains_deepseek_v3_with_engine_logprobs_matching_the_trainer(tmp_p
 
 def test_trainer_side_chunked_head_equals_full_logits(tmp_path):
     """``chunkable_head``: the trainer computes DeepSeek-V3's log-probs from hidden states in chunks (what
-    test_families checks with packing, which this family refuses)."""
+    test_families checks with packing), on a padded batch."""
     from tests.rollout.test_families import SAMPLES
     from tidal.config.model import ModelConfig
     from tidal.data import collate_padded

@@ -6,8 +6,9 @@ costs O((ΣT)²) memory and keeps SDPA off its flash kernels (they take no mask)
 an attention implementation, ``tidal_varlen``, with transformers' ``AttentionInterface``: given
 flash-attention-style ``cu_seq_lens_q/k`` and ``max_length_q/k`` keyword arguments (the names HF's own
 flash-attention path uses) it runs ``torch.nn.attention.varlen.varlen_attn`` (causal, per sample, no
-mask at all); without them it *is* HF's SDPA path, so padded batches, generation and everything else
-behave exactly as before. ``enable_varlen_attention`` switches a model from ``sdpa`` to it.
+mask at all; a value head dim other than the query's, as DeepSeek-V3's, is zero-padded around the
+kernel by ``with_equal_head_dims``); without them it *is* HF's SDPA path, so padded batches, generation
+and everything else behave exactly as before. ``enable_varlen_attention`` switches a model from ``sdpa`` to it.
 
 Measured against FlexAttention with a document block mask and SDPA with the 4-D mask in
 ``bench/train_step.py`` (docs/benchmarks.md, issue #8).
@@ -109,8 +110,27 @@ def varlen_attention_forward(
         mask = _block_causal_mask(cu, query.shape[2], query.device, sliding_window)
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
     q, k, v = (t[0].transpose(0, 1).to(dtype).contiguous() for t in (query, key, value))  # [T, H, D]
-    out = _varlen(q, k, v, cu.to(torch.int32), int(kwargs["max_length_q"]), scaling)
+    cu, max_len = cu.to(torch.int32), int(kwargs["max_length_q"])
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5  # fixed before any padding of q
+    out = with_equal_head_dims(lambda q, k, v: _varlen(q, k, v, cu, max_len, scale), q, k, v)
     return out[None], None
+
+
+def with_equal_head_dims(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``kernel(q, k, v)`` for a kernel that needs one head dim for all three (flash varlen does), when the
+    value head dim differs from the query/key one (DeepSeek-V3's MLA: v 128, q/k 192).
+
+    The narrower side is zero-padded in its last dim and the output cut back to v's width. Exact: zero
+    channels in q and k add nothing to a dot product, and an output channel is a weighted sum of the same
+    value channel, so v's zero channels come out zero. ``kernel`` must not derive its scale from q's
+    (padded) width."""
+    qk_dim, v_dim = q.shape[-1], v.shape[-1]
+    if qk_dim == v_dim:
+        return kernel(q, k, v)
+    width = max(qk_dim, v_dim)
+    q, k = (nn.functional.pad(t, (0, width - qk_dim)) for t in (q, k))
+    out = kernel(q, k, nn.functional.pad(v, (0, width - v_dim)))
+    return out[..., :v_dim]
 
 
 def attention_dtype(query: torch.Tensor) -> torch.dtype:
