@@ -27,11 +27,13 @@ def reference(q, k, v, segments, window=None):
     return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v
 
 
-def check_op(ring, window=None) -> None:
+def check_op(ring, window=None, v_dim=8) -> None:
+    """``v_dim`` < 8: values narrower than queries/keys, as DeepSeek's MLA (padded inside, cut back)."""
     torch.manual_seed(0)
     hq, hk, d, length = 4, 2, 8, sum(LENGTHS)
-    q, k, v = (torch.randn(h, length, d, requires_grad=True) for h in (hq, hk, hk))
-    weight = torch.randn(hq, length, d)
+    q, k = (torch.randn(h, length, d, requires_grad=True) for h in (hq, hk))
+    v = torch.randn(hk, length, v_dim, requires_grad=True)
+    weight = torch.randn(hq, length, v_dim)
     segments = torch.repeat_interleave(torch.arange(len(LENGTHS)), torch.tensor(LENGTHS))
     out = reference(q, k, v, segments, window)
     (out * weight).sum().backward()
@@ -45,9 +47,12 @@ def check_op(ring, window=None) -> None:
 
     lq, lk, lv = chunk(q), chunk(k), chunk(v)
     local = ra.ring_attention(lq, lk, lv, layout)
-    full = torch.cat([ra.gather_chunks(local[h][None].flatten(1), ring).view(1, -1, d) for h in range(hq)])
+    assert local.shape[-1] == v_dim
+    full = torch.cat(
+        [ra.gather_chunks(local[h][None].flatten(1), ring).view(1, -1, v_dim) for h in range(hq)]
+    )
     (full[:, :length] * weight).sum().backward()
-    case = f"stride {ring.head_stride} window {window}"
+    case = f"stride {ring.head_stride} window {window} v_dim {v_dim}"
     rows = slice(ring.rank * layout.chunk, min((ring.rank + 1) * layout.chunk, length))
     n = rows.stop - rows.start
     torch.testing.assert_close(local[:, :n], out[:, rows].detach(), atol=1e-5, rtol=1e-5, msg=case)
@@ -104,6 +109,7 @@ def main() -> None:
         ring = ring_group(world, 2, stride)
         check_op(ring)
     check_op(ring, window=3)
+    check_op(ring, v_dim=6)
     check_turns(ring)
     check_model(ring_group(world, 2, 1), sys.argv[1])
     shutdown(world)

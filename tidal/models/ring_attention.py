@@ -220,7 +220,15 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, scale: f
         raise ConfigError(
             f"--ring_head_stride {layout.ring.head_stride} must divide the model's {k.shape[0]} key/value heads"
         )
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = q.shape[-1] ** -0.5 if scale is None else scale  # before any padding below
+    from tidal.models.packed_attention import with_equal_head_dims
+
+    # Values narrower than queries/keys (DeepSeek's MLA): both paths below take one head dim, so the
+    # values are zero-padded and the output cut back (exact).
+    return with_equal_head_dims(lambda q_, k_, v_: _ring_attention(q_, k_, v_, layout, scale), q, k, v)
+
+
+def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RingLayout, scale: float):
     from tidal.models.ring_flash import FlashRingAttention, flash_usable
 
     if flash_usable(q, q.dtype, layout.window):  # CUDA at 16 bits: flash blocks ([L, H, D] layout)
