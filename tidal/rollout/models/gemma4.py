@@ -277,6 +277,10 @@ class Gemma4ForCausalLM(CausalLM):
     packed_params = {}  # the layer kinds' q/k/v and MLP widths differ: every projection is its own
     # Checkpoint buffers that are weights to us: ``LLMEngine(model=...)`` passes them with the parameters.
     buffer_weights = (".layer_scalar",)
+    # FP8 rollouts (``quant/linear.py``): ``load_weights`` filters the shared loader's names, and these
+    # decoder-layer ``nn.Linear``s (not the routers or per-layer-embedding projections) are quantized.
+    fp8_traced_loader = True
+    fp8_linears = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
     def __init__(self, args: Gemma4Args):
         nn.Module.__init__(self)

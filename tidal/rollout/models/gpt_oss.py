@@ -80,6 +80,12 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
 class GptOssExperts(nn.Module):
     """Stacked expert weights and biases (``moe.Experts``' layout, gate rows first) and their forward."""
 
+    # FP8 rollouts (``quant/linear.py``) round these weights in place (emulated) on every device:
+    fp8_emulated_reason = (
+        "gpt_oss's experts compute emulated (FP8-rounded weights in the model dtype: no speed-up, no memory "
+        "saved), as the fused Triton FP8 MoE kernels take neither expert biases nor the clamped SwiGLU"
+    )
+
     def __init__(self, args: GptOssArgs):
         super().__init__()
         experts, inter, hidden = args.moe.num_experts, args.moe.intermediate_size, args.hidden_size
@@ -88,6 +94,11 @@ class GptOssExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))
         self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden))
         self.alpha, self.limit = args.swiglu_alpha, args.swiglu_limit
+
+    def fp8_parts(self) -> dict[str, tuple[int, ...]]:
+        """FP8 rollouts: the stacked weights and their row parts quantized apart (gate rows, up rows)."""
+        inter = self.down_proj.shape[-1]
+        return {"gate_up_proj": (inter, inter), "down_proj": (self.down_proj.shape[1],)}
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]); x [T, H] -> [T, H]. Token/expert pairs are sorted
@@ -171,6 +182,8 @@ class GptOssForCausalLM(CausalLM):
     attention_cls = GptOssAttention
     layer_cls = GptOssDecoderLayer
     supports_tp = False
+    # FP8 rollouts: ``load_weights`` takes the shared loader's names and whole stacked experts (``_target_of``)
+    fp8_traced_loader = True
 
     def __init__(self, args: GptOssArgs):
         super().__init__(args)

@@ -95,7 +95,8 @@ def registry_family_problem(model_type: str) -> str | None:
 
 
 def loader_problem(cls: type, model_type: str) -> str | None:
-    if cls.load_weights not in _SHARED_LOADERS:
+    # ``fp8_traced_loader``: a family's own loader whose names ``_target_of`` maps as the shared ones' (gpt-oss)
+    if cls.load_weights not in _SHARED_LOADERS and not getattr(cls, "fp8_traced_loader", False):
         return (
             f"--rollout_quantization fp8 supports the families on the shared weight loader, not "
             f"{model_type!r} (its own loader: weight syncs could not be traced to the FP8 weights)"
@@ -121,10 +122,16 @@ def quantize_model(model: CausalLM, quantization: str) -> Fp8State:
             state.targets[path] = Target(
                 module, {"gate_up_proj": (rows, rows), "down_proj": (module.down_proj.shape[1],)}
             )
+        elif hasattr(module, "fp8_parts"):  # a family's own stacked experts (gpt-oss): always emulated
+            state.targets[path] = Target(module, module.fp8_parts())
+        elif isinstance(module, nn.Linear) and _plain_projection(model, path):
+            state.targets[path] = Target(module, {"weight": (module.out_features,)})
     refused: dict[str, int] = {}  # why torch._scaled_mm is unusable on this GPU -> linear layers
     device = None
     for target in state.targets.values():
-        if isinstance(target.module, Experts):
+        if hasattr(target.module, "fp8_parts"):
+            pass
+        elif isinstance(target.module, Experts):
             if experts_kernel_problem(target, state.granularity) is None:
                 _use_experts_kernel(target, state.granularity)
         elif (problem := scaled_mm_problem(target, state.granularity)) is None:
@@ -140,9 +147,18 @@ def quantize_model(model: CausalLM, quantization: str) -> Fp8State:
     _requantize_after_loads(model, state)
     log.info("engine: FP8 (%s scales) weights: %s", state.granularity, state.modes())
     if refused:
-        layers = sum(not isinstance(target.module, Experts) for target in state.targets.values())
+        layers = sum(isinstance(t.module, nn.Linear) for t in state.targets.values())
         log.warning(fallback_notice(quantization, refused, layers, device))
+    emulated = [t.module for t in state.targets.values() if hasattr(t.module, "fp8_parts")]
+    if emulated and emulated[0].down_proj.is_cuda:  # the fused Triton MoE kernels cannot run them
+        log.warning("engine: --rollout_quantization %s: %s", quantization, emulated[0].fp8_emulated_reason)
     return state
+
+
+def _plain_projection(model: CausalLM, path: str) -> bool:
+    """A decoder layer's ``nn.Linear`` the family names in ``fp8_linears`` (Gemma 4: every projection is its
+    own, unpacked); routers and the per-layer-embedding projections are not named, so keep the model dtype."""
+    return path.startswith("model.layers.") and path.rpartition(".")[2] in getattr(model, "fp8_linears", ())
 
 
 def fallback_notice(quantization: str, refused: dict[str, int], layers: int, device: torch.device) -> str:
@@ -198,6 +214,7 @@ def _target_of(model: CausalLM, state: Fp8State, raw: str) -> tuple | None:
         stacked, shard = expert_weights[match["proj"]]
         return match["block"], stacked, int(match["expert"]), shard
     module_name, _, kind = name.rpartition(".")
+    kind = kind.removesuffix("_blocks").removesuffix("_scales")  # gpt-oss's MXFP4 halves of stacked experts
     if module_name in state.targets and kind in state.targets[module_name].parts:  # stacked experts
         return module_name, kind, None, None
     parent, _, leaf = module_name.rpartition(".")

@@ -1,0 +1,126 @@
+"""FP8 rollouts (``tidal/rollout/quant/linear.py``) for the families with their own weight loader, on the
+CPU (emulated: the weights rounded through FP8 in place). gpt-oss: its attention projections and its
+stacked, biased experts (gate and up rows quantized apart, the interleaved checkpoint layout undone
+first) are rounded; greedy tokens and log-probs equal ``transformers.generate`` on the HF model rounded
+the same way, and an MXFP4 sync rounds what a dense sync of the same weights does. (The sync of every
+family's HF names equals a fresh FP8 load: ``test_fp8_engine.py`` / ``test_fp8_buffers.py``.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.rollout.reference import PROMPTS, cpu_config, greedy, hf_greedy, hf_logprobs
+from tidal.rollout import LLMEngine
+from tidal.rollout.quant.fp8 import quantize_dequantize
+
+
+def _config(**overrides):
+    return cpu_config(num_kv_blocks=64, **overrides)  # a small KV cache: cheap engines
+
+
+@torch.no_grad()
+def gpt_oss_fp8_hf_model(path, granularity: str):
+    """transformers' gpt-oss with the weights the engine quantizes rounded through FP8: the attention
+    projections, and the experts in the engine's layout (output rows; gate and up rows each alone, their
+    checkpoint columns interleaved gate 0, up 0, gate 1, ...). Router, sinks, biases and norms stay."""
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+            proj.weight.copy_(quantize_dequantize(proj.weight, granularity))
+        experts = layer.mlp.experts
+        rows = experts.gate_up_proj.transpose(1, 2)  # [E, 2I, H], a view: writes reach the parameter
+        for half in (rows[:, 0::2], rows[:, 1::2]):
+            half.copy_(quantize_dequantize(half.clone(), granularity))
+        down = experts.down_proj.transpose(1, 2)  # [E, H, I]
+        down.copy_(quantize_dequantize(down.clone(), granularity))
+    return model
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "fp8_block"])
+def test_gpt_oss_greedy_tokens_and_logprobs_are_the_fp8_rounded_model_s(quantization, tiny_model):
+    path = tiny_model("gpt_oss")
+    engine = LLMEngine(path, _config(quantization=quantization))
+    layers = engine.model.args.num_layers
+    assert engine.model.fp8.modes() == {"emulated": 3 * layers}  # qkv_proj, o_proj, experts
+    reference = gpt_oss_fp8_hf_model(path, "channel" if quantization == "fp8" else "block")
+    outs = engine.generate(PROMPTS, greedy(8))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        tokens = out.outputs[0].token_ids
+        assert tokens == hf_greedy(reference, prompt, 8)
+        want = hf_logprobs(reference, prompt, tokens)
+        assert max(abs(a - b) for a, b in zip(out.outputs[0].logprobs, want.tolist(), strict=True)) < 1e-4
+    # The experts are rounded: the engine's expert weights are not the unquantized model's.
+    plain = LLMEngine(path, _config()).model.model.layers[0].mlp.experts
+    ours = engine.model.model.layers[0].mlp.experts
+    assert not torch.equal(ours.gate_up_proj, plain.gate_up_proj)
+    assert not torch.equal(ours.down_proj, plain.down_proj)
+    assert torch.equal(ours.gate_up_proj_bias, plain.gate_up_proj_bias)
+
+
+def test_gpt_oss_mxfp4_sync_rounds_as_the_dense_sync_of_its_weights(tiny_model):
+    """Experts synced as MXFP4 ``_blocks`` / ``_scales`` halves (layer 0's in a first bucket, the rest in a
+    second; a tensor's two halves share a bucket, as ``gpt_oss.load_weights`` needs) end as the same
+    FP8-rounded weights as the dense (transformers-layout) tensors they dequantize to."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    path = tiny_model("gpt_oss")
+    packed, dense = (LLMEngine(path, _config(quantization="fp8")) for _ in range(2))
+    gen = torch.Generator().manual_seed(3)
+    halves, tensors = [], []
+    for name, param in dense.model.named_parameters():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            continue
+        experts, out, inp = param.shape  # ours: output-major
+        blocks = torch.randint(0, 256, (experts, out, inp // 32, 16), dtype=torch.uint8, generator=gen)
+        scales = torch.randint(118, 124, (experts, out, inp // 32), dtype=torch.uint8, generator=gen)
+        halves += [(f"{name}_blocks", blocks), (f"{name}_scales", scales)]
+        tensors.append((name, convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)))
+        if name.endswith("gate_up_proj"):  # transformers' [E, H, 2I] holds the interleaved columns as-is
+            assert tensors[-1][1].shape == (experts, inp, out)
+    packed.update_weights([(n, t) for n, t in halves if ".layers.0." in n])
+    packed.update_weights([(n, t) for n, t in halves if ".layers.0." not in n])
+    dense.update_weights(tensors)
+    want = dict(dense.model.named_parameters())
+    for name, param in packed.model.named_parameters():
+        assert torch.equal(param, want[name]), name
+    assert _outputs(packed) == _outputs(dense)
+
+
+@torch.no_grad()
+def plain_linears_fp8_hf_model(path, granularity: str, leaves: tuple[str, ...]):
+    """transformers' model of ``path`` with its decoder layers' ``nn.Linear``s named ``leaves`` rounded
+    through FP8 (each alone: the family packs none), nothing else."""
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    for name, module in model.model.layers.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rpartition(".")[2] in leaves:
+            module.weight.copy_(quantize_dequantize(module.weight, granularity))
+    return model
+
+
+def test_gemma4_greedy_tokens_and_logprobs_are_the_fp8_rounded_model_s(tiny_model):
+    """Gemma 4's unpacked projections (per layer kind's widths; KV-shared layers have no k/v), rounded; the
+    per-layer-embedding projections keep the model dtype, as in the reference."""
+    path = tiny_model("gemma4_text")
+    engine = LLMEngine(path, _config(quantization="fp8"))
+    shared = sum(i != s for i, s in enumerate(engine.model.args.kv_sources))
+    assert engine.model.fp8.modes() == {"emulated": 7 * engine.model.args.num_layers - 2 * shared}
+    reference = plain_linears_fp8_hf_model(path, "channel", type(engine.model).fp8_linears)
+    eos = reference.generation_config.eos_token_id
+    eos = eos if isinstance(eos, list) else [eos]
+    for prompt, out in zip(PROMPTS, engine.generate(PROMPTS, greedy(8)), strict=True):
+        tokens = out.outputs[0].token_ids
+        hf_tokens = hf_greedy(reference, prompt, 8)  # transformers stops at an EOS, the engine goes on
+        assert tokens[: len(hf_tokens)] == hf_tokens and (len(hf_tokens) == 8 or hf_tokens[-1] in eos)
+        want = hf_logprobs(reference, prompt, tokens)
+        assert max(abs(a - b) for a, b in zip(out.outputs[0].logprobs, want.tolist(), strict=True)) < 1e-4
+    plain = LLMEngine(path, _config()).model.model.layers[0]
+    ours = engine.model.model.layers[0]
+    assert not torch.equal(ours.self_attn.q_proj.weight, plain.self_attn.q_proj.weight)
+    assert torch.equal(ours.per_layer_projection.weight, plain.per_layer_projection.weight)
+
+
+def _outputs(engine):
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in engine.generate(PROMPTS, greedy(4))]
