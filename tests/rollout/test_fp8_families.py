@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.rollout.reference import PROMPTS, cpu_config, greedy, hf_greedy, hf_logprobs
 from tidal.rollout import LLMEngine
+from tidal.rollout.models.registry import VISION_FAMILIES
 from tidal.rollout.quant.fp8 import quantize_dequantize
 
 
@@ -122,5 +123,53 @@ def test_gemma4_greedy_tokens_and_logprobs_are_the_fp8_rounded_model_s(tiny_mode
     assert torch.equal(ours.per_layer_projection.weight, plain.per_layer_projection.weight)
 
 
+def test_deepseek_v3_greedy_tokens_and_logprobs_are_the_fp8_rounded_model_s(tiny_model):
+    """MLA's q_a/q_b and kv_a projections, o_proj, the dense MLP, shared and routed experts rounded;
+    ``kv_b_proj`` (absorbed into the latent attention, which reads its weight) keeps the model dtype."""
+    from tests.rollout.test_fp8_engine import fp8_hf_model
+
+    path = tiny_model("deepseek_v3")
+    engine = LLMEngine(path, _config(quantization="fp8"))
+    attention = engine.model.model.layers[0].self_attn
+    paths = set(engine.model.fp8.targets)
+    assert "model.layers.0.self_attn.q_a_proj" in paths and "model.layers.0.self_attn.kv_b_proj" not in paths
+    plain = LLMEngine(path, _config()).model.model.layers[0].self_attn
+    assert torch.equal(attention.kv_b_proj.weight, plain.kv_b_proj.weight)
+    assert not torch.equal(attention.kv_a_proj_with_mqa.weight, plain.kv_a_proj_with_mqa.weight)
+    reference = fp8_hf_model(path, "channel", keep=("kv_b_proj",))
+    # a prompt longer than a decode: the expanded prefill and the latent (absorbed) decode both run
+    for prompt, out in zip(PROMPTS, engine.generate(PROMPTS, greedy(8)), strict=True):
+        tokens = out.outputs[0].token_ids
+        assert tokens == hf_greedy(reference, prompt, 8)
+        want = hf_logprobs(reference, prompt, tokens)
+        assert max(abs(a - b) for a, b in zip(out.outputs[0].logprobs, want.tolist(), strict=True)) < 1e-4
+
+
 def _outputs(engine):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in engine.generate(PROMPTS, greedy(4))]
+
+
+@pytest.mark.parametrize("family", sorted(VISION_FAMILIES))
+def test_vision_families_quantize_the_language_model_only_and_syncs_reround_it(family, tmp_path):
+    """The language model's projections and experts are rounded, the vision tower keeps the checkpoint's
+    weights, and a sync of the checkpoint's own tensors (vision and language, through the family's
+    loader) gives the fresh load's weights bit for bit (an untraced sync would leave them unrounded)."""
+    from safetensors.torch import load_file
+
+    from tidal.testing import build_tiny_vlm
+
+    path = build_tiny_vlm(tmp_path / family, family)
+    engine = LLMEngine(path, _config(quantization="fp8"))
+    model = engine.model
+    assert model.fp8.targets and not any(p.startswith("visual.") for p in model.fp8.targets)
+    state = load_file(str(path / "model.safetensors"))
+    params = dict(model.named_parameters())
+    ours = {model._our_name(name): tensor for name, tensor in state.items()}
+    vision = [name for name in ours if name.startswith("visual.") and name in params]
+    assert vision and all(torch.equal(params[name], ours[name]) for name in vision)
+    rounded = [f"{p}.weight" for p in model.fp8.targets if f"{p}.weight" in ours]
+    assert rounded and all(not torch.equal(params[name], ours[name]) for name in rounded)
+    before = {name: param.clone() for name, param in params.items()}
+    engine.update_weights(list(state.items()))
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), name

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tidal.rollout.models.registry import FAMILIES, feature_refusal
+from tidal.rollout.models.registry import FAMILIES, VISION_FAMILIES, feature_refusal
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -112,7 +112,11 @@ def family_problem(config: EngineConfig, model_type: str | None) -> str | None:
     }
     refusals = (feature_refusal(model_type, feature) for feature, on in asked.items() if on)
     problem = next((problem for problem in refusals if problem), None)
-    if problem is None and config.quantization != "none" and model_type in FAMILIES:
+    if (
+        problem is None
+        and config.quantization != "none"
+        and (model_type in FAMILIES or model_type in VISION_FAMILIES)
+    ):
         from tidal.rollout.quant.linear import registry_family_problem  # FP8 rollouts: before loading
 
         problem = registry_family_problem(model_type)

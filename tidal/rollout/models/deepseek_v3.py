@@ -125,6 +125,11 @@ class DeepseekV3ForCausalLM(MoECausalLM):
     # q_proj / kv projections stay separate (their inputs differ); only gate/up are packed.
     packed_params = {"gate_up_proj": (("gate_proj", "intermediate_size"), ("up_proj", "intermediate_size"))}
     supports_tp = False
+    # FP8 rollouts (``quant/linear.py``): ``load_weights`` filters the shared loader's names; MLA's plain
+    # projections are quantized but ``kv_b_proj``, whose weight the latent attention reads directly
+    # (``W_UK`` absorbed into the query, ``W_UV`` applied after), which keeps the model dtype.
+    fp8_traced_loader = True
+    fp8_linears = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
 
     @classmethod
     def args_from_hf_config(cls, config) -> DeepseekV3Args:

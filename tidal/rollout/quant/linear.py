@@ -47,14 +47,18 @@ from torch import nn
 from tidal.accel import triton_usable
 from tidal.logging.console import get_logger
 from tidal.rollout.models.layers import CausalLM
-from tidal.rollout.models.moe import _PER_EXPERT, Experts, MoECausalLM
+from tidal.rollout.models.moe import _PER_EXPERT, Experts
 from tidal.rollout.models.parallel import ColumnParallelLinear, RowParallelLinear
+from tidal.rollout.quant.families import (  # the refusals, re-exported for their callers
+    family_problem,
+    loader_problem,  # noqa: F401
+    plain_projection,
+    quantizable,
+    registry_family_problem,  # noqa: F401
+)
 from tidal.rollout.quant.fp8 import BLOCK, GRANULARITIES, dequantize, quantize, quantize_rows
 
 log = get_logger(__name__)
-
-# The loaders whose HF names ``_touched`` maps onto modules; a family with its own loader is refused.
-_SHARED_LOADERS = (CausalLM.load_weights, MoECausalLM.load_weights)
 
 
 @dataclass
@@ -82,28 +86,6 @@ class Fp8State:
         return counts
 
 
-def family_problem(model: nn.Module) -> str | None:
-    """Why FP8 cannot quantize this engine model (None: it can)."""
-    return loader_problem(type(model), model.args.model_type)
-
-
-def registry_family_problem(model_type: str) -> str | None:
-    """``family_problem`` from a registry family's name, before anything is built."""
-    from tidal.rollout.models.registry import model_class
-
-    return loader_problem(model_class(model_type), model_type)
-
-
-def loader_problem(cls: type, model_type: str) -> str | None:
-    # ``fp8_traced_loader``: a family's own loader whose names ``_target_of`` maps as the shared ones' (gpt-oss)
-    if cls.load_weights not in _SHARED_LOADERS and not getattr(cls, "fp8_traced_loader", False):
-        return (
-            f"--rollout_quantization fp8 supports the families on the shared weight loader, not "
-            f"{model_type!r} (its own loader: weight syncs could not be traced to the FP8 weights)"
-        )
-    return None
-
-
 def quantize_model(model: CausalLM, quantization: str) -> Fp8State:
     """Quantize ``model``'s linear layers and experts to FP8 in place (module docstring) and make every
     later ``model.load_weights`` call re-quantize what it loads. ``quantization``: ``fp8`` or
@@ -113,6 +95,8 @@ def quantize_model(model: CausalLM, quantization: str) -> Fp8State:
         raise ValueError(problem)
     state = Fp8State(GRANULARITIES[quantization])
     for path, module in model.named_modules():
+        if not quantizable(path):  # a vision tower
+            continue
         if isinstance(module, ColumnParallelLinear):
             state.targets[path] = Target(module, {"weight": tuple(p.size for p in module.parts)})
         elif isinstance(module, RowParallelLinear):
@@ -124,7 +108,7 @@ def quantize_model(model: CausalLM, quantization: str) -> Fp8State:
             )
         elif hasattr(module, "fp8_parts"):  # a family's own stacked experts (gpt-oss): always emulated
             state.targets[path] = Target(module, module.fp8_parts())
-        elif isinstance(module, nn.Linear) and _plain_projection(model, path):
+        elif isinstance(module, nn.Linear) and plain_projection(model, path):
             state.targets[path] = Target(module, {"weight": (module.out_features,)})
     refused: dict[str, int] = {}  # why torch._scaled_mm is unusable on this GPU -> linear layers
     device = None
@@ -153,12 +137,6 @@ def quantize_model(model: CausalLM, quantization: str) -> Fp8State:
     if emulated and emulated[0].down_proj.is_cuda:  # the fused Triton MoE kernels cannot run them
         log.warning("engine: --rollout_quantization %s: %s", quantization, emulated[0].fp8_emulated_reason)
     return state
-
-
-def _plain_projection(model: CausalLM, path: str) -> bool:
-    """A decoder layer's ``nn.Linear`` the family names in ``fp8_linears`` (Gemma 4: every projection is its
-    own, unpacked); routers and the per-layer-embedding projections are not named, so keep the model dtype."""
-    return path.startswith("model.layers.") and path.rpartition(".")[2] in getattr(model, "fp8_linears", ())
 
 
 def fallback_notice(quantization: str, refused: dict[str, int], layers: int, device: torch.device) -> str:

@@ -213,7 +213,8 @@ def check_models_before_loading(run: PPORun) -> None:
         problem := exact_problem(config, lora_dropout, run.actor.load_in_4bit)
     ):
         raise ConfigError(f"{problem} (--pretrain {run.actor.pretrain})")
-    fp8 = run.rollout.rollout_quantization != "none" and model_type in FAMILIES  # tidal.rollout.quant
+    fp8 = run.rollout.rollout_quantization != "none"  # tidal.rollout.quant
+    fp8 = fp8 and (model_type in FAMILIES or model_type in VISION_FAMILIES)
     if fp8 and (problem := registry_family_problem(model_type)):
         raise ConfigError(f"{problem} (--pretrain {run.actor.pretrain})")
     if run.rollout.moe_router_replay:
