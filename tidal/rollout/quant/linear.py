@@ -4,8 +4,9 @@ sync, and the FP8 forward of the linear layers.
 What is quantized: every ``ColumnParallelLinear`` / ``RowParallelLinear`` (the attention and MLP
 projections of ``layers.py``, packed ``qkv_proj`` / ``gate_up_proj`` quantized part by part, so a packed
 part's scales are those of its HF projection alone) and the stacked experts of ``moe.Experts`` (per
-expert). Embeddings, norms, routers (plain ``nn.Linear``) and the LM head keep the model dtype, as does
-the KV cache.
+expert), plus what a family on its own loader names (``families.py``: gpt-oss's experts, Gemma 4's and
+DeepSeek-V3's plain projections). Embeddings, norms, routers (plain ``nn.Linear``) and the LM head keep the
+model dtype, as do the KV cache and a vision tower.
 
 Loading is the shared loaders' (packed slices, renames, per-expert tensors), watched by a wrapper of the
 model's ``load_weights`` that maps each HF name onto the part it writes (``_target_of``); quantization
