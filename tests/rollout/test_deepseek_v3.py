@@ -163,6 +163,26 @@ def test_update_weights_and_sleep_wake(deepseek, tiny_model, hf_model):
     assert torch.equal(gate.weight, saved)  # not rounded through bfloat16
 
 
+def test_engine_from_the_loaded_model_equals_the_folders_and_keeps_the_bias_across_syncs(deepseek):
+    """``LLMEngine(model=hf)`` (a trainer's colocated engine): the router's bias is a buffer in transformers
+    (``named_parameters()`` lacks it), taken from the model's buffers; a sync of ``named_parameters()`` only
+    (what the trainer sends) keeps the bias loaded, which nothing trains."""
+    from transformers import AutoTokenizer
+
+    path, hf = deepseek
+    assert not any(name.endswith("e_score_correction_bias") for name, _ in hf.named_parameters())
+    config = cpu_config(max_model_len=64, block_size=4, max_num_seqs=4)
+    prompts, params = PROMPTS[:2], greedy(8)
+    from_folder = LLMEngine(path, config).generate(prompts, params)
+    engine = LLMEngine(model=hf, tokenizer=AutoTokenizer.from_pretrained(path), config=config)
+    assert_same_outputs(from_folder, engine.generate(prompts, params), tol=1e-6)
+    bias = hf.model.layers[1].mlp.gate.e_score_correction_bias
+    assert bias.abs().sum() > 0  # the fixture's non-zero bias, which changes the completions
+    assert engine.update_weights(hf.named_parameters()) == len(list(hf.named_parameters()))
+    assert torch.equal(engine.model.model.layers[1].mlp.gate.e_score_correction_bias, bias)
+    assert_same_outputs(from_folder, engine.generate(prompts, params), tol=1e-6)
+
+
 def test_group_limited_route_matches_transformers_router():
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter

@@ -125,6 +125,10 @@ class DeepseekV3ForCausalLM(MoECausalLM):
     # q_proj / kv projections stay separate (their inputs differ); only gate/up are packed.
     packed_params = {"gate_up_proj": (("gate_proj", "intermediate_size"), ("up_proj", "intermediate_size"))}
     supports_tp = False
+    # transformers holds the router's bias as a buffer (no gradient; transformers never updates it), so a
+    # loaded model's ``named_parameters()`` lack it: ``LLMEngine(model=...)`` takes it from the buffers
+    # (``loading.model_weights``), and a trainer's sync of parameters only leaves the loaded bias as it was.
+    buffer_weights = (".e_score_correction_bias",)
     # FP8 rollouts (``quant/linear.py``): ``load_weights`` filters the shared loader's names; MLA's plain
     # projections are quantized but ``kv_b_proj``, whose weight the latent attention reads directly
     # (``W_UK`` absorbed into the query, ``W_UV`` applied after), which keeps the model dtype.
