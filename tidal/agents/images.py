@@ -11,7 +11,7 @@ parts, in the shape of a chat message's content::
 
 Each image becomes what the chat template writes for ``{"type": "image"}`` (Qwen-VL:
 ``<|vision_start|><|image_pad|><|vision_end|>``), its placeholder already repeated to the image's token
-count, so the ids the engine generates from and the trainer scores are the same. A prompt's own images
+count (Gemma 3/4: what transformers' processor makes of it, ``tidal.data.vision.ImageMarkup``), so the ids the engine generates from and the trainer scores are the same. A prompt's own images
 (``tidal ppo --max_images_per_prompt``: ``tidal.agents.base.PROMPT_IMAGES`` while its episodes run) are
 the episode's first images. The executor keeps the episode's images (``ObservationImages``): every later turn's request carries all of them
 (``MultiModalInput`` of their pixels, computed once by the engine's image processor), and the finished
@@ -70,16 +70,13 @@ class ObservationImages:
                 f"{where}: environment_feedback holds an image but the policy's engine takes no images "
                 "(a vision-language --pretrain of the engine's vision families, e.g. Qwen2.5-VL, does)"
             )
-        markers = [tokenizer.convert_tokens_to_ids(t) for t in (VISION_START, VISION_END)]
-        if any(m is None or m == tokenizer.unk_token_id for m in markers):
-            raise AgentError(f"{where}: the tokenizer has no {VISION_START}/{VISION_END} tokens for an image")
         self.processor, self.merge_size, self.image_token_id = (
             processor,
             vision.merge_size,
             vision.image_token_id,
         )
-        self.start_id, self.end_id = markers
         self.image_token = tokenizer.convert_ids_to_tokens(self.image_token_id)
+        self.markup, self.before, self.after = _image_pieces(engine, tokenizer, where)
         self.pixels: list[torch.Tensor] = []
         self.grids: list[torch.Tensor] = []
         self.spans: list[tuple[int, int]] = []  # each image's [start, end) in the trajectory's tokens
@@ -98,9 +95,11 @@ class ObservationImages:
         self.pixels.append(out["pixel_values"])
         self.grids.append(grid)
         count = int(grid[0].prod()) // self.merge_size**2
-        ids = [self.start_id, *[self.image_token_id] * count, self.end_id]
+        ids = [*self.before, *[self.image_token_id] * count, *self.after]
         self.spans.append((position, position + len(ids)))
-        return ids, VISION_START + self.image_token * count + VISION_END
+        if self.markup is None:
+            return ids, VISION_START + self.image_token * count + VISION_END
+        return ids, self.markup.image_text(count)
 
     def add_prompt_images(self, prompt, token_ids: list[int], where: str) -> None:
         """The prompt's images (``prompt``: its ``MultiModalInput``, as the rollout made it) at their
@@ -122,7 +121,8 @@ class ObservationImages:
             )
         self.pixels.append(prompt.pixel_values)
         self.grids.append(grids)
-        self.spans += [(begin - 1, end + 1) for begin, end in runs]  # with the start and end markers
+        # with the ids around them (their start and end markers)
+        self.spans += [(begin - len(self.before), end + len(self.after)) for begin, end in runs]
 
     def fit(self, length: int) -> int:
         """The length to cut a trajectory of ``length`` tokens (already cut at the length limit) to, so
@@ -152,6 +152,24 @@ class ObservationImages:
         return (
             None if tensors is None else MultiModalInput(pixel_values=tensors[0], image_grid_thw=tensors[1])
         )
+
+
+def _image_pieces(engine: Any, tokenizer, where: str) -> tuple[Any, list[int], list[int]]:
+    """How a feedback image is written: the family's ``ImageMarkup`` (None for Qwen-VL) and the ids
+    before and after its image tokens: what transformers' processor makes of the chat template's
+    image (Gemma 3: ``\\n\\n<start_of_image>`` … ``<end_of_image>\\n\\n``, Gemma 4: no newlines; Qwen-VL:
+    its template's ``<|vision_start|>`` … ``<|vision_end|>``)."""
+    from tidal.data.vision import image_markup
+
+    hf_config = getattr(engine, "hf_config", None)
+    markup = image_markup(hf_config, tokenizer) if hf_config is not None else None
+    if markup is not None and markup.open:
+        _, before, after = markup.pieces(tokenizer)
+        return markup, before, after
+    markers = [tokenizer.convert_tokens_to_ids(t) for t in (VISION_START, VISION_END)]
+    if any(m is None or m == tokenizer.unk_token_id for m in markers):
+        raise AgentError(f"{where}: the tokenizer has no {VISION_START}/{VISION_END} tokens for an image")
+    return None, markers[:1], markers[1:]
 
 
 def encode_feedback(

@@ -13,6 +13,11 @@ The one interface the trainers and (later) the rollout engine share:
 - ``expand_image_tokens``: a prompt rendered by the chat template holds one placeholder per image
   (``<|vision_start|><|image_pad|><|vision_end|>``); each becomes its image's count of placeholders,
   never trained (loss mask 0). A row whose placeholder count differs from its image count is an error.
+- ``ImageMarkup`` (``image_markup(config, tokenizer)``): what the family's transformers processor makes
+  of the template's image marker, so tidal's prompts get its ids (Gemma 3: ``<start_of_image>`` becomes
+  ``\\n\\n<start_of_image>`` + soft tokens + ``<end_of_image>\\n\\n``; Gemma 4: its image token becomes
+  ``<start_of_image>`` + image tokens + ``<end_of_image>``; Qwen-VL: the image token repeated), on the text
+  (``expand_text``: RL prompts) or the ids (``VisionProcessor.image_pieces`` for ``expand_image_tokens``).
 - ``ImageSamples.wrap(builder)``: a sample builder (SFT, pairs) whose rows' images are checked first
   (``tidal.data.images.check_image_rows``), then expanded into each sample's ids; the sample keeps
   ``SampleImages`` (the image refs and the processor). ``image_batch(samples)`` (called by the
@@ -51,6 +56,9 @@ class VisionProcessor:
     image_processor: Any
     image_token_id: int
     source: str | None = None  # the folder it was read from (its other processor files are copied)
+    markup: ImageMarkup | None = (
+        None  # how the chat template's image marker expands (None: image token alone)
+    )
 
     def __getattr__(self, name: str):
         if name.startswith("__") or name == "tokenizer":
@@ -68,6 +76,19 @@ class VisionProcessor:
     @property
     def image_token(self) -> str:
         return self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+
+    @property
+    def image_markup(self) -> ImageMarkup:
+        """How the rendered prompt's image marker expands (``image_markup``; the image token alone when
+        the processor was built by hand)."""
+        return self.markup or ImageMarkup(self.image_token, self.image_token)
+
+    def image_pieces(self, ids: Sequence[int]) -> tuple[int, list[int], list[int]]:
+        """``ImageMarkup.pieces`` with this tokenizer, for rendered ``ids``: for ``expand_image_tokens``."""
+        markup = self.image_markup
+        opener = self.tokenizer.convert_tokens_to_ids(markup.open) if markup.open else None
+        found = [sum(1 for t in ids if t == token) for token in (self.image_token_id, opener)]
+        return markup.for_rendered(*found).pieces(self.tokenizer)
 
     def pixel_inputs(self, images: Sequence) -> dict[str, torch.Tensor]:
         """``pixel_values`` (all images' patches, in order) and ``image_grid_thw`` ``[N, 3]``."""
@@ -108,7 +129,82 @@ def load_vision_processor(path: str, tokenizer) -> VisionProcessor | None:
             f"--pretrain {path}: {type(image_processor).__name__} is not supported for training on images; "
             "tidal trains Qwen-VL-style models (image_grid_thw patch grids: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) and Gemma 3"
         )
-    return VisionProcessor(tokenizer, image_processor, int(token_id), path if Path(path).is_dir() else None)
+    source = path if Path(path).is_dir() else None
+    return VisionProcessor(tokenizer, image_processor, int(token_id), source, image_markup(config, tokenizer))
+
+
+@dataclass(frozen=True)
+class ImageMarkup:
+    """What transformers' processor of a family turns the chat template's image marker into, per image:
+    ``before + open + image_token × count + close + after`` (text; ``open``/``close`` are empty for
+    Qwen-VL, whose template already renders ``<|vision_start|>…<|vision_end|>`` around the marker).
+    Gemma 3's template renders ``<start_of_image>`` (the marker), which ``Gemma3Processor`` rewrites to
+    ``\\n\\n<start_of_image>`` + soft tokens + ``<end_of_image>\\n\\n``; Gemma 4's renders its image token,
+    which ``Gemma4Processor`` wraps in ``<boi>``/``<eoi>`` (no newlines)."""
+
+    marker: str
+    image_token: str
+    open: str = ""
+    close: str = ""
+    before: str = ""
+    after: str = ""
+
+    def expand_text(self, text: str, counts: Sequence[int]) -> str:
+        """``text`` with its i-th marker replaced as the processor does for an image of ``counts[i]``
+        tokens; ``ValueError`` when markers and images do not pair up."""
+        markup = self.for_rendered(text.count(self.image_token), text.count(self.open) if self.open else 0)
+        parts = text.split(markup.marker)
+        if len(parts) - 1 != len(counts):
+            raise ValueError(
+                f"the rendered text has {len(parts) - 1} image placeholder(s) but the row has {len(counts)} "
+                "image(s)"
+            )
+        out = parts[0]
+        for count, part in zip(counts, parts[1:], strict=True):
+            out += markup.image_text(count) + part
+        return out
+
+    def image_text(self, count: int) -> str:
+        """One image's text in the processed prompt."""
+        return self.before + self.open + self.image_token * count + self.close + self.after
+
+    def for_rendered(self, image_tokens: int, open_tokens: int) -> ImageMarkup:
+        """This markup, or the image token alone for a prompt (holding ``image_tokens`` image tokens and
+        ``open_tokens`` begin-of-image tokens) whose template rendered the whole group itself, e.g.
+        ``<start_of_image><image_soft_token><end_of_image>`` (tidal's tiny Gemma test models, the shape
+        the engine's requests take): its image token is then repeated in place."""
+        if image_tokens and open_tokens:
+            return ImageMarkup(self.image_token, self.image_token)
+        return self
+
+    def pieces(self, tokenizer) -> tuple[int, list[int], list[int]]:
+        """The marker's id, and the ids before and after an image's run of image tokens (text pieces
+        tokenized on their own: a newline beside the marker may tokenize apart from how the whole text
+        would)."""
+
+        def ids(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False) if text else []
+
+        marker_id = tokenizer.convert_tokens_to_ids(self.marker)
+        return marker_id, ids(self.before + self.open), ids(self.close + self.after)
+
+
+def image_markup(config, tokenizer) -> ImageMarkup:
+    """The ``ImageMarkup`` of a vision-language config's family (read from its token ids)."""
+
+    def token(*names: str) -> str:
+        ids = [getattr(config, n, None) for n in names]
+        return tokenizer.convert_ids_to_tokens(int(next(i for i in ids if i is not None)))
+
+    image = token("image_token_id", "image_token_index")
+    family = getattr(config, "model_type", None)
+    if family == "gemma3":
+        boi, eoi = token("boi_token_index", "boi_token_id"), token("eoi_token_index", "eoi_token_id")
+        return ImageMarkup(boi, image, open=boi, close=eoi, before="\n\n", after="\n\n")
+    if family == "gemma4":
+        boi, eoi = token("boi_token_id"), token("eoi_token_id")
+        return ImageMarkup(image, image, open=boi, close=eoi)
+    return ImageMarkup(image, image)
 
 
 @dataclass(frozen=True)
@@ -124,20 +220,28 @@ class SampleImages:
 
 
 def expand_image_tokens(
-    ids: list[int], mask: list[int], counts: list[int], image_token_id: int
+    ids: list[int],
+    mask: list[int],
+    counts: list[int],
+    image_token_id: int,
+    pieces: tuple[int, list[int], list[int]] | None = None,
 ) -> tuple[list[int], list[int]]:
-    """Replace the i-th placeholder token of ``ids`` by ``counts[i]`` copies (mask 0); ``ValueError``
-    when the placeholders and images do not pair up."""
-    found = sum(1 for t in ids if t == image_token_id)
+    """Replace the i-th placeholder token of ``ids`` by ``counts[i]`` image tokens (mask 0), between the
+    family's ids (``pieces``: ``ImageMarkup.pieces``'s marker id, ids before, ids after; default: the
+    image token is its own marker, nothing around it); ``ValueError`` when placeholders and images do
+    not pair up."""
+    marker, before, after = pieces or (image_token_id, [], [])
+    found = sum(1 for t in ids if t == marker)
     if found != len(counts):
         raise ValueError(
             f"the rendered text has {found} image placeholder(s) but the row has {len(counts)} image(s)"
         )
     out_ids, out_mask, k = [], [], 0
     for token, m in zip(ids, mask, strict=True):
-        if token == image_token_id:
-            out_ids += [token] * counts[k]
-            out_mask += [0] * counts[k]
+        if token == marker:
+            run = [*before, *[image_token_id] * counts[k], *after]
+            out_ids += run
+            out_mask += [0] * len(run)
             k += 1
         else:
             out_ids.append(token)
@@ -206,27 +310,32 @@ class ImageSamples:
         images = SampleImages(row.refs, processor) if row.refs else None
         try:
             if hasattr(sample, "chosen_ids"):
-                return _attach_pair(sample, counts, processor.image_token_id, images)
+                return _attach_pair(sample, counts, processor, images)
             ids, mask = expand_image_tokens(
-                sample.input_ids, sample.loss_mask, counts, processor.image_token_id
+                sample.input_ids,
+                sample.loss_mask,
+                counts,
+                processor.image_token_id,
+                processor.image_pieces(sample.input_ids),
             )
         except ValueError as err:
+            marker = processor.image_markup.marker
             raise DataError(
-                f"{row_name(dataset, sample.row, source)}: {err} (each image needs one {processor.image_token!r} "
+                f"{row_name(dataset, sample.row, source)}: {err} (each image needs one {marker!r} "
                 "in the prompt: a {'type': 'image'} content part rendered by the chat template)"
             ) from err
         return replace(sample, input_ids=ids, loss_mask=mask, images=images)
 
 
-def _attach_pair(sample, counts: list[int], image_token_id: int, images: SampleImages | None):
+def _attach_pair(sample, counts: list[int], processor: VisionProcessor, images: SampleImages | None):
     """Expand both sides of a pair; the images are in the shared prompt, which grows by the same count."""
-    sides = {}
+    sides, pieces = {}, processor.image_pieces(sample.chosen_ids[: sample.prompt_len])
     for side in ("chosen_ids", "rejected_ids"):
         ids = getattr(sample, side)
-        if any(t == image_token_id for t in ids[sample.prompt_len :]):
+        if any(t in (pieces[0], processor.image_token_id) for t in ids[sample.prompt_len :]):
             raise ValueError("an image placeholder is in a response; images must be in the prompt")
-        sides[side], _ = expand_image_tokens(ids, [0] * len(ids), counts, image_token_id)
-    grown = sum(counts) - len(counts)
+        sides[side], _ = expand_image_tokens(ids, [0] * len(ids), counts, processor.image_token_id, pieces)
+    grown = sum(counts) + len(counts) * (len(pieces[1]) + len(pieces[2]) - 1)
     return replace(sample, **sides, prompt_len=sample.prompt_len + grown, images=images)
 
 

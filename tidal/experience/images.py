@@ -64,26 +64,17 @@ def attach_prompt_images(dataset, samples: list, vision_cfg, processor, source: 
     if len(samples) != len(dataset):
         raise ValueError("attach_prompt_images needs one prompt sample per dataset row")
     rows = check_image_rows(dataset, vision_cfg, source, processor.token_counts)
-    token = processor.image_token
+    markup = processor.image_markup  # the family's processor's expansion (Gemma: begin/end of image)
     out = []
     for i, (sample, row) in enumerate(zip(samples, rows, strict=True)):
-        if sample.prompt.count(token) != len(row.refs):
+        try:
+            prompt = markup.expand_text(sample.prompt, row.token_counts)
+        except ValueError as err:
             raise DataError(
-                f"row {i + 1} of {source}: the rendered prompt has {sample.prompt.count(token)} image "
-                f"placeholder(s) but the row has {len(row.refs)} image(s) (each image needs one "
+                f"row {i + 1} of {source}: {err} (each image needs one {markup.marker!r}: a "
                 "{'type': 'image'} content part)"
-            )
-        out.append(
-            replace(sample, prompt=_expand_text(sample.prompt, token, row.token_counts), images=row.refs)
-        )
-    return out
-
-
-def _expand_text(text: str, token: str, counts: Sequence[int]) -> str:
-    parts = text.split(token)
-    out = parts[0]
-    for count, part in zip(counts, parts[1:], strict=True):
-        out += token * count + part
+            ) from err
+        out.append(replace(sample, prompt=prompt, images=row.refs))
     return out
 
 

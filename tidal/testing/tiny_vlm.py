@@ -21,7 +21,9 @@ loads (about 0.25M parameters: a 2-block vision tower of width 32 and a 2-layer 
 Gemma 3 (``gemma3``, ``build_tiny_vlm(path, "gemma3")``: ``build_tiny_gemma3``) differs: a 2-layer
 SigLIP tower (32×32 images of 8-pixel patches, pooled 2×2 into 4 image tokens), the tiny Gemma 3 text
 model (a sliding-window layer then a global one), the tokens ``<start_of_image>``, ``<image_soft_token>``
-(the placeholder), ``<end_of_image>`` (the template renders an image part as the three) and
+(the placeholder), ``<end_of_image>`` (the template renders an image part as the three, which tidal
+repeats in place, as the engine's requests take it; ``GEMMA3_REAL_CHAT_TEMPLATE`` and
+``GEMMA4_REAL_CHAT_TEMPLATE`` render the real templates' shapes, ``<start_of_image>`` / the image token alone) and
 transformers' own Gemma 3 image processor (its PIL path: no torchvision needed).
 
 Nothing touches the network. The same seed gives the same weights and tokenizer.
@@ -225,9 +227,15 @@ GEMMA_VLM_FAMILIES = ("gemma3",)
 BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
 GEMMA_IMAGE_SIDE, GEMMA_PATCH, GEMMA_IMAGE_TOKENS = 32, 8, 4
 GEMMA_LOGIT_SCALE = 8.0
-GEMMA3_CHAT_TEMPLATE = VLM_CHAT_TEMPLATE.replace(
-    "<|vision_start|><|image_pad|><|vision_end|>", BOI + SOFT + EOI
-)
+_QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+# What an image content part renders as. The tiny models' templates render the whole group with one soft
+# token, the shape the engine's requests expand in place (they do not expand a lone marker yet).
+GEMMA3_CHAT_TEMPLATE = VLM_CHAT_TEMPLATE.replace(_QWEN_IMAGE, BOI + SOFT + EOI)
+# The real templates' shapes (tidal.data.vision.ImageMarkup expands them as transformers' processors do):
+# Gemma 3's renders <start_of_image> alone (Gemma3Processor: "\n\n" + it + soft tokens + end + "\n\n"),
+# Gemma 4's its image token (Gemma4Processor: wrapped in <start_of_image>/<end_of_image>, no newlines).
+GEMMA3_REAL_CHAT_TEMPLATE = VLM_CHAT_TEMPLATE.replace(_QWEN_IMAGE, BOI)
+GEMMA4_REAL_CHAT_TEMPLATE = VLM_CHAT_TEMPLATE.replace(_QWEN_IMAGE, SOFT)
 # the registry's tiny gemma3_text shapes: a sliding-window (8) layer, then a global one
 _GEMMA3_TEXT = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=8, sliding_window_pattern=2)
 _SIGLIP = dict(
