@@ -25,12 +25,12 @@ from typing import ClassVar
 import torch
 
 from tidal.rollout.models.layers import CausalLM, DecoderArgs
+from tidal.rollout.models.mrope import MRopeMixin
 from tidal.rollout.models.vision_weights import VISION_PREFIX, language_weights
-from tidal.rollout.runner.attention import AttentionMetadata
 from tidal.rollout.runner.multimodal import PrefillImages
 
 
-class Qwen25VLForConditionalGeneration(CausalLM):
+class Qwen25VLForConditionalGeneration(MRopeMixin, CausalLM):
     weight_renames: ClassVar[tuple[tuple[str, str], ...]] = (
         ("model.visual.", VISION_PREFIX),
         ("model.language_model.", "model."),
@@ -73,19 +73,6 @@ class Qwen25VLForConditionalGeneration(CausalLM):
         # Column j of the first half turns by axis (section of j) % 3 (0 t, 1 h, 2 w); the second half repeats it.
         axis = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(self.args.mrope_section)])
         self.rope_axis = torch.cat([axis, axis]).to(device)
-
-    def reserve_block_state(self, num_blocks: int) -> None:
-        """The decode-delta table, one entry per KV block id (``ModelRunner`` calls it once)."""
-        self.block_deltas = torch.zeros(num_blocks, dtype=torch.int64, device=self.rope_axis.device)
-
-    def rope(self, positions, meta: AttentionMetadata, dtype: torch.dtype):
-        if positions.dim() == 2:  # prefill: [3, tokens] position triples
-            cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]  # [3, tokens, head_dim]
-            index = self.rope_axis.view(1, 1, -1).expand(1, positions.shape[1], -1)
-            return cos.gather(0, index)[0].to(dtype), sin.gather(0, index)[0].to(dtype)
-        delta = self.block_deltas[meta.block_tables[:, 0].long()]
-        limit = self.rotary.cos.shape[0] - 1
-        return self.rotary((positions + delta).clamp(0, limit), dtype)
 
     def forward(self, input_ids, positions, meta, logits_index=None, images: PrefillImages | None = None):
         x = self.model.embed_tokens(input_ids)

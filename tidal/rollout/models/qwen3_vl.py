@@ -32,9 +32,9 @@ from typing import ClassVar
 import torch
 
 from tidal.rollout.models.layers import CausalLM, DecoderArgs
+from tidal.rollout.models.mrope import MRopeMixin
 from tidal.rollout.models.qwen3 import Qwen3Attention
 from tidal.rollout.models.vision_weights import VISION_PREFIX, language_weights
-from tidal.rollout.runner.attention import AttentionMetadata
 from tidal.rollout.runner.multimodal import PrefillImages
 
 
@@ -47,7 +47,7 @@ def interleaved_rope_axis(mrope_section: list[int], half: int) -> torch.Tensor:
     return torch.cat([axis, axis])
 
 
-class QwenVisionMixin:
+class QwenVisionMixin(MRopeMixin):
     """A Qwen3-VL-style vision tower, interleaved M-RoPE and DeepStack on top of a ``CausalLM`` decoder
     (put it first in the bases). A subclass names its tower (``vision_tower_class``)."""
 
@@ -91,19 +91,6 @@ class QwenVisionMixin:
         self.visual.rotary_pos_emb = rotary.to(device)
         half = self.rotary.cos.shape[1] // 2  # the rotated channels' frequencies
         self.rope_axis = interleaved_rope_axis(self.args.mrope_section, half).to(device)
-
-    def reserve_block_state(self, num_blocks: int) -> None:
-        """The decode-delta table, one entry per KV block id (``ModelRunner`` calls it once)."""
-        self.block_deltas = torch.zeros(num_blocks, dtype=torch.int64, device=self.rope_axis.device)
-
-    def rope(self, positions, meta: AttentionMetadata, dtype: torch.dtype):
-        if positions.dim() == 2:  # prefill: [3, tokens] position triples
-            cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]  # [3, tokens, rotary_dim]
-            index = self.rope_axis.view(1, 1, -1).expand(1, positions.shape[1], -1)
-            return cos.gather(0, index)[0].to(dtype), sin.gather(0, index)[0].to(dtype)
-        delta = self.block_deltas[meta.block_tables[:, 0].long()]
-        limit = self.rotary.cos.shape[0] - 1
-        return self.rotary((positions + delta).clamp(0, limit), dtype)
 
     def forward(self, input_ids, positions, meta, logits_index=None, images: PrefillImages | None = None):
         x = self.model.embed_tokens(input_ids)
