@@ -11,8 +11,9 @@ without a reference (``--init_kl_coef 0``), one optimizer step per rollout. Full
 
 Each mode runs in a process of its own (the GPU starts empty) and runs ``--steps`` + 1 rollouts; the
 first is the warm-up (CUDA graphs captured, kernels compiled) and is reported apart. The JSON line has,
-per mode, the median step time split by phase (the trainer's ``time/*`` metrics: generate, make
-experience, advantages, train, sync weights), the start-up time (process start to the first step), and
+per mode, the median step time split by phase (the trainer's ``time/*`` metrics: generate, wake
+(``--deepspeed_enable_sleep`` brings the trainer's state back to the device), make experience, advantages,
+train, sync weights, sleep (the state back to host memory)), the start-up time (process start to the first step), and
 tokens per second: generated tokens / step time, trained tokens (prompt + response) / step time (the
 headline ``tokens_per_s``, docs/architecture.md section 6's definition; the issue's target is >= 3,000), and
 both added (``generated_plus_trained_tokens_per_s``).
@@ -73,7 +74,7 @@ from rollout import module_kernels  # noqa: E402
 from train_step import CONFIGS, model_config, versions  # noqa: E402
 from vlm_shapes import TINY_GRPO, VLM_SHAPES, build_vlm_checkpoint, image_tokens, vlm_prompt_rows  # noqa: E402
 
-PHASES = ("generate", "make_experience", "advantages", "train", "sync_weights")
+PHASES = ("generate", "wake", "make_experience", "advantages", "train", "sync_weights", "sleep")
 ISSUE_FLAGS = (
     "--colocate_all_models", "--vllm_enable_sleep", "--deepspeed_enable_sleep", "--gradient_checkpointing",
     "--param_dtype", "bf16", "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "256",

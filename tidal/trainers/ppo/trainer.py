@@ -193,8 +193,9 @@ class PPOTrainer:
     def train_step(self, generated: RolloutResult, step: int) -> dict[str, float]:
         """One RL step on a generated rollout (sampled and run by agents in the rollout role, then scored)."""
         timer, lag = PhaseTimer(), self.batcher.staleness(generated)  # steps since its weights
-        with timer("make_experience"):
+        with timer("wake"):  # --deepspeed_enable_sleep: the trainer's state back on the device
             self._trainer_awake(True)
+        with timer("make_experience"):
             exp, stats = self.make_experience(generated.exp)
         with timer("advantages"):
             if exp is not None:  # None: dynamic filtering kept no group on any rank
@@ -204,6 +205,7 @@ class PPOTrainer:
         with timer("sync_weights"):
             self.sync_weights(step)
             self.batcher.trained_one()  # the next rounds generate with these weights (--max_staleness)
+        with timer("sleep"):
             self._trainer_awake(False)
         stats |= mean_over_world(generated.reward_logs, self.world) | timer.seconds | generated.stats | lag
         stats["time/generate"] = generated.seconds
