@@ -45,7 +45,7 @@ def test_sleeping_between_steps_changes_nothing_and_reuses_its_buffers(tiny_llam
     plain = load_causal_lm(ModelConfig(pretrain=str(tiny_llama)), CPU)
     slept = copy.deepcopy(plain)
     params = list(slept.parameters())
-    mirror = HostMirror(pin=False)
+    mirror = HostMirror(pin=False, device_only=False)
     _steps_with_sleeps(plain, CPU, False, mirror, ids)
 
     optimizer = build_optimizer(slept, OptimConfig(learning_rate=1e-2))
@@ -72,8 +72,8 @@ def test_fsdp2_parameters_stay_dtensors_across_a_sleep(tiny_llama, own_process_g
     plain = load_causal_lm(ModelConfig(pretrain=str(tiny_llama)), CPU)
     mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     sharded = shard_single_device(copy.deepcopy(plain), CPU, mp, reshard_after_forward=True)
-    _steps_with_sleeps(plain, CPU, False, HostMirror(pin=False), ids)
-    _steps_with_sleeps(sharded, CPU, True, HostMirror(pin=False), ids)
+    _steps_with_sleeps(plain, CPU, False, HostMirror(pin=False, device_only=False), ids)
+    _steps_with_sleeps(sharded, CPU, True, HostMirror(pin=False, device_only=False), ids)
     assert all(type(p).__name__ == "DTensor" for p in sharded.parameters())
     for (name, a), b in zip(plain.named_parameters(), sharded.parameters(), strict=True):
         torch.testing.assert_close(_full(b), a.detach(), atol=1e-6, rtol=1e-5, msg=name)
@@ -103,3 +103,17 @@ def test_cuda_state_sleeps_in_pinned_host_memory_and_comes_back_equal(tiny_llama
         move_state(slept, optimizer, mirror, to_host=False, device=cuda)
     for (name, a), b in zip(plain.named_parameters(), slept.parameters(), strict=True):
         assert torch.equal(a.detach(), b.detach()), name
+
+
+def test_state_already_in_host_memory_stays_there(tiny_llama):
+    """--adam_offload's state lives in host memory: a sleep copies none of it, a wake brings none of it."""
+    model = load_causal_lm(ModelConfig(pretrain=str(tiny_llama)), CPU)
+    optimizer = build_optimizer(model, OptimConfig(learning_rate=1e-2))
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(3))
+    _train_step(model, optimizer, ids)
+    pointers = [p.data_ptr() for p in model.parameters()]
+    mirror = HostMirror(pin=False)
+    move_state(model, optimizer, mirror, to_host=True)
+    assert not mirror.buffers and not mirror.moved
+    move_state(model, optimizer, mirror, to_host=False, device=CPU)
+    assert [p.data_ptr() for p in model.parameters()] == pointers
