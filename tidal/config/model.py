@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from tidal.config.args import NON_NEGATIVE, POSITIVE, Checked, Range, arg
 
 PARAM_DTYPES = ("auto", "bf16", "fp16", "fp32")
+MASTER_DTYPES = ("fp32", "bf16")
 
 
 @dataclass
@@ -16,8 +17,16 @@ class ModelConfig(Checked):
     pretrain: str = arg(help="HF model name or local folder to start from (required)", metavar="PATH")
     param_dtype: str = arg(
         "auto",
-        help="compute dtype; weights and optimizer state stay float32 (auto: bf16 on CUDA, fp32 on CPU)",
+        help="compute dtype; weights and optimizer state are stored in --master_dtype (auto: bf16 on CUDA, "
+        "fp32 on CPU)",
         choices=PARAM_DTYPES,
+    )
+    master_dtype: str = arg(
+        "fp32",
+        help="dtype of a trained model's stored weights, gradients and AdamW moments (tidal extension). fp32: "
+        "a float32 master copy (16 bytes/param with AdamW). bf16: 8 bytes/param, as TRL/verl with a bf16 "
+        "model; updates smaller than bf16's resolution are lost. bf16 needs --param_dtype bf16 (or auto on CUDA)",
+        choices=MASTER_DTYPES,
     )
     attn_implementation: str = arg(
         "sdpa",
@@ -52,4 +61,9 @@ class ModelConfig(Checked):
         own = []
         if self.load_in_4bit and self.lora_rank <= 0:
             own.append("--load_in_4bit trains LoRA adapters on a 4-bit base: set --lora_rank > 0")
+        if self.master_dtype == "bf16" and self.param_dtype in ("fp16", "fp32"):
+            own.append(
+                f"--master_dtype bf16 stores weights in bf16 and computes in bf16: use --param_dtype bf16 "
+                f"(not {self.param_dtype})"
+            )
         return super().problems(flags) + own  # --lora_rank < 0: its range check

@@ -1,5 +1,10 @@
 """Load tokenizers and trainable Hugging Face models (full fine-tuning, LoRA or QLoRA).
 
+Dtypes (``docs/architecture.md``, precision): a model's weights are stored in ``--master_dtype``
+(``storage_dtype``; float32 by default, the master copy AdamW updates, so its gradients and moments are
+float32 too; bf16 halves all three). With LoRA the frozen ``nn.Linear`` weights are stored in the compute
+dtype (``store_frozen_linears``): autocast casts them to it in every matmul anyway, so only memory changes.
+
 A path that cannot be loaded is a ``ConfigError`` naming the path and why, in one line: a folder
 without ``config.json``, a truncated or corrupt weights file, a tokenizer with neither a pad nor an
 eos token (padding would have no id), rather than a traceback from deep inside ``transformers``.
@@ -22,6 +27,7 @@ from tidal.config.model import ModelConfig
 from tidal.logging import get_logger
 from tidal.logging.phases import phase, size_text
 from tidal.models.moe_experts import use_trainer_experts
+from tidal.models.precision import resolve_dtype
 from tidal.models.vision import is_vision_language, language_lora_targets
 
 
@@ -110,7 +116,8 @@ def apply_lora(model: nn.Module, cfg: ModelConfig, task_type: str = "CAUSAL_LM")
         # peft reads transformers' deprecated ``is_gradient_checkpointing`` (a FutureWarning per run
         # that the user cannot act on); only that warning is held back.
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return get_peft_model(model, lora)
+        # peft upcasts bf16 adapters to float32 by default; --master_dtype bf16 keeps them bf16 as asked.
+        return get_peft_model(model, lora, autocast_adapter_dtype=cfg.master_dtype == "fp32")
 
 
 @cache
@@ -161,8 +168,46 @@ def checkpoint_summary(source: str) -> str:
     )
 
 
+def storage_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """The dtype ``--master_dtype`` stores a model's weights in on ``device``; bf16 storage with float32
+    compute (``--param_dtype fp32``/``fp16``, or ``auto`` on the CPU) is refused in one line: the model
+    would silently compute in bf16."""
+    if cfg.master_dtype == "fp32":
+        return torch.float32
+    compute = resolve_dtype(cfg.param_dtype, device)
+    if compute != torch.bfloat16:
+        raise ConfigError(
+            f"--master_dtype bf16 needs bf16 compute, but --param_dtype {cfg.param_dtype} computes in "
+            f"{str(compute).removeprefix('torch.')} on {device.type}: add --param_dtype bf16"
+        )
+    return torch.bfloat16
+
+
+def store_frozen_linears(model: nn.Module, compute: torch.dtype) -> int:
+    """Store every frozen ``nn.Linear`` (LoRA's base layers, a frozen untied LM head) in ``compute`` when it
+    is narrower than their dtype; returns the parameters cast. Autocast casts a Linear's weight and bias
+    to ``compute`` in every matmul, so a forward gives the same bits; a weight tied to an embedding (a
+    lookup, not autocast) keeps its dtype, as do norms and embeddings, which set the residual stream."""
+    if compute not in (torch.bfloat16, torch.float16):
+        return 0
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    cast = 0
+    for module in model.modules():
+        if not isinstance(module, nn.Linear) or id(module.weight) in tied:
+            continue
+        params = [p for p in (module.weight, module.bias) if p is not None]
+        if any(p.requires_grad for p in params) or not all(
+            p.dtype.itemsize > compute.itemsize for p in params
+        ):
+            continue
+        module.to(compute)
+        cast += sum(p.numel() for p in params)
+    return cast
+
+
 def load_causal_lm(cfg: ModelConfig, device: torch.device, path: str | None = None) -> nn.Module:
-    """Load a causal LM for training in float32 (master weights), with checkpointing and LoRA applied.
+    """Load a causal LM for training in ``--master_dtype`` (float32 by default), with checkpointing and
+    LoRA applied; with LoRA the frozen linear weights are stored in the compute dtype.
 
     A vision-language folder (``tidal.models.vision.is_vision_language``) loads as
     ``AutoModelForImageTextToText``, its LoRA adapters on the language model only."""
@@ -171,12 +216,13 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device, path: str | None = No
     source = path or cfg.pretrain
     check_model_folder(source)
     vision = is_vision_language(source)
-    kwargs: dict = {"dtype": torch.float32, "attn_implementation": _attn_implementation(source, cfg)}
+    dtype = storage_dtype(cfg, device)
+    kwargs: dict = {"dtype": dtype, "attn_implementation": _attn_implementation(source, cfg)}
     if cfg.load_in_4bit:
         kwargs["quantization_config"] = _quantization_config()
     try:
         auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-        with phase(f"loading {source} ({checkpoint_summary(source)}) in float32"):
+        with phase(f"loading {source} ({checkpoint_summary(source)}) in {str(dtype).removeprefix('torch.')}"):
             model = auto.from_pretrained(source, **kwargs)
     except (OSError, ValueError, KeyError, SafetensorError) as err:
         raise model_load_error(source, err) from err
@@ -194,6 +240,8 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device, path: str | None = No
         model = apply_lora(model, replace(cfg, target_modules=targets))
         if cfg.gradient_checkpointing:
             model.enable_input_require_grads()  # checkpointed blocks need a grad-requiring input
+        if not cfg.load_in_4bit:
+            store_frozen_linears(model, resolve_dtype(cfg.param_dtype, device))
     if cfg.torch_compile:
         from tidal.models.compile import compile_blocks
 

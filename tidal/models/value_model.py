@@ -42,8 +42,15 @@ from tidal.config.args import ConfigError
 from tidal.config.model import ModelConfig
 from tidal.logging import get_logger
 from tidal.models.forward import model_inputs, ring_chunk
-from tidal.models.loading import _quantization_config, apply_lora, available_attn_implementation
+from tidal.models.loading import (
+    _quantization_config,
+    apply_lora,
+    available_attn_implementation,
+    storage_dtype,
+    store_frozen_linears,
+)
 from tidal.models.moe_experts import use_trainer_experts
+from tidal.models.precision import resolve_dtype
 
 log = get_logger(__name__)
 
@@ -127,11 +134,13 @@ def load_value_model(
     normalize_reward: bool = False,
     trained_head: bool = False,
 ) -> nn.Module:
-    """Load a reward/value model in float32 (see the module doc), with checkpointing and LoRA.
+    """Load a reward/value model in ``--master_dtype`` (float32 by default; see the module doc and
+    ``tidal.models.loading``), with checkpointing and LoRA (frozen linears in the compute dtype).
 
     ``trained_head``: the checkpoint must hold the head's weights (a reward model that scores);
     otherwise a missing head is initialised at random (a critic or a reward model to be trained)."""
-    model = _from_pretrained(cfg, path or cfg.pretrain, value_head_prefix, trained_head)
+    dtype = storage_dtype(cfg, device)
+    model = _from_pretrained(cfg, path or cfg.pretrain, value_head_prefix, trained_head, dtype)
     use_trainer_experts(model)  # MoE experts' grouped GEMMs in the autocast dtype, as the policy's
     attach_value_head(model, value_head_prefix)
     if normalize_reward:
@@ -144,10 +153,14 @@ def load_value_model(
         )
     if cfg.lora_rank > 0:
         model = _lora(model, cfg, value_head_prefix)
+        if not cfg.load_in_4bit:
+            store_frozen_linears(model, resolve_dtype(cfg.param_dtype, device))
     return model
 
 
-def _from_pretrained(cfg: ModelConfig, source: str, value_head_prefix: str, trained_head: bool) -> nn.Module:
+def _from_pretrained(
+    cfg: ModelConfig, source: str, value_head_prefix: str, trained_head: bool, dtype: torch.dtype
+) -> nn.Module:
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value_head_prefix):
@@ -166,7 +179,7 @@ def _from_pretrained(cfg: ModelConfig, source: str, value_head_prefix: str, trai
     config.use_cache = False
     kwargs: dict = {
         "config": config,
-        "dtype": torch.float32,
+        "dtype": dtype,
         "attn_implementation": available_attn_implementation(cfg.attn_implementation),
     }
     if value_head_prefix != HF_HEAD:

@@ -33,7 +33,12 @@ from torch import nn
 
 from tidal.config.args import ConfigError
 from tidal.config.model import ModelConfig
-from tidal.models.loading import available_attn_implementation, check_model_folder, model_load_error
+from tidal.models.loading import (
+    available_attn_implementation,
+    check_model_folder,
+    model_load_error,
+    storage_dtype,
+)
 from tidal.models.value_model import HF_HEAD, attach_value_head, load_value_model
 from tidal.models.value_model import _lora as lora_value_model
 from tidal.models.vision import freeze_vision, is_vision_language, language_lora_targets
@@ -42,7 +47,7 @@ from tidal.models.vision import freeze_vision, is_vision_language, language_lora
 def load_vision_value_model(
     cfg: ModelConfig, device: torch.device, value_head_prefix: str = HF_HEAD, path: str | None = None
 ) -> nn.Module:
-    """A VLM with a value head (see the module doc), float32, on ``device``."""
+    """A VLM with a value head (see the module doc), in ``--master_dtype``, on ``device``."""
     from transformers import AutoModelForImageTextToText
 
     source = path or cfg.pretrain
@@ -55,7 +60,7 @@ def load_vision_value_model(
     try:
         model = AutoModelForImageTextToText.from_pretrained(
             source,
-            dtype=torch.float32,
+            dtype=storage_dtype(cfg, device),
             attn_implementation=available_attn_implementation(cfg.attn_implementation),
         )
     except (OSError, ValueError, KeyError) as err:
@@ -63,6 +68,7 @@ def load_vision_value_model(
     hidden = model.config.get_text_config().hidden_size
     head = nn.Linear(hidden, 1, bias=False)
     nn.init.normal_(head.weight, std=1 / (hidden + 1))  # OpenRLHF's value-head init
+    head.to(model.dtype)  # stored like the body (--master_dtype)
     saved = _saved_head(source, value_head_prefix)
     if saved is not None:
         head.weight.data.copy_(saved)

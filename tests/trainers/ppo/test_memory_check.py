@@ -92,7 +92,7 @@ def test_a_short_host_is_named_in_the_refusal():
     assert line == (
         "--pretrain qwen7b: host memory needs host fp32 weights 28.4 GiB + host fp32 grads 28.4 GiB + host AdamW "
         "states 56.7 GiB = 113.5 GiB, more than the 90% of the 125.0 GiB the host has available; add "
-        "--lora_rank 64 (docs/distributed.md, memory plan)"
+        "--master_dtype bf16 (docs/distributed.md, memory plan)"
     )
 
 

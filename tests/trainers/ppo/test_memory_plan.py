@@ -80,7 +80,9 @@ def test_lora_fits_without_offload():
         64 * 28 * ((3584 + 3584) + 2 * (3584 + 512) + (3584 + 3584) + 2 * (3584 + 18944) + (18944 + 3584))
     )
     assert plan.phases["train"]["fp32 grads"] == 4 * adapters
-    assert plan.phases["train"]["base weights"] == 4 * P
+    # the frozen base: the input embedding float32, every linear weight (the LM head too) bf16
+    assert plan.phases["train"]["base weights"] == 4 * 152064 * 3584 + 2 * (P - 152064 * 3584)
+    assert plan.phases["train"]["compute copy"] == 0  # stored in bf16: autocast caches no casts
 
 
 def test_a_reference_needs_offload_too():
@@ -129,11 +131,13 @@ def test_host_memory_of_offload_and_sleep():
     assert asleep == {"host fp32 weights (asleep)": 4 * P, "host AdamW states (asleep)": 8 * P}
 
 
-def test_a_128_gib_host_cannot_take_adam_offload_so_lora_is_named():
+def test_a_128_gib_host_cannot_take_adam_offload_so_bf16_master_is_named():
     host = 125 * GIB  # what a 128 GiB machine has available
     offloaded = plan_memory(QWEN_7B, dataclasses.replace(ISSUE, adam_offload=True), H200, host)
     assert offloaded.fits_device and not offloaded.fits_host  # 16 P = 113.5 GiB > 90% of 125 GiB
-    assert fix_for(QWEN_7B, ISSUE, H200, host) == ["--lora_rank 64"]
+    assert fix_for(QWEN_7B, ISSUE, H200, host) == ["--master_dtype bf16"]  # before LoRA
+    fp32_compute = dataclasses.replace(ISSUE, compute_bytes=4)  # bf16 master needs bf16 compute
+    assert "--master_dtype bf16" not in fix_for(QWEN_7B, fp32_compute, H200, host)
     assert fix_for(QWEN_7B, ISSUE, H200, 256 * GIB) == ["--adam_offload"]
 
 

@@ -76,6 +76,7 @@ def settings_of(run: PPORun, dp_size: int) -> MemorySettings:
         lora_rank=run.actor.lora_rank,
         load_in_4bit=run.actor.load_in_4bit,
         compute_bytes=4 if run.actor.param_dtype == "fp32" else 2,
+        master_bytes=2 if run.actor.master_dtype == "bf16" else 4,
         zero_stage=run.dist.zero_stage,
         dp_size=dp_size,
         engine_on_device=not separate_engines(p, r.vllm_num_engines),
@@ -141,7 +142,7 @@ def refusal(run: PPORun, plan: MemoryPlan, fix: list[str]) -> str:
     if fix:
         return f"{where}, more than the {room}; add {' '.join(fix)} (docs/distributed.md, memory plan)"
     return (
-        f"{where}, more than the {room}, even with --adam_offload and LoRA: use more GPUs, a smaller model, or "
+        f"{where}, more than the {room}, even with --adam_offload, --master_dtype bf16 and LoRA: use more GPUs, a smaller model, or "
         "smaller --micro_train_batch_size / --micro_rollout_batch_size"
     )
 

@@ -4,19 +4,21 @@
 and the run's memory-relevant flags (``MemorySettings``) it adds up, per device, the bytes each
 component holds in each phase of an RL step, the way tidal's code holds them:
 
-- the policy trains with float32 master weights (``tidal.models.loading`` loads float32; ``--param_dtype``
-  is the compute dtype), float32 gradients and AdamW's two float32 moments: 16 bytes per trained
-  parameter, sharded over the data-parallel ranks as ``--zero_stage`` says; ``--adam_offload`` keeps all
-  three in host memory (FSDP2 ``CPUOffloadPolicy``);
+- the policy trains with master weights in ``--master_dtype`` (``tidal.models.loading``; ``--param_dtype``
+  is the compute dtype), gradients and AdamW's two moments in the same dtype: 16 bytes per trained
+  parameter in float32, 8 in bf16, sharded over the data-parallel ranks as ``--zero_stage`` says;
+  ``--adam_offload`` keeps all three in host memory (FSDP2 ``CPUOffloadPolicy``). With LoRA the frozen
+  base keeps its embeddings in the master dtype and its linear weights in the compute dtype;
 - the compute copy: autocast's cached bf16 casts of the matmul weights while the forward runs (one
-  process), or FSDP2's gathered bf16 parameters (kept from forward to backward unless ``--zero_stage 3``);
+  process; none for weights stored in bf16 already), or FSDP2's gathered bf16 parameters (kept from
+  forward to backward unless ``--zero_stage 3``);
 - activations of one micro-batch (each decoder layer's input only with ``--gradient_checkpointing``, plus
   one layer recomputed) and the float32 logits of the LM head's chunk (``DEFAULT_CHUNK`` tokens; the whole
   micro-batch for a family whose head is not chunkable);
 - the colocated engine: bf16 weights (kept while it sleeps: ``--vllm_enable_sleep`` frees the KV cache)
   and its KV cache, ``--vllm_gpu_memory_utilization`` of the memory free when it starts, at most what its
   sequences can fill;
-- the reference (float32, on the device unless ``--ref_reward_offload``, which still brings it for its
+- the reference (in the master dtype, on the device unless ``--ref_reward_offload``, which still brings it for its
   forward) when ``--init_kl_coef`` > 0, and the critic (trained like the policy) when the estimator needs one;
 - ``--deepspeed_enable_sleep`` moves the policy's (and critic's) weights and optimizer state to host
   memory while the engine generates.
@@ -94,6 +96,7 @@ class MemorySettings:
     lora_rank: int = 0
     load_in_4bit: bool = False
     compute_bytes: int = 2  # --param_dtype bf16/fp16 (fp32: 4)
+    master_bytes: int = 4  # --master_dtype fp32 (bf16: 2)
     zero_stage: int = 2
     dp_size: int = 1
     engine_on_device: bool = True  # a colocated engine (not --vllm_num_engines on devices of their own)
@@ -175,22 +178,40 @@ def _shard(nbytes: float, sharded: bool, dp_size: int) -> float:
     return nbytes / dp_size if sharded else nbytes
 
 
+def master_name(s: MemorySettings) -> str:
+    """``"fp32"`` or ``"bf16"``: the ``--master_dtype`` of ``s``."""
+    return "fp32" if s.master_bytes == 4 else "bf16"
+
+
+def lora_base_bytes(shape: ModelShape, s: MemorySettings) -> float:
+    """A LoRA run's frozen base: the input embedding in the master dtype, every linear weight (the LM head
+    included, unless tied to the embedding) in the narrower of the master and compute dtypes
+    (``tidal.models.loading.store_frozen_linears``); 4-bit: half a byte each. Norms count as linears
+    (a few thousand parameters a layer)."""
+    if s.load_in_4bit:
+        return 0.5 * shape.params
+    embedding = shape.vocab * shape.hidden
+    return embedding * s.master_bytes + (shape.params - embedding) * min(s.master_bytes, s.compute_bytes)
+
+
 def trainer_state(shape: ModelShape, s: MemorySettings) -> dict[str, float]:
-    """A trained model's weights, gradients and AdamW moments on the device (none with --adam_offload).
-    ``--zero_stage`` 3 shards the weights, 1 and 2 the gradients and moments, over the ranks."""
+    """A trained model's weights, gradients and AdamW moments on the device (none with --adam_offload), in
+    ``--master_dtype``. ``--zero_stage`` 3 shards the weights, 1 and 2 the gradients and moments."""
     if s.adam_offload:
         return {}
+    m, dtype = s.master_bytes, master_name(s)
     trained = shape.lora_params(s.lora_rank) if s.lora_rank else shape.params
-    base = shape.params * (0.5 if s.load_in_4bit else 4)  # a LoRA base stays in its load dtype
-    weights = (base if s.lora_rank else 4 * shape.params) / s.tp_size
+    weights = (lora_base_bytes(shape, s) if s.lora_rank else m * shape.params) / s.tp_size
     trained /= s.tp_size
     state = {
-        "fp32 weights" if not s.lora_rank else "base weights": _shard(weights, s.zero_stage == 3, s.dp_size),
-        "fp32 grads": _shard(4 * trained, s.zero_stage >= 2, s.dp_size),
-        "AdamW states": _shard(8 * trained, s.zero_stage >= 1, s.dp_size),
+        f"{dtype} weights" if not s.lora_rank else "base weights": _shard(
+            weights, s.zero_stage == 3, s.dp_size
+        ),
+        f"{dtype} grads": _shard(m * trained, s.zero_stage >= 2, s.dp_size),
+        "AdamW states": _shard(2 * m * trained, s.zero_stage >= 1, s.dp_size),
     }
     if s.lora_rank:
-        state["LoRA weights"] = 4 * trained
+        state["LoRA weights"] = m * trained
     return state
 
 
@@ -199,9 +220,11 @@ def compute_copy(shape: ModelShape, s: MemorySettings) -> float:
     weight (one process), or FSDP2's gathered parameters (one block at a time with --zero_stage 3)."""
     if s.compute_bytes >= 4 or s.load_in_4bit:
         return 0.0
+    fsdp = s.dp_size > 1 or s.adam_offload
+    if not fsdp and (s.lora_rank or s.master_bytes <= s.compute_bytes):
+        return 0.0  # the weights are stored in the compute dtype already: autocast casts (caches) nothing
     whole = s.compute_bytes * shape.compute_params
     whole /= s.tp_size
-    fsdp = s.dp_size > 1 or s.adam_offload
     if fsdp and s.zero_stage == 3:
         return 2 * whole / shape.layers  # this block's and the prefetched next one's
     return whole
@@ -249,7 +272,7 @@ def host_state(shape: ModelShape, s: MemorySettings) -> dict[str, float]:
         resting = {k: v for k, v in trainer_state(shape, on_device).items() if "grads" not in k}
         host = {f"host {k} (asleep)": v * models for k, v in resting.items()}
     if s.reference and s.ref_offload:
-        host["host reference"] = 4 * shape.params * s.ranks_per_host
+        host["host reference"] = s.master_bytes * shape.params * s.ranks_per_host
     return host
 
 
@@ -264,7 +287,8 @@ def plan_memory(
     resident = dict(policy) | critic  # what the trained models keep between steps
     resting = {k: v for k, v in resident.items() if "grads" not in k}  # grads are freed after each step
     engine = {"engine bf16 weights": 2 * shape.params} if s.engine_on_device else {}
-    reference = {"reference fp32 weights": 4 * shape.params} if s.reference else {}
+    # The reference loads like the policy (tidal.models.frozen.frozen_copy_config keeps --master_dtype).
+    reference = {f"reference {master_name(s)} weights": s.master_bytes * shape.params} if s.reference else {}
     parked_ref = {} if s.ref_offload else reference
     # The engine starts after the policy, critic and reference loaded (tidal.trainers.ppo.entry.build_parts)
     # and before any optimizer step: their weights are on the device, no moments yet. What mem_get_info
@@ -295,12 +319,15 @@ def plan_memory(
 
 # Flags that free memory at the peak, cheapest first: (the flag as the user types it, the settings it
 # changes). --deepspeed_enable_sleep is not one: it frees the trainer's memory only while the engine
-# generates, whose KV cache was sized when the engine started, so it never lowers the peak.
+# generates, whose KV cache was sized when the engine started, so it never lowers the peak. The first four
+# keep the numerics; --master_dtype bf16 changes them (updates below bf16's resolution are lost), and
+# --lora_rank changes the method, so they come last, in that order.
 FIXES = (
     ("--gradient_checkpointing", {"gradient_checkpointing": True}),
     ("--vllm_enable_sleep", {"vllm_enable_sleep": True}),
     ("--ref_reward_offload", {"ref_offload": True}),
     ("--adam_offload", {"adam_offload": True}),
+    ("--master_dtype bf16", {"master_bytes": 2}),
     (f"--lora_rank {LORA_RANK_ADVICE}", {"lora_rank": LORA_RANK_ADVICE}),
 )
 
@@ -310,6 +337,8 @@ def _applies(flag: str, s: MemorySettings) -> bool:
     if flag == "--vllm_enable_sleep" and not s.engine_on_device:
         return False
     if flag == "--ref_reward_offload" and not s.reference:
+        return False
+    if flag == "--master_dtype bf16" and s.compute_bytes != 2:  # it needs bf16 compute
         return False
     return not (flag.startswith("--lora_rank") and s.lora_rank)
 
