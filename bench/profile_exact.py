@@ -107,7 +107,8 @@ def decode(args, exact: bool) -> dict:
     hf = make_model(args.config, torch.device(args.device), seed=args.seed).to(dtype).eval()
     config = EngineConfig(
         max_num_seqs=args.batch,
-        max_model_len=args.prompt_len + 3 * args.steps + 8,
+        # at least the CLI's 64 + 256 (issue #34): exact attention gathers the block table's whole width
+        max_model_len=args.prompt_len + max(256, 3 * args.steps + 8),
         dtype=str(dtype).removeprefix("torch."),
         device=args.device,
         seed=args.seed,
