@@ -6,8 +6,10 @@ The workload is the issue's: a random-init Qwen2.5-7B-shaped checkpoint (28 laye
 ``--colocate_all_models --vllm_enable_sleep --deepspeed_enable_sleep --gradient_checkpointing
 --param_dtype bf16 --micro_train_batch_size 8 --micro_rollout_batch_size 256``, GRPO (``group_norm``)
 without a reference (``--init_kl_coef 0``), one optimizer step per rollout. Full-parameter training adds
-``--adam_offload``, which tidal's memory plan (``tidal/trainers/ppo/memory_plan.py``) asks for on a
-141 GB H200; ``lora`` trains ``--lora_rank 64`` adapters instead.
+``--master_dtype bf16`` (bf16 weights, gradients and AdamW moments, 8 bytes a parameter, as TRL with a bf16
+model), which tidal's memory plan (``tidal/trainers/ppo/memory_plan.py``) asks for on a 141 GB H200 with a
+128 GiB host (float32 state does not fit the GPU, nor with ``--adam_offload`` the host); ``lora`` trains
+``--lora_rank 64`` adapters instead.
 
 Each mode runs in a process of its own (the GPU starts empty) and runs ``--steps`` + 1 rollouts; the
 first is the warm-up (CUDA graphs captured, kernels compiled) and is reported apart. The JSON line has,
@@ -19,8 +21,8 @@ headline ``tokens_per_s``, docs/architecture.md section 6's definition; the issu
 both added (``generated_plus_trained_tokens_per_s``).
 
 ``--config qwen3.5-0.8b`` (issue #31) runs the same workload on Qwen3.5's smallest released shape
-(``bench/family_shapes.py``; ``tiny-qwen3.5`` is its CPU smoke run), full parameters without
-``--adam_offload`` (the memory plan asks for it only at 7B). Hybrid models (Gated DeltaNet layers) run each
+(``bench/family_shapes.py``; ``tiny-qwen3.5`` is its CPU smoke run), full parameters with float32 master
+weights (the memory plan asks for ``--master_dtype bf16`` only at 7B). Hybrid models (Gated DeltaNet layers) run each
 side twice, ``--fla off on``: with flash-linear-attention unimportable in the process (transformers'
 Gated DeltaNet forward/backward then takes its torch fallback, as for a user without ``fla``) and with it
 (transformers' fast path; causal-conv1d has no pure-Python wheel, so the convolution stays torch's in
@@ -79,12 +81,12 @@ ISSUE_FLAGS = (
     "--colocate_all_models", "--vllm_enable_sleep", "--deepspeed_enable_sleep", "--gradient_checkpointing",
     "--param_dtype", "bf16", "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "256",
 )  # fmt: skip
-MODE_FLAGS = {"full": ("--adam_offload",), "lora": ("--lora_rank", "64", "--lora_alpha", "128")}
-ADAM_OFFLOAD = {
+MODE_FLAGS = {"full": ("--master_dtype", "bf16"), "lora": ("--lora_rank", "64", "--lora_alpha", "128")}
+BF16_MASTER = {
     "qwen2.5-7b",
     "qwen2.5-vl-7b",
     "qwen3-vl-8b",
-}  # the configs whose full-parameter run needs --adam_offload on one H200
+}  # the configs whose full-parameter run needs --master_dtype bf16 on one H200 with a 128 GiB host
 # The workload's shapes: train_step's Qwen2.5 ones, Qwen3.5-0.8B's, and a tiny Qwen3.5 for CPU smoke runs.
 WORKLOADS = sorted([*CONFIGS, "qwen3.5-0.8b", "tiny-qwen3.5", *VLM_SHAPES, *TINY_GRPO])
 VLM = {*VLM_SHAPES, *TINY_GRPO}  # vision-language workloads: one image a prompt
@@ -231,9 +233,9 @@ def vlm_image_tokens(args) -> int:
 
 
 def mode_flags(args, mode: str) -> tuple[str, ...]:
-    """The mode's flags; full parameters offload AdamW only where the memory plan needs it (a namespace
-    without ``config``, as tests/bench/test_grpo_7b.py passes, is the 7B workload)."""
-    if mode == "full" and getattr(args, "config", "qwen2.5-7b") not in ADAM_OFFLOAD:
+    """The mode's flags; full parameters store bf16 master weights only where the memory plan needs it (a
+    namespace without ``config``, as tests/bench/test_grpo_7b.py passes, is the 7B workload)."""
+    if mode == "full" and getattr(args, "config", "qwen2.5-7b") not in BF16_MASTER:
         return ()
     return MODE_FLAGS[mode]
 

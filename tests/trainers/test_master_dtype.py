@@ -1,0 +1,77 @@
+"""``--master_dtype bf16``: SFT trains with weights, gradients and AdamW moments stored in bf16 (on the CPU
+under bf16 autocast, ``--param_dtype bf16``), resumes from its checkpoint exactly, and is refused in one
+line where the compute dtype is not bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tidal.cli.train_sft import parse_run
+from tidal.config import ConfigError
+from tidal.models import load_causal_lm
+from tidal.testing import AdditionTask
+from tidal.trainers import loop as loop_module
+from tidal.trainers.sft import run_sft
+
+
+@pytest.fixture(scope="module")
+def addition_file(tmp_path_factory):
+    return AdditionTask(digits=2).write_jsonl(tmp_path_factory.mktemp("data") / "train.jsonl", 64)
+
+
+def flags(model, data, out, *extra):
+    return [
+        "--pretrain", str(model), "--dataset", str(data), "--input_key", "prompt", "--output_key", "answer",
+        "--max_len", "64", "--train_batch_size", "16", "--micro_train_batch_size", "8", "--learning_rate", "3e-3",
+        "--save_path", str(out / "final"), "--ckpt_path", str(out / "ckpt"), "--max_samples", "64",
+        "--seed", "7", "--param_dtype", "bf16", "--master_dtype", "bf16", "--save_steps", "2",
+        "--max_epochs", "2", "--logging_steps", "1", *extra,
+    ]  # fmt: skip
+
+
+def test_bf16_master_trains_stores_bf16_and_resumes_exactly(tiny_qwen2, addition_file, tmp_path, crash_after):
+    seen = {}
+    step = loop_module.SupervisedTrainer.train_step
+
+    def grads(optimizer, args, kwargs):  # right before AdamW steps (the loop frees them after)
+        seen["grads"] = {
+            p.grad.dtype for g in optimizer.param_groups for p in g["params"] if p.grad is not None
+        }
+
+    def recording(self, samples):
+        if "params" not in seen:
+            self.opt.optimizer.register_step_pre_hook(grads)
+        out = step(self, samples)
+        seen["params"] = {p.dtype for p in self.opt.model.parameters()}
+        seen["moments"] = {
+            v.dtype for s in self.opt.optimizer.state.values() for k, v in s.items() if k != "step"
+        }
+        return out
+
+    loop_module.SupervisedTrainer.train_step = recording
+    try:
+        full = run_sft(parse_run(flags(tiny_qwen2, addition_file, tmp_path / "full")))
+    finally:
+        loop_module.SupervisedTrainer.train_step = step
+    assert seen == {"params": {torch.bfloat16}, "grads": {torch.bfloat16}, "moments": {torch.bfloat16}}
+    assert len(full) == 8
+    assert full[-1]["loss"] < 0.7 * full[0]["loss"], [h["loss"] for h in full]
+
+    restore = crash_after(loop_module.SupervisedTrainer, "train_step", 5)  # checkpoint at step 4
+    with pytest.raises(KeyboardInterrupt):
+        run_sft(parse_run(flags(tiny_qwen2, addition_file, tmp_path / "cut")))
+    restore()
+    resumed = run_sft(parse_run(flags(tiny_qwen2, addition_file, tmp_path / "cut", "--load_checkpoint")))
+    assert [h["step"] for h in resumed] == [5, 6, 7, 8]
+    assert [h["loss"] for h in resumed] == [h["loss"] for h in full[4:]]  # bf16 state restored bit for bit
+
+
+def test_bf16_master_needs_bf16_compute(tiny_qwen2, addition_file, tmp_path):
+    run = parse_run(flags(tiny_qwen2, addition_file, tmp_path, "--param_dtype", "auto"))
+    with pytest.raises(
+        ConfigError, match=r"--master_dtype bf16 needs bf16 compute.*auto computes in float32"
+    ):
+        load_causal_lm(run.model, torch.device("cpu"))  # auto is float32 on the CPU
+    with pytest.raises(ConfigError, match="use --param_dtype bf16 \\(not fp32\\)"):
+        parse_run(flags(tiny_qwen2, addition_file, tmp_path, "--param_dtype", "fp32"))
