@@ -25,6 +25,7 @@ from tidal.testing.tiny_vlm import (
     build_gemma3_tokenizer,
     gemma3_config,
     gemma4_config,
+    gemma_hf_processor,
 )
 
 MESSAGES = [
@@ -38,9 +39,6 @@ MESSAGES = [
         ],
     }
 ]
-# what transformers' Gemma processors read from a real Gemma tokenizer (the tiny one names them here)
-NAMED = {"boi_token": BOI, "eoi_token": EOI, "image_token": SOFT, "audio_token": "<audio_soft_token>",
-         "boa_token": "<start_of_audio>", "eoa_token": "<end_of_audio>"}  # fmt: skip
 
 
 def _images() -> list:
@@ -53,31 +51,7 @@ def _tokenizer(family: str, template: str):
     if family == "gemma4":
         tokenizer.add_special_tokens({"additional_special_tokens": list(_GEMMA4_OTHER_TOKENS)})
     tokenizer.chat_template = template
-    for name, token in NAMED.items():
-        setattr(tokenizer, name, token)
-        setattr(tokenizer, name + "_id", tokenizer.convert_tokens_to_ids(token))
     return tokenizer
-
-
-def _hf_processor(family: str, tokenizer):
-    """transformers' processor class of ``family``, built from its parts (no torchvision: Gemma 4's
-    video processor and audio feature extractor are left out, which its image path does not use)."""
-    if family == "gemma3":
-        from transformers import Gemma3Processor
-        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
-
-        image_processor = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
-        return Gemma3Processor(image_processor, tokenizer, image_seq_length=4)
-    from transformers import Gemma4Processor
-    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
-
-    class ImagesOnly(Gemma4Processor):
-        def check_argument_for_proper_class(self, name, argument):
-            if argument is not None:
-                super().check_argument_for_proper_class(name, argument)
-
-    image_processor = Gemma4ImageProcessorPil(patch_size=8, pooling_kernel_size=2, max_soft_tokens=70)
-    return ImagesOnly(None, image_processor, tokenizer, None)
 
 
 @pytest.mark.parametrize(
@@ -88,7 +62,7 @@ def _hf_processor(family: str, tokenizer):
 def test_prompt_ids_equal_the_transformers_processor(family, template):
     tokenizer = _tokenizer(family, template)
     config = (gemma3_config if family == "gemma3" else gemma4_config)(tokenizer)
-    hf = _hf_processor(family, tokenizer)
+    hf = gemma_hf_processor(family, tokenizer)
     text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     want = hf(text=text, images=_images(), return_tensors=None)["input_ids"][0]
 
@@ -124,9 +98,10 @@ def test_whole_group_templates_expand_in_place_and_miscounts_are_refused():
     first, second = BOI + SOFT * 2 + EOI, BOI + SOFT * 3 + EOI
     assert markup.expand_text(text, [2, 3]) == text.replace(group, first, 1).replace(group, second, 1)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    processor = VisionProcessor(tokenizer, None, tokenizer.image_token_id, markup=markup)
+    image_token_id = tokenizer.convert_tokens_to_ids(SOFT)
+    processor = VisionProcessor(tokenizer, None, image_token_id, markup=markup)
     pieces = processor.image_pieces(ids)
-    expanded = expand_image_tokens(ids, [0] * len(ids), [2, 3], tokenizer.image_token_id, pieces)[0]
+    expanded = expand_image_tokens(ids, [0] * len(ids), [2, 3], image_token_id, pieces)[0]
     assert expanded == tokenizer(markup.expand_text(text, [2, 3]), add_special_tokens=False)["input_ids"]
     with pytest.raises(ValueError, match="has 2 image placeholder.*has 1 image"):
         markup.expand_text(text, [4])

@@ -90,6 +90,11 @@ class VisionProcessor:
         found = [sum(1 for t in ids if t == token) for token in (self.image_token_id, opener)]
         return markup.for_rendered(*found).pieces(self.tokenizer)
 
+    def request_ids(self, ids: Sequence[int], counts: Sequence[int]) -> list[int]:
+        """A rollout engine request's prompt ids with its images laid out as transformers' processor does
+        (``expand_request_images`` with this tokenizer's pieces)."""
+        return expand_request_images(ids, counts, self.image_token_id, self.image_pieces(ids))
+
     def pixel_inputs(self, images: Sequence) -> dict[str, torch.Tensor]:
         """``pixel_values`` (all images' patches, in order) and ``image_grid_thw`` ``[N, 3]``."""
         out = self.image_processor(images=list(images), return_tensors="pt")
@@ -247,6 +252,33 @@ def expand_image_tokens(
             out_ids.append(token)
             out_mask.append(m)
     return out_ids, out_mask
+
+
+def expand_request_images(
+    ids: Sequence[int],
+    counts: Sequence[int],
+    image_token_id: int,
+    pieces: tuple[int, list[int], list[int]] | None = None,
+) -> list[int]:
+    """The rollout engine's requests (``tidal generate``, ``tidal serve``, ``LLMEngine`` calls): ``ids`` with
+    each image's marker expanded as ``expand_image_tokens`` does (``pieces``: ``VisionProcessor.image_pieces``
+    of ``ids``; None: the image token alone), or ``ids`` as they are when already expanded. They are when
+    the image token is its own marker in them (nothing is added around it: Qwen-VL, or a Gemma prompt that
+    already holds its begin-of-image tokens) and they hold exactly as many image tokens as the images take
+    (``sum(counts)``). A Gemma 3 prompt with lone ``<start_of_image>`` markers, or a Gemma 4 one whose image
+    tokens have no ``<start_of_image>``, is expanded whatever its counts; ``ValueError`` when markers and
+    images do not pair up."""
+    ids, pieces = list(ids), pieces or (image_token_id, [], [])
+    found = sum(1 for t in ids if t == image_token_id)
+    if pieces == (image_token_id, [], []) and found == sum(counts):
+        return ids
+    markers = sum(1 for t in ids if t == pieces[0])
+    if markers != len(counts):
+        raise ValueError(
+            f"the prompt has {markers} image placeholder token(s) but its {len(counts)} image(s) make "
+            f"{sum(counts)} image tokens (give one placeholder per image, or the expanded count)"
+        )
+    return expand_image_tokens(ids, [0] * len(ids), list(counts), image_token_id, pieces)[0]
 
 
 @dataclass

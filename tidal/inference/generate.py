@@ -13,9 +13,10 @@ scores the answer to the plain prompt).
 
 Images (``--image_key``, ``--max_images_per_prompt``; a vision-language ``--pretrain``): each row's images
 are read and checked up front as for training (``tidal.data.images.check_image_rows``), and go to the
-engine with their prompt (``tidal.rollout.runner.multimodal.MultiModalInput``), which expands each image's
-placeholder token; the output rows are written as for text (the rendered prompt holds one placeholder
-per image).
+engine with their prompt (``tidal.rollout.runner.multimodal.MultiModalInput``); each image's marker is
+laid out in the prompt's ids as the model's processor does (``tidal.data.vision.ImageMarkup``), so the
+engine takes them as they are; the output rows are written as for text (the rendered prompt holds one
+marker per image).
 
 Prompts go through the engine in chunks of ``--rollout_batch_size`` prompts (unset: about
 ``CHUNK_SEQS_PER_SLOT × --max_num_seqs`` samples); the file grows and is flushed chunk by chunk (a long run can be watched, and an interrupted one keeps
@@ -248,23 +249,35 @@ def load_prompts(run: GenerateRun, dataset, tokenizer, max_model_len: int, proce
         if texts is plain
         else [list(x) for x in tokenize_texts(tokenizer, plain, cfg.apply_chat_template)["input_ids"]]
     )
-    images, lengths = None, [len(x) for x in ids]
+    images = None
     if processor is not None:  # every row's images checked (and measured in tokens) before any sampling
-        images, lengths = _image_rows(run, dataset, processor, lengths)
+        images, ids = _image_rows(run, dataset, processor, texts)
+    lengths = [len(x) for x in ids]
     # the engine needs room for at least one new token after the prompt
     kept = _prompts_that_fit(lengths, min(cfg.prompt_max_len, max_model_len - 1), ds_cfg.dataset)
     labels = [s.label for s in samples]
     return Prompts(texts, ids, scored, labels, images).select(kept)
 
 
-def _image_rows(run: GenerateRun, dataset, processor, lengths: list[int]) -> tuple[list, list[int]]:
-    """Each row's checked image refs, and the prompt lengths once the engine has expanded each image's
-    one placeholder to its token count."""
+def _image_rows(run: GenerateRun, dataset, processor, texts: list[str]) -> tuple[list, list[list[int]]]:
+    """Each row's checked image refs, and the policy's prompt ids with each image's marker laid out on the
+    text as the model's processor does (``ImageMarkup.expand_text``: the image's token count, Gemma's
+    begin/end of image), so that the engine takes them as they are and their lengths are the prompts'."""
     from tidal.data.images import check_image_rows
 
-    rows_images = check_image_rows(dataset, run.vision, run.datasets.dataset, processor.token_counts)
-    lengths = [n + sum(row.token_counts) - len(row.refs) for n, row in zip(lengths, rows_images, strict=True)]
-    return [row.refs for row in rows_images], lengths
+    source = run.datasets.dataset
+    rows_images = check_image_rows(dataset, run.vision, source, processor.token_counts)
+    markup, laid_out = processor.image_markup, []
+    for i, (text, row) in enumerate(zip(texts, rows_images, strict=True)):
+        try:
+            laid_out.append(markup.expand_text(text, row.token_counts))
+        except ValueError as err:
+            raise DataError(
+                f"row {i + 1} of {source}: {err} (each image needs one {markup.marker!r}: a "
+                "{'type': 'image'} content part)"
+            ) from err
+    ids = tokenize_texts(processor.tokenizer, laid_out, run.prompts.apply_chat_template)["input_ids"]
+    return [row.refs for row in rows_images], [list(x) for x in ids]
 
 
 def _prompts_that_fit(lengths: list[int], limit: int, dataset: str) -> list[int]:

@@ -136,8 +136,20 @@ class ChatImages:
     decoded images into the engine's pixel input. ``open`` reads headers only, so a request too long for
     the context is refused before any pixel is decoded; ``pixel_input`` decodes and processes."""
 
-    def __init__(self, image_processor: Any, merge_size: int, limits: ImageLimits):
+    def __init__(self, image_processor: Any, merge_size: int, limits: ImageLimits, markup: Any = None):
         self.image_processor, self.merge_size, self.limits = image_processor, merge_size, limits
+        self.markup = markup  # the family's tidal.data.vision.ImageMarkup (None: the image token repeated)
+
+    def expand_text(self, text: str, opened: OpenedImages) -> str:
+        """The rendered chat ``text`` with each image's marker laid out as the model's processor does
+        (``ImageMarkup.expand_text``: Gemma's begin/end of image around its tokens); an already laid out
+        text, or one without a markup, is left to the engine (which expands the image token alone)."""
+        if self.markup is None:
+            return text
+        try:
+            return self.markup.expand_text(text, opened.counts)
+        except ValueError as err:  # e.g. a template that drops image parts
+            raise RequestError(f"the chat template's images do not match the request's: {err}") from None
 
     def check_count(self, count: int) -> None:
         if count > self.limits.max_images:

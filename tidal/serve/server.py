@@ -111,7 +111,13 @@ def _chat_images(engine: LLMEngine, limits: ServeLimits) -> ChatImages | None:
     vision, processor = getattr(engine, "vision", None), getattr(engine, "image_processor", None)
     if vision is None or processor is None:
         return None
-    return ChatImages(processor, vision.merge_size, ImageLimits(limits.max_images, limits.max_image_pixels))
+    layout = getattr(engine, "image_layout", None)  # the family's processor layout (Gemma: begin/end)
+    return ChatImages(
+        processor,
+        vision.merge_size,
+        ImageLimits(limits.max_images, limits.max_image_pixels),
+        None if layout is None else layout.image_markup,
+    )
 
 
 class OpenAIService:

@@ -309,9 +309,19 @@ def chat_messages(messages: Any, images: list[tuple[str, dict]] | None = None) -
     return [message_text(i, m, images) for i, m in enumerate(messages)]
 
 
-def chat_prompt_ids(tokenizer, messages: Any, tools: list[dict] | None = None) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: Any, tools: list[dict] | None = None, images=None) -> list[int]:
     """Render messages (and ``tools``) with the tokenizer's chat template (with the generation prompt)
-    into ids (messages already rendered by ``chat_messages`` are taken as they are)."""
+    into ids (messages already rendered by ``chat_messages`` are taken as they are); ``images``
+    (``(ChatImages, OpenedImages)``) lays the images out in the text as the model's processor does."""
+    text = chat_prompt_text(tokenizer, messages, tools)
+    if images is not None:
+        text = images[0].expand_text(text, images[1])
+    # The template writes any bos itself; encoding must not add a second one.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def chat_prompt_text(tokenizer, messages: Any, tools: list[dict] | None = None) -> str:
+    """``chat_prompt_ids``'s text, before images are laid out and it is encoded."""
     rendered = messages if _rendered(messages) else chat_messages(messages)
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError(
@@ -320,11 +330,9 @@ def chat_prompt_ids(tokenizer, messages: Any, tools: list[dict] | None = None) -
         )
     try:
         extra = {} if tools is None else {"tools": tools}  # as before when there are none
-        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False, **extra)
+        return tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False, **extra)
     except Exception as err:  # a template may raise on a message order it does not allow
         raise RequestError(f"the chat template rejected the messages: {err}", param="messages") from err
-    # The template writes any bos itself; encoding must not add a second one.
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _prompt_list(prompt: Any) -> list:
@@ -411,10 +419,10 @@ def parse_chat(
     parts: list[tuple[str, dict]] = []
     messages = _Rendered(chat_messages(body.get("messages"), parts))
     opened = _open_images(parts, images, limits)  # before the template: a text model's may not take parts
-    ids = chat_prompt_ids(tokenizer, messages, tools)
-    # each image's one placeholder becomes its token count: measured from its size, not yet decoded
-    prompt_len = len(ids) if opened is None else len(ids) + sum(opened.counts) - len(opened.counts)
-    max_tokens = _max_tokens(body, prompt_len, limits, ("max_completion_tokens", "max_tokens"))
+    # each image's marker laid out in the text with its token count (measured from its size, not yet
+    # decoded), so the ids are the processor's and their length is the prompt's
+    ids = chat_prompt_ids(tokenizer, messages, tools, None if opened is None else (images, opened))
+    max_tokens = _max_tokens(body, len(ids), limits, ("max_completion_tokens", "max_tokens"))
     multi_modal = None if opened is None else images.pixel_input(opened)
     stream, include_usage = _stream_options(body)
     return ServeRequest(

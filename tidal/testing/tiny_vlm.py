@@ -22,9 +22,11 @@ Gemma 3 (``gemma3``, ``build_tiny_vlm(path, "gemma3")``: ``build_tiny_gemma3``) 
 SigLIP tower (32×32 images of 8-pixel patches, pooled 2×2 into 4 image tokens), the tiny Gemma 3 text
 model (a sliding-window layer then a global one), the tokens ``<start_of_image>``, ``<image_soft_token>``
 (the placeholder), ``<end_of_image>`` (the template renders an image part as the three, which tidal
-repeats in place, as the engine's requests take it; ``GEMMA3_REAL_CHAT_TEMPLATE`` and
+repeats in place; ``GEMMA3_REAL_CHAT_TEMPLATE`` and
 ``GEMMA4_REAL_CHAT_TEMPLATE`` render the real templates' shapes, ``<start_of_image>`` / the image token alone) and
-transformers' own Gemma 3 image processor (its PIL path: no torchvision needed).
+transformers' own Gemma 3 image processor (its PIL path: no torchvision needed). ``gemma_hf_processor``
+builds transformers' ``Gemma3Processor`` / ``Gemma4Processor`` over a tiny tokenizer, which tidal's image
+prompts are checked against.
 
 Nothing touches the network. The same seed gives the same weights and tokenizer.
 """
@@ -229,7 +231,7 @@ GEMMA_IMAGE_SIDE, GEMMA_PATCH, GEMMA_IMAGE_TOKENS = 32, 8, 4
 GEMMA_LOGIT_SCALE = 8.0
 _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 # What an image content part renders as. The tiny models' templates render the whole group with one soft
-# token, the shape the engine's requests expand in place (they do not expand a lone marker yet).
+# token, which tidal expands in place.
 GEMMA3_CHAT_TEMPLATE = VLM_CHAT_TEMPLATE.replace(_QWEN_IMAGE, BOI + SOFT + EOI)
 # The real templates' shapes (tidal.data.vision.ImageMarkup expands them as transformers' processors do):
 # Gemma 3's renders <start_of_image> alone (Gemma3Processor: "\n\n" + it + soft tokens + end + "\n\n"),
@@ -349,3 +351,42 @@ def build_tiny_gemma4(path: str | Path, seed: int = 0, **text_overrides) -> Path
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(str(path))
     return path
+
+
+# ------------------------------------------------------------------ transformers' Gemma processors
+# What transformers' Gemma processors read from a real Gemma tokenizer (the tiny one is given them here).
+GEMMA_NAMED_TOKENS = {
+    "boi_token": BOI, "eoi_token": EOI, "image_token": SOFT, "audio_token": "<audio_soft_token>",
+    "boa_token": "<start_of_audio>", "eoa_token": "<end_of_audio>",
+}  # fmt: skip
+
+
+def gemma_hf_processor(family: str, tokenizer):
+    """transformers' ``Gemma3Processor`` / ``Gemma4Processor`` over ``tokenizer`` (a tiny Gemma one, given the
+    token names a real one has) with the tiny models' image processor settings; what tidal's image prompts
+    are checked against. No torchvision: Gemma 4's video processor and audio feature extractor are left
+    out, which its image path does not use."""
+    for name, token in GEMMA_NAMED_TOKENS.items():
+        setattr(tokenizer, name, token)
+        setattr(tokenizer, name + "_id", tokenizer.convert_tokens_to_ids(token))
+    if family == "gemma3":
+        from transformers import Gemma3Processor
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        side = {"height": GEMMA_IMAGE_SIDE, "width": GEMMA_IMAGE_SIDE}
+        return Gemma3Processor(
+            Gemma3ImageProcessorPil(size=side), tokenizer, image_seq_length=GEMMA_IMAGE_TOKENS
+        )
+    from transformers import Gemma4Processor
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    class ImagesOnly(Gemma4Processor):
+        def check_argument_for_proper_class(self, name, argument):
+            if argument is not None:
+                super().check_argument_for_proper_class(name, argument)
+
+    image_processor = Gemma4ImageProcessorPil(
+        patch_size=_GEMMA4_VISION["patch_size"], pooling_kernel_size=_GEMMA4_VISION["pooling_kernel_size"],
+        max_soft_tokens=GEMMA4_MAX_SOFT_TOKENS,
+    )  # fmt: skip
+    return ImagesOnly(None, image_processor, tokenizer, None)

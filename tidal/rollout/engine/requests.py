@@ -1,12 +1,16 @@
 """How ``LLMEngine`` turns requests into sequences and sequences into outputs: each prompt's ids checked
-against the model (and a vision family's image placeholders expanded), the ``n`` samples of a request
+against the model (and a vision family's image markers expanded as transformers' processor does:
+``tidal.data.vision.expand_request_images``), the ``n`` samples of a request
 made into ``Sequence``s with their seeds, and the ``CompletionOutput`` / ``RequestOutput`` of finished or
 running samples (text cut at the stop strings)."""
 
 from __future__ import annotations
 
+from functools import cached_property, partial
+
 import numpy as np
 
+from tidal.data.vision import expand_request_images
 from tidal.rollout.outputs import CompletionOutput, RequestOutput
 from tidal.rollout.runner.multimodal import MultiModalInput, PromptImages, prepare_images
 from tidal.rollout.runner.sampler import sequence_seed
@@ -58,13 +62,38 @@ class RequestBuilding:
             return ids, None
         if self.vision is None:
             raise ValueError(f"request {index} has images but the model has no vision tower")
-        ids, images = prepare_images(index, ids, mm, self.vision, self.image_processor)
+        ids, images = prepare_images(
+            index, ids, mm, self.vision, self.image_processor, partial(self._image_ids, prompt)
+        )
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt {index} has {len(ids)} tokens with its image tokens but max_model_len is "
                 f"{self.max_model_len} (the prompt must leave room for at least one new token)"
             )
         return ids, images
+
+    @cached_property
+    def image_layout(self):
+        """The family's processor layout of images (``tidal.data.vision.VisionProcessor`` with its
+        ``ImageMarkup``); None without a tokenizer (the image token alone then)."""
+        if self.tokenizer is None:
+            return None
+        from tidal.data.vision import VisionProcessor, image_markup
+
+        markup = image_markup(self.hf_config, self.tokenizer)
+        return VisionProcessor(self.tokenizer, None, self.vision.image_token_id, markup=markup)
+
+    def _image_ids(self, prompt, ids: list[int], counts: list[int]) -> list[int]:
+        """``ids`` (of ``prompt``) with images laid out as transformers' processor does. A text prompt
+        with markers is expanded on its text, then encoded, as the processor does: a tokenizer may merge
+        Gemma 3's added newlines with a neighbouring one (``\n`` + ``\n\n`` is one token in Gemma's)."""
+        layout = self.image_layout
+        if layout is None:
+            return expand_request_images(ids, counts, self.vision.image_token_id)
+        expanded = layout.request_ids(ids, counts)
+        if isinstance(prompt, str) and expanded != ids:
+            return self.tokenizer.encode(layout.image_markup.expand_text(prompt, counts))
+        return expanded
 
     def _make_group(
         self, index: int, ids: list[int], params: SamplingParams, mm: PromptImages | None = None

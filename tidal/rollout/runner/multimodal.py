@@ -5,9 +5,13 @@ into pixels), or the processor's own output (``pixel_values`` and ``image_grid_t
 trainer already computed). ``LLMEngine.generate(prompts, multi_modal=[...])`` and
 ``add_request(prompt, multi_modal=...)`` take one per prompt (None: text only).
 
-The prompt holds the model's image placeholder token (Qwen-VL: ``<|image_pad|>``) either once per image,
-as a chat template renders it, or already expanded to each image's token count (its merged patch grid:
-``t * h * w / merge_size²``); ``prepare_images`` expands the former and checks the latter.
+The prompt holds each image's marker once, as the model's chat template renders it (Qwen-VL:
+``<|image_pad|>``; Gemma 3: ``<start_of_image>``; Gemma 4: its image token), or is already expanded as
+transformers' processor lays images out (the image token repeated to the image's count, its merged patch
+grid ``t * h * w / merge_size²``; Gemma: between ``<start_of_image>``/``<end_of_image>``, Gemma 3 with
+newlines around). ``prepare_images`` expands the former through ``tidal.data.vision``'s
+``expand_request_images`` (the engine passes the family's ``ImageMarkup``; how an expanded prompt is told
+apart: that function's doc) and keeps the latter.
 
 What a sequence keeps (``PromptImages``, in ``Sequence.mm``, shared by the n samples of a prompt): the
 pixels and grids, the multimodal rotary positions of the prompt (``mrope_positions``: Qwen's M-RoPE, a
@@ -19,8 +23,10 @@ the span of its placeholder tokens (which key the prefix cache's blocks: ``Promp
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -37,6 +43,7 @@ from tidal.data.image_processors import (  # noqa: F401 (re-exported)
     patch_rows_to_padded,
     variable_size_kernel,
 )
+from tidal.data.vision import expand_request_images
 
 
 @dataclass(frozen=True)
@@ -189,10 +196,16 @@ def image_hash(pixels: torch.Tensor, grid: torch.Tensor) -> str:
 
 
 def prepare_images(
-    index: int, ids: list[int], mm: MultiModalInput, spec: VisionSpec, image_processor: Any
+    index: int,
+    ids: list[int],
+    mm: MultiModalInput,
+    spec: VisionSpec,
+    image_processor: Any,
+    expand: Callable[[list[int], list[int]], list[int]] | None = None,
 ) -> tuple[list[int], PromptImages]:
-    """The prompt's ids with each image's placeholder expanded (when given once per image) and its
-    ``PromptImages``; ``ValueError`` naming request ``index`` when placeholders and images disagree."""
+    """The prompt's ids with its images laid out as the family's processor does and its ``PromptImages``;
+    ``expand(ids, counts)`` makes the ids (default: ``tidal.data.vision.expand_request_images`` with the
+    image token alone). ``ValueError`` naming request ``index`` when placeholders and images disagree."""
     if mm.has_pixels:
         pixels, grid = mm.pixel_values, mm.image_grid_thw.long()
     else:
@@ -204,14 +217,10 @@ def prepare_images(
         out = image_processor(images=list(mm.images), return_tensors="pt")
         pixels, grid = out["pixel_values"], out["image_grid_thw"].long()
     counts = (grid.prod(-1) // spec.merge_size**2).tolist()
-    found = sum(1 for t in ids if t == spec.image_token_id)
-    if found == len(counts) and sum(counts) != found:
-        ids = _expand(ids, counts, spec.image_token_id)
-    elif found != sum(counts):
-        raise ValueError(
-            f"request {index}: the prompt has {found} image placeholder token(s) but its {len(counts)} "
-            f"image(s) make {sum(counts)} image tokens (give one placeholder per image, or the expanded count)"
-        )
+    try:
+        ids = (expand or partial(expand_request_images, image_token_id=spec.image_token_id))(ids, counts)
+    except ValueError as err:
+        raise ValueError(f"request {index}: {err}") from None
     if spec.mrope:
         positions, delta = mrope_positions(ids, grid, spec)
     else:  # every token, image or text, one position on
@@ -229,17 +238,6 @@ def image_spans(ids: Seq[int], counts: Seq[int], token: int) -> tuple[tuple[int,
     where = [i for i, t in enumerate(ids) if t == token]
     firsts = np.cumsum([0, *counts[:-1]]).tolist() if counts else []
     return tuple((where[first], int(n)) for first, n in zip(firsts, counts, strict=True))
-
-
-def _expand(ids: list[int], counts: list[int], token: int) -> list[int]:
-    out, k = [], 0
-    for t in ids:
-        if t == token:
-            out += [token] * counts[k]
-            k += 1
-        else:
-            out.append(t)
-    return out
 
 
 @dataclass
