@@ -2,7 +2,8 @@
 ``tidal.data.vision.expand_request_images``) take a prompt rendered by the real chat templates' shapes
 (Gemma 3: a lone ``<start_of_image>``; Gemma 4: its image token) and give exactly the ids of transformers'
 ``Gemma3Processor`` / ``Gemma4Processor``: as token ids or as text, one and two images; a prompt already
-laid out (the processor's own ids) is kept as it is. Greedy completions from such a prompt equal
+laid out (the processor's own ids) is kept as it is; markers and images that do not pair up are refused.
+Greedy completions from such a prompt equal
 ``transformers.generate`` on the processor's inputs."""
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ def test_request_ids_equal_the_transformers_processor(setup):
     params = SamplingParams(temperature=0.0, max_new_tokens=1)
     outs = engine.generate(prompts, params, multi_modal=images)
     assert [o.prompt_token_ids for o in outs] == wants
+    # two markers for one image (the markers counted, whichever the family's) are refused in one line
+    with pytest.raises(ValueError, match="request 0: the prompt has 2 image placeholder token.*1 image"):
+        engine.generate([prompts[3]], params, multi_modal=[MultiModalInput(images=_images(0, 1))])
 
 
 @torch.inference_mode()

@@ -75,8 +75,9 @@ class RequestBuilding:
     @cached_property
     def image_layout(self):
         """The family's processor layout of images (``tidal.data.vision.VisionProcessor`` with its
-        ``ImageMarkup``); None without a tokenizer (the image token alone then)."""
-        if self.tokenizer is None:
+        ``ImageMarkup``; ``tidal serve`` lays chat images out with it); None for a text model, or without a
+        tokenizer (the image token alone is expanded then)."""
+        if self.tokenizer is None or self.vision is None:
             return None
         from tidal.data.vision import VisionProcessor, image_markup
 
@@ -86,7 +87,7 @@ class RequestBuilding:
     def _image_ids(self, prompt, ids: list[int], counts: list[int]) -> list[int]:
         """``ids`` (of ``prompt``) with images laid out as transformers' processor does. A text prompt
         with markers is expanded on its text, then encoded, as the processor does: a tokenizer may merge
-        Gemma 3's added newlines with a neighbouring one (``\n`` + ``\n\n`` is one token in Gemma's)."""
+        Gemma 3's added newlines with a neighbouring one (Gemma's has one token for ``\\n\\n\\n``)."""
         layout = self.image_layout
         if layout is None:
             return expand_request_images(ids, counts, self.vision.image_token_id)
