@@ -70,8 +70,9 @@ class FrozenModel:
 
 
 def frozen_copy_config(cfg: ModelConfig, path: str) -> ModelConfig:
-    """The policy's model config for a frozen model at ``path``: full precision, without LoRA, 4-bit
-    quantisation or activation checkpointing (nothing is trained through it)."""
+    """The policy's model config for a frozen model at ``path``: stored in the policy's ``--master_dtype``
+    (float32 by default; the same weights as the policy's at step 0), without LoRA, 4-bit quantisation or
+    activation checkpointing (nothing is trained through it)."""
     return dataclasses.replace(
         cfg, pretrain=path, lora_rank=0, load_in_4bit=False, gradient_checkpointing=False
     )
@@ -87,7 +88,9 @@ def load_frozen(
     an offloaded copy stays whole on each rank, since it moves between CPU and device.
     """
     try:
-        model = load_causal_lm(frozen_copy_config(model_cfg, path), CPU if offload else world.device)
+        model = load_causal_lm(
+            frozen_copy_config(model_cfg, path), CPU if offload else world.device, compute_device=world.device
+        )
     except ConfigError as err:
         raise ConfigError(f"{flag} {path}: {err}") from err
     if not offload:

@@ -205,9 +205,16 @@ def store_frozen_linears(model: nn.Module, compute: torch.dtype) -> int:
     return cast
 
 
-def load_causal_lm(cfg: ModelConfig, device: torch.device, path: str | None = None) -> nn.Module:
+def load_causal_lm(
+    cfg: ModelConfig,
+    device: torch.device,
+    path: str | None = None,
+    compute_device: torch.device | None = None,
+) -> nn.Module:
     """Load a causal LM for training in ``--master_dtype`` (float32 by default), with checkpointing and
-    LoRA applied; with LoRA the frozen linear weights are stored in the compute dtype.
+    LoRA applied; with LoRA the frozen linear weights are stored in the compute dtype. ``compute_device``:
+    where it will compute when that is not ``device`` (a frozen model parked in host memory), which
+    resolves ``--param_dtype auto``.
 
     A vision-language folder (``tidal.models.vision.is_vision_language``) loads as
     ``AutoModelForImageTextToText``, its LoRA adapters on the language model only."""
@@ -216,7 +223,7 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device, path: str | None = No
     source = path or cfg.pretrain
     check_model_folder(source)
     vision = is_vision_language(source)
-    dtype = storage_dtype(cfg, device)
+    dtype = storage_dtype(cfg, compute_device or device)
     kwargs: dict = {"dtype": dtype, "attn_implementation": _attn_implementation(source, cfg)}
     if cfg.load_in_4bit:
         kwargs["quantization_config"] = _quantization_config()
@@ -241,7 +248,7 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device, path: str | None = No
         if cfg.gradient_checkpointing:
             model.enable_input_require_grads()  # checkpointed blocks need a grad-requiring input
         if not cfg.load_in_4bit:
-            store_frozen_linears(model, resolve_dtype(cfg.param_dtype, device))
+            store_frozen_linears(model, resolve_dtype(cfg.param_dtype, compute_device or device))
     if cfg.torch_compile:
         from tidal.models.compile import compile_blocks
 
