@@ -50,7 +50,8 @@ class DistributedConfig(Checked):
         None,
         help="dtype gradients are reduced across processes and accumulated in over a step's micro-batches "
         "(FSDP2's reduce_dtype; OpenRLHF's DeepSpeed option). Unset = fp32: tidal keeps float32 master "
-        "weights, so with any --param_dtype gradients are float32 already; bf16/fp16 round them to that "
+        "weights (unless --master_dtype bf16), so with any --param_dtype gradients are float32 already; "
+        "bf16/fp16 round them to that "
         "dtype (less communication; with one process FSDP2 wraps the model on its one device)",
         choices=("fp32", "bf16", "fp16"),
     )

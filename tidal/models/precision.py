@@ -1,13 +1,15 @@
-"""Numeric precision: float32 master weights and optimizer state, lower-precision compute.
+"""Numeric precision: master weights and optimizer state in ``--master_dtype``, lower-precision compute.
 
 ``--param_dtype bf16|fp16`` runs forward and backward under ``torch.autocast`` while parameters,
-gradients and AdamW state stay float32 (FSDP2 additionally all-gathers in the compute dtype).
+gradients and AdamW state stay in ``--master_dtype`` (float32 unless bf16 is asked for; the dtype
+``tidal.models.loading`` stores the weights in) and FSDP2 all-gathers in the compute dtype.
 fp16 needs loss scaling, which ``Precision.scaler`` provides. ``auto`` is bf16 on CUDA and fp32 on
 the CPU, where bf16 matmuls are about 20x slower.
 
-Gradients therefore are float32 whatever ``--param_dtype`` says. ``--grad_accum_dtype`` (OpenRLHF's
-DeepSpeed option) picks the dtype FSDP2 reduces them in across processes and accumulates them in
-between the micro-batches of one step (``grad_accum_dtype``); unset, that is float32.
+Gradients therefore are float32 whatever ``--param_dtype`` says (bf16 with ``--master_dtype bf16``).
+``--grad_accum_dtype`` (OpenRLHF's DeepSpeed option) picks the dtype FSDP2 reduces them in across
+processes and accumulates them in between the micro-batches of one step (``grad_accum_dtype``); unset,
+that is float32.
 """
 
 from __future__ import annotations
