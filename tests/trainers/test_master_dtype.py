@@ -1,11 +1,13 @@
 """``--master_dtype bf16``: SFT trains with weights, gradients and AdamW moments stored in bf16 (on the CPU
-under bf16 autocast, ``--param_dtype bf16``), resumes from its checkpoint exactly, and is refused in one
-line where the compute dtype is not bf16."""
+under bf16 autocast, ``--param_dtype bf16``) and resumes from its checkpoint exactly; GRPO runs with a bf16
+reference, the engine colocated and asleep between phases, and weight syncs; bf16 storage is refused in
+one line where the compute dtype is not bf16."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from tidal.cli.train_sft import parse_run
 from tidal.config import ConfigError
@@ -75,3 +77,21 @@ def test_bf16_master_needs_bf16_compute(tiny_qwen2, addition_file, tmp_path):
         load_causal_lm(run.model, torch.device("cpu"))  # auto is float32 on the CPU
     with pytest.raises(ConfigError, match="use --param_dtype bf16 \\(not fp32\\)"):
         parse_run(flags(tiny_qwen2, addition_file, tmp_path, "--param_dtype", "fp32"))
+
+
+def test_bf16_master_grpo_with_reference_sleep_and_weight_sync(tiny_qwen2, tmp_path):
+    from tests.trainers.test_ppo import rl_flags, write_echo_data
+    from tidal.cli.train_ppo import parse_run as parse_ppo
+    from tidal.trainers.ppo import run_ppo
+
+    data = write_echo_data(tmp_path / "echo")
+    history = run_ppo(parse_ppo(rl_flags(
+        tiny_qwen2, data, tmp_path, "--advantage_estimator", "group_norm", "--max_samples", "32",
+        "--init_kl_coef", "0.01", "--param_dtype", "bf16", "--master_dtype", "bf16", "--colocate_all_models",
+        "--vllm_enable_sleep", "--deepspeed_enable_sleep",
+    )))  # fmt: skip
+    assert len(history) == 2 and all(h["nonfinite_steps"] == 0 for h in history)
+    # the reference loads in bf16 like the policy (frozen_copy_config): the same log-probs at step 1
+    assert history[0]["kl"] == 0.0
+    with safe_open(str(tmp_path / "final" / "model.safetensors"), "pt") as saved:
+        assert {saved.get_tensor(k).dtype for k in saved.keys()} == {torch.bfloat16}  # noqa: SIM118
