@@ -138,7 +138,9 @@ class DecodeGraphs:
         self.forward(*inputs)  # warm-up outside the capture: Triton compilation, cuBLAS handles
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: with --async_train the trainer runs in another thread while the engine captures;
+        # the default (global) mode makes its cudaMalloc calls fail the capture (and the trainer's step).
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = self.forward(*inputs)
         if self.pool is None:
             self.pool = graph.pool()
