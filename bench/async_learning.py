@@ -21,7 +21,7 @@ with are). One JSON line: the settings, ``versions()``, ``before`` (the SFT mode
 mode the accuracies per seed and their means, those curves per seed and the seconds per run.
 
     python bench/async_learning.py --device cuda --seeds 0 1           # one H200
-    python bench/async_learning.py --device cpu --seeds 0 1 2          # 2 shared cores, 1 thread: ~4.5 minutes
+    python bench/async_learning.py --device cpu --seeds 0 1 2          # 2 shared cores, 1 thread: ~3.5 minutes
     python bench/async_learning.py --modes sync async async_partial    # issue #35's three modes only
 """
 
