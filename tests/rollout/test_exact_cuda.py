@@ -205,6 +205,28 @@ def test_attention_float32_matches_float64():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 100])
+def test_paged_attention_gives_the_gathered_bits_at_the_05b_shape(window):
+    """The engine's decode and context-prefill path (``paged_attention``: keys read through the block
+    table) against ``attention`` over the gathered table width: Qwen2.5-0.5B's heads (14/2, d 64), 16-slot
+    pages in shuffled order, a 2k-key table width, junk in unreferenced blocks."""
+    te = _gpu()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    page, width, rows = 16, 128, 6
+    cache = torch.randn(2, rows * width + 7, page, 2, 64, device="cuda", generator=g).bfloat16()
+    tables = torch.randperm(cache.shape[1], device="cuda", generator=g)[: rows * width].view(rows, width)
+    tables = tables.to(torch.int32)
+    gathered = cache.flatten(2).index_select(1, tables.view(-1).long()).view(2, rows, width * page, 2, 64)
+    decode_pos = torch.tensor([[0], [63], [64], [700], [2000], [2047]], device="cuda")
+    prefill_pos = torch.tensor([[0], [60], [500], [1000], [1500], [1900]], device="cuda")
+    prefill_pos = prefill_pos + torch.arange(100, device="cuda")
+    for pos in (decode_pos, prefill_pos):
+        q = torch.randn(rows, pos.shape[1], 14, 64, device="cuda", generator=g).bfloat16()
+        paged = te.paged_attention(q, cache, tables, pos, 0.125, window)
+        assert torch.equal(paged, te.attention(q, gathered[0], gathered[1], pos, 0.125, window))
+
+
+@pytest.mark.gpu
 def test_exact_ops_capture_in_a_cuda_graph():
     """The engine captures decode steps in CUDA graphs: the kernels need no host sync."""
     te = _gpu()

@@ -79,6 +79,33 @@ def test_interpreted_attention_matches_float64_and_a_query_alone_gives_the_same_
     assert torch.equal(te.attention(q[:, 33:], k, v, pos[:, 33:], 0.3, window), full[:, 33:])
 
 
+@pytest.mark.parametrize(("window", "heads", "kv_heads"), [(None, 4, 2), (20, 6, 3)])
+def test_interpreted_paged_attention_reads_the_cache_in_place_with_the_gathered_bits(
+    te, window, heads, kv_heads
+):
+    """``paged_attention`` (keys read through the block table) == ``attention`` over the block table's
+    gathered width, bit for bit: decode queries (one per row, a padding row at position 0) and prefill
+    queries against cached keys, 3 key blocks deep; blocks in shuffled order, unreferenced and
+    past-the-context slots hold junk."""
+    g = torch.Generator().manual_seed(3)
+    page, width, num_blocks, d = 16, 9, 30, 16
+    cache = torch.randn(2, num_blocks, page, kv_heads, d, generator=g)
+    tables = torch.randperm(num_blocks, generator=g)[: 3 * width].view(3, width).to(torch.int32)
+    tables[1, 4:] = 0  # a short row: the table's tail is padding
+    gathered = cache.flatten(2).index_select(1, tables.view(-1).long()).view(2, 3, width * page, kv_heads, d)
+    decode_pos = torch.tensor([[140], [0], [63]])
+    q = torch.randn(3, 1, heads, d, generator=g)
+    paged = te.paged_attention(q, cache, tables, decode_pos, 0.3, window)
+    assert torch.equal(paged, te.attention(q, gathered[0], gathered[1], decode_pos, 0.3, window))
+    prefill_pos = torch.tensor([[120], [50], [64]]) + torch.arange(7)
+    q = torch.randn(3, 7, heads, d, generator=g)
+    paged = te.paged_attention(q, cache, tables, prefill_pos, 0.3, window)
+    assert torch.equal(paged, te.attention(q, gathered[0], gathered[1], prefill_pos, 0.3, window))
+    assert (
+        paged.double() - ref_attention(q, gathered[0], gathered[1], prefill_pos, 0.3, window)
+    ).abs().max() < 1e-5
+
+
 def test_ops_on_the_kernels_have_the_reference_gradients(on_kernels, monkeypatch):
     """The kernels have no backward of their own: ``_invariant`` gives the torch formulation's."""
     g = torch.Generator().manual_seed(2)

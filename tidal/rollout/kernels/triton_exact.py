@@ -16,7 +16,9 @@ one program per row, the vocabulary in ``VOCAB_BLOCK`` chunks (max, then sum of 
 ``QUERY_BLOCK`` (query, head) rows of one KV head per program (a decode step's GQA group reads its keys
 once) over keys in ``KEY_BLOCK`` blocks at fixed absolute positions, online softmax in block order; a block a query sees none of leaves its state bit-unchanged
 (alpha is exactly 1, it adds exact zeros), so the keys beyond a query's position, the other queries of its
-tile and whether it is a prefill or a decode query change nothing.
+tile and whether it is a prefill or a decode query change nothing. ``paged_attention``: the same kernel
+reading the engine's paged KV cache in place through the block table (each key's slot computed from its
+position): the same key blocks in the same order as over the gathered keys, so the same bits.
 
 Keys and values beyond a query's position may hold anything finite (stale cache slots, padding).
 """
@@ -173,6 +175,8 @@ def _attention_kernel(
     v_ptr,
     pos_ptr,
     o_ptr,
+    bt_ptr,
+    sbt,
     Lq,
     Lk,
     KV,
@@ -202,7 +206,8 @@ def _attention_kernel(
     BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
-):  # WINDOW: the sliding window (0: none)
+    PAGE: tl.constexpr,
+):  # WINDOW: the sliding window (0: none); PAGE: keys in a paged cache of PAGE-slot blocks (0: dense)
     # A tile's rows are (query, head) pairs of one KV head: row r is query r // GROUPS, head
     # kvh * GROUPS + r % GROUPS, so a decode step's GQA group shares one read of its keys.
     bkv = tl.program_id(1).to(tl.int64)
@@ -235,8 +240,14 @@ def _attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         kpos = start + keys
         kin = kpos < Lk
+        if PAGE:  # key j of row b: slot j % PAGE of cache block block_tables[b, j // PAGE]
+            page = tl.load(bt_ptr + b * sbt + kpos // PAGE, mask=kin, other=0).to(tl.int64)
+            slot = page * PAGE + kpos % PAGE
+            k_rows, v_rows = slot * skl, slot * svl
+        else:
+            k_rows, v_rows = b * skb + kpos * skl, b * svb + kpos * svl
         k = tl.load(
-            k_ptr + b * skb + kpos[None, :] * skl + kvh * skh + dims[:, None] * skd,
+            k_ptr + k_rows[None, :] + kvh * skh + dims[:, None] * skd,
             mask=kin[None, :] & dmask[:, None],
             other=0.0,
         )
@@ -255,7 +266,7 @@ def _attention_kernel(
         p = tl.where(seen, tl.exp(s - m_safe[:, None]), 0.0)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(
-            v_ptr + b * svb + kpos[:, None] * svl + kvh * svh + dims[None, :] * svd,
+            v_ptr + v_rows[:, None] + kvh * svh + dims[None, :] * svd,
             mask=kin[:, None] & dmask[None, :],
             other=0.0,
         )
@@ -283,8 +294,36 @@ def attention(
     """``batch_invariant.attention``'s contract (causal, GQA, optional sliding window; key ``j`` at
     position ``j``) on CUDA: ``q [B, Lq, H, D]``, ``k, v [B, Lk, KV, D]``, ``q_pos [B, Lq]`` ->
     ``[B, Lq, H, D]`` in ``q``'s dtype."""
+    # no block table (PAGE=0 never reads it): q_pos stands in for its pointer
+    return _launch_attention(q, k, v, k.stride(), v.stride(), k.shape[1], q_pos, q_pos, 0, 0, scale, window)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """``attention`` with row ``b``'s key ``j`` read in place from the paged cache ``layer_cache [2, blocks,
+    page, KV, D]`` (keys, values) at slot ``j % page`` of block ``block_tables[b, j // page]``: the same
+    key blocks in the same order as ``attention`` over the gathered ``[B, width * page, KV, D]`` keys, so
+    the same bits, without the gathered copy (the block table's whole width per row, per layer)."""
+    page = layer_cache.shape[2]
+    keys, values = (layer_cache[i].flatten(0, 1) for i in (0, 1))  # [slots, KV, D]
+    table = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    return _launch_attention(
+        q, keys, values, (0, *keys.stride()), (0, *values.stride()), table.shape[1] * page,
+        q_pos, table, table.stride(0), page, scale, window,
+    )  # fmt: skip
+
+
+def _launch_attention(q, k, v, k_strides, v_strides, lk, q_pos, table, table_stride, page, scale, window):
+    """``_attention_kernel`` over ``q [B, Lq, H, D]`` with ``lk`` keys per row (``k``/``v``'s strides given:
+    a paged cache has no batch stride)."""
     b, lq, h, d = q.shape
-    lk, kv = k.shape[1], k.shape[2]
+    kv = k.shape[-2]
     out = torch.empty(b, lq, h, d, dtype=q.dtype, device=q.device)
     if b * lq * h == 0:
         return out
@@ -292,9 +331,10 @@ def attention(
     groups = h // kv
     grid = (triton.cdiv(lq * groups, QUERY_BLOCK), b * kv)
     _attention_kernel[grid](
-        q, k, v, pos, out, lq, lk, kv, float(scale),
-        *q.stride(), *k.stride(), *v.stride(), *pos.stride(), *out.stride(),
+        q, k, v, pos, out, table, table_stride, lq, lk, kv, float(scale),
+        *q.stride(), *k_strides, *v_strides, *pos.stride(), *out.stride(),
         GROUPS=groups, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=QUERY_BLOCK,
-        BLOCK_N=KEY_BLOCK, WINDOW=window or 0, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+        BLOCK_N=KEY_BLOCK, WINDOW=window or 0, IEEE=q.dtype == torch.float32, PAGE=page,
+        num_warps=4, num_stages=2,
     )  # fmt: skip
     return out

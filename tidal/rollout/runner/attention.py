@@ -229,16 +229,30 @@ def exact_attention(q, k, v, meta: AttentionMetadata, layer_cache: torch.Tensor,
         q_pos = torch.arange(idx.shape[1], device=q.device).expand(idx.shape)
         out = attention(q[idx], k[idx], v[idx], q_pos, scale, window)
         return out[meta.pad_valid].reshape(q.shape[0], -1)
-    batch = meta.block_tables.shape[0]
-    blocks = layer_cache.flatten(2).index_select(1, meta.block_tables.view(-1))
-    kv = blocks.view(2, batch, -1, *layer_cache.shape[-2:])  # [2, batch, slots, kv_heads, d]
     if meta.is_prefill:  # queries [start, end) of each sequence against its cached keys
         cols = torch.arange(meta.pad_index.shape[1], device=q.device)
         q_pos = meta.query_starts[:, None] + cols[None, :]
-        out = attention(q[meta.pad_index], kv[0], kv[1], q_pos, scale, window)
+        out = _exact_cached_attention(q[meta.pad_index], q_pos, meta, layer_cache, window, scale)
         return out[meta.pad_valid].reshape(q.shape[0], -1)
     q_pos = (meta.context_lens.long() - 1).clamp(min=0)[:, None]  # a padding row reads slot 0
-    return attention(q[:, None], kv[0], kv[1], q_pos, scale, window).reshape(batch, -1)
+    out = _exact_cached_attention(q[:, None], q_pos, meta, layer_cache, window, scale)
+    return out.reshape(q.shape[0], -1)
+
+
+def _exact_cached_attention(q, q_pos, meta: AttentionMetadata, layer_cache: torch.Tensor, window, scale):
+    """``batch_invariant.attention`` of ``q [batch, Lq, heads, d]`` over each row's cached keys, key ``j`` at
+    slot ``j % page`` of block ``block_tables[row, j // page]``. On the Triton kernels (CUDA) the kernel reads
+    the pages in place (``triton_exact.paged_attention``: the same key blocks in the same order, so the
+    same bits); elsewhere the block table's whole width is gathered first."""
+    from tidal.rollout.batch_invariant import attention, dispatch
+
+    if dispatch.on_triton(q):
+        kernels = dispatch.kernels()
+        return kernels.paged_attention(q, layer_cache, meta.block_tables, q_pos, scale, window)
+    batch = meta.block_tables.shape[0]
+    blocks = layer_cache.flatten(2).index_select(1, meta.block_tables.view(-1))
+    kv = blocks.view(2, batch, -1, *layer_cache.shape[-2:])  # [2, batch, slots, kv_heads, d]
+    return attention(q, kv[0], kv[1], q_pos, scale, window)
 
 
 def image_spans(
