@@ -73,8 +73,11 @@ def _gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("k", "n"), [(3584, 4608), (896, 151936)])
+@pytest.mark.parametrize(
+    ("k", "n"), [(3584, 4608), (896, 151936), (896, 896), (896, 128), (4864, 896), (896, 4864)]
+)
 def test_matmul_matches_float64_and_each_row_is_its_own(dtype, k, n):
+    """(0.5B's q/o, k/v, down, gate/up and lm_head shapes: each of ``matmul_config``'s tile choices.)"""
     te = _gpu()
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(301, k, device="cuda", generator=g).to(dtype)
@@ -89,8 +92,16 @@ def test_matmul_matches_float64_and_each_row_is_its_own(dtype, k, n):
     assert ((full.double() - ref).abs() <= bound).all()
     for rows in (slice(0, 1), slice(7, 8), slice(300, 301), slice(3, 5), slice(0, 17), slice(1, 300)):
         assert torch.equal(te.matmul(x[rows], w), full[rows])
-    # a packed projection's part (a slice of the weight) gives the full product's columns
-    assert torch.equal(te.matmul(x[:9], w[512:1024]), full[:9, 512:1024])
+    # a packed projection's part (a view of the packed weight: the engine's) gives what the same rows as a
+    # weight of their own (the trainer's separate layer) give; and the full product's columns where the
+    # part's tiles are the full weight's (the tile width follows N: ``matmul_config``)
+    lo, hi = n // 4, n // 2
+    part = te.matmul(x[:9], w[lo:hi])
+    assert torch.equal(part, te.matmul(x[:9], w[lo:hi].clone()))
+    if te.matmul_config(hi - lo, k) == te.matmul_config(n, k):
+        assert torch.equal(part, full[:9, lo:hi])
+    if n <= 5000:  # a trainer's batch (16k rows) gives the rows the same bits
+        assert torch.equal(te.matmul(x.repeat(55, 1), w)[-301:], full)
     # a row's place in the batch does not matter either
     perm = torch.randperm(301, device="cuda", generator=g)
     assert torch.equal(te.matmul(x[perm], w), full[perm])

@@ -57,6 +57,30 @@ def test_interpreted_matmul_rms_norm_and_logprobs_match_float64_and_are_row_inva
     assert torch.equal(te.token_logprobs(logits[4:5], tokens[4:5], temps[4:5]), lp[4:5])
 
 
+def test_matmul_config_is_a_function_of_the_weights_shape_at_the_05b_shapes(te):
+    """Qwen2.5-0.5B's weights (hidden 896, k/v 128, intermediate 4864, vocabulary 151936): narrow weights
+    get 64-column tiles, a long reduction one more stage; the row count is not an argument at all."""
+    import inspect
+
+    assert list(inspect.signature(te.matmul_config).parameters) == ["n", "k"]
+    assert te.matmul_config(896, 896).block_n == te.matmul_config(128, 896).block_n == 64
+    assert te.matmul_config(896, 4864) == te.MatmulConfig(block_n=64, num_warps=4, num_stages=4)
+    assert te.matmul_config(4864, 896).block_n == te.matmul_config(151936, 896).block_n == 128
+
+
+@pytest.mark.parametrize(("n", "k"), [(48, 40), (130, 100), (1100, 100), (130, 2100)])
+def test_interpreted_matmul_gives_a_row_the_same_bits_whatever_the_row_count(te, n, k):
+    """Each configuration class of ``matmul_config`` (0.5B's k/v_proj, q/o_proj, gate/up and lm_head,
+    down_proj, scaled down): a row alone, among a few rows, at the end of a partial tile, and among 200
+    rows gives the same bits."""
+    g = torch.Generator().manual_seed(n + k)
+    x, w = torch.randn(200, k, generator=g), torch.randn(n, k, generator=g)
+    full = te.matmul(x, w)
+    assert ((full.double() - ref_matmul(x, w)).abs() <= 1e-5 * (x.abs() @ w.abs().T)).all()
+    for rows in (slice(0, 1), slice(199, 200), slice(5, 8), slice(60, 130)):
+        assert torch.equal(te.matmul(x[rows], w), full[rows])
+
+
 @pytest.mark.parametrize(("window", "heads", "kv_heads"), [(None, 4, 2), (10, 4, 2), (None, 7, 1)])
 def test_interpreted_attention_matches_float64_and_a_query_alone_gives_the_same_bits(
     te, window, heads, kv_heads

@@ -4,13 +4,15 @@ cuBLAS picks a GEMM kernel (tile shape, split-K) from the problem's M, and torch
 their launch configuration from the number of rows, so a row's result there depends on what else is in
 the batch. These kernels fix everything that decides a row's reduction order:
 
-- one compiled configuration per kernel (no autotuning, no split-K); the row count ``M`` is not
-  specialised on (``do_not_specialize``), so a 1-row decode and a 4k-row prefill run the same code;
+- one compiled configuration per kernel (the GEMM: per weight shape; no autotuning, no split-K); the row
+  count ``M`` is neither specialised on (``do_not_specialize``) nor picks a configuration, so a 1-row
+  decode and a 4k-row prefill run the same code;
 - float32 accumulation, the reduced dimension walked in fixed blocks from 0 upward;
 - a row's (or a query's) result is computed by instructions that read only that row: the other rows of
   its tile go through the same tensor-core instructions in other lanes, and masked rows are zeros.
 
-``matmul``: ``x [M, K] @ w [N, K]^T`` in ``MATMUL_BLOCK_M x MATMUL_BLOCK_N`` tiles, K in ``MATMUL_BLOCK_K``
+``matmul``: ``x [M, K] @ w [N, K]^T`` in ``MATMUL_BLOCK_M x BLOCK_N`` tiles (``BLOCK_N``, warps and stages
+from the weight's ``(N, K)`` only, never from ``M``: ``matmul_config``), K in ``MATMUL_BLOCK_K``
 steps (bf16 or fp32; fp32 uses IEEE products, not TF32), out in ``x``'s dtype. ``rms_norm``: one program per row. ``token_logprobs``:
 one program per row, the vocabulary in ``VOCAB_BLOCK`` chunks (max, then sum of exponentials). ``attention``:
 ``QUERY_BLOCK`` (query, head) rows of one KV head per program (a decode step's GQA group reads its keys
@@ -25,12 +27,16 @@ Keys and values beyond a query's position may hold anything finite (stale cache 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-# One configuration each (see the module doc): changing one changes results, never correctness.
-MATMUL_BLOCK_M, MATMUL_BLOCK_N, MATMUL_BLOCK_K = 64, 128, 64  # one Hopper warpgroup MMA (m64) per tile
+# One configuration each (see the module doc): changing one changes results, never correctness. The GEMM's
+# BLOCK_K (the K-reduction order) is fixed; its tile width and pipeline depth follow the weight's shape
+# (``matmul_config``).
+MATMUL_BLOCK_M, MATMUL_BLOCK_K = 64, 64  # one Hopper warpgroup MMA (m64) per tile
 NORM_BLOCK = 1024
 VOCAB_BLOCK = 2048
 QUERY_BLOCK, KEY_BLOCK = 32, 64
@@ -66,6 +72,38 @@ def _matmul_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
+@dataclass(frozen=True)
+class MatmulConfig:
+    """A GEMM launch: output tile width, warps, software-pipeline stages (BLOCK_M and BLOCK_K are fixed)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Weights with at most this many output features (0.5B's q/o/down_proj, 896; k/v_proj): 64-column tiles,
+# twice the programs of 128-column ones (a decode step's M=256 is only 4 row tiles).
+NARROW_N = 1024
+LONG_K = 2048  # reductions at least this long (down_proj's intermediate size): one more stage in flight
+
+
+def matmul_config(n: int, k: int) -> MatmulConfig:
+    """The launch for a weight ``[n, k]``: a function of the weight's shape only, NEVER of the row count M.
+
+    A row's result is its K-reduction: ``tl.dot`` over ``MATMUL_BLOCK_K`` steps from 0 upward, each step one
+    chain of MMA instructions on the row's lanes, whatever the tile's other rows hold. With the
+    configuration fixed for a weight, that instruction sequence is the same for M=1 and M=16k, so the
+    engine's decode (M=256) and the trainer's forward (M=16k) give a row the same bits by construction.
+    Were the tile picked from M, the two would run different compiled kernels (another MMA shape or
+    warp split) with no guarantee that a row's products are summed alike; the tile width picked from N
+    is safe because both sides multiply by the same weight ([n, k]: the engine's packed parts are split
+    to the trainer's separate layers' shapes, ``runner/exact_model.py``). ``BLOCK_K`` and the K loop's
+    order stay fixed everywhere; the stage count only changes how far ahead loads are issued.
+    (Choices not yet measured on a GPU: ``bench/profile_exact.py``.)"""
+    block_n = 64 if n <= NARROW_N else 128
+    return MatmulConfig(block_n=block_n, num_warps=4, num_stages=4 if k >= LONG_K else 3)
+
+
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ w [N, K]^T`` in ``x``'s dtype (``w`` must have it too), each row on its own."""
     m, k = x.shape
@@ -73,11 +111,12 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    grid = (triton.cdiv(m, MATMUL_BLOCK_M), triton.cdiv(n, MATMUL_BLOCK_N))
+    config = matmul_config(n, k)
+    grid = (triton.cdiv(m, MATMUL_BLOCK_M), triton.cdiv(n, config.block_n))
     _matmul_kernel[grid](
         x, w, out, m, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-        BLOCK_M=MATMUL_BLOCK_M, BLOCK_N=MATMUL_BLOCK_N, BLOCK_K=MATMUL_BLOCK_K,
-        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=3,
+        BLOCK_M=MATMUL_BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=MATMUL_BLOCK_K,
+        IEEE=x.dtype == torch.float32, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
 
