@@ -45,6 +45,28 @@ def test_truncation_keeps_the_right_tokens():
     torch.testing.assert_close(out[kept], logits[kept])
 
 
+def test_exact_sampler_draws_the_same_tokens_and_takes_the_exact_logprobs():
+    """Exact mode's sampling pass computes no log-probs of its own (``reference(..., logprobs=False)``):
+    the same tokens as the default sampler (greedy and sampled rows, top-p, a repetition penalty, a
+    suppressed token) and ``exact_logprobs``' values."""
+    from tidal.rollout.runner.sampler import exact_logprobs
+
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    st = _tensors(6, temperature=0.8, top_p=0.9, vocab=50)
+    st.temperatures[0] = 0.0  # a greedy row among sampled ones
+    st.penalty_rows, st.penalty_tokens, st.penalties = (
+        torch.tensor([1, 2]),
+        torch.tensor([3, 4]),
+        torch.tensor([1.3, 1.3]),
+    )
+    st.suppress_rows, st.suppress_tokens = torch.tensor([3]), torch.tensor([7])
+    for tensors in (st, _tensors(6, temperature=0, vocab=50)):
+        tokens, logprobs = Sampler(exact=True)(logits, tensors)
+        assert torch.equal(tokens, Sampler()(logits, tensors)[0])
+        assert torch.equal(logprobs, exact_logprobs(logits, tokens, tensors))
+        assert Sampler.reference(logits, tensors, logprobs=False)[1] is None
+
+
 def test_gumbel_sampling_follows_the_distribution():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     rows = 20000

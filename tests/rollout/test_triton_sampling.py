@@ -46,6 +46,11 @@ def assert_same_draws(ts, logits, temps, seeds, positions, **split):
     greedy = ts.fused_sample(logits, None, None, None, **split)
     assert torch.equal(greedy[0], greedy_ref[0])
     torch.testing.assert_close(greedy[1], greedy_ref[1], atol=1e-5, rtol=1.3e-6, equal_nan=True)
+    # without log-probs (exact mode's pass, which takes its own): the same tokens, none computed
+    for kwargs in (dict(chunks=1), split):
+        alone = ts.fused_sample(logits, temps, seeds, positions, logprobs=False, **kwargs)
+        assert alone[1] is None and torch.equal(alone[0], tokens)
+    assert torch.equal(ts.fused_sample(logits, None, None, None, logprobs=False, **split)[0], greedy[0])
     return tokens, logprobs
 
 

@@ -90,14 +90,17 @@ def _gumbel(idx, row_hash):
 
 @triton.jit
 def _scan(
-    base, lo, hi, temp, divisor, row_hash, SAMPLE: tl.constexpr, BLOCK: tl.constexpr, SHORTCUTS: tl.constexpr
+    base, lo, hi, temp, divisor, row_hash,
+    SAMPLE: tl.constexpr, BLOCK: tl.constexpr, SHORTCUTS: tl.constexpr, LOGPROBS: tl.constexpr,
 ):  # fmt: skip
     """Lane-wise running (max, sum of exp relative to it, best score, first index of it) of the scaled
     logits ``base[lo:hi]`` (``lo`` a multiple of ``BLOCK``).
 
     ``SHORTCUTS`` skips, by branches uniform over the program, work whose result is known: the division
     when the divisor is 1 (T = 1 and greedy rows: ``div.rn`` by 1 returns its input, subnormals included)
-    and the noise of greedy rows (unused). The same floats come out either way."""
+    and the noise of greedy rows (unused). The same floats come out either way. Without ``LOGPROBS`` the
+    running max and sum (the log-prob's normaliser, two exponentials an element) are not kept: they stay
+    ``NO_MAX`` and 0; the draw does not read them."""
     offs = tl.arange(0, BLOCK)
     run_max = tl.full((BLOCK,), NO_MAX, tl.float32)
     run_sum = tl.zeros((BLOCK,), tl.float32)
@@ -112,9 +115,10 @@ def _scan(
                 x = tl.math.div_rn(x, tl.full((BLOCK,), 1.0, tl.float32) * divisor)
         else:
             x = tl.math.div_rn(x, tl.full((BLOCK,), 1.0, tl.float32) * divisor)  # torch divides exactly
-        new_max = tl.maximum(run_max, x)
-        run_sum = run_sum * tl.exp(run_max - new_max) + tl.exp(x - new_max)
-        run_max = new_max
+        if LOGPROBS:
+            new_max = tl.maximum(run_max, x)
+            run_sum = run_sum * tl.exp(run_max - new_max) + tl.exp(x - new_max)
+            run_max = new_max
         score = x
         if SAMPLE:
             if SHORTCUTS:
@@ -140,30 +144,33 @@ def _reduce(run_max, run_sum, best, best_idx, vocab):
 
 
 @triton.jit
-def _finish(base, row, token, divisor, top, total, tokens_ptr, logprobs_ptr):
-    x_token = tl.math.div_rn(tl.load(base + token).to(tl.float32), divisor)
+def _finish(base, row, token, divisor, top, total, tokens_ptr, logprobs_ptr, LOGPROBS: tl.constexpr):
     tl.store(tokens_ptr + row, token.to(tl.int64))
-    tl.store(logprobs_ptr + row, x_token - top - libdevice.log(total))
+    if LOGPROBS:
+        x_token = tl.math.div_rn(tl.load(base + token).to(tl.float32), divisor)
+        tl.store(logprobs_ptr + row, x_token - top - libdevice.log(total))
 
 
 @triton.jit
 def _sample_kernel(
     logits_ptr, stride, temps_ptr, seeds_ptr, positions_ptr, tokens_ptr, logprobs_ptr, vocab,
-    SAMPLE: tl.constexpr, BLOCK: tl.constexpr,
+    SAMPLE: tl.constexpr, BLOCK: tl.constexpr, LOGPROBS: tl.constexpr,
 ):  # fmt: skip
     """One program per row walks the whole vocabulary (``chunks=1``)."""
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride
     temp, divisor, row_hash = _row_settings(temps_ptr, seeds_ptr, positions_ptr, row, SAMPLE)
-    run_max, run_sum, best, best_idx = _scan(base, 0, vocab, temp, divisor, row_hash, SAMPLE, BLOCK, False)
+    run_max, run_sum, best, best_idx = _scan(
+        base, 0, vocab, temp, divisor, row_hash, SAMPLE, BLOCK, False, LOGPROBS
+    )
     top, total, _, token = _reduce(run_max, run_sum, best, best_idx, vocab)
-    _finish(base, row, token, divisor, top, total, tokens_ptr, logprobs_ptr)
+    _finish(base, row, token, divisor, top, total, tokens_ptr, logprobs_ptr, LOGPROBS)
 
 
 @triton.jit
 def _partial_kernel(
     logits_ptr, stride, temps_ptr, seeds_ptr, positions_ptr, stats_ptr, index_ptr, vocab, chunk_size,
-    SAMPLE: tl.constexpr, BLOCK: tl.constexpr,
+    SAMPLE: tl.constexpr, BLOCK: tl.constexpr, LOGPROBS: tl.constexpr,
 ):  # fmt: skip
     """Program (row, chunk): the chunk's (max, sum, best score) into ``stats[0..2, row, chunk]`` and the
     first index of its best score into ``index[row, chunk]``."""
@@ -174,7 +181,9 @@ def _partial_kernel(
     temp, divisor, row_hash = _row_settings(temps_ptr, seeds_ptr, positions_ptr, row, SAMPLE)
     lo = chunk * chunk_size
     hi = tl.minimum(lo + chunk_size, vocab)
-    run_max, run_sum, best, best_idx = _scan(base, lo, hi, temp, divisor, row_hash, SAMPLE, BLOCK, True)
+    run_max, run_sum, best, best_idx = _scan(
+        base, lo, hi, temp, divisor, row_hash, SAMPLE, BLOCK, True, LOGPROBS
+    )
     top, total, winner, token = _reduce(run_max, run_sum, best, best_idx, vocab)
     at = row * chunks + chunk
     plane = tl.num_programs(0) * chunks
@@ -187,7 +196,7 @@ def _partial_kernel(
 @triton.jit
 def _combine_kernel(
     logits_ptr, stride, temps_ptr, stats_ptr, index_ptr, tokens_ptr, logprobs_ptr, vocab, rows, chunks,
-    SAMPLE: tl.constexpr, CHUNKS: tl.constexpr,
+    SAMPLE: tl.constexpr, CHUNKS: tl.constexpr, LOGPROBS: tl.constexpr,
 ):  # fmt: skip
     """Program (row,): the row's chunks combined as ``_reduce`` combines lanes, then token and log-prob."""
     row = tl.program_id(0)
@@ -206,7 +215,7 @@ def _combine_kernel(
     best = tl.load(stats_ptr + 2 * plane + at, mask=valid, other=float("-inf"))
     best_idx = tl.load(index_ptr + at, mask=valid, other=vocab)
     top, total, _, token = _reduce(run_max, run_sum, best, best_idx, vocab)
-    _finish(base, row, token, divisor, top, total, tokens_ptr, logprobs_ptr)
+    _finish(base, row, token, divisor, top, total, tokens_ptr, logprobs_ptr, LOGPROBS)
 
 
 @functools.cache
@@ -238,8 +247,10 @@ def fused_sample(
     positions: torch.Tensor | None,
     chunks: int | None = None,
     block: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    logprobs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(tokens int64 [rows], log-probs float32 [rows]); ``temperatures`` None: every row greedy.
+    ``logprobs=False``: the same tokens, no log-probs computed (None; exact mode takes its own).
 
     ``chunks``: vocabulary chunks per row (None: ``split_chunks``; 1: the one-program-per-row kernel);
     ``block``: lanes per program (None: ``SPLIT_BLOCK``, or ``BLOCK`` for one chunk; a power of two)."""
@@ -247,7 +258,9 @@ def fused_sample(
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    want_logprobs = logprobs
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device) if want_logprobs else None
+    logprobs_out = tokens if logprobs is None else logprobs  # an unused pointer without log-probs
     if rows == 0:
         return tokens, logprobs
     sample = temperatures is not None
@@ -259,8 +272,8 @@ def fused_sample(
         chunks = split_chunks(rows, vocab, sm_count(logits.device), block or SPLIT_BLOCK)
     if chunks == 1:
         _sample_kernel[(rows,)](
-            logits, logits.stride(0), temperatures, seeds, positions, tokens, logprobs, vocab,
-            SAMPLE=sample, BLOCK=block or BLOCK,
+            logits, logits.stride(0), temperatures, seeds, positions, tokens, logprobs_out, vocab,
+            SAMPLE=sample, BLOCK=block or BLOCK, LOGPROBS=want_logprobs,
         )  # fmt: skip
         return tokens, logprobs
     block = block or SPLIT_BLOCK
@@ -271,10 +284,10 @@ def fused_sample(
     index = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
     _partial_kernel[(rows, chunks)](
         logits, logits.stride(0), temperatures, seeds, positions, stats, index, vocab, chunk_size,
-        SAMPLE=sample, BLOCK=block, num_warps=SPLIT_WARPS,
+        SAMPLE=sample, BLOCK=block, LOGPROBS=want_logprobs, num_warps=SPLIT_WARPS,
     )  # fmt: skip
     _combine_kernel[(rows,)](
-        logits, logits.stride(0), temperatures, stats, index, tokens, logprobs, vocab, rows, chunks,
-        SAMPLE=sample, CHUNKS=triton.next_power_of_2(chunks),
+        logits, logits.stride(0), temperatures, stats, index, tokens, logprobs_out, vocab, rows, chunks,
+        SAMPLE=sample, CHUNKS=triton.next_power_of_2(chunks), LOGPROBS=want_logprobs,
     )  # fmt: skip
     return tokens, logprobs

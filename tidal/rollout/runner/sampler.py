@@ -140,29 +140,33 @@ class Sampler:
         self.exact = exact
 
     def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, logprobs = self._sample(logits, st)
-        if self.exact:  # the same tokens; their log-probs from the batch-invariant log-softmax
+        if self.exact:  # the same tokens (the sampling pass computes no log-probs of its own); their
+            # log-probs from the batch-invariant log-softmax
+            tokens, _ = self._sample(logits, st, logprobs=False)
             return tokens, exact_logprobs(logits, tokens, st)
-        return tokens, logprobs
+        return self._sample(logits, st)
 
-    def _sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, st: SamplingTensors, logprobs: bool = True):
         plain = not st.any_truncation and st.suppress_rows is None and st.penalty_rows is None
         if self.fused and logits.is_cuda and plain:
             from tidal.rollout.kernels.triton_sampling import fused_sample
 
             if st.all_greedy:
-                return fused_sample(logits, None, None, None)
-            return fused_sample(logits, st.temperatures, st.seeds, st.positions)
-        return self.reference(logits, st)
+                return fused_sample(logits, None, None, None, logprobs=logprobs)
+            return fused_sample(logits, st.temperatures, st.seeds, st.positions, logprobs=logprobs)
+        return self.reference(logits, st, logprobs)
 
     @staticmethod
-    def reference(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sampling step in plain torch ops (any device, every option)."""
+    def reference(
+        logits: torch.Tensor, st: SamplingTensors, logprobs: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampling step in plain torch ops (any device, every option); ``logprobs=False``: the same
+        tokens, and None for their log-probs (no log-softmax computed)."""
         scaled = logits.float()
         if not st.all_greedy:
             greedy = st.temperatures == 0
             scaled = scaled / torch.where(greedy, 1.0, st.temperatures)[:, None]
-        logprobs = scaled.log_softmax(dim=-1)
+        log_softmax = scaled.log_softmax(dim=-1) if logprobs else None
         if st.penalty_rows is not None:  # after the log-probs: they are of the unpenalized logits
             # Dividing by T > 0 and penalizing commute (the sign is kept), so this equals HF's
             # penalty-then-temperature order.
@@ -175,7 +179,9 @@ class Sampler:
                 scaled = truncate_logits(scaled, st.top_k, st.top_p, st.min_p)
             gumbel = -torch.log(-torch.log(uniform_noise(st.seeds, st.positions, logits.shape[-1])))
             tokens = torch.where(greedy, tokens, (scaled + gumbel).argmax(dim=-1))
-        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+        if log_softmax is None:
+            return tokens, None
+        return tokens, log_softmax.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 def exact_logprobs(logits: torch.Tensor, tokens: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
