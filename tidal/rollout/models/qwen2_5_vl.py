@@ -26,6 +26,7 @@ import torch
 
 from tidal.rollout.models.layers import CausalLM, DecoderArgs
 from tidal.rollout.models.mrope import MRopeMixin
+from tidal.rollout.models.vision_attention import build_vision_tower
 from tidal.rollout.models.vision_weights import VISION_PREFIX, language_weights
 from tidal.rollout.runner.multimodal import PrefillImages
 
@@ -49,7 +50,8 @@ class Qwen25VLForConditionalGeneration(MRopeMixin, CausalLM):
         # images (and fail: more image tokens than images); the reported log-probs are unchanged
         video = getattr(hf, "video_token_id", None)
         self.never_sample = (self.image_token_id,) + (() if video is None else (int(video),))
-        self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(hf.vision_config)
+        # one attention call per run of equal windows, not one per window (vision_attention.py)
+        self.visual = build_vision_tower(Qwen2_5_VisionTransformerPretrainedModel, hf.vision_config)
         # Buffers set after ``to_empty``: the rotary column -> position axis map (``init_rope``) and the
         # decode-delta table (``reserve_block_state``).
         self.register_buffer("rope_axis", None, persistent=False)

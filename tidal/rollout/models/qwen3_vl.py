@@ -34,6 +34,7 @@ import torch
 from tidal.rollout.models.layers import CausalLM, DecoderArgs
 from tidal.rollout.models.mrope import MRopeMixin
 from tidal.rollout.models.qwen3 import Qwen3Attention
+from tidal.rollout.models.vision_attention import build_vision_tower
 from tidal.rollout.models.vision_weights import VISION_PREFIX, language_weights
 from tidal.rollout.runner.multimodal import PrefillImages
 
@@ -69,7 +70,8 @@ class QwenVisionMixin(MRopeMixin):
         # never sampled (ModelRunner.never_sample): the trainer's model would take them for images
         video = getattr(hf, "video_token_id", None)
         self.never_sample = (self.image_token_id,) + (() if video is None else (int(video),))
-        self.visual = self.vision_tower_class()._from_config(hf.vision_config)
+        # one attention call per run of equal-size images, not one per image (vision_attention.py)
+        self.visual = build_vision_tower(self.vision_tower_class(), hf.vision_config)
         # Set after ``to_empty``: the rotary column -> position axis map (``init_rope``) and the
         # decode-delta table (``reserve_block_state``).
         self.register_buffer("rope_axis", None, persistent=False)
