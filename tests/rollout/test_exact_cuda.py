@@ -102,6 +102,9 @@ def test_matmul_matches_float64_and_each_row_is_its_own(dtype, k, n):
         assert torch.equal(part, full[:9, lo:hi])
     if n <= 5000:  # a trainer's batch (16k rows) gives the rows the same bits
         assert torch.equal(te.matmul(x.repeat(55, 1), w)[-301:], full)
+    # a bias in the epilogue: torch's separate add's bits (the product rounded, the sum in float32, rounded)
+    bias = (torch.randn(n, device="cuda", generator=g) * 4).to(dtype)
+    assert torch.equal(te.matmul(x, w, bias), full + bias)
     # a row's place in the batch does not matter either
     perm = torch.randperm(301, device="cuda", generator=g)
     assert torch.equal(te.matmul(x[perm], w), full[perm])

@@ -81,6 +81,20 @@ def test_interpreted_matmul_gives_a_row_the_same_bits_whatever_the_row_count(te,
         assert torch.equal(te.matmul(x[rows], w), full[rows])
 
 
+def test_interpreted_matmul_bias_in_the_epilogue_gives_the_separate_adds_bits(te):
+    """``matmul(x, w, bias)`` == ``matmul(x, w) + bias`` bit for bit, and ``linear`` takes the epilogue where
+    no gradient is wanted. float32 only: the interpreter's bf16 products and roundings are not the GPU's
+    (``test_exact_cuda.py`` checks the bf16 rounding of the sum on the GPU)."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(70, 100, generator=g), torch.randn(130, 100, generator=g)
+    bias = torch.randn(130, generator=g) * 4
+    fused = te.matmul(x, w, bias)
+    assert torch.equal(fused, te.matmul(x, w) + bias)
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bi.dispatch, "on_triton", lambda t: True)
+        assert torch.equal(bi.linear(x.view(7, 10, 100), w, bias), fused.view(7, 10, 130))
+
+
 @pytest.mark.parametrize(("window", "heads", "kv_heads"), [(None, 4, 2), (10, 4, 2), (None, 7, 1)])
 def test_interpreted_attention_matches_float64_and_a_query_alone_gives_the_same_bits(
     te, window, heads, kv_heads

@@ -23,10 +23,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bias = None if bias is None else bias.to(x.dtype)
     if dispatch.on_triton(x):
         rows = x.reshape(-1, shape[-1])
-        grad = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
-        out = _Linear.apply(rows, weight) if grad else dispatch.kernels().matmul(rows, weight)
-        if bias is not None:
-            out = out + bias
+        wanted = (rows, weight) if bias is None else (rows, weight, bias)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in wanted):
+            out = _Linear.apply(rows, weight)
+            out = out if bias is None else out + bias
+        else:  # the bias in the GEMM's epilogue: the same bits as the separate add, one kernel fewer
+            out = dispatch.kernels().matmul(rows, weight, bias)
         return out.view(*shape[:-1], weight.shape[0])
     rows = x.reshape(-1, shape[-1])
     m = rows.shape[0]

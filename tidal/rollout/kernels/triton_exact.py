@@ -44,9 +44,10 @@ QUERY_BLOCK, KEY_BLOCK = 32, 64
 
 @triton.jit(do_not_specialize=["M", "N"])
 def _matmul_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, K: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K: tl.constexpr,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -68,8 +69,13 @@ def _matmul_kernel(
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
+    dtype = out_ptr.dtype.element_ty
+    y = acc.to(dtype)
+    if HAS_BIAS:  # torch's separate ``out + bias``: the rounded product plus the bias in float32, rounded
+        bias = tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) + bias[None, :]).to(dtype)
     out = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+    tl.store(out, y, mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
 @dataclass(frozen=True)
@@ -104,8 +110,10 @@ def matmul_config(n: int, k: int) -> MatmulConfig:
     return MatmulConfig(block_n=block_n, num_warps=4, num_stages=4 if k >= LONG_K else 3)
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ w [N, K]^T`` in ``x``'s dtype (``w`` must have it too), each row on its own."""
+def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ w [N, K]^T`` in ``x``'s dtype (``w`` and ``bias [N]`` must have it too), each row on its
+    own. ``bias`` is added in the epilogue exactly as torch's separate ``matmul(x, w) + bias`` adds it (the
+    product rounded to the dtype, then the sum in float32, rounded): the same bits, one kernel fewer."""
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -114,9 +122,10 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     config = matmul_config(n, k)
     grid = (triton.cdiv(m, MATMUL_BLOCK_M), triton.cdiv(n, config.block_n))
     _matmul_kernel[grid](
-        x, w, out, m, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
+        x, w, out if bias is None else bias.contiguous(), out, m, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=MATMUL_BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=MATMUL_BLOCK_K,
-        IEEE=x.dtype == torch.float32, num_warps=config.num_warps, num_stages=config.num_stages,
+        IEEE=x.dtype == torch.float32, HAS_BIAS=bias is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
 
