@@ -95,6 +95,22 @@ def test_interpreted_matmul_bias_in_the_epilogue_gives_the_separate_adds_bits(te
         assert torch.equal(bi.linear(x.view(7, 10, 100), w, bias), fused.view(7, 10, 130))
 
 
+def test_interpreted_packed_parts_write_their_own_columns(on_kernels):
+    """``linear_parts`` (the engine's q/k/v): each part's GEMM writes its columns of one output, the bits
+    of the part as a layer of its own (the trainer's)."""
+    g = torch.Generator().manual_seed(5)
+    x, w, bias = (
+        torch.randn(5, 3, 32, generator=g),
+        torch.randn(80, 32, generator=g),
+        torch.randn(80, generator=g),
+    )
+    sizes, bounds = [48, 16, 16], [(0, 48), (48, 64), (64, 80)]
+    with torch.no_grad():
+        packed = bi.linear_parts(x, w, bias, sizes)
+        separate = [bi.linear(x, w[a:b].clone(), bias[a:b].clone()) for a, b in bounds]
+    assert torch.equal(packed, torch.cat(separate, dim=-1))
+
+
 @pytest.mark.parametrize(("window", "heads", "kv_heads"), [(None, 4, 2), (10, 4, 2), (None, 7, 1)])
 def test_interpreted_attention_matches_float64_and_a_query_alone_gives_the_same_bits(
     te, window, heads, kv_heads

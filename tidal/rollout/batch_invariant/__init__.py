@@ -8,7 +8,8 @@ GEMMs, transcendental ops and reductions are not, and each module's docstring sa
 invariant (measured on CPU float32, torch 2.13 / MKL; ``tests/rollout/test_exact_logprobs.py`` checks
 every one):
 
-- ``matmul``: ``linear`` (every row through a GEMM of ``ROW_BLOCK`` rows);
+- ``matmul``: ``linear`` (every row through a GEMM of ``ROW_BLOCK`` rows), ``linear_parts`` (a packed
+  projection's parts each as its own ``linear``);
 - ``elementwise``: ``pointwise`` (transcendental ops on the vectorised path), ``rms_norm``, ``rope_cos_sin``;
 - ``causal_attention``: ``attention`` (keys reduced in fixed blocks of ``KEY_BLOCK``);
 - ``logprobs``: ``token_logprobs``;
@@ -49,7 +50,7 @@ from tidal.rollout.batch_invariant.hf_model import (
     use_engine_numerics,
 )
 from tidal.rollout.batch_invariant.logprobs import token_logprobs
-from tidal.rollout.batch_invariant.matmul import ROW_BLOCK, linear
+from tidal.rollout.batch_invariant.matmul import ROW_BLOCK, linear, linear_parts
 from tidal.rollout.batch_invariant.moe import gate_column, moe_experts, moe_route, shared_expert_mix, tree_sum
 from tidal.rollout.batch_invariant.support import (
     EXACT_CUDA_MODEL_TYPES,
@@ -78,6 +79,7 @@ __all__ = [
     "hf_exact_shared_moe",
     "is_exact",
     "linear",
+    "linear_parts",
     "make_exact",
     "moe_experts",
     "moe_route",

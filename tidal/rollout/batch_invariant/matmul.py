@@ -42,6 +42,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*shape[:-1], weight.shape[0])
 
 
+def linear_parts(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]
+) -> torch.Tensor:
+    """A packed projection (``weight``'s rows: parts of ``sizes`` rows, as the engine's fused q/k/v) with
+    each part computed as ``linear`` computes it alone (the trainer's separate layers), side by side in
+    one ``[..., sum(sizes)]`` output. On CUDA without a gradient each part's GEMM writes its own columns
+    (no concatenation copy); elsewhere the parts are concatenated."""
+    bounds = [(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(len(sizes))]
+    parts = [(weight[a:b], None if bias is None else bias[a:b]) for a, b in bounds]
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if not dispatch.on_triton(x) or grad:
+        return torch.cat([linear(x, w, b) for w, b in parts], dim=-1)
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.empty(rows.shape[0], sum(sizes), dtype=x.dtype, device=x.device)
+    for (a, b), (w, bias_part) in zip(bounds, parts, strict=True):
+        bias_part = None if bias_part is None else bias_part.to(x.dtype)
+        dispatch.kernels().matmul(rows, w.to(x.dtype), bias_part, out=out[:, a:b])
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 class _Linear(torch.autograd.Function):
     """The GEMM kernel; its gradients ``grad @ w`` and ``grad^T @ x`` (torch's GEMMs: no forward to redo)."""
 

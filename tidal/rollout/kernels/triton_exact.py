@@ -110,13 +110,17 @@ def matmul_config(n: int, k: int) -> MatmulConfig:
     return MatmulConfig(block_n=block_n, num_warps=4, num_stages=4 if k >= LONG_K else 3)
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def matmul(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x [M, K] @ w [N, K]^T`` in ``x``'s dtype (``w`` and ``bias [N]`` must have it too), each row on its
     own. ``bias`` is added in the epilogue exactly as torch's separate ``matmul(x, w) + bias`` adds it (the
-    product rounded to the dtype, then the sum in float32, rounded): the same bits, one kernel fewer."""
+    product rounded to the dtype, then the sum in float32, rounded): the same bits, one kernel fewer.
+    ``out``: an ``[M, N]`` view to write into (a packed projection's columns), else a new tensor."""
     m, k = x.shape
     n = w.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     config = matmul_config(n, k)

@@ -50,7 +50,8 @@ def _exact_rope(module: Rotary, positions: torch.Tensor, dtype: torch.dtype):
 
 
 def _exact_packed_linear(module: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([_exact_part(module, x, i) for i in range(len(module.parts))], dim=-1)
+    """Each packed part (q, k, v) in a matmul of its own, as the trainer's separate layers."""
+    return bi.linear_parts(x, module.weight, module.bias, [p.size for p in module.parts])
 
 
 def _exact_part(module: ColumnParallelLinear, x: torch.Tensor, part: int) -> torch.Tensor:
