@@ -126,7 +126,8 @@ def matmul(
     config = matmul_config(n, k)
     grid = (triton.cdiv(m, MATMUL_BLOCK_M), triton.cdiv(n, config.block_n))
     _matmul_kernel[grid](
-        x, w, out if bias is None else bias.contiguous(), out, m, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
+        x, w, out if bias is None else bias.contiguous(), out, m, n, k,  # no bias: an unused pointer
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=MATMUL_BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=MATMUL_BLOCK_K,
         IEEE=x.dtype == torch.float32, HAS_BIAS=bias is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
