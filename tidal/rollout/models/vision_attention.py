@@ -42,6 +42,20 @@ def equal_length_runs(lengths: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+# The towers pass the same two cu_seqlens tensors (images, windows) to every block of a forward: their
+# lengths are read to the host once each (a read waits for the GPU), not once per block.
+_LENGTHS: list[tuple[torch.Tensor, list[int]]] = []
+
+
+def _segment_lengths(cu_seqlens: torch.Tensor) -> list[int]:
+    for tensor, lengths in _LENGTHS:
+        if tensor is cu_seqlens:  # the very tensor (held here, so its id is not reused): not modified
+            return lengths
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    _LENGTHS[:] = [*_LENGTHS[-1:], (cu_seqlens, lengths)]
+    return lengths
+
+
 def segment_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -60,7 +74,7 @@ def segment_attention(
             f"{SEGMENT_ATTENTION} runs packed vision segments only (cu_seqlens, no mask/dropout)"
         )
     heads, dim = query.shape[1], query.shape[3]
-    lengths = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()  # one host read per block (as transformers')
+    lengths = _segment_lengths(cu_seq_lens_q)
     outs = []
     for first, length, count in equal_length_runs(lengths):
         rows = slice(first, first + length * count)
