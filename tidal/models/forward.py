@@ -36,6 +36,7 @@ from tidal.algorithms.logprobs import entropy_from_logits, gather_logprobs
 from tidal.models import ring_attention as ring_attn
 from tidal.models.logprob_head import (
     DEFAULT_CHUNK,
+    HeadResult,
     LogprobOutputs,
     chunkable_head,
     chunked_logprobs,
@@ -125,7 +126,7 @@ def token_logprobs(
     full logits, then ``gather_logprobs``.
     """
     if batch_invariant.is_exact(model):
-        return exact_token_logprobs(model, batch, temperature, with_entropy, **forward_kwargs)
+        return exact_token_logprobs(model, batch, temperature, with_entropy, chunk_size, **forward_kwargs)
     ring = ring_attn.active_ring()
     if ring is not None and "segment_ids" in batch:
         return ring_token_logprobs(
@@ -160,24 +161,30 @@ def _default_token_logprobs(
 
 
 def exact_token_logprobs(
-    model: nn.Module, batch: dict, temperature: float, with_entropy: bool = False, **forward_kwargs
+    model: nn.Module,
+    batch: dict,
+    temperature: float,
+    with_entropy: bool = False,
+    chunk_size: int | None = DEFAULT_CHUNK,
+    **forward_kwargs,
 ):
-    """``token_logprobs`` of a model switched by ``batch_invariant.make_exact``: full logits (its LM head
-    is the batch-invariant linear), then the batch-invariant log-softmax the engine's sampler also runs.
-    The attention reads samples from ``position_ids``, so padded and packed rows need no mask. The model
-    computes in the engine's dtype (``batch_invariant.use_engine_numerics``) with autocast off: autocast
-    would re-cast between the ops (e.g. run ``exp`` in float32 where the engine runs it in bf16).
+    """``token_logprobs`` of a model switched by ``batch_invariant.make_exact``: the batch-invariant forward,
+    its LM head (the batch-invariant linear) and the batch-invariant log-softmax the engine's sampler also
+    runs, ``chunk_size`` tokens at a time (``_exact_head``; ``None`` or a head that is not a plain linear:
+    full logits first). The attention reads samples from ``position_ids`` (their layout computed once,
+    ``batch_invariant.segment_layout``), so padded and packed rows need no mask. The model computes in the
+    engine's dtype (``batch_invariant.use_engine_numerics``) with autocast off: autocast would re-cast
+    between the ops (e.g. run ``exp`` in float32 where the engine runs it in bf16).
 
     Where grad is enabled (the policy loss) that forward runs without it, for the values only, and a
     second, default forward (``spliced_logprobs``) gives the gradient: the exact ops' own backward is
     slow and nothing needs it (only the log-probs must equal the engine's)."""
     ids = batch["input_ids"]
-    inputs = {"input_ids": ids, "position_ids": batch["position_ids"], "attention_mask": None}
     grad = torch.is_grad_enabled()
     with torch.no_grad(), batch_invariant.exact_autocast_off(ids.device), _hooks_off(model, grad):
-        outputs = model(**inputs, use_cache=False, **forward_kwargs)
-        lp = batch_invariant.token_logprobs(outputs.logits[:, :-1], ids[:, 1:], temperature)
-    lp = torch.cat([lp.new_zeros(ids.shape[0], 1), lp], dim=1)
+        lp, outputs = _exact_values(
+            model, batch, temperature, chunk_size, with_entropy and not grad, **forward_kwargs
+        )
     if grad:
         head = model.get_output_embeddings()
         exact_head = head.__dict__.get("forward")  # the chunked head swaps it out and deletes it
@@ -190,10 +197,76 @@ def exact_token_logprobs(
             if exact_head is not None:
                 head.forward = exact_head
         return spliced_logprobs(lp, fast), outputs
+    return lp, outputs
+
+
+def _exact_values(model, batch, temperature, chunk_size, with_entropy, **forward_kwargs):
+    """The exact forward's ``(logprobs [B, T], outputs)`` (no grad): chunked where the head allows."""
+    ids = batch["input_ids"]
+    inputs = {
+        "input_ids": ids,
+        "position_ids": batch["position_ids"],
+        "attention_mask": None,
+        # every layer's attention takes this one layout (its host syncs once per forward, not per layer)
+        batch_invariant.SEGMENTS_KWARG: batch_invariant.segment_layout(batch["position_ids"]),
+    }
+    head = chunkable_head(model) if chunk_size else None
+    if head is not None:
+        with _exact_head(head, ids, temperature, chunk_size, with_entropy) as result:
+            outputs = model(**inputs, use_cache=False, **forward_kwargs)
+        return result.logprobs, LogprobOutputs(outputs, head, result)
+    # the head is not a plain linear (e.g. LoRA on lm_head): its own forward, full [B, T, V] logits
+    outputs = model(**inputs, use_cache=False, **forward_kwargs)
+    lp = batch_invariant.token_logprobs(outputs.logits[:, :-1], ids[:, 1:], temperature)
+    lp = torch.cat([lp.new_zeros(ids.shape[0], 1), lp], dim=1)
     if with_entropy:
         ent = entropy_from_logits(outputs.logits[:, :-1], temperature, chunk_size=1024)
         outputs.entropy = torch.cat([ent.new_zeros(ids.shape[0], 1), ent], dim=1)
     return lp, outputs
+
+
+@contextlib.contextmanager
+def _exact_head(head: nn.Linear, input_ids, temperature: float, chunk_size: int, with_entropy: bool):
+    """Within, the exact model's LM head returns the ``[B, T]`` log-probs of ``input_ids`` (filled into the
+    yielded ``HeadResult``, as ``head_logprobs`` does for the default path) in place of logits: ``chunk_size``
+    tokens at a time, the batch-invariant ``linear`` then ``token_logprobs``, so at most one chunk's logits
+    exist. The values are the full logits' bit for bit: each row of ``linear`` (and of the log-softmax) is a
+    function of that row alone, whatever rows share the call (tests/models/test_exact_chunked_head.py)."""
+    result = HeadResult()
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        b, _, width = hidden.shape
+        flat = hidden[:, :-1].reshape(-1, width)
+        targets = input_ids[:, 1:].reshape(-1)
+        # the weight in the compute dtype once (``linear`` would round a float32 master copy per chunk)
+        weight = head.weight.to(flat.dtype)
+        bias = None if head.bias is None else head.bias.to(flat.dtype)
+        logps, ents = [], []
+        for h, t in zip(flat.split(chunk_size), targets.split(chunk_size), strict=True):
+            z = batch_invariant.linear(h, weight, bias)
+            logps.append(batch_invariant.token_logprobs(z, t, temperature))
+            if with_entropy:
+                ents.append(entropy_from_logits(z, temperature, chunk_size=1024))
+        result.hidden = hidden
+        result.logprobs = _zero_first(torch.cat(logps), b)
+        result.entropy = _zero_first(torch.cat(ents), b) if with_entropy else None
+        return result.logprobs
+
+    saved = head.__dict__.get("forward")  # make_exact's instance forward, put back after
+    head.forward = forward
+    try:
+        yield result
+    finally:
+        if saved is None:
+            del head.forward
+        else:
+            head.forward = saved
+
+
+def _zero_first(values: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """``[B·(T−1)]`` next-token values → ``[B, T]`` with a 0 in column 0 (nothing predicts token 0)."""
+    values = values.view(batch_size, -1)
+    return torch.cat([values.new_zeros(batch_size, 1), values], dim=1)
 
 
 def spliced_logprobs(exact: torch.Tensor, fast: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,8 @@ from tidal.rollout.batch_invariant.causal_attention import KEY_BLOCK, attention
 from tidal.rollout.batch_invariant.elementwise import POINT_BLOCK, pointwise, rms_norm, rope_cos_sin
 from tidal.rollout.batch_invariant.hf_model import (
     EXACT_ATTENTION,
+    SEGMENTS_KWARG,
+    SegmentLayout,
     bound_forward,
     default_attention,
     engine_dtype,
@@ -66,6 +68,8 @@ __all__ = [
     "KEY_BLOCK",
     "POINT_BLOCK",
     "ROW_BLOCK",
+    "SEGMENTS_KWARG",
+    "SegmentLayout",
     "attention",
     "bound_forward",
     "default_attention",

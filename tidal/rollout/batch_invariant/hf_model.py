@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -69,11 +70,22 @@ def use_engine_numerics(model: torch.nn.Module, dtype: torch.dtype | None = None
                 module.inv_freq.copy_(inv_freq)
 
 
-def segment_layout(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For rows ``[B, T]`` of one or more samples each (positions restart at 0 per sample, as in packed
-    rows): ``(index [S, L], valid [S, L], local [S, L])`` — the flat token index of each sample's ``l``-th
-    token, whether it exists, and its position within the sample. A sample starts wherever the position
-    does not continue the previous token's (a row start, a 0, or a padding token)."""
+@dataclass(frozen=True)
+class SegmentLayout:
+    """The samples of rows ``[B, T]`` (positions restart at 0 per sample, as in packed rows) laid out as a
+    ``[S, L]`` grid (``S`` samples, ``L`` the longest), the shape ``attention`` takes."""
+
+    index: torch.Tensor  # [S, L]: the flat token index of each sample's l-th token (0 past its end)
+    local: torch.Tensor  # [S, L]: its position within the sample
+    sample: torch.Tensor  # [B * T]: each token's sample (row of the grid) ...
+    col: torch.Tensor  # [B * T]: ... and column: the way back from the grid to the tokens
+
+
+def segment_layout(position_ids: torch.Tensor) -> SegmentLayout:
+    """The ``SegmentLayout`` of rows ``position_ids [B, T]``. A sample starts wherever the position does not
+    continue the previous token's (a row start, a 0, or a padding token), so every token is in exactly one
+    sample. Two host syncs (the sample count and the longest sample): the exact forward computes it once
+    and hands it to every layer (``hf_exact_attention``'s ``tidal_segments``)."""
     bsz, t = position_ids.shape
     flat = position_ids.reshape(-1)
     starts = torch.ones_like(flat, dtype=torch.bool)
@@ -81,33 +93,38 @@ def segment_layout(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     starts[::t] = True
     first = torch.nonzero(starts).view(-1)
     lengths = torch.diff(torch.cat([first, first.new_tensor([flat.numel()])]))
-    cols = torch.arange(int(lengths.max()), device=flat.device)
-    valid = cols[None, :] < lengths[:, None]
-    index = torch.where(valid, first[:, None] + cols[None, :], 0)
-    return index, valid, cols[None, :].expand_as(index)
+    width = int(lengths.max())
+    cols = torch.arange(width, device=flat.device)
+    index = torch.where(cols[None, :] < lengths[:, None], first[:, None] + cols[None, :], 0)
+    sample = starts.cumsum(0) - 1
+    col = torch.arange(flat.numel(), device=flat.device) - first[sample]
+    return SegmentLayout(index, cols[None, :].expand_as(index), sample, col)
 
 
 EXACT_ATTENTION = "tidal_exact"
+SEGMENTS_KWARG = "tidal_segments"  # a forward keyword carrying the rows' ``SegmentLayout`` to every layer
 
 
 def hf_exact_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention (``query [B, H, T, D]``, ``key/value [B, KV, T, D]``) through ``attention``:
-    each sample of a row (found from ``position_ids``; the mask is not read) attends its own tokens. With
-    grad enabled (a checkpoint's recompute of the fast forward): the model's default attention instead."""
+    each sample of a row (found from ``position_ids``, or the forward's ``tidal_segments`` layout; the mask
+    is not read) attends its own tokens. With grad enabled (a checkpoint's recompute of the fast forward):
+    the model's default attention instead."""
     if torch.is_grad_enabled():
         fn = _default_attention_fn(module)
         return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    position_ids = kwargs.get("position_ids")
     b, h, t, d = query.shape
-    if position_ids is None:
-        position_ids = torch.arange(t, device=query.device).expand(b, t)
-    index, valid, local = segment_layout(position_ids)
-    q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d)[index] for x in (query, key, value))
+    layout = kwargs.get(SEGMENTS_KWARG)
+    if layout is None:
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(t, device=query.device).expand(b, t)
+        layout = segment_layout(position_ids)
+    q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d)[layout.index] for x in (query, key, value))
     window = getattr(module, "tidal_window", None)
-    out = attention(q, k, v, local, scaling if scaling is not None else d**-0.5, window)
-    flat = out.new_zeros(b * t, h, d)
-    flat[index[valid]] = out[valid]
-    return flat.view(b, t, h, d), None
+    out = attention(q, k, v, layout.local, scaling if scaling is not None else d**-0.5, window)
+    # every token is in exactly one sample: gather each token's row back (no zero-filled scatter target)
+    return out[layout.sample, layout.col].view(b, t, h, d), None
 
 
 def _default_attention_fn(module):
