@@ -58,13 +58,14 @@ def _batches() -> list[dict]:
     return [packed, padded]
 
 
-def _head_rows(monkeypatch) -> list[int]:
-    """Records the row count of every LM-head GEMM the chunked head runs (``batch_invariant.linear`` as
-    ``forward.py`` calls it; the layers hold their own reference)."""
+def _head_rows(monkeypatch, vocab: int = 512) -> list[int]:
+    """Records the row count of every vocabulary-wide GEMM through ``batch_invariant.linear`` looked up on
+    the package, as the chunked head (and exact LoRA) call it; the switched layers hold their own reference."""
     rows, linear = [], bi.linear
 
     def spy(x, weight, bias=None):
-        rows.append(x.shape[0])
+        if weight.shape[0] == vocab:
+            rows.append(x.reshape(-1, x.shape[-1]).shape[0])
         return linear(x, weight, bias)
 
     monkeypatch.setattr(bi, "linear", spy)
@@ -107,6 +108,30 @@ def test_chunked_exact_head_gives_the_full_logits_bits(exact_model, monkeypatch,
     with torch.no_grad():
         assert torch.equal(lp.detach(), token_logprobs(model, _batches()[0], TEMPERATURE, chunk_size=None)[0])
     assert lp.requires_grad
+
+
+def test_a_head_that_is_not_a_plain_linear_keeps_the_full_logits(tmp_path, monkeypatch):
+    """A LoRA adapter on ``lm_head`` (peft's wrapper, merged in exact mode) is not chunked: the head's own
+    exact forward gives full logits (every token in one GEMM), whatever ``chunk_size`` says."""
+    from peft import LoraConfig, get_peft_model
+
+    from tidal.models.exact_lora import make_lora_exact
+
+    path = build_tiny_model(tmp_path, "qwen2", logit_scale=4.0, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=16, target_modules=["lm_head", "q_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)  # adapters that change the logits
+    model = make_lora_exact(bi.make_exact(model))
+    rows = _head_rows(monkeypatch)
+    with torch.no_grad():
+        for batch in _batches():
+            full = token_logprobs(model, batch, TEMPERATURE, chunk_size=None)[0]
+            assert torch.equal(token_logprobs(model, batch, TEMPERATURE, chunk_size=5)[0], full)
+            assert rows == [batch["input_ids"].numel()] * 2
+            rows.clear()
 
 
 def test_a_sliding_window_family_keeps_its_bits(exact_model):
