@@ -46,8 +46,12 @@ def test_segment_attention_equals_per_segment_sdpa():
         dim=2,
     ).transpose(1, 2)  # [1, tokens, heads, dim]
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="packed vision segments"):
-        segment_attention(None, q, k, v, torch.ones(1), cu_seq_lens_q=cu)
+    # without cu_seqlens (a transformers that splits the segments itself): one segment
+    first = [x[:, :, :6] for x in (q, k, v)]
+    alone, _ = segment_attention(None, *first, None, scaling=0.3)
+    torch.testing.assert_close(alone, expected[:, :6], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="dropout must be 0"):
+        segment_attention(None, q, k, v, None, dropout=0.1, cu_seq_lens_q=cu)
 
 
 def test_tower_attends_by_segments_as_transformers_sdpa_tower():

@@ -68,11 +68,15 @@ def segment_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Bidirectional attention within each packed segment: ``query/key/value`` ``[1, heads, tokens, dim]``
-    -> ``[1, tokens, heads, dim]`` (transformers' attention-interface layout)."""
-    if cu_seq_lens_q is None or attention_mask is not None or dropout:
-        raise ValueError(
-            f"{SEGMENT_ATTENTION} runs packed vision segments only (cu_seqlens, no mask/dropout)"
-        )
+    -> ``[1, tokens, heads, dim]`` (transformers' attention-interface layout). Without ``cu_seq_lens_q``
+    (a transformers release that splits the segments itself) the input is one segment, as SDPA takes it."""
+    if dropout:
+        raise ValueError(f"{SEGMENT_ATTENTION} is for inference: dropout must be 0, got {dropout}")
+    if cu_seq_lens_q is None:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
+        return out.transpose(1, 2), None
+    if attention_mask is not None:
+        raise ValueError(f"{SEGMENT_ATTENTION}: packed segments (cu_seqlens) take no attention mask")
     heads, dim = query.shape[1], query.shape[3]
     lengths = _segment_lengths(cu_seq_lens_q)
     outs = []
