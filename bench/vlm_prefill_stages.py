@@ -14,7 +14,8 @@ Each stage is timed with ``perf_counter`` around the code that runs it (synchron
 One JSON line: best of ``--repeats`` per side, each stage in seconds, and the two towers' attention
 (``tidal_tower_attention``: ``vision_attention.SEGMENT_ATTENTION`` unless the config asks for flash) with
 the SDPA calls each tower made (``tower_sdpa_calls``: per window and per image in transformers' SDPA
-path, per run of equal segments in the engine's).
+path, per run of equal segments in the engine's); ``processor_one_image_a_call``: the image processor
+over the images one a call, serially (as the engine admits requests) and on a thread pool.
 
     python bench/vlm_prefill_stages.py --images 4 --tower_depth 8 --text_layers 2   # CPU, ~1 minute
     python bench/vlm_prefill_stages.py --device cuda --images 64                      # the full 3B shape
@@ -106,6 +107,32 @@ class TimedProcessor:
         return getattr(self._processor, name)
 
 
+def processor_threads(processor, images, repeats: int) -> dict[str, float]:
+    """The image processor one image a call, serially and on a thread pool of the machine's cores (what
+    processing a step's requests in parallel would save; the outputs are checked equal)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(image):
+        return processor(images=[image], return_tensors="pt")["pixel_values"]
+
+    threads = min(16, os.cpu_count() or 1)
+    with ThreadPoolExecutor(threads) as pool:
+        runs = {"serial": lambda: [one(im) for im in images], "pool": lambda: list(pool.map(one, images))}
+        seconds = {}
+        for name, run in runs.items():
+            run()
+            seconds[name] = min(timed_once(run) for _ in range(repeats))
+        assert all(torch.equal(a, b) for a, b in zip(runs["serial"](), runs["pool"](), strict=True))
+    return {"serial_s": round(seconds["serial"], 4), "pool_s": round(seconds["pool"], 4), "threads": threads}
+
+
+def timed_once(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def best(watch: Stopwatch, fn, repeats: int) -> dict[str, float]:
     fn()  # warm-up
     return min((watch.run(fn) for _ in range(repeats)), key=lambda r: r["total"])
@@ -161,6 +188,7 @@ def main(argv=None) -> dict:
         "tower_depth": hf.config.vision_config.depth, "text_layers": hf.config.get_text_config().num_hidden_layers,
         "tidal_s": ours, "hf_s": theirs, "tidal_tower_attention": attention,
         "hf_tower_attention": hf.model.visual.config._attn_implementation, "threads": torch.get_num_threads(),
+        "processor_one_image_a_call": processor_threads(processor, images, args.repeats),
     }  # fmt: skip
     print(json.dumps(result))
     return result
