@@ -1,4 +1,4 @@
-"""The engine's Qwen-VL vision towers (``tidal/rollout/models/vision_attention.py``) and what a prefill
+"""The engine's Qwen-VL vision towers (``tidal/models/vision_attention.py``) and what a prefill
 computes per image (``tidal/rollout/runner/multimodal.py``), on CPU in float32.
 
 - ``equal_length_runs`` by hand; ``segment_attention`` (one SDPA call per run of equal segments) equals
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tidal.rollout.models.vision_attention import (
+from tidal.models.vision_attention import (
     SEGMENT_ATTENTION,
     build_vision_tower,
     equal_length_runs,

@@ -29,6 +29,7 @@ from tidal.logging.phases import phase, size_text
 from tidal.models.moe_experts import use_trainer_experts
 from tidal.models.precision import resolve_dtype
 from tidal.models.vision import is_vision_language, language_lora_targets
+from tidal.models.vision_attention import use_segment_attention
 
 
 def load_tokenizer(path: str, cfg: ModelConfig | None = None):
@@ -217,7 +218,8 @@ def load_causal_lm(
     resolves ``--param_dtype auto``.
 
     A vision-language folder (``tidal.models.vision.is_vision_language``) loads as
-    ``AutoModelForImageTextToText``, its LoRA adapters on the language model only."""
+    ``AutoModelForImageTextToText``, its LoRA adapters on the language model only, its Qwen-VL tower
+    attending by runs of equal segments (``tidal.models.vision_attention.use_segment_attention``)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     source = path or cfg.pretrain
@@ -234,6 +236,8 @@ def load_causal_lm(
     except (OSError, ValueError, KeyError, SafetensorError) as err:
         raise model_load_error(source, err) from err
     use_trainer_experts(model)  # MoE experts' grouped GEMMs in the autocast dtype (no-op for dense models)
+    if vision:  # the tower's SDPA: one call per run of equal windows/images, not one per window
+        use_segment_attention(model)
     if not cfg.load_in_4bit:
         with phase(f"moving {source} to {device}", quiet=None if device.type != "cpu" else True):
             model.to(device)

@@ -42,6 +42,7 @@ from tidal.models.loading import (
 from tidal.models.value_model import HF_HEAD, attach_value_head, load_value_model
 from tidal.models.value_model import _lora as lora_value_model
 from tidal.models.vision import freeze_vision, is_vision_language, language_lora_targets
+from tidal.models.vision_attention import use_segment_attention
 
 
 def load_vision_value_model(
@@ -65,6 +66,7 @@ def load_vision_value_model(
         )
     except (OSError, ValueError, KeyError) as err:
         raise model_load_error(source, err) from err
+    use_segment_attention(model)  # as the policy's tower (tidal.models.vision_attention)
     hidden = model.config.get_text_config().hidden_size
     head = nn.Linear(hidden, 1, bias=False)
     nn.init.normal_(head.weight, std=1 / (hidden + 1))  # OpenRLHF's value-head init

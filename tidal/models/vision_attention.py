@@ -1,4 +1,4 @@
-"""The attention of Qwen-VL vision towers in the engine: one SDPA call per run of equal-length segments.
+"""The attention of Qwen-VL vision towers, engine and trainer: one SDPA call per run of equal-length segments.
 
 transformers' Qwen2.5-VL / Qwen3-VL towers attend within segments of the packed patches (``cu_seqlens``:
 each image in full-attention blocks; each window of 8×8 patches in Qwen2.5-VL's window blocks). Without
@@ -11,8 +11,15 @@ the per-segment call computes it; no mask, nothing across segments). Equal-size 
 per block; ragged ones fall back towards a call per segment.
 
 transformers hands packed segments (``cu_seq_lens_q``) only to an attention whose name contains
-"flash" (``is_flash_attention_requested``), so the function is registered under ``SEGMENT_ATTENTION``;
-``build_vision_tower`` builds a tower that attends through it.
+"flash" (``is_flash_attention_requested``), so the function is registered under ``SEGMENT_ATTENTION``:
+
+- ``build_vision_tower`` builds the engine's tower (on a copy of the config) that attends through it;
+- ``use_segment_attention`` switches the towers of a loaded ``AutoModelForImageTextToText`` (the trainer's
+  actor, reference, reward model, critic; ``tidal.models.loading``) in place. Only the tower's own config
+  changes (the language model's attention stays sdpa or ``--attn_implementation``), and only an SDPA
+  tower switches (a flash-attention kernel or eager, as the user asked, is left alone). Forward and backward are the per-segment path's: each batch
+  row is a segment's own SDPA call (on CPU in float32 the same bits, loss and gradients:
+  tests/models/test_vision_attention.py).
 """
 
 from __future__ import annotations
@@ -24,6 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 
 SEGMENT_ATTENTION = "tidal_segments_flash_layout"  # "flash": transformers passes cu_seqlens to it
+# transformers' towers whose attention takes the packed segments (cu_seqlens) when the config's attention
+# name says "flash", and otherwise splits them into one call per segment (Qwen2-VL to Qwen3.5-MoE)
+QWEN_VL_TOWERS = frozenset({
+    "Qwen2VisionTransformerPretrainedModel", "Qwen2_5_VisionTransformerPretrainedModel", "Qwen3VLVisionModel",
+    "Qwen3VLMoeVisionModel", "Qwen3_5VisionModel", "Qwen3_5MoeVisionModel",
+})  # fmt: skip
 
 
 def equal_length_runs(lengths: list[int]) -> list[tuple[int, int, int]]:
@@ -47,6 +60,7 @@ def equal_length_runs(lengths: list[int]) -> list[tuple[int, int, int]]:
 _LENGTHS: list[tuple[torch.Tensor, list[int]]] = []
 
 
+@torch.compiler.disable  # --torch_compile compiles the tower's blocks: this cache runs in Python, untraced
 def _segment_lengths(cu_seqlens: torch.Tensor) -> list[int]:
     for tensor, lengths in _LENGTHS:
         if tensor is cu_seqlens:  # the very tensor (held here, so its id is not reused): not modified
@@ -71,7 +85,7 @@ def segment_attention(
     -> ``[1, tokens, heads, dim]`` (transformers' attention-interface layout). Without ``cu_seq_lens_q``
     (a transformers release that splits the segments itself) the input is one segment, as SDPA takes it."""
     if dropout:
-        raise ValueError(f"{SEGMENT_ATTENTION} is for inference: dropout must be 0, got {dropout}")
+        raise ValueError(f"{SEGMENT_ATTENTION}: dropout must be 0 (the towers use none), got {dropout}")
     if cu_seq_lens_q is None:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
         return out.transpose(1, 2), None
@@ -88,15 +102,33 @@ def segment_attention(
     return torch.cat(outs)[None] if len(outs) > 1 else outs[0][None], None
 
 
+def _attend_by_segments(vision_config) -> bool:
+    """Switch a tower's config (which its blocks share) to ``segment_attention``, unless it asks for a
+    flash-attention kernel (which takes the packed segments in one call already); whether it switched."""
+    from transformers import AttentionInterface
+
+    if "flash" in (vision_config._attn_implementation or ""):
+        return False
+    AttentionInterface.register(SEGMENT_ATTENTION, segment_attention)
+    vision_config._attn_implementation = SEGMENT_ATTENTION
+    return True
+
+
 def build_vision_tower(tower_class: type, vision_config) -> nn.Module:
     """``tower_class._from_config`` on a copy of ``vision_config`` (the caller's model, e.g. the HF model
     the engine was built from, keeps its attention), then switched to ``segment_attention``, unless the
-    config asks for a flash-attention kernel (which takes the packed segments in one call already).
-    Switched after building: transformers' checks at build time take a "flash" name for a hub kernel."""
-    from transformers import AttentionInterface
-
+    config asks for a flash-attention kernel. Switched after building: transformers' checks at build time
+    take a "flash" name for a hub kernel."""
     tower = tower_class._from_config(copy.deepcopy(vision_config))
-    if "flash" not in (tower.config._attn_implementation or ""):
-        AttentionInterface.register(SEGMENT_ATTENTION, segment_attention)
-        tower.config._attn_implementation = SEGMENT_ATTENTION  # the blocks share the tower's config
+    _attend_by_segments(tower.config)
     return tower
+
+
+def use_segment_attention(model: nn.Module) -> int:
+    """Switch the Qwen-VL towers (``QWEN_VL_TOWERS``) of a loaded model to ``segment_attention``, in place;
+    returns how many switched. A tower's config is the model's ``vision_config`` (one object), so only the
+    vision side changes; ``_attn_implementation`` is not saved with the model. Only towers that attend
+    with SDPA switch (the default; ``--attn_implementation`` eager or a flash kernel stays as it is)."""
+    towers = [m for m in model.modules() if type(m).__name__ in QWEN_VL_TOWERS]
+    # only SDPA towers: the same kernel, batched; eager or a kernel the user named is left as it is
+    return sum(_attend_by_segments(t.config) for t in towers if t.config._attn_implementation == "sdpa")
