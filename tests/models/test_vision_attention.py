@@ -143,5 +143,5 @@ def test_trainer_tower_on_cuda_bf16_close_to_transformers(tiny):
     # bf16: a batched kernel may round apart from one call per segment
     torch.testing.assert_close(loss, expected_loss, rtol=1e-2, atol=1e-2)
     for name, grad in expected_grads.items():
-        error = (grads[name] - grad).norm() / grad.norm().clamp_min(1e-12)
-        assert error < 5e-2, f"{name}: relative gradient error {error:.3g}"
+        error = (grads[name] - grad).norm()
+        assert error <= 5e-2 * grad.norm() + 1e-5, f"{name}: gradient error {error:.3g} of {grad.norm():.3g}"
