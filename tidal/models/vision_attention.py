@@ -1,4 +1,4 @@
-"""The attention of Qwen-VL vision towers, engine and trainer: one SDPA call per run of equal-length segments.
+"""Qwen-VL vision towers' attention, engine and trainer: one SDPA call per run of equal-length segments.
 
 transformers' Qwen2.5-VL / Qwen3-VL towers attend within segments of the packed patches (``cu_seqlens``:
 each image in full-attention blocks; each window of 8×8 patches in Qwen2.5-VL's window blocks). Without
@@ -17,9 +17,9 @@ transformers hands packed segments (``cu_seq_lens_q``) only to an attention whos
 - ``use_segment_attention`` switches the towers of a loaded ``AutoModelForImageTextToText`` (the trainer's
   actor, reference, reward model, critic; ``tidal.models.loading``) in place. Only the tower's own config
   changes (the language model's attention stays sdpa or ``--attn_implementation``), and only an SDPA
-  tower switches (a flash-attention kernel or eager, as the user asked, is left alone). Forward and backward are the per-segment path's: each batch
-  row is a segment's own SDPA call (on CPU in float32 the same bits, loss and gradients:
-  tests/models/test_vision_attention.py).
+  tower switches (a flash-attention kernel or eager, as the user asked, is left alone). Forward and
+  backward are the per-segment path's: each batch row is a segment's own SDPA call (on CPU in float32
+  the same bits, loss and gradients: tests/models/test_vision_attention.py).
 """
 
 from __future__ import annotations
