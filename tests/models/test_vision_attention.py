@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from tidal.config.model import ModelConfig
 from tidal.models.forward import model_inputs
 from tidal.models.loading import load_causal_lm
-from tidal.models.vision_attention import SEGMENT_ATTENTION, use_segment_attention
 from tidal.models.vision_value import load_vision_value_model
+from tidal.rollout.models.vision_attention import SEGMENT_ATTENTION, use_segment_attention
 from tidal.testing import build_tiny_vlm
 
 # patch grids (t, h, w): merged 4×6, 4×6 and 6×6 tokens; Qwen2.5-VL's 4×4-token windows are ragged

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tidal.models.vision_attention import (
+from tidal.rollout.models.vision_attention import (
     SEGMENT_ATTENTION,
     build_vision_tower,
     equal_length_runs,

@@ -29,7 +29,7 @@ from tidal.logging.phases import phase, size_text
 from tidal.models.moe_experts import use_trainer_experts
 from tidal.models.precision import resolve_dtype
 from tidal.models.vision import is_vision_language, language_lora_targets
-from tidal.models.vision_attention import use_segment_attention
+from tidal.rollout.models.vision_attention import use_segment_attention
 
 
 def load_tokenizer(path: str, cfg: ModelConfig | None = None):

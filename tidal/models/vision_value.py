@@ -42,7 +42,7 @@ from tidal.models.loading import (
 from tidal.models.value_model import HF_HEAD, attach_value_head, load_value_model
 from tidal.models.value_model import _lora as lora_value_model
 from tidal.models.vision import freeze_vision, is_vision_language, language_lora_targets
-from tidal.models.vision_attention import use_segment_attention
+from tidal.rollout.models.vision_attention import use_segment_attention
 
 
 def load_vision_value_model(

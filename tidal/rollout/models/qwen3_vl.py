@@ -31,10 +31,10 @@ from typing import ClassVar
 
 import torch
 
-from tidal.models.vision_attention import build_vision_tower
 from tidal.rollout.models.layers import CausalLM, DecoderArgs
 from tidal.rollout.models.mrope import MRopeMixin
 from tidal.rollout.models.qwen3 import Qwen3Attention
+from tidal.rollout.models.vision_attention import build_vision_tower
 from tidal.rollout.models.vision_weights import VISION_PREFIX, language_weights
 from tidal.rollout.runner.multimodal import PrefillImages
 

@@ -25,6 +25,7 @@ transformers hands packed segments (``cu_seq_lens_q``) only to an attention whos
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +61,14 @@ def equal_length_runs(lengths: list[int]) -> list[tuple[int, int, int]]:
 _LENGTHS: list[tuple[torch.Tensor, list[int]]] = []
 
 
-@torch.compiler.disable  # --torch_compile compiles the tower's blocks: this cache runs in Python, untraced
+@functools.cache
+def _untraced_segment_lengths():
+    """``_segment_lengths`` kept out of ``--torch_compile``'s traces of the tower's blocks (the cache runs in
+    Python). Made on first use: ``torch.compiler.disable`` imports dynamo, which an engine process must not
+    pay for at import (tests/test_startup_imports.py)."""
+    return torch.compiler.disable(_segment_lengths)
+
+
 def _segment_lengths(cu_seqlens: torch.Tensor) -> list[int]:
     for tensor, lengths in _LENGTHS:
         if tensor is cu_seqlens:  # the very tensor (held here, so its id is not reused): not modified
@@ -92,7 +100,7 @@ def segment_attention(
     if attention_mask is not None:
         raise ValueError(f"{SEGMENT_ATTENTION}: packed segments (cu_seqlens) take no attention mask")
     heads, dim = query.shape[1], query.shape[3]
-    lengths = _segment_lengths(cu_seq_lens_q)
+    lengths = _untraced_segment_lengths()(cu_seq_lens_q)
     outs = []
     for first, length, count in equal_length_runs(lengths):
         rows = slice(first, first + length * count)
