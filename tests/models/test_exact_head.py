@@ -1,10 +1,10 @@
-"""The exact-mode forward's chunked LM head (``tidal.models.forward._exact_head``): the sampled tokens'
-log-probs computed ``chunk_size`` tokens at a time (batch-invariant linear, then log-softmax) are the full
-logits' bit for bit, whatever the chunk size and wherever a chunk boundary falls in a sample, with no
-call ever holding more than a chunk's logits; and the samples' layout computed once per forward
-(``batch_invariant.segment_layout``, handed to every layer) gives each sample the attention it gets alone.
-The engine's values still equal the trainer's: tests/rollout/test_exact_*.py, tests/trainers/ppo/test_exact_rl.py.
-"""
+"""The exact-mode forward's chunked LM head (``tidal.models.forward._exact_token_values``, through
+``logprob_head.head_logprobs``): the sampled tokens' log-probs computed ``chunk_size`` tokens at a time
+(batch-invariant linear, then log-softmax) are the full logits' bit for bit, whatever the chunk size and
+wherever a chunk boundary falls in a sample, with no call ever holding more than a chunk's logits; and the
+samples' layout computed once per forward (``batch_invariant.segment_layout``, handed to every layer) gives
+each sample the attention it gets alone. The engine's values still equal the trainer's:
+tests/rollout/test_exact_*.py, tests/trainers/ppo/test_exact_rl.py."""
 
 from __future__ import annotations
 

@@ -36,7 +36,6 @@ from tidal.algorithms.logprobs import entropy_from_logits, gather_logprobs
 from tidal.models import ring_attention as ring_attn
 from tidal.models.logprob_head import (
     DEFAULT_CHUNK,
-    HeadResult,
     LogprobOutputs,
     chunkable_head,
     chunked_logprobs,
@@ -170,7 +169,7 @@ def exact_token_logprobs(
 ):
     """``token_logprobs`` of a model switched by ``batch_invariant.make_exact``: the batch-invariant forward,
     its LM head (the batch-invariant linear) and the batch-invariant log-softmax the engine's sampler also
-    runs, ``chunk_size`` tokens at a time (``_exact_head``; ``None`` or a head that is not a plain linear:
+    runs, ``chunk_size`` tokens at a time (``_exact_token_values``; ``None`` or a head that is not a plain linear:
     full logits first). The attention reads samples from ``position_ids`` (their layout computed once,
     ``batch_invariant.segment_layout``), so padded and packed rows need no mask. The model computes in the
     engine's dtype (``batch_invariant.use_engine_numerics``) with autocast off: autocast would re-cast
@@ -186,16 +185,10 @@ def exact_token_logprobs(
             model, batch, temperature, chunk_size, with_entropy and not grad, **forward_kwargs
         )
     if grad:
-        head = model.get_output_embeddings()
-        exact_head = head.__dict__.get("forward")  # the chunked head swaps it out and deletes it
-        try:
-            with batch_invariant.default_attention(model):
-                fast, outputs = _default_token_logprobs(
-                    model, batch, temperature, DEFAULT_CHUNK, with_entropy, **forward_kwargs
-                )
-        finally:
-            if exact_head is not None:
-                head.forward = exact_head
+        with batch_invariant.default_attention(model):  # the chunked head puts the exact head back after
+            fast, outputs = _default_token_logprobs(
+                model, batch, temperature, DEFAULT_CHUNK, with_entropy, **forward_kwargs
+            )
         return spliced_logprobs(lp, fast), outputs
     return lp, outputs
 
@@ -212,7 +205,8 @@ def _exact_values(model, batch, temperature, chunk_size, with_entropy, **forward
     }
     head = chunkable_head(model) if chunk_size else None
     if head is not None:
-        with _exact_head(head, ids, temperature, chunk_size, with_entropy) as result:
+        values = _exact_token_values(head, temperature, chunk_size, with_entropy)
+        with head_logprobs(head, ids, temperature, chunk_size, with_entropy, values) as result:
             outputs = model(**inputs, use_cache=False, **forward_kwargs)
         return result.logprobs, LogprobOutputs(outputs, head, result)
     # the head is not a plain linear (e.g. LoRA on lm_head): its own forward, full [B, T, V] logits
@@ -225,19 +219,13 @@ def _exact_values(model, batch, temperature, chunk_size, with_entropy, **forward
     return lp, outputs
 
 
-@contextlib.contextmanager
-def _exact_head(head: nn.Linear, input_ids, temperature: float, chunk_size: int, with_entropy: bool):
-    """Within, the exact model's LM head returns the ``[B, T]`` log-probs of ``input_ids`` (filled into the
-    yielded ``HeadResult``, as ``head_logprobs`` does for the default path) in place of logits: ``chunk_size``
-    tokens at a time, the batch-invariant ``linear`` then ``token_logprobs``, so at most one chunk's logits
-    exist. The values are the full logits' bit for bit: each row of ``linear`` (and of the log-softmax) is a
-    function of that row alone, whatever rows share the call (tests/models/test_exact_chunked_head.py)."""
-    result = HeadResult()
+def _exact_token_values(head: nn.Linear, temperature: float, chunk_size: int, with_entropy: bool):
+    """``head_logprobs``' per-token values for exact mode: ``chunk_size`` tokens at a time, the batch-invariant
+    ``linear`` then ``token_logprobs``, so at most one chunk's logits exist. The values are the full logits'
+    bit for bit: each row of ``linear`` (and of the log-softmax) is a function of that row alone, whatever
+    rows share the call (tests/models/test_exact_head.py)."""
 
-    def forward(hidden: torch.Tensor) -> torch.Tensor:
-        b, _, width = hidden.shape
-        flat = hidden[:, :-1].reshape(-1, width)
-        targets = input_ids[:, 1:].reshape(-1)
+    def values(flat: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         # the weight in the compute dtype once (``linear`` would round a float32 master copy per chunk)
         weight = head.weight.to(flat.dtype)
         bias = None if head.bias is None else head.bias.to(flat.dtype)
@@ -247,26 +235,9 @@ def _exact_head(head: nn.Linear, input_ids, temperature: float, chunk_size: int,
             logps.append(batch_invariant.token_logprobs(z, t, temperature))
             if with_entropy:
                 ents.append(entropy_from_logits(z, temperature, chunk_size=1024))
-        result.hidden = hidden
-        result.logprobs = _zero_first(torch.cat(logps), b)
-        result.entropy = _zero_first(torch.cat(ents), b) if with_entropy else None
-        return result.logprobs
+        return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
-    saved = head.__dict__.get("forward")  # make_exact's instance forward, put back after
-    head.forward = forward
-    try:
-        yield result
-    finally:
-        if saved is None:
-            del head.forward
-        else:
-            head.forward = saved
-
-
-def _zero_first(values: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """``[B·(T−1)]`` next-token values → ``[B, T]`` with a 0 in column 0 (nothing predicts token 0)."""
-    values = values.view(batch_size, -1)
-    return torch.cat([values.new_zeros(batch_size, 1), values], dim=1)
+    return values
 
 
 def spliced_logprobs(exact: torch.Tensor, fast: torch.Tensor) -> torch.Tensor:

@@ -211,32 +211,41 @@ def _aligned(values: Tensor, batch_size: int) -> Tensor:
     return torch.cat([values.new_zeros(batch_size, 1), values], dim=1)
 
 
+# The per-token values of a swapped head: ``(flat hidden [N, H], targets [N]) -> (logprobs [N], entropy
+# [N] or None)``; the default is ``chunked_logprobs`` with the head's weights, exact mode passes its own.
+TokenValues = Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]]
+
+
 @contextlib.contextmanager
 def head_logprobs(
-    head: nn.Linear, input_ids: Tensor, temperature: float, chunk_size: int, with_entropy: bool
+    head: nn.Linear,
+    input_ids: Tensor,
+    temperature: float,
+    chunk_size: int,
+    with_entropy: bool,
+    token_values: TokenValues | None = None,
 ):
     """Within the context, ``head(hidden)`` computes chunked log-probs of ``input_ids`` (filled into the
-    yielded ``HeadResult``) and returns them in place of logits."""
+    yielded ``HeadResult``) and returns them in place of logits; ``token_values`` replaces the default
+    per-chunk computation (``chunked_logprobs`` over the head's weight and bias)."""
     result = HeadResult()
+
+    def default_values(flat: Tensor, targets: Tensor) -> tuple[Tensor, Tensor | None]:
+        return chunked_logprobs(flat, head.weight, head.bias, targets, temperature, chunk_size, with_entropy)
+
+    values = token_values or default_values
 
     def forward(hidden: Tensor) -> Tensor:
         b, _, width = hidden.shape
-        flat = hidden[:, :-1].reshape(-1, width)
-        targets = input_ids[:, 1:].reshape(-1)
-        logp, ent = chunked_logprobs(
-            flat, head.weight, head.bias, targets, temperature, chunk_size, with_entropy
-        )
+        logp, ent = values(hidden[:, :-1].reshape(-1, width), input_ids[:, 1:].reshape(-1))
         result.hidden = hidden
         out, result.logprobs, result.entropy = head_values(
             _aligned(logp, b), _aligned(ent, b) if ent is not None else None
         )
         return out
 
-    head.forward = forward  # an instance attribute shadows the class's forward for this module only
-    try:
+    with head_output(head, forward):
         yield result
-    finally:
-        del head.forward
 
 
 class LogprobOutputs:
@@ -273,12 +282,17 @@ class LogprobOutputs:
 def head_output(head: nn.Linear, fn: Callable[[Tensor], Tensor]):
     """Within the context, ``head(hidden)`` returns ``fn(hidden)`` (``[B, T, H]`` hidden states in)
     instead of ``[B, T, V]`` logits, so the model's ``logits`` output is whatever the loss computed from
-    the head's input; ``fn`` runs inside the model's forward, where FSDP2 has the head's weights."""
+    the head's input; ``fn`` runs inside the model's forward, where FSDP2 has the head's weights. A forward
+    the head already had as an instance attribute (exact mode's batch-invariant head) is put back after."""
+    saved = head.__dict__.get("forward")
     head.forward = fn  # an instance attribute shadows the class's forward for this module only
     try:
         yield
     finally:
-        del head.forward
+        if saved is None:
+            del head.forward
+        else:
+            head.forward = saved
 
 
 def chunked_rows(fn: Callable[..., tuple[Tensor, ...]], chunk_size: int, *rows: Tensor) -> tuple[Tensor, ...]:
