@@ -56,7 +56,19 @@ def patch_rows_to_images(rows: torch.Tensor, grid: torch.Tensor, patch: int) -> 
     return images.reshape(n, c, gh * patch, gw * patch)
 
 
-class FixedSizeImageProcessor:
+class WrappedProcessor:
+    """A wrapped image processor: what the subclass does not define (``save_pretrained``, its settings) is
+    the wrapped ``self.processor``'s."""
+
+    processor: Any
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "processor":  # no recursion before __init__ set it
+            raise AttributeError(name)
+        return getattr(self.processor, name)
+
+
+class FixedSizeImageProcessor(WrappedProcessor):
     """A fixed-size image processor (Gemma 3's) giving patch rows and grids (see above); everything else
     (``save_pretrained``, its settings) is the wrapped processor's."""
 
@@ -64,11 +76,6 @@ class FixedSizeImageProcessor:
         if getattr(processor, "do_pan_and_scan", False):
             raise ValueError("do_pan_and_scan (extra image crops) is not supported: set it to false")
         self.processor, self.patch_size, self.merge_size = processor, patch, kernel
-
-    def __getattr__(self, name: str):
-        if name.startswith("__") or name == "processor":
-            raise AttributeError(name)
-        return getattr(self.processor, name)
 
     def __call__(self, images, return_tensors: str = "pt", **kwargs) -> dict[str, torch.Tensor]:
         out = self.processor(images=images, return_tensors="pt", **kwargs)
@@ -110,16 +117,11 @@ def variable_size_kernel(hf_config) -> int | None:
     return int(vision.pooling_kernel_size)
 
 
-class VariableSizeImageProcessor:
+class VariableSizeImageProcessor(WrappedProcessor):
     """Gemma 4's image processor giving patch rows and grids (see above); the rest is the wrapped one's."""
 
     def __init__(self, processor: Any):
         self.processor, self.merge_size = processor, int(processor.pooling_kernel_size)
-
-    def __getattr__(self, name: str):
-        if name.startswith("__") or name == "processor":
-            raise AttributeError(name)
-        return getattr(self.processor, name)
 
     def __call__(self, images, return_tensors: str = "pt", **kwargs) -> dict[str, torch.Tensor]:
         out = self.processor(images=images, return_tensors="pt", **kwargs)
