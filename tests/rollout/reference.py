@@ -26,6 +26,18 @@ def hf_logprobs(model, prompt: list[int], output: list[int], temperature: float 
     return logits.log_softmax(-1).gather(-1, torch.tensor(output)[:, None])[:, 0]
 
 
+def assert_follows(
+    reference, prompts: list[list[int]], outs, max_new_tokens: int, atol: float = 1e-4
+) -> None:
+    """Each engine output's greedy tokens are ``reference``'s (``hf_greedy``) and its log-probs the
+    reference's forward over them (``hf_logprobs``) within ``atol``."""
+    for prompt, out in zip(prompts, outs, strict=True):
+        tokens = out.outputs[0].token_ids
+        assert tokens == hf_greedy(reference, prompt, max_new_tokens)
+        want = hf_logprobs(reference, prompt, tokens)
+        assert max(abs(a - b) for a, b in zip(out.outputs[0].logprobs, want.tolist(), strict=True)) < atol
+
+
 # Prompts of different lengths (some not multiples of the KV block size).
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 40)), [100, 200, 300, *range(17, 34)], [42] * 3]
 

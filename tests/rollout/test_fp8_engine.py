@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.rollout.reference import PROMPTS, cpu_config, greedy, hf_greedy, hf_logprobs
+from tests.rollout.reference import PROMPTS, assert_follows, cpu_config, greedy
 from tidal.rollout import EngineConfig, LLMEngine
 from tidal.rollout.models.registry import FAMILIES, VISION_FAMILIES
 from tidal.rollout.quant.fp8 import quantize_dequantize
@@ -48,11 +48,7 @@ def test_greedy_tokens_and_logprobs_are_the_fp8_rounded_model_s(family, quantiza
     assert engine.model.fp8.modes() == {"emulated": 4 * engine.model.args.num_layers}
     reference = fp8_hf_model(path, "channel" if quantization == "fp8" else "block")
     outs = engine.generate(PROMPTS, greedy(10))
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        tokens = out.outputs[0].token_ids
-        assert tokens == hf_greedy(reference, prompt, 10)
-        want = hf_logprobs(reference, prompt, tokens)
-        assert max(abs(a - b) for a, b in zip(out.outputs[0].logprobs, want.tolist(), strict=True)) < 1e-4
+    assert_follows(reference, PROMPTS, outs, 10)
     # The rounding shows: the unquantized engine's log-probs of the same tokens differ.
     plain = LLMEngine(path, cpu_config()).generate(PROMPTS, greedy(10))
     gaps = [abs(a - b) for o, p in zip(outs, plain, strict=True)
@@ -110,11 +106,7 @@ def test_moe_experts_are_quantized_too(family, tiny_model):
     assert sparse == sum(engine.model.args.moe.sparse_layers) > 0
     assert engine.model.fp8.modes() == {"emulated": len(targets)}
     reference = fp8_hf_model(path, "channel")
-    for prompt, out in zip(PROMPTS, engine.generate(PROMPTS, greedy(8)), strict=True):
-        tokens = out.outputs[0].token_ids
-        assert tokens == hf_greedy(reference, prompt, 8)
-        want = hf_logprobs(reference, prompt, tokens)
-        assert max(abs(a - b) for a, b in zip(out.outputs[0].logprobs, want.tolist(), strict=True)) < 1e-4
+    assert_follows(reference, PROMPTS, engine.generate(PROMPTS, greedy(8)), 8)
 
 
 def test_settings_fp8_cannot_run_with_are_refused(tiny_model):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.rollout.reference import PROMPTS, cpu_config, greedy, hf_greedy, hf_logprobs
+from tests.rollout.reference import PROMPTS, assert_follows, cpu_config, greedy, hf_greedy, hf_logprobs
 from tidal.rollout import LLMEngine
 from tidal.rollout.models.registry import VISION_FAMILIES
 from tidal.rollout.quant.fp8 import quantize_dequantize
@@ -48,11 +48,7 @@ def test_gpt_oss_greedy_tokens_and_logprobs_are_the_fp8_rounded_model_s(quantiza
     assert engine.model.fp8.modes() == {"emulated": 3 * layers}  # qkv_proj, o_proj, experts
     reference = gpt_oss_fp8_hf_model(path, "channel" if quantization == "fp8" else "block")
     outs = engine.generate(PROMPTS, greedy(8))
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        tokens = out.outputs[0].token_ids
-        assert tokens == hf_greedy(reference, prompt, 8)
-        want = hf_logprobs(reference, prompt, tokens)
-        assert max(abs(a - b) for a, b in zip(out.outputs[0].logprobs, want.tolist(), strict=True)) < 1e-4
+    assert_follows(reference, PROMPTS, outs, 8)
     # The experts are rounded: the engine's expert weights are not the unquantized model's.
     plain = LLMEngine(path, _config()).model.model.layers[0].mlp.experts
     ours = engine.model.model.layers[0].mlp.experts
@@ -138,11 +134,7 @@ def test_deepseek_v3_greedy_tokens_and_logprobs_are_the_fp8_rounded_model_s(tiny
     assert not torch.equal(attention.kv_a_proj_with_mqa.weight, plain.kv_a_proj_with_mqa.weight)
     reference = fp8_hf_model(path, "channel", keep=("kv_b_proj",))
     # a prompt longer than a decode: the expanded prefill and the latent (absorbed) decode both run
-    for prompt, out in zip(PROMPTS, engine.generate(PROMPTS, greedy(8)), strict=True):
-        tokens = out.outputs[0].token_ids
-        assert tokens == hf_greedy(reference, prompt, 8)
-        want = hf_logprobs(reference, prompt, tokens)
-        assert max(abs(a - b) for a, b in zip(out.outputs[0].logprobs, want.tolist(), strict=True)) < 1e-4
+    assert_follows(reference, PROMPTS, engine.generate(PROMPTS, greedy(8)), 8)
 
 
 def _outputs(engine):
