@@ -133,6 +133,9 @@ def main() -> None:
                         "~82k tokens in micro-batches of 64 samples)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--deadline_s", type=float, default=400.0, help="stop searching after this long")
+    p.add_argument("--write", action="store_true",
+                   help="record each shape's best launch in tidal/rollout/kernels/exact_gemm_tuned.py (kept: "
+                        "the other shapes already there)")  # fmt: skip
     args = p.parse_args()
     from tidal.rollout.kernels import triton_exact as te
 
@@ -161,7 +164,27 @@ def main() -> None:
     }
     out = {"bench": "exact_matmul", **versions(), "config": args.config, "decode_rows": args.decode_rows,
            "train_rows": args.train_rows, "totals": totals, "shapes": rows, "wall_s": round(time.time() - t0, 1)}  # fmt: skip
+    if args.write:
+        write_table({(r["n"], r["k"]): r["best"]["config"] for r in rows.values()}, out)
     print(json.dumps(out))
+
+
+def write_table(best: dict, info: dict) -> None:
+    """Merge ``best`` into ``exact_gemm_tuned.TUNED`` and rewrite that module."""
+    from tidal.rollout.kernels import exact_gemm_tuned
+
+    table = {**exact_gemm_tuned.TUNED, **best}
+    path = Path(exact_gemm_tuned.__file__)
+    doc = exact_gemm_tuned.__doc__.split("Written by")[0].rstrip()
+    lines = [f"    ({n}, {k}): {c!r}," for (n, k), c in sorted(table.items())]
+    when = f"{info.get('gpu', 'cpu')}, torch {info['torch']}, {time.strftime('%Y-%m-%d')}"
+    path.write_text(
+        f'"""{doc}\n\nWritten by ``bench/exact_matmul.py --write`` (last: {info["config"]}, {when}).\n\n'
+        + exact_gemm_tuned.__doc__.split("\n\n", 1)[1].rstrip()
+        + '\n"""\n\n# (N, K) -> MatmulConfig fields\nTUNED: dict[tuple[int, int], dict[str, int]] = {\n'
+        + "\n".join(lines)
+        + "\n}\n"
+    )
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tidal.rollout.kernels.exact_gemm_tuned import TUNED
+
 # One configuration each (see the module doc): changing one changes results, never correctness. The GEMM's
 # launch follows the weight's shape (``matmul_config``).
 NORM_BLOCK = 1024
@@ -144,7 +146,10 @@ def matmul_config(n: int, k: int) -> MatmulConfig:
     row's products are summed alike; a launch picked from (N, K) is safe because both sides multiply by
     the same weight ([n, k]: the engine's packed parts are split to the trainer's separate layers'
     shapes, ``runner/exact_model.py``). The stage count only changes how far ahead loads are issued.
-    (Measured on an H200: ``bench/exact_matmul.py``.)"""
+    Shapes measured on an H200 take the best launch found (``exact_gemm_tuned``, by ``bench/exact_matmul.py``),
+    the others this rule."""
+    if (n, k) in TUNED:
+        return MatmulConfig(**TUNED[n, k])
     block_n = 64 if n <= NARROW_N else 128
     return MatmulConfig(block_n=block_n, num_warps=4, num_stages=4 if k >= LONG_K else 3)
 
