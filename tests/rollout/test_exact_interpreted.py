@@ -59,15 +59,24 @@ def test_interpreted_matmul_rms_norm_and_logprobs_match_float64_and_are_row_inva
     assert torch.equal(te.token_logprobs(logits[4:5], tokens[4:5], temps[4:5]), lp[4:5])
 
 
-def test_matmul_config_is_a_function_of_the_weights_shape_at_the_05b_shapes(te):
-    """Qwen2.5-0.5B's weights (hidden 896, k/v 128, intermediate 4864, vocabulary 151936): narrow weights
-    get 64-column tiles, a long reduction one more stage; the row count is not an argument at all."""
+def test_matmul_config_is_a_function_of_the_weights_shape_at_the_05b_shapes(te, monkeypatch):
+    """Qwen2.5-0.5B's weights (hidden 896, k/v 128, intermediate 4864, vocabulary 151936): by the rule,
+    narrow weights get 64-column tiles, a long reduction one more stage; a shape measured on a GPU
+    (``exact_gemm_tuned.TUNED``) takes its launch from the table; the row count is not an argument at all."""
     import inspect
 
     assert list(inspect.signature(te.matmul_config).parameters) == ["n", "k"]
+    for (n, k), fields in te.TUNED.items():  # each measured entry is a whole launch, its K step divides by 16
+        assert te.matmul_config(n, k) == te.MatmulConfig(**fields) and fields["block_k"] % 16 == 0
+    monkeypatch.setattr(te, "TUNED", {})
     assert te.matmul_config(896, 896).block_n == te.matmul_config(128, 896).block_n == 64
     assert te.matmul_config(896, 4864) == te.MatmulConfig(block_n=64, num_warps=4, num_stages=4)
     assert te.matmul_config(4864, 896).block_n == te.matmul_config(151936, 896).block_n == 128
+    monkeypatch.setattr(
+        te, "TUNED", {(896, 896): {"block_n": 32, "num_warps": 4, "num_stages": 5, "splits": 2}}
+    )
+    assert te.matmul_config(896, 896) == te.MatmulConfig(block_n=32, num_warps=4, num_stages=5, splits=2)
+    assert te.matmul_config(896, 4864).block_n == 64
 
 
 @pytest.mark.parametrize(("n", "k"), [(48, 40), (130, 100), (1100, 100)])
