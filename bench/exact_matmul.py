@@ -176,14 +176,14 @@ def write_table(best: dict, info: dict) -> None:
     table = {**exact_gemm_tuned.TUNED, **best}
     path = Path(exact_gemm_tuned.__file__)
     doc = exact_gemm_tuned.__doc__.split("Written by")[0].rstrip()
-    lines = [f"    ({n}, {k}): {c!r}," for (n, k), c in sorted(table.items())]
+    lines = [f"    ({n}, {k}): {json.dumps(c)}," for (n, k), c in sorted(table.items())]
     when = f"{info.get('gpu', 'cpu')}, torch {info['torch']}, {time.strftime('%Y-%m-%d')}"
     path.write_text(
         f'"""{doc}\n\nWritten by ``bench/exact_matmul.py --write`` (last: {info["config"]}, {when}).\n\n'
         + exact_gemm_tuned.__doc__.split("\n\n", 1)[1].rstrip()
-        + '\n"""\n\n# (N, K) -> MatmulConfig fields\nTUNED: dict[tuple[int, int], dict[str, int]] = {\n'
+        + '\n"""\n\n# (N, K) -> MatmulConfig fields\n# fmt: off\nTUNED: dict[tuple[int, int], dict[str, int]] = {\n'
         + "\n".join(lines)
-        + "\n}\n"
+        + "\n}\n# fmt: on\n"
     )
 
 

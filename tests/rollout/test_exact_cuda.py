@@ -98,7 +98,7 @@ def test_matmul_matches_float64_and_each_row_is_its_own(dtype, k, n):
     lo, hi = n // 4, n // 2
     part = te.matmul(x[:9], w[lo:hi])
     assert torch.equal(part, te.matmul(x[:9], w[lo:hi].clone()))
-    if te.matmul_config(hi - lo, k) == te.matmul_config(n, k):
+    if te.matmul_config(hi - lo, k, x.element_size()) == te.matmul_config(n, k, x.element_size()):
         assert torch.equal(part, full[:9, lo:hi])
     if n <= 5000:  # a trainer's batch (16k rows) gives the rows the same bits
         assert torch.equal(te.matmul(x.repeat(55, 1), w)[-301:], full)

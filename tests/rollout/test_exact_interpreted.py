@@ -65,9 +65,12 @@ def test_matmul_config_is_a_function_of_the_weights_shape_at_the_05b_shapes(te, 
     (``exact_gemm_tuned.TUNED``) takes its launch from the table; the row count is not an argument at all."""
     import inspect
 
-    assert list(inspect.signature(te.matmul_config).parameters) == ["n", "k"]
+    assert list(inspect.signature(te.matmul_config).parameters) == ["n", "k", "itemsize"]
     for (n, k), fields in te.TUNED.items():  # each measured entry is a whole launch, its K step divides by 16
         assert te.matmul_config(n, k) == te.MatmulConfig(**fields) and fields["block_k"] % 16 == 0
+        assert (
+            te.matmul_config(n, k, itemsize=4) != te.MatmulConfig(**fields) or fields == {}
+        )  # float32: the rule
     monkeypatch.setattr(te, "TUNED", {})
     assert te.matmul_config(896, 896).block_n == te.matmul_config(128, 896).block_n == 64
     assert te.matmul_config(896, 4864) == te.MatmulConfig(block_n=64, num_warps=4, num_stages=4)
@@ -76,6 +79,7 @@ def test_matmul_config_is_a_function_of_the_weights_shape_at_the_05b_shapes(te, 
         te, "TUNED", {(896, 896): {"block_n": 32, "num_warps": 4, "num_stages": 5, "splits": 2}}
     )
     assert te.matmul_config(896, 896) == te.MatmulConfig(block_n=32, num_warps=4, num_stages=5, splits=2)
+    assert te.matmul_config(896, 896, itemsize=4).block_n == 64  # float32 inputs: the rule's (shared memory)
     assert te.matmul_config(896, 4864).block_n == 64
 
 

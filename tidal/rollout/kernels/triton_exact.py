@@ -134,8 +134,9 @@ LONG_K = 2048  # reductions at least this long (down_proj's intermediate size): 
 SPLIT_BLOCK = 1024  # outputs of a row per program of the split sum
 
 
-def matmul_config(n: int, k: int) -> MatmulConfig:
-    """The launch for a weight ``[n, k]``: a function of the weight's shape only, NEVER of the row count M.
+def matmul_config(n: int, k: int, itemsize: int = 2) -> MatmulConfig:
+    """The launch for a weight ``[n, k]`` of ``itemsize``-byte elements: a function of the weight, NEVER of
+    the row count M.
 
     A row's result is its K-reduction: ``tl.dot`` over ``block_k`` steps from 0 upward within each of the
     ``splits`` K ranges, each step one chain of MMA instructions on the row's lanes, whatever the tile's
@@ -148,7 +149,7 @@ def matmul_config(n: int, k: int) -> MatmulConfig:
     shapes, ``runner/exact_model.py``). The stage count only changes how far ahead loads are issued.
     Shapes measured on an H200 take the best launch found (``exact_gemm_tuned``, by ``bench/exact_matmul.py``),
     the others this rule."""
-    if (n, k) in TUNED:
+    if (n, k) in TUNED and itemsize == 2:  # measured in bf16; float32 tiles take twice the shared memory
         return MatmulConfig(**TUNED[n, k])
     block_n = 64 if n <= NARROW_N else 128
     return MatmulConfig(block_n=block_n, num_warps=4, num_stages=4 if k >= LONG_K else 3)
@@ -172,7 +173,7 @@ def matmul(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    c = config or matmul_config(n, k)
+    c = config or matmul_config(n, k, x.element_size())
     k_split = triton.cdiv(triton.cdiv(k, c.splits), c.block_k) * c.block_k
     splits = triton.cdiv(k, k_split)
     partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
