@@ -317,6 +317,7 @@ class PPOTrainer:
             loss = PolicyLoss(
                 run.algorithm, actor.precision, run.rollout.temperature, shape.packing, self.kl_ctl.value,
                 aux_loss_coef=run.actor.aux_loss_coef, router_replay=run.rollout.moe_router_replay,
+                engine_exact=self._engine_logprobs_exact,
             )  # fmt: skip
             ema_update = self.ema.update if self.ema is not None else None
             ptx = self._ptx_loss() if self.parts.ptx is not None else None

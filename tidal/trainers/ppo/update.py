@@ -18,6 +18,7 @@ learning rate), skipped and counted whatever the loss (PPO's loss is near 0 by d
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -40,12 +41,14 @@ from tidal.distributed.world import World
 from tidal.experience.experience import Experience, forced_experts, micro_batches, model_batch, unflatten
 from tidal.experience.maker import shift_values
 from tidal.logging.phases import Progress
-from tidal.models.forward import token_logprobs
+from tidal.models.forward import default_token_logprobs, spliced_logprobs, token_logprobs
 from tidal.models.moe_routing import capture_router_logits, force_routing, router_aux_loss
 from tidal.models.precision import Precision
 from tidal.models.ring_attention import active_ring, turns
 from tidal.trainers.loop import STEP_LOSS, backward, optimizer_step, reduce_metrics
 from tidal.trainers.optimization import Optimization
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -260,24 +263,45 @@ class PolicyLoss:
     # --moe_router_replay: route as the engine did. The forced experts stay set after the forward, so a
     # checkpointing recompute in backward routes alike; the caller clears them (``force_routing(m, None)``).
     router_replay: bool = False
+    # --exact_logprobs with the engine generating on the weights being trained (not --async_train): an
+    # on-policy step's exact values are the engine's log-probs bit for bit, so the step's first micro-batch
+    # runs the exact forward (and logs the measured mismatch) and the others take the engine's values
+    # with the default forward's gradient (``_takes_engine_values``)
+    engine_exact: bool = False
     loss_params: PolicyLossParams = field(init=False)  # the chosen loss's own: clip ε or SAPO's τ
+    _checked: Normaliser | None = field(default=None, init=False, repr=False)  # the step checked last
+    _warned: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self):
         self.loss_params = self.cfg.policy_loss_params()
+
+    def _takes_engine_values(self, mb: Experience, norm: Normaliser) -> bool:
+        """Whether this micro-batch skips the exact forward: an on-policy step in ``engine_exact`` mode,
+        not the step's first micro-batch (``norm`` is one step's own object), which checks the premise."""
+        if not self.engine_exact or mb.old_logprobs is not None or mb.rollout_logprobs is None:
+            return False
+        if self._checked is not norm:
+            self._checked = norm
+            return False
+        return True
 
     def __call__(self, model: nn.Module, mb: Experience, norm: Normaliser):
         cfg, mask = self.cfg, mb.action_mask
         if self.router_replay:
             force_routing(model, forced_experts(mb, self.packing))
         routers = capture_router_logits(model) if self.aux_loss_coef > 0 else contextlib.nullcontext([])
+        engine_values = self._takes_engine_values(mb, norm)
+        forward = default_token_logprobs if engine_values else token_logprobs
         with self.precision.autocast(), routers as router_logits:
-            logp, out = token_logprobs(
+            logp, out = forward(
                 model,
                 model_batch(mb, self.packing),
                 self.temperature,
                 with_entropy=cfg.entropy_loss_coef is not None,
             )
         logp = unflatten(logp, mb, self.packing)
+        if engine_values:  # the exact forward's values without running it (straight through, as it splices)
+            logp = spliced_logprobs(mb.rollout_logprobs, logp)
         watch_outputs(logp)
         correction = ("icepop" if cfg.use_icepop else "tis") if cfg.enable_vllm_is_correction else None
         old = mb.old_logprobs
@@ -288,9 +312,17 @@ class PolicyLoss:
             mb.rollout_logprobs, correction, cfg.is_bounds,
         )  # fmt: skip
         metrics = {f"policy/{k}": _share(v, mask, norm) for k, v in stats.items()}
-        if mb.old_logprobs is None:  # the statistic the skipped scoring pass would have given
+        if mb.old_logprobs is None and not engine_values:  # what the skipped scoring pass would have given
             mismatch = masked_mean((old - mb.rollout_logprobs).abs(), mask)
-            metrics[MISMATCH] = _share(mismatch, mask, norm)
+            # engine_exact: one micro-batch a step measures it (exact mode's check), so its own mean
+            metrics[MISMATCH] = mismatch.detach() if self.engine_exact else _share(mismatch, mask, norm)
+            if self.engine_exact and not self._warned and float(mismatch) != 0.0:
+                self._warned = True  # the premise of the other micro-batches failed: say so, loudly
+                log.warning(
+                    "--exact_logprobs: the trainer's exact log-probs differ from the engine's (mean |gap| %.3g); "
+                    "exact mode does not hold for this model or setup: please report it",
+                    float(mismatch),
+                )
         terms = []  # per-token KL-loss and entropy terms: token means in every mode, as OpenRLHF
         if cfg.use_kl_loss and mb.ref_logprobs is not None:
             kl = compute_kl(logp, mb.ref_logprobs, mask, cfg.kl_estimator)
