@@ -155,7 +155,7 @@ def test_linear_rows_do_not_depend_on_the_batch():
     torch.manual_seed(0)
     weight, x = torch.randn(320, 192), torch.randn(37, 192)
     full = bi.linear(x, weight)
-    for start, stop in ((0, 1), (5, 6), (3, 20), (36, 37)):
+    for start, stop in ((0, 1), (5, 6), (3, 20), (36, 37), (0, 32), (16, 32)):  # whole blocks: a view
         assert torch.equal(bi.linear(x[start:stop], weight), full[start:stop])
     # separate parts of a packed projection equal the packed product's columns
     assert torch.equal(bi.linear(x, weight[:64]), full[:, :64])
@@ -172,6 +172,19 @@ def test_attention_does_not_depend_on_other_queries_or_extra_keys():
     junk_k = k.clone()
     junk_k[:, 30:] = 1e3
     assert torch.equal(bi.attention(q, junk_k, v, pos, 0.35), full)
+
+
+@pytest.mark.parametrize("heads,kv_heads,window", [(4, 4, None), (6, 2, 5), (40, 2, None)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_query_attention_equals_the_same_query_in_a_prefill(heads, kv_heads, window, dtype):
+    # a decode step's layout (the query heads of a KV head as GEMM rows; 40 / 2: two row blocks)
+    torch.manual_seed(0)
+    q = torch.randn(2, 35, heads, 8).to(dtype)
+    k, v = (torch.randn(2, 35, kv_heads, 8).to(dtype) for _ in range(2))
+    full = bi.attention(q, k, v, torch.arange(35).expand(2, 35), 0.35, window)
+    for pos in (0, 15, 16, 34):
+        one = bi.attention(q[:, pos : pos + 1], k, v, torch.tensor([[pos], [pos]]), 0.35, window)
+        assert torch.equal(one, full[:, pos : pos + 1])
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -234,7 +247,7 @@ def test_moe_ops_do_not_depend_on_the_batch():
     _, weights, ids = bi.moe_route(x, router, 2, True, None)
     full = bi.moe_experts(x, gate_up, down, ids, weights, torch.nn.functional.silu)
     gate = torch.randn(1, 24)
-    for start, stop in ((0, 1), (5, 6), (3, 20), (36, 37)):
+    for start, stop in ((0, 1), (5, 6), (3, 20), (36, 37), (0, 32), (16, 32)):  # whole blocks: a view
         _, w, i = bi.moe_route(x[start:stop], router, 2, True, None)
         assert torch.equal(i, ids[start:stop]) and torch.equal(w, weights[start:stop])
         alone = bi.moe_experts(x[start:stop], gate_up, down, i, w, torch.nn.functional.silu)

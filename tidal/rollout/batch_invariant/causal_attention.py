@@ -47,6 +47,8 @@ def attention(
         k, v = F.pad(k, pad), F.pad(v, pad)
     kv_heads = k.shape[2]
     groups = h // kv_heads
+    if lq == 1:  # a decode step: its own GEMM layout, the same bits (``_one_query``)
+        return _one_query(q, k, v, q_pos, scale, window)
     qb, kb = lqp // KEY_BLOCK, lk // KEY_BLOCK
     qf = F.pad(q.float(), (0, 0, 0, 0, 0, lqp - lq))  # queries in whole blocks too (zero rows: dropped)
     # [B, KV, groups, qb, kb, KEY_BLOCK, D] views; the reshapes below copy each operand once
@@ -58,24 +60,71 @@ def attention(
     # is per row
     scores = scores.view(b, h, qb, kb, KEY_BLOCK, KEY_BLOCK).permute(0, 1, 2, 4, 3, 5)
     scores = scores.reshape(b, h, lqp, lk)[:, :, :lq]
-    j = torch.arange(lk, device=q.device)
+    p, denom_blocks = _softmax_numerators(scores, q_pos, window)
+    p = F.pad(p, (0, 0, 0, lqp - lq))  # back to whole query blocks (zero rows) for the GEMMs
+    p_blocks = p.view(b, h, qb, KEY_BLOCK, kb, KEY_BLOCK).transpose(3, 4)
+    out_blocks = torch.bmm(_gemm_rows(p_blocks), _gemm_rows(_key_blocks(v, groups, qb)))
+    out = _block_sum(out_blocks.view(b, h, qb, kb, KEY_BLOCK, d), 3)
+    out = out.reshape(b, h, lqp, d)[:, :, :lq] / _block_sum(denom_blocks, -1)[..., None]
+    return out.transpose(1, 2).to(q.dtype)
+
+
+def _one_query(q, k, v, q_pos, scale: float, window: int | None) -> torch.Tensor:
+    """``attention`` of one query per row (``q [B, 1, H, D]``, keys in whole blocks), bit for bit: a GEMM
+    row's result depends neither on its place in its ``KEY_BLOCK``-row block nor on the other rows (as
+    ``matmul.linear``'s; measured for these shapes), so the GEMM rows here are the query heads that share a
+    KV head (zero rows pad them to whole blocks) rather than 16 query positions of which 15 are padding:
+    ``groups`` times fewer GEMMs, and no copy of the keys per query head. The softmax runs on the same
+    ``[B, H, 1, Lk]`` tensor as ``attention``'s and the block sums add in the same order."""
+    b, _, h, d = q.shape
+    lk, kv_heads = k.shape[1], k.shape[2]
+    groups, kb = h // kv_heads, lk // KEY_BLOCK
+    rows = -(-groups // KEY_BLOCK) * KEY_BLOCK  # GEMM rows per KV head
+    rb = rows // KEY_BLOCK
+    qf = F.pad(q.float().reshape(b, kv_heads, groups, d), (0, 0, 0, rows - groups))
+    q_blocks = qf.view(b, kv_heads, rb, 1, KEY_BLOCK, d).expand(b, kv_heads, rb, kb, KEY_BLOCK, d)
+    k_blocks, v_blocks = (_kv_blocks(t, rb) for t in (k, v))
+    scores = torch.bmm(_gemm_rows(q_blocks), _gemm_rows(k_blocks).transpose(1, 2)).mul_(scale)
+    scores = scores.view(b, kv_heads, rb, kb, KEY_BLOCK, KEY_BLOCK).permute(0, 1, 2, 4, 3, 5)
+    scores = scores.reshape(b, kv_heads, rows, lk)[:, :, :groups].reshape(b, h, 1, lk)
+    p, denom_blocks = _softmax_numerators(scores, q_pos, window)
+    p = F.pad(p.view(b, kv_heads, groups, lk), (0, 0, 0, rows - groups))
+    p_blocks = p.view(b, kv_heads, rb, KEY_BLOCK, kb, KEY_BLOCK).transpose(3, 4)
+    out_blocks = torch.bmm(_gemm_rows(p_blocks), _gemm_rows(v_blocks))
+    out = _block_sum(out_blocks.view(b, kv_heads, rb, kb, KEY_BLOCK, d), 3)
+    out = out.reshape(b, kv_heads, rows, d)[:, :, :groups].reshape(b, h, 1, d)
+    out = out / _block_sum(denom_blocks, -1)[..., None]
+    return out.transpose(1, 2).to(q.dtype)
+
+
+def _softmax_numerators(scores, q_pos, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores ``[B, H, Lq, Lk]`` (``Lk`` whole blocks) → ``exp(score - max)`` with unseen keys zero, and its
+    sums over each key block ``[B, H, Lq, kb]`` (reduced in an order that depends only on ``KEY_BLOCK``)."""
+    b, h, lq, lk = scores.shape
+    j = torch.arange(lk, device=scores.device)
     seen = j[None, None, :] <= q_pos[:, :, None]  # [B, Lq, Lk]
     if window is not None:
         seen &= j[None, None, :] > q_pos[:, :, None] - window
     scores = scores.masked_fill(~seen[:, None], float("-inf"))
     top = scores.amax(dim=-1, keepdim=True)  # a max is exact in any order
     p = pointwise(torch.exp, scores - top)  # [B, H, Lq, Lk]
-    denom_blocks = p.view(b, h, lq, kb, KEY_BLOCK).sum(-1)  # [B, H, Lq, kb]
-    p = F.pad(p, (0, 0, 0, lqp - lq))  # back to whole query blocks (zero rows) for the GEMMs
-    p_blocks = p.view(b, h, qb, KEY_BLOCK, kb, KEY_BLOCK).transpose(3, 4)
-    out_blocks = torch.bmm(_gemm_rows(p_blocks), _gemm_rows(_key_blocks(v, groups, qb)))
-    out_blocks = out_blocks.view(b, h, qb, kb, KEY_BLOCK, d)
-    denom, out = denom_blocks[..., 0], out_blocks[:, :, :, 0]
-    for i in range(1, kb):  # block order: trailing all-masked blocks add exact zeros
-        denom = denom + denom_blocks[..., i]
-        out = out + out_blocks[:, :, :, i]
-    out = out.reshape(b, h, lqp, d)[:, :, :lq] / denom[..., None]
-    return out.transpose(1, 2).to(q.dtype)
+    return p, p.view(b, h, lq, lk // KEY_BLOCK, KEY_BLOCK).sum(-1)
+
+
+def _block_sum(blocks: torch.Tensor, dim: int) -> torch.Tensor:
+    """The key blocks along ``dim`` added in block order (trailing all-masked blocks add exact zeros)."""
+    total = blocks.select(dim, 0)
+    for i in range(1, blocks.shape[dim]):
+        total = total + blocks.select(dim, i)
+    return total
+
+
+def _kv_blocks(x: torch.Tensor, rb: int) -> torch.Tensor:
+    """Keys or values ``[B, Lk, KV, D]`` (``Lk`` whole blocks) as the float32 view ``[B, KV, rb, kb,
+    KEY_BLOCK, D]``: each key block repeated for the ``rb`` row blocks of its KV head's queries."""
+    b, lk, kv_heads, d = x.shape
+    blocks = x.float().reshape(b, lk // KEY_BLOCK, KEY_BLOCK, kv_heads, d).permute(0, 3, 1, 2, 4)
+    return blocks[:, :, None].expand(b, kv_heads, rb, lk // KEY_BLOCK, KEY_BLOCK, d)
 
 
 def _key_blocks(x: torch.Tensor, groups: int, qb: int) -> torch.Tensor:
