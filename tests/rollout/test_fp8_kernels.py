@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.rollout.triton_interpreter import NumpyLibdevice, interpreted
+from tests.rollout.triton_interpreter import interpreted
 from tidal.rollout.models.moe import route_torch, unfused_expert_forward
 from tidal.rollout.quant.fp8 import dequantize, quantize, quantize_rows
 
@@ -28,8 +28,7 @@ def kernels():
         "tidal.rollout.kernels.triton_moe": "_moe_gemm",
         "tidal.rollout.quant.triton_fp8": "_quantize_rows_kernel",
     }
-    with interpreted(modules) as (moe_kernels, fp8_kernels), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(moe_kernels, "libdevice", NumpyLibdevice)
+    with interpreted(modules) as (moe_kernels, fp8_kernels):
         yield moe_kernels, fp8_kernels
 
 

@@ -176,6 +176,32 @@ def test_experts_are_transformers_experts(strong):
         assert (ours(x, weights, ids) - want).abs().max() > 1e-2  # the clamp was in play
 
 
+def test_fused_experts_are_transformers_experts(strong, monkeypatch):
+    """On CUDA the experts take ``triton_moe``'s fused kernels with their biases and clamped SwiGLU (here
+    run by Triton's interpreter on the CPU, skipped without triton; the gpu tests run them compiled): the
+    same as transformers' ``GptOssExperts``, the clamp in play."""
+    from tests.rollout.triton_interpreter import interpreted
+    from tidal.rollout.models import moe
+
+    path, hf = strong
+    engine = LLMEngine(path, cpu_config(max_model_len=32))
+    ours, theirs = engine.model.model.layers[1].mlp.experts, hf.model.layers[1].mlp.experts
+    torch.manual_seed(1)
+    x = torch.randn(11, hf.config.hidden_size) * 50
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(11)])
+    weights = torch.rand(11, 2).softmax(-1)
+    with interpreted({"tidal.rollout.kernels.triton_moe": "_moe_gemm"}) as (kernels,), torch.no_grad():
+        calls, fused = [], kernels.fused_expert_forward
+        monkeypatch.setattr(
+            kernels, "fused_expert_forward", lambda *a, **k: calls.append(k) or fused(*a, **k)
+        )
+        monkeypatch.setattr(moe, "triton_usable", lambda t: True)
+        got = ours(x, weights, ids)
+        want = theirs(x, ids, weights)
+    assert len(calls) == 1 and calls[0]["swiglu"].limit == ours.limit
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+
+
 def test_seeded_samples_logprobs_sleep_and_wake(strong):
     """n samples sharing a prefill, seeded: log-probs are HF's tempered ones and survive sleep / wake-up."""
     path, hf = strong

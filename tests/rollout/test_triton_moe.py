@@ -8,7 +8,7 @@ Two groups:
   in ``moe.expert_forward`` (``FUSED_MOE``);
 - the alignment kernel (``align_pairs_triton``) bit-identical to the torch ops it replaces
   (``align_pairs_torch``), compiled at decode sizes (gpu) and interpreted at small ones;
-- the routing kernel (``fused_route``) against ``moe.route_torch`` (softmax, ``torch.topk``,
+- the routing kernel (``triton_route.fused_route``) against ``moe.route_torch`` (softmax, ``torch.topk``,
   renormalisation): the ids are the k largest logits with the lower id first among equal ones (a stable
   sort's order), the experts are a top-k of torch's probabilities in torch's order (so the same ids on
   rows without ties), the float32 weights within 1e-6 relative of torch's (only the softmax sum's order
@@ -48,6 +48,21 @@ def reference(x, gate_up, down, weights, ids) -> torch.Tensor:
         h = x[tokens] @ gate_up[expert].t()
         act = F.silu(h[:, :inter]) * h[:, inter:]
         out.index_add_(0, tokens, (act @ down[expert].t()) * weights[tokens, slots, None])
+    return out
+
+
+def gpt_oss_reference(x, gate_up, down, biases, weights, ids, alpha, limit) -> torch.Tensor:
+    """gpt-oss's experts in float32, a loop over experts: ``(act(x W1^T + b1) W2^T + b2)`` per pair, times
+    the routing weight, with its clamped SwiGLU (``models/gpt_oss.clamped_swiglu``, the definition)."""
+    from tidal.rollout.models.gpt_oss import clamped_swiglu
+
+    inter = gate_up.shape[1] // 2
+    out = torch.zeros_like(x)
+    for expert in ids.unique().tolist():
+        tokens, slots = (ids == expert).nonzero(as_tuple=True)
+        h = x[tokens] @ gate_up[expert].t() + biases[0][expert]
+        act = clamped_swiglu(h[:, :inter], h[:, inter:], alpha, limit)
+        out.index_add_(0, tokens, (act @ down[expert].t() + biases[1][expert]) * weights[tokens, slots, None])
     return out
 
 
@@ -276,7 +291,7 @@ def test_fused_route_matches_torch_at_decode_sizes(num_tokens, num_experts, top_
     """Decode batches (and a prefill-sized one not a multiple of the row block) of Qwen3-30B-A3B (128
     experts, top-8), Qwen2-MoE-like (60, top-4) and Mixtral (8, top-2) routers; float32 logits (tie-free
     but for rare collapsed probabilities) and bfloat16 ones (ties common among 128 experts)."""
-    from tidal.rollout.kernels.triton_moe import fused_route
+    from tidal.rollout.kernels.triton_route import fused_route
 
     gen = torch.Generator(device="cuda").manual_seed(num_tokens * 1000 + num_experts)
     logits = torch.randn(num_tokens, num_experts, generator=gen, device="cuda")
@@ -291,18 +306,18 @@ def test_fused_route_matches_torch_at_decode_sizes(num_tokens, num_experts, top_
 def test_route_takes_the_kernel_and_replays_in_a_cuda_graph_with_new_logits(monkeypatch):
     """``moe.route`` on CUDA is ``fused_route`` (no host sync): captured once, a replay on other logits
     gives those logits' routing."""
-    from tidal.rollout.kernels import triton_moe
+    from tidal.rollout.kernels import triton_route
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     logits = torch.randn(64, 128, generator=gen, device="cuda").bfloat16()
     calls = []
-    kernel = triton_moe.fused_route
+    kernel = triton_route.fused_route
 
     def counted(*args):
         calls.append(args[0].shape)
         return kernel(*args)
 
-    monkeypatch.setattr(triton_moe, "fused_route", counted)
+    monkeypatch.setattr(triton_route, "fused_route", counted)
     moe.route(logits, 8, True, True)  # compile outside the capture
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -324,3 +339,42 @@ def test_route_takes_the_kernel_and_replays_in_a_cuda_graph_with_new_logits(monk
     weights, ids = moe.route(wide, 2, False, False)
     assert len(calls) == 2
     assert torch.equal(ids, moe.route_torch(wide, 2, False, False)[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 256, 2048])
+def test_fused_moe_gpt_oss_biases_and_clamped_swiglu_at_gpt_oss_20b_shapes(num_tokens):
+    """gpt-oss-20b's experts (hidden 2880, 32 experts, top-4, intermediate 2880, alpha 1.702, limit 7) in
+    bf16 with biases: the float32 reference within the bf16 tolerance, no worse than the grouped-GEMM path
+    the module takes without the kernels, and the same inside a CUDA graph."""
+    from tidal.rollout.kernels.triton_moe import ClampedSwiGLU, fused_expert_forward
+
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    gate_up, down = experts(32, 2880, 2880, gen, "cuda", torch.bfloat16)
+    gate_up = (gate_up.float() * 4).bfloat16()  # pre-activations of ~N(0, 4): the limit of 7 clamps some
+    biases = tuple((torch.randn(32, n, generator=gen, device="cuda") * 0.5).bfloat16() for n in (5760, 2880))
+    x = torch.randn(num_tokens, 2880, generator=gen, device="cuda").bfloat16()
+    weights, ids = routing(num_tokens, 32, 4, False, gen, "cuda")
+    weights = weights.bfloat16()
+    swiglu = ClampedSwiGLU(1.702, 7.0)
+    ref = gpt_oss_reference(x.float(), gate_up.float(), down.float(), [b.float() for b in biases],
+                            weights.float(), ids, 1.702, 7.0)  # fmt: skip
+    out = fused_expert_forward(x, gate_up, down, weights, ids, biases=biases, swiglu=swiglu)
+    assert out.dtype == torch.bfloat16 and _rel(out, ref) < 1e-2
+    from tidal.rollout.models.gpt_oss import clamped_swiglu
+
+    sorted_ids, order = torch.sort(ids.reshape(-1))
+    offsets = torch.cumsum(torch.bincount(sorted_ids, minlength=32), 0).int()
+    h = moe.grouped_linear(x[order // 4], gate_up, offsets) + biases[0][sorted_ids]
+    act = clamped_swiglu(*h.chunk(2, dim=-1), 1.702, 7.0)
+    pairs = (moe.grouped_linear(act, down, offsets) + biases[1][sorted_ids]) * weights.reshape(-1)[
+        order, None
+    ]
+    grouped = torch.empty_like(pairs)
+    grouped[order] = pairs
+    assert _rel(out, ref) <= 1.5 * _rel(grouped.view(num_tokens, 4, -1).sum(1), ref) + 1e-4
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused_expert_forward(x, gate_up, down, weights, ids, biases=biases, swiglu=swiglu)
+    graph.replay()
+    assert torch.equal(captured, out)

@@ -14,6 +14,7 @@ from tests.rollout.test_triton_moe import (
     _rel,
     assert_routes_like_torch,
     experts,
+    gpt_oss_reference,
     reference,
     routing,
 )
@@ -24,8 +25,15 @@ from tidal.rollout.models import moe
 @pytest.fixture(scope="module")
 def tm():
     """``tidal.rollout.kernels.triton_moe`` with its kernels run by Triton's interpreter."""
+    with interpreted({"tidal.rollout.kernels.triton_moe": "_moe_gemm"}) as (module,):
+        yield module
+
+
+@pytest.fixture(scope="module")
+def tr():
+    """``tidal.rollout.kernels.triton_route`` with its kernel run by Triton's interpreter."""
     with (
-        interpreted({"tidal.rollout.kernels.triton_moe": "_moe_gemm"}) as (module,),
+        interpreted({"tidal.rollout.kernels.triton_route": "_route_kernel"}) as (module,),
         pytest.MonkeyPatch.context() as patch,
     ):
         patch.setattr(module, "libdevice", NumpyLibdevice)
@@ -82,6 +90,37 @@ def test_fused_moe_interpreted_matches_reference(tm, num_tokens, num_experts, to
     assert _rel(reference(x, gate_up, down, dropped, ids), ref) > 0.1
 
 
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 2), (13, 4)])
+def test_fused_moe_interpreted_gpt_oss_biases_and_clamped_swiglu(tm, num_tokens, top_k):
+    """gpt-oss's experts through the fused kernels (``biases``, ``swiglu``): the float32 reference; a limit
+    that clamps a good share of the gate and up values, so a kernel ignoring the clamp, the alpha or
+    either bias would be far off (checked: each left out moves the result by > 10%)."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    gate_up, down = experts(6, 40, 24, gen, "cpu", torch.float32)
+    gate_up = gate_up * 3  # pre-activations of ~N(0, 3): |values| > 1.5 are common
+    biases = (torch.randn(6, 48, generator=gen), torch.randn(6, 40, generator=gen))
+    x = torch.randn(num_tokens, 40, generator=gen)
+    weights, ids = routing(num_tokens, 6, top_k, False, gen, "cpu")
+    alpha, limit = 1.702, 1.5
+    ref = gpt_oss_reference(x, gate_up, down, biases, weights, ids, alpha, limit)
+    small = tm.TileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
+    swiglu = tm.ClampedSwiGLU(alpha=alpha, limit=limit)
+    for config in (small, None):
+        out = tm.fused_expert_forward(x, gate_up, down, weights, ids, config, biases=biases, swiglu=swiglu)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    half = [t.half() for t in (x, gate_up, down, weights)]
+    out = tm.fused_expert_forward(*half, ids, small, biases=tuple(b.half() for b in biases), swiglu=swiglu)
+    assert out.dtype == torch.float16 and _rel(out, ref) < 3e-3
+    zero = (torch.zeros_like(biases[0]), torch.zeros_like(biases[1]))
+    for wrong in (
+        gpt_oss_reference(x, gate_up, down, biases, weights, ids, alpha, 1e4),  # no clamp
+        gpt_oss_reference(x, gate_up, down, biases, weights, ids, 1.0, limit),  # no alpha
+        gpt_oss_reference(x, gate_up, down, (zero[0], biases[1]), weights, ids, alpha, limit),
+        gpt_oss_reference(x, gate_up, down, (biases[0], zero[1]), weights, ids, alpha, limit),
+    ):
+        assert _rel(wrong, ref) > 0.1
+
+
 def test_fused_moe_interpreted_no_tokens(tm):
     gate_up, down = experts(4, 40, 24, torch.Generator().manual_seed(0), "cpu", torch.float32)
     ids = torch.zeros(0, 2, dtype=torch.long)
@@ -92,7 +131,6 @@ def test_fused_moe_interpreted_no_tokens(tm):
 def test_expert_forward_dispatches_to_fused_kernels_unless_switched_off(tm, monkeypatch):
     """Where the fused path is usable (patched to count CPU tensors as usable here), ``expert_forward``
     returns the kernels' result; ``FUSED_MOE = False`` and non-SiLU experts take the unfused path."""
-    monkeypatch.setattr(moe, "triton_usable", lambda x: True)
     calls = []
 
     def counted(*args):
@@ -104,8 +142,9 @@ def test_expert_forward_dispatches_to_fused_kernels_unless_switched_off(tm, monk
     gen = torch.Generator().manual_seed(5)
     gate_up, down = experts(4, 40, 24, gen, "cpu", torch.float32)
     x = torch.randn(9, 40, generator=gen)
-    weights, ids = routing(9, 4, 2, False, gen, "cpu")
+    weights, ids = routing(9, 4, 2, False, gen, "cpu")  # torch's routing: the kernel's is tested apart
     ref = reference(x, gate_up, down, weights, ids)
+    monkeypatch.setattr(moe, "triton_usable", lambda x: True)
     torch.testing.assert_close(moe.expert_forward(x, gate_up, down, weights, ids, F.silu), ref)
     assert calls == [5]
     gelu = moe.ACTIVATIONS["gelu"]
@@ -164,19 +203,19 @@ def test_align_pairs_takes_the_kernel_where_it_fits(tm, monkeypatch):
     "num_tokens, num_experts, top_k",
     [(1, 8, 1), (40, 8, 2), (17, 60, 2), (23, 60, 8), (5, 128, 8), (40, 128, 1)],
 )
-def test_fused_route_interpreted_matches_torch(tm, num_tokens, num_experts, top_k):
+def test_fused_route_interpreted_matches_torch(tr, num_tokens, num_experts, top_k):
     """Random normal logits: float32 ones have no ties (the ids are torch's, every row), bfloat16 ones
     do among 60 or 128 experts (the ids then follow the lower-id rule)."""
     gen = torch.Generator().manual_seed(num_tokens * 1000 + num_experts)
     logits = torch.randn(num_tokens, num_experts, generator=gen)
     for renormalize in (True, False):
-        assert assert_routes_like_torch(tm.fused_route, logits, top_k, renormalize).all()
+        assert assert_routes_like_torch(tr.fused_route, logits, top_k, renormalize).all()
         assert_routes_like_torch(
-            tm.fused_route, logits.bfloat16(), top_k, renormalize, rounds_to_nearest=False
+            tr.fused_route, logits.bfloat16(), top_k, renormalize, rounds_to_nearest=False
         )
 
 
-def test_fused_route_ties_go_to_the_lower_expert_id(tm):
+def test_fused_route_ties_go_to_the_lower_expert_id(tr):
     """Repeated logits: equal weights, lower id first, each expert once (also a row's -inf experts, once
     its finite ones are taken); a row of equal logits routes to experts 0..k-1 with weight 1/E."""
     inf = float("inf")
@@ -188,31 +227,31 @@ def test_fused_route_ties_go_to_the_lower_expert_id(tm):
             [-inf, -inf, 0.0, -0.0, -inf, 0.0, -inf, -inf],
         ]
     )
-    weights, ids = tm.fused_route(logits, 5, False, False)
+    weights, ids = tr.fused_route(logits, 5, False, False)
     assert ids.tolist() == [[1, 2, 4, 5, 6], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [2, 3, 5, 0, 1]]
     probs = torch.softmax(logits, dim=-1)
     torch.testing.assert_close(weights, probs.gather(1, ids), rtol=1e-6, atol=0)
     assert weights[1].tolist() == [0.125] * 5 and weights[2].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
     assert weights[0, 0] == weights[0, 1] == weights[0, 2] and weights[0, 3] == weights[0, 4]
-    renormalized, same_ids = tm.fused_route(logits, 5, True, False)
+    renormalized, same_ids = tr.fused_route(logits, 5, True, False)
     assert torch.equal(same_ids, ids)
     torch.testing.assert_close(renormalized, weights / weights.sum(-1, keepdim=True), rtol=1e-6, atol=0)
     # torch's values agree wherever its order among ties does not matter.
     torch.testing.assert_close(weights, moe.route_torch(logits, 5, False, False)[0], rtol=1e-6, atol=0)
 
 
-def test_fused_route_interpreted_no_tokens_and_bad_top_k(tm):
-    weights, ids = tm.fused_route(torch.zeros(0, 8, dtype=torch.bfloat16), 2, True, True)
+def test_fused_route_interpreted_no_tokens_and_bad_top_k(tr):
+    weights, ids = tr.fused_route(torch.zeros(0, 8, dtype=torch.bfloat16), 2, True, True)
     assert weights.shape == ids.shape == (0, 2) and weights.dtype == torch.bfloat16
     with pytest.raises(ValueError, match=r"shape \(3, 8\) with top_k=9"):
-        tm.fused_route(torch.zeros(3, 8), 9, True, False)
+        tr.fused_route(torch.zeros(3, 8), 9, True, False)
 
 
-def test_route_takes_the_kernel_where_it_fits(tm, monkeypatch):
+def test_route_takes_the_kernel_where_it_fits(tr, monkeypatch):
     """Usable Triton (patched: CPU tensors count as usable here) and up to 1024 experts: ``fused_route``;
     more experts, or Triton not usable (the CPU path): the torch ops."""
     taken = []
-    monkeypatch.setattr(tm, "fused_route", lambda *a: taken.append("kernel"))
+    monkeypatch.setattr(tr, "fused_route", lambda *a: taken.append("kernel"))
     monkeypatch.setattr(moe, "route_torch", lambda *a: taken.append("torch"))
     monkeypatch.setattr(moe, "triton_usable", lambda t: True)
     moe.route(torch.zeros(4, 1024), 2, True, False)

@@ -19,9 +19,7 @@ down result each written and read back, then un-permutes. Here:
    the epilogue, stored at the pair's own row (token order, so no un-permute);
 4. the per-token sum of the k rows (a strided reduction in torch: deterministic, no atomics).
 
-Before them, ``fused_route`` (``moe.route`` on CUDA) computes the routing itself in one launch: softmax,
-top-k (lower expert id first among equal logits), renormalisation and the cast, in place of ~6 torch
-kernels (``torch.topk`` alone is two).
+Before them, ``triton_route.fused_route`` (``moe.route`` on CUDA) computes the routing itself in one launch.
 
 Numerics: products accumulate in float32 (tensor cores for 16-bit inputs, IEEE for float32); the gated
 activation is rounded once instead of three times, otherwise the roundings are the unfused path's (the
@@ -39,11 +37,6 @@ import triton.language as tl
 
 from tidal.accel import triton_usable
 
-try:  # accurate expf, as torch's CUDA softmax uses (triton >= 3.0 moved it)
-    from triton.language.extra import libdevice
-except ImportError:  # pragma: no cover - older triton
-    from triton.language.extra.cuda import libdevice
-
 
 @dataclass(frozen=True)
 class TileConfig:
@@ -54,6 +47,14 @@ class TileConfig:
     block_k: int
     num_warps: int
     num_stages: int
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's gated activation: ``(clamp(up, ±limit) + 1) * g * sigmoid(alpha * g)``, g = min(gate, limit)."""
+
+    alpha: float
+    limit: float
 
 
 def tile_config(num_pairs: int, num_experts: int) -> TileConfig:
@@ -245,9 +246,15 @@ def _moe_gemm(
     stride_om,
     scale_ptr,
     stride_se,
+    bias_ptr,
+    stride_be,
+    alpha,
+    limit,
     TOP_K: tl.constexpr,
     GATED: tl.constexpr,
     W_SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CLAMPED_SWIGLU: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -261,7 +268,12 @@ def _moe_gemm(
 
     ``W_SCALED`` (FP8 rollouts, ``tidal.rollout.quant``): the weight is e4m3, widened to ``a``'s dtype
     (exactly) tile by tile, and the float32 accumulator is multiplied by each output channel's scale
-    (``scale_ptr`` [E, rows of the weight], ``stride_se`` per expert) before the epilogue."""
+    (``scale_ptr`` [E, rows of the weight], ``stride_se`` per expert) before the epilogue.
+
+    ``HAS_BIAS`` (gpt-oss): each expert's bias (``bias_ptr`` [E, rows of the weight]) is added to the
+    float32 accumulator (after the scale), before the activation or the routing weight.
+    ``CLAMPED_SWIGLU`` (gpt-oss): the gated activation is ``(clamp(up, ±limit) + 1) * g * sigmoid(alpha * g)``
+    with ``g = min(gate, limit)`` instead of ``silu(gate) * up``."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -302,10 +314,20 @@ def _moe_gemm(
         acc = acc * tl.load(scale_base + cols, mask=col_ok, other=0.0)[None, :]
         if GATED:
             acc_up = acc_up * tl.load(scale_base + N + cols, mask=col_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        bias_base = bias_ptr + expert.to(tl.int64) * stride_be
+        acc = acc + tl.load(bias_base + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up = acc_up + tl.load(bias_base + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        # silu(g) = g / (1 + e^-g), written with builtins (the interpreter cannot call tl.sigmoid, a
+        # sigmoid(z) = 1 / (1 + e^-z), written with builtins (the interpreter cannot call tl.sigmoid, a
         # jit function, once triton was imported without TRITON_INTERPRET).
-        result = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if CLAMPED_SWIGLU:
+            gate = tl.minimum(acc, limit)
+            up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+            result = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+        else:
+            result = acc / (1.0 + tl.exp(-acc)) * acc_up
         out_rows = rows
     else:
         route = tl.load(route_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
@@ -316,9 +338,11 @@ def _moe_gemm(
 
 
 def _launch(
-    a, w, out, route, aligned: AlignedPairs, top_k: int, gated: bool, cfg: TileConfig, scale=None
-) -> None:
-    """``scale``: an e4m3 ``w``'s per-output-channel scales [E, rows] (FP8 rollouts), None otherwise."""
+    a, w, out, route, aligned: AlignedPairs, top_k: int, gated: bool, cfg: TileConfig, scale=None, bias=None,
+    swiglu: ClampedSwiGLU | None = None,
+) -> None:  # fmt: skip
+    """``scale``: an e4m3 ``w``'s per-output-channel scales [E, rows] (FP8 rollouts), None otherwise;
+    ``bias``: the experts' biases [E, rows]; ``swiglu``: gpt-oss's clamped gated activation (gated only)."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     grid = (aligned.block_expert.numel(), triton.cdiv(n, cfg.block_n))
     _moe_gemm[grid](
@@ -337,9 +361,15 @@ def _launch(
         out.stride(0),
         route if scale is None else scale,  # an unused pointer when the weight is not scaled
         0 if scale is None else scale.stride(0),
+        route if bias is None else bias,  # unused without a bias
+        0 if bias is None else bias.stride(0),
+        1.0 if swiglu is None else float(swiglu.alpha),
+        0.0 if swiglu is None else float(swiglu.limit),
         TOP_K=top_k,
         GATED=gated,
         W_SCALED=scale is not None,
+        HAS_BIAS=bias is not None,
+        CLAMPED_SWIGLU=swiglu is not None,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -357,12 +387,16 @@ def fused_expert_forward(
     ids: torch.Tensor,
     config: TileConfig | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    swiglu: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) with e = ids[t, k]; x [T, H] -> [T, H].
 
     ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I], as ``moe.Experts`` stores them.
     ``scales``: the two weights are e4m3 with these per-output-channel scales, [E, 2I] and [E, H] float32
-    (FP8 rollouts: ``tidal.rollout.quant``)."""
+    (FP8 rollouts: ``tidal.rollout.quant``). gpt-oss's experts: ``biases`` [E, 2I] and [E, H] added to each
+    projection (the down one before the routing weight, as transformers adds it) and ``swiglu``, its clamped
+    activation in place of SiLU."""
     num_tokens, top_k = ids.shape
     num_experts, double_inter, hidden = gate_up_proj.shape
     if num_tokens == 0:  # nothing to route (the allocations below would be empty)
@@ -373,121 +407,8 @@ def fused_expert_forward(
     route = weights.reshape(-1).contiguous()
     inter = x.new_empty(aligned.sorted_pairs.numel(), double_inter // 2)
     gate_up_scale, down_scale = scales if scales is not None else (None, None)
-    _launch(x, gate_up_proj, inter, route, aligned, top_k, True, cfg, gate_up_scale)
+    gate_up_bias, down_bias = (b.contiguous() for b in biases) if biases is not None else (None, None)
+    _launch(x, gate_up_proj, inter, route, aligned, top_k, True, cfg, gate_up_scale, gate_up_bias, swiglu)
     out = x.new_empty(num_tokens * top_k, hidden, dtype=torch.promote_types(x.dtype, weights.dtype))
-    _launch(inter, down_proj, out, route, aligned, top_k, False, cfg, down_scale)
+    _launch(inter, down_proj, out, route, aligned, top_k, False, cfg, down_scale, down_bias)
     return out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
-
-
-# ------------------------------------------------------------------------------------------------ routing
-# ``fused_route``'s programs are one warp each, holding a block of rows times every expert (padded to a
-# power of two) in registers: 4 elements per thread (128 experts: one row per program), so every
-# reduction stays within the warp (shuffles, no shared memory or barrier); up to 32 per thread (1024
-# experts, 127 registers on sm_90 without spills).
-ROUTE_KERNEL_MAX_EXPERTS = 1024
-ROUTE_ELEMENTS = 128  # rows x padded experts per program
-ROUTE_MAX_ROWS = 64
-
-
-def route_kernel_fits(router_logits: torch.Tensor) -> bool:
-    """``_route_kernel`` takes these logits: [tokens, experts] with at most 1024 experts."""
-    return router_logits.dim() == 2 and router_logits.shape[1] <= ROUTE_KERNEL_MAX_EXPERTS
-
-
-def fused_route(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_in_model_dtype: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``moe.route`` in one launch of ``_route_kernel``: (weights [T, k], expert ids [T, k] int64).
-
-    The same arithmetic as the torch ops: a float32 softmax ``exp(z - max) / sum`` (libdevice ``expf`` and
-    IEEE division, as torch's CUDA softmax), the k largest in descending order, optionally divided by
-    their float32 sum, rounded to the logits' dtype when ``weights_in_model_dtype``. Only the order of
-    the softmax sum differs (weights within 1e-6 relative, a few float32 ulps). Ties: among equal logits the lower
-    expert id comes first (``torch.topk``'s order among equal values on CUDA is unspecified; exact mode's
-    stable sort also puts the lower id first). No host sync: CUDA graphs capture it."""
-    if not route_kernel_fits(router_logits) or not 1 <= top_k <= router_logits.shape[-1]:
-        raise ValueError(
-            f"triton_moe.fused_route: logits of shape {tuple(router_logits.shape)} with top_k={top_k}; the "
-            f"kernel takes [tokens, experts <= {ROUTE_KERNEL_MAX_EXPERTS}] and 1 <= top_k <= experts"
-        )
-    num_tokens, num_experts = router_logits.shape
-    device = router_logits.device
-    weights_dtype = router_logits.dtype if weights_in_model_dtype else torch.float32
-    weights = torch.empty(num_tokens, top_k, dtype=weights_dtype, device=device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=device)
-    if num_tokens == 0:
-        return weights, ids
-    experts = triton.next_power_of_2(num_experts)
-    rows = max(1, min(ROUTE_MAX_ROWS, ROUTE_ELEMENTS // experts))
-    _route_kernel[(triton.cdiv(num_tokens, rows),)](
-        router_logits,
-        weights,
-        ids,
-        num_tokens,
-        num_experts,
-        router_logits.stride(0),
-        router_logits.stride(1),
-        TOP_K=top_k,
-        SLOTS=triton.next_power_of_2(top_k),
-        RENORMALIZE=renormalize,
-        BLOCK_T=rows,
-        EXPERTS=experts,
-        num_warps=1,
-    )
-    return weights, ids
-
-
-@triton.jit
-def _route_kernel(
-    logits_ptr,
-    weights_ptr,
-    ids_ptr,
-    num_tokens,
-    num_experts,
-    stride_t,
-    stride_e,
-    TOP_K: tl.constexpr,
-    SLOTS: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    EXPERTS: tl.constexpr,
-):
-    """``BLOCK_T`` rows of logits: softmax, then ``TOP_K`` rounds of "the largest logit not taken yet,
-    the lowest column among equal ones", one (value, index) reduction each.
-
-    The rounds compare the logits, not the probabilities: softmax is monotone, so the order is the
-    same wherever the probabilities differ, and no rounding of exp or of the division can swap or tie
-    two nearly equal ones (equal logits tie, lowest id first). A pick's weight is computed from its
-    logit by the formula of every element, ``exp(z - max) / sum``: the same float. Taken columns and
-    the padding read -inf; a row's own -inf logits read the lowest finite float instead, so they still
-    rank above those and are picked each once (their weight is exp(-huge) = 0, as exp(-inf))."""
-    row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = row < num_tokens
-    safe_row = tl.minimum(row, num_tokens - 1).to(tl.int64)  # rows past the end read the last row
-    col = tl.arange(0, EXPERTS)[None, :]
-    ptrs = logits_ptr + safe_row[:, None] * stride_t + col * stride_e
-    z = tl.load(ptrs, mask=col < num_experts, other=float("-inf")).to(tl.float32)
-    top = tl.max(z, 1)
-    total = tl.sum(libdevice.exp(z - top[:, None]), 1)  # padding columns add exp(-inf) = 0
-
-    slot = tl.arange(0, SLOTS)[None, :]
-    key = tl.where(z == float("-inf"), -3.4028234663852886e38, z)
-    key = tl.where(col < num_experts, key, float("-inf"))
-    picked_w = tl.zeros([BLOCK_T, SLOTS], dtype=tl.float32)
-    picked_id = tl.zeros([BLOCK_T, SLOTS], dtype=tl.int32)
-    kept = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        best, pick = tl.max(key, 1, return_indices=True, return_indices_tie_break_left=True)
-        key = tl.where(col == pick[:, None], float("-inf"), key)
-        w = tl.math.div_rn(libdevice.exp(best - top), total)
-        kept += w  # slot order: ((w0 + w1) + w2) + ...
-        picked_w = tl.where(slot == j, w[:, None], picked_w)
-        # Only a row of NaNs (no order) can pick the padding: keep the ids in range.
-        picked_id = tl.where(slot == j, tl.minimum(pick, num_experts - 1)[:, None], picked_id)
-    if RENORMALIZE:
-        picked_w = tl.math.div_rn(picked_w, kept[:, None])
-
-    out = row.to(tl.int64)[:, None] * TOP_K + slot
-    ok = row_ok[:, None] & (slot < TOP_K)
-    tl.store(weights_ptr + out, picked_w.to(weights_ptr.dtype.element_ty), mask=ok)
-    tl.store(ids_ptr + out, picked_id.to(tl.int64), mask=ok)

@@ -17,8 +17,9 @@ so ``moe.grouped_linear`` runs them (grouped GEMM on CUDA). MXFP4 checkpoints (`
 ``<name>_scales``, already output-major) are dequantised on load (``mxfp4.py``).
 
 Not supported (``registry.py`` refuses them): tensor parallelism and exact mode. On the Triton backend
-decode and prefill with context run the paged kernels with their ``sinks`` argument; the experts run
-the grouped-GEMM path rather than ``triton_moe``'s fused kernels (SiLU only, no biases).
+decode and prefill with context run the paged kernels with their ``sinks`` argument; on CUDA the experts
+run ``triton_moe``'s fused kernels with their biases and the clamped SwiGLU in the epilogues (elsewhere,
+or with ``moe.FUSED_MOE`` off, the grouped-GEMM path).
 """
 
 from __future__ import annotations
@@ -103,6 +104,14 @@ class GptOssExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]); x [T, H] -> [T, H]. Token/expert pairs are sorted
         by expert so each expert runs once on its rows (``moe.grouped_linear``), as ``moe`` does."""
+        if moe.fused_usable(x, self.gate_up_proj):
+            from tidal.rollout.kernels.triton_moe import ClampedSwiGLU, fused_expert_forward
+
+            biases = (self.gate_up_proj_bias, self.down_proj_bias)
+            swiglu = ClampedSwiGLU(self.alpha, self.limit)
+            return fused_expert_forward(
+                x, self.gate_up_proj, self.down_proj, weights, ids, biases=biases, swiglu=swiglu
+            )
         if x.is_cuda and torch.cuda.is_current_stream_capturing() and not moe._grouped_mm_usable(x):
             return self._every_expert(x, weights, ids)
         num_tokens, top_k = ids.shape

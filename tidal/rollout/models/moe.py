@@ -111,14 +111,14 @@ def route(
     """(weights [tokens, k], expert ids [tokens, k]) of the k most probable experts, as transformers'
     top-k routers compute them: softmax in float32, ``topk``, optional renormalisation over the k.
 
-    On CUDA with Triton (up to 1024 experts): ``triton_moe.fused_route``, one launch instead of ~6
+    On CUDA with Triton (up to 1024 experts): ``triton_route.fused_route``, one launch instead of ~6
     kernels, the same weights up to the order of the softmax sum and the lower expert id first among
     equal logits. Elsewhere ``route_torch``."""
     if triton_usable(router_logits):
-        from tidal.rollout.kernels import triton_moe
+        from tidal.rollout.kernels import triton_route
 
-        if triton_moe.route_kernel_fits(router_logits):
-            return triton_moe.fused_route(router_logits, top_k, renormalize, weights_in_model_dtype)
+        if triton_route.route_kernel_fits(router_logits):
+            return triton_route.fused_route(router_logits, top_k, renormalize, weights_in_model_dtype)
     return route_torch(router_logits, top_k, renormalize, weights_in_model_dtype)
 
 
@@ -197,11 +197,10 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     return out
 
 
-def _fused_usable(x: torch.Tensor, gate_up_proj: torch.Tensor, act) -> bool:
-    # The kernels fuse SiLU only; 16-bit tensor-core dots need sm80+ for bfloat16.
+def fused_usable(x: torch.Tensor, gate_up_proj: torch.Tensor) -> bool:
+    """The fused Triton kernels can run these experts (16-bit tensor-core dots need sm80+ for bfloat16)."""
     return (
         FUSED_MOE
-        and act is F.silu
         and triton_usable(x)
         and gate_up_proj.dtype == x.dtype
         and (x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) >= (8, 0))
@@ -221,7 +220,9 @@ def expert_forward(
     On CUDA with Triton: ``triton_moe.fused_expert_forward``. Else the arithmetic is transformers'
     grouped path (its default): pairs sorted by expert, gated MLP per expert, scaled by the routing
     weight, back in token order, summed over k, rounded to ``x.dtype``."""
-    if _fused_usable(x, gate_up_proj, act):
+    if act is F.silu and fused_usable(
+        x, gate_up_proj
+    ):  # the kernels' gated activations: SiLU (and gpt-oss's)
         from tidal.rollout.kernels.triton_moe import fused_expert_forward
 
         return fused_expert_forward(x, gate_up_proj, down_proj, weights, ids)
