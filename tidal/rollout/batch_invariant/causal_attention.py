@@ -47,8 +47,9 @@ def attention(
         k, v = F.pad(k, pad), F.pad(v, pad)
     kv_heads = k.shape[2]
     groups = h // kv_heads
-    if lq == 1:  # a decode step: its own GEMM layout, the same bits (``_one_query``)
-        return _one_query(q, k, v, q_pos, scale, window)
+    if lq == 1:  # a decode step: its own GEMM layout, the same bits
+        k_blocks, v_blocks = (t.view(b, -1, KEY_BLOCK, kv_heads, d).transpose(2, 3) for t in (k, v))
+        return _one_query(q, k_blocks, v_blocks, q_pos, scale, window)
     qb, kb = lqp // KEY_BLOCK, lk // KEY_BLOCK
     qf = F.pad(q.float(), (0, 0, 0, 0, 0, lqp - lq))  # queries in whole blocks too (zero rows: dropped)
     # [B, KV, groups, qb, kb, KEY_BLOCK, D] views; the reshapes below copy each operand once
@@ -69,30 +70,34 @@ def attention(
     return out.transpose(1, 2).to(q.dtype)
 
 
-def _one_query(q, k, v, q_pos, scale: float, window: int | None) -> torch.Tensor:
-    """``attention`` of one query per row (``q [B, 1, H, D]``, keys in whole blocks), bit for bit: a GEMM
-    row's result depends neither on its place in its ``KEY_BLOCK``-row block nor on the other rows (as
-    ``matmul.linear``'s; measured for these shapes), so the GEMM rows here are the query heads that share a
-    KV head (zero rows pad them to whole blocks) rather than 16 query positions of which 15 are padding:
-    ``groups`` times fewer GEMMs, and no copy of the keys per query head. The softmax runs on the same
-    ``[B, H, 1, Lk]`` tensor as ``attention``'s and the block sums add in the same order."""
-    b, _, h, d = q.shape
-    lk, kv_heads = k.shape[1], k.shape[2]
-    groups, kb = h // kv_heads, lk // KEY_BLOCK
+def _one_query(q, k_blocks, v_blocks, q_pos, scale: float, window: int | None) -> torch.Tensor:
+    """``attention`` of one query per row, bit for bit: ``q [B, 1, H, D]``, keys and values in blocks
+    ``[B, kb, KV, KEY_BLOCK, D]`` (key ``j`` at ``[:, j // KEY_BLOCK, :, j % KEY_BLOCK]``). A GEMM row's
+    result depends neither on its place in its ``KEY_BLOCK``-row block nor on the other rows, nor on the
+    other GEMMs of the ``bmm`` (as ``matmul.linear``'s; measured for these shapes), so the GEMM rows here are
+    the query heads sharing a KV head (zero rows pad them to whole blocks) rather than 16 query positions of
+    which 15 are padding: ``groups`` times fewer GEMMs, no copy of the keys per query head. The softmax runs
+    on the same ``[B, H, 1, Lk]`` tensor as ``attention``'s and the block sums add in the same order."""
+    b, kb, kv_heads, _, d = k_blocks.shape
+    h, lk = q.shape[2], kb * KEY_BLOCK
+    groups = h // kv_heads
     rows = -(-groups // KEY_BLOCK) * KEY_BLOCK  # GEMM rows per KV head
     rb = rows // KEY_BLOCK
-    qf = F.pad(q.float().reshape(b, kv_heads, groups, d), (0, 0, 0, rows - groups))
-    q_blocks = qf.view(b, kv_heads, rb, 1, KEY_BLOCK, d).expand(b, kv_heads, rb, kb, KEY_BLOCK, d)
-    k_blocks, v_blocks = (_kv_blocks(t, rb) for t in (k, v))
-    scores = torch.bmm(_gemm_rows(q_blocks), _gemm_rows(k_blocks).transpose(1, 2)).mul_(scale)
-    scores = scores.view(b, kv_heads, rb, kb, KEY_BLOCK, KEY_BLOCK).permute(0, 1, 2, 4, 3, 5)
+    # the queries repeated for every key block, zero rows padding each KV head's to whole row blocks
+    q_blocks = q.new_zeros(b, kb, kv_heads, rows, d, dtype=torch.float32)
+    q_blocks[:, :, :, :groups] = q.reshape(b, 1, kv_heads, groups, d)
+    q_blocks = q_blocks.view(b, kb, kv_heads, rb, KEY_BLOCK, d)
+    k_rows, v_rows = (
+        _gemm_rows(t.float()[:, :, :, None].expand(q_blocks.shape)) for t in (k_blocks, v_blocks)
+    )
+    scores = torch.bmm(_gemm_rows(q_blocks), k_rows.transpose(1, 2)).mul_(scale)
+    scores = scores.view(b, kb, kv_heads, rb, KEY_BLOCK, KEY_BLOCK).permute(0, 2, 3, 4, 1, 5)
     scores = scores.reshape(b, kv_heads, rows, lk)[:, :, :groups].reshape(b, h, 1, lk)
     p, denom_blocks = _softmax_numerators(scores, q_pos, window)
-    p = F.pad(p.view(b, kv_heads, groups, lk), (0, 0, 0, rows - groups))
-    p_blocks = p.view(b, kv_heads, rb, KEY_BLOCK, kb, KEY_BLOCK).transpose(3, 4)
-    out_blocks = torch.bmm(_gemm_rows(p_blocks), _gemm_rows(v_blocks))
-    out = _block_sum(out_blocks.view(b, kv_heads, rb, kb, KEY_BLOCK, d), 3)
-    out = out.reshape(b, kv_heads, rows, d)[:, :, :groups].reshape(b, h, 1, d)
+    p_blocks = p.new_zeros(b, kb, kv_heads, rows, KEY_BLOCK)
+    p_blocks[:, :, :, :groups] = p.view(b, kv_heads, groups, kb, KEY_BLOCK).permute(0, 3, 1, 2, 4)
+    out_blocks = torch.bmm(_gemm_rows(p_blocks), v_rows).view(b, kb, kv_heads, rb, KEY_BLOCK, d)
+    out = _block_sum(out_blocks, 1).reshape(b, kv_heads, rows, d)[:, :, :groups].reshape(b, h, 1, d)
     out = out / _block_sum(denom_blocks, -1)[..., None]
     return out.transpose(1, 2).to(q.dtype)
 
@@ -117,14 +122,6 @@ def _block_sum(blocks: torch.Tensor, dim: int) -> torch.Tensor:
     for i in range(1, blocks.shape[dim]):
         total = total + blocks.select(dim, i)
     return total
-
-
-def _kv_blocks(x: torch.Tensor, rb: int) -> torch.Tensor:
-    """Keys or values ``[B, Lk, KV, D]`` (``Lk`` whole blocks) as the float32 view ``[B, KV, rb, kb,
-    KEY_BLOCK, D]``: each key block repeated for the ``rb`` row blocks of its KV head's queries."""
-    b, lk, kv_heads, d = x.shape
-    blocks = x.float().reshape(b, lk // KEY_BLOCK, KEY_BLOCK, kv_heads, d).permute(0, 3, 1, 2, 4)
-    return blocks[:, :, None].expand(b, kv_heads, rb, lk // KEY_BLOCK, KEY_BLOCK, d)
 
 
 def _key_blocks(x: torch.Tensor, groups: int, qb: int) -> torch.Tensor:
