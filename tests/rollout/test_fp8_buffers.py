@@ -29,6 +29,13 @@ def _cpu_experts(self, x, weights, ids):
     return moe.unfused_expert_forward(x, gate_up, down, weights, ids, self.act)
 
 
+def _cpu_family_experts(self, x, weights, ids):
+    """gpt-oss's experts on the dequantized buffers, with its own (grouped) arithmetic."""
+    gate_up = dequantize(self.fp8_gate_up_proj, self.fp8_gate_up_proj_scale, "channel", x.dtype)
+    down = dequantize(self.fp8_down_proj, self.fp8_down_proj_scale, "channel", x.dtype)
+    return self.grouped_forward(x, weights, ids, gate_up, down)
+
+
 def _take_cuda_modes(monkeypatch) -> None:
     """Every module takes its CUDA mode, with the stand-in GEMMs."""
     monkeypatch.setattr(linear, "scaled_mm_problem", lambda target, granularity: None)
@@ -37,6 +44,7 @@ def _take_cuda_modes(monkeypatch) -> None:
     monkeypatch.setattr(linear, "fuses_bias", fuses)
     monkeypatch.setattr(linear, "fp8_linear", _cpu_gemm)
     monkeypatch.setattr(linear.Fp8ExpertsForward, "forward", _cpu_experts)
+    monkeypatch.setattr(linear.Fp8FamilyExpertsForward, "forward", _cpu_family_experts)
 
 
 def _outputs(engine):
@@ -86,7 +94,12 @@ BLOCK_SHAPES = {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_hea
 
 @pytest.mark.parametrize(
     ("family", "quantization", "overrides"),
-    [("llama", "fp8_block", BLOCK_SHAPES), ("qwen3_moe", "fp8", {}), ("qwen2", "fp8", {})],
+    [
+        ("llama", "fp8_block", BLOCK_SHAPES),
+        ("qwen3_moe", "fp8", {}),
+        ("qwen2", "fp8", {}),
+        ("gpt_oss", "fp8", {}),
+    ],
 )
 def test_buffers_are_rewritten_in_place_and_generate_as_the_emulated_engine(
     family, quantization, overrides, tiny_model, monkeypatch, tmp_path
@@ -99,18 +112,25 @@ def test_buffers_are_rewritten_in_place_and_generate_as_the_emulated_engine(
     _take_cuda_modes(monkeypatch)
     engine = LLMEngine(old, cpu_config(quantization=quantization))
     modes = engine.model.fp8.modes()
-    assert set(modes) == ({"scaled_mm", "triton_fp8"} if family == "qwen3_moe" else {"scaled_mm"})
-    # qwen2's q/k/v biases: the GEMM adds them (the stand-in as F.linear does), the forward not again
+    assert set(modes) == (
+        {"scaled_mm", "triton_fp8"} if "moe" in family or family == "gpt_oss" else {"scaled_mm"}
+    )
+    # qwen2's q/k/v biases (gpt-oss's too): the GEMM adds them (the stand-in as F.linear does), not the forward
     fused = {path for path, t in engine.model.fp8.targets.items() if getattr(t.module, "fp8_fused_bias", 0)}
-    assert bool(fused) == (family == "qwen2") and all(p.endswith("qkv_proj") for p in fused)
+    assert bool(fused) == (family in ("qwen2", "gpt_oss"))  # gpt-oss: biases on q/k/v and o
+    assert all(p.endswith(("qkv_proj", "o_proj" if family == "gpt_oss" else "qkv_proj")) for p in fused)
     assert _outputs(engine) == emulated_old
     addresses = _buffers(engine)
     assert addresses
-    for target in engine.model.fp8.targets.values():  # the model-dtype weights are freed
-        assert all(getattr(target.module, param).numel() == 0 for param in target.parts)
+    for target in engine.model.fp8.targets.values():  # the model-dtype weights are freed (staged: kept)
+        assert all((getattr(target.module, param).numel() == 0) != target.staged for param in target.parts)
+    assert any(t.staged for t in engine.model.fp8.targets.values()) == (family == "gpt_oss")
     # a sync in two buckets that cut the packed projections (and, for the MoE, the experts) apart
-    weights = _per_expert(AutoModelForCausalLM.from_pretrained(str(new), dtype=torch.float32).state_dict())
-    first = {n for n, _ in weights if "q_proj" in n or "gate_proj" in n or ".experts.0." in n}
+    state = AutoModelForCausalLM.from_pretrained(str(new), dtype=torch.float32).state_dict()
+    weights = list(state.items()) if family == "gpt_oss" else _per_expert(state)  # its experts: stacked
+    first = {
+        n for n, _ in weights if "q_proj" in n or "gate_proj" in n or ".experts.0." in n or "layers.0." in n
+    }
     engine.update_weights([(n, t) for n, t in weights if n in first])
     engine.update_weights([(n, t) for n, t in weights if n not in first])
     assert _buffers(engine) == addresses
@@ -132,9 +152,9 @@ def test_every_family_s_sync_quantizes_into_the_buffers_a_fresh_load_fills(famil
         AutoModelForCausalLM.from_pretrained(str(new), dtype=torch.float32).named_parameters()
     )
     fresh = LLMEngine(new, cpu_config(quantization="fp8"))
-    # every module in its CUDA mode, but for gpt-oss's experts (emulated everywhere: ``fp8_emulated_reason``)
+    # every module in its CUDA mode (gpt-oss's experts staged: their loader fills the model-dtype weights)
     targets = engine.model.fp8.targets.values()
-    assert all(t.mode != "emulated" for t in targets if not hasattr(t.module, "fp8_parts"))
+    assert all(t.mode != "emulated" for t in targets)
     want = dict(fresh.model.named_buffers())
     for name, buffer in engine.model.named_buffers():
         if ".fp8_" in name:

@@ -142,8 +142,9 @@ def test_cuda_graphs_and_async_scheduling_stay_valid_across_a_sync(family):
 @pytest.mark.parametrize("family", ["gpt_oss", "gemma4_text", "deepseek_v3"])
 def test_the_families_on_loaders_of_their_own_run_fp8_with_graphs_across_a_sync(family, tiny_model):
     """bf16 engines of the tiny gpt-oss / Gemma 4 / DeepSeek-V3 with CUDA graphs and async scheduling:
-    their projections run ``torch._scaled_mm`` (gpt-oss's experts emulated, DeepSeek-V3's absorbed
-    ``kv_b_proj`` not quantized), and before and after a weight sync they generate what eager engines do."""
+    their projections run ``torch._scaled_mm`` (gpt-oss's experts the fused Triton MoE kernels on e4m3 weights,
+    staged; DeepSeek-V3's absorbed ``kv_b_proj`` not quantized), and before and after a weight sync they
+    generate what eager engines do."""
     from transformers import AutoModelForCausalLM
 
     from tests.rollout.reference import assert_same_start
@@ -159,7 +160,7 @@ def test_the_families_on_loaders_of_their_own_run_fp8_with_graphs_across_a_sync(
     targets = graphs.model.fp8.targets
     assert graphs.model.fp8.modes().get("scaled_mm", 0) > 0
     experts = {t.mode for t in targets.values() if hasattr(t.module, "fp8_parts")}
-    assert experts == ({"emulated"} if family == "gpt_oss" else set())
+    assert experts == ({"triton_fp8"} if family == "gpt_oss" else set())
     assert not any(path.endswith("kv_b_proj") for path in targets)
     assert graphs.async_scheduling and not graphs.eager
     assert_same_start(engine(old, enforce_eager=True).generate(PROMPTS, greedy(12)),

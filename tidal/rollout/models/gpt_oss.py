@@ -81,12 +81,6 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
 class GptOssExperts(nn.Module):
     """Stacked expert weights and biases (``moe.Experts``' layout, gate rows first) and their forward."""
 
-    # FP8 rollouts (``quant/linear.py``) round these weights in place (emulated) on every device:
-    fp8_emulated_reason = (
-        "gpt_oss's experts compute emulated (FP8-rounded weights in the model dtype: no speed-up, no memory "
-        "saved), as the fused Triton FP8 MoE kernels take neither expert biases nor the clamped SwiGLU"
-    )
-
     def __init__(self, args: GptOssArgs):
         super().__init__()
         experts, inter, hidden = args.moe.num_experts, args.moe.intermediate_size, args.hidden_size
@@ -102,30 +96,41 @@ class GptOssExperts(nn.Module):
         return {"gate_up_proj": (inter, inter), "down_proj": (self.down_proj.shape[1],)}
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]); x [T, H] -> [T, H]. Token/expert pairs are sorted
-        by expert so each expert runs once on its rows (``moe.grouped_linear``), as ``moe`` does."""
+        """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]); x [T, H] -> [T, H]: the fused Triton kernels on CUDA
+        (``kernel_forward``), else pairs sorted by expert, each expert run once on its rows (``grouped_forward``)."""
         if moe.fused_usable(x, self.gate_up_proj):
-            from tidal.rollout.kernels.triton_moe import ClampedSwiGLU, fused_expert_forward
-
-            biases = (self.gate_up_proj_bias, self.down_proj_bias)
-            swiglu = ClampedSwiGLU(self.alpha, self.limit)
-            return fused_expert_forward(
-                x, self.gate_up_proj, self.down_proj, weights, ids, biases=biases, swiglu=swiglu
-            )
+            return self.kernel_forward(x, weights, ids, self.gate_up_proj, self.down_proj)
         if x.is_cuda and torch.cuda.is_current_stream_capturing() and not moe._grouped_mm_usable(x):
             return self._every_expert(x, weights, ids)
+        return self.grouped_forward(x, weights, ids, self.gate_up_proj, self.down_proj)
+
+    def kernel_forward(self, x, weights, ids, gate_up, down, scales=None) -> torch.Tensor:
+        """``triton_moe``'s fused kernels on the weights ``gate_up`` and ``down`` (the parameters, or FP8
+        rollouts' e4m3 buffers with their per-channel ``scales``: ``quant/linear.py``), the biases and the
+        clamped SwiGLU in their epilogues."""
+        from tidal.rollout.kernels.triton_moe import ClampedSwiGLU, fused_expert_forward
+
+        biases = (self.gate_up_proj_bias, self.down_proj_bias)
+        swiglu = ClampedSwiGLU(self.alpha, self.limit)
+        return fused_expert_forward(
+            x, gate_up, down, weights, ids, scales=scales, biases=biases, swiglu=swiglu
+        )
+
+    def grouped_forward(self, x, weights, ids, gate_up_proj, down_proj) -> torch.Tensor:
+        """The experts with the weights given, pairs sorted by expert so each expert runs once on its rows
+        (``moe.grouped_linear``), as ``moe`` does."""
         num_tokens, top_k = ids.shape
         sorted_ids, order = torch.sort(ids.reshape(-1))
         rows = x[order // top_k]
         # histc, not bincount: no host sync on CUDA (graph capture); CPU histc wants floats.
-        num_experts = self.gate_up_proj.shape[0]
+        num_experts = gate_up_proj.shape[0]
         counts_input = sorted_ids.float() if not x.is_cuda else sorted_ids.int()
         counts = torch.histc(counts_input, bins=num_experts, min=0, max=num_experts - 1)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        gate_up = grouped_linear(rows, self.gate_up_proj, offsets) + self.gate_up_proj_bias[sorted_ids]
+        gate_up = grouped_linear(rows, gate_up_proj, offsets) + self.gate_up_proj_bias[sorted_ids]
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = clamped_swiglu(gate, up, self.alpha, self.limit)
-        out = grouped_linear(hidden, self.down_proj, offsets) + self.down_proj_bias[sorted_ids]
+        out = grouped_linear(hidden, down_proj, offsets) + self.down_proj_bias[sorted_ids]
         out = out * weights.reshape(-1)[order].unsqueeze(-1)
         unsorted = torch.empty_like(out)
         unsorted[order] = out

@@ -25,14 +25,18 @@ runs on the weights' device at the engine's load and at every ``load_weights`` c
 - ``triton_fp8`` (MoE experts; the fused Triton MoE path on an FP8-capable GPU, per-channel scales): the
   kernels of ``kernels/triton_moe.py`` read the e4m3 experts (``fp8_gate_up_proj``, ``fp8_down_proj``
   and their ``_scale`` buffers, in place likewise), widen each tile to the model dtype and scale the
-  float32 accumulator per output channel; activations stay in the model dtype (weight-only FP8).
+  float32 accumulator per output channel; activations stay in the model dtype (weight-only FP8). A
+  family's own experts (gpt-oss: biases and its clamped SwiGLU in the kernels' epilogues) are *staged*:
+  their loader converts the checkpoint's layouts (input-major, interleaved, MXFP4) into the model-dtype
+  weights, which stay, and those are quantized into the buffers after each load (the decode reads half
+  the bytes; no memory is saved).
 - ``emulated`` (the CPU; CUDA where neither applies, e.g. block-scaled experts): the parameter itself is
   overwritten with ``dequantize(quantize(w))`` and the module's forward is unchanged, so the model
   computes with exactly the FP8-rounded weights (activations are not quantized). Only the parts a load
   wrote are rounded again (rounding a rounded weight twice is not guaranteed to be a no-op).
 
-In the two CUDA modes the model-dtype weights are freed once quantized (an empty parameter stays) and a
-sync's tensors are quantized straight into the buffers, so the weights take half the model dtype's memory
+In the two CUDA modes the model-dtype weights (but staged ones) are freed once quantized (an empty
+parameter stays) and a sync's tensors are quantized straight into the buffers, so the weights take half the model dtype's memory
 (plus the float32 scales).
 
 Quantization is per output channel (``fp8``) or per 128 x 128 tile (``fp8_block``): ``fp8.py``.
@@ -50,6 +54,7 @@ from tidal.logging.console import get_logger
 from tidal.rollout.models.layers import CausalLM
 from tidal.rollout.models.moe import _PER_EXPERT, Experts
 from tidal.rollout.models.parallel import ColumnParallelLinear, RowParallelLinear
+from tidal.rollout.quant.experts import Fp8ExpertsForward, Fp8FamilyExpertsForward, kernel_problem
 from tidal.rollout.quant.families import (  # the refusals, re-exported for their callers
     family_problem,
     loader_problem,  # noqa: F401
@@ -70,6 +75,9 @@ class Target:
     module: nn.Module
     parts: dict[str, tuple[int, ...]]  # parameter -> row counts of its packed parts, in order
     mode: str = "emulated"
+    # a family's own experts in a CUDA mode keep their model-dtype weights: the family's loader converts
+    # checkpoint layouts (transposed, interleaved, MXFP4) into them, then they are quantized into the buffers
+    staged: bool = False
 
 
 @dataclass
@@ -107,15 +115,20 @@ def quantize_model(model: CausalLM, quantization: str) -> Fp8State:
             state.targets[path] = Target(
                 module, {"gate_up_proj": (rows, rows), "down_proj": (module.down_proj.shape[1],)}
             )
-        elif hasattr(module, "fp8_parts"):  # a family's own stacked experts (gpt-oss): always emulated
+        elif hasattr(module, "fp8_parts"):  # a family's own stacked experts (gpt-oss)
             state.targets[path] = Target(module, module.fp8_parts())
         elif isinstance(module, nn.Linear) and plain_projection(model, path):
             state.targets[path] = Target(module, {"weight": (module.out_features,)})
     refused: dict[str, int] = {}  # why torch._scaled_mm is unusable on this GPU -> linear layers
+    own_experts: str | None = None  # why a family's own experts compute emulated on CUDA
     device = None
     for target in state.targets.values():
         if hasattr(target.module, "fp8_parts"):
-            pass
+            if (problem := experts_kernel_problem(target, state.granularity)) is None:
+                _use_experts_kernel(target, state.granularity, Fp8FamilyExpertsForward)
+                target.staged = True
+            elif target.module.down_proj.is_cuda:
+                own_experts = problem
         elif isinstance(target.module, Experts):
             if experts_kernel_problem(target, state.granularity) is None:
                 _use_experts_kernel(target, state.granularity)
@@ -126,7 +139,7 @@ def quantize_model(model: CausalLM, quantization: str) -> Fp8State:
             device = target.module.weight.device
         for param in target.parts:
             _requantize(target, state.granularity, param, None, None)
-        if target.mode != "emulated":
+        if target.mode != "emulated" and not target.staged:
             _release_model_dtype_weights(target)
     model.fp8 = state
     _requantize_after_loads(model, state)
@@ -134,9 +147,11 @@ def quantize_model(model: CausalLM, quantization: str) -> Fp8State:
     if refused:
         layers = sum(isinstance(t.module, nn.Linear) for t in state.targets.values())
         log.warning(fallback_notice(quantization, refused, layers, device))
-    emulated = [t.module for t in state.targets.values() if hasattr(t.module, "fp8_parts")]
-    if emulated and emulated[0].down_proj.is_cuda:  # the fused Triton MoE kernels cannot run them
-        log.warning("engine: --rollout_quantization %s: %s", quantization, emulated[0].fp8_emulated_reason)
+    if own_experts is not None:  # the fused Triton MoE kernels cannot run them
+        log.warning(
+            "engine: --rollout_quantization %s: %s's experts compute emulated (FP8-rounded weights in the model "
+            "dtype: no speed-up, no memory saved): %s", quantization, model.args.model_type, own_experts,
+        )  # fmt: skip
     return state
 
 
@@ -168,7 +183,8 @@ def _requantize_after_loads(model: CausalLM, state: Fp8State) -> None:
         def watched():
             for name, tensor in named_tensors:
                 hit = _target_of(model, state, name)
-                if hit is not None and state.targets[hit[0]].mode != "emulated":
+                target = state.targets[hit[0]] if hit is not None else None
+                if target is not None and target.mode != "emulated" and not target.staged:
                     _load_quantized(state, hit, tensor, name)
                     continue
                 if hit is not None:
@@ -443,35 +459,10 @@ def _swap_class(module: nn.Module, mixin: type) -> None:
 # ------------------------------------------------------------------------------------------ MoE experts
 def experts_kernel_problem(target: Target, granularity: str) -> str | None:
     """Why these experts cannot run the fused Triton MoE kernels on e4m3 weights (None: they can)."""
-    import torch.nn.functional as F
-
-    from tidal.accel import triton_usable
-    from tidal.rollout.models import moe
-
-    weight = target.module.gate_up_proj
-    if granularity != "channel":
-        return "block scales (the kernel applies per-channel scales)"
-    if not (weight.is_cuda and triton_usable(weight) and moe.FUSED_MOE and target.module.act is F.silu):
-        return "not the fused Triton MoE path"
-    if weight.dtype not in (torch.bfloat16, torch.float16):
-        return f"{weight.dtype} engine"
-    if torch.cuda.get_device_capability(weight.device) < (8, 9):
-        return "the GPU has no FP8 conversions (sm89+)"
-    return None
+    return kernel_problem(target.module, granularity)
 
 
-class Fp8ExpertsForward:
-    """Mixed into ``moe.Experts`` (``triton_fp8`` mode): the fused MoE kernels read the e4m3 experts and
-    apply the per-channel scales to their float32 accumulators (activations stay in the model dtype)."""
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        from tidal.rollout.kernels.triton_moe import fused_expert_forward
-
-        scales = (self.fp8_gate_up_proj_scale[..., 0], self.fp8_down_proj_scale[..., 0])
-        return fused_expert_forward(x, self.fp8_gate_up_proj, self.fp8_down_proj, weights, ids, scales=scales)
-
-
-def _use_experts_kernel(target: Target, granularity: str) -> None:
+def _use_experts_kernel(target: Target, granularity: str, mixin: type = Fp8ExpertsForward) -> None:
     _add_buffers(target, granularity)
-    _swap_class(target.module, Fp8ExpertsForward)
+    _swap_class(target.module, mixin)
     target.mode = "triton_fp8"
