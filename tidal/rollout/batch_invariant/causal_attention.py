@@ -48,8 +48,7 @@ def attention(
     kv_heads = k.shape[2]
     groups = h // kv_heads
     if lq == 1:  # a decode step: its own GEMM layout, the same bits
-        k_blocks, v_blocks = (t.view(b, -1, KEY_BLOCK, kv_heads, d).transpose(2, 3) for t in (k, v))
-        return _one_query(q, k_blocks, v_blocks, q_pos, scale, window)
+        return _one_query(q, k, v, q_pos, scale, window)
     qb, kb = lqp // KEY_BLOCK, lk // KEY_BLOCK
     qf = F.pad(q.float(), (0, 0, 0, 0, 0, lqp - lq))  # queries in whole blocks too (zero rows: dropped)
     # [B, KV, groups, qb, kb, KEY_BLOCK, D] views; the reshapes below copy each operand once
@@ -70,36 +69,46 @@ def attention(
     return out.transpose(1, 2).to(q.dtype)
 
 
-def _one_query(q, k_blocks, v_blocks, q_pos, scale: float, window: int | None) -> torch.Tensor:
-    """``attention`` of one query per row, bit for bit: ``q [B, 1, H, D]``, keys and values in blocks
-    ``[B, kb, KV, KEY_BLOCK, D]`` (key ``j`` at ``[:, j // KEY_BLOCK, :, j % KEY_BLOCK]``). A GEMM row's
-    result depends neither on its place in its ``KEY_BLOCK``-row block nor on the other rows, nor on the
-    other GEMMs of the ``bmm`` (as ``matmul.linear``'s; measured for these shapes), so the GEMM rows here are
-    the query heads sharing a KV head (zero rows pad them to whole blocks) rather than 16 query positions of
-    which 15 are padding: ``groups`` times fewer GEMMs, no copy of the keys per query head. The softmax runs
-    on the same ``[B, H, 1, Lk]`` tensor as ``attention``'s and the block sums add in the same order."""
-    b, kb, kv_heads, _, d = k_blocks.shape
-    h, lk = q.shape[2], kb * KEY_BLOCK
+def _one_query(q, k, v, q_pos, scale: float, window: int | None) -> torch.Tensor:
+    """``attention`` of one query per row (``q [B, 1, H, D]``; ``k, v [B, Lk, KV, D]``, ``Lk`` whole key
+    blocks), bit for bit. A GEMM row's result depends neither on its place in its ``KEY_BLOCK``-row block
+    nor on the other rows, the other GEMMs of the ``bmm`` or the operands' strides (as ``matmul.linear``'s;
+    measured for these shapes), so the GEMM rows here are the query heads sharing a KV head (zero rows pad
+    them to whole blocks) rather than 16 query positions of which 15 are padding (``groups`` times fewer
+    GEMMs), and one ``bmm`` per KV head reads its key blocks in place (no copy of the keys). The softmax
+    runs on the same ``[B, H, 1, Lk]`` tensor as ``attention``'s and the block sums add in the same order."""
+    b, lk, kv_heads, d = k.shape
+    h, kb = q.shape[2], lk // KEY_BLOCK
     groups = h // kv_heads
     rows = -(-groups // KEY_BLOCK) * KEY_BLOCK  # GEMM rows per KV head
-    rb = rows // KEY_BLOCK
-    # the queries repeated for every key block, zero rows padding each KV head's to whole row blocks
-    q_blocks = q.new_zeros(b, kb, kv_heads, rows, d, dtype=torch.float32)
-    q_blocks[:, :, :, :groups] = q.reshape(b, 1, kv_heads, groups, d)
-    q_blocks = q_blocks.view(b, kb, kv_heads, rb, KEY_BLOCK, d)
-    k_rows, v_rows = (
-        _gemm_rows(t.float()[:, :, :, None].expand(q_blocks.shape)) for t in (k_blocks, v_blocks)
-    )
-    scores = torch.bmm(_gemm_rows(q_blocks), k_rows.transpose(1, 2)).mul_(scale)
-    scores = scores.view(b, kb, kv_heads, rb, KEY_BLOCK, KEY_BLOCK).permute(0, 2, 3, 4, 1, 5)
-    scores = scores.reshape(b, kv_heads, rows, lk)[:, :, :groups].reshape(b, h, 1, lk)
-    p, denom_blocks = _softmax_numerators(scores, q_pos, window)
-    p_blocks = p.new_zeros(b, kb, kv_heads, rows, KEY_BLOCK)
-    p_blocks[:, :, :, :groups] = p.view(b, kv_heads, groups, kb, KEY_BLOCK).permute(0, 3, 1, 2, 4)
-    out_blocks = torch.bmm(_gemm_rows(p_blocks), v_rows).view(b, kb, kv_heads, rb, KEY_BLOCK, d)
-    out = _block_sum(out_blocks, 1).reshape(b, kv_heads, rows, d)[:, :, :groups].reshape(b, h, 1, d)
-    out = out / _block_sum(denom_blocks, -1)[..., None]
+    # per KV head, its queries repeated for every key block, zero rows padding them to whole row blocks
+    q_blocks = q.new_zeros(kv_heads, b, kb, rows, d, dtype=torch.float32)
+    q_blocks[:, :, :, :groups] = q.reshape(b, kv_heads, groups, d).transpose(0, 1)[:, :, None]
+    k_heads, v_heads = (_head_blocks(t, rows // KEY_BLOCK) for t in (k, v))
+    scores = q_blocks.new_empty(kv_heads, b * kb * rows // KEY_BLOCK, KEY_BLOCK, KEY_BLOCK)
+    for i in range(kv_heads):
+        torch.bmm(q_blocks[i].view(-1, KEY_BLOCK, d), k_heads[i].transpose(1, 2), out=scores[i])
+    scores = scores.mul_(scale).view(kv_heads, b, kb, rows, KEY_BLOCK)[:, :, :, :groups]
+    p, denom_blocks = _softmax_numerators(scores.permute(1, 0, 3, 2, 4).reshape(b, h, 1, lk), q_pos, window)
+    p_blocks = p.new_zeros(kv_heads, b, kb, rows, KEY_BLOCK)
+    p_blocks[:, :, :, :groups] = p.view(b, kv_heads, groups, kb, KEY_BLOCK).permute(1, 0, 3, 2, 4)
+    out_blocks = p.new_empty(kv_heads, b * kb * rows // KEY_BLOCK, KEY_BLOCK, d)
+    for i in range(kv_heads):
+        torch.bmm(p_blocks[i].view(-1, KEY_BLOCK, KEY_BLOCK), v_heads[i], out=out_blocks[i])
+    out = _block_sum(out_blocks.view(kv_heads, b, kb, rows, d), 2)[:, :, :groups]
+    out = out.transpose(0, 1).reshape(b, h, 1, d) / _block_sum(denom_blocks, -1)[..., None]
     return out.transpose(1, 2).to(q.dtype)
+
+
+def _head_blocks(x: torch.Tensor, rb: int) -> list[torch.Tensor]:
+    """Keys or values ``[B, Lk, KV, D]`` → per KV head ``[B * kb * rb, KEY_BLOCK, D]`` float32: views (a
+    row stride of ``KV * D``) unless ``rb > 1`` row blocks each need the key block repeated."""
+    b, lk, kv_heads, d = x.shape
+    blocks = x.float().contiguous().view(b * (lk // KEY_BLOCK), KEY_BLOCK, kv_heads, d)
+    heads = [blocks[:, :, i] for i in range(kv_heads)]
+    if rb == 1:
+        return heads
+    return [t[:, None].expand(t.shape[0], rb, KEY_BLOCK, d).reshape(-1, KEY_BLOCK, d) for t in heads]
 
 
 def _softmax_numerators(scores, q_pos, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
