@@ -12,6 +12,7 @@ over the timed steps (the first is not timed), samples/s and generated tokens/s,
 
     python bench/partial_rollouts.py                                      # tiny model on CPU, ~1 minute
     python bench/partial_rollouts.py --device cuda --config qwen2.5-0.5b  # issue #35's 0.5B shape
+    python bench/partial_rollouts.py --device cuda --config qwen2.5-0.5b --placement separate
 """
 
 from __future__ import annotations
@@ -48,10 +49,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new_tokens", type=int, default=1024, help="the long responses' budget (8x the others')")
     p.add_argument("--micro", type=int, default=64, help="samples per micro-batch (scoring and update)")
     p.add_argument("--rollouts", type=int, default=6, help="steps per run (the first is not timed)")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--modes", nargs="+", default=None, choices=list(MODES),
+                   help="default: every mode the placement runs (separate: no partial rollouts)")  # fmt: skip
     p.add_argument("--compile", action="store_true", help="pass --torch_compile to every run")
+    p.add_argument("--placement", default="colocated", choices=("colocated", "separate"),
+                   help="colocated: the engine in the trainer's process (--colocate_all_models); separate: the "
+                        "engine in a process of its own on the same device (--vllm_num_engines 1), which does "
+                        "not share the trainer's interpreter lock")  # fmt: skip
     p.add_argument("--folder", default="/tmp/tidal_partial_rollouts")
     args = p.parse_args(argv)
+    if args.modes is None:
+        args.modes = [m for m in MODES if args.placement == "colocated" or m != "async_partial"]
+    elif args.placement == "separate" and "async_partial" in args.modes:
+        p.error("--placement separate: partial rollouts need the engine in the trainer's process")
     if args.config == "tiny" and args.new_tokens == 1024:  # a CPU smoke shape
         args.prompts, args.n, args.prompt_len, args.new_tokens, args.micro, args.rollouts = 4, 2, 8, 32, 8, 3
     if args.new_tokens % 8:
@@ -81,7 +91,8 @@ def mode_flags(args, mode: str, model: Path, folder: Path) -> list[str]:
     for flag in ("--prompt_max_len", "--generate_max_len"):
         del argv[argv.index(flag) : argv.index(flag) + 2]
     total = args.prompt_len + args.new_tokens
-    return [*argv, "--max_len", str(total), "--prompt_max_len", str(total - 1), "--colocate_all_models",
+    placement = ["--colocate_all_models"] if args.placement == "colocated" else ["--vllm_num_engines", "1"]
+    return [*argv, "--max_len", str(total), "--prompt_max_len", str(total - 1), *placement,
             "--vllm_generate_batch_size", str(args.prompts), *MODES[mode]]  # fmt: skip
 
 
@@ -120,7 +131,7 @@ def main(argv=None) -> dict:
     results = {mode: run_mode(args, mode, model, folder) for mode in args.modes}
     report = {
         "bench": "partial_rollouts", **versions(), "device": args.device, "threads": torch.get_num_threads(),
-        "config": args.config, "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
+        "config": args.config, "placement": args.placement, "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "long_every": LONG_EVERY, "timed_steps": args.rollouts - 1, **results,
     }  # fmt: skip
     if "sync" in results:
