@@ -19,14 +19,16 @@ token) and ``mean_abs_logprob_diff`` (mean |log-prob difference| of the tokens b
 both engines scored the same token after the same context). On a random-init model (``--config``) the
 logits are nearly flat and greedy agreement says little; ``--model`` takes a trained HF folder.
 
-Shapes: ``--config`` Qwen2.5-0.5B / 7B (``bench/rollout.py``) or a Qwen3-MoE shape (``bench/moe.py``:
-``qwen3-30b-a3b``, ``qwen3-moe-2b``); ``--tiny`` (the default) a tiny qwen2 on the CPU, where FP8 is
+Shapes: ``--config`` Qwen2.5-0.5B / 7B (``bench/rollout.py``), a Qwen3-MoE shape (``bench/moe.py``:
+``qwen3-30b-a3b``, ``qwen3-moe-2b``) or a 2025 family's (``bench/family_shapes.py``: ``gpt-oss-20b``,
+``qwen3.5-*``); ``--tiny`` (the default) a tiny qwen2 on the CPU, where FP8 is
 emulated (a smoke run: no speed-up is expected there).
 
     python bench/fp8_rollout.py                                  # CPU smoke run, < 1 minute
     python bench/fp8_rollout.py --config qwen2.5-7b --device cuda --batch 256 --prompt_len 128 --new_tokens 512
     python bench/fp8_rollout.py --config qwen3-30b-a3b --device cuda --batch 256 --prompt_len 128 \\
         --new_tokens 256
+    python bench/fp8_rollout.py --config gpt-oss-20b --device cuda --batch 256 --prompt_len 128 --new_tokens 256
 """
 
 from __future__ import annotations
@@ -42,10 +44,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from family_shapes import FAMILY_SHAPES, family_config  # noqa: E402
 from moe import MOE_CONFIGS, moe_config  # noqa: E402
 from rollout import CONFIGS, needs_offload, offload, timed  # noqa: E402
 
-SHAPES = ["qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-14b", *MOE_CONFIGS]
+SHAPES = ["qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-14b", *MOE_CONFIGS, *FAMILY_SHAPES]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -76,6 +79,8 @@ def load_hf(args, dtype: torch.dtype, tmp: str):
     if args.config:
         if args.config in MOE_CONFIGS:
             config = moe_config(args.config)
+        elif args.config in FAMILY_SHAPES:
+            config = family_config(args.config)
         else:
             fields = dict(CONFIGS[args.config])
             config = AutoConfig.for_model(fields.pop("model_type"), **fields)
