@@ -14,6 +14,8 @@ import logging
 import pytest
 import torch
 
+from tests.spies import count_calls
+from tests.trainers.ppo.test_old_logprobs_from_update import on_policy_experience
 from tidal.config.model import ModelConfig
 from tidal.config.rl import AlgorithmConfig
 from tidal.distributed.world import World
@@ -31,31 +33,15 @@ CPU = torch.device("cpu")
 @pytest.fixture
 def exact_forwards(monkeypatch):
     """Counts the exact forwards (``forward._exact_values``) run."""
-    calls = []
-    real = forward_module._exact_values
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(forward_module, "_exact_values", counted)
-    return calls
+    return count_calls(monkeypatch, forward_module, "_exact_values")
 
 
-def _step(model, packing: bool, n: int = 6, width: int = 12) -> Experience:
+def _step(model, packing: bool) -> Experience:
     """An on-policy step (no old log-probs) whose rollout log-probs are the exact forward's."""
-    g = torch.Generator().manual_seed(2)
-    attn = torch.ones(n, width, dtype=torch.long)
-    attn[1, 9:] = 0
-    attn[4, 7:] = 0
-    action = attn.clone()
-    action[:, :4] = 0
-    seq = torch.randint(5, 500, (n, width), generator=g) * attn
-    exp = Experience(seq, attn, action, torch.zeros(n, width), rewards=torch.zeros(n), scores=torch.zeros(n),
-                     advantages=torch.randn(n, width, generator=g) * action)  # fmt: skip
+    exp = on_policy_experience(n=6)
     with torch.no_grad():
         exact = forward_logprobs(model, exp, 8, packing, 1.0, Precision.create("fp32", CPU))
-    exp.rollout_logprobs = exact * action
+    exp.rollout_logprobs = exact * exp.action_mask
     return exp
 
 

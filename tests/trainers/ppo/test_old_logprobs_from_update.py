@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.spies import count_calls
 from tidal.config.model import ModelConfig
 from tidal.config.rl import AlgorithmConfig
 from tidal.distributed.world import World
@@ -30,7 +31,8 @@ def test_the_rule():
     assert not old_logprobs_from_update(epochs=1, rollout_size=128, step_size=128, has_reference=True)
 
 
-def _experience(n: int = 5, width: int = 12) -> Experience:
+def on_policy_experience(n: int = 5, width: int = 12) -> Experience:
+    """Rows of 12 tokens (two shorter), 4 prompt tokens each, random rollout log-probs, no old ones."""
     g = torch.Generator().manual_seed(1)
     attn = torch.ones(n, width, dtype=torch.long)
     attn[1, 8:] = 0
@@ -57,7 +59,7 @@ def test_loss_gradient_and_mismatch_equal_those_of_a_scoring_pass(tiny_llama, pa
         loss.backward()
         return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()]), metrics
 
-    exp = _experience()
+    exp = on_policy_experience()
     skipped_loss, skipped_grad, skipped_metrics = loss_and_grad(exp)
     exp.old_logprobs = forward_logprobs(model, exp, 8, packing, 1.0, precision)
     loss, grad, metrics = loss_and_grad(exp)
@@ -76,14 +78,7 @@ def _run(policy, tmp_path, monkeypatch, *extra):
     from tidal.trainers.ppo import run_ppo
     from tidal.trainers.ppo import trainer as trainer_module
 
-    calls = []
-    real = trainer_module.forward_logprobs
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(trainer_module, "forward_logprobs", counted)
+    calls = count_calls(monkeypatch, trainer_module, "forward_logprobs")
     data = write_echo_data(tmp_path / "data")
     flags = rl_flags(policy, data, tmp_path, "--advantage_estimator", "group_norm",
                      "--max_samples", "32", *extra)  # fmt: skip
