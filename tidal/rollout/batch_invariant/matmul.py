@@ -1,7 +1,9 @@
 """Batch-invariant ``linear``: torch's CPU GEMM gives a row a different result for 1 row (a GEMV path) than
 for 2+ rows, so ``linear`` pads the rows to a multiple of ``ROW_BLOCK`` and multiplies blocks of exactly
 that many rows (one batched call): every row goes through the same kernel shape. Measured: a row's result
-does not depend on its place in the block, the other rows, or on how many output columns share the call.
+does not depend on its place in the block or the other rows. It can depend on how many output columns
+share the call (torch 2.13 / MKL, float32, K = 896: a q/k/v packed into 1152 columns gives q other bits
+than q's 896 alone; K = 2048 in bf16 too), so ``linear_parts`` multiplies each part on its own.
 On CUDA it runs the fixed-tile Triton GEMM (no split-K, K reduced in fixed blocks).
 """
 
