@@ -42,11 +42,28 @@ def make_exact(model: CausalLM) -> None:
 
 def _exact_rope(module: Rotary, positions: torch.Tensor, dtype: torch.dtype):
     """``rope_cos_sin`` from the RoPE frequencies (kept on the CPU by ``Rotary.build``) copied once to the
-    positions' device: a decode step captured in a CUDA graph cannot copy from the host."""
+    positions' device: a decode step captured in a CUDA graph cannot copy from the host. On the CPU, rows of
+    a table of every position's ``rope_cos_sin`` (built once; a position's row does not depend on the other
+    positions computed with it), which saves a step its transcendental calls."""
+    if positions.device.type == "cpu":
+        cos, sin = _exact_rope_table(module, dtype)
+        flat = positions.reshape(-1)
+        return tuple(t.index_select(0, flat).view(*positions.shape, t.shape[-1]) for t in (cos, sin))
     cached = getattr(module, "_exact_inv_freq", None)
     if cached is None or cached[0] is not module.inv_freq or cached[1].device != positions.device:
         cached = module._exact_inv_freq = (module.inv_freq, module.inv_freq.to(positions.device))
     return bi.rope_cos_sin(positions, cached[1], module.scale, dtype)
+
+
+def _exact_rope_table(module: Rotary, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_cos_sin`` of positions ``0 .. len(module.cos) - 1`` (the default table's length), cached on the
+    module until its frequencies or scale change (a rebuild) or another dtype is asked for."""
+    key = (module.inv_freq, module.scale, dtype)
+    cached = getattr(module, "_exact_table", None)
+    if cached is None or cached[0][0] is not key[0] or cached[0][1:] != key[1:]:
+        positions = torch.arange(module.cos.shape[0])
+        cached = module._exact_table = (key, bi.rope_cos_sin(positions, module.inv_freq, module.scale, dtype))
+    return cached[1]
 
 
 def _exact_packed_linear(module: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
