@@ -3,8 +3,8 @@ shape, against cuBLAS (``torch.nn.functional.linear``, which is not batch-invari
 
 For each weight ``[N, K]`` of a model shape (``--config``: q, k/v, o, gate/up, down per layer; lm_head
 once) the GEMM runs at a decode step's rows (``--decode_rows``) and at a trainer micro-batch's
-(``--train_rows``). Candidate launches (tile, K step, K splits, warps, stages) are searched in two rounds
-(tiles first, then pipeline depth and K splits around the best two); a launch is scored by the time a
+(``--train_rows``). Candidate launches (tile, K step, warps, stages) are searched in two rounds (tiles
+first, then pipeline depth around the best two); a launch is scored by the time a
 whole decode step and a whole trainer forward spend in that shape (times the layer count), and is kept
 only if a row's bits do not depend on the row count (the decode rows, alone, give the bits they get among
 the trainer's rows). Prints a table to stderr and one JSON line: per shape cuBLAS's, ``matmul_config``'s
@@ -61,17 +61,16 @@ def time_ms(fn, repeats: int) -> float:
 
 
 def candidates(n: int, make):
-    """Round one: tile shapes and K steps (3 stages, no K split)."""
+    """Round one: tile shapes and K steps (3 stages)."""
     tiles = [(64, 4), (128, 8)]  # (block_m, warps): one or two warpgroups of m64 MMAs
     widths = (32, 64, 128) if n <= 1024 else (64, 128, 256)
     for (bm, warps), bn, bk in itertools.product(tiles, widths, (64, 128)):
-        yield make(block_m=bm, num_warps=warps, block_n=bn, block_k=bk, num_stages=3, splits=1)
+        yield make(block_m=bm, num_warps=warps, block_n=bn, block_k=bk, num_stages=3)
 
 
-def refinements(n: int, best):
-    splits = (1, 2, 4) if n <= 4096 else (1,)
-    for stages, s in itertools.product((3, 4, 5), splits):
-        yield dataclasses.replace(best, num_stages=stages, splits=s)
+def refinements(best):
+    for stages in (3, 4, 5):
+        yield dataclasses.replace(best, num_stages=stages)
 
 
 def score(te, x_dec, x_tr, w, count, config, repeats) -> dict | None:
@@ -109,7 +108,7 @@ def search(te, n: int, k: int, count: int, args, t0: float, g) -> dict:
         return sorted((c for c, r in results.items() if r.get("invariant")), key=key)
 
     for best in run(candidates(n, te.MatmulConfig))[:2]:
-        run(refinements(n, best))
+        run(refinements(best))
     best = run([])[0]
     return {
         "n": n, "k": k, "count": count, "cublas": cublas,

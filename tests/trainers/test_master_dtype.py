@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tests.trainers.test_sft import flags as sft_flags
 from tidal.cli.train_sft import parse_run
 from tidal.config import ConfigError
 from tidal.models import load_causal_lm
@@ -23,13 +24,11 @@ def addition_file(tmp_path_factory):
 
 
 def flags(model, data, out, *extra):
-    return [
-        "--pretrain", str(model), "--dataset", str(data), "--input_key", "prompt", "--output_key", "answer",
-        "--max_len", "64", "--train_batch_size", "16", "--micro_train_batch_size", "8", "--learning_rate", "3e-3",
-        "--save_path", str(out / "final"), "--ckpt_path", str(out / "ckpt"), "--max_samples", "64",
-        "--seed", "7", "--param_dtype", "bf16", "--master_dtype", "bf16", "--save_steps", "2",
-        "--max_epochs", "2", "--logging_steps", "1", *extra,
-    ]  # fmt: skip
+    """``test_sft``'s SFT flags on 64 samples, micro-batches of 8, bf16 compute and bf16 storage,
+    a checkpoint every 2 steps over 2 epochs (later flags win)."""
+    return sft_flags(model, data, out, "--micro_train_batch_size", "8", "--max_samples", "64",
+                     "--param_dtype", "bf16", "--master_dtype", "bf16", "--save_steps", "2",
+                     "--max_epochs", "2", "--logging_steps", "1", *extra)  # fmt: skip
 
 
 def test_bf16_master_trains_stores_bf16_and_resumes_exactly(tiny_qwen2, addition_file, tmp_path, crash_after):

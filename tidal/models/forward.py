@@ -243,12 +243,10 @@ def _exact_token_values(head: nn.Linear, temperature: float, chunk_size: int, wi
 def default_token_logprobs(
     model: nn.Module, batch: dict, temperature: float = 1.0, with_entropy: bool = False, **forward_kwargs
 ):
-    """``token_logprobs``' default path for any model, one switched by ``batch_invariant.make_exact``
-    included (its own attention and, with grad enabled, its layers' default ops): the forward that gives
-    the exact mode's gradient, for a caller that holds the exact values already (``PolicyLoss``: on an
-    on-policy step they are the engine's, bit for bit)."""
-    if not batch_invariant.is_exact(model):
-        return token_logprobs(model, batch, temperature, with_entropy=with_entropy, **forward_kwargs)
+    """``token_logprobs``' default path for a model switched by ``batch_invariant.make_exact`` (its own
+    attention and, with grad enabled, its layers' default ops): the forward that gives exact mode's
+    gradient, for a caller that holds the exact values already (``PolicyLoss``: on an on-policy step they
+    are the engine's, bit for bit)."""
     with batch_invariant.default_attention(model):
         return _default_token_logprobs(
             model, batch, temperature, DEFAULT_CHUNK, with_entropy, **forward_kwargs

@@ -10,15 +10,15 @@ changes speed, and the bits of every shape it lists (so it changes exact runs' s
 # (N, K) -> MatmulConfig fields
 # fmt: off
 TUNED: dict[tuple[int, int], dict[str, int]] = {
-    (128, 896): {"block_n": 64, "num_warps": 8, "num_stages": 3, "block_m": 128, "block_k": 64, "splits": 1, "group_m": 8},
-    (512, 3584): {"block_n": 64, "num_warps": 4, "num_stages": 5, "block_m": 64, "block_k": 64, "splits": 1, "group_m": 8},
-    (896, 896): {"block_n": 128, "num_warps": 8, "num_stages": 3, "block_m": 128, "block_k": 64, "splits": 1, "group_m": 8},
-    (896, 4864): {"block_n": 64, "num_warps": 8, "num_stages": 3, "block_m": 128, "block_k": 64, "splits": 1, "group_m": 8},
-    (3584, 3584): {"block_n": 64, "num_warps": 8, "num_stages": 3, "block_m": 128, "block_k": 64, "splits": 1, "group_m": 8},
-    (3584, 18944): {"block_n": 64, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 128, "splits": 1, "group_m": 8},
-    (4864, 896): {"block_n": 64, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 64, "splits": 1, "group_m": 8},
-    (18944, 3584): {"block_n": 256, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 64, "splits": 1, "group_m": 8},
-    (151936, 896): {"block_n": 256, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 64, "splits": 1, "group_m": 8},
-    (152064, 3584): {"block_n": 256, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 64, "splits": 1, "group_m": 8},
+    (128, 896): {"block_n": 64, "num_warps": 8, "num_stages": 3, "block_m": 128, "block_k": 64, "group_m": 8},
+    (512, 3584): {"block_n": 64, "num_warps": 4, "num_stages": 5, "block_m": 64, "block_k": 64, "group_m": 8},
+    (896, 896): {"block_n": 128, "num_warps": 8, "num_stages": 3, "block_m": 128, "block_k": 64, "group_m": 8},
+    (896, 4864): {"block_n": 64, "num_warps": 8, "num_stages": 3, "block_m": 128, "block_k": 64, "group_m": 8},
+    (3584, 3584): {"block_n": 64, "num_warps": 8, "num_stages": 3, "block_m": 128, "block_k": 64, "group_m": 8},
+    (3584, 18944): {"block_n": 64, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 128, "group_m": 8},
+    (4864, 896): {"block_n": 64, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 64, "group_m": 8},
+    (18944, 3584): {"block_n": 256, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 64, "group_m": 8},
+    (151936, 896): {"block_n": 256, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 64, "group_m": 8},
+    (152064, 3584): {"block_n": 256, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 64, "group_m": 8},
 }
 # fmt: on

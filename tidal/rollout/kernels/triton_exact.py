@@ -4,15 +4,14 @@ cuBLAS picks a GEMM kernel (tile shape, split-K) from the problem's M, and torch
 their launch configuration from the number of rows, so a row's result there depends on what else is in
 the batch. These kernels fix everything that decides a row's reduction order:
 
-- one compiled configuration per kernel (the GEMM: per weight shape; no autotuning, and a K split only
-  as that shape's configuration says); the row count ``M`` is neither specialised on
-  (``do_not_specialize``) nor picks a configuration, so a 1-row decode and a 4k-row prefill run the same code;
-- float32 accumulation, the reduced dimension walked in fixed blocks from 0 upward (a split GEMM's ranges
-  added in range order);
+- one compiled configuration per kernel (the GEMM: per weight shape; no autotuning, no split-K); the row
+  count ``M`` is neither specialised on (``do_not_specialize``) nor picks a configuration, so a 1-row
+  decode and a 4k-row prefill run the same code;
+- float32 accumulation, the reduced dimension walked in fixed blocks from 0 upward;
 - a row's (or a query's) result is computed by instructions that read only that row: the other rows of
   its tile go through the same tensor-core instructions in other lanes, and masked rows are zeros.
 
-``matmul``: ``x [M, K] @ w [N, K]^T`` with a launch (tile, K step, K splits, warps, stages) picked from the
+``matmul``: ``x [M, K] @ w [N, K]^T`` with a launch (tile, K step, warps, stages) picked from the
 weight's ``(N, K)`` only, never from ``M`` (``matmul_config``); float32 sums (bf16 or fp32 inputs; fp32 uses
 IEEE products, not TF32), out in ``x``'s dtype. ``rms_norm``: one program per row. ``token_logprobs``:
 one program per row, the vocabulary in ``VOCAB_BLOCK`` chunks (max, then sum of exponentials). ``attention``:
@@ -48,22 +47,21 @@ def _matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K: tl.constexpr,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    K_SPLIT: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+    IEEE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     # Tiles in groups of GROUP_M row tiles, so that neighbouring programs share weight columns in L2 (where
-    # a tile runs changes nothing in it). Axis 1 is the K split: K_SPLIT columns of K each, from 0 upward.
+    # a tile runs changes nothing in it).
     pid, num_m, num_n = tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     first_m = (pid // (GROUP_M * num_n)) * GROUP_M
     size_m = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
     pid_n = (pid % (GROUP_M * num_n)) // size_m
-    split = tl.program_id(1)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K_SPLIT, BLOCK_K):
-        k = split * K_SPLIT + k0 + ks
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
         a = tl.load(
             x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk,
             mask=(rows[:, None] < M) & (k[None, :] < K),
@@ -78,52 +76,26 @@ def _matmul_kernel(
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    if PARTIAL:  # this split's float32 sum into [splits, M, N]; ``_split_sum_kernel`` adds the splits
-        tl.store(out_ptr + (split * M + rows[:, None]) * N + cols[None, :], acc, mask=mask)
-    else:
-        dtype = out_ptr.dtype.element_ty
-        y = acc.to(dtype)
-        if HAS_BIAS:  # torch's separate ``out + bias``: the rounded product plus the bias in float32, rounded
-            bias = tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-            y = (y.to(tl.float32) + bias[None, :]).to(dtype)
-        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on, y, mask=mask)
-
-
-@triton.jit(do_not_specialize=["M", "N"])
-def _split_sum_kernel(
-    part_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_on,
-    SPLITS: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
-):  # fmt: skip
-    # The K splits of BLOCK outputs of one row, added in split order (0, 1, ...) in float32: a fixed order
-    # whatever M, so a row's bits stay its own.
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    acc = tl.load(part_ptr + row * N + cols, mask=cols < N, other=0.0)
-    for s in tl.static_range(1, SPLITS):
-        acc += tl.load(part_ptr + (s * M + row) * N + cols, mask=cols < N, other=0.0)
     dtype = out_ptr.dtype.element_ty
     y = acc.to(dtype)
-    if HAS_BIAS:  # as the GEMM's epilogue
+    if HAS_BIAS:  # torch's separate ``out + bias``: the rounded product plus the bias in float32, rounded
         bias = tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-        y = (y.to(tl.float32) + bias).to(dtype)
-    tl.store(out_ptr + row * stride_om + cols * stride_on, y, mask=cols < N)
+        y = (y.to(tl.float32) + bias[None, :]).to(dtype)
+    out = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
+    tl.store(out, y, mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
 @dataclass(frozen=True)
 class MatmulConfig:
     """A GEMM launch, a function of the weight's shape only (``matmul_config``): the output tile
-    (``block_m x block_n``), K's step (``block_k``), K cut into ``splits`` contiguous ranges summed in float32
-    by a second kernel in range order (parallelism for narrow weights at decode's few rows, as cuBLAS's
-    split-K but in an order that never depends on M), warps, software-pipeline stages and the L2 grouping
-    of row tiles (``group_m``: where a tile runs, not what it computes)."""
+    (``block_m x block_n``), K's step (``block_k``), warps, software-pipeline stages and the L2 grouping of
+    row tiles (``group_m``: where a tile runs, not what it computes)."""
 
     block_n: int
     num_warps: int
     num_stages: int
     block_m: int = 64
     block_k: int = 64
-    splits: int = 1
     group_m: int = 8
 
 
@@ -131,19 +103,17 @@ class MatmulConfig:
 # twice the programs of 128-column ones (a decode step's M=256 is only 4 row tiles).
 NARROW_N = 1024
 LONG_K = 2048  # reductions at least this long (down_proj's intermediate size): one more stage in flight
-SPLIT_BLOCK = 1024  # outputs of a row per program of the split sum
 
 
 def matmul_config(n: int, k: int, itemsize: int = 2) -> MatmulConfig:
     """The launch for a weight ``[n, k]`` of ``itemsize``-byte elements: a function of the weight, NEVER of
     the row count M.
 
-    A row's result is its K-reduction: ``tl.dot`` over ``block_k`` steps from 0 upward within each of the
-    ``splits`` K ranges, each step one chain of MMA instructions on the row's lanes, whatever the tile's
-    other rows hold, then the ranges' sums added in order. With the configuration fixed for a weight, that
+    A row's result is its K-reduction: ``tl.dot`` over ``block_k`` steps from 0 upward, each step one chain
+    of MMA instructions on the row's lanes, whatever the tile's other rows hold. With the configuration fixed for a weight, that
     instruction sequence is the same for M=1 and M=16k, so the engine's decode (M=256) and the trainer's
     forward (M=16k) give a row the same bits by construction. Were the launch picked from M, the two would
-    run different compiled kernels (another MMA shape, warp split or K split) with no guarantee that a
+    run different compiled kernels (another MMA shape, warp split or a split-K) with no guarantee that a
     row's products are summed alike; a launch picked from (N, K) is safe because both sides multiply by
     the same weight ([n, k]: the engine's packed parts are split to the trainer's separate layers'
     shapes, ``runner/exact_model.py``). The stage count only changes how far ahead loads are issued.
@@ -174,23 +144,14 @@ def matmul(
     if m == 0 or n == 0:
         return out
     c = config or matmul_config(n, k, x.element_size())
-    k_split = triton.cdiv(triton.cdiv(k, c.splits), c.block_k) * c.block_k
-    splits = triton.cdiv(k, k_split)
-    partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
-    bias_arg = out if bias is None else bias.contiguous()  # no bias: an unused pointer
-    grid = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n), splits)
+    grid = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n),)
     _matmul_kernel[grid](
-        x, w, bias_arg, partial, m, n, k,
+        x, w, out if bias is None else bias.contiguous(), out, m, n, k,  # no bias: an unused pointer
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, K_SPLIT=k_split,
-        IEEE=x.dtype == torch.float32, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+        IEEE=x.dtype == torch.float32, HAS_BIAS=bias is not None,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
-    if splits > 1:
-        _split_sum_kernel[(m, triton.cdiv(n, SPLIT_BLOCK))](
-            partial, bias_arg, out, m, n, out.stride(0), out.stride(1),
-            SPLITS=splits, BLOCK=SPLIT_BLOCK, HAS_BIAS=bias is not None, num_warps=4,
-        )  # fmt: skip
     return out
 
 

@@ -278,7 +278,7 @@ class PolicyLoss:
     def _takes_engine_values(self, mb: Experience, norm: Normaliser) -> bool:
         """Whether this micro-batch skips the exact forward: an on-policy step in ``engine_exact`` mode,
         not the step's first micro-batch (``norm`` is one step's own object), which checks the premise."""
-        if not self.engine_exact or mb.old_logprobs is not None or mb.rollout_logprobs is None:
+        if not self.engine_exact or mb.old_logprobs is not None:
             return False
         if self._checked is not norm:
             self._checked = norm
