@@ -28,8 +28,23 @@ def expert_fraction(top_k: int, num_experts: int, batch: int) -> float:
     return 1.0 - (1.0 - top_k / num_experts) ** batch
 
 
+def _size(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
 def _bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    """Bytes of weights the forward reads: a parameter with an FP8 copy (``--rollout_quantization``:
+    ``fp8_<name>`` and its ``_scale`` buffers) counts as that copy, which is what the decode reads,
+    whether or not the model-dtype parameter was kept (gpt-oss's staged experts keep it)."""
+    total = 0
+    for sub in module.modules():
+        for name, param in sub.named_parameters(recurse=False):
+            fp8 = getattr(sub, f"fp8_{name}", None)
+            if isinstance(fp8, torch.Tensor):
+                total += _size(fp8) + _size(getattr(sub, f"fp8_{name}_scale", None))
+            else:
+                total += _size(param)
+    return total
 
 
 def weight_bytes(model: torch.nn.Module, batch: int) -> tuple[float, float]:

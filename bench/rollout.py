@@ -162,6 +162,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--stop_fraction", type=float, default=0.0, help="the last fraction of the vocabulary stops a sample"
     )
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "fp8"],
+        help="our engine's rollout weights (--rollout_quantization): model dtype or FP8 (per-channel scales)",
+    )
     p.add_argument("--peak_tb_s", type=float, default=4.3, help="memory bandwidth for the roofline")
     return p.parse_args(argv)
 
@@ -323,6 +329,7 @@ def main(argv=None) -> dict:
                 attention_backend=args.attention_backend,
                 tp_size=args.tp_size,
                 async_scheduling=label == "on",
+                quantization=args.quantization,
             )
             for label in (["off", "on"] if args.async_scheduling == "both" else [args.async_scheduling])
         }
@@ -392,6 +399,8 @@ def main(argv=None) -> dict:
             "engine_async": engine.async_scheduling,
             "engine_fla": engine_fla(engine),
             "engine_gdn_decode": engine_gdn_decode(engine),
+            # FP8 rollouts: how many modules compute each way (scaled_mm, triton_fp8, emulated)
+            "fp8_modes": fp8.modes() if (fp8 := getattr(engine.model, "fp8", None)) else None,
         }
         if args.async_scheduling == "both":
             on_time, on_samples, on_prefill = timings["on"]
@@ -432,6 +441,7 @@ def main(argv=None) -> dict:
         "tp_size": args.tp_size,
         "async_scheduling": args.async_scheduling,
         "stop_fraction": args.stop_fraction,
+        "quantization": args.quantization,
         "tidal_tokens_per_s": round(generated / our_time, 1),
         "tidal_s": round(our_time, 3),
         "prefill_s": round(prefill_time, 4),
