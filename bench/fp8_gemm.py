@@ -56,7 +56,9 @@ def measure(n: int, k: int, rows: int, repeats: int) -> dict[str, float]:
 
     def fast() -> torch.Tensor:
         xq, xs = _quantize_activations(x, None)
-        return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale_b, out_dtype=x.dtype, use_fast_accum=True)
+        return torch._scaled_mm(
+            xq, q.t(), scale_a=xs, scale_b=scale_b, out_dtype=x.dtype, use_fast_accum=True
+        )
 
     xq, xs = _quantize_activations(x, None)
     exact = (xq.float() * xs) @ (q.float() * scales).t()  # the FP8 operands' product in float32
@@ -81,7 +83,9 @@ def main(argv: list[str] | None = None) -> dict:
             per_shape[name] = measure(n, k, rows, args.repeats)
             for key in totals:
                 totals[key] += per_shape[name][key] * count
-            print(f"rows {rows} {name:8s} [{n}x{k}] x{count}: " + json.dumps(per_shape[name]), file=sys.stderr)
+            print(
+                f"rows {rows} {name:8s} [{n}x{k}] x{count}: " + json.dumps(per_shape[name]), file=sys.stderr
+            )
         totals = {key: round(value, 3) for key, value in totals.items()}
         totals["fp8_speedup"] = round(totals["bf16_ms"] / totals["fp8_ms"], 3)
         totals["fp8_fast_accum_speedup"] = round(totals["bf16_ms"] / totals["fp8_fast_accum_ms"], 3)
