@@ -317,6 +317,30 @@ def test_cuda_bf16_engine_and_trainer_logprobs_are_bit_identical(tiny_model, fam
 
 
 @pytest.mark.gpu
+def test_cuda_exact_trainer_under_torch_compile_keeps_the_engines_bits(tiny_model):
+    """``--exact_logprobs --torch_compile``: the trainer's blocks compiled (``compile_blocks``) still give
+    the engine's log-probs bit for bit. Inductor launches the exact kernels with float64 scalars (eps, the
+    attention scale), which the kernels round to float32 first; before that the compile failed."""
+    from transformers import AutoModelForCausalLM
+
+    from tidal.models.compile import compile_blocks
+    from tidal.models.precision import Precision
+    from tidal.rollout import EngineConfig, LLMEngine
+
+    path = tiny_model("qwen2", logit_scale=4.0)
+    prompts, params = _rollout()
+    device = torch.device("cuda")
+    config = EngineConfig(device="cuda", max_model_len=128, num_kv_blocks=64, exact_logprobs=True)
+    engine = LLMEngine(path, config)
+    outputs = engine.generate(prompts, params)
+    engine.close()
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
+    bi.make_exact(hf)
+    assert compile_blocks(hf) > 0
+    assert _trainer_gaps(hf, prompts, outputs, device, Precision.create("bf16", device)) == 0.0
+
+
+@pytest.mark.gpu
 def test_cuda_float32_engine_and_trainer_logprobs_are_bit_identical(tiny_model):
     from transformers import AutoModelForCausalLM
 

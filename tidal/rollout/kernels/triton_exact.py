@@ -164,6 +164,10 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr, SCALE_IN_FLOAT32: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
+    # A float argument is float32 when Triton launches the kernel itself, float64 when torch.compile's
+    # inductor does (the trainer's exact forward under --torch_compile): round it to float32 first, so
+    # both add in float32 and give the same bits (no-op in the first case).
+    eps = tl.full((), eps, tl.float32)
     offs = tl.arange(0, BLOCK)
     squares = tl.zeros((BLOCK,), dtype=tl.float32)
     for c0 in range(0, N, BLOCK):
@@ -306,6 +310,7 @@ def _attention_kernel(
     if WINDOW:
         first = tl.min(tl.where(live, pos, 2147483647), axis=0) - WINDOW + 1
         lo = (tl.maximum(first, 0) // BLOCK_N) * BLOCK_N
+    scale = tl.full((), scale, tl.float32)  # float64 under inductor (see _rms_norm_kernel)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
