@@ -109,7 +109,10 @@ class RequestBuilding:
         if need > self.num_kv_blocks:
             raise ValueError(
                 f"request {index} needs {need} KV blocks (prompt {len(ids)} tokens, n={params.n}, "
-                f"max_new_tokens={params.max_new_tokens}) but the cache has {self.num_kv_blocks}"
+                f"max_new_tokens={params.max_new_tokens}) but the cache has {self.num_kv_blocks} (raise "
+                f"gpu_memory_utilization (--vllm_gpu_memory_utilization) or num_kv_blocks, or lower "
+                f"max_num_seqs: a linear-attention model's recurrent states per sequence slot come out "
+                f"of the same memory)"
             )
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         group = []
