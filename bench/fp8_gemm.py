@@ -2,7 +2,8 @@
 same run.
 
 Per weight ``[N, K]`` of a model shape (``exact_matmul.SHAPES``: q/o, k/v, gate/up, down per layer) and per
-row count (``--rows``: the decode batch), times three products of the same activations:
+row count (``--rows``: the decode batch), times three products of the same activations, each inside a
+CUDA graph as the engine's decode runs them (``time_ms``):
 
 - ``bf16``: ``torch.nn.functional.linear`` (what the model-dtype engine runs);
 - ``fp8``: the engine's path, ``tidal.rollout.quant.linear.fp8_linear`` (per-token activation quantization,
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from exact_matmul import SHAPES, time_ms, weights  # noqa: E402
+from exact_matmul import SHAPES, weights  # noqa: E402
 from train_step import versions  # noqa: E402
 
 
@@ -38,6 +39,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, nargs="+", default=[256, 32], help="activation rows (decode batch)")
     p.add_argument("--repeats", type=int, default=50)
     return p.parse_args(argv)
+
+
+def time_ms(fn, repeats: int) -> float:
+    """GPU time per call of ``fn``, replayed from one CUDA graph of ``repeats`` calls (the engine decodes
+    in CUDA graphs; timed eagerly, the host's launch time of the activation quantization and
+    ``torch._scaled_mm`` — ~0.1 ms a call — would hide the kernels' own)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # warm-up: compiles, cuBLAS/CUTLASS selection, allocator pools
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
