@@ -150,7 +150,10 @@ def test_the_families_on_loaders_of_their_own_run_fp8_with_graphs_across_a_sync(
     from tests.rollout.reference import assert_same_start
     from tidal.rollout import EngineConfig, LLMEngine
 
-    old, new = tiny_model(family, seed=0), tiny_model(family, seed=1)
+    # Peaked distributions (logit_scale, as a trained model's): the graphs' padded batches may run other
+    # GEMM kernels than eager steps, and on the flat logits of a random-init model (its first H200 run,
+    # deepseek_v3) that rounding alone can flip a near-tie greedy token.
+    old, new = tiny_model(family, seed=0, logit_scale=4.0), tiny_model(family, seed=1, logit_scale=4.0)
 
     def engine(path, **kw):
         settings = EngineConfig(device="cuda", dtype="bfloat16", quantization="fp8", max_model_len=256, **kw)
