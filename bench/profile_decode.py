@@ -98,6 +98,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the engine's async scheduling (auto: its default, on for CUDA); the host phases differ",
     )
     p.add_argument(
+        "--quantization",
+        default="none",
+        choices=("none", "fp8"),
+        help="the engine's rollout weights (--rollout_quantization): model dtype or FP8 (per-channel scales)",
+    )
+    p.add_argument(
         "--final_only",
         action="store_true",
         help="step(snapshot=...) declines every unfinished request (a non-streaming server's engine loop)",
@@ -195,7 +201,7 @@ def load_model(args, dtype: torch.dtype, tmp: str):
         fields = dict(CONFIGS[args.config])
         config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     else:
-        ns = argparse.Namespace(model=None, config=None, device=args.device, seed=args.seed)
+        ns = argparse.Namespace(model=None, config=None, tiny=None, device=args.device, seed=args.seed)
         return load_hf_model(ns, dtype, tmp)
     if args.layers:
         config.num_hidden_layers = args.layers
@@ -218,6 +224,7 @@ def build_engine(args, tmp: str):
         enforce_eager=args.enforce_eager,
         tp_size=args.tp_size,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+        quantization=args.quantization,
     )
     return LLMEngine(path, config, model=hf), hf.config.vocab_size
 
@@ -339,6 +346,7 @@ def measure(args, fused: bool) -> dict:
         "tp_size": args.tp_size,
         "final_only": args.final_only,
         "fused_kernels": fused,
+        "quantization": args.quantization,
         "async_scheduling": engine_async,
         "host_ms": phases,
         "kernel_ms": kernels,
