@@ -17,6 +17,7 @@ from torch import nn
 
 from tidal.config import DistributedConfig, ModelConfig, OptimConfig
 from tidal.distributed import World, parallelize
+from tidal.models.linear_attention import check_linear_attention_training
 from tidal.models.precision import Precision
 from tidal.trainers.optim import NonFiniteGuard, build_optimizer, build_scheduler
 
@@ -42,6 +43,7 @@ def build_optimization(
     total_steps: int,
 ) -> Optimization:
     """Shard the model, then build the optimizer, the schedule and the precision policy for it."""
+    check_linear_attention_training(model, world.device)  # before a run generates, not at its first backward
     precision = Precision.create(run_model.param_dtype, world.device)
     model = parallelize(model, dist_cfg, world, precision.dtype)
     optimizer = build_optimizer(model, optim)
