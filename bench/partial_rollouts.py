@@ -12,7 +12,7 @@ over the timed steps (the first is not timed), samples/s and generated tokens/s,
 
     python bench/partial_rollouts.py                                      # tiny model on CPU, ~1 minute
     python bench/partial_rollouts.py --device cuda --config qwen2.5-0.5b  # issue #35's 0.5B shape
-    python bench/partial_rollouts.py --device cuda --config qwen2.5-0.5b --placement separate
+    python bench/partial_rollouts.py --device cuda --config qwen2.5-0.5b --placement separate  # two GPUs
 """
 
 from __future__ import annotations
@@ -54,14 +54,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="pass --torch_compile to every run")
     p.add_argument("--placement", default="colocated", choices=("colocated", "separate"),
                    help="colocated: the engine in the trainer's process (--colocate_all_models); separate: the "
-                        "engine in a process of its own on the same device (--vllm_num_engines 1), which does "
-                        "not share the trainer's interpreter lock")  # fmt: skip
+                        "engine in a process of its own (--vllm_num_engines 1), which does not share the "
+                        "trainer's interpreter lock; on CUDA it needs a second GPU")  # fmt: skip
     p.add_argument("--folder", default="/tmp/tidal_partial_rollouts")
     args = p.parse_args(argv)
     if args.modes is None:
         args.modes = [m for m in MODES if args.placement == "colocated" or m != "async_partial"]
     elif args.placement == "separate" and "async_partial" in args.modes:
         p.error("--placement separate: partial rollouts need the engine in the trainer's process")
+    if args.placement == "separate" and args.device == "cuda" and torch.cuda.device_count() < 2:
+        p.error("--placement separate on CUDA: tidal ppo gives the engine a GPU of its own, and this node has "
+                f"{torch.cuda.device_count()}")  # fmt: skip
     if args.config == "tiny" and args.new_tokens == 1024:  # a CPU smoke shape
         args.prompts, args.n, args.prompt_len, args.new_tokens, args.micro, args.rollouts = 4, 2, 8, 32, 8, 3
     if args.new_tokens % 8:
