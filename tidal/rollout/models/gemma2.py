@@ -60,7 +60,10 @@ def gemma_args(config, attn_logit_softcapping: float | None) -> GemmaArgs:
 
 
 class GemmaRMSNorm(RMSNorm):
-    """RMSNorm scaled by ``1 + weight`` (checkpoints store the offset from 1), in float32 like HF."""
+    """RMSNorm scaled by ``1 + weight`` (checkpoints store the offset from 1), in float32 like HF. On CUDA
+    ``RMSNorm.forward`` runs it (and the residual add before it) as one ``triton_norm`` kernel."""
+
+    weight_offset = 1.0
 
     def __init__(self, dim: int, eps: float):
         super().__init__(dim, eps, scale_in_float32=True)

@@ -165,13 +165,20 @@ class DecoderArgs:
         return cls(**{**fields, **overrides})
 
 
+_FUSED_NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm, optionally fused with the residual add that precedes it.
 
     HF families round at different points: Llama-style norms round the normalised value to the model
     dtype and then scale by the weight (the default); ``scale_in_float32`` scales in float32 and rounds the
-    product (OLMo-2). Only the default has the fused Triton kernel (it rounds before scaling).
+    product (OLMo-2, GPT-OSS; Gemma's subclass by ``1 + weight``: ``weight_offset``). On CUDA both run as
+    one Triton kernel (``triton_norm``); the ``scale_in_float32`` one only while ``FUSED_KERNELS`` is on.
     """
+
+    # Added to the weight by the float32 scaling (``GemmaRMSNorm``: checkpoints store ``weight - 1``).
+    weight_offset: ClassVar[float] = 0.0
 
     def __init__(self, dim: int, eps: float, scale_in_float32: bool = False):
         super().__init__()
@@ -181,17 +188,25 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Norm of ``x``, or with ``residual``: (norm of ``x + residual``, ``x + residual``)."""
-        if not self.scale_in_float32 and triton_usable(
-            x
-        ):  # one kernel instead of ~8 (decode is launch-bound)
+        if self._fusable(x, residual):  # one kernel instead of ~8 (decode is launch-bound)
             from tidal.rollout.models.triton_norm import add_rms_norm
 
-            normed, total = add_rms_norm(x, self.weight, self.eps, residual)
+            offset = self.weight_offset if self.scale_in_float32 else None
+            normed, total = add_rms_norm(x, self.weight, self.eps, residual, offset)
             return normed if residual is None else (normed, total)
         if residual is None:
             return self._norm(x)
         total = x + residual
         return self._norm(total), total
+
+    def _fusable(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """``triton_norm`` computes it: CUDA with Triton; the float32-scaled kind also needs ``FUSED_KERNELS``
+        (benchmarks compare it with torch), 16/32-bit floats, a residual of ``x``'s dtype (the kernel rounds
+        the sum to it). Exact mode replaces ``forward`` altogether (``runner/exact_model.py``)."""
+        if not self.scale_in_float32:
+            return triton_usable(x)
+        one_dtype = residual is None or residual.dtype == x.dtype
+        return FUSED_KERNELS and triton_usable(x) and one_dtype and x.dtype in _FUSED_NORM_DTYPES
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 like the HF reference, then scale where the family's reference does.

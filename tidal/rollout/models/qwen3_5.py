@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidal.rollout.models import layers
 from tidal.rollout.models.gated_delta import causal_conv, decode_path, gated_delta_rule
 from tidal.rollout.models.gemma2 import GemmaRMSNorm
 from tidal.rollout.models.layers import CausalLM, DecoderArgs, GatedMLP, paged_attention
@@ -199,6 +200,12 @@ class GatedAttention(nn.Module):
         return torch.sigmoid(gate)
 
 
+def fusable(x: torch.Tensor) -> bool:
+    """Whether ``triton_gated_norm``'s kernels run on ``x``: ``layers.fused_kernels_usable`` (the switch,
+    CUDA, Triton), 16/32-bit floats. Qwen3.5 has no exact mode (``batch_invariant.exact_problem``)."""
+    return layers.fused_kernels_usable(x) and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm of each value head (plain weight), times ``silu(z)`` in float32, as transformers rounds it."""
 
@@ -208,6 +215,10 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if fusable(x):  # one kernel instead of ~10 (triton_gated_norm)
+            from tidal.rollout.models.triton_gated_norm import gated_rms_norm
+
+            return gated_rms_norm(x, z, self.weight, self.eps)
         x32 = x.float()
         normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return (self.weight * normed * F.silu(z.float())).to(x.dtype)
@@ -254,12 +265,19 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         qkv, z, b, a = self.in_proj(x).split(self.split, dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        g, beta = self.decay_and_beta(a, b)
         run = self._prefill if meta.is_prefill else self._decode
         out = run(qkv, g, beta, meta)  # [tokens, v_heads, v_dim]
         out = self.norm(out, z.view(out.shape))
         return self.out_proj(out.reshape(x.shape[0], -1))
+
+    def decay_and_beta(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head decay ``g = -exp(A_log) * softplus(a + dt_bias)`` (float32) and ``beta = sigmoid(b)``."""
+        if fusable(b):  # one kernel instead of ~6
+            from tidal.rollout.models.triton_gated_norm import decay_and_beta
+
+            return decay_and_beta(a, b, self.A_log, self.dt_bias)
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), b.sigmoid()
 
     def _heads(self, conv_out: torch.Tensor):
         """q, k [batch, T, k_heads, k_dim] and v [batch, T, v_heads, v_dim] of conv outputs [batch, T, C]
