@@ -137,6 +137,26 @@ def test_deepseek_v3_greedy_tokens_and_logprobs_are_the_fp8_rounded_model_s(tiny
     assert_follows(reference, PROMPTS, engine.generate(PROMPTS, greedy(8)), 8)
 
 
+def test_deepseek_v3_fp8_is_refused_on_cuda_only_with_its_reason():
+    """DeepSeek-V3's FP8 engine disagreed with a fresh one after a weight sync on the H200
+    (``fp8_cuda_refused``): refused on CUDA in one line, before a model loads (the engine's config check and
+    ``tidal ppo``'s both call ``registry_family_problem`` with the engines' device); the CPU's emulation,
+    tested above, stays. Other families are not refused."""
+    from tidal.rollout.engine.config import EngineConfig, family_problem
+    from tidal.rollout.quant.linear import registry_family_problem
+
+    refusal = registry_family_problem("deepseek_v3", torch.device("cuda"))
+    assert refusal.startswith(
+        "--rollout_quantization fp8 is refused for 'deepseek_v3' on CUDA: after a weight"
+    )
+    assert "\n" not in refusal
+    assert registry_family_problem("deepseek_v3", torch.device("cpu")) is None
+    assert registry_family_problem("deepseek_v3") is None  # no device given: the loader check only
+    assert registry_family_problem("qwen3_moe", torch.device("cuda")) is None
+    assert family_problem(EngineConfig(device="cuda", quantization="fp8"), "deepseek_v3") == refusal
+    assert family_problem(EngineConfig(device="cpu", quantization="fp8"), "deepseek_v3") is None
+
+
 def _outputs(engine):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in engine.generate(PROMPTS, greedy(4))]
 

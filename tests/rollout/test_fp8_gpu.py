@@ -139,8 +139,25 @@ def test_cuda_graphs_and_async_scheduling_stay_valid_across_a_sync(family):
                       graphs.generate(PROMPTS, greedy(12)))  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "gemma4_text", "deepseek_v3"])
-def test_the_families_on_loaders_of_their_own_run_fp8_with_graphs_across_a_sync(family, tiny_model):
+@pytest.mark.parametrize(
+    "family",
+    [
+        "gpt_oss",
+        "gemma4_text",
+        pytest.param(
+            "deepseek_v3",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="after the sync the FP8 graphs engine's greedy tokens differ from a fresh eager engine's "
+                "(H200, session 14; refused on CUDA: DeepseekV3ForCausalLM.fp8_cuda_refused); passing means "
+                "the cause is gone and the refusal can go",
+            ),
+        ),
+    ],
+)
+def test_the_families_on_loaders_of_their_own_run_fp8_with_graphs_across_a_sync(
+    family, tiny_model, monkeypatch
+):
     """bf16 engines of the tiny gpt-oss / Gemma 4 / DeepSeek-V3 with CUDA graphs and async scheduling:
     their projections run ``torch._scaled_mm`` (gpt-oss's experts the fused Triton MoE kernels on e4m3 weights,
     staged; DeepSeek-V3's absorbed ``kv_b_proj`` not quantized), and before and after a weight sync they
@@ -151,9 +168,13 @@ def test_the_families_on_loaders_of_their_own_run_fp8_with_graphs_across_a_sync(
     from tidal.rollout import EngineConfig, LLMEngine
 
     # Peaked distributions (logit_scale, as a trained model's): the graphs' padded batches may run other
-    # GEMM kernels than eager steps, and on the flat logits of a random-init model (its first H200 run,
-    # deepseek_v3) that rounding alone can flip a near-tie greedy token.
+    # GEMM kernels than eager steps, and on the flat logits of a random-init model that rounding alone could
+    # flip a near-tie greedy token. (deepseek_v3 failed with them too, after the sync only: the xfail.)
     old, new = tiny_model(family, seed=0, logit_scale=4.0), tiny_model(family, seed=1, logit_scale=4.0)
+    if family == "deepseek_v3":  # run what the refusal keeps users from (the xfail above)
+        from tidal.rollout.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+        monkeypatch.setattr(DeepseekV3ForCausalLM, "fp8_cuda_refused", None)
 
     def engine(path, **kw):
         settings = EngineConfig(device="cuda", dtype="bfloat16", quantization="fp8", max_model_len=256, **kw)

@@ -80,3 +80,26 @@ def test_bf16_greedy_over_long_prompts_follows_transformers(sharp_models, family
         assert tokens == ref.tolist(), (family, prompt_len, gaps)
     # Most steps agree exactly: a near-tie is the exception, not the rule.
     assert sum(g == 0.0 for g in gaps) >= 12, (family, prompt_len, gaps)
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_bf16_graphs_engine_after_a_weight_sync_generates_as_a_fresh_engine(tiny_model, family):
+    """A bf16 engine with CUDA graphs and async scheduling, synced from one model's weights to another's
+    (``update_weights`` with transformers' parameters, as a trainer sends them), generates what a fresh
+    engine on the new weights does: the captured graphs read the synced weights. (DeepSeek-V3 failed this
+    with FP8 weights on the H200, ``test_fp8_gpu.py``: this is the same check without FP8.)"""
+    from transformers import AutoModelForCausalLM
+
+    from tests.rollout.reference import PROMPTS, assert_same_start, greedy
+
+    old, new = tiny_model(family, seed=0, logit_scale=4.0), tiny_model(family, seed=1, logit_scale=4.0)
+    config = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=256)
+    synced = LLMEngine(old, config)
+    assert synced.async_scheduling and not synced.eager
+    synced.generate(PROMPTS, greedy(12))  # decode in the captured graphs before the sync
+    synced.update_weights(
+        AutoModelForCausalLM.from_pretrained(str(new), dtype=torch.bfloat16).named_parameters()
+    )
+    assert_same_start(
+        LLMEngine(new, config).generate(PROMPTS, greedy(12)), synced.generate(PROMPTS, greedy(12))
+    )

@@ -119,5 +119,5 @@ def family_problem(config: EngineConfig, model_type: str | None) -> str | None:
     ):
         from tidal.rollout.quant.linear import registry_family_problem  # FP8 rollouts: before loading
 
-        problem = registry_family_problem(model_type)
+        problem = registry_family_problem(model_type, config.torch_device())
     return problem

@@ -134,6 +134,15 @@ class DeepseekV3ForCausalLM(MoECausalLM):
     # (``W_UK`` absorbed into the query, ``W_UV`` applied after), which keeps the model dtype.
     fp8_traced_loader = True
     fp8_linears = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
+    # Found on the H200 (tests/rollout/test_fp8_gpu.py, session 14): with CUDA graphs, before a weight sync
+    # the FP8 engine generated what an eager one does, after it other greedy tokens than a fresh engine on
+    # the new weights. The same sync on the CPU (emulated, and with torch._scaled_mm and the experts' FP8
+    # buffers forced) leaves every parameter and FP8 buffer equal to a fresh engine's and the same tokens,
+    # so the cause is on the CUDA side and not yet found: refused there until it is (quant/families.py).
+    fp8_cuda_refused = (
+        "after a weight sync its FP8 engine generated other tokens than a fresh engine on the new weights "
+        "(found on an H200, cause not yet known)"
+    )
 
     @classmethod
     def args_from_hf_config(cls, config) -> DeepseekV3Args:

@@ -99,7 +99,7 @@ def quantize_model(model: CausalLM, quantization: str) -> Fp8State:
     """Quantize ``model``'s linear layers and experts to FP8 in place (module docstring) and make every
     later ``model.load_weights`` call re-quantize what it loads. ``quantization``: ``fp8`` or
     ``fp8_block``."""
-    problem = family_problem(model)
+    problem = family_problem(model, next(model.parameters()).device)
     if problem:
         raise ValueError(problem)
     state = Fp8State(GRANULARITIES[quantization])

@@ -234,7 +234,8 @@ def check_models_before_loading(run: PPORun) -> None:
         raise ConfigError(f"{problem} (--pretrain {run.actor.pretrain})")
     fp8 = run.rollout.rollout_quantization != "none"  # tidal.rollout.quant
     fp8 = fp8 and (model_type in FAMILIES or model_type in VISION_FAMILIES)
-    if fp8 and (problem := registry_family_problem(model_type)):
+    engines_on = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the engines' "auto" device
+    if fp8 and (problem := registry_family_problem(model_type, engines_on)):
         raise ConfigError(f"{problem} (--pretrain {run.actor.pretrain})")
     if run.rollout.moe_router_replay:
         check_router_replay(run, config)
