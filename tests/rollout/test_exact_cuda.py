@@ -317,10 +317,17 @@ def test_cuda_bf16_engine_and_trainer_logprobs_are_bit_identical(tiny_model, fam
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(
+    strict=True,
+    reason="failed on the H200 in session 14 (cause not captured); `tidal ppo` refuses --exact_logprobs with "
+    "--torch_compile (EXACT_COMPILE_REFUSAL) until this passes",
+)
 def test_cuda_exact_trainer_under_torch_compile_keeps_the_engines_bits(tiny_model):
     """``--exact_logprobs --torch_compile``: the trainer's blocks compiled (``compile_blocks``) still give
     the engine's log-probs bit for bit. Inductor launches the exact kernels with float64 scalars (eps, the
-    attention scale), which the kernels round to float32 first; before that the compile failed."""
+    attention scale), which the kernels round to float32 first; before that the compile failed. Inductor's
+    fusion of the elementwise ops between the kernels (one rounding where eager rounds after each op) is
+    the next suspect."""
     from transformers import AutoModelForCausalLM
 
     from tidal.models.compile import compile_blocks

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from tests.rollout.grpo import grpo_flags
 from tidal.cli.train_ppo import main, parse_run
@@ -59,6 +60,12 @@ def test_a_family_fp8_cannot_quantize_is_refused_before_loading(tiny_model, tmp_
         ConfigError, match=r"^--pretrain .*: FP8 rollouts \(fp8\) is not supported for the gpt2 "
     ):
         check_models_before_loading(run)
-    check_models_before_loading(
-        parse_run(grpo_flags(tiny_model("deepseek_v3"), tmp_path, "--rollout_quantization", "fp8"))
-    )
+    deepseek = parse_run(grpo_flags(tiny_model("deepseek_v3"), tmp_path, "--rollout_quantization", "fp8"))
+    check_models_before_loading(deepseek)
+    # where the engines run on CUDA it is refused (DeepseekV3ForCausalLM.fp8_cuda_refused)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: True)
+        with pytest.raises(
+            ConfigError, match=r"^--rollout_quantization fp8 is refused for 'deepseek_v3' on CUDA"
+        ):
+            check_models_before_loading(deepseek)
