@@ -194,3 +194,30 @@ def test_the_families_on_loaders_of_their_own_run_fp8_with_graphs_across_a_sync(
     )
     assert_same_start(engine(new, enforce_eager=True).generate(PROMPTS, greedy(12)),
                       graphs.generate(PROMPTS, greedy(12)))  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma4_text", "deepseek_v3"])
+def test_a_synced_fp8_graphs_engine_is_a_fresh_one_bit_for_bit(family, tiny_model, monkeypatch):
+    """Tells a wrong sync from graph-vs-eager rounding (the DeepSeek-V3 xfail above compares a synced
+    graphs engine with a fresh *eager* one): the same kernels on the same FP8 weights give the same tokens
+    and log-probs, so a graphs engine synced from one model to another must equal a fresh graphs engine
+    on the second, exactly. If this passes for deepseek_v3 while the xfail fails, its sync is right and
+    the refusal (``fp8_cuda_refused``) rests on eager-vs-graphs rounding alone."""
+    from transformers import AutoModelForCausalLM
+
+    from tidal.rollout import EngineConfig, LLMEngine
+    from tidal.rollout.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+    monkeypatch.setattr(DeepseekV3ForCausalLM, "fp8_cuda_refused", None)
+    old, new = tiny_model(family, seed=0, logit_scale=4.0), tiny_model(family, seed=1, logit_scale=4.0)
+    settings = EngineConfig(device="cuda", dtype="bfloat16", quantization="fp8", max_model_len=256)
+    synced = LLMEngine(old, settings)
+    synced.generate(PROMPTS, greedy(12))  # captures the decode graphs on the old weights
+    synced.update_weights(
+        AutoModelForCausalLM.from_pretrained(str(new), dtype=torch.bfloat16).named_parameters()
+    )
+
+    def outputs(engine):
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in engine.generate(PROMPTS, greedy(12))]
+
+    assert outputs(synced) == outputs(LLMEngine(new, settings))
