@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.cuda_graphs import capture
 from tests.rollout.reference import PROMPTS
 from tests.rollout.triton_interpreter import interpreted
 from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
@@ -190,14 +191,7 @@ def test_fused_kernels_replay_in_a_cuda_graph(qk_norm):
             tf.silu_and_mul(gate_up),
         )
 
-    step()  # compile outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            q, k, act = step()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, (q, k, act) = capture(step)
     new_qkv, new_cos, new_sin, _, new_slots = rope_inputs(
         tokens, heads, kv_heads, head_dim, torch.bfloat16, "cuda", gen
     )

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.cuda_graphs import capture
 from tidal.rollout.models import layers
 from tidal.rollout.models.gemma2 import GemmaRMSNorm
 from tidal.rollout.models.qwen3_5 import GatedRMSNorm
@@ -164,14 +165,7 @@ def test_kernels_replay_in_a_cuda_graph(fused):
         g, beta = decay_and_beta(ab[:, :V_HEADS], ab[:, V_HEADS:], a_log, dt_bias)
         return normed, total, head_norm(q_gate[:, :, 0]), gated(value, z), g, beta
 
-    step()  # compile outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = step()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, captured = capture(step)
     for static in inputs:
         static.copy_(torch.randn(static.shape, generator=gen, device="cuda") * 2)
     graph.replay()

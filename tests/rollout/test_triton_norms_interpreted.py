@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from tests.rollout.reference import PROMPTS
 from tests.rollout.triton_interpreter import interpreted
+from tests.spies import count_calls
 from tidal.rollout.models import layers
 from tidal.rollout.models.gemma2 import GemmaRMSNorm
 from tidal.rollout.models.qwen3_5 import GatedDeltaNet, GatedRMSNorm
@@ -224,16 +225,25 @@ def test_decay_and_beta_interpreted(kernels, dtype, tokens, heads):
     torch.testing.assert_close(g, -a_log.exp() * F.softplus(a.float() + dt_bias), rtol=2e-4, atol=1e-6)
 
 
+def spy_on_kernels(kernels, monkeypatch) -> dict[str, list]:
+    """The three kernel entry points patched to record their calls (``tests.spies.count_calls``)."""
+    norm_module, gated = kernels
+    owners = {"add_rms_norm": norm_module, "gated_rms_norm": gated, "decay_and_beta": gated}
+    return {name: count_calls(monkeypatch, owner, name) for name, owner in owners.items()}
+
+
+def calls_of(spies: dict[str, list]) -> dict[str, int]:
+    """How many calls each spy saw since the last look (the records are emptied)."""
+    counts = {name: len(calls) for name, calls in spies.items()}
+    for calls in spies.values():
+        calls.clear()
+    return counts
+
+
 def test_modules_take_the_kernels_where_usable_interpreted(kernels, monkeypatch):
     """With Triton "usable" on CPU tensors: GemmaRMSNorm (with and without residual), GatedRMSNorm and the
     decay/beta run the kernels; ``FUSED_KERNELS = False`` keeps all three on the torch ops."""
-    norm_module, gated = kernels
-    calls = []
-    for module, name in ((norm_module, "add_rms_norm"), (gated, "gated_rms_norm"), (gated, "decay_and_beta")):
-        kernel = getattr(module, name)
-        monkeypatch.setattr(
-            module, name, lambda *a, _k=kernel, _n=name, **kw: (calls.append(_n), _k(*a, **kw))[1]
-        )
+    spies = spy_on_kernels(kernels, monkeypatch)
     monkeypatch.setattr(layers, "triton_usable", lambda x: True)
     monkeypatch.setattr(layers, "fused_kernels_usable", lambda x: layers.FUSED_KERNELS)
     gen = torch.Generator().manual_seed(1)
@@ -250,11 +260,10 @@ def test_modules_take_the_kernels_where_usable_interpreted(kernels, monkeypatch)
         return norm(x), norm(x, res), gated_norm(value, z), delta.decay_and_beta(a, b)
 
     fused = run()
-    assert calls == ["add_rms_norm", "add_rms_norm", "gated_rms_norm", "decay_and_beta"]
-    calls.clear()
+    assert calls_of(spies) == {"add_rms_norm": 2, "gated_rms_norm": 1, "decay_and_beta": 1}
     monkeypatch.setattr(layers, "FUSED_KERNELS", False)
     unfused = run()
-    assert calls == []
+    assert calls_of(spies) == {"add_rms_norm": 0, "gated_rms_norm": 0, "decay_and_beta": 0}
     assert_near_module(fused[0], unfused[0])
     assert torch.equal(fused[1][1], unfused[1][1])
     assert_near_module(fused[1][0], unfused[1][0])
@@ -269,20 +278,13 @@ def test_qwen3_5_engine_with_the_kernels_interpreted(kernels, tiny_model, monkey
 
     monkeypatch.setattr(layers, "triton_usable", lambda x: True)
     monkeypatch.setattr(layers, "fused_kernels_usable", lambda x: layers.FUSED_KERNELS)
-    norm_module, gated = kernels
-    calls = []
-    for module, name in ((norm_module, "add_rms_norm"), (gated, "gated_rms_norm"), (gated, "decay_and_beta")):
-        kernel = getattr(module, name)
-        monkeypatch.setattr(
-            module, name, lambda *a, _k=kernel, _n=name, **kw: (calls.append(_n), _k(*a, **kw))[1]
-        )
+    spies = spy_on_kernels(kernels, monkeypatch)
     path = tiny_model("qwen3_5_text")
     prompts = [PROMPTS[0], PROMPTS[3]]
     fused = generate(path, "float32", "cpu", True, monkeypatch, prompts, new_tokens=4, sample=False)
-    assert {"add_rms_norm", "gated_rms_norm", "decay_and_beta"} <= set(calls)
-    calls.clear()
+    assert all(calls_of(spies).values())
     unfused = generate(path, "float32", "cpu", False, monkeypatch, prompts, new_tokens=4, sample=False)
-    assert calls == []
+    assert not any(calls_of(spies).values())
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(fused, unfused, strict=True):
         assert tokens == ref_tokens
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), rtol=0, atol=1e-5)
