@@ -328,19 +328,7 @@ def _reward_func():
     ],
 )
 def test_tidal_ppo_refuses_uncovered_setups_in_one_line(tiny_model, tmp_path, capsys, family, extra, message):
-    from tidal.cli.train_ppo import main as ppo_main
-
-    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "1>", "label": "1"}) + "\n")
-    flags = [
-        "--pretrain", str(tiny_model(family)), "--prompt_data", str(tmp_path / "prompts.jsonl"),
-        "--input_key", "prompt", "--remote_rm_url", str(_reward_func()), "--save_path", str(tmp_path / "out"),
-        "--exact_logprobs", *extra,
-    ]  # fmt: skip
-    with pytest.raises(SystemExit) as exc:
-        ppo_main(flags)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+    assert message in _refusal(tiny_model(family), tmp_path, capsys, extra)
 
 
 def test_tidal_ppo_refuses_exact_with_torch_compile_where_compile_runs(
@@ -348,18 +336,24 @@ def test_tidal_ppo_refuses_exact_with_torch_compile_where_compile_runs(
 ):
     """--torch_compile compiles only on CUDA; there the compiled trainer failed its bit-equality test on an
     H200, so the pair is refused in one line (as if on a GPU machine here); on the CPU compile is a no-op."""
-    from tidal.cli.train_ppo import main as ppo_main
     from tidal.trainers.ppo.entry import EXACT_COMPILE_REFUSAL
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert EXACT_COMPILE_REFUSAL in _refusal(tiny_model("qwen2"), tmp_path, capsys, ["--torch_compile"])
+
+
+def _refusal(policy, tmp_path, capsys, extra: list[str]) -> str:
+    """``tidal ppo --exact_logprobs *extra`` on ``policy``: it must exit 2 with no traceback; its stderr."""
+    from tidal.cli.train_ppo import main as ppo_main
+
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "1>", "label": "1"}) + "\n")
     flags = [
-        "--pretrain", str(tiny_model("qwen2")), "--prompt_data", str(tmp_path / "prompts.jsonl"),
-        "--input_key", "prompt", "--remote_rm_url", str(_reward_func()), "--save_path", str(tmp_path / "out"),
-        "--exact_logprobs", "--torch_compile",
+        "--pretrain", str(policy), "--prompt_data", str(tmp_path / "prompts.jsonl"), "--input_key", "prompt",
+        "--remote_rm_url", str(_reward_func()), "--save_path", str(tmp_path / "out"), "--exact_logprobs", *extra,
     ]  # fmt: skip
     with pytest.raises(SystemExit) as exc:
         ppo_main(flags)
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert EXACT_COMPILE_REFUSAL in err and "Traceback" not in err
+    assert "Traceback" not in err
+    return err

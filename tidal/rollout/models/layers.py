@@ -165,7 +165,7 @@ class DecoderArgs:
         return cls(**{**fields, **overrides})
 
 
-_FUSED_NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FUSED_NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the norm kernels take
 
 
 class RMSNorm(nn.Module):
@@ -206,7 +206,7 @@ class RMSNorm(nn.Module):
         if not self.scale_in_float32:
             return triton_usable(x)
         one_dtype = residual is None or residual.dtype == x.dtype
-        return FUSED_KERNELS and triton_usable(x) and one_dtype and x.dtype in _FUSED_NORM_DTYPES
+        return fused_kernels_usable(x) and one_dtype and x.dtype in FUSED_NORM_DTYPES
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 like the HF reference, then scale where the family's reference does.

@@ -203,7 +203,7 @@ class GatedAttention(nn.Module):
 def fusable(x: torch.Tensor) -> bool:
     """Whether ``triton_gated_norm``'s kernels run on ``x``: ``layers.fused_kernels_usable`` (the switch,
     CUDA, Triton), 16/32-bit floats. Qwen3.5 has no exact mode (``batch_invariant.exact_problem``)."""
-    return layers.fused_kernels_usable(x) and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    return layers.fused_kernels_usable(x) and x.dtype in layers.FUSED_NORM_DTYPES
 
 
 class GatedRMSNorm(nn.Module):
