@@ -1,7 +1,8 @@
-"""Benchmark (issue #31): the fused MoE kernels' tile sizes at decode shapes, against today's ``tile_config``.
+"""Benchmark (issue #31): the fused MoE kernels' tile sizes at decode shapes, against today's ``tile_configs``.
 
-``triton_moe.tile_config`` picks one launch (rows per block, output columns, K step, warps, stages) for
-both expert GEMMs from the pairs an expert gets on average; its values were untuned starting points. Per
+``triton_moe.tile_configs`` picks the launches (rows per block, output columns, K step, warps, stages) of
+the two expert GEMMs from the pairs an expert gets on average (its ``DECODE_TILES`` came from this bench;
+before them one untuned launch served both). Per
 MoE shape (``--shapes``: gpt-oss-20b's experts with biases and the clamped SwiGLU, Qwen3.5-35B-A3B's,
 Qwen3-30B-A3B's) and per ``--tokens`` (decode batch), in the model dtype (bf16) and with e4m3 experts
 (``--fp8``: FP8 rollouts' per-channel scales), this times the two launches of ``fused_expert_forward``
@@ -155,11 +156,11 @@ def search(problem: Problem, gated: bool, block_m: int, repeats: int):
 
 
 def measure(name: str, shape: Shape, tokens: int, fp8: bool, repeats: int) -> dict:
-    from tidal.rollout.kernels.triton_moe import tile_config
+    from tidal.rollout.kernels.triton_moe import tile_configs
 
     problem = Problem(shape, tokens, fp8)
-    today = tile_config(problem.ids.numel(), shape.experts)
-    today_ms = problem.time(True, today, repeats) + problem.time(False, today, repeats)
+    today = tile_configs(problem.ids.numel(), shape.experts, fp8)
+    today_ms = problem.time(True, today[0], repeats) + problem.time(False, today[1], repeats)
     best = None
     for block_m in block_m_candidates(problem.ids.numel(), shape.experts):
         gated_ms, gated_cfg = search(problem, True, block_m, repeats)
@@ -170,7 +171,7 @@ def measure(name: str, shape: Shape, tokens: int, fp8: bool, repeats: int) -> di
     roofline_ms = problem.weight_bytes() / H200_BANDWIDTH * 1e3
     row = dict(
         shape=name, tokens=tokens, weights="e4m3" if fp8 else "bf16", routed_experts=problem.routed,
-        today=asdict(today), today_ms=round(today_ms, 4), today_roofline=round(roofline_ms / today_ms, 3),
+        today_gated=asdict(today[0]), today_down=asdict(today[1]), today_ms=round(today_ms, 4), today_roofline=round(roofline_ms / today_ms, 3),
         best_ms=round(total, 4), best_roofline=round(roofline_ms / total, 3), speedup=round(today_ms / total, 3),
         best_gated=asdict(gated_cfg), best_gated_ms=round(gated_ms, 4),
         best_down=asdict(down_cfg), best_down_ms=round(down_ms, 4),

@@ -265,10 +265,26 @@ def needs_offload(hf, device: str) -> bool:
     return 2 * model_bytes(hf) > 0.7 * torch.cuda.get_device_properties(device).total_memory
 
 
-def offload(hf) -> None:
+def offload(hf) -> float:
+    """Move the HF model to host memory, with any CUDA tensor its modules keep outside their parameters
+    and buffers (a cache a kernel path made); returns the GiB of tensors still allocated on the GPU."""
     hf.to("cpu")
+    for module in hf.modules():
+        for name, value in list(vars(module).items()):
+            if torch.is_tensor(value) and value.is_cuda:
+                setattr(module, name, value.cpu())
     gc.collect()
     torch.cuda.empty_cache()
+    left = torch.cuda.memory_allocated() / 2**30
+    if left > 1:
+        print(
+            f"after offloading the HF model {left:.1f} GiB stay allocated on the GPU; largest:",
+            file=sys.stderr,
+        )
+        live = [o for o in gc.get_objects() if torch.is_tensor(o) and o.is_cuda]
+        for tensor in sorted(live, key=lambda o: -o.untyped_storage().nbytes())[:8]:
+            print(f"  {tuple(tensor.shape)} {tensor.dtype}", file=sys.stderr)
+    return round(left, 2)
 
 
 def engine_fla(engine) -> bool | None:
@@ -366,7 +382,7 @@ def main(argv=None) -> dict:
             if not args.skip_hf:
                 run_hf(4)
                 hf_runs = [timed(run_hf, args.device) for _ in range(args.repeats)]
-            offload(hf)
+            hf_info["hf_gpu_gib_left"] = offload(hf)
         engines = {label: LLMEngine(path, config, model=hf) for label, config in configs.items()}
         engine = next(iter(engines.values()))
         stops = list(range(vocab - round(args.stop_fraction * vocab), vocab))

@@ -243,7 +243,7 @@ def _assert_same_alignment(ids, num_experts: int, block_m: int, tm) -> None:
 )
 def test_align_kernel_matches_torch_alignment_at_decode_sizes(num_tokens, top_k, num_experts):
     """Decode batches up to the kernel's limit (512 x top-8 = 4096 pairs), uniform and skewed routing,
-    all pairs on one expert or on the last one, each tile_config block size."""
+    all pairs on one expert or on the last one, each block size tile_configs picks."""
     from tidal.rollout.kernels import triton_moe
 
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)

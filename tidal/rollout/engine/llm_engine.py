@@ -276,8 +276,7 @@ class LLMEngine(RequestBuilding, WeightsAndMemory):
 
     def _log_kv_cache(self) -> None:
         per_block = ModelRunner.bytes_per_block(self.model.args, self.config.block_size, self.dtype)
-        tokens = self.num_kv_blocks * self.config.block_size
-        kv = size_text(self.num_kv_blocks * per_block)
+        tokens, kv = self.num_kv_blocks * self.config.block_size, size_text(self.num_kv_blocks * per_block)
         if on_main_process():
             log.info("engine: KV cache of %d blocks, %d tokens, %s", self.num_kv_blocks, tokens, kv)
 
@@ -295,6 +294,7 @@ class LLMEngine(RequestBuilding, WeightsAndMemory):
         # Never more than every sequence slot at full length could use.
         enough = cfg.max_num_seqs * blocks_needed(self.max_model_len, cfg.block_size)
         if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # what this process cached but does not use is free for the cache
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * cfg.gpu_memory_utilization
         else:

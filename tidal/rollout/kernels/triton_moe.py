@@ -57,17 +57,29 @@ class ClampedSwiGLU:
     limit: float
 
 
-def tile_config(num_pairs: int, num_experts: int) -> TileConfig:
-    """Row blocks sized to the pairs an expert gets on average: decode is bound by reading the weights,
-    so a block should hold all of an expert's pairs (an expert split over two blocks is read twice)
-    without much padding; prefill reuses each weight tile over larger blocks. Untuned starting points
-    (16 is the smallest ``tl.dot`` M)."""
+# Decode launches measured best on one H200 (``bench/moe_tiles.py``, 2026-12-02: gpt-oss-20b's, Qwen3.5-35B-A3B's
+# and Qwen3-30B-A3B's experts at 256 tokens), per average pairs an expert gets (up to the key) and per weight
+# format: (gated, down). Rows per block go one power of two above the average pairs, so that an expert with
+# more than its share still fits one block (a second block reads its weights again).
+_T = TileConfig
+DECODE_TILES: dict[int, dict[bool, tuple[TileConfig, TileConfig]]] = {
+    8: {False: (_T(16, 128, 128, 4, 2), _T(16, 128, 128, 4, 3)), True: (_T(16, 32, 256, 4, 3), _T(16, 64, 128, 4, 3))},
+    16: {False: (_T(32, 64, 128, 4, 2), _T(32, 64, 128, 4, 3)), True: (_T(32, 128, 128, 4, 2), _T(32, 64, 128, 4, 3))},
+    32: {False: (_T(64, 64, 64, 4, 3), _T(64, 128, 64, 4, 3)), True: (_T(64, 64, 64, 4, 3), _T(64, 128, 64, 4, 4))},
+}  # fmt: skip
+PREFILL_TILE = TileConfig(64, 128, 64, num_warps=8, num_stages=3)
+
+
+def tile_configs(num_pairs: int, num_experts: int, fp8: bool = False) -> tuple[TileConfig, TileConfig]:
+    """The (gated, down) launches for ``num_pairs`` token/expert pairs over ``num_experts`` experts, e4m3
+    weights or not. Decode is bound by reading the weights: a block should hold all of an expert's pairs
+    without much padding (``DECODE_TILES``, measured); prefill reuses each weight tile over larger blocks
+    (``PREFILL_TILE``, untuned). The two launches share ``block_m`` (the alignment's padding)."""
     rows_per_expert = num_pairs / num_experts
-    if rows_per_expert <= 4:
-        return TileConfig(16, 64, 64, num_warps=4, num_stages=4)
-    if rows_per_expert <= 24:
-        return TileConfig(32, 64, 64, num_warps=4, num_stages=4)
-    return TileConfig(64, 128, 64, num_warps=8, num_stages=3)
+    for bound, by_format in DECODE_TILES.items():
+        if rows_per_expert <= bound:
+            return by_format[fp8]
+    return PREFILL_TILE, PREFILL_TILE
 
 
 @dataclass
@@ -385,13 +397,14 @@ def fused_expert_forward(
     down_proj: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    config: TileConfig | None = None,
+    config: TileConfig | tuple[TileConfig, TileConfig] | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     biases: tuple[torch.Tensor, torch.Tensor] | None = None,
     swiglu: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) with e = ids[t, k]; x [T, H] -> [T, H].
 
+    ``config``: one launch for both GEMMs or a (gated, down) pair; None: ``tile_configs``.
     ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I], as ``moe.Experts`` stores them.
     ``scales``: the two weights are e4m3 with these per-output-channel scales, [E, 2I] and [E, H] float32
     (FP8 rollouts: ``tidal.rollout.quant``). gpt-oss's experts: ``biases`` [E, 2I] and [E, H] added to each
@@ -402,13 +415,19 @@ def fused_expert_forward(
     if num_tokens == 0:  # nothing to route (the allocations below would be empty)
         return torch.zeros_like(x)
     x, gate_up_proj, down_proj = x.contiguous(), gate_up_proj.contiguous(), down_proj.contiguous()
-    cfg = config or tile_config(num_tokens * top_k, num_experts)
-    aligned = align_pairs(ids, num_experts, cfg.block_m)
+    if config is None:
+        config = tile_configs(num_tokens * top_k, num_experts, fp8=scales is not None)
+    gated_cfg, down_cfg = (config, config) if isinstance(config, TileConfig) else config
+    if gated_cfg.block_m != down_cfg.block_m:
+        raise ValueError(f"fused_expert_forward: the two launches' block_m differ ({gated_cfg} / {down_cfg})")
+    aligned = align_pairs(ids, num_experts, gated_cfg.block_m)
     route = weights.reshape(-1).contiguous()
     inter = x.new_empty(aligned.sorted_pairs.numel(), double_inter // 2)
     gate_up_scale, down_scale = scales if scales is not None else (None, None)
     gate_up_bias, down_bias = (b.contiguous() for b in biases) if biases is not None else (None, None)
-    _launch(x, gate_up_proj, inter, route, aligned, top_k, True, cfg, gate_up_scale, gate_up_bias, swiglu)
+    _launch(
+        x, gate_up_proj, inter, route, aligned, top_k, True, gated_cfg, gate_up_scale, gate_up_bias, swiglu
+    )
     out = x.new_empty(num_tokens * top_k, hidden, dtype=torch.promote_types(x.dtype, weights.dtype))
-    _launch(inter, down_proj, out, route, aligned, top_k, False, cfg, down_scale, down_bias)
+    _launch(inter, down_proj, out, route, aligned, top_k, False, down_cfg, down_scale, down_bias)
     return out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
