@@ -6,7 +6,10 @@ before them one untuned launch served both). Per
 MoE shape (``--shapes``: gpt-oss-20b's experts with biases and the clamped SwiGLU, Qwen3.5-35B-A3B's,
 Qwen3-30B-A3B's) and per ``--tokens`` (decode batch), in the model dtype (bf16) and with e4m3 experts
 (``--fp8``: FP8 rollouts' per-channel scales), this times the two launches of ``fused_expert_forward``
-apart, each replayed from a CUDA graph (``fp8_gemm.time_ms``), over random balanced routing:
+apart, each replayed from a CUDA graph (``fp8_gemm.time_ms``), over random balanced routing. The e4m3 rows
+time what the engine runs on an FP8-capable GPU: W8A8, each GEMM launch with the per-row e4m3 quantization
+of its input (``quantize_rows_triton``, one launch) that precedes it; FP8 ``tl.dot`` wants K steps of 32
+or more, as every candidate here is:
 
 1. per rows-per-block near the pairs an expert gets (``block_m_candidates``), every (columns, K step)
    with 4 warps and 3 stages;
@@ -102,15 +105,22 @@ class Problem:
         return self.routed * per
 
     def launch(self, gated: bool, cfg, aligned, inter, out) -> None:
+        """One GEMM launch as ``fused_expert_forward`` runs it; e4m3 experts: W8A8, its input's per-row
+        quantization first (the engine's path, ``quantize_activations``)."""
         from tidal.rollout.kernels import triton_moe as tm
+        from tidal.rollout.quant.triton_fp8 import quantize_rows_triton
 
         s_gu, s_d = self.scales or (None, None)
         b_gu, b_d = self.biases or (None, None)
+        a = self.x if gated else inter
+        a, a_scale = quantize_rows_triton(a) if self.fp8 else (a, None)
         if gated:
-            tm._launch(self.x, self.gate_up, inter, self.route, aligned, self.shape.top_k, True, cfg, s_gu, b_gu,
-                       self.swiglu)  # fmt: skip
+            tm._launch(a, self.gate_up, inter, self.route, aligned, self.shape.top_k, True, cfg, s_gu, b_gu,
+                       self.swiglu, a_scale)  # fmt: skip
         else:
-            tm._launch(inter, self.down, out, self.route, aligned, self.shape.top_k, False, cfg, s_d, b_d)
+            tm._launch(
+                a, self.down, out, self.route, aligned, self.shape.top_k, False, cfg, s_d, b_d, None, a_scale
+            )
 
     def time(self, gated: bool, cfg, repeats: int) -> float:
         from tidal.rollout.kernels import triton_moe as tm

@@ -211,3 +211,33 @@ def test_a_gpu_without_the_fp8_gemm_is_named_in_one_line(monkeypatch):
         "FP8 mode on this GPU"
     )
     assert "\n" not in notice and "per-channel" not in linear.fallback_notice("fp8", {reason: 3}, 112, None)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_the_experts_cuda_mode_runs_the_kernels_w8a8(family, tiny_model, monkeypatch):
+    """The ``triton_fp8`` experts (``moe.Experts`` and gpt-oss's own) hand the fused MoE kernels their e4m3
+    buffers and scales and ask for W8A8 (the activations quantized per row, as the dense FP8 linears do),
+    not the weight-only variant; gpt-oss adds its biases and clamped SwiGLU."""
+    pytest.importorskip("triton")
+    from tidal.rollout.kernels import triton_moe
+    from tidal.rollout.quant.triton_fp8 import quantize_rows_triton
+
+    monkeypatch.setattr(linear, "scaled_mm_problem", lambda target, granularity: None)
+    monkeypatch.setattr(linear, "experts_kernel_problem", lambda target, granularity: None)
+    engine = LLMEngine(tiny_model(family), cpu_config(quantization="fp8"))
+    seen = {}
+
+    def fused(x, gate_up, down, weights, ids, **kw):
+        seen.update(gate_up=gate_up, down=down, **kw)
+        return torch.zeros_like(x)
+
+    monkeypatch.setattr(triton_moe, "fused_expert_forward", fused)
+    experts = engine.model.model.layers[0].mlp.experts
+    hidden = experts.fp8_down_proj.shape[1]
+    experts(torch.randn(3, hidden), torch.full((3, 2), 0.5), torch.tensor([[0, 1], [1, 2], [2, 3]]))
+    assert seen["quantize_activations"] is quantize_rows_triton
+    assert seen["gate_up"] is experts.fp8_gate_up_proj and seen["down"] is experts.fp8_down_proj
+    gate_up_scale, down_scale = seen["scales"]
+    assert gate_up_scale.data_ptr() == experts.fp8_gate_up_proj_scale.data_ptr()
+    assert down_scale.data_ptr() == experts.fp8_down_proj_scale.data_ptr()
+    assert ("swiglu" in seen) == (family == "gpt_oss")

@@ -5,6 +5,9 @@ engine with CUDA graphs and async scheduling across a weight sync.
 Tolerances: the CUDA GEMM also quantizes the activations per token (3 mantissa bits), which moves a
 product of random operands by ~2.6% of its norm (measured with the emulation on the CPU); the emulated
 reference rounds the weights only. A dropped or transposed scale would be off by far more.
+
+The fused MoE kernels on e4m3 experts run W8A8 by default on FP8-capable GPUs (the engine's path); their
+W8A16 variant (no ``quantize_activations``) is checked against the weight-only reference.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.cuda_graphs import capture
 from tests.rollout.reference import PROMPTS, greedy
+from tests.rollout.test_fp8_kernels import QuantizeSpy, w8a8_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -92,6 +97,7 @@ def test_fused_moe_on_fp8_experts_matches_the_dequantized_reference(tokens):
                                True, True)  # fmt: skip
     q_gu, s_gu = quantize(gate_up, "channel")
     q_d, s_d = quantize(down, "channel")
+    # no activation quantizer: the weight-only (W8A16) variant; the engine runs W8A8 (below)
     got = fused_expert_forward(x, q_gu, q_d, weights, ids, scales=(s_gu[..., 0], s_d[..., 0]))
     ref = unfused_expert_forward(
         x.float(), dequantize(q_gu, s_gu, "channel", torch.float32), dequantize(q_d, s_d, "channel", torch.float32),
@@ -101,6 +107,91 @@ def test_fused_moe_on_fp8_experts_matches_the_dequantized_reference(tokens):
     assert _rel(got, ref) < 1e-2  # weight-only FP8: bf16 roundings only
     swapped = fused_expert_forward(x, q_gu, q_d, weights, ids, scales=(s_gu.flip(1)[..., 0], s_d[..., 0]))
     assert _rel(swapped, ref) > 0.1
+
+
+# Decode shapes: gpt-oss-20b's experts (biases, clamped SwiGLU) and Qwen3.5-35B-A3B's.
+W8A8_SHAPES = {"gpt_oss": (32, 4, 2880, 2880, True), "qwen3_5": (256, 8, 2048, 512, False)}
+
+
+def _fp8_moe_problem(shape: str, tokens: int = 256):
+    """Random bf16 tokens and routing, e4m3 experts (per-channel scales, rows of sizes 1/4..4), and for
+    gpt-oss bf16 biases and its clamped SwiGLU: ``fused_expert_forward``'s arguments."""
+    from tidal.rollout.kernels.triton_moe import ClampedSwiGLU
+    from tidal.rollout.models.moe import route_torch
+    from tidal.rollout.quant.fp8 import quantize
+
+    experts, top_k, hidden, inter, gpt_oss = W8A8_SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(experts)
+    cuda = dict(device="cuda", generator=gen)
+    # tokens of different sizes (1/4..4): another token's activation scale is far off
+    x = (torch.randn(tokens, hidden, **cuda) * 4 ** (2 * torch.rand(tokens, 1, **cuda) - 1)).bfloat16()
+    rows = 4 ** (2 * torch.rand(experts, 2 * inter, 1, **cuda) - 1)
+    q_gu, s_gu = quantize((torch.randn(experts, 2 * inter, hidden, **cuda) * 3 / hidden**0.5 * rows).bfloat16(),
+                          "channel")  # fmt: skip
+    q_d, s_d = quantize((torch.randn(experts, hidden, inter, **cuda) / inter**0.5).bfloat16(), "channel")
+    weights, ids = route_torch(torch.randn(tokens, experts, **cuda).bfloat16(), top_k, True, True)
+    kwargs = dict(scales=(s_gu[..., 0], s_d[..., 0]))
+    if gpt_oss:
+        biases = (
+            torch.randn(experts, 2 * inter, **cuda).bfloat16(),
+            torch.randn(experts, hidden, **cuda).bfloat16(),
+        )
+        kwargs.update(biases=biases, swiglu=ClampedSwiGLU(alpha=1.702, limit=7.0))
+    return (x, q_gu, q_d, weights, ids), kwargs, (s_gu, s_d)
+
+
+def _needs_fp8_mma():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip(f"{torch.cuda.get_device_name()} has no FP8 tensor cores (sm89+)")
+
+
+@pytest.mark.parametrize("shape", sorted(W8A8_SHAPES))
+def test_w8a8_fused_moe_is_the_product_of_its_e4m3_operands(shape):
+    """The engine's FP8 experts (W8A8) against the float32 product of the e4m3 activations and weights each
+    launch read (``w8a8_reference``), tokens of sizes 1/4..4. Tolerance 2e-2 of the norm: the kernels round
+    the gated output and the pair outputs to bf16 (2^-9 relative each) and Hopper's FP8 MMA adds into its
+    float32 accumulator with ~14 bits kept (Triton's default on sm90: no periodic promotion), a few 1e-3
+    over K = 2880; reading another row's activation scales (the tokens' differ by up to 16x) or dropping a
+    scale is off by more than 0.1 (the interpreter tests check the same launches at 1e-5)."""
+    from tidal.rollout.kernels.triton_moe import fused_expert_forward, tile_configs
+    from tidal.rollout.quant.fp8 import dequantize
+    from tidal.rollout.quant.triton_fp8 import quantize_rows_triton
+
+    _needs_fp8_mma()
+    args, kwargs, (s_gu, s_d) = _fp8_moe_problem(shape)
+    x, q_gu, q_d, weights, ids = args
+    spy = QuantizeSpy(quantize_rows_triton)
+    got = fused_expert_forward(*args, **kwargs, quantize_activations=spy)
+    assert got.dtype == torch.bfloat16
+    assert len(spy.calls) == 2 and torch.equal(spy.calls[0][0], x)  # the tokens, then the gated output
+    block_m = tile_configs(ids.numel(), q_gu.shape[0], fp8=True)[0].block_m
+    deq_gu, deq_d = (dequantize(q, s, "channel", torch.float32) for q, s in ((q_gu, s_gu), (q_d, s_d)))
+    extra = {k: v for k, v in kwargs.items() if k != "scales"}
+    used, gated, want = w8a8_reference(spy.calls, ids, weights, deq_gu, deq_d, block_m, **extra)
+    assert _rel(spy.calls[1][0][used], gated) < 2e-2
+    assert _rel(got, want) < 2e-2
+    # handed another row's scales (the next token's), the gated launch is far off
+    wrong = QuantizeSpy(quantize_rows_triton, wrong=0, rows=torch.arange(x.shape[0], device="cuda"))
+    fused_expert_forward(*args, **kwargs, quantize_activations=wrong)
+    assert _rel(wrong.calls[1][0][used], gated) > 0.1
+
+
+@pytest.mark.parametrize("shape", sorted(W8A8_SHAPES))
+def test_w8a8_fused_moe_replays_in_a_cuda_graph_as_eager(shape):
+    """Decode replays captured graphs: the two activation quantizations and the two W8A8 launches, replayed
+    on new tokens, give those tokens' eager result bit for bit (the same kernels, no atomics)."""
+    from tidal.rollout.kernels.triton_moe import fused_expert_forward
+    from tidal.rollout.quant.triton_fp8 import quantize_rows_triton
+
+    _needs_fp8_mma()
+    args, kwargs, _ = _fp8_moe_problem(shape)
+    kwargs["quantize_activations"] = quantize_rows_triton  # the engine's W8A8 (``quant/experts.py``)
+    x = args[0]
+    graph, out = capture(lambda: fused_expert_forward(*args, **kwargs))
+    x.copy_(torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fused_expert_forward(*args, **kwargs))
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])

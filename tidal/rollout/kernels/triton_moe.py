@@ -24,11 +24,13 @@ Before them, ``triton_route.fused_route`` (``moe.route`` on CUDA) computes the r
 Numerics: products accumulate in float32 (tensor cores for 16-bit inputs, IEEE for float32); the gated
 activation is rounded once instead of three times, otherwise the roundings are the unfused path's (the
 pair outputs are stored in ``promote(x, weights)``: the model dtype for Qwen routers, float32 for
-Mixtral's, and the k-sum is rounded to the model dtype).
+Mixtral's, and the k-sum is rounded to the model dtype). FP8 rollouts' e4m3 experts (``scales``) run W8A8
+on FP8-capable GPUs: the launches' inputs quantized per row to e4m3 first, as the dense FP8 linears do.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -258,6 +260,7 @@ def _moe_gemm(
     stride_om,
     scale_ptr,
     stride_se,
+    a_scale_ptr,
     bias_ptr,
     stride_be,
     alpha,
@@ -265,6 +268,7 @@ def _moe_gemm(
     TOP_K: tl.constexpr,
     GATED: tl.constexpr,
     W_SCALED: tl.constexpr,
+    A_SCALED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     CLAMPED_SWIGLU: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -281,6 +285,10 @@ def _moe_gemm(
     ``W_SCALED`` (FP8 rollouts, ``tidal.rollout.quant``): the weight is e4m3, widened to ``a``'s dtype
     (exactly) tile by tile, and the float32 accumulator is multiplied by each output channel's scale
     (``scale_ptr`` [E, rows of the weight], ``stride_se`` per expert) before the epilogue.
+    ``A_SCALED`` (with ``W_SCALED``; W8A8): ``a`` is e4m3 too, with one float32 scale per row of ``a``
+    (``a_scale_ptr``, indexed like ``a``: the token for ``GATED``, else the padded row); the e4m3 tiles go
+    to ``tl.dot`` as they are (FP8 MMA, float32 accumulator) and the accumulator is multiplied by
+    ``a_scale[row] * w_scale[col]``. Rows of padding load 0 and scale 0 (never stored).
 
     ``HAS_BIAS`` (gpt-oss): each expert's bias (``bias_ptr`` [E, rows of the weight]) is added to the
     float32 accumulator (after the scale), before the activation or the routing weight.
@@ -311,21 +319,27 @@ def _moe_gemm(
         k_ok = ks < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if W_SCALED:
+        if W_SCALED and not A_SCALED:
             w = w.to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if GATED:
             w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if W_SCALED:
+            if W_SCALED and not A_SCALED:
                 w_up = w_up.to(a.dtype)
             acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if W_SCALED:
+    if W_SCALED and not A_SCALED:
         scale_base = scale_ptr + expert.to(tl.int64) * stride_se
         acc = acc * tl.load(scale_base + cols, mask=col_ok, other=0.0)[None, :]
         if GATED:
             acc_up = acc_up * tl.load(scale_base + N + cols, mask=col_ok, other=0.0)[None, :]
+    if A_SCALED:
+        scale_base = scale_ptr + expert.to(tl.int64) * stride_se
+        a_scale = tl.load(a_scale_ptr + a_rows, mask=valid, other=0.0)[:, None]
+        acc = acc * (a_scale * tl.load(scale_base + cols, mask=col_ok, other=0.0)[None, :])
+        if GATED:
+            acc_up = acc_up * (a_scale * tl.load(scale_base + N + cols, mask=col_ok, other=0.0)[None, :])
     if HAS_BIAS:
         bias_base = bias_ptr + expert.to(tl.int64) * stride_be
         acc = acc + tl.load(bias_base + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -351,10 +365,15 @@ def _moe_gemm(
 
 def _launch(
     a, w, out, route, aligned: AlignedPairs, top_k: int, gated: bool, cfg: TileConfig, scale=None, bias=None,
-    swiglu: ClampedSwiGLU | None = None,
+    swiglu: ClampedSwiGLU | None = None, a_scale=None,
 ) -> None:  # fmt: skip
     """``scale``: an e4m3 ``w``'s per-output-channel scales [E, rows] (FP8 rollouts), None otherwise;
-    ``bias``: the experts' biases [E, rows]; ``swiglu``: gpt-oss's clamped gated activation (gated only)."""
+    ``bias``: the experts' biases [E, rows]; ``swiglu``: gpt-oss's clamped gated activation (gated only);
+    ``a_scale``: an e4m3 ``a``'s per-row scales [rows of a, 1] (W8A8, with ``scale``)."""
+    if a_scale is not None and (scale is None or a.dtype != torch.float8_e4m3fn or cfg.block_k < 32):
+        raise ValueError(  # FP8 tl.dot takes K tiles of 32 or more
+            f"triton_moe: activation scales need e4m3 activations, e4m3 (scaled) weights and block_k >= 32 ({cfg})"
+        )
     n = w.shape[1] // 2 if gated else w.shape[1]
     grid = (aligned.block_expert.numel(), triton.cdiv(n, cfg.block_n))
     _moe_gemm[grid](
@@ -373,6 +392,7 @@ def _launch(
         out.stride(0),
         route if scale is None else scale,  # an unused pointer when the weight is not scaled
         0 if scale is None else scale.stride(0),
+        route if a_scale is None else a_scale.reshape(-1),  # one scale per row of a (contiguous)
         route if bias is None else bias,  # unused without a bias
         0 if bias is None else bias.stride(0),
         1.0 if swiglu is None else float(swiglu.alpha),
@@ -380,6 +400,7 @@ def _launch(
         TOP_K=top_k,
         GATED=gated,
         W_SCALED=scale is not None,
+        A_SCALED=a_scale is not None,
         HAS_BIAS=bias is not None,
         CLAMPED_SWIGLU=swiglu is not None,
         BLOCK_M=cfg.block_m,
@@ -401,6 +422,7 @@ def fused_expert_forward(
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     biases: tuple[torch.Tensor, torch.Tensor] | None = None,
     swiglu: ClampedSwiGLU | None = None,
+    quantize_activations: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) with e = ids[t, k]; x [T, H] -> [T, H].
 
@@ -409,12 +431,23 @@ def fused_expert_forward(
     ``scales``: the two weights are e4m3 with these per-output-channel scales, [E, 2I] and [E, H] float32
     (FP8 rollouts: ``tidal.rollout.quant``). gpt-oss's experts: ``biases`` [E, 2I] and [E, H] added to each
     projection (the down one before the routing weight, as transformers adds it) and ``swiglu``, its clamped
-    activation in place of SiLU."""
+    activation in place of SiLU.
+
+    ``quantize_activations`` (with ``scales``): W8A8, the dense FP8 linears' recipe. It is the per-row e4m3
+    quantizer, ``a`` [M, K] -> (e4m3 [M, K], float32 scales [M, 1]): ``quant/triton_fp8.quantize_rows_triton``,
+    one launch, passed in rather than imported (``tidal.rollout.quant`` imports ``models.moe``, which imports
+    this module, and tests/test_imports.py keeps even call-time imports acyclic). Applied to ``x`` and to the
+    gated output (computed and rounded in ``x``'s dtype); the GEMMs then run on FP8 tensor cores
+    (sm89+), both scales applied to the float32 accumulator. None: W8A16, the e4m3 weight tiles widened to
+    ``x``'s dtype (exact), the activations as they are. The engine's FP8 experts run W8A8
+    (``quant/experts.py``: that mode needs an sm89+ GPU)."""
     num_tokens, top_k = ids.shape
     num_experts, double_inter, hidden = gate_up_proj.shape
     if num_tokens == 0:  # nothing to route (the allocations below would be empty)
         return torch.zeros_like(x)
     x, gate_up_proj, down_proj = x.contiguous(), gate_up_proj.contiguous(), down_proj.contiguous()
+    if quantize_activations is not None and scales is None:
+        raise ValueError("fused_expert_forward: quantize_activations needs e4m3 weights (scales)")
     if config is None:
         config = tile_configs(num_tokens * top_k, num_experts, fp8=scales is not None)
     gated_cfg, down_cfg = (config, config) if isinstance(config, TileConfig) else config
@@ -425,9 +458,14 @@ def fused_expert_forward(
     inter = x.new_empty(aligned.sorted_pairs.numel(), double_inter // 2)
     gate_up_scale, down_scale = scales if scales is not None else (None, None)
     gate_up_bias, down_bias = (b.contiguous() for b in biases) if biases is not None else (None, None)
+    a, a_scale = (x, None) if quantize_activations is None else quantize_activations(x)
     _launch(
-        x, gate_up_proj, inter, route, aligned, top_k, True, gated_cfg, gate_up_scale, gate_up_bias, swiglu
-    )
+        a, gate_up_proj, inter, route, aligned, top_k, True, gated_cfg, gate_up_scale, gate_up_bias, swiglu,
+        a_scale,
+    )  # fmt: skip
     out = x.new_empty(num_tokens * top_k, hidden, dtype=torch.promote_types(x.dtype, weights.dtype))
-    _launch(inter, down_proj, out, route, aligned, top_k, False, down_cfg, down_scale, down_bias)
+    # W8A8: every padded row is quantized (which rows are padding is known on the device only); rows of
+    # padding hold whatever the allocation held, maybe NaN scales, but the down launch masks them on load.
+    a, a_scale = (inter, None) if quantize_activations is None else quantize_activations(inter)
+    _launch(a, down_proj, out, route, aligned, top_k, False, down_cfg, down_scale, down_bias, None, a_scale)
     return out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)

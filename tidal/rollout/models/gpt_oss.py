@@ -104,17 +104,21 @@ class GptOssExperts(nn.Module):
             return self._every_expert(x, weights, ids)
         return self.grouped_forward(x, weights, ids, self.gate_up_proj, self.down_proj)
 
-    def kernel_forward(self, x, weights, ids, gate_up, down, scales=None) -> torch.Tensor:
+    def kernel_forward(
+        self, x, weights, ids, gate_up, down, scales=None, quantize_activations=None
+    ) -> torch.Tensor:
         """``triton_moe``'s fused kernels on the weights ``gate_up`` and ``down`` (the parameters, or FP8
         rollouts' e4m3 buffers with their per-channel ``scales``: ``quant/linear.py``), the biases and the
-        clamped SwiGLU in their epilogues."""
+        clamped SwiGLU in their epilogues. ``quantize_activations`` (FP8, ``fused_expert_forward``'s): the
+        per-row e4m3 quantizer of the activations, which makes the kernels W8A8 (None: W8A16)."""
         from tidal.rollout.kernels.triton_moe import ClampedSwiGLU, fused_expert_forward
 
         biases = (self.gate_up_proj_bias, self.down_proj_bias)
         swiglu = ClampedSwiGLU(self.alpha, self.limit)
         return fused_expert_forward(
-            x, gate_up, down, weights, ids, scales=scales, biases=biases, swiglu=swiglu
-        )
+            x, gate_up, down, weights, ids, scales=scales, biases=biases, swiglu=swiglu,
+            quantize_activations=quantize_activations,
+        )  # fmt: skip
 
     def grouped_forward(self, x, weights, ids, gate_up_proj, down_proj) -> torch.Tensor:
         """The experts with the weights given, pairs sorted by expert so each expert runs once on its rows
