@@ -24,8 +24,10 @@ runs on the weights' device at the engine's load and at every ``load_weights`` c
   for blocks it names ``fp8``, per-channel, as the mode that runs fast there).
 - ``triton_fp8`` (MoE experts; the fused Triton MoE path on an FP8-capable GPU, per-channel scales): the
   kernels of ``kernels/triton_moe.py`` read the e4m3 experts (``fp8_gate_up_proj``, ``fp8_down_proj``
-  and their ``_scale`` buffers, in place likewise), widen each tile to the model dtype and scale the
-  float32 accumulator per output channel; activations stay in the model dtype (weight-only FP8). A
+  and their ``_scale`` buffers, in place likewise) and multiply them by e4m3 activations (each expert
+  GEMM's input quantized per row by ``triton_fp8.py``, one launch each) on FP8 tensor cores, the float32
+  accumulator scaled per row and output channel (W8A8, as ``scaled_mm``; the kernels' W8A16 mode, tiles
+  widened to the model dtype, stays for tests and benchmarks). A
   family's own experts (gpt-oss: biases and its clamped SwiGLU in the kernels' epilogues) are *staged*:
   their loader converts the checkpoint's layouts (input-major, interleaved, MXFP4) into the model-dtype
   weights, which stay, and those are quantized into the buffers after each load (the decode reads half
