@@ -287,7 +287,22 @@ def test_the_families_on_loaders_of_their_own_run_fp8_with_graphs_across_a_sync(
                       graphs.generate(PROMPTS, greedy(12)))  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "gemma4_text", "deepseek_v3"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "gpt_oss",
+        "gemma4_text",
+        pytest.param(
+            "deepseek_v3",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="on the H200 (session 15) the synced FP8 graphs engine gave a fresh one's greedy tokens "
+                "but log-probs 1e-3 to 2e-2 apart, while the bf16 twin (test_new_families_gpu.py, weight_sync) "
+                "passed: DeepSeek-V3's FP8 sync leaves the engine different; refused on CUDA until this passes",
+            ),
+        ),
+    ],
+)
 def test_a_synced_fp8_graphs_engine_is_a_fresh_one_bit_for_bit(family, tiny_model, monkeypatch):
     """Tells a wrong sync from graph-vs-eager rounding (the DeepSeek-V3 xfail above compares a synced
     graphs engine with a fresh *eager* one): the same kernels on the same FP8 weights give the same tokens
