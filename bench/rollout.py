@@ -266,13 +266,9 @@ def needs_offload(hf, device: str) -> bool:
 
 
 def offload(hf) -> float:
-    """Move the HF model to host memory, with any CUDA tensor its modules keep outside their parameters
-    and buffers (a cache a kernel path made); returns the GiB of tensors still allocated on the GPU."""
+    """Move the HF model to host memory; returns the GiB of tensors still allocated on the GPU (what the
+    engine's KV cache cannot have), listing the largest when over 1 GiB."""
     hf.to("cpu")
-    for module in hf.modules():
-        for name, value in list(vars(module).items()):
-            if torch.is_tensor(value) and value.is_cuda:
-                setattr(module, name, value.cpu())
     gc.collect()
     torch.cuda.empty_cache()
     left = torch.cuda.memory_allocated() / 2**30

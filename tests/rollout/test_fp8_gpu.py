@@ -230,21 +230,20 @@ def test_cuda_graphs_and_async_scheduling_stay_valid_across_a_sync(family):
                       graphs.generate(PROMPTS, greedy(12)))  # fmt: skip
 
 
+def families_with_deepseek_xfail(reason: str) -> list:
+    """The families on loaders of their own, DeepSeek-V3 a strict xfail with ``reason`` (its FP8 engine
+    is refused on CUDA: ``DeepseekV3ForCausalLM.fp8_cuda_refused``)."""
+    xfail = pytest.mark.xfail(strict=True, reason=reason)
+    return ["gpt_oss", "gemma4_text", pytest.param("deepseek_v3", marks=xfail)]
+
+
 @pytest.mark.parametrize(
     "family",
-    [
-        "gpt_oss",
-        "gemma4_text",
-        pytest.param(
-            "deepseek_v3",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="after the sync the FP8 graphs engine's greedy tokens differ from a fresh eager engine's "
-                "(H200, session 14; refused on CUDA: DeepseekV3ForCausalLM.fp8_cuda_refused); passing means "
-                "the cause is gone and the refusal can go",
-            ),
-        ),
-    ],
+    families_with_deepseek_xfail(
+        "after the sync the FP8 graphs engine's greedy tokens differ from a fresh eager engine's "
+        "(H200, session 14; refused on CUDA: DeepseekV3ForCausalLM.fp8_cuda_refused); passing means "
+        "the cause is gone and the refusal can go"
+    ),
 )
 def test_the_families_on_loaders_of_their_own_run_fp8_with_graphs_across_a_sync(
     family, tiny_model, monkeypatch
@@ -289,19 +288,11 @@ def test_the_families_on_loaders_of_their_own_run_fp8_with_graphs_across_a_sync(
 
 @pytest.mark.parametrize(
     "family",
-    [
-        "gpt_oss",
-        "gemma4_text",
-        pytest.param(
-            "deepseek_v3",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="on the H200 (session 15) the synced FP8 graphs engine gave a fresh one's greedy tokens "
-                "but log-probs 1e-3 to 2e-2 apart, while the bf16 twin (test_new_families_gpu.py, weight_sync) "
-                "passed: DeepSeek-V3's FP8 sync leaves the engine different; refused on CUDA until this passes",
-            ),
-        ),
-    ],
+    families_with_deepseek_xfail(
+        "on the H200 (session 15) the synced FP8 graphs engine gave a fresh one's greedy tokens "
+        "but log-probs 1e-3 to 2e-2 apart, while the bf16 twin (test_new_families_gpu.py, weight_sync) "
+        "passed: DeepSeek-V3's FP8 sync leaves the engine different; refused on CUDA until this passes"
+    ),
 )
 def test_a_synced_fp8_graphs_engine_is_a_fresh_one_bit_for_bit(family, tiny_model, monkeypatch):
     """Tells a wrong sync from graph-vs-eager rounding (the DeepSeek-V3 xfail above compares a synced

@@ -329,17 +329,19 @@ def _moe_gemm(
             acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if W_SCALED and not A_SCALED:
+    if W_SCALED:
         scale_base = scale_ptr + expert.to(tl.int64) * stride_se
-        acc = acc * tl.load(scale_base + cols, mask=col_ok, other=0.0)[None, :]
+        scale = tl.load(scale_base + cols, mask=col_ok, other=0.0)[None, :]
         if GATED:
-            acc_up = acc_up * tl.load(scale_base + N + cols, mask=col_ok, other=0.0)[None, :]
-    if A_SCALED:
-        scale_base = scale_ptr + expert.to(tl.int64) * stride_se
-        a_scale = tl.load(a_scale_ptr + a_rows, mask=valid, other=0.0)[:, None]
-        acc = acc * (a_scale * tl.load(scale_base + cols, mask=col_ok, other=0.0)[None, :])
+            scale_up = tl.load(scale_base + N + cols, mask=col_ok, other=0.0)[None, :]
+        if A_SCALED:  # W8A8: the row's activation scale times the channel's
+            a_scale = tl.load(a_scale_ptr + a_rows, mask=valid, other=0.0)[:, None]
+            scale = a_scale * scale
+            if GATED:
+                scale_up = a_scale * scale_up
+        acc = acc * scale
         if GATED:
-            acc_up = acc_up * (a_scale * tl.load(scale_base + N + cols, mask=col_ok, other=0.0)[None, :])
+            acc_up = acc_up * scale_up
     if HAS_BIAS:
         bias_base = bias_ptr + expert.to(tl.int64) * stride_be
         acc = acc + tl.load(bias_base + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
