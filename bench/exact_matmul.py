@@ -3,8 +3,10 @@ shape, against cuBLAS (``torch.nn.functional.linear``, which is not batch-invari
 
 For each weight ``[N, K]`` of a model shape (``--config``: q, k/v, o, gate/up, down per layer; lm_head
 once) the GEMM runs at a decode step's rows (``--decode_rows``) and at a trainer micro-batch's
-(``--train_rows``). Candidate launches (tile, K step, warps, stages) are searched in two rounds (tiles
-first, then pipeline depth around the best two); a launch is scored by the time a
+(``--train_rows``). Candidate launches (tile, K step, warps, stages, K splits) are searched in two rounds
+(tiles first, then pipeline depth and K splits around the best two); decode times are GPU times (the
+calls replayed from a CUDA graph, as the engine's decode step runs), trainer times back-to-back launches
+(long enough that host latency hides); a launch is scored by the time a
 whole decode step and a whole trainer forward spend in that shape (times the layer count), and is kept
 only if a row's bits do not depend on the row count (the decode rows, alone, give the bits they get among
 the trainer's rows). Prints a table to stderr and one JSON line: per shape cuBLAS's, ``matmul_config``'s
@@ -49,6 +51,8 @@ def weights(config: str) -> dict[str, tuple[int, int, int]]:
 
 
 def time_ms(fn, repeats: int) -> float:
+    """Milliseconds a call, launched back to back (host launch latency included where it exceeds the GPU
+    time: use ``graph_time_ms`` for launches shorter than that)."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -60,8 +64,28 @@ def time_ms(fn, repeats: int) -> float:
     return start.elapsed_time(end) / repeats
 
 
+def graph_time_ms(fn, repeats: int) -> float:
+    """Milliseconds a call's GPU work takes, ``repeats`` calls captured in one CUDA graph and replayed (the
+    engine's decode step runs in a graph: no host launch latency between its GEMMs)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    del graph
+    return start.elapsed_time(end) / repeats
+
+
 def candidates(n: int, make):
-    """Round one: tile shapes and K steps (3 stages)."""
+    """Round one: tile shapes and K steps (3 stages, K not split)."""
     tiles = [(64, 4), (128, 8)]  # (block_m, warps): one or two warpgroups of m64 MMAs
     widths = (32, 64, 128) if n <= 1024 else (64, 128, 256)
     for (bm, warps), bn, bk in itertools.product(tiles, widths, (64, 128)):
@@ -69,8 +93,10 @@ def candidates(n: int, make):
 
 
 def refinements(best):
-    for stages in (3, 4, 5):
-        yield dataclasses.replace(best, num_stages=stages)
+    """Round two, around one of round one's best: pipeline depth and K splits (ranges in parallel programs
+    at decode's rows, in turn in one program at the trainer's: the same bits)."""
+    for stages, splits in itertools.product((3, 4, 5), (1, 2, 4, 8)):
+        yield dataclasses.replace(best, num_stages=stages, splits=splits)
 
 
 def score(te, x_dec, x_tr, w, count, config, repeats) -> dict | None:
@@ -81,7 +107,7 @@ def score(te, x_dec, x_tr, w, count, config, repeats) -> dict | None:
         return {"error": type(err).__name__}
     if not torch.equal(alone, full[: x_dec.shape[0]]):
         return {"invariant": False}
-    dec = time_ms(lambda: te.matmul(x_dec, w, config=config), repeats)
+    dec = graph_time_ms(lambda: te.matmul(x_dec, w, config=config), repeats)
     tr = time_ms(lambda: te.matmul(x_tr, w, config=config), max(3, repeats // 4))
     return {"invariant": True, "decode_ms": dec, "train_ms": tr, "step_ms": count * dec, "fwd_ms": count * tr}
 
@@ -92,7 +118,7 @@ def search(te, n: int, k: int, count: int, args, t0: float, g) -> dict:
     x_dec = x_tr[: args.decode_rows].clone()
     w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
     cublas = {
-        "decode_ms": time_ms(lambda: torch.nn.functional.linear(x_dec, w), args.repeats),
+        "decode_ms": graph_time_ms(lambda: torch.nn.functional.linear(x_dec, w), args.repeats),
         "train_ms": time_ms(lambda: torch.nn.functional.linear(x_tr, w), max(3, args.repeats // 4)),
     }
     current = te.matmul_config(n, k)

@@ -14,7 +14,10 @@ Per model shape (``--config``), on ``--rows`` random bf16 rows:
 - ``control``: the same with another ``block_k`` (a reduction in another order: expected to differ,
   which shows the comparison can fail);
 - ``packed``: q/k/v and gate/up packed into one weight and run with each part's launch in turn, each
-  part's columns compared with that part's own launch.
+  part's columns compared with that part's own launch;
+- ``split_tiles``: a launch splitting K into 2 or 4 ranges under every tile, compared with the split
+  launch of the weight's own tile (does a split column's bits depend only on the K partition too?);
+- ``split_order``: each of those with its ranges in parallel programs and in turn in one program.
 
 Prints one JSON line (counts of equal / compared, and the first differing case of each kind).
 
@@ -71,14 +74,14 @@ class Tally:
         return {"equal": self.equal, "compared": self.compared, "first_diff": self.first_diff}
 
 
-def run(x: torch.Tensor, w: torch.Tensor, launch) -> torch.Tensor | None:
+def run(x: torch.Tensor, w: torch.Tensor, launch, parallel_split=None) -> torch.Tensor | None:
     """``triton_exact.matmul`` with this launch; None where it does not fit the GPU (shared memory)."""
     from triton.runtime.errors import OutOfResources
 
     from tidal.rollout.kernels.triton_exact import matmul
 
     try:
-        return matmul(x, w, config=launch)
+        return matmul(x, w, config=launch, parallel_split=parallel_split)
     except OutOfResources:
         return None
 
@@ -95,9 +98,10 @@ def probe(config: str, rows: int) -> dict:
         for name, (n, kk) in shapes.items()
     }
     own = {name: matmul(x, w) for name, w in weights.items()}
-    variants, control, packed = Tally(), Tally(), Tally()
+    variants, control, packed, split_tiles, split_order = Tally(), Tally(), Tally(), Tally(), Tally()
     for name, w in weights.items():
         base = matmul_config(*w.shape)
+        split_ref = {s: matmul(x, w, config=dataclasses.replace(base, splits=s)) for s in (2, 4)}
         for block_m, block_n, warps in itertools.product((64, 128), (64, 128, 256), (4, 8)):
             cfg = dataclasses.replace(base, block_m=block_m, block_n=block_n, num_warps=warps, num_stages=3)
             other_k = dataclasses.replace(cfg, block_k=128 if base.block_k == 64 else 64)
@@ -105,6 +109,15 @@ def probe(config: str, rows: int) -> dict:
                 out = run(x, w, launch)
                 if out is not None:  # a launch over the shared memory is left out
                     tally.add(torch.equal(out, own[name]), f"{name} {launch}")
+            for splits, ref in split_ref.items():  # a split launch: same bits whatever the tile ...
+                launch = dataclasses.replace(cfg, splits=splits)
+                out = run(x, w, launch)
+                if out is not None:
+                    split_tiles.add(torch.equal(out, ref), f"{name} {launch}")
+                for parallel in (True, False):  # ... and whether its ranges run in parallel or in turn
+                    out = run(x, w, launch, parallel_split=parallel)
+                    if out is not None:
+                        split_order.add(torch.equal(out, ref), f"{name} {launch} parallel={parallel}")
     for group in (("q", "k", "v"), ("gate", "up")):
         whole = torch.cat([weights[name] for name in group])
         for launch_of in group:
@@ -117,7 +130,14 @@ def probe(config: str, rows: int) -> dict:
                     f"{'+'.join(group)} with {launch_of}'s launch: {name}",
                 )
                 start += n
-    return {"config": config, "variants": variants.row(), "control": control.row(), "packed": packed.row()}
+    return {
+        "config": config,
+        "variants": variants.row(),
+        "control": control.row(),
+        "packed": packed.row(),
+        "split_tiles": split_tiles.row(),
+        "split_order": split_order.row(),
+    }
 
 
 def main(argv=None) -> None:

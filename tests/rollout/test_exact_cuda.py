@@ -25,6 +25,7 @@ is about 2x those.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -108,6 +109,29 @@ def test_matmul_matches_float64_and_each_row_is_its_own(dtype, k, n):
     # a row's place in the batch does not matter either
     perm = torch.randperm(301, device="cuda", generator=g)
     assert torch.equal(te.matmul(x[perm], w), full[perm])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize(("k", "n"), [(896, 896), (896, 128), (4864, 896), (3584, 512), (18944, 3584)])
+def test_split_matmul_gives_a_row_the_same_bits_in_parallel_or_in_turn(k, n, splits):
+    """A K split in bf16 at the 0.5B / 7B shapes a decode step splits: the ranges in parallel programs (the
+    engine's few rows) and in turn in one program (a trainer's 16k rows, ``PARALLEL_SPLIT_TILES``) give a
+    row the same bits, bias included, whatever the row count; within one bf16 rounding of float64."""
+    te = _gpu()
+    g = torch.Generator(device="cuda").manual_seed(splits)
+    x = torch.randn(301, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
+    bias = (torch.randn(n, device="cuda", generator=g) * 4).bfloat16()
+    config = dataclasses.replace(te.matmul_config(n, k), splits=splits)
+    ref = ref_matmul(x, w)
+    in_turn = te.matmul(x, w, config=config, parallel_split=False)
+    assert ((in_turn.double() - ref).abs() <= 2**-8 * ref.abs() + 1e-4).all()
+    assert torch.equal(te.matmul(x, w, config=config, parallel_split=True), in_turn)
+    for rows in (slice(0, 1), slice(300, 301), slice(3, 5), slice(1, 300)):
+        assert torch.equal(te.matmul(x[rows], w, config=config), in_turn[rows])
+    assert torch.equal(te.matmul(x.repeat(55, 1), w, config=config)[-301:], in_turn)  # 16k rows: in turn
+    assert torch.equal(te.matmul(x[:40], w, bias, config=config), in_turn[:40] + bias)
 
 
 @pytest.mark.gpu

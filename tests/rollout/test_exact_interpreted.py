@@ -117,6 +117,31 @@ def test_interpreted_launch_of_other_tiles_keeps_a_row_s_bits(te, group_m):
     assert torch.equal(te.matmul(x, w, bias, config=config), full + bias)
 
 
+@pytest.mark.parametrize("splits", [2, 3])
+def test_interpreted_split_launch_gives_the_same_bits_in_parallel_or_in_turn(te, splits):
+    """A K split (block-aligned ranges, the last one shorter): the ranges in parallel programs plus the
+    split sum, and the ranges in turn in one program, give the same bits (a row's and the whole output's,
+    bias included), whatever the row count; the split changes the reduction order, so it differs from the
+    unsplit launch somewhere (the comparison can fail) while staying within float32 sums of float64."""
+    config = te.MatmulConfig(block_n=32, num_warps=4, num_stages=3, block_m=16, block_k=32, splits=splits)
+    g = torch.Generator().manual_seed(splits)
+    x, w, bias = (
+        torch.randn(40, 300, generator=g),
+        torch.randn(70, 300, generator=g),
+        torch.randn(70, generator=g),
+    )
+    assert config.k_split(300) % 32 == 0 and -(-300 // config.k_split(300)) == splits
+    parallel = te.matmul(x, w, bias, config=config, parallel_split=True)
+    in_turn = te.matmul(x, w, bias, config=config, parallel_split=False)
+    assert torch.equal(parallel, in_turn)
+    for rows in (slice(0, 1), slice(39, 40), slice(5, 30)):
+        assert torch.equal(te.matmul(x[rows], w, bias, config=config, parallel_split=True), in_turn[rows])
+        assert torch.equal(te.matmul(x[rows], w, bias, config=config, parallel_split=False), in_turn[rows])
+    plain = te.matmul(x, w, config=config, parallel_split=False)
+    assert ((plain.double() - ref_matmul(x, w)).abs() <= 1e-5 * (x.abs() @ w.abs().T)).all()
+    assert not torch.equal(plain, te.matmul(x, w, config=dataclasses.replace(config, splits=1)))
+
+
 def test_interpreted_matmul_bias_in_the_epilogue_gives_the_separate_adds_bits(te):
     """``matmul(x, w, bias)`` == ``matmul(x, w) + bias`` bit for bit, and ``linear`` takes the epilogue where
     no gradient is wanted. float32 only: the interpreter's bf16 products and roundings are not the GPU's

@@ -4,10 +4,13 @@ cuBLAS picks a GEMM kernel (tile shape, split-K) from the problem's M, and torch
 their launch configuration from the number of rows, so a row's result there depends on what else is in
 the batch. These kernels fix everything that decides a row's reduction order:
 
-- one compiled configuration per kernel (the GEMM: per weight shape; no autotuning, no split-K); the row
-  count ``M`` is neither specialised on (``do_not_specialize``) nor picks a configuration, so a 1-row
-  decode and a 4k-row prefill run the same code;
-- float32 accumulation, the reduced dimension walked in fixed blocks from 0 upward;
+- one compiled configuration per kernel (the GEMM: per weight shape; no autotuning, and a K split only
+  as that shape's configuration says); the row count ``M`` is neither specialised on
+  (``do_not_specialize``) nor picks a configuration, so a 1-row decode and a 4k-row prefill compute the
+  same sums;
+- float32 accumulation, the reduced dimension walked in fixed blocks from 0 upward (a split GEMM's ranges
+  each summed from zero, the sums added in range order, whether the ranges ran in parallel programs or
+  in turn in one);
 - a row's (or a query's) result is computed by instructions that read only that row: the other rows of
   its tile go through the same tensor-core instructions in other lanes, and masked rows are zeros.
 
@@ -42,25 +45,16 @@ VOCAB_BLOCK = 2048
 QUERY_BLOCK, KEY_BLOCK = 32, 64
 
 
-@triton.jit(do_not_specialize=["M", "N"])
-def _matmul_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K: tl.constexpr,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    IEEE: tl.constexpr, HAS_BIAS: tl.constexpr,
+@triton.jit
+def _k_range_sum(
+    x_ptr, w_ptr, rows, cols, M, N, K: tl.constexpr, k_lo, k_hi,
+    stride_xm, stride_xk, stride_wn, stride_wk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    # Tiles in groups of GROUP_M row tiles, so that neighbouring programs share weight columns in L2 (where
-    # a tile runs changes nothing in it).
-    pid, num_m, num_n = tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    first_m = (pid // (GROUP_M * num_n)) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # One K range's float32 sum, from zero, in BLOCK_K steps upward: the unit a row's bits are made of.
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + ks
         a = tl.load(
             x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk,
@@ -76,6 +70,11 @@ def _matmul_kernel(
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _epilogue(acc, bias_ptr, out_ptr, rows, cols, M, N, stride_om, stride_on, HAS_BIAS: tl.constexpr):
     dtype = out_ptr.dtype.element_ty
     y = acc.to(dtype)
     if HAS_BIAS:  # torch's separate ``out + bias``: the rounded product plus the bias in float32, rounded
@@ -85,11 +84,78 @@ def _matmul_kernel(
     tl.store(out, y, mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
+@triton.jit(do_not_specialize=["M", "N"])
+def _matmul_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K: tl.constexpr,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLITS: tl.constexpr, K_SPLIT: tl.constexpr, PARTIAL: tl.constexpr,
+    IEEE: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    # Tiles in groups of GROUP_M row tiles, so that neighbouring programs share weight columns in L2 (where
+    # a tile runs changes nothing in it).
+    pid, num_m, num_n = tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * num_n)) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PARTIAL:  # axis 1 is the K range: its float32 sum into [SPLITS, M, N]; ``_split_sum_kernel`` adds them
+        split = tl.program_id(1)
+        acc = _k_range_sum(
+            x_ptr, w_ptr, rows, cols, M, N, K, split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, K),
+            stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
+        )  # fmt: skip
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        tl.store(out_ptr + (split * M + rows[:, None]) * N + cols[None, :], acc, mask=mask)
+    else:  # every K range in turn, each summed from zero, then added in range order (as the split sum)
+        if SPLITS == 1:
+            acc = _k_range_sum(
+                x_ptr, w_ptr, rows, cols, M, N, K, 0, K,
+                stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
+            )  # fmt: skip
+        else:
+            acc = _k_range_sum(
+                x_ptr, w_ptr, rows, cols, M, N, K, 0, K_SPLIT,
+                stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
+            )  # fmt: skip
+            for s in tl.static_range(1, SPLITS):
+                if s == SPLITS - 1:  # the last range ends at K (it may be shorter)
+                    acc += _k_range_sum(
+                        x_ptr, w_ptr, rows, cols, M, N, K, s * K_SPLIT, K,
+                        stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
+                    )  # fmt: skip
+                else:
+                    acc += _k_range_sum(
+                        x_ptr, w_ptr, rows, cols, M, N, K, s * K_SPLIT, s * K_SPLIT + K_SPLIT,
+                        stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
+                    )  # fmt: skip
+        _epilogue(acc, bias_ptr, out_ptr, rows, cols, M, N, stride_om, stride_on, HAS_BIAS)
+
+
+@triton.jit(do_not_specialize=["M", "N"])
+def _split_sum_kernel(
+    part_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_on,
+    SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    # The K ranges' sums of a tile, added in range order (0, 1, ...) in float32: what ``_matmul_kernel``
+    # adds in one program, in the same order, so the same bits.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    acc = tl.load(part_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(part_ptr + (s * M + rows[:, None]) * N + cols[None, :], mask=mask, other=0.0)
+    _epilogue(acc, bias_ptr, out_ptr, rows, cols, M, N, stride_om, stride_on, HAS_BIAS)
+
+
 @dataclass(frozen=True)
 class MatmulConfig:
     """A GEMM launch, a function of the weight's shape only (``matmul_config``): the output tile
-    (``block_m x block_n``), K's step (``block_k``), warps, software-pipeline stages and the L2 grouping of
-    row tiles (``group_m``: where a tile runs, not what it computes)."""
+    (``block_m x block_n``), K's step (``block_k``), K cut into ``splits`` block-aligned ranges (each
+    summed from zero, the sums added in range order), warps, software-pipeline stages and the L2 grouping
+    of row tiles (``group_m``: where a tile runs, not what it computes)."""
 
     block_n: int
     num_warps: int
@@ -97,26 +163,38 @@ class MatmulConfig:
     block_m: int = 64
     block_k: int = 64
     group_m: int = 8
+    splits: int = 1
+
+    def k_split(self, k: int) -> int:
+        """The length of each K range (a multiple of ``block_k``; the last one may be shorter)."""
+        return triton.cdiv(triton.cdiv(k, self.splits), self.block_k) * self.block_k
 
 
 # Weights with at most this many output features (0.5B's q/o/down_proj, 896; k/v_proj): 64-column tiles,
 # twice the programs of 128-column ones (a decode step's M=256 is only 4 row tiles).
 NARROW_N = 1024
 LONG_K = 2048  # reductions at least this long (down_proj's intermediate size): one more stage in flight
+# A split launch runs its K ranges in parallel programs (a second kernel adds their float32 sums) while
+# its tiles leave SMs idle: up to this many tiles. Past it, one program walks every range in turn.
+PARALLEL_SPLIT_TILES = 256
+SPLIT_SUM_BLOCK = (32, 128)  # the split sum's tile
 
 
 def matmul_config(n: int, k: int, itemsize: int = 2) -> MatmulConfig:
     """The launch for a weight ``[n, k]`` of ``itemsize``-byte elements: a function of the weight, NEVER of
     the row count M.
 
-    A row's result is its K-reduction: ``tl.dot`` over ``block_k`` steps from 0 upward, each step one chain
-    of MMA instructions on the row's lanes, whatever the tile's other rows hold. With the configuration fixed for a weight, that
+    A row's result is its K-reduction: per K range (``splits`` of them) ``tl.dot`` over ``block_k`` steps
+    from 0 upward, each step one chain of MMA instructions on the row's lanes, whatever the tile's other
+    rows hold, then the ranges' sums added in order. With the configuration fixed for a weight, that
     instruction sequence is the same for M=1 and M=16k, so the engine's decode (M=256) and the trainer's
     forward (M=16k) give a row the same bits by construction. Were the launch picked from M, the two would
     run different compiled kernels (another MMA shape, warp split or a split-K) with no guarantee that a
     row's products are summed alike; a launch picked from (N, K) is safe because both sides multiply by
     the same weight ([n, k]: the engine's packed parts are split to the trainer's separate layers'
     shapes, ``runner/exact_model.py``). The stage count only changes how far ahead loads are issued.
+    Whether a split launch's ranges run in parallel programs or in turn in one (``matmul``) changes
+    nothing either: each range is summed from zero and the sums are added in range order both ways.
     Shapes measured on an H200 take the best launch found (``exact_gemm_tuned``, by ``bench/exact_matmul.py``),
     the others this rule."""
     if (n, k) in TUNED and itemsize == 2:  # measured in bf16; float32 tiles take twice the shared memory
@@ -131,12 +209,15 @@ def matmul(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: MatmulConfig | None = None,
+    parallel_split: bool | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ w [N, K]^T`` in ``x``'s dtype (``w`` and ``bias [N]`` must have it too), each row on its
     own. ``bias`` is added in the epilogue exactly as torch's separate ``matmul(x, w) + bias`` adds it (the
     product rounded to the dtype, then the sum in float32, rounded): the same bits, one kernel fewer.
     ``out``: an ``[M, N]`` view to write into (a packed projection's columns), else a new tensor.
-    ``config``: another launch than ``matmul_config``'s (``bench/exact_matmul.py`` compares them)."""
+    ``config``: another launch than ``matmul_config``'s (``bench/exact_matmul.py`` compares them).
+    ``parallel_split``: run a split launch's K ranges in parallel programs (default: while the launch has
+    at most ``PARALLEL_SPLIT_TILES`` tiles, i.e. at decode sizes); the bits are the same either way."""
     m, k = x.shape
     n = w.shape[0]
     if out is None:
@@ -144,14 +225,28 @@ def matmul(
     if m == 0 or n == 0:
         return out
     c = config or matmul_config(n, k, x.element_size())
-    grid = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n),)
-    _matmul_kernel[grid](
-        x, w, out if bias is None else bias.contiguous(), out, m, n, k,  # no bias: an unused pointer
+    k_split = c.k_split(k)
+    splits = triton.cdiv(k, k_split)
+    tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
+    if parallel_split is None:
+        parallel_split = tiles <= PARALLEL_SPLIT_TILES
+    partial = splits > 1 and parallel_split
+    bias_arg = out if bias is None else bias.contiguous()  # no bias: an unused pointer
+    target = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if partial else out
+    _matmul_kernel[(tiles, splits if partial else 1)](
+        x, w, bias_arg, target, m, n, k,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+        SPLITS=splits, K_SPLIT=k_split, PARTIAL=partial,
         IEEE=x.dtype == torch.float32, HAS_BIAS=bias is not None,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
+    if partial:
+        bm, bn = SPLIT_SUM_BLOCK
+        _split_sum_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            target, bias_arg, out, m, n, out.stride(0), out.stride(1),
+            SPLITS=splits, BLOCK_M=bm, BLOCK_N=bn, HAS_BIAS=bias is not None, num_warps=4,
+        )  # fmt: skip
     return out
 
 
