@@ -1,18 +1,24 @@
 """Benchmark (issue #34): launches of exact mode's batch-invariant GEMM (``triton_exact.matmul``) per weight
 shape, against cuBLAS (``torch.nn.functional.linear``, which is not batch-invariant) in the same run.
 
-For each weight ``[N, K]`` of a model shape (``--config``: q, k/v, o, gate/up, down per layer; lm_head
-once) the GEMM runs at a decode step's rows (``--decode_rows``) and at a trainer micro-batch's
-(``--train_rows``). Candidate launches (tile, K step, warps, stages, K splits) are searched in two rounds
-(tiles first, then pipeline depth and K splits around the best two); decode times are GPU times (the
-calls replayed from a CUDA graph, as the engine's decode step runs), trainer times back-to-back launches
-(long enough that host latency hides); a launch is scored by the time a
-whole decode step and a whole trainer forward spend in that shape (times the layer count), and is kept
-only if a row's bits do not depend on the row count (the decode rows, alone, give the bits they get among
-the trainer's rows). Prints a table to stderr and one JSON line: per shape cuBLAS's, ``matmul_config``'s
-and the best launch's times, and the totals per decode step and per trainer forward.
+Two sets of launches per model shape (``--config``):
 
-    python bench/exact_matmul.py --config qwen2.5-0.5b          # one H200: ~2 minutes (compiles)
+- the trainer's: each layer's weight alone (q/o, k/v, gate/up, down; lm_head once) at a micro-batch's
+  rows (``--train_rows``), timed back to back (long enough that host latency hides);
+- the engine's decode step: q/k/v and gate/up packed into one launch each, o, down and lm_head, at
+  ``--decode_rows``, timed as GPU time (the calls replayed from a CUDA graph, as the decode step runs).
+
+Each launch's tile is searched in two rounds (tile and K step, then pipeline depth around the best two;
+at decode also K splits). A column's bits depend only on the K partition (``triton_exact.matmul_config``),
+so the two sets take their own tiles, and the K partition is chosen per reduction length K: the split
+count that makes the decode step's launches of that K fastest (a trainer's launch walks the ranges in
+turn in one program, at about the unsplit cost). Every chosen decode launch is then checked as the engine
+checks it (``verify_decode_launch``: its columns give each part's trainer-launch bits). Prints a table to
+stderr and one JSON line: per launch cuBLAS's, the current table's and the best times, and the totals
+per decode step and per trainer forward. ``--write`` records the launches and K partitions in
+``tidal/rollout/kernels/exact_gemm_tuned.py``.
+
+    python bench/exact_matmul.py --config qwen2.5-0.5b          # one H200: ~4 minutes (compiles)
     python bench/exact_matmul.py --config qwen2.5-7b --train_rows 4096
 """
 
@@ -38,8 +44,8 @@ SHAPES = {
 }
 
 
-def weights(config: str) -> dict[str, tuple[int, int, int]]:
-    """name -> (N, K, count per forward)."""
+def train_launches(config: str) -> dict[str, tuple[int, int, int]]:
+    """name -> (N, K, count per forward): the trainer's separate layers."""
     h, kv, inter, vocab, layers = SHAPES[config]
     return {
         "q/o": (h, h, 2 * layers),
@@ -47,6 +53,18 @@ def weights(config: str) -> dict[str, tuple[int, int, int]]:
         "gate/up": (inter, h, 2 * layers),
         "down": (h, inter, layers),
         "lm_head": (vocab, h, 1),
+    }
+
+
+def decode_launches(config: str) -> dict[str, tuple[int, int, int, list[int]]]:
+    """name -> (N, K, count per decode step, parts): the engine's launches, q/k/v and gate/up packed."""
+    h, kv, inter, vocab, layers = SHAPES[config]
+    return {
+        "qkv": (h + 2 * kv, h, layers, [h, kv, kv]),
+        "o": (h, h, layers, [h]),
+        "gate_up": (2 * inter, h, layers, [inter, inter]),
+        "down": (h, inter, layers, [h]),
+        "lm_head": (vocab, h, 1, [vocab]),
     }
 
 
@@ -92,59 +110,80 @@ def candidates(n: int, make):
         yield make(block_m=bm, num_warps=warps, block_n=bn, block_k=bk, num_stages=3)
 
 
-def refinements(best):
-    """Round two, around one of round one's best: pipeline depth and K splits (ranges in parallel programs
-    at decode's rows, in turn in one program at the trainer's: the same bits)."""
-    for stages, splits in itertools.product((3, 4, 5), (1, 2, 4, 8)):
-        yield dataclasses.replace(best, num_stages=stages, splits=splits)
+class Search:
+    """Timed launches of one weight shape at one row count (decode: from a CUDA graph)."""
 
+    def __init__(self, te, x, w, decode: bool, repeats: int):
+        self.te, self.x, self.w, self.decode, self.repeats = te, x, w, decode, repeats
+        self.times: dict = {}
 
-def score(te, x_dec, x_tr, w, count, config, repeats) -> dict | None:
-    try:
-        full = te.matmul(x_tr, w, config=config)
-        alone = te.matmul(x_dec, w, config=config)
-    except Exception as err:  # a launch that does not fit (shared memory): not a candidate
-        return {"error": type(err).__name__}
-    if not torch.equal(alone, full[: x_dec.shape[0]]):
-        return {"invariant": False}
-    dec = graph_time_ms(lambda: te.matmul(x_dec, w, config=config), repeats)
-    tr = time_ms(lambda: te.matmul(x_tr, w, config=config), max(3, repeats // 4))
-    return {"invariant": True, "decode_ms": dec, "train_ms": tr, "step_ms": count * dec, "fwd_ms": count * tr}
+    def time(self, config) -> float | None:
+        if config not in self.times:
+            fn = lambda: self.te.matmul(self.x, self.w, config=config)  # noqa: E731
+            try:
+                fn()
+                self.times[config] = (
+                    graph_time_ms(fn, self.repeats) if self.decode else time_ms(fn, max(3, self.repeats // 4))
+                )
+            except Exception as err:  # noqa: BLE001  (a launch over the GPU's resources: not a candidate)
+                if "OutOfResources" not in type(err).__name__:
+                    raise
+                self.times[config] = None
+        return self.times[config]
 
-
-def search(te, n: int, k: int, count: int, args, t0: float, g) -> dict:
-    """cuBLAS, ``matmul_config``'s launch and the best candidate for one weight shape."""
-    x_tr = torch.randn(args.train_rows, k, device="cuda", generator=g).bfloat16()
-    x_dec = x_tr[: args.decode_rows].clone()
-    w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
-    cublas = {
-        "decode_ms": graph_time_ms(lambda: torch.nn.functional.linear(x_dec, w), args.repeats),
-        "train_ms": time_ms(lambda: torch.nn.functional.linear(x_tr, w), max(3, args.repeats // 4)),
-    }
-    current = te.matmul_config(n, k)
-    results = {current: score(te, x_dec, x_tr, w, count, current, args.repeats)}
-
-    def key(c):  # a GRPO step's time in this weight's GEMMs
-        return args.decode_steps * results[c]["step_ms"] + args.train_forwards * results[c]["fwd_ms"]
-
-    def run(configs):
+    def best(self, configs, deadline: float):
         for c in configs:
-            if time.time() - t0 < args.deadline_s and c not in results:
-                results[c] = score(te, x_dec, x_tr, w, count, c, args.repeats)
-        return sorted((c for c, r in results.items() if r.get("invariant")), key=key)
+            if time.time() < deadline:
+                self.time(c)
+        timed = [c for c in configs if self.times.get(c) is not None]
+        return sorted(timed, key=self.times.get)
 
-    for best in run(candidates(n, te.MatmulConfig))[:2]:
-        run(refinements(best))
-    best = run([])[0]
+
+def search_tile(te, n, k, rows, decode, args, deadline, g, splits_options=(1,)):
+    """Per K-split count: the fastest launch found for a weight ``[n, k]`` at ``rows`` rows (the current
+    table's launch always timed)."""
+    x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
+    s = Search(te, x, w, decode, args.repeats)
+    current = te.decode_config(n, k) if decode else te.matmul_config(n, k)
+    s.time(current)
+    round_one = s.best(list(candidates(n, te.MatmulConfig)), deadline)[:2] or [current]
+    stages = (3, 4) if decode else (3, 4, 5)
+    round_two = [
+        dataclasses.replace(c, num_stages=st, splits=sp)
+        for c in round_one
+        for st, sp in itertools.product(stages, splits_options)
+    ]
+    s.best(round_two, deadline)
+    best = {}
+    for c, t in s.times.items():
+        if t is not None and (c.splits not in best or t < s.times[best[c.splits]]):
+            best[c.splits] = c
+    cublas = (graph_time_ms if decode else time_ms)(lambda: torch.nn.functional.linear(x, w), args.repeats)
     return {
-        "n": n, "k": k, "count": count, "cublas": cublas,
-        "current": {"config": dataclasses.asdict(current), **results[current]},
-        "best": {"config": dataclasses.asdict(best), **results[best]},
-        "best_bits_equal_current": torch.equal(te.matmul(x_tr, w, config=best), te.matmul(x_tr, w, config=current)),
-        "not_invariant": [dataclasses.asdict(c) for c, r in results.items() if r.get("invariant") is False],
-        "errors": sum("error" in r for r in results.values()),
-        "tried": len(results),
-    }  # fmt: skip
+        "current": current,
+        "current_ms": s.times[current],
+        "best": best,
+        "times": s.times,
+        "cublas_ms": cublas,
+    }
+
+
+def agree(te, n, k, parts, decode_cfg, train_cfgs, g) -> bool:
+    """What ``verify_decode_launch`` checks: the decode launch's columns give each part's trainer bits."""
+    x = torch.randn(64, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
+    own, start = [], 0
+    for size, cfg in zip(parts, train_cfgs, strict=True):
+        own.append(te.matmul(x, w[start : start + size], config=cfg, parallel_split=False))
+        start += size
+    want = torch.cat(own, dim=1)
+    return all(
+        torch.equal(
+            te.matmul(x, w, config=decode_cfg, parallel_split=p).view(torch.int16), want.view(torch.int16)
+        )
+        for p in (True, False)
+    )
 
 
 def main() -> None:
@@ -152,63 +191,107 @@ def main() -> None:
     p.add_argument("--config", default="qwen2.5-0.5b", choices=sorted(SHAPES))
     p.add_argument("--decode_rows", type=int, default=256)
     p.add_argument("--train_rows", type=int, default=16384)
-    p.add_argument("--decode_steps", type=int, default=256, help="decode steps a GRPO step (the score)")
-    p.add_argument("--train_forwards", type=int, default=4,
-                   help="trainer exact forwards of --train_rows a GRPO step (the score; the CLI's 0.5B step: "
-                        "~82k tokens in micro-batches of 64 samples)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--deadline_s", type=float, default=400.0, help="stop searching after this long")
     p.add_argument("--write", action="store_true",
-                   help="record each shape's best launch in tidal/rollout/kernels/exact_gemm_tuned.py (kept: "
-                        "the other shapes already there)")  # fmt: skip
+                   help="record the launches and K partitions in tidal/rollout/kernels/exact_gemm_tuned.py "
+                        "(kept: the other shapes already there)")  # fmt: skip
     args = p.parse_args()
     from tidal.rollout.kernels import triton_exact as te
 
     t0 = time.time()
     g = torch.Generator(device="cuda").manual_seed(0)
-    rows = {}
-    for name, (n, k, count) in weights(args.config).items():
-        rows[name] = search(te, n, k, count, args, t0, g)
-        r = rows[name]
-        print(
-            f"{name:8s} N={n:6d} K={k:5d} decode ms cublas {r['cublas']['decode_ms']:.4f} current "
-            f"{r['current']['decode_ms']:.4f} best {r['best']['decode_ms']:.4f} | train ms cublas "
-            f"{r['cublas']['train_ms']:.3f} current {r['current']['train_ms']:.3f} best {r['best']['train_ms']:.3f} "
-            f"| best {r['best']['config']}",
-            file=sys.stderr,
+    train_shapes, decode_shapes = train_launches(args.config), decode_launches(args.config)
+    per_shape = args.deadline_s / (len(train_shapes) + 2 * len(decode_shapes))
+    train = {}
+    for name, (n, k, _count) in train_shapes.items():
+        train[name] = search_tile(te, n, k, args.train_rows, False, args, time.time() + per_shape, g)
+    decode = {}
+    for name, (n, k, _count, _) in decode_shapes.items():
+        decode[name] = search_tile(
+            te, n, k, args.decode_rows, True, args, time.time() + 2 * per_shape, g, (1, 2, 4)
         )
-    totals = {}
-    for which in ("current", "best"):
-        totals[which] = {
-            "decode_step_ms": sum(r[which]["step_ms"] for r in rows.values()),
-            "train_forward_ms": sum(r[which]["fwd_ms"] for r in rows.values()),
+    # the K partition per K: the split count whose decode launches of that K are fastest in all
+    splits = {}
+    for k in sorted({k for n, k, _, _ in decode_shapes.values()}):
+        names = [nm for nm, (_, kk, _, _) in decode_shapes.items() if kk == k]
+        common = set.intersection(*(set(decode[nm]["best"]) for nm in names))
+        cost = {
+            sp: sum(decode_shapes[nm][2] * decode[nm]["times"][decode[nm]["best"][sp]] for nm in names)
+            for sp in common
         }
-    totals["cublas"] = {
-        "decode_step_ms": sum(r["count"] * r["cublas"]["decode_ms"] for r in rows.values()),
-        "train_forward_ms": sum(r["count"] * r["cublas"]["train_ms"] for r in rows.values()),
+        splits[k] = min(cost, key=cost.get)
+    rows, table = {}, {}
+    for name, (n, k, count) in train_shapes.items():
+        r = train[name]
+        tile = dataclasses.replace(r["best"][1], splits=splits.get(k, 1))
+        search = Search(te, *_inputs(n, k, args.train_rows, g), False, args.repeats)
+        rows["train " + name] = _row(n, k, count, r, tile, search.time(tile))
+        table.setdefault((n, k), {})["train"] = tile
+    for name, (n, k, count, parts) in decode_shapes.items():
+        r = decode[name]
+        tile = r["best"][splits[k]]
+        train_cfgs = [table.get((size, k), {}).get("train") or te.matmul_config(size, k) for size in parts]
+        train_cfgs = [dataclasses.replace(c, splits=splits[k]) for c in train_cfgs]
+        row = _row(n, k, count, r, tile, r["times"][tile])
+        row["agrees"] = agree(te, n, k, parts, tile, train_cfgs, g)
+        rows["decode " + name] = row
+        if row["agrees"]:
+            table.setdefault((n, k), {})["decode"] = tile
+    for name, r in rows.items():
+        print(f"{name:16s} N={r['n']:6d} K={r['k']:5d} ms cublas {r['cublas_ms']:.4f} current {r['current_ms']:.4f} "
+              f"best {r['best_ms']:.4f} | {r['best']}", file=sys.stderr)  # fmt: skip
+    totals = {
+        which: {
+            regime: sum(r["count"] * r[f"{which}_ms"] for nm, r in rows.items() if nm.startswith(regime))
+            for regime in ("decode", "train")
+        }
+        for which in ("cublas", "current", "best")
     }
     out = {"bench": "exact_matmul", **versions(), "config": args.config, "decode_rows": args.decode_rows,
-           "train_rows": args.train_rows, "totals": totals, "shapes": rows, "wall_s": round(time.time() - t0, 1)}  # fmt: skip
+           "train_rows": args.train_rows, "k_splits": splits, "totals_ms": totals, "launches": rows,
+           "wall_s": round(time.time() - t0, 1)}  # fmt: skip
     if args.write:
-        write_table({(r["n"], r["k"]): r["best"]["config"] for r in rows.values()}, out)
+        write_table(table, splits, out)
     print(json.dumps(out))
 
 
-def write_table(best: dict, info: dict) -> None:
-    """Merge ``best`` into ``exact_gemm_tuned.TUNED`` and rewrite that module."""
+def _inputs(n, k, rows, g):
+    x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
+    return x, (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
+
+
+def _row(n, k, count, r, tile, best_ms) -> dict:
+    fields = {f: v for f, v in dataclasses.asdict(tile).items()}
+    return {"n": n, "k": k, "count": count, "cublas_ms": r["cublas_ms"], "current_ms": r["current_ms"] or 0.0,
+            "current": dataclasses.asdict(r["current"]), "best_ms": best_ms, "best": fields}  # fmt: skip
+
+
+def write_table(table: dict, splits: dict, info: dict) -> None:
+    """Merge ``table`` ((N, K) -> {"train" | "decode": launch}) and ``splits`` (K -> ranges) into
+    ``exact_gemm_tuned`` and rewrite that module."""
     from tidal.rollout.kernels import exact_gemm_tuned
 
-    table = {**exact_gemm_tuned.TUNED, **best}
+    merged = {key: dict(entry) for key, entry in exact_gemm_tuned.TUNED.items()}
+    for key, entry in table.items():
+        for regime, cfg in entry.items():
+            fields = dataclasses.asdict(cfg)
+            fields.pop("splits")
+            merged.setdefault(key, {})[regime] = fields
+    k_splits = {**exact_gemm_tuned.K_SPLITS, **splits}
     path = Path(exact_gemm_tuned.__file__)
     doc = exact_gemm_tuned.__doc__.split("Written by")[0].rstrip()
-    lines = [f"    ({n}, {k}): {json.dumps(c)}," for (n, k), c in sorted(table.items())]
+    lines = [f"    ({n}, {k}): {json.dumps(e, sort_keys=True)}," for (n, k), e in sorted(merged.items())]
     when = f"{info.get('gpu', 'cpu')}, torch {info['torch']}, {time.strftime('%Y-%m-%d')}"
     path.write_text(
         f'"""{doc}\n\nWritten by ``bench/exact_matmul.py --write`` (last: {info["config"]}, {when}).\n\n'
-        + exact_gemm_tuned.__doc__.split("\n\n", 1)[1].rstrip()
-        + '\n"""\n\n# (N, K) -> MatmulConfig fields\n# fmt: off\nTUNED: dict[tuple[int, int], dict[str, int]] = {\n'
+        + exact_gemm_tuned.__doc__.split("\n\n", 2)[2].rstrip()
+        + '\n"""\n\n# (N, K) -> {"train" | "decode": MatmulConfig fields but splits}\n# fmt: off\n'
+        + "TUNED: dict[tuple[int, int], dict[str, dict[str, int]]] = {\n"
         + "\n".join(lines)
         + "\n}\n# fmt: on\n"
+        + f"K_SPLITS: dict[int, int] = { {int(k): v for k, v in sorted(k_splits.items())} }"
+        + "  # K -> number of K ranges (1 where not listed)\n"
     )
 
 

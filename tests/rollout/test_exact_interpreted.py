@@ -62,25 +62,97 @@ def test_interpreted_matmul_rms_norm_and_logprobs_match_float64_and_are_row_inva
 def test_matmul_config_is_a_function_of_the_weights_shape_at_the_05b_shapes(te, monkeypatch):
     """Qwen2.5-0.5B's weights (hidden 896, k/v 128, intermediate 4864, vocabulary 151936): by the rule,
     narrow weights get 64-column tiles, a long reduction one more stage; a shape measured on a GPU
-    (``exact_gemm_tuned.TUNED``) takes its launch from the table; the row count is not an argument at all."""
+    (``exact_gemm_tuned.TUNED``) takes its launches from the table, the K partition from ``K_SPLITS``
+    (the same for the train and decode launch, and for every weight of that K); the row count is not an
+    argument at all."""
     import inspect
 
     assert list(inspect.signature(te.matmul_config).parameters) == ["n", "k", "itemsize"]
-    for (n, k), fields in te.TUNED.items():  # each measured entry is a whole launch, its K step divides by 16
-        assert te.matmul_config(n, k) == te.MatmulConfig(**fields) and fields["block_k"] % 16 == 0
-        assert (
-            te.matmul_config(n, k, itemsize=4) != te.MatmulConfig(**fields) or fields == {}
-        )  # float32: the rule
+    assert list(inspect.signature(te.decode_config).parameters) == ["n", "k", "itemsize"]
+    for (n, k), entry in te.TUNED.items():  # each measured entry is a whole launch, its K step divides 128
+        assert set(entry) <= {"train", "decode"} and entry
+        for regime, pick in (("train", te.matmul_config), ("decode", te.decode_config)):
+            if regime in entry:
+                want = te.MatmulConfig(**entry[regime], splits=te.K_SPLITS.get(k, 1))
+                assert pick(n, k) == want and te.SPLIT_ALIGN % entry[regime]["block_k"] == 0
+                assert pick(n, k, itemsize=4) != want or want.splits == 1  # float32: the rule
+        assert te.decode_config(n, k).k_split(k) == te.matmul_config(n, k).k_split(k)
     monkeypatch.setattr(te, "TUNED", {})
+    monkeypatch.setattr(te, "K_SPLITS", {})
     assert te.matmul_config(896, 896).block_n == te.matmul_config(128, 896).block_n == 64
     assert te.matmul_config(896, 4864) == te.MatmulConfig(block_n=64, num_warps=4, num_stages=4)
     assert te.matmul_config(4864, 896).block_n == te.matmul_config(151936, 896).block_n == 128
+    assert te.decode_config(896, 896) == te.matmul_config(896, 896)  # no decode launch listed: the train one
     monkeypatch.setattr(
-        te, "TUNED", {(896, 896): {"block_n": 32, "num_warps": 4, "num_stages": 5, "block_m": 128}}
+        te,
+        "TUNED",
+        {(896, 896): {"train": {"block_n": 32, "num_warps": 4, "num_stages": 5, "block_m": 128}, "decode": {
+            "block_n": 64, "num_warps": 4, "num_stages": 3}}},
+    )  # fmt: skip
+    monkeypatch.setattr(te, "K_SPLITS", {896: 4})
+    assert te.matmul_config(896, 896) == te.MatmulConfig(
+        block_n=32, num_warps=4, num_stages=5, block_m=128, splits=4
     )
-    assert te.matmul_config(896, 896) == te.MatmulConfig(block_n=32, num_warps=4, num_stages=5, block_m=128)
+    assert te.decode_config(896, 896) == te.MatmulConfig(block_n=64, num_warps=4, num_stages=3, splits=4)
+    assert te.matmul_config(128, 896).splits == 4 and te.matmul_config(896, 4864).splits == 1  # per K
     assert te.matmul_config(896, 896, itemsize=4).block_n == 64  # float32 inputs: the rule's (shared memory)
-    assert te.matmul_config(896, 4864).block_n == 64
+    assert te.matmul_config(896, 896, itemsize=4).splits == 1
+
+
+def test_interpreted_decode_launch_is_taken_only_where_verified(te, monkeypatch):
+    """``verify_decode_launch``: a decode launch cutting K as the trainer's launches do (here: another tile
+    over packed parts; numpy's products, unlike the GPU's MMAs, depend on the K step) gives their bits and is then taken for a decode step's rows by ``matmul`` and
+    by ``linear_parts`` as one packed launch, equal to the parts apart; one cutting K otherwise (another
+    split count) is refused, and ``matmul`` keeps the trainer's launch for that shape."""
+    from tidal.rollout.batch_invariant import matmul as bi_matmul
+
+    monkeypatch.setattr(te, "_VERIFIED", set())
+    train = te.MatmulConfig(block_n=32, num_warps=4, num_stages=3, block_m=16, block_k=32, splits=2)
+    decode = te.MatmulConfig(block_n=16, num_warps=4, num_stages=3, block_m=32, block_k=32, splits=2)
+    parts = [48, 16, 16]
+    # float32 (the interpreter's) takes the rule, not the table: set the two launches directly
+    monkeypatch.setattr(te, "matmul_config", lambda n, k, itemsize=2: train)
+    monkeypatch.setattr(te, "decode_config", lambda n, k, itemsize=2: decode)
+    cpu = torch.device("cpu")
+    assert te.verify_decode_launch(80, 300, torch.float32, cpu, parts)
+    assert te.decode_launch_verified(torch.empty(80, 300), torch.float32)
+    g = torch.Generator().manual_seed(7)
+    x, w, bias = (
+        torch.randn(5, 300, generator=g),
+        torch.randn(80, 300, generator=g),
+        torch.randn(80, generator=g),
+    )
+    apart = torch.cat([te.matmul(x, w[a:b], bias[a:b]) for a, b in ((0, 48), (48, 64), (64, 80))], dim=1)
+    monkeypatch.setattr(bi.dispatch, "on_triton", lambda t: True)
+    with torch.no_grad():
+        assert torch.equal(bi_matmul.linear_parts(x, w, bias, parts), apart)
+    launches = []
+    real = te._matmul_kernel
+    monkeypatch.setattr(te, "_matmul_kernel", _Recording(real, launches))
+    with torch.no_grad():
+        bi_matmul.linear_parts(x, w, bias, parts)
+    assert launches == [16]  # one launch, the decode tile's block_n
+
+    monkeypatch.setattr(te, "_VERIFIED", set())
+    monkeypatch.setattr(te, "decode_config", lambda n, k, itemsize=2: dataclasses.replace(decode, splits=3))
+    assert not te.verify_decode_launch(80, 300, torch.float32, cpu, parts)
+    launches.clear()
+    te.matmul(x, w)
+    assert launches == [32]  # the trainer's launch
+
+
+class _Recording:
+    """A kernel stand-in recording each launch's ``BLOCK_N`` before running the real one."""
+
+    def __init__(self, kernel, launches):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs["BLOCK_N"])
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
 
 
 @pytest.mark.parametrize(("n", "k"), [(48, 40), (130, 100), (1100, 100)])

@@ -4,7 +4,7 @@ that many rows (one batched call): every row goes through the same kernel shape.
 does not depend on its place in the block or the other rows. It can depend on how many output columns
 share the call (torch 2.13 / MKL, float32, K = 896: a q/k/v packed into 1152 columns gives q other bits
 than q's 896 alone; K = 2048 in bf16 too), so ``linear_parts`` multiplies each part on its own.
-On CUDA it runs the fixed-tile Triton GEMM (no split-K, K reduced in fixed blocks).
+On CUDA it runs the Triton GEMM whose K partition is fixed per weight (``triton_exact.matmul_config``).
 """
 
 from __future__ import annotations
@@ -59,14 +59,21 @@ def linear_parts(
 ) -> torch.Tensor:
     """A packed projection (``weight``'s rows: parts of ``sizes`` rows, as the engine's fused q/k/v) with
     each part computed as ``linear`` computes it alone (the trainer's separate layers), side by side in
-    one ``[..., sum(sizes)]`` output. On CUDA without a gradient each part's GEMM writes its own columns
-    (no concatenation copy); elsewhere the parts are concatenated."""
+    one ``[..., sum(sizes)]`` output. On CUDA without a gradient: at a decode step's rows one launch over
+    the packed weight where ``triton_exact.verify_decode_launch`` has seen that launch give every part's
+    columns the part's own bits; otherwise each part's GEMM writes its own columns (no concatenation
+    copy). Elsewhere the parts are concatenated."""
     bounds = [(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(len(sizes))]
     parts = [(weight[a:b], None if bias is None else bias[a:b]) for a, b in bounds]
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     if not dispatch.on_triton(x) or grad:
         return torch.cat([linear(x, w, b) for w, b in parts], dim=-1)
     rows = x.reshape(-1, x.shape[-1])
+    te = dispatch.kernels()
+    if rows.shape[0] <= te.DECODE_ROWS and te.decode_launch_verified(weight, x.dtype):
+        # one launch over the packed weight: verified to give each part's columns its own launch's bits
+        out = te.matmul(rows, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        return out.view(*x.shape[:-1], out.shape[-1])
     out = torch.empty(rows.shape[0], sum(sizes), dtype=x.dtype, device=x.device)
     for (a, b), (w, bias_part) in zip(bounds, parts, strict=True):
         bias_part = None if bias_part is None else bias_part.to(x.dtype)

@@ -1,24 +1,28 @@
-"""Launches of exact mode's GEMM measured best per weight shape (``triton_exact.matmul_config`` reads them;
-shapes not listed take its rule).
+"""Launches of exact mode's GEMM measured best per weight shape, one for the trainer's rows (``train``:
+``triton_exact.matmul_config``) and one for a decode step's (``decode``: ``triton_exact.decode_config``),
+and the K partition per reduction length (``K_SPLITS``: the number of K ranges, the same for both
+launches). Shapes not listed take ``matmul_config``'s rule.
 
 Written by ``bench/exact_matmul.py --write`` (last: qwen2.5-0.5b and qwen2.5-7b, NVIDIA H200, torch 2.11.0+cu130, 2026-12-02).
 
-Any launch keeps engine and trainer bit-equal (both pick it from the weight's shape); a table entry only
-changes speed, and the bits of every shape it lists (so it changes exact runs' samples, not their exactness).
+A tile keeps engine and trainer bit-equal (the decode tile once ``verify_decode_launch`` has seen it give
+the train tile's bits on the GPU at hand); a ``K_SPLITS`` entry changes the bits of every weight of that
+K, on both sides alike (so it changes exact runs' samples, not their exactness).
 """
 
-# (N, K) -> MatmulConfig fields
+# (N, K) -> {"train" | "decode": MatmulConfig fields but splits}
 # fmt: off
-TUNED: dict[tuple[int, int], dict[str, int]] = {
-    (128, 896): {"block_n": 64, "num_warps": 8, "num_stages": 3, "block_m": 128, "block_k": 64, "group_m": 8},
-    (512, 3584): {"block_n": 64, "num_warps": 4, "num_stages": 5, "block_m": 64, "block_k": 64, "group_m": 8},
-    (896, 896): {"block_n": 128, "num_warps": 8, "num_stages": 3, "block_m": 128, "block_k": 64, "group_m": 8},
-    (896, 4864): {"block_n": 64, "num_warps": 8, "num_stages": 3, "block_m": 128, "block_k": 64, "group_m": 8},
-    (3584, 3584): {"block_n": 64, "num_warps": 8, "num_stages": 3, "block_m": 128, "block_k": 64, "group_m": 8},
-    (3584, 18944): {"block_n": 64, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 128, "group_m": 8},
-    (4864, 896): {"block_n": 64, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 64, "group_m": 8},
-    (18944, 3584): {"block_n": 256, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 64, "group_m": 8},
-    (151936, 896): {"block_n": 256, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 64, "group_m": 8},
-    (152064, 3584): {"block_n": 256, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 64, "group_m": 8},
+TUNED: dict[tuple[int, int], dict[str, dict[str, int]]] = {
+    (128, 896): {"train": {"block_n": 64, "num_warps": 8, "num_stages": 3, "block_m": 128, "block_k": 64, "group_m": 8}},
+    (512, 3584): {"train": {"block_n": 64, "num_warps": 4, "num_stages": 5, "block_m": 64, "block_k": 64, "group_m": 8}},
+    (896, 896): {"train": {"block_n": 128, "num_warps": 8, "num_stages": 3, "block_m": 128, "block_k": 64, "group_m": 8}},
+    (896, 4864): {"train": {"block_n": 64, "num_warps": 8, "num_stages": 3, "block_m": 128, "block_k": 64, "group_m": 8}},
+    (3584, 3584): {"train": {"block_n": 64, "num_warps": 8, "num_stages": 3, "block_m": 128, "block_k": 64, "group_m": 8}},
+    (3584, 18944): {"train": {"block_n": 64, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 128, "group_m": 8}},
+    (4864, 896): {"train": {"block_n": 64, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 64, "group_m": 8}},
+    (18944, 3584): {"train": {"block_n": 256, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 64, "group_m": 8}},
+    (151936, 896): {"train": {"block_n": 256, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 64, "group_m": 8}},
+    (152064, 3584): {"train": {"block_n": 256, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 64, "group_m": 8}},
 }
 # fmt: on
+K_SPLITS: dict[int, int] = {}  # K -> number of K ranges (1 where not listed)

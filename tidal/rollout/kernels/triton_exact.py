@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal.rollout.kernels.exact_gemm_tuned import TUNED
+from tidal.rollout.kernels.exact_gemm_tuned import K_SPLITS, TUNED
 
 # One configuration each (see the module doc): changing one changes results, never correctness. The GEMM's
 # launch follows the weight's shape (``matmul_config``).
@@ -84,13 +84,12 @@ def _epilogue(acc, bias_ptr, out_ptr, rows, cols, M, N, stride_om, stride_on, HA
     tl.store(out, y, mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-@triton.jit(do_not_specialize=["M", "N"])
+@triton.jit(do_not_specialize=["M", "N", "k_split"])
 def _matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K: tl.constexpr,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLITS: tl.constexpr, K_SPLIT: tl.constexpr, PARTIAL: tl.constexpr,
-    IEEE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    k_split, SPLITS: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     # Tiles in groups of GROUP_M row tiles, so that neighbouring programs share weight columns in L2 (where
     # a tile runs changes nothing in it).
@@ -101,36 +100,33 @@ def _matmul_kernel(
     pid_n = (pid % (GROUP_M * num_n)) // size_m
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # The K ranges' length ``k_split`` is a runtime value: with a compile-time one, a range of one K step
+    # becomes a lone ``tl.dot`` from zero, which Triton folds into the add that follows (the running sum
+    # as the dot's accumulator): another order of additions than the split sum's.
     if PARTIAL:  # axis 1 is the K range: its float32 sum into [SPLITS, M, N]; ``_split_sum_kernel`` adds them
         split = tl.program_id(1)
         acc = _k_range_sum(
-            x_ptr, w_ptr, rows, cols, M, N, K, split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, K),
+            x_ptr, w_ptr, rows, cols, M, N, K, split * k_split, tl.minimum(split * k_split + k_split, K),
             stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
         )  # fmt: skip
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         tl.store(out_ptr + (split * M + rows[:, None]) * N + cols[None, :], acc, mask=mask)
+    elif SPLITS == 1:  # one range: its bounds known at compile time (a fully pipelined loop)
+        acc = _k_range_sum(
+            x_ptr, w_ptr, rows, cols, M, N, K, 0, K,
+            stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
+        )  # fmt: skip
+        _epilogue(acc, bias_ptr, out_ptr, rows, cols, M, N, stride_om, stride_on, HAS_BIAS)
     else:  # every K range in turn, each summed from zero, then added in range order (as the split sum)
-        if SPLITS == 1:
-            acc = _k_range_sum(
-                x_ptr, w_ptr, rows, cols, M, N, K, 0, K,
+        acc = _k_range_sum(
+            x_ptr, w_ptr, rows, cols, M, N, K, 0, k_split,
+            stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
+        )  # fmt: skip
+        for s in tl.static_range(1, SPLITS):
+            acc += _k_range_sum(
+                x_ptr, w_ptr, rows, cols, M, N, K, s * k_split, tl.minimum(s * k_split + k_split, K),
                 stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
             )  # fmt: skip
-        else:
-            acc = _k_range_sum(
-                x_ptr, w_ptr, rows, cols, M, N, K, 0, K_SPLIT,
-                stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
-            )  # fmt: skip
-            for s in tl.static_range(1, SPLITS):
-                if s == SPLITS - 1:  # the last range ends at K (it may be shorter)
-                    acc += _k_range_sum(
-                        x_ptr, w_ptr, rows, cols, M, N, K, s * K_SPLIT, K,
-                        stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
-                    )  # fmt: skip
-                else:
-                    acc += _k_range_sum(
-                        x_ptr, w_ptr, rows, cols, M, N, K, s * K_SPLIT, s * K_SPLIT + K_SPLIT,
-                        stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
-                    )  # fmt: skip
         _epilogue(acc, bias_ptr, out_ptr, rows, cols, M, N, stride_om, stride_on, HAS_BIAS)
 
 
@@ -152,10 +148,10 @@ def _split_sum_kernel(
 
 @dataclass(frozen=True)
 class MatmulConfig:
-    """A GEMM launch, a function of the weight's shape only (``matmul_config``): the output tile
-    (``block_m x block_n``), K's step (``block_k``), K cut into ``splits`` block-aligned ranges (each
-    summed from zero, the sums added in range order), warps, software-pipeline stages and the L2 grouping
-    of row tiles (``group_m``: where a tile runs, not what it computes)."""
+    """A GEMM launch: the output tile (``block_m x block_n``), K's step (``block_k``), K cut into
+    ``splits`` ranges (``k_split``; each summed from zero, the sums added in range order), warps,
+    software-pipeline stages and the L2 grouping of row tiles (``group_m``: where a tile runs, not what it
+    computes). Only the K partition (``k_split``) decides a column's bits (``matmul_config``)."""
 
     block_n: int
     num_warps: int
@@ -166,10 +162,12 @@ class MatmulConfig:
     splits: int = 1
 
     def k_split(self, k: int) -> int:
-        """The length of each K range (a multiple of ``block_k``; the last one may be shorter)."""
-        return triton.cdiv(triton.cdiv(k, self.splits), self.block_k) * self.block_k
+        """The length of each K range: a multiple of ``SPLIT_ALIGN`` (so of any ``block_k`` dividing it:
+        launches of other K steps cut K alike); the last range may be shorter."""
+        return triton.cdiv(triton.cdiv(k, self.splits), SPLIT_ALIGN) * SPLIT_ALIGN
 
 
+SPLIT_ALIGN = 128  # K ranges start at multiples of this (every K step used divides it)
 # Weights with at most this many output features (0.5B's q/o/down_proj, 896; k/v_proj): 64-column tiles,
 # twice the programs of 128-column ones (a decode step's M=256 is only 4 row tiles).
 NARROW_N = 1024
@@ -178,29 +176,91 @@ LONG_K = 2048  # reductions at least this long (down_proj's intermediate size): 
 # its tiles leave SMs idle: up to this many tiles. Past it, one program walks every range in turn.
 PARALLEL_SPLIT_TILES = 256
 SPLIT_SUM_BLOCK = (32, 128)  # the split sum's tile
+# GEMMs of at most this many rows (a decode step's batch) take their weight's decode launch, once
+# ``verify_decode_launch`` has seen it give the trainer's launch's bits on this GPU.
+DECODE_ROWS = 1024
+
+
+def _tuned(n: int, k: int, itemsize: int, regime: str) -> MatmulConfig | None:
+    entry = TUNED.get((n, k), {}) if itemsize == 2 else {}  # measured in bf16 (float32: more shared memory)
+    fields = entry.get(regime)
+    return None if fields is None else MatmulConfig(**fields, splits=K_SPLITS.get(k, 1))
 
 
 def matmul_config(n: int, k: int, itemsize: int = 2) -> MatmulConfig:
-    """The launch for a weight ``[n, k]`` of ``itemsize``-byte elements: a function of the weight, NEVER of
-    the row count M.
+    """The launch for a weight ``[n, k]`` of ``itemsize``-byte elements (the trainer's, and any row count's
+    where no decode launch is verified): a function of the weight, NEVER of the row count M.
 
     A row's result is its K-reduction: per K range (``splits`` of them) ``tl.dot`` over ``block_k`` steps
     from 0 upward, each step one chain of MMA instructions on the row's lanes, whatever the tile's other
     rows hold, then the ranges' sums added in order. With the configuration fixed for a weight, that
     instruction sequence is the same for M=1 and M=16k, so the engine's decode (M=256) and the trainer's
-    forward (M=16k) give a row the same bits by construction. Were the launch picked from M, the two would
-    run different compiled kernels (another MMA shape, warp split or a split-K) with no guarantee that a
-    row's products are summed alike; a launch picked from (N, K) is safe because both sides multiply by
-    the same weight ([n, k]: the engine's packed parts are split to the trainer's separate layers'
-    shapes, ``runner/exact_model.py``). The stage count only changes how far ahead loads are issued.
-    Whether a split launch's ranges run in parallel programs or in turn in one (``matmul``) changes
-    nothing either: each range is summed from zero and the sums are added in range order both ways.
-    Shapes measured on an H200 take the best launch found (``exact_gemm_tuned``, by ``bench/exact_matmul.py``),
-    the others this rule."""
-    if (n, k) in TUNED and itemsize == 2:  # measured in bf16; float32 tiles take twice the shared memory
-        return MatmulConfig(**TUNED[n, k])
+    forward (M=16k) give a row the same bits by construction. Whether a split launch's ranges run in
+    parallel programs or in turn in one changes nothing: each range is summed from zero and the sums are
+    added in range order both ways. The K partition is a function of K alone (``K_SPLITS``), so every
+    weight of one K is cut alike.
+
+    Measured on an H200 (``bench/exact_tile_bits.py``): with the K partition fixed, a column's bits do not
+    depend on the tile, the warps, the K step or the other columns of the launch either (each K step is a
+    chain of 16-deep MMAs into the same float32 accumulator). That is what lets a decode step take another
+    tile (``decode_config``) and pack q/k/v and gate/up into one launch; since it is a property of the
+    GPU and compiler, not of the code, ``verify_decode_launch`` checks it on each weight before the
+    engine relies on it. Shapes measured on an H200 take the best launches found (``exact_gemm_tuned``, by
+    ``bench/exact_matmul.py``), the others this rule."""
+    tuned = _tuned(n, k, itemsize, "train")
+    if tuned is not None:
+        return tuned
     block_n = 64 if n <= NARROW_N else 128
-    return MatmulConfig(block_n=block_n, num_warps=4, num_stages=4 if k >= LONG_K else 3)
+    splits = K_SPLITS.get(k, 1) if itemsize == 2 else 1
+    return MatmulConfig(block_n=block_n, num_warps=4, num_stages=4 if k >= LONG_K else 3, splits=splits)
+
+
+def decode_config(n: int, k: int, itemsize: int = 2) -> MatmulConfig:
+    """The launch measured best for a weight ``[n, k]`` at a decode step's rows (``matmul_config``'s K
+    partition, another tile), or ``matmul_config``'s where none is listed."""
+    return _tuned(n, k, itemsize, "decode") or matmul_config(n, k, itemsize)
+
+
+_VERIFIED: set[tuple] = set()  # (n, k, dtype, device) whose decode launch gives the trainer's bits
+
+
+def _key(n: int, k: int, x: torch.Tensor) -> tuple:
+    return n, k, x.dtype, x.device
+
+
+def decode_launch_verified(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``verify_decode_launch`` passed for ``weight``'s shape in ``dtype`` on its device."""
+    return (*weight.shape, dtype, weight.device) in _VERIFIED
+
+
+def verify_decode_launch(
+    n: int, k: int, dtype: torch.dtype, device: torch.device, parts: list[int] | None = None
+) -> bool:
+    """Whether ``decode_config``'s launch of a weight ``[n, k]`` gives every column the bits that
+    ``matmul_config``'s launch gives it (of each part of ``parts`` alone where the weight packs several,
+    as the engine's q/k/v: the trainer's separate layers), K ranges in parallel and in turn, on 64 seeded
+    rows and a seeded weight in ``dtype`` on ``device``. Remembered: ``matmul`` then takes the decode launch
+    for up to ``DECODE_ROWS`` rows of this shape. Not callable during a CUDA graph capture (it reads the
+    result back)."""
+    parts = parts or [n]
+    g = torch.Generator(device=device).manual_seed(n * 65537 + k)
+    x = torch.randn(64, k, generator=g, device=device).to(dtype)
+    weight = (torch.randn(n, k, generator=g, device=device) * k**-0.5).to(dtype)
+    own, start = [], 0
+    for size in parts:
+        w = weight[start : start + size]
+        own.append(matmul(x, w, config=matmul_config(size, k, x.element_size()), parallel_split=False))
+        start += size
+    bits = torch.int16 if x.element_size() == 2 else torch.int32
+    want = torch.cat(own, dim=1).view(bits)
+    decode = decode_config(n, k, x.element_size())
+    agree = all(
+        torch.equal(matmul(x, weight, config=decode, parallel_split=p).view(bits), want)
+        for p in (True, False)
+    )
+    if agree:
+        _VERIFIED.add(_key(n, k, x))
+    return agree
 
 
 def matmul(
@@ -215,7 +275,8 @@ def matmul(
     own. ``bias`` is added in the epilogue exactly as torch's separate ``matmul(x, w) + bias`` adds it (the
     product rounded to the dtype, then the sum in float32, rounded): the same bits, one kernel fewer.
     ``out``: an ``[M, N]`` view to write into (a packed projection's columns), else a new tensor.
-    ``config``: another launch than ``matmul_config``'s (``bench/exact_matmul.py`` compares them).
+    ``config``: the launch (default: ``decode_config``'s up to ``DECODE_ROWS`` rows of a verified shape,
+    ``verify_decode_launch``, else ``matmul_config``'s).
     ``parallel_split``: run a split launch's K ranges in parallel programs (default: while the launch has
     at most ``PARALLEL_SPLIT_TILES`` tiles, i.e. at decode sizes); the bits are the same either way."""
     m, k = x.shape
@@ -224,6 +285,8 @@ def matmul(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
+    if config is None and m <= DECODE_ROWS and _key(n, k, x) in _VERIFIED:
+        config = decode_config(n, k, x.element_size())
     c = config or matmul_config(n, k, x.element_size())
     k_split = c.k_split(k)
     splits = triton.cdiv(k, k_split)
@@ -237,7 +300,7 @@ def matmul(
         x, w, bias_arg, target, m, n, k,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
-        SPLITS=splits, K_SPLIT=k_split, PARTIAL=partial,
+        k_split=k_split, SPLITS=splits, PARTIAL=partial,
         IEEE=x.dtype == torch.float32, HAS_BIAS=bias is not None,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip

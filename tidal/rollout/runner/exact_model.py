@@ -30,14 +30,34 @@ def make_exact(model: CausalLM) -> None:
         elif isinstance(module, Rotary):
             module.forward = bi.bound_forward(_exact_rope, module)
         elif isinstance(module, GatedMLP):
-            module.forward = bi.bound_forward(
-                lambda m, x: m.down_proj(
-                    bi.pointwise(act, _exact_part(m.gate_up_proj, x, 0)) * _exact_part(m.gate_up_proj, x, 1)
-                ),
-                module,
-            )
+            module.forward = bi.bound_forward(lambda m, x: _exact_gated_mlp(m, x, act), module)
         elif isinstance(module, SparseMoE):
             module.forward = bi.bound_forward(_exact_moe, module)
+    _verify_decode_launches(model)
+
+
+def _verify_decode_launches(model: CausalLM) -> None:
+    """On CUDA, let each linear layer's decode steps take its weight's decode launch, q/k/v and gate/up
+    packed into one, where ``triton_exact.verify_decode_launch`` sees it give the trainer's launches' bits
+    on this GPU (a layer whose launch does not keep them runs the trainer's launches)."""
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            weight = module.weight
+            if bi.dispatch.on_triton(weight) and weight.dtype in (
+                torch.bfloat16,
+                torch.float16,
+                torch.float32,
+            ):
+                parts = [p.size for p in module.parts] if isinstance(module, ColumnParallelLinear) else None
+                bi.dispatch.kernels().verify_decode_launch(*weight.shape, weight.dtype, weight.device, parts)
+
+
+def _exact_gated_mlp(module: GatedMLP, x: torch.Tensor, act) -> torch.Tensor:
+    """``down(act(gate(x)) * up(x))``, gate and up as the trainer's separate layers compute them (one
+    packed launch at decode where verified, ``bi.linear_parts``)."""
+    gate_up = _exact_packed_linear(module.gate_up_proj, x)
+    gate, up = gate_up.split([p.size for p in module.gate_up_proj.parts], dim=-1)
+    return module.down_proj(bi.pointwise(act, gate) * up)
 
 
 def _exact_rope(module: Rotary, positions: torch.Tensor, dtype: torch.dtype):
@@ -69,14 +89,6 @@ def _exact_rope_table(module: Rotary, dtype: torch.dtype) -> tuple[torch.Tensor,
 def _exact_packed_linear(module: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
     """Each packed part (q, k, v) in a matmul of its own, as the trainer's separate layers."""
     return bi.linear_parts(x, module.weight, module.bias, [p.size for p in module.parts])
-
-
-def _exact_part(module: ColumnParallelLinear, x: torch.Tensor, part: int) -> torch.Tensor:
-    """Packed part ``part``'s output: its rows of the weight (and bias) in a matmul of their own."""
-    start = sum(p.size for p in module.parts[:part])
-    size = module.parts[part].size
-    bias = None if module.bias is None else module.bias[start : start + size]
-    return bi.linear(x, module.weight[start : start + size], bias)
 
 
 def _exact_norm(module: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None):
