@@ -289,9 +289,9 @@ def write_table(table: dict, splits: dict, info: dict) -> None:
         + '\n"""\n\n# (N, K) -> {"train" | "decode": MatmulConfig fields but splits}\n# fmt: off\n'
         + "TUNED: dict[tuple[int, int], dict[str, dict[str, int]]] = {\n"
         + "\n".join(lines)
-        + "\n}\n# fmt: on\n"
+        + "\n}\n"
         + f"K_SPLITS: dict[int, int] = { {int(k): v for k, v in sorted(k_splits.items())} }"
-        + "  # K -> number of K ranges (1 where not listed)\n"
+        + "  # K -> number of K ranges (1 where not listed)\n# fmt: on\n"
     )
 
 

@@ -3,7 +3,7 @@
 and the K partition per reduction length (``K_SPLITS``: the number of K ranges, the same for both
 launches). Shapes not listed take ``matmul_config``'s rule.
 
-Written by ``bench/exact_matmul.py --write`` (last: qwen2.5-0.5b and qwen2.5-7b, NVIDIA H200, torch 2.11.0+cu130, 2026-12-02).
+Written by ``bench/exact_matmul.py --write`` (last: qwen2.5-7b, NVIDIA H200, torch 2.11.0+cu130, 2026-12-03).
 
 A tile keeps engine and trainer bit-equal (the decode tile once ``verify_decode_launch`` has seen it give
 the train tile's bits on the GPU at hand); a ``K_SPLITS`` entry changes the bits of every weight of that
@@ -13,16 +13,20 @@ K, on both sides alike (so it changes exact runs' samples, not their exactness).
 # (N, K) -> {"train" | "decode": MatmulConfig fields but splits}
 # fmt: off
 TUNED: dict[tuple[int, int], dict[str, dict[str, int]]] = {
-    (128, 896): {"train": {"block_n": 64, "num_warps": 8, "num_stages": 3, "block_m": 128, "block_k": 64, "group_m": 8}},
-    (512, 3584): {"train": {"block_n": 64, "num_warps": 4, "num_stages": 5, "block_m": 64, "block_k": 64, "group_m": 8}},
-    (896, 896): {"train": {"block_n": 128, "num_warps": 8, "num_stages": 3, "block_m": 128, "block_k": 64, "group_m": 8}},
-    (896, 4864): {"train": {"block_n": 64, "num_warps": 8, "num_stages": 3, "block_m": 128, "block_k": 64, "group_m": 8}},
-    (3584, 3584): {"train": {"block_n": 64, "num_warps": 8, "num_stages": 3, "block_m": 128, "block_k": 64, "group_m": 8}},
-    (3584, 18944): {"train": {"block_n": 64, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 128, "group_m": 8}},
-    (4864, 896): {"train": {"block_n": 64, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 64, "group_m": 8}},
-    (18944, 3584): {"train": {"block_n": 256, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 64, "group_m": 8}},
-    (151936, 896): {"train": {"block_n": 256, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 64, "group_m": 8}},
-    (152064, 3584): {"train": {"block_n": 256, "num_warps": 8, "num_stages": 4, "block_m": 128, "block_k": 64, "group_m": 8}},
+    (128, 896): {"train": {"block_k": 64, "block_m": 64, "block_n": 64, "group_m": 8, "num_stages": 3, "num_warps": 4}},
+    (512, 3584): {"train": {"block_k": 128, "block_m": 128, "block_n": 128, "group_m": 8, "num_stages": 3, "num_warps": 8}},
+    (896, 896): {"decode": {"block_k": 128, "block_m": 64, "block_n": 32, "group_m": 8, "num_stages": 3, "num_warps": 4}, "train": {"block_k": 64, "block_m": 128, "block_n": 64, "group_m": 8, "num_stages": 4, "num_warps": 8}},
+    (896, 4864): {"decode": {"block_k": 128, "block_m": 64, "block_n": 32, "group_m": 8, "num_stages": 3, "num_warps": 4}, "train": {"block_k": 128, "block_m": 128, "block_n": 128, "group_m": 8, "num_stages": 3, "num_warps": 8}},
+    (1152, 896): {"decode": {"block_k": 128, "block_m": 64, "block_n": 64, "group_m": 8, "num_stages": 4, "num_warps": 4}},
+    (3584, 3584): {"decode": {"block_k": 128, "block_m": 64, "block_n": 64, "group_m": 8, "num_stages": 3, "num_warps": 4}, "train": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8}},
+    (3584, 18944): {"decode": {"block_k": 128, "block_m": 128, "block_n": 64, "group_m": 8, "num_stages": 4, "num_warps": 8}, "train": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8}},
+    (4608, 3584): {"decode": {"block_k": 64, "block_m": 64, "block_n": 64, "group_m": 8, "num_stages": 4, "num_warps": 4}},
+    (4864, 896): {"train": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8}},
+    (9728, 896): {"decode": {"block_k": 64, "block_m": 64, "block_n": 64, "group_m": 8, "num_stages": 3, "num_warps": 4}},
+    (18944, 3584): {"train": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8}},
+    (37888, 3584): {"decode": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8}},
+    (151936, 896): {"decode": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8}, "train": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8}},
+    (152064, 3584): {"decode": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8}, "train": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8}},
 }
+K_SPLITS: dict[int, int] = {896: 1, 3584: 1, 4864: 1, 18944: 1}  # K -> number of K ranges (1 where not listed)
 # fmt: on
-K_SPLITS: dict[int, int] = {}  # K -> number of K ranges (1 where not listed)
