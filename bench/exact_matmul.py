@@ -83,23 +83,11 @@ def time_ms(fn, repeats: int) -> float:
 
 
 def graph_time_ms(fn, repeats: int) -> float:
-    """Milliseconds a call's GPU work takes, ``repeats`` calls captured in one CUDA graph and replayed (the
-    engine's decode step runs in a graph: no host launch latency between its GEMMs)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    del graph
-    return start.elapsed_time(end) / repeats
+    """GPU time per call, the calls replayed from a CUDA graph (``fp8_gemm.time_ms``, which imports this
+    module: imported here, when both are loaded)."""
+    from fp8_gemm import time_ms
+
+    return time_ms(fn, repeats)
 
 
 def candidates(n: int, make):

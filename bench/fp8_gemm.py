@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from exact_matmul import SHAPES, weights  # noqa: E402
+from exact_matmul import SHAPES, train_launches  # noqa: E402
 from train_step import versions  # noqa: E402
 
 
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/fp8_gemm.py: needs a CUDA GPU (FP8 GEMMs)")
-    shapes = {name: shape for name, shape in weights(args.config).items() if name != "lm_head"}
+    shapes = {name: shape for name, shape in train_launches(args.config).items() if name != "lm_head"}
     result: dict = {"bench": "fp8_gemm", "config": args.config, **versions(), "rows": {}}
     for rows in args.rows:
         per_shape, totals = {}, {"bf16_ms": 0.0, "fp8_ms": 0.0, "fp8_fast_accum_ms": 0.0}
