@@ -168,6 +168,16 @@ def test_interpreted_matmul_gives_a_row_the_same_bits_whatever_the_row_count(te,
         assert torch.equal(te.matmul(x[rows], w), full[rows])
 
 
+def _operands(seed: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded ``x [rows, 300]``, ``w [70, 300]`` and a bias ``[70]``: several row, column and K tiles."""
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(rows, 300, generator=g),
+        torch.randn(70, 300, generator=g),
+        torch.randn(70, generator=g),
+    )
+
+
 @pytest.mark.parametrize("group_m", [1, 3])
 def test_interpreted_launch_of_other_tiles_keeps_a_row_s_bits(te, group_m):
     """A launch other than the rule's (16x32 tiles, K in 32-column steps: several row tiles, N tiles and K
@@ -175,12 +185,7 @@ def test_interpreted_launch_of_other_tiles_keeps_a_row_s_bits(te, group_m):
     float32 sums, a row's bits whatever the row count, the grouping changing nothing, and the bias epilogue
     giving ``matmul + bias``'s bits."""
     config = te.MatmulConfig(block_n=32, num_warps=4, num_stages=3, block_m=16, block_k=32, group_m=group_m)
-    g = torch.Generator().manual_seed(group_m)
-    x, w, bias = (
-        torch.randn(90, 300, generator=g),
-        torch.randn(70, 300, generator=g),
-        torch.randn(70, generator=g),
-    )
+    x, w, bias = _operands(group_m, rows=90)
     full = te.matmul(x, w, config=config)
     assert ((full.double() - ref_matmul(x, w)).abs() <= 1e-5 * (x.abs() @ w.abs().T)).all()
     for rows in (slice(0, 1), slice(89, 90), slice(5, 40)):
@@ -196,12 +201,7 @@ def test_interpreted_split_launch_gives_the_same_bits_in_parallel_or_in_turn(te,
     bias included), whatever the row count; the split changes the reduction order, so it differs from the
     unsplit launch somewhere (the comparison can fail) while staying within float32 sums of float64."""
     config = te.MatmulConfig(block_n=32, num_warps=4, num_stages=3, block_m=16, block_k=32, splits=splits)
-    g = torch.Generator().manual_seed(splits)
-    x, w, bias = (
-        torch.randn(40, 300, generator=g),
-        torch.randn(70, 300, generator=g),
-        torch.randn(70, generator=g),
-    )
+    x, w, bias = _operands(splits, rows=40)
     assert config.k_split(300) % 32 == 0 and -(-300 // config.k_split(300)) == splits
     parallel = te.matmul(x, w, bias, config=config, parallel_split=True)
     in_turn = te.matmul(x, w, bias, config=config, parallel_split=False)
