@@ -152,6 +152,12 @@ def test_rms_norm_matches_float64_and_each_row_is_its_own(hidden):
     odd = torch.empty(301 * hidden + 1, dtype=x.dtype, device="cuda")[1:].view(301, hidden)
     odd.copy_(x)
     assert torch.equal(te.rms_norm(odd, w, 1e-6, False), full)
+    # the engine's add + norm launch: torch's rounded sum, and the norm of that sum row by row
+    res = (torch.randn(301, hidden, device="cuda", generator=g) * 3).bfloat16()
+    summed, total = te.rms_norm(x, w, 1e-6, False, res)
+    assert torch.equal(total, x + res)
+    assert torch.equal(summed, te.rms_norm(x + res, w, 1e-6, False))
+    assert torch.equal(te.rms_norm(x[7:8], w, 1e-6, False, res[7:8])[0], summed[7:8])
 
 
 @pytest.mark.gpu

@@ -51,6 +51,10 @@ def test_interpreted_matmul_rms_norm_and_logprobs_match_float64_and_are_row_inva
     norm = te.rms_norm(x3, wn, 1e-6, False)
     assert (norm.double() - ref_rms_norm(x3, wn, 1e-6)).abs().max().item() < 1e-5
     assert torch.equal(te.rms_norm(x3[2, 1:2], wn, 1e-6, False), norm[2, 1:2])
+    # the residual add in the norm's launch: the sum as torch's add gives it, and the norm of that sum
+    res = torch.randn(4, 3, 1100, generator=g)
+    summed, total = te.rms_norm(x3, wn, 1e-6, False, res)
+    assert torch.equal(total, x3 + res) and torch.equal(summed, te.rms_norm(x3 + res, wn, 1e-6, False))
 
     logits, tokens = torch.randn(6, 5000, generator=g) * 4, torch.randint(0, 5000, (6,), generator=g)
     temps = torch.rand(6, generator=g) + 0.3
@@ -326,9 +330,29 @@ def test_ops_on_the_kernels_have_the_reference_gradients(on_kernels, monkeypatch
     assert torch.allclose(logits.grad, expected * (weights / temps)[:, None], atol=1e-6)
 
 
-def test_interpreted_engine_and_trainer_logprobs_are_bit_identical(tiny_model, on_kernels):
+@pytest.fixture
+def fused_kernels(monkeypatch):
+    """The engine's exact decoder with the default path's fused RoPE + KV store kernel too
+    (``triton_fused``), interpreted, as it runs on CUDA. Not its SiLU * up kernel: that one matches CUDA's
+    ``expf`` (libdevice), which the interpreter's numpy exp and torch's CPU SiLU (SLEEF) each miss by an
+    ulp at times; the gpu tests compare it with torch on CUDA."""
+    from tidal.rollout.models import layers
+    from tidal.rollout.runner import exact_model
+
+    with interpreted({"tidal.rollout.models.triton_fused": "_rope_store_kv_kernel"}) as (fused,):
+        for module in (layers,):
+            monkeypatch.setattr(module, "fused_kernels_usable", lambda x: True)
+        calls = []
+        kernel = fused.rope_store_kv
+        monkeypatch.setattr(fused, "rope_store_kv", lambda *a, **kw: calls.append(a[0].shape) or kernel(*a, **kw))
+        yield calls
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["exact-ops", "with-fused-kernels"])
+def test_interpreted_engine_and_trainer_logprobs_are_bit_identical(tiny_model, on_kernels, request, fused):
     """The CUDA dispatch end to end on CPU: the engine (prefill and decode) and the trainer's exact forward,
-    both on the kernels, give the same log-probs (float32)."""
+    both on the kernels, give the same log-probs (float32); also with the fused RoPE + KV store and SiLU * up
+    kernels the engine takes on CUDA."""
     from transformers import AutoModelForCausalLM
 
     from tidal.rollout import EngineConfig, LLMEngine
@@ -347,7 +371,10 @@ def test_interpreted_engine_and_trainer_logprobs_are_bit_identical(tiny_model, o
         SamplingParams(temperature=TEMPERATURE, max_tokens=m, seed=i, ignore_eos=True)
         for i, m in enumerate((4, 2, 3))
     ]
+    calls = request.getfixturevalue("fused_kernels") if fused else None
     config = EngineConfig(device="cpu", max_model_len=64, num_kv_blocks=16, exact_logprobs=True)
     outputs = LLMEngine(path, config).generate(prompts, params)
     hf = bi.make_exact(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval())
     assert _trainer_gaps(hf, prompts, outputs, torch.device("cpu")) == 0.0
+    if fused:  # prefill and decode steps (one token a row) took it
+        assert {c[0] for c in calls} >= {3, 38}

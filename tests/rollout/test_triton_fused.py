@@ -143,6 +143,20 @@ def test_silu_and_mul_is_bit_equal_to_torch(tokens, shape, dtype):
 
 
 @pytest.mark.gpu
+def test_silu_and_mul_is_bit_equal_to_torch_at_every_bf16_gate():
+    """Every finite bf16 value as the gate (subnormals, the largest, both signs), against two ups: exact
+    mode relies on this kernel computing torch's bits wherever the engine's activations land."""
+    from tidal.rollout.models.triton_fused import silu_and_mul
+
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).cuda()
+    gate = every[torch.isfinite(every)]
+    for up in (torch.ones_like(gate), (torch.randn(gate.shape, device="cuda") * 3).bfloat16()):
+        out = silu_and_mul(torch.cat([gate, up])[None])[0]
+        ref = F.silu(gate) * up
+        assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", sorted(SHAPES))

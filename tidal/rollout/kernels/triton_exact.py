@@ -316,10 +316,10 @@ def matmul(
 # Reductions over a loaded row (norm, log-softmax) sum in an order set by the load's register layout, which
 # Triton picks from the pointers' and strides' known alignment: not specialising on it keeps one order
 # whatever the caller's tensors (a view at an odd offset included).
-@triton.jit(do_not_specialize=["stride_x"], do_not_specialize_on_alignment=["x_ptr"])
+@triton.jit(do_not_specialize=["stride_x"], do_not_specialize_on_alignment=["x_ptr", "res_ptr"])
 def _rms_norm_kernel(
-    x_ptr, w_ptr, out_ptr, N: tl.constexpr, stride_x, stride_o, eps,
-    BLOCK: tl.constexpr, SCALE_IN_FLOAT32: tl.constexpr,
+    x_ptr, res_ptr, w_ptr, out_ptr, total_ptr, N: tl.constexpr, stride_x, stride_o, eps,
+    BLOCK: tl.constexpr, SCALE_IN_FLOAT32: tl.constexpr, RESIDUAL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     # A float argument is float32 when Triton launches the kernel itself, float64 when torch.compile's
@@ -327,16 +327,16 @@ def _rms_norm_kernel(
     # both add in float32 and give the same bits (no-op in the first case).
     eps = tl.full((), eps, tl.float32)
     offs = tl.arange(0, BLOCK)
+    dtype = out_ptr.dtype.element_ty
     squares = tl.zeros((BLOCK,), dtype=tl.float32)
     for c0 in range(0, N, BLOCK):
         c = c0 + offs
-        x = tl.load(x_ptr + row * stride_x + c, mask=c < N, other=0.0).to(tl.float32)
+        x = _norm_input(x_ptr, res_ptr, total_ptr, row, c, N, stride_x, stride_o, dtype, RESIDUAL, True)
         squares += x * x
     inv = 1.0 / tl.sqrt_rn(tl.sum(squares, axis=0) / N + eps)
-    dtype = out_ptr.dtype.element_ty
     for c0 in range(0, N, BLOCK):
         c = c0 + offs
-        x = tl.load(x_ptr + row * stride_x + c, mask=c < N, other=0.0).to(tl.float32)
+        x = _norm_input(x_ptr, res_ptr, total_ptr, row, c, N, stride_x, stride_o, dtype, RESIDUAL, False)
         # the weight in the activations' dtype, as the engine (bf16 weights) holds it
         w = tl.load(w_ptr + c, mask=c < N, other=0.0).to(dtype).to(tl.float32)
         y = x * inv
@@ -347,18 +347,46 @@ def _rms_norm_kernel(
         tl.store(out_ptr + row * stride_o + c, out.to(dtype), mask=c < N)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale_in_float32: bool) -> torch.Tensor:
-    """RMSNorm of each row of ``x [..., N]`` (statistics in float32), out in ``x``'s dtype."""
+@triton.jit
+def _norm_input(
+    x_ptr, res_ptr, total_ptr, row, c, N, stride_x, stride_o,
+    dtype: tl.constexpr, RESIDUAL: tl.constexpr, STORE: tl.constexpr,
+):  # fmt: skip
+    """Columns ``c`` of the norm's input row, float32: ``x``, or with ``RESIDUAL`` the sum ``x + residual``
+    rounded to the activations' dtype, as torch's add rounds it (stored to ``total`` when ``STORE``)."""
+    x = tl.load(x_ptr + row * stride_x + c, mask=c < N, other=0.0)
+    if RESIDUAL:
+        r = tl.load(res_ptr + row * stride_x + c, mask=c < N, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        if STORE:
+            tl.store(total_ptr + row * stride_o + c, x, mask=c < N)
+    return x.to(tl.float32)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    scale_in_float32: bool,
+    residual: torch.Tensor | None = None,
+):
+    """RMSNorm of each row of ``x [..., N]`` (statistics in float32), out in ``x``'s dtype. With ``residual``
+    (``x``'s shape and dtype): (the norm of ``x + residual``, that sum), the add in the same launch."""
     rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    res = rows if residual is None else residual.reshape(rows.shape)
+    if rows.stride(-1) != 1 or res.stride() != rows.stride():
+        rows, res = rows.contiguous(), res.contiguous()
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    total = out if residual is None else torch.empty_like(out)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, weight.contiguous(), out, rows.shape[1], rows.stride(0), out.stride(0), float(eps),
-            BLOCK=NORM_BLOCK, SCALE_IN_FLOAT32=scale_in_float32, num_warps=4,
+            rows, res, weight.contiguous(), out, total, rows.shape[1], rows.stride(0), out.stride(0),
+            float(eps), BLOCK=NORM_BLOCK, SCALE_IN_FLOAT32=scale_in_float32, RESIDUAL=residual is not None,
+            num_warps=4,
         )  # fmt: skip
-    return out.view(x.shape)
+    if residual is None:
+        return out.view(x.shape)
+    return out.view(x.shape), total.view(x.shape)
 
 
 @triton.jit(do_not_specialize=["stride_l"], do_not_specialize_on_alignment=["logits_ptr"])

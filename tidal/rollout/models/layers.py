@@ -286,13 +286,16 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         v = qkv[:, self.split[0] + self.split[1] :].view(-1, self.num_kv_heads, self.head_dim)
         # The kernel rounds RoPE's products to the activations' dtype, as torch does when cos/sin share it.
-        if fused_kernels_usable(qkv) and not meta.exact and cos.dtype == qkv.dtype:
+        if fused_kernels_usable(qkv) and cos.dtype == qkv.dtype:
             qk, norms = self.fused_qk_heads(qkv)
-            if norms is None and decode_fusable(qk, qkv, meta):
+            if norms is None and not meta.exact and decode_fusable(qk, qkv, meta):
                 return self.o_proj(self._fused_decode(qkv, cos, sin, meta))
-            q, k = self._fused_rope_store(qk, norms, v, cos, sin, meta)
-            out = paged_attention(q, k, v, meta, self.layer_idx, self.window, self.scale, stored=True)
-            return self.o_proj(out)
+            # Exact mode takes the fused RoPE + KV store (torch's bits) but not fused q/k norms, which
+            # compute ``triton_norm``'s arithmetic where exact mode runs the batch-invariant norm.
+            if norms is None or not meta.exact:
+                q, k = self._fused_rope_store(qk, norms, v, cos, sin, meta)
+                out = paged_attention(q, k, v, meta, self.layer_idx, self.window, self.scale, stored=True)
+                return self.o_proj(out)
         # Rotating q and k heads together halves the (launch-bound) RoPE ops.
         qk = apply_rope(self.qk_heads(qkv), cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]

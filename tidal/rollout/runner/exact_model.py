@@ -4,10 +4,11 @@ modules to the batch-invariant ops (``tidal.rollout.batch_invariant``) the train
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tidal.rollout import batch_invariant as bi
 from tidal.rollout.models.layers import ACTIVATIONS as ACTIVATIONS_BY_NAME
-from tidal.rollout.models.layers import CausalLM, GatedMLP, RMSNorm, Rotary
+from tidal.rollout.models.layers import CausalLM, GatedMLP, RMSNorm, Rotary, fused_kernels_usable
 from tidal.rollout.models.moe import SparseMoE
 from tidal.rollout.models.parallel import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
@@ -54,8 +55,13 @@ def _verify_decode_launches(model: CausalLM) -> None:
 
 def _exact_gated_mlp(module: GatedMLP, x: torch.Tensor, act) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))``, gate and up as the trainer's separate layers compute them (one
-    packed launch at decode where verified, ``bi.linear_parts``)."""
+    packed launch at decode where verified, ``bi.linear_parts``). SiLU and the product run as the default
+    path's one kernel where it runs (``triton_fused.silu_and_mul``: torch's bits, each rounding included)."""
     gate_up = _exact_packed_linear(module.gate_up_proj, x)
+    if act is F.silu and fused_kernels_usable(gate_up):
+        from tidal.rollout.models.triton_fused import silu_and_mul
+
+        return module.down_proj(silu_and_mul(gate_up))
     gate, up = gate_up.split([p.size for p in module.gate_up_proj.parts], dim=-1)
     return module.down_proj(bi.pointwise(act, gate) * up)
 
@@ -92,8 +98,13 @@ def _exact_packed_linear(module: ColumnParallelLinear, x: torch.Tensor) -> torch
 
 
 def _exact_norm(module: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None):
+    """``bi.rms_norm`` of ``x`` (+ ``residual``: then also the sum). On the Triton kernels the residual add
+    joins the norm's launch: it rounds the sum as torch's add does, and the engine needs no gradient."""
     if residual is None:
         return bi.rms_norm(x, module.weight, module.eps, module.scale_in_float32)
+    if bi.dispatch.on_triton(x) and residual.dtype == x.dtype and not torch.is_grad_enabled():
+        weight = module.weight.to(x.dtype)
+        return bi.dispatch.kernels().rms_norm(x, weight, module.eps, module.scale_in_float32, residual)
     total = x + residual
     return bi.rms_norm(total, module.weight, module.eps, module.scale_in_float32), total
 
