@@ -330,6 +330,20 @@ def test_ops_on_the_kernels_have_the_reference_gradients(on_kernels, monkeypatch
     assert torch.allclose(logits.grad, expected * (weights / temps)[:, None], atol=1e-6)
 
 
+def test_interpreted_logprobs_over_vocabulary_slices(te, monkeypatch):
+    """``token_logprobs`` with the vocabulary in several slices (small ones here, 8 and a partial ninth):
+    float64's values, row-invariant, and a slice of only -inf logits (masked tokens) adds nothing."""
+    monkeypatch.setattr(te, "VOCAB_BLOCK", 64)
+    monkeypatch.setattr(te, "VOCAB_CHUNK", 128)
+    g = torch.Generator().manual_seed(3)
+    logits, tokens = torch.randn(5, 1000, generator=g) * 4, torch.randint(0, 256, (5,), generator=g)
+    logits[:, 256:384] = float("-inf")
+    temps = torch.rand(5, generator=g) + 0.3
+    lp = te.token_logprobs(logits, tokens, temps)
+    assert (lp.double() - ref_token_logprobs(logits, tokens, temps)).abs().max().item() < 1e-5
+    assert torch.equal(te.token_logprobs(logits[3:4], tokens[3:4], temps[3:4]), lp[3:4])
+
+
 @pytest.fixture
 def fused_kernels(monkeypatch):
     """The engine's exact decoder with the default path's fused RoPE + KV store kernel too

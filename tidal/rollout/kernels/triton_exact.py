@@ -17,7 +17,8 @@ the batch. These kernels fix everything that decides a row's reduction order:
 ``matmul``: ``x [M, K] @ w [N, K]^T`` with a launch (tile, K step, warps, stages) picked from the
 weight's ``(N, K)`` only, never from ``M`` (``matmul_config``); float32 sums (bf16 or fp32 inputs; fp32 uses
 IEEE products, not TF32), out in ``x``'s dtype. ``rms_norm``: one program per row. ``token_logprobs``:
-one program per row, the vocabulary in ``VOCAB_BLOCK`` chunks (max, then sum of exponentials). ``attention``:
+``VOCAB_CHUNK`` slices of a row's vocabulary in parallel programs, each walked in ``VOCAB_BLOCK`` steps (max,
+then sum of exponentials), their results combined in slice order by a second launch. ``attention``:
 ``QUERY_BLOCK`` (query, head) rows of one KV head per program (a decode step's GQA group reads its keys
 once) over keys in ``KEY_BLOCK`` blocks at fixed absolute positions, online softmax in block order; a block a query sees none of leaves its state bit-unchanged
 (alpha is exactly 1, it adds exact zeros), so the keys beyond a query's position, the other queries of its
@@ -42,6 +43,7 @@ from tidal.rollout.kernels.exact_gemm_tuned import K_SPLITS, TUNED
 # launch follows the weight's shape (``matmul_config``).
 NORM_BLOCK = 1024
 VOCAB_BLOCK = 2048
+VOCAB_CHUNK = 8 * VOCAB_BLOCK  # vocabulary per log-softmax program (a 152k vocabulary: 10 per row)
 QUERY_BLOCK, KEY_BLOCK = 32, 64
 
 
@@ -390,33 +392,57 @@ def rms_norm(
 
 
 @triton.jit(do_not_specialize=["stride_l"], do_not_specialize_on_alignment=["logits_ptr"])
-def _token_logprobs_kernel(
-    logits_ptr, tokens_ptr, temp_ptr, out_ptr, V: tl.constexpr, stride_l, BLOCK: tl.constexpr
-):
-    row = tl.program_id(0).to(tl.int64)
+def _lse_part_kernel(
+    logits_ptr, temp_ptr, part_ptr, V: tl.constexpr, stride_l, CHUNK: tl.constexpr, PARTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    # Program (row, part): the max and the sum of exponentials (from that max) of ``logits / T`` over the
+    # part's vocabulary slice [part * CHUNK, (part + 1) * CHUNK), walked in BLOCK steps; stored for
+    # ``_lse_finish_kernel``. The slices are set by V alone, never by the row count.
+    row, part = tl.program_id(0).to(tl.int64), tl.program_id(1)
     temp = tl.full((BLOCK,), 1.0, tl.float32) * tl.load(temp_ptr + row)
     offs = tl.arange(0, BLOCK)
     base = logits_ptr + row * stride_l
     top = tl.full((BLOCK,), float("-inf"), tl.float32)
-    for v0 in range(0, V, BLOCK):
+    for v0 in range(part * CHUNK, part * CHUNK + CHUNK, BLOCK):
         c = v0 + offs
         z = tl.load(base + c, mask=c < V, other=float("-inf")).to(tl.float32)
         top = tl.maximum(top, tl.math.div_rn(z, temp))
     m = tl.max(top, axis=0)
     total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for v0 in range(0, V, BLOCK):
+    for v0 in range(part * CHUNK, part * CHUNK + CHUNK, BLOCK):
         c = v0 + offs
         z = tl.load(base + c, mask=c < V, other=float("-inf")).to(tl.float32)
-        total += tl.where(c < V, tl.exp(tl.math.div_rn(z, temp) - m), 0.0)
-    lse = m + tl.log(tl.sum(total, axis=0))
+        zt = tl.math.div_rn(z, temp)
+        # -inf logits (and the lanes past V) add nothing, also in a slice of only -inf (m = -inf)
+        total += tl.where(zt > float("-inf"), tl.exp(zt - m), 0.0)
+    tl.store(part_ptr + row * (2 * PARTS) + part, m)
+    tl.store(part_ptr + row * (2 * PARTS) + PARTS + part, tl.sum(total, axis=0))
+
+
+@triton.jit
+def _lse_finish_kernel(
+    logits_ptr, tokens_ptr, temp_ptr, part_ptr, out_ptr, stride_l, PARTS: tl.constexpr,
+    PARTS_POW2: tl.constexpr,
+):  # fmt: skip
+    # Per row: the parts' sums rescaled to their common max and added in one fixed order, then the token's
+    # log-prob.
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.arange(0, PARTS_POW2)
+    tops = tl.load(part_ptr + row * (2 * PARTS) + p, mask=p < PARTS, other=float("-inf"))
+    sums = tl.load(part_ptr + row * (2 * PARTS) + PARTS + p, mask=p < PARTS, other=0.0)
+    m = tl.max(tops, axis=0)
+    lse = m + tl.log(tl.sum(tl.where(p < PARTS, sums * tl.exp(tops - m), 0.0), axis=0))
     token = tl.load(tokens_ptr + row)
-    z_token = tl.load(base + token).to(tl.float32)
+    z_token = tl.load(logits_ptr + row * stride_l + token).to(tl.float32)
     tl.store(out_ptr + row, tl.math.div_rn(z_token, tl.load(temp_ptr + row)) - lse)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits / temperature)`` at ``tokens`` (float32) per row of ``logits [..., V]``;
-    ``temperature`` (float32) broadcasts against ``logits.shape[:-1]``."""
+    ``temperature`` (float32) broadcasts against ``logits.shape[:-1]``. Each row's vocabulary is reduced in
+    ``VOCAB_CHUNK`` slices by parallel programs (a decode step has too few rows to fill the GPU with one
+    program a row), the slices' results combined in slice order."""
     lead = logits.shape[:-1]
     rows = logits.reshape(-1, logits.shape[-1])
     if rows.stride(-1) != 1:
@@ -424,10 +450,18 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torc
     temps = temperature.to(torch.float32).expand(lead).reshape(-1).contiguous()
     toks = tokens.expand(lead).reshape(-1).contiguous()
     out = torch.empty(rows.shape[0], dtype=torch.float32, device=logits.device)
+    vocab = rows.shape[1]
+    parts = triton.cdiv(vocab, VOCAB_CHUNK)
+    partials = torch.empty(rows.shape[0], 2 * parts, dtype=torch.float32, device=logits.device)
     if rows.shape[0]:
-        _token_logprobs_kernel[(rows.shape[0],)](
-            rows, toks, temps, out, rows.shape[1], rows.stride(0), BLOCK=VOCAB_BLOCK, num_warps=8
-        )
+        _lse_part_kernel[(rows.shape[0], parts)](
+            rows, temps, partials, vocab, rows.stride(0), CHUNK=VOCAB_CHUNK, PARTS=parts, BLOCK=VOCAB_BLOCK,
+            num_warps=8,
+        )  # fmt: skip
+        _lse_finish_kernel[(rows.shape[0],)](
+            rows, toks, temps, partials, out, rows.stride(0), PARTS=parts,
+            PARTS_POW2=max(2, triton.next_power_of_2(parts)), num_warps=1,
+        )  # fmt: skip
     return out.view(lead)
 
 
