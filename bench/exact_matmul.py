@@ -9,7 +9,7 @@ Two sets of launches per model shape (``--config``):
   ``--decode_rows``, timed as GPU time (the calls replayed from a CUDA graph, as the decode step runs).
 
 Each launch's tile is searched in two rounds (tile and K step, then pipeline depth around the best two;
-at decode also K splits). A column's bits depend only on the K partition (``triton_exact.matmul_config``),
+at decode also K splits, and TMA loads against pointer loads). A column's bits depend only on the K partition (``triton_exact.matmul_config``),
 so the two sets take their own tiles, and the K partition is chosen per reduction length K: the split
 count that makes the decode step's launches of that K fastest (a trainer's launch walks the ranges in
 turn in one program, at about the unsplit cost). Every chosen decode launch is then checked as the engine
@@ -20,6 +20,7 @@ per decode step and per trainer forward. ``--write`` records the launches and K 
 
     python bench/exact_matmul.py --config qwen2.5-0.5b          # one H200: ~4 minutes (compiles)
     python bench/exact_matmul.py --config qwen2.5-7b --train_rows 4096
+    python bench/exact_matmul.py --config qwen2.5-0.5b --decode_only   # the engine's launches alone
 """
 
 from __future__ import annotations
@@ -90,9 +91,12 @@ def graph_time_ms(fn, repeats: int) -> float:
     return time_ms(fn, repeats)
 
 
-def candidates(n: int, make):
-    """Round one: tile shapes and K steps (3 stages, K not split)."""
+def candidates(n: int, make, decode: bool):
+    """Round one: tile shapes and K steps (3 stages, K not split, pointer loads). At decode also tiles of
+    128 rows on one warpgroup and of the whole 256-row batch (each weight tile read once)."""
     tiles = [(64, 4), (128, 8)]  # (block_m, warps): one or two warpgroups of m64 MMAs
+    if decode:
+        tiles += [(128, 4), (256, 8)]
     widths = (32, 64, 128) if n <= 1024 else (64, 128, 256)
     for (bm, warps), bn, bk in itertools.product(tiles, widths, (64, 128)):
         yield make(block_m=bm, num_warps=warps, block_n=bn, block_k=bk, num_stages=3)
@@ -104,6 +108,7 @@ class Search:
     def __init__(self, te, x, w, decode: bool, repeats: int):
         self.te, self.x, self.w, self.decode, self.repeats = te, x, w, decode, repeats
         self.times: dict = {}
+        self.failed: dict = {}  # launch -> why it could not run (over the GPU's resources, TMA refused)
 
     def time(self, config) -> float | None:
         if config not in self.times:
@@ -113,10 +118,9 @@ class Search:
                 self.times[config] = (
                     graph_time_ms(fn, self.repeats) if self.decode else time_ms(fn, max(3, self.repeats // 4))
                 )
-            except Exception as err:  # noqa: BLE001  (a launch over the GPU's resources: not a candidate)
-                if "OutOfResources" not in type(err).__name__:
-                    raise
+            except Exception as err:  # noqa: BLE001  (a launch that cannot run here is not a candidate)
                 self.times[config] = None
+                self.failed[config] = f"{type(err).__name__}: {str(err)[:160]}"
         return self.times[config]
 
     def best(self, configs, deadline: float):
@@ -135,12 +139,13 @@ def search_tile(te, n, k, rows, decode, args, deadline, g, splits_options=(1,)):
     s = Search(te, x, w, decode, args.repeats)
     current = te.decode_config(n, k) if decode else te.matmul_config(n, k)
     s.time(current)
-    round_one = s.best(list(candidates(n, te.MatmulConfig)), deadline)[:2] or [current]
+    round_one = s.best(list(candidates(n, te.MatmulConfig, decode)), deadline)[:2] or [current]
     stages = (3, 4) if decode else (3, 4, 5)
+    loads = (0, 1) if decode else (0,)  # pointer loads, TMA
     round_two = [
-        dataclasses.replace(c, num_stages=st, splits=sp)
+        dataclasses.replace(c, num_stages=st, splits=sp, tma=tma)
         for c in round_one
-        for st, sp in itertools.product(stages, splits_options)
+        for st, sp, tma in itertools.product(stages, splits_options, loads)
     ]
     s.best(round_two, deadline)
     best = {}
@@ -153,6 +158,7 @@ def search_tile(te, n, k, rows, decode, args, deadline, g, splits_options=(1,)):
         "current_ms": s.times[current],
         "best": best,
         "times": s.times,
+        "failed": {str(dataclasses.asdict(c)): why for c, why in s.failed.items()},
         "cublas_ms": cublas,
     }
 
@@ -166,10 +172,10 @@ def agree(te, n, k, parts, decode_cfg, train_cfgs, g) -> bool:
         own.append(te.matmul(x, w[start : start + size], config=cfg, parallel_split=False))
         start += size
     want = torch.cat(own, dim=1)
+    launches = [decode_cfg, dataclasses.replace(decode_cfg, tma=0)]  # TMA, and its pointer-load fallback
     return all(
-        torch.equal(
-            te.matmul(x, w, config=decode_cfg, parallel_split=p).view(torch.int16), want.view(torch.int16)
-        )
+        torch.equal(te.matmul(x, w, config=cfg, parallel_split=p).view(torch.int16), want.view(torch.int16))
+        for cfg in launches
         for p in (True, False)
     )
 
@@ -181,6 +187,8 @@ def main() -> None:
     p.add_argument("--train_rows", type=int, default=16384)
     p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--deadline_s", type=float, default=400.0, help="stop searching after this long")
+    p.add_argument("--decode_only", action="store_true",
+                   help="search the decode launches only (K unsplit, as the trainer's launches are kept)")
     p.add_argument("--write", action="store_true",
                    help="record the launches and K partitions in tidal/rollout/kernels/exact_gemm_tuned.py "
                         "(kept: the other shapes already there)")  # fmt: skip
@@ -190,18 +198,26 @@ def main() -> None:
     t0 = time.time()
     g = torch.Generator(device="cuda").manual_seed(0)
     train_shapes, decode_shapes = train_launches(args.config), decode_launches(args.config)
+    if args.decode_only:
+        if any(te.K_SPLITS.get(k, 1) != 1 for _, k, _, _ in decode_shapes.values()):
+            p.error("--decode_only searches unsplit launches; this shape's K_SPLITS split K")
+        train_shapes = {}
     per_shape = args.deadline_s / (len(train_shapes) + 2 * len(decode_shapes))
     train = {}
     for name, (n, k, _count) in train_shapes.items():
         train[name] = search_tile(te, n, k, args.train_rows, False, args, time.time() + per_shape, g)
     decode = {}
+    split_options = (1,) if args.decode_only else (1, 2, 4)
     for name, (n, k, _count, _) in decode_shapes.items():
         decode[name] = search_tile(
-            te, n, k, args.decode_rows, True, args, time.time() + 2 * per_shape, g, (1, 2, 4)
+            te, n, k, args.decode_rows, True, args, time.time() + 2 * per_shape, g, split_options
         )
     # the K partition per K: the split count whose decode launches of that K are fastest in all
     splits = {}
     for k in sorted({k for n, k, _, _ in decode_shapes.values()}):
+        if args.decode_only:
+            splits[k] = 1
+            continue
         names = [nm for nm, (_, kk, _, _) in decode_shapes.items() if kk == k]
         common = set.intersection(*(set(decode[nm]["best"]) for nm in names))
         cost = {

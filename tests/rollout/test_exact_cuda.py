@@ -135,6 +135,28 @@ def test_split_matmul_gives_a_row_the_same_bits_in_parallel_or_in_turn(k, n, spl
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("n", "k"), [(1152, 896), (9728, 896), (896, 4864), (151936, 896), (37888, 3584)])
+@pytest.mark.parametrize("tile", [(64, 64, 64, 4), (128, 128, 64, 8), (256, 64, 128, 8)])
+def test_tma_launch_gives_the_pointer_launchs_bits(n, k, tile):
+    """The engine's decode launches of the 0.5B / 7B shapes (packed q/k/v and gate/up, down, the LM head)
+    with TMA loads give the pointer loads' bits, at 256 rows, 200 (a partial row tile) and 1, for a few
+    tiles; and the trainer's launch's (the decode launch's verification, which takes a TMA launch only
+    when it holds)."""
+    te = _gpu()
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    x = torch.randn(256, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
+    bm, bn, bk, warps = tile
+    tma = te.MatmulConfig(block_n=bn, num_warps=warps, num_stages=3, block_m=bm, block_k=bk, tma=1)
+    pointers = dataclasses.replace(tma, tma=0)
+    train = te.matmul(x, w, config=te.matmul_config(n, k))
+    for rows in (slice(0, 256), slice(0, 200), slice(7, 8)):
+        out = te.matmul(x[rows], w, config=tma)
+        assert torch.equal(out, te.matmul(x[rows], w, config=pointers))
+        assert torch.equal(out, train[rows])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("hidden", [896, 3584])
 def test_rms_norm_matches_float64_and_each_row_is_its_own(hidden):
     te = _gpu()

@@ -146,14 +146,14 @@ def test_interpreted_decode_launch_is_taken_only_where_verified(te, monkeypatch)
 
 
 class _Recording:
-    """A kernel stand-in recording each launch's ``BLOCK_N`` before running the real one."""
+    """A kernel stand-in recording each launch's ``field`` (a keyword argument) before running the real one."""
 
-    def __init__(self, kernel, launches):
-        self.kernel, self.launches = kernel, launches
+    def __init__(self, kernel, launches, field: str = "BLOCK_N"):
+        self.kernel, self.launches, self.field = kernel, launches, field
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.launches.append(kwargs["BLOCK_N"])
+            self.launches.append(kwargs[self.field])
             return self.kernel[grid](*args, **kwargs)
 
         return launch
@@ -216,6 +216,31 @@ def test_interpreted_split_launch_gives_the_same_bits_in_parallel_or_in_turn(te,
     plain = te.matmul(x, w, config=config, parallel_split=False)
     assert ((plain.double() - ref_matmul(x, w)).abs() <= 1e-5 * (x.abs() @ w.abs().T)).all()
     assert not torch.equal(plain, te.matmul(x, w, config=dataclasses.replace(config, splits=1)))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_interpreted_tma_launch_gives_the_pointer_launchs_bits(te, monkeypatch, splits):
+    """``tma=1``: the tiles loaded through tensor descriptors, whose out-of-bounds rows, columns and K tail
+    must read as zeros (40 rows, 70 columns, K = 300: partial tiles on all three): within float32 sums of
+    float64, a row alone gets its bits in the whole output, split or not, and a view the copy engine cannot
+    load (rows not 16-byte aligned) takes the pointer loads. (Bit-equality with the pointer loads is the GPU's
+    to show, ``verify_decode_launch`` checks it there: numpy's product of the transposed weight tile sums
+    in another order.)"""
+    monkeypatch.setattr(te, "_tma_loadable", lambda t: t.stride(1) == 1 and t.stride(0) % 4 == 0)
+    tma = te.MatmulConfig(block_n=32, num_warps=4, num_stages=3, block_m=16, block_k=32, splits=splits, tma=1)
+    pointers = dataclasses.replace(tma, tma=0)
+    x, w, bias = _operands(splits, rows=40)
+    launches = []
+    real = te._matmul_kernel
+    monkeypatch.setattr(te, "_matmul_kernel", _Recording(real, launches, "TMA"))
+    full = te.matmul(x, w, bias, config=tma)
+    assert launches[-1]
+    assert ((full.double() - ref_matmul(x, w) - bias.double()).abs() <= 1e-5 * (x.abs() @ w.abs().T + 1)).all()
+    assert torch.equal(te.matmul(x[7:8], w, bias, config=tma, parallel_split=False), full[7:8])
+    odd = torch.empty(40, 301)[:, :300]
+    odd.copy_(x)
+    unaligned = te.matmul(odd, w, bias, config=tma)
+    assert not launches[-1] and torch.equal(unaligned, te.matmul(x, w, bias, config=pointers))
 
 
 def test_interpreted_matmul_bias_in_the_epilogue_gives_the_separate_adds_bits(te):

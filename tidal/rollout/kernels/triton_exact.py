@@ -31,7 +31,7 @@ Keys and values beyond a query's position may hold anything finite (stale cache 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -49,25 +49,33 @@ QUERY_BLOCK, KEY_BLOCK = 32, 64
 
 @triton.jit
 def _k_range_sum(
-    x_ptr, w_ptr, rows, cols, M, N, K: tl.constexpr, k_lo, k_hi,
+    x_ptr, w_ptr, off_m, off_n, M, N, K: tl.constexpr, k_lo, k_hi,
     stride_xm, stride_xk, stride_wn, stride_wk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     # One K range's float32 sum, from zero, in BLOCK_K steps upward: the unit a row's bits are made of.
+    # TMA: x_ptr and w_ptr are tensor descriptors (the copy engine loads the tiles; what lies past M, N or
+    # K reads as zeros, as the masks make it), else pointers.
+    rows = off_m.to(tl.int64) + tl.arange(0, BLOCK_M)
+    cols = off_n.to(tl.int64) + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        k = k0 + ks
-        a = tl.load(
-            x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk,
-            mask=(rows[:, None] < M) & (k[None, :] < K),
-            other=0.0,
-        )
-        b = tl.load(
-            w_ptr + cols[None, :] * stride_wn + k[:, None] * stride_wk,
-            mask=(cols[None, :] < N) & (k[:, None] < K),
-            other=0.0,
-        )
+        if TMA:
+            a = x_ptr.load([off_m, k0])
+            b = w_ptr.load([off_n, k0]).T
+        else:
+            k = k0 + ks
+            a = tl.load(
+                x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk,
+                mask=(rows[:, None] < M) & (k[None, :] < K),
+                other=0.0,
+            )
+            b = tl.load(
+                w_ptr + cols[None, :] * stride_wn + k[:, None] * stride_wk,
+                mask=(cols[None, :] < N) & (k[:, None] < K),
+                other=0.0,
+            )
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -92,6 +100,7 @@ def _matmul_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     k_split, SPLITS: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
     # Tiles in groups of GROUP_M row tiles, so that neighbouring programs share weight columns in L2 (where
     # a tile runs changes nothing in it).
@@ -100,34 +109,35 @@ def _matmul_kernel(
     size_m = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
     pid_n = (pid % (GROUP_M * num_n)) // size_m
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+    rows = off_m.to(tl.int64) + tl.arange(0, BLOCK_M)
+    cols = off_n.to(tl.int64) + tl.arange(0, BLOCK_N)
     # The K ranges' length ``k_split`` is a runtime value: with a compile-time one, a range of one K step
     # becomes a lone ``tl.dot`` from zero, which Triton folds into the add that follows (the running sum
     # as the dot's accumulator): another order of additions than the split sum's.
     if PARTIAL:  # axis 1 is the K range: its float32 sum into [SPLITS, M, N]; ``_split_sum_kernel`` adds them
         split = tl.program_id(1)
         acc = _k_range_sum(
-            x_ptr, w_ptr, rows, cols, M, N, K, split * k_split, tl.minimum(split * k_split + k_split, K),
-            stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
+            x_ptr, w_ptr, off_m, off_n, M, N, K, split * k_split, tl.minimum(split * k_split + k_split, K),
+            stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, TMA,
         )  # fmt: skip
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         tl.store(out_ptr + (split * M + rows[:, None]) * N + cols[None, :], acc, mask=mask)
     elif SPLITS == 1:  # one range: its bounds known at compile time (a fully pipelined loop)
         acc = _k_range_sum(
-            x_ptr, w_ptr, rows, cols, M, N, K, 0, K,
-            stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
+            x_ptr, w_ptr, off_m, off_n, M, N, K, 0, K,
+            stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, TMA,
         )  # fmt: skip
         _epilogue(acc, bias_ptr, out_ptr, rows, cols, M, N, stride_om, stride_on, HAS_BIAS)
     else:  # every K range in turn, each summed from zero, then added in range order (as the split sum)
         acc = _k_range_sum(
-            x_ptr, w_ptr, rows, cols, M, N, K, 0, k_split,
-            stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
+            x_ptr, w_ptr, off_m, off_n, M, N, K, 0, k_split,
+            stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, TMA,
         )  # fmt: skip
         for s in tl.static_range(1, SPLITS):
             acc += _k_range_sum(
-                x_ptr, w_ptr, rows, cols, M, N, K, s * k_split, tl.minimum(s * k_split + k_split, K),
-                stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
+                x_ptr, w_ptr, off_m, off_n, M, N, K, s * k_split, tl.minimum(s * k_split + k_split, K),
+                stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, TMA,
             )  # fmt: skip
         _epilogue(acc, bias_ptr, out_ptr, rows, cols, M, N, stride_om, stride_on, HAS_BIAS)
 
@@ -162,6 +172,7 @@ class MatmulConfig:
     block_k: int = 64
     group_m: int = 8
     splits: int = 1
+    tma: int = 0  # 1: the tiles are loaded by TMA (Hopper's copy engine) where the operands allow it
 
     def k_split(self, k: int) -> int:
         """The length of each K range: a multiple of ``SPLIT_ALIGN`` (so of any ``block_k`` dividing it:
@@ -256,8 +267,11 @@ def verify_decode_launch(
     bits = torch.int16 if x.element_size() == 2 else torch.int32
     want = torch.cat(own, dim=1).view(bits)
     decode = decode_config(n, k, x.element_size())
+    # a TMA launch also as pointer loads: what it runs where an operand is not TMA-loadable
+    launches = [decode, replace(decode, tma=0)] if decode.tma else [decode]
     agree = all(
-        torch.equal(matmul(x, weight, config=decode, parallel_split=p).view(bits), want)
+        torch.equal(matmul(x, weight, config=cfg, parallel_split=p).view(bits), want)
+        for cfg in launches
         for p in (True, False)
     )
     if agree:
@@ -298,12 +312,14 @@ def matmul(
     partial = splits > 1 and parallel_split
     bias_arg = out if bias is None else bias.contiguous()  # no bias: an unused pointer
     target = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if partial else out
+    tma = bool(c.tma) and _tma_loadable(x) and _tma_loadable(w)
+    x_arg, w_arg = (_descriptor(x, c.block_m, c.block_k), _descriptor(w, c.block_n, c.block_k)) if tma else (x, w)
     _matmul_kernel[(tiles, splits if partial else 1)](
-        x, w, bias_arg, target, m, n, k,
+        x_arg, w_arg, bias_arg, target, m, n, k,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
         k_split=k_split, SPLITS=splits, PARTIAL=partial,
-        IEEE=x.dtype == torch.float32, HAS_BIAS=bias is not None,
+        IEEE=x.dtype == torch.float32, HAS_BIAS=bias is not None, TMA=tma,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
     if partial:
@@ -313,6 +329,24 @@ def matmul(
             SPLITS=splits, BLOCK_M=bm, BLOCK_N=bn, HAS_BIAS=bias is not None, num_warps=4,
         )  # fmt: skip
     return out
+
+
+def _tma_loadable(t: torch.Tensor) -> bool:
+    """A TMA descriptor can describe ``t`` (2-D, rows of unit stride, 16-byte aligned start and rows) on
+    a GPU with the copy engine (Hopper and later)."""
+    return (
+        t.is_cuda
+        and t.stride(1) == 1
+        and (t.stride(0) * t.element_size()) % 16 == 0
+        and t.data_ptr() % 16 == 0
+        and torch.cuda.get_device_capability(t.device)[0] >= 9
+    )
+
+
+def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, [block_rows, block_cols])
 
 
 # Reductions over a loaded row (norm, log-softmax) sum in an order set by the load's register layout, which

@@ -55,6 +55,14 @@ class AttentionMetadata:
     image_spans: tuple[torch.Tensor, torch.Tensor] | None = None
     image_spans_sliding_only: bool = False  # Gemma 4: bidirectional in sliding-window layers only
     _masks: dict = field(default_factory=dict)
+    _decode_positions: torch.Tensor | None = None
+
+    def decode_positions(self) -> torch.Tensor:
+        """Each decode row's query position ``[batch, 1]`` (a CUDA-graph padding row reads slot 0), computed
+        once a step rather than once a layer."""
+        if self._decode_positions is None:
+            self._decode_positions = (self.context_lens.long() - 1).clamp(min=0)[:, None]
+        return self._decode_positions
 
     def mask(self, window: int | None) -> torch.Tensor:
         """Boolean attention mask (True = attend), cached per sliding-window size for the step."""
@@ -234,8 +242,7 @@ def exact_attention(q, k, v, meta: AttentionMetadata, layer_cache: torch.Tensor,
         q_pos = meta.query_starts[:, None] + cols[None, :]
         out = _exact_cached_attention(q[meta.pad_index], q_pos, meta, layer_cache, window, scale)
         return out[meta.pad_valid].reshape(q.shape[0], -1)
-    q_pos = (meta.context_lens.long() - 1).clamp(min=0)[:, None]  # a padding row reads slot 0
-    out = _exact_cached_attention(q[:, None], q_pos, meta, layer_cache, window, scale)
+    out = _exact_cached_attention(q[:, None], meta.decode_positions(), meta, layer_cache, window, scale)
     return out.reshape(q.shape[0], -1)
 
 
