@@ -1,5 +1,6 @@
 """``--exact_logprobs`` on an on-policy step: the policy loss takes the engine's log-probs as the exact values
-(``PolicyLoss.engine_exact``), running the exact forward on the step's first micro-batch only, to check.
+(``PolicyLoss.engine_exact``), running the exact forward once a step, on the first micro-batch's first
+``EXACT_CHECK_SAMPLES`` samples, to check.
 
 The engine's log-probs are the trainer's exact forward's bit for bit, so taking them must change nothing:
 the same loss and gradient bits per micro-batch, the same run history, with one exact forward a step
@@ -74,6 +75,22 @@ def test_engine_values_give_the_exact_forwards_loss_and_gradient_bits(tiny_qwen2
     # the check measured the gap (0.0) on its micro-batch; the other logs none (it would only assume it)
     assert float(checked[0][2][MISMATCH]) == 0.0 and MISMATCH not in checked[1][2]
     assert all(float(m["policy/approx_kl"]) == 0.0 for _, _, m in checked)
+
+
+def test_the_check_runs_the_exact_forward_on_the_first_samples_only(tiny_qwen2, monkeypatch, exact_forwards):
+    """``EXACT_CHECK_SAMPLES`` (2 here) of the step's first micro-batch (3 rows) go through the exact
+    forward, and their mismatch is the step's metric."""
+    from tidal.trainers.ppo import update
+
+    monkeypatch.setattr(update, "EXACT_CHECK_SAMPLES", 2)
+    model = make_exact(load_causal_lm(ModelConfig(pretrain=str(tiny_qwen2)), CPU))
+    step = _step(model, packing=False)
+    step.rollout_logprobs[2] += 0.5 * step.action_mask[2]  # off in the third row only: beyond the check
+    exact_forwards.clear()
+    loss_fn = PolicyLoss(AlgorithmConfig(), Precision.create("fp32", CPU), 1.0, False, engine_exact=True)
+    first, _ = _losses(model, loss_fn, step)
+    (batch,) = [call[1] for call in exact_forwards]
+    assert batch["input_ids"].shape[0] == 2 and float(first[2][MISMATCH]) == 0.0
 
 
 def test_a_broken_premise_shows_in_the_checked_micro_batch_and_warns(tiny_qwen2, caplog):

@@ -120,6 +120,9 @@ OUTPUT_GRADIENT = "_output_gradient"
 
 # Engine vs trainer log-prob gap (mean |old - rollout| over action tokens), logged by the PPO trainer.
 MISMATCH = "rollout/logprob_mismatch"
+# --exact_logprobs: samples of each on-policy step whose exact forward checks the engine's log-probs
+# (``PolicyLoss._check``; the step's first micro-batch, all of it where it holds fewer)
+EXACT_CHECK_SAMPLES = 8
 
 
 def old_logprobs_from_update(epochs: int, rollout_size: int, step_size: int, has_reference: bool) -> bool:
@@ -264,9 +267,9 @@ class PolicyLoss:
     # checkpointing recompute in backward routes alike; the caller clears them (``force_routing(m, None)``).
     router_replay: bool = False
     # --exact_logprobs with the engine generating on the weights being trained (not --async_train): an
-    # on-policy step's exact values are the engine's log-probs bit for bit, so the step's first micro-batch
-    # runs the exact forward (and logs the measured mismatch) and the others take the engine's values
-    # with the default forward's gradient (``_takes_engine_values``)
+    # on-policy step's exact values are the engine's log-probs bit for bit, so its micro-batches take the
+    # engine's values with the default forward's gradient (``_takes_engine_values``), and the exact forward
+    # runs once a step, on the first ``EXACT_CHECK_SAMPLES`` samples, to measure the mismatch (``_check``)
     engine_exact: bool = False
     loss_params: PolicyLossParams = field(init=False)  # the chosen loss's own: clip ε or SAPO's τ
     _checked: Normaliser | None = field(default=None, init=False, repr=False)  # the step checked last
@@ -276,21 +279,42 @@ class PolicyLoss:
         self.loss_params = self.cfg.policy_loss_params()
 
     def _takes_engine_values(self, mb: Experience, norm: Normaliser) -> bool:
-        """Whether this micro-batch skips the exact forward: an on-policy step in ``engine_exact`` mode,
-        not the step's first micro-batch (``norm`` is one step's own object), which checks the premise."""
-        if not self.engine_exact or mb.old_logprobs is not None:
-            return False
-        if self._checked is not norm:
-            self._checked = norm
-            return False
-        return True
+        """Whether this micro-batch takes the engine's log-probs as its exact values (no exact forward): an
+        on-policy step in ``engine_exact`` mode."""
+        return self.engine_exact and mb.old_logprobs is None
+
+    def _check(self, model: nn.Module, mb: Experience, norm: Normaliser) -> dict[str, Tensor]:
+        """Once a step (``norm`` is one step's own object; else nothing): the exact forward of the
+        micro-batch's first ``EXACT_CHECK_SAMPLES`` samples against the engine's log-probs, the premise of
+        ``_takes_engine_values``: its mean |gap| as the step's mismatch metric (0.0), and a warning, once a
+        run, where it is not 0. A few samples check it as well as a micro-batch (a row's exact values are
+        a function of that row alone) at a fraction of the exact forward's cost."""
+        if self._checked is norm:
+            return {}
+        self._checked = norm
+        rows = mb.select(torch.arange(min(len(mb), EXACT_CHECK_SAMPLES)))
+        if self.router_replay:  # the exact router picks the engine's experts itself; replay's hook would
+            force_routing(model, None)  # recompute their weights in plain torch (``forward._hooks_off``)
+        with torch.no_grad(), self.precision.autocast():
+            exact, _ = token_logprobs(model, model_batch(rows, self.packing), self.temperature)
+        exact = unflatten(exact, rows, self.packing)
+        mismatch = masked_mean((exact - rows.rollout_logprobs).abs(), rows.action_mask)
+        if not self._warned and float(mismatch) != 0.0:
+            self._warned = True  # the premise of the engine's values failed: say so, loudly
+            log.warning(
+                "--exact_logprobs: the trainer's exact log-probs differ from the engine's (mean |gap| %.3g); "
+                "exact mode does not hold for this model or setup: please report it",
+                float(mismatch),
+            )
+        return {MISMATCH: mismatch}
 
     def __call__(self, model: nn.Module, mb: Experience, norm: Normaliser):
         cfg, mask = self.cfg, mb.action_mask
+        engine_values = self._takes_engine_values(mb, norm)
+        checked = self._check(model, mb, norm) if engine_values else {}
         if self.router_replay:
             force_routing(model, forced_experts(mb, self.packing))
         routers = capture_router_logits(model) if self.aux_loss_coef > 0 else contextlib.nullcontext([])
-        engine_values = self._takes_engine_values(mb, norm)
         forward = default_token_logprobs if engine_values else token_logprobs
         with self.precision.autocast(), routers as router_logits:
             logp, out = forward(
@@ -311,18 +335,10 @@ class PolicyLoss:
             cfg.policy_loss_type, logp, old, mb.advantages, mask, self.loss_params,
             mb.rollout_logprobs, correction, cfg.is_bounds,
         )  # fmt: skip
-        metrics = {f"policy/{k}": _share(v, mask, norm) for k, v in stats.items()}
+        metrics = {f"policy/{k}": _share(v, mask, norm) for k, v in stats.items()} | checked
         if mb.old_logprobs is None and not engine_values:  # what the skipped scoring pass would have given
             mismatch = masked_mean((old - mb.rollout_logprobs).abs(), mask)
-            # engine_exact: one micro-batch a step measures it (exact mode's check), so its own mean
-            metrics[MISMATCH] = mismatch.detach() if self.engine_exact else _share(mismatch, mask, norm)
-            if self.engine_exact and not self._warned and float(mismatch) != 0.0:
-                self._warned = True  # the premise of the other micro-batches failed: say so, loudly
-                log.warning(
-                    "--exact_logprobs: the trainer's exact log-probs differ from the engine's (mean |gap| %.3g); "
-                    "exact mode does not hold for this model or setup: please report it",
-                    float(mismatch),
-                )
+            metrics[MISMATCH] = _share(mismatch, mask, norm)
         terms = []  # per-token KL-loss and entropy terms: token means in every mode, as OpenRLHF
         if cfg.use_kl_loss and mb.ref_logprobs is not None:
             kl = compute_kl(logp, mb.ref_logprobs, mask, cfg.kl_estimator)
