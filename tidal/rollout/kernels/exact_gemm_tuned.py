@@ -15,18 +15,18 @@ K, on both sides alike (so it changes exact runs' samples, not their exactness).
 TUNED: dict[tuple[int, int], dict[str, dict[str, int]]] = {
     (128, 896): {"train": {"block_k": 64, "block_m": 64, "block_n": 64, "group_m": 8, "num_stages": 3, "num_warps": 4}},
     (512, 3584): {"train": {"block_k": 128, "block_m": 128, "block_n": 128, "group_m": 8, "num_stages": 3, "num_warps": 8}},
-    (896, 896): {"decode": {"block_k": 128, "block_m": 64, "block_n": 32, "group_m": 8, "num_stages": 3, "num_warps": 4}, "train": {"block_k": 64, "block_m": 128, "block_n": 64, "group_m": 8, "num_stages": 4, "num_warps": 8}},
-    (896, 4864): {"decode": {"block_k": 128, "block_m": 64, "block_n": 32, "group_m": 8, "num_stages": 3, "num_warps": 4}, "train": {"block_k": 128, "block_m": 128, "block_n": 128, "group_m": 8, "num_stages": 3, "num_warps": 8}},
-    (1152, 896): {"decode": {"block_k": 128, "block_m": 64, "block_n": 64, "group_m": 8, "num_stages": 4, "num_warps": 4}},
-    (3584, 3584): {"decode": {"block_k": 128, "block_m": 64, "block_n": 64, "group_m": 8, "num_stages": 3, "num_warps": 4}, "train": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8}},
-    (3584, 18944): {"decode": {"block_k": 128, "block_m": 128, "block_n": 64, "group_m": 8, "num_stages": 4, "num_warps": 8}, "train": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8}},
-    (4608, 3584): {"decode": {"block_k": 64, "block_m": 64, "block_n": 64, "group_m": 8, "num_stages": 4, "num_warps": 4}},
+    (896, 896): {"decode": {"block_k": 128, "block_m": 64, "block_n": 32, "group_m": 8, "num_stages": 4, "num_warps": 4, "tma": 1}, "train": {"block_k": 64, "block_m": 128, "block_n": 64, "group_m": 8, "num_stages": 4, "num_warps": 8}},
+    (896, 4864): {"decode": {"block_k": 128, "block_m": 64, "block_n": 32, "group_m": 8, "num_stages": 4, "num_warps": 4, "tma": 1}, "train": {"block_k": 128, "block_m": 128, "block_n": 128, "group_m": 8, "num_stages": 3, "num_warps": 8}},
+    (1152, 896): {"decode": {"block_k": 128, "block_m": 64, "block_n": 64, "group_m": 8, "num_stages": 4, "num_warps": 4, "tma": 1}},
+    (3584, 3584): {"decode": {"block_k": 128, "block_m": 128, "block_n": 64, "group_m": 8, "num_stages": 4, "num_warps": 8, "tma": 1}, "train": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8}},
+    (3584, 18944): {"decode": {"block_k": 128, "block_m": 128, "block_n": 64, "group_m": 8, "num_stages": 4, "num_warps": 8, "tma": 1}, "train": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8}},
+    (4608, 3584): {"decode": {"block_k": 64, "block_m": 64, "block_n": 64, "group_m": 8, "num_stages": 4, "num_warps": 4, "tma": 1}},
     (4864, 896): {"train": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8}},
-    (9728, 896): {"decode": {"block_k": 64, "block_m": 64, "block_n": 64, "group_m": 8, "num_stages": 3, "num_warps": 4}},
+    (9728, 896): {"decode": {"block_k": 64, "block_m": 64, "block_n": 128, "group_m": 8, "num_stages": 3, "num_warps": 4, "tma": 1}},
     (18944, 3584): {"train": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8}},
-    (37888, 3584): {"decode": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8}},
-    (151936, 896): {"decode": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8}, "train": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8}},
-    (152064, 3584): {"decode": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8}, "train": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8}},
+    (37888, 3584): {"decode": {"block_k": 64, "block_m": 128, "block_n": 128, "group_m": 8, "num_stages": 4, "num_warps": 8, "tma": 1}},
+    (151936, 896): {"decode": {"block_k": 64, "block_m": 128, "block_n": 128, "group_m": 8, "num_stages": 3, "num_warps": 8, "tma": 0}, "train": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8}},
+    (152064, 3584): {"decode": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8, "tma": 1}, "train": {"block_k": 64, "block_m": 128, "block_n": 256, "group_m": 8, "num_stages": 4, "num_warps": 8}},
 }
 K_SPLITS: dict[int, int] = {896: 1, 3584: 1, 4864: 1, 18944: 1}  # K -> number of K ranges (1 where not listed)
 # fmt: on
