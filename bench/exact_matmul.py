@@ -187,8 +187,11 @@ def main() -> None:
     p.add_argument("--train_rows", type=int, default=16384)
     p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--deadline_s", type=float, default=400.0, help="stop searching after this long")
-    p.add_argument("--decode_only", action="store_true",
-                   help="search the decode launches only (K unsplit, as the trainer's launches are kept)")
+    p.add_argument(
+        "--decode_only",
+        action="store_true",
+        help="search the decode launches only (K unsplit, as the trainer's launches are kept)",
+    )
     p.add_argument("--write", action="store_true",
                    help="record the launches and K partitions in tidal/rollout/kernels/exact_gemm_tuned.py "
                         "(kept: the other shapes already there)")  # fmt: skip

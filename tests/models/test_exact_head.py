@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.rollout.triton_interpreter import interpreted
+from tests.rollout.triton_interpreter import EXACT_KERNELS, interpreted
 from tidal.models.forward import token_logprobs
 from tidal.rollout import batch_invariant as bi
 from tidal.testing import build_tiny_model
@@ -173,7 +173,7 @@ def test_the_forwards_layout_gives_each_sample_its_own_attention():
 @pytest.fixture
 def on_kernels(monkeypatch):
     """Every batch-invariant op on CPU tensors through the CUDA path's Triton kernels, interpreted."""
-    with interpreted({"tidal.rollout.kernels.triton_exact": "_matmul_kernel"}):
+    with interpreted(EXACT_KERNELS):
         monkeypatch.setattr(bi.dispatch, "on_triton", lambda x: True)
         yield
 

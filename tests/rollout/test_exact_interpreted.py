@@ -8,6 +8,7 @@ skipped where triton is not importable or CUDA is present. Split from ``test_exa
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -20,14 +21,14 @@ from tests.rollout.test_exact_cuda import (
     ref_rms_norm,
     ref_token_logprobs,
 )
-from tests.rollout.triton_interpreter import interpreted
+from tests.rollout.triton_interpreter import EXACT_KERNELS, interpreted
 from tidal.rollout import batch_invariant as bi
 
 
 @pytest.fixture(scope="module")
 def te():
     """``tidal.rollout.kernels.triton_exact`` with its kernels run by Triton's interpreter."""
-    with interpreted({"tidal.rollout.kernels.triton_exact": "_matmul_kernel"}) as (module,):
+    with interpreted(EXACT_KERNELS) as (*_, module):
         yield module
 
 
@@ -235,7 +236,9 @@ def test_interpreted_tma_launch_gives_the_pointer_launchs_bits(te, monkeypatch, 
     monkeypatch.setattr(te, "_matmul_kernel", _Recording(real, launches, "TMA"))
     full = te.matmul(x, w, bias, config=tma)
     assert launches[-1]
-    assert ((full.double() - ref_matmul(x, w) - bias.double()).abs() <= 1e-5 * (x.abs() @ w.abs().T + 1)).all()
+    assert (
+        (full.double() - ref_matmul(x, w) - bias.double()).abs() <= 1e-5 * (x.abs() @ w.abs().T + 1)
+    ).all()
     assert torch.equal(te.matmul(x[7:8], w, bias, config=tma, parallel_split=False), full[7:8])
     odd = torch.empty(40, 301)[:, :300]
     odd.copy_(x)
@@ -358,8 +361,9 @@ def test_ops_on_the_kernels_have_the_reference_gradients(on_kernels, monkeypatch
 def test_interpreted_logprobs_over_vocabulary_slices(te, monkeypatch):
     """``token_logprobs`` with the vocabulary in several slices (small ones here, 8 and a partial ninth):
     float64's values, row-invariant, and a slice of only -inf logits (masked tokens) adds nothing."""
-    monkeypatch.setattr(te, "VOCAB_BLOCK", 64)
-    monkeypatch.setattr(te, "VOCAB_CHUNK", 128)
+    rows_module = sys.modules[te.token_logprobs.__module__]  # triton_exact_rows, interpreted
+    monkeypatch.setattr(rows_module, "VOCAB_BLOCK", 64)
+    monkeypatch.setattr(rows_module, "VOCAB_CHUNK", 128)
     g = torch.Generator().manual_seed(3)
     logits, tokens = torch.randn(5, 1000, generator=g) * 4, torch.randint(0, 256, (5,), generator=g)
     logits[:, 256:384] = float("-inf")
@@ -376,14 +380,14 @@ def fused_kernels(monkeypatch):
     ``expf`` (libdevice), which the interpreter's numpy exp and torch's CPU SiLU (SLEEF) each miss by an
     ulp at times; the gpu tests compare it with torch on CUDA."""
     from tidal.rollout.models import layers
-    from tidal.rollout.runner import exact_model
 
     with interpreted({"tidal.rollout.models.triton_fused": "_rope_store_kv_kernel"}) as (fused,):
-        for module in (layers,):
-            monkeypatch.setattr(module, "fused_kernels_usable", lambda x: True)
+        monkeypatch.setattr(layers, "fused_kernels_usable", lambda x: True)
         calls = []
         kernel = fused.rope_store_kv
-        monkeypatch.setattr(fused, "rope_store_kv", lambda *a, **kw: calls.append(a[0].shape) or kernel(*a, **kw))
+        monkeypatch.setattr(
+            fused, "rope_store_kv", lambda *a, **kw: calls.append(a[0].shape) or kernel(*a, **kw)
+        )
         yield calls
 
 

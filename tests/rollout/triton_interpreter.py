@@ -48,11 +48,12 @@ def interpreted(kernels: dict[str, str]) -> Iterator[list]:
             pytest.skip("triton is not installed")
         _interpret_standard_library(interpreter)
         _index_scalars_of_one_element(interpreter)
-        modules = []
+        modules, reloaded = [], False
         for name, kernel in kernels.items():
             module = importlib.import_module(name)
-            if not isinstance(getattr(module, kernel), interpreter.InterpretedFunction):
-                module = importlib.reload(module)
+            # after an earlier module's reload, a later one re-imports that module's new kernels
+            if reloaded or not isinstance(getattr(module, kernel), interpreter.InterpretedFunction):
+                module, reloaded = importlib.reload(module), True
             modules.append(module)
         yield modules
     finally:
@@ -60,6 +61,14 @@ def interpreted(kernels: dict[str, str]) -> Iterator[list]:
             os.environ.pop("TRITON_INTERPRET")
         else:
             os.environ["TRITON_INTERPRET"] = previous
+
+
+# Exact mode's kernel modules, in import order (``triton_exact`` re-exports the other two's functions).
+EXACT_KERNELS = {
+    "tidal.rollout.kernels.triton_exact_rows": "_rms_norm_kernel",
+    "tidal.rollout.kernels.triton_exact_attention": "_attention_kernel",
+    "tidal.rollout.kernels.triton_exact": "_matmul_kernel",
+}
 
 
 def _interpret_standard_library(interpreter) -> None:
