@@ -290,8 +290,7 @@ class Attention(nn.Module):
             qk, norms = self.fused_qk_heads(qkv)
             if norms is None and not meta.exact and decode_fusable(qk, qkv, meta):
                 return self.o_proj(self._fused_decode(qkv, cos, sin, meta))
-            # Exact mode takes the fused RoPE + KV store (torch's bits) but not fused q/k norms, which
-            # compute ``triton_norm``'s arithmetic where exact mode runs the batch-invariant norm.
+            # Exact mode: fused RoPE + KV store (torch's bits), not fused q/k norms (``triton_norm``'s sums)
             if norms is None or not meta.exact:
                 q, k = self._fused_rope_store(qk, norms, v, cos, sin, meta)
                 out = paged_attention(q, k, v, meta, self.layer_idx, self.window, self.scale, stored=True)
