@@ -369,20 +369,16 @@ def test_cuda_bf16_engine_and_trainer_logprobs_are_bit_identical(tiny_model, fam
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(
-    strict=True,
-    reason="failed on the H200 in session 14 (cause not captured); `tidal ppo` refuses --exact_logprobs with "
-    "--torch_compile (EXACT_COMPILE_REFUSAL) until this passes",
-)
 def test_cuda_exact_trainer_under_torch_compile_keeps_the_engines_bits(tiny_model):
-    """``--exact_logprobs --torch_compile``: the trainer's blocks compiled (``compile_blocks``) still give
-    the engine's log-probs bit for bit. Inductor launches the exact kernels with float64 scalars (eps, the
-    attention scale), which the kernels round to float32 first; before that the compile failed. Inductor's
-    fusion of the elementwise ops between the kernels (one rounding where eager rounds after each op) is
-    the next suspect."""
+    """``--exact_logprobs --torch_compile``: with the trainer's blocks compiled (``compile_blocks``) the exact
+    forward runs them eagerly (inductor's fusion of the elementwise ops between the exact kernels rounds
+    once where eager rounds after each op: the session-14 failure) and gives the engine's log-probs bit for
+    bit, with grad enabled too, where the default forward that gives the gradient runs compiled."""
+    import torch._dynamo.utils as dynamo_utils
     from transformers import AutoModelForCausalLM
 
     from tidal.models.compile import compile_blocks
+    from tidal.models.forward import token_logprobs
     from tidal.models.precision import Precision
     from tidal.rollout import EngineConfig, LLMEngine
 
@@ -396,7 +392,18 @@ def test_cuda_exact_trainer_under_torch_compile_keeps_the_engines_bits(tiny_mode
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
     bi.make_exact(hf)
     assert compile_blocks(hf) > 0
-    assert _trainer_gaps(hf, prompts, outputs, device, Precision.create("bf16", device)) == 0.0
+    precision = Precision.create("bf16", device)
+    assert _trainer_gaps(hf, prompts, outputs, device, precision) == 0.0
+    dynamo_utils.counters.clear()
+    batch = {"input_ids": torch.tensor([prompts[0] + list(outputs[0].outputs[0].token_ids)], device=device)}
+    with torch.no_grad(), precision.autocast():
+        values = token_logprobs(hf, batch, TEMPERATURE)[0]
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 0  # the exact forward: eager
+    with precision.autocast():
+        spliced = token_logprobs(hf, batch, TEMPERATURE)[0]
+    spliced.sum().backward()
+    assert torch.equal(spliced.detach(), values)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] > 0  # the default forward: compiled
 
 
 @pytest.mark.gpu

@@ -177,10 +177,14 @@ def exact_token_logprobs(
 
     Where grad is enabled (the policy loss) that forward runs without it, for the values only, and a
     second, default forward (``spliced_logprobs``) gives the gradient: the exact ops' own backward is
-    slow and nothing needs it (only the log-probs must equal the engine's)."""
+    slow and nothing needs it (only the log-probs must equal the engine's). Compiled blocks
+    (``--torch_compile``) run the exact forward eagerly and the default one compiled."""
     ids = batch["input_ids"]
     grad = torch.is_grad_enabled()
-    with torch.no_grad(), batch_invariant.exact_autocast_off(ids.device), _hooks_off(model, grad):
+    # Eagerly, where ``--torch_compile`` compiled the blocks: inductor fuses the elementwise ops between the
+    # exact kernels and rounds once where eager torch (and the engine) round after each op.
+    eager = torch.compiler.set_stance("force_eager")
+    with torch.no_grad(), batch_invariant.exact_autocast_off(ids.device), _hooks_off(model, grad), eager:
         lp, outputs = _exact_values(
             model, batch, temperature, chunk_size, with_entropy and not grad, **forward_kwargs
         )
