@@ -369,6 +369,12 @@ def test_cuda_bf16_engine_and_trainer_logprobs_are_bit_identical(tiny_model, fam
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(
+    strict=True,
+    reason="failed on the H200 in session 14 (inductor's fused elementwise rounding, suspected); session 17 runs "
+    "the exact forward eagerly inside the compiled blocks, not yet run on a GPU; `tidal ppo` refuses "
+    "--exact_logprobs with --torch_compile (EXACT_COMPILE_REFUSAL) until this passes",
+)
 def test_cuda_exact_trainer_under_torch_compile_keeps_the_engines_bits(tiny_model):
     """``--exact_logprobs --torch_compile``: with the trainer's blocks compiled (``compile_blocks``) the exact
     forward runs them eagerly (inductor's fusion of the elementwise ops between the exact kernels rounds
