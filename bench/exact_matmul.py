@@ -164,20 +164,11 @@ def search_tile(te, n, k, rows, decode, args, deadline, g, splits_options=(1,)):
 
 
 def agree(te, n, k, parts, decode_cfg, train_cfgs, g) -> bool:
-    """What ``verify_decode_launch`` checks: the decode launch's columns give each part's trainer bits."""
+    """What ``verify_decode_launch`` checks (``triton_exact.launch_keeps_bits``), for the launches found
+    here: the decode launch's columns give each part's trainer-launch bits."""
     x = torch.randn(64, k, device="cuda", generator=g).bfloat16()
     w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
-    own, start = [], 0
-    for size, cfg in zip(parts, train_cfgs, strict=True):
-        own.append(te.matmul(x, w[start : start + size], config=cfg, parallel_split=False))
-        start += size
-    want = torch.cat(own, dim=1)
-    launches = [decode_cfg, dataclasses.replace(decode_cfg, tma=0)]  # TMA, and its pointer-load fallback
-    return all(
-        torch.equal(te.matmul(x, w, config=cfg, parallel_split=p).view(torch.int16), want.view(torch.int16))
-        for cfg in launches
-        for p in (True, False)
-    )
+    return te.launch_keeps_bits(x, w, parts, decode_cfg, train_cfgs)
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ here so that callers find every exact kernel in one place: ``rms_norm`` and ``to
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -33,7 +34,15 @@ from tidal.rollout.kernels.exact_gemm_tuned import K_SPLITS, TUNED
 from tidal.rollout.kernels.triton_exact_attention import attention, paged_attention
 from tidal.rollout.kernels.triton_exact_rows import rms_norm, token_logprobs
 
-__all__ = ["MatmulConfig", "attention", "matmul", "paged_attention", "rms_norm", "token_logprobs"]
+__all__ = [
+    "MatmulConfig",
+    "attention",
+    "launch_keeps_bits",
+    "matmul",
+    "paged_attention",
+    "rms_norm",
+    "token_logprobs",
+]
 
 
 @triton.jit
@@ -248,24 +257,31 @@ def verify_decode_launch(
     g = torch.Generator(device=device).manual_seed(n * 65537 + k)
     x = torch.randn(64, k, generator=g, device=device).to(dtype)
     weight = (torch.randn(n, k, generator=g, device=device) * k**-0.5).to(dtype)
+    trains = [matmul_config(size, k, x.element_size()) for size in parts]
+    agree = launch_keeps_bits(x, weight, parts, decode_config(n, k, x.element_size()), trains)
+    if agree:
+        _VERIFIED.add(_key(n, k, x))
+    return agree
+
+
+def launch_keeps_bits(
+    x: torch.Tensor, weight: torch.Tensor, parts: list[int], decode: MatmulConfig, trains: list[MatmulConfig]
+) -> bool:
+    """Whether the launch ``decode`` of the packed ``weight`` gives ``x`` the bits that each part of
+    ``parts`` gets alone from its launch in ``trains``, K ranges in parallel and in turn (a TMA launch
+    also as pointer loads: what it runs where an operand is not TMA-loadable)."""
     own, start = [], 0
-    for size in parts:
-        w = weight[start : start + size]
-        own.append(matmul(x, w, config=matmul_config(size, k, x.element_size()), parallel_split=False))
+    for size, train in zip(parts, trains, strict=True):
+        own.append(matmul(x, weight[start : start + size], config=train, parallel_split=False))
         start += size
     bits = torch.int16 if x.element_size() == 2 else torch.int32
     want = torch.cat(own, dim=1).view(bits)
-    decode = decode_config(n, k, x.element_size())
-    # a TMA launch also as pointer loads: what it runs where an operand is not TMA-loadable
     launches = [decode, replace(decode, tma=0)] if decode.tma else [decode]
-    agree = all(
+    return all(
         torch.equal(matmul(x, weight, config=cfg, parallel_split=p).view(bits), want)
         for cfg in launches
         for p in (True, False)
     )
-    if agree:
-        _VERIFIED.add(_key(n, k, x))
-    return agree
 
 
 def matmul(
@@ -330,8 +346,14 @@ def _tma_loadable(t: torch.Tensor) -> bool:
         and t.stride(1) == 1
         and (t.stride(0) * t.element_size()) % 16 == 0
         and t.data_ptr() % 16 == 0
-        and torch.cuda.get_device_capability(t.device)[0] >= 9
+        and _has_copy_engine(t.device)
     )
+
+
+@functools.cache
+def _has_copy_engine(device: torch.device) -> bool:
+    """Hopper or later (asked once per device, not at every launch)."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int):

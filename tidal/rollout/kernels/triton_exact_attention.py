@@ -84,7 +84,7 @@ def _attention_kernel(
     if WINDOW:
         first = tl.min(tl.where(live, pos, 2147483647), axis=0) - WINDOW + 1
         lo = (tl.maximum(first, 0) // BLOCK_N) * BLOCK_N
-    scale = tl.full((), scale, tl.float32)  # float64 under inductor (see _rms_norm_kernel)
+    scale = tl.full((), scale, tl.float32)  # float64 under inductor (triton_exact_rows._rms_norm_kernel)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
