@@ -22,6 +22,7 @@ whole run (all steps), to see where exact mode's time goes.
     python bench/exact_logprobs.py --prompts 8 --n 4 --prompt_len 32 --new_tokens 64 --micro 16
     python bench/exact_logprobs.py --device cuda --config qwen2.5-0.5b          # issue #34's 0.5B shape
     python bench/exact_logprobs.py --device cuda --config qwen2.5-0.5b --compile
+    python bench/exact_logprobs.py --device cuda --config qwen2.5-7b --master_dtype bf16 --rollouts 3
 
 Why ``bench/rl_step.py``-based measurements (this script before issue #34) did not match the CLI: that
 step was built from the trainer's parts, not the trainer: no FSDP2 wrapping (``--zero_stage``), its own
@@ -61,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro", type=int, default=64, help="samples per micro-batch (update)")
     p.add_argument("--rollouts", type=int, default=4, help="steps per run (the first is not timed)")
     p.add_argument("--compile", action="store_true", help="pass --torch_compile to both runs")
+    p.add_argument("--master_dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="pass --master_dtype to both runs (bf16: 8 bytes a trained parameter, so that a 7B "
+                   "trainer with AdamW and its colocated engine fit on one H200)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="list each run's most expensive ops")
     p.add_argument("--folder", default="/tmp/tidal_exact_logprobs")
     args = p.parse_args(argv)
@@ -78,7 +82,8 @@ def run_cli(args, mode: str, model: Path, folder: Path) -> tuple[list[dict], lis
     out = folder / mode
     metrics = out / "final" / "run" / "metrics.jsonl"
     metrics.unlink(missing_ok=True)  # a file from an earlier run is not this run's
-    argv = rl_placement.flags(args, model, folder, out) + ["--colocate_all_models", *MODES[mode]]
+    extra = ["--colocate_all_models", "--master_dtype", args.master_dtype, *MODES[mode]]
+    argv = rl_placement.flags(args, model, folder, out) + extra
     print(f"# {mode}: tidal ppo {' '.join(argv)}", file=sys.stderr, flush=True)
     with profiled(args.profile, args.device) as prof:
         ppo_main(argv)
@@ -136,8 +141,8 @@ def main(argv=None) -> dict:
             results[mode]["top_ops"] = ops
     report = {
         "bench": "exact_logprobs", **versions(), "device": args.device, "threads": torch.get_num_threads(),
-        "config": args.config, "compile": args.compile, "prompts": args.prompts, "n": args.n,
-        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "micro": args.micro,
+        "config": args.config, "compile": args.compile, "master_dtype": args.master_dtype,
+        "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "micro": args.micro,
         "timed_steps": args.rollouts - 1, **results,
         "ratio": round(results["exact"]["step_s"] / results["default"]["step_s"], 3),
     }  # fmt: skip

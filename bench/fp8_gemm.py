@@ -1,36 +1,44 @@
 """Benchmark (issue #37): the FP8 engine's linear layers at a decode step's shapes, against bf16 cuBLAS in the
 same run.
 
-Per weight ``[N, K]`` of a model shape (``exact_matmul.SHAPES``: q/o, k/v, gate/up, down per layer) and per
-row count (``--rows``: the decode batch), times three products of the same activations, each inside a
-CUDA graph as the engine's decode runs them (``time_ms``):
+Per weight ``[N, K]`` the engine launches at decode (``exact_matmul.decode_launches``: q/k/v and gate/up
+packed, as the engine runs them; the LM head stays bf16 in FP8 mode and is left out) and per row count
+(``--rows``: the decode batch), times the same activations through, each inside a CUDA graph as the
+engine's decode runs them (``time_ms``):
 
 - ``bf16``: ``torch.nn.functional.linear`` (what the model-dtype engine runs);
-- ``fp8``: the engine's path, ``tidal.rollout.quant.linear.fp8_linear`` (per-token activation quantization,
-  one Triton launch, then ``torch._scaled_mm`` with row-wise scales; ``use_fast_accum=False``);
-- ``fp8_fast_accum``: the same with ``use_fast_accum=True`` (CUTLASS's fast-accumulation schedule: partial
-  sums stay in the tensor core's accumulator between K-blocks instead of being promoted to float32 at
-  each; what vLLM's Hopper FP8 GEMMs use), and its relative error against the float32 product of the same
-  FP8 operands next to ``fp8``'s.
+- ``scaled_mm``: per-token activation quantization (one Triton launch) then ``torch._scaled_mm`` with
+  row-wise scales (the engine's path before the Triton GEMM; still its path above ``MAX_ROWS`` tokens);
+- ``triton``: the same quantization then ``triton_fp8_gemm.fp8_gemm`` with the launch the engine takes
+  (``gemm_config``: the tuned table's, else ``default_config``'s), and ``engine``: whichever of the two
+  ``fp8_linear`` runs at that shape.
 
-Prints a table to stderr and one JSON line: per shape the three times, and the sums over a decode step
-(times the layer count) with the speed-ups over bf16.
+Relative errors against the float32 product of the same FP8 operands are reported for both FP8 GEMMs.
+``--search`` first tries tiles per shape and row bucket for ``--deadline_s`` seconds and keeps the fastest
+launch, or ``None`` where ``torch._scaled_mm`` stays faster; ``--write`` merges them into
+``tidal/rollout/quant/fp8_gemm_tuned.py``. Prints a table to stderr and one JSON line: per shape the
+times, and the sums over a decode step (times the layer count) with the speed-ups over bf16.
 
     python bench/fp8_gemm.py --config qwen2.5-7b --rows 256 32
+    python bench/fp8_gemm.py --config qwen2.5-7b --rows 256 64 16 --search --deadline_s 200 --write
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from exact_matmul import SHAPES, train_launches  # noqa: E402
+from exact_matmul import SHAPES, decode_launches, graph_time_ms  # noqa: E402
 from train_step import versions  # noqa: E402
+
+TABLE = Path(__file__).resolve().parents[1] / "tidal" / "rollout" / "quant" / "fp8_gemm_tuned.py"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,72 +46,147 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", default="qwen2.5-7b", choices=sorted(SHAPES))
     p.add_argument("--rows", type=int, nargs="+", default=[256, 32], help="activation rows (decode batch)")
     p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--search", action="store_true", help="search tiles per shape and row bucket first")
+    p.add_argument("--deadline_s", type=float, default=200.0, help="--search stops after this long")
+    p.add_argument("--write", action="store_true", help="merge the search's launches into fp8_gemm_tuned.py")
     return p.parse_args(argv)
 
 
 def time_ms(fn, repeats: int) -> float:
-    """GPU time per call of ``fn``, replayed from one CUDA graph of ``repeats`` calls (the engine decodes
-    in CUDA graphs; timed eagerly, the host's launch time of the activation quantization and
-    ``torch._scaled_mm`` — ~0.1 ms a call — would hide the kernels' own)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # warm-up: compiles, cuBLAS/CUTLASS selection, allocator pools
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
+    """GPU time per call of ``fn``, replayed from a CUDA graph (the engine decodes in CUDA graphs; timed
+    eagerly, the host's launch time, ~0.1 ms a call, would hide the kernels' own)."""
+    return graph_time_ms(fn, repeats)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want).norm() / want.norm()).item()
 
 
-def measure(n: int, k: int, rows: int, repeats: int) -> dict[str, float]:
+def operands(n: int, k: int, rows: int):
     from tidal.rollout.quant.fp8 import quantize
-    from tidal.rollout.quant.linear import _quantize_activations, fp8_linear
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k**0.5
     q, scales = quantize(w, "channel")  # the engine's weight quantization
-    scale_b = scales.view(1, -1)
+    return x, w, q, scales
 
-    def fast() -> torch.Tensor:
-        xq, xs = _quantize_activations(x, None)
-        return torch._scaled_mm(
-            xq, q.t(), scale_a=xs, scale_b=scale_b, out_dtype=x.dtype, use_fast_accum=True
-        )
 
+def scaled_mm(x, q, scales):
+    from tidal.rollout.quant.linear import _quantize_activations
+
+    xq, xs = _quantize_activations(x, None)
+    return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scales.view(1, -1), out_dtype=x.dtype)
+
+
+def triton(x, q, scales, config):
+    from tidal.rollout.quant.linear import _quantize_activations
+    from tidal.rollout.quant.triton_fp8_gemm import fp8_gemm
+
+    xq, xs = _quantize_activations(x, None)
+    return fp8_gemm(xq, xs, q, scales, config, None, x.dtype)
+
+
+def candidates(rows: int, n: int, k: int):
+    """Tiles tried by ``--search``: row tiles near the token count, 64-256 columns, K cut 1-8 times."""
+    from tidal.rollout.quant.triton_fp8_gemm import Fp8GemmConfig, row_bucket
+
+    bucket = row_bucket(rows)
+    for block_m in sorted({min(128, max(16, bucket // 2)), min(128, bucket)}):
+        for block_n in (64, 128, 256):
+            for split_k in (1, 2, 4, 8):
+                if split_k > 1 and -(-k // 128) < 4 * split_k:
+                    continue
+                for num_stages in (3, 4):
+                    warps = 8 if block_m * block_n >= 128 * 128 else 4
+                    yield Fp8GemmConfig(block_m, block_n, 128, split_k, warps, num_stages)
+
+
+def search(n: int, k: int, rows: int, repeats: int, deadline: float):
+    """The fastest launch at this shape (None: ``torch._scaled_mm`` is faster) and its time."""
+    x, _, q, scales = operands(n, k, rows)
+    best_ms, best = time_ms(lambda: scaled_mm(x, q, scales), repeats), None
+    for config in candidates(rows, n, k):
+        if time.time() > deadline:
+            break
+        try:
+            ms = time_ms(lambda c=config: triton(x, q, scales, c), repeats)
+        except Exception as err:  # a tile the GPU cannot hold (shared memory): skip it
+            print(f"  {config}: {type(err).__name__}", file=sys.stderr)
+            continue
+        if ms < best_ms * 0.98:  # a clear win only
+            best_ms, best = ms, config
+    return best, best_ms
+
+
+def measure(n: int, k: int, rows: int, repeats: int) -> dict[str, float]:
+    from tidal.rollout.quant.linear import _quantize_activations, fp8_linear
+    from tidal.rollout.quant.triton_fp8_gemm import default_config, gemm_config
+
+    x, w, q, scales = operands(n, k, rows)
+    config = gemm_config(rows, n, k, x.device, False)
+    launch = config or default_config(rows, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
     xq, xs = _quantize_activations(x, None)
     exact = (xq.float() * xs) @ (q.float() * scales).t()  # the FP8 operands' product in float32
     return {
         "bf16_ms": time_ms(lambda: torch.nn.functional.linear(x, w), repeats),
-        "fp8_ms": time_ms(lambda: fp8_linear(x, q, scales, "channel"), repeats),
-        "fp8_fast_accum_ms": time_ms(fast, repeats),
-        "fp8_error": relative_error(fp8_linear(x, q, scales, "channel"), exact),
-        "fp8_fast_accum_error": relative_error(fast(), exact),
+        "scaled_mm_ms": time_ms(lambda: scaled_mm(x, q, scales), repeats),
+        "triton_ms": time_ms(lambda: triton(x, q, scales, launch), repeats),
+        "engine_ms": time_ms(lambda: fp8_linear(x, q, scales, "channel"), repeats),
+        "engine_runs": "triton" if config else "scaled_mm",
+        "launch": launch.fields(),
+        "scaled_mm_error": relative_error(scaled_mm(x, q, scales), exact),
+        "triton_error": relative_error(triton(x, q, scales, launch), exact),
     }
+
+
+def write_table(found: dict, info: str) -> None:
+    from tidal.rollout.quant import fp8_gemm_tuned
+
+    table = {shape: dict(buckets) for shape, buckets in fp8_gemm_tuned.TUNED.items()}
+    for (n, k, bucket), config in found.items():
+        table.setdefault((n, k), {})[bucket] = None if config is None else config.fields()
+    text = TABLE.read_text()
+    head = (
+        text[: text.index("Written by")]
+        + f"Written by ``bench/fp8_gemm.py --search --write`` (last: {info}).\n"
+    )
+    body = "\n".join(f"    {key}: {value!r}," for key, value in sorted(table.items()))
+    TABLE.write_text(
+        f'{head}"""\n\n# (N, K) -> {{token bucket: Fp8GemmConfig fields, or None for torch._scaled_mm}}\n'
+        f"# fmt: off\nTUNED: dict[tuple[int, int], dict[int, dict[str, int] | None]] = {{\n{body}\n}}\n# fmt: on\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/fp8_gemm.py: needs a CUDA GPU (FP8 GEMMs)")
-    shapes = {name: shape for name, shape in train_launches(args.config).items() if name != "lm_head"}
+    from tidal.rollout.quant.triton_fp8_gemm import row_bucket
+
+    shapes = {name: s[:3] for name, s in decode_launches(args.config).items() if name != "lm_head"}
     result: dict = {"bench": "fp8_gemm", "config": args.config, **versions(), "rows": {}}
+    if args.search:
+        deadline, found = time.time() + args.deadline_s, {}
+        for rows in args.rows:
+            for name, (n, k, _) in shapes.items():
+                config, ms = search(n, k, rows, args.repeats, deadline)
+                found[n, k, row_bucket(rows)] = config
+                print(f"search rows {rows} {name} [{n}x{k}]: {config} {ms:.4f} ms", file=sys.stderr)
+        if args.write:
+            when = datetime.date.today().isoformat()
+            write_table(
+                found, f"{args.config}, {torch.cuda.get_device_name()}, torch {torch.__version__}, {when}"
+            )
+            import importlib
+
+            from tidal.rollout.quant import fp8_gemm_tuned
+
+            importlib.reload(fp8_gemm_tuned)
+        result["search"] = {f"{n}x{k}@{b}": c and c.fields() for (n, k, b), c in found.items()}
     for rows in args.rows:
-        per_shape, totals = {}, {"bf16_ms": 0.0, "fp8_ms": 0.0, "fp8_fast_accum_ms": 0.0}
+        per_shape = {}
+        totals = dict.fromkeys(("bf16_ms", "scaled_mm_ms", "triton_ms", "engine_ms"), 0.0)
         for name, (n, k, count) in shapes.items():
             per_shape[name] = measure(n, k, rows, args.repeats)
             for key in totals:
@@ -112,8 +195,8 @@ def main(argv: list[str] | None = None) -> dict:
                 f"rows {rows} {name:8s} [{n}x{k}] x{count}: " + json.dumps(per_shape[name]), file=sys.stderr
             )
         totals = {key: round(value, 3) for key, value in totals.items()}
-        totals["fp8_speedup"] = round(totals["bf16_ms"] / totals["fp8_ms"], 3)
-        totals["fp8_fast_accum_speedup"] = round(totals["bf16_ms"] / totals["fp8_fast_accum_ms"], 3)
+        for key in ("scaled_mm", "triton", "engine"):
+            totals[f"{key}_speedup"] = round(totals["bf16_ms"] / totals[f"{key}_ms"], 3)
         result["rows"][rows] = {"per_step": totals, "shapes": per_shape}
     print(json.dumps(result))
     return result

@@ -370,12 +370,6 @@ def test_cuda_bf16_engine_and_trainer_logprobs_are_bit_identical(tiny_model, fam
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(
-    strict=True,
-    reason="failed on the H200 in session 14 (inductor's fused elementwise rounding, suspected); session 17 runs "
-    "the exact forward eagerly inside the compiled blocks, not yet run on a GPU; `tidal ppo` refuses "
-    "--exact_logprobs with --torch_compile (EXACT_COMPILE_REFUSAL) until this passes",
-)
 def test_cuda_exact_trainer_under_torch_compile_keeps_the_engines_bits(tiny_model):
     """``--exact_logprobs --torch_compile``: with the trainer's blocks compiled (``compile_blocks``) the exact
     forward runs them eagerly (inductor's fusion of the elementwise ops between the exact kernels rounds
@@ -402,7 +396,11 @@ def test_cuda_exact_trainer_under_torch_compile_keeps_the_engines_bits(tiny_mode
     precision = Precision.create("bf16", device)
     assert _trainer_gaps(hf, prompts, outputs, device, precision) == 0.0
     dynamo_utils.counters.clear()
-    batch = {"input_ids": torch.tensor([prompts[0] + list(outputs[0].outputs[0].token_ids)], device=device)}
+    rows = [prompts[i] + list(outputs[i].outputs[0].token_ids) for i in range(2)]  # two, packed
+    batch = {
+        "input_ids": torch.tensor([rows[0] + rows[1]], device=device),
+        "position_ids": torch.cat([torch.arange(len(row), device=device) for row in rows])[None],
+    }
     with torch.no_grad(), precision.autocast():
         values = token_logprobs(hf, batch, TEMPERATURE)[0]
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 0  # the exact forward: eager

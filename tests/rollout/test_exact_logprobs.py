@@ -331,17 +331,6 @@ def test_tidal_ppo_refuses_uncovered_setups_in_one_line(tiny_model, tmp_path, ca
     assert message in _refusal(tiny_model(family), tmp_path, capsys, extra)
 
 
-def test_tidal_ppo_refuses_exact_with_torch_compile_where_compile_runs(
-    tiny_model, tmp_path, capsys, monkeypatch
-):
-    """--torch_compile compiles only on CUDA; there the compiled trainer failed its bit-equality test on an
-    H200, so the pair is refused in one line (as if on a GPU machine here); on the CPU compile is a no-op."""
-    from tidal.trainers.ppo.entry import EXACT_COMPILE_REFUSAL
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert EXACT_COMPILE_REFUSAL in _refusal(tiny_model("qwen2"), tmp_path, capsys, ["--torch_compile"])
-
-
 def _refusal(policy, tmp_path, capsys, extra: list[str]) -> str:
     """``tidal ppo --exact_logprobs *extra`` on ``policy``: it must exit 2 with no traceback; its stderr."""
     from tidal.cli.train_ppo import main as ppo_main

@@ -325,8 +325,8 @@ def _probe(granularity: str, device: torch.device, out_features: int, in_feature
     w = torch.randn(out_features, in_features, generator=gen).to(device, torch.bfloat16)
     b = torch.randn(out_features, generator=gen).to(device, torch.bfloat16) if bias else None
     q, scales = quantize(w, granularity)
-    # several token counts: on the H200 cuBLAS's block-wise GEMM took 32 and 256 tokens, refused 1 and 3000
-    for tokens in (32,) if granularity == "channel" else (1, 32, 300):
+    # 32 tokens: the Triton GEMM (decode); 1024: torch._scaled_mm for per-channel scales (prefill)
+    for tokens in (32, 1024) if granularity == "channel" else (1, 32, 300):
         x = torch.randn(tokens, in_features, generator=gen).to(device, torch.bfloat16)
         try:
             got = fp8_linear(x, q, scales, granularity, b).float()
@@ -358,18 +358,28 @@ def fp8_linear(
 ) -> torch.Tensor:
     """``x`` [..., K] (bf16) times the FP8 weight ``q`` [N, K] (dequantization ``scales``: [N, 1], or
     [N/128, K/128] optionally padded as ``padded_block_scales``) -> [..., N] in ``x.dtype``: the activations
-    quantized per token (and 128 columns for blocks), ``torch._scaled_mm`` applying both scales (and
-    ``bias``, per-channel only: ``fuses_bias``) to the float32 accumulator. ``q.t()`` is a view: the
-    buffer, row-major [N, K], is the column-major [K, N] operand the GEMM reads, so nothing is copied."""
+    quantized per token (and 128 columns for blocks), then a GEMM applying both scales (and ``bias``,
+    per-channel only: ``fuses_bias``) to the float32 accumulator: ``triton_fp8_gemm`` at decode token
+    counts and for every block-scaled one (``gemm_config``), else ``torch._scaled_mm``. ``q.t()`` is a
+    view: the buffer, row-major [N, K], is the column-major [K, N] operand torch's GEMM reads, so nothing
+    is copied."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], q.shape[0])
-    if granularity == "channel":
+    block = granularity == "block"
+    if config := _triton_gemm_config(rows, q, block):
+        from tidal.rollout.quant.triton_fp8_gemm import fp8_gemm
+
+        xq, xs = _quantize_activations(rows, BLOCK if block else None)
+        out = fp8_gemm(
+            xq, xs, q, padded_block_scales(scales) if block else scales, config, bias, x.dtype, block
+        )
+    elif not block:
         xq, xs = _quantize_activations(rows, None)
         out = torch._scaled_mm(
             xq, q.t(), scale_a=xs, scale_b=scales.view(1, -1), bias=bias, out_dtype=x.dtype
         )
-    else:
+    else:  # without Triton: cuBLAS's block-wise GEMM
         if bias is not None:
             raise ValueError("fp8_linear: a fused bias needs per-channel scales")
         # Token count padded to a multiple of 128 (zero rows, scale 1; their outputs dropped): cuBLAS's
@@ -379,6 +389,15 @@ def fp8_linear(
         scale_b = padded_block_scales(scales)[:, : x.shape[-1] // BLOCK].t()  # [K/128, N/128], stride [1, L4]
         out = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale_b, out_dtype=x.dtype)[:tokens]
     return out.view(*x.shape[:-1], q.shape[0])
+
+
+def _triton_gemm_config(rows: torch.Tensor, q: torch.Tensor, block: bool):
+    """``triton_fp8_gemm``'s launch for these rows (CUDA), or None where ``torch._scaled_mm`` runs them."""
+    if not triton_usable(rows):
+        return None
+    from tidal.rollout.quant.triton_fp8_gemm import gemm_config
+
+    return gemm_config(rows.shape[0], *q.shape, rows.device, block)
 
 
 def _quantize_activations(

@@ -56,13 +56,6 @@ from tidal.trainers.ppo.update import StepShape, ValueLoss, train_on_experience
 from tidal.trainers.sft import load_sft_samples
 
 log = get_logger(__name__)
-# --torch_compile compiles the trainer's blocks (CUDA only); in exact mode the compiled trainer failed its
-# bit-equality test against the engine on the H200 (tests/rollout/test_exact_cuda.py, a strict xfail), and
-# before that inductor's float64 scalars broke the exact kernels: refused until that test passes.
-EXACT_COMPILE_REFUSAL = (
-    "--exact_logprobs with --torch_compile: not supported yet (on an H200 the compiled trainer failed its "
-    "bit-equality test against the engine); drop --torch_compile for exact runs"
-)
 
 
 def run_ppo(run: PPORun, world: World | None = None) -> list[dict]:
@@ -239,8 +232,6 @@ def check_models_before_loading(run: PPORun) -> None:
         problem := exact_problem(config, lora_dropout, run.actor.load_in_4bit)
     ):
         raise ConfigError(f"{problem} (--pretrain {run.actor.pretrain})")
-    if run.rollout.exact_logprobs and run.actor.torch_compile and torch.cuda.is_available():
-        raise ConfigError(EXACT_COMPILE_REFUSAL)
     fp8 = run.rollout.rollout_quantization != "none"  # tidal.rollout.quant
     fp8 = fp8 and (model_type in FAMILIES or model_type in VISION_FAMILIES)
     engines_on = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the engines' "auto" device
