@@ -84,11 +84,27 @@ def time_ms(fn, repeats: int) -> float:
 
 
 def graph_time_ms(fn, repeats: int) -> float:
-    """GPU time per call, the calls replayed from a CUDA graph (``fp8_gemm.time_ms``, which imports this
-    module: imported here, when both are loaded)."""
-    from fp8_gemm import time_ms
-
-    return time_ms(fn, repeats)
+    """GPU time per call of ``fn``, replayed from one CUDA graph of ``repeats`` calls (the engine decodes
+    in CUDA graphs; timed eagerly, the host's launch time of a small kernel, ~0.01-0.1 ms a call, would
+    hide the kernels' own)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # warm-up: compiles, cuBLAS/CUTLASS selection, allocator pools
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
 
 
 def candidates(n: int, make, decode: bool):

@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from exact_matmul import SHAPES, decode_launches, graph_time_ms  # noqa: E402
+from exact_matmul import SHAPES, decode_launches  # noqa: E402
+from exact_matmul import graph_time_ms as time_ms  # noqa: E402
 from train_step import versions  # noqa: E402
 
 TABLE = Path(__file__).resolve().parents[1] / "tidal" / "rollout" / "quant" / "fp8_gemm_tuned.py"
@@ -50,12 +51,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deadline_s", type=float, default=200.0, help="--search stops after this long")
     p.add_argument("--write", action="store_true", help="merge the search's launches into fp8_gemm_tuned.py")
     return p.parse_args(argv)
-
-
-def time_ms(fn, repeats: int) -> float:
-    """GPU time per call of ``fn``, replayed from a CUDA graph (the engine decodes in CUDA graphs; timed
-    eagerly, the host's launch time, ~0.1 ms a call, would hide the kernels' own)."""
-    return graph_time_ms(fn, repeats)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -397,10 +397,9 @@ def test_cuda_exact_trainer_under_torch_compile_keeps_the_engines_bits(tiny_mode
     assert _trainer_gaps(hf, prompts, outputs, device, precision) == 0.0
     dynamo_utils.counters.clear()
     rows = [prompts[i] + list(outputs[i].outputs[0].token_ids) for i in range(2)]  # two, packed
-    batch = {
-        "input_ids": torch.tensor([rows[0] + rows[1]], device=device),
-        "position_ids": torch.cat([torch.arange(len(row), device=device) for row in rows])[None],
-    }
+    ids = torch.tensor([rows[0] + rows[1]], device=device)
+    positions = torch.cat([torch.arange(len(row), device=device) for row in rows])[None]
+    batch = {"input_ids": ids, "position_ids": positions, "attention_mask": torch.ones_like(ids)}
     with torch.no_grad(), precision.autocast():
         values = token_logprobs(hf, batch, TEMPERATURE)[0]
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 0  # the exact forward: eager
