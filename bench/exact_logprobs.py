@@ -35,8 +35,10 @@ ratio looked smaller). Running the CLI itself leaves nothing to match.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
+import multiprocessing
 import statistics
 import sys
 from pathlib import Path
@@ -79,6 +81,7 @@ def run_cli(args, mode: str, model: Path, folder: Path) -> tuple[list[dict], lis
     """One ``tidal ppo`` run in this process; (its logged steps, its top ops or None)."""
     from tidal.cli.train_ppo import main as ppo_main
 
+    stub_missing_datasets()
     out = folder / mode
     metrics = out / "final" / "run" / "metrics.jsonl"
     metrics.unlink(missing_ok=True)  # a file from an earlier run is not this run's
@@ -89,6 +92,15 @@ def run_cli(args, mode: str, model: Path, folder: Path) -> tuple[list[dict], lis
         ppo_main(argv)
     steps = [json.loads(line) for line in metrics.read_text().splitlines()]
     return steps, top_ops(prof, args.device) if prof is not None else None
+
+
+def run_cli_in_child(args, mode: str, model: Path, folder: Path) -> tuple[list[dict], list[dict] | None]:
+    """``run_cli`` in a fresh (spawned) process, as a user runs ``tidal ppo``: one run's GPU memory does not
+    outlive it (run in this process one after the other, a 7B default run left the exact run too little
+    memory for AdamW's states on an H200)."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(run_cli, args, mode, model, folder).result()
 
 
 @contextlib.contextmanager
@@ -135,7 +147,7 @@ def main(argv=None) -> dict:
     rl_placement.write_data(args, folder)
     results = {}
     for mode in MODES:
-        steps, ops = run_cli(args, mode, model, folder)
+        steps, ops = run_cli_in_child(args, mode, model, folder)
         results[mode] = summary(steps)
         if ops is not None:
             results[mode]["top_ops"] = ops
