@@ -205,7 +205,7 @@ def test_a_gpu_without_the_fp8_gemm_is_named_in_one_line(monkeypatch):
     reason = "CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmulAlgoGetHeuristic"
     notice = linear.fallback_notice("fp8_block", {reason: 112}, 112, torch.device("cuda", 0))
     assert notice == (
-        "engine: --rollout_quantization fp8_block: 112 of 112 linear layers cannot run torch._scaled_mm on "
+        "engine: --rollout_quantization fp8_block: 112 of 112 linear layers cannot run an FP8 GEMM on "
         f"NVIDIA H200 ({reason} (112 layers)), so they compute emulated (FP8-rounded weights in the model "
         "dtype: no speed-up, no memory saved); --rollout_quantization fp8 (per-channel scales) is the fast "
         "FP8 mode on this GPU"

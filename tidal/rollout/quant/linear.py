@@ -17,11 +17,12 @@ runs on the weights' device at the engine's load and at every ``load_weights`` c
   weight and its scales live in persistent buffers (``fp8_weight``, ``fp8_weight_scale``) rewritten *in
   place* at each sync, so captured CUDA graphs, which read those addresses, stay valid. The forward
   quantizes the activations per token (dynamic scales; per token and 128 columns for ``fp8_block``; one
-  Triton launch, ``triton_fp8.py``) and runs ``torch._scaled_mm`` (row-wise scales; for blocks torch's
-  1x128 x 128x128 block-wise recipe; a per-channel layer's bias added in the GEMM's epilogue,
-  ``fuses_bias``); a probe GEMM checks it once per process, granularity and weight shape, falling back
-  to ``emulated``, reported in one warning per engine start that names the GPU (``fallback_notice``:
-  for blocks it names ``fp8``, per-channel, as the mode that runs fast there).
+  Triton launch, ``triton_fp8.py``) and runs an FP8 GEMM (``fp8_linear``): ``triton_fp8_gemm.py`` at
+  decode token counts and for blocks (split-K launches measured per shape), else ``torch._scaled_mm``
+  (row-wise scales; without Triton, for blocks, torch's 1x128 x 128x128 block-wise recipe); a
+  per-channel layer's bias is added in the GEMM's epilogue (``fuses_bias``). A probe GEMM checks it once
+  per process, granularity and weight shape, falling back to ``emulated``, reported in one warning per
+  engine start that names the GPU (``fallback_notice``).
 - ``triton_fp8`` (MoE experts; the fused Triton MoE path on an FP8-capable GPU, per-channel scales): the
   kernels of ``kernels/triton_moe.py`` read the e4m3 experts (``fp8_gate_up_proj``, ``fp8_down_proj``
   and their ``_scale`` buffers, in place likewise) and multiply them by e4m3 activations (each expert
@@ -159,12 +160,12 @@ def quantize_model(model: CausalLM, quantization: str) -> Fp8State:
 
 def fallback_notice(quantization: str, refused: dict[str, int], layers: int, device: torch.device) -> str:
     """One line at engine start: how many of the ``layers`` linear layers run emulated on this CUDA GPU and
-    why (``refused``: reason -> count). For ``fp8_block`` (torch's 1x128 x 128x128 GEMM is cuBLAS's, whose
-    support on Hopper depends on the shapes) it names the per-channel mode as the fast one."""
+    why (``refused``: reason -> count). For ``fp8_block`` (without Triton its GEMM is cuBLAS's block-wise
+    one, whose support on Hopper depends on the shapes) it names the per-channel mode as the fast one."""
     why = "; ".join(f"{reason} ({count} layers)" for reason, count in refused.items())
     notice = (
         f"engine: --rollout_quantization {quantization}: {sum(refused.values())} of {layers} linear layers "
-        f"cannot run torch._scaled_mm on {torch.cuda.get_device_name(device)} ({why}), so they compute "
+        f"cannot run an FP8 GEMM on {torch.cuda.get_device_name(device)} ({why}), so they compute "
         f"emulated (FP8-rounded weights in the model dtype: no speed-up, no memory saved)"
     )
     if quantization == "fp8_block":
