@@ -115,12 +115,13 @@ def search(n: int, k: int, rows: int, repeats: int, deadline: float):
 
 
 def measure(n: int, k: int, rows: int, repeats: int) -> dict[str, float]:
+    from tidal.rollout.kernels.triton_sampling import sm_count
     from tidal.rollout.quant.linear import _quantize_activations, fp8_linear
     from tidal.rollout.quant.triton_fp8_gemm import default_config, gemm_config
 
     x, w, q, scales = operands(n, k, rows)
     config = gemm_config(rows, n, k, x.device, False)
-    launch = config or default_config(rows, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    launch = config or default_config(rows, n, k, sm_count(x.device))
     xq, xs = _quantize_activations(x, None)
     exact = (xq.float() * xs) @ (q.float() * scales).t()  # the FP8 operands' product in float32
     return {

@@ -109,7 +109,7 @@ def test_default_tiles_fill_the_gpu_with_k_ranges_where_tiles_are_few():
 def test_gemm_config_takes_the_measured_tile_and_leaves_large_token_counts_to_torch(monkeypatch):
     from tidal.rollout.quant import fp8_gemm_tuned, triton_fp8_gemm
 
-    monkeypatch.setattr(triton_fp8_gemm, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(triton_fp8_gemm, "sm_count", lambda device: 132)
     tile = dict(block_m=64, block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=3)
     monkeypatch.setattr(fp8_gemm_tuned, "TUNED", {(3584, 18944): {64: tile, 256: None}})
     cpu = torch.device("cpu")

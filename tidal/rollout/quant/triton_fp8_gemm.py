@@ -23,13 +23,13 @@ Launches come from ``gemm_config``: a tile measured best on a GPU for this weigh
 
 from __future__ import annotations
 
-import functools
 from dataclasses import asdict, dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from tidal.rollout.kernels.triton_sampling import sm_count
 from tidal.rollout.quant.fp8 import BLOCK  # fp8_block's scale block: a block-scaled launch steps K by it
 
 MAX_ROWS = 512  # token counts up to this run here by default (decode); larger ones torch._scaled_mm
@@ -48,11 +48,6 @@ class Fp8GemmConfig:
 
     def fields(self) -> dict[str, int]:
         return asdict(self)
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def row_bucket(m: int) -> int:
@@ -85,7 +80,7 @@ def gemm_config(m: int, n: int, k: int, device: torch.device, block_scaled: bool
             return None if tuned[bucket] is None else Fp8GemmConfig(**tuned[bucket])
         if m > MAX_ROWS:
             return None
-    return default_config(m, n, k, _sm_count(device.index or 0))
+    return default_config(m, n, k, sm_count(device))
 
 
 @triton.jit
