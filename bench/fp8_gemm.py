@@ -10,7 +10,7 @@ engine's decode runs them (``time_ms``):
 - ``scaled_mm``: per-token activation quantization (one Triton launch) then ``torch._scaled_mm`` with
   row-wise scales (the engine's path before the Triton GEMM; still its path above ``MAX_ROWS`` tokens);
 - ``triton``: the same quantization then ``triton_fp8_gemm.fp8_gemm`` with the launch the engine takes
-  (``gemm_config``: the tuned table's, else ``default_config``'s), and ``engine``: whichever of the two
+  (``fp8_gemm_config.gemm_config``: the tuned table's, else ``default_config``'s), and ``engine``: whichever of the two
   ``fp8_linear`` runs at that shape.
 
 Relative errors against the float32 product of the same FP8 operands are reported for both FP8 GEMMs.
@@ -84,7 +84,7 @@ def triton(x, q, scales, config):
 
 def candidates(rows: int, n: int, k: int):
     """Tiles tried by ``--search``: row tiles near the token count, 64-256 columns, K cut 1-8 times."""
-    from tidal.rollout.quant.triton_fp8_gemm import Fp8GemmConfig, row_bucket
+    from tidal.rollout.quant.fp8_gemm_config import Fp8GemmConfig, row_bucket
 
     bucket = row_bucket(rows)
     for block_m in sorted({min(128, max(16, bucket // 2)), min(128, bucket)}):
@@ -116,11 +116,11 @@ def search(n: int, k: int, rows: int, repeats: int, deadline: float):
 
 def measure(n: int, k: int, rows: int, repeats: int) -> dict[str, float]:
     from tidal.rollout.kernels.triton_sampling import sm_count
+    from tidal.rollout.quant.fp8_gemm_config import default_config, gemm_config
     from tidal.rollout.quant.linear import _quantize_activations, fp8_linear
-    from tidal.rollout.quant.triton_fp8_gemm import default_config, gemm_config
 
     x, w, q, scales = operands(n, k, rows)
-    config = gemm_config(rows, n, k, x.device, False)
+    config = gemm_config(rows, n, k, sm_count(x.device), False)
     launch = config or default_config(rows, n, k, sm_count(x.device))
     xq, xs = _quantize_activations(x, None)
     exact = (xq.float() * xs) @ (q.float() * scales).t()  # the FP8 operands' product in float32
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/fp8_gemm.py: needs a CUDA GPU (FP8 GEMMs)")
-    from tidal.rollout.quant.triton_fp8_gemm import row_bucket
+    from tidal.rollout.quant.fp8_gemm_config import row_bucket
 
     shapes = {name: s[:3] for name, s in decode_launches(args.config).items() if name != "lm_head"}
     result: dict = {"bench": "fp8_gemm", "config": args.config, **versions(), "rows": {}}

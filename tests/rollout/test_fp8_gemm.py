@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.rollout.triton_interpreter import interpreted
+from tidal.rollout.quant import fp8_gemm_config
 from tidal.rollout.quant.fp8 import dequantize, quantize, quantize_rows
 from tidal.rollout.quant.linear import padded_block_scales
 
@@ -22,6 +23,9 @@ from tidal.rollout.quant.linear import padded_block_scales
 def gemm():
     with interpreted({"tidal.rollout.quant.triton_fp8_gemm": "_fp8_gemm_kernel"}) as (module,):
         yield module
+
+
+Fp8GemmConfig = fp8_gemm_config.Fp8GemmConfig
 
 
 def operands(m: int, n: int, k: int, granularity: str, seed: int):
@@ -46,9 +50,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("m", [1, 37])
 def test_per_channel_launch_is_the_product_of_its_e4m3_operands(gemm, m, bias, split_k):
     xq, xs, wq, ws, b, want = operands(m, 200, 640, "channel", seed=m + split_k)
-    config = gemm.Fp8GemmConfig(
-        block_m=16, block_n=64, block_k=64, split_k=split_k, num_warps=4, num_stages=2
-    )
+    config = Fp8GemmConfig(block_m=16, block_n=64, block_k=64, split_k=split_k, num_warps=4, num_stages=2)
     got = gemm.fp8_gemm(xq, xs, wq, ws, config, b if bias else None, torch.float32)
     assert got.shape == (m, 200) and got.dtype == torch.float32
     assert rel(got, want + b if bias else want) < 1e-6
@@ -62,9 +64,7 @@ def test_block_scaled_launch_scales_each_k_block(gemm, split_k):
     them) and the weight's [N/128, K/128] padded to the GEMM buffers' column count; N not a multiple of 128."""
     xq, xs, wq, ws, b, want = operands(9, 200, 384, "block", seed=split_k)
     xs_outer = xs.t().contiguous().t()
-    config = gemm.Fp8GemmConfig(
-        block_m=16, block_n=64, block_k=128, split_k=split_k, num_warps=4, num_stages=2
-    )
+    config = Fp8GemmConfig(block_m=16, block_n=64, block_k=128, split_k=split_k, num_warps=4, num_stages=2)
     got = gemm.fp8_gemm(
         xq, xs_outer, wq, padded_block_scales(ws), config, b, torch.float32, block_scaled=True
     )
@@ -76,14 +76,12 @@ def test_block_scaled_launch_scales_each_k_block(gemm, split_k):
         rel(gemm.fp8_gemm(xq, swapped, wq, ws, config, None, torch.float32, block_scaled=True), want) > 0.05
     )
     with pytest.raises(ValueError, match="block_k 128"):
-        gemm.fp8_gemm(
-            xq, xs_outer, wq, ws, gemm.Fp8GemmConfig(16, 64, 64), None, torch.float32, block_scaled=True
-        )
+        gemm.fp8_gemm(xq, xs_outer, wq, ws, Fp8GemmConfig(16, 64, 64), None, torch.float32, block_scaled=True)
 
 
 def test_no_rows(gemm):
     xq, xs, wq, ws, _, _ = operands(1, 64, 128, "channel", seed=0)
-    out = gemm.fp8_gemm(xq[:0], xs[:0], wq, ws, gemm.Fp8GemmConfig(16, 64), None, torch.bfloat16)
+    out = gemm.fp8_gemm(xq[:0], xs[:0], wq, ws, Fp8GemmConfig(16, 64), None, torch.bfloat16)
     assert out.shape == (0, 64) and out.dtype == torch.bfloat16
 
 
@@ -91,7 +89,7 @@ def test_default_tiles_fill_the_gpu_with_k_ranges_where_tiles_are_few():
     """No GPU needed: ``default_config`` is a rule on shapes. A 7B ``down_proj`` at 256 tokens has 56
     output tiles of 128 x 128 on 132 SMs: K is cut; the wide gate/up has tiles enough: it is not. Every
     range is at least four K steps long, and one token takes the smallest row tile."""
-    from tidal.rollout.quant.triton_fp8_gemm import default_config
+    from tidal.rollout.quant.fp8_gemm_config import default_config
 
     down = default_config(256, 3584, 18944, sms=132)
     assert (down.block_m, down.block_n, down.split_k) == (128, 128, 2)
@@ -107,20 +105,15 @@ def test_default_tiles_fill_the_gpu_with_k_ranges_where_tiles_are_few():
 
 
 def test_gemm_config_takes_the_measured_tile_and_leaves_large_token_counts_to_torch(monkeypatch):
-    from tidal.rollout.quant import fp8_gemm_tuned, triton_fp8_gemm
+    from tidal.rollout.quant import fp8_gemm_tuned
+    from tidal.rollout.quant.fp8_gemm_config import Fp8GemmConfig, default_config, gemm_config
 
-    monkeypatch.setattr(triton_fp8_gemm, "sm_count", lambda device: 132)
     tile = dict(block_m=64, block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=3)
     monkeypatch.setattr(fp8_gemm_tuned, "TUNED", {(3584, 18944): {64: tile, 256: None}})
-    cpu = torch.device("cpu")
-    assert triton_fp8_gemm.gemm_config(40, 3584, 18944, cpu, False) == triton_fp8_gemm.Fp8GemmConfig(**tile)
-    assert (
-        triton_fp8_gemm.gemm_config(256, 3584, 18944, cpu, False) is None
-    )  # torch._scaled_mm measured faster
-    assert triton_fp8_gemm.gemm_config(8, 3584, 18944, cpu, False) == triton_fp8_gemm.default_config(
-        8, 3584, 18944, 132
-    )
-    assert triton_fp8_gemm.gemm_config(4096, 3584, 3584, cpu, False) is None  # prefill: torch._scaled_mm
-    # block scales: cuBLAS's block-wise GEMM refused token counts on the H200, so always here
-    assert triton_fp8_gemm.gemm_config(256, 3584, 18944, cpu, True).block_k == 128
-    assert triton_fp8_gemm.gemm_config(4096, 3584, 3584, cpu, True) is not None
+    assert gemm_config(40, 3584, 18944, 132, False) == Fp8GemmConfig(**tile)
+    assert gemm_config(256, 3584, 18944, 132, False) is None  # torch._scaled_mm measured faster
+    assert gemm_config(8, 3584, 18944, 132, False) == default_config(8, 3584, 18944, 132)
+    assert gemm_config(4096, 3584, 3584, 132, False) is None  # prefill: torch._scaled_mm
+    # block scales: cuBLAS's block-wise GEMM refused token counts on the H200, so always the Triton kernel
+    assert gemm_config(256, 3584, 18944, 132, True).block_k == 128
+    assert gemm_config(4096, 3584, 3584, 132, True) is not None

@@ -1,6 +1,6 @@
 """Launches of the FP8 linear layers' Triton GEMM (``triton_fp8_gemm``) measured best per weight shape and
 token bucket, against ``torch._scaled_mm`` (``None``: torch's GEMM was faster there). Shapes and buckets
-not listed take ``triton_fp8_gemm.default_config`` up to ``MAX_ROWS`` tokens.
+not listed take ``fp8_gemm_config.default_config`` up to ``MAX_ROWS`` tokens.
 
 Written by ``bench/fp8_gemm.py --search --write`` (last: qwen2.5-0.5b, NVIDIA H200, torch 2.11.0+cu130, 2026-12-03).
 """

@@ -66,6 +66,7 @@ from tidal.rollout.quant.families import (  # the refusals, re-exported for thei
     registry_family_problem,  # noqa: F401
 )
 from tidal.rollout.quant.fp8 import BLOCK, GRANULARITIES, dequantize, quantize, quantize_rows
+from tidal.rollout.quant.fp8_gemm_config import gemm_config
 
 log = get_logger(__name__)
 
@@ -361,9 +362,9 @@ def fp8_linear(
     [N/128, K/128] optionally padded as ``padded_block_scales``) -> [..., N] in ``x.dtype``: the activations
     quantized per token (and 128 columns for blocks), then a GEMM applying both scales (and ``bias``,
     per-channel only: ``fuses_bias``) to the float32 accumulator: ``triton_fp8_gemm`` at decode token
-    counts and for every block-scaled one (``gemm_config``), else ``torch._scaled_mm``. ``q.t()`` is a
-    view: the buffer, row-major [N, K], is the column-major [K, N] operand torch's GEMM reads, so nothing
-    is copied."""
+    counts and for every block-scaled one (``fp8_gemm_config.gemm_config``), else ``torch._scaled_mm``.
+    ``q.t()`` is a view: the buffer, row-major [N, K], is the column-major [K, N] operand torch's GEMM
+    reads, so nothing is copied."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], q.shape[0])
@@ -396,9 +397,9 @@ def _triton_gemm_config(rows: torch.Tensor, q: torch.Tensor, block: bool):
     """``triton_fp8_gemm``'s launch for these rows (CUDA), or None where ``torch._scaled_mm`` runs them."""
     if not triton_usable(rows):
         return None
-    from tidal.rollout.quant.triton_fp8_gemm import gemm_config
+    from tidal.rollout.kernels.triton_sampling import sm_count
 
-    return gemm_config(rows.shape[0], *q.shape, rows.device, block)
+    return gemm_config(rows.shape[0], *q.shape, sm_count(rows.device), block)
 
 
 def _quantize_activations(

@@ -15,72 +15,18 @@ Block scales vary along K, so a ``fp8_block`` launch scales each 128-column bloc
 it (``BLOCK_K`` 128); per-channel launches scale once, in the epilogue. Rows past M and columns past N are
 masked (no token-count padding, which cuBLAS's block-wise GEMM needs).
 
-Launches come from ``gemm_config``: a tile measured best on a GPU for this weight shape and token bucket
-(``fp8_gemm_tuned.TUNED``, written by ``bench/fp8_gemm.py --search --write``; there, ``None`` means
-``torch._scaled_mm`` was faster), else ``default_config``'s rule, up to ``MAX_ROWS`` tokens; above that
-(prefill) ``linear.fp8_linear`` keeps ``torch._scaled_mm``.
+Which launch, and whether this kernel or ``torch._scaled_mm`` runs a product, is ``fp8_gemm_config``'s
+decision (measured tiles per weight shape and token bucket, else a rule; no Triton needed to read it).
 """
 
 from __future__ import annotations
-
-from dataclasses import asdict, dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from tidal.rollout.kernels.triton_sampling import sm_count
 from tidal.rollout.quant.fp8 import BLOCK  # fp8_block's scale block: a block-scaled launch steps K by it
-
-MAX_ROWS = 512  # token counts up to this run here by default (decode); larger ones torch._scaled_mm
-
-
-@dataclass(frozen=True)
-class Fp8GemmConfig:
-    """One launch: output tile ``block_m x block_n``, K step ``block_k``, K cut into ``split_k`` ranges."""
-
-    block_m: int
-    block_n: int
-    block_k: int = 128
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 4
-
-    def fields(self) -> dict[str, int]:
-        return asdict(self)
-
-
-def row_bucket(m: int) -> int:
-    """The token bucket a tuned tile is recorded under: the next power of two, at least 16."""
-    return max(16, triton.next_power_of_2(m))
-
-
-def default_config(m: int, n: int, k: int, sms: int) -> Fp8GemmConfig:
-    """A tile for ``m`` tokens when none was measured: rows rounded up to a power of two (16..128), 64 or
-    128 columns, and K cut so that the tiles and ranges fill the SMs about once (each range at least four K
-    steps long)."""
-    block_m = min(128, row_bucket(m))
-    block_n = 64 if n <= 1024 or block_m <= 32 else 128
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    steps = triton.cdiv(k, BLOCK)
-    split_k = max(1, min(sms // tiles, steps // 4, 8))
-    return Fp8GemmConfig(block_m, block_n, BLOCK, split_k, 8 if block_m * block_n >= 128 * 128 else 4, 4)
-
-
-def gemm_config(m: int, n: int, k: int, device: torch.device, block_scaled: bool) -> Fp8GemmConfig | None:
-    """This launch's tile, or None where ``torch._scaled_mm`` runs it (measured faster, or above
-    ``MAX_ROWS`` tokens). Block-scaled launches always run here (cuBLAS's block-wise GEMM refused token
-    counts on the H200); a tuned tile only applies to per-channel scales."""
-    if not block_scaled:
-        from tidal.rollout.quant.fp8_gemm_tuned import TUNED
-
-        tuned = TUNED.get((n, k), {})
-        bucket = row_bucket(m)
-        if bucket in tuned:
-            return None if tuned[bucket] is None else Fp8GemmConfig(**tuned[bucket])
-        if m > MAX_ROWS:
-            return None
-    return default_config(m, n, k, sm_count(device))
+from tidal.rollout.quant.fp8_gemm_config import Fp8GemmConfig
 
 
 @triton.jit
