@@ -81,6 +81,7 @@ def kernel_ms(fn, calls: int = 20, replays: int = 5) -> float:
 
 
 def measure(name: str, sweep: bool, grid: dict | None = None) -> dict:
+    from tidal.accel import sm_count
     from tidal.rollout.kernels import triton_attention as ta
 
     batch, kv_heads, group, dim, avg, *table_tokens = SHAPES[name]
@@ -92,7 +93,9 @@ def measure(name: str, sweep: bool, grid: dict | None = None) -> dict:
         turn = itertools.cycle(caches)  # each call (each captured one too) reads the next cache
         return lambda: ta.paged_decode_attention(q, next(turn), tables, lens, None, scale, splits, tiles)
 
-    auto = ta.choose_num_splits(batch, kv_heads, tables.shape[1] * BLOCK_SIZE, ta._num_sms(0))
+    auto = ta.choose_num_splits(
+        batch, kv_heads, tables.shape[1] * BLOCK_SIZE, sm_count(torch.device("cuda", 0))
+    )
     reference = run()()
     base = kernel_ms(run())
     result = {

@@ -115,7 +115,7 @@ def search(n: int, k: int, rows: int, repeats: int, deadline: float):
 
 
 def measure(n: int, k: int, rows: int, repeats: int) -> dict[str, float]:
-    from tidal.rollout.kernels.triton_sampling import sm_count
+    from tidal.accel import sm_count
     from tidal.rollout.quant.fp8_gemm_config import default_config, gemm_config
     from tidal.rollout.quant.linear import _quantize_activations, fp8_linear
 

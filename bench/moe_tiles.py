@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fp8_gemm import time_ms  # noqa: E402
+from exact_matmul import graph_time_ms as time_ms  # noqa: E402
 from train_step import versions  # noqa: E402
 
 H200_BANDWIDTH = 4.8e12  # bytes/s, datasheet

@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import triton  # noqa: E402
 
+from tidal.accel import sm_count  # noqa: E402
 from tidal.rollout.kernels import triton_sampling as ts  # noqa: E402
 
 SWEEP = [(512, 4, 8), (512, 4, 16), (1024, 4, 8), (1024, 8, 8), (1024, 8, 4), (2048, 8, 4), (256, 2, 16)]
@@ -81,7 +82,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
 
-    sms = ts.sm_count(torch.device("cuda"))
+    sms = sm_count(torch.device("cuda"))
     runs, all_equal = [], True
     for rows in args.rows:
         for temperature in args.temperatures:

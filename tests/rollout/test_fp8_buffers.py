@@ -200,6 +200,47 @@ def test_fp8_linear_hands_torch_the_weight_buffers_themselves(monkeypatch, granu
     assert ((out - want).norm() / want.norm()).item() < 0.04  # the activations' own e4m3 rounding
 
 
+@pytest.mark.parametrize("granularity", ["channel", "block"])
+def test_fp8_linear_takes_the_triton_gemm_at_decode_and_torch_s_at_prefill(monkeypatch, granularity):
+    """The routing of ``fp8_linear`` where Triton runs (stood in for here: this machine may have no Triton):
+    a decode token count goes to ``triton_fp8_gemm.fp8_gemm`` with the weight buffer itself, its scales,
+    the launch ``fp8_gemm_config`` picks and the bias; a prefill one (per-channel) to ``torch._scaled_mm``;
+    block scales always to the Triton kernel."""
+    import sys
+    import types
+
+    seen = []
+    fake_gemm = types.ModuleType("triton_fp8_gemm")
+    fake_quant = types.ModuleType("triton_fp8")
+
+    def fp8_gemm(xq, xs, wq, ws, config, bias, out_dtype, block_scaled):
+        seen.append(("triton", wq, ws, config, bias, block_scaled))
+        return torch.zeros(xq.shape[0], wq.shape[0], dtype=out_dtype)
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None):
+        seen.append(("torch", b, scale_b, None, bias, False))
+        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+
+    fake_gemm.fp8_gemm = fp8_gemm
+    fake_quant.quantize_rows_triton = lambda rows, group=None, padded=None: linear.quantize_rows(rows, group)
+    monkeypatch.setitem(sys.modules, "tidal.rollout.quant.triton_fp8_gemm", fake_gemm)
+    monkeypatch.setitem(sys.modules, "tidal.rollout.quant.triton_fp8", fake_quant)
+    monkeypatch.setattr(linear, "triton_usable", lambda t: True)
+    monkeypatch.setattr(linear, "sm_count", lambda device: 132)
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    gen = torch.Generator().manual_seed(0)
+    q, scales = quantize(torch.randn(384, 256, generator=gen), granularity)
+    bias = torch.randn(384, generator=gen) if granularity == "channel" else None
+    for tokens in (8, 1024):
+        out = linear.fp8_linear(torch.randn(tokens, 256, generator=gen), q, scales, granularity, bias)
+        assert out.shape == (tokens, 384)
+    decode, prefill = seen
+    assert decode[0] == "triton" and decode[1] is q and decode[2] is scales and decode[4] is bias
+    assert decode[3] == linear.gemm_config(8, 384, 256, 132, granularity == "block")
+    assert decode[5] == (granularity == "block")
+    assert prefill[0] == ("triton" if granularity == "block" else "torch")
+
+
 def test_a_gpu_without_the_fp8_gemm_is_named_in_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H200")
     reason = "CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmulAlgoGetHeuristic"

@@ -151,13 +151,14 @@ def test_bfloat16_within_tolerance(heads, kv_heads, head_dim, window):
 def test_long_prompt_chunk_splits_the_keys(dtype, window):
     """One sequence's 512-token chunk at the end of a 16k prompt: too few tiles to fill the GPU, so the
     key range is split (split-K) and merged; every split count agrees with the reference."""
+    from tidal.accel import sm_count
     from tidal.rollout.kernels import triton_context
-    from tidal.rollout.kernels.triton_attention import _num_sms, choose_num_splits
+    from tidal.rollout.kernels.triton_attention import choose_num_splits
 
     q, cache, meta = make_case([(16384 - 512, 16384)], 14, 2, 64, 16, dtype, "cuda", seed=5)
     block_m = triton_context.tile_config(64, dtype)[0]
     tiles = -(-512 * 7 // block_m)
-    assert choose_num_splits(tiles, 2, 16384, _num_sms(torch.cuda.current_device())) > 1
+    assert choose_num_splits(tiles, 2, 16384, sm_count(torch.device("cuda"))) > 1
     ref = reference(q, cache, meta, window, 0.125)
     assert meta.pad_index.shape[1] == 512  # the chunk's new tokens
     for num_splits in (None, 1, 2, 16):

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.rollout.triton_interpreter import NumpyLibdevice, interpreted
+from tidal.accel import DEFAULT_SMS, sm_count
 from tidal.rollout.runner.sampler import Sampler, SamplingTensors, sequence_seed
 from tidal.testing.stats import expected_distinct, goodness_of_fit, mean_z
 
@@ -84,7 +85,7 @@ def test_split_kernel_draws_the_one_program_tokens_interpreted(ts, rows, vocab, 
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(logprobs, want_logprobs, atol=1e-5, rtol=1.3e-6)
     if "chunks" not in split:  # the automatic count did split these rows
-        assert ts.split_chunks(rows, vocab, ts.DEFAULT_SMS, split["block"]) > 1
+        assert ts.split_chunks(rows, vocab, DEFAULT_SMS, split["block"]) > 1
 
 
 def test_ties_go_to_the_lowest_index_across_chunks_interpreted(ts):
@@ -157,7 +158,7 @@ def test_split_kernel_draws_the_one_program_tokens_at_152k(rows, dtype):
     from tidal.rollout.kernels import triton_sampling as ts
 
     vocab = 151936
-    assert ts.split_chunks(rows, vocab, ts.sm_count(torch.device("cuda"))) > 1
+    assert ts.split_chunks(rows, vocab, sm_count(torch.device("cuda"))) > 1
     gen = torch.Generator(device="cuda").manual_seed(rows)
     for scale in (4.0, 0.05):  # spread and nearly flat (many near-ties after bf16 rounding)
         logits = (torch.randn(rows, vocab, device="cuda", generator=gen) * scale).to(dtype)
@@ -205,7 +206,7 @@ def test_split_kernel_samples_follow_the_exact_distribution_at_152k(temperature)
     from tidal.rollout.kernels import triton_sampling as ts
 
     vocab, draws, rows, n = 151936, 65536, 256, 8
-    assert ts.split_chunks(rows, vocab, ts.sm_count(torch.device("cuda"))) > 1
+    assert ts.split_chunks(rows, vocab, sm_count(torch.device("cuda"))) > 1
     gen = torch.Generator(device="cuda").manual_seed(1)
     logits = torch.randn(vocab, device="cuda", generator=gen) * 2
     top = torch.randint(0, vocab, (8,), device="cuda", generator=gen)

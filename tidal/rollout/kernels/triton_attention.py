@@ -12,13 +12,13 @@ Split-K ("flash-decoding"): when batch x kv heads is too small to fill the GPU, 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from tidal.accel import sm_count
 from tidal.rollout.models.triton_fused import rope_half
 
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in merging than it gains in parallelism
@@ -233,11 +233,6 @@ def merge_splits(
     )
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, num_sms: int) -> int:
     """Split the context only while (sequence, kv head) programs would leave SMs idle (power of two)."""
     splits = 1
@@ -294,9 +289,8 @@ def paged_decode_attention(
     assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two for the Triton decode kernel"
     group = num_heads // num_kv_heads
     if num_splits is None:
-        device = q.device.index if q.device.index is not None else torch.cuda.current_device()
         max_tokens = block_tables.shape[1] * block_size
-        num_splits = choose_num_splits(batch, num_kv_heads, max_tokens, _num_sms(device))
+        num_splits = choose_num_splits(batch, num_kv_heads, max_tokens, sm_count(q.device))
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     part, lse = split_buffers(out, num_splits)
     if rope is not None:

@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tidal.accel import sm_count
 from tidal.rollout.kernels.triton_attention import (
-    _num_sms,
     choose_num_splits,
     merge_splits,
     sink_share,
@@ -246,9 +246,8 @@ def paged_context_attention(
     block_m, block_n, num_warps = tile_config(head_dim, q.dtype)
     batch, tiles = block_tables.shape[0], triton.cdiv(max_new_tokens * group, block_m)
     if num_splits is None:
-        device = q.device.index if q.device.index is not None else torch.cuda.current_device()
         max_context = block_tables.shape[1] * block_size
-        num_splits = choose_num_splits(batch * tiles, num_kv_heads, max_context, _num_sms(device))
+        num_splits = choose_num_splits(batch * tiles, num_kv_heads, max_context, sm_count(q.device))
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     part, lse = split_buffers(out, num_splits)
     sink_arg = out if sinks is None else sinks  # unused without sinks

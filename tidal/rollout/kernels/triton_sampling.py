@@ -30,11 +30,11 @@ torch path handles the rest.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from tidal.accel import sm_count
 
 try:  # accurate logf, as torch's CUDA kernels use (triton >= 3.0 moved it)
     from triton.language.extra import libdevice
@@ -49,7 +49,6 @@ SPLIT_BLOCK = 512
 SPLIT_WARPS = 4
 PROGRAMS_PER_SM = 8  # enough resident warps to hide the hash/log latency
 MIN_BLOCKS_PER_CHUNK = 4  # below that, the combine and the per-program setup outweigh the gain
-DEFAULT_SMS = 132  # an H200; only used off CUDA (the interpreter), where it just sets the chunk count
 NO_MAX = tl.constexpr(-3.0e38)  # the running max's start: finite, since exp(-inf - -inf) would be nan
 
 
@@ -216,18 +215,6 @@ def _combine_kernel(
     best_idx = tl.load(index_ptr + at, mask=valid, other=vocab)
     top, total, _, token = _reduce(run_max, run_sum, best, best_idx, vocab)
     _finish(base, row, token, divisor, top, total, tokens_ptr, logprobs_ptr, LOGPROBS)
-
-
-@functools.cache
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (``DEFAULT_SMS`` off CUDA)."""
-    if device.type != "cuda":
-        return DEFAULT_SMS
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def split_chunks(rows: int, vocab: int, sms: int, block: int = SPLIT_BLOCK) -> int:

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tidal.accel import triton_usable
+from tidal.accel import sm_count, triton_usable
 from tidal.logging.console import get_logger
 from tidal.rollout.models.layers import CausalLM
 from tidal.rollout.models.moe import _PER_EXPERT, Experts
@@ -373,9 +373,7 @@ def fp8_linear(
         from tidal.rollout.quant.triton_fp8_gemm import fp8_gemm
 
         xq, xs = _quantize_activations(rows, BLOCK if block else None)
-        out = fp8_gemm(
-            xq, xs, q, padded_block_scales(scales) if block else scales, config, bias, x.dtype, block
-        )
+        out = fp8_gemm(xq, xs, q, scales, config, bias, x.dtype, block)  # reads scales through strides
     elif not block:
         xq, xs = _quantize_activations(rows, None)
         out = torch._scaled_mm(
@@ -397,8 +395,6 @@ def _triton_gemm_config(rows: torch.Tensor, q: torch.Tensor, block: bool):
     """``triton_fp8_gemm``'s launch for these rows (CUDA), or None where ``torch._scaled_mm`` runs them."""
     if not triton_usable(rows):
         return None
-    from tidal.rollout.kernels.triton_sampling import sm_count
-
     return gemm_config(rows.shape[0], *q.shape, sm_count(rows.device), block)
 
 
