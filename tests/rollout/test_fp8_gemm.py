@@ -58,16 +58,18 @@ def test_per_channel_launch_is_the_product_of_its_e4m3_operands(gemm, m, bias, s
     assert rel(gemm.fp8_gemm(xq, wrong, wq, ws, config, None, torch.float32), want) > 0.05
 
 
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("split_k", [1, 2])
-def test_block_scaled_launch_scales_each_k_block(gemm, split_k):
+def test_block_scaled_launch_scales_each_k_block(gemm, split_k, padded):
     """``fp8_block``: [M, K/128] activation scales (outer-dimension-major, as the quantization launch writes
-    them) and the weight's [N/128, K/128] padded to the GEMM buffers' column count; N not a multiple of 128."""
+    them) and the weight's [N/128, K/128], as ``quantize`` returns them or padded to the engine buffers'
+    column count (read through their strides, no copy); N not a multiple of 128."""
     xq, xs, wq, ws, b, want = operands(9, 200, 384, "block", seed=split_k)
     xs_outer = xs.t().contiguous().t()
+    weight_scales = padded_block_scales(ws) if padded else ws
+    assert weight_scales.shape[1] == (4 if padded else 3)
     config = Fp8GemmConfig(block_m=16, block_n=64, block_k=128, split_k=split_k, num_warps=4, num_stages=2)
-    got = gemm.fp8_gemm(
-        xq, xs_outer, wq, padded_block_scales(ws), config, b, torch.float32, block_scaled=True
-    )
+    got = gemm.fp8_gemm(xq, xs_outer, wq, weight_scales, config, b, torch.float32, block_scaled=True)
     assert rel(got, want + b) < 1e-6
     # one K block's scales swapped with another's: that block's products are scaled wrongly
     swapped = xs_outer.clone()
