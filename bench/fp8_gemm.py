@@ -68,14 +68,14 @@ def operands(n: int, k: int, rows: int):
 
 
 def scaled_mm(x, q, scales):
-    from tidal.rollout.quant.linear import _quantize_activations
+    from tidal.rollout.quant.gemm import _quantize_activations
 
     xq, xs = _quantize_activations(x, None)
     return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scales.view(1, -1), out_dtype=x.dtype)
 
 
 def triton(x, q, scales, config):
-    from tidal.rollout.quant.linear import _quantize_activations
+    from tidal.rollout.quant.gemm import _quantize_activations
     from tidal.rollout.quant.triton_fp8_gemm import fp8_gemm
 
     xq, xs = _quantize_activations(x, None)
@@ -117,7 +117,7 @@ def search(n: int, k: int, rows: int, repeats: int, deadline: float):
 def measure(n: int, k: int, rows: int, repeats: int) -> dict[str, float]:
     from tidal.accel import sm_count
     from tidal.rollout.quant.fp8_gemm_config import default_config, gemm_config
-    from tidal.rollout.quant.linear import _quantize_activations, fp8_linear
+    from tidal.rollout.quant.gemm import _quantize_activations, fp8_linear
 
     x, w, q, scales = operands(n, k, rows)
     config = gemm_config(rows, n, k, sm_count(x.device), False)

@@ -15,11 +15,11 @@ from tests.rollout.reference import PROMPTS, cpu_config, greedy
 from tests.rollout.test_fp8_engine import FP8_FAMILIES
 from tidal.rollout import LLMEngine
 from tidal.rollout.models import moe
-from tidal.rollout.quant import linear
+from tidal.rollout.quant import gemm, linear
 from tidal.rollout.quant.fp8 import dequantize, quantize
 
 
-def _cpu_gemm(x, q, scales, granularity, bias=None):
+def _cpu_gemm(x, q, scales, granularity, bias=None, x_fp8=None):
     return F.linear(x, dequantize(q, scales, granularity, x.dtype), bias)
 
 
@@ -173,7 +173,7 @@ def test_fp8_linear_hands_torch_the_weight_buffers_themselves(monkeypatch, granu
     x = torch.randn(2, 3, 256, generator=gen)
     q, scales = quantize(torch.randn(384, 256, generator=gen) * 0.1, granularity)
     if granularity == "block":
-        scales = linear.padded_block_scales(scales).contiguous()  # as the module's buffer is allocated
+        scales = gemm.padded_block_scales(scales).contiguous()  # as the module's buffer is allocated
     seen = {}
 
     bias = torch.randn(384, generator=gen) if granularity == "channel" else None  # fused: channel only
@@ -187,7 +187,7 @@ def test_fp8_linear_hands_torch_the_weight_buffers_themselves(monkeypatch, granu
         return out if bias is None else out + bias
 
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
-    out = linear.fp8_linear(x, q, scales, granularity, bias)
+    out = gemm.fp8_linear(x, q, scales, granularity, bias)
     assert seen["b"].data_ptr() == q.data_ptr() and seen["b"].stride() == (1, 256)  # column-major view
     assert seen["scale_b"].data_ptr() == scales.data_ptr() and seen["out_dtype"] == x.dtype
     assert seen["bias"] is bias
@@ -222,21 +222,21 @@ def test_fp8_linear_takes_the_triton_gemm_at_decode_and_torch_s_at_prefill(monke
         return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
 
     fake_gemm.fp8_gemm = fp8_gemm
-    fake_quant.quantize_rows_triton = lambda rows, group=None, padded=None: linear.quantize_rows(rows, group)
+    fake_quant.quantize_rows_triton = lambda rows, group=None, padded=None: gemm.quantize_rows(rows, group)
     monkeypatch.setitem(sys.modules, "tidal.rollout.quant.triton_fp8_gemm", fake_gemm)
     monkeypatch.setitem(sys.modules, "tidal.rollout.quant.triton_fp8", fake_quant)
-    monkeypatch.setattr(linear, "triton_usable", lambda t: True)
-    monkeypatch.setattr(linear, "sm_count", lambda device: 132)
+    monkeypatch.setattr(gemm, "triton_usable", lambda t: True)
+    monkeypatch.setattr(gemm, "sm_count", lambda device: 132)
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
     gen = torch.Generator().manual_seed(0)
     q, scales = quantize(torch.randn(384, 256, generator=gen), granularity)
     bias = torch.randn(384, generator=gen) if granularity == "channel" else None
     for tokens in (8, 1024):
-        out = linear.fp8_linear(torch.randn(tokens, 256, generator=gen), q, scales, granularity, bias)
+        out = gemm.fp8_linear(torch.randn(tokens, 256, generator=gen), q, scales, granularity, bias)
         assert out.shape == (tokens, 384)
     decode, prefill = seen
     assert decode[0] == "triton" and decode[1] is q and decode[2] is scales and decode[4] is bias
-    assert decode[3] == linear.gemm_config(8, 384, 256, 132, granularity == "block")
+    assert decode[3] == gemm.gemm_config(8, 384, 256, 132, granularity == "block")
     assert decode[5] == (granularity == "block")
     assert prefill[0] == ("triton" if granularity == "block" else "torch")
 

@@ -16,7 +16,7 @@ import torch
 from tests.rollout.triton_interpreter import interpreted
 from tidal.rollout.quant import fp8_gemm_config
 from tidal.rollout.quant.fp8 import dequantize, quantize, quantize_rows
-from tidal.rollout.quant.linear import padded_block_scales
+from tidal.rollout.quant.gemm import padded_block_scales
 
 
 @pytest.fixture(scope="module")

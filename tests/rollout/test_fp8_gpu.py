@@ -92,7 +92,7 @@ def test_triton_fp8_gemm_is_the_product_of_its_e4m3_operands(tokens, n, k, split
     _needs_fp8_mma()
     from tidal.rollout.quant.fp8 import quantize
     from tidal.rollout.quant.fp8_gemm_config import Fp8GemmConfig
-    from tidal.rollout.quant.linear import _quantize_activations
+    from tidal.rollout.quant.gemm import _quantize_activations
     from tidal.rollout.quant.triton_fp8_gemm import fp8_gemm
 
     gen = torch.Generator(device="cuda").manual_seed(tokens)

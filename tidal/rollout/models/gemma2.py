@@ -151,6 +151,11 @@ class GemmaDecoderLayer(nn.Module):
     """Norms before and after attention and the MLP. Keeps ``layers.DecoderLayer``'s contract: the returned
     ``(x, residual)`` sum to the hidden state (the final norm adds them)."""
 
+    fp8_feeds = (
+        ("input_layernorm", ("self_attn.qkv_proj",)),
+        ("pre_feedforward_layernorm", ("mlp.gate_up_proj",)),
+    )
+
     def __init__(self, args: GemmaArgs, layer_idx: int, attention_cls: type[Attention]):
         super().__init__()
         self.input_layernorm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)

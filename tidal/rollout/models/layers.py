@@ -179,6 +179,10 @@ class RMSNorm(nn.Module):
 
     # Added to the weight by the float32 scaling (``GemmaRMSNorm``: checkpoints store ``weight - 1``).
     weight_offset: ClassVar[float] = 0.0
+    # FP8 rollouts (``quant.linear``): the norm's output is read by an FP8 linear layer, so the Triton norm
+    # also quantizes it per row, in its own launch, and leaves the e4m3 rows on the output (``fp8_rows``),
+    # where that layer takes them instead of quantizing again.
+    feeds_fp8: bool = False
 
     def __init__(self, dim: int, eps: float, scale_in_float32: bool = False):
         super().__init__()
@@ -189,10 +193,14 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Norm of ``x``, or with ``residual``: (norm of ``x + residual``, ``x + residual``)."""
         if self._fusable(x, residual):  # one kernel instead of ~8 (decode is launch-bound)
-            from tidal.rollout.models.triton_norm import add_rms_norm
+            from tidal.rollout.models.triton_norm import add_rms_norm, add_rms_norm_fp8
 
             offset = self.weight_offset if self.scale_in_float32 else None
-            normed, total = add_rms_norm(x, self.weight, self.eps, residual, offset)
+            if self.feeds_fp8 and x.dim() == 2 and fused_kernels_usable(x):
+                normed, total, rows = add_rms_norm_fp8(x, self.weight, self.eps, residual, offset)
+                normed.fp8_rows = rows  # (e4m3 rows, scales): what the FP8 layer would compute from normed
+            else:
+                normed, total = add_rms_norm(x, self.weight, self.eps, residual, offset)
             return normed if residual is None else (normed, total)
         if residual is None:
             return self._norm(x)
@@ -333,8 +341,12 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.act is F.silu and fused_kernels_usable(gate_up):
-            from tidal.rollout.models.triton_fused import silu_and_mul
+            from tidal.rollout.models.triton_fused import silu_and_mul, silu_and_mul_fp8
 
+            if getattr(self.down_proj, "fp8_row_input", False):  # FP8 rollouts: quantized in the same launch
+                out, rows = silu_and_mul_fp8(gate_up)
+                out.fp8_rows = rows  # as RMSNorm leaves them for its FP8 reader
+                return self.down_proj(out)
             return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
@@ -345,6 +357,13 @@ class DecoderLayer(nn.Module):
 
     Layers pass ``(x, residual)`` whose sum is the hidden state, so each residual add is fused into the
     next norm (the first layer has no pending add, and the final norm takes the last layer's)."""
+
+    # FP8 rollouts: (norm, the linear layers that read its output first), for ``RMSNorm.feeds_fp8``;
+    # ``quant.linear`` marks the norms whose reader is an FP8 linear layer (paths a layer lacks are skipped).
+    fp8_feeds: ClassVar[tuple[tuple[str, tuple[str, ...]], ...]] = (
+        ("input_layernorm", ("self_attn.qkv_proj",)),
+        ("post_attention_layernorm", ("mlp.gate_up_proj",)),
+    )
 
     def __init__(self, args: DecoderArgs, layer_idx: int, attention_cls: type[Attention] = Attention):
         super().__init__()

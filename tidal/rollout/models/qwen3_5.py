@@ -345,6 +345,11 @@ class GatedDeltaNet(nn.Module):
 class Qwen35DecoderLayer(nn.Module):
     """Pre-norm layer: x + mixer(norm(x)), then + mlp(norm(.)); the mixer is linear or full attention."""
 
+    fp8_feeds = (  # ``layers.DecoderLayer.fp8_feeds``: each layer has one of the two mixers
+        ("input_layernorm", ("self_attn.qkv_proj", "linear_attn.in_proj")),
+        ("post_attention_layernorm", ("mlp.gate_up_proj",)),
+    )
+
     def __init__(self, args: Qwen35Args, layer_idx: int, attention_cls=None):
         # ``attention_cls``: what ``DecoderModel`` passes every layer class; the mixers here are fixed.
         super().__init__()

@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
+from tidal.rollout.quant.triton_fp8 import e4m3_scale, to_e4m3
+
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 # Whether ptxas/LLVM may contract SiLU's ``1 + expf(-x)`` into a fused multiply-add (expf ends in a
@@ -113,6 +115,63 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         enable_reflect_ftz=False,  # libdevice without flush-to-zero, as torch's kernels are built
     )
     return out
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(x_ptr, out_ptr, q_ptr, s_ptr, n_cols, stride_x, BLOCK: tl.constexpr):
+    """One program per row (the scale needs the whole row's maximum): a first pass finds the maximum of
+    the rounded products, a second recomputes them, stores them and their e4m3 values. Recomputing reads
+    the row again (from L2) instead of reading back the stores, which other threads of the program made."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    src = x_ptr + row * stride_x
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        mask = start + cols < n_cols
+        gate = tl.load(src + start + cols, mask=mask, other=0.0)
+        up = tl.load(src + n_cols + start + cols, mask=mask, other=0.0)
+        act = _silu(gate.to(tl.float32)).to(gate.dtype)
+        out = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+        amax = tl.maximum(amax, tl.abs(out.to(tl.float32)))
+    scale = e4m3_scale(tl.max(amax, 0))
+    tl.store(s_ptr + row, scale)
+    for start in range(0, n_cols, BLOCK):
+        mask = start + cols < n_cols
+        gate = tl.load(src + start + cols, mask=mask, other=0.0)
+        up = tl.load(src + n_cols + start + cols, mask=mask, other=0.0)
+        act = _silu(gate.to(tl.float32)).to(gate.dtype)
+        out = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+        tl.store(out_ptr + row * n_cols + start + cols, out, mask=mask)
+        tl.store(q_ptr + row * n_cols + start + cols, to_e4m3(out.to(tl.float32), scale), mask=mask)
+
+
+def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """``silu_and_mul`` that also quantizes each output row for an FP8 linear layer, in the same launch:
+    (out [T, I], (e4m3 [T, I], float32 scales [T, 1])), the e4m3 values and scales bit-equal to
+    ``triton_fp8.quantize_rows_triton(out)``."""
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    width = gate_up.shape[-1] // 2
+    rows = gate_up.numel() // gate_up.shape[-1]
+    out = torch.empty(*gate_up.shape[:-1], width, dtype=gate_up.dtype, device=gate_up.device)
+    q = torch.empty((rows, width), dtype=torch.float8_e4m3fn, device=gate_up.device)
+    scales = torch.empty((rows, 1), dtype=torch.float32, device=gate_up.device)
+    if rows == 0:
+        return out, (q, scales)
+    flat = gate_up.reshape(rows, gate_up.shape[-1])
+    _silu_and_mul_fp8_kernel[(rows,)](
+        flat,
+        out,
+        q,
+        scales,
+        width,
+        flat.stride(0),
+        BLOCK=min(2048, triton.next_power_of_2(width)),
+        num_warps=8,
+        enable_fp_fusion=SILU_CONTRACT,
+        enable_reflect_ftz=False,
+    )
+    return out, (q, scales)
 
 
 @triton.jit

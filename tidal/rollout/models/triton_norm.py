@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from tidal.rollout.models.triton_fused import _mul_rn
+from tidal.rollout.quant.triton_fp8 import e4m3_scale, to_e4m3
 
 
 @triton.jit
@@ -35,6 +36,8 @@ def _add_rms_norm_kernel(
     w_ptr,
     out_ptr,
     sum_ptr,
+    q_ptr,
+    s_ptr,
     n_cols,
     n_inner,
     stride_outer,
@@ -44,6 +47,7 @@ def _add_rms_norm_kernel(
     offset,
     HAS_RESIDUAL: tl.constexpr,
     SCALE_F32: tl.constexpr,
+    QUANTIZE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -63,7 +67,13 @@ def _add_rms_norm_kernel(
     else:  # unchanged (triton_fused.rope_store_kv reproduces this arithmetic bit for bit)
         inv = tl.rsqrt(tl.sum(x32 * x32, 0) / n_cols + eps)
         out = w * (x32 * inv).to(x.dtype).to(tl.float32)
+    out = out.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * n_cols + cols, out, mask=mask)
+    if QUANTIZE:  # the stored values quantized per row, as triton_fp8's launch would read them back
+        stored = out.to(tl.float32)
+        scale = e4m3_scale(tl.max(tl.where(mask, tl.abs(stored), 0.0), 0))
+        tl.store(q_ptr + row * n_cols + cols, to_e4m3(stored, scale), mask=mask)
+        tl.store(s_ptr + row, scale)
 
 
 def row_layout(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -93,6 +103,24 @@ def add_rms_norm(
     """RMSNorm of ``x + residual`` (or of ``x``) over the last dim -> (normed, x + residual). ``weight_offset``
     None: the default rounding (normed in ``weight``'s dtype); a float: ``scale_in_float32``, scaled by
     ``weight + weight_offset`` in float32 and rounded once to ``x``'s dtype (Gemma's offset is 1)."""
+    out, total, _ = _launch(x, weight, eps, residual, weight_offset, quantize=False)
+    return out, total
+
+
+def add_rms_norm_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    weight_offset: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """``add_rms_norm`` that also quantizes the normed rows for an FP8 linear layer, in the same launch:
+    (normed, x + residual, (e4m3 [rows, dim], float32 scales [rows, 1])), bit-equal to
+    ``triton_fp8.quantize_rows_triton(normed)`` (it saves that launch and its two reads per layer)."""
+    return _launch(x, weight, eps, residual, weight_offset, quantize=True)
+
+
+def _launch(x, weight, eps, residual, weight_offset, quantize: bool):
     n_cols = x.shape[-1]
     if residual is None:
         flat, n_inner, stride_outer, stride_inner = row_layout(x)
@@ -104,14 +132,21 @@ def add_rms_norm(
     scale_f32 = weight_offset is not None
     out = torch.empty(x.shape, dtype=x.dtype if scale_f32 else weight.dtype, device=x.device)
     rows = out.numel() // n_cols if n_cols else 0
+    fp8 = None
+    if quantize:
+        fp8 = (
+            torch.empty((rows, n_cols), dtype=torch.float8_e4m3fn, device=x.device),
+            torch.empty((rows, 1), dtype=torch.float32, device=x.device),
+        )
     if rows == 0:
-        return out, total
+        return out, total, fp8
     _add_rms_norm_kernel[(rows,)](
         flat,
         residual if residual is not None else flat,
         weight,
         out,
         total,
+        *(fp8 if quantize else (out, out)),
         n_cols,
         n_inner,
         stride_outer,
@@ -121,7 +156,8 @@ def add_rms_norm(
         weight_offset or 0.0,
         HAS_RESIDUAL=residual is not None,
         SCALE_F32=scale_f32,
+        QUANTIZE=quantize,
         BLOCK=triton.next_power_of_2(n_cols),
         num_warps=4 if n_cols <= 2048 else 8,
     )
-    return out, total
+    return out, total, fp8

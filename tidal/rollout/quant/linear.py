@@ -52,9 +52,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tidal.accel import sm_count, triton_usable
 from tidal.logging.console import get_logger
-from tidal.rollout.models.layers import CausalLM
+from tidal.rollout.models.layers import CausalLM, RMSNorm
 from tidal.rollout.models.moe import _PER_EXPERT, Experts
 from tidal.rollout.models.parallel import ColumnParallelLinear, RowParallelLinear
 from tidal.rollout.quant.experts import Fp8ExpertsForward, Fp8FamilyExpertsForward, kernel_problem
@@ -65,8 +64,8 @@ from tidal.rollout.quant.families import (  # the refusals, re-exported for thei
     quantizable,
     registry_family_problem,  # noqa: F401
 )
-from tidal.rollout.quant.fp8 import BLOCK, GRANULARITIES, dequantize, quantize, quantize_rows
-from tidal.rollout.quant.fp8_gemm_config import gemm_config
+from tidal.rollout.quant.fp8 import BLOCK, GRANULARITIES, dequantize, quantize
+from tidal.rollout.quant.gemm import fp8_linear, padded_columns
 
 log = get_logger(__name__)
 
@@ -146,6 +145,7 @@ def quantize_model(model: CausalLM, quantization: str) -> Fp8State:
         if target.mode != "emulated" and not target.staged:
             _release_model_dtype_weights(target)
     model.fp8 = state
+    _mark_norms_feeding_fp8(model)
     _requantize_after_loads(model, state)
     log.info("engine: FP8 (%s scales) weights: %s", state.granularity, state.modes())
     if refused:
@@ -157,6 +157,23 @@ def quantize_model(model: CausalLM, quantization: str) -> Fp8State:
             "dtype: no speed-up, no memory saved): %s", quantization, model.args.model_type, own_experts,
         )  # fmt: skip
     return state
+
+
+def _mark_norms_feeding_fp8(model: CausalLM) -> None:
+    """Set ``feeds_fp8`` on each norm a layer declares (``fp8_feeds``) whose output an FP8 linear layer with
+    per-token activation scales reads (``fp8_row_input``): that norm quantizes the rows in its own launch."""
+    for layer in model.modules():
+        for norm_name, readers in getattr(layer, "fp8_feeds", ()):
+            norm = getattr(layer, norm_name, None)
+            if isinstance(norm, RMSNorm) and any(_row_input(layer, path) for path in readers):
+                norm.feeds_fp8 = True
+
+
+def _row_input(layer: nn.Module, path: str) -> bool:
+    try:
+        return getattr(layer.get_submodule(path), "fp8_row_input", False)
+    except AttributeError:  # a path this layer does not have (the other mixer, a sparse MLP)
+        return False
 
 
 def fallback_notice(quantization: str, refused: dict[str, int], layers: int, device: torch.device) -> str:
@@ -342,88 +359,18 @@ def _probe(granularity: str, device: torch.device, out_features: int, in_feature
     return None
 
 
-def padded_columns(blocks: int) -> int:
-    """Columns of a block-scale buffer over ``blocks`` K-blocks: rounded up to a multiple of 4, the leading
-    dimension torch's 128x128 block-wise GEMM reads its column-major ``scale_b`` with."""
-    return -(-blocks // 4) * 4
-
-
-def padded_block_scales(scales: torch.Tensor) -> torch.Tensor:
-    """Block scales [N/128, K/128] with their columns padded (ones) to ``padded_columns``; already padded
-    scales come back as they are (the modules' buffers are allocated padded, so no copy runs per step)."""
-    pad = -scales.shape[-1] % 4
-    return scales if pad == 0 else torch.nn.functional.pad(scales, (0, pad), value=1.0)
-
-
-def fp8_linear(
-    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, granularity: str, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``x`` [..., K] (bf16) times the FP8 weight ``q`` [N, K] (dequantization ``scales``: [N, 1], or
-    [N/128, K/128] optionally padded as ``padded_block_scales``) -> [..., N] in ``x.dtype``: the activations
-    quantized per token (and 128 columns for blocks), then a GEMM applying both scales (and ``bias``,
-    per-channel only: ``fuses_bias``) to the float32 accumulator: ``triton_fp8_gemm`` at decode token
-    counts and for every block-scaled one (``fp8_gemm_config.gemm_config``), else ``torch._scaled_mm``.
-    ``q.t()`` is a view: the buffer, row-major [N, K], is the column-major [K, N] operand torch's GEMM
-    reads, so nothing is copied."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] == 0:
-        return x.new_empty(*x.shape[:-1], q.shape[0])
-    block = granularity == "block"
-    if config := _triton_gemm_config(rows, q, block):
-        from tidal.rollout.quant.triton_fp8_gemm import fp8_gemm
-
-        xq, xs = _quantize_activations(rows, BLOCK if block else None)
-        out = fp8_gemm(xq, xs, q, scales, config, bias, x.dtype, block)  # reads scales through strides
-    elif not block:
-        xq, xs = _quantize_activations(rows, None)
-        out = torch._scaled_mm(
-            xq, q.t(), scale_a=xs, scale_b=scales.view(1, -1), bias=bias, out_dtype=x.dtype
-        )
-    else:  # without Triton: cuBLAS's block-wise GEMM
-        if bias is not None:
-            raise ValueError("fp8_linear: a fused bias needs per-channel scales")
-        # Token count padded to a multiple of 128 (zero rows, scale 1; their outputs dropped): cuBLAS's
-        # block-wise GEMM on the H200 refused 1 and 3000 tokens and took 32 and 256.
-        tokens = rows.shape[0]
-        xq, xs = _quantize_activations(rows, BLOCK, -(-tokens // BLOCK) * BLOCK)
-        scale_b = padded_block_scales(scales)[:, : x.shape[-1] // BLOCK].t()  # [K/128, N/128], stride [1, L4]
-        out = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale_b, out_dtype=x.dtype)[:tokens]
-    return out.view(*x.shape[:-1], q.shape[0])
-
-
-def _triton_gemm_config(rows: torch.Tensor, q: torch.Tensor, block: bool):
-    """``triton_fp8_gemm``'s launch for these rows (CUDA), or None where ``torch._scaled_mm`` runs them."""
-    if not triton_usable(rows):
-        return None
-    return gemm_config(rows.shape[0], *q.shape, sm_count(rows.device), block)
-
-
-def _quantize_activations(
-    rows: torch.Tensor, group: int | None, padded: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_rows``: one Triton launch on CUDA (``triton_fp8.py``, bit-equal), else the torch ops.
-    With ``group`` the scales are outer-dimension-major ([M, K/group], strides (1, M)), as torch's
-    block-wise GEMM reads them; ``padded``: that many rows, the extra ones zero (scale 1)."""
-    if triton_usable(rows):
-        from tidal.rollout.quant.triton_fp8 import quantize_rows_triton
-
-        return quantize_rows_triton(rows, group, padded)
-    if padded is not None and padded > rows.shape[0]:
-        rows = torch.nn.functional.pad(rows, (0, 0, 0, padded - rows.shape[0]))
-    q, scales = quantize_rows(rows, group)
-    return q, scales if group is None else scales.t().contiguous().t()
-
-
 class Fp8Forward:
     """Mixed into a quantized linear layer's class (``scaled_mm`` mode): the forward reads the FP8 buffers;
     a row-parallel layer still all-reduces before its bias."""
 
     fp8_granularity: str
     fp8_fused_bias: bool  # ``fuses_bias``: the GEMM adds the bias
+    fp8_row_input: bool  # per-token scales: takes the e4m3 rows a norm left on ``x`` (``fp8_rows``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.bias if self.fp8_fused_bias else None
-        out = fp8_linear(x, self.fp8_weight, self.fp8_weight_scale, self.fp8_granularity, fused)
+        rows = getattr(x, "fp8_rows", None) if self.fp8_row_input else None
+        out = fp8_linear(x, self.fp8_weight, self.fp8_weight_scale, self.fp8_granularity, fused, rows)
         if isinstance(self, RowParallelLinear) and self.tp.size > 1:
             if not self.reduce:
                 return out
@@ -439,6 +386,7 @@ def _use_scaled_mm(target: Target, granularity: str) -> None:
     _add_buffers(target, granularity)
     target.module.fp8_granularity = granularity
     target.module.fp8_fused_bias = fuses_bias(target, granularity)
+    target.module.fp8_row_input = granularity == "channel"
     _swap_class(target.module, Fp8Forward)
     target.mode = "scaled_mm"
 

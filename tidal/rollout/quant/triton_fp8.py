@@ -30,6 +30,23 @@ import triton.language as tl
 
 
 @triton.jit
+def e4m3_scale(amax):
+    """A row's (or group's) dequantization scale from its float32 absolute maximum: ``amax * fl32(1/448)``,
+    1 for an all-zero row. Shared with the kernels that quantize as they write (``triton_norm``'s RMSNorm,
+    ``triton_fused.silu_and_mul_quant``), so a fused quantization has this launch's bits."""
+    one = tl.zeros_like(amax) + 1.0  # tensors on both sides of the IEEE division
+    inverse = tl.math.div_rn(one, one * 448.0)  # fl32(1/448), as torch's CPU-scalar division uses
+    return tl.where(amax > 0, amax * inverse, 1.0)
+
+
+@triton.jit
+def to_e4m3(x, scale):
+    """float32 ``x`` divided by its ``scale`` (IEEE), clamped to +-448, cast to e4m3 rounding to nearest even."""
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.zeros_like(x) + scale), -448.0), 448.0)
+    return q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr,
     q_ptr,
@@ -55,16 +72,12 @@ def _quantize_rows_kernel(
         mask = (k0 + cols < GROUP) & (start + k0 + cols < width)
         x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    top = tl.max(amax, axis=0)
-    one = tl.zeros_like(top) + 1.0  # tensors on both sides of the IEEE division
-    inverse = tl.math.div_rn(one, one * 448.0)  # fl32(1/448), as torch's CPU-scalar division uses
-    scale = tl.where(top > 0, top * inverse, 1.0)
+    scale = e4m3_scale(tl.max(amax, axis=0))
     tl.store(s_ptr + row.to(tl.int64) * stride_s_row + group * stride_s_group, scale)
     for k0 in range(0, GROUP, BLOCK):
         inside = (k0 + cols < GROUP) & (start + k0 + cols < K)  # every row is stored, padding included
         x = tl.load(x_row + k0 + cols, mask=inside & (start + k0 + cols < width), other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.zeros_like(x) + scale), -448.0), 448.0)
-        tl.store(q_row + k0 + cols, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=inside)
+        tl.store(q_row + k0 + cols, to_e4m3(x, scale), mask=inside)
 
 
 def quantize_rows_triton(
