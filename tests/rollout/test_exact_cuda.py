@@ -151,7 +151,7 @@ def test_tma_launch_gives_the_pointer_launchs_bits(n, k, tile):
     pointers = dataclasses.replace(tma, tma=0)
     train = te.matmul(x, w, config=te.matmul_config(n, k))
     for rows in (slice(0, 256), slice(0, 200), slice(7, 8)):
-        assert te._tma_loadable(x[rows]) and te._tma_loadable(w)  # so the launch below loads by TMA
+        assert te.tma_loadable(x[rows]) and te.tma_loadable(w)  # so the launch below loads by TMA
         out = te.matmul(x[rows], w, config=tma)
         assert torch.equal(out, te.matmul(x[rows], w, config=pointers))
         assert torch.equal(out, train[rows])

@@ -227,7 +227,7 @@ def test_interpreted_tma_launch_gives_the_pointer_launchs_bits(te, monkeypatch, 
     load (rows not 16-byte aligned) takes the pointer loads. (Bit-equality with the pointer loads is the GPU's
     to show, ``verify_decode_launch`` checks it there: numpy's product of the transposed weight tile sums
     in another order.)"""
-    monkeypatch.setattr(te, "_tma_loadable", lambda t: t.stride(1) == 1 and t.stride(0) % 4 == 0)
+    monkeypatch.setattr(te, "tma_loadable", lambda t: t.stride(1) == 1 and t.stride(0) % 4 == 0)
     tma = te.MatmulConfig(block_n=32, num_warps=4, num_stages=3, block_m=16, block_k=32, splits=splits, tma=1)
     pointers = dataclasses.replace(tma, tma=0)
     x, w, bias = _operands(splits, rows=40)

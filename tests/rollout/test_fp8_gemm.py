@@ -81,6 +81,34 @@ def test_block_scaled_launch_scales_each_k_block(gemm, split_k, padded):
         gemm.fp8_gemm(xq, xs_outer, wq, ws, Fp8GemmConfig(16, 64, 64), None, torch.float32, block_scaled=True)
 
 
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("granularity", ["channel", "block"])
+def test_a_tma_launch_loads_its_tiles_through_descriptors_and_gives_the_product(
+    gemm, monkeypatch, granularity, split_k
+):
+    """``tma=1``: tiles loaded through tensor descriptors, whose rows past M, columns past N and K tail
+    must read as zeros (37 rows, 200 columns, K = 640 = 5 K steps cut into 3 ranges: partial tiles on all
+    three); an operand the copy engine cannot describe (here: a weight whose rows are not 16-byte aligned)
+    takes the pointer loads."""
+    monkeypatch.setattr(gemm, "tma_loadable", lambda t: t.stride(1) == 1 and t.stride(0) % 16 == 0)
+    described = []
+    real = gemm.tma_descriptor
+    monkeypatch.setattr(gemm, "tma_descriptor", lambda t, r, c: described.append((r, c)) or real(t, r, c))
+    block = granularity == "block"
+    xq, xs, wq, ws, b, want = operands(37, 200, 640, granularity, seed=split_k)
+    xs = xs.t().contiguous().t() if block else xs
+    config = Fp8GemmConfig(16, 64, 128, split_k, num_warps=4, num_stages=2, tma=1)
+    bias = None if block else b
+    got = gemm.fp8_gemm(xq, xs, wq, ws, config, bias, torch.float32, block_scaled=block)
+    assert described == [(16, 128), (64, 128)]
+    assert rel(got, want if block else want + b) < 1e-6
+    odd = torch.empty(200, 648, dtype=wq.dtype)[:, :640]  # rows 648 bytes apart: not a multiple of 16
+    odd.copy_(wq)
+    described.clear()
+    pointers = gemm.fp8_gemm(xq, xs, odd, ws, config, bias, torch.float32, block_scaled=block)
+    assert described == [] and rel(pointers, want if block else want + b) < 1e-6
+
+
 def test_no_rows(gemm):
     xq, xs, wq, ws, _, _ = operands(1, 64, 128, "channel", seed=0)
     out = gemm.fp8_gemm(xq[:0], xs[:0], wq, ws, Fp8GemmConfig(16, 64), None, torch.bfloat16)

@@ -12,6 +12,8 @@ W8A16 variant (no ``quantize_activations``) is checked against the weight-only r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -81,10 +83,11 @@ def test_triton_activation_quantization_is_the_torch_one_bit_for_bit(group, toke
         assert (q_pad[tokens:].float() == 0).all() and (scales_pad[tokens:] == 1).all()
 
 
+@pytest.mark.parametrize("tma", [0, 1])
 @pytest.mark.parametrize("split_k", [1, 4])
 @pytest.mark.parametrize(("tokens", "n", "k"), [(1, 4608, 3584), (37, 37888, 3584), (256, 3584, 18944),
                                                  (300, 896, 4864)])  # fmt: skip
-def test_triton_fp8_gemm_is_the_product_of_its_e4m3_operands(tokens, n, k, split_k):
+def test_triton_fp8_gemm_is_the_product_of_its_e4m3_operands(tokens, n, k, split_k, tma):
     """The dense Triton FP8 GEMM (``triton_fp8_gemm``) at 7B and 0.5B decode shapes, bf16 out: the float32
     product of its e4m3 operands and scales (+ bias) up to bf16 rounding, and ``torch._scaled_mm``'s
     result as closely; replayed from a CUDA graph (the split-K workspace allocated in the capture) it
@@ -105,8 +108,10 @@ def test_triton_fp8_gemm_is_the_product_of_its_e4m3_operands(tokens, n, k, split
     q, scales = quantize(w, "channel")
     xq, xs = _quantize_activations(x, None)
     want = (xq.float() * xs) @ (q.float() * scales).t() + bias.float()
-    config = Fp8GemmConfig(16 if tokens <= 16 else 64, 128, 128, split_k, 4, 3)
+    config = Fp8GemmConfig(16 if tokens <= 16 else 64, 128, 128, split_k, 4, 3, tma)
     got = fp8_gemm(xq, xs, q, scales, config, bias, torch.bfloat16)
+    if tma:  # the copy engine's tiles: the pointer launch's bits (same products, same order)
+        assert torch.equal(got, fp8_gemm(xq, xs, q, scales, replace(config, tma=0), bias, torch.bfloat16))
     assert got.dtype == torch.bfloat16 and got.shape == (tokens, n)
     assert _rel(got, want) < 4e-3
     torch_mm = torch._scaled_mm(

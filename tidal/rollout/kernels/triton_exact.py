@@ -23,13 +23,13 @@ here so that callers find every exact kernel in one place: ``rms_norm`` and ``to
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from tidal.accel import tma_descriptor, tma_loadable
 from tidal.rollout.kernels.exact_gemm_tuned import K_SPLITS, TUNED
 from tidal.rollout.kernels.triton_exact_attention import attention, paged_attention
 from tidal.rollout.kernels.triton_exact_rows import rms_norm, token_logprobs
@@ -317,9 +317,9 @@ def matmul(
     partial = splits > 1 and parallel_split
     bias_arg = out if bias is None else bias.contiguous()  # no bias: an unused pointer
     target = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if partial else out
-    tma = bool(c.tma) and _tma_loadable(x) and _tma_loadable(w)
+    tma = bool(c.tma) and tma_loadable(x) and tma_loadable(w)
     x_arg, w_arg = (
-        (_descriptor(x, c.block_m, c.block_k), _descriptor(w, c.block_n, c.block_k)) if tma else (x, w)
+        (tma_descriptor(x, c.block_m, c.block_k), tma_descriptor(w, c.block_n, c.block_k)) if tma else (x, w)
     )
     _matmul_kernel[(tiles, splits if partial else 1)](
         x_arg, w_arg, bias_arg, target, m, n, k,
@@ -336,27 +336,3 @@ def matmul(
             SPLITS=splits, BLOCK_M=bm, BLOCK_N=bn, HAS_BIAS=bias is not None, num_warps=4,
         )  # fmt: skip
     return out
-
-
-def _tma_loadable(t: torch.Tensor) -> bool:
-    """A TMA descriptor can describe ``t`` (2-D, rows of unit stride, 16-byte aligned start and rows) on
-    a GPU with the copy engine (Hopper and later)."""
-    return (
-        t.is_cuda
-        and t.stride(1) == 1
-        and (t.stride(0) * t.element_size()) % 16 == 0
-        and t.data_ptr() % 16 == 0
-        and _has_copy_engine(t.device)
-    )
-
-
-@functools.cache
-def _has_copy_engine(device: torch.device) -> bool:
-    """Hopper or later (asked once per device, not at every launch)."""
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(t, [block_rows, block_cols])

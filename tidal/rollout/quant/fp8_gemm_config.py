@@ -26,7 +26,8 @@ MAX_ROWS = 512  # token counts up to this take the Triton kernel by default (dec
 
 @dataclass(frozen=True)
 class Fp8GemmConfig:
-    """One launch: output tile ``block_m x block_n``, K step ``block_k``, K cut into ``split_k`` ranges."""
+    """One launch: output tile ``block_m x block_n``, K step ``block_k``, K cut into ``split_k`` ranges,
+    tiles loaded by pointers or by TMA."""
 
     block_m: int
     block_n: int
@@ -34,6 +35,7 @@ class Fp8GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    tma: int = 0  # 1: tiles loaded by TMA (Hopper's copy engine) where the operands allow it
 
     def fields(self) -> dict[str, int]:
         return asdict(self)

@@ -13,7 +13,8 @@ FP8 engine's samples repeat for a seed.
 
 Block scales vary along K, so a ``fp8_block`` launch scales each 128-column block's product before adding
 it (``BLOCK_K`` 128); per-channel launches scale once, in the epilogue. Rows past M and columns past N are
-masked (no token-count padding, which cuBLAS's block-wise GEMM needs).
+masked (no token-count padding, which cuBLAS's block-wise GEMM needs). A ``tma`` launch loads its tiles
+through tensor descriptors (Hopper's copy engine) where both operands allow it, else by pointers.
 
 Which launch, and whether this kernel or ``torch._scaled_mm`` runs a product, is ``fp8_gemm_config``'s
 decision (measured tiles per weight shape and token bucket, else a rule; no Triton needed to read it).
@@ -25,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tidal.accel import tma_descriptor, tma_loadable
 from tidal.rollout.quant.fp8 import BLOCK  # fp8_block's scale block: a block-scaled launch steps K by it
 from tidal.rollout.quant.fp8_gemm_config import Fp8GemmConfig
 
@@ -35,8 +37,11 @@ def _fp8_gemm_kernel(
     M, N, K, stride_am, stride_wn, stride_om, stride_split,
     stride_as_m, stride_as_k, stride_ws_n, stride_ws_k,
     HAS_BIAS: tl.constexpr, BLOCK_SCALED: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
+    # TMA: a_ptr and w_ptr are tensor descriptors (the copy engine loads the tiles; rows past M, columns
+    # past N and the K tail read as zeros, as the masks make them); K ranges start at BLOCK_K multiples, so
+    # a tile never crosses into the next range.
     pid = tl.program_id(0)
     split = tl.program_id(1)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -48,13 +53,20 @@ def _fp8_gemm_kernel(
     k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = split * k_per
     k_end = tl.minimum(K, k_start + k_per)
-    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + (k_start + ks)[None, :]
-    w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k_start + ks)[:, None]
+    if not TMA:
+        a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + (k_start + ks)[None, :]
+        w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k_start + ks)[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        inside = k0 + ks < k_end
-        a = tl.load(a_ptrs, mask=(rows[:, None] < M) & inside[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=(cols[None, :] < N) & inside[:, None], other=0.0)
+        if TMA:
+            a = a_ptr.load([pid_m * BLOCK_M, k0])
+            w = w_ptr.load([pid_n * BLOCK_N, k0]).T
+        else:
+            inside = k0 + ks < k_end
+            a = tl.load(a_ptrs, mask=(rows[:, None] < M) & inside[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=(cols[None, :] < N) & inside[:, None], other=0.0)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
         if BLOCK_SCALED:  # this K block's scales, before its product joins the sum
             kb = k0 // BLOCK_K
             sa = tl.load(a_scale_ptr + rows * stride_as_m + kb * stride_as_k, mask=rows < M, other=0.0)
@@ -64,8 +76,6 @@ def _fp8_gemm_kernel(
             acc += tl.dot(a, w) * (sa[:, None] * sw[None, :])
         else:
             acc = tl.dot(a, w, acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
     out_mask = (rows[:, None] < M) & (cols[None, :] < N)
     if SPLIT_K == 1:
         if not BLOCK_SCALED:
@@ -126,12 +136,16 @@ def fp8_gemm(
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k)
     split = config.split_k > 1
     target = torch.empty((config.split_k, m, n), dtype=torch.float32, device=xq.device) if split else out
+    tma = bool(config.tma) and tma_loadable(xq) and tma_loadable(wq)
+    a, w = (xq, wq) if not tma else (
+        tma_descriptor(xq, config.block_m, config.block_k), tma_descriptor(wq, config.block_n, config.block_k)
+    )  # fmt: skip
     _fp8_gemm_kernel[grid](
-        xq, xs, wq, ws, bias if bias is not None else ws, target,
+        a, xs, w, ws, bias if bias is not None else ws, target,
         m, n, k, xq.stride(0), wq.stride(0), out.stride(0), m * n,
         xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1),
         HAS_BIAS=bias is not None and not split, BLOCK_SCALED=block_scaled, SPLIT_K=config.split_k,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TMA=tma,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if split:
