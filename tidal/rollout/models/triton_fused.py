@@ -1,6 +1,6 @@
 """Fused Triton kernels for the decoder's element-wise work (CUDA only; ``layers.py`` falls back to torch).
 
-Two kernels, each bit-equal to the torch ops it replaces (the contract: greedy parity with transformers
+The kernels are bit-equal to the torch ops they replace (the contract: greedy parity with transformers
 must not move), so every rounding of the torch path is reproduced in the kernel:
 
 - ``silu_and_mul``: ``F.silu(gate) * up`` over the packed ``gate_up`` projection ([T, 2I] -> [T, I]).
@@ -8,6 +8,9 @@ must not move), so every rounding of the torch path is reproduced in the kernel:
   rounds the float32 product of the two model-dtype values once more. The kernel uses libdevice's
   ``expf`` (what nvcc links for ``::exp``; without flush-to-zero, as torch is built) and an IEEE
   division (``div_rn``), not Triton's approximate defaults; contraction as nvcc's (``SILU_CONTRACT``).
+- ``silu_and_mul_fp8``: the same values, and in the same launch their e4m3 rows and per-token scales for
+  an FP8 ``down_proj`` (FP8 rollouts), bit-equal to ``quant/triton_fp8.py``'s launch on the output (its
+  arithmetic helpers); one program per row, as the scale needs the row's maximum.
 - ``rope_store_kv``: RoPE on the q and k heads (rotate-half layout), optionally after Qwen3's per-head
   q/k RMSNorm, and the store of k/v into the paged KV cache at ``slot_mapping``. It replaces the two
   norms' copies, ``apply_rope``'s ~6 ops and ``store_kv``'s two ``index_copy_``. torch rounds each

@@ -10,6 +10,9 @@ torch's add, then one of two scalings, as ``RMSNorm._norm`` and ``GemmaRMSNorm._
   and scaled in float32, rounded once. The mean is torch's CUDA mean, the sum times ``fl(1 / n)``
   (``MeanOps``), rounded before ``+ eps`` (``mul_rn``: no fused multiply-add torch's two kernels lack).
 
+``add_rms_norm_fp8`` (FP8 rollouts) also writes the stored rows' e4m3 values and per-token scales for the
+FP8 linear layer that reads them, with ``quant/triton_fp8.py``'s arithmetic (bit-equal to its launch).
+
 Rows are the last dim; 3-D inputs ([tokens, heads, dim], e.g. q/k head norms on a packed projection)
 are read in place through two strides, so a view of a projection is not copied first. Neither variant
 matches torch bit for bit in general: the sum of squares is reduced in another order than torch's reduce

@@ -17,7 +17,8 @@ runs on the weights' device at the engine's load and at every ``load_weights`` c
   weight and its scales live in persistent buffers (``fp8_weight``, ``fp8_weight_scale``) rewritten *in
   place* at each sync, so captured CUDA graphs, which read those addresses, stay valid. The forward
   quantizes the activations per token (dynamic scales; per token and 128 columns for ``fp8_block``; one
-  Triton launch, ``triton_fp8.py``) and runs an FP8 GEMM (``fp8_linear``): ``triton_fp8_gemm.py`` at
+  Triton launch, ``triton_fp8.py``, unless the norm or SiLU·up before it left them on its input:
+  ``RMSNorm.feeds_fp8``, marked here) and runs an FP8 GEMM (``gemm.fp8_linear``): ``triton_fp8_gemm.py`` at
   decode token counts and for blocks (split-K launches measured per shape), else ``torch._scaled_mm``
   (row-wise scales; without Triton, for blocks, torch's 1x128 x 128x128 block-wise recipe); a
   per-channel layer's bias is added in the GEMM's epilogue (``fuses_bias``). A probe GEMM checks it once
