@@ -122,12 +122,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _silu_and_mul_fp8_kernel(x_ptr, out_ptr, q_ptr, s_ptr, n_cols, stride_x, BLOCK: tl.constexpr):
-    """One program per row (the scale needs the whole row's maximum): a first pass finds the maximum of
-    the rounded products, a second recomputes them, stores them and their e4m3 values. Recomputing reads
-    the row again (from L2) instead of reading back the stores, which other threads of the program made."""
+    """One program per row (the scale needs the whole row's maximum): a first pass computes and stores the
+    products and finds their maximum; after a barrier (the stores visible to the whole program) a second
+    pass reads them back, from cache, and stores their e4m3 values."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     src = x_ptr + row * stride_x
+    dst = out_ptr + row * n_cols
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, n_cols, BLOCK):
         mask = start + cols < n_cols
@@ -135,17 +136,19 @@ def _silu_and_mul_fp8_kernel(x_ptr, out_ptr, q_ptr, s_ptr, n_cols, stride_x, BLO
         up = tl.load(src + n_cols + start + cols, mask=mask, other=0.0)
         act = _silu(gate.to(tl.float32)).to(gate.dtype)
         out = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+        tl.store(dst + start + cols, out, mask=mask)
         amax = tl.maximum(amax, tl.abs(out.to(tl.float32)))
     scale = e4m3_scale(tl.max(amax, 0))
     tl.store(s_ptr + row, scale)
+    tl.debug_barrier()
     for start in range(0, n_cols, BLOCK):
         mask = start + cols < n_cols
-        gate = tl.load(src + start + cols, mask=mask, other=0.0)
-        up = tl.load(src + n_cols + start + cols, mask=mask, other=0.0)
-        act = _silu(gate.to(tl.float32)).to(gate.dtype)
-        out = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-        tl.store(out_ptr + row * n_cols + start + cols, out, mask=mask)
-        tl.store(q_ptr + row * n_cols + start + cols, to_e4m3(out.to(tl.float32), scale), mask=mask)
+        out = tl.load(dst + start + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(q_ptr + row * n_cols + start + cols, to_e4m3(out, scale), mask=mask)
+
+
+# (BLOCK, num_warps) of ``silu_and_mul_fp8``'s one program per row (bench/fp8_fused_quant.py compares launches)
+SILU_FP8_LAUNCH = (2048, 8)
 
 
 def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -169,8 +172,8 @@ def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.T
         scales,
         width,
         flat.stride(0),
-        BLOCK=min(2048, triton.next_power_of_2(width)),
-        num_warps=8,
+        BLOCK=min(SILU_FP8_LAUNCH[0], triton.next_power_of_2(width)),
+        num_warps=SILU_FP8_LAUNCH[1],
         enable_fp_fusion=SILU_CONTRACT,
         enable_reflect_ftz=False,
     )
