@@ -148,7 +148,7 @@ def _silu_and_mul_fp8_kernel(x_ptr, out_ptr, q_ptr, s_ptr, n_cols, stride_x, BLO
 
 
 # (BLOCK, num_warps) of ``silu_and_mul_fp8``'s one program per row (bench/fp8_fused_quant.py compares launches)
-SILU_FP8_LAUNCH = (2048, 8)
+SILU_FP8_LAUNCH = (4096, 16)  # 7B, 256 rows: 13.3 µs; 2048 x 8: 15.3 (H200)
 
 
 def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:

@@ -97,9 +97,11 @@ def quantize_rows_triton(
         scales = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     else:  # [M, groups] with strides (1, M)
         scales = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
-    block = min(1024, triton.next_power_of_2(width))
+    # A row (or group) of up to 4096 columns in one block: each pass is one load, not a loop (7B's o_proj
+    # input, 3584 columns, took 4.6 µs at 256 rows with 1024-column blocks on the H200)
+    block = min(4096, triton.next_power_of_2(width))
     _quantize_rows_kernel[(m, groups)](
         x, q, scales, real, k, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
-        GROUP=width, BLOCK=block, num_warps=4,
+        GROUP=width, BLOCK=block, num_warps=8 if block >= 2048 else 4,
     )  # fmt: skip
     return q, scales
