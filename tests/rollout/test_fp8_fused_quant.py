@@ -32,13 +32,14 @@ from tidal.rollout.quant.fp8 import quantize, quantize_rows
 
 @pytest.fixture(scope="module")
 def kernels():
-    """(``triton_fp8``, ``triton_fused``, ``triton_norm``) interpreted, in import order."""
+    """(``triton_fp8``, ``triton_fused``, ``triton_norm``) interpreted, after the e4m3 helpers they import."""
     names = {
+        "tidal.rollout.kernels.triton_e4m3": "e4m3_scale",
         "tidal.rollout.quant.triton_fp8": "_quantize_rows_kernel",
         "tidal.rollout.models.triton_fused": "_silu_and_mul_fp8_kernel",
         "tidal.rollout.models.triton_norm": "_add_rms_norm_kernel",
     }
-    with interpreted(names) as modules:
+    with interpreted(names) as (_, *modules):
         yield modules
 
 

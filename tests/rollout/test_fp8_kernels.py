@@ -84,12 +84,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def kernels():
-    """``triton_moe`` and ``triton_fp8`` with their kernels interpreted."""
+    """``triton_moe`` and ``triton_fp8`` with their kernels interpreted (after the e4m3 helpers ``triton_fp8``
+    imports)."""
     modules = {
+        "tidal.rollout.kernels.triton_e4m3": "e4m3_scale",
         "tidal.rollout.kernels.triton_moe": "_moe_gemm",
         "tidal.rollout.quant.triton_fp8": "_quantize_rows_kernel",
     }
-    with interpreted(modules) as (moe_kernels, fp8_kernels):
+    with interpreted(modules) as (_, moe_kernels, fp8_kernels):
         yield moe_kernels, fp8_kernels
 
 

@@ -36,11 +36,12 @@ EPS = 1e-6
 def kernels():
     """(``triton_norm``, ``triton_gated_norm``) interpreted (``triton_fused`` first: both import from it)."""
     names = {
+        "tidal.rollout.kernels.triton_e4m3": "e4m3_scale",
         "tidal.rollout.models.triton_fused": "_rope_store_kv_kernel",
         "tidal.rollout.models.triton_norm": "_add_rms_norm_kernel",
         "tidal.rollout.models.triton_gated_norm": "_gated_rms_norm_kernel",
     }
-    with interpreted(names) as (_, norm, gated):
+    with interpreted(names) as (_, _, norm, gated):
         yield norm, gated
 
 

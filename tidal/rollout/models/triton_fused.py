@@ -9,8 +9,8 @@ must not move), so every rounding of the torch path is reproduced in the kernel:
   ``expf`` (what nvcc links for ``::exp``; without flush-to-zero, as torch is built) and an IEEE
   division (``div_rn``), not Triton's approximate defaults; contraction as nvcc's (``SILU_CONTRACT``).
 - ``silu_and_mul_fp8``: the same values, and in the same launch their e4m3 rows and per-token scales for
-  an FP8 ``down_proj`` (FP8 rollouts), bit-equal to ``quant/triton_fp8.py``'s launch on the output (its
-  arithmetic helpers); one program per row, as the scale needs the row's maximum.
+  an FP8 ``down_proj`` (FP8 rollouts), bit-equal to ``quant/triton_fp8.py``'s launch on the output (the same
+  ``kernels/triton_e4m3`` helpers); one program per row, as the scale needs the row's maximum.
 - ``rope_store_kv``: RoPE on the q and k heads (rotate-half layout), optionally after Qwen3's per-head
   q/k RMSNorm, and the store of k/v into the paged KV cache at ``slot_mapping``. It replaces the two
   norms' copies, ``apply_rope``'s ~6 ops and ``store_kv``'s two ``index_copy_``. torch rounds each
@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from tidal.rollout.quant.triton_fp8 import e4m3_scale, to_e4m3
+from tidal.rollout.kernels.triton_e4m3 import e4m3_scale, to_e4m3
 
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 

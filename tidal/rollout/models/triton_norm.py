@@ -11,7 +11,8 @@ torch's add, then one of two scalings, as ``RMSNorm._norm`` and ``GemmaRMSNorm._
   (``MeanOps``), rounded before ``+ eps`` (``mul_rn``: no fused multiply-add torch's two kernels lack).
 
 ``add_rms_norm_fp8`` (FP8 rollouts) also writes the stored rows' e4m3 values and per-token scales for the
-FP8 linear layer that reads them, with ``quant/triton_fp8.py``'s arithmetic (bit-equal to its launch).
+FP8 linear layer that reads them, with ``quant/triton_fp8.py``'s arithmetic (the ``kernels/triton_e4m3``
+helpers; bit-equal to its launch).
 
 Rows are the last dim; 3-D inputs ([tokens, heads, dim], e.g. q/k head norms on a packed projection)
 are read in place through two strides, so a view of a projection is not copied first. Neither variant
@@ -28,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tidal.rollout.kernels.triton_e4m3 import e4m3_scale, to_e4m3
 from tidal.rollout.models.triton_fused import _mul_rn
-from tidal.rollout.quant.triton_fp8 import e4m3_scale, to_e4m3
 
 
 @triton.jit

@@ -28,22 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def e4m3_scale(amax):
-    """A row's (or group's) dequantization scale from its float32 absolute maximum: ``amax * fl32(1/448)``,
-    1 for an all-zero row. Shared with the kernels that quantize as they write (``triton_norm``'s RMSNorm,
-    ``triton_fused.silu_and_mul_quant``), so a fused quantization has this launch's bits."""
-    one = tl.zeros_like(amax) + 1.0  # tensors on both sides of the IEEE division
-    inverse = tl.math.div_rn(one, one * 448.0)  # fl32(1/448), as torch's CPU-scalar division uses
-    return tl.where(amax > 0, amax * inverse, 1.0)
-
-
-@triton.jit
-def to_e4m3(x, scale):
-    """float32 ``x`` divided by its ``scale`` (IEEE), clamped to +-448, cast to e4m3 rounding to nearest even."""
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.zeros_like(x) + scale), -448.0), 448.0)
-    return q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+from tidal.rollout.kernels.triton_e4m3 import e4m3_scale, to_e4m3
 
 
 @triton.jit

@@ -1,0 +1,27 @@
+"""The e4m3 arithmetic of FP8 rollouts' dynamic activation quantization, as ``@triton.jit`` helpers: shared by
+the quantization launch (``quant/triton_fp8.py``) and the norm and SiLU·up kernels that quantize what they
+write (``models/triton_norm.py``, ``models/triton_fused.py``), so every path gives the same bits. Its own
+module, outside ``tidal.rollout.quant``, whose package imports the models (an import cycle otherwise).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def e4m3_scale(amax):
+    """A row's (or group's) dequantization scale from its float32 absolute maximum: ``amax * fl32(1/448)``,
+    1 for an all-zero row. Shared by ``quant/triton_fp8.py``'s launch and the kernels that quantize as they
+    write (``triton_norm``'s RMSNorm, ``triton_fused.silu_and_mul_fp8``), so both give the same bits."""
+    one = tl.zeros_like(amax) + 1.0  # tensors on both sides of the IEEE division
+    inverse = tl.math.div_rn(one, one * 448.0)  # fl32(1/448), as torch's CPU-scalar division uses
+    return tl.where(amax > 0, amax * inverse, 1.0)
+
+
+@triton.jit
+def to_e4m3(x, scale):
+    """float32 ``x`` divided by its ``scale`` (IEEE), clamped to +-448, cast to e4m3 rounding to nearest even."""
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.zeros_like(x) + scale), -448.0), 448.0)
+    return q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
