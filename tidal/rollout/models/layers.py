@@ -8,7 +8,8 @@ uses, and how HF weight names map onto its parameters (``packed_params``, ``weig
 
 Parameter names mirror the HF names, except that projections that read the same input are packed into one
 matrix (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``: fewer, larger matmuls); ``load_weights``
-maps HF names (checkpoint files or ``named_parameters()`` of a trainer's model) onto those packed slices.
+maps HF names (checkpoint files or ``named_parameters()`` of a trainer's model) onto those packed slices
+(``weights.py``).
 Layers are built from ``args.tp`` (``parallel.py``): with a tensor-parallel size above 1 each rank holds
 its shard of the projections, embedding and LM head, and ``load_weights`` slices every full tensor to that
 shard as it copies it; size 1 is the plain single-device model. Model code has no sampling logic. Every forward is flat-token: ``input_ids`` and
@@ -23,7 +24,6 @@ run inside the decode attention kernel (``decode_fusable``).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -46,6 +46,7 @@ from tidal.rollout.models.parallel import (
     kv_heads_per_rank,
 )
 from tidal.rollout.models.rope import apply_rope, inv_freq_and_scale, rope_table
+from tidal.rollout.models.weights import WeightLoading
 from tidal.rollout.runner.attention import (
     AttentionMetadata,
     decode_attention,
@@ -91,9 +92,6 @@ def fusable_head_norm(head_dim: int) -> bool:
     normalise each rotate-half partner with its own lane's total instead of the partner lane's (measured
     on an H200: float32, head_dim 32 differs; 64 and 128 are bit-equal)."""
     return head_dim > 32
-
-
-_NAME_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
 @dataclass
@@ -390,8 +388,9 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
-class CausalLM(nn.Module):
-    """Base of every family: embeddings, decoder layers, final norm, LM head, and the weight loader.
+class CausalLM(WeightLoading, nn.Module):
+    """Base of every family: embeddings, decoder layers, final norm, LM head, and the weight loader
+    (``weights.WeightLoading``).
 
     Returns logits of the selected rows (``logits_index``: each sequence's last prefill token) or of every
     row. What a family declares, as class attributes:
@@ -454,66 +453,3 @@ class CausalLM(nn.Module):
         if logits_index is not None:  # prefill needs logits of each sequence's last token only
             x, residual = x[logits_index], residual[logits_index]
         return self.lm_head(self.model.norm(x, residual)[0])
-
-    # ------------------------------------------------------------------ weights
-    def _packing(self) -> dict[str, tuple[str, int, int, int]]:
-        """HF projection -> (packed parameter, shard index, first row, rows)."""
-        out = {}
-        for packed, shards in self.packed_params.items():
-            start = 0
-            for index, (hf_name, size_attr) in enumerate(shards):
-                rows = getattr(self.args, size_attr)
-                out[hf_name] = (packed, index, start, rows)
-                start += rows
-        return out
-
-    def weight_keys(self) -> set[str]:
-        """Every (packed-shard) weight a full checkpoint must provide, in ``load_weights``' key format."""
-        shards = {packed: len(parts) for packed, parts in self.packed_params.items()}
-        keys = set()
-        for name, _ in self.named_parameters():
-            count = shards.get(name.rsplit(".", 2)[-2])
-            keys.update([name] if count is None else [f"{name}#{i}" for i in range(count)])
-        return keys
-
-    @torch.no_grad()
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into our (packed) parameters in place; return the keys loaded."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        packing = self._packing()
-        loaded = set()
-        for raw_name, tensor in named_tensors:
-            name = self._our_name(raw_name)
-            if name.endswith(self.ignored_weights):
-                continue
-            module_name, _, kind = name.rpartition(".")
-            parent, _, leaf = module_name.rpartition(".")
-            shard = packing.get(leaf)
-            if shard is not None:
-                leaf = shard[0]
-            target = f"{parent}.{leaf}.{kind}" if parent else f"{leaf}.{kind}"
-            if self.args.tie_word_embeddings and target == "lm_head.weight":
-                target = "model.embed_tokens.weight"
-            if target not in params:
-                raise ValueError(f"unexpected weight {raw_name!r} for a {self.args.model_type} decoder")
-            owner = self.get_submodule(target.rpartition(".")[0])
-            if hasattr(owner, "take"):  # a (tensor-)parallel layer slices the full tensor to its shard
-                part = None if shard is None else shard[1]
-                dst, tensor = owner.take(params[target], kind, part, tensor, raw_name)
-            else:
-                dst = params[target] if shard is None else params[target].narrow(0, shard[2], shard[3])
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"weight {raw_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
-                )
-            dst.copy_(tensor)  # one copy, converting device and dtype on the way (no host round trip)
-            loaded.add(target if shard is None else f"{target}#{shard[1]}")
-        return loaded
-
-    def _our_name(self, name: str) -> str:
-        # Wrapper prefixes that torch.compile / DDP / FSDP1 add, then the family's renames.
-        for prefix in _NAME_PREFIXES:
-            name = name.replace(prefix, "")
-        for hf, ours in self.weight_renames:
-            name = name.replace(hf, ours)
-        return name
