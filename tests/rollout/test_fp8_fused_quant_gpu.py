@@ -66,6 +66,7 @@ def test_an_engine_taking_the_fused_rows_generates_what_one_quantizing_per_layer
 
     from tidal.rollout import EngineConfig, LLMEngine
     from tidal.rollout.quant import gemm
+    from tidal.rollout.quant.linear import Fp8Forward
     from tidal.testing.tiny import tiny_config
 
     config = tiny_config("qwen2", vocab_size=151936, hidden_size=256, intermediate_size=512,
@@ -83,9 +84,7 @@ def test_an_engine_taking_the_fused_rows_generates_what_one_quantizing_per_layer
     )
 
     def run(fused: bool):
-        for module in engine.model.modules():
-            if hasattr(module, "fp8_row_input"):
-                module.fp8_row_input = fused
+        monkeypatch.setattr(Fp8Forward, "fp8_row_input", fused)  # False: each layer quantizes its own input
         launches.clear()
         outs = engine.generate(PROMPTS, greedy(12))
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], len(launches)

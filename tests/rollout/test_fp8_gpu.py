@@ -93,6 +93,7 @@ def test_triton_fp8_gemm_is_the_product_of_its_e4m3_operands(tokens, n, k, split
     result as closely; replayed from a CUDA graph (the split-K workspace allocated in the capture) it
     gives the eager bits; another row's scales are far off."""
     _needs_fp8_mma()
+    from tidal.accel import tma_loadable
     from tidal.rollout.quant.fp8 import quantize
     from tidal.rollout.quant.fp8_gemm_config import Fp8GemmConfig
     from tidal.rollout.quant.gemm import _quantize_activations
@@ -110,7 +111,8 @@ def test_triton_fp8_gemm_is_the_product_of_its_e4m3_operands(tokens, n, k, split
     want = (xq.float() * xs) @ (q.float() * scales).t() + bias.float()
     config = Fp8GemmConfig(16 if tokens <= 16 else 64, 128, 128, split_k, 4, 3, tma)
     got = fp8_gemm(xq, xs, q, scales, config, bias, torch.bfloat16)
-    if tma:  # the copy engine's tiles: the pointer launch's bits (same products, same order)
+    if tma:  # the copy engine's tiles (not a silent fallback): the pointer launch's bits
+        assert tma_loadable(xq) and tma_loadable(q)
         assert torch.equal(got, fp8_gemm(xq, xs, q, scales, replace(config, tma=0), bias, torch.bfloat16))
     assert got.dtype == torch.bfloat16 and got.shape == (tokens, n)
     assert _rel(got, want) < 4e-3

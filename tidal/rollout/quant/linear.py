@@ -366,7 +366,12 @@ class Fp8Forward:
 
     fp8_granularity: str
     fp8_fused_bias: bool  # ``fuses_bias``: the GEMM adds the bias
-    fp8_row_input: bool  # per-token scales: takes the e4m3 rows a norm left on ``x`` (``fp8_rows``)
+
+    @property
+    def fp8_row_input(self) -> bool:
+        """Per-token activation scales: the layer takes the e4m3 rows a norm or SiLU·up left on its input
+        (``fp8_rows``), and ``_mark_norms_feeding_fp8`` marks the norms it reads."""
+        return self.fp8_granularity == "channel"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.bias if self.fp8_fused_bias else None
@@ -387,7 +392,6 @@ def _use_scaled_mm(target: Target, granularity: str) -> None:
     _add_buffers(target, granularity)
     target.module.fp8_granularity = granularity
     target.module.fp8_fused_bias = fuses_bias(target, granularity)
-    target.module.fp8_row_input = granularity == "channel"
     _swap_class(target.module, Fp8Forward)
     target.mode = "scaled_mm"
 
