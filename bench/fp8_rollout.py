@@ -16,7 +16,9 @@ the model dtype (bf16 on CUDA) and FP8 (``--quantization fp8``: per-output-chann
 and ``fp8_speedup`` (FP8 tokens/s over the model dtype's), ``greedy_match`` (fraction of samples whose
 tokens are all equal), ``agreeing_tokens`` (mean fraction of each sample before its first different
 token) and ``mean_abs_logprob_diff`` (mean |log-prob difference| of the tokens before that point, where
-both engines scored the same token after the same context). On a random-init model (``--config``) the
+both engines scored the same token after the same context). ``--kv_cache_dtype fp8`` adds a third
+engine, FP8 weights and an FP8 KV cache (``kv_cache_dtype``), reported as ``fp8_kv`` with its own
+``fp8_kv_speedup`` and agreement with the model dtype (``fp8_kv_agreement``). On a random-init model (``--config``) the
 logits are nearly flat and greedy agreement says little; ``--model`` takes a trained HF folder.
 
 Shapes: ``--config`` Qwen2.5-0.5B / 7B (``bench/rollout.py``), a Qwen3-MoE shape (``bench/moe.py``:
@@ -26,6 +28,8 @@ emulated (a smoke run: no speed-up is expected there).
 
     python bench/fp8_rollout.py                                  # CPU smoke run, < 1 minute
     python bench/fp8_rollout.py --config qwen2.5-7b --device cuda --batch 256 --prompt_len 128 --new_tokens 512
+    python bench/fp8_rollout.py --config qwen2.5-7b --device cuda --batch 256 --prompt_len 128 --new_tokens 512 \
+        --kv_cache_dtype fp8
     python bench/fp8_rollout.py --config qwen3-30b-a3b --device cuda --batch 256 --prompt_len 128 \\
         --new_tokens 256
     python bench/fp8_rollout.py --config gpt-oss-20b --device cuda --batch 256 --prompt_len 128 --new_tokens 256
@@ -58,6 +62,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     source.add_argument("--config", choices=SHAPES, help="random-init model of this shape")
     source.add_argument("--tiny", default="qwen2", metavar="MODEL_TYPE", help="tidal.testing's tiny model")
     p.add_argument("--quantization", default="fp8", choices=["fp8", "fp8_block"])
+    p.add_argument(
+        "--kv_cache_dtype",
+        default="auto",
+        choices=["auto", "fp8"],
+        help="fp8: a third engine, FP8 weights and KV",
+    )
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt_len", type=int, default=32)
     p.add_argument("--new_tokens", type=int, default=32)
@@ -146,6 +156,18 @@ def agreement(base, fp8) -> dict:
     }
 
 
+def fp8_kv_fields(runs: dict, base: dict) -> dict:
+    """The FP8-weights-and-KV engine's result, speed-up and agreement with the model dtype (if it ran)."""
+    if "fp8_kv" not in runs:
+        return {}
+    run = runs["fp8_kv"]
+    return {
+        "fp8_kv": run["result"],
+        "fp8_kv_speedup": round(run["result"]["tokens_per_s"] / base["result"]["tokens_per_s"], 3),
+        "fp8_kv_agreement": agreement(base["samples"], run["samples"]),
+    }
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -169,14 +191,18 @@ def main(argv=None) -> dict:
         if from_host:
             offload(hf)
         runs = {}
-        for label in ("none", args.quantization):
+        engines = {"none": ("none", "auto"), args.quantization: (args.quantization, "auto")}
+        if args.kv_cache_dtype == "fp8":
+            engines["fp8_kv"] = (args.quantization, "fp8")
+        for label, (quantization, kv_cache_dtype) in engines.items():
             config = EngineConfig(
                 max_num_seqs=args.batch,
                 max_model_len=args.prompt_len + args.new_tokens,
                 dtype=str(dtype).removeprefix("torch."),
                 device=args.device,
                 seed=args.seed,
-                quantization=label,
+                quantization=quantization,
+                kv_cache_dtype=kv_cache_dtype,
             )
             engine = LLMEngine(path, config, model=hf)
             runs[label] = measure(engine, hf, prompts, args)
@@ -201,6 +227,7 @@ def main(argv=None) -> dict:
         "fp8": fp8["result"],
         "fp8_speedup": round(fp8["result"]["tokens_per_s"] / base["result"]["tokens_per_s"], 3),
         **agreement(base["samples"], fp8["samples"]),
+        **fp8_kv_fields(runs, base),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),

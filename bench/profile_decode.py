@@ -104,6 +104,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the engine's rollout weights (--rollout_quantization): model dtype or FP8 (per-channel scales)",
     )
     p.add_argument(
+        "--kv_cache_dtype",
+        default="auto",
+        choices=("auto", "fp8"),
+        help="the engine's KV cache (--rollout_kv_cache_dtype): model dtype or FP8 (a scale per row)",
+    )
+    p.add_argument(
         "--final_only",
         action="store_true",
         help="step(snapshot=...) declines every unfinished request (a non-streaming server's engine loop)",
@@ -225,6 +231,7 @@ def build_engine(args, tmp: str):
         tp_size=args.tp_size,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     return LLMEngine(path, config, model=hf), hf.config.vocab_size
 
@@ -347,6 +354,7 @@ def measure(args, fused: bool) -> dict:
         "final_only": args.final_only,
         "fused_kernels": fused,
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "async_scheduling": engine_async,
         "host_ms": phases,
         "kernel_ms": kernels,

@@ -10,10 +10,27 @@ from tidal.config.args import AT_LEAST_ONE, NON_NEGATIVE, Checked, Range, arg
 
 # --rollout_quantization values (tidal.rollout.quant.QUANTIZATIONS, written here: --help imports no torch)
 ROLLOUT_QUANTIZATIONS = ("none", "fp8", "fp8_block")
+# --rollout_kv_cache_dtype values (tidal.rollout.runner.kv_cache.KV_CACHE_DTYPES)
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 # OpenRLHF v0.9.2's prompt and response limits, used when neither they nor --max_len are set.
 DEFAULT_PROMPT_MAX_LEN = 1024
 DEFAULT_GENERATE_MAX_LEN = 1024
+
+
+def kv_cache_dtype_arg() -> str:
+    """``--rollout_kv_cache_dtype`` (alias ``--kv_cache_dtype``, vLLM's name) of every command with an engine:
+    ``tidal ppo`` and the commands that only sample (``tidal serve``, ``generate``, ``chat``)."""
+    return arg(
+        "auto",
+        help="KV cache of tidal's engine (vLLM's --kv_cache_dtype): fp8 stores keys and values as FP8 e4m3 "
+        "with a scale per token and head (1.94x the tokens in the same memory, faster decode attention; "
+        "log-probs move as with --rollout_quantization); auto: the model dtype. Not with --exact_logprobs or "
+        "tensor parallelism, nor for Gemma, gpt-oss or DeepSeek-V3",
+        choices=KV_CACHE_DTYPES,
+        aliases=["--kv_cache_dtype"],
+        engine="kv_cache_dtype",  # tidal.rollout.runner.kv_cache
+    )
 
 
 @dataclass
@@ -120,6 +137,7 @@ class RolloutConfig(Checked):
         choices=ROLLOUT_QUANTIZATIONS,
         engine="quantization",  # tidal.rollout.quant
     )
+    rollout_kv_cache_dtype: str = kv_cache_dtype_arg()  # --kv_cache_dtype too
     partial_rollout_enable: bool = arg(
         False, aliases=["--partial_rollout"],
         help="with --async_train: a weight update lands between engine steps of the rollout in progress, its "
@@ -150,6 +168,13 @@ class RolloutConfig(Checked):
             )
         if self.rollout_quantization != "none" and self.vllm_tensor_parallel_size > 1:
             own.append("--rollout_quantization needs --vllm_tensor_parallel_size 1")
+        if self.rollout_kv_cache_dtype == "fp8" and self.exact_logprobs:
+            own.append(
+                "--exact_logprobs cannot run with --rollout_kv_cache_dtype fp8: the engine's attention then reads "
+                "FP8-rounded keys and values, never the trainer's"
+            )
+        if self.rollout_kv_cache_dtype == "fp8" and self.vllm_tensor_parallel_size > 1:
+            own.append("--rollout_kv_cache_dtype fp8 needs --vllm_tensor_parallel_size 1")
         if self.max_len is not None and self.max_len <= self.prompt_max_len:
             own.append(
                 f"--max_len {self.max_len} leaves no room for a response after --prompt_max_len {self.prompt_max_len}"

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from tidal.config.args import AT_LEAST_ONE, ConfigError, Range, arg
 from tidal.config.engine import engine_config, engine_knobs
 from tidal.config.model import ModelConfig
-from tidal.config.rollout import ROLLOUT_QUANTIZATIONS
+from tidal.config.rollout import ROLLOUT_QUANTIZATIONS, kv_cache_dtype_arg
 
 if TYPE_CHECKING:
     from tidal.rollout import EngineConfig
@@ -100,6 +100,7 @@ class ServeConfig:
         check=AT_LEAST_ONE,
     )
     rollout_quantization: str = quantization_arg()  # --quantization too
+    rollout_kv_cache_dtype: str = kv_cache_dtype_arg()  # --kv_cache_dtype too
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from tidal.config.args import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, ConfigError, Range, arg
 from tidal.config.engine import ENGINE_DTYPES, engine_config, engine_knobs
+from tidal.config.rollout import kv_cache_dtype_arg
 from tidal.config.serve import quantization_arg
 from tidal.inference.processors import DEFAULT_REWARD_TEMPLATE, POST_PROCESSORS, check_reward_template
 
@@ -64,6 +65,7 @@ class PolicyConfig:
         engine="enable_prefix_caching",
     )
     rollout_quantization: str = quantization_arg()  # --quantization too
+    rollout_kv_cache_dtype: str = kv_cache_dtype_arg()  # --kv_cache_dtype too
 
     def engine_config(self, seed: int) -> EngineConfig:
         if self.max_num_seqs < 1:

@@ -210,6 +210,8 @@ class OpenAIService:
         )  # --rollout_quantization (tidal's, beside vLLM's fields)
         if quantization != "none":
             model["quantization"] = quantization
+        if self.engine.config.kv_cache_dtype != "auto":  # --kv_cache_dtype
+            model["kv_cache_dtype"] = self.engine.config.kv_cache_dtype
         return model
 
     async def models(self, request):

@@ -47,9 +47,13 @@ class EngineConfig:
     # FP8 rollouts (tidal.rollout.quant): "fp8" (per-output-channel scales) or "fp8_block" (128x128 block
     # scales) quantizes the linear layers and MoE experts at load and at every weight sync; "none": off.
     quantization: str = "none"
+    # "fp8": the KV cache holds e4m3 rows, each with its float32 scale (runner/kv_cache.py; vLLM's name and
+    # value); "auto": the model dtype.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         self._check_quantization()
+        self._check_kv_cache_dtype()
         if self.exact_logprobs and self.tp_size > 1:
             raise ValueError("EngineConfig: exact_logprobs needs tp_size 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
@@ -90,6 +94,20 @@ class EngineConfig:
         if self.quantization != "none" and self.tp_size > 1:
             raise ValueError("EngineConfig: FP8 rollouts (quantization) need tp_size 1")
 
+    def _check_kv_cache_dtype(self) -> None:
+        from tidal.rollout.runner.kv_cache import kv_cache_dtype_problem
+
+        problem = kv_cache_dtype_problem(self.kv_cache_dtype)
+        if problem:
+            raise ValueError(f"EngineConfig: {problem}")
+        if self.kv_cache_dtype == "fp8" and self.exact_logprobs:
+            raise ValueError(
+                "EngineConfig: exact_logprobs cannot run with an FP8 KV cache: the engine's attention then "
+                "reads rounded keys and values, never the trainer's"
+            )
+        if self.kv_cache_dtype == "fp8" and self.tp_size > 1:
+            raise ValueError("EngineConfig: an FP8 KV cache (kv_cache_dtype) needs tp_size 1")
+
     def torch_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -109,6 +127,7 @@ def family_problem(config: EngineConfig, model_type: str | None) -> str | None:
         "prefix_caching": config.enable_prefix_caching,
         "chunked_prefill": config.enable_chunked_prefill,
         "record_routing": config.record_routing,
+        "fp8_kv_cache": config.kv_cache_dtype == "fp8",
     }
     refusals = (feature_refusal(model_type, feature) for feature, on in asked.items() if on)
     problem = next((problem for problem in refusals if problem), None)

@@ -57,6 +57,7 @@ def fallback_problem(config: EngineConfig, model_type: str | None) -> str | None
         "async_scheduling": config.async_scheduling is True,
         "attention_backend triton": config.attention_backend == "triton",
         f"FP8 rollouts ({config.quantization})": config.quantization != "none",
+        "an FP8 KV cache (kv_cache_dtype fp8)": config.kv_cache_dtype == "fp8",
     }
     feature = next((name for name, on in asked.items() if on), None)
     return None if feature is None else _refusal(feature, model_type)

@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 from tidal.logging.console import get_logger
-from tidal.logging.phases import Progress, on_main_process, phase, size_text
+from tidal.logging.phases import Progress, phase
 from tidal.rollout.batch_invariant import exact_device_problem
 from tidal.rollout.engine.ahead import Ahead, AheadPolicy, AheadStats, async_fallback
 from tidal.rollout.engine.config import EngineConfig, family_problem
@@ -187,6 +187,7 @@ class LLMEngine(RequestBuilding, WeightsAndMemory):
             exact=self.config.exact_logprobs,
             lookahead=self.async_scheduling,
             saved_states=self._saved_states(),
+            fp8_kv_cache=self.config.kv_cache_dtype == "fp8",
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -274,12 +275,6 @@ class LLMEngine(RequestBuilding, WeightsAndMemory):
         if reason:
             raise ValueError(f"{wanted} is not supported with {reason}")
 
-    def _log_kv_cache(self) -> None:
-        per_block = ModelRunner.bytes_per_block(self.model.args, self.config.block_size, self.dtype)
-        tokens, kv = self.num_kv_blocks * self.config.block_size, size_text(self.num_kv_blocks * per_block)
-        if on_main_process():
-            log.info("engine: KV cache of %d blocks, %d tokens, %s", self.num_kv_blocks, tokens, kv)
-
     def _saved_states(self) -> int:
         """Rows of recurrent states saved at cached blocks' ends (linear-attention families, state_cache.py)."""
         if self.model.state_spec() is None:
@@ -290,7 +285,7 @@ class LLMEngine(RequestBuilding, WeightsAndMemory):
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        per_block = ModelRunner.bytes_per_block(self.model.args, cfg.block_size, self.dtype)
+        per_block = self.kv_bytes_per_block()
         # Never more than every sequence slot at full length could use.
         enough = cfg.max_num_seqs * blocks_needed(self.max_model_len, cfg.block_size)
         if self.device.type == "cuda":

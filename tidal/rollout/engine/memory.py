@@ -11,7 +11,7 @@ import torch
 
 from tidal.logging.console import get_logger
 from tidal.logging.phases import on_main_process, phase, size_text
-from tidal.rollout.runner.model_runner import ModelRunner
+from tidal.rollout.runner import kv_cache
 
 log = get_logger(__name__)
 
@@ -72,12 +72,23 @@ class WeightsAndMemory:
 
     def _sleep_text(self, level: int) -> str:
         """What a sleep of ``level`` frees: ``"KV cache, 4.4 GiB"`` (level 2 adds ``"; weights, 14.2 GiB"``)."""
-        per_block = ModelRunner.bytes_per_block(self.model.args, self.config.block_size, self.dtype)
-        text = f"KV cache, {size_text((self.num_kv_blocks + 1) * per_block)}"
+        text = f"KV cache, {size_text((self.num_kv_blocks + 1) * self.kv_bytes_per_block())}"
         if level == 2:
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
             text += f"; weights, {size_text(weights)}"
         return text
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one KV block on this rank, in the cache's dtype (``kv_cache.bytes_per_block``)."""
+        fp8 = self.config.kv_cache_dtype == "fp8"
+        return kv_cache.bytes_per_block(self.model.args, self.config.block_size, self.dtype, fp8)
+
+    def _log_kv_cache(self) -> None:
+        tokens = self.num_kv_blocks * self.config.block_size
+        kv = size_text(self.num_kv_blocks * self.kv_bytes_per_block())
+        if on_main_process():
+            fp8 = " (FP8 e4m3, a scale per row)" if self.config.kv_cache_dtype == "fp8" else ""
+            log.info("engine: KV cache of %d blocks, %d tokens, %s%s", self.num_kv_blocks, tokens, kv, fp8)
 
     @property
     def is_sleeping(self) -> bool:

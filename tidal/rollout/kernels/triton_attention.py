@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from tidal.accel import sm_count
+from tidal.rollout.kernels.triton_e4m3 import store_e4m3_row
 from tidal.rollout.models.triton_fused import rope_half
 
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in merging than it gains in parallelism
@@ -62,12 +63,16 @@ def _decode_kernel(
     sin_ptr,
     slot_ptr,
     sink_ptr,
+    ks_ptr,
+    vs_ptr,
     stride_cos,
     stride_qb,
     stride_qh,
     stride_kblk,
     stride_kslot,
     stride_khead,
+    stride_sblk,
+    stride_sslot,
     stride_btb,
     scale,
     window,
@@ -81,6 +86,7 @@ def _decode_kernel(
     IEEE: tl.constexpr,
     ROPE: tl.constexpr,
     SINKS: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -121,8 +127,13 @@ def _decode_kernel(
             k_new = rope_half(tl.load(k_row + d), tl.load(k_row + partner), c, s_, first)
             slot = tl.load(slot_ptr + b).to(tl.int64)
             dst = (slot // BLOCK_SIZE) * stride_kblk + (slot % BLOCK_SIZE) * stride_kslot + kvh * stride_khead
-            tl.store(k_ptr + dst + d, k_new)
-            tl.store(v_ptr + dst + d, tl.load(v_row + d))
+            if FP8:  # e4m3 rows with their scales (runner/kv_cache.py), rope_store_kv's bits
+                s_dst = (slot // BLOCK_SIZE) * stride_sblk + (slot % BLOCK_SIZE) * stride_sslot + kvh
+                store_e4m3_row(k_ptr + dst + d, ks_ptr + s_dst, k_new, d < HEAD_DIM)
+                store_e4m3_row(v_ptr + dst + d, vs_ptr + s_dst, tl.load(v_row + d), d < HEAD_DIM)
+            else:
+                tl.store(k_ptr + dst + d, k_new)
+                tl.store(v_ptr + dst + d, tl.load(v_row + d))
         tl.debug_barrier()  # the loop's loads (other threads of this program) read what was just stored
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     denom = tl.zeros([GROUP_PAD], tl.float32)
@@ -133,21 +144,28 @@ def _decode_kernel(
         live = (offs < hi) & (offs >= start)
         page = tl.load(bt_ptr + b * stride_btb + offs // BLOCK_SIZE, mask=offs < hi, other=0)
         kv_off = page.to(tl.int64) * stride_kblk + (offs % BLOCK_SIZE) * stride_kslot + kvh * stride_khead
-        k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=live[:, None], other=0.0)
+        k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=live[:, None], other=0.0).to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
+        # FP8: each key's dequantization scale multiplies its logit (k = e4m3 row * scale)
+        s_off = page.to(tl.int64) * stride_sblk + (offs % BLOCK_SIZE) * stride_sslot + kvh  # unused if not
+        if FP8:
+            s = s * tl.load(ks_ptr + s_off, mask=live, other=0.0)[None, :]
         s = tl.where(live[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         denom = denom * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=live[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=live[:, None], other=0.0).to(q.dtype)
+        p_v = p
+        if FP8:  # and each value's scale its probability
+            p_v = p * tl.load(vs_ptr + s_off, mask=live, other=0.0)[None, :]
         if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            pv = tl.dot(p_v.to(v.dtype), v, input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pv = tl.dot(p_v.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m = m_new
 
@@ -233,6 +251,18 @@ def merge_splits(
     )
 
 
+def scale_halves(
+    kv_scales: torch.Tensor | None, layer_cache: torch.Tensor, unused: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k and v scales [blocks, block_size, kv_heads] of an FP8 layer cache (checked against it), or
+    ``unused`` twice for a cache in the model dtype (the kernels then never read them)."""
+    if kv_scales is None:
+        return unused, unused
+    assert layer_cache.dtype == torch.float8_e4m3fn and kv_scales.is_contiguous()
+    assert kv_scales.shape == layer_cache.shape[:-1] and kv_scales.dtype == torch.float32
+    return kv_scales[0], kv_scales[1]
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, num_sms: int) -> int:
     """Split the context only while (sequence, kv head) programs would leave SMs idle (power of two)."""
     splits = 1
@@ -266,6 +296,7 @@ def paged_decode_attention(
     tiles: Tiles | None = None,
     rope: RopeInputs | None = None,
     sinks: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [batch, heads, d]; layer_cache [2, blocks, block_size, kv_heads, d] -> out [batch, heads * d].
 
@@ -279,6 +310,10 @@ def paged_decode_attention(
 
     ``sinks`` [heads] (gpt-oss): one more logit per head in the softmax denominator, with no value; the
     output is scaled by ``sink_share`` of the keys' log-sum-exp (after the splits' merge, if split).
+
+    ``kv_scales`` [2, blocks, block_size, kv_heads] (float32): the cache is FP8 (``runner/kv_cache.py``);
+    keys and values are dequantized as they are read (and, with ``rope``, the step's own are quantized as
+    they are stored).
     """
     tiles = tiles or TILES
     batch, num_heads, head_dim = q.shape
@@ -299,6 +334,7 @@ def paged_decode_attention(
         cos = sin = slots = out  # unused
     sink_arg = out if sinks is None else sinks  # unused without sinks
     k, v = layer_cache[0], layer_cache[1]
+    ks, vs = scale_halves(kv_scales, layer_cache, out)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k,
@@ -312,12 +348,16 @@ def paged_decode_attention(
         sin,
         slots,
         sink_arg,
+        ks,
+        vs,
         cos.stride(0),
         q.stride(0),
         q.stride(1),
         k.stride(0),
         k.stride(1),
         k.stride(2),
+        ks.stride(0) if kv_scales is not None else 0,
+        ks.stride(1) if kv_scales is not None else 0,
         block_tables.stride(0),
         scale,
         window or 0,
@@ -331,6 +371,7 @@ def paged_decode_attention(
         IEEE=q.dtype == torch.float32,
         ROPE=rope is not None,
         SINKS=sinks is not None,
+        FP8=kv_scales is not None,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         # RoPE's mul_rn / add_rn keep denormals, as rope_store_kv (and torch) do; libdevice is used for

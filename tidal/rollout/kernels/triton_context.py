@@ -31,6 +31,7 @@ from tidal.accel import sm_count
 from tidal.rollout.kernels.triton_attention import (
     choose_num_splits,
     merge_splits,
+    scale_halves,
     sink_share,
     split_buffers,
 )
@@ -51,28 +52,37 @@ def _attend_chunk(
     bt_row,
     k_base,
     v_base,
+    ks_base,
+    vs_base,
     d,
     stride_kblk,
     stride_kslot,
+    stride_sblk,
+    stride_sslot,
     qk_scale,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """One online-softmax step over keys ``[t0, t0 + BLOCK_N)`` (those ``>= hi`` are never read):
     returns the updated (running max, denominator, accumulator). ``MASKED``: apply the causal (and window)
-    mask; without it every key of the chunk must be visible to every row."""
+    mask; without it every key of the chunk must be visible to every row. ``FP8``: the cache holds e4m3
+    rows whose scales (``ks_base``/``vs_base``) multiply the logits and the probabilities."""
     offs = t0 + tl.arange(0, BLOCK_N)
     in_range = offs < hi
     page = tl.load(bt_row + offs // BLOCK_SIZE, mask=in_range, other=0)
     kv_off = page.to(tl.int64) * stride_kblk + (offs % BLOCK_SIZE) * stride_kslot
-    k = tl.load(k_base + kv_off[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
+    k = tl.load(k_base + kv_off[:, None] + d[None, :], mask=in_range[:, None], other=0.0).to(q.dtype)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
+    s_off = page.to(tl.int64) * stride_sblk + (offs % BLOCK_SIZE) * stride_sslot  # FP8 only
+    if FP8:
+        s = s * tl.load(ks_base + s_off, mask=in_range, other=0.0)[None, :]
     s = s * qk_scale  # base-2 logits
     if MASKED:
         visible = (offs[None, :] <= pos[:, None]) & in_range[None, :]
@@ -89,11 +99,14 @@ def _attend_chunk(
     alpha = tl.math.exp2(m - m_sub)
     p = tl.math.exp2(s - m_sub[:, None])
     denom = denom * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + kv_off[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
+    v = tl.load(v_base + kv_off[:, None] + d[None, :], mask=in_range[:, None], other=0.0).to(q.dtype)
+    p_v = p
+    if FP8:
+        p_v = p * tl.load(vs_base + s_off, mask=in_range, other=0.0)[None, :]
     if IEEE:
-        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        pv = tl.dot(p_v.to(v.dtype), v, input_precision="ieee")
     else:
-        pv = tl.dot(p.to(v.dtype), v)
+        pv = tl.dot(p_v.to(v.dtype), v)
     return m_new, denom, acc * alpha[:, None] + pv
 
 
@@ -106,6 +119,8 @@ def _context_kernel(
     part_ptr,
     lse_ptr,
     sink_ptr,
+    ks_ptr,
+    vs_ptr,
     bt_ptr,
     q_first_ptr,
     starts_ptr,
@@ -116,6 +131,8 @@ def _context_kernel(
     stride_kblk,
     stride_kslot,
     stride_khead,
+    stride_sblk,
+    stride_sslot,
     stride_btb,
     stride_ot,
     stride_oh,
@@ -130,6 +147,7 @@ def _context_kernel(
     HAS_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
     SINKS: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     tile = tl.program_id(1)
@@ -170,16 +188,19 @@ def _context_kernel(
         denom = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         k_base, v_base = k_ptr + kvh * stride_khead, v_ptr + kvh * stride_khead
+        ks_base, vs_base = ks_ptr + kvh, vs_ptr + kvh  # an FP8 cache's scales of this kv head
         bt_row = bt_ptr + b * stride_btb
         for t0 in range(lo, mid, BLOCK_N):
             m, denom, acc = _attend_chunk(
-                q, m, denom, acc, t0, hi, pos, window, bt_row, k_base, v_base, d,
-                stride_kblk, stride_kslot, qk_scale, BLOCK_SIZE, BLOCK_N, False, HAS_WINDOW, IEEE,
+                q, m, denom, acc, t0, hi, pos, window, bt_row, k_base, v_base, ks_base, vs_base, d,
+                stride_kblk, stride_kslot, stride_sblk, stride_sslot, qk_scale,
+                BLOCK_SIZE, BLOCK_N, False, HAS_WINDOW, IEEE, FP8,
             )  # fmt: skip
         for t0 in range(mid, hi, BLOCK_N):
             m, denom, acc = _attend_chunk(
-                q, m, denom, acc, t0, hi, pos, window, bt_row, k_base, v_base, d,
-                stride_kblk, stride_kslot, qk_scale, BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, IEEE,
+                q, m, denom, acc, t0, hi, pos, window, bt_row, k_base, v_base, ks_base, vs_base, d,
+                stride_kblk, stride_kslot, stride_sblk, stride_sslot, qk_scale,
+                BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, IEEE, FP8,
             )  # fmt: skip
 
         if NUM_SPLITS == 1:
@@ -226,9 +247,10 @@ def paged_context_attention(
     scale: float,
     num_splits: int | None = None,
     sinks: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [tokens, heads, d] (sequences back to back); layer_cache [2, blocks, block_size, kv_heads, d]
-    -> out [tokens, heads * d].
+    -> out [tokens, heads * d]. ``kv_scales``: an FP8 cache's (``triton_attention.paged_decode_attention``).
 
     Sequence ``b``'s queries are rows ``q_first[b] .. q_first[b] + ends[b] - starts[b] - 1`` of ``q`` (``q_first``
     may be strided: the first column of the step's ``pad_index``), at
@@ -252,6 +274,7 @@ def paged_context_attention(
     part, lse = split_buffers(out, num_splits)
     sink_arg = out if sinks is None else sinks  # unused without sinks
     k, v = layer_cache[0], layer_cache[1]
+    ks, vs = scale_halves(kv_scales, layer_cache, out)
     grid = (batch, tiles, num_kv_heads * num_splits)
     _context_kernel[grid](
         q,
@@ -261,6 +284,8 @@ def paged_context_attention(
         part,
         lse,
         sink_arg,
+        ks,
+        vs,
         block_tables,
         q_first,
         starts,
@@ -271,6 +296,8 @@ def paged_context_attention(
         k.stride(0),
         k.stride(1),
         k.stride(2),
+        ks.stride(0) if kv_scales is not None else 0,
+        ks.stride(1) if kv_scales is not None else 0,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -285,6 +312,7 @@ def paged_context_attention(
         HAS_WINDOW=window is not None,
         IEEE=q.dtype == torch.float32,
         SINKS=sinks is not None,
+        FP8=kv_scales is not None,
         num_warps=num_warps,
         num_stages=2,
     )

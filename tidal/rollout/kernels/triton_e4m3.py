@@ -25,3 +25,14 @@ def to_e4m3(x, scale):
     """float32 ``x`` divided by its ``scale`` (IEEE), clamped to +-448, cast to e4m3 rounding to nearest even."""
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.zeros_like(x) + scale), -448.0), 448.0)
     return q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def store_e4m3_row(dst_ptr, scale_ptr, x, mask):
+    """Quantize one row ``x`` (a key or value head of an FP8 KV cache, ``runner/kv_cache.py``) with its own
+    scale and store both: ``kv_cache.quantize_heads``' arithmetic (amax of the row, ``e4m3_scale``,
+    ``to_e4m3``), so a Triton store and the torch one give the same bits."""
+    x32 = x.to(tl.float32)
+    scale = e4m3_scale(tl.max(tl.where(mask, tl.abs(x32), 0.0), 0))
+    tl.store(dst_ptr, to_e4m3(x32, scale), mask=mask)
+    tl.store(scale_ptr, scale)

@@ -250,13 +250,14 @@ def paged_attention(
     attend (prefill: over the batch's own tokens; decode: over the cache). q [tokens, heads, d], k/v
     [tokens, kv_heads, d] -> [tokens, heads*d]."""
     layer_cache = None if meta.kv_cache is None else meta.kv_cache[layer_idx]
+    scales = meta.layer_scales(layer_idx)  # an FP8 cache's (runner/kv_cache.py)
     if layer_cache is not None and not stored:
-        store_kv(layer_cache, k, v, meta.slot_mapping)
+        store_kv(layer_cache, k, v, meta.slot_mapping, scales)
     if meta.exact:
         return exact_attention(q, k, v, meta, layer_cache, window, scale)
     if meta.is_prefill:
-        return prefill_attention(q, k, v, meta, window, scale, layer_cache)
-    return decode_attention(q, layer_cache, meta, window, scale)
+        return prefill_attention(q, k, v, meta, window, scale, layer_cache, scales)
+    return decode_attention(q, layer_cache, meta, window, scale, scales)
 
 
 class Attention(nn.Module):
@@ -312,7 +313,10 @@ class Attention(nn.Module):
 
         layer_cache = None if meta.kv_cache is None else meta.kv_cache[self.layer_idx]
         weights, eps = (None, 0.0) if norms is None else ((norms[0].weight, norms[1].weight), norms[0].eps)
-        return rope_store_kv(qk, v, cos, sin, self.num_heads, layer_cache, meta.slot_mapping, weights, eps)
+        return rope_store_kv(
+            qk, v, cos, sin, self.num_heads, layer_cache, meta.slot_mapping, weights, eps,
+            meta.layer_scales(self.layer_idx),
+        )  # fmt: skip
 
     def _fused_decode(self, qkv, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         """RoPE, the KV store and paged decode attention in one kernel (``triton_attention``)."""
@@ -322,8 +326,9 @@ class Attention(nn.Module):
         layer_cache = meta.kv_cache[self.layer_idx]
         rope = RopeInputs(cos, sin, meta.slot_mapping)
         return paged_decode_attention(
-            heads, layer_cache, meta.block_tables, meta.context_lens, self.window, self.scale, rope=rope
-        )
+            heads, layer_cache, meta.block_tables, meta.context_lens, self.window, self.scale, rope=rope,
+            kv_scales=meta.layer_scales(self.layer_idx),
+        )  # fmt: skip
 
 
 class GatedMLP(nn.Module):

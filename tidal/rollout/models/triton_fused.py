@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from tidal.rollout.kernels.triton_e4m3 import e4m3_scale, to_e4m3
+from tidal.rollout.kernels.triton_e4m3 import e4m3_scale, store_e4m3_row, to_e4m3
 
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
@@ -191,6 +191,7 @@ def _rope_store_kv_kernel(
     q_out_ptr,
     k_out_ptr,
     cache_ptr,
+    scales_ptr,
     slot_ptr,
     stride_qk_t,
     stride_qk_h,
@@ -204,6 +205,7 @@ def _rope_store_kv_kernel(
     eps,
     HAS_NORM: tl.constexpr,
     HAS_CACHE: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # One program per (token, head): heads [0, H) are q, [H, H + KV) are k, [H + KV, H + 2 KV) are v.
@@ -238,15 +240,21 @@ def _rope_store_kv_kernel(
             kh = h - num_heads
             tl.store(k_out_ptr + (t * num_kv_heads + kh) * head_dim + cols, out, mask=mask)
             if HAS_CACHE:
-                slot = tl.load(slot_ptr + t).to(tl.int64)
-                tl.store(cache_ptr + (slot * num_kv_heads + kh) * head_dim + cols, out, mask=mask)
+                row = tl.load(slot_ptr + t).to(tl.int64) * num_kv_heads + kh
+                if FP8:  # an FP8 cache (runner/kv_cache.py): e4m3 row, its scale beside
+                    store_e4m3_row(cache_ptr + row * head_dim + cols, scales_ptr + row, out, mask)
+                else:
+                    tl.store(cache_ptr + row * head_dim + cols, out, mask=mask)
     else:
         if HAS_CACHE:
             vh = h - num_heads - num_kv_heads
             v = tl.load(v_ptr + t * stride_v_t + vh * stride_v_h + cols, mask=mask, other=0.0)
-            slot = tl.load(slot_ptr + t).to(tl.int64)
-            dst = cache_ptr + v_cache_offset + (slot * num_kv_heads + vh) * head_dim + cols
-            tl.store(dst, v, mask=mask)
+            row = tl.load(slot_ptr + t).to(tl.int64) * num_kv_heads + vh
+            if FP8:  # the v half of the scales starts v_cache_offset / head_dim rows in
+                v_scales = scales_ptr + v_cache_offset // head_dim + row
+                store_e4m3_row(cache_ptr + v_cache_offset + row * head_dim + cols, v_scales, v, mask)
+            else:
+                tl.store(cache_ptr + v_cache_offset + row * head_dim + cols, v, mask=mask)
 
 
 def rope_store_kv(
@@ -259,10 +267,13 @@ def rope_store_kv(
     slot_mapping: torch.Tensor | None = None,
     norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
     eps: float = 0.0,
+    layer_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE of the q and k heads ``qk`` [T, H + KV, D] (per-head RMSNorm with ``norm_weights`` = (q, k)
     first), and k/v ([T, KV, D]) stored into ``layer_cache`` [2, blocks, block_size, KV, D] at
-    ``slot_mapping`` -> (q [T, H, D], k [T, KV, D]), both contiguous. cos/sin: [T, D], model dtype."""
+    ``slot_mapping`` -> (q [T, H, D], k [T, KV, D]), both contiguous. cos/sin: [T, D], model dtype.
+    ``layer_scales`` [2, blocks, block_size, KV]: the cache is FP8 (``runner/kv_cache.py``), each k and v
+    row stored quantized with its scale (``kv_cache.store``'s bits)."""
     tokens, heads, head_dim = qk.shape
     if norm_weights is not None and head_dim <= 32:  # layers.fusable_head_norm says why
         raise ValueError(
@@ -278,11 +289,12 @@ def rope_store_kv(
     if v.stride(-1) != 1:
         v = v.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
-    has_cache = layer_cache is not None
-    if has_cache and (not layer_cache.is_contiguous() or layer_cache.dtype != qk.dtype):
-        raise ValueError(
-            f"rope_store_kv: the KV cache must be contiguous {qk.dtype}, got {layer_cache.dtype}"
-        )
+    has_cache, fp8 = layer_cache is not None, layer_scales is not None
+    wanted = torch.float8_e4m3fn if fp8 else qk.dtype
+    if has_cache and (not layer_cache.is_contiguous() or layer_cache.dtype != wanted):
+        raise ValueError(f"rope_store_kv: the KV cache must be contiguous {wanted}, got {layer_cache.dtype}")
+    if fp8 and not layer_scales.is_contiguous():
+        raise ValueError("rope_store_kv: the FP8 cache's scales must be contiguous")
     q_weight, k_weight = norm_weights if norm_weights is not None else (qk, qk)
     grid = (tokens, heads + (num_kv if has_cache else 0))
     _rope_store_kv_kernel[grid](
@@ -295,6 +307,7 @@ def rope_store_kv(
         q_out,
         k_out,
         layer_cache if has_cache else qk,
+        layer_scales if fp8 else qk,  # unused without an FP8 cache
         slot_mapping if has_cache else qk,
         qk.stride(0),
         qk.stride(1),
@@ -308,6 +321,7 @@ def rope_store_kv(
         eps,
         HAS_NORM=norm_weights is not None,
         HAS_CACHE=has_cache,
+        FP8=fp8,
         BLOCK=triton.next_power_of_2(head_dim),
         num_warps=4,  # triton_norm's layout for a head (its sum of squares must reduce in the same order)
         # Without norms, mul_rn / add_rn keep denormals as torch's kernels do; with them, the flag stays

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import torch
 
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-# Scales are ``amax * (1/448)`` with the reciprocal rounded to float32 once, not ``amax / 448``: on CUDA
-# torch turns a division by a Python number into that very product (a CPU-scalar fast path), on the CPU
-# it divides; one formula keeps both devices and the Triton kernel (``triton_fp8.py``) bit-equal.
-INV_E4M3_MAX = 1.0 / E4M3_MAX
+# The e4m3 arithmetic this shares with the FP8 KV cache (``runner/kv_cache.py``) lives outside the package
+# (which imports the models); ``quantize_rows`` and ``E4M3_MAX`` are read from here by the GEMM and tests.
+from tidal.rollout.e4m3 import E4M3_MAX, quantize_rows, scales_from_amax, to_e4m3  # noqa: F401
+
 BLOCK = 128  # the side of a ``fp8_block`` tile
 
 # --rollout_quantization values -> scale granularity ("none": the engine keeps the model dtype)
@@ -41,21 +39,9 @@ def quantization_problem(value: str) -> str | None:
     return f"--rollout_quantization must be one of {', '.join(QUANTIZATIONS)}, not {value!r}"
 
 
-def _scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """Dequantization scales ``amax * fl32(1/448)`` (float32; ``INV_E4M3_MAX``), 1 where ``amax`` is 0 (the
-    values are all zero)."""
-    amax = amax.float()
-    return torch.where(amax > 0, amax * INV_E4M3_MAX, torch.ones_like(amax))
-
-
-def _to_e4m3(scaled: torch.Tensor) -> torch.Tensor:
-    # torch's cast does not saturate (448 < |x| becomes NaN): clamp first; round to nearest even.
-    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-
-
 def channel_scales(w: torch.Tensor) -> torch.Tensor:
     """Per-row scales of ``w`` [..., out, in] -> [..., out, 1] float32."""
-    return _scales_from_amax(w.abs().amax(dim=-1, keepdim=True))
+    return scales_from_amax(w.abs().amax(dim=-1, keepdim=True))
 
 
 def _tiles(w: torch.Tensor, block: int) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -71,7 +57,7 @@ def _tiles(w: torch.Tensor, block: int) -> tuple[torch.Tensor, tuple[int, int]]:
 def block_scales(w: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     """Per-tile scales of ``w`` [..., R, C] -> [..., ceil(R/b), ceil(C/b)] float32."""
     tiles, _ = _tiles(w, block)
-    return _scales_from_amax(tiles.abs().amax(dim=(-3, -1)))
+    return scales_from_amax(tiles.abs().amax(dim=(-3, -1)))
 
 
 def expand_block_scales(scales: torch.Tensor, shape: tuple[int, int], block: int = BLOCK) -> torch.Tensor:
@@ -87,10 +73,10 @@ def quantize(w: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Ten
     w32 = w.float()
     if granularity == "channel":
         scales = channel_scales(w32)
-        return _to_e4m3(w32 / scales), scales
+        return to_e4m3(w32 / scales), scales
     if granularity == "block":
         scales = block_scales(w32)
-        return _to_e4m3(w32 / expand_block_scales(scales, tuple(w.shape[-2:]))), scales
+        return to_e4m3(w32 / expand_block_scales(scales, tuple(w.shape[-2:]))), scales
     raise ValueError(f"unknown FP8 scale granularity {granularity!r} (channel or block)")
 
 
@@ -105,16 +91,3 @@ def quantize_dequantize(w: torch.Tensor, granularity: str) -> torch.Tensor:
     """``w`` rounded through FP8 and back to its dtype: what the emulated (CPU) path computes with."""
     q, scales = quantize(w, granularity)
     return dequantize(q, scales, granularity, w.dtype)
-
-
-def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token activation quantization of ``x`` [M, K]: (e4m3 [M, K], float32 scales [M, 1]);
-    with ``group`` (the block recipe's 128), one scale per token and group of ``group`` columns
-    ([M, ceil(K/group)]; K must be a multiple of ``group``)."""
-    if group is None:
-        scales = _scales_from_amax(x.abs().amax(dim=-1, keepdim=True))
-        return _to_e4m3(x.float() / scales), scales
-    m, k = x.shape
-    grouped = x.reshape(m, k // group, group)
-    scales = _scales_from_amax(grouped.abs().amax(dim=-1))
-    return _to_e4m3(grouped.float() / scales[..., None]).reshape(m, k), scales

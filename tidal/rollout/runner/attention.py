@@ -28,12 +28,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tidal.rollout.runner import kv_cache
+
 
 @dataclass
 class AttentionMetadata:
     is_prefill: bool
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each token's KV
     kv_cache: torch.Tensor | None = None  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    # FP8 cache (``kv_cache.py``): the e4m3 rows' float32 scales, [layers, 2, blocks, block_size, kv_heads]
+    kv_scales: torch.Tensor | None = None
     # prefill: flat token index of each padded position, and which padded positions are real
     pad_index: torch.Tensor | None = None  # [batch, max_len]
     pad_valid: torch.Tensor | None = None  # [batch, max_len] bool
@@ -56,6 +60,10 @@ class AttentionMetadata:
     image_spans_sliding_only: bool = False  # Gemma 4: bidirectional in sliding-window layers only
     _masks: dict = field(default_factory=dict)
     _decode_positions: torch.Tensor | None = None
+
+    def layer_scales(self, layer_idx: int) -> torch.Tensor | None:
+        """The FP8 cache's scales of layer ``layer_idx`` (None: the cache is in the model dtype)."""
+        return None if self.kv_scales is None else self.kv_scales[layer_idx]
 
     def decode_positions(self) -> torch.Tensor:
         """Each decode row's query position ``[batch, 1]`` (a CUDA-graph padding row reads slot 0), computed
@@ -113,8 +121,18 @@ class AttentionMetadata:
         return mask[:, None, None, :]  # [batch, 1, 1, k]
 
 
-def store_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write the step's keys/values ([tokens, kv_heads, head_dim]) into their cache slots."""
+def store_kv(
+    layer_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layer_scales: torch.Tensor | None = None,
+) -> None:
+    """Write the step's keys/values ([tokens, kv_heads, head_dim]) into their cache slots (quantized, with
+    ``layer_scales``: an FP8 cache, ``kv_cache.store``)."""
+    if layer_scales is not None:
+        kv_cache.store(layer_cache, layer_scales, k, v, slot_mapping)
+        return
     flat = layer_cache.view(2, -1, *k.shape[1:])
     flat[0].index_copy_(0, slot_mapping, k)
     flat[1].index_copy_(0, slot_mapping, v)
@@ -128,10 +146,12 @@ def prefill_attention(
     window: int | None,
     scale: float,
     layer_cache: torch.Tensor | None = None,
+    layer_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [tokens, heads, d], k/v [tokens, kv_heads, d] -> [tokens, heads * d]."""
+    """q [tokens, heads, d], k/v [tokens, kv_heads, d] -> [tokens, heads * d]. A prefill without context
+    attends its own k/v as computed (an FP8 cache's rounding reaches only the keys read back from it)."""
     if meta.block_tables is not None:
-        return context_prefill_attention(q, layer_cache, meta, window, scale)
+        return context_prefill_attention(q, layer_cache, meta, window, scale, layer_scales)
     idx = meta.pad_index
     qp, kp, vp = (x[idx].transpose(1, 2) for x in (q, k, v))  # [batch, heads, len, d]
     out = F.scaled_dot_product_attention(
@@ -141,22 +161,26 @@ def prefill_attention(
     return out.reshape(q.shape[0], -1)
 
 
-def decode_attention(q, layer_cache: torch.Tensor, meta: AttentionMetadata, window: int | None, scale: float):
-    """q [batch, heads, d] against the paged cache -> [batch, heads * d]."""
+def decode_attention(
+    q, layer_cache: torch.Tensor, meta: AttentionMetadata, window: int | None, scale: float, layer_scales=None
+):
+    """q [batch, heads, d] against the paged cache (FP8: with its ``layer_scales``) -> [batch, heads * d]."""
     if meta.backend == "triton":
         from tidal.rollout.kernels.triton_attention import paged_decode_attention
 
-        return paged_decode_attention(q, layer_cache, meta.block_tables, meta.context_lens, window, scale)
-    return torch_decode_attention(q, layer_cache, meta, window, scale)
+        return paged_decode_attention(
+            q, layer_cache, meta.block_tables, meta.context_lens, window, scale, kv_scales=layer_scales
+        )
+    return torch_decode_attention(q, layer_cache, meta, window, scale, layer_scales)
 
 
-def torch_decode_attention(q, layer_cache: torch.Tensor, meta: AttentionMetadata, window: int | None, scale):
+def torch_decode_attention(
+    q, layer_cache: torch.Tensor, meta: AttentionMetadata, window: int | None, scale, layer_scales=None
+):
     """Gather every block of the block-table width, then one masked SDPA call."""
-    batch, num_kv, head_dim = q.shape[0], layer_cache.shape[-2], layer_cache.shape[-1]
-    blocks = layer_cache.flatten(2).index_select(
-        1, meta.block_tables.view(-1)
-    )  # [2, batch * max_blocks, ...]
-    kv = blocks.view(2, batch, -1, num_kv, head_dim).transpose(2, 3)  # [2, batch, kv_heads, slots, d]
+    batch = q.shape[0]
+    kv = kv_cache.gather(layer_cache, layer_scales, meta.block_tables, q.dtype)
+    kv = kv.transpose(2, 3)  # [2, batch, kv_heads, slots, d]
     out = F.scaled_dot_product_attention(
         q[:, :, None, :], kv[0], kv[1], attn_mask=meta.mask(window), scale=scale, enable_gqa=True
     )
@@ -168,7 +192,7 @@ CONTEXT_KERNEL = True
 
 
 def context_prefill_attention(
-    q, layer_cache: torch.Tensor, meta: AttentionMetadata, window: int | None, scale
+    q, layer_cache: torch.Tensor, meta: AttentionMetadata, window: int | None, scale, layer_scales=None
 ):
     """Prefill queries [tokens, heads, d] against their sequences' cached keys/values (the prefix and the
     tokens just stored) -> [tokens, heads * d].
@@ -179,8 +203,8 @@ def context_prefill_attention(
         from tidal.rollout.kernels import triton_context
 
         if triton_context.supports(q.shape[-1]):
-            return context_kernel_attention(q, layer_cache, meta, window, scale)
-    return torch_context_prefill_attention(q, layer_cache, meta, window, scale)
+            return context_kernel_attention(q, layer_cache, meta, window, scale, layer_scales=layer_scales)
+    return torch_context_prefill_attention(q, layer_cache, meta, window, scale, layer_scales)
 
 
 def context_kernel_attention(
@@ -191,6 +215,7 @@ def context_kernel_attention(
     scale: float,
     num_splits: int | None = None,
     sinks: torch.Tensor | None = None,
+    layer_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``triton_context.paged_context_attention`` for a prefill step, its index arguments read from the
     step's metadata: each sequence's first query row (``pad_index[:, 0]``: lengths are >= 1), query start
@@ -209,17 +234,17 @@ def context_kernel_attention(
         scale,
         num_splits,
         sinks,
+        layer_scales,
     )
 
 
 def torch_context_prefill_attention(
-    q, layer_cache: torch.Tensor, meta: AttentionMetadata, window: int | None, scale
+    q, layer_cache: torch.Tensor, meta: AttentionMetadata, window: int | None, scale, layer_scales=None
 ):
     """One masked SDPA call over each sequence's gathered blocks, queries padded to the longest."""
     qp = q[meta.pad_index].transpose(1, 2)  # [batch, heads, len, d]
-    batch, num_kv, head_dim = qp.shape[0], layer_cache.shape[-2], layer_cache.shape[-1]
-    blocks = layer_cache.flatten(2).index_select(1, meta.block_tables.view(-1))
-    kv = blocks.view(2, batch, -1, num_kv, head_dim).transpose(2, 3)  # [2, batch, kv_heads, slots, d]
+    kv = kv_cache.gather(layer_cache, layer_scales, meta.block_tables, q.dtype)
+    kv = kv.transpose(2, 3)  # [2, batch, kv_heads, slots, d]
     out = F.scaled_dot_product_attention(
         qp, kv[0], kv[1], attn_mask=meta.mask(window), scale=scale, enable_gqa=True
     )

@@ -4,6 +4,7 @@ The KV cache is one tensor ``[layers, 2 (k, v), num_blocks + 1, block_size, kv_h
 may declare another per-slot layout: ``kv_cache_layout``, e.g. MLA's one latent row) so that
 a whole block can be copied for every layer at once (prompt sharing) and freed/re-allocated in one go
 (``sleep``/``wake_up``). The extra last block is never handed out: CUDA-graph padding rows write there.
+An FP8 cache (``kv_cache.py``) holds e4m3 rows, their scales in a second tensor beside it.
 
 Decode, the hot path, keeps host work per step small and free of per-token Python: the inputs are three
 int32 arrays (last token, context length, block table per sequence; a family with recurrent states adds
@@ -40,6 +41,7 @@ import torch
 from tidal.accel import triton_available
 from tidal.rollout.models.layers import CausalLM
 from tidal.rollout.models.moe import SparseMoE
+from tidal.rollout.runner import kv_cache
 from tidal.rollout.runner.attention import AttentionMetadata
 from tidal.rollout.runner.cuda_graph import DecodeGraphs, ahead_input_ids
 from tidal.rollout.runner.exact_model import make_exact
@@ -53,7 +55,6 @@ from tidal.rollout.runner.steps import (
     StepPeers,
     StepResult,
     fill_decode_inputs,
-    kv_cache_layout,
     state_copies,
 )
 from tidal.rollout.scheduling.scheduler import ScheduledBatch
@@ -88,8 +89,10 @@ class ModelRunner(SamplingInputs):
         exact: bool = False,
         lookahead: bool = False,
         saved_states: int = 0,
+        fp8_kv_cache: bool = False,
     ):
-        """``saved_states``: rows of recurrent states saved for prefix caching (state_cache.py)."""
+        """``saved_states``: rows of recurrent states saved for prefix caching (state_cache.py);
+        ``fp8_kv_cache``: the KV cache holds e4m3 rows and their scales (``kv_cache.py``)."""
         self.model = model
         # Exact log-probs (EngineConfig.exact_logprobs): the batch-invariant ops the trainer also runs.
         self.exact = exact
@@ -111,6 +114,8 @@ class ModelRunner(SamplingInputs):
         # ``min_new_tokens`` then (``_sampling_tensors``).
         self._last_sampling: tuple[list[Sequence], SamplingTensors, bool] | None = None
         self.kv_cache: torch.Tensor | None = None
+        self.fp8_kv_cache = fp8_kv_cache
+        self.kv_scales: torch.Tensor | None = None  # an FP8 cache's (kv_cache.py)
         # Linear-attention families: the per-sequence recurrent states, allocated and freed with the cache.
         spec = model.state_spec()
         # With steps launched ahead, a pair of slots per sequence (double buffering, state_cache.py).
@@ -143,25 +148,17 @@ class ModelRunner(SamplingInputs):
             pad_state = None if self.states is None else self.states.pad_slot
             self.graphs = DecodeGraphs(self.decode_forward, self.device, max_num_seqs, max_blocks, pad_state)
 
-    @staticmethod
-    def bytes_per_block(args, block_size: int, dtype: torch.dtype) -> int:
-        """KV bytes of one block on one rank (a tensor-parallel rank caches its KV heads only)."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        parts, heads, dim = kv_cache_layout(args)
-        return args.kv_layers * parts * block_size * heads * dim * elem
-
     def allocate_kv_cache(self) -> None:
-        a = self.args
-        parts, heads, dim = kv_cache_layout(a)
-        shape = (a.kv_layers, parts, self.num_blocks + 1, self.block_size, heads, dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache, self.kv_scales = kv_cache.allocate(
+            self.args, self.num_blocks + 1, self.block_size, self.dtype, self.device, self.fp8_kv_cache
+        )
         if self.states is not None and self.states.conv is None:
             self.states.allocate()
 
     def free_kv_cache(self) -> None:
         if self.graphs is not None:  # they hold the cache's (and weights') addresses
             self.graphs.clear()
-        self.kv_cache = None
+        self.kv_cache = self.kv_scales = None
         if self.states is not None:
             self.states.free()
         if self.device.type == "cuda":
@@ -255,7 +252,7 @@ class ModelRunner(SamplingInputs):
             logits = self._decode_staged(step)
         if step.block_copies:
             src, dst = zip(*step.block_copies, strict=True)
-            self.kv_cache[:, :, self._tensor(dst)] = self.kv_cache[:, :, self._tensor(src)]
+            kv_cache.copy_blocks(self.kv_cache, self.kv_scales, self._tensor(src), self._tensor(dst))
         return logits
 
     def _prefill_step(self, groups: list[list[Sequence]]) -> PrefillStep:
@@ -298,6 +295,7 @@ class ModelRunner(SamplingInputs):
             is_prefill=True,
             slot_mapping=torch.from_numpy(step.slots).to(self.device),
             kv_cache=self.kv_cache,
+            kv_scales=self.kv_scales,
             pad_index=pad_index,
             pad_valid=valid,
             unpad_index=valid.view(-1).nonzero().view(-1),
@@ -386,6 +384,7 @@ class ModelRunner(SamplingInputs):
             is_prefill=False,
             slot_mapping=slots,
             kv_cache=self.kv_cache,
+            kv_scales=self.kv_scales,
             block_tables=block_tables,
             context_lens=context_lens,
             backend=self.backend,
@@ -423,6 +422,7 @@ class ModelRunner(SamplingInputs):
             is_prefill=True,
             slot_mapping=self._tensor(np.concatenate(slots)),
             kv_cache=self.kv_cache,
+            kv_scales=self.kv_scales,
             pad_index=torch.where(valid, starts[:, None] + cols[None, :], 0),
             pad_valid=valid,
             unpad_index=valid.view(-1).nonzero().view(-1),
@@ -440,7 +440,7 @@ class ModelRunner(SamplingInputs):
         logits_index = (starts + lens_t - 1)[self._tensor(last)]
         if batch.copies_before:  # vision families: cached first blocks copied into the groups' own
             src, dst = zip(*batch.copies_before, strict=True)
-            self.kv_cache[:, :, self._tensor(dst)] = self.kv_cache[:, :, self._tensor(src)]
+            kv_cache.copy_blocks(self.kv_cache, self.kv_scales, self._tensor(src), self._tensor(dst))
         extra, positions = {}, np.concatenate(positions)
         if hasattr(self.model, "reserve_block_state"):  # vision families: M-RoPE positions, whole images
             from tidal.rollout.runner.multimodal import context_prefill_images
@@ -449,7 +449,7 @@ class ModelRunner(SamplingInputs):
         logits = self.model(self._tensor(ids), self._tensor(positions), meta, logits_index, **extra)
         if batch.block_copies:  # n > 1: the samples' copies of the prompt's last block, now complete
             src, dst = zip(*batch.block_copies, strict=True)
-            self.kv_cache[:, :, self._tensor(dst)] = self.kv_cache[:, :, self._tensor(src)]
+            kv_cache.copy_blocks(self.kv_cache, self.kv_scales, self._tensor(src), self._tensor(dst))
         if self.states is not None:
             self._copy_states(batch.state_saves)  # prefix caching: states at chunks ending on a block's end
             done = [group for group, final in zip(batch.groups, batch.final, strict=True) if final]

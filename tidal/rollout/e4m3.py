@@ -1,0 +1,47 @@
+"""The e4m3 (``torch.float8_e4m3fn``) arithmetic in torch, shared by FP8 rollouts' weights and activations
+(``tidal.rollout.quant.fp8``) and the FP8 KV cache (``runner/kv_cache.py``); ``kernels/triton_e4m3.py`` is
+the same arithmetic in Triton, bit for bit. Its own module because ``tidal.rollout.quant`` imports the
+models, which import the KV cache's readers (an import cycle otherwise).
+
+A value ``x`` is stored as ``q = x / s`` in e4m3 with a float32 *dequantization* scale ``s`` (``x ≈ q * s``),
+``s = amax / 448`` over the values sharing it (a row, a tile), so their largest maps to 448 itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+# Scales are ``amax * (1/448)`` with the reciprocal rounded to float32 once, not ``amax / 448``: on CUDA
+# torch turns a division by a Python number into that very product (a CPU-scalar fast path), on the CPU
+# it divides; one formula keeps both devices and the Triton kernels (``triton_e4m3.py``) bit-equal.
+INV_E4M3_MAX = 1.0 / E4M3_MAX
+
+
+def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """Dequantization scales ``amax * fl32(1/448)`` (float32; ``INV_E4M3_MAX``), 1 where ``amax`` is 0 (the
+    values are all zero)."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax * INV_E4M3_MAX, torch.ones_like(amax))
+
+
+def to_e4m3(scaled: torch.Tensor) -> torch.Tensor:
+    """``scaled`` (values divided by their scale) cast to e4m3, rounding to nearest even."""
+    # torch's cast does not saturate (448 < |x| becomes NaN): clamp first (a quotient can exceed 448 by
+    # an ulp, ``s`` being amax times a rounded 1/448).
+    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row quantization of ``x`` [M, K]: (e4m3 [M, K], float32 scales [M, 1]); with ``group``
+    (the block recipe's 128), one scale per row and group of ``group`` columns ([M, ceil(K/group)]; K must
+    be a multiple of ``group``). FP8 rollouts quantize each token's activations so; the FP8 KV cache each
+    key and value row of a head."""
+    if group is None:
+        scales = scales_from_amax(x.abs().amax(dim=-1, keepdim=True))
+        return to_e4m3(x.float() / scales), scales
+    m, k = x.shape
+    grouped = x.reshape(m, k // group, group)
+    scales = scales_from_amax(grouped.abs().amax(dim=-1))
+    return to_e4m3(grouped.float() / scales[..., None]).reshape(m, k), scales
