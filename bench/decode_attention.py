@@ -11,6 +11,11 @@ with the context unsplit (``ms_one_split``). With
 output against the default's, and reports the fastest.
 
     python bench/decode_attention.py --sweep     # one JSON line
+    python bench/decode_attention.py --kv_cache_dtype fp8 --sweep --shapes 7b_b256
+
+``--kv_cache_dtype fp8``: the caches hold e4m3 rows and their float32 scales (``runner/kv_cache.py``), the
+bytes read count one per element and four per row, and ``bf16_ms`` is the default launch over the same
+values in bf16 (the same run: the speed-up an FP8 cache gives this kernel).
 
 Context lengths are uniform in [avg/2, 3*avg/2] so splits see ragged rows, as in a real batch.
 """
@@ -43,9 +48,10 @@ L2_BYTES = 50 * 2**20
 MAX_COPIES = 20  # = kernel_ms' calls per graph
 # The sweep's grid (``--grid_*`` replace an axis): Tiles(block_n, num_warps, num_stages) x context splits.
 GRID = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3), "splits": (1, 2, 4, 8)}
+FP8_DOT = (False, True)  # an FP8 cache's sweep also tries e4m3 tensor-core dots (Tiles.fp8_dot)
 
 
-def make_inputs(batch, kv_heads, group, dim, avg, table_tokens=0, seed=0):
+def make_inputs(batch, kv_heads, group, dim, avg, table_tokens=0, seed=0, fp8=False):
     g = torch.Generator(device="cuda").manual_seed(seed)
     lens = torch.randint(avg // 2, avg * 3 // 2 + 1, (batch,), generator=g, device="cuda")
     width = max(int(lens.max()) // BLOCK_SIZE + 1, table_tokens // BLOCK_SIZE)
@@ -57,6 +63,8 @@ def make_inputs(batch, kv_heads, group, dim, avg, table_tokens=0, seed=0):
     # served partly from L2 (H200: 50 MB, more than a 0.5B-shape layer's keys and values), which no
     # engine layer enjoys (each reads its own cache once a step).
     copies = max(1, min(MAX_COPIES, -(-L2_BYTES * 4 // (2 * torch.Size(shape).numel()))))
+    if fp8:  # half the bytes: twice the copies to stay ~4x past L2
+        copies = min(MAX_COPIES, 2 * copies)
     caches = [torch.randn(shape, generator=g, device="cuda").bfloat16() for _ in range(copies)]
     q = torch.randn(batch, kv_heads * group, dim, generator=g, device="cuda").bfloat16()
     return q, caches, tables, lens.to(torch.int32)
@@ -80,18 +88,38 @@ def kernel_ms(fn, calls: int = 20, replays: int = 5) -> float:
     return start.elapsed_time(end) / (calls * replays)
 
 
-def measure(name: str, sweep: bool, grid: dict | None = None) -> dict:
+def fp8_caches(caches: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each bf16 cache as the FP8 cache stores it: (e4m3 rows, their float32 scales)."""
+    from tidal.rollout.runner.kv_cache import quantize_heads
+
+    out = []
+    for cache in caches:
+        q, scales = quantize_heads(cache.view(-1, *cache.shape[-2:]))
+        out.append((q.view(cache.shape), scales.view(cache.shape[:-1]).contiguous()))
+    return out
+
+
+def measure(name: str, sweep: bool, grid: dict | None = None, fp8: bool = False) -> dict:
     from tidal.accel import sm_count
     from tidal.rollout.kernels import triton_attention as ta
 
     batch, kv_heads, group, dim, avg, *table_tokens = SHAPES[name]
-    q, caches, tables, lens = make_inputs(batch, kv_heads, group, dim, avg, *table_tokens)
+    q, caches, tables, lens = make_inputs(batch, kv_heads, group, dim, avg, *table_tokens, fp8=fp8)
     scale = dim**-0.5
-    gb = float(lens.sum()) * kv_heads * dim * 2 * 2 / 1e9  # keys and values, bf16
+    per_row = dim + 4 if fp8 else dim * 2  # bytes of one key or value row (FP8: its scale too)
+    gb = float(lens.sum()) * kv_heads * per_row * 2 / 1e9
+    pairs = fp8_caches(caches) if fp8 else [(cache, None) for cache in caches]
 
     def run(tiles=None, splits=None):
-        turn = itertools.cycle(caches)  # each call (each captured one too) reads the next cache
-        return lambda: ta.paged_decode_attention(q, next(turn), tables, lens, None, scale, splits, tiles)
+        turn = itertools.cycle(pairs)  # each call (each captured one too) reads the next cache
+
+        def call():
+            cache, scales = next(turn)
+            return ta.paged_decode_attention(
+                q, cache, tables, lens, None, scale, splits, tiles, kv_scales=scales
+            )
+
+        return call
 
     auto = ta.choose_num_splits(
         batch, kv_heads, tables.shape[1] * BLOCK_SIZE, sm_count(torch.device("cuda", 0))
@@ -107,16 +135,26 @@ def measure(name: str, sweep: bool, grid: dict | None = None) -> dict:
         "ms_one_split": round(kernel_ms(run(splits=1)), 4),
         "caches": len(caches),
     }
+    if fp8:
+        turn = itertools.cycle(caches)
+        result["bf16_ms"] = round(
+            kernel_ms(lambda: ta.paged_decode_attention(q, next(turn), tables, lens, None, scale)), 4
+        )
     if not sweep:
         return result
     best = (base, ta.TILES, auto)
     by_splits: dict[int, float] = {}  # the fastest tiles at each split count
     grid = grid or GRID
-    for block_n, warps, stages, splits in itertools.product(*(grid[k] for k in GRID)):
-        tiles = ta.Tiles(block_n, warps, stages)
-        out = run(tiles, splits)()
+    for *launch, fp8_dot in itertools.product(*(grid[k] for k in GRID), FP8_DOT if fp8 else (False,)):
+        block_n, warps, stages, splits = launch
+        tiles = ta.Tiles(block_n, warps, stages, fp8_dot)
+        try:
+            out = run(tiles, splits)()
+        except Exception as err:  # noqa: BLE001 - a launch Triton cannot compile (shared memory, fp8 dots)
+            result.setdefault("failed", []).append(f"{tiles} splits={splits}: {type(err).__name__}")
+            continue
         err = float((out.float() - reference.float()).abs().max())
-        if err > 3e-2:
+        if err > 3e-2 * (1 + float(reference.float().abs().max())):
             raise SystemExit(f"{name}: {tiles} splits={splits} differs from the default by {err}")
         ms = kernel_ms(run(tiles, splits))
         by_splits[splits] = min(by_splits.get(splits, ms), ms)
@@ -132,11 +170,12 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--kv_cache_dtype", default="auto", choices=["auto", "fp8"], help="fp8: an FP8 cache")
     for axis, values in GRID.items():
         p.add_argument(f"--grid_{axis}", type=int, nargs="+", default=list(values), help="a sweep axis")
     args = p.parse_args(argv)
     grid = {axis: tuple(getattr(args, f"grid_{axis}")) for axis in GRID}
-    results = [measure(name, args.sweep, grid) for name in args.shapes]
+    results = [measure(name, args.sweep, grid, args.kv_cache_dtype == "fp8") for name in args.shapes]
     print(json.dumps({"bench": "decode_attention", "gpu": torch.cuda.get_device_name(), "runs": results}))
     return results
 
