@@ -18,7 +18,9 @@ tokens are all equal), ``agreeing_tokens`` (mean fraction of each sample before 
 token) and ``mean_abs_logprob_diff`` (mean |log-prob difference| of the tokens before that point, where
 both engines scored the same token after the same context). ``--kv_cache_dtype fp8`` adds a third
 engine, FP8 weights and an FP8 KV cache (``kv_cache_dtype``), reported as ``fp8_kv`` with its own
-``fp8_kv_speedup`` and agreement with the model dtype (``fp8_kv_agreement``). On a random-init model (``--config``) the
+``fp8_kv_speedup`` and agreement with the model dtype (``fp8_kv_agreement``). ``kv_tokens`` is each engine's
+cache capacity; with a small ``--gpu_memory_utilization`` (a colocated trainer's share) it, not
+``--batch``, bounds how many sequences decode together. On a random-init model (``--config``) the
 logits are nearly flat and greedy agreement says little; ``--model`` takes a trained HF folder.
 
 Shapes: ``--config`` Qwen2.5-0.5B / 7B (``bench/rollout.py``), a Qwen3-MoE shape (``bench/moe.py``:
@@ -30,6 +32,8 @@ emulated (a smoke run: no speed-up is expected there).
     python bench/fp8_rollout.py --config qwen2.5-7b --device cuda --batch 256 --prompt_len 128 --new_tokens 512
     python bench/fp8_rollout.py --config qwen2.5-7b --device cuda --batch 256 --prompt_len 128 --new_tokens 512 \
         --kv_cache_dtype fp8
+    python bench/fp8_rollout.py --config qwen2.5-7b --device cuda --batch 256 --prompt_len 128 --new_tokens 1024 \
+        --kv_cache_dtype fp8 --gpu_memory_utilization 0.05
     python bench/fp8_rollout.py --config qwen3-30b-a3b --device cuda --batch 256 --prompt_len 128 \\
         --new_tokens 256
     python bench/fp8_rollout.py --config gpt-oss-20b --device cuda --batch 256 --prompt_len 128 --new_tokens 256
@@ -67,6 +71,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="auto",
         choices=["auto", "fp8"],
         help="fp8: a third engine, FP8 weights and KV",
+    )
+    p.add_argument(
+        "--gpu_memory_utilization",
+        type=float,
+        default=0.5,
+        help="the engines' KV budget, a fraction of the free memory after weights (--vllm_gpu_memory_utilization); "
+        "small: the cache, not --batch, bounds how many sequences decode together",
     )
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt_len", type=int, default=32)
@@ -130,6 +141,7 @@ def measure(engine, hf, prompts: list[list[int]], args) -> dict:
         "sync_ms": round(sync * 1e3, 2),
         "weights_gb": round(engine_bytes(engine) / 1e9, 3),
         "cuda_graphs": engine.runner.graphs is not None,
+        "kv_tokens": engine.num_kv_blocks * engine.config.block_size,  # the cache's capacity
     }
     fp8 = getattr(engine.model, "fp8", None)
     if fp8 is not None:
@@ -203,6 +215,7 @@ def main(argv=None) -> dict:
                 seed=args.seed,
                 quantization=quantization,
                 kv_cache_dtype=kv_cache_dtype,
+                gpu_memory_utilization=args.gpu_memory_utilization,
             )
             engine = LLMEngine(path, config, model=hf)
             runs[label] = measure(engine, hf, prompts, args)

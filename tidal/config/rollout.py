@@ -24,9 +24,10 @@ def kv_cache_dtype_arg() -> str:
     return arg(
         "auto",
         help="KV cache of tidal's engine (vLLM's --kv_cache_dtype): fp8 stores keys and values as FP8 e4m3 "
-        "with a scale per token and head (1.94x the tokens in the same memory, faster decode attention; "
-        "log-probs move as with --rollout_quantization); auto: the model dtype. Not with --exact_logprobs or "
-        "tensor parallelism, nor for Gemma, gpt-oss or DeepSeek-V3",
+        "with a scale per token and head: 1.94x the tokens in the same memory, for when the cache bounds how "
+        "many sequences decode together (a decode step's attention is slower: docs/benchmarks.md); log-probs "
+        "move as with --rollout_quantization; auto: the model dtype. Not with --exact_logprobs or tensor "
+        "parallelism, nor for Gemma, gpt-oss or DeepSeek-V3",
         choices=KV_CACHE_DTYPES,
         aliases=["--kv_cache_dtype"],
         engine="kv_cache_dtype",  # tidal.rollout.runner.kv_cache
