@@ -48,7 +48,6 @@ L2_BYTES = 50 * 2**20
 MAX_COPIES = 20  # = kernel_ms' calls per graph
 # The sweep's grid (``--grid_*`` replace an axis): Tiles(block_n, num_warps, num_stages) x context splits.
 GRID = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3), "splits": (1, 2, 4, 8)}
-FP8_DOT = (False, True)  # an FP8 cache's sweep also tries e4m3 tensor-core dots (Tiles.fp8_dot)
 
 
 def make_inputs(batch, kv_heads, group, dim, avg, table_tokens=0, seed=0, fp8=False):
@@ -145,9 +144,8 @@ def measure(name: str, sweep: bool, grid: dict | None = None, fp8: bool = False)
     best = (base, ta.TILES, auto)
     by_splits: dict[int, float] = {}  # the fastest tiles at each split count
     grid = grid or GRID
-    for *launch, fp8_dot in itertools.product(*(grid[k] for k in GRID), FP8_DOT if fp8 else (False,)):
-        block_n, warps, stages, splits = launch
-        tiles = ta.Tiles(block_n, warps, stages, fp8_dot)
+    for block_n, warps, stages, splits in itertools.product(*(grid[k] for k in GRID)):
+        tiles = ta.Tiles(block_n, warps, stages)
         try:
             out = run(tiles, splits)()
         except Exception as err:  # noqa: BLE001 - a launch Triton cannot compile (shared memory, fp8 dots)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from tidal.accel import sm_count
-from tidal.rollout.kernels.triton_e4m3 import e4m3_scale, store_e4m3_row, to_e4m3
+from tidal.rollout.kernels.triton_e4m3 import store_e4m3_row
 from tidal.rollout.models.triton_fused import rope_half
 
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in merging than it gains in parallelism
@@ -34,7 +34,6 @@ class Tiles:
     block_n: int | None = None
     num_warps: int = 4
     num_stages: int = 2
-    fp8_dot: bool = False  # FP8 cache: e4m3 tensor-core dots (q and p quantized per row) instead of bf16 ones
 
     def chunk(self, head_dim: int, itemsize: int, num_splits: int) -> int:
         """128 tokens for heads of <= 64 dimensions read whole (no context splits) where the pipelined K
@@ -88,7 +87,6 @@ def _decode_kernel(
     ROPE: tl.constexpr,
     SINKS: tl.constexpr,
     FP8: tl.constexpr,
-    FP8_DOT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -140,10 +138,6 @@ def _decode_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     denom = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    if FP8_DOT:  # each query row in e4m3 with its own scale, once
-        q32 = q.to(tl.float32)
-        q_scale = e4m3_scale(tl.max(tl.abs(q32), 1))
-        q8 = to_e4m3(q32, q_scale[:, None])
     # Every chunk visited holds at least one live key, so m is finite after the first one.
     for t0 in range(lo, hi, BLOCK_N):
         offs = t0 + tl.arange(0, BLOCK_N)
@@ -151,9 +145,7 @@ def _decode_kernel(
         page = tl.load(bt_ptr + b * stride_btb + offs // BLOCK_SIZE, mask=offs < hi, other=0)
         kv_off = page.to(tl.int64) * stride_kblk + (offs % BLOCK_SIZE) * stride_kslot + kvh * stride_khead
         k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=live[:, None], other=0.0)
-        if FP8_DOT:
-            s = tl.dot(q8, tl.trans(k)) * q_scale[:, None]
-        elif IEEE:
+        if IEEE:
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
@@ -170,10 +162,7 @@ def _decode_kernel(
         p_v = p
         if FP8:  # and each value's scale its probability
             p_v = p * tl.load(vs_ptr + s_off, mask=live, other=0.0)[None, :]
-        if FP8_DOT:  # the scaled probabilities in e4m3, a scale per row
-            p_scale = e4m3_scale(tl.max(p_v, 1))
-            pv = tl.dot(to_e4m3(p_v, p_scale[:, None]), v) * p_scale[:, None]
-        elif IEEE:
+        if IEEE:
             pv = tl.dot(p_v.to(q.dtype), v.to(q.dtype), input_precision="ieee")
         else:
             pv = tl.dot(p_v.to(q.dtype), v.to(q.dtype))
@@ -383,7 +372,6 @@ def paged_decode_attention(
         ROPE=rope is not None,
         SINKS=sinks is not None,
         FP8=kv_scales is not None,
-        FP8_DOT=kv_scales is not None and tiles.fp8_dot,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         # RoPE's mul_rn / add_rn keep denormals, as rope_store_kv (and torch) do; libdevice is used for
