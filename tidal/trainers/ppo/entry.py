@@ -237,6 +237,10 @@ def check_models_before_loading(run: PPORun) -> None:
     engines_on = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the engines' "auto" device
     if fp8 and (problem := registry_family_problem(model_type, engines_on)):
         raise ConfigError(f"{problem} (--pretrain {run.actor.pretrain})")
+    if run.rollout.rollout_kv_cache_dtype == "fp8" and (
+        problem := feature_refusal(model_type, "fp8_kv_cache")
+    ):
+        raise ConfigError(f"--rollout_kv_cache_dtype fp8: {problem} (--pretrain {run.actor.pretrain})")
     if run.rollout.moe_router_replay:
         check_router_replay(run, config)
 
