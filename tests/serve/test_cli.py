@@ -49,20 +49,22 @@ def test_built_server_answers(tiny_llama):
 
 
 def test_fp8_server_answers_as_the_fp8_engine(tiny_llama):
-    # --quantization (vLLM's name for --rollout_quantization): the FP8 engine answers, and the model card says so
+    # --quantization and --kv_cache_dtype (vLLM's names for --rollout_quantization and
+    # --rollout_kv_cache_dtype): the FP8 engine answers, and the model card says so
     openai = pytest.importorskip("openai")
     pytest.importorskip("starlette")
     from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
 
     argv = ["--pretrain", str(tiny_llama), "--port", "0", "--served_model_name", "m", "--max_model_len", "64"]
-    model, serve = serve_cli.parse_configs(argv + ["--quantization", "fp8"])
-    assert serve.rollout_quantization == "fp8"
+    model, serve = serve_cli.parse_configs(argv + ["--quantization", "fp8", "--kv_cache_dtype", "fp8"])
+    assert serve.rollout_quantization == "fp8" and serve.rollout_kv_cache_dtype == "fp8"
     server = serve_cli.build_server(model, serve)
     with server:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
         card = client.models.retrieve("m")
         r = client.completions.create(model="m", prompt="the number of", max_tokens=5, temperature=0)
-    assert card.model_extra["quantization"] == "fp8"
-    engine = LLMEngine(str(tiny_llama), EngineConfig(quantization="fp8", max_model_len=64))
+    assert card.model_extra["quantization"] == "fp8" and card.model_extra["kv_cache_dtype"] == "fp8"
+    config = EngineConfig(quantization="fp8", kv_cache_dtype="fp8", max_model_len=64)
+    engine = LLMEngine(str(tiny_llama), config)
     expected = engine.generate("the number of", SamplingParams(temperature=0, max_new_tokens=5))[0]
     assert r.choices[0].text == expected.outputs[0].text

@@ -62,6 +62,8 @@ def test_kv_cache_is_what_the_sequences_fill():
     assert plan.kv_cache == plan.kv_needed  # far below half the free memory
     generate = plan.phases["generate"]
     assert generate == {"engine bf16 weights": 2 * P, "KV cache": plan.kv_needed}  # the trainer sleeps
+    fp8 = plan_memory(QWEN_7B, dataclasses.replace(ISSUE, fp8_kv_cache=True), H200)
+    assert fp8.kv_needed == 256 * 320 * 2 * 28 * 4 * (128 + 4)  # e4m3 elements, a float32 scale a row
 
 
 def test_the_issue_flags_need_adam_offload_and_fit_with_it():

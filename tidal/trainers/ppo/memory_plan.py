@@ -103,6 +103,7 @@ class MemorySettings:
     vllm_enable_sleep: bool = False
     deepspeed_enable_sleep: bool = False
     vllm_gpu_memory_utilization: float = 0.5
+    fp8_kv_cache: bool = False  # --rollout_kv_cache_dtype fp8: a byte an element, a float32 scale a row
     reference: bool = False  # --init_kl_coef > 0 with the reference on this device
     ref_offload: bool = False  # --ref_reward_offload
     critic: bool = False  # an estimator with a critic, on this device
@@ -255,7 +256,10 @@ def kv_cache(shape: ModelShape, s: MemorySettings, free_at_start: float) -> tupl
     """(the engine's KV cache, what its sequences could fill): the fraction of the memory free when it
     starts, at most ``max_num_seqs`` sequences of ``total_len`` tokens (``LLMEngine._kv_blocks``)."""
     blocks = math.ceil(s.total_len / KV_BLOCK)
-    needed = s.max_num_seqs * blocks * KV_BLOCK * shape.kv_bytes_per_token
+    per_token = shape.kv_bytes_per_token  # bf16; FP8: one byte an element and 4 a row (runner/kv_cache.py)
+    if s.fp8_kv_cache:
+        per_token = 2 * shape.layers * shape.kv_heads * (shape.head_dim + 4)
+    needed = s.max_num_seqs * blocks * KV_BLOCK * per_token
     return min(needed, max(free_at_start, 0) * s.vllm_gpu_memory_utilization), needed
 
 
