@@ -12,6 +12,10 @@ Prints one JSON line. Everything runs on the default device (CUDA when present; 
 
     python bench/fp8_grpo.py --seeds 0 --rollouts 32                          # one H200: a few minutes
     python bench/fp8_grpo.py --seeds 0 --rollouts 2 --train_samples 256 --sft_epochs 1 --eval_samples 32  # CPU smoke
+    python bench/fp8_grpo.py --seeds 0 1 2 --rollouts 32 --kv_cache_dtype fp8   # FP8 weights and KV cache
+
+``--kv_cache_dtype fp8``: the FP8 engine (its agreement and its GRPO run) also keeps an FP8 KV cache
+(``--rollout_kv_cache_dtype fp8``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--rollouts", type=int, default=32, help="GRPO steps (32 prompts x 8 samples)")
     p.add_argument("--quantization", default="fp8", choices=["fp8", "fp8_block"])
+    p.add_argument(
+        "--kv_cache_dtype", default="auto", choices=["auto", "fp8"], help="fp8: the FP8 runs' cache too"
+    )
     p.add_argument("--train_samples", type=int, default=4096, help="the demo's SFT samples")
     p.add_argument("--sft_epochs", type=int, default=4)
     p.add_argument("--eval_samples", type=int, default=200, help="held-out prompts")
@@ -48,14 +55,17 @@ def demo(root: Path, seed: int, args):
                            eval_samples=args.eval_samples))  # fmt: skip
 
 
-def sft_agreement(model: Path, prompts: list[str], quantization: str, seed: int, new_tokens: int) -> dict:
+def sft_agreement(
+    model: Path, prompts: list[str], quantization: str, seed: int, new_tokens: int, kv_cache_dtype: str
+) -> dict:
     """Greedy samples of the trained model by the model-dtype and the FP8 engine, compared."""
     from tidal.rollout import EngineConfig, LLMEngine, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     samples = {}
     for label in ("none", quantization):
-        engine = LLMEngine(str(model), EngineConfig(seed=seed, quantization=label))
+        kv = "auto" if label == "none" else kv_cache_dtype
+        engine = LLMEngine(str(model), EngineConfig(seed=seed, quantization=label, kv_cache_dtype=kv))
         samples[label] = [o.outputs[0] for o in engine.generate(prompts, params)]
         modes = getattr(engine.model, "fp8", None)
     return {**agreement(samples["none"], samples[quantization]), "modes": modes.modes() if modes else None}
@@ -74,9 +84,13 @@ def main(argv=None) -> dict:
         first = demo(root, seed, args)
         sft = first.sft(build_tiny_model(root / "base", "qwen2", seed=seed))
         prompts = [s["prompt"] for s in first.held_out]
-        quality.append(sft_agreement(sft, prompts, args.quantization, seed, first.cfg.digits + 3))
+        quality.append(
+            sft_agreement(sft, prompts, args.quantization, seed, first.cfg.digits + 3, args.kv_cache_dtype)
+        )
         for mode in modes:
             extra = [] if mode == "none" else ["--rollout_quantization", mode, "--enable_vllm_is_correction"]
+            if mode != "none" and args.kv_cache_dtype == "fp8":
+                extra += ["--rollout_kv_cache_dtype", "fp8"]
             run = demo(root / f"rl_{mode}", seed, args)
             model = run.rl(sft, *extra)
             accuracy = run.accuracy(model)
@@ -91,6 +105,7 @@ def main(argv=None) -> dict:
         "seeds": args.seeds,
         "rollouts": args.rollouts,
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "sft_agreement": quality,
         "base": runs["none"],
         "fp8": runs[args.quantization],
