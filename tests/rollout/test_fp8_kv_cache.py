@@ -134,7 +134,7 @@ def _logits(model, ids: list[int], start: int) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0, start - 1 : -1].float()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_5_text"])
 def test_engine_logprobs_are_those_of_a_model_reading_fp8_rounded_keys_and_values(family, tiny_model):
     """The prefill attends the prompt's keys and values as computed (and stores them rounded); every decode
     step reads all keys and values back from the FP8 cache: the engine's greedy tokens and log-probs are
