@@ -181,6 +181,43 @@ def test_the_fp8_cache_holds_more_tokens_in_the_same_budget(tiny_model):
     assert fp8.num_kv_blocks == pytest.approx(plain.num_kv_blocks * 4 * dim / (dim + 4), rel=0.02)
 
 
+def test_a_vision_language_model_reads_its_image_prompt_back_rounded(tmp_path):
+    """Qwen2.5-VL with an image: the first token (the prefill's) has the model-dtype engine's log-prob, the
+    later ones (decode steps reading the FP8 cache) move; the n = 2 samples of one image prompt share its
+    blocks, scales included (the same tokens, greedy)."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.rollout.test_qwen2_5_vl import _image
+    from tidal.data.vision import load_vision_processor
+    from tidal.models import load_tokenizer
+    from tidal.rollout.runner.multimodal import MultiModalInput
+    from tidal.testing import build_tiny_vlm
+
+    path = build_tiny_vlm(tmp_path / "vlm")
+    tokenizer = load_tokenizer(str(path))
+    processor = load_vision_processor(str(path), tokenizer).image_processor
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True, n=2)
+    image = [MultiModalInput(images=[_image(3, (56, 56))])]
+    outs = {}
+    for kv in ("auto", "fp8"):
+        hf = AutoModelForImageTextToText.from_pretrained(str(path)).eval()
+        config = cpu_config(kv_cache_dtype=kv, max_model_len=256, block_size=4)
+        engine = LLMEngine(model=hf, tokenizer=tokenizer, config=config, image_processor=processor)
+        outs[kv] = engine.generate([ids], params, multi_modal=image)[0].outputs
+    plain, fp8 = outs["auto"][0], outs["fp8"]
+    assert fp8[0].token_ids == fp8[1].token_ids
+    assert abs(fp8[0].logprobs[0] - plain.logprobs[0]) < 1e-5
+    same = next(
+        (i for i, (a, b) in enumerate(zip(plain.token_ids, fp8[0].token_ids, strict=True)) if a != b), 8
+    )
+    assert (
+        max(abs(a - b) for a, b in zip(plain.logprobs[1:same], fp8[0].logprobs[1:same], strict=True)) > 1e-5
+    )
+
+
 # ---------------------------------------------------------------------------------------- refusals
 def test_settings_an_fp8_cache_cannot_run_with_are_refused(tiny_model):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, not 'fp16'"):
