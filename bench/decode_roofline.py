@@ -85,7 +85,7 @@ def decode_bytes(engine, batch: int, prompt_len: int, new_tokens: int) -> dict[s
     model, args = engine.model, engine.model.args
     dense, experts = weight_bytes(model, batch)
     # Per layer and position: the paged cache's row (k and v of this rank's KV heads, or MLA's latent).
-    per_position = type(engine.runner).bytes_per_block(args, 1, engine.dtype) / max(1, args.kv_layers)
+    per_position = engine.kv_bytes_per_block() / engine.config.block_size / max(1, args.kv_layers)
     kv = (
         batch
         * per_position
