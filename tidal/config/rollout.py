@@ -10,7 +10,7 @@ from tidal.config.args import AT_LEAST_ONE, NON_NEGATIVE, Checked, Range, arg
 
 # --rollout_quantization values (tidal.rollout.quant.QUANTIZATIONS, written here: --help imports no torch)
 ROLLOUT_QUANTIZATIONS = ("none", "fp8", "fp8_block")
-# --rollout_kv_cache_dtype values (tidal.rollout.runner.kv_cache.KV_CACHE_DTYPES)
+# --rollout_kv_cache_dtype values (EngineConfig.kv_cache_dtype's too: runner/kv_cache.py imports them)
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 # OpenRLHF v0.9.2's prompt and response limits, used when neither they nor --max_len are set.

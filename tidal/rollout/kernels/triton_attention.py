@@ -253,14 +253,15 @@ def merge_splits(
 
 def scale_halves(
     kv_scales: torch.Tensor | None, layer_cache: torch.Tensor, unused: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k and v scales [blocks, block_size, kv_heads] of an FP8 layer cache (checked against it), or
-    ``unused`` twice for a cache in the model dtype (the kernels then never read them)."""
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(k scales, v scales, block stride, slot stride) of an FP8 layer cache's scales [2, blocks,
+    block_size, kv_heads] (checked against the cache), or ``unused`` twice and zero strides for a cache in
+    the model dtype (the kernels then never read them)."""
     if kv_scales is None:
-        return unused, unused
+        return unused, unused, 0, 0
     assert layer_cache.dtype == torch.float8_e4m3fn and kv_scales.is_contiguous()
     assert kv_scales.shape == layer_cache.shape[:-1] and kv_scales.dtype == torch.float32
-    return kv_scales[0], kv_scales[1]
+    return kv_scales[0], kv_scales[1], kv_scales.stride(1), kv_scales.stride(2)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, num_sms: int) -> int:
@@ -334,7 +335,7 @@ def paged_decode_attention(
         cos = sin = slots = out  # unused
     sink_arg = out if sinks is None else sinks  # unused without sinks
     k, v = layer_cache[0], layer_cache[1]
-    ks, vs = scale_halves(kv_scales, layer_cache, out)
+    ks, vs, stride_sblk, stride_sslot = scale_halves(kv_scales, layer_cache, out)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k,
@@ -356,8 +357,8 @@ def paged_decode_attention(
         k.stride(0),
         k.stride(1),
         k.stride(2),
-        ks.stride(0) if kv_scales is not None else 0,
-        ks.stride(1) if kv_scales is not None else 0,
+        stride_sblk,
+        stride_sslot,
         block_tables.stride(0),
         scale,
         window or 0,

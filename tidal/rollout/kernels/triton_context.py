@@ -274,7 +274,7 @@ def paged_context_attention(
     part, lse = split_buffers(out, num_splits)
     sink_arg = out if sinks is None else sinks  # unused without sinks
     k, v = layer_cache[0], layer_cache[1]
-    ks, vs = scale_halves(kv_scales, layer_cache, out)
+    ks, vs, stride_sblk, stride_sslot = scale_halves(kv_scales, layer_cache, out)
     grid = (batch, tiles, num_kv_heads * num_splits)
     _context_kernel[grid](
         q,
@@ -296,8 +296,8 @@ def paged_context_attention(
         k.stride(0),
         k.stride(1),
         k.stride(2),
-        ks.stride(0) if kv_scales is not None else 0,
-        ks.stride(1) if kv_scales is not None else 0,
+        stride_sblk,
+        stride_sslot,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),

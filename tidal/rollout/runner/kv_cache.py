@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from tidal.config.rollout import KV_CACHE_DTYPES  # the flag's choices, defined once, where --help reads them
 from tidal.rollout.e4m3 import E4M3, quantize_rows
 from tidal.rollout.runner.steps import kv_cache_layout
-
-KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 def kv_cache_dtype_problem(value: str) -> str | None:
