@@ -83,11 +83,12 @@ def test_triton_activation_quantization_is_the_torch_one_bit_for_bit(group, toke
         assert (q_pad[tokens:].float() == 0).all() and (scales_pad[tokens:] == 1).all()
 
 
+@pytest.mark.parametrize("block_k", [128, 256])  # 256: the 7B table's o and down launches at 256 rows
 @pytest.mark.parametrize("tma", [0, 1])
 @pytest.mark.parametrize("split_k", [1, 4])
 @pytest.mark.parametrize(("tokens", "n", "k"), [(1, 4608, 3584), (37, 37888, 3584), (256, 3584, 18944),
                                                  (300, 896, 4864)])  # fmt: skip
-def test_triton_fp8_gemm_is_the_product_of_its_e4m3_operands(tokens, n, k, split_k, tma):
+def test_triton_fp8_gemm_is_the_product_of_its_e4m3_operands(tokens, n, k, split_k, tma, block_k):
     """The dense Triton FP8 GEMM (``triton_fp8_gemm``) at 7B and 0.5B decode shapes, bf16 out: the float32
     product of its e4m3 operands and scales (+ bias) up to bf16 rounding, and ``torch._scaled_mm``'s
     result as closely; replayed from a CUDA graph (the split-K workspace allocated in the capture) it
@@ -109,7 +110,7 @@ def test_triton_fp8_gemm_is_the_product_of_its_e4m3_operands(tokens, n, k, split
     q, scales = quantize(w, "channel")
     xq, xs = _quantize_activations(x, None)
     want = (xq.float() * xs) @ (q.float() * scales).t() + bias.float()
-    config = Fp8GemmConfig(16 if tokens <= 16 else 64, 128, 128, split_k, 4, 3, tma)
+    config = Fp8GemmConfig(16 if tokens <= 16 else 64, 128, block_k, split_k, 4, 3 if block_k == 128 else 4, tma)
     got = fp8_gemm(xq, xs, q, scales, config, bias, torch.bfloat16)
     if tma:  # the copy engine's tiles (not a silent fallback): the pointer launch's bits
         assert tma_loadable(xq) and tma_loadable(q)

@@ -25,6 +25,37 @@ def _fp8_cache(gen, blocks, block, kv_heads, head_dim):
     return q.view(full.shape), scales.view(full.shape[:-1]).contiguous()
 
 
+def test_decode_kernel_fp16_logits_keep_large_queries_and_tiny_values():
+    """A bf16 q takes its logits from fp16 dots (``paged_decode_attention``): a sequence whose queries reach
+    ~3e5 (an overflow in fp16 without the softmax scale first) and one whose value rows are all ~1e-6
+    (probability x value scale, ~1e-9, stays in bf16: fp16 would flush it to 0) read as float32 torch over
+    the dequantized cache does, each row to bf16 precision of its own size. On the GPU: Triton's
+    interpreter multiplies bf16 operands' bit patterns in ``tl.dot``."""
+    from tidal.rollout.kernels.triton_attention import paged_decode_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    heads, kv_heads, head_dim, block = 28, 4, 128, 16
+    lens = [700, 900, 33]
+    width = max(lens) // block + 1
+    full = torch.randn(2, len(lens) * width, block, kv_heads, head_dim, device="cuda", generator=gen)
+    tables = torch.randperm(len(lens) * width, device="cuda", generator=gen).view(len(lens), width).int()
+    full[1, tables[0].long()] *= 1e-6  # sequence 0: tiny values
+    cache, scales = kv_cache.quantize_heads(full.to(torch.bfloat16).view(-1, kv_heads, head_dim))
+    cache, scales = cache.view(full.shape), scales.view(full.shape[:-1]).contiguous()
+    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(len(lens), heads, head_dim, device="cuda", generator=gen)
+    q[1] *= 1e5  # sequence 1: past fp16's largest, 65504
+    q = q.bfloat16()
+    meta = AttentionMetadata(
+        is_prefill=False, slot_mapping=None, kv_cache=cache[None], block_tables=tables, context_lens=ctx
+    )
+    ref = attention.torch_decode_attention(q.float(), cache, meta, None, head_dim**-0.5, scales)
+    out = paged_decode_attention(q, cache, tables, ctx, None, head_dim**-0.5, kv_scales=scales)
+    assert torch.isfinite(out).all()
+    for row in range(len(lens)):
+        assert _rel(out[row], ref[row]) < 1e-2, row
+
+
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(14, 2, 64), (28, 4, 128)])
 @pytest.mark.parametrize("window", [None, 1000])
 def test_decode_kernel_reads_the_fp8_cache_as_its_dequantized_values(heads, kv_heads, head_dim, window):
