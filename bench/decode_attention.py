@@ -46,8 +46,15 @@ SHAPES = {
 BLOCK_SIZE = 16
 L2_BYTES = 50 * 2**20
 MAX_COPIES = 20  # = kernel_ms' calls per graph
-# The sweep's grid (``--grid_*`` replace an axis): Tiles(block_n, num_warps, num_stages) x context splits.
-GRID = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3), "splits": (1, 2, 4, 8)}
+# The sweep's grid (``--grid_*`` replace an axis): Tiles(block_n, num_warps, num_stages, maxnreg) x context
+# splits; maxnreg 0: no register cap (a cap of 128 took 7% off one FP8-cache kernel variant, session 21).
+GRID = {
+    "block_n": (32, 64, 128),
+    "num_warps": (4, 8),
+    "num_stages": (1, 2, 3),
+    "maxnreg": (0,),
+    "splits": (1, 2, 4, 8),
+}
 
 
 def make_inputs(batch, kv_heads, group, dim, avg, table_tokens=0, seed=0, fp8=False):
@@ -144,8 +151,8 @@ def measure(name: str, sweep: bool, grid: dict | None = None, fp8: bool = False)
     best = (base, ta.TILES, auto)
     by_splits: dict[int, float] = {}  # the fastest tiles at each split count
     grid = grid or GRID
-    for block_n, warps, stages, splits in itertools.product(*(grid[k] for k in GRID)):
-        tiles = ta.Tiles(block_n, warps, stages)
+    for block_n, warps, stages, maxnreg, splits in itertools.product(*(grid[k] for k in GRID)):
+        tiles = ta.Tiles(block_n, warps, stages, maxnreg or None)
         try:
             out = run(tiles, splits)()
         except Exception as err:  # noqa: BLE001 - a launch Triton cannot compile (shared memory, fp8 dots)
