@@ -51,7 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--search", action="store_true", help="search tiles per shape and row bucket first")
     p.add_argument("--deadline_s", type=float, default=200.0, help="--search stops after this long")
     p.add_argument("--write", action="store_true", help="merge the search's launches into fp8_gemm_tuned.py")
-    p.add_argument("--jobs", type=int, default=1, help="--search compiles its launches in this many processes")
+    p.add_argument(
+        "--jobs", type=int, default=1, help="--search compiles its launches in this many processes"
+    )
     p.add_argument(
         "--shapes", nargs="+", choices=["qkv", "o", "gate_up", "down"], help="search and time these only"
     )

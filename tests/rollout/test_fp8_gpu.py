@@ -110,7 +110,9 @@ def test_triton_fp8_gemm_is_the_product_of_its_e4m3_operands(tokens, n, k, split
     q, scales = quantize(w, "channel")
     xq, xs = _quantize_activations(x, None)
     want = (xq.float() * xs) @ (q.float() * scales).t() + bias.float()
-    config = Fp8GemmConfig(16 if tokens <= 16 else 64, 128, block_k, split_k, 4, 3 if block_k == 128 else 4, tma)
+    config = Fp8GemmConfig(
+        16 if tokens <= 16 else 64, 128, block_k, split_k, 4, 3 if block_k == 128 else 4, tma
+    )
     got = fp8_gemm(xq, xs, q, scales, config, bias, torch.bfloat16)
     if tma:  # the copy engine's tiles (not a silent fallback): the pointer launch's bits
         assert tma_loadable(xq) and tma_loadable(q)
