@@ -47,6 +47,15 @@ def test_tiny_qwen2_shape_counts_its_parameters(tiny_qwen2):
     assert shape.tied_embeddings and shape.compute_params == shape.params  # the tied head is cast too
 
 
+def test_the_rollout_fp8_flags_reach_the_plan(flags):
+    """--rollout_quantization and --rollout_kv_cache_dtype set the plan's engine weights and KV bytes."""
+    assert not settings_of(parse_run(flags), dp_size=1).fp8_weights
+    for quantization in ("fp8", "fp8_block"):
+        run = parse_run([*flags, "--rollout_quantization", quantization, "--rollout_kv_cache_dtype", "fp8"])
+        settings = settings_of(run, dp_size=1)
+        assert settings.fp8_weights and settings.fp8_kv_cache
+
+
 def test_a_run_that_does_not_fit_names_the_flag(flags, tiny_qwen2, monkeypatch, capsys):
     shape = model_shape(AutoConfig.from_pretrained(tiny_qwen2))
     settings = settings_of(parse_run(flags), dp_size=1)

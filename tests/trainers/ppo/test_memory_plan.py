@@ -66,6 +66,21 @@ def test_kv_cache_is_what_the_sequences_fill():
     assert fp8.kv_needed == 256 * 320 * 2 * 28 * 4 * (128 + 4)  # e4m3 elements, a float32 scale a row
 
 
+def test_fp8_rollouts_count_a_byte_a_linear_weight_and_free_that_for_the_kv_cache():
+    """--rollout_quantization fp8: every weight but the (untied) embedding and LM head in e4m3, as the CUDA
+    engine holds them (bench/fp8_rollout.py measured 8.712 GB at Qwen2.5-7B), and the KV cache, a share of
+    what is free when the engine starts, grows by half the bytes saved."""
+    kept = 2 * 152064 * 3584
+    fp8 = plan_memory(QWEN_7B, dataclasses.replace(ISSUE, fp8_weights=True), H200, None)
+    engine = fp8.phases["generate"]["engine FP8 weights"]
+    assert engine == (P - kept) + 2 * kept and abs(engine / 1e9 - 8.712) < 0.01
+    assert "engine bf16 weights" not in fp8.phases["generate"]
+    saved = 2 * P - engine
+    big = dataclasses.replace(ISSUE, max_num_seqs=4096)  # the cache bounded by free memory, not by sequences
+    grown = plan_memory(QWEN_7B, dataclasses.replace(big, fp8_weights=True), H200).kv_cache
+    assert grown - plan_memory(QWEN_7B, big, H200).kv_cache == pytest.approx(saved * 0.5)
+
+
 def test_the_issue_flags_need_adam_offload_and_fit_with_it():
     assert fix_for(QWEN_7B, ISSUE, H200) == ["--adam_offload"]
     offloaded = plan_memory(QWEN_7B, dataclasses.replace(ISSUE, adam_offload=True), H200)

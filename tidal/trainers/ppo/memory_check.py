@@ -84,6 +84,7 @@ def settings_of(run: PPORun, dp_size: int) -> MemorySettings:
         deepspeed_enable_sleep=p.deepspeed_enable_sleep,
         vllm_gpu_memory_utilization=r.vllm_gpu_memory_utilization,
         fp8_kv_cache=r.rollout_kv_cache_dtype == "fp8",
+        fp8_weights=r.rollout_quantization != "none",
         reference=a.needs_reference and not separate_reference(p),
         ref_offload=run.frozen.offload,
         critic=a.needs_critic and not separate_critic(p),

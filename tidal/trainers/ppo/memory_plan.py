@@ -15,8 +15,9 @@ component holds in each phase of an RL step, the way tidal's code holds them:
 - activations of one micro-batch (each decoder layer's input only with ``--gradient_checkpointing``, plus
   one layer recomputed) and the float32 logits of the LM head's chunk (``DEFAULT_CHUNK`` tokens; the whole
   micro-batch for a family whose head is not chunkable);
-- the colocated engine: bf16 weights (kept while it sleeps: ``--vllm_enable_sleep`` frees the KV cache)
-  and its KV cache, ``--vllm_gpu_memory_utilization`` of the memory free when it starts, at most what its
+- the colocated engine: bf16 weights (kept while it sleeps: ``--vllm_enable_sleep`` frees the KV cache;
+  ``--rollout_quantization`` fp8: the decoder's linear layers in e4m3, a byte a weight, as the CUDA engine
+  frees their bf16 copies) and its KV cache, ``--vllm_gpu_memory_utilization`` of the memory free when it starts, at most what its
   sequences can fill;
 - the reference (in the master dtype, on the device unless ``--ref_reward_offload``, which still brings it for its
   forward) when ``--init_kl_coef`` > 0, and the critic (trained like the policy) when the estimator needs one;
@@ -104,6 +105,7 @@ class MemorySettings:
     deepspeed_enable_sleep: bool = False
     vllm_gpu_memory_utilization: float = 0.5
     fp8_kv_cache: bool = False  # --rollout_kv_cache_dtype fp8: a byte an element, a float32 scale a row
+    fp8_weights: bool = False  # --rollout_quantization fp8/fp8_block: the engine's linear layers in e4m3
     reference: bool = False  # --init_kl_coef > 0 with the reference on this device
     ref_offload: bool = False  # --ref_reward_offload
     critic: bool = False  # an estimator with a critic, on this device
@@ -263,6 +265,17 @@ def kv_cache(shape: ModelShape, s: MemorySettings, free_at_start: float) -> tupl
     return min(needed, max(free_at_start, 0) * s.vllm_gpu_memory_utilization), needed
 
 
+def engine_weights(shape: ModelShape, s: MemorySettings) -> dict[str, float]:
+    """The colocated engine's weights: bf16; with FP8 rollouts a byte for every weight but the embeddings
+    and the LM head, which stay bf16 (norms and routers too: a few thousand weights a layer, and the
+    float32 scales, a few MB at 7B, are not counted). Qwen2.5-7B: 8.706 GB planned, 8.712 measured
+    (bench/fp8_rollout.py ``weights_gb``)."""
+    if not s.fp8_weights:
+        return {"engine bf16 weights": 2 * shape.params}
+    kept = shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2)
+    return {"engine FP8 weights": (shape.params - kept) + 2 * kept}
+
+
 def host_state(shape: ModelShape, s: MemorySettings) -> dict[str, float]:
     """What the trained and frozen models of this host's ranks keep in host memory: the training state
     with --adam_offload (pinned), the resting state (weights, moments) while the engine generates with
@@ -290,7 +303,7 @@ def plan_memory(
     critic = {f"critic {k}": v for k, v in trainer_state(shape, s).items()} if s.critic else {}
     resident = dict(policy) | critic  # what the trained models keep between steps
     resting = {k: v for k, v in resident.items() if "grads" not in k}  # grads are freed after each step
-    engine = {"engine bf16 weights": 2 * shape.params} if s.engine_on_device else {}
+    engine = engine_weights(shape, s) if s.engine_on_device else {}
     # The reference loads like the policy (tidal.models.frozen.frozen_copy_config keeps --master_dtype).
     reference = {f"reference {master_name(s)} weights": s.master_bytes * shape.params} if s.reference else {}
     parked_ref = {} if s.ref_offload else reference
