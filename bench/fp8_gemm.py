@@ -117,6 +117,9 @@ def candidates(rows: int, n: int, k: int):
                         yield Fp8GemmConfig(block_m, block_n, block_k, split_k, warps, num_stages, tma)
 
 
+_OPERANDS: dict = {}  # a precompile worker's operands per (n, k, rows), made once
+
+
 def _compile_one(task) -> None:
     """A worker of ``precompile``: run one launch once, so that Triton's disk cache holds its binary."""
     n, k, rows, config = task
@@ -128,9 +131,6 @@ def _compile_one(task) -> None:
         torch.cuda.synchronize()
     except Exception:  # noqa: BLE001 - a tile the GPU cannot hold: search skips it too
         pass
-
-
-_OPERANDS: dict = {}
 
 
 def precompile(n: int, k: int, rows: int, jobs: int) -> None:

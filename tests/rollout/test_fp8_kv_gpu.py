@@ -29,8 +29,8 @@ def test_decode_kernel_fp16_logits_keep_large_queries_and_tiny_values():
     """A bf16 q takes its logits from fp16 dots (``paged_decode_attention``): a sequence whose queries reach
     ~3e5 (an overflow in fp16 without the softmax scale first) and one whose value rows are all ~1e-6
     (probability x value scale, ~1e-9, stays in bf16: fp16 would flush it to 0) read as float32 torch over
-    the dequantized cache does, each row to bf16 precision of its own size. On the GPU: Triton's
-    interpreter multiplies bf16 operands' bit patterns in ``tl.dot``."""
+    the dequantized cache does, each row to bf16 precision of its own size. GPU only: Triton's interpreter
+    multiplies the bit patterns of bf16 operands in ``tl.dot``, so the CPU cannot check this path."""
     from tidal.rollout.kernels.triton_attention import paged_decode_attention
 
     gen = torch.Generator(device="cuda").manual_seed(11)

@@ -17,8 +17,8 @@ component holds in each phase of an RL step, the way tidal's code holds them:
   micro-batch for a family whose head is not chunkable);
 - the colocated engine: bf16 weights (kept while it sleeps: ``--vllm_enable_sleep`` frees the KV cache;
   ``--rollout_quantization`` fp8: the decoder's linear layers in e4m3, a byte a weight, as the CUDA engine
-  frees their bf16 copies) and its KV cache, ``--vllm_gpu_memory_utilization`` of the memory free when it starts, at most what its
-  sequences can fill;
+  frees their bf16 copies) and its KV cache, ``--vllm_gpu_memory_utilization`` of the memory free when it
+  starts, at most what its sequences can fill;
 - the reference (in the master dtype, on the device unless ``--ref_reward_offload``, which still brings it for its
   forward) when ``--init_kl_coef`` > 0, and the critic (trained like the policy) when the estimator needs one;
 - ``--deepspeed_enable_sleep`` moves the policy's (and critic's) weights and optimizer state to host
@@ -272,8 +272,8 @@ def engine_weights(shape: ModelShape, s: MemorySettings) -> dict[str, float]:
     (bench/fp8_rollout.py ``weights_gb``)."""
     if not s.fp8_weights:
         return {"engine bf16 weights": 2 * shape.params}
-    kept = shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2)
-    return {"engine FP8 weights": (shape.params - kept) + 2 * kept}
+    kept = shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2)  # bf16: a second byte each
+    return {"engine FP8 weights": shape.params + kept}
 
 
 def host_state(shape: ModelShape, s: MemorySettings) -> dict[str, float]:
