@@ -8,7 +8,8 @@ bf16 queries and paged caches with shuffled pages (several, read in turn, so tha
 them), replayed from a CUDA graph (kernel time, no launch overhead), and reports the bytes it must read (every live key and value once) per second, and the time
 with the context unsplit (``ms_one_split``). With
 ``--sweep`` it also times every ``Tiles`` setting × context split count of a small grid, checks each
-output against the default's, and reports the fastest.
+output against the default's, and reports the fastest (and every point, ``grid``: block_n, warps, stages,
+maxnreg, splits, ms).
 
     python bench/decode_attention.py --sweep     # one JSON line
     python bench/decode_attention.py --kv_cache_dtype fp8 --sweep --shapes 7b_b256
@@ -47,7 +48,7 @@ BLOCK_SIZE = 16
 L2_BYTES = 50 * 2**20
 MAX_COPIES = 20  # = kernel_ms' calls per graph
 # The sweep's grid (``--grid_*`` replace an axis): Tiles(block_n, num_warps, num_stages, maxnreg) x context
-# splits; maxnreg 0: no register cap (a cap of 128 took 7% off one FP8-cache kernel variant, session 21).
+# splits; maxnreg 0: no register cap (the FP8 cache's default is ``FP8_MAXNREG``, from this sweep).
 GRID = {
     "block_n": (32, 64, 128),
     "num_warps": (4, 8),
@@ -152,7 +153,7 @@ def measure(name: str, sweep: bool, grid: dict | None = None, fp8: bool = False)
     by_splits: dict[int, float] = {}  # the fastest tiles at each split count
     grid = grid or GRID
     for block_n, warps, stages, maxnreg, splits in itertools.product(*(grid[k] for k in GRID)):
-        tiles = ta.Tiles(block_n, warps, stages, maxnreg or None)
+        tiles = ta.Tiles(block_n, warps, stages, maxnreg)
         try:
             out = run(tiles, splits)()
         except Exception as err:  # noqa: BLE001 - a launch Triton cannot compile (shared memory, fp8 dots)
@@ -162,6 +163,7 @@ def measure(name: str, sweep: bool, grid: dict | None = None, fp8: bool = False)
         if err > 3e-2:
             raise SystemExit(f"{name}: {tiles} splits={splits} differs from the default by {err}")
         ms = kernel_ms(run(tiles, splits))
+        result.setdefault("grid", []).append([block_n, warps, stages, maxnreg, splits, round(ms, 4)])
         by_splits[splits] = min(by_splits.get(splits, ms), ms)
         if ms < best[0]:
             best = (ms, tiles, splits)

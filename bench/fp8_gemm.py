@@ -8,7 +8,8 @@ engine's decode runs them (``time_ms``):
 
 - ``bf16``: ``torch.nn.functional.linear`` (what the model-dtype engine runs);
 - ``scaled_mm``: per-token activation quantization (one Triton launch) then ``torch._scaled_mm`` with
-  row-wise scales (the engine's path before the Triton GEMM; still its path above ``MAX_ROWS`` tokens);
+  row-wise scales and fast accumulation (the engine's path before the Triton GEMM; still its path above
+  ``MAX_ROWS`` tokens);
 - ``triton``: the same quantization then ``triton_fp8_gemm.fp8_gemm`` with the launch the engine takes
   (``fp8_gemm_config.gemm_config``: the tuned table's, else ``default_config``'s), and ``engine``: whichever of the two
   ``fp8_linear`` runs at that shape.
@@ -78,7 +79,9 @@ def scaled_mm(x, q, scales):
     from tidal.rollout.quant.gemm import _quantize_activations
 
     xq, xs = _quantize_activations(x, None)
-    return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scales.view(1, -1), out_dtype=x.dtype)
+    return torch._scaled_mm(  # fast accumulation, as ``fp8_linear`` runs it
+        xq, q.t(), scale_a=xs, scale_b=scales.view(1, -1), out_dtype=x.dtype, use_fast_accum=True
+    )
 
 
 def triton(x, q, scales, config):

@@ -178,8 +178,10 @@ def test_fp8_linear_hands_torch_the_weight_buffers_themselves(monkeypatch, granu
 
     bias = torch.randn(384, generator=gen) if granularity == "channel" else None  # fused: channel only
 
-    def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None):
-        seen.update(b=b, scale_b=scale_b, scale_a=scale_a, out_dtype=out_dtype, bias=bias)
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None, use_fast_accum=False):
+        seen.update(
+            b=b, scale_b=scale_b, scale_a=scale_a, out_dtype=out_dtype, bias=bias, fast=use_fast_accum
+        )
         if granularity == "block":  # [M, K/128] and [K/128, N/128 (+ padding)] -> per element
             scale_a = scale_a.repeat_interleave(128, 1)
             scale_b = scale_b.repeat_interleave(128, 0).repeat_interleave(128, 1)[:, : b.shape[1]]
@@ -191,6 +193,7 @@ def test_fp8_linear_hands_torch_the_weight_buffers_themselves(monkeypatch, granu
     assert seen["b"].data_ptr() == q.data_ptr() and seen["b"].stride() == (1, 256)  # column-major view
     assert seen["scale_b"].data_ptr() == scales.data_ptr() and seen["out_dtype"] == x.dtype
     assert seen["bias"] is bias
+    assert seen["fast"] == (granularity == "channel")  # the row-wise GEMM accumulates as the Triton one does
     if granularity == "block":
         # 6 tokens padded to 128 (cuBLAS's block-wise GEMM refused 1 and 3000 tokens on the H200)
         assert seen["scale_a"].shape == (128, 2) and seen["scale_a"].stride() == (1, 128)
@@ -217,7 +220,7 @@ def test_fp8_linear_takes_the_triton_gemm_at_decode_and_torch_s_at_prefill(monke
         seen.append(("triton", wq, ws, config, bias, block_scaled))
         return torch.zeros(xq.shape[0], wq.shape[0], dtype=out_dtype)
 
-    def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None):
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None, use_fast_accum=False):
         seen.append(("torch", b, scale_b, None, bias, False))
         return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
 

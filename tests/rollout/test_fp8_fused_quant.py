@@ -139,7 +139,7 @@ def test_fp8_linear_hands_the_gemm_the_rows_its_input_carries(monkeypatch, token
         seen.append((xq, xs))
         return torch.zeros(xq.shape[0], wq.shape[0], dtype=out_dtype)
 
-    def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None):
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None, use_fast_accum=False):
         seen.append((a, scale_a))
         return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
 

@@ -25,12 +25,15 @@ def _fp8_cache(gen, blocks, block, kv_heads, head_dim):
     return q.view(full.shape), scales.view(full.shape[:-1]).contiguous()
 
 
-def test_decode_kernel_fp16_logits_keep_large_queries_and_tiny_values():
-    """A bf16 q takes its logits from fp16 dots (``paged_decode_attention``): a sequence whose queries reach
-    ~3e5 (an overflow in fp16 without the softmax scale first) and one whose value rows are all ~1e-6
-    (probability x value scale, ~1e-9, stays in bf16: fp16 would flush it to 0) read as float32 torch over
-    the dequantized cache does, each row to bf16 precision of its own size. GPU only: Triton's interpreter
-    multiplies the bit patterns of bf16 operands in ``tl.dot``, so the CPU cannot check this path."""
+@pytest.mark.parametrize("dtype, tiny, big", [(torch.bfloat16, 1e-6, 4e5), (torch.float16, 1e-3, 6e4)])
+def test_decode_kernel_fp16_logits_keep_large_queries_and_tiny_values(dtype, tiny, big):
+    """A bf16 or fp16 q takes its logits from fp16 dots (``paged_decode_attention``): a sequence whose
+    queries reach ``big`` (their dots with the keys pass fp16's largest, 65504, without the softmax scale
+    first) and one whose value rows are all ~``tiny`` (probability x value scale, ~1e-11 or ~1e-8, stays in
+    bf16: fp16 would flush it to 0 or keep a few bits, as the kernel once did with an fp16 q) read as float32
+    torch over the dequantized cache does, each row to 16-bit precision of its own size (fp16 outputs:
+    value rows of 1e-3, whose outputs fp16 itself can hold). GPU only: Triton's interpreter multiplies the bit patterns of bf16
+    operands in ``tl.dot``, so the CPU cannot check this path."""
     from tidal.rollout.kernels.triton_attention import paged_decode_attention
 
     gen = torch.Generator(device="cuda").manual_seed(11)
@@ -39,13 +42,13 @@ def test_decode_kernel_fp16_logits_keep_large_queries_and_tiny_values():
     width = max(lens) // block + 1
     full = torch.randn(2, len(lens) * width, block, kv_heads, head_dim, device="cuda", generator=gen)
     tables = torch.randperm(len(lens) * width, device="cuda", generator=gen).view(len(lens), width).int()
-    full[1, tables[0].long()] *= 1e-6  # sequence 0: tiny values
-    cache, scales = kv_cache.quantize_heads(full.to(torch.bfloat16).view(-1, kv_heads, head_dim))
+    full[1, tables[0].long()] *= tiny  # sequence 0: tiny values
+    cache, scales = kv_cache.quantize_heads(full.to(dtype).view(-1, kv_heads, head_dim))
     cache, scales = cache.view(full.shape), scales.view(full.shape[:-1]).contiguous()
     ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(len(lens), heads, head_dim, device="cuda", generator=gen)
-    q[1] *= 1e5  # sequence 1: past fp16's largest, 65504
-    q = q.bfloat16()
+    q[1] *= big / q[1].abs().amax()  # sequence 1: |q| up to big
+    q = q.to(dtype)
     meta = AttentionMetadata(
         is_prefill=False, slot_mapping=None, kv_cache=cache[None], block_tables=tables, context_lens=ctx
     )

@@ -24,6 +24,11 @@ from tidal.rollout.models.triton_fused import rope_half
 
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in merging than it gains in parallelism
 MAX_SPLITS = 16
+# Over an FP8 cache the kernel takes 214 registers a thread uncapped (its e4m3 tiles are converted in
+# registers), so two 4-warp programs fit an SM; capped at 160 (a few bytes spilled), three do. H200
+# (bench/decode_attention.py --sweep --grid_maxnreg, session 22), ms a call, uncapped -> 160 (-> 168):
+# 7B B=256 0.0752 -> 0.0682 (0.0667), 0.5B B=256 0.0269 -> 0.0255 (0.0280); 8 sequences, 16 splits, even.
+FP8_MAXNREG = 160
 
 
 @dataclass(frozen=True)
@@ -34,11 +39,12 @@ class Tiles:
     block_n: int | None = None
     num_warps: int = 4
     num_stages: int = 2
-    maxnreg: int | None = None  # a cap on registers per thread (more programs resident per SM)
+    maxnreg: int | None = None  # a cap on registers per thread (0: none; None: FP8_MAXNREG over an FP8 cache)
 
-    def options(self) -> dict:
-        """Launch options beyond warps and stages."""
-        return {} if self.maxnreg is None else {"maxnreg": self.maxnreg}
+    def options(self, itemsize: int) -> dict:
+        """Launch options beyond warps and stages, for a cache of ``itemsize`` bytes an element."""
+        cap = FP8_MAXNREG if self.maxnreg is None and itemsize == 1 else self.maxnreg
+        return {"maxnreg": cap} if cap else {}
 
     def chunk(self, head_dim: int, itemsize: int, num_splits: int) -> int:
         """128 tokens for heads of <= 64 dimensions read whole (no context splits) where the pipelined K
@@ -179,6 +185,8 @@ def _decode_kernel(
             p_v = p * tl.load(vs_ptr + s_off, mask=live, other=0.0)[None, :]
         if IEEE:
             pv = tl.dot(p_v.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+        elif DOT16:  # bf16 for an fp16 q too: probability x value scale may be far below fp16's normals
+            pv = tl.dot(p_v.to(tl.bfloat16), v.to(tl.bfloat16))
         else:
             pv = tl.dot(p_v.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
@@ -396,7 +404,7 @@ def paged_decode_attention(
         DOT16=kv_scales is not None and q.dtype != torch.float32,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
-        **tiles.options(),
+        **tiles.options(layer_cache.element_size()),
         # RoPE's mul_rn / add_rn keep denormals, as rope_store_kv (and torch) do; libdevice is used for
         # nothing else here.
         enable_reflect_ftz=rope is None,

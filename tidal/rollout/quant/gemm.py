@@ -57,8 +57,17 @@ def fp8_linear(
         out = fp8_gemm(xq, xs, q, scales, config, bias, x.dtype, block)  # reads scales through strides
     elif not block:
         xq, xs = x_fp8 if x_fp8 is not None else _quantize_activations(rows, None)
+        # Fast accumulation (the tensor core's own, no float32 promotion every few K steps), as vLLM's
+        # Hopper FP8 GEMMs and tidal's Triton launches accumulate: 11% off the 7B gate/up GEMM at 256 rows
+        # (65.1 -> 57.7 us on the H200), relative error 0.0021 vs 0.0017, below bf16's rounding.
         out = torch._scaled_mm(
-            xq, q.t(), scale_a=xs, scale_b=scales.view(1, -1), bias=bias, out_dtype=x.dtype
+            xq,
+            q.t(),
+            scale_a=xs,
+            scale_b=scales.view(1, -1),
+            bias=bias,
+            out_dtype=x.dtype,
+            use_fast_accum=True,
         )
     else:  # without Triton: cuBLAS's block-wise GEMM
         if bias is not None:
