@@ -15,12 +15,12 @@ import torch
 
 from tests.rollout.test_exact_cuda import (
     TEMPERATURE,
-    _trainer_gaps,
     ref_attention,
     ref_matmul,
     ref_rms_norm,
     ref_token_logprobs,
 )
+from tests.rollout.test_exact_cuda_engine import _trainer_gaps
 from tests.rollout.triton_interpreter import EXACT_KERNELS, interpreted
 from tidal.rollout import batch_invariant as bi
 
