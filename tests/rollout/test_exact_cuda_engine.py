@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.rollout.test_exact_cuda import TEMPERATURE
-from tests.rollout.test_exact_logprobs import _rollout
+from tests.rollout.test_exact_logprobs import _rollout, skipped_forward
 from tidal.rollout import batch_invariant as bi
 
 
@@ -174,7 +174,6 @@ def test_cuda_grpo_step_takes_the_engines_logprobs_and_they_equal_the_skipped_fo
     from pathlib import Path
 
     from tidal.cli.train_ppo import parse_run
-    from tidal.experience.maker import forward_logprobs
     from tidal.trainers.ppo import run_ppo
     from tidal.trainers.ppo import trainer as trainer_module
 
@@ -186,10 +185,7 @@ def test_cuda_grpo_step_takes_the_engines_logprobs_and_they_equal_the_skipped_fo
 
     def make_experience(self, exp):
         out, stats = real(self, exp)
-        micro, packing, _ = self._scoring_shape()
-        actor = self.parts.actor
-        lp = forward_logprobs(actor.model, out, micro, packing, self.run.rollout.temperature, actor.precision)
-        mask = out.action_mask.bool()
+        lp, mask = skipped_forward(self, out)
         assert lp.device.type == "cuda"
         # on-policy (one update per rollout): no old-log-prob pass at all; the engine's log-probs stand in
         assert out.old_logprobs is None

@@ -268,9 +268,20 @@ def test_exact_mode_refuses_what_it_does_not_cover(tiny_model):
     assert "router_jitter_noise" in bi.exact_problem(jitter)
 
 
+def skipped_forward(trainer, out) -> tuple[torch.Tensor, torch.Tensor]:
+    """The old-log-prob forward that ``--exact_logprobs`` skips, run anyway on a step's experience ``out`` by
+    the ``trainer``'s actor (its scoring shape, temperature and precision): the log-probs of the sampled
+    tokens and the action mask."""
+    from tidal.experience.maker import forward_logprobs
+
+    micro, packing, _ = trainer._scoring_shape()
+    actor = trainer.parts.actor
+    lp = forward_logprobs(actor.model, out, micro, packing, trainer.run.rollout.temperature, actor.precision)
+    return lp, out.action_mask.bool()
+
+
 def test_grpo_step_skips_the_old_logprob_forward(tiny_qwen2, tmp_path, monkeypatch):
     from tidal.cli.train_ppo import parse_run
-    from tidal.experience.maker import forward_logprobs
     from tidal.trainers.ppo import run_ppo
     from tidal.trainers.ppo import trainer as trainer_module
 
@@ -286,11 +297,7 @@ def test_grpo_step_skips_the_old_logprob_forward(tiny_qwen2, tmp_path, monkeypat
 
     def make_experience(self, exp):
         out, stats = real(self, exp)
-        # the forward it skipped gives exactly the engine's log-probs on every action token
-        micro, packing, max_tokens = self._scoring_shape()
-        actor = self.parts.actor
-        lp = forward_logprobs(actor.model, out, micro, packing, self.run.rollout.temperature, actor.precision)
-        mask = out.action_mask.bool()
+        lp, mask = skipped_forward(self, out)  # gives exactly the engine's log-probs on every action token
         checked.append(mask.sum().item())
         assert torch.equal(lp[mask], out.rollout_logprobs[mask])
         assert out.old_logprobs is None  # one on-policy step: the update's forward gives them

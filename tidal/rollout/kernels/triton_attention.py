@@ -183,12 +183,12 @@ def _decode_kernel(
         p_v = p
         if FP8:  # and each value's scale its probability
             p_v = p * tl.load(vs_ptr + s_off, mask=live, other=0.0)[None, :]
+        # DOT16: bf16 for an fp16 q too, as probability x value scale may be far below fp16's normals
+        pv_dtype = tl.bfloat16 if DOT16 else q.dtype
         if IEEE:
-            pv = tl.dot(p_v.to(q.dtype), v.to(q.dtype), input_precision="ieee")
-        elif DOT16:  # bf16 for an fp16 q too: probability x value scale may be far below fp16's normals
-            pv = tl.dot(p_v.to(tl.bfloat16), v.to(tl.bfloat16))
+            pv = tl.dot(p_v.to(pv_dtype), v.to(pv_dtype), input_precision="ieee")
         else:
-            pv = tl.dot(p_v.to(q.dtype), v.to(q.dtype))
+            pv = tl.dot(p_v.to(pv_dtype), v.to(pv_dtype))
         acc = acc * alpha[:, None] + pv
         m = m_new
 
