@@ -143,6 +143,22 @@ def test_scales_are_amax_times_the_float32_reciprocal_of_448_bit_for_bit():
     assert not torch.equal(scales[:, 0], x.abs().amax(-1) / torch.tensor(448.0))
 
 
+def test_rows_too_small_for_their_scale_quantize_to_zero_not_nan():
+    """A row whose largest value is far in float32's subnormals has a scale that underflows (to 0 below
+    ~4.5e-43, else a subnormal) and a reciprocal that overflows; ``0 * inf`` would make the row's zeros
+    NaN. The reciprocal is capped at float32's largest value, so the row comes back as (about) itself."""
+    x = torch.zeros(3, 8)
+    x[0, 0] = 1e-44
+    x[1, :2] = torch.tensor([1e-40, -3e-41])
+    x[2, 0] = 1.0
+    q, scales = quantize_rows(x)
+    assert scales[0, 0].item() == 0.0 and torch.isinf(scales[:2].reciprocal()).all()
+    assert torch.isnan(x[0] * scales[0].reciprocal()).any()  # what an uncapped reciprocal would give
+    assert not q.float().isnan().any()
+    assert (q.float() * scales - x).abs().max().item() < 1e-38
+    assert q[2, 0].float().item() == E4M3_MAX and (q[:, 1:].float()[2:] == 0).all()
+
+
 def test_quantization_values_are_checked():
     assert QUANTIZATIONS == ("none", "fp8", "fp8_block")
     assert all(quantization_problem(v) is None for v in QUANTIZATIONS)

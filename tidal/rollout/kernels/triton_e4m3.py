@@ -21,9 +21,18 @@ def e4m3_scale(amax):
 
 
 @triton.jit
+def e4m3_inverse(scale):
+    """``e4m3.inverse_scales``: the IEEE reciprocal of a dequantization scale, at most float32's largest
+    finite value (a scale so small its reciprocal overflows would otherwise turn a zero into a NaN)."""
+    one = scale * 0.0 + 1.0
+    return tl.minimum(tl.math.div_rn(one, scale), 3.4028234663852886e38)
+
+
+@triton.jit
 def to_e4m3(x, scale):
-    """float32 ``x`` divided by its ``scale`` (IEEE), clamped to +-448, cast to e4m3 rounding to nearest even."""
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.zeros_like(x) + scale), -448.0), 448.0)
+    """float32 ``x`` times the reciprocal of its ``scale`` (``e4m3_inverse``: one IEEE division a row, not one
+    an element), clamped to +-448, cast to e4m3 rounding to nearest even."""
+    q = tl.minimum(tl.maximum(x * e4m3_inverse(scale), -448.0), 448.0)
     return q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
 
 

@@ -11,15 +11,17 @@ bit-equal (tests/rollout/test_fp8_gpu.py):
 - ``scale = amax * fl32(1/448)`` (1 for an all-zero group): torch on CUDA computes ``amax / 448`` as a
   product with the float32 reciprocal (its CPU-scalar fast path), not as a division, so ``fp8.py``
   writes that product on every device and so does this kernel (the reciprocal an IEEE ``div_rn``);
-- ``x / scale`` an IEEE division (``div_rn``; Triton's ``/`` on float32 is the approximate one) as
-  torch's tensor division is;
+- ``x * inverse`` with ``inverse = 1 / scale`` (``e4m3_inverse``: an IEEE ``div_rn`` once a row, capped
+  at float32's largest finite value) as ``e4m3.quantize_rows`` computes it with torch's ``reciprocal``;
 - clamped to +-448, then cast to e4m3 rounding to nearest even (``fp_downcast_rounding="rtne"``, as
   torch's cast rounds; on sm90 Triton converts float32 to e4m3 directly, no float16 step).
 
-(Triton's libdevice flushes float32 subnormals in ``div_rn``; activations below 1.2e-38 would quantize to
-0 either way.)
- With ``group`` the scales come out outer-dimension-major
-([M, K/group] with strides (1, M)), the layout torch's block-wise GEMM reads.
+(Triton's libdevice flushes a subnormal scale to zero in ``div_rn``, so a row whose largest value is below
+~5e-36 takes the capped reciprocal here where torch may not: its values, all below 5e-36, may then
+quantize differently.)
+
+With ``group`` the scales come out outer-dimension-major ([M, K/group] with strides (1, M)), the layout
+torch's block-wise GEMM reads.
 """
 
 from __future__ import annotations
