@@ -40,6 +40,7 @@ from exact_matmul import SHAPES, decode_launches  # noqa: E402
 from exact_matmul import graph_time_ms as time_ms  # noqa: E402
 from train_step import versions  # noqa: E402
 
+SPLITS = (1, 2, 3, 4, 5, 6, 7, 8)  # K range counts ``--search`` tries (``--splits``)
 SHARED_BYTES = 220 * 1024  # the H200's 227 KB a block, less the kernel's own use: deeper stages cannot launch
 TABLE = Path(__file__).resolve().parents[1] / "tidal" / "rollout" / "quant" / "fp8_gemm_tuned.py"
 
@@ -57,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--shapes", nargs="+", choices=["qkv", "o", "gate_up", "down"], help="search and time these only"
+    )
+    p.add_argument(
+        "--splits", type=int, nargs="+", default=list(SPLITS), help="--search tries K cut this many times"
     )
     return p.parse_args(argv)
 
@@ -92,9 +96,11 @@ def triton(x, q, scales, config):
     return fp8_gemm(xq, xs, q, scales, config, None, x.dtype)
 
 
-def candidates(rows: int, n: int, k: int):
+def candidates(rows: int, n: int, k: int, splits=SPLITS):
     """Tiles tried by ``--search``: TMA loads first (Hopper), then pointer loads; row tiles near the token
-    count (256 rows: also 64-row and 256-row tiles), 64-256 columns, K cut 1-8 times, 128-column K steps
+    count (256 rows: also 64-row and 256-row tiles), 64-256 columns, K cut ``splits`` times (each range at
+    least 4 K steps; any count, not only powers of two: with a few dozen output tiles, 3, 5, 6 or 7 ranges
+    may fill 132 SMs a whole number of times where 2, 4 and 8 leave a part-empty wave), 128-column K steps
     pipelined 3, 4 or 6 deep, or 256-column K steps 3 or 4 deep where the stages fit the shared memory.
     Deeper pipelines and 64-row tiles were first seen winning at 256 rows in session 21 (7B ``down``:
     44.0 µs against 47.1 for the table's launch; ``o``: 11.9 against 12.8)."""
@@ -110,7 +116,7 @@ def candidates(rows: int, n: int, k: int):
             for block_n in (64, 128, 256):
                 if block_m * block_n > 256 * 128:  # the accumulator would not fit in registers
                     continue
-                for split_k in (1, 2, 4, 8):
+                for split_k in splits:
                     if split_k > 1 and -(-k // 128) < 4 * split_k:
                         continue
                     for block_k, num_stages in steps:
@@ -136,17 +142,17 @@ def _compile_one(task) -> None:
         pass
 
 
-def precompile(n: int, k: int, rows: int, jobs: int) -> None:
+def precompile(n: int, k: int, rows: int, jobs: int, splits=SPLITS) -> None:
     """Compile every candidate launch in ``jobs`` processes first (each a CUDA context of its own): Triton's
     compiler, ~1 s a launch, is most of a search's time; the timing loop then reads the disk cache."""
     import multiprocessing
 
-    tasks = [(n, k, rows, config) for config in candidates(rows, n, k)]
+    tasks = [(n, k, rows, config) for config in candidates(rows, n, k, splits)]
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
         pool.map(_compile_one, tasks, chunksize=1)
 
 
-def search(n: int, k: int, rows: int, repeats: int, deadline: float, jobs: int = 1):
+def search(n: int, k: int, rows: int, repeats: int, deadline: float, jobs: int = 1, splits=SPLITS):
     """The fastest launch at this shape (None: ``torch._scaled_mm`` is faster), its time, and whether every
     candidate was tried before the deadline. The launch the engine takes now is the bar to beat, so a
     search cut short never makes a shape slower."""
@@ -154,14 +160,14 @@ def search(n: int, k: int, rows: int, repeats: int, deadline: float, jobs: int =
     from tidal.rollout.quant.fp8_gemm_config import gemm_config
 
     if jobs > 1:
-        precompile(n, k, rows, jobs)
+        precompile(n, k, rows, jobs, splits)
     x, _, q, scales = operands(n, k, rows)
     best_ms, best = time_ms(lambda: scaled_mm(x, q, scales), repeats), None
     if (current := gemm_config(rows, n, k, sm_count(x.device), False)) is not None:
         current_ms = time_ms(lambda: triton(x, q, scales, current), repeats)
         if current_ms < best_ms:
             best_ms, best = current_ms, current
-    for config in candidates(rows, n, k):
+    for config in candidates(rows, n, k, splits):
         if time.time() > deadline:
             return best, best_ms, False
         try:
@@ -227,7 +233,9 @@ def main(argv: list[str] | None = None) -> dict:
         deadline, found = time.time() + args.deadline_s, {}
         for rows in args.rows:
             for name, (n, k, _) in shapes.items():
-                config, ms, complete = search(n, k, rows, args.repeats, deadline, args.jobs)
+                config, ms, complete = search(
+                    n, k, rows, args.repeats, deadline, args.jobs, tuple(args.splits)
+                )
                 found[n, k, row_bucket(rows)] = config
                 done = "" if complete else " (deadline: not every tile tried)"
                 print(f"search rows {rows} {name} [{n}x{k}]: {config} {ms:.4f} ms{done}", file=sys.stderr)

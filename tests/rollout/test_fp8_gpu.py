@@ -85,7 +85,7 @@ def test_triton_activation_quantization_is_the_torch_one_bit_for_bit(group, toke
 
 @pytest.mark.parametrize("block_k", [128, 256])  # 256: the 7B table's o and down launches at 256 rows
 @pytest.mark.parametrize("tma", [0, 1])
-@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("split_k", [1, 4, 7])  # 7: not a power of two (the search tries any count)
 @pytest.mark.parametrize(("tokens", "n", "k"), [(1, 4608, 3584), (37, 37888, 3584), (256, 3584, 18944),
                                                  (300, 896, 4864)])  # fmt: skip
 def test_triton_fp8_gemm_is_the_product_of_its_e4m3_operands(tokens, n, k, split_k, tma, block_k):
