@@ -34,7 +34,7 @@ def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
 
 def inverse_scales(scales: torch.Tensor) -> torch.Tensor:
     """``1 / scales`` (IEEE on both devices), at most float32's largest finite value: a row whose largest
-    value is below ~1e-36 has a scale whose reciprocal would overflow, and ``0 * inf`` is a NaN."""
+    value is below ~1.3e-36 has a scale whose reciprocal would overflow, and ``0 * inf`` is a NaN."""
     return scales.reciprocal().clamp(max=torch.finfo(torch.float32).max)
 
 
