@@ -13,7 +13,12 @@ import pytest
 import torch
 
 from tests.rollout.test_exact_cuda import TEMPERATURE
-from tests.rollout.test_exact_logprobs import _rollout, skipped_forward
+from tests.rollout.test_exact_logprobs import (
+    _rollout,
+    assert_alone_as_in_the_batch,
+    bf16_engine_and_master_policy,
+    skipped_forward,
+)
 from tidal.rollout import batch_invariant as bi
 
 
@@ -138,12 +143,7 @@ def test_cuda_request_alone_and_in_a_larger_batch_gets_identical_logprobs(tiny_m
         tiny_model("qwen2", logit_scale=4.0),
         EngineConfig(device="cuda", max_model_len=128, num_kv_blocks=128, exact_logprobs=True),
     )
-    prompts, params = _rollout(n=40, seed=1)
-    together = engine.generate(prompts, params)
-    for i in (0, 17, 39):
-        alone = engine.generate([prompts[i]], [params[i]])[0].outputs[0]
-        assert alone.token_ids == together[i].outputs[0].token_ids
-        assert alone.logprobs == together[i].outputs[0].logprobs
+    assert_alone_as_in_the_batch(engine, *_rollout(n=40, seed=1), picks=(0, 17, 39))
 
 
 @pytest.mark.gpu
@@ -212,19 +212,9 @@ def test_cpu_bf16_engine_and_float32_master_trainer_under_autocast_are_bit_ident
     """The dtype path the CUDA mode relies on, on the CPU's torch ops: the engine holds bf16 weights; the
     trainer holds float32 master weights and runs under bf16 autocast, and its exact forward computes what
     the engine does (embedding output in bf16, each weight rounded once, autocast off inside)."""
-    from transformers import AutoModelForCausalLM
-
     from tidal.models.precision import Precision
-    from tidal.rollout import EngineConfig, LLMEngine
 
-    path = tiny_model("qwen2", logit_scale=4.0)
-    prompts, params = _rollout(n=6, seed=2)
-    config = EngineConfig(
-        device="cpu", dtype="bfloat16", max_model_len=64, num_kv_blocks=32, exact_logprobs=True
-    )
-    outputs = LLMEngine(path, config).generate(prompts, params)
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    bi.make_exact(hf, compute_dtype=torch.bfloat16)
+    prompts, outputs, hf = bf16_engine_and_master_policy(tiny_model("qwen2", logit_scale=4.0))
     precision = Precision.create("bf16", torch.device("cpu"))
     assert _trainer_gaps(hf, prompts, outputs, torch.device("cpu"), precision) == 0.0
 

@@ -37,6 +37,19 @@ def _rollout(vocab=512, n=8, seed=0):
     return prompts, params
 
 
+def bf16_engine_and_master_policy(path):
+    """The CUDA dtype path on the CPU: a bf16 exact engine's rollout (prompts, outputs) of ``path`` and a
+    float32 master policy of it made exact in bf16 (to run under bf16 autocast)."""
+    prompts, params = _rollout(n=6, seed=2)
+    config = EngineConfig(
+        device="cpu", dtype="bfloat16", max_model_len=64, num_kv_blocks=32, exact_logprobs=True
+    )
+    outputs = LLMEngine(path, config).generate(prompts, params)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    bi.make_exact(hf, compute_dtype=torch.bfloat16)
+    return prompts, outputs, hf
+
+
 def _trainer_logprobs(hf, prompts, outputs, packed: bool) -> list[torch.Tensor]:
     """The trainer's per-token log-probs of each response (packed: one row; else right-padded rows)."""
     rows = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs, strict=True)]
@@ -107,9 +120,13 @@ def test_default_mode_is_not_exact(tiny_model, family):
 def test_a_request_alone_and_in_a_larger_batch_gets_identical_logprobs(tiny_model):
     path = tiny_model("llama", logit_scale=4.0)
     engine = _engine(path)
-    prompts, params = _rollout(n=12, seed=1)
+    assert_alone_as_in_the_batch(engine, *_rollout(n=12, seed=1), picks=(0, 5, 11))
+
+
+def assert_alone_as_in_the_batch(engine, prompts, params, picks) -> None:
+    """The requests ``picks`` generated alone get the tokens and log-probs they got in the whole batch."""
     together = engine.generate(prompts, params)
-    for i in (0, 5, 11):
+    for i in picks:
         alone = engine.generate([prompts[i]], [params[i]])[0].outputs[0]
         assert alone.token_ids == together[i].outputs[0].token_ids
         assert alone.logprobs == together[i].outputs[0].logprobs
@@ -193,14 +210,7 @@ def test_moe_bf16_engine_and_float32_master_trainer_are_bit_identical(tiny_model
     in bf16; Qwen routers round the routing weights to bf16, Mixtral's stay float32 (both sides alike)."""
     from tidal.models.precision import Precision
 
-    path = tiny_model(family, logit_scale=4.0)
-    prompts, params = _rollout(n=6, seed=2)
-    config = EngineConfig(
-        device="cpu", dtype="bfloat16", max_model_len=64, num_kv_blocks=32, exact_logprobs=True
-    )
-    outputs = LLMEngine(path, config).generate(prompts, params)
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    bi.make_exact(hf, compute_dtype=torch.bfloat16)
+    prompts, outputs, hf = bf16_engine_and_master_policy(tiny_model(family, logit_scale=4.0))
     with Precision.create("bf16", torch.device("cpu")).autocast():
         assert _max_gap(outputs, _trainer_logprobs(hf, prompts, outputs, packed=True)) == 0.0
 
