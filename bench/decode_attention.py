@@ -106,7 +106,35 @@ def fp8_caches(caches: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Ten
     return out
 
 
-def measure(name: str, sweep: bool, grid: dict | None = None, fp8: bool = False) -> dict:
+def fp8_kernels(run, reference: torch.Tensor, cuda_settings) -> dict:
+    """The FP8 cache's two kernels over the same inputs: the Triton one's time and how far its output is
+    from the default's (the CUDA kernel, where it covers the shape), and each CUDA (warps, prefetch)
+    setting of ``cuda_settings``."""
+    from tidal.rollout.kernels import cuda_fp8_decode as cfd
+    from tidal.rollout.kernels import triton_attention as ta
+
+    ta.FP8_CUDA_KERNEL = False
+    try:
+        triton_out = run()()
+        out = {"triton_ms": round(kernel_ms(run()), 4)}
+    finally:
+        ta.FP8_CUDA_KERNEL = True
+    out["triton_vs_default"] = round(float((triton_out.float() - reference.float()).abs().max()), 5)
+    names = ("WARPS", "PREFETCH", "MIN_BLOCKS", "HEADS_FIRST")
+    default = [getattr(cfd, n) for n in names]
+    for setting in cuda_settings:
+        for name, value in zip(names, setting, strict=False):
+            setattr(cfd, name, value)
+        try:
+            err = float((run()().float() - reference.float()).abs().max())
+            out.setdefault("cuda", []).append([*setting, round(kernel_ms(run()), 4), round(err, 5)])
+        finally:
+            for name, value in zip(names, default, strict=True):
+                setattr(cfd, name, value)
+    return out
+
+
+def measure(name: str, sweep: bool, grid: dict | None = None, fp8: bool = False, cuda_settings=()) -> dict:
     from tidal.accel import sm_count
     from tidal.rollout.kernels import triton_attention as ta
 
@@ -147,6 +175,7 @@ def measure(name: str, sweep: bool, grid: dict | None = None, fp8: bool = False)
         result["bf16_ms"] = round(
             kernel_ms(lambda: ta.paged_decode_attention(q, next(turn), tables, lens, None, scale)), 4
         )
+        result.update(fp8_kernels(run, reference, cuda_settings))
     if not sweep:
         return result
     best = (base, ta.TILES, auto)
@@ -178,11 +207,18 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--kv_cache_dtype", default="auto", choices=["auto", "fp8"], help="fp8: an FP8 cache")
+    p.add_argument(
+        "--cuda_settings", nargs="*", default=[], metavar="W,P,B,H",
+        help="FP8 cache: also time the CUDA kernel with these (warps, prefetch, min CTAs an SM, kv heads "
+        "first) settings, e.g. 4,1,1,0 4,0,4,1",
+    )  # fmt: skip
     for axis, values in GRID.items():
         p.add_argument(f"--grid_{axis}", type=int, nargs="+", default=list(values), help="a sweep axis")
     args = p.parse_args(argv)
     grid = {axis: tuple(getattr(args, f"grid_{axis}")) for axis in GRID}
-    results = [measure(name, args.sweep, grid, args.kv_cache_dtype == "fp8") for name in args.shapes]
+    cuda_settings = [tuple(int(x) for x in s.split(",")) for s in args.cuda_settings]
+    fp8 = args.kv_cache_dtype == "fp8"
+    results = [measure(name, args.sweep, grid, fp8, cuda_settings) for name in args.shapes]
     print(json.dumps({"bench": "decode_attention", "gpu": torch.cuda.get_device_name(), "runs": results}))
     return results
 

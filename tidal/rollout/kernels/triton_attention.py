@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from tidal.accel import sm_count
+from tidal.rollout.kernels import cuda_fp8_decode
 from tidal.rollout.kernels.triton_e4m3 import store_e4m3_row
 from tidal.rollout.models.triton_fused import rope_half
 
@@ -29,6 +30,12 @@ MAX_SPLITS = 16
 # (bench/decode_attention.py --sweep --grid_maxnreg, session 22), ms a call, uncapped -> 160 (-> 168):
 # 7B B=256 0.0752 -> 0.0682 (0.0667), 0.5B B=256 0.0269 -> 0.0255 (0.0280); 8 sequences, 16 splits, even.
 FP8_MAXNREG = 160
+# An FP8 cache's decode steps take the CUDA kernel of cuda_fp8_decode.py where it covers them (read at each
+# call; False: always this file's Triton kernel, which bench/decode_attention.py times beside it).
+FP8_CUDA_KERNEL = True
+# ... for calls whose context is split at most this many ways. With 16 splits (8 sequences in a CUDA graph)
+# the Triton kernel was the faster (bench/decode_attention.py, 7b_b8_graph: 0.0160 ms against 0.0164).
+FP8_CUDA_MAX_SPLITS = 1
 
 
 @dataclass(frozen=True)
@@ -299,6 +306,21 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, num_sms: i
     return splits
 
 
+def rope_then_store(
+    heads: torch.Tensor, num_heads: int, layer_cache: torch.Tensor, rope: RopeInputs, kv_scales
+) -> torch.Tensor:
+    """``triton_fused.rope_store_kv`` on the packed projection ``heads`` [batch, heads + 2 kv_heads, d]:
+    k and v stored into the cache at ``rope.slot_mapping`` -> the rotated q [batch, heads, d]."""
+    from tidal.rollout.models.triton_fused import rope_store_kv
+
+    num_kv_heads = layer_cache.shape[3]
+    qk, v = heads[:, : num_heads + num_kv_heads], heads[:, num_heads + num_kv_heads :]
+    q, _ = rope_store_kv(
+        qk, v, rope.cos, rope.sin, num_heads, layer_cache, rope.slot_mapping, layer_scales=kv_scales
+    )
+    return q
+
+
 @dataclass(frozen=True)
 class RopeInputs:
     """What the decode kernel needs to do ``rope_store_kv``'s work itself: cos/sin [batch, head_dim] of each
@@ -344,6 +366,7 @@ def paged_decode_attention(
     fall into the subnormals). 12% faster than bf16 for both dots on the H200 at the 7B shape
     (bench/decode_attention.py).
     """
+    triton_tiles = tiles is not None  # launch settings given: the Triton kernel even over an FP8 cache
     tiles = tiles or TILES
     batch, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_dim = layer_cache.shape
@@ -357,6 +380,16 @@ def paged_decode_attention(
         num_splits = choose_num_splits(batch, num_kv_heads, max_tokens, sm_count(q.device))
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     part, lse = split_buffers(out, num_splits)
+    cuda_variant = None  # the CUDA kernel for FP8 caches (cuda_fp8_decode), where it covers the call
+    if kv_scales is not None and not triton_tiles and FP8_CUDA_KERNEL and num_splits <= FP8_CUDA_MAX_SPLITS:
+        cuda_variant = cuda_fp8_decode.variant_for(q, num_heads, layer_cache, block_tables, window, sinks)
+    if cuda_variant is not None and cuda_fp8_decode.compiled(cuda_variant, q.device) is not None:
+        if rope is not None:  # rotate and store first (the same bits as the fused path), then attend
+            q = rope_then_store(q, num_heads, layer_cache, rope, kv_scales)
+        args = (q, layer_cache, kv_scales, block_tables, context_lens, scale, out, part, lse, num_splits)
+        cuda_fp8_decode.fp8_paged_decode(cuda_variant, *args)
+        merge_splits(part, lse, out, sinks, num_splits)
+        return out.view(batch, num_heads * head_dim)
     if rope is not None:
         cos, sin, slots = rope.cos.contiguous(), rope.sin.contiguous(), rope.slot_mapping
     else:

@@ -1,0 +1,89 @@
+"""The CUDA decode kernel over an FP8 cache, what the CPU can check: the bit move that turns an e4m3 byte
+into a bf16 (``fp8_decode.cu``'s ``e4m3_pair_to_bf16x2``) is exact for every byte, the value-scale shift
+keeps the products in range, which calls the kernel covers, and that its source carries no constant the
+loader does not define. The kernel itself runs in test_cuda_fp8_decode_gpu.py."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from tidal.rollout.kernels import cuda_fp8_decode as cfd
+
+FP8, BF16, FP16, I32, I64 = torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.int32, torch.int64
+
+
+def _bf16_bits_of_byte_pairs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The kernel's move, in int64 arithmetic: a 32-bit word with byte 1 = a, byte 3 = b (bytes 0 and 2
+    arbitrary: here 0xA5), then sign to bit 15 / 31 and exponent + mantissa shifted right by 4."""
+    x = (a << 8) | (b << 24) | 0xA5 | (0xA5 << 16)
+    return (x & 0x80008000) | ((x >> 4) & 0x07F007F0)
+
+
+def test_every_e4m3_byte_becomes_its_value_times_2_to_the_minus_120_in_bf16():
+    byte = torch.arange(256, dtype=torch.int64)
+    finite = (byte & 0x7F) != 0x7F  # 0x7F / 0xFF are e4m3's NaNs: the cache never holds them
+    words = _bf16_bits_of_byte_pairs(byte, byte.flip(0))
+    lo = (words & 0xFFFF).to(torch.int32).to(torch.int16).view(BF16)
+    hi = ((words >> 16) & 0xFFFF).to(torch.int32).to(torch.int16).view(BF16)
+    value = byte.to(torch.uint8).view(FP8).double()
+    assert torch.equal(lo.double()[finite], value[finite] * 2.0**-120)
+    assert torch.equal(hi.double()[finite.flip(0)], value.flip(0)[finite.flip(0)] * 2.0**-120)
+    assert torch.isfinite(lo.double()).all()  # NaN bytes (never-written slots) stay finite: 0 x them is 0
+    assert lo[0].item() == 0.0 and lo[1].item() > 0  # zero and the smallest subnormal survive
+
+
+@pytest.mark.parametrize("amax", [1e-20, 1e-6, 1.0, 1e4, 1e10])
+def test_the_value_path_keeps_rows_of_any_size(amax):
+    """The kernel's probabilities x values, emulated: values as their e4m3 bytes moved into bf16 (x 2^-120),
+    probability x value scale x 2^100 rounded to bf16, products summed in float32, the sum x 2^20. For
+    value rows from 1e-20 to 1e10 this stays within bf16 rounding of the float64 sum (no overflow in bf16,
+    no float32 subnormals)."""
+    from tidal.rollout.runner import kv_cache
+
+    gen = torch.Generator().manual_seed(0)
+    rows = (torch.randn(64, 1, 128, generator=gen) * amax).to(BF16)
+    bytes_, scales = kv_cache.quantize_heads(rows)
+    values, scales = bytes_.view(64, 128).double(), scales.view(64).double()
+    p = torch.rand(64, generator=gen, dtype=torch.float64)
+    in_bf16 = (values * 2.0**-120).to(BF16)
+    assert torch.equal(in_bf16.double(), values * 2.0**-120)  # exact
+    weights = (p * scales * 2.0**100).float().to(BF16)
+    assert torch.isfinite(weights.float()).all()
+    out = (weights.float()[:, None] * in_bf16.float()).sum(0) * 2.0**20
+    reference = (p * scales)[:, None].mul(values).sum(0)
+    assert ((out.double() - reference).norm() / reference.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize(
+    "head_dim, heads, kv_heads, block, dtypes, capability, expected",
+    [
+        (128, 28, 4, 16, (BF16, FP8, I32), (9, 0), True),  # Qwen2.5-7B on an H100/H200
+        (64, 14, 2, 32, (FP16, FP8, I64), (8, 9), True),  # 0.5B, fp16, larger pages, an L40
+        (128, 32, 8, 16, (BF16, FP8, I32), (10, 0), True),
+        (128, 28, 4, 16, (BF16, FP8, I32), (8, 0), False),  # A100: no e4m3 conversions
+        (128, 28, 4, 16, (BF16, BF16, I32), (9, 0), False),  # a bf16 cache
+        (128, 28, 4, 16, (torch.float32, FP8, I32), (9, 0), False),  # float32 queries
+        (256, 16, 8, 16, (BF16, FP8, I32), (9, 0), False),  # heads of 256 (Gemma)
+        (128, 64, 4, 16, (BF16, FP8, I32), (9, 0), False),  # 16 query heads a kv head
+        (128, 28, 4, 8, (BF16, FP8, I32), (9, 0), False),  # pages of 8 slots
+    ],
+)
+def test_covers_what_the_kernel_handles(head_dim, heads, kv_heads, block, dtypes, capability, expected):
+    assert cfd.covers(head_dim, heads, kv_heads, block, dtypes, capability) is expected
+
+
+def test_cpu_calls_keep_the_triton_or_torch_paths():
+    q = torch.zeros(2, 28, 128, dtype=BF16)
+    cache = torch.zeros(2, 4, 16, 4, 128, dtype=FP8)
+    tables = torch.zeros(2, 2, dtype=I32)
+    assert cfd.variant_for(q, 28, cache, tables, None, None) is None
+
+
+def test_the_source_uses_only_constants_the_loader_defines():
+    source = re.sub(r"//[^\n]*", "", cfd.SOURCE.read_text())  # code, not comments
+    defined = set(re.findall(r"#define (\w+)", cfd.Variant().defines() + source))
+    used = set(re.findall(r"#if !?(\w+)", source)) | set(re.findall(r"\b([A-Z][A-Z0-9_]{2,})\b", source))
+    assert used <= defined | {"NEG_INF"}, used - defined

@@ -1,0 +1,337 @@
+// Paged decode attention over an FP8 (e4m3) KV cache, in CUDA C compiled at run time by NVRTC
+// (cuda_fp8_decode.py). One query token per sequence; the cache is runner/kv_cache.py's:
+// [blocks, block_size, kv_heads, HEAD_DIM] bytes for keys and for values, and a float32 scale per
+// token and kv head for each.
+//
+// Why not Triton (triton_attention.py): Triton's tensor-core path for 8-bit tiles rearranges them in
+// registers (single-byte shared-memory loads) and converts every element twice, and at batch 256 its
+// kernel read the cache at 1.5-1.7 TB/s where the bf16 cache's reads 3.4-3.7. Here every byte goes from
+// a 16-byte global load to the MMA operand in registers, with no shared memory and no shuffles:
+//
+// * Logits: S^T [16 tokens x 8 queries] = K [16 x D] . Q^T [D x 8] with mma.m16n8k16 (fp16 in, fp32
+//   out). The 8 columns hold the GQA group's query heads (GROUP <= 8), so no MMA row is padding. Which
+//   head dimension sits at which k position of the MMA is free, as long as K and Q agree: thread
+//   (g = lane / 4, t = lane % 4) takes dimensions [t * D/4, (t + 1) * D/4) of its tokens' key rows,
+//   read with 16-byte loads, and converts each pair of bytes with one cvt (e4m3 -> fp16 is exact).
+// * Probabilities: online softmax in base 2 per query column; each 8 x 8 tile of probabilities (times
+//   the value scales) is transposed into the second product's operand layout by one movmatrix.
+// * Output: O^T [D x 8] += V^T [D x 16 tokens] . P^T [16 tokens x 8 queries], bf16 in, fp32 out. The
+//   MMA wants each register to hold two tokens' values of one dimension, so thread (g, t) reads
+//   dimensions [g * D/8, (g + 1) * D/8) of tokens 2t, 2t+1, 2t+8, 2t+9 (16-byte loads), pairs their
+//   bytes with one prmt, and turns each e4m3 byte into a bf16 by moving its bits (sign to bit 15,
+//   exponent and mantissa shifted by 4): that bf16 is exactly the e4m3 value times 2^-120, subnormals
+//   and zero included. The probabilities x value scales take 2^VSHIFT (VSHIFT = 100) before they are
+//   rounded to bf16, and the output 2^(120 - VSHIFT) at the end: products stay far from fp32's
+//   subnormals, and a value scale would have to pass 2^28 to overflow bf16.
+//
+// Each CTA takes one (sequence, kv head, context split); its warps take every WARPS-th 16-token chunk
+// of the split and merge their online softmaxes through shared memory at the end. A split writes the
+// same float32 partial output and log-sum-exp as the Triton kernel, merged by its merge kernel.
+//
+// Compile-time constants (prepended by the loader): HEAD_DIM (64 or 128), GROUP (query heads per kv
+// head, <= 8), BLOCK_SIZE (token slots a page, a multiple of 16), WARPS, Q_FP16 (1: fp16 queries and
+// output, 0: bf16), BT_INT64 (block table / context lengths as int64), PREFETCH (1: a warp issues its
+// next chunk's loads before it computes on the current one), MIN_BLOCKS (CTAs an SM must hold: a
+// register budget), HEADS_FIRST (1: the grid's x is the kv head, y the sequence).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+#if BT_INT64
+typedef long long index_t;
+#else
+typedef int index_t;
+#endif
+
+#define VSHIFT 100
+#define KB (HEAD_DIM / 4)   // key bytes a thread reads from each of its 2 tokens
+#define VB (HEAD_DIM / 8)   // value bytes a thread reads from each of its 4 tokens
+#define KSTEPS (HEAD_DIM / 16)
+#define MTILES (HEAD_DIM / 16)
+#define CHUNK 16
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx, as Triton's exp; exp2(-inf) = 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u16 pair) {
+  u32 out;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(out) : "h"(pair));
+  return out;
+}
+
+// bf16x2 (lo: byte k of a, hi: byte k of b), each the e4m3 byte's value times 2^-120, exactly.
+template <int k>
+__device__ __forceinline__ u32 e4m3_pair_to_bf16x2(u32 a, u32 b) {
+  u32 x;
+  // byte 1 <- a.byte k, byte 3 <- b.byte k (bytes 0 and 2 are masked off below)
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(x) : "r"(a), "r"(b), "n"(((4 + k) << 12) | ((4 + k) << 8) | (k << 4) | k));
+  return (x & 0x80008000u) | ((x >> 4) & 0x07F007F0u);
+}
+
+__device__ __forceinline__ u32 pack_f32x2(float lo, float hi, bool fp16) {
+  u32 out;
+  if (fp16) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
+  }
+  return out;
+}
+
+__device__ __forceinline__ float to_f32(u16 bits) {
+  float out;
+#if Q_FP16
+  asm("cvt.f32.f16 %0, %1;" : "=f"(out) : "h"(bits));
+#else
+  out = __uint_as_float(((u32)bits) << 16);
+#endif
+  return out;
+}
+
+__device__ __forceinline__ u16 from_f32(float x) {
+  u16 out;
+#if Q_FP16
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(out) : "f"(x));
+#else
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(out) : "f"(x));
+#endif
+  return out;
+}
+
+__device__ __forceinline__ void mma_f16(float* c, const u32* a, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 transpose8x8(u32 x) {
+  u32 out;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(out) : "r"(x));
+  return out;
+}
+
+__device__ __forceinline__ float warp_max_over_rows(float x) {  // over the 8 lanes sharing lane % 4
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+}
+
+__device__ __forceinline__ float warp_sum_over_rows(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 4);
+  x += __shfl_xor_sync(0xffffffffu, x, 8);
+  return x + __shfl_xor_sync(0xffffffffu, x, 16);
+}
+
+// One 16-token chunk's bytes (as 4-byte words) and scales, as this thread reads them.
+struct Chunk {
+  u32 k[2][KB / 4];  // key tokens g and g+8: KB bytes each
+  u32 v[4][VB / 4];  // value tokens 2t, 2t+1, 2t+8, 2t+9: VB bytes each
+  float ks[2], vs[2];  // key and value scales of tokens g and g+8
+};
+
+template <int N>  // N words from 16-byte-aligned memory, in 16- or 8-byte loads
+__device__ __forceinline__ void load_words(u32* dst, const u8* src) {
+#pragma unroll
+  for (int i = 0; i < N / 4; ++i) {
+    const uint4 x = __ldg(reinterpret_cast<const uint4*>(src) + i);
+    dst[4 * i] = x.x, dst[4 * i + 1] = x.y, dst[4 * i + 2] = x.z, dst[4 * i + 3] = x.w;
+  }
+  if (N % 4) {
+    const uint2 x = __ldg(reinterpret_cast<const uint2*>(src + 16 * (N / 4)));
+    dst[N - 2] = x.x, dst[N - 1] = x.y;
+  }
+}
+
+__device__ __forceinline__ void load_chunk(Chunk& c, const u8* kc, const u8* vc, const float* ksc,
+                                           const float* vsc, long long row0, long long srow0, int row_stride,
+                                           int srow_stride, int g, int t) {
+  // Thread t's key bytes: 16 at t * 16 of each 64 (a warp's load then covers whole 32-byte sectors).
+  const u8* krow = kc + row0 + (long long)g * row_stride + t * 16;
+#pragma unroll
+  for (int i = 0; i < KB / 16; ++i) {
+    load_words<4>(c.k[0] + 4 * i, krow + 64 * i);
+    load_words<4>(c.k[1] + 4 * i, krow + 8LL * row_stride + 64 * i);
+  }
+  const int vtok[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) load_words<VB / 4>(c.v[j], vc + row0 + (long long)vtok[j] * row_stride + g * VB);
+  c.ks[0] = __ldg(ksc + srow0 + (long long)g * srow_stride);
+  c.ks[1] = __ldg(ksc + srow0 + (long long)(g + 8) * srow_stride);
+  c.vs[0] = __ldg(vsc + srow0 + (long long)g * srow_stride);
+  c.vs[1] = __ldg(vsc + srow0 + (long long)(g + 8) * srow_stride);
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
+    fp8_paged_decode(const u16* __restrict__ q, const u8* __restrict__ kcache, const u8* __restrict__ vcache,
+                     const float* __restrict__ kscale, const float* __restrict__ vscale,
+                     const index_t* __restrict__ block_tables, const index_t* __restrict__ context_lens,
+                     u16* __restrict__ out, float* __restrict__ part, float* __restrict__ lse, int stride_qb,
+                     int stride_qh, int stride_kblk, int stride_kslot, int stride_sblk, int stride_sslot,
+                     int stride_btb, double qk_scale_log2, int num_splits) {
+#if HEADS_FIRST  // a sequence's kv heads run side by side: together they read whole cache rows
+  const int kvh = blockIdx.x, b = blockIdx.y, num_kv_heads = gridDim.x;
+#else
+  const int b = blockIdx.x, kvh = blockIdx.y, num_kv_heads = gridDim.y;
+#endif
+  const int split = blockIdx.z, num_heads = num_kv_heads * GROUP;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+
+  const int ctx = (int)context_lens[b];
+  const int split_len = ((ctx + num_splits - 1) / num_splits + CHUNK - 1) / CHUNK * CHUNK;
+  const int lo = split * split_len;
+  const int hi = min(lo + split_len, ctx);
+
+  // Q^T fragments (the B operand), pre-scaled by softmax scale x log2(e), in fp16; columns >= GROUP are 0.
+  // Key word st of thread t holds dimensions (st / 4) * 64 + t * 16 + (st % 4) * 4 + [0, 4).
+  u32 qf[KSTEPS][2];
+  {
+    const bool live = g < GROUP;
+    const u16* qrow = q + (long long)b * stride_qb + (long long)(kvh * GROUP + (live ? g : 0)) * stride_qh;
+    const float s = live ? (float)qk_scale_log2 : 0.f;
+#pragma unroll
+    for (int blk = 0; blk < KB / 16; ++blk) {
+      u32 w[8];
+      load_words<8>(w, reinterpret_cast<const u8*>(qrow + blk * 64 + t * 16));
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const u32 lo = w[2 * j], hi = w[2 * j + 1];
+        qf[4 * blk + j][0] = pack_f32x2(to_f32(lo & 0xffffu) * s, to_f32(lo >> 16) * s, true);
+        qf[4 * blk + j][1] = pack_f32x2(to_f32(hi & 0xffffu) * s, to_f32(hi >> 16) * s, true);
+      }
+    }
+  }
+
+  float acc[MTILES][4];
+#pragma unroll
+  for (int i = 0; i < MTILES; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  float m[2] = {NEG_INF, NEG_INF};  // running max of queries 2t, 2t+1 (base-2 logits)
+  float l[2] = {0.f, 0.f};              // this thread's share of their denominators
+
+  const index_t* bt = block_tables + (long long)b * stride_btb;
+  // Where chunk c0's rows start: its page's bytes and scales (kv head kvh, slot c0 % BLOCK_SIZE).
+  auto load = [&](Chunk& c, int c0) {
+    const long long page = (long long)bt[c0 / BLOCK_SIZE];
+    const int slot0 = c0 % BLOCK_SIZE;
+    const long long row0 = page * stride_kblk + (long long)slot0 * stride_kslot + (long long)kvh * HEAD_DIM;
+    const long long srow0 = page * stride_sblk + (long long)slot0 * stride_sslot + kvh;
+    load_chunk(c, kcache, vcache, kscale, vscale, row0, srow0, stride_kslot, stride_sslot, g, t);
+  };
+  Chunk next;
+  if (PREFETCH && lo + warp * CHUNK < hi) load(next, lo + warp * CHUNK);
+  for (int c0 = lo + warp * CHUNK; c0 < hi; c0 += WARPS * CHUNK) {
+    Chunk c;
+    if (PREFETCH) {  // this chunk's loads were issued an iteration ago; issue the next one's now
+      c = next;
+      if (c0 + WARPS * CHUNK < hi) load(next, c0 + WARPS * CHUNK);
+    } else {
+      load(c, c0);
+    }
+
+    // Logits of tokens g (s[0], s[1]) and g+8 (s[2], s[3]) for queries 2t, 2t+1.
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int st = 0; st < KSTEPS; ++st) {
+      const u32 w0 = c.k[0][st], w1 = c.k[1][st];
+      const u32 a[4] = {e4m3x2_to_f16x2((u16)(w0 & 0xffffu)), e4m3x2_to_f16x2((u16)(w1 & 0xffffu)),
+                        e4m3x2_to_f16x2((u16)(w0 >> 16)), e4m3x2_to_f16x2((u16)(w1 >> 16))};
+      mma_f16(s, a, qf[st][0], qf[st][1]);
+    }
+    const bool live0 = c0 + g < hi, live1 = c0 + g + 8 < hi;
+    s[0] = live0 ? s[0] * c.ks[0] : NEG_INF;
+    s[1] = live0 ? s[1] * c.ks[0] : NEG_INF;
+    s[2] = live1 ? s[2] * c.ks[1] : NEG_INF;
+    s[3] = live1 ? s[3] * c.ks[1] : NEG_INF;
+
+    float p[4], alpha[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float m_new = fmaxf(m[j], warp_max_over_rows(fmaxf(s[j], s[j + 2])));
+      alpha[j] = fast_exp2(m[j] - m_new);
+      p[j] = fast_exp2(s[j] - m_new);
+      p[j + 2] = fast_exp2(s[j + 2] - m_new);
+      l[j] = l[j] * alpha[j] + p[j] + p[j + 2];
+      m[j] = m_new;
+    }
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // a max moved: rescale O^T
+#pragma unroll
+      for (int i = 0; i < MTILES; ++i) {  // columns 2t (acc 0, 2) and 2t + 1 (acc 1, 3)
+        acc[i][0] *= alpha[0], acc[i][2] *= alpha[0];
+        acc[i][1] *= alpha[1], acc[i][3] *= alpha[1];
+      }
+    }
+    // P^T x value scales, bf16, transposed into the B operand: (tokens 2t, 2t+1 | 2t+8, 2t+9; query g).
+    // (a dead token's scale is never multiplied: 0 x NaN would poison the product)
+    const float vs0 = live0 ? c.vs[0] * 0x1p100f : 0.f, vs1 = live1 ? c.vs[1] * 0x1p100f : 0.f;
+    const u32 b0 = transpose8x8(pack_f32x2(p[0] * vs0, p[1] * vs0, false));
+    const u32 b1 = transpose8x8(pack_f32x2(p[2] * vs1, p[3] * vs1, false));
+
+#pragma unroll
+    for (int w = 0; w < VB / 4; ++w) {  // word w: dimensions g * VB + 4w .. +3, i.e. m-tiles 2w and 2w+1
+      const u32 v0 = c.v[0][w], v1 = c.v[1][w], v2 = c.v[2][w], v3 = c.v[3][w];
+      mma_bf16(acc[2 * w], e4m3_pair_to_bf16x2<0>(v0, v1), e4m3_pair_to_bf16x2<1>(v0, v1),
+               e4m3_pair_to_bf16x2<0>(v2, v3), e4m3_pair_to_bf16x2<1>(v2, v3), b0, b1);
+      mma_bf16(acc[2 * w + 1], e4m3_pair_to_bf16x2<2>(v0, v1), e4m3_pair_to_bf16x2<3>(v0, v1),
+               e4m3_pair_to_bf16x2<2>(v2, v3), e4m3_pair_to_bf16x2<3>(v2, v3), b0, b1);
+    }
+  }
+
+  // Merge the warps: each warp's max, denominator and O^T go through shared memory.
+  __shared__ float sm_m[WARPS][8], sm_l[WARPS][8];
+  __shared__ float sm_acc[WARPS][8][HEAD_DIM];
+  l[0] = warp_sum_over_rows(l[0]);
+  l[1] = warp_sum_over_rows(l[1]);
+  if (g == 0) {
+    sm_m[warp][2 * t] = m[0];
+    sm_m[warp][2 * t + 1] = m[1];
+    sm_l[warp][2 * t] = l[0];
+    sm_l[warp][2 * t + 1] = l[1];
+  }
+#pragma unroll
+  for (int i = 0; i < MTILES; ++i) {  // acc[i] = O^T rows g*VB + 2i (c0, c1) and g*VB + 2i + 1 (c2, c3)
+    const int d = g * VB + 2 * i;
+    sm_acc[warp][2 * t][d] = acc[i][0];
+    sm_acc[warp][2 * t + 1][d] = acc[i][1];
+    sm_acc[warp][2 * t][d + 1] = acc[i][2];
+    sm_acc[warp][2 * t + 1][d + 1] = acc[i][3];
+  }
+  __syncthreads();
+
+  for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += WARPS * 32) {
+    const int qi = idx / HEAD_DIM, d = idx % HEAD_DIM;
+    float top = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) top = fmaxf(top, sm_m[w][qi]);
+    float total = 0.f, o = 0.f;
+    if (top != NEG_INF) {
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        const float f = fast_exp2(sm_m[w][qi] - top);
+        total += f * sm_l[w][qi];
+        o += f * sm_acc[w][qi][d];
+      }
+    }
+    const float val = total > 0.f ? o / total * 0x1p20f : 0.f;  // 2^(120 - VSHIFT)
+    const long long row = (long long)b * num_heads + kvh * GROUP + qi;
+    if (num_splits == 1) {
+      out[row * HEAD_DIM + d] = from_f32(val);
+    } else {
+      part[(row * num_splits + split) * HEAD_DIM + d] = val;
+      if (d == 0) lse[row * num_splits + split] = total > 0.f ? (top + log2f(total)) * 0.6931471805599453f : NEG_INF;
+    }
+  }
+}
