@@ -13,10 +13,14 @@ maxnreg, splits, ms).
 
     python bench/decode_attention.py --sweep     # one JSON line
     python bench/decode_attention.py --kv_cache_dtype fp8 --sweep --shapes 7b_b256
+    python bench/decode_attention.py --kv_cache_dtype fp8 --shapes 7b_b256 --cuda_settings 4,2,4,1 4,3,1,1
 
 ``--kv_cache_dtype fp8``: the caches hold e4m3 rows and their float32 scales (``runner/kv_cache.py``), the
 bytes read count one per element and four per row, and ``bf16_ms`` is the default launch over the same
-values in bf16 (the same run: the speed-up an FP8 cache gives this kernel).
+values in bf16 (the same run: the speed-up an FP8 cache gives this kernel). The default over an FP8 cache
+is the CUDA kernel (``kernels/cuda_fp8_decode.py``) where it covers the shape; ``triton_ms`` times the
+Triton kernel over the same values (and ``triton_vs_default`` the largest difference of their outputs), and
+``--cuda_settings`` times other builds of the CUDA kernel (``--sweep`` always times the Triton kernel).
 
 Context lengths are uniform in [avg/2, 3*avg/2] so splits see ragged rows, as in a real batch.
 """
@@ -108,7 +112,7 @@ def fp8_caches(caches: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Ten
 
 def fp8_kernels(run, reference: torch.Tensor, cuda_settings) -> dict:
     """The FP8 cache's two kernels over the same inputs: the Triton one's time and how far its output is
-    from the default's (the CUDA kernel, where it covers the shape), and each CUDA (warps, prefetch)
+    from the default's (the CUDA kernel, where it covers the shape), and each CUDA (warps, stages, ...)
     setting of ``cuda_settings``."""
     from tidal.rollout.kernels import cuda_fp8_decode as cfd
     from tidal.rollout.kernels import triton_attention as ta
@@ -120,7 +124,7 @@ def fp8_kernels(run, reference: torch.Tensor, cuda_settings) -> dict:
     finally:
         ta.FP8_CUDA_KERNEL = True
     out["triton_vs_default"] = round(float((triton_out.float() - reference.float()).abs().max()), 5)
-    names = ("WARPS", "PREFETCH", "MIN_BLOCKS", "HEADS_FIRST")
+    names = ("WARPS", "STAGES", "MIN_BLOCKS", "HEADS_FIRST")
     default = [getattr(cfd, n) for n in names]
     for setting in cuda_settings:
         for name, value in zip(names, setting, strict=False):
@@ -209,7 +213,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--kv_cache_dtype", default="auto", choices=["auto", "fp8"], help="fp8: an FP8 cache")
     p.add_argument(
         "--cuda_settings", nargs="*", default=[], metavar="W,P,B,H",
-        help="FP8 cache: also time the CUDA kernel with these (warps, prefetch, min CTAs an SM, kv heads "
+        help="FP8 cache: also time the CUDA kernel with these (warps, pipeline stages, min CTAs an SM, kv heads "
         "first) settings, e.g. 4,1,1,0 4,0,4,1",
     )  # fmt: skip
     for axis, values in GRID.items():

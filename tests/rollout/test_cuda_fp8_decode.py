@@ -85,5 +85,6 @@ def test_cpu_calls_keep_the_triton_or_torch_paths():
 def test_the_source_uses_only_constants_the_loader_defines():
     source = re.sub(r"//[^\n]*", "", cfd.SOURCE.read_text())  # code, not comments
     defined = set(re.findall(r"#define (\w+)", cfd.Variant().defines() + source))
+    defined |= set(re.findall(r"constexpr \w+ (\w+)", source))
     used = set(re.findall(r"#if !?(\w+)", source)) | set(re.findall(r"\b([A-Z][A-Z0-9_]{2,})\b", source))
     assert used <= defined | {"NEG_INF"}, used - defined

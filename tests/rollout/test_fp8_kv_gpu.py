@@ -140,15 +140,21 @@ def test_context_kernel_reads_the_fp8_cache_as_the_torch_path(window):
     assert _rel(unscaled, ref) > 0.1
 
 
+# Heads of 32 (the tiny models' own) decode through the Triton kernel; heads of 64 through the CUDA kernel
+# (kernels/cuda_fp8_decode.py), which covers heads of 64 and 128.
+HEADS = {"heads32": {}, "heads64": dict(num_attention_heads=3, num_key_value_heads=1, head_dim=64)}
+
+
+@pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_engine_triton_and_torch_backends_agree_with_an_fp8_cache(family, tiny_model):
-    """bf16 engine, FP8 cache, CUDA graphs: the Triton kernels (fused decode for qwen2, rope_store_kv then
-    decode for Qwen3's q/k norms) and the torch paths generate the same greedy tokens, with prefix caching
-    (the second round reads its prompts' cached blocks through the context kernel)."""
+def test_engine_triton_and_torch_backends_agree_with_an_fp8_cache(family, heads, tiny_model):
+    """bf16 engine, FP8 cache, CUDA graphs: the GPU kernels (fused decode for qwen2 with heads of 32,
+    rope_store_kv then decode otherwise) and the torch paths generate the same greedy tokens, with prefix
+    caching (the second round reads its prompts' cached blocks through the context kernel)."""
     from tests.rollout.reference import PROMPTS, greedy
     from tidal.rollout import EngineConfig, LLMEngine
 
-    path = tiny_model(family)
+    path = tiny_model(family, **HEADS[heads])
     runs = {}
     for backend in ("triton", "torch"):
         config = EngineConfig(kv_cache_dtype="fp8", attention_backend=backend, enable_prefix_caching=True)

@@ -23,9 +23,9 @@ SOURCE = Path(__file__).with_name("fp8_decode.cu")
 CHUNK = 16  # tokens an MMA tile; pages must hold a whole number of them
 MAX_GROUP = 8  # query heads a kv head: the MMA's 8 columns
 WARPS = 4
-PREFETCH = 1
-MIN_BLOCKS = 1
-HEADS_FIRST = 0
+STAGES = 2
+MIN_BLOCKS = 4
+HEADS_FIRST = 1
 LOG2_E = 1.4426950408889634  # the kernel's softmax runs in base 2
 
 
@@ -39,7 +39,7 @@ class Variant:
     warps: int = WARPS
     fp16: int = 0  # 1: fp16 queries and output; 0: bf16
     int64: int = 0  # 1: int64 block tables and context lengths; 0: int32
-    prefetch: int = PREFETCH
+    stages: int = STAGES
     min_blocks: int = MIN_BLOCKS
     heads_first: int = HEADS_FIRST
 
@@ -51,11 +51,18 @@ class Variant:
             "WARPS": self.warps,
             "Q_FP16": self.fp16,
             "BT_INT64": self.int64,
-            "PREFETCH": self.prefetch,
+            "STAGES": self.stages,
             "MIN_BLOCKS": self.min_blocks,
             "HEADS_FIRST": self.heads_first,
         }
         return "".join(f"#define {k} {v}\n" for k, v in values.items())
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory a CTA takes: the warps' pipelines, or the merge's buffers if larger."""
+        kstride = self.head_dim + 64 if self.head_dim % 128 == 0 else self.head_dim
+        stage = 16 * kstride + 16 * (self.head_dim + 16) + 128
+        merge = 4 * (2 * 8 * self.warps + 8 * self.warps * self.head_dim)
+        return max(self.warps * self.stages * stage, merge)
 
 
 def kernel_source(variant: Variant) -> str:
@@ -88,7 +95,7 @@ def variant_for(
         fp16=int(q.dtype == torch.float16),
         int64=int(block_tables.dtype == torch.int64),
         warps=WARPS,  # read at each call: bench/decode_attention.py times other settings
-        prefetch=PREFETCH,
+        stages=STAGES,
         min_blocks=MIN_BLOCKS,
         heads_first=HEADS_FIRST,
     )
@@ -117,7 +124,9 @@ def compiled(variant: Variant, device: torch.device):
     if key not in _KERNELS and not _BROKEN:
         try:
             with torch.cuda.device(device):
-                _KERNELS[key] = torch.cuda._compile_kernel(kernel_source(variant), "fp8_paged_decode")
+                kernel = torch.cuda._compile_kernel(kernel_source(variant), "fp8_paged_decode")
+                kernel.set_shared_memory_config(variant.smem_bytes())  # past 48 KB it must be raised
+                _KERNELS[key] = kernel
         except Exception as exc:  # NVRTC missing (no CUDA_HOME, no libnvrtc) or the source refused
             _BROKEN.append(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}")
             warnings.warn(
@@ -153,9 +162,10 @@ def fp8_paged_decode(
     compiled(variant, q.device)(
         grid=(num_kv_heads, batch, num_splits) if variant.heads_first else (batch, num_kv_heads, num_splits),
         block=(variant.warps * 32, 1, 1),
+        shared_mem=variant.smem_bytes(),
         args=[
             q, k, v, kv_scales[0], kv_scales[1], block_tables, context_lens, out, part, lse,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), kv_scales.stride(1), kv_scales.stride(2),
-            block_tables.stride(0), float(scale * LOG2_E), num_splits,
+            block_tables.stride(0), block_tables.shape[1], float(scale * LOG2_E), num_splits,
         ],
     )  # fmt: skip
