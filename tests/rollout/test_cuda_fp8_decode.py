@@ -88,3 +88,33 @@ def test_the_source_uses_only_constants_the_loader_defines():
     defined |= set(re.findall(r"constexpr \w+ (\w+)", source))
     used = set(re.findall(r"#if !?(\w+)", source)) | set(re.findall(r"\b([A-Z][A-Z0-9_]{2,})\b", source))
     assert used <= defined | {"NEG_INF"}, used - defined
+
+
+def _nvrtc_or_skip():
+    from tidal.rollout.kernels import nvrtc
+
+    try:
+        return nvrtc.nvrtc_library("13")
+    except OSError as err:
+        pytest.skip(f"no NVRTC here: {err}")
+
+
+@pytest.mark.parametrize("head_dim, group", [(128, 7), (64, 8), (128, 1)])
+@pytest.mark.parametrize("fp16, int64", [(0, 0), (1, 1)])
+def test_every_build_compiles_for_hopper(head_dim, group, fp16, int64):
+    """The source compiles for sm_90 through NVRTC without a GPU or a CUDA toolkit (where pip's
+    nvidia-cuda-nvrtc is installed; skipped elsewhere, as on CI)."""
+    from tidal.rollout.kernels import nvrtc
+
+    lib = _nvrtc_or_skip()
+    variant = cfd.Variant(head_dim=head_dim, group=group, fp16=fp16, int64=int64, block_size=32)
+    binary = nvrtc.cubin(cfd.kernel_source(variant), "fp8_paged_decode", "90", lib)
+    assert binary[:4] == b"\x7fELF" and b"fp8_paged_decode" in binary
+
+
+def test_a_refused_source_raises_with_nvrtcs_log():
+    from tidal.rollout.kernels import nvrtc
+
+    lib = _nvrtc_or_skip()
+    with pytest.raises(RuntimeError, match=r"NVRTC refused broken\.cu:[\s\S]*undefined"):
+        nvrtc.cubin('extern "C" __global__ void broken() { no_such_thing(); }', "broken", "90", lib)

@@ -6,9 +6,9 @@ pages of a multiple of 16 slots, bf16/fp16 queries, a GPU with e4m3 conversions:
 newer) and the kernel compiles; anything else keeps the Triton kernel. The source file says why a
 hand-written kernel, and how its bytes reach the tensor cores.
 
-Compiled through ``torch.cuda._compile_kernel`` (NVRTC, shipped with CUDA builds of torch), once per
-``Variant``. When NVRTC is missing or refuses the source, the engine warns once with the reason and keeps
-the Triton kernel for the rest of the process.
+Compiled by NVRTC (``nvrtc.py``: torch's ``_compile_kernel``, or NVRTC itself where there is no CUDA
+toolkit), once per ``Variant``. When NVRTC is missing or refuses the source, the engine warns once with
+the reason and keeps the Triton kernel for the rest of the process.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from tidal.rollout.kernels import nvrtc
 
 SOURCE = Path(__file__).with_name("fp8_decode.cu")
 CHUNK = 16  # tokens an MMA tile; pages must hold a whole number of them
@@ -123,11 +125,10 @@ def compiled(variant: Variant, device: torch.device):
     key = (variant, device.index or 0)
     if key not in _KERNELS and not _BROKEN:
         try:
-            with torch.cuda.device(device):
-                kernel = torch.cuda._compile_kernel(kernel_source(variant), "fp8_paged_decode")
-                kernel.set_shared_memory_config(variant.smem_bytes())  # past 48 KB it must be raised
-                _KERNELS[key] = kernel
-        except Exception as exc:  # NVRTC missing (no CUDA_HOME, no libnvrtc) or the source refused
+            kernel = nvrtc.load_kernel(kernel_source(variant), "fp8_paged_decode", device)
+            kernel.set_shared_memory_config(variant.smem_bytes())  # past 48 KB it must be raised
+            _KERNELS[key] = kernel
+        except Exception as exc:  # no libnvrtc, or the source refused
             _BROKEN.append(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}")
             warnings.warn(
                 f"the CUDA decode kernel for FP8 KV caches did not compile ({_BROKEN[0]}); "
