@@ -59,15 +59,31 @@ class Variant:
             "STAGES": self.stages,
             "MIN_BLOCKS": self.min_blocks,
             "HEADS_FIRST": self.heads_first,
+            "KSTRIDE": self.kstride,
+            "VSTRIDE": self.vstride,
+            "STAGE_BYTES": self.stage_bytes,
         }
         return "".join(f"#define {k} {v}\n" for k, v in values.items())
 
+    # A pipeline stage in shared memory: 16 key rows, 16 value rows, 32 float32 scales. Rows are padded so
+    # that a warp's 16-byte reads hit distinct banks: key rows g and g + 1 of one read land 16 banks apart
+    # (rows 64 bytes apart modulo 128), value rows 2t and 2t + 2 eight (16 apart modulo 64).
+    @property
+    def kstride(self) -> int:
+        return self.head_dim + 64 if self.head_dim % 128 == 0 else self.head_dim
+
+    @property
+    def vstride(self) -> int:
+        return self.head_dim + 16
+
+    @property
+    def stage_bytes(self) -> int:
+        return 16 * self.kstride + 16 * self.vstride + 128
+
     def smem_bytes(self) -> int:
         """Dynamic shared memory a CTA takes: the warps' pipelines, or the merge's buffers if larger."""
-        kstride = self.head_dim + 64 if self.head_dim % 128 == 0 else self.head_dim
-        stage = 16 * kstride + 16 * (self.head_dim + 16) + 128
         merge = 4 * (2 * 8 * self.warps + 8 * self.warps * self.head_dim)
-        return max(self.warps * self.stages * stage, merge)
+        return max(self.warps * self.stages * self.stage_bytes, merge)
 
 
 def kernel_source(variant: Variant) -> str:
@@ -143,6 +159,7 @@ def compiled(variant: Variant, device: torch.device):
 
 def fp8_paged_decode(
     variant: Variant,
+    kernel,
     q: torch.Tensor,
     layer_cache: torch.Tensor,
     kv_scales: torch.Tensor,
@@ -157,13 +174,13 @@ def fp8_paged_decode(
     """Decode attention of q [batch, heads, d] over the FP8 ``layer_cache`` [2, blocks, block_size,
     kv_heads, d] with ``kv_scales`` [2, blocks, block_size, kv_heads] into ``out`` [batch, heads, d] (one
     split) or ``part`` / ``lse`` (``triton_attention.split_buffers``; the caller merges them). ``variant``:
-    ``variant_for``'s, already compiled."""
+    ``variant_for``'s; ``kernel``: ``compiled``'s build of it."""
     batch = q.shape[0]
     num_kv_heads = layer_cache.shape[3]
     assert context_lens.dtype == block_tables.dtype and block_tables.stride(1) == 1
     assert q.stride(-1) == 1 and layer_cache.is_contiguous() and kv_scales.is_contiguous()
     k, v = layer_cache[0], layer_cache[1]
-    compiled(variant, q.device)(
+    kernel(
         grid=(num_kv_heads, batch, num_splits) if variant.heads_first else (batch, num_kv_heads, num_splits),
         block=(variant.warps * 32, 1, 1),
         shared_mem=variant.smem_bytes(),

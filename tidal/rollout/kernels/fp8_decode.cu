@@ -39,7 +39,8 @@
 // head, <= 8), BLOCK_SIZE (token slots a page, a multiple of 16), WARPS, Q_FP16 (1: fp16 queries and
 // output, 0: bf16), BT_INT64 (block table / context lengths as int64), STAGES (chunks a warp has in
 // flight + 1: its shared-memory pipeline's depth, >= 2), MIN_BLOCKS (CTAs an SM must hold: a
-// register budget), HEADS_FIRST (1: the grid's x is the kv head, y the sequence).
+// register budget), HEADS_FIRST (1: the grid's x is the kv head, y the sequence), KSTRIDE, VSTRIDE,
+// STAGE_BYTES (a pipeline stage's layout, below).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -51,6 +52,9 @@ typedef int index_t;
 #endif
 
 #define VSHIFT 100
+// 2^VSHIFT and 2^(120 - VSHIFT) as floats (exponent fields; folded at compile time)
+#define VSCALE_UP __int_as_float((127 + VSHIFT) << 23)
+#define VSCALE_DOWN __int_as_float((127 + 120 - VSHIFT) << 23)
 #define KB (HEAD_DIM / 4)   // key bytes a thread reads from each of its 2 tokens
 #define VB (HEAD_DIM / 8)   // value bytes a thread reads from each of its 4 tokens
 #define KSTEPS (HEAD_DIM / 16)
@@ -143,12 +147,9 @@ __device__ __forceinline__ float warp_sum_over_rows(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 16);
 }
 
-// Shared memory a warp's pipeline stage takes: a 16-token chunk's key rows, value rows and scales. Rows
-// are padded so that the warp's 16-byte reads of them hit distinct banks: key rows g and g + 1 of one
-// read land 16 banks apart, value rows 2t and 2t + 2 eight.
-#define KSTRIDE (HEAD_DIM % 128 == 0 ? HEAD_DIM + 64 : HEAD_DIM)
-#define VSTRIDE (HEAD_DIM + 16)
-#define STAGE_BYTES (16 * KSTRIDE + 16 * VSTRIDE + 128)
+// A warp's pipeline stage holds a 16-token chunk: 16 key rows of KSTRIDE bytes, 16 value rows of VSTRIDE,
+// then 16 key and 16 value scales; STAGE_BYTES in all (the loader defines the three: it sizes the shared
+// memory from them, cuda_fp8_decode.Variant says why the rows are padded).
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -345,7 +346,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
     }
     // P^T x value scales, bf16, transposed into the B operand: (tokens 2t, 2t+1 | 2t+8, 2t+9; query g).
     // (a dead token's scale is never multiplied: 0 x NaN would poison the product)
-    const float vs0 = live0 ? c.vs[0] * 0x1p100f : 0.f, vs1 = live1 ? c.vs[1] * 0x1p100f : 0.f;
+    const float vs0 = live0 ? c.vs[0] * VSCALE_UP : 0.f, vs1 = live1 ? c.vs[1] * VSCALE_UP : 0.f;
     const u32 b0 = transpose8x8(pack_f32x2(p[0] * vs0, p[1] * vs0, false));
     const u32 b1 = transpose8x8(pack_f32x2(p[2] * vs1, p[3] * vs1, false));
 
@@ -397,7 +398,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
         o += f * sm_acc[w][qi][d];
       }
     }
-    const float val = total > 0.f ? o / total * 0x1p20f : 0.f;  // 2^(120 - VSHIFT)
+    const float val = total > 0.f ? o / total * VSCALE_DOWN : 0.f;
     const long long row = (long long)b * num_heads + kvh * GROUP + qi;
     if (num_splits == 1) {
       out[row * HEAD_DIM + d] = from_f32(val);

@@ -381,14 +381,17 @@ def paged_decode_attention(
         num_splits = choose_num_splits(batch, num_kv_heads, max_tokens, sm_count(q.device))
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     part, lse = split_buffers(out, num_splits)
-    cuda_variant = None  # the CUDA kernel for FP8 caches (cuda_fp8_decode), where it covers the call
+    # The CUDA kernel for FP8 caches (cuda_fp8_decode), where it covers the call and compiles.
+    cuda_variant = cuda_kernel = None
     if kv_scales is not None and not triton_tiles and FP8_CUDA_KERNEL and num_splits <= FP8_CUDA_MAX_SPLITS:
         cuda_variant = cuda_fp8_decode.variant_for(q, num_heads, layer_cache, block_tables, window, sinks)
-    if cuda_variant is not None and cuda_fp8_decode.compiled(cuda_variant, q.device) is not None:
+    if cuda_variant is not None:
+        cuda_kernel = cuda_fp8_decode.compiled(cuda_variant, q.device)
+    if cuda_kernel is not None:
         if rope is not None:  # rotate and store first (the same bits as the fused path), then attend
             q = rope_then_store(q, num_heads, layer_cache, rope, kv_scales)
         args = (q, layer_cache, kv_scales, block_tables, context_lens, scale, out, part, lse, num_splits)
-        cuda_fp8_decode.fp8_paged_decode(cuda_variant, *args)
+        cuda_fp8_decode.fp8_paged_decode(cuda_variant, cuda_kernel, *args)
         merge_splits(part, lse, out, sinks, num_splits)
         return out.view(batch, num_heads * head_dim)
     if rope is not None:
