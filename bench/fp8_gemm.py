@@ -4,7 +4,8 @@ same run.
 Per weight ``[N, K]`` the engine launches at decode (``exact_matmul.decode_launches``: q/k/v and gate/up
 packed, as the engine runs them; the LM head stays bf16 in FP8 mode and is left out) and per row count
 (``--rows``: the decode batch), times the same activations through, each inside a CUDA graph as the
-engine's decode runs them (``time_ms``):
+engine's decode runs them (``time_ms``), cycling through copies of the weights that together exceed the
+L2 eight times, so that every call reads its weights from HBM as a decode step does (``cold_time_ms``):
 
 - ``bf16``: ``torch.nn.functional.linear`` (what the model-dtype engine runs);
 - ``scaled_mm``: per-token activation quantization (one Triton launch) then ``torch._scaled_mm`` with
@@ -77,6 +78,24 @@ def operands(n: int, k: int, rows: int):
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k**0.5
     q, scales = quantize(w, "channel")  # the engine's weight quantization
     return x, w, q, scales
+
+
+COLD_BYTES = 400 * 2**20  # weight copies a timing rotates over: 8x the H200's 50 MB L2
+
+
+def weight_copies(w: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> list[tuple]:
+    """Copies of one layer's weights (bf16, e4m3, scales) that together exceed the L2 several times: a
+    decode step reads each layer's weights once, from HBM, so a timing that replays one weight would
+    read a small one (qkv, o) from L2 instead."""
+    count = max(2, -(-COLD_BYTES // q.numel()))
+    return [(w, q, scales)] + [(w.clone(), q.clone(), scales.clone()) for _ in range(count - 1)]
+
+
+def cold_time_ms(call, copies: list[tuple], repeats: int) -> float:
+    """``time_ms`` of ``call(w, q, scales)`` cycling through ``copies`` (at least once through all)."""
+    turn = iter(range(1 << 62))
+    calls = max(repeats, len(copies))
+    return time_ms(lambda: call(*copies[next(turn) % len(copies)]), calls)
 
 
 def scaled_mm(x, q, scales):
@@ -161,17 +180,18 @@ def search(n: int, k: int, rows: int, repeats: int, deadline: float, jobs: int =
 
     if jobs > 1:
         precompile(n, k, rows, jobs, splits)
-    x, _, q, scales = operands(n, k, rows)
-    best_ms, best = time_ms(lambda: scaled_mm(x, q, scales), repeats), None
+    x, w, q, scales = operands(n, k, rows)
+    copies = weight_copies(w, q, scales)
+    best_ms, best = cold_time_ms(lambda _, q, s: scaled_mm(x, q, s), copies, repeats), None
     if (current := gemm_config(rows, n, k, sm_count(x.device), False)) is not None:
-        current_ms = time_ms(lambda: triton(x, q, scales, current), repeats)
+        current_ms = cold_time_ms(lambda _, q, s: triton(x, q, s, current), copies, repeats)
         if current_ms < best_ms:
             best_ms, best = current_ms, current
     for config in candidates(rows, n, k, splits):
         if time.time() > deadline:
             return best, best_ms, False
         try:
-            ms = time_ms(lambda c=config: triton(x, q, scales, c), repeats)
+            ms = cold_time_ms(lambda _, q, s, c=config: triton(x, q, s, c), copies, repeats)
         except Exception as err:  # a tile the GPU cannot hold (shared memory): skip it
             print(f"  {config}: {type(err).__name__}", file=sys.stderr)
             continue
@@ -186,15 +206,16 @@ def measure(n: int, k: int, rows: int, repeats: int) -> dict[str, float]:
     from tidal.rollout.quant.gemm import _quantize_activations, fp8_linear
 
     x, w, q, scales = operands(n, k, rows)
+    copies = weight_copies(w, q, scales)
     config = gemm_config(rows, n, k, sm_count(x.device), False)
     launch = config or default_config(rows, n, k, sm_count(x.device))
     xq, xs = _quantize_activations(x, None)
     exact = (xq.float() * xs) @ (q.float() * scales).t()  # the FP8 operands' product in float32
     return {
-        "bf16_ms": time_ms(lambda: torch.nn.functional.linear(x, w), repeats),
-        "scaled_mm_ms": time_ms(lambda: scaled_mm(x, q, scales), repeats),
-        "triton_ms": time_ms(lambda: triton(x, q, scales, launch), repeats),
-        "engine_ms": time_ms(lambda: fp8_linear(x, q, scales, "channel"), repeats),
+        "bf16_ms": cold_time_ms(lambda w, _, __: torch.nn.functional.linear(x, w), copies, repeats),
+        "scaled_mm_ms": cold_time_ms(lambda _, q, s: scaled_mm(x, q, s), copies, repeats),
+        "triton_ms": cold_time_ms(lambda _, q, s: triton(x, q, s, launch), copies, repeats),
+        "engine_ms": cold_time_ms(lambda _, q, s: fp8_linear(x, q, s, "channel"), copies, repeats),
         "engine_runs": "triton" if config else "scaled_mm",
         "launch": launch.fields(),
         "scaled_mm_error": relative_error(scaled_mm(x, q, scales), exact),

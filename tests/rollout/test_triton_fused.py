@@ -354,9 +354,12 @@ def test_silu_and_mul_interpreted(tf, rows, inter):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("heads, kv_heads, head_dim, tokens", [(3, 1, 12, 5), (4, 2, 8, 9), (2, 2, 16, 1)])
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim, tokens", [(3, 1, 12, 5), (4, 2, 8, 9), (2, 2, 16, 1), (9, 3, 12, 4)]
+)
 def test_rope_store_kv_interpreted_is_bit_equal(tf, dtype, heads, kv_heads, head_dim, tokens):
-    """Non-power-of-two head_dim (masked lanes), GQA, scattered slots; float16 checks each rounding."""
+    """Non-power-of-two head_dim (masked lanes), GQA, scattered slots, q/k/v heads spread over two programs
+    (9 + 3 + 3 > ``ROPE_HEADS``); float16 checks each rounding."""
     gen = torch.Generator().manual_seed(tokens)
     qkv, cos, sin, cache, slots = rope_inputs(
         tokens, heads, kv_heads, head_dim, dtype, "cpu", gen, block_size=3

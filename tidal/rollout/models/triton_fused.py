@@ -18,6 +18,9 @@ must not move), so every rounding of the torch path is reproduced in the kernel:
   ``mul_rn`` / ``add_rn`` so that float32 models do not get a fused multiply-add either. The norm is
   ``triton_norm``'s arithmetic (same expression, same 1-D layout: 4 warps over one head) because that
   kernel is what the unfused path runs on CUDA; only for head_dim > 32 (``layers.fusable_head_norm``).
+  Without the norms a program takes ``ROPE_HEADS`` heads of a token (the arithmetic is element-wise, plus
+  an FP8 row's maximum, so the layout does not change the bits); with them, one head, laid out as
+  ``triton_norm`` lays it (its sum of squares must reduce in the same order).
 
 Triton's interpreter (CPU tests, ``TRITON_INTERPRET=1``) has no libdevice; there numpy's float32 ops
 are already exactly rounded and the plain operators are used instead.
@@ -203,12 +206,13 @@ def _rope_store_kv_kernel(
     num_kv_heads,
     head_dim,
     eps,
-    HAS_NORM: tl.constexpr,
     HAS_CACHE: tl.constexpr,
     FP8: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # One program per (token, head): heads [0, H) are q, [H, H + KV) are k, [H + KV, H + 2 KV) are v.
+    # With Qwen3's per-head q/k norms (``_rope_store_kv_heads_kernel`` without them). One program per
+    # (token, head), 4 warps over the head as triton_norm lays it out: heads [0, H) are q, [H, H + KV) are
+    # k, [H + KV, H + 2 KV) are v.
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -219,18 +223,17 @@ def _rope_store_kv_kernel(
         src = qk_ptr + t * stride_qk_t + h * stride_qk_h
         x = tl.load(src + cols, mask=mask, other=0.0)
         xp = tl.load(src + partner, mask=mask, other=0.0)
-        if HAS_NORM:
-            # triton_norm's arithmetic over this head (its partner half is normalised by the same factor).
-            if h < num_heads:
-                w_ptr = q_weight_ptr
-            else:
-                w_ptr = k_weight_ptr
-            x32 = x.to(tl.float32)
-            inv = tl.rsqrt(tl.sum(x32 * x32, 0) / head_dim + eps)
-            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            wp = tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32)
-            x = (w * (x32 * inv).to(x.dtype).to(tl.float32)).to(x.dtype)
-            xp = (wp * (xp.to(tl.float32) * inv).to(x.dtype).to(tl.float32)).to(x.dtype)
+        # triton_norm's arithmetic over this head (its partner half is normalised by the same factor).
+        if h < num_heads:
+            w_ptr = q_weight_ptr
+        else:
+            w_ptr = k_weight_ptr
+        x32 = x.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x32 * x32, 0) / head_dim + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+        x = (w * (x32 * inv).to(x.dtype).to(tl.float32)).to(x.dtype)
+        xp = (wp * (xp.to(tl.float32) * inv).to(x.dtype).to(tl.float32)).to(x.dtype)
         c = tl.load(cos_ptr + t * stride_cos + cols, mask=mask, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + t * stride_cos + cols, mask=mask, other=0.0).to(tl.float32)
         out = rope_half(x, xp, c, s, cols < half)
@@ -255,6 +258,56 @@ def _rope_store_kv_kernel(
                 store_e4m3_row(cache_ptr + v_cache_offset + row * head_dim + cols, v_scales, v, mask)
             else:
                 tl.store(cache_ptr + v_cache_offset + row * head_dim + cols, v, mask=mask)
+
+
+@triton.jit
+def _rope_store_kv_heads_kernel(
+    qk_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, cache_ptr, scales_ptr, slot_ptr,
+    stride_qk_t, stride_qk_h, stride_v_t, stride_v_h, stride_cos, v_cache_offset,
+    num_heads, num_kv_heads, head_dim,
+    HAS_CACHE: tl.constexpr, FP8: tl.constexpr, HEADS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # ``_rope_store_kv_kernel`` without per-head norms, ``HEADS`` heads a program ([HEADS, BLOCK] tiles):
+    # one head a program left a decode step's launch (256 tokens x 36 heads at 7B) at ~7 µs, mostly
+    # program overhead. The arithmetic is element-wise (and a row's maximum for FP8), so the bits are
+    # the per-head kernel's.
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]  # [HEADS, 1]
+    cols = tl.arange(0, BLOCK)[None, :]
+    half = head_dim // 2
+    lanes = cols < head_dim
+    is_q = h < num_heads
+    is_k = (h >= num_heads) & (h < num_heads + num_kv_heads)
+    is_v = (h >= num_heads + num_kv_heads) & (h < num_heads + 2 * num_kv_heads)
+    qk_src = qk_ptr + t * stride_qk_t + h * stride_qk_h
+    partner = tl.where(cols < half, cols + half, cols - half)
+    x = tl.load(qk_src + cols, mask=(is_q | is_k) & lanes, other=0.0)
+    xp = tl.load(qk_src + partner, mask=(is_q | is_k) & lanes, other=0.0)
+    c = tl.load(cos_ptr + t * stride_cos + cols, mask=lanes, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_cos + cols, mask=lanes, other=0.0).to(tl.float32)
+    out = rope_half(x, xp, c, s, cols < half)
+    tl.store(q_out_ptr + (t * num_heads + h) * head_dim + cols, out, mask=is_q & lanes)
+    kh = h - num_heads
+    tl.store(k_out_ptr + (t * num_kv_heads + kh) * head_dim + cols, out, mask=is_k & lanes)
+    if HAS_CACHE:
+        vh = h - num_heads - num_kv_heads
+        v = tl.load(v_ptr + t * stride_v_t + vh * stride_v_h + cols, mask=is_v & lanes, other=0.0)
+        row = tl.load(slot_ptr + t).to(tl.int64) * num_kv_heads + tl.where(is_k, kh, vh)
+        dst = row * head_dim + cols + tl.where(is_v, v_cache_offset, 0)
+        vals = tl.where(is_k, out, v)
+        kv = (is_k | is_v) & lanes
+        if FP8:  # store_e4m3_row's arithmetic, a row (a head) at a time
+            x32 = vals.to(tl.float32)
+            scale = e4m3_scale(tl.max(tl.where(kv, tl.abs(x32), 0.0), 1))[:, None]
+            tl.store(cache_ptr + dst, to_e4m3(x32, scale), mask=kv)
+            scale_row = row + tl.where(is_v, v_cache_offset // head_dim, 0)
+            tl.store(scales_ptr + scale_row, scale, mask=is_k | is_v)
+        else:
+            tl.store(cache_ptr + dst, vals, mask=kv)
+
+
+# Heads a program of ``_rope_store_kv_heads_kernel``: 7B's 28 + 4 + 4 heads in 5 programs a token.
+ROPE_HEADS = 8
 
 
 def rope_store_kv(
@@ -295,7 +348,19 @@ def rope_store_kv(
         raise ValueError(f"rope_store_kv: the KV cache must be contiguous {wanted}, got {layer_cache.dtype}")
     if fp8 and not layer_scales.is_contiguous():
         raise ValueError("rope_store_kv: the FP8 cache's scales must be contiguous")
-    q_weight, k_weight = norm_weights if norm_weights is not None else (qk, qk)
+    if norm_weights is None:
+        grid = (tokens, triton.cdiv(heads + (num_kv if has_cache else 0), ROPE_HEADS))
+        _rope_store_kv_heads_kernel[grid](
+            qk, v, cos, sin, q_out, k_out, layer_cache if has_cache else qk,
+            layer_scales if fp8 else qk,  # unused without an FP8 cache
+            slot_mapping if has_cache else qk, qk.stride(0), qk.stride(1), v.stride(0), v.stride(1),
+            cos.stride(0), layer_cache[0].numel() if has_cache else 0, num_heads, num_kv, head_dim,
+            HAS_CACHE=has_cache, FP8=fp8, HEADS=ROPE_HEADS, BLOCK=triton.next_power_of_2(head_dim),
+            num_warps=4,
+            enable_reflect_ftz=False,  # mul_rn / add_rn keep denormals, as torch's kernels do
+        )  # fmt: skip
+        return q_out, k_out
+    q_weight, k_weight = norm_weights
     grid = (tokens, heads + (num_kv if has_cache else 0))
     _rope_store_kv_kernel[grid](
         qk,
@@ -319,13 +384,12 @@ def rope_store_kv(
         num_kv,
         head_dim,
         eps,
-        HAS_NORM=norm_weights is not None,
         HAS_CACHE=has_cache,
         FP8=fp8,
         BLOCK=triton.next_power_of_2(head_dim),
         num_warps=4,  # triton_norm's layout for a head (its sum of squares must reduce in the same order)
-        # Without norms, mul_rn / add_rn keep denormals as torch's kernels do; with them, the flag stays
-        # at triton_norm's default so that its rsqrt is the same instruction (rsqrt.approx.ftz).
-        enable_reflect_ftz=norm_weights is not None,
+        # The flag stays at triton_norm's default so that its rsqrt is the same instruction
+        # (rsqrt.approx.ftz).
+        enable_reflect_ftz=True,
     )
     return q_out, k_out
