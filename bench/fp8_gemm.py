@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import sys
 import time
@@ -83,19 +84,21 @@ def operands(n: int, k: int, rows: int):
 COLD_BYTES = 400 * 2**20  # weight copies a timing rotates over: 8x the H200's 50 MB L2
 
 
-def weight_copies(w: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> list[tuple]:
-    """Copies of one layer's weights (bf16, e4m3, scales) that together exceed the L2 several times: a
-    decode step reads each layer's weights once, from HBM, so a timing that replays one weight would
-    read a small one (qkv, o) from L2 instead."""
+def weight_copies(q: torch.Tensor, scales: torch.Tensor, w: torch.Tensor | None = None) -> list[tuple]:
+    """Copies of one layer's weights, (bf16 or None, e4m3, scales), that together exceed the L2 several
+    times: a decode step reads each layer's weights once, from HBM, so a timing that replays one weight
+    would read a small one (qkv, o) from L2 instead. The bf16 weight is copied only when given (the
+    search times FP8 launches alone)."""
     count = max(2, -(-COLD_BYTES // q.numel()))
-    return [(w, q, scales)] + [(w.clone(), q.clone(), scales.clone()) for _ in range(count - 1)]
+    return [(w, q, scales)] + [
+        (None if w is None else w.clone(), q.clone(), scales.clone()) for _ in range(count - 1)
+    ]
 
 
 def cold_time_ms(call, copies: list[tuple], repeats: int) -> float:
     """``time_ms`` of ``call(w, q, scales)`` cycling through ``copies`` (at least once through all)."""
-    turn = iter(range(1 << 62))
-    calls = max(repeats, len(copies))
-    return time_ms(lambda: call(*copies[next(turn) % len(copies)]), calls)
+    turns = itertools.cycle(copies)
+    return time_ms(lambda: call(*next(turns)), max(repeats, len(copies)))
 
 
 def scaled_mm(x, q, scales):
@@ -180,8 +183,8 @@ def search(n: int, k: int, rows: int, repeats: int, deadline: float, jobs: int =
 
     if jobs > 1:
         precompile(n, k, rows, jobs, splits)
-    x, w, q, scales = operands(n, k, rows)
-    copies = weight_copies(w, q, scales)
+    x, _, q, scales = operands(n, k, rows)
+    copies = weight_copies(q, scales)
     best_ms, best = cold_time_ms(lambda _, q, s: scaled_mm(x, q, s), copies, repeats), None
     if (current := gemm_config(rows, n, k, sm_count(x.device), False)) is not None:
         current_ms = cold_time_ms(lambda _, q, s: triton(x, q, s, current), copies, repeats)
@@ -206,7 +209,7 @@ def measure(n: int, k: int, rows: int, repeats: int) -> dict[str, float]:
     from tidal.rollout.quant.gemm import _quantize_activations, fp8_linear
 
     x, w, q, scales = operands(n, k, rows)
-    copies = weight_copies(w, q, scales)
+    copies = weight_copies(q, scales, w)
     config = gemm_config(rows, n, k, sm_count(x.device), False)
     launch = config or default_config(rows, n, k, sm_count(x.device))
     xq, xs = _quantize_activations(x, None)
