@@ -7,8 +7,8 @@ Per row count (``--rows``: the decode batch) of ``--config``'s shapes, in the sa
   alone (``norm_ms``), the norm then ``triton_fp8``'s quantization launch (``norm_then_quantize_ms``: what
   an FP8 layer without a fused input runs), and ``triton_norm.add_rms_norm_fp8`` (``norm_fused_ms``);
 - SiLU·up before ``down_proj``: the same three (``silu_ms``, ``silu_then_quantize_ms``,
-  ``silu_fused_ms``), the fused kernel for each ``--silu_launches`` (BLOCK x num_warps; the first is
-  what the engine runs, ``triton_fused.SILU_FP8_LAUNCH``);
+  ``silu_fused_ms``), the fused kernel for each ``--silu_launches`` (BLOCK x num_warps; the first,
+  ``auto``, is what the engine runs at that width, ``triton_fused.silu_fp8_launch``);
 - whether each fused launch's e4m3 rows and scales equal the separate launch's, bit for bit;
 - the sums over a decode step (two norms and one SiLU·up per layer).
 
@@ -40,8 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--silu_launches",
         nargs="+",
-        default=["2048x8", "1024x4", "4096x16"],
-        help="BLOCK x num_warps of the fused SiLU·up kernel, each timed",
+        default=["auto", "4096x16", "1024x8", "2048x8"],
+        help="BLOCK x num_warps of the fused SiLU·up kernel, each timed (auto: the engine's, by width)",
     )
     return p.parse_args(argv)
 
@@ -89,8 +89,9 @@ def silu_times(rows: int, width: int, repeats: int, launches: list[str]) -> dict
     engine_launch = triton_fused.SILU_FP8_LAUNCH
     try:
         for launch in launches:
-            block, warps = (int(v) for v in launch.split("x"))
-            triton_fused.SILU_FP8_LAUNCH = (block, warps)
+            triton_fused.SILU_FP8_LAUNCH = (
+                None if launch == "auto" else tuple(int(v) for v in launch.split("x"))
+            )
             result["silu_fused_ms"][launch] = graph_time_ms(
                 lambda: triton_fused.silu_and_mul_fp8(gate_up), repeats
             )

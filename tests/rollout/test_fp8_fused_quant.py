@@ -72,7 +72,8 @@ def test_the_norm_quantizes_the_rows_it_writes_as_the_quantization_launch_would(
     assert q.shape == (6, width) and scales.shape == (6, 1)
 
 
-@pytest.mark.parametrize("width", [300, 5000])  # one block with a masked tail; three 2048-column blocks
+# one 1024-column block with a masked tail; five of them; three 4096-column blocks (the wide launch)
+@pytest.mark.parametrize("width", [300, 5000, 9000])
 def test_silu_and_mul_quantizes_the_rows_it_writes_as_the_quantization_launch_would(kernels, width):
     fp8, fused, _ = kernels
     gen = torch.Generator().manual_seed(width)

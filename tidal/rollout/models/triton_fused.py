@@ -150,8 +150,21 @@ def _silu_and_mul_fp8_kernel(x_ptr, out_ptr, q_ptr, s_ptr, n_cols, stride_x, BLO
         tl.store(q_ptr + row * n_cols + start + cols, to_e4m3(out, scale), mask=mask)
 
 
-# (BLOCK, num_warps) of ``silu_and_mul_fp8``'s one program per row (bench/fp8_fused_quant.py compares launches)
-SILU_FP8_LAUNCH = (4096, 16)  # 7B, 256 rows: 13.3 µs; 2048 x 8: 15.3 (H200)
+# (BLOCK, num_warps) of ``silu_and_mul_fp8``'s one program per row, by the row's width (bench/fp8_fused_quant.py
+# compares launches; H200, 256 rows). Wide rows: 7B (18,944) 10.9 µs, against 15.3 for 2048 x 8 and 30 for
+# the whole row in registers (32768 x 32). Narrow rows: 0.5B (4,864) 4.6 µs against 6.2 for 4096 x 16,
+# whose second block is mostly masked.
+SILU_FP8_WIDE = (4096, 16)
+SILU_FP8_NARROW = (1024, 8)
+SILU_FP8_WIDE_FROM = 8192  # columns
+SILU_FP8_LAUNCH: tuple[int, int] | None = None  # one launch for every width (the bench times several)
+
+
+def silu_fp8_launch(width: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of ``silu_and_mul_fp8`` for rows of ``width`` columns."""
+    if SILU_FP8_LAUNCH is not None:
+        return SILU_FP8_LAUNCH
+    return SILU_FP8_WIDE if width >= SILU_FP8_WIDE_FROM else SILU_FP8_NARROW
 
 
 def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -168,6 +181,7 @@ def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.T
     if rows == 0:
         return out, (q, scales)
     flat = gate_up.reshape(rows, gate_up.shape[-1])
+    block, warps = silu_fp8_launch(width)
     _silu_and_mul_fp8_kernel[(rows,)](
         flat,
         out,
@@ -175,8 +189,8 @@ def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.T
         scales,
         width,
         flat.stride(0),
-        BLOCK=min(SILU_FP8_LAUNCH[0], triton.next_power_of_2(width)),
-        num_warps=SILU_FP8_LAUNCH[1],
+        BLOCK=min(block, triton.next_power_of_2(width)),
+        num_warps=warps,
         enable_fp_fusion=SILU_CONTRACT,
         enable_reflect_ftz=False,
     )
