@@ -72,10 +72,12 @@ def test_the_norm_quantizes_the_rows_it_writes_as_the_quantization_launch_would(
     assert q.shape == (6, width) and scales.shape == (6, 1)
 
 
-# one 1024-column block with a masked tail; five of them; three 4096-column blocks (the wide launch)
-@pytest.mark.parametrize("width", [300, 5000, 9000])
-def test_silu_and_mul_quantizes_the_rows_it_writes_as_the_quantization_launch_would(kernels, width):
+# (width, the launch it takes): one 1024-column block with a masked tail; five of them (the narrow launch,
+# 0.5B's rows are 4,864 wide); three 4096-column blocks (the wide launch, 7B's 18,944)
+@pytest.mark.parametrize(("width", "launch"), [(300, "narrow"), (5000, "narrow"), (9000, "wide")])
+def test_silu_and_mul_quantizes_the_rows_it_writes_as_the_quantization_launch_would(kernels, width, launch):
     fp8, fused, _ = kernels
+    assert fused.silu_fp8_launch(width) == {"narrow": (1024, 8), "wide": (4096, 16)}[launch]
     gen = torch.Generator().manual_seed(width)
     gate_up = (torch.randn(3, 2 * width, generator=gen) * 3).half()
     gate_up[1] = 0
@@ -85,6 +87,13 @@ def test_silu_and_mul_quantizes_the_rows_it_writes_as_the_quantization_launch_wo
     want_q, want_scales = fp8.quantize_rows_triton(want_out)
     assert same_bits(q, want_q) and same_bits(scales, want_scales)
     assert same_bits(scales, quantize_rows(want_out)[1]) and scales[1].item() == 1.0
+
+
+def test_a_fixed_silu_launch_overrides_the_width_rule(kernels, monkeypatch):
+    _, fused, _ = kernels
+    assert fused.silu_fp8_launch(4864) == (1024, 8) and fused.silu_fp8_launch(18944) == (4096, 16)
+    monkeypatch.setattr(fused, "SILU_FP8_LAUNCH", (2048, 4))
+    assert fused.silu_fp8_launch(4864) == fused.silu_fp8_launch(18944) == (2048, 4)
 
 
 def test_no_rows(kernels):
