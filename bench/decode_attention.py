@@ -43,6 +43,7 @@ SHAPES = {
     "0.5b_b256_ctx160": (256, 2, 7, 64, 160),  # the first decode steps of that benchmark
     "0.5b_b256_ctx608": (256, 2, 7, 64, 608),  # its last ones
     "7b_b256": (256, 4, 7, 128, 384),
+    "7b_b256_ctx1536": (256, 4, 7, 128, 1536),  # OpenRLHF's default lengths: 1,024-token prompts + 1,024 new
     "0.5b_long_b512": (512, 2, 7, 64, 2560),
     # a few sequences (an agent, a chat server) in a CUDA graph, whose tables are as wide as max_model_len
     "0.5b_b8_graph": (8, 2, 7, 64, 384, 8192),

@@ -22,7 +22,8 @@ time they wait for the other ranks).
 
 ``--fused_kernels both`` measures the decoder with and without the fused Triton kernels (SwiGLU; RoPE +
 q/k norm + KV store: ``tidal/rollout/models/triton_fused.py``) in one run, one engine each, and prints a
-JSON line for each (``"fused_kernels": true/false``).
+JSON line for each (``"fused_kernels": true/false``). ``--cuda_rope both`` likewise, with an FP8 cache:
+RoPE and the KV store inside the CUDA decode kernel, or ``rope_store_kv``'s launch before it.
 """
 
 from __future__ import annotations
@@ -108,6 +109,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="auto",
         choices=("auto", "fp8"),
         help="the engine's KV cache (--rollout_kv_cache_dtype): model dtype or FP8 (a scale per row)",
+    )
+    p.add_argument(
+        "--cuda_rope",
+        choices=("on", "off", "both"),
+        default="on",
+        help="FP8 cache: the CUDA decode kernel rotates and stores the step's keys and values itself "
+        "(triton_attention.FP8_CUDA_ROPE), or rope_store_kv's launch does it first; both: each in turn",
     )
     p.add_argument(
         "--final_only",
@@ -324,9 +332,15 @@ def kernel_profile(engine, args) -> tuple[dict, list, float]:
     return per_step, [(name[:90], round(ms / args.steps, 4)) for name, ms in top], busy
 
 
-def measure(args, fused: bool) -> dict:
-    """One engine, built with the fused kernels on or off (read at capture: set before the engine)."""
+def measure(args, fused: bool, cuda_rope: bool = True) -> dict:
+    """One engine, built with the fused kernels on or off and the CUDA decode kernel's RoPE + store on or off
+    (both read at capture: set before the engine)."""
     from tidal.rollout.models import layers
+
+    if args.device.startswith("cuda"):
+        from tidal.rollout.kernels import triton_attention
+
+        triton_attention.FP8_CUDA_ROPE = cuda_rope
 
     layers.FUSED_KERNELS = fused
     with tempfile.TemporaryDirectory() as tmp:
@@ -353,6 +367,7 @@ def measure(args, fused: bool) -> dict:
         "tp_size": args.tp_size,
         "final_only": args.final_only,
         "fused_kernels": fused,
+        "cuda_rope": cuda_rope,
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
         "async_scheduling": engine_async,
@@ -362,7 +377,7 @@ def measure(args, fused: bool) -> dict:
         "gpu_idle_ms": round(phases["step_wall"] - busy, 4),
         "torch": torch.__version__,
     }
-    print(f"fused_kernels={fused}:", file=sys.stderr)
+    print(f"fused_kernels={fused} cuda_rope={cuda_rope}:", file=sys.stderr)
     for name, ms in top:
         print(f"{ms:9.4f} ms/step  {name}", file=sys.stderr)
     print(json.dumps(result), flush=True)
@@ -371,8 +386,12 @@ def measure(args, fused: bool) -> dict:
 
 def main(argv=None) -> dict | list[dict]:
     args = parse_args(argv)
-    settings = {"on": [True], "off": [False], "both": [True, False]}[args.fused_kernels]
-    results = [measure(args, fused) for fused in settings]
+    settings = {"on": [True], "off": [False], "both": [True, False]}
+    results = [
+        measure(args, fused, cuda_rope)
+        for fused in settings[args.fused_kernels]
+        for cuda_rope in settings[args.cuda_rope]
+    ]
     return results[0] if len(results) == 1 else results
 
 

@@ -6,6 +6,7 @@ loader does not define. The kernel itself runs in test_cuda_fp8_decode_gpu.py.""
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -83,8 +84,8 @@ def test_cpu_calls_keep_the_triton_or_torch_paths():
 
 
 def test_the_source_uses_only_constants_the_loader_defines():
-    source = re.sub(r"//[^\n]*", "", cfd.SOURCE.read_text())  # code, not comments
-    defined = set(re.findall(r"#define (\w+)", cfd.Variant().defines() + source))
+    source = re.sub(r"//[^\n]*", "", cfd.kernel_source(cfd.Variant()))  # code, not comments
+    defined = set(re.findall(r"#define (\w+)", source))
     defined |= set(re.findall(r"constexpr \w+ (\w+)", source))
     used = set(re.findall(r"#if !?(\w+)", source)) | set(re.findall(r"\b([A-Z][A-Z0-9_]{2,})\b", source))
     assert used <= defined | {"NEG_INF"}, used - defined
@@ -101,13 +102,14 @@ def _nvrtc_or_skip():
 
 @pytest.mark.parametrize("head_dim, group", [(128, 7), (64, 8), (128, 1)])
 @pytest.mark.parametrize("fp16, int64", [(0, 0), (1, 1)])
-def test_every_build_compiles_for_hopper(head_dim, group, fp16, int64):
+@pytest.mark.parametrize("rope", [0, 1])
+def test_every_build_compiles_for_hopper(head_dim, group, fp16, int64, rope):
     """The source compiles for sm_90 through NVRTC without a GPU or a CUDA toolkit (where pip's
-    nvidia-cuda-nvrtc is installed; skipped elsewhere, as on CI)."""
+    nvidia-cuda-nvrtc is installed; skipped elsewhere, as on CI), with and without its RoPE + store."""
     from tidal.rollout.kernels import nvrtc
 
     lib = _nvrtc_or_skip()
-    variant = cfd.Variant(head_dim=head_dim, group=group, fp16=fp16, int64=int64, block_size=32)
+    variant = cfd.Variant(head_dim=head_dim, group=group, fp16=fp16, int64=int64, block_size=32, rope=rope)
     binary = nvrtc.cubin(cfd.kernel_source(variant), "fp8_paged_decode", "90", lib)
     assert binary[:4] == b"\x7fELF" and b"fp8_paged_decode" in binary
 
@@ -118,3 +120,18 @@ def test_a_refused_source_raises_with_nvrtcs_log():
     lib = _nvrtc_or_skip()
     with pytest.raises(RuntimeError, match=r"NVRTC refused broken\.cu:[\s\S]*undefined"):
         nvrtc.cubin('extern "C" __global__ void broken() { no_such_thing(); }', "broken", "90", lib)
+
+
+def test_the_rope_build_takes_one_split_contiguous_angles_and_int64_slots():
+    """A split context would read the step's key before its store; the kernel reads cos/sin rows 16 bytes at
+    a time and the slots as int64: anything else keeps ``rope_store_kv``'s launch before the plain build."""
+    cos = torch.zeros(4, 128, dtype=BF16)
+    slots = torch.zeros(4, dtype=torch.int64)
+    rope = SimpleNamespace(cos=cos, sin=cos.clone(), slot_mapping=slots)
+    assert cfd.rope_fusable(rope, 1)
+    assert not cfd.rope_fusable(rope, 2)
+    assert not cfd.rope_fusable(SimpleNamespace(cos=cos[:, ::2], sin=cos, slot_mapping=slots), 1)
+    assert not cfd.rope_fusable(
+        SimpleNamespace(cos=cos.view(-1)[1:].view(1, -1), sin=cos, slot_mapping=slots), 1
+    )
+    assert not cfd.rope_fusable(SimpleNamespace(cos=cos, sin=cos, slot_mapping=slots.int()), 1)

@@ -126,3 +126,70 @@ def test_cuda_kernel_in_a_cuda_graph_equals_eager():
     graph.replay()
     eager = ta.paged_decode_attention(q, cache, tables, static_ctx, None, 0.1, kv_scales=scales)
     assert torch.equal(out, eager)
+
+
+def _rope_case(seed, lens, heads, kv_heads, head_dim, dtype, int64):
+    """A packed projection [batch, heads + 2 kv_heads, d] of ``dtype``, cos/sin of each row's position and
+    its cache slot (the last token of its context; a row of context 0, a padding row, writes its first page's
+    first slot, which no row reads, as the engine's padding rows write a reserved slot), over ``_case``'s
+    cache."""
+    _, cache, scales, tables, ctx = _case(seed, lens, heads, kv_heads, head_dim, dtype=dtype, int64=int64)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    batch, block = len(lens), cache.shape[2]
+    qkv = torch.randn(batch, heads + 2 * kv_heads, head_dim, device="cuda", generator=gen) * 3
+    qkv[:, heads] += 100.0  # a biased key head: its scale matters
+    pos = (ctx.long() - 1).clamp(min=0)
+    slots = tables.long()[torch.arange(batch, device="cuda"), pos // block] * block + pos % block
+    angles = pos[:, None].float() * torch.rand(head_dim // 2, device="cuda", generator=gen)
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    return qkv.to(dtype), cache, scales, tables, ctx, ta.RopeInputs(cos, sin, slots)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(28, 4, 128), (14, 2, 64), (8, 1, 128)])
+@pytest.mark.parametrize("dtype, int64", [(torch.bfloat16, False), (torch.float16, True)])
+def test_the_rope_build_stores_and_attends_as_rope_store_kv_then_the_kernel(
+    heads, kv_heads, head_dim, dtype, int64
+):
+    """The ROPE build (the kernel rotates q and k and stores k and v itself) against ``rope_store_kv``'s launch
+    followed by the plain build: the same cache bytes and scales, the same outputs, bit for bit. Contexts
+    whose step's token lies in a warp's first copies (1-64 tokens) or later ones, and a padding row."""
+    lens = [1, 0, 16, 17, 64, 65, 300, 1023]
+    qkv, cache, scales, tables, ctx, rope = _rope_case(11, lens, heads, kv_heads, head_dim, dtype, int64)
+    args = (tables, ctx, None, head_dim**-0.5, 1)
+    fused = (cache.clone(), scales.clone())
+    out = ta.paged_decode_attention(qkv, fused[0], *args, rope=rope, kv_scales=fused[1])
+    ta.FP8_CUDA_ROPE = False
+    try:
+        apart = (cache.clone(), scales.clone())
+        ref = ta.paged_decode_attention(qkv, apart[0], *args, rope=rope, kv_scales=apart[1])
+    finally:
+        ta.FP8_CUDA_ROPE = True
+    assert torch.equal(fused[0].view(torch.uint8), apart[0].view(torch.uint8))
+    assert torch.equal(fused[1], apart[1])
+    assert not torch.equal(fused[1], scales)  # the step's rows were stored
+    assert torch.equal(out, ref)
+
+
+def test_the_rope_build_in_a_cuda_graph_equals_eager():
+    """Captured once, replayed with other projections, positions and slots: eager's cache and outputs."""
+    lens = [100, 300, 0, 900]
+    qkv, cache, scales, tables, ctx, rope = _rope_case(13, lens, 28, 4, 128, torch.bfloat16, False)
+    graph_cache = (cache.clone(), scales.clone())
+    args = (tables, ctx, None, 0.1, 1)
+    ta.paged_decode_attention(qkv, graph_cache[0], *args, rope=rope, kv_scales=graph_cache[1])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ta.paged_decode_attention(qkv, graph_cache[0], *args, rope=rope, kv_scales=graph_cache[1])
+    ctx.add_((ctx > 0).to(ctx.dtype))  # one step on: new positions and slots, new projections and angles
+    pos, block = (ctx.long() - 1).clamp(min=0), cache.shape[2]
+    rows = torch.arange(len(lens), device="cuda")
+    rope.slot_mapping.copy_(tables.long()[rows, pos // block] * block + pos % block)
+    qkv.copy_((torch.randn(qkv.shape, device="cuda") * 5).to(qkv.dtype))
+    rope.cos.copy_(rope.sin)
+    rope.sin.copy_(torch.rand(rope.sin.shape, device="cuda").to(rope.sin.dtype))
+    eager_cache = (graph_cache[0].clone(), graph_cache[1].clone())
+    graph.replay()
+    eager = ta.paged_decode_attention(qkv, eager_cache[0], *args, rope=rope, kv_scales=eager_cache[1])
+    assert torch.equal(out, eager)
+    assert torch.equal(graph_cache[0].view(torch.uint8), eager_cache[0].view(torch.uint8))
+    assert torch.equal(graph_cache[1], eager_cache[1])

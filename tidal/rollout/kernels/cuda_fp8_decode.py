@@ -22,6 +22,7 @@ import torch
 from tidal.rollout.kernels import nvrtc
 
 SOURCE = Path(__file__).with_name("fp8_decode.cu")
+ROPE_SOURCE = Path(__file__).with_name("fp8_decode_rope.cu")  # the ROPE build's RoPE + store, appended
 CHUNK = 16  # tokens an MMA tile; pages must hold a whole number of them
 MAX_GROUP = 8  # query heads a kv head: the MMA's 8 columns
 # The launch (read at each call; bench/decode_attention.py --cuda_settings times others): 4 warps a CTA, a
@@ -47,6 +48,7 @@ class Variant:
     stages: int = STAGES
     min_blocks: int = MIN_BLOCKS
     heads_first: int = HEADS_FIRST
+    rope: int = 0  # 1: q is the packed projection; the kernel does rope_store_kv's work (one split only)
 
     def defines(self) -> str:
         values = {
@@ -59,6 +61,7 @@ class Variant:
             "STAGES": self.stages,
             "MIN_BLOCKS": self.min_blocks,
             "HEADS_FIRST": self.heads_first,
+            "ROPE": self.rope,
             "KSTRIDE": self.kstride,
             "VSTRIDE": self.vstride,
             "STAGE_BYTES": self.stage_bytes,
@@ -87,8 +90,8 @@ class Variant:
 
 
 def kernel_source(variant: Variant) -> str:
-    """The CUDA source of ``variant``: its constants, then ``fp8_decode.cu``."""
-    return variant.defines() + SOURCE.read_text()
+    """The CUDA source of ``variant``: its constants, ``fp8_decode.cu``, then ``fp8_decode_rope.cu``."""
+    return variant.defines() + SOURCE.read_text() + ROPE_SOURCE.read_text()
 
 
 _KERNELS: dict[tuple[Variant, int], object] = {}
@@ -119,6 +122,22 @@ def variant_for(
         stages=STAGES,
         min_blocks=MIN_BLOCKS,
         heads_first=HEADS_FIRST,
+    )
+
+
+def rope_fusable(rope, num_splits: int) -> bool:
+    """Whether the ROPE build can take this call's RoPE and store: one context split (a split elsewhere
+    would read the step's own key before its store), cos/sin rows the kernel reads 16 bytes at a time, and
+    int64 slots."""
+    cos, sin = rope.cos, rope.sin
+    return (
+        num_splits == 1
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and cos.data_ptr() % 16 == 0
+        and sin.data_ptr() % 16 == 0
+        and rope.slot_mapping.dtype == torch.int64
+        and rope.slot_mapping.is_contiguous()
     )
 
 
@@ -170,16 +189,21 @@ def fp8_paged_decode(
     part: torch.Tensor,
     lse: torch.Tensor,
     num_splits: int,
+    rope=None,
 ) -> None:
     """Decode attention of q [batch, heads, d] over the FP8 ``layer_cache`` [2, blocks, block_size,
     kv_heads, d] with ``kv_scales`` [2, blocks, block_size, kv_heads] into ``out`` [batch, heads, d] (one
     split) or ``part`` / ``lse`` (``triton_attention.split_buffers``; the caller merges them). ``variant``:
-    ``variant_for``'s; ``kernel``: ``compiled``'s build of it."""
+    ``variant_for``'s; ``kernel``: ``compiled``'s build of it. A ``rope`` build (``rope``:
+    ``triton_attention.RopeInputs``, cos/sin contiguous, ``rope_fusable``) takes the packed projection
+    [batch, heads + 2 kv_heads, d] as q, and rotates and stores the step's keys and values itself."""
     batch = q.shape[0]
     num_kv_heads = layer_cache.shape[3]
     assert context_lens.dtype == block_tables.dtype and block_tables.stride(1) == 1
     assert q.stride(-1) == 1 and layer_cache.is_contiguous() and kv_scales.is_contiguous()
+    assert bool(variant.rope) == (rope is not None) and (rope is None or num_splits == 1)
     k, v = layer_cache[0], layer_cache[1]
+    cos, sin, slots = (q, q, q) if rope is None else (rope.cos, rope.sin, rope.slot_mapping)
     kernel(
         grid=(num_kv_heads, batch, num_splits) if variant.heads_first else (batch, num_kv_heads, num_splits),
         block=(variant.warps * 32, 1, 1),
@@ -188,5 +212,6 @@ def fp8_paged_decode(
             q, k, v, kv_scales[0], kv_scales[1], block_tables, context_lens, out, part, lse,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), kv_scales.stride(1), kv_scales.stride(2),
             block_tables.stride(0), block_tables.shape[1], float(scale * LOG2_E), num_splits,
+            cos, sin, cos.stride(0) if rope is not None else 0, slots,
         ],
     )  # fmt: skip

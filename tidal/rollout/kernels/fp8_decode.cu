@@ -40,7 +40,8 @@
 // output, 0: bf16), BT_INT64 (block table / context lengths as int64), STAGES (chunks a warp has in
 // flight + 1: its shared-memory pipeline's depth, >= 2), MIN_BLOCKS (CTAs an SM must hold: a
 // register budget), HEADS_FIRST (1: the grid's x is the kv head, y the sequence), KSTRIDE, VSTRIDE,
-// STAGE_BYTES (a pipeline stage's layout, below).
+// STAGE_BYTES (a pipeline stage's layout, below), ROPE (1: RoPE and the KV store of the step's own token
+// inside the kernel, fp8_decode_rope.cu; unsplit contexts only).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -216,13 +217,21 @@ __device__ __forceinline__ void read_chunk(Chunk& c, const u8* stage, int g, int
   c.vs[0] = scales[16 + g], c.vs[1] = scales[24 + g];
 }
 
+// Built with ROPE = 1 (the engine's decode step, when its context is not split): q holds the packed projection
+// (q heads, then k, then v), whose q heads the kernel rotates and whose k and v heads it rotates, quantizes
+// and stores at `slots` itself, as triton_fused.rope_store_kv would before it (fp8_decode_rope.cu, appended).
+__device__ void rope_q(u32 (&qw)[KB / 16][8], const u16* cos_row, const u16* sin_row, int t);
+__device__ void store_new_kv(const u16* k_row, const u16* v_row, const u16* cos_row, const u16* sin_row,
+                             u8* kdst, u8* vdst, float* ks_at, float* vs_at, int lane);
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
-    fp8_paged_decode(const u16* __restrict__ q, const u8* __restrict__ kcache, const u8* __restrict__ vcache,
-                     const float* __restrict__ kscale, const float* __restrict__ vscale,
+    fp8_paged_decode(const u16* __restrict__ q, u8* kcache, u8* vcache, float* kscale, float* vscale,
                      const index_t* __restrict__ block_tables, const index_t* __restrict__ context_lens,
                      u16* __restrict__ out, float* __restrict__ part, float* __restrict__ lse, int stride_qb,
                      int stride_qh, int stride_kblk, int stride_kslot, int stride_sblk, int stride_sslot,
-                     int stride_btb, int bt_width, double qk_scale_log2, int num_splits) {
+                     int stride_btb, int bt_width, double qk_scale_log2, int num_splits,
+                     const u16* __restrict__ cos, const u16* __restrict__ sin, int stride_cos,
+                     const long long* __restrict__ slots) {
 #if HEADS_FIRST  // a sequence's kv heads run side by side: together they read whole cache rows
   const int kvh = blockIdx.x, b = blockIdx.y, num_kv_heads = gridDim.x;
 #else
@@ -286,8 +295,26 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
     }
     asm volatile("cp.async.commit_group;");  // one group an index, empty or not: the wait counts them
   };
+#if ROPE  // the step's own key and value, stored by the warp whose last chunk holds them (fp8_decode_rope.cu)
+  const int newest = ctx > 0 ? ctx - 1 : 0;  // a padding row (no context) stores into its padding slot
+  const bool stores = warp == (newest / CHUNK) % WARPS;
+  const bool early = (newest - first) / step < STAGES - 1;  // its chunk is among the first copies
+  const u16* own = q + (long long)b * stride_qb + (long long)(num_heads + kvh) * stride_qh;
+  auto store = [&]() {
+    const long long slot = slots[b], page = slot / BLOCK_SIZE, at = slot % BLOCK_SIZE;
+    const long long row = page * stride_kblk + at * stride_kslot + (long long)kvh * HEAD_DIM;
+    const long long srow = page * stride_sblk + at * stride_sslot + kvh;
+    store_new_kv(own, own + (long long)num_kv_heads * stride_qh, cos + (long long)b * stride_cos,
+                 sin + (long long)b * stride_cos, kcache + row, vcache + row, kscale + srow, vscale + srow, lane);
+  };
+  if (stores && early) store();
+#endif
 #pragma unroll
   for (int n = 0; n < STAGES - 1; ++n) issue(n);
+#if ROPE  // a later chunk: its store overlaps the first copies
+  if (stores && !early) store();
+  rope_q(qw, cos + (long long)b * stride_cos, sin + (long long)b * stride_cos, t);
+#endif
 
   // Q^T fragments (the B operand), pre-scaled by softmax scale x log2(e), in fp16 (columns >= GROUP: 0),
   // converted while the first chunks are in flight.

@@ -12,7 +12,7 @@ Split-K ("flash-decoding"): when batch x kv heads is too small to fill the GPU, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -36,6 +36,10 @@ FP8_CUDA_KERNEL = True
 # ... for calls whose context is split at most this many ways. With 16 splits (8 sequences in a CUDA graph)
 # the Triton kernel was the faster (bench/decode_attention.py, 7b_b8_graph: 0.0160 ms against 0.0164).
 FP8_CUDA_MAX_SPLITS = 1
+# With ``rope`` (the engine's decode step), the CUDA kernel's ROPE build rotates and stores the step's keys and
+# values itself (fp8_decode_rope.cu) instead of a ``rope_store_kv`` launch before it: the same bits (read at
+# each call; False: the launch before it; bench/profile_decode.py --cuda_rope both profiles each).
+FP8_CUDA_ROPE = True
 
 
 @dataclass(frozen=True)
@@ -387,11 +391,16 @@ def paged_decode_attention(
         cuda_variant = cuda_fp8_decode.variant_for(q, num_heads, layer_cache, block_tables, window, sinks)
     if cuda_variant is not None:
         cuda_kernel = cuda_fp8_decode.compiled(cuda_variant, q.device)
+    fusable = rope is not None and FP8_CUDA_ROPE and cuda_fp8_decode.rope_fusable(rope, num_splits)
+    if cuda_kernel is not None and fusable:  # its ROPE build rotates and stores itself
+        cuda_variant = replace(cuda_variant, rope=1)
+        cuda_kernel = cuda_fp8_decode.compiled(cuda_variant, q.device)
     if cuda_kernel is not None:
-        if rope is not None:  # rotate and store first (the same bits as the fused path), then attend
+        fused = cuda_variant.rope == 1
+        if rope is not None and not fused:  # rotate and store first (the same bits as the fused path)
             q = rope_then_store(q, num_heads, layer_cache, rope, kv_scales)
         args = (q, layer_cache, kv_scales, block_tables, context_lens, scale, out, part, lse, num_splits)
-        cuda_fp8_decode.fp8_paged_decode(cuda_variant, cuda_kernel, *args)
+        cuda_fp8_decode.fp8_paged_decode(cuda_variant, cuda_kernel, *args, rope=rope if fused else None)
         merge_splits(part, lse, out, sinks, num_splits)
         return out.view(batch, num_heads * head_dim)
     if rope is not None:
