@@ -1,7 +1,8 @@
 """Benchmark: the paged decode-attention kernel alone, default launch settings vs a sweep (GPU).
 
 For decode shapes of the engine benchmarks (bench/rollout.py: B=256 at the 0.5B and 7B shapes over a
-128-token prompt + 512 new tokens, i.e. ~384 tokens of context on average; and the long-generation batch,
+128-token prompt + 512 new tokens, i.e. ~384 tokens of context on average; 7B at OpenRLHF's default 1,024 +
+1,024 tokens, ~1,536; and the long-generation batch,
 512 sequences of 512 + 4,096 tokens, ~2,560 on average; and 8 sequences in a CUDA graph, whose block
 tables are as wide as the longest allowed sequence, where context splits matter) it times ``paged_decode_attention`` on random
 bf16 queries and paged caches with shuffled pages (several, read in turn, so that L2 holds none of
