@@ -5,6 +5,8 @@ rows, never-written (NaN-patterned) slots past the context, and a CUDA-graph rep
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -128,6 +130,25 @@ def test_cuda_kernel_in_a_cuda_graph_equals_eager():
     assert torch.equal(out, eager)
 
 
+@contextlib.contextmanager
+def _no_launch_before():
+    """The calls inside must take the CUDA kernel's ROPE build: fails if ``rope_store_kv``'s launch runs
+    before the kernel, or if no call reaches the kernel built with ``rope`` (the Triton kernel took them)."""
+    original_store, original_decode, builds = ta.rope_then_store, cuda_fp8_decode.fp8_paged_decode, []
+
+    def decode(variant, *args, **kwargs):
+        builds.append(variant.rope)
+        return original_decode(variant, *args, **kwargs)
+
+    ta.rope_then_store = lambda *a, **k: pytest.fail("rope_store_kv ran: the ROPE build was not taken")
+    cuda_fp8_decode.fp8_paged_decode = decode
+    try:
+        yield
+    finally:
+        ta.rope_then_store, cuda_fp8_decode.fp8_paged_decode = original_store, original_decode
+    assert builds and all(builds), builds
+
+
 def _rope_case(seed, lens, heads, kv_heads, head_dim, dtype, int64):
     """A packed projection [batch, heads + 2 kv_heads, d] of ``dtype``, cos/sin of each row's position and
     its cache slot (the last token of its context; a row of context 0, a padding row, writes its first page's
@@ -157,7 +178,8 @@ def test_the_rope_build_stores_and_attends_as_rope_store_kv_then_the_kernel(
     qkv, cache, scales, tables, ctx, rope = _rope_case(11, lens, heads, kv_heads, head_dim, dtype, int64)
     args = (tables, ctx, None, head_dim**-0.5, 1)
     fused = (cache.clone(), scales.clone())
-    out = ta.paged_decode_attention(qkv, fused[0], *args, rope=rope, kv_scales=fused[1])
+    with _no_launch_before():
+        out = ta.paged_decode_attention(qkv, fused[0], *args, rope=rope, kv_scales=fused[1])
     ta.FP8_CUDA_ROPE = False
     try:
         apart = (cache.clone(), scales.clone())
@@ -178,7 +200,7 @@ def test_the_rope_build_in_a_cuda_graph_equals_eager():
     args = (tables, ctx, None, 0.1, 1)
     ta.paged_decode_attention(qkv, graph_cache[0], *args, rope=rope, kv_scales=graph_cache[1])
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with _no_launch_before(), torch.cuda.graph(graph):
         out = ta.paged_decode_attention(qkv, graph_cache[0], *args, rope=rope, kv_scales=graph_cache[1])
     ctx.add_((ctx > 0).to(ctx.dtype))  # one step on: new positions and slots, new projections and angles
     pos, block = (ctx.long() - 1).clamp(min=0), cache.shape[2]

@@ -300,12 +300,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
   const bool stores = warp == (newest / CHUNK) % WARPS;
   const bool early = (newest - first) / step < STAGES - 1;  // its chunk is among the first copies
   const u16* own = q + (long long)b * stride_qb + (long long)(num_heads + kvh) * stride_qh;
+  const u16 *cos_row = cos + (long long)b * stride_cos, *sin_row = sin + (long long)b * stride_cos;
   auto store = [&]() {
     const long long slot = slots[b], page = slot / BLOCK_SIZE, at = slot % BLOCK_SIZE;
     const long long row = page * stride_kblk + at * stride_kslot + (long long)kvh * HEAD_DIM;
     const long long srow = page * stride_sblk + at * stride_sslot + kvh;
-    store_new_kv(own, own + (long long)num_kv_heads * stride_qh, cos + (long long)b * stride_cos,
-                 sin + (long long)b * stride_cos, kcache + row, vcache + row, kscale + srow, vscale + srow, lane);
+    store_new_kv(own, own + (long long)num_kv_heads * stride_qh, cos_row, sin_row, kcache + row, vcache + row,
+                 kscale + srow, vscale + srow, lane);
   };
   if (stores && early) store();
 #endif
@@ -313,7 +314,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
   for (int n = 0; n < STAGES - 1; ++n) issue(n);
 #if ROPE  // a later chunk: its store overlaps the first copies
   if (stores && !early) store();
-  rope_q(qw, cos + (long long)b * stride_cos, sin + (long long)b * stride_cos, t);
+  rope_q(qw, cos_row, sin_row, t);
 #endif
 
   // Q^T fragments (the B operand), pre-scaled by softmax scale x log2(e), in fp16 (columns >= GROUP: 0),

@@ -391,8 +391,12 @@ def paged_decode_attention(
         cuda_variant = cuda_fp8_decode.variant_for(q, num_heads, layer_cache, block_tables, window, sinks)
     if cuda_variant is not None:
         cuda_kernel = cuda_fp8_decode.compiled(cuda_variant, q.device)
-    fusable = rope is not None and FP8_CUDA_ROPE and cuda_fp8_decode.rope_fusable(rope, num_splits)
-    if cuda_kernel is not None and fusable:  # its ROPE build rotates and stores itself
+    if (  # its ROPE build rotates and stores itself
+        cuda_kernel is not None
+        and rope is not None
+        and FP8_CUDA_ROPE
+        and cuda_fp8_decode.rope_fusable(rope, num_splits)
+    ):
         cuda_variant = replace(cuda_variant, rope=1)
         cuda_kernel = cuda_fp8_decode.compiled(cuda_variant, q.device)
     if cuda_kernel is not None:
