@@ -68,16 +68,17 @@ class Variant:
         }
         return "".join(f"#define {k} {v}\n" for k, v in values.items())
 
-    # A pipeline stage in shared memory: 16 key rows, 16 value rows, 32 float32 scales. Rows are padded so
-    # that a warp's 16-byte reads hit distinct banks: key rows g and g + 1 of one read land 16 banks apart
-    # (rows 64 bytes apart modulo 128), value rows 2t and 2t + 2 eight (16 apart modulo 64).
+    # A pipeline stage in shared memory: 16 key rows, 16 value rows, 32 float32 scales. A warp's 16-byte
+    # reads must hit distinct banks: heads of 128 swizzle their rows (fp8_decode.cu's KSWZ / VSWZ), unpadded;
+    # heads of 64 pad their value rows by 16 bytes (rows 2t and 2t + 2 land 32 bytes apart modulo 128), their
+    # key rows g and g + 1 sharing 128 bytes already.
     @property
     def kstride(self) -> int:
-        return self.head_dim + 64 if self.head_dim % 128 == 0 else self.head_dim
+        return self.head_dim
 
     @property
     def vstride(self) -> int:
-        return self.head_dim + 16
+        return self.head_dim if self.head_dim == 128 else self.head_dim + 16
 
     @property
     def stage_bytes(self) -> int:

@@ -150,7 +150,18 @@ __device__ __forceinline__ float warp_sum_over_rows(float x) {
 
 // A warp's pipeline stage holds a 16-token chunk: 16 key rows of KSTRIDE bytes, 16 value rows of VSTRIDE,
 // then 16 key and 16 value scales; STAGE_BYTES in all (the loader defines the three: it sizes the shared
-// memory from them, cuda_fp8_decode.Variant says why the rows are padded).
+// memory from them). A warp's 16-byte reads must hit distinct banks: with heads of 128 the rows are
+// unpadded and the byte column c of row r is stored at c ^ KSWZ(r) (keys: rows g and g + 1, read together,
+// land in opposite halves of 128 bytes) or c ^ VSWZ(r) (values: rows 2t, t = 0..3, read together, land 32
+// bytes apart); heads of 64 pad their value rows instead (cuda_fp8_decode.Variant), since a 64-byte row
+// cannot be permuted into the other half of 128.
+#if HEAD_DIM == 128
+#define KSWZ(r) (((r) & 1) << 6)
+#define VSWZ(r) ((((r) >> 1) & 3) << 5)
+#else
+#define KSWZ(r) 0
+#define VSWZ(r) 0
+#endif
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -172,8 +183,8 @@ __device__ __forceinline__ void copy_chunk(u8* stage, const u8* kc, const u8* vc
   for (int i = 0; i < 16 * PIECES / 32; ++i) {
     const int p = lane + 32 * i, r = p / PIECES, col = (p % PIECES) * 16;
     const long long src = row0 + (long long)r * row_stride + col;
-    cp_async16(smem_addr(stage + r * KSTRIDE + col), kc + src);
-    cp_async16(smem_addr(stage + 16 * KSTRIDE + r * VSTRIDE + col), vc + src);
+    cp_async16(smem_addr(stage + r * KSTRIDE + (col ^ KSWZ(r))), kc + src);
+    cp_async16(smem_addr(stage + 16 * KSTRIDE + r * VSTRIDE + (col ^ VSWZ(r))), vc + src);
   }
   const float* scales = lane < 16 ? ksc : vsc;  // lanes 0-15: key scales, 16-31: value scales
   cp_async4(smem_addr(stage + 16 * (KSTRIDE + VSTRIDE) + 4 * lane),
@@ -202,16 +213,17 @@ __device__ __forceinline__ void read_words(u32* dst, const u8* src) {
 
 __device__ __forceinline__ void read_chunk(Chunk& c, const u8* stage, int g, int t) {
   // Thread t's key bytes: 16 at t * 16 of each 64 of its two rows.
-  const u8* krow = stage + g * KSTRIDE + t * 16;
+  const u8* krow = stage + g * KSTRIDE;  // rows g and g + 8: the same swizzle
 #pragma unroll
   for (int i = 0; i < KB / 16; ++i) {
-    read_words<4>(c.k[0] + 4 * i, krow + 64 * i);
-    read_words<4>(c.k[1] + 4 * i, krow + 8 * KSTRIDE + 64 * i);
+    const int col = (t * 16 + 64 * i) ^ KSWZ(g);
+    read_words<4>(c.k[0] + 4 * i, krow + col);
+    read_words<4>(c.k[1] + 4 * i, krow + 8 * KSTRIDE + col);
   }
-  const u8* vrows = stage + 16 * KSTRIDE + g * VB;
-  const int vtok[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+  const u8* vrows = stage + 16 * KSTRIDE;
+  const int vtok[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};  // VSWZ: t's for all four
 #pragma unroll
-  for (int j = 0; j < 4; ++j) read_words<VB / 4>(c.v[j], vrows + vtok[j] * VSTRIDE);
+  for (int j = 0; j < 4; ++j) read_words<VB / 4>(c.v[j], vrows + vtok[j] * VSTRIDE + ((g * VB) ^ VSWZ(2 * t)));
   const float* scales = reinterpret_cast<const float*>(stage + 16 * (KSTRIDE + VSTRIDE));
   c.ks[0] = scales[g], c.ks[1] = scales[g + 8];
   c.vs[0] = scales[16 + g], c.vs[1] = scales[24 + g];
@@ -340,15 +352,19 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
     read_chunk(c, stages + (n % STAGES) * STAGE_BYTES, g, t);
     const int c0 = first + n * step;
 
-    // Logits of tokens g (s[0], s[1]) and g+8 (s[2], s[3]) for queries 2t, 2t+1.
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    // Logits of tokens g (s[0], s[1]) and g+8 (s[2], s[3]) for queries 2t, 2t+1. Even and odd k-steps
+    // accumulate apart: two chains of dependent MMAs instead of one twice as long (at 1,536 tokens of
+    // context the one chain cost 5% of the kernel's time: bench/decode_attention.py).
+    float s[4] = {0.f, 0.f, 0.f, 0.f}, s_odd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int st = 0; st < KSTEPS; ++st) {
       const u32 w0 = c.k[0][st], w1 = c.k[1][st];
       const u32 a[4] = {e4m3x2_to_f16x2((u16)(w0 & 0xffffu)), e4m3x2_to_f16x2((u16)(w1 & 0xffffu)),
                         e4m3x2_to_f16x2((u16)(w0 >> 16)), e4m3x2_to_f16x2((u16)(w1 >> 16))};
-      mma_f16(s, a, qf[st][0], qf[st][1]);
+      mma_f16(st % 2 ? s_odd : s, a, qf[st][0], qf[st][1]);
     }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[i] += s_odd[i];
     const bool live0 = c0 + g < hi, live1 = c0 + g + 8 < hi;
     s[0] = live0 ? s[0] * c.ks[0] : NEG_INF;
     s[1] = live0 ? s[1] * c.ks[0] : NEG_INF;
