@@ -23,7 +23,8 @@ is the CUDA kernel (``kernels/cuda_fp8_decode.py``) where it covers the shape; `
 Triton kernel over the same values (and ``triton_vs_default`` the largest difference of their outputs), and
 ``--cuda_settings`` times other builds of the CUDA kernel (``--sweep`` always times the Triton kernel).
 
-Context lengths are uniform in [avg/2, 3*avg/2] so splits see ragged rows, as in a real batch.
+Context lengths are uniform in [avg/2, 3*avg/2] so splits see ragged rows, as in a batch of mixed prompts;
+``--same_lengths`` gives every row the average (one prompt length, as ``bench/fp8_rollout.py``'s batches).
 """
 
 from __future__ import annotations
@@ -64,9 +65,11 @@ GRID = {
 }
 
 
-def make_inputs(batch, kv_heads, group, dim, avg, table_tokens=0, seed=0, fp8=False):
+def make_inputs(batch, kv_heads, group, dim, avg, table_tokens=0, seed=0, fp8=False, same_lengths=False):
     g = torch.Generator(device="cuda").manual_seed(seed)
     lens = torch.randint(avg // 2, avg * 3 // 2 + 1, (batch,), generator=g, device="cuda")
+    if same_lengths:
+        lens.fill_(avg)
     width = max(int(lens.max()) // BLOCK_SIZE + 1, table_tokens // BLOCK_SIZE)
     blocks = batch * width
     perm = torch.randperm(blocks, generator=g, device="cuda")
@@ -140,12 +143,16 @@ def fp8_kernels(run, reference: torch.Tensor, cuda_settings) -> dict:
     return out
 
 
-def measure(name: str, sweep: bool, grid: dict | None = None, fp8: bool = False, cuda_settings=()) -> dict:
+def measure(
+    name: str, sweep: bool, grid: dict | None = None, fp8: bool = False, cuda_settings=(), same_lengths=False
+) -> dict:
     from tidal.accel import sm_count
     from tidal.rollout.kernels import triton_attention as ta
 
     batch, kv_heads, group, dim, avg, *table_tokens = SHAPES[name]
-    q, caches, tables, lens = make_inputs(batch, kv_heads, group, dim, avg, *table_tokens, fp8=fp8)
+    q, caches, tables, lens = make_inputs(
+        batch, kv_heads, group, dim, avg, *table_tokens, fp8=fp8, same_lengths=same_lengths
+    )
     scale = dim**-0.5
     per_row = dim + 4 if fp8 else dim * 2  # bytes of one key or value row (FP8: its scale too)
     gb = float(lens.sum()) * kv_heads * per_row * 2 / 1e9
@@ -213,6 +220,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--kv_cache_dtype", default="auto", choices=["auto", "fp8"], help="fp8: an FP8 cache")
+    p.add_argument("--same_lengths", action="store_true", help="every row at the shape's average context")
     p.add_argument(
         "--cuda_settings", nargs="*", default=[], metavar="W,P,B,H",
         help="FP8 cache: also time the CUDA kernel with these (warps, pipeline stages, min CTAs an SM, kv heads "
@@ -224,7 +232,7 @@ def main(argv=None) -> list[dict]:
     grid = {axis: tuple(getattr(args, f"grid_{axis}")) for axis in GRID}
     cuda_settings = [tuple(int(x) for x in s.split(",")) for s in args.cuda_settings]
     fp8 = args.kv_cache_dtype == "fp8"
-    results = [measure(name, args.sweep, grid, fp8, cuda_settings) for name in args.shapes]
+    results = [measure(name, args.sweep, grid, fp8, cuda_settings, args.same_lengths) for name in args.shapes]
     print(json.dumps({"bench": "decode_attention", "gpu": torch.cuda.get_device_name(), "runs": results}))
     return results
 
