@@ -1,7 +1,8 @@
 """The CUDA decode kernel over an FP8 cache, what the CPU can check: the bit move that turns an e4m3 byte
 into a bf16 (``fp8_decode.cu``'s ``e4m3_pair_to_bf16x2``) is exact for every byte, the value-scale shift
-keeps the products in range, which calls the kernel covers, and that its source carries no constant the
-loader does not define. The kernel itself runs in test_cuda_fp8_decode_gpu.py."""
+keeps the products in range, which calls the kernel covers, that its source carries no constant the
+loader does not define, and that its shared-memory layout (swizzled rows) holds every byte once and reads
+without bank conflicts. The kernel itself runs in test_cuda_fp8_decode_gpu.py."""
 
 from __future__ import annotations
 
@@ -135,3 +136,62 @@ def test_the_rope_build_takes_one_split_contiguous_angles_and_int64_slots():
         SimpleNamespace(cos=cos.view(-1)[1:].view(1, -1), sin=cos, slot_mapping=slots), 1
     )
     assert not cfd.rope_fusable(SimpleNamespace(cos=cos, sin=cos, slot_mapping=slots.int()), 1)
+
+
+def _swizzles(head_dim: int):
+    """``fp8_decode.cu``'s KSWZ and VSWZ for ``head_dim``, read from the source (C and Python agree on
+    their expressions: parentheses, &, >>, <<)."""
+    source = cfd.SOURCE.read_text()
+    wide, narrow = re.search(r"#if HEAD_DIM == 128\n(.*?)#else\n(.*?)#endif", source, re.S).groups()
+    branch = wide if head_dim == 128 else narrow
+    found = dict(re.findall(r"#define ([KV]SWZ)\(r\) (.+)", branch))
+    return tuple(eval(f"lambda r: {found[name]}") for name in ("KSWZ", "VSWZ"))  # noqa: S307
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_stage_holds_every_byte_once_and_a_warps_reads_hit_distinct_banks(head_dim):
+    """The copies' layout (``copy_chunk``) puts each 16-byte piece of the 16 key and 16 value rows at its
+    own place inside the rows' bytes, where ``read_chunk`` looks for it; and each shared-memory read phase
+    (8 lanes of a 16-byte read, 16 of an 8-byte one: 128 bytes) touches 128 distinct bytes modulo 128, i.e.
+    no bank twice. A wrong swizzle fails on the GPU as wrong outputs or, worse, only as a slower kernel."""
+    variant = cfd.Variant(head_dim=head_dim)
+    kswz, vswz = _swizzles(head_dim)
+    kstride, vstride = variant.kstride, variant.vstride
+    kb, vb = head_dim // 4, head_dim // 8  # bytes a thread reads from each key / value token
+    written = {}
+    for r in range(16):
+        for col in range(0, head_dim, 16):
+            written[("k", r, col)] = r * kstride + (col ^ kswz(r))
+            written[("v", r, col)] = 16 * kstride + r * vstride + (col ^ vswz(r))
+    offsets = sorted(written.values())
+    assert len(set(offsets)) == len(offsets) and offsets[-1] + 16 <= 16 * (kstride + vstride)
+    assert all(o % 16 == 0 for o in offsets)
+
+    def phases(addresses: list[int], width: int) -> None:  # lane order; 128 bytes a phase
+        per_phase = 128 // width
+        for p in range(0, 32, per_phase):
+            banks = [a % 128 // width for a in addresses[p : p + per_phase]]
+            assert sorted(banks) == list(range(per_phase)), (p, banks)
+
+    lanes = [(lane // 4, lane % 4) for lane in range(32)]
+    for i in range(kb // 16):  # key reads: 16 bytes at t * 16 + 64 i of rows g and g + 8
+        for row_shift in (0, 8):
+            cols = [(t * 16 + 64 * i) ^ kswz(g) for g, t in lanes]
+            for (g, t), col in zip(lanes, cols, strict=True):  # where the copies put that piece
+                assert written[("k", g + row_shift, t * 16 + 64 * i)] == (g + row_shift) * kstride + col
+            phases([(g + row_shift) * kstride + col for (g, _), col in zip(lanes, cols, strict=True)], 16)
+    for offset in (0, 1, 8, 9):
+        # value reads: vb bytes at g * vb of tokens 2t + offset, swizzled as row 2t (read_chunk)
+        addresses = [16 * kstride + (2 * t + offset) * vstride + ((g * vb) ^ vswz(2 * t)) for g, t in lanes]
+        for (g, t), address in zip(lanes, addresses, strict=True):
+            piece = g * vb // 16 * 16
+            assert address - (g * vb) % 16 == written[("v", 2 * t + offset, piece)], (offset, g, t)
+        phases(addresses, min(vb, 16))
+
+
+def test_the_default_launch_keeps_four_ctas_an_sm_at_7b():
+    """The launch's register cap is for 4 CTAs an SM (``MIN_BLOCKS``); their shared memory must fit too (an
+    H100/H200 SM has 228 KB, 1 KB of it reserved a CTA), or the GPU runs 3 and the pipeline starves."""
+    variant = cfd.Variant(head_dim=128, group=7)
+    assert cfd.MIN_BLOCKS == 4 and variant.stage_bytes == 16 * 128 * 2 + 128
+    assert cfd.MIN_BLOCKS * (variant.smem_bytes() + 1024) <= 228 * 1024
