@@ -355,7 +355,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 
     // Logits of tokens g (s[0], s[1]) and g+8 (s[2], s[3]) for queries 2t, 2t+1. Even and odd k-steps
     // accumulate apart: two chains of dependent MMAs instead of one twice as long (at 1,536 tokens of
-    // context the one chain cost 5% of the kernel's time: bench/decode_attention.py).
+    // context the one chain cost 5% of the kernel's time: docs/benchmarks.md, session 28).
     float s[4] = {0.f, 0.f, 0.f, 0.f}, s_odd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int st = 0; st < KSTEPS; ++st) {
