@@ -389,15 +389,14 @@ def paged_decode_attention(
     cuda_variant = cuda_kernel = None
     if kv_scales is not None and not triton_tiles and FP8_CUDA_KERNEL and num_splits <= FP8_CUDA_MAX_SPLITS:
         cuda_variant = cuda_fp8_decode.variant_for(q, num_heads, layer_cache, block_tables, window, sinks)
-    if cuda_variant is not None:
-        cuda_kernel = cuda_fp8_decode.compiled(cuda_variant, q.device)
-    if (  # its ROPE build rotates and stores itself
-        cuda_kernel is not None
+    if (  # its ROPE build rotates and stores itself (chosen before compiling: one build per call site)
+        cuda_variant is not None
         and rope is not None
         and FP8_CUDA_ROPE
         and cuda_fp8_decode.rope_fusable(rope, num_splits)
     ):
         cuda_variant = replace(cuda_variant, rope=1)
+    if cuda_variant is not None:
         cuda_kernel = cuda_fp8_decode.compiled(cuda_variant, q.device)
     if cuda_kernel is not None:
         fused = cuda_variant.rope == 1
