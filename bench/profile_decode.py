@@ -47,8 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Kernel name → category, first match wins (names of cuBLAS/CUTLASS, Triton and ATen kernels).
 CATEGORIES = [
     ("collective", r"nccl|allreduce|all_reduce|allgather|all_gather|broadcast"),  # tensor parallelism
-    ("gemm", r"gemm|cutlass|nvjet|sm90_xmma|ampere_|cublas|splitk|matmul|^aten::(add)?mm$|bmm"),
+    # attention first: flash attention's kernel names carry cutlass types
     ("attention", r"attention|attn|paged|flash"),
+    ("gemm", r"gemm|cutlass|nvjet|sm90_xmma|ampere_|cublas|splitk|matmul|^aten::(add)?mm$|bmm"),
     ("norm", r"norm"),
     ("rotary", r"rope|rotary"),
     ("sampling", r"sample|softmax|gumbel|argmax|topk|sort|logprob|exponential|log_softmax|max_"),

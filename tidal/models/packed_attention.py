@@ -16,11 +16,17 @@ Measured against FlexAttention with a document block mask and SDPA with the 4-D 
 
 from __future__ import annotations
 
-import inspect
 from functools import cache
 
 import torch
 from torch import nn
+
+from tidal.rollout.kernels.flash_varlen import (  # the kernel's wrapper, shared with the engine's prefill
+    causal_varlen,
+    kernel_available,
+    varlen_params,
+    with_equal_head_dims,
+)
 
 VARLEN = "tidal_varlen"
 _FLASH_DTYPES = (torch.bfloat16, torch.float16)
@@ -28,13 +34,7 @@ _FLASH_DTYPES = (torch.bfloat16, torch.float16)
 
 def varlen_kernel_available() -> bool:
     """Whether this torch ships ``varlen_attn`` (torch ≥ 2.9) and a CUDA device exists."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return kernel_available()
 
 
 _VARLEN_PARAMS: frozenset[str] | None = None  # varlen_attn's parameter names, set by register()
@@ -49,7 +49,7 @@ def register() -> None:
     AttentionInterface.register(VARLEN, varlen_attention_forward)
     AttentionMaskInterface.register(VARLEN, _mask)
     global _VARLEN_PARAMS
-    _VARLEN_PARAMS = _varlen_params()  # read as a plain global where torch.compile traces _varlen
+    _VARLEN_PARAMS = varlen_params()  # read as a plain global where torch.compile traces _varlen
 
 
 def enable_varlen_attention(model: nn.Module, force: bool = False) -> bool:
@@ -116,23 +116,6 @@ def varlen_attention_forward(
     return out[None], None
 
 
-def with_equal_head_dims(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``kernel(q, k, v)`` for a kernel that needs one head dim for all three (flash varlen does), when the
-    value head dim differs from the query/key one (DeepSeek-V3's MLA: v 128, q/k 192).
-
-    The narrower side is zero-padded in its last dim and the output cut back to v's width. Exact: zero
-    channels in q and k add nothing to a dot product, and an output channel is a weighted sum of the same
-    value channel, so v's zero channels come out zero. ``kernel`` must not derive its scale from q's
-    (padded) width."""
-    qk_dim, v_dim = q.shape[-1], v.shape[-1]
-    if qk_dim == v_dim:
-        return kernel(q, k, v)
-    width = max(qk_dim, v_dim)
-    q, k = (nn.functional.pad(t, (0, width - qk_dim)) for t in (q, k))
-    out = kernel(q, k, nn.functional.pad(v, (0, width - v_dim)))
-    return out[..., :v_dim]
-
-
 def attention_dtype(query: torch.Tensor) -> torch.dtype:
     """The dtype a custom attention kernel runs ``query`` in (autocast's, where it is on)."""
     # Under autocast RoPE leaves q/k in float32 (cos/sin are float32); SDPA would be cast by autocast,
@@ -144,30 +127,10 @@ def attention_dtype(query: torch.Tensor) -> torch.dtype:
 
 
 def _varlen(q, k, v, cu: torch.Tensor, max_len: int, scaling: float | None) -> torch.Tensor:
-    """Causal varlen flash attention; adapts to the ``varlen_attn`` signature of the installed torch."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = _VARLEN_PARAMS if _VARLEN_PARAMS is not None else _varlen_params()
-    extra: dict = {}
-    if "window_size" in params:
-        extra["window_size"] = (-1, 0)  # (-1, 0) means causal
-    else:
-        extra["is_causal"] = True
-    if "enable_gqa" in params and q.shape[1] != k.shape[1]:
-        extra["enable_gqa"] = True
-    default_scale = q.shape[-1] ** -0.5
-    if "scale" in params:
-        extra["scale"] = scaling
-    elif scaling is not None and abs(scaling - default_scale) > 1e-12:
-        q = q * (scaling / default_scale)
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **extra)
-
-
-@cache
-def _varlen_params() -> frozenset[str]:
-    from torch.nn.attention.varlen import varlen_attn
-
-    return frozenset(inspect.signature(varlen_attn).parameters)
+    """Causal varlen flash attention (``flash_varlen.causal_varlen``), its parameter names read from the
+    plain global ``register`` set."""
+    params = _VARLEN_PARAMS if _VARLEN_PARAMS is not None else varlen_params()
+    return causal_varlen(q, k, v, cu, max_len, scaling, params=params)
 
 
 def _block_causal_mask(

@@ -3,8 +3,10 @@
 Tokens travel through the model flattened (``[num_tokens, ...]``, sequences back to back, as in vLLM).
 ``AttentionMetadata`` carries what the attention layers need for one step:
 
-- prefill: each sequence's fresh keys/values are attended directly (no cached prefix is read), gathered
-  into a right-padded ``[batch, max_len]`` layout for one SDPA call with a causal + padding mask;
+- prefill: each sequence's fresh keys/values are attended directly (no cached prefix is read): on CUDA in
+  half precision by torch's variable-length flash attention over the flat tokens (``cu_seqlens``: no
+  padding, no mask), else gathered into a right-padded ``[batch, max_len]`` layout for one SDPA call with
+  a causal + padding mask;
 - decode: one query per sequence; its keys/values are gathered from the paged cache through the block
   tables (``[batch, max_blocks * block_size]``) and masked by context length;
 - prefill with context (prefix caching, chunked prefill: ``block_tables`` set on a prefill): each
@@ -23,11 +25,13 @@ same switch: ``"triton"`` runs ``kernels/triton_context.py``'s paged kernel (no 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from tidal.rollout.kernels import flash_varlen
 from tidal.rollout.runner import kv_cache
 
 
@@ -42,6 +46,8 @@ class AttentionMetadata:
     pad_index: torch.Tensor | None = None  # [batch, max_len]
     pad_valid: torch.Tensor | None = None  # [batch, max_len] bool
     unpad_index: torch.Tensor | None = None  # [num_tokens] padded position of each flat token
+    # prefill without context: [batch + 1] int32, each sequence's first flat token, then the token count
+    cu_seqlens: torch.Tensor | None = None
     # decode
     block_tables: torch.Tensor | None = None  # [batch, max_blocks]
     context_lens: torch.Tensor | None = None  # [batch]; 0 marks a CUDA-graph padding row
@@ -152,12 +158,63 @@ def prefill_attention(
     attends its own k/v as computed (an FP8 cache's rounding reaches only the keys read back from it)."""
     if meta.block_tables is not None:
         return context_prefill_attention(q, layer_cache, meta, window, scale, layer_scales)
+    if FLASH_PREFILL and flash_prefill_usable(q, k, v, meta, window):
+        return flash_prefill_attention(q, k, v, meta, window, scale)
     idx = meta.pad_index
     qp, kp, vp = (x[idx].transpose(1, 2) for x in (q, k, v))  # [batch, heads, len, d]
     out = F.scaled_dot_product_attention(
         qp, kp, vp, attn_mask=meta.mask(window), scale=scale, enable_gqa=True
     )
     out = out.transpose(1, 2)[meta.pad_valid]  # back to flat token order
+    return out.reshape(q.shape[0], -1)
+
+
+# False: a prefill without context always takes the padded SDPA call (tests and benchmarks compare the two;
+# read at each call).
+FLASH_PREFILL = True
+
+
+def flash_prefill_usable(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, window: int | None = None
+) -> bool:
+    """Whether ``flash_prefill_attention`` takes this prefill: CUDA, half precision, one head dim for q, k
+    and v (a multiple of 8, at most 256: MLA's wider q/k and Gemma 4's 512-wide global heads stay padded),
+    no image spans (their bidirectional blocks are a mask), a GPU and torch build with flash attention (and
+    for a sliding window a ``varlen_attn`` that takes one)."""
+    return (
+        meta.cu_seqlens is not None
+        and meta.image_spans is None
+        and q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] == k.shape[-1] == v.shape[-1]
+        and q.shape[-1] % 8 == 0
+        and q.shape[-1] <= 256
+        and _flash_runs(q.device)
+        and (window is None or flash_varlen.takes_window())
+    )
+
+
+@functools.cache
+def _flash_runs(device: torch.device) -> bool:
+    """torch's varlen flash kernels run on ``device``: shipped, Ampere or newer, flash SDPA not disabled."""
+    return (
+        flash_varlen.kernel_available()
+        and torch.cuda.get_device_capability(device) >= (8, 0)
+        and torch.backends.cuda.flash_sdp_enabled()
+    )
+
+
+def flash_prefill_attention(
+    q, k, v, meta: AttentionMetadata, window: int | None, scale: float
+) -> torch.Tensor:
+    """q [tokens, heads, d], k/v [tokens, kv_heads, d] (sequences back to back, ``meta.cu_seqlens``) ->
+    [tokens, heads * d]: ``flash_varlen.causal_varlen``, each sequence over its own tokens. No padded
+    copies of q/k/v or of the output, no dense mask and no host sync (the padded path's boolean unpadding
+    waits for the device): at 16 prompts of 1,024 tokens (7B, bf16, H200) its gathers and masked SDPA
+    took 1.47 ms a layer, this 0.72."""
+    length = meta.pad_index.shape[1]  # the longest sequence
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    out = flash_varlen.causal_varlen(q, k, v, meta.cu_seqlens, length, scale, window)
     return out.reshape(q.shape[0], -1)
 
 

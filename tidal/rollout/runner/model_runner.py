@@ -299,6 +299,7 @@ class ModelRunner(SamplingInputs):
             pad_index=pad_index,
             pad_valid=valid,
             unpad_index=valid.view(-1).nonzero().view(-1),
+            cu_seqlens=torch.nn.functional.pad(torch.cumsum(lens_t, 0), (1, 0)).int(),
             exact=self.exact,
         )
         if self.states is not None:
