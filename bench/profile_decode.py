@@ -64,10 +64,15 @@ def category(name: str) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser(__doc__).parse_args(argv)
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    """The options (``bench/profile_prefill.py`` adds its own to them)."""
     from bench.moe import MOE_CONFIGS
     from bench.rollout import CONFIGS
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--config",
         choices=sorted([*CONFIGS, *MOE_CONFIGS]),
@@ -123,7 +128,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="step(snapshot=...) declines every unfinished request (a non-streaming server's engine loop)",
     )
-    return p.parse_args(argv)
+    return p
 
 
 class PhaseClock:
@@ -225,7 +230,8 @@ def load_model(args, dtype: torch.dtype, tmp: str):
         return AutoModelForCausalLM.from_config(config, dtype=dtype).eval(), None
 
 
-def build_engine(args, tmp: str):
+def build_engine(args, tmp: str, **overrides):
+    """The engine of ``args`` (``overrides``: more ``EngineConfig`` fields) and the model's vocabulary size."""
     from tidal.rollout import EngineConfig, LLMEngine
 
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
@@ -241,6 +247,7 @@ def build_engine(args, tmp: str):
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        **overrides,
     )
     return LLMEngine(path, config, model=hf), hf.config.vocab_size
 
@@ -304,14 +311,22 @@ def host_phases(engine, args) -> dict:
     return ms
 
 
-def kernel_profile(engine, args) -> tuple[dict, list, float]:
+def kernel_profile(engine, args, run=None, steps: int | None = None) -> tuple[dict, list, float]:
+    """Every kernel's time (ms per step) over ``run()`` (default: ``--steps`` engine steps), grouped by
+    ``category``; the top ``--top`` kernels; the kernel time per step. ``steps``: what ``run`` takes."""
     from torch.profiler import ProfilerActivity, profile
+
+    if run is None:
+        steps = args.steps
+
+        def run():
+            for _ in range(args.steps):
+                engine.step(**step_kwargs(args))
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
     sync(args.device)
     with profile(activities=activities) as prof:
-        for _ in range(args.steps):
-            engine.step(**step_kwargs(args))
+        run()
         sync(args.device)
     on_gpu = args.device.startswith("cuda")
     per_kernel = defaultdict(float)
@@ -327,10 +342,10 @@ def kernel_profile(engine, args) -> tuple[dict, list, float]:
     by_cat = defaultdict(float)
     for name, ms in per_kernel.items():
         by_cat[category(name)] += ms
-    per_step = {cat: round(ms / args.steps, 4) for cat, ms in sorted(by_cat.items(), key=lambda kv: -kv[1])}
+    per_step = {cat: round(ms / steps, 4) for cat, ms in sorted(by_cat.items(), key=lambda kv: -kv[1])}
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]
-    busy = sum(per_kernel.values()) / args.steps
-    return per_step, [(name[:90], round(ms / args.steps, 4)) for name, ms in top], busy
+    busy = sum(per_kernel.values()) / steps
+    return per_step, [(name[:90], round(ms / steps, 4)) for name, ms in top], busy
 
 
 def measure(args, fused: bool, cuda_rope: bool = True) -> dict:
