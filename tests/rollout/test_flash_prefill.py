@@ -123,6 +123,11 @@ def test_flash_prefill_declines_what_it_does_not_compute():
     assert not attention.flash_prefill_usable(wide, wide[:, :2], wide[:, :2], meta)
     spans = AttentionMetadata(**vars(meta) | {"image_spans": (meta.pad_index, meta.pad_index)})
     assert not attention.flash_prefill_usable(q, k, v, spans)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):  # the user turned flash attention off
+        assert not attention.flash_prefill_usable(q, k, v, meta)
+    assert attention.flash_prefill_usable(q, k, v, meta)
 
 
 @pytest.mark.gpu

@@ -4,7 +4,8 @@ the installed torch. No padding and no mask: the kernel reads the boundaries.
 
 Two callers: the engine's prefill (``runner/attention.flash_prefill_attention``) and the trainer's packed
 rows (``tidal/models/packed_attention.py``), which also pads a narrower value head dim around the kernel
-(``with_equal_head_dims``). CUDA in half precision only; callers check ``usable`` or their own rules.
+(``with_equal_head_dims``). CUDA in half precision only: each caller decides where it applies
+(``runner/attention.flash_prefill_usable``; ``packed_attention.varlen_attention_forward``).
 """
 
 from __future__ import annotations

@@ -189,6 +189,7 @@ def flash_prefill_usable(
         and q.shape[-1] == k.shape[-1] == v.shape[-1]
         and q.shape[-1] % 8 == 0
         and q.shape[-1] <= 256
+        and torch.backends.cuda.flash_sdp_enabled()  # a user's switch, read at each call
         and _flash_runs(q.device)
         and (window is None or flash_varlen.takes_window())
     )
@@ -196,12 +197,8 @@ def flash_prefill_usable(
 
 @functools.cache
 def _flash_runs(device: torch.device) -> bool:
-    """torch's varlen flash kernels run on ``device``: shipped, Ampere or newer, flash SDPA not disabled."""
-    return (
-        flash_varlen.kernel_available()
-        and torch.cuda.get_device_capability(device) >= (8, 0)
-        and torch.backends.cuda.flash_sdp_enabled()
-    )
+    """torch's varlen flash kernels run on ``device``: shipped, and an Ampere or newer GPU."""
+    return flash_varlen.kernel_available() and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def flash_prefill_attention(
