@@ -10,7 +10,8 @@ attends with keys ``[W_UK[h] c, k_rot]`` and values ``W_UV[h] c`` (transformers'
 Two ways to compute the same attention:
 
 - a prefill over the batch's own tokens expands the latents to per-head keys and values, as
-  transformers does, for one padded SDPA call (``attention.prefill_attention``);
+  transformers does, for one attention call (``attention.prefill_attention``: a padded SDPA call where
+  the query/key head dim differs from the value one, as in DeepSeek-V3, else flash varlen on CUDA);
 - anything that reads the cache (decode, and a prefill with context: prefix caching, chunked prefill)
   attends in latent space, the standard MLA decode: ``W_UK`` is absorbed into the query
   (``q_lat[h] = W_UK[h]^T q_nope[h]``, so ``q_lat[h] . c = q_nope[h] . W_UK[h] c``), the cached rows are
