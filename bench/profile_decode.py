@@ -393,20 +393,27 @@ def measure(args, fused: bool, cuda_rope: bool = True) -> dict:
         "gpu_idle_ms": round(phases["step_wall"] - busy, 4),
         "torch": torch.__version__,
     }
-    print(f"fused_kernels={fused} cuda_rope={cuda_rope}:", file=sys.stderr)
+    return report(f"fused_kernels={fused} cuda_rope={cuda_rope}", top, result)
+
+
+def report(label: str, top: list, result: dict) -> dict:
+    """The top kernels on stderr under ``label``, the result as one JSON line on stdout; the result."""
+    print(f"{label}:", file=sys.stderr)
     for name, ms in top:
         print(f"{ms:9.4f} ms/step  {name}", file=sys.stderr)
     print(json.dumps(result), flush=True)
     return result
 
 
+SETTINGS = {"on": [True], "off": [False], "both": [True, False]}  # an on/off/both option's values
+
+
 def main(argv=None) -> dict | list[dict]:
     args = parse_args(argv)
-    settings = {"on": [True], "off": [False], "both": [True, False]}
     results = [
         measure(args, fused, cuda_rope)
-        for fused in settings[args.fused_kernels]
-        for cuda_rope in settings[args.cuda_rope]
+        for fused in SETTINGS[args.fused_kernels]
+        for cuda_rope in SETTINGS[args.cuda_rope]
     ]
     return results[0] if len(results) == 1 else results
 

@@ -19,7 +19,6 @@ SDPA call, one engine each.
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 import time
@@ -31,7 +30,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.profile_decode import build_engine, build_parser, kernel_profile, sync  # noqa: E402
+from bench.profile_decode import (  # noqa: E402
+    SETTINGS,
+    build_engine,
+    build_parser,
+    kernel_profile,
+    report,
+    sync,
+)
 
 
 def parse_args(argv=None):
@@ -96,19 +102,12 @@ def measure(args, flash_on: bool) -> dict:
         "busy_ms": round(busy, 4),
         "torch": torch.__version__,
     }
-    print(f"flash_prefill={flash_on}:", file=sys.stderr)
-    for name, ms in top:
-        print(f"{ms:9.4f} ms/step  {name}", file=sys.stderr)
-    print(json.dumps(result), flush=True)
-    return result
+    return report(f"flash_prefill={flash_on}", top, result)
 
 
 def main(argv=None) -> dict | list[dict]:
     args = parse_args(argv)
-    results = [
-        measure(args, flash)
-        for flash in {"on": [True], "off": [False], "both": [True, False]}[args.flash_prefill]
-    ]
+    results = [measure(args, flash) for flash in SETTINGS[args.flash_prefill]]
     return results[0] if len(results) == 1 else results
 
 
