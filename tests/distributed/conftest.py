@@ -28,7 +28,17 @@ def torchrun(specs: list[dict], folder: Path, nproc: int = 2, timeout: int = 300
     cmd = [sys.executable, *launcher, str(RUNNER), str(runs)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, failure_report(proc.stderr)
+
+
+def failure_report(stderr: str, size: int = 3000) -> str:
+    """A failed launch's stderr for the assertion: the first traceback (the rank that failed first prints
+    it; the other's error usually follows from it) and the end (the fork launcher's line of how each rank
+    ended)."""
+    first = stderr.find("Traceback (most recent call last)")
+    if first < 0 or first >= len(stderr) - size:
+        return stderr[-2 * size :]
+    return stderr[max(0, first - 200) : first + size] + "\n[...]\n" + stderr[-size:]
 
 
 def result(path: str | Path) -> dict:

@@ -91,6 +91,7 @@ def run_rank(rank: int, nproc: int, port: int, script: str, args: list[str]) -> 
     except SystemExit as exc:
         status = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
+        print(f"[rank {rank}] failed:", file=sys.stderr)
         traceback.print_exc()
         status = 1
     sys.stdout.flush()
@@ -112,14 +113,17 @@ def fork_ranks(nproc: int, script: str, args: list[str]) -> int:
         if pid == 0:
             os._exit(run_rank(rank, nproc, port, script, args))
         children[pid] = rank
-    failed = 0
+    failed, ends = 0, []
     while children:
         pid, status = os.wait()
-        children.pop(pid)
-        if os.waitstatus_to_exitcode(status) != 0 and not failed:
+        rank, code = children.pop(pid), os.waitstatus_to_exitcode(status)
+        ends.append(f"rank {rank} " + (f"killed by signal {-code}" if code < 0 else f"exit status {code}"))
+        if code != 0 and not failed:
             failed = 1
             for other in children:
                 os.kill(other, signal.SIGTERM)
+    if failed:  # last on stderr, where a failed test's message shows it: which rank ended first, and how
+        print("fork launcher: " + ", then ".join(ends), file=sys.stderr)
     return failed
 
 
