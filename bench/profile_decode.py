@@ -64,11 +64,37 @@ def category(name: str) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    return build_parser(__doc__).parse_args(argv)
+    p = build_parser(__doc__)
+    p.add_argument("--steps", type=int, default=16, help="decode steps per measurement")
+    on_off_both(
+        p,
+        "--fused_kernels",
+        "the decoder's fused Triton kernels (layers.FUSED_KERNELS; CUDA only): on, off, or each in turn",
+    )
+    on_off_both(
+        p,
+        "--cuda_rope",
+        "FP8 cache: the CUDA decode kernel rotates and stores the step's keys and values itself "
+        "(triton_attention.FP8_CUDA_ROPE), or rope_store_kv's launch does it first; both: each in turn",
+    )
+    p.add_argument(
+        "--final_only",
+        action="store_true",
+        help="step(snapshot=...) declines every unfinished request (a non-streaming server's engine loop)",
+    )
+    return p.parse_args(argv)
+
+
+SETTINGS = {"on": [True], "off": [False], "both": [True, False]}  # an on/off/both option's values
+
+
+def on_off_both(p: argparse.ArgumentParser, flag: str, help: str) -> None:
+    """An option measured on, off, or each in turn (``SETTINGS`` maps its value to the runs)."""
+    p.add_argument(flag, choices=tuple(SETTINGS), default="on", help=help)
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
-    """The options (``bench/profile_prefill.py`` adds its own to them)."""
+    """The engine and model options shared with ``bench/profile_prefill.py`` (each adds its own)."""
     from bench.moe import MOE_CONFIGS
     from bench.rollout import CONFIGS
 
@@ -83,7 +109,6 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt_len", type=int, default=32)
-    p.add_argument("--steps", type=int, default=16, help="decode steps per measurement")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--enforce_eager", action="store_true")
@@ -92,12 +117,6 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top", type=int, default=15, help="kernels listed on stderr")
-    p.add_argument(
-        "--fused_kernels",
-        choices=("on", "off", "both"),
-        default="on",
-        help="the decoder's fused Triton kernels (layers.FUSED_KERNELS; CUDA only): on, off, or each in turn",
-    )
     p.add_argument(
         "--async_scheduling",
         choices=("auto", "on", "off"),
@@ -115,18 +134,6 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         default="auto",
         choices=("auto", "fp8"),
         help="the engine's KV cache (--rollout_kv_cache_dtype): model dtype or FP8 (a scale per row)",
-    )
-    p.add_argument(
-        "--cuda_rope",
-        choices=("on", "off", "both"),
-        default="on",
-        help="FP8 cache: the CUDA decode kernel rotates and stores the step's keys and values itself "
-        "(triton_attention.FP8_CUDA_ROPE), or rope_store_kv's launch does it first; both: each in turn",
-    )
-    p.add_argument(
-        "--final_only",
-        action="store_true",
-        help="step(snapshot=...) declines every unfinished request (a non-streaming server's engine loop)",
     )
     return p
 
@@ -403,9 +410,6 @@ def report(label: str, top: list, result: dict) -> dict:
         print(f"{ms:9.4f} ms/step  {name}", file=sys.stderr)
     print(json.dumps(result), flush=True)
     return result
-
-
-SETTINGS = {"on": [True], "off": [False], "both": [True, False]}  # an on/off/both option's values
 
 
 def main(argv=None) -> dict | list[dict]:

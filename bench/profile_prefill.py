@@ -35,23 +35,23 @@ from bench.profile_decode import (  # noqa: E402
     build_engine,
     build_parser,
     kernel_profile,
+    on_off_both,
     report,
     sync,
 )
 
 
 def parse_args(argv=None):
-    """``profile_decode``'s options (``--steps``, ``--cuda_rope`` and ``--final_only`` do nothing here) and
-    two of its own."""
+    """``profile_decode``'s engine and model options, and two of its own."""
     p = build_parser(__doc__)
     p.add_argument("--max_num_batched_tokens", type=int, default=16384, help="prompt tokens per prefill step")
-    p.add_argument(
+    on_off_both(
+        p,
         "--flash_prefill",
-        choices=("on", "off", "both"),
-        default="on",
-        help="a prefill without context on torch's varlen flash attention (CUDA, half precision) or the "
-        "padded SDPA call; both: each in turn",
+        "a prefill without context on torch's varlen flash attention (CUDA, half precision) or the padded "
+        "SDPA call; both: each in turn",
     )
+    p.set_defaults(steps=0)  # no decode steps (``build_engine`` sizes the context for --steps more tokens)
     return p.parse_args(argv)
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench import profile_prefill  # noqa: E402
 
@@ -32,3 +34,9 @@ def test_a_prefill_of_8_prompts_in_64_token_steps_is_4_profiled_steps(capsys):
         assert result["prefill_s"] > 0 and result["busy_ms"] > 0
         assert {"gemm", "attention"} <= result["kernel_ms"].keys()
     assert capsys.readouterr().out.count('"bench": "profile_prefill"') == 2  # one JSON line each
+
+
+def test_the_decode_only_options_are_refused_not_ignored():
+    for flag in (["--steps", "3"], ["--cuda_rope", "off"], ["--fused_kernels", "off"], ["--final_only"]):
+        with pytest.raises(SystemExit):
+            profile_prefill.parse_args(flag)

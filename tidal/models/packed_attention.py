@@ -32,11 +32,6 @@ VARLEN = "tidal_varlen"
 _FLASH_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def varlen_kernel_available() -> bool:
-    """Whether this torch ships ``varlen_attn`` (torch ≥ 2.9) and a CUDA device exists."""
-    return kernel_available()
-
-
 _VARLEN_PARAMS: frozenset[str] | None = None  # varlen_attn's parameter names, set by register()
 
 
@@ -62,7 +57,7 @@ def enable_varlen_attention(model: nn.Module, force: bool = False) -> bool:
     impl = getattr(config, "_attn_implementation", None)
     if impl == VARLEN:
         return True
-    if impl != "sdpa" or not (force or varlen_kernel_available()):
+    if impl != "sdpa" or not (force or kernel_available()):
         return False
     register()
     config._attn_implementation = VARLEN  # read by every attention layer at call time

@@ -287,7 +287,8 @@ class ModelRunner(SamplingInputs):
     def _prefill_tensors(self, step: PrefillStep):
         lens = step.lens
         lens_t = self._tensor(lens)
-        starts = torch.cumsum(lens_t, 0) - lens_t
+        ends = torch.cumsum(lens_t, 0)
+        starts = ends - lens_t
         cols = torch.arange(max(lens), device=self.device)
         valid = cols[None, :] < lens_t[:, None]
         pad_index = torch.where(valid, starts[:, None] + cols[None, :], 0)
@@ -299,13 +300,13 @@ class ModelRunner(SamplingInputs):
             pad_index=pad_index,
             pad_valid=valid,
             unpad_index=valid.view(-1).nonzero().view(-1),
-            cu_seqlens=torch.nn.functional.pad(torch.cumsum(lens_t, 0), (1, 0)).int(),
+            cu_seqlens=torch.nn.functional.pad(ends, (1, 0)).int(),
             exact=self.exact,
         )
         if self.states is not None:
             meta.states, meta.state_slots = self.states, self._tensor(step.state_slots)
         positions = torch.from_numpy(step.positions).to(self.device)
-        return torch.from_numpy(step.input_ids).to(self.device), positions, meta, starts + lens_t - 1
+        return torch.from_numpy(step.input_ids).to(self.device), positions, meta, ends - 1
 
     def _decode_step(
         self, seqs: list[Sequence], ahead: tuple[list[int], torch.Tensor] | None = None
