@@ -62,7 +62,6 @@ def _packed_case(lens, heads, kv_heads, head_dim, seed):
         slot_mapping=torch.zeros(tokens, dtype=torch.int64, device="cuda"),
         pad_index=torch.where(valid, starts[:, None] + cols[None, :], 0),
         pad_valid=valid,
-        unpad_index=valid.view(-1).nonzero().view(-1),
         cu_seqlens=torch.nn.functional.pad(torch.cumsum(lens_t, 0), (1, 0)).int(),
     )
     return q, k, v, meta

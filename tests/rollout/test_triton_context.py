@@ -56,7 +56,6 @@ def make_case(chunks, num_heads, num_kv_heads, head_dim, block_size, dtype, devi
         kv_cache=layer_cache[None],
         pad_index=torch.where(valid, firsts[:, None] + cols[None, :], 0),
         pad_valid=valid,
-        unpad_index=valid.view(-1).nonzero().view(-1),
         block_tables=tables.to(device),
         context_lens=torch.tensor([end for _, end in chunks], device=device),
         query_starts=torch.tensor([start for start, _ in chunks], device=device),

@@ -122,10 +122,9 @@ def attention_dtype(query: torch.Tensor) -> torch.dtype:
 
 
 def _varlen(q, k, v, cu: torch.Tensor, max_len: int, scaling: float | None) -> torch.Tensor:
-    """Causal varlen flash attention (``flash_varlen.causal_varlen``), its parameter names read from the
-    plain global ``register`` set."""
-    params = _VARLEN_PARAMS if _VARLEN_PARAMS is not None else varlen_params()
-    return causal_varlen(q, k, v, cu, max_len, scaling, params=params)
+    """Causal varlen flash attention (``flash_varlen.causal_varlen``), given the parameter names that
+    ``register`` stored in a plain global (None before it ran: the wrapper reads them itself)."""
+    return causal_varlen(q, k, v, cu, max_len, scaling, params=_VARLEN_PARAMS)
 
 
 def _block_causal_mask(

@@ -55,7 +55,7 @@ def long_rope_tokens(positions: torch.Tensor, meta: AttentionMetadata, original:
         return positions >= original
     padded = positions[meta.pad_index].masked_fill(~meta.pad_valid, 0)  # [batch, max_len]
     last = padded.amax(dim=1)  # each sequence's last position
-    return last[meta.unpad_index // meta.pad_index.shape[1]] >= original
+    return last[meta.token_seq] >= original
 
 
 class Phi3ForCausalLM(CausalLM):

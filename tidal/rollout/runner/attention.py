@@ -45,7 +45,7 @@ class AttentionMetadata:
     # prefill: flat token index of each padded position, and which padded positions are real
     pad_index: torch.Tensor | None = None  # [batch, max_len]
     pad_valid: torch.Tensor | None = None  # [batch, max_len] bool
-    unpad_index: torch.Tensor | None = None  # [num_tokens] padded position of each flat token
+    token_seq: torch.Tensor | None = None  # [num_tokens] each flat token's sequence (row of pad_index)
     # prefill without context: [batch + 1] int32, each sequence's first flat token, then the token count
     cu_seqlens: torch.Tensor | None = None
     # decode

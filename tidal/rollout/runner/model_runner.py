@@ -284,6 +284,10 @@ class ModelRunner(SamplingInputs):
             src, dst = zip(*copies, strict=True)
             self.states.copy(self._tensor(src), self._tensor(dst))
 
+    def _token_seq(self, lens) -> torch.Tensor:
+        """Each flat token's sequence index, from the host's lengths (no device sync, unlike a nonzero)."""
+        return self._tensor(np.repeat(np.arange(len(lens)), lens))
+
     def _prefill_tensors(self, step: PrefillStep):
         lens = step.lens
         lens_t = self._tensor(lens)
@@ -299,7 +303,7 @@ class ModelRunner(SamplingInputs):
             kv_scales=self.kv_scales,
             pad_index=pad_index,
             pad_valid=valid,
-            unpad_index=valid.view(-1).nonzero().view(-1),
+            token_seq=self._token_seq(lens),
             cu_seqlens=torch.nn.functional.pad(ends, (1, 0)).int(),
             exact=self.exact,
         )
@@ -416,9 +420,10 @@ class ModelRunner(SamplingInputs):
         padded = np.zeros((len(tables), width), dtype=np.int64)  # unused entries: block 0, masked out
         for row, table in zip(padded, tables, strict=True):
             row[: len(table)] = table
-        lens_t = self._tensor([end - start for start, end in batch.chunks])
+        lens = [end - start for start, end in batch.chunks]
+        lens_t = self._tensor(lens)
         starts = torch.cumsum(lens_t, 0) - lens_t
-        cols = torch.arange(int(lens_t.max()), device=self.device)
+        cols = torch.arange(max(lens), device=self.device)
         valid = cols[None, :] < lens_t[:, None]
         meta = AttentionMetadata(
             is_prefill=True,
@@ -427,7 +432,7 @@ class ModelRunner(SamplingInputs):
             kv_scales=self.kv_scales,
             pad_index=torch.where(valid, starts[:, None] + cols[None, :], 0),
             pad_valid=valid,
-            unpad_index=valid.view(-1).nonzero().view(-1),
+            token_seq=self._token_seq(lens),
             block_tables=self._tensor(padded),
             context_lens=self._tensor([end for _, end in batch.chunks]),
             query_starts=self._tensor([start for start, _ in batch.chunks]),
